@@ -1,0 +1,54 @@
+#include "cli/cli.h"
+
+#include <CLI/CLI.hpp>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/commands.h"
+#include "core/error.h"
+
+namespace ptdp {
+
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
+  app.require_subcommand(1);
+  std::map<std::string, Action> actions;
+  actions["predict"] = add_predict_command(app);
+  actions["plan"] = add_plan_command(app);
+  if (argc > 1 && argv[1][0] != '-' && !actions.count(argv[1])) {
+    err << "ptdp: unknown subcommand '" << argv[1] << "' (commands: plan, predict)\n";
+    return 2;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    out << app.help();
+    return 0;
+  } catch (const CLI::CallForAllHelp&) {
+    out << app.help("", CLI::AppFormatMode::All);
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::string msg = e.what();
+    for (char& c : msg) c = c == '\n' ? ' ' : c;
+    err << "ptdp: " << msg << "\n";
+    return 2;
+  }
+  try {
+    for (const auto& [name, action] : actions) {
+      if (app.got_subcommand(name)) return action(out, err);
+    }
+  } catch (const InputError& e) {
+    err << "ptdp: " << e.what() << "\n";
+    return 2;
+  } catch (const nlohmann::json::exception& e) {
+    err << "ptdp: " << e.what() << "\n";
+    return 2;
+  } catch (const std::exception& e) {
+    err << "ptdp: internal error: " << e.what() << "\n";
+    return 1;
+  }
+  return 2;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,11 @@
+// The `ptdp` command line, callable in-process (tests use this) as well as from main().
+// Returns the process exit status: 0 success, 2 bad input (one line on `err`), 1 other failure.
+#pragma once
+
+#include <ostream>
+
+namespace ptdp {
+
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+
+}  // namespace ptdp

@@ -1,0 +1,16 @@
+// Subcommands of `ptdp`. Each registers its flags on a CLI11 sub-app and returns the action
+// to run once parsing succeeded.
+#pragma once
+
+#include <CLI/App.hpp>
+#include <functional>
+#include <ostream>
+
+namespace ptdp {
+
+using Action = std::function<int(std::ostream& out, std::ostream& err)>;
+
+Action add_predict_command(CLI::App& app);
+Action add_plan_command(CLI::App& app);
+
+}  // namespace ptdp

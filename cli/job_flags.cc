@@ -1,0 +1,147 @@
+#include "cli/job_flags.h"
+
+#include <CLI/CLI.hpp>
+
+#include "core/error.h"
+#include "core/presets.h"
+
+namespace ptdp {
+namespace {
+
+// Runs f, re-labelling an InputError about `what` (model, cluster, profile) with the flag
+// that named it, so the user sees "--model: ..." for "--model FILE".
+template <class F>
+auto for_flag(const std::string& flag, const std::string& what, F f) {
+  try {
+    return f();
+  } catch (const InputError& e) {
+    if (e.field() == what) throw InputError(flag, std::string(e.what()).substr(what.size() + 2));
+    throw InputError(flag, e.what());
+  }
+}
+
+}  // namespace
+
+void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
+  app.add_option("--model", model, "model preset, ptdp model JSON or Hugging Face config.json");
+  app.add_option("--num-layers", num_layers);
+  app.add_option("--hidden-size", hidden_size);
+  app.add_option("--num-attention-heads", num_attention_heads);
+  app.add_option("--num-query-groups", num_query_groups);
+  app.add_option("--ffn-hidden-size", ffn_hidden_size);
+  app.add_option("--seq-length", seq_length);
+  app.add_option("--vocab-size", vocab_size);
+  app.add_flag("--swiglu", swiglu);
+  app.add_flag("--untie-embeddings-and-output-weights", untie);
+  app.add_option("--cluster", cluster, "cluster preset or JSON file")->capture_default_str();
+  app.add_option("--profile", profile, "hardware profile preset or JSON (default: by GPU)");
+  app.add_option("--num-gpus", num_gpus, "GPUs to use (whole nodes)");
+  app.add_option("--global-batch-size", global_batch_size)->required();
+  auto* t = app.add_option("--tensor-model-parallel-size", tensor_parallel);
+  auto* p = app.add_option("--pipeline-model-parallel-size", pipeline_parallel);
+  auto* b = app.add_option("--micro-batch-size", micro_batch_size);
+  if (plan_flags_required) {
+    t->required();
+    p->required();
+    b->required();
+  }
+  app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
+  app.add_option("--recompute-granularity", recompute_granularity, "full or selective (default: none)");
+  app.add_flag("--sequence-parallel", sequence_parallel);
+  app.add_flag("--use-distributed-optimizer", distributed_optimizer);
+  app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
+  app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,
+               "keep and reduce gradients in 16 bits (SC'21 fp16 runs) instead of fp32");
+  app.add_flag("--no-scatter-gather", no_scatter_gather,
+               "disable SC'21's scatter/gather optimisation of pipeline transfers");
+  app.add_flag("--no-gradient-accumulation-fusion", no_grad_accumulation_fusion,
+               "accumulate weight gradients in a separate pass (Megatron-LM before 2022)");
+  app.add_option("--pipeline-schedule", pipeline_schedule, "gpipe, 1f1b or interleaved");
+  app.add_flag("--json", json, "machine-readable output");
+}
+
+ModelSpec JobFlags::resolve_model() const {
+  ModelSpec m;
+  if (!model.empty()) {
+    m = for_flag("--model", "model", [&] { return ptdp::resolve_model(model); });
+  } else if (!num_layers && !hidden_size) {
+    throw InputError("--model", "give a preset, a file, or the Megatron-LM model flags");
+  } else {
+    m.name = "custom";
+  }
+  auto set = [](int64_t& field, const std::optional<int64_t>& v) {
+    if (v) field = *v;
+  };
+  set(m.num_layers, num_layers);
+  set(m.hidden_size, hidden_size);
+  set(m.num_attention_heads, num_attention_heads);
+  set(m.num_query_groups, num_query_groups);
+  set(m.ffn_hidden_size, ffn_hidden_size);
+  set(m.seq_length, seq_length);
+  set(m.vocab_size, vocab_size);
+  if (swiglu) m.swiglu = true;
+  if (untie) m.untie_embeddings_and_output_weights = true;
+  try {
+    m.validate();
+  } catch (const InputError& e) {
+    // Name the flag the user typed rather than the JSON field.
+    std::string flag = "--" + e.field();
+    for (char& ch : flag) ch = ch == '_' ? '-' : ch;
+    if (model.empty()) throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
+    throw;
+  }
+  return m;
+}
+
+ClusterSpec JobFlags::resolve_cluster() const {
+  ClusterSpec c = for_flag("--cluster", "cluster", [&] { return ptdp::resolve_cluster(cluster); });
+  if (num_gpus) c.resize(*num_gpus);
+  c.validate();
+  return c;
+}
+
+HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
+  if (profile.empty()) return default_profile_for(c);
+  return for_flag("--profile", "profile", [&] { return ptdp::resolve_profile(profile); });
+}
+
+ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) const {
+  ParallelPlan p;
+  p.global_batch_size = global_batch_size.value_or(0);
+  if (p.global_batch_size <= 0) {
+    throw InputError("--global-batch-size", "must be positive, got " + std::to_string(p.global_batch_size));
+  }
+  p.tensor_parallel = tensor_parallel.value_or(1);
+  p.pipeline_parallel = pipeline_parallel.value_or(1);
+  p.micro_batch_size = micro_batch_size.value_or(1);
+  if (p.tensor_parallel <= 0) throw InputError("--tensor-model-parallel-size", "must be positive");
+  if (p.pipeline_parallel <= 0) throw InputError("--pipeline-model-parallel-size", "must be positive");
+  if (p.micro_batch_size <= 0) throw InputError("--micro-batch-size", "must be positive");
+  const int64_t tp = p.tensor_parallel * p.pipeline_parallel;
+  if (c.num_gpus() % tp != 0) {
+    throw InputError("--num-gpus", std::to_string(c.num_gpus()) + " GPUs are not a multiple of t * p = " +
+                                       std::to_string(tp));
+  }
+  p.data_parallel = c.num_gpus() / tp;
+  if (layers_per_virtual_stage) {
+    const int64_t k = *layers_per_virtual_stage;
+    if (k <= 0 || m.num_layers % (p.pipeline_parallel * k) != 0) {
+      throw InputError("--num-layers-per-virtual-pipeline-stage",
+                       std::to_string(k) + " does not divide the " + std::to_string(m.num_layers / p.pipeline_parallel) +
+                           " layers of a pipeline stage");
+    }
+    p.virtual_stages = m.num_layers / (p.pipeline_parallel * k);
+  }
+  p.schedule = p.virtual_stages > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
+  if (!pipeline_schedule.empty()) p.schedule = schedule_from_string(pipeline_schedule);
+  if (!recompute_granularity.empty()) p.recompute = recompute_from_string(recompute_granularity);
+  p.sequence_parallel = sequence_parallel;
+  p.distributed_optimizer = distributed_optimizer;
+  p.overlap_grad_reduce = overlap_grad_reduce;
+  p.fp32_grad_reduce = !fp16_grad_reduce;
+  p.scatter_gather_p2p = !no_scatter_gather;
+  p.gradient_accumulation_fusion = !no_grad_accumulation_fusion;
+  return p;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,46 @@
+// The flags that describe a training job, shared by plan, predict and (later) simulate and run:
+// the model (--model preset/file plus Megatron-LM's model flags on top), the cluster
+// (--cluster, --num-gpus, --profile) and the parallel configuration (Megatron-LM's flags).
+#pragma once
+
+#include <CLI/App.hpp>
+#include <optional>
+#include <string>
+
+#include "core/cluster_spec.h"
+#include "core/hardware_profile.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+
+namespace ptdp {
+
+struct JobFlags {
+  std::string model;
+  std::optional<int64_t> num_layers, hidden_size, num_attention_heads, num_query_groups,
+      ffn_hidden_size, seq_length, vocab_size;
+  bool swiglu = false, untie = false;
+  std::string cluster = "dgx-a100-80gb";
+  std::string profile;
+  std::optional<int64_t> num_gpus;
+  std::optional<int64_t> global_batch_size;
+  std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,
+      layers_per_virtual_stage;
+  std::string recompute_granularity;
+  bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
+  bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
+  std::string pipeline_schedule;
+  bool json = false;
+
+  void add_to(CLI::App& app, bool plan_flags_required);
+
+  ModelSpec resolve_model() const;
+  ClusterSpec resolve_cluster() const;  // sized by --num-gpus
+  HardwareProfile resolve_profile(const ClusterSpec& c) const;
+  // Shared settings (precision, overlap, ...) and, where given, the parallel flags.
+  ParallelPlan resolve_plan(const ModelSpec& m, const ClusterSpec& c) const;
+  bool has_parallel_flags() const {
+    return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage;
+  }
+};
+
+}  // namespace ptdp

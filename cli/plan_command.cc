@@ -1,0 +1,154 @@
+// `ptdp plan`: search every configuration, rank, explain, print the winner as Megatron flags.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/job_flags.h"
+#include "cli/report.h"
+#include "core/error.h"
+#include "core/units.h"
+#include "planner/search.h"
+
+namespace ptdp {
+namespace {
+
+struct PlanFlags {
+  JobFlags job;
+  int top = 10;
+  int threads = 0;
+  double train_tokens = 0;
+  std::string out_path;
+  bool no_progress = false;
+};
+
+void print_table(std::ostream& out, const SearchResult& r) {
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %8s %6s %8s  %s\n", "rank", "configuration", "iter s",
+                "TFLOP/s", "MFU", "mem GiB", "loses to #1 by");
+  out << buf;
+  for (size_t i = 0; i < r.top.size(); ++i) {
+    const RankedPlan& rp = r.top[i];
+    const Prediction& p = rp.prediction;
+    std::string why = "-";
+    if (i > 0) {
+      char slower[32];
+      std::snprintf(slower, sizeof slower, "+%.1f%%: ",
+                    100 * (p.iteration_time_s / r.top[0].prediction.iteration_time_s - 1));
+      why = slower + loses_because(r.top[0].prediction, p);
+    }
+    std::snprintf(buf, sizeof buf, "%-4zu %-34s %9.3f %8.1f %5.1f%% %8.1f  %s\n", i + 1,
+                  plan_summary(rp.plan).c_str(), p.iteration_time_s, p.model_tflops_per_gpu, 100 * p.mfu,
+                  to_gib(p.memory.peak), why.c_str());
+    out << buf;
+  }
+}
+
+int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
+  const ModelSpec m = f.job.resolve_model();
+  const ClusterSpec c = f.job.resolve_cluster();
+  const HardwareProfile h = f.job.resolve_profile(c);
+  if (f.top <= 0) throw InputError("--top", "must be positive");
+  if (f.train_tokens < 0) throw InputError("--train-tokens", "must not be negative");
+  const ParallelPlan base = f.job.resolve_plan(m, c);
+  if (f.job.has_parallel_flags()) base.validate(m);
+
+  SearchOptions o;
+  o.global_batch_size = base.global_batch_size;
+  o.top_k = f.top;
+  o.threads = f.threads;
+  o.defaults = base;
+  if (!f.job.recompute_granularity.empty() && f.job.has_parallel_flags()) {
+    // A baseline configuration was given; the search still tries every recompute mode.
+  }
+  const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
+  if (show_progress) {
+    o.progress = [&err](int64_t done, int64_t total) {
+      err << "\rsearching: " << (100 * done / total) << "% " << std::flush;
+    };
+  }
+  const SearchResult r = search_plans(m, c, h, o);
+  if (show_progress) err << "\r                    \r" << std::flush;
+  if (r.top.empty()) {
+    err << "ptdp plan: no configuration fits (" << r.considered << " considered)\n";
+    return 1;
+  }
+  std::optional<Prediction> baseline;
+  if (f.job.has_parallel_flags()) baseline = CostModel(m, c, h).predict(base);
+  const RankedPlan& best = r.top[0];
+  const double tokens = f.train_tokens;
+  const double days = tokens > 0 ? tokens / best.prediction.tokens_per_s / 86400.0 : 0.0;
+
+  if (f.job.json || !f.out_path.empty()) {
+    nlohmann::json j;
+    j["plans"] = nlohmann::json::array();
+    for (const RankedPlan& rp : r.top) {
+      nlohmann::json e = prediction_json(m, rp.plan, rp.prediction);
+      if (&rp != &r.top[0]) e["loses_because"] = loses_because(best.prediction, rp.prediction);
+      j["plans"].push_back(e);
+    }
+    j["considered"] = r.considered;
+    j["evaluated"] = r.evaluated;
+    j["rejected"] = r.rejected;
+    j["search_seconds"] = r.seconds;
+    if (tokens > 0) {
+      j["train_days"] = days;
+      j["train_gpu_hours"] = days * 24.0 * static_cast<double>(c.num_gpus());
+    }
+    if (baseline) {
+      j["baseline"] = prediction_json(m, base, *baseline);
+      j["baseline"]["difference"] = plan_difference(base, best.plan);
+    }
+    if (!f.out_path.empty()) write_file_atomically(f.out_path, j.dump(2) + "\n", "--out");
+    if (f.job.json) {
+      out << j.dump(2) << "\n";
+      return 0;
+    }
+  }
+
+  char buf[256];
+  out << "ptdp plan: " << describe_job(m, c, base.global_batch_size) << "\n";
+  std::snprintf(buf, sizeof buf, "searched %lld configurations in %.3f s (%.0f per second); %lld fit in memory\n\n",
+                static_cast<long long>(r.considered), r.seconds, static_cast<double>(r.considered) / r.seconds,
+                static_cast<long long>(r.evaluated));
+  out << buf;
+  print_table(out, r);
+  out << "\nbest plan as Megatron-LM flags:\n  " << best.plan.megatron_flags(m) << "\n";
+  if (!r.rejected.empty()) {
+    out << "\nrejected:\n";
+    for (const auto& [why, n] : r.rejected) out << "  " << n << "  " << why << "\n";
+  }
+  if (baseline) {
+    std::snprintf(buf, sizeof buf, "\nyour configuration (%s): %.3f s/iteration%s; the best plan is %.1f%% faster: %s\n",
+                  plan_summary(base).c_str(), baseline->iteration_time_s,
+                  baseline->memory.fits ? "" : ", does NOT fit in memory",
+                  100 * (baseline->iteration_time_s / best.prediction.iteration_time_s - 1),
+                  plan_difference(base, best.plan).c_str());
+    out << buf;
+  }
+  if (tokens > 0) {
+    std::snprintf(buf, sizeof buf, "\ntraining on %.3g tokens: %.1f days, %.3g GPU-hours\n", tokens, days,
+                  days * 24.0 * static_cast<double>(c.num_gpus()));
+    out << buf;
+  }
+  return 0;
+}
+
+}  // namespace
+
+Action add_plan_command(CLI::App& app) {
+  auto* sub = app.add_subcommand("plan", "search all PTD-P configurations and rank them");
+  auto f = std::make_shared<PlanFlags>();
+  f->job.add_to(*sub, /*plan_flags_required=*/false);
+  sub->add_option("--top", f->top, "how many plans to list")->capture_default_str();
+  sub->add_option("--threads", f->threads, "search threads (default: all cores)");
+  sub->add_option("--train-tokens", f->train_tokens, "tokens to train on, for days and GPU-hours");
+  sub->add_option("--out", f->out_path, "write the ranked plans as JSON to this file");
+  sub->add_flag("--no-progress", f->no_progress, "no progress line on the terminal");
+  return [f](std::ostream& out, std::ostream& err) { return run_plan(*f, out, err); };
+}
+
+}  // namespace ptdp

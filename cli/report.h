@@ -1,0 +1,23 @@
+// Turning predictions into what people and programs read: tables and JSON.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+#include <ostream>
+#include <string>
+
+#include "core/cluster_spec.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "planner/cost_model.h"
+
+namespace ptdp {
+
+// The keys of `ptdp predict --json` (and of each entry of `ptdp plan --json`'s "plans").
+nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r);
+void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& c,
+                      const ParallelPlan& p, const Prediction& r);
+std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
+// Writes text to path atomically (temporary file, then rename); InputError(flag) on failure.
+void write_file_atomically(const std::string& path, const std::string& text, const std::string& flag);
+
+}  // namespace ptdp

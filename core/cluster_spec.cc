@@ -1,0 +1,140 @@
+// ClusterSpec: resizing, validation and JSON I/O (nested "gpu" object, "tiers" array).
+#include "core/cluster_spec.h"
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/json_reader.h"
+
+namespace ptdp {
+
+using nlohmann::json;
+
+namespace {
+
+std::string str(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+void require_positive(const std::string& field, int64_t value) {
+  if (value <= 0) throw InputError(field, "must be positive, got " + std::to_string(value));
+}
+
+void require_positive(const std::string& field, double value) {
+  if (!(value > 0)) throw InputError(field, "must be positive, got " + str(value));
+}
+
+void require_non_negative(const std::string& field, double value) {
+  if (!(value >= 0)) throw InputError(field, "must not be negative, got " + str(value));
+}
+
+}  // namespace
+
+void ClusterSpec::resize(int64_t n) {
+  require_positive("num_gpus", n);
+  require_positive("gpus_per_node", gpus_per_node);
+  if (n <= gpus_per_node) {
+    num_nodes = 1;
+    gpus_per_node = n;
+    return;
+  }
+  if (n % gpus_per_node != 0)
+    throw InputError("num_gpus", std::to_string(n) + " is not a multiple of gpus_per_node (" +
+                                     std::to_string(gpus_per_node) + ")");
+  num_nodes = n / gpus_per_node;
+}
+
+void ClusterSpec::validate() const {
+  require_positive("gpu.peak_tflops_16bit", gpu.peak_tflops_16bit);
+  require_positive("gpu.memory_gib", gpu.memory_gib);
+  require_positive("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps);
+  require_positive("gpus_per_node", gpus_per_node);
+  require_positive("num_nodes", num_nodes);
+  require_positive("nvlink_bandwidth_gbps", nvlink_bandwidth_gbps);
+  require_non_negative("nvlink_latency_us", nvlink_latency_us);
+  require_positive("nics_per_node", nics_per_node);
+  require_positive("nic_bandwidth_gbps", nic_bandwidth_gbps);
+  require_non_negative("nic_latency_us", nic_latency_us);
+  int64_t below = 1;  // nodes reached by the tier below
+  for (size_t i = 0; i < tiers.size(); ++i) {
+    const std::string prefix = "tiers[" + std::to_string(i) + "].";
+    const TopologyTier& t = tiers[i];
+    require_positive(prefix + "nodes_per_switch", t.nodes_per_switch);
+    if (t.nodes_per_switch <= below)
+      throw InputError(prefix + "nodes_per_switch", std::to_string(t.nodes_per_switch) +
+                                                        " must exceed the tier below it (" +
+                                                        std::to_string(below) + ")");
+    if (!(t.oversubscription >= 1))
+      throw InputError(prefix + "oversubscription",
+                       "must be at least 1, got " + str(t.oversubscription));
+    require_non_negative(prefix + "latency_us", t.latency_us);
+    below = t.nodes_per_switch;
+  }
+}
+
+ClusterSpec cluster_from_json(const json& j) {
+  JsonObjectReader r(j, "cluster");
+  ClusterSpec c;
+  r.read("name", c.name);
+  if (const json* g = r.member("gpu")) {
+    JsonObjectReader gr(*g, "gpu", "gpu.");
+    gr.read("name", c.gpu.name);
+    gr.read("peak_tflops_16bit", c.gpu.peak_tflops_16bit);
+    gr.read("memory_gib", c.gpu.memory_gib);
+    gr.read("hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps);
+    gr.reject_unknown_keys();
+  }
+  r.read("gpus_per_node", c.gpus_per_node);
+  r.read("num_nodes", c.num_nodes);
+  r.read("nvlink_bandwidth_gbps", c.nvlink_bandwidth_gbps);
+  r.read("nvlink_latency_us", c.nvlink_latency_us);
+  r.read("nics_per_node", c.nics_per_node);
+  r.read("nic_bandwidth_gbps", c.nic_bandwidth_gbps);
+  r.read("nic_latency_us", c.nic_latency_us);
+  if (const json* tiers = r.member("tiers")) {
+    if (!tiers->is_array())
+      throw InputError("tiers", std::string("expected an array, got ") + tiers->type_name());
+    for (size_t i = 0; i < tiers->size(); ++i) {
+      const std::string name = "tiers[" + std::to_string(i) + "]";
+      JsonObjectReader tr((*tiers)[i], name, name + ".");
+      TopologyTier t;
+      tr.read("name", t.name);
+      tr.read("nodes_per_switch", t.nodes_per_switch);
+      tr.read("oversubscription", t.oversubscription);
+      tr.read("latency_us", t.latency_us);
+      tr.reject_unknown_keys();
+      c.tiers.push_back(t);
+    }
+  }
+  r.reject_unknown_keys();
+  c.validate();
+  return c;
+}
+
+json to_json(const ClusterSpec& c) {
+  json tiers = json::array();
+  for (const TopologyTier& t : c.tiers)
+    tiers.push_back({{"name", t.name},
+                     {"nodes_per_switch", t.nodes_per_switch},
+                     {"oversubscription", t.oversubscription},
+                     {"latency_us", t.latency_us}});
+  return json{{"name", c.name},
+              {"gpu",
+               {{"name", c.gpu.name},
+                {"peak_tflops_16bit", c.gpu.peak_tflops_16bit},
+                {"memory_gib", c.gpu.memory_gib},
+                {"hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps}}},
+              {"gpus_per_node", c.gpus_per_node},
+              {"num_nodes", c.num_nodes},
+              {"nvlink_bandwidth_gbps", c.nvlink_bandwidth_gbps},
+              {"nvlink_latency_us", c.nvlink_latency_us},
+              {"nics_per_node", c.nics_per_node},
+              {"nic_bandwidth_gbps", c.nic_bandwidth_gbps},
+              {"nic_latency_us", c.nic_latency_us},
+              {"tiers", tiers}};
+}
+
+}  // namespace ptdp

@@ -1,0 +1,51 @@
+// ClusterSpec: the GPUs, how they are packed into nodes, and the links between them.
+//
+// Inside a node GPUs talk over NVLink/NVSwitch; between nodes each node has nics_per_node
+// network adapters (one rail per GPU on a DGX) into a fat tree described by tiers.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+namespace ptdp {
+
+struct GpuSpec {
+  std::string name;
+  double peak_tflops_16bit = 0;  // dense fp16/bf16 tensor-core peak, TFLOP/s
+  double memory_gib = 0;         // device memory, GiB
+  double hbm_bandwidth_gbps = 0; // device memory bandwidth, GB/s
+};
+
+// One level of the switch hierarchy above the nodes (leaf, spine, ...).
+struct TopologyTier {
+  std::string name;
+  int64_t nodes_per_switch = 0;  // how many nodes one switch of this tier reaches
+  double oversubscription = 1.0; // >= 1; bandwidth up this tier divided by this
+  double latency_us = 0;         // added per crossing of this tier
+};
+
+struct ClusterSpec {
+  std::string name = "custom";
+  GpuSpec gpu;
+  int64_t gpus_per_node = 0;
+  int64_t num_nodes = 0;
+  double nvlink_bandwidth_gbps = 0;  // per GPU, one direction, GB/s
+  double nvlink_latency_us = 0;
+  int64_t nics_per_node = 0;
+  double nic_bandwidth_gbps = 0;     // per NIC, one direction, GB/s
+  double nic_latency_us = 0;
+  std::vector<TopologyTier> tiers;
+
+  int64_t num_gpus() const { return gpus_per_node * num_nodes; }
+  // Re-sizes the cluster to hold num_gpus (whole nodes, or one partial node when fewer GPUs
+  // than a node are asked for). Throws InputError("num_gpus", ...) when not a whole number.
+  void resize(int64_t num_gpus);
+  void validate() const;
+};
+
+ClusterSpec cluster_from_json(const nlohmann::json& j);
+nlohmann::json to_json(const ClusterSpec& c);
+
+}  // namespace ptdp

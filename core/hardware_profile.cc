@@ -1,0 +1,105 @@
+// HardwareProfile: the GEMM efficiency curve and JSON I/O (nested "gemm", "nvlink", "network"
+// objects, a "sources" array). Reading checks that every number is physically possible.
+#include "core/hardware_profile.h"
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/json_reader.h"
+
+namespace ptdp {
+
+using nlohmann::json;
+
+double GemmEfficiency::at(double m, double n, double k) const {
+  auto s = [](double x, double half) { return x / (x + half); };
+  return max_efficiency * s(m, m_half) * s(n, n_half) * s(k, k_half);
+}
+
+namespace {
+
+std::string str(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// A fraction of a peak: in (0, 1].
+void require_fraction(const std::string& field, double v) {
+  if (!(v > 0 && v <= 1)) throw InputError(field, "must be in (0, 1], got " + str(v));
+}
+
+void require_non_negative(const std::string& field, double v) {
+  if (!(v >= 0)) throw InputError(field, "must not be negative, got " + str(v));
+}
+
+LinkEfficiency link_from_json(const json& j, const std::string& name) {
+  JsonObjectReader r(j, name, name + ".");
+  LinkEfficiency l;
+  r.read("latency_us", l.latency_us);
+  r.read("per_step_latency_us", l.per_step_latency_us);
+  r.read("busbw_efficiency", l.busbw_efficiency);
+  r.reject_unknown_keys();
+  require_non_negative(name + ".latency_us", l.latency_us);
+  require_non_negative(name + ".per_step_latency_us", l.per_step_latency_us);
+  require_fraction(name + ".busbw_efficiency", l.busbw_efficiency);
+  return l;
+}
+
+json link_to_json(const LinkEfficiency& l) {
+  return json{{"latency_us", l.latency_us},
+              {"per_step_latency_us", l.per_step_latency_us},
+              {"busbw_efficiency", l.busbw_efficiency}};
+}
+
+}  // namespace
+
+HardwareProfile profile_from_json(const json& j) {
+  JsonObjectReader r(j, "profile");
+  HardwareProfile p;
+  r.read("name", p.name);
+  if (const json* g = r.member("gemm")) {
+    JsonObjectReader gr(*g, "gemm", "gemm.");
+    gr.read("max_efficiency", p.gemm.max_efficiency);
+    gr.read("m_half", p.gemm.m_half);
+    gr.read("n_half", p.gemm.n_half);
+    gr.read("k_half", p.gemm.k_half);
+    gr.reject_unknown_keys();
+  }
+  r.read("hbm_efficiency", p.hbm_efficiency);
+  r.read("kernel_gap_us", p.kernel_gap_us);
+  if (const json* l = r.member("nvlink")) p.nvlink = link_from_json(*l, "nvlink");
+  if (const json* l = r.member("network")) p.network = link_from_json(*l, "network");
+  r.read("optimizer_bytes_per_param", p.optimizer_bytes_per_param);
+  r.read("sources", p.sources);
+  r.reject_unknown_keys();
+
+  require_fraction("gemm.max_efficiency", p.gemm.max_efficiency);
+  require_non_negative("gemm.m_half", p.gemm.m_half);
+  require_non_negative("gemm.n_half", p.gemm.n_half);
+  require_non_negative("gemm.k_half", p.gemm.k_half);
+  require_fraction("hbm_efficiency", p.hbm_efficiency);
+  require_non_negative("kernel_gap_us", p.kernel_gap_us);
+  if (!(p.optimizer_bytes_per_param > 0))
+    throw InputError("optimizer_bytes_per_param",
+                     "must be positive, got " + str(p.optimizer_bytes_per_param));
+  return p;
+}
+
+json to_json(const HardwareProfile& p) {
+  return json{{"name", p.name},
+              {"gemm",
+               {{"max_efficiency", p.gemm.max_efficiency},
+                {"m_half", p.gemm.m_half},
+                {"n_half", p.gemm.n_half},
+                {"k_half", p.gemm.k_half}}},
+              {"hbm_efficiency", p.hbm_efficiency},
+              {"kernel_gap_us", p.kernel_gap_us},
+              {"nvlink", link_to_json(p.nvlink)},
+              {"network", link_to_json(p.network)},
+              {"optimizer_bytes_per_param", p.optimizer_bytes_per_param},
+              {"sources", p.sources}};
+}
+
+}  // namespace ptdp

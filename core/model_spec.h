@@ -1,0 +1,47 @@
+// ModelSpec: the shape of a GPT-like decoder-only transformer, in Megatron-LM's vocabulary.
+//
+// Fields mirror Megatron-LM's flags (--num-layers, --hidden-size, ...). Zero for
+// num_query_groups / ffn_hidden_size means "the default": as many groups as heads (plain
+// multi-head attention) and 4 * hidden (8/3 * hidden rounded as Llama does is the user's job).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+
+namespace ptdp {
+
+struct ModelSpec {
+  std::string name = "custom";
+  int64_t num_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_query_groups = 0;  // 0: equal to num_attention_heads (no GQA)
+  int64_t ffn_hidden_size = 0;   // 0: 4 * hidden_size
+  int64_t seq_length = 0;
+  int64_t vocab_size = 0;
+  bool swiglu = false;                      // gated MLP (three weight matrices)
+  bool untie_embeddings_and_output_weights = false;
+  bool learned_position_embeddings = true;  // false: rotary (no position table)
+
+  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  int64_t ffn_hidden() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
+  int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+
+  // Exact parameter counts (weights and biases, layernorms included).
+  double parameters_per_layer() const;
+  double embedding_parameters() const;  // word (+ position) embeddings
+  double output_parameters() const;     // untied LM head, 0 when tied
+  double parameters() const;            // everything; final layernorm included
+
+  // Throws InputError naming the field when a size is missing, zero or inconsistent.
+  void validate() const;
+};
+
+// Reads ptdp's own JSON (keys as the struct fields) or a Hugging Face config.json
+// (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
+// vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act). Validates.
+ModelSpec model_from_json(const nlohmann::json& j);
+nlohmann::json to_json(const ModelSpec& m);
+
+}  // namespace ptdp

@@ -1,0 +1,252 @@
+// ParallelPlan: enum names, stage sizes, validation against a model (errors name Megatron's
+// flags), the Megatron-LM flag line, and JSON I/O.
+#include "core/parallel_plan.h"
+
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+#include "core/error.h"
+#include "core/json_reader.h"
+
+namespace ptdp {
+
+using nlohmann::json;
+
+std::string to_string(Recompute r) {
+  switch (r) {
+    case Recompute::kNone:
+      return "none";
+    case Recompute::kSelective:
+      return "selective";
+    case Recompute::kFull:
+      return "full";
+  }
+  return "?";
+}
+
+std::string to_string(Schedule s) {
+  switch (s) {
+    case Schedule::kGPipe:
+      return "gpipe";
+    case Schedule::k1F1B:
+      return "1f1b";
+    case Schedule::kInterleaved1F1B:
+      return "interleaved";
+    case Schedule::kZeroBubbleH1:
+      return "zb-h1";
+  }
+  return "?";
+}
+
+namespace {
+
+template <typename E>
+E enum_from_string(const std::string& s, std::initializer_list<E> values,
+                   const std::string& field) {
+  std::string expected;
+  for (E e : values) {
+    if (s == to_string(e)) return e;
+    expected += (expected.empty() ? "" : ", ") + to_string(e);
+  }
+  throw InputError(field, "unknown value '" + s + "' (expected one of " + expected + ")");
+}
+
+constexpr auto kRecomputes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
+constexpr auto kSchedules = {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
+                             Schedule::kZeroBubbleH1};
+
+}  // namespace
+
+Recompute recompute_from_string(const std::string& s) {
+  return enum_from_string(s, kRecomputes, "--recompute-granularity");
+}
+
+Schedule schedule_from_string(const std::string& s) {
+  return enum_from_string(s, kSchedules, "--pipeline-schedule");
+}
+
+int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
+  if (r < 0 || r >= pipeline_parallel)
+    throw std::out_of_range("layers_on_stage: no pipeline rank " + std::to_string(r));
+  if (!layers_per_stage.empty()) return layers_per_stage.at(static_cast<size_t>(r));
+  return m.num_layers / pipeline_parallel;
+}
+
+namespace {
+
+std::string num(int64_t v) {
+  return std::to_string(v);
+}
+
+void require_positive(const std::string& flag, int64_t v) {
+  if (v <= 0) throw InputError(flag, "must be positive, got " + num(v));
+}
+
+bool uneven(const ParallelPlan& p) {
+  for (int64_t n : p.layers_per_stage)
+    if (n != p.layers_per_stage.front()) return true;
+  return false;
+}
+
+// True when every stage but the first and the last holds the same number of layers.
+bool only_ends_differ(const ParallelPlan& p) {
+  const std::vector<int64_t>& n = p.layers_per_stage;
+  for (size_t i = 2; i + 1 < n.size(); ++i)
+    if (n[i] != n[1]) return false;
+  return n.size() >= 2;
+}
+
+}  // namespace
+
+void ParallelPlan::validate(const ModelSpec& m) const {
+  const int64_t t = tensor_parallel, p = pipeline_parallel, d = data_parallel;
+  const int64_t b = micro_batch_size, v = virtual_stages;
+  require_positive("--tensor-model-parallel-size", t);
+  require_positive("--pipeline-model-parallel-size", p);
+  require_positive("data_parallel", d);
+  require_positive("--micro-batch-size", b);
+  require_positive("--global-batch-size", global_batch_size);
+  require_positive("--num-layers-per-virtual-pipeline-stage", v);
+
+  const std::string tp = "--tensor-model-parallel-size";
+  if (m.num_attention_heads % t != 0)
+    throw InputError(
+        tp, num(t) + " does not divide num_attention_heads (" + num(m.num_attention_heads) + ")");
+  if (m.query_groups() % t != 0)
+    throw InputError(tp,
+                     num(t) + " does not divide num_query_groups (" + num(m.query_groups()) + ")");
+  if (m.ffn_hidden() % t != 0)
+    throw InputError(tp, num(t) + " does not divide ffn_hidden_size (" + num(m.ffn_hidden()) + ")");
+
+  const std::string pp = "--pipeline-model-parallel-size";
+  if (p > m.num_layers)
+    throw InputError(pp, num(p) + " exceeds num_layers (" + num(m.num_layers) + ")");
+  if (layers_per_stage.empty()) {
+    if (m.num_layers % p != 0)
+      throw InputError(pp, num(p) + " does not divide num_layers (" + num(m.num_layers) +
+                               "); give layers_per_stage for an uneven split");
+  } else {
+    if (static_cast<int64_t>(layers_per_stage.size()) != p)
+      throw InputError("layers_per_stage",
+                       "has " + num(static_cast<int64_t>(layers_per_stage.size())) +
+                           " entries, expected pipeline-model-parallel-size (" + num(p) + ")");
+    for (int64_t n : layers_per_stage)
+      if (n < 1) throw InputError("layers_per_stage", "every stage needs a layer, got " + num(n));
+    const int64_t sum =
+        std::accumulate(layers_per_stage.begin(), layers_per_stage.end(), int64_t{0});
+    if (sum != m.num_layers)
+      throw InputError("layers_per_stage",
+                       "sums to " + num(sum) + ", expected num_layers (" + num(m.num_layers) + ")");
+  }
+
+  if (global_batch_size % (d * b) != 0)
+    throw InputError("--global-batch-size",
+                     num(global_batch_size) +
+                         " is not divisible by data-parallel size * micro-batch size (" + num(d) +
+                         " * " + num(b) + ")");
+
+  const std::string vp = "--num-layers-per-virtual-pipeline-stage";
+  if (v > 1) {
+    if (schedule != Schedule::kInterleaved1F1B)
+      throw InputError(
+          vp, num(v) + " virtual stages need the interleaved schedule, not " + to_string(schedule));
+    if (p < 2) throw InputError(vp, "interleaving needs pipeline-model-parallel-size >= 2");
+    for (int64_t r = 0; r < p; ++r)
+      if (layers_on_stage(m, r) % v != 0)
+        throw InputError(vp, num(v) + " virtual stages do not divide the " +
+                                 num(layers_on_stage(m, r)) + " layers of pipeline rank " + num(r));
+    if (num_microbatches() % p != 0)
+      throw InputError(vp,
+                       "interleaving needs the number of microbatches (" + num(num_microbatches()) +
+                           ") to be a multiple of pipeline-model-parallel-size (" + num(p) + ")");
+  }
+  if (sequence_parallel && t == 1)
+    throw InputError("--sequence-parallel", "needs tensor-model-parallel-size > 1");
+}
+
+std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
+  std::ostringstream f;
+  f << "--num-layers " << m.num_layers << " --hidden-size " << m.hidden_size
+    << " --num-attention-heads " << m.num_attention_heads << " --seq-length " << m.seq_length
+    << " --max-position-embeddings " << m.seq_length << " --vocab-size " << m.vocab_size;
+  // Megatron's --swiglu default FFN width is not 4h, so gated models always state it.
+  if (m.ffn_hidden() != 4 * m.hidden_size || m.swiglu) f << " --ffn-hidden-size " << m.ffn_hidden();
+  if (m.query_groups() != m.num_attention_heads)
+    f << " --group-query-attention --num-query-groups " << m.query_groups();
+  // ModelSpec's bias rule: gated models have no biases and use RMSNorm.
+  if (m.swiglu) f << " --swiglu --disable-bias-linear --normalization RMSNorm";
+  if (m.untie_embeddings_and_output_weights) f << " --untie-embeddings-and-output-weights";
+  f << " --tensor-model-parallel-size " << tensor_parallel << " --pipeline-model-parallel-size "
+    << pipeline_parallel;
+  // Megatron expresses an uneven split only as a different first and last stage; other uneven
+  // splits have no flag and are left out.
+  const int64_t p = pipeline_parallel;
+  if (uneven(*this) && only_ends_differ(*this)) {
+    f << " --decoder-first-pipeline-num-layers " << layers_per_stage.front()
+      << " --decoder-last-pipeline-num-layers " << layers_per_stage.back();
+  }
+  if (virtual_stages > 1) {
+    if (uneven(*this))
+      f << " --num-virtual-stages-per-pipeline-rank " << virtual_stages;
+    else
+      f << " --num-layers-per-virtual-pipeline-stage " << m.num_layers / (p * virtual_stages);
+  }
+  f << " --micro-batch-size " << micro_batch_size << " --global-batch-size " << global_batch_size;
+  if (recompute == Recompute::kFull)
+    f << " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
+  if (recompute == Recompute::kSelective) f << " --recompute-granularity selective";
+  if (sequence_parallel) f << " --sequence-parallel";
+  if (distributed_optimizer) f << " --use-distributed-optimizer";
+  if (overlap_grad_reduce) f << " --overlap-grad-reduce";
+  if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
+  if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
+  if (!m.learned_position_embeddings) f << " --position-embedding-type rope";
+  return f.str();
+}
+
+ParallelPlan plan_from_json(const json& j) {
+  JsonObjectReader r(j, "plan");
+  ParallelPlan p;
+  r.read("tensor_parallel", p.tensor_parallel);
+  r.read("pipeline_parallel", p.pipeline_parallel);
+  r.read("data_parallel", p.data_parallel);
+  r.read("micro_batch_size", p.micro_batch_size);
+  r.read("global_batch_size", p.global_batch_size);
+  r.read("virtual_stages", p.virtual_stages);
+  std::string schedule = to_string(p.schedule), recompute = to_string(p.recompute);
+  r.read("schedule", schedule);
+  r.read("recompute", recompute);
+  p.schedule = enum_from_string(schedule, kSchedules, r.field("schedule"));
+  p.recompute = enum_from_string(recompute, kRecomputes, r.field("recompute"));
+  r.read("sequence_parallel", p.sequence_parallel);
+  r.read("distributed_optimizer", p.distributed_optimizer);
+  r.read("overlap_grad_reduce", p.overlap_grad_reduce);
+  r.read("fp32_grad_reduce", p.fp32_grad_reduce);
+  r.read("scatter_gather_p2p", p.scatter_gather_p2p);
+  r.read("gradient_accumulation_fusion", p.gradient_accumulation_fusion);
+  r.read("layers_per_stage", p.layers_per_stage);
+  r.reject_unknown_keys();
+  return p;
+}
+
+json to_json(const ParallelPlan& p) {
+  return json{{"tensor_parallel", p.tensor_parallel},
+              {"pipeline_parallel", p.pipeline_parallel},
+              {"data_parallel", p.data_parallel},
+              {"micro_batch_size", p.micro_batch_size},
+              {"global_batch_size", p.global_batch_size},
+              {"virtual_stages", p.virtual_stages},
+              {"schedule", to_string(p.schedule)},
+              {"recompute", to_string(p.recompute)},
+              {"sequence_parallel", p.sequence_parallel},
+              {"distributed_optimizer", p.distributed_optimizer},
+              {"overlap_grad_reduce", p.overlap_grad_reduce},
+              {"fp32_grad_reduce", p.fp32_grad_reduce},
+              {"scatter_gather_p2p", p.scatter_gather_p2p},
+              {"gradient_accumulation_fusion", p.gradient_accumulation_fusion},
+              {"layers_per_stage", p.layers_per_stage}};
+}
+
+}  // namespace ptdp

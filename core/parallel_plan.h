@@ -1,0 +1,65 @@
+// ParallelPlan: one PTD-P configuration, in Megatron-LM's terms.
+//
+//   t  --tensor-model-parallel-size      p  --pipeline-model-parallel-size
+//   d  data-parallel size = num_gpus / (t * p)
+//   b  --micro-batch-size                B  --global-batch-size
+//   v  virtual pipeline stages (model chunks per pipeline rank);
+//      Megatron's --num-layers-per-virtual-pipeline-stage K gives v = num_layers / (p * K).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string>
+#include <vector>
+
+#include "core/model_spec.h"
+
+namespace ptdp {
+
+enum class Recompute { kNone, kSelective, kFull };
+enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
+
+std::string to_string(Recompute r);
+std::string to_string(Schedule s);
+Recompute recompute_from_string(const std::string& s);  // none|selective|full
+Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
+
+struct ParallelPlan {
+  int64_t tensor_parallel = 1;
+  int64_t pipeline_parallel = 1;
+  int64_t data_parallel = 1;
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 1;
+  int64_t virtual_stages = 1;
+  Schedule schedule = Schedule::k1F1B;  // kInterleaved1F1B whenever virtual_stages > 1
+  Recompute recompute = Recompute::kNone;
+  bool sequence_parallel = false;
+  bool distributed_optimizer = false;
+  bool overlap_grad_reduce = false;       // --overlap-grad-reduce
+  bool fp32_grad_reduce = true;           // grads kept and reduced in fp32 (Megatron's bf16 default)
+  bool scatter_gather_p2p = true;         // SC'21 scatter/gather optimisation across nodes
+  // Weight-gradient GEMMs accumulate straight into the main gradient buffer
+  // (--gradient-accumulation-fusion, Megatron's default since 2022); off, each microbatch
+  // adds its gradients to the buffer in a separate pass.
+  bool gradient_accumulation_fusion = true;
+  // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
+  std::vector<int64_t> layers_per_stage;
+
+  int64_t num_gpus() const { return tensor_parallel * pipeline_parallel * data_parallel; }
+  int64_t num_microbatches() const {
+    return global_batch_size / (data_parallel * micro_batch_size);
+  }
+  // Layers held by pipeline rank r (all its virtual chunks together).
+  int64_t layers_on_stage(const ModelSpec& m, int64_t r) const;
+
+  // Throws InputError naming the Megatron flag when the plan cannot run this model
+  // (t must divide heads and query groups, B divisible by d*b, p <= layers, ...).
+  void validate(const ModelSpec& m) const;
+  // The Megatron-LM launch flags for this plan (parallelism, batch, recompute, ...).
+  std::string megatron_flags(const ModelSpec& m) const;
+};
+
+ParallelPlan plan_from_json(const nlohmann::json& j);
+nlohmann::json to_json(const ParallelPlan& p);
+
+}  // namespace ptdp

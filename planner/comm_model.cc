@@ -1,0 +1,108 @@
+#include "planner/comm_model.h"
+
+#include <algorithm>
+
+#include "core/units.h"
+
+namespace ptdp {
+namespace {
+
+// A group of `size` ranks at `stride` in rank order, on nodes of `gpn` GPUs.
+GroupSpan span_of(int64_t size, int64_t stride, int64_t gpn) {
+  GroupSpan g;
+  g.size = size;
+  const int64_t extent = size * stride;  // consecutive ranks the group's pattern covers
+  if (extent <= gpn) {
+    g.ranks_per_node = size;
+    g.nodes = 1;
+    g.concurrent_per_node = std::max<int64_t>(1, gpn / size);
+  } else {
+    g.ranks_per_node = std::max<int64_t>(1, gpn / stride);
+    g.nodes = (size + g.ranks_per_node - 1) / g.ranks_per_node;
+    g.concurrent_per_node = std::max<int64_t>(1, gpn / g.ranks_per_node);
+  }
+  return g;
+}
+
+double algorithm_factor(Collective kind, int64_t n) {
+  const double nd = static_cast<double>(n);
+  switch (kind) {
+    case Collective::kAllReduce: return 2.0 * (nd - 1.0) / nd;
+    case Collective::kAllGather:
+    case Collective::kReduceScatter: return (nd - 1.0) / nd;
+    case Collective::kSendRecv: return 1.0;
+  }
+  return 1.0;
+}
+
+double ring_steps(Collective kind, int64_t n) {
+  if (kind == Collective::kSendRecv) return 1.0;
+  const double nd = static_cast<double>(n);
+  return kind == Collective::kAllReduce ? 2.0 * (nd - 1.0) : nd - 1.0;
+}
+
+}  // namespace
+
+GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.tensor_parallel, 1, c.gpus_per_node);
+}
+
+GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.data_parallel, p.tensor_parallel, c.gpus_per_node);
+}
+
+bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p) {
+  return p.tensor_parallel * p.data_parallel >= c.gpus_per_node ||
+         p.num_gpus() > c.gpus_per_node;
+}
+
+double CommModel::bus_bandwidth(const GroupSpan& span) const {
+  const double nvlink = cluster_.nvlink_bandwidth_gbps * kGB * profile_.nvlink.busbw_efficiency;
+  if (span.nodes <= 1) return nvlink;
+  // A ring leaves each node once per channel; the group's share of the node's NICs carries it.
+  const double nics = static_cast<double>(cluster_.nics_per_node) /
+                      static_cast<double>(span.concurrent_per_node);
+  double net = nics * cluster_.nic_bandwidth_gbps * kGB * profile_.network.busbw_efficiency;
+  for (const TopologyTier& tier : cluster_.tiers) {
+    if (span.nodes > tier.nodes_per_switch) net /= tier.oversubscription;
+  }
+  return std::min(nvlink, net);
+}
+
+double CommModel::collective_time(Collective kind, double bytes, const GroupSpan& span) const {
+  if (span.size <= 1 || bytes <= 0) return 0.0;
+  const bool inter = span.nodes > 1;
+  const LinkEfficiency& link = inter ? profile_.network : profile_.nvlink;
+  double latency_us = link.latency_us + link.per_step_latency_us * ring_steps(kind, span.size) +
+                      (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);
+  if (inter) {
+    for (const TopologyTier& tier : cluster_.tiers) {
+      if (span.nodes > 1) latency_us += tier.latency_us * (span.nodes > tier.nodes_per_switch ? 2 : 0);
+    }
+  }
+  return latency_us * kMicrosecond + algorithm_factor(kind, span.size) * bytes / bus_bandwidth(span);
+}
+
+double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
+  GroupSpan pair;
+  pair.size = 2;
+  const bool inter = pipeline_crosses_nodes(cluster_, p);
+  if (!inter) {
+    return collective_time(Collective::kSendRecv, bytes, pair);
+  }
+  pair.nodes = 2;
+  pair.ranks_per_node = 1;
+  const int64_t t = p.tensor_parallel;
+  if (p.scatter_gather_p2p && t > 1) {
+    // Each tensor-parallel rank sends a 1/t slice on its own rail, then the slices are
+    // all-gathered inside the receiving node.
+    pair.concurrent_per_node = cluster_.gpus_per_node;
+    const double send = collective_time(Collective::kSendRecv, bytes / static_cast<double>(t), pair);
+    return send + collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p));
+  }
+  // Every tensor-parallel rank sends the full tensor; t of them share the node's rails.
+  pair.concurrent_per_node = cluster_.gpus_per_node;
+  return collective_time(Collective::kSendRecv, bytes, pair);
+}
+
+}  // namespace ptdp

@@ -1,0 +1,271 @@
+#include "planner/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/units.h"
+
+namespace ptdp {
+namespace {
+
+constexpr double kWeightBytes = 2.0;     // 16-bit model weights
+constexpr double kOptimizerBytes = 12.0; // fp32 master weights, Adam m and v
+constexpr double kUsableMemory = 0.95;   // CUDA context and allocator fragmentation keep the rest
+
+double grad_bytes(const ParallelPlan& p) { return p.fp32_grad_reduce ? 4.0 : 2.0; }
+
+void add(PassTime& a, const PassTime& b, double times) {
+  a.compute += b.compute * times;
+  a.tp_comm += b.tp_comm * times;
+}
+
+}  // namespace
+
+double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage) {
+  const double m = static_cast<double>(p.num_microbatches());
+  const double layers = static_cast<double>(layers_on_stage);
+  switch (p.schedule) {
+    case Schedule::kGPipe:
+      return m * layers;
+    case Schedule::kInterleaved1F1B: {
+      const double v = static_cast<double>(p.virtual_stages);
+      const double pp = static_cast<double>(p.pipeline_parallel);
+      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * pp;
+      return std::min(warmup + 1.0, m * v) * layers / v;
+    }
+    case Schedule::k1F1B:
+    case Schedule::kZeroBubbleH1:
+      break;
+  }
+  return std::min(static_cast<double>(p.pipeline_parallel - r), m) * layers;
+}
+
+CostModel::CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h)
+    : model_(m), cluster_(c), profile_(h), comm_(cluster_, profile_) {}
+
+double CostModel::gemm_time(const Op& op) const {
+  const double eff = profile_.gemm.at(static_cast<double>(op.m * op.batch),
+                                      static_cast<double>(op.n), static_cast<double>(op.k));
+  return op.flops() / (cluster_.gpu.peak_tflops_16bit * kTFLOP * eff) +
+         profile_.kernel_gap_us * kMicrosecond;
+}
+
+double CostModel::memory_time(double bytes) const {
+  return bytes / (cluster_.gpu.hbm_bandwidth_gbps * kGB * profile_.hbm_efficiency) +
+         profile_.kernel_gap_us * kMicrosecond;
+}
+
+double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
+  switch (op.kind) {
+    case OpKind::kGemm: return gemm_time(op);
+    case OpKind::kMemory: return memory_time(op.bytes);
+    case OpKind::kCollective: {
+      GroupSpan span;
+      if (op.group == CommGroup::kTensor) span = tensor_group_span(cluster_, p);
+      else if (op.group == CommGroup::kData) span = data_group_span(cluster_, p);
+      return comm_.collective_time(op.collective, op.bytes, span);
+    }
+  }
+  return 0.0;
+}
+
+PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops) const {
+  PassTime t;
+  for (const Op& op : ops) {
+    const double time = op_time(op, p);
+    if (op.kind == OpKind::kCollective) t.tp_comm += time;
+    else t.compute += time;
+    *flops += op.flops();
+  }
+  return t;
+}
+
+const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const {
+  const auto key = std::make_tuple(p.tensor_parallel, p.micro_batch_size, p.sequence_parallel,
+                                   static_cast<int>(p.recompute),
+                                   int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce);
+  auto it = cache_.find(key);
+  if (it != cache_.end()) return it->second;
+  const LayerShape shape = layer_shape(p);
+  ShapeTimes st;
+  const PassOps layer = transformer_layer_ops(model_, shape);
+  const PassOps embed = embedding_ops(model_, shape);
+  const PassOps head = lm_head_ops(model_, shape);
+  double fwd_flops = 0, bwd_flops = 0, ignored = 0;
+  st.layer_f = price(layer.forward, p, &fwd_flops);
+  st.layer_b = price(layer.backward, p, &bwd_flops);
+  st.layer_r = price(layer.recompute, p, &st.layer_recompute_flops);
+  st.layer_flops = fwd_flops + bwd_flops;
+  double ef = 0, hf = 0;
+  st.embed_f = price(embed.forward, p, &ef);
+  st.embed_b = price(embed.backward, p, &ef);
+  st.head_f = price(head.forward, p, &hf);
+  st.head_b = price(head.backward, p, &hf);
+  st.embed_flops = ef;
+  st.head_flops = hf;
+  (void)ignored;
+  return cache_.emplace(key, st).first->second;
+}
+
+std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const ShapeTimes& st) const {
+  std::vector<StageTime> stages(static_cast<size_t>(p.pipeline_parallel));
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+    StageTime& s = stages[static_cast<size_t>(r)];
+    s.layers = p.layers_on_stage(model_, r);
+    const double l = static_cast<double>(s.layers);
+    add(s.forward, st.layer_f, l);
+    add(s.backward, st.layer_b, l);
+    add(s.recompute, st.layer_r, l);
+    if (r == 0) {
+      add(s.forward, st.embed_f, 1);
+      add(s.backward, st.embed_b, 1);
+    }
+    if (r == p.pipeline_parallel - 1) {
+      add(s.forward, st.head_f, 1);
+      add(s.backward, st.head_b, 1);
+    }
+  }
+  return stages;
+}
+
+double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
+  const double t = static_cast<double>(p.tensor_parallel);
+  double params = static_cast<double>(p.layers_on_stage(model_, r)) * model_.parameters_per_layer() / t;
+  const bool first = r == 0, last = r == p.pipeline_parallel - 1;
+  if (first) params += model_.embedding_parameters() / t;
+  if (last) {
+    params += 2.0 * static_cast<double>(model_.hidden_size);  // final layernorm
+    if (model_.untie_embeddings_and_output_weights) {
+      params += model_.output_parameters() / t;
+    } else if (!first) {
+      // Tied embeddings: the last stage keeps its own copy of the word embeddings.
+      params += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
+    }
+  }
+  return params;
+}
+
+MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
+  const LayerShape shape{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, p.recompute};
+  const double act_layer = layer_activation_bytes(model_, shape);
+  // The layer being recomputed (or the last one run) holds its full activations once.
+  const LayerShape full{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, Recompute::kNone};
+  const double working_layer = p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(model_, full);
+  const double tokens = static_cast<double>(p.micro_batch_size * model_.seq_length);
+  const double h = static_cast<double>(model_.hidden_size);
+  const double t = static_cast<double>(p.tensor_parallel);
+  const double d = static_cast<double>(p.data_parallel);
+
+  MemoryBreakdown best;
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+    MemoryBreakdown mb;
+    const double params = parameters_on_stage(p, r);
+    mb.weights = params * kWeightBytes;
+    mb.gradients = params * grad_bytes(p);
+    mb.optimizer = params * kOptimizerBytes / (p.distributed_optimizer ? d : 1.0);
+    const int64_t layers = p.layers_on_stage(model_, r);
+    mb.activations = inflight_layer_activations(p, r, layers) * act_layer + working_layer;
+    const double inflight_mb = layers > 0 ? inflight_layer_activations(p, r, layers) /
+                                                static_cast<double>(layers) * p.virtual_stages
+                                          : 0.0;
+    if (r == 0) mb.activations += inflight_mb * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
+    if (r == p.pipeline_parallel - 1) {
+      // fp16 logits and their fp32 softmax for the vocabulary shard, one microbatch.
+      const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
+      mb.buffers += tokens * vocab_local * (2.0 + 4.0);
+    }
+    // Send/receive buffers for activations and gradients.
+    if (p.pipeline_parallel > 1) mb.buffers += 4.0 * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
+    mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;
+    if (mb.peak > best.peak) best = mb;
+  }
+  best.capacity = cluster_.gpu.memory_gib * kGiB;
+  best.fits = best.peak <= best.capacity * kUsableMemory;
+  return best;
+}
+
+Prediction CostModel::predict(const ParallelPlan& p) const {
+  Prediction out;
+  const ShapeTimes& st = shape_times(p);
+  out.stages = stage_times(p, st);
+  const double m = static_cast<double>(p.num_microbatches());
+  const double v = static_cast<double>(p.virtual_stages);
+  const double pp = static_cast<double>(p.pipeline_parallel);
+
+  // The slowest stage sets the steady-state pace; the others' fill and drain is the bubble.
+  size_t slowest = 0;
+  double sum_stage = 0;
+  for (size_t r = 0; r < out.stages.size(); ++r) {
+    sum_stage += out.stages[r].per_microbatch();
+    if (out.stages[r].per_microbatch() > out.stages[slowest].per_microbatch()) slowest = r;
+  }
+  const StageTime& s = out.stages[slowest];
+  TimeBreakdown& b = out.breakdown;
+  b.compute = m * (s.forward.compute + s.backward.compute);
+  b.recompute = m * s.recompute.compute;
+  b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
+  const double fill = (sum_stage - s.per_microbatch()) / v;
+  b.bubble = p.schedule == Schedule::kGPipe ? fill : fill;
+
+  // Pipeline transfers: blocking send/receive pairs on the critical path, one per chunk
+  // boundary and direction for every microbatch, plus the fill and drain of the pipeline.
+  if (p.pipeline_parallel > 1) {
+    const double act = static_cast<double>(p.micro_batch_size * model_.seq_length) *
+                       static_cast<double>(model_.hidden_size) * 2.0 /
+                       (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
+    out.p2p_time_s = comm_.p2p_time(act, p);
+    b.pp_comm = (2.0 * m * v + 2.0 * (pp - 1.0)) * out.p2p_time_s;
+  }
+
+  // Data-parallel gradient reduction of the most loaded stage, and the tied-embedding
+  // all-reduce between the first and last stage.
+  double params_max = 0;
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r) params_max = std::max(params_max, parameters_on_stage(p, r));
+  const GroupSpan dp = data_group_span(cluster_, p);
+  const double gbytes = params_max * grad_bytes(p);
+  if (p.distributed_optimizer) {
+    out.dp_time_s = comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
+                    comm_.collective_time(Collective::kAllGather, params_max * kWeightBytes, dp);
+  } else {
+    out.dp_time_s = comm_.collective_time(Collective::kAllReduce, gbytes, dp);
+  }
+  double dp_exposed = out.dp_time_s;
+  if (p.overlap_grad_reduce && p.data_parallel > 1) {
+    // Buckets are reduced while the last microbatch's backward pass runs; the final bucket
+    // (about a layer's worth) cannot be hidden.
+    const double hidden = s.backward.total() + s.recompute.total();
+    const double last_bucket = out.dp_time_s / std::max<double>(1.0, static_cast<double>(s.layers));
+    dp_exposed = std::max(last_bucket, out.dp_time_s - hidden);
+  }
+  if (p.pipeline_parallel > 1 && !model_.untie_embeddings_and_output_weights) {
+    GroupSpan pair;
+    pair.size = 2;
+    pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
+    pair.concurrent_per_node = cluster_.gpus_per_node;
+    const double emb = static_cast<double>(model_.vocab_size * model_.hidden_size) /
+                       static_cast<double>(p.tensor_parallel) * grad_bytes(p);
+    dp_exposed += comm_.collective_time(Collective::kAllReduce, emb, pair);
+  }
+  b.dp_comm = dp_exposed;
+
+  const double opt_params = params_max / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
+  b.optimizer = memory_time(opt_params * profile_.optimizer_bytes_per_param);
+
+  out.iteration_time_s = b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;
+
+  // FLOPs: the op lists count per-GPU shards, so multiply by t; all microbatches, all replicas.
+  const double per_mb_model = static_cast<double>(model_.num_layers) * st.layer_flops + st.embed_flops + st.head_flops;
+  const double per_mb_recompute = static_cast<double>(model_.num_layers) * st.layer_recompute_flops;
+  const double replicas = static_cast<double>(p.tensor_parallel) * m * static_cast<double>(p.data_parallel);
+  out.model_flops = per_mb_model * replicas;
+  out.hardware_flops = (per_mb_model + per_mb_recompute) * replicas;
+  const double n = static_cast<double>(p.num_gpus());
+  out.model_tflops_per_gpu = out.model_flops / (out.iteration_time_s * n) / kTFLOP;
+  out.hardware_tflops_per_gpu = out.hardware_flops / (out.iteration_time_s * n) / kTFLOP;
+  out.mfu = out.model_tflops_per_gpu / cluster_.gpu.peak_tflops_16bit;
+  out.tokens_per_s = static_cast<double>(p.global_batch_size * model_.seq_length) / out.iteration_time_s;
+  out.memory = memory(p);
+  return out;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,112 @@
+// CostModel: the analytic (closed-form) prediction of one PTD-P configuration.
+//
+// Every op of the layer op list (core/layer_ops.h) is priced with the hardware profile; stage
+// times are sums of op times; the pipeline schedule, point-to-point transfers, the
+// data-parallel gradient reduction and the optimizer step are added in closed form.
+// Not thread-safe (it memoises op-list prices): give each thread its own CostModel.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "core/cluster_spec.h"
+#include "core/hardware_profile.h"
+#include "core/layer_ops.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "planner/comm_model.h"
+
+namespace ptdp {
+
+// Bytes on the most loaded GPU.
+struct MemoryBreakdown {
+  double weights = 0;
+  double gradients = 0;
+  double optimizer = 0;
+  double activations = 0;
+  double buffers = 0;  // logits, communication buffers
+  double peak = 0;
+  double capacity = 0;
+  bool fits = false;
+};
+
+// Seconds of one iteration; the parts add up to the iteration time.
+struct TimeBreakdown {
+  double compute = 0;    // forward and backward math on the slowest stage
+  double recompute = 0;  // forward math redone for activation recomputation
+  double tp_comm = 0;    // exposed tensor-/sequence-parallel collectives
+  double pp_comm = 0;    // exposed pipeline point-to-point transfers
+  double dp_comm = 0;    // exposed data-parallel gradient (and parameter) collectives
+  double bubble = 0;     // pipeline fill and drain
+  double optimizer = 0;  // optimizer step
+};
+
+// Time of one microbatch's pass on one stage, split by what it waits on.
+struct PassTime {
+  double compute = 0;  // GEMMs and memory-bound kernels
+  double tp_comm = 0;  // tensor-parallel collectives (not overlapped)
+  double total() const { return compute + tp_comm; }
+};
+
+struct StageTime {
+  int64_t layers = 0;
+  PassTime forward, backward, recompute;
+  double per_microbatch() const { return forward.total() + backward.total() + recompute.total(); }
+};
+
+struct Prediction {
+  double iteration_time_s = 0;
+  double tokens_per_s = 0;
+  double model_tflops_per_gpu = 0;     // without recomputation
+  double hardware_tflops_per_gpu = 0;  // with recomputation
+  double mfu = 0;
+  double model_flops = 0;     // per iteration, all GPUs
+  double hardware_flops = 0;  // per iteration, all GPUs
+  double p2p_time_s = 0;      // one activation transfer between stages
+  double dp_time_s = 0;       // one full data-parallel gradient reduction (before overlap)
+  MemoryBreakdown memory;
+  TimeBreakdown breakdown;
+  std::vector<StageTime> stages;  // per pipeline rank, per microbatch (all its chunks)
+};
+
+class CostModel {
+ public:
+  CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h);
+
+  // The plan must be valid for the model (ParallelPlan::validate).
+  Prediction predict(const ParallelPlan& p) const;
+  MemoryBreakdown memory(const ParallelPlan& p) const;
+
+  double op_time(const Op& op, const ParallelPlan& p) const;
+  double gemm_time(const Op& op) const;
+  double memory_time(double bytes) const;
+  // Parameters held by pipeline rank r (one tensor-parallel shard).
+  double parameters_on_stage(const ParallelPlan& p, int64_t r) const;
+
+  const ModelSpec& model() const { return model_; }
+  const ClusterSpec& cluster() const { return cluster_; }
+  const HardwareProfile& profile() const { return profile_; }
+
+ private:
+  struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
+    PassTime layer_f, layer_b, layer_r, embed_f, embed_b, head_f, head_b;
+    double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
+  };
+  const ShapeTimes& shape_times(const ParallelPlan& p) const;
+  PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops) const;
+  std::vector<StageTime> stage_times(const ParallelPlan& p, const ShapeTimes& st) const;
+
+  ModelSpec model_;
+  ClusterSpec cluster_;
+  HardwareProfile profile_;
+  CommModel comm_;
+  mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t>, ShapeTimes> cache_;
+};
+
+// In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
+// number of layers in each (Megatron's warm-up counts; DESIGN.md).
+double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);
+
+}  // namespace ptdp

@@ -1,0 +1,220 @@
+#include "planner/search.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+namespace ptdp {
+namespace {
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t i = 1; i * i <= n; ++i) {
+    if (n % i == 0) {
+      out.push_back(i);
+      if (i != n / i) out.push_back(n / i);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A total order on configurations, used to break ties in predicted time.
+auto plan_key(const ParallelPlan& p) {
+  return std::make_tuple(p.tensor_parallel, p.pipeline_parallel, p.micro_batch_size, p.virtual_stages,
+                         static_cast<int>(p.recompute), p.sequence_parallel, p.distributed_optimizer);
+}
+
+bool better(const RankedPlan& a, const RankedPlan& b) {
+  if (a.prediction.iteration_time_s != b.prediction.iteration_time_s) {
+    return a.prediction.iteration_time_s < b.prediction.iteration_time_s;
+  }
+  return plan_key(a.plan) < plan_key(b.plan);
+}
+
+// One unit of work: a (t, p, d, b) to expand over v, recompute, SP and the optimizer.
+struct Cell {
+  int64_t t, p, d, b;
+};
+
+struct Tally {
+  std::vector<RankedPlan> top;
+  std::map<std::string, int64_t> rejected;
+  int64_t evaluated = 0, considered = 0;
+
+  void keep(RankedPlan r, size_t k) {
+    if (top.size() == k && !better(r, top.back())) return;
+    top.insert(std::upper_bound(top.begin(), top.end(), r, better), std::move(r));
+    if (top.size() > k) top.pop_back();
+  }
+  void merge(Tally&& o, size_t k) {
+    for (auto& r : o.top) keep(std::move(r), k);
+    for (const auto& [why, n] : o.rejected) rejected[why] += n;
+    evaluated += o.evaluated;
+    considered += o.considered;
+  }
+};
+
+void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
+            Tally& tally, size_t k) {
+  const int64_t micro = o.global_batch_size / (c.d * c.b);
+  const int64_t layers_per_stage = m.num_layers / c.p;
+  for (int64_t v : divisors(layers_per_stage)) {
+    if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
+    for (Recompute rc : o.recompute_modes) {
+      for (int sp = 0; sp < 2; ++sp) {
+        if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
+        for (int dopt = 0; dopt < 2; ++dopt) {
+          if (dopt && (c.d == 1 || !o.try_distributed_optimizer)) continue;
+          ++tally.considered;
+          if (v > 1 && micro % c.p != 0) {
+            ++tally.rejected["interleaving needs microbatches divisible by p"];
+            continue;
+          }
+          ParallelPlan plan = o.defaults;
+          plan.layers_per_stage.clear();
+          plan.tensor_parallel = c.t;
+          plan.pipeline_parallel = c.p;
+          plan.data_parallel = c.d;
+          plan.micro_batch_size = c.b;
+          plan.global_batch_size = o.global_batch_size;
+          plan.virtual_stages = v;
+          plan.schedule = v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
+          plan.recompute = rc;
+          plan.sequence_parallel = sp != 0;
+          plan.distributed_optimizer = dopt != 0;
+          const MemoryBreakdown mem = cost.memory(plan);
+          if (!mem.fits) {
+            ++tally.rejected["does not fit in GPU memory"];
+            continue;
+          }
+          ++tally.evaluated;
+          tally.keep(RankedPlan{plan, cost.predict(plan)}, k);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
+                          const SearchOptions& o) {
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t n = c.num_gpus();
+  const size_t k = static_cast<size_t>(std::max(1, o.top_k));
+  Tally total;
+  // Enumerate the (t, p, d, b) cells; structural rejections are counted once per (t, p) or
+  // (t, p, d) since no b, v or flag can rescue them.
+  std::vector<Cell> cells;
+  for (int64_t t : divisors(n)) {
+    if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
+    for (int64_t p : divisors(n / t)) {
+      const int64_t d = n / (t * p);
+      ++total.considered;
+      if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) {
+        ++total.rejected["t does not divide the attention heads or query groups"];
+        continue;
+      }
+      if (p > m.num_layers || m.num_layers % p != 0) {
+        ++total.rejected["p does not divide the layers"];
+        continue;
+      }
+      if (o.global_batch_size % d != 0) {
+        ++total.rejected["global batch not divisible by d"];
+        continue;
+      }
+      --total.considered;  // counted again per expanded configuration
+      for (int64_t b : divisors(o.global_batch_size / d)) cells.push_back(Cell{t, p, d, b});
+    }
+  }
+
+  int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = std::max(1, std::min<int>(threads, static_cast<int>(cells.size())));
+  std::atomic<size_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex merge_mutex;
+  auto worker = [&] {
+    CostModel cost(m, c, h);
+    Tally local;
+    for (size_t i = next++; i < cells.size(); i = next++) {
+      expand(cells[i], m, o, cost, local, k);
+      const int64_t d = ++done;
+      if (o.progress && (d % 64 == 0 || d == static_cast<int64_t>(cells.size()))) {
+        o.progress(d, static_cast<int64_t>(cells.size()));
+      }
+    }
+    std::lock_guard<std::mutex> lock(merge_mutex);
+    total.merge(std::move(local), k);
+  };
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+
+  SearchResult r;
+  r.top = std::move(total.top);
+  r.rejected = std::move(total.rejected);
+  r.evaluated = total.evaluated;
+  r.considered = total.considered;
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+std::string loses_because(const Prediction& w, const Prediction& l) {
+  const TimeBreakdown& a = w.breakdown;
+  const TimeBreakdown& b = l.breakdown;
+  const std::pair<const char*, double> parts[] = {
+      {"compute (GEMM shapes)", b.compute - a.compute},
+      {"recomputation", b.recompute - a.recompute},
+      {"tensor-parallel communication", b.tp_comm - a.tp_comm},
+      {"pipeline bubble", b.bubble - a.bubble},
+      {"pipeline communication", b.pp_comm - a.pp_comm},
+      {"data-parallel communication", b.dp_comm - a.dp_comm},
+      {"optimizer step", b.optimizer - a.optimizer},
+  };
+  const auto* worst = &parts[0];
+  for (const auto& part : parts) {
+    if (part.second > worst->second) worst = &part;
+  }
+  char buf[128];
+  if (worst->second <= 0) return "ties with the best";
+  std::snprintf(buf, sizeof buf, "%s +%.3g s", worst->first, worst->second);
+  return buf;
+}
+
+std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
+  std::string out;
+  auto field = [&](const char* name, const std::string& x, const std::string& y) {
+    if (x == y) return;
+    if (!out.empty()) out += ", ";
+    out += std::string(name) + " " + x + "->" + y;
+  };
+  auto num = [](int64_t v) { return std::to_string(v); };
+  auto flag = [](bool v) { return std::string(v ? "on" : "off"); };
+  field("t", num(a.tensor_parallel), num(b.tensor_parallel));
+  field("p", num(a.pipeline_parallel), num(b.pipeline_parallel));
+  field("d", num(a.data_parallel), num(b.data_parallel));
+  field("b", num(a.micro_batch_size), num(b.micro_batch_size));
+  field("v", num(a.virtual_stages), num(b.virtual_stages));
+  field("recompute", to_string(a.recompute), to_string(b.recompute));
+  field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
+  field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
+  return out.empty() ? "same configuration" : out;
+}
+
+std::string plan_summary(const ParallelPlan& p) {
+  std::string s = "t" + std::to_string(p.tensor_parallel) + " p" + std::to_string(p.pipeline_parallel) +
+                  " d" + std::to_string(p.data_parallel) + " b" + std::to_string(p.micro_batch_size);
+  if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
+  s += " " + to_string(p.recompute);
+  if (p.sequence_parallel) s += " sp";
+  if (p.distributed_optimizer) s += " dopt";
+  return s;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,62 @@
+// Exhaustive search over PTD-P configurations: every (t, p, d, b, v, recompute, sequence
+// parallel, distributed optimizer) that can run the model on the GPUs with the global batch,
+// pruned by memory and ranked by predicted iteration time.
+//
+// The result does not depend on the thread count: each configuration is priced independently
+// and ties are broken by the configuration itself.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/cluster_spec.h"
+#include "core/hardware_profile.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "planner/cost_model.h"
+
+namespace ptdp {
+
+struct SearchOptions {
+  int64_t global_batch_size = 0;
+  int top_k = 10;
+  int threads = 0;  // 0: one per hardware thread
+  std::vector<Recompute> recompute_modes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
+  bool try_sequence_parallel = true;
+  bool try_distributed_optimizer = true;
+  bool try_interleaving = true;
+  int64_t max_tensor_parallel = 0;  // 0: no limit beyond the heads
+  // Settings every candidate shares (taken from the user's flags).
+  ParallelPlan defaults;
+  // Called now and then from the searching threads with (done, total) units of work.
+  std::function<void(int64_t, int64_t)> progress;
+};
+
+struct RankedPlan {
+  ParallelPlan plan;
+  Prediction prediction;
+};
+
+struct SearchResult {
+  std::vector<RankedPlan> top;  // best first
+  int64_t evaluated = 0;        // configurations priced (fit in memory)
+  int64_t considered = 0;       // all configurations enumerated, rejected ones included
+  std::map<std::string, int64_t> rejected;  // reason -> count
+  double seconds = 0;
+};
+
+SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
+                          const SearchOptions& o);
+
+// The main reason `loser` is slower than `winner`: the breakdown component that grew most,
+// e.g. "pipeline bubble +0.42 s".
+std::string loses_because(const Prediction& winner, const Prediction& loser);
+// How plan `b` differs from `a`, e.g. "p 16->8, b 1->2, recompute full->selective".
+std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b);
+// Short form used in tables: "t8 p16 d8 b1 v3 full sp do".
+std::string plan_summary(const ParallelPlan& p);
+
+}  // namespace ptdp

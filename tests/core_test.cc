@@ -1,0 +1,477 @@
+// Tests for core/: parameter counts against the papers, presets, JSON round trips, Hugging Face
+// config.json parsing, ParallelPlan validation and Megatron flags, and that every kind of bad
+// input throws an InputError naming the right field.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/cluster_spec.h"
+#include "core/error.h"
+#include "core/hardware_profile.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "core/presets.h"
+
+namespace ptdp {
+namespace {
+
+using nlohmann::json;
+
+// The InputError thrown by f: "field|message", or "no error".
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.field() + "|" + e.what();
+  }
+  return "no error";
+}
+
+std::string field_of(const std::function<void()>& f) {
+  const std::string e = error_of(f);
+  return e.substr(0, e.find('|'));
+}
+
+std::string message_of(const std::function<void()>& f) {
+  const std::string e = error_of(f);
+  return e.substr(e.find('|') + 1);
+}
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const std::string path = testing::TempDir() + "ptdp_core_test_" + name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path;
+}
+
+double eq2_parameters(const ModelSpec& m) {  // SC'21 eq. 2
+  const double l = m.num_layers, h = m.hidden_size, V = m.vocab_size, s = m.seq_length;
+  return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h));
+}
+
+json model_json() {
+  return to_json(resolve_model("gpt3-175b"));
+}
+
+// ---- parameter counts ----
+
+TEST(ModelSpec, Gpt3ParametersMatchEquation2) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  EXPECT_NEAR(m.parameters(), 174.6e9, 0.1e9);
+  EXPECT_NEAR(m.parameters() / eq2_parameters(m), 1.0, 1e-3);
+  const double h = m.hidden_size;
+  EXPECT_EQ(m.parameters_per_layer(), 12 * h * h + 13 * h);
+}
+
+TEST(ModelSpec, LlamaParametersMatchPublishedCounts) {
+  const struct {
+    const char* name;
+    double expected;
+  } cases[] = {{"llama2-7b", 6.74e9},
+               {"llama2-70b", 68.98e9},
+               {"llama3-8b", 8.03e9},
+               {"llama3-70b", 70.55e9},
+               {"llama3-405b", 405.8e9}};
+  for (const auto& c : cases) {
+    const double p = resolve_model(c.name).parameters();
+    EXPECT_NEAR(p / c.expected, 1.0, 0.005) << c.name << ": " << p;
+  }
+  // Exact counts of the Hugging Face checkpoints.
+  EXPECT_EQ(resolve_model("llama2-7b").parameters(), 6738415616.0);
+  EXPECT_EQ(resolve_model("llama3-8b").parameters(), 8030261248.0);
+}
+
+TEST(ModelSpec, Sc21Table1PresetsMatchThePaper) {
+  const json v = read_json_file(
+      std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json", "v");
+  const char* names[] = {"gpt-1.7b",  "gpt-3.6b",   "gpt-7.5b",   "gpt-18.4b",  "gpt-39.1b",
+                         "gpt-76.1b", "gpt-145.6b", "gpt-310.1b", "gpt-529.6b", "gpt-1t"};
+  const json& rows = v["table1_weak_scaling"]["rows"];
+  ASSERT_EQ(rows.size(), std::size(names));
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const ModelSpec m = resolve_model(names[i]);
+    EXPECT_EQ(m.num_attention_heads, rows[i][1].get<int64_t>()) << names[i];
+    EXPECT_EQ(m.hidden_size, rows[i][2].get<int64_t>()) << names[i];
+    EXPECT_EQ(m.num_layers, rows[i][3].get<int64_t>()) << names[i];
+    // The table prints the count rounded to 0.1 billion.
+    EXPECT_NEAR(m.parameters() / 1e9, rows[i][0].get<double>(), 0.05) << names[i];
+    EXPECT_NEAR(m.parameters() / eq2_parameters(m), 1.0, 1e-3) << names[i];
+  }
+}
+
+TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
+  ModelSpec m = resolve_model("llama3-8b");
+  const double gqa = m.parameters_per_layer();
+  m.num_query_groups = 0;  // plain multi-head attention
+  const double h = m.hidden_size, kv = 8 * 128;
+  EXPECT_EQ(m.parameters_per_layer() - gqa, 2 * h * (h - kv));
+}
+
+// ---- presets ----
+
+TEST(Presets, EveryPresetLoadsAndValidates) {
+  EXPECT_EQ(model_preset_names().size(), 16u);
+  for (const std::string& name : model_preset_names()) {
+    const ModelSpec m = resolve_model(name);
+    EXPECT_EQ(m.name, name);
+    EXPECT_NO_THROW(m.validate()) << name;
+  }
+  EXPECT_EQ(cluster_preset_names(), (std::vector<std::string>{"dgx-a100-80gb", "dgx-h100"}));
+  for (const std::string& name : cluster_preset_names()) {
+    const ClusterSpec c = resolve_cluster(name);
+    EXPECT_EQ(c.name, name);
+    EXPECT_EQ(c.num_gpus(), 8);
+  }
+  EXPECT_EQ(profile_preset_names(), (std::vector<std::string>{"a100-80gb", "h100-sxm"}));
+  for (const std::string& name : profile_preset_names()) {
+    const HardwareProfile p = resolve_profile(name);
+    EXPECT_EQ(p.name, name);
+    EXPECT_FALSE(p.sources.empty());
+  }
+}
+
+TEST(Presets, ClusterFacts) {
+  const ClusterSpec a = resolve_cluster("dgx-a100-80gb");
+  EXPECT_EQ(a.gpu.peak_tflops_16bit, 312);
+  EXPECT_EQ(a.nvlink_bandwidth_gbps, 300);
+  EXPECT_EQ(a.nic_bandwidth_gbps, 25);
+  ASSERT_EQ(a.tiers.size(), 2u);
+  EXPECT_EQ(a.tiers[0].nodes_per_switch, 20);
+  EXPECT_EQ(default_profile_for(a).name, "a100-80gb");
+  const ClusterSpec h = resolve_cluster("dgx-h100");
+  EXPECT_EQ(h.gpu.peak_tflops_16bit, 989);
+  EXPECT_EQ(default_profile_for(h).name, "h100-sxm");
+  ClusterSpec other = h;
+  other.gpu.name = "Some GPU";
+  EXPECT_EQ(default_profile_for(other).name, "a100-80gb");
+}
+
+TEST(Presets, UnknownNameListsPresets) {
+  EXPECT_EQ(field_of([] { resolve_model("gpt-9000"); }), "model");
+  EXPECT_NE(message_of([] { resolve_model("gpt-9000"); }).find("gpt3-175b"), std::string::npos);
+  EXPECT_EQ(field_of([] { resolve_cluster("selene"); }), "cluster");
+  EXPECT_EQ(field_of([] { resolve_profile("/no/such/profile.json"); }), "profile");
+}
+
+// ---- JSON round trips ----
+
+TEST(Json, RoundTripsAreExact) {
+  for (const std::string& name : model_preset_names()) {
+    const json j = to_json(resolve_model(name));
+    EXPECT_EQ(to_json(model_from_json(j)), j) << name;
+  }
+  for (const std::string& name : cluster_preset_names()) {
+    const json j = to_json(resolve_cluster(name));
+    EXPECT_EQ(to_json(cluster_from_json(j)), j) << name;
+  }
+  for (const std::string& name : profile_preset_names()) {
+    const json j = to_json(resolve_profile(name));
+    EXPECT_EQ(to_json(profile_from_json(j)), j) << name;
+  }
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.pipeline_parallel = 4;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.recompute = Recompute::kSelective;
+  p.sequence_parallel = true;
+  p.layers_per_stage = {23, 25, 24, 24};
+  const json j = to_json(p);
+  EXPECT_EQ(j["schedule"], "interleaved");
+  EXPECT_EQ(j["recompute"], "selective");
+  EXPECT_EQ(to_json(plan_from_json(j)), j);
+}
+
+TEST(Json, DocumentationKeysAreIgnored) {
+  json j = model_json();
+  j["note"] = "a note";
+  j["hidden_size_source"] = "a paper";
+  EXPECT_NO_THROW(model_from_json(j));
+  json c = to_json(resolve_cluster("dgx-h100"));
+  c["gpu"]["memory_gib_note"] = "HBM3";
+  c["tiers"][0]["latency_us_source"] = "datasheet";
+  EXPECT_NO_THROW(cluster_from_json(c));
+}
+
+TEST(Json, EnumStrings) {
+  for (Schedule s :
+       {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B, Schedule::kZeroBubbleH1})
+    EXPECT_EQ(schedule_from_string(to_string(s)), s);
+  for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+    EXPECT_EQ(recompute_from_string(to_string(r)), r);
+  EXPECT_EQ(field_of([] { schedule_from_string("1F1B-fast"); }), "--pipeline-schedule");
+  EXPECT_EQ(field_of([] { recompute_from_string("partial"); }), "--recompute-granularity");
+  json p = to_json(ParallelPlan{});
+  p["schedule"] = "pipedream";
+  EXPECT_EQ(field_of([&] { plan_from_json(p); }), "schedule");
+}
+
+// ---- Hugging Face config.json ----
+
+TEST(HuggingFace, LlamaConfig) {
+  const std::string path = write_temp("llama_config.json", R"({
+    "_name_or_path": "meta-llama/Meta-Llama-3-8B", "architectures": ["LlamaForCausalLM"],
+    "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,
+    "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": null, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+    "vocab_size": 128256})");
+  const ModelSpec m = resolve_model(path);
+  EXPECT_EQ(m.name, "meta-llama/Meta-Llama-3-8B");
+  EXPECT_EQ(m.num_layers, 32);
+  EXPECT_EQ(m.query_groups(), 8);
+  EXPECT_EQ(m.ffn_hidden(), 14336);
+  EXPECT_EQ(m.seq_length, 8192);
+  EXPECT_TRUE(m.swiglu);
+  EXPECT_TRUE(m.untie_embeddings_and_output_weights);  // llama: untied unless stated
+  EXPECT_FALSE(m.learned_position_embeddings);
+  EXPECT_EQ(m.parameters(), resolve_model("llama3-8b").parameters());
+}
+
+TEST(HuggingFace, DefaultsForOtherModels) {
+  const json j = {
+      {"model_type", "gpt_neox"},       {"hidden_act", "gelu"},      {"hidden_size", 2048},
+      {"num_hidden_layers", 24},        {"num_attention_heads", 16}, {"vocab_size", 50304},
+      {"max_position_embeddings", 2048}};
+  const ModelSpec m = model_from_json(j);
+  EXPECT_EQ(m.query_groups(), 16);
+  EXPECT_EQ(m.ffn_hidden(), 4 * 2048);
+  EXPECT_FALSE(m.swiglu);
+  EXPECT_FALSE(m.untie_embeddings_and_output_weights);  // tied unless stated
+  EXPECT_TRUE(m.learned_position_embeddings);
+  json bad = j;
+  bad["num_key_value_heads"] = "8";
+  EXPECT_EQ(field_of([&] { model_from_json(bad); }), "num_key_value_heads");
+}
+
+// ---- bad input ----
+
+TEST(BadInput, Files) {
+  EXPECT_EQ(message_of([] { read_json_file("/no/such/file.json", "cluster"); }),
+            "cluster: cannot open '/no/such/file.json'");
+  const std::string truncated = write_temp("truncated.json", R"({"num_layers": 96, "hidden_)");
+  EXPECT_EQ(field_of([&] { resolve_model(truncated); }), "model");
+  EXPECT_NE(message_of([&] { resolve_model(truncated); }).find("invalid JSON at byte"),
+            std::string::npos);
+  const std::string random = write_temp("random.json", std::string("\x8f\x01\xff{\x00z", 6));
+  EXPECT_EQ(field_of([&] { resolve_cluster(random); }), "cluster");
+  const std::string array = write_temp("array.json", "[1, 2]");
+  EXPECT_EQ(message_of([&] { resolve_model(array); }), "model: expected a JSON object, got array");
+  EXPECT_EQ(field_of([&] { resolve_profile(array); }), "profile");
+}
+
+TEST(BadInput, ModelSizesAndTypes) {
+  auto with = [](const std::string& key, const json& value) {
+    json j = model_json();
+    j[key] = value;
+    return [j] { model_from_json(j); };
+  };
+  EXPECT_EQ(message_of(with("hidden_size", -4)), "hidden_size: must be positive, got -4");
+  EXPECT_EQ(field_of(with("num_layers", 0)), "num_layers");
+  EXPECT_EQ(field_of(with("vocab_size", 0)), "vocab_size");
+  EXPECT_EQ(field_of(with("hidden_size", "12288")), "hidden_size");
+  EXPECT_EQ(field_of(with("num_layers", 2.5)), "num_layers");
+  EXPECT_NO_THROW(with("num_layers", 96.0)());
+  EXPECT_EQ(field_of(with("swiglu", "yes")), "swiglu");
+  EXPECT_EQ(field_of(with("name", 7)), "name");
+  EXPECT_EQ(field_of(with("hidden_sise", 12288)), "hidden_sise");  // typo
+  EXPECT_EQ(field_of(with("hidden_size", 12290)), "hidden_size");  // not divisible by heads
+  EXPECT_EQ(field_of(with("num_query_groups", 5)), "num_query_groups");
+  EXPECT_EQ(field_of(with("num_query_groups", -1)), "num_query_groups");
+  EXPECT_EQ(field_of([] { model_from_json(json(42)); }), "model");
+}
+
+TEST(BadInput, ClusterAndProfile) {
+  json c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["gpu"]["memory_gib"] = "80";
+  EXPECT_EQ(field_of([&] { cluster_from_json(c); }), "gpu.memory_gib");
+  c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["tiers"][1]["oversubscription"] = 0.5;
+  EXPECT_EQ(field_of([&] { cluster_from_json(c); }), "tiers[1].oversubscription");
+  c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["gpus_per_node"] = 0;
+  EXPECT_EQ(field_of([&] { cluster_from_json(c); }), "gpus_per_node");
+  c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["gpu"] = json::array();
+  EXPECT_EQ(message_of([&] { cluster_from_json(c); }), "gpu: expected a JSON object, got array");
+  c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["nvlink_bw"] = 300;
+  EXPECT_EQ(field_of([&] { cluster_from_json(c); }), "nvlink_bw");
+
+  json p = to_json(resolve_profile("a100-80gb"));
+  p["nvlink"]["bandwidth"] = 1;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "nvlink.bandwidth");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["max_efficiency"] = 1.5;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.max_efficiency");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["sources"] = {"ok", 3};
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "sources");
+}
+
+// ---- cluster ----
+
+TEST(ClusterSpec, Resize) {
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(1024);
+  EXPECT_EQ(c.num_nodes, 128);
+  EXPECT_EQ(c.num_gpus(), 1024);
+  EXPECT_EQ(message_of([&] { c.resize(1001); }),
+            "num_gpus: 1001 is not a multiple of gpus_per_node (8)");
+  EXPECT_EQ(field_of([&] { c.resize(0); }), "num_gpus");
+  c.resize(4);
+  EXPECT_EQ(c.num_nodes, 1);
+  EXPECT_EQ(c.gpus_per_node, 4);
+}
+
+// ---- hardware profile ----
+
+TEST(HardwareProfile, GemmEfficiency) {
+  GemmEfficiency g{0.8, 64, 32, 16};
+  EXPECT_DOUBLE_EQ(g.at(64, 32, 16), 0.8 / 8);
+  EXPECT_NEAR(g.at(1e9, 1e9, 1e9), 0.8, 1e-6);
+  EXPECT_LT(g.at(128, 4096, 4096), g.at(4096, 4096, 4096));
+}
+
+// ---- parallel plan ----
+
+ParallelPlan gpt3_plan() {  // SC'21 Figure 12 / a Table 1-like layout for GPT-3 175B
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.pipeline_parallel = 16;
+  p.data_parallel = 8;
+  p.micro_batch_size = 1;
+  p.global_batch_size = 1536;
+  p.recompute = Recompute::kFull;
+  return p;
+}
+
+TEST(ParallelPlan, ValidPlansAndStages) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  ParallelPlan p = gpt3_plan();
+  EXPECT_NO_THROW(p.validate(m));
+  EXPECT_EQ(p.num_gpus(), 1024);
+  EXPECT_EQ(p.num_microbatches(), 192);
+  EXPECT_EQ(p.layers_on_stage(m, 15), 6);
+  p.virtual_stages = 3;
+  p.schedule = Schedule::kInterleaved1F1B;
+  EXPECT_NO_THROW(p.validate(m));
+  p = gpt3_plan();
+  p.pipeline_parallel = 5;
+  p.layers_per_stage = {18, 20, 20, 20, 18};
+  p.global_batch_size = 1600;
+  EXPECT_NO_THROW(p.validate(m));
+  EXPECT_EQ(p.layers_on_stage(m, 1), 20);
+  EXPECT_NE(p.megatron_flags(m).find(
+                "--decoder-first-pipeline-num-layers 18 --decoder-last-pipeline-num-layers 18"),
+            std::string::npos);
+  p = gpt3_plan();
+  p.data_parallel = 1;
+  p.global_batch_size = 16;
+  p.distributed_optimizer = true;  // allowed, if pointless
+  EXPECT_NO_THROW(p.validate(m));
+}
+
+TEST(ParallelPlan, RejectsPlansMegatronCannotRun) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  auto check = [&](const std::function<void(ParallelPlan&)>& change) {
+    ParallelPlan p = gpt3_plan();
+    change(p);
+    return error_of([&] { p.validate(m); });
+  };
+  auto field = [&](const std::function<void(ParallelPlan&)>& change) {
+    const std::string e = check(change);
+    return e.substr(0, e.find('|'));
+  };
+  EXPECT_EQ(check([](ParallelPlan& p) { p.tensor_parallel = 5; }),
+            "--tensor-model-parallel-size|--tensor-model-parallel-size: 5 does not divide "
+            "num_attention_heads (96)");
+  EXPECT_EQ(check([](ParallelPlan& p) {
+              p.data_parallel = 64;
+              p.micro_batch_size = 2;
+              p.global_batch_size = 1000;
+            }),
+            "--global-batch-size|--global-batch-size: 1000 is not divisible by data-parallel "
+            "size * micro-batch size (64 * 2)");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.tensor_parallel = 0; }), "--tensor-model-parallel-size");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.micro_batch_size = -1; }), "--micro-batch-size");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.pipeline_parallel = 128; }),
+            "--pipeline-model-parallel-size");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.pipeline_parallel = 7; }),
+            "--pipeline-model-parallel-size");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.layers_per_stage = {6, 6}; }), "layers_per_stage");
+  EXPECT_EQ(field([](ParallelPlan& p) { p.layers_per_stage.assign(16, 5); }), "layers_per_stage");
+  const std::string vp = "--num-layers-per-virtual-pipeline-stage";
+  EXPECT_EQ(field([](ParallelPlan& p) { p.virtual_stages = 2; }), vp);  // schedule is 1f1b
+  EXPECT_EQ(field([](ParallelPlan& p) {
+              p.virtual_stages = 4;  // 6 layers per stage
+              p.schedule = Schedule::kInterleaved1F1B;
+            }),
+            vp);
+  EXPECT_EQ(field([](ParallelPlan& p) {
+              p.virtual_stages = 2;
+              p.schedule = Schedule::kInterleaved1F1B;
+              p.global_batch_size = 8 * 24;  // 24 microbatches, not a multiple of 16
+            }),
+            vp);
+  EXPECT_EQ(field([](ParallelPlan& p) {
+              p.pipeline_parallel = 1;
+              p.data_parallel = 1;
+              p.virtual_stages = 2;
+              p.schedule = Schedule::kInterleaved1F1B;
+            }),
+            vp);
+  EXPECT_EQ(check([](ParallelPlan& p) {
+              p.tensor_parallel = 1;
+              p.sequence_parallel = true;
+            }),
+            "--sequence-parallel|--sequence-parallel: needs tensor-model-parallel-size > 1");
+
+  ModelSpec gqa = resolve_model("llama3-70b");  // 8 query groups
+  ParallelPlan p;
+  p.tensor_parallel = 16;
+  p.pipeline_parallel = 5;
+  EXPECT_NE(error_of([&] { p.validate(gqa); }).find("num_query_groups (8)"), std::string::npos);
+}
+
+TEST(ParallelPlan, MegatronFlags) {
+  const ModelSpec gpt3 = resolve_model("gpt3-175b");
+  ParallelPlan p = gpt3_plan();
+  p.distributed_optimizer = true;
+  EXPECT_EQ(p.megatron_flags(gpt3),
+            "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 "
+            "--max-position-embeddings 2048 --vocab-size 51200 --tensor-model-parallel-size 8 "
+            "--pipeline-model-parallel-size 16 --micro-batch-size 1 --global-batch-size 1536 "
+            "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+            "--use-distributed-optimizer --accumulate-allreduce-grads-in-fp32");
+
+  const ModelSpec llama = resolve_model("llama3-70b");
+  ParallelPlan q;
+  q.tensor_parallel = 8;
+  q.pipeline_parallel = 4;
+  q.data_parallel = 2;
+  q.virtual_stages = 5;
+  q.schedule = Schedule::kInterleaved1F1B;
+  q.global_batch_size = 128;
+  q.recompute = Recompute::kSelective;
+  q.sequence_parallel = true;
+  q.overlap_grad_reduce = true;
+  q.fp32_grad_reduce = false;
+  EXPECT_NO_THROW(q.validate(llama));
+  EXPECT_EQ(q.megatron_flags(llama),
+            "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --seq-length 8192 "
+            "--max-position-embeddings 8192 --vocab-size 128256 --ffn-hidden-size 28672 "
+            "--group-query-attention --num-query-groups 8 --swiglu --disable-bias-linear "
+            "--normalization RMSNorm --untie-embeddings-and-output-weights "
+            "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
+            "--num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
+            "--global-batch-size 128 --recompute-granularity selective --sequence-parallel "
+            "--overlap-grad-reduce --position-embedding-type rope");
+}
+
+}  // namespace
+}  // namespace ptdp

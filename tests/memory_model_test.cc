@@ -1,0 +1,110 @@
+// The memory model against the closed forms of DESIGN.md (Korthikanti et al. 2022, Table 2;
+// 18 bytes per parameter; 6 + 12/d with the distributed optimizer; in-flight microbatches).
+#include <gtest/gtest.h>
+
+#include "core/layer_ops.h"
+#include "core/presets.h"
+#include "planner/cost_model.h"
+
+namespace ptdp {
+namespace {
+
+ModelSpec gpt175() { return resolve_model("gpt3-175b"); }
+
+TEST(ActivationMemory, MatchesKorthikantiTable2) {
+  const ModelSpec m = gpt175();
+  const double s = 2048, h = 12288, a = 96;
+  for (int64_t b : {1, 2}) {
+    for (int64_t t : {1, 2, 8}) {
+      const double sbh = s * static_cast<double>(b) * h, td = static_cast<double>(t);
+      const LayerShape none{t, b, false, Recompute::kNone};
+      const double expect = t == 1 ? sbh * (34 + 5 * a * s / h) : sbh * (10 + 24 / td + 5 * a * s / (h * td));
+      EXPECT_NEAR(layer_activation_bytes(m, none), expect, expect * 1e-12) << "t=" << t << " b=" << b;
+      const LayerShape sel{t, b, false, Recompute::kSelective};
+      const double expect_sel = t == 1 ? sbh * 34 : sbh * (10 + 24 / td);
+      EXPECT_NEAR(layer_activation_bytes(m, sel), expect_sel, expect_sel * 1e-12);
+      const LayerShape full{t, b, false, Recompute::kFull};
+      EXPECT_DOUBLE_EQ(layer_activation_bytes(m, full), 2 * sbh);
+      if (t > 1) {
+        const LayerShape sp{t, b, true, Recompute::kNone};
+        const double expect_sp = sbh * (34 + 5 * a * s / h) / td;
+        EXPECT_NEAR(layer_activation_bytes(m, sp), expect_sp, expect_sp * 1e-12);
+        const LayerShape sp_sel{t, b, true, Recompute::kSelective};
+        EXPECT_NEAR(layer_activation_bytes(m, sp_sel), sbh * 34 / td, sbh * 34 / td * 1e-12);
+        const LayerShape sp_full{t, b, true, Recompute::kFull};
+        EXPECT_DOUBLE_EQ(layer_activation_bytes(m, sp_full), 2 * sbh / td);
+      }
+    }
+  }
+}
+
+TEST(ActivationMemory, GqaAndSwigluShrinkAndGrowTheRightTerms) {
+  ModelSpec m = resolve_model("llama2-70b");
+  const LayerShape shape{8, 1, true, Recompute::kSelective};
+  const double gqa = layer_activation_bytes(m, shape);
+  m.num_query_groups = m.num_attention_heads;  // no GQA: K and V as large as Q
+  EXPECT_GT(layer_activation_bytes(m, shape), gqa);
+}
+
+ClusterSpec a100(int64_t gpus) {
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(gpus);
+  return c;
+}
+
+TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
+  const ModelSpec m = gpt175();
+  const ClusterSpec c = a100(1024);
+  CostModel cost(m, c, resolve_profile("a100-80gb"));
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.pipeline_parallel = 16;
+  p.data_parallel = 8;
+  p.global_batch_size = 1024;
+  p.recompute = Recompute::kFull;
+  const MemoryBreakdown plain = cost.memory(p);
+  const double params = plain.weights / 2.0;
+  EXPECT_DOUBLE_EQ(plain.weights + plain.gradients + plain.optimizer, 18.0 * params);
+  p.distributed_optimizer = true;
+  const MemoryBreakdown dist = cost.memory(p);
+  EXPECT_DOUBLE_EQ(dist.weights + dist.gradients + dist.optimizer, (6.0 + 12.0 / 8.0) * params);
+  // The most loaded rank's parameters: 6 layers plus the word and position embeddings, / t.
+  const double expect = (6 * m.parameters_per_layer() + m.embedding_parameters()) / 8;
+  EXPECT_DOUBLE_EQ(params, expect);
+}
+
+TEST(StateMemory, ActivationsFollowTheScheduleInFlightCounts) {
+  const ModelSpec m = gpt175();
+  const double p = 8, v = 3, layers = 12;
+  ParallelPlan plan;
+  plan.pipeline_parallel = 8;
+  plan.global_batch_size = 64;
+  plan.schedule = Schedule::k1F1B;
+  // 1F1B: the first stage holds p microbatches, the last one 1.
+  EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 0, 12), p * layers);
+  EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 7, 12), 1 * layers);
+  // Interleaving multiplies the first stage's by (1 + (p-1)/(p v)).
+  plan.schedule = Schedule::kInterleaved1F1B;
+  plan.virtual_stages = 3;
+  EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 0, 12), p * layers * (1 + (p - 1) / (p * v)));
+  // GPipe keeps every microbatch.
+  plan.schedule = Schedule::kGPipe;
+  EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 0, 12), 64 * layers);
+  // Fewer microbatches than stages: at most m in flight.
+  plan.schedule = Schedule::k1F1B;
+  plan.global_batch_size = 4;
+  EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 0, 12), 4 * layers);
+  (void)m;
+}
+
+TEST(StateMemory, LargerModelsStopFitting) {
+  const ModelSpec m = resolve_model("gpt-1t");
+  CostModel cost(m, a100(8), resolve_profile("a100-80gb"));
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.global_batch_size = 8;
+  EXPECT_FALSE(cost.memory(p).fits);
+}
+
+}  // namespace
+}  // namespace ptdp

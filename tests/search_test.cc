@@ -1,0 +1,80 @@
+#include <gtest/gtest.h>
+
+#include "core/presets.h"
+#include "planner/search.h"
+
+namespace ptdp {
+namespace {
+
+struct Job {
+  ModelSpec m = resolve_model("gpt3-175b");
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  HardwareProfile h = resolve_profile("a100-80gb");
+  Job(int64_t gpus) { c.resize(gpus); }
+};
+
+TEST(Search, SameResultForAnyThreadCount) {
+  Job j(256);
+  SearchOptions o;
+  o.global_batch_size = 512;
+  o.top_k = 20;
+  o.threads = 1;
+  const SearchResult one = search_plans(j.m, j.c, j.h, o);
+  o.threads = 2;
+  const SearchResult two = search_plans(j.m, j.c, j.h, o);
+  o.threads = 7;
+  const SearchResult seven = search_plans(j.m, j.c, j.h, o);
+  ASSERT_EQ(one.top.size(), 20u);
+  for (const SearchResult* r : {&two, &seven}) {
+    ASSERT_EQ(r->top.size(), one.top.size());
+    for (size_t i = 0; i < one.top.size(); ++i) {
+      EXPECT_EQ(plan_summary(r->top[i].plan), plan_summary(one.top[i].plan)) << i;
+      EXPECT_EQ(r->top[i].prediction.iteration_time_s, one.top[i].prediction.iteration_time_s);
+    }
+    EXPECT_EQ(r->considered, one.considered);
+    EXPECT_EQ(r->evaluated, one.evaluated);
+    EXPECT_EQ(r->rejected, one.rejected);
+  }
+}
+
+TEST(Search, RankedValidFittingAndExplained) {
+  Job j(512);
+  SearchOptions o;
+  o.global_batch_size = 1024;
+  o.top_k = 10;
+  const SearchResult r = search_plans(j.m, j.c, j.h, o);
+  ASSERT_EQ(r.top.size(), 10u);
+  for (size_t i = 0; i < r.top.size(); ++i) {
+    EXPECT_NO_THROW(r.top[i].plan.validate(j.m));
+    EXPECT_TRUE(r.top[i].prediction.memory.fits);
+    EXPECT_EQ(r.top[i].plan.num_gpus(), 512);
+    if (i > 0) {
+      EXPECT_GE(r.top[i].prediction.iteration_time_s, r.top[i - 1].prediction.iteration_time_s);
+      EXPECT_NE(loses_because(r.top[0].prediction, r.top[i].prediction), "");
+    }
+  }
+  // 175B does not fit without model parallelism: memory must have rejected something.
+  EXPECT_GT(r.rejected.at("does not fit in GPU memory"), 0);
+  EXPECT_GT(r.considered, r.evaluated);
+}
+
+TEST(Search, ExplanationNamesTheComponentThatGrew) {
+  Prediction a, b;
+  a.breakdown.compute = b.breakdown.compute = 1.0;
+  a.breakdown.bubble = 0.1;
+  b.breakdown.bubble = 0.5;
+  b.breakdown.tp_comm = 0.05;
+  EXPECT_EQ(loses_because(a, b).rfind("pipeline bubble", 0), 0u);
+}
+
+TEST(Search, PlanDifferenceListsChangedFields) {
+  ParallelPlan a, b;
+  a.pipeline_parallel = 16;
+  b.pipeline_parallel = 8;
+  b.recompute = Recompute::kSelective;
+  EXPECT_EQ(plan_difference(a, b), "p 16->8, recompute none->selective");
+  EXPECT_EQ(plan_difference(a, a), "same configuration");
+}
+
+}  // namespace
+}  // namespace ptdp
