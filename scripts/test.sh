@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Builds ptdp (if needed) and runs the whole test suite. Usage: scripts/test.sh [build-dir] [cmake args...]
+# Builds ptdp and runs the whole test suite. Usage: scripts/test.sh [build-dir] [cmake args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build=${1:-build}; shift || true
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-ninja -C "$build" -j2
+build=${1:-build}
+scripts/build.sh "$@"
 ctest --test-dir "$build" -j2 --output-on-failure
