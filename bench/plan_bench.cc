@@ -25,8 +25,8 @@ void BM_Plan1T(benchmark::State& state) {
   }
   state.counters["configs"] = static_cast<double>(considered);
   state.counters["priced"] = static_cast<double>(evaluated);
-  state.counters["configs_per_s"] =
-      benchmark::Counter(static_cast<double>(considered), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["configs_per_s"] = benchmark::Counter(
+      static_cast<double>(considered), benchmark::Counter::kIsIterationInvariantRate);
 }
 BENCHMARK(BM_Plan1T)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -46,7 +46,8 @@ void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
     b->required();
   }
   app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
-  app.add_option("--recompute-granularity", recompute_granularity, "full or selective (default: none)");
+  app.add_option("--recompute-granularity", recompute_granularity,
+                 "full or selective (default: none)");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
@@ -109,25 +110,28 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) co
   ParallelPlan p;
   p.global_batch_size = global_batch_size.value_or(0);
   if (p.global_batch_size <= 0) {
-    throw InputError("--global-batch-size", "must be positive, got " + std::to_string(p.global_batch_size));
+    throw InputError("--global-batch-size",
+                     "must be positive, got " + std::to_string(p.global_batch_size));
   }
   p.tensor_parallel = tensor_parallel.value_or(1);
   p.pipeline_parallel = pipeline_parallel.value_or(1);
   p.micro_batch_size = micro_batch_size.value_or(1);
   if (p.tensor_parallel <= 0) throw InputError("--tensor-model-parallel-size", "must be positive");
-  if (p.pipeline_parallel <= 0) throw InputError("--pipeline-model-parallel-size", "must be positive");
+  if (p.pipeline_parallel <= 0)
+    throw InputError("--pipeline-model-parallel-size", "must be positive");
   if (p.micro_batch_size <= 0) throw InputError("--micro-batch-size", "must be positive");
   const int64_t tp = p.tensor_parallel * p.pipeline_parallel;
   if (c.num_gpus() % tp != 0) {
-    throw InputError("--num-gpus", std::to_string(c.num_gpus()) + " GPUs are not a multiple of t * p = " +
-                                       std::to_string(tp));
+    throw InputError("--num-gpus", std::to_string(c.num_gpus()) +
+                                       " GPUs are not a multiple of t * p = " + std::to_string(tp));
   }
   p.data_parallel = c.num_gpus() / tp;
   if (layers_per_virtual_stage) {
     const int64_t k = *layers_per_virtual_stage;
     if (k <= 0 || m.num_layers % (p.pipeline_parallel * k) != 0) {
       throw InputError("--num-layers-per-virtual-pipeline-stage",
-                       std::to_string(k) + " does not divide the " + std::to_string(m.num_layers / p.pipeline_parallel) +
+                       std::to_string(k) + " does not divide the " +
+                           std::to_string(m.num_layers / p.pipeline_parallel) +
                            " layers of a pipeline stage");
     }
     p.virtual_stages = m.num_layers / (p.pipeline_parallel * k);

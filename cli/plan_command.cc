@@ -27,8 +27,8 @@ struct PlanFlags {
 
 void print_table(std::ostream& out, const SearchResult& r) {
   char buf[320];
-  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %8s %6s %8s  %s\n", "rank", "configuration", "iter s",
-                "TFLOP/s", "MFU", "mem GiB", "loses to #1 by");
+  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %8s %6s %8s  %s\n", "rank", "configuration",
+                "iter s", "TFLOP/s", "MFU", "mem GiB", "loses to #1 by");
   out << buf;
   for (size_t i = 0; i < r.top.size(); ++i) {
     const RankedPlan& rp = r.top[i];
@@ -41,8 +41,8 @@ void print_table(std::ostream& out, const SearchResult& r) {
       why = slower + loses_because(r.top[0].prediction, p);
     }
     std::snprintf(buf, sizeof buf, "%-4zu %-34s %9.3f %8.1f %5.1f%% %8.1f  %s\n", i + 1,
-                  plan_summary(rp.plan).c_str(), p.iteration_time_s, p.model_tflops_per_gpu, 100 * p.mfu,
-                  to_gib(p.memory.peak), why.c_str());
+                  plan_summary(rp.plan).c_str(), p.iteration_time_s, p.model_tflops_per_gpu,
+                  100 * p.mfu, to_gib(p.memory.peak), why.c_str());
     out << buf;
   }
 }
@@ -111,9 +111,10 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
 
   char buf[256];
   out << "ptdp plan: " << describe_job(m, c, base.global_batch_size) << "\n";
-  std::snprintf(buf, sizeof buf, "searched %lld configurations in %.3f s (%.0f per second); %lld fit in memory\n\n",
-                static_cast<long long>(r.considered), r.seconds, static_cast<double>(r.considered) / r.seconds,
-                static_cast<long long>(r.evaluated));
+  std::snprintf(buf, sizeof buf,
+                "searched %lld configurations in %.3f s (%.0f per second); %lld fit in memory\n\n",
+                static_cast<long long>(r.considered), r.seconds,
+                static_cast<double>(r.considered) / r.seconds, static_cast<long long>(r.evaluated));
   out << buf;
   print_table(out, r);
   out << "\nbest plan as Megatron-LM flags:\n  " << best.plan.megatron_flags(m) << "\n";
@@ -122,16 +123,18 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     for (const auto& [why, n] : r.rejected) out << "  " << n << "  " << why << "\n";
   }
   if (baseline) {
-    std::snprintf(buf, sizeof buf, "\nyour configuration (%s): %.3f s/iteration%s; the best plan is %.1f%% faster: %s\n",
-                  plan_summary(base).c_str(), baseline->iteration_time_s,
-                  baseline->memory.fits ? "" : ", does NOT fit in memory",
-                  100 * (baseline->iteration_time_s / best.prediction.iteration_time_s - 1),
-                  plan_difference(base, best.plan).c_str());
+    std::snprintf(
+        buf, sizeof buf,
+        "\nyour configuration (%s): %.3f s/iteration%s; the best plan is %.1f%% faster: %s\n",
+        plan_summary(base).c_str(), baseline->iteration_time_s,
+        baseline->memory.fits ? "" : ", does NOT fit in memory",
+        100 * (baseline->iteration_time_s / best.prediction.iteration_time_s - 1),
+        plan_difference(base, best.plan).c_str());
     out << buf;
   }
   if (tokens > 0) {
-    std::snprintf(buf, sizeof buf, "\ntraining on %.3g tokens: %.1f days, %.3g GPU-hours\n", tokens, days,
-                  days * 24.0 * static_cast<double>(c.num_gpus()));
+    std::snprintf(buf, sizeof buf, "\ntraining on %.3g tokens: %.1f days, %.3g GPU-hours\n", tokens,
+                  days, days * 24.0 * static_cast<double>(c.num_gpus()));
     out << buf;
   }
   return 0;

@@ -11,7 +11,8 @@
 namespace ptdp {
 
 Action add_predict_command(CLI::App& app) {
-  auto* sub = app.add_subcommand("predict", "predict iteration time, throughput and memory of one configuration");
+  auto* sub = app.add_subcommand(
+      "predict", "predict iteration time, throughput and memory of one configuration");
   auto flags = std::make_shared<JobFlags>();
   flags->add_to(*sub, /*plan_flags_required=*/true);
   return [flags](std::ostream& out, std::ostream&) {

@@ -28,16 +28,17 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
                  {"peak_gib", to_gib(r.memory.peak)},
                  {"capacity_gib", to_gib(r.memory.capacity)}};
   const TimeBreakdown& b = r.breakdown;
-  j["breakdown"] = {{"compute_s", b.compute},   {"recompute_s", b.recompute},
-                    {"tp_comm_s", b.tp_comm},   {"pp_comm_s", b.pp_comm},
-                    {"dp_comm_s", b.dp_comm},   {"bubble_s", b.bubble},
+  j["breakdown"] = {{"compute_s", b.compute},    {"recompute_s", b.recompute},
+                    {"tp_comm_s", b.tp_comm},    {"pp_comm_s", b.pp_comm},
+                    {"dp_comm_s", b.dp_comm},    {"bubble_s", b.bubble},
                     {"optimizer_s", b.optimizer}};
   return j;
 }
 
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%s (%.1fB parameters) on %lld x %s (%lld nodes), global batch %lld, sequence %lld",
+  std::snprintf(buf, sizeof buf,
+                "%s (%.1fB parameters) on %lld x %s (%lld nodes), global batch %lld, sequence %lld",
                 m.name.c_str(), m.parameters() / 1e9, static_cast<long long>(c.num_gpus()),
                 c.gpu.name.c_str(), static_cast<long long>(c.num_nodes),
                 static_cast<long long>(global_batch), static_cast<long long>(m.seq_length));
@@ -48,40 +49,50 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                       const ParallelPlan& p, const Prediction& r) {
   char buf[256];
   out << describe_job(m, c, p.global_batch_size) << "\n";
-  std::snprintf(buf, sizeof buf, "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches, schedule %s, recompute %s%s%s\n\n",
-                static_cast<long long>(p.tensor_parallel), static_cast<long long>(p.pipeline_parallel),
-                static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
-                static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
-                to_string(p.schedule).c_str(), to_string(p.recompute).c_str(),
-                p.sequence_parallel ? ", sequence parallel" : "",
-                p.distributed_optimizer ? ", distributed optimizer" : "");
+  std::snprintf(
+      buf, sizeof buf,
+      "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches, schedule %s, recompute %s%s%s\n\n",
+      static_cast<long long>(p.tensor_parallel), static_cast<long long>(p.pipeline_parallel),
+      static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
+      static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
+      to_string(p.schedule).c_str(), to_string(p.recompute).c_str(),
+      p.sequence_parallel ? ", sequence parallel" : "",
+      p.distributed_optimizer ? ", distributed optimizer" : "");
   out << buf;
   std::snprintf(buf, sizeof buf,
-                "iteration time      %10.3f s\ntokens/s            %10.0f\nmodel TFLOP/s/GPU   %10.1f   (MFU %.1f%%)\n"
+                "iteration time      %10.3f s\ntokens/s            %10.0f\nmodel TFLOP/s/GPU   "
+                "%10.1f   (MFU %.1f%%)\n"
                 "hardware TFLOP/s/GPU%10.1f   (with recomputation)\n\n",
                 r.iteration_time_s, r.tokens_per_s, r.model_tflops_per_gpu, 100 * r.mfu,
                 r.hardware_tflops_per_gpu);
   out << buf;
   const TimeBreakdown& b = r.breakdown;
-  const std::pair<const char*, double> parts[] = {
-      {"compute", b.compute},          {"recompute", b.recompute}, {"tensor-parallel comm", b.tp_comm},
-      {"pipeline bubble", b.bubble},   {"pipeline comm", b.pp_comm}, {"data-parallel comm", b.dp_comm},
-      {"optimizer step", b.optimizer}};
+  const std::pair<const char*, double> parts[] = {{"compute", b.compute},
+                                                  {"recompute", b.recompute},
+                                                  {"tensor-parallel comm", b.tp_comm},
+                                                  {"pipeline bubble", b.bubble},
+                                                  {"pipeline comm", b.pp_comm},
+                                                  {"data-parallel comm", b.dp_comm},
+                                                  {"optimizer step", b.optimizer}};
   out << "time breakdown (exposed)\n";
   for (const auto& [name, s] : parts) {
-    std::snprintf(buf, sizeof buf, "  %-22s %9.3f s  %5.1f%%\n", name, s, 100 * s / r.iteration_time_s);
+    std::snprintf(buf, sizeof buf, "  %-22s %9.3f s  %5.1f%%\n", name, s,
+                  100 * s / r.iteration_time_s);
     out << buf;
   }
   const MemoryBreakdown& mem = r.memory;
   std::snprintf(buf, sizeof buf,
-                "\nmemory, most loaded GPU (GiB)\n  weights %.1f  gradients %.1f  optimizer %.1f  activations %.1f  buffers %.1f\n"
+                "\nmemory, most loaded GPU (GiB)\n  weights %.1f  gradients %.1f  optimizer %.1f  "
+                "activations %.1f  buffers %.1f\n"
                 "  peak %.1f of %.1f: %s\n",
-                to_gib(mem.weights), to_gib(mem.gradients), to_gib(mem.optimizer), to_gib(mem.activations),
-                to_gib(mem.buffers), to_gib(mem.peak), to_gib(mem.capacity), mem.fits ? "fits" : "DOES NOT FIT");
+                to_gib(mem.weights), to_gib(mem.gradients), to_gib(mem.optimizer),
+                to_gib(mem.activations), to_gib(mem.buffers), to_gib(mem.peak),
+                to_gib(mem.capacity), mem.fits ? "fits" : "DOES NOT FIT");
   out << buf;
 }
 
-void write_file_atomically(const std::string& path, const std::string& text, const std::string& flag) {
+void write_file_atomically(const std::string& path, const std::string& text,
+                           const std::string& flag) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);

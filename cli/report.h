@@ -18,6 +18,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                       const ParallelPlan& p, const Prediction& r);
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
 // Writes text to path atomically (temporary file, then rename); InputError(flag) on failure.
-void write_file_atomically(const std::string& path, const std::string& text, const std::string& flag);
+void write_file_atomically(const std::string& path, const std::string& text,
+                           const std::string& flag);
 
 }  // namespace ptdp

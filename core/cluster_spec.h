@@ -13,17 +13,17 @@ namespace ptdp {
 
 struct GpuSpec {
   std::string name;
-  double peak_tflops_16bit = 0;  // dense fp16/bf16 tensor-core peak, TFLOP/s
-  double memory_gib = 0;         // device memory, GiB
-  double hbm_bandwidth_gbps = 0; // device memory bandwidth, GB/s
+  double peak_tflops_16bit = 0;   // dense fp16/bf16 tensor-core peak, TFLOP/s
+  double memory_gib = 0;          // device memory, GiB
+  double hbm_bandwidth_gbps = 0;  // device memory bandwidth, GB/s
 };
 
 // One level of the switch hierarchy above the nodes (leaf, spine, ...).
 struct TopologyTier {
   std::string name;
-  int64_t nodes_per_switch = 0;  // how many nodes one switch of this tier reaches
-  double oversubscription = 1.0; // >= 1; bandwidth up this tier divided by this
-  double latency_us = 0;         // added per crossing of this tier
+  int64_t nodes_per_switch = 0;   // how many nodes one switch of this tier reaches
+  double oversubscription = 1.0;  // >= 1; bandwidth up this tier divided by this
+  double latency_us = 0;          // added per crossing of this tier
 };
 
 struct ClusterSpec {
@@ -34,7 +34,7 @@ struct ClusterSpec {
   double nvlink_bandwidth_gbps = 0;  // per GPU, one direction, GB/s
   double nvlink_latency_us = 0;
   int64_t nics_per_node = 0;
-  double nic_bandwidth_gbps = 0;     // per NIC, one direction, GB/s
+  double nic_bandwidth_gbps = 0;  // per NIC, one direction, GB/s
   double nic_latency_us = 0;
   std::vector<TopologyTier> tiers;
 

@@ -75,14 +75,15 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
   const int64_t batch = s.micro_batch * local_heads;
   const double scores = static_cast<double>(batch) * d.s * d.s;  // elements
   b.gemm("attn_scores", d.si, d.si, d.kvi, batch);
-  b.memory("attn_softmax", scores * kAct * 2);           // read scores, write probabilities
-  b.memory("attn_dropout", scores * (kAct * 2 + 1.0));   // read, write, 1-byte mask
+  b.memory("attn_softmax", scores * kAct * 2);          // read scores, write probabilities
+  b.memory("attn_dropout", scores * (kAct * 2 + 1.0));  // read, write, 1-byte mask
   b.gemm("attn_context", d.si, d.kvi, d.si, batch);
 }
 
 // Entry into a column-parallel block: with sequence parallelism the s/t shard is all-gathered.
 void enter_tp(Builder& b, const LayerShape& s, const Dims& d, const std::string& what) {
-  if (s.sequence_parallel) b.collective(what + "_allgather", Collective::kAllGather, d.T * d.h * kAct);
+  if (s.sequence_parallel)
+    b.collective(what + "_allgather", Collective::kAllGather, d.T * d.h * kAct);
 }
 // Exit of a row-parallel block: partial sums are all-reduced (or reduce-scattered with SP).
 void exit_tp(Builder& b, const LayerShape& s, const Dims& d, const std::string& what) {
@@ -136,9 +137,12 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd) {
         break;
       case OpKind::kCollective: {
         Collective c = f.collective;
-        if (c == Collective::kAllGather) c = Collective::kReduceScatter;
-        else if (c == Collective::kReduceScatter) c = Collective::kAllGather;
-        else if (c == Collective::kAllReduce && f.group == CommGroup::kTensor) continue;
+        if (c == Collective::kAllGather)
+          c = Collective::kReduceScatter;
+        else if (c == Collective::kReduceScatter)
+          c = Collective::kAllGather;
+        else if (c == Collective::kAllReduce && f.group == CommGroup::kTensor)
+          continue;
         b.collective(f.name + "_backward", c, f.bytes, f.group);
         break;
       }
@@ -167,10 +171,14 @@ void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const LayerShape& s, con
 
 std::string to_string(Collective c) {
   switch (c) {
-    case Collective::kAllReduce: return "all-reduce";
-    case Collective::kAllGather: return "all-gather";
-    case Collective::kReduceScatter: return "reduce-scatter";
-    case Collective::kSendRecv: return "send/recv";
+    case Collective::kAllReduce:
+      return "all-reduce";
+    case Collective::kAllGather:
+      return "all-gather";
+    case Collective::kReduceScatter:
+      return "reduce-scatter";
+    case Collective::kSendRecv:
+      return "send/recv";
   }
   return "?";
 }
@@ -195,7 +203,8 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
     // The weight-gradient GEMM writes a fresh 16-bit gradient; a second pass reads it and
     // the main gradient and writes the main gradient.
     Builder b{&p.backward};
-    b.memory("weight_grad_accumulate", m.parameters_per_layer() / static_cast<double>(s.tensor_parallel) *
+    b.memory("weight_grad_accumulate", m.parameters_per_layer() /
+                                           static_cast<double>(s.tensor_parallel) *
                                            (2.0 * kAct + 2.0 * s.main_grad_bytes));
   }
   if (s.recompute == Recompute::kFull) {
@@ -218,10 +227,12 @@ PassOps embedding_ops(const ModelSpec& m, const LayerShape& s) {
   f.memory("embedding_position_dropout", rows * d.h * (kAct * 3 + 1.0));
   Builder bw{&p.backward};
   bw.memory("embedding_dropout_backward", rows * d.h * (kAct * 3 + 1.0));
-  if (s.sequence_parallel) bw.collective("embedding_grad_allgather", Collective::kAllGather, d.T * d.h * kAct);
+  if (s.sequence_parallel)
+    bw.collective("embedding_grad_allgather", Collective::kAllGather, d.T * d.h * kAct);
   bw.memory("word_embedding_grad_scatter_add", d.T * d.h * (kAct + 4.0 * 2));
   if (!s.fused_grad_accumulation) {
-    bw.memory("embedding_grad_accumulate", m.embedding_parameters() / d.t * (2.0 * kAct + 2.0 * s.main_grad_bytes));
+    bw.memory("embedding_grad_accumulate",
+              m.embedding_parameters() / d.t * (2.0 * kAct + 2.0 * s.main_grad_bytes));
   }
   return p;
 }
@@ -255,7 +266,8 @@ PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s) {
   }
   bw.memory("final_layernorm_backward", rows * d.h * kAct * 3);
   if (!s.fused_grad_accumulation) {
-    bw.memory("output_grad_accumulate", static_cast<double>(m.vocab_size) * d.h / d.t * (2.0 * kAct + 2.0 * s.main_grad_bytes));
+    bw.memory("output_grad_accumulate", static_cast<double>(m.vocab_size) * d.h / d.t *
+                                            (2.0 * kAct + 2.0 * s.main_grad_bytes));
   }
   return p;
 }
@@ -272,8 +284,7 @@ double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double replicated = 10.0 * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
-  const double sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh +
-                          (2.0 * gate + 2.0) * d.T * d.ffn;
+  const double sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * d.ffn;
   // Softmax output (2), dropout mask (1) and dropout output (2) per score: 5 a s^2 b.
   const double scores = s.recompute == Recompute::kSelective ? 0.0 : 5.0 * d.heads * d.s * d.T;
   if (s.sequence_parallel) return (replicated + sharded + scores) / t;

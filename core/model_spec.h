@@ -20,11 +20,13 @@ struct ModelSpec {
   int64_t ffn_hidden_size = 0;   // 0: 4 * hidden_size
   int64_t seq_length = 0;
   int64_t vocab_size = 0;
-  bool swiglu = false;                      // gated MLP (three weight matrices)
+  bool swiglu = false;  // gated MLP (three weight matrices)
   bool untie_embeddings_and_output_weights = false;
   bool learned_position_embeddings = true;  // false: rotary (no position table)
 
-  int64_t query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  int64_t query_groups() const {
+    return num_query_groups > 0 ? num_query_groups : num_attention_heads;
+  }
   int64_t ffn_hidden() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
 

@@ -35,9 +35,9 @@ struct ParallelPlan {
   Recompute recompute = Recompute::kNone;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
-  bool overlap_grad_reduce = false;       // --overlap-grad-reduce
-  bool fp32_grad_reduce = true;           // grads kept and reduced in fp32 (Megatron's bf16 default)
-  bool scatter_gather_p2p = true;         // SC'21 scatter/gather optimisation across nodes
+  bool overlap_grad_reduce = false;  // --overlap-grad-reduce
+  bool fp32_grad_reduce = true;      // grads kept and reduced in fp32 (Megatron's bf16 default)
+  bool scatter_gather_p2p = true;    // SC'21 scatter/gather optimisation across nodes
   // Weight-gradient GEMMs accumulate straight into the main gradient buffer
   // (--gradient-accumulation-fusion, Megatron's default since 2022); off, each microbatch
   // adds its gradients to the buffer in a separate pass.

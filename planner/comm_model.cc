@@ -27,10 +27,13 @@ GroupSpan span_of(int64_t size, int64_t stride, int64_t gpn) {
 double algorithm_factor(Collective kind, int64_t n) {
   const double nd = static_cast<double>(n);
   switch (kind) {
-    case Collective::kAllReduce: return 2.0 * (nd - 1.0) / nd;
+    case Collective::kAllReduce:
+      return 2.0 * (nd - 1.0) / nd;
     case Collective::kAllGather:
-    case Collective::kReduceScatter: return (nd - 1.0) / nd;
-    case Collective::kSendRecv: return 1.0;
+    case Collective::kReduceScatter:
+      return (nd - 1.0) / nd;
+    case Collective::kSendRecv:
+      return 1.0;
   }
   return 1.0;
 }
@@ -52,16 +55,15 @@ GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
 }
 
 bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p) {
-  return p.tensor_parallel * p.data_parallel >= c.gpus_per_node ||
-         p.num_gpus() > c.gpus_per_node;
+  return p.tensor_parallel * p.data_parallel >= c.gpus_per_node || p.num_gpus() > c.gpus_per_node;
 }
 
 double CommModel::bus_bandwidth(const GroupSpan& span) const {
   const double nvlink = cluster_.nvlink_bandwidth_gbps * kGB * profile_.nvlink.busbw_efficiency;
   if (span.nodes <= 1) return nvlink;
   // A ring leaves each node once per channel; the group's share of the node's NICs carries it.
-  const double nics = static_cast<double>(cluster_.nics_per_node) /
-                      static_cast<double>(span.concurrent_per_node);
+  const double nics =
+      static_cast<double>(cluster_.nics_per_node) / static_cast<double>(span.concurrent_per_node);
   double net = nics * cluster_.nic_bandwidth_gbps * kGB * profile_.network.busbw_efficiency;
   for (const TopologyTier& tier : cluster_.tiers) {
     if (span.nodes > tier.nodes_per_switch) net /= tier.oversubscription;
@@ -77,10 +79,12 @@ double CommModel::collective_time(Collective kind, double bytes, const GroupSpan
                       (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);
   if (inter) {
     for (const TopologyTier& tier : cluster_.tiers) {
-      if (span.nodes > 1) latency_us += tier.latency_us * (span.nodes > tier.nodes_per_switch ? 2 : 0);
+      if (span.nodes > 1)
+        latency_us += tier.latency_us * (span.nodes > tier.nodes_per_switch ? 2 : 0);
     }
   }
-  return latency_us * kMicrosecond + algorithm_factor(kind, span.size) * bytes / bus_bandwidth(span);
+  return latency_us * kMicrosecond +
+         algorithm_factor(kind, span.size) * bytes / bus_bandwidth(span);
 }
 
 double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
@@ -97,7 +101,8 @@ double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
     // Each tensor-parallel rank sends a 1/t slice on its own rail, then the slices are
     // all-gathered inside the receiving node.
     pair.concurrent_per_node = cluster_.gpus_per_node;
-    const double send = collective_time(Collective::kSendRecv, bytes / static_cast<double>(t), pair);
+    const double send =
+        collective_time(Collective::kSendRecv, bytes / static_cast<double>(t), pair);
     return send + collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p));
   }
   // Every tensor-parallel rank sends the full tensor; t of them share the node's rails.

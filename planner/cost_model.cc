@@ -8,11 +8,13 @@
 namespace ptdp {
 namespace {
 
-constexpr double kWeightBytes = 2.0;     // 16-bit model weights
-constexpr double kOptimizerBytes = 12.0; // fp32 master weights, Adam m and v
-constexpr double kUsableMemory = 0.95;   // CUDA context and allocator fragmentation keep the rest
+constexpr double kWeightBytes = 2.0;      // 16-bit model weights
+constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
+constexpr double kUsableMemory = 0.95;    // CUDA context and allocator fragmentation keep the rest
 
-double grad_bytes(const ParallelPlan& p) { return p.fp32_grad_reduce ? 4.0 : 2.0; }
+double grad_bytes(const ParallelPlan& p) {
+  return p.fp32_grad_reduce ? 4.0 : 2.0;
+}
 
 void add(PassTime& a, const PassTime& b, double times) {
   a.compute += b.compute * times;
@@ -57,12 +59,16 @@ double CostModel::memory_time(double bytes) const {
 
 double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
   switch (op.kind) {
-    case OpKind::kGemm: return gemm_time(op);
-    case OpKind::kMemory: return memory_time(op.bytes);
+    case OpKind::kGemm:
+      return gemm_time(op);
+    case OpKind::kMemory:
+      return memory_time(op.bytes);
     case OpKind::kCollective: {
       GroupSpan span;
-      if (op.group == CommGroup::kTensor) span = tensor_group_span(cluster_, p);
-      else if (op.group == CommGroup::kData) span = data_group_span(cluster_, p);
+      if (op.group == CommGroup::kTensor)
+        span = tensor_group_span(cluster_, p);
+      else if (op.group == CommGroup::kData)
+        span = data_group_span(cluster_, p);
       return comm_.collective_time(op.collective, op.bytes, span);
     }
   }
@@ -73,17 +79,19 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
   PassTime t;
   for (const Op& op : ops) {
     const double time = op_time(op, p);
-    if (op.kind == OpKind::kCollective) t.tp_comm += time;
-    else t.compute += time;
+    if (op.kind == OpKind::kCollective)
+      t.tp_comm += time;
+    else
+      t.compute += time;
     *flops += op.flops();
   }
   return t;
 }
 
 const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const {
-  const auto key = std::make_tuple(p.tensor_parallel, p.micro_batch_size, p.sequence_parallel,
-                                   static_cast<int>(p.recompute),
-                                   int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce);
+  const auto key = std::make_tuple(
+      p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
+      int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   const LayerShape shape = layer_shape(p);
@@ -130,7 +138,8 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const double t = static_cast<double>(p.tensor_parallel);
-  double params = static_cast<double>(p.layers_on_stage(model_, r)) * model_.parameters_per_layer() / t;
+  double params =
+      static_cast<double>(p.layers_on_stage(model_, r)) * model_.parameters_per_layer() / t;
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
   if (first) params += model_.embedding_parameters() / t;
   if (last) {
@@ -149,8 +158,10 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
   const LayerShape shape{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, p.recompute};
   const double act_layer = layer_activation_bytes(model_, shape);
   // The layer being recomputed (or the last one run) holds its full activations once.
-  const LayerShape full{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, Recompute::kNone};
-  const double working_layer = p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(model_, full);
+  const LayerShape full{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel,
+                        Recompute::kNone};
+  const double working_layer =
+      p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(model_, full);
   const double tokens = static_cast<double>(p.micro_batch_size * model_.seq_length);
   const double h = static_cast<double>(model_.hidden_size);
   const double t = static_cast<double>(p.tensor_parallel);
@@ -175,7 +186,8 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       mb.buffers += tokens * vocab_local * (2.0 + 4.0);
     }
     // Send/receive buffers for activations and gradients.
-    if (p.pipeline_parallel > 1) mb.buffers += 4.0 * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
+    if (p.pipeline_parallel > 1)
+      mb.buffers += 4.0 * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;
     if (mb.peak > best.peak) best = mb;
   }
@@ -220,7 +232,8 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // Data-parallel gradient reduction of the most loaded stage, and the tied-embedding
   // all-reduce between the first and last stage.
   double params_max = 0;
-  for (int64_t r = 0; r < p.pipeline_parallel; ++r) params_max = std::max(params_max, parameters_on_stage(p, r));
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r)
+    params_max = std::max(params_max, parameters_on_stage(p, r));
   const GroupSpan dp = data_group_span(cluster_, p);
   const double gbytes = params_max * grad_bytes(p);
   if (p.distributed_optimizer) {
@@ -248,22 +261,27 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   }
   b.dp_comm = dp_exposed;
 
-  const double opt_params = params_max / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
+  const double opt_params =
+      params_max / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
   b.optimizer = memory_time(opt_params * profile_.optimizer_bytes_per_param);
 
-  out.iteration_time_s = b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;
+  out.iteration_time_s =
+      b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;
 
   // FLOPs: the op lists count per-GPU shards, so multiply by t; all microbatches, all replicas.
-  const double per_mb_model = static_cast<double>(model_.num_layers) * st.layer_flops + st.embed_flops + st.head_flops;
+  const double per_mb_model =
+      static_cast<double>(model_.num_layers) * st.layer_flops + st.embed_flops + st.head_flops;
   const double per_mb_recompute = static_cast<double>(model_.num_layers) * st.layer_recompute_flops;
-  const double replicas = static_cast<double>(p.tensor_parallel) * m * static_cast<double>(p.data_parallel);
+  const double replicas =
+      static_cast<double>(p.tensor_parallel) * m * static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;
   out.hardware_flops = (per_mb_model + per_mb_recompute) * replicas;
   const double n = static_cast<double>(p.num_gpus());
   out.model_tflops_per_gpu = out.model_flops / (out.iteration_time_s * n) / kTFLOP;
   out.hardware_tflops_per_gpu = out.hardware_flops / (out.iteration_time_s * n) / kTFLOP;
   out.mfu = out.model_tflops_per_gpu / cluster_.gpu.peak_tflops_16bit;
-  out.tokens_per_s = static_cast<double>(p.global_batch_size * model_.seq_length) / out.iteration_time_s;
+  out.tokens_per_s =
+      static_cast<double>(p.global_batch_size * model_.seq_length) / out.iteration_time_s;
   out.memory = memory(p);
   return out;
 }

@@ -25,8 +25,9 @@ std::vector<int64_t> divisors(int64_t n) {
 
 // A total order on configurations, used to break ties in predicted time.
 auto plan_key(const ParallelPlan& p) {
-  return std::make_tuple(p.tensor_parallel, p.pipeline_parallel, p.micro_batch_size, p.virtual_stages,
-                         static_cast<int>(p.recompute), p.sequence_parallel, p.distributed_optimizer);
+  return std::make_tuple(p.tensor_parallel, p.pipeline_parallel, p.micro_batch_size,
+                         p.virtual_stages, static_cast<int>(p.recompute), p.sequence_parallel,
+                         p.distributed_optimizer);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -133,7 +134,8 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
     }
   }
 
-  int threads = o.threads > 0 ? o.threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  int threads = o.threads > 0 ? o.threads
+                              : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   threads = std::max(1, std::min<int>(threads, static_cast<int>(cells.size())));
   std::atomic<size_t> next{0};
   std::atomic<int64_t> done{0};
@@ -208,8 +210,9 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
 }
 
 std::string plan_summary(const ParallelPlan& p) {
-  std::string s = "t" + std::to_string(p.tensor_parallel) + " p" + std::to_string(p.pipeline_parallel) +
-                  " d" + std::to_string(p.data_parallel) + " b" + std::to_string(p.micro_batch_size);
+  std::string s = "t" + std::to_string(p.tensor_parallel) + " p" +
+                  std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) +
+                  " b" + std::to_string(p.micro_batch_size);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
   s += " " + to_string(p.recompute);
   if (p.sequence_parallel) s += " sp";

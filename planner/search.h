@@ -24,7 +24,8 @@ struct SearchOptions {
   int64_t global_batch_size = 0;
   int top_k = 10;
   int threads = 0;  // 0: one per hardware thread
-  std::vector<Recompute> recompute_modes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
+  std::vector<Recompute> recompute_modes = {Recompute::kNone, Recompute::kSelective,
+                                            Recompute::kFull};
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
   bool try_interleaving = true;
@@ -41,9 +42,9 @@ struct RankedPlan {
 };
 
 struct SearchResult {
-  std::vector<RankedPlan> top;  // best first
-  int64_t evaluated = 0;        // configurations priced (fit in memory)
-  int64_t considered = 0;       // all configurations enumerated, rejected ones included
+  std::vector<RankedPlan> top;              // best first
+  int64_t evaluated = 0;                    // configurations priced (fit in memory)
+  int64_t considered = 0;                   // all configurations enumerated, rejected ones included
   std::map<std::string, int64_t> rejected;  // reason -> count
   double seconds = 0;
 };

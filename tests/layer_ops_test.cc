@@ -1,8 +1,9 @@
 // The layer op list: FLOPs match the closed forms, tensor parallelism divides the math and adds
 // the collectives Megatron-LM issues.
+#include "core/layer_ops.h"
+
 #include <gtest/gtest.h>
 
-#include "core/layer_ops.h"
 #include "core/presets.h"
 
 namespace ptdp {
@@ -45,9 +46,13 @@ TEST(LayerOps, TensorParallelDividesMathAndAddsAllReduces) {
 TEST(LayerOps, SequenceParallelUsesAllGatherAndReduceScatter) {
   const ModelSpec m = resolve_model("gpt3-175b");
   const PassOps sp = transformer_layer_ops(m, LayerShape{8, 1, true, Recompute::kSelective});
-  EXPECT_EQ(count(sp.forward, Collective::kAllGather) + count(sp.backward, Collective::kAllGather), 4);
-  EXPECT_EQ(count(sp.forward, Collective::kReduceScatter) + count(sp.backward, Collective::kReduceScatter), 4);
-  EXPECT_EQ(count(sp.forward, Collective::kAllReduce) + count(sp.backward, Collective::kAllReduce), 0);
+  EXPECT_EQ(count(sp.forward, Collective::kAllGather) + count(sp.backward, Collective::kAllGather),
+            4);
+  EXPECT_EQ(count(sp.forward, Collective::kReduceScatter) +
+                count(sp.backward, Collective::kReduceScatter),
+            4);
+  EXPECT_EQ(count(sp.forward, Collective::kAllReduce) + count(sp.backward, Collective::kAllReduce),
+            0);
   // Selective recompute redoes only the attention core: two batched GEMMs, no collective.
   EXPECT_EQ(sp.recompute.size(), 4u);
   EXPECT_EQ(count(sp.recompute, Collective::kAllGather), 0);

@@ -9,7 +9,9 @@
 namespace ptdp {
 namespace {
 
-ModelSpec gpt175() { return resolve_model("gpt3-175b"); }
+ModelSpec gpt175() {
+  return resolve_model("gpt3-175b");
+}
 
 TEST(ActivationMemory, MatchesKorthikantiTable2) {
   const ModelSpec m = gpt175();
@@ -18,8 +20,10 @@ TEST(ActivationMemory, MatchesKorthikantiTable2) {
     for (int64_t t : {1, 2, 8}) {
       const double sbh = s * static_cast<double>(b) * h, td = static_cast<double>(t);
       const LayerShape none{t, b, false, Recompute::kNone};
-      const double expect = t == 1 ? sbh * (34 + 5 * a * s / h) : sbh * (10 + 24 / td + 5 * a * s / (h * td));
-      EXPECT_NEAR(layer_activation_bytes(m, none), expect, expect * 1e-12) << "t=" << t << " b=" << b;
+      const double expect =
+          t == 1 ? sbh * (34 + 5 * a * s / h) : sbh * (10 + 24 / td + 5 * a * s / (h * td));
+      EXPECT_NEAR(layer_activation_bytes(m, none), expect, expect * 1e-12)
+          << "t=" << t << " b=" << b;
       const LayerShape sel{t, b, false, Recompute::kSelective};
       const double expect_sel = t == 1 ? sbh * 34 : sbh * (10 + 24 / td);
       EXPECT_NEAR(layer_activation_bytes(m, sel), expect_sel, expect_sel * 1e-12);

@@ -1,7 +1,8 @@
+#include "planner/search.h"
+
 #include <gtest/gtest.h>
 
 #include "core/presets.h"
-#include "planner/search.h"
 
 namespace ptdp {
 namespace {

@@ -1,5 +1,7 @@
 // The analytic model against the published Megatron-LM measurements (SC'21 Table 1 and
 // Figures 11, 12, 16). Prints a table of every point, then asserts the bounds.
+#include "planner/validation.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -8,13 +10,13 @@
 #include "core/presets.h"
 #include "planner/cost_model.h"
 #include "planner/search.h"
-#include "planner/validation.h"
 
 namespace ptdp {
 namespace {
 
 std::vector<ValidationCase> cases() {
-  return load_sc21_cases(std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json");
+  return load_sc21_cases(std::string(PTDP_SOURCE_DIR) +
+                         "/tests/data/validation/megatron_sc21.json");
 }
 
 ClusterSpec selene(int64_t gpus) {
@@ -29,7 +31,9 @@ double predicted_time(const ValidationCase& v) {
   return CostModel(v.model, c, resolve_profile("a100-80gb")).predict(v.plan).iteration_time_s;
 }
 
-double rel_error(const ValidationCase& v) { return predicted_time(v) / v.measured_iteration_s - 1.0; }
+double rel_error(const ValidationCase& v) {
+  return predicted_time(v) / v.measured_iteration_s - 1.0;
+}
 
 TEST(Validation, PrintsEveryPoint) {
   for (const ValidationCase& v : cases()) {
@@ -111,7 +115,8 @@ TEST(Validation, PlanBeatsOrMatchesEveryTable1Configuration) {
     EXPECT_LE(r.top[0].prediction.iteration_time_s, paper * (1 + 1e-12)) << v.label;
     std::printf("%-18s paper %s: %.3f s; best %s: %.3f s (%s)\n", v.label.c_str(),
                 plan_summary(v.plan).c_str(), paper, plan_summary(r.top[0].plan).c_str(),
-                r.top[0].prediction.iteration_time_s, plan_difference(v.plan, r.top[0].plan).c_str());
+                r.top[0].prediction.iteration_time_s,
+                plan_difference(v.plan, r.top[0].plan).c_str());
   }
 }
 
