@@ -61,9 +61,6 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.top_k = f.top;
   o.threads = f.threads;
   o.defaults = base;
-  if (!f.job.recompute_granularity.empty() && f.job.has_parallel_flags()) {
-    // A baseline configuration was given; the search still tries every recompute mode.
-  }
   const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
   if (show_progress) {
     o.progress = [&err](int64_t done, int64_t total) {

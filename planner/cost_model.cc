@@ -99,7 +99,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   const PassOps layer = transformer_layer_ops(model_, shape);
   const PassOps embed = embedding_ops(model_, shape);
   const PassOps head = lm_head_ops(model_, shape);
-  double fwd_flops = 0, bwd_flops = 0, ignored = 0;
+  double fwd_flops = 0, bwd_flops = 0;
   st.layer_f = price(layer.forward, p, &fwd_flops);
   st.layer_b = price(layer.backward, p, &bwd_flops);
   st.layer_r = price(layer.recompute, p, &st.layer_recompute_flops);
@@ -111,7 +111,6 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   st.head_b = price(head.backward, p, &hf);
   st.embed_flops = ef;
   st.head_flops = hf;
-  (void)ignored;
   return cache_.emplace(key, st).first->second;
 }
 
@@ -217,7 +216,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   b.recompute = m * s.recompute.compute;
   b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
   const double fill = (sum_stage - s.per_microbatch()) / v;
-  b.bubble = p.schedule == Schedule::kGPipe ? fill : fill;
+  b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 
   // Pipeline transfers: blocking send/receive pairs on the critical path, one per chunk
   // boundary and direction for every microbatch, plus the fill and drain of the pipeline.

@@ -116,20 +116,21 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
     for (int64_t p : divisors(n / t)) {
       const int64_t d = n / (t * p);
-      ++total.considered;
       if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) {
+        ++total.considered;
         ++total.rejected["t does not divide the attention heads or query groups"];
         continue;
       }
       if (p > m.num_layers || m.num_layers % p != 0) {
+        ++total.considered;
         ++total.rejected["p does not divide the layers"];
         continue;
       }
       if (o.global_batch_size % d != 0) {
+        ++total.considered;
         ++total.rejected["global batch not divisible by d"];
         continue;
       }
-      --total.considered;  // counted again per expanded configuration
       for (int64_t b : divisors(o.global_batch_size / d)) cells.push_back(Cell{t, p, d, b});
     }
   }
