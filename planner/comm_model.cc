@@ -78,9 +78,9 @@ double CommModel::collective_time(Collective kind, double bytes, const GroupSpan
   double latency_us = link.latency_us + link.per_step_latency_us * ring_steps(kind, span.size) +
                       (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);
   if (inter) {
+    // A message that leaves one switch of a tier climbs to the next tier and back down.
     for (const TopologyTier& tier : cluster_.tiers) {
-      if (span.nodes > 1)
-        latency_us += tier.latency_us * (span.nodes > tier.nodes_per_switch ? 2 : 0);
+      if (span.nodes > tier.nodes_per_switch) latency_us += 2.0 * tier.latency_us;
     }
   }
   return latency_us * kMicrosecond +
