@@ -291,4 +291,13 @@ double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   return replicated + (sharded + scores) / t;
 }
 
+bool is_weight_gradient(const Op& op) {
+  const std::string& n = op.name;
+  auto ends_with = [&](const std::string& tail) {
+    return n.size() >= tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  return ends_with("_wgrad") || ends_with("grad_accumulate") ||
+         n == "word_embedding_grad_scatter_add";
+}
+
 }  // namespace ptdp

@@ -35,6 +35,10 @@ struct Op {
   double flops() const { return kind == OpKind::kGemm ? 2.0 * m * n * k * batch : 0.0; }
 };
 
+// Whether an op of a backward pass computes (or accumulates) weight gradients, the part a
+// zero-bubble schedule defers (W); the rest computes input gradients (B).
+bool is_weight_gradient(const Op& op);
+
 // Ops of one pass, in execution order.
 struct PassOps {
   std::vector<Op> forward;

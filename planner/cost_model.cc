@@ -75,16 +75,19 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
   return 0.0;
 }
 
-PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops) const {
+PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
+                         PassTime* weight_grad) const {
   PassTime t;
   for (const Op& op : ops) {
     const double time = op_time(op, p);
+    PassTime& w = weight_grad && is_weight_gradient(op) ? *weight_grad : t;
     if (op.kind == OpKind::kCollective)
-      t.tp_comm += time;
+      w.tp_comm += time;
     else
-      t.compute += time;
+      w.compute += time;
     *flops += op.flops();
   }
+  if (weight_grad) add(t, *weight_grad, 1);
   return t;
 }
 
@@ -101,14 +104,14 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   const PassOps head = lm_head_ops(model_, shape);
   double fwd_flops = 0, bwd_flops = 0;
   st.layer_f = price(layer.forward, p, &fwd_flops);
-  st.layer_b = price(layer.backward, p, &bwd_flops);
+  st.layer_b = price(layer.backward, p, &bwd_flops, &st.layer_w);
   st.layer_r = price(layer.recompute, p, &st.layer_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
   double ef = 0, hf = 0;
   st.embed_f = price(embed.forward, p, &ef);
-  st.embed_b = price(embed.backward, p, &ef);
+  st.embed_b = price(embed.backward, p, &ef, &st.embed_w);
   st.head_f = price(head.forward, p, &hf);
-  st.head_b = price(head.backward, p, &hf);
+  st.head_b = price(head.backward, p, &hf, &st.head_w);
   st.embed_flops = ef;
   st.head_flops = hf;
   return cache_.emplace(key, st).first->second;
@@ -133,6 +136,28 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
     }
   }
   return stages;
+}
+
+ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
+  const ShapeTimes& st = shape_times(p);
+  ChunkTime c;
+  c.layers = p.layers_on_stage(model_, rank) / p.virtual_stages;
+  const double l = static_cast<double>(c.layers);
+  add(c.forward, st.layer_f, l);
+  add(c.backward, st.layer_b, l);
+  add(c.recompute, st.layer_r, l);
+  add(c.weight_grad, st.layer_w, l);
+  if (rank == 0 && chunk == 0) {
+    add(c.forward, st.embed_f, 1);
+    add(c.backward, st.embed_b, 1);
+    add(c.weight_grad, st.embed_w, 1);
+  }
+  if (rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1) {
+    add(c.forward, st.head_f, 1);
+    add(c.backward, st.head_b, 1);
+    add(c.weight_grad, st.head_w, 1);
+  }
+  return c;
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {

@@ -56,6 +56,13 @@ struct StageTime {
   double per_microbatch() const { return forward.total() + backward.total() + recompute.total(); }
 };
 
+// One microbatch on one model chunk (a pipeline rank holds v chunks). `weight_grad` is the
+// part of `backward` that computes weight gradients (what zero-bubble schedules defer).
+struct ChunkTime {
+  int64_t layers = 0;
+  PassTime forward, backward, recompute, weight_grad;
+};
+
 struct Prediction {
   double iteration_time_s = 0;
   double tokens_per_s = 0;
@@ -82,6 +89,7 @@ class CostModel {
   double op_time(const Op& op, const ParallelPlan& p) const;
   double gemm_time(const Op& op) const;
   double memory_time(double bytes) const;
+  ChunkTime chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const;
   // Parameters held by pipeline rank r (one tensor-parallel shard).
   double parameters_on_stage(const ParallelPlan& p, int64_t r) const;
 
@@ -92,10 +100,12 @@ class CostModel {
  private:
   struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
     PassTime layer_f, layer_b, layer_r, embed_f, embed_b, head_f, head_b;
+    PassTime layer_w, embed_w, head_w;  // weight-gradient parts of the backward passes
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
-  PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops) const;
+  PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
+                 PassTime* weight_grad = nullptr) const;
   std::vector<StageTime> stage_times(const ParallelPlan& p, const ShapeTimes& st) const;
 
   ModelSpec model_;

@@ -1,0 +1,94 @@
+// PipelineSchedule: what each pipeline rank does in one training iteration, in order.
+//
+// One generator serves the simulator (which replays the lists against op costs) and the runtime
+// (which executes them). Each rank's list holds compute actions (forward, backward, and for
+// zero-bubble schedules the backward split into input-gradient and weight-gradient parts),
+// point-to-point actions, and the end-of-iteration gradient synchronisation and optimizer step.
+//
+// Point-to-point actions that Megatron-LM posts as one batched call carry `batched_with_next`
+// on all but the last of the group; a rank posts the whole group, then waits for it. With
+// `synchronous_p2p` (Megatron's GPipe/1F1B/interleaved, which synchronise after every batched
+// call) the wait covers the group's sends and receives; otherwise only its receives.
+//
+// Chunks: with v virtual stages, pipeline rank r holds model chunks 0..v-1, chunk c being
+// global stage c * p + r. A forward send leaves global stage s for stage s + 1 (the last rank
+// wraps around to rank 0, next chunk); a backward send goes to stage s - 1. Send actions name
+// the sender's chunk, receive actions the receiver's chunk, both the microbatch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/parallel_plan.h"
+
+namespace ptdp {
+
+enum class ActionKind : uint8_t {
+  kForward,
+  kBackward,        // input and weight gradients together
+  kBackwardInput,   // zero-bubble schedules: input gradients only (on the critical path)
+  kBackwardWeight,  // zero-bubble schedules: weight gradients, deferrable
+  kSendForward,
+  kRecvForward,
+  kSendBackward,
+  kRecvBackward,
+  kGradSync,       // data-parallel gradient reduction (waits for overlapped buckets)
+  kEmbeddingSync,  // all-reduce of tied embedding gradients between first and last stage
+  kOptimizerStep,  // gradient-norm all-reduce across the pipeline, then the local update
+};
+
+struct PipelineAction {
+  ActionKind kind = ActionKind::kForward;
+  bool batched_with_next = false;
+  int32_t microbatch = -1;
+  int32_t chunk = -1;
+};
+
+bool is_compute(ActionKind k);
+bool is_p2p(ActionKind k);
+bool is_send(ActionKind k);
+
+struct ScheduleSpec {
+  Schedule kind = Schedule::k1F1B;
+  int64_t pipeline_parallel = 1;
+  int64_t microbatches = 1;
+  int64_t virtual_stages = 1;
+  bool tied_embeddings = false;  // adds kEmbeddingSync on the first and last rank when p > 1
+};
+
+ScheduleSpec schedule_spec(const ParallelPlan& p, bool tied_embeddings);
+
+struct PipelineSchedule {
+  ScheduleSpec spec;
+  bool synchronous_p2p = true;
+  std::vector<std::vector<PipelineAction>> ranks;
+
+  int64_t p() const { return spec.pipeline_parallel; }
+  int64_t v() const { return spec.virtual_stages; }
+  int64_t global_stage(int64_t rank, int64_t chunk) const { return chunk * p() + rank; }
+  bool first_stage(int64_t rank, int64_t chunk) const { return global_stage(rank, chunk) == 0; }
+  bool last_stage(int64_t rank, int64_t chunk) const {
+    return global_stage(rank, chunk) == p() * v() - 1;
+  }
+};
+
+// Throws InputError for an impossible spec (interleaving with m not a multiple of p, ...).
+PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec);
+
+// Replays the lists with unbounded buffers and checks that every forward precedes its backward
+// (and weight-gradient part), every input is received before it is used, every send meets a
+// receive of the same microbatch and chunk in order, each microbatch-chunk runs exactly once
+// and the lists cannot deadlock. Throws std::logic_error naming the first violation.
+void check_pipeline_schedule(const PipelineSchedule& s);
+
+// Most microbatch-chunks whose activations rank r holds at once (forward done, backward, or
+// for split schedules weight-gradient part, not yet done), in units of one chunk.
+int64_t peak_chunks_in_flight(const PipelineSchedule& s, int64_t rank);
+
+// "F3.1" (forward of microbatch 3, chunk 1), "B", "Bi", "W", "sF", "rF", "sB", "rB", "sync",
+// "emb", "opt"; a batched group is written "{sF3.0 rB1.0}".
+std::string to_string(const PipelineAction& a);
+std::string rank_to_string(const PipelineSchedule& s, int64_t rank);
+
+}  // namespace ptdp

@@ -1,0 +1,57 @@
+// FlowNetwork: transfers in flight over a Topology, sharing link bandwidth max-min fairly.
+//
+// A flow holds every link of its path until its bytes are through. Whenever a flow starts or
+// ends, the rates of the flows it shares links with (transitively) are recomputed by
+// progressive filling; flows alone on their links run at their path's bottleneck capacity.
+// The network tells its owner when a flow's bytes are done through a callback-free queue of
+// (time, flow) pairs that the owner's event loop polls.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "simulator/topology.h"
+
+namespace ptdp {
+
+class FlowNetwork {
+ public:
+  using Picos = int64_t;
+  explicit FlowNetwork(const std::vector<Link>& links);
+
+  // Starts a flow of `bytes` at `now` over `path`; returns its id. Completion times of this
+  // flow and of the flows whose rates changed are appended to `reschedule`.
+  int32_t start(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag,
+                std::vector<std::pair<Picos, int32_t>>* reschedule);
+  // Removes a finished flow (its bytes are through) and re-rates its neighbours.
+  void finish(Picos now, int32_t flow, std::vector<std::pair<Picos, int32_t>>* reschedule);
+  // The completion time most recently scheduled for `flow`; stale queue entries differ.
+  Picos due(int32_t flow) const { return flows_[static_cast<size_t>(flow)].due; }
+  int64_t tag(int32_t flow) const { return flows_[static_cast<size_t>(flow)].tag; }
+  bool active(int32_t flow) const { return flows_[static_cast<size_t>(flow)].active; }
+
+ private:
+  struct Flow {
+    const std::vector<int32_t>* path = nullptr;
+    double remaining = 0;  // bytes
+    double rate = 0;       // bytes per second
+    Picos last = 0;        // when `remaining` was last brought up to date
+    Picos due = 0;
+    int64_t tag = 0;
+    bool active = false;
+  };
+  void rerate(Picos now, const std::vector<int32_t>& seeds,
+              std::vector<std::pair<Picos, int32_t>>* reschedule);
+  Picos completion(Picos now, const Flow& f) const;
+
+  const std::vector<Link>& links_;
+  std::vector<std::vector<int32_t>> on_link_;  // active flows per link
+  std::vector<Flow> flows_;
+  std::vector<int32_t> free_;
+  // Scratch for rerate.
+  std::vector<int32_t> component_, links_touched_;
+  std::vector<uint32_t> flow_mark_, link_mark_;
+  uint32_t epoch_ = 0;
+};
+
+}  // namespace ptdp

@@ -1,0 +1,470 @@
+#include "simulator/simulator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <queue>
+#include <stdexcept>
+#include <unordered_map>
+
+#include "core/error.h"
+#include "simulator/flow_network.h"
+#include "simulator/topology.h"
+
+namespace ptdp {
+
+Picos to_picos(double seconds) {
+  return static_cast<Picos>(std::llround(seconds * kPicosPerSecond));
+}
+
+namespace {
+
+using K = ActionKind;
+
+struct Event {
+  Picos time;
+  uint64_t seq;
+  int32_t type;
+  int32_t id;
+  bool operator>(const Event& o) const { return time != o.time ? time > o.time : seq > o.seq; }
+};
+enum EventType : int32_t { kResume, kFlowBytesDone, kTransferDone };
+
+void summarise(SimulationResult& out);
+
+// Everything one iteration of the schedule needs, for one fixed number of microbatches.
+class Engine {
+ public:
+  Engine(const SimulationInput& in, const PipelineSchedule& s, Topology& topo)
+      : in_(in),
+        s_(s),
+        p_(s_.p()),
+        replicas_(in.full ? in.data_parallel : 1),
+        topo_(topo),
+        net_(topo.links()) {
+    const int64_t entities = replicas_ * p_;
+    ranks_.resize(static_cast<size_t>(entities));
+    pending_group_.resize(static_cast<size_t>(entities));
+    for (int64_t e = 0; e < entities; ++e) {
+      RankState& st = ranks_[static_cast<size_t>(e)];
+      st.stats.rank = e % p_;
+      for (int64_t i = 0; i < in.tensor_parallel; ++i) {
+        auto it = in.slowdown.find(gpu(i, e / p_, e % p_));
+        if (it != in.slowdown.end()) st.factor = std::max(st.factor, it->second);
+      }
+    }
+    // The action after which each chunk's weight gradients are complete (overlap buckets).
+    last_grad_action_.resize(static_cast<size_t>(p_));
+    for (int64_t r = 0; r < p_; ++r) {
+      auto& last = last_grad_action_[static_cast<size_t>(r)];
+      last.assign(static_cast<size_t>(s_.v()), -1);
+      const auto& list = s_.ranks[static_cast<size_t>(r)];
+      for (size_t i = 0; i < list.size(); ++i)
+        if (list[i].kind == K::kBackward || list[i].kind == K::kBackwardWeight)
+          last[static_cast<size_t>(list[i].chunk)] = static_cast<int64_t>(i);
+    }
+  }
+
+  SimulationResult run() {
+    for (size_t e = 0; e < ranks_.size(); ++e) advance(static_cast<int32_t>(e));
+    std::vector<std::pair<Picos, int32_t>> due;
+    while (!queue_.empty()) {
+      const Event ev = queue_.top();
+      queue_.pop();
+      now_ = ev.time;
+      ++events_;
+      switch (ev.type) {
+        case kResume:
+          advance(ev.id);
+          break;
+        case kFlowBytesDone: {
+          if (!net_.active(ev.id) || net_.due(ev.id) != ev.time) break;  // re-rated since
+          const int32_t transfer = static_cast<int32_t>(net_.tag(ev.id));
+          due.clear();
+          net_.finish(now_, ev.id, &due);
+          for (const auto& [t, f] : due) push(t, kFlowBytesDone, f);
+          push(now_ + transfers_[static_cast<size_t>(transfer)].tail, kTransferDone, transfer);
+          break;
+        }
+        case kTransferDone:
+          transfer_done(ev.id);
+          break;
+      }
+    }
+    return result();
+  }
+
+ private:
+  struct RankState {
+    size_t pc = 0;
+    int waiting = 0;  // ops of the current p2p group or collective still outstanding
+    Picos posted = 0;
+    Picos longest = 0;  // longest transfer this rank waited on in its current group
+    double factor = 1;
+    Picos dp_free = 0;  // the data-parallel stream is busy until then
+    Picos finish = -1;
+    StageStats stats;
+  };
+  struct Transfer {
+    int32_t src = -1, dst = -1;
+    Picos start = 0;
+    bool sender_waits = false;
+    Picos tail = 0;  // fixed latency after the bytes are through
+    PipelineAction recv_action, send_action;
+  };
+  struct Rendezvous {
+    std::vector<std::pair<int32_t, Picos>> arrived;
+  };
+
+  int64_t gpu(int64_t tp, int64_t replica, int64_t rank) const {
+    return tp + in_.tensor_parallel * (replica + in_.data_parallel * rank);
+  }
+  void push(Picos t, int32_t type, int32_t id) { queue_.push({t, seq_++, type, id}); }
+  void record(int32_t e, Stream stream, const PipelineAction& a, Picos start, Picos end) {
+    if (!in_.record_timeline || end <= start) return;
+    timeline_.push_back({static_cast<int32_t>(e / p_), static_cast<int32_t>(e % p_), stream,
+                         a.kind, a.microbatch, a.chunk, start, end});
+  }
+
+  const PassCost& pass(int64_t r, const PipelineAction& a) const {
+    const ChunkCost& c = in_.cost[static_cast<size_t>(r)][static_cast<size_t>(a.chunk)];
+    switch (a.kind) {
+      case K::kForward:
+        return c.forward;
+      case K::kBackward:
+        return c.backward;
+      case K::kBackwardInput:
+        return c.backward_input;
+      default:
+        return c.backward_weight;
+    }
+  }
+
+  // Runs rank e's actions from its program counter until it has to wait.
+  void advance(int32_t e) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    const int64_t r = e % p_;
+    const auto& list = s_.ranks[static_cast<size_t>(r)];
+    while (st.pc < list.size()) {
+      const PipelineAction& a = list[st.pc];
+      if (is_compute(a.kind)) {
+        const PassCost& c = pass(r, a);
+        const Picos compute = static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
+        record(e, Stream::kCompute, a, now_, now_ + compute);
+        record(e, Stream::kTensor, a, now_ + compute, now_ + compute + c.tp_comm);
+        st.stats.compute += compute;
+        st.stats.tp_comm += c.tp_comm;
+        const Picos end = now_ + compute + c.tp_comm;
+        if (in_.overlap_grad_reduce &&
+            last_grad_action_[static_cast<size_t>(r)][static_cast<size_t>(a.chunk)] ==
+                static_cast<int64_t>(st.pc))
+          start_bucket(e, a, now_, end);
+        ++st.pc;
+        push(end, kResume, e);
+        return;
+      }
+      if (is_p2p(a.kind)) {
+        st.posted = now_;
+        st.longest = 0;
+        st.waiting = 0;
+        size_t i = st.pc;
+        for (;; ++i) {
+          post(e, list[i]);
+          if (!list[i].batched_with_next) break;
+        }
+        st.pc = i + 1;
+        if (st.waiting > 0) {
+          pending_group_[static_cast<size_t>(e)] = list[i];
+          return;
+        }
+        continue;
+      }
+      ++st.pc;
+      if (!collective(e, a)) return;
+    }
+    st.finish = now_;
+  }
+
+  // Tensor-parallel rank 0's slice stands for the group: the t slices travel on parallel rails.
+  void post(int32_t e, const PipelineAction& a) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    const int64_t r = e % p_, replica = e / p_;
+    const int64_t stage = s_.global_stage(r, a.chunk);
+    const bool downstream = a.kind == K::kSendForward || a.kind == K::kRecvBackward;
+    const int64_t other_stage = downstream ? stage + 1 : stage - 1;
+    const int32_t other = static_cast<int32_t>(replica * p_ + other_stage % p_);
+    const bool data_forward = a.kind == K::kSendForward || a.kind == K::kRecvForward;
+    const int32_t receiver = is_send(a.kind) ? other : e;
+    const int64_t recv_chunk = is_send(a.kind) ? other_stage / p_ : a.chunk;
+    const uint64_t key = (static_cast<uint64_t>(receiver) << 40) ^
+                         (static_cast<uint64_t>(data_forward) << 39) ^
+                         (static_cast<uint64_t>(recv_chunk) << 32) ^
+                         static_cast<uint64_t>(static_cast<uint32_t>(a.microbatch));
+    auto [it, fresh] = open_.try_emplace(key, -1);
+    if (fresh) {
+      it->second = static_cast<int32_t>(transfers_.size());
+      transfers_.emplace_back();
+    }
+    Transfer& tr = transfers_[static_cast<size_t>(it->second)];
+    if (is_send(a.kind)) {
+      tr.src = e;
+      tr.send_action = a;
+      tr.sender_waits = s_.synchronous_p2p;
+      if (s_.synchronous_p2p) ++st.waiting;
+    } else {
+      tr.dst = e;
+      tr.recv_action = a;
+      ++st.waiting;
+    }
+    if (tr.src >= 0 && tr.dst >= 0) {
+      const int32_t id = it->second;
+      open_.erase(it);
+      start_transfer(id);
+    }
+  }
+
+  void start_transfer(int32_t id) {
+    Transfer& tr = transfers_[static_cast<size_t>(id)];
+    tr.start = now_;
+    const int64_t src_r = tr.src % p_, dst_r = tr.dst % p_;
+    const int64_t src_gpu = gpu(0, tr.src / p_, src_r), dst_gpu = gpu(0, tr.dst / p_, dst_r);
+    const std::vector<int32_t>& path = topo_.path(src_gpu, dst_gpu);
+    tr.tail = in_.p2p_latency + to_picos(topo_.path_latency_s(path)) + in_.p2p_gather;
+    if (path.empty() || in_.p2p_bytes <= 0) {
+      push(now_ + tr.tail, kTransferDone, id);
+      return;
+    }
+    due_.clear();
+    net_.start(now_, &path, in_.p2p_bytes, id, &due_);
+    for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
+  }
+
+  void transfer_done(int32_t id) {
+    const Transfer& tr = transfers_[static_cast<size_t>(id)];
+    const Picos took = now_ - tr.start;
+    auto release = [&](int32_t e) {
+      RankState& st = ranks_[static_cast<size_t>(e)];
+      st.longest = std::max(st.longest, took);
+      if (--st.waiting > 0) return;
+      const Picos wait = now_ - st.posted;
+      const Picos comm = std::min(wait, st.longest);
+      st.stats.pp_comm += comm;
+      st.stats.idle += wait - comm;
+      record(e, Stream::kPipeline, pending_group_[static_cast<size_t>(e)], st.posted, now_);
+      advance(e);
+    };
+    if (tr.sender_waits) release(tr.src);
+    release(tr.dst);
+  }
+
+  // Overlapped gradient reduction of one chunk: buckets fill while its last backward runs; the
+  // last bucket can only go once that backward is over.
+  void start_bucket(int32_t e, const PipelineAction& a, Picos begin, Picos end) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    const int64_t r = e % p_;
+    const Picos whole = in_.dp_sync[static_cast<size_t>(r)] / s_.v();
+    const Picos last = in_.dp_last_bucket[static_cast<size_t>(r)];
+    const Picos start = std::max(st.dp_free, begin);
+    const Picos finish = std::max(start + whole, end + last);
+    record(e, Stream::kData, a, start, finish);
+    st.dp_free = finish;
+  }
+
+  // End-of-iteration collectives. Returns true when the rank may go on at once.
+  bool collective(int32_t e, const PipelineAction& a) {
+    const int64_t r = e % p_, replica = e / p_;
+    int64_t key, size;
+    switch (a.kind) {
+      case K::kGradSync:
+        key = r;
+        size = replicas_;
+        break;
+      case K::kEmbeddingSync:
+        key = p_ + replica;
+        size = 2;
+        break;
+      default:  // kOptimizerStep: the gradient-norm all-reduce spans the pipeline
+        key = p_ + replicas_ + replica;
+        size = p_;
+        break;
+    }
+    Rendezvous& rv = rendezvous_[key];
+    rv.arrived.emplace_back(e, now_);
+    if (static_cast<int64_t>(rv.arrived.size()) < size) return false;
+    // Everyone is here: each member finishes after the collective's own time.
+    bool self_continues = false;
+    Picos all_buckets = 0;
+    for (const auto& [m, t] : rv.arrived) all_buckets = std::max(all_buckets, ranks_[static_cast<size_t>(m)].dp_free);
+    for (const auto& [m, arrival] : rv.arrived) {
+      RankState& st = ranks_[static_cast<size_t>(m)];
+      const int64_t mr = m % p_;
+      st.stats.idle += now_ - arrival;
+      Picos took = 0;
+      if (a.kind == K::kGradSync) {
+        took = in_.overlap_grad_reduce ? std::max<Picos>(0, all_buckets - now_)
+                                       : in_.dp_sync[static_cast<size_t>(mr)];
+        st.stats.dp_comm += took;
+        record(m, Stream::kData, a, now_, now_ + took);
+      } else if (a.kind == K::kEmbeddingSync) {
+        took = in_.embedding_sync;
+        st.stats.dp_comm += took;
+        record(m, Stream::kData, a, now_, now_ + took);
+      } else {
+        took = in_.grad_norm + in_.optimizer[static_cast<size_t>(mr)];
+        st.stats.optimizer += took;
+        record(m, Stream::kCompute, a, now_, now_ + took);
+      }
+      if (m == e && took == 0)
+        self_continues = true;
+      else
+        push(now_ + took, kResume, m);
+    }
+    rendezvous_.erase(key);
+    return self_continues;
+  }
+
+  SimulationResult result() {
+    SimulationResult out;
+    for (const RankState& st : ranks_)
+      if (st.finish < 0)
+        throw std::logic_error("simulation deadlocked: pipeline rank " +
+                               std::to_string(st.stats.rank) + " stopped at action " +
+                               std::to_string(st.pc));
+    Picos end = 0;
+    for (const RankState& st : ranks_) end = std::max(end, st.finish);
+    out.iteration = end;
+    // Report the replica holding the slowest GPU.
+    int64_t replica = 0;
+    double worst = 1;
+    for (size_t e = 0; e < ranks_.size(); ++e)
+      if (ranks_[e].factor > worst) {
+        worst = ranks_[e].factor;
+        replica = static_cast<int64_t>(e) / p_;
+      }
+    for (int64_t r = 0; r < p_; ++r) {
+      StageStats s = ranks_[static_cast<size_t>(replica * p_ + r)].stats;
+      s.idle += end - ranks_[static_cast<size_t>(replica * p_ + r)].finish;
+      out.stages.push_back(s);
+    }
+    summarise(out);
+    out.events = events_;
+    out.simulated_microbatches = s_.spec.microbatches;
+    out.timeline = std::move(timeline_);
+    return out;
+  }
+
+  const SimulationInput& in_;
+  const PipelineSchedule& s_;
+  const int64_t p_, replicas_;
+  Topology& topo_;
+  FlowNetwork net_;
+  std::vector<RankState> ranks_;
+  std::vector<std::vector<int64_t>> last_grad_action_;
+  std::unordered_map<uint64_t, int32_t> open_;  // transfers posted by one side only
+  std::vector<Transfer> transfers_;
+  std::unordered_map<int64_t, Rendezvous> rendezvous_;
+  std::vector<PipelineAction> pending_group_;
+  std::priority_queue<Event, std::vector<Event>, std::greater<>> queue_;
+  std::vector<std::pair<Picos, int32_t>> due_;
+  std::vector<Span> timeline_;
+  Picos now_ = 0;
+  uint64_t seq_ = 0;
+  int64_t events_ = 0;
+};
+
+void check_input(const SimulationInput& in) {
+  const int64_t p = in.schedule.pipeline_parallel, v = in.schedule.virtual_stages;
+  auto per_rank = [&](size_t n, const char* what) {
+    if (static_cast<int64_t>(n) != p)
+      throw InputError(what, "has " + std::to_string(n) + " entries, expected one per pipeline rank (" +
+                                 std::to_string(p) + ")");
+  };
+  per_rank(in.cost.size(), "cost");
+  for (const auto& c : in.cost)
+    if (static_cast<int64_t>(c.size()) != v)
+      throw InputError("cost", "needs one entry per model chunk (" + std::to_string(v) + ")");
+  per_rank(in.dp_sync.size(), "dp_sync");
+  per_rank(in.dp_last_bucket.size(), "dp_last_bucket");
+  per_rank(in.optimizer.size(), "optimizer");
+  if (in.tensor_parallel < 1 || in.data_parallel < 1)
+    throw InputError("tensor_parallel", "tensor- and data-parallel sizes must be positive");
+  for (const auto& [gpu, factor] : in.slowdown) {
+    if (gpu < 0 || gpu >= in.tensor_parallel * in.data_parallel * p)
+      throw InputError("--slow-rank", "rank " + std::to_string(gpu) + " is not in the job");
+    if (!(factor > 0)) throw InputError("--slow-rank", "the factor must be positive");
+    if (!in.full) throw InputError("--slow-rank", "needs --full (every GPU simulated)");
+  }
+}
+
+SimulationResult run_once(const SimulationInput& in, int64_t microbatches, Topology& topo) {
+  ScheduleSpec spec = in.schedule;
+  spec.microbatches = microbatches;
+  const PipelineSchedule s = make_pipeline_schedule(spec);
+  return Engine(in, s, topo).run();
+}
+
+// a + k (b - a), field by field.
+Picos extend(Picos a, Picos b, int64_t k) {
+  return a + k * (b - a);
+}
+
+bool periodic(const SimulationResult& a, const SimulationResult& b, const SimulationResult& c) {
+  auto same_step = [](Picos x, Picos y, Picos z) { return y - x == z - y; };
+  if (!same_step(a.iteration, b.iteration, c.iteration)) return false;
+  for (size_t r = 0; r < a.stages.size(); ++r) {
+    const StageStats &x = a.stages[r], &y = b.stages[r], &z = c.stages[r];
+    if (!same_step(x.compute, y.compute, z.compute) || !same_step(x.tp_comm, y.tp_comm, z.tp_comm) ||
+        !same_step(x.pp_comm, y.pp_comm, z.pp_comm) || !same_step(x.dp_comm, y.dp_comm, z.dp_comm) ||
+        !same_step(x.optimizer, y.optimizer, z.optimizer) || !same_step(x.idle, y.idle, z.idle))
+      return false;
+  }
+  return true;
+}
+
+void summarise(SimulationResult& out) {
+  out.critical_stage = 0;
+  for (size_t r = 0; r < out.stages.size(); ++r)
+    if (out.stages[r].busy() > out.stages[static_cast<size_t>(out.critical_stage)].busy())
+      out.critical_stage = static_cast<int64_t>(r);
+  const StageStats& c = out.stages[static_cast<size_t>(out.critical_stage)];
+  out.bubble_fraction =
+      c.busy() > 0 ? static_cast<double>(c.idle) / static_cast<double>(c.busy()) : 0;
+  out.exposed_tp = c.tp_comm;
+  out.exposed_pp = c.pp_comm;
+  out.exposed_dp = c.dp_comm;
+}
+
+}  // namespace
+
+SimulationResult simulate(const SimulationInput& in, const ClusterSpec& cluster,
+                          const HardwareProfile& profile) {
+  check_input(in);
+  Topology topo(cluster, profile);
+  if (topo.num_gpus() < in.tensor_parallel * in.data_parallel * in.schedule.pipeline_parallel)
+    throw InputError("--num-gpus", "the cluster has fewer GPUs than t * p * d");
+  const int64_t m = in.schedule.microbatches, p = in.schedule.pipeline_parallel;
+  if (in.record_timeline || m <= 16 * p) return run_once(in, m, topo);
+  const int64_t m1 = 8 * p + m % p;
+  const SimulationResult a = run_once(in, m1, topo);
+  const SimulationResult b = run_once(in, m1 + p, topo);
+  const SimulationResult c = run_once(in, m1 + 2 * p, topo);
+  if (!periodic(a, b, c)) return run_once(in, m, topo);
+  const int64_t k = (m - m1) / p;
+  SimulationResult out = a;
+  out.iteration = extend(a.iteration, b.iteration, k);
+  for (size_t r = 0; r < out.stages.size(); ++r) {
+    StageStats& s = out.stages[r];
+    const StageStats& y = b.stages[r];
+    s.compute = extend(s.compute, y.compute, k);
+    s.tp_comm = extend(s.tp_comm, y.tp_comm, k);
+    s.pp_comm = extend(s.pp_comm, y.pp_comm, k);
+    s.dp_comm = extend(s.dp_comm, y.dp_comm, k);
+    s.optimizer = extend(s.optimizer, y.optimizer, k);
+    s.idle = extend(s.idle, y.idle, k);
+  }
+  summarise(out);
+  out.events = a.events + b.events + c.events;
+  out.simulated_microbatches = m1 + 2 * p;
+  return out;
+}
+
+}  // namespace ptdp

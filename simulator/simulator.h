@@ -1,0 +1,115 @@
+// The discrete-event simulator of one training iteration.
+//
+// It replays the action lists of a PipelineSchedule (core/schedule.h) against op costs it is
+// handed (per pipeline rank and model chunk, from the cost model), with integer picosecond
+// time and one event queue. Each simulated rank has a compute stream (tensor-parallel
+// collectives sit inside its passes, as Megatron runs them), point-to-point transfers that
+// travel as flows over the cluster Topology and share link bandwidth max-min fairly, a
+// data-parallel stream whose gradient buckets overlap the last backward passes when asked, and
+// the optimizer step (after the gradient-norm all-reduce across the pipeline).
+//
+// By default one representative pipeline is simulated: the ranks across data- and
+// tensor-parallel groups do the same thing at the same time. `full` simulates every GPU:
+// each data-parallel replica's pipeline separately (the t ranks of a tensor-parallel group
+// move in lock step, paced by their slowest member, since they meet in a collective in every
+// layer), with data-parallel collectives as rendezvous across replicas.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/cluster_spec.h"
+#include "core/hardware_profile.h"
+#include "core/schedule.h"
+
+namespace ptdp {
+
+using Picos = int64_t;
+inline constexpr double kPicosPerSecond = 1e12;
+Picos to_picos(double seconds);
+inline double to_seconds(Picos t) {
+  return static_cast<double>(t) / kPicosPerSecond;
+}
+
+// One pass of one microbatch through one model chunk.
+struct PassCost {
+  Picos compute = 0;  // kernels
+  Picos tp_comm = 0;  // tensor-parallel collectives inside the pass
+  Picos total() const { return compute + tp_comm; }
+};
+
+// What one microbatch costs on one model chunk. `backward` includes recomputation; for split
+// (zero-bubble) schedules it is divided into `backward_input` and `backward_weight`.
+struct ChunkCost {
+  PassCost forward, backward, backward_input, backward_weight;
+};
+
+struct SimulationInput {
+  ScheduleSpec schedule;  // the simulator generates the action lists
+  std::vector<std::vector<ChunkCost>> cost;  // [pipeline rank][chunk]
+  int64_t tensor_parallel = 1;
+  int64_t data_parallel = 1;
+  // Pipeline transfers: each tensor-parallel rank moves `p2p_bytes` to its counterpart on the
+  // neighbouring stage (the 1/t slice with the scatter/gather optimisation), plus a fixed
+  // software latency and, with scatter/gather, an all-gather in the receiving node.
+  double p2p_bytes = 0;
+  Picos p2p_latency = 0;
+  Picos p2p_gather = 0;
+  // End of the iteration, per pipeline rank.
+  std::vector<Picos> dp_sync;         // the whole data-parallel gradient reduction
+  std::vector<Picos> dp_last_bucket;  // with overlap: the part that cannot start early
+  bool overlap_grad_reduce = false;
+  Picos embedding_sync = 0;           // tied-embedding all-reduce (first and last rank)
+  Picos grad_norm = 0;                // gradient-norm all-reduce before the optimizer step
+  std::vector<Picos> optimizer;       // the optimizer step
+  // Every GPU (full) or one pipeline; full is needed for stragglers.
+  bool full = false;
+  std::map<int64_t, double> slowdown;  // global rank -> compute time multiplier (full only)
+  bool record_timeline = false;
+};
+
+struct StageStats {
+  int64_t rank = 0;
+  Picos compute = 0;    // forward/backward/recompute kernels
+  Picos tp_comm = 0;    // tensor-parallel collectives (never overlapped)
+  Picos pp_comm = 0;    // waiting while own pipeline transfers are in flight
+  Picos dp_comm = 0;    // exposed data-parallel and embedding gradient collectives
+  Picos optimizer = 0;  // gradient-norm all-reduce and optimizer step
+  Picos idle = 0;       // waiting for other ranks: the pipeline bubble (and stragglers)
+  Picos busy() const { return compute + tp_comm; }
+};
+
+// One span of the timeline.
+enum class Stream : uint8_t { kCompute, kTensor, kPipeline, kData };
+struct Span {
+  int32_t replica = 0;  // data-parallel index (0 unless full)
+  int32_t rank = 0;     // pipeline rank
+  Stream stream = Stream::kCompute;
+  ActionKind kind = ActionKind::kForward;
+  int32_t microbatch = -1;
+  int32_t chunk = -1;
+  Picos start = 0, end = 0;
+};
+
+struct SimulationResult {
+  Picos iteration = 0;
+  std::vector<StageStats> stages;  // per pipeline rank (of the replica with the slowest GPU)
+  int64_t critical_stage = 0;      // the stage with the most busy time
+  double bubble_fraction = 0;      // idle / busy on the critical stage (SC'21's convention)
+  Picos exposed_tp = 0, exposed_pp = 0, exposed_dp = 0;  // on the critical stage
+  int64_t events = 0;
+  int64_t simulated_microbatches = 0;  // < m when the periodic steady state was extrapolated
+  std::vector<Span> timeline;          // when asked for
+};
+
+// Throws std::logic_error if the schedule deadlocks and InputError for inconsistent input.
+// Without a timeline, a long iteration (m > 16 p) is simulated at three smaller microbatch
+// counts that differ by p; when the steady state is periodic (every figure grows by the same
+// amount per p microbatches) the result is extrapolated exactly, so time and memory stay
+// bounded for any m; otherwise the whole iteration is simulated.
+SimulationResult simulate(const SimulationInput& in, const ClusterSpec& cluster,
+                          const HardwareProfile& profile);
+
+}  // namespace ptdp

@@ -1,0 +1,170 @@
+// The schedule generator: Megatron-LM's orders (golden files), the checker's guarantees on a
+// sweep of sizes, warm-up counts and activation memory in flight.
+#include "core/schedule.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "core/error.h"
+
+namespace ptdp {
+namespace {
+
+PipelineSchedule make(Schedule kind, int64_t p, int64_t m, int64_t v = 1, bool tied = true) {
+  ScheduleSpec s;
+  s.kind = kind;
+  s.pipeline_parallel = p;
+  s.microbatches = m;
+  s.virtual_stages = v;
+  s.tied_embeddings = tied;
+  return make_pipeline_schedule(s);
+}
+
+std::string golden(const std::string& name) {
+  std::ifstream in(std::string(PTDP_SOURCE_DIR) + "/tests/golden/" + name);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string all_ranks(const PipelineSchedule& s) {
+  std::string out;
+  for (int64_t r = 0; r < s.p(); ++r) out += "rank " + std::to_string(r) + ": " + rank_to_string(s, r) + "\n";
+  return out;
+}
+
+// Forward passes before the first backward pass on rank r.
+int64_t warmup_forwards(const PipelineSchedule& s, int64_t r) {
+  int64_t n = 0;
+  for (const PipelineAction& a : s.ranks[static_cast<size_t>(r)]) {
+    if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) break;
+    n += a.kind == ActionKind::kForward;
+  }
+  return n;
+}
+
+// The golden files were checked by hand against Megatron-LM's
+// forward_backward_pipelining_without_interleaving / _with_interleaving: warm-up counts
+// min(p-r-1, m) and 2(p-r-1)+(v-1)p, virtual microbatch k on chunk (k mod pv)/p forward and
+// v-1 minus that backward, microbatch (k / pv) p + k mod p, the batched send/recv calls of
+// each step, and the last stage's outputs wrapping to rank 0's next chunk.
+TEST(Schedule, OneFOneBMatchesMegatronRankByRank) {
+  EXPECT_EQ(all_ranks(make(Schedule::k1F1B, 4, 8)), golden("schedule_1f1b_p4_m8_v1.txt"));
+}
+
+TEST(Schedule, InterleavedMatchesMegatronRankByRank) {
+  EXPECT_EQ(all_ranks(make(Schedule::kInterleaved1F1B, 4, 8, 2)),
+            golden("schedule_interleaved_p4_m8_v2.txt"));
+}
+
+TEST(Schedule, EveryScheduleIsConsistentAndDeadlockFree) {
+  int checked = 0;
+  for (int64_t p = 1; p <= 8; ++p) {
+    for (int64_t m = 1; m <= 3 * p + 1; ++m) {
+      for (Schedule k : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kZeroBubbleH1}) {
+        EXPECT_NO_THROW(check_pipeline_schedule(make(k, p, m))) << to_string(k) << " p" << p << " m" << m;
+        ++checked;
+      }
+      if (p > 1 && m % p == 0) {
+        for (int64_t v = 2; v <= 4; ++v) {
+          EXPECT_NO_THROW(check_pipeline_schedule(make(Schedule::kInterleaved1F1B, p, m, v)))
+              << "p" << p << " m" << m << " v" << v;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 400);
+}
+
+TEST(Schedule, WarmupCountsFollowMegatron) {
+  for (int64_t p : {2, 4, 8}) {
+    for (int64_t m : {p, 2 * p, 4 * p}) {
+      const auto one = make(Schedule::k1F1B, p, m);
+      for (int64_t r = 0; r < p; ++r) {
+        // The warm-up forwards plus the first steady-state forward precede the first backward.
+        EXPECT_EQ(warmup_forwards(one, r), std::min(p - r - 1, m) + (m > p - r - 1 ? 1 : 0));
+      }
+      for (int64_t v : {2, 4}) {
+        const auto il = make(Schedule::kInterleaved1F1B, p, m, v);
+        for (int64_t r = 0; r < p; ++r) {
+          const int64_t warm = m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * p, m * v);
+          EXPECT_EQ(warmup_forwards(il, r), warm + (warm < m * v ? 1 : 0)) << p << " " << m << " " << v;
+        }
+      }
+    }
+  }
+}
+
+TEST(Schedule, ActivationsInFlight) {
+  const int64_t p = 4, m = 8;
+  for (int64_t r = 0; r < p; ++r) {
+    EXPECT_EQ(peak_chunks_in_flight(make(Schedule::kGPipe, p, m), r), m);
+    EXPECT_EQ(peak_chunks_in_flight(make(Schedule::k1F1B, p, m), r), p - r);
+    EXPECT_EQ(peak_chunks_in_flight(make(Schedule::kInterleaved1F1B, p, m, 2), r),
+              2 * (p - r - 1) + p + 1);
+    // ZB-H1 holds p microbatches on every rank: the 1F1B peak of rank 0.
+    EXPECT_EQ(peak_chunks_in_flight(make(Schedule::kZeroBubbleH1, p, m), r), p);
+  }
+}
+
+TEST(Schedule, ZeroBubbleSplitsEveryBackward) {
+  const auto s = make(Schedule::kZeroBubbleH1, 4, 8);
+  EXPECT_FALSE(s.synchronous_p2p);
+  for (const auto& list : s.ranks) {
+    int bi = 0, w = 0, b = 0;
+    for (const PipelineAction& a : list) {
+      bi += a.kind == ActionKind::kBackwardInput;
+      w += a.kind == ActionKind::kBackwardWeight;
+      b += a.kind == ActionKind::kBackward;
+    }
+    EXPECT_EQ(bi, 8);
+    EXPECT_EQ(w, 8);
+    EXPECT_EQ(b, 0);
+  }
+}
+
+TEST(Schedule, EndsWithGradientSyncAndOptimizerStep) {
+  const auto s = make(Schedule::k1F1B, 4, 8, 1, /*tied=*/true);
+  for (int64_t r = 0; r < 4; ++r) {
+    const auto& list = s.ranks[static_cast<size_t>(r)];
+    EXPECT_EQ(list.back().kind, ActionKind::kOptimizerStep);
+    const bool emb = r == 0 || r == 3;
+    EXPECT_EQ(list[list.size() - 2].kind, emb ? ActionKind::kEmbeddingSync : ActionKind::kGradSync);
+  }
+}
+
+TEST(Schedule, CheckerRejectsBrokenLists) {
+  // A backward moved before its forward.
+  auto s = make(Schedule::k1F1B, 2, 4);
+  auto& r1 = s.ranks[1];
+  std::swap(r1[1], r1[2]);  // rank 1: rF0 F0 B0 ... -> rF0 B0 F0
+  EXPECT_THROW(check_pipeline_schedule(s), std::logic_error);
+  // A dropped receive: the sender's message is never taken, the receiver never gets its input.
+  s = make(Schedule::k1F1B, 2, 4);
+  s.ranks[1].erase(s.ranks[1].begin());
+  EXPECT_THROW(check_pipeline_schedule(s), std::logic_error);
+  // Receives in the wrong order (microbatch 1 expected before 0).
+  s = make(Schedule::kGPipe, 2, 2);
+  for (PipelineAction& a : s.ranks[1])
+    if (a.kind == ActionKind::kRecvForward) a.microbatch = 1 - a.microbatch;
+  EXPECT_THROW(check_pipeline_schedule(s), std::logic_error);
+  // Two ranks that both wait to receive first: deadlock under synchronous p2p.
+  s = make(Schedule::k1F1B, 2, 2);
+  auto& r0 = s.ranks[0];
+  r0.insert(r0.begin(), PipelineAction{ActionKind::kRecvBackward, false, 0, 0});
+  EXPECT_THROW(check_pipeline_schedule(s), std::logic_error);
+}
+
+TEST(Schedule, RejectsImpossibleSpecs) {
+  EXPECT_THROW(make(Schedule::kInterleaved1F1B, 4, 6, 2), InputError);
+  EXPECT_THROW(make(Schedule::k1F1B, 4, 8, 2), InputError);
+  EXPECT_THROW(make(Schedule::k1F1B, 0, 8), InputError);
+  EXPECT_THROW(make(Schedule::k1F1B, 4, 0), InputError);
+}
+
+}  // namespace
+}  // namespace ptdp
