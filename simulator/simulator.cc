@@ -239,7 +239,8 @@ class Engine {
   }
 
   void transfer_done(int32_t id) {
-    const Transfer& tr = transfers_[static_cast<size_t>(id)];
+    // Copied: releasing a rank lets it post new transfers, which may grow transfers_.
+    const Transfer tr = transfers_[static_cast<size_t>(id)];
     const Picos took = now_ - tr.start;
     auto release = [&](int32_t e) {
       RankState& st = ranks_[static_cast<size_t>(e)];
@@ -303,7 +304,8 @@ class Engine {
         took = in_.overlap_grad_reduce ? std::max<Picos>(0, all_buckets - now_)
                                        : in_.dp_sync[static_cast<size_t>(mr)];
         st.stats.dp_comm += took;
-        record(m, Stream::kData, a, now_, now_ + took);
+        // Overlapped buckets are on the timeline already; this is only the wait for them.
+        if (!in_.overlap_grad_reduce) record(m, Stream::kData, a, now_, now_ + took);
       } else if (a.kind == K::kEmbeddingSync) {
         took = in_.embedding_sync;
         st.stats.dp_comm += took;

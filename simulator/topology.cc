@@ -77,8 +77,12 @@ Topology::Topology(const ClusterSpec& c, const HardwareProfile& h) : graph_(new 
       int64_t group = 1;           // nodes each vertex of `below` covers
       for (int64_t n = 0; n < nodes; ++n) below.push_back(nic_vertex[static_cast<size_t>(n)][static_cast<size_t>(k)]);
       double up_bw = nic;
-      for (const TopologyTier& tier : tiers) {
-        const int64_t per = std::max<int64_t>(1, tier.nodes_per_switch / group);
+      for (size_t ti = 0; ti < tiers.size(); ++ti) {
+        const TopologyTier& tier = tiers[ti];
+        // The top tier joins whatever is left below it.
+        const int64_t per = ti + 1 == tiers.size()
+                                ? static_cast<int64_t>(below.size())
+                                : std::max<int64_t>(1, tier.nodes_per_switch / group);
         std::vector<int64_t> level;
         for (size_t i = 0; i < below.size(); ++i) {
           if (i % static_cast<size_t>(per) == 0) level.push_back(b.vertex());

@@ -1,0 +1,276 @@
+// The discrete-event simulator: exact bubbles with free communication, zero-bubble against
+// 1F1B, a straggler worked out by hand, link sharing, periodic extrapolation, and agreement
+// with the analytic model on every published configuration.
+#include "simulator/simulator.h"
+
+#include <gtest/gtest.h>
+
+#include <boost/property_tree/ptree.hpp>
+#include <boost/property_tree/xml_parser.hpp>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/simulation_input.h"
+#include "core/error.h"
+#include "core/presets.h"
+#include "planner/validation.h"
+#include "simulator/flow_network.h"
+#include "simulator/timeline_export.h"
+#include "simulator/topology.h"
+
+namespace ptdp {
+namespace {
+
+constexpr Picos kUs = 1000000;  // one microsecond in picoseconds
+
+// A DGX-like cluster whose links cost nothing to cross (latency-free), for exact tests.
+ClusterSpec free_cluster(int64_t gpus) {
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.nvlink_latency_us = 0;
+  c.nic_latency_us = 0;
+  for (TopologyTier& t : c.tiers) t.latency_us = 0;
+  c.resize(gpus);
+  return c;
+}
+
+// Every pass of every chunk costs the same; no communication, no optimizer.
+SimulationInput uniform(Schedule kind, int64_t p, int64_t m, int64_t v, Picos f, Picos b,
+                        Picos w = 0) {
+  SimulationInput in;
+  in.schedule.kind = kind;
+  in.schedule.pipeline_parallel = p;
+  in.schedule.microbatches = m;
+  in.schedule.virtual_stages = v;
+  ChunkCost c;
+  c.forward.compute = f;
+  c.backward.compute = b;
+  c.backward_weight.compute = w;
+  c.backward_input.compute = b - w;
+  in.cost.assign(static_cast<size_t>(p), std::vector<ChunkCost>(static_cast<size_t>(v), c));
+  in.dp_sync.assign(static_cast<size_t>(p), 0);
+  in.dp_last_bucket.assign(static_cast<size_t>(p), 0);
+  in.optimizer.assign(static_cast<size_t>(p), 0);
+  return in;
+}
+
+SimulationResult run(const SimulationInput& in) {
+  const int64_t gpus = in.tensor_parallel * in.data_parallel * in.schedule.pipeline_parallel;
+  return simulate(in, free_cluster(std::max<int64_t>(gpus, 8)), resolve_profile("a100-80gb"));
+}
+
+TEST(Simulator, BubbleIsExactlyPMinusOneOverMWithFreeCommunication) {
+  for (Schedule kind : {Schedule::kGPipe, Schedule::k1F1B}) {
+    for (int64_t p : {1, 2, 3, 4, 8}) {
+      for (int64_t m : {1, 2, 4, 7, 16, 33}) {
+        const SimulationResult r = run(uniform(kind, p, m, 1, 3 * kUs, 7 * kUs));
+        const StageStats& s = r.stages[static_cast<size_t>(r.critical_stage)];
+        // idle / busy == (p-1) / m, in integers.
+        EXPECT_EQ(s.idle * m, (p - 1) * s.busy()) << to_string(kind) << " p" << p << " m" << m;
+        EXPECT_EQ(r.iteration, (m + p - 1) * 10 * kUs);
+        EXPECT_DOUBLE_EQ(r.bubble_fraction, static_cast<double>(p - 1) / static_cast<double>(m));
+      }
+    }
+  }
+}
+
+TEST(Simulator, InterleavedBubbleIsPMinusOneOverVM) {
+  for (int64_t p : {2, 3, 4, 8}) {
+    for (int64_t v : {2, 3, 4}) {
+      for (int64_t m : {p, 2 * p, 4 * p, 8 * p}) {
+        // Chunk passes are 1/v of a stage's.
+        const SimulationResult r =
+            run(uniform(Schedule::kInterleaved1F1B, p, m, v, 3 * kUs, 7 * kUs));
+        const StageStats& s = r.stages[static_cast<size_t>(r.critical_stage)];
+        EXPECT_EQ(s.idle * v * m, (p - 1) * s.busy()) << "p" << p << " v" << v << " m" << m;
+      }
+    }
+  }
+}
+
+TEST(Simulator, ZeroBubbleH1BeatsOneFOneBAtTheSameActivationMemory) {
+  for (int64_t p : {2, 4, 8}) {
+    for (int64_t m : {p, 2 * p, 4 * p}) {
+      // Forward, input-gradient and weight-gradient parts of equal length (Qi et al.'s setting).
+      const auto one = run(uniform(Schedule::k1F1B, p, m, 1, 10 * kUs, 20 * kUs, 10 * kUs));
+      const auto zb = run(uniform(Schedule::kZeroBubbleH1, p, m, 1, 10 * kUs, 20 * kUs, 10 * kUs));
+      EXPECT_LT(zb.bubble_fraction, one.bubble_fraction) << "p" << p << " m" << m;
+      EXPECT_LT(zb.iteration, one.iteration);
+      // Same peak: p microbatches on the most loaded rank.
+      ScheduleSpec spec;
+      spec.pipeline_parallel = p;
+      spec.microbatches = m;
+      int64_t peak_1f1b = 0, peak_zb = 0;
+      spec.kind = Schedule::k1F1B;
+      const auto s1 = make_pipeline_schedule(spec);
+      spec.kind = Schedule::kZeroBubbleH1;
+      const auto s2 = make_pipeline_schedule(spec);
+      for (int64_t r = 0; r < p; ++r) {
+        peak_1f1b = std::max(peak_1f1b, peak_chunks_in_flight(s1, r));
+        peak_zb = std::max(peak_zb, peak_chunks_in_flight(s2, r));
+      }
+      EXPECT_EQ(peak_zb, peak_1f1b);
+      // Qi et al.: with F = B = W the ZB-H1 bubble is a third of 1F1B's: (p-1)(F+B-W) against
+      // (p-1)(F+B+W), here B standing for the input-gradient part.
+      EXPECT_EQ(one.iteration, (m + p - 1) * 30 * kUs);
+      EXPECT_EQ(zb.iteration, m * 30 * kUs + (p - 1) * 10 * kUs) << "p" << p << " m" << m;
+    }
+  }
+}
+
+// p = 2, m = 2, 1F1B, two data-parallel replicas; GPU 2 (replica 0, stage 1) computes 1.5x
+// slower. F = 10 us, B = 20 us, so stage 1 of replica 0 takes 15 and 30.
+//   replica 0, stage 0: F0 [0,10]  F1 [10,20]  waits for B0's gradient
+//   replica 0, stage 1: F0 [10,25] B0 [25,55]  F1 [55,70] B1 [70,100]
+//   stage 0: B0 [55,75], then waits for B1's gradient: B1 [100,120]
+//   replica 1 finishes at (m+p-1)(F+B) = 90 and waits in the gradient all-reduce,
+// so the iteration takes 120 us instead of 90.
+TEST(Simulator, StragglerSlowsTheIterationAsTheScheduleDictates) {
+  SimulationInput in = uniform(Schedule::k1F1B, 2, 2, 1, 10 * kUs, 20 * kUs);
+  in.data_parallel = 2;
+  in.full = true;
+  EXPECT_EQ(run(in).iteration, 90 * kUs);
+  in.slowdown[2] = 1.5;  // global rank = tp + t (dp + d pp) = 0 + 1 (0 + 2 * 1)
+  const SimulationResult r = run(in);
+  EXPECT_EQ(r.iteration, 120 * kUs);
+  // The report follows the straggler's replica: stage 1 computed 2 x 45 us, stage 0 2 x 30 us.
+  EXPECT_EQ(r.stages[1].compute, 90 * kUs);
+  EXPECT_EQ(r.stages[0].compute, 60 * kUs);
+  // A straggler on the other replica costs the same: the all-reduce waits for it.
+  in.slowdown.clear();
+  in.slowdown[3] = 1.5;
+  EXPECT_EQ(run(in).iteration, 120 * kUs);
+}
+
+TEST(Simulator, SlowRankNeedsFullAndAValidRank) {
+  SimulationInput in = uniform(Schedule::k1F1B, 2, 2, 1, kUs, kUs);
+  in.slowdown[0] = 2;
+  EXPECT_THROW(run(in), InputError);  // not full
+  in.full = true;
+  in.slowdown = {{7, 2.0}};
+  EXPECT_THROW(run(in), InputError);  // only ranks 0..1
+}
+
+TEST(Simulator, LongIterationsAreExtrapolatedExactly) {
+  for (Schedule kind : {Schedule::k1F1B, Schedule::kInterleaved1F1B, Schedule::kZeroBubbleH1}) {
+    const int64_t v = kind == Schedule::kInterleaved1F1B ? 2 : 1;
+    SimulationInput in = uniform(kind, 4, 100, v, 3 * kUs, 7 * kUs, 2 * kUs);
+    in.p2p_bytes = 1e6;  // with transfers over the topology
+    in.p2p_latency = 5 * kUs;
+    if (kind == Schedule::kInterleaved1F1B) in.schedule.microbatches = 96;
+    const SimulationResult fast = run(in);
+    EXPECT_LT(fast.simulated_microbatches, in.schedule.microbatches);
+    in.record_timeline = true;  // forces the whole iteration
+    const SimulationResult whole = run(in);
+    EXPECT_EQ(whole.simulated_microbatches, in.schedule.microbatches);
+    EXPECT_EQ(fast.iteration, whole.iteration) << to_string(kind);
+    for (size_t r = 0; r < 4; ++r) EXPECT_EQ(fast.stages[r].idle, whole.stages[r].idle);
+  }
+}
+
+TEST(FlowNetwork, ConcurrentFlowsShareALinkFairly) {
+  std::vector<Link> links = {{"a", 1e9, 0}, {"b", 1e9, 0}, {"c", 0.25e9, 0}};
+  FlowNetwork net(links);
+  std::vector<std::pair<Picos, int32_t>> due;
+  const std::vector<int32_t> ab = {0, 1}, b = {1}, bc = {1, 2};
+  // Alone: 1 MB at 1 GB/s = 1 ms.
+  const int32_t f1 = net.start(0, &ab, 1e6, 1, &due);
+  EXPECT_EQ(net.due(f1), 1000 * kUs);
+  // A second flow on link b halves both rates: f1 has 0.5 MB left at 0.5 ms, done at 1.5 ms.
+  due.clear();
+  const int32_t f2 = net.start(500 * kUs, &b, 1e6, 2, &due);
+  EXPECT_EQ(net.due(f1), 1500 * kUs);
+  EXPECT_EQ(net.due(f2), 2500 * kUs);
+  // f1 leaves: f2 (0.5 MB left at 1.5 ms) gets the whole link again.
+  due.clear();
+  net.finish(1500 * kUs, f1, &due);
+  EXPECT_EQ(net.due(f2), 2000 * kUs);
+  // Max-min: a flow held to 0.25 GB/s by link c leaves 0.75 GB/s of link b to f2.
+  due.clear();
+  const int32_t f3 = net.start(1500 * kUs, &bc, 1e6, 3, &due);
+  EXPECT_EQ(net.due(f3), 1500 * kUs + 4000 * kUs);
+  EXPECT_EQ(net.due(f2), 1500 * kUs + 666666667);
+}
+
+TEST(Topology, PathsFollowTheCluster) {
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(8 * 40);  // 40 nodes: two leaf groups of 20
+  const HardwareProfile h = resolve_profile("a100-80gb");
+  Topology t(c, h);
+  EXPECT_EQ(t.path(0, 5).size(), 2u);    // GPU -> NVSwitch -> GPU
+  EXPECT_EQ(t.path(0, 8).size(), 4u);    // GPU -> NIC -> leaf -> NIC -> GPU (same rail)
+  EXPECT_EQ(t.path(0, 8 * 25).size(), 6u);  // through a spine
+  const double nvlink = t.links()[static_cast<size_t>(t.path(0, 5)[0])].capacity_Bps;
+  EXPECT_DOUBLE_EQ(nvlink, 300e9 * h.nvlink.busbw_efficiency);
+  double bottleneck = 1e30;
+  for (int32_t l : t.path(0, 8)) bottleneck = std::min(bottleneck, t.links()[static_cast<size_t>(l)].capacity_Bps);
+  EXPECT_DOUBLE_EQ(bottleneck, 25e9 * h.network.busbw_efficiency);
+}
+
+std::vector<ValidationCase> cases() {
+  return load_sc21_cases(std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json");
+}
+
+// Every published configuration: simulation and analytic prediction within 5%.
+TEST(Simulator, AgreesWithPredictOnEveryValidationConfiguration) {
+  const HardwareProfile h = resolve_profile("a100-80gb");
+  double worst = 0;
+  for (const ValidationCase& v : cases()) {
+    ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+    c.resize(v.plan.num_gpus());
+    const CostModel cm(v.model, c, h);
+    const double predicted = cm.predict(v.plan).iteration_time_s;
+    const double simulated = to_seconds(simulate_plan(cm, v.plan).iteration);
+    const double err = simulated / predicted - 1;
+    worst = std::max(worst, std::abs(err));
+    std::printf("%-34s predict %8.3f s  simulate %8.3f s  %+5.1f%%\n", v.label.c_str(), predicted,
+                simulated, 100 * err);
+    EXPECT_LT(std::abs(err), 0.05) << v.label;
+  }
+  std::printf("worst difference %.2f%%\n", 100 * worst);
+}
+
+TEST(Timeline, TraceParsesAndTracksNeverOverlap) {
+  SimulationInput in = uniform(Schedule::kInterleaved1F1B, 4, 8, 2, 3 * kUs, 7 * kUs, 2 * kUs);
+  in.p2p_bytes = 1e6;
+  in.cost[0][0].forward.tp_comm = kUs;
+  in.dp_sync.assign(4, 50 * kUs);
+  in.dp_last_bucket.assign(4, 5 * kUs);
+  in.overlap_grad_reduce = true;
+  in.optimizer.assign(4, 10 * kUs);
+  in.record_timeline = true;
+  const SimulationResult r = run(in);
+  std::ostringstream trace;
+  write_chrome_trace(trace, r.timeline, "test");
+  const nlohmann::json j = nlohmann::json::parse(trace.str());
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> tracks;
+  int spans = 0;
+  for (const auto& e : j.at("traceEvents")) {
+    if (e.at("ph") != "X") continue;
+    ++spans;
+    for (const char* key : {"ts", "dur", "pid", "tid", "name"}) ASSERT_TRUE(e.contains(key)) << key;
+    EXPECT_GT(e.at("dur").get<double>(), 0);
+    tracks[{e.at("pid").get<int>(), e.at("tid").get<int>()}].emplace_back(
+        e.at("ts").get<double>(), e.at("ts").get<double>() + e.at("dur").get<double>());
+  }
+  EXPECT_EQ(spans, static_cast<int>(r.timeline.size()));
+  // Compute spans: 8 microbatches x 2 chunks x (F + B) per rank, plus the optimizer step.
+  EXPECT_GE(spans, 4 * (8 * 2 * 2 + 1));
+  for (auto& [track, list] : tracks) {
+    std::sort(list.begin(), list.end());
+    for (size_t i = 1; i < list.size(); ++i)
+      EXPECT_LE(list[i - 1].second, list[i].first + 1e-9) << "track " << track.second;
+  }
+  std::ostringstream svg;
+  write_svg(svg, r.timeline, r.iteration, "test <&> \"quotes\"");
+  boost::property_tree::ptree tree;
+  std::istringstream in_svg(svg.str());
+  EXPECT_NO_THROW(boost::property_tree::read_xml(in_svg, tree));
+  EXPECT_EQ(tree.get_child("svg").get<std::string>("<xmlattr>.xmlns"), "http://www.w3.org/2000/svg");
+  size_t rects = 0;
+  for (const auto& child : tree.get_child("svg")) rects += child.first == "rect";
+  EXPECT_GT(rects, r.timeline.size());
+}
+
+}  // namespace
+}  // namespace ptdp
