@@ -2,6 +2,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 #include "cli/commands.h"
 #include "cli/job_flags.h"
 #include "cli/report.h"
+#include "cli/simulation.h"
 #include "core/error.h"
 #include "core/units.h"
 #include "planner/search.h"
@@ -23,12 +25,16 @@ struct PlanFlags {
   double train_tokens = 0;
   std::string out_path;
   bool no_progress = false;
+  int simulate_top = 0;
+  TimelineFlags timeline;
 };
 
-void print_table(std::ostream& out, const SearchResult& r) {
+// `simulated`: simulated iteration times of the first plans (re-ranked by them), if any.
+void print_table(std::ostream& out, const SearchResult& r, const std::vector<double>& simulated) {
   char buf[320];
-  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %8s %6s %8s  %s\n", "rank", "configuration",
-                "iter s", "TFLOP/s", "MFU", "mem GiB", "loses to #1 by");
+  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %9s %8s %6s %8s  %s\n", "rank", "configuration",
+                "iter s", simulated.empty() ? "" : "sim s", "TFLOP/s", "MFU", "mem GiB",
+                "loses to #1 by");
   out << buf;
   for (size_t i = 0; i < r.top.size(); ++i) {
     const RankedPlan& rp = r.top[i];
@@ -40,8 +46,10 @@ void print_table(std::ostream& out, const SearchResult& r) {
                     100 * (p.iteration_time_s / r.top[0].prediction.iteration_time_s - 1));
       why = slower + loses_because(r.top[0].prediction, p);
     }
-    std::snprintf(buf, sizeof buf, "%-4zu %-34s %9.3f %8.1f %5.1f%% %8.1f  %s\n", i + 1,
-                  plan_summary(rp.plan).c_str(), p.iteration_time_s, p.model_tflops_per_gpu,
+    char sim[16] = "";
+    if (i < simulated.size()) std::snprintf(sim, sizeof sim, "%9.3f", simulated[i]);
+    std::snprintf(buf, sizeof buf, "%-4zu %-34s %9.3f %9s %8.1f %5.1f%% %8.1f  %s\n", i + 1,
+                  plan_summary(rp.plan).c_str(), p.iteration_time_s, sim, p.model_tflops_per_gpu,
                   100 * p.mfu, to_gib(p.memory.peak), why.c_str());
     out << buf;
   }
@@ -53,12 +61,13 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   const HardwareProfile h = f.job.resolve_profile(c);
   if (f.top <= 0) throw InputError("--top", "must be positive");
   if (f.train_tokens < 0) throw InputError("--train-tokens", "must not be negative");
+  if (f.simulate_top < 0) throw InputError("--simulate-top", "must not be negative");
   const ParallelPlan base = f.job.resolve_plan(m, c);
   if (f.job.has_parallel_flags()) base.validate(m);
 
   SearchOptions o;
   o.global_batch_size = base.global_batch_size;
-  o.top_k = f.top;
+  o.top_k = std::max(f.top, f.simulate_top);
   o.threads = f.threads;
   o.defaults = base;
   const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
@@ -67,11 +76,33 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
       err << "\rsearching: " << (100 * done / total) << "% " << std::flush;
     };
   }
-  const SearchResult r = search_plans(m, c, h, o);
+  SearchResult r = search_plans(m, c, h, o);
   if (show_progress) err << "\r                    \r" << std::flush;
   if (r.top.empty()) {
     err << "ptdp plan: no configuration fits (" << r.considered << " considered)\n";
     return 1;
+  }
+  // Re-rank the analytic top K by simulated iteration time.
+  std::vector<double> simulated;
+  const CostModel cm(m, c, h);
+  const size_t k = std::min(r.top.size(), static_cast<size_t>(f.simulate_top));
+  std::vector<std::pair<double, RankedPlan>> sims;
+  for (size_t i = 0; i < k; ++i) {
+    if (show_progress) err << "\rsimulating " << i + 1 << "/" << k << " " << std::flush;
+    sims.emplace_back(to_seconds(simulate_plan(cm, r.top[i].plan).iteration), r.top[i]);
+  }
+  if (show_progress && k > 0) err << "\r                         \r" << std::flush;
+  std::stable_sort(sims.begin(), sims.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (size_t i = 0; i < k; ++i) {
+    simulated.push_back(sims[i].first);
+    r.top[i] = sims[i].second;
+  }
+  r.top.resize(std::min(r.top.size(), static_cast<size_t>(f.top)));
+  if (simulated.size() > r.top.size()) simulated.resize(r.top.size());
+  if (f.timeline.wanted()) {
+    const SimulationResult best_sim = simulate_plan(cm, r.top[0].plan, false, {}, true);
+    f.timeline.write(best_sim, r.top[0].plan, m);
   }
   std::optional<Prediction> baseline;
   if (f.job.has_parallel_flags()) baseline = CostModel(m, c, h).predict(base);
@@ -84,6 +115,8 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     j["plans"] = nlohmann::json::array();
     for (const RankedPlan& rp : r.top) {
       nlohmann::json e = prediction_json(m, rp.plan, rp.prediction);
+      const size_t i = static_cast<size_t>(&rp - &r.top[0]);
+      if (i < simulated.size()) e["simulated_iteration_time_s"] = simulated[i];
       if (&rp != &r.top[0]) e["loses_because"] = loses_because(best.prediction, rp.prediction);
       j["plans"].push_back(e);
     }
@@ -113,7 +146,10 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
                 static_cast<long long>(r.considered), r.seconds,
                 static_cast<double>(r.considered) / r.seconds, static_cast<long long>(r.evaluated));
   out << buf;
-  print_table(out, r);
+  print_table(out, r, simulated);
+  if (!simulated.empty())
+    out << "\n(the first " << simulated.size()
+        << " re-ranked by simulated iteration time: ptdp simulate)\n";
   out << "\nbest plan as Megatron-LM flags:\n  " << best.plan.megatron_flags(m) << "\n";
   if (!r.rejected.empty()) {
     out << "\nrejected:\n";
@@ -148,6 +184,9 @@ Action add_plan_command(CLI::App& app) {
   sub->add_option("--train-tokens", f->train_tokens, "tokens to train on, for days and GPU-hours");
   sub->add_option("--out", f->out_path, "write the ranked plans as JSON to this file");
   sub->add_flag("--no-progress", f->no_progress, "no progress line on the terminal");
+  sub->add_option("--simulate-top", f->simulate_top,
+                  "simulate the analytic top K and re-rank them by simulated time");
+  f->timeline.add_to(*sub);
   return [f](std::ostream& out, std::ostream& err) { return run_plan(*f, out, err); };
 }
 

@@ -7,7 +7,11 @@
 namespace ptdp {
 
 FlowNetwork::FlowNetwork(const std::vector<Link>& links)
-    : links_(links), on_link_(links.size()), link_mark_(links.size(), 0) {}
+    : links_(links),
+      on_link_(links.size()),
+      demand_(links.size(), 0.0),
+      link_mark_(links.size(), 0),
+      link_pos_(links.size(), 0) {}
 
 FlowNetwork::Picos FlowNetwork::completion(Picos now, const Flow& f) const {
   if (f.remaining <= 0) return now;
@@ -26,15 +30,17 @@ int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double b
     flow_mark_.push_back(0);
   }
   Flow& f = flows_[static_cast<size_t>(id)];
-  f = Flow{path, bytes, 0, now, 0, tag, true};
-  bool shared = false;
+  f = Flow{path, bytes, 0, now, 0, 0, tag, true};
   double bottleneck = std::numeric_limits<double>::infinity();
+  for (int32_t l : *path) bottleneck = std::min(bottleneck, links_[static_cast<size_t>(l)].capacity_Bps);
+  f.solo = bottleneck;
+  bool constrained = false;
   for (int32_t l : *path) {
-    shared |= !on_link_[static_cast<size_t>(l)].empty();
-    bottleneck = std::min(bottleneck, links_[static_cast<size_t>(l)].capacity_Bps);
     on_link_[static_cast<size_t>(l)].push_back(id);
+    demand_[static_cast<size_t>(l)] += bottleneck;
+    constrained |= tight(l);
   }
-  if (!shared) {
+  if (!constrained) {
     f.rate = bottleneck;
     f.due = completion(now, f);
     reschedule->emplace_back(f.due, id);
@@ -49,8 +55,11 @@ void FlowNetwork::finish(Picos now, int32_t id, std::vector<std::pair<Picos, int
   std::vector<int32_t> neighbours;
   for (int32_t l : *f.path) {
     auto& v = on_link_[static_cast<size_t>(l)];
+    const bool was_tight = tight(l);
     v.erase(std::find(v.begin(), v.end(), id));
-    neighbours.insert(neighbours.end(), v.begin(), v.end());
+    demand_[static_cast<size_t>(l)] -= f.solo;
+    if (v.empty()) demand_[static_cast<size_t>(l)] = 0;  // no drift from rounding
+    if (was_tight) neighbours.insert(neighbours.end(), v.begin(), v.end());
   }
   f.active = false;
   free_.push_back(id);
@@ -70,7 +79,7 @@ void FlowNetwork::rerate(Picos now, const std::vector<int32_t>& seeds,
   // Every flow sharing a link with the component, transitively.
   for (size_t i = 0; i < component_.size(); ++i) {
     for (int32_t l : *flows_[static_cast<size_t>(component_[i])].path) {
-      if (link_mark_[static_cast<size_t>(l)] == epoch_) continue;
+      if (link_mark_[static_cast<size_t>(l)] == epoch_ || !tight(l)) continue;
       link_mark_[static_cast<size_t>(l)] = epoch_;
       links_touched_.push_back(l);
       for (int32_t g : on_link_[static_cast<size_t>(l)]) {
@@ -81,45 +90,65 @@ void FlowNetwork::rerate(Picos now, const std::vector<int32_t>& seeds,
     }
   }
   // Bring every flow's remaining bytes up to now at its old rate.
-  for (int32_t id : component_) {
-    Flow& f = flows_[static_cast<size_t>(id)];
+  std::vector<double> old_rate(component_.size());
+  for (size_t i = 0; i < component_.size(); ++i) {
+    Flow& f = flows_[static_cast<size_t>(component_[i])];
     f.remaining = std::max(0.0, f.remaining - f.rate * static_cast<double>(now - f.last) / 1e12);
     f.last = now;
+    old_rate[i] = f.rate;
     f.rate = -1;  // not fixed yet
   }
-  // Progressive filling: the most constrained link fixes the rate of its unfixed flows.
-  std::vector<double> left(links_touched_.size());
-  for (size_t i = 0; i < links_touched_.size(); ++i)
-    left[i] = links_[static_cast<size_t>(links_touched_[i])].capacity_Bps;
+  // Progressive filling over the tight links: the link with the smallest fair share fixes the
+  // rate of its unfixed flows (all links tied at that share at once); a flow whose own path
+  // bottleneck is below the share is held there instead.
+  const size_t nl = links_touched_.size();
+  std::vector<double> left(nl);
+  std::vector<int32_t> count(nl, 0);
+  for (size_t i = 0; i < nl; ++i) {
+    const int32_t l = links_touched_[i];
+    left[i] = links_[static_cast<size_t>(l)].capacity_Bps;
+    link_pos_[static_cast<size_t>(l)] = static_cast<int32_t>(i);
+    count[i] = static_cast<int32_t>(on_link_[static_cast<size_t>(l)].size());
+  }
+  auto fix = [&](Flow& f, double rate) {
+    f.rate = rate;
+    for (int32_t l : *f.path) {
+      if (link_mark_[static_cast<size_t>(l)] != epoch_) continue;
+      const size_t i = static_cast<size_t>(link_pos_[static_cast<size_t>(l)]);
+      left[i] -= rate;
+      --count[i];
+    }
+  };
   size_t unfixed = component_.size();
   while (unfixed > 0) {
     double best = std::numeric_limits<double>::infinity();
-    size_t best_link = 0;
-    for (size_t i = 0; i < links_touched_.size(); ++i) {
-      int n = 0;
-      for (int32_t g : on_link_[static_cast<size_t>(links_touched_[i])])
-        n += flows_[static_cast<size_t>(g)].rate < 0;
-      if (n == 0) continue;
-      const double share = left[i] / n;
-      if (share < best) {
-        best = share;
-        best_link = i;
+    for (size_t i = 0; i < nl; ++i)
+      if (count[i] > 0) best = std::min(best, std::max(0.0, left[i]) / count[i]);
+    bool held = false;
+    for (int32_t id : component_) {
+      Flow& f = flows_[static_cast<size_t>(id)];
+      if (f.rate < 0 && f.solo <= best) {
+        fix(f, f.solo);
+        --unfixed;
+        held = true;
       }
     }
-    for (int32_t g : on_link_[static_cast<size_t>(links_touched_[best_link])]) {
-      Flow& f = flows_[static_cast<size_t>(g)];
-      if (f.rate >= 0) continue;
-      f.rate = best;
-      --unfixed;
-      for (int32_t l : *f.path)
-        for (size_t i = 0; i < links_touched_.size(); ++i)
-          if (links_touched_[i] == l) left[i] -= best;
+    if (held) continue;
+    for (size_t i = 0; i < nl; ++i) {
+      if (count[i] == 0 || std::max(0.0, left[i]) / count[i] > best * (1 + 1e-12)) continue;
+      for (int32_t g : on_link_[static_cast<size_t>(links_touched_[i])]) {
+        Flow& f = flows_[static_cast<size_t>(g)];
+        if (f.rate >= 0) continue;
+        fix(f, best);
+        --unfixed;
+      }
     }
   }
-  for (int32_t id : component_) {
-    Flow& f = flows_[static_cast<size_t>(id)];
+  for (size_t i = 0; i < component_.size(); ++i) {
+    Flow& f = flows_[static_cast<size_t>(component_[i])];
+    if (f.rate == old_rate[i] && f.due >= now) continue;  // unchanged: its event stands
     f.due = completion(now, f);
-    reschedule->emplace_back(f.due, id);
+    reschedule->emplace_back(f.due, component_[i]);
   }
 }
 

@@ -1,8 +1,10 @@
 // FlowNetwork: transfers in flight over a Topology, sharing link bandwidth max-min fairly.
 //
-// A flow holds every link of its path until its bytes are through. Whenever a flow starts or
-// ends, the rates of the flows it shares links with (transitively) are recomputed by
-// progressive filling; flows alone on their links run at their path's bottleneck capacity.
+// A flow holds every link of its path until its bytes are through. A link is tight when the
+// flows on it, each at its path's bottleneck capacity, would exceed its capacity; only tight
+// links can constrain a max-min fair allocation. Whenever a flow starts or ends, the flows
+// connected to it through tight links are re-rated by progressive filling; flows that touch no
+// tight link run at their path's bottleneck. Only flows whose rate changed are rescheduled.
 // The network tells its owner when a flow's bytes are done through a callback-free queue of
 // (time, flow) pairs that the owner's event loop polls.
 #pragma once
@@ -37,6 +39,7 @@ class FlowNetwork {
     double rate = 0;       // bytes per second
     Picos last = 0;        // when `remaining` was last brought up to date
     Picos due = 0;
+    double solo = 0;  // bottleneck capacity of the path
     int64_t tag = 0;
     bool active = false;
   };
@@ -45,12 +48,17 @@ class FlowNetwork {
   Picos completion(Picos now, const Flow& f) const;
 
   const std::vector<Link>& links_;
+  bool tight(int32_t link) const {
+    return demand_[static_cast<size_t>(link)] > links_[static_cast<size_t>(link)].capacity_Bps * (1 + 1e-12);
+  }
   std::vector<std::vector<int32_t>> on_link_;  // active flows per link
+  std::vector<double> demand_;                 // sum of the solo rates of those flows
   std::vector<Flow> flows_;
   std::vector<int32_t> free_;
   // Scratch for rerate.
   std::vector<int32_t> component_, links_touched_;
   std::vector<uint32_t> flow_mark_, link_mark_;
+  std::vector<int32_t> link_pos_;
   uint32_t epoch_ = 0;
 };
 

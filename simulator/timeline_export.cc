@@ -152,7 +152,7 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
   for (const Span& s : spans) rows.emplace(std::make_tuple(s.replica, s.rank, static_cast<int>(s.stream)), 0);
   int i = 0;
   for (auto& [key, row] : rows) row = i++;
-  const double left = 170, top = 40, row_h = 18, width = 1400;
+  const double left = 170, top = 46, row_h = 18, width = 1400;
   const double plot_w = width - left - 20;
   const double height = top + row_h * static_cast<double>(rows.size()) + 50;
   const double scale = end > 0 ? plot_w / static_cast<double>(end) : 0;
@@ -160,11 +160,28 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
   out << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   std::snprintf(buf, sizeof buf,
                 "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-                "font-family=\"sans-serif\" font-size=\"10\">\n",
+                "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"10\">\n",
                 width, height);
   out << buf;
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
   out << "<text x=\"10\" y=\"18\" font-size=\"14\">" << escape(title) << "</text>\n";
+  // Legend.
+  const std::pair<const char*, const char*> legend[] = {
+      {"#6baed6", "forward"},          {"#74c476", "backward"},
+      {"#66c2a4", "input grad (B)"},   {"#fdae6b", "weight grad (W)"},
+      {"#b5b5b5", "TP collectives"},   {"#d9b3ff", "in p2p call"},
+      {"#9467bd", "DP reduction"},     {"#de2d26", "optimizer"}};
+  double lx = left;
+  for (const auto& [fill, label] : legend) {
+    std::snprintf(buf, sizeof buf,
+                  "<rect x=\"%.0f\" y=\"24\" width=\"12\" height=\"12\" fill=\"%s\"/>"
+                  "<text x=\"%.0f\" y=\"34\">%s</text>\n",
+                  lx, fill, lx + 16, label);
+    out << buf;
+    lx += 118;
+  }
+  out << "<text x=\"" << width - 10 << "\" y=\"34\" text-anchor=\"end\" fill=\"#555\">darker: odd "
+         "model chunks; numbers: microbatch</text>\n";
   for (const auto& [key, row] : rows) {
     const auto& [replica, rank, stream] = key;
     const double y = top + row_h * row;

@@ -120,19 +120,24 @@ const std::vector<int32_t>& Topology::path(int64_t src, int64_t dst) {
     const G& g = graph_->g;
     std::vector<G::edge_descriptor> pred(boost::num_vertices(g));
     std::vector<char> reached(boost::num_vertices(g), 0);
+    struct Found {};  // thrown to stop the search once dst is reached
     struct Recorder : boost::default_bfs_visitor {
       std::vector<G::edge_descriptor>* pred;
       std::vector<char>* reached;
+      size_t dst;
       void tree_edge(G::edge_descriptor e, const G& gr) const {
         (*pred)[boost::target(e, gr)] = e;
         (*reached)[boost::target(e, gr)] = 1;
+        if (boost::target(e, gr) == dst) throw Found{};
       }
     } rec;
     rec.pred = &pred;
     rec.reached = &reached;
-    // GPUs only forward through switches: BFS from src never passes through another GPU
-    // because GPU vertices connect only to their NVSwitch and NIC.
-    boost::breadth_first_search(g, static_cast<size_t>(src), boost::visitor(rec));
+    rec.dst = static_cast<size_t>(dst);
+    try {
+      boost::breadth_first_search(g, static_cast<size_t>(src), boost::visitor(rec));
+    } catch (const Found&) {
+    }
     if (!reached[static_cast<size_t>(dst)]) throw std::logic_error("topology: no path between GPUs");
     auto index = boost::get(boost::edge_index, g);
     for (size_t v = static_cast<size_t>(dst); v != static_cast<size_t>(src);) {

@@ -1,0 +1,82 @@
+// The discrete-event simulator on the 1T-parameter model of SC'21 Table 1 (128 layers, hidden
+// 25600, 160 heads), t = 8, p = 64, b = 1, 1F1B:
+//   BM_Simulate1TOnePipeline   3072 GPUs (d = 6), global batch 3072: m = 512, one pipeline
+//   BM_Simulate1TFull16384     16384 GPUs (d = 32), global batch 3072: m = 96, every GPU
+//   BM_Simulate1TLongBatch     one pipeline with m = 32768 microbatches (periodic steady
+//                              state extrapolated from three short runs)
+//   BM_Simulate1TInterleaved   as the first, interleaved with v = 2
+//   build/bench/simulate_bench --benchmark_counters_tabular=true
+#include <benchmark/benchmark.h>
+
+#include "cli/simulation_input.h"
+#include "core/presets.h"
+
+namespace {
+
+struct Case {
+  ptdp::ModelSpec model = ptdp::resolve_model("gpt-1t");
+  ptdp::ClusterSpec cluster;
+  ptdp::ParallelPlan plan;
+};
+
+Case make(int64_t gpus, int64_t batch, int64_t v = 1) {
+  Case k;
+  k.cluster = ptdp::resolve_cluster("dgx-a100-80gb");
+  k.cluster.resize(gpus);
+  k.plan.tensor_parallel = 8;
+  k.plan.pipeline_parallel = 64;
+  k.plan.data_parallel = gpus / (8 * 64);
+  k.plan.micro_batch_size = 1;
+  k.plan.global_batch_size = batch;
+  k.plan.virtual_stages = v;
+  k.plan.schedule = v > 1 ? ptdp::Schedule::kInterleaved1F1B : ptdp::Schedule::k1F1B;
+  k.plan.recompute = ptdp::Recompute::kFull;
+  k.plan.validate(k.model);
+  return k;
+}
+
+void run(benchmark::State& state, const Case& k, bool full) {
+  const ptdp::CostModel cm(k.model, k.cluster, ptdp::default_profile_for(k.cluster));
+  const ptdp::SimulationInput in = [&] {
+    ptdp::SimulationInput i = ptdp::simulation_input(cm, k.plan);
+    i.full = full;
+    return i;
+  }();
+  int64_t events = 0;
+  double seconds = 0;
+  for (auto _ : state) {
+    const ptdp::SimulationResult r = ptdp::simulate(in, k.cluster, cm.profile());
+    events = r.events;
+    seconds = ptdp::to_seconds(r.iteration);
+    benchmark::DoNotOptimize(r.iteration);
+  }
+  state.counters["microbatches"] = static_cast<double>(k.plan.num_microbatches());
+  state.counters["events"] = static_cast<double>(events);
+  state.counters["events_per_s"] =
+      benchmark::Counter(static_cast<double>(events), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["iteration_s"] = seconds;
+}
+
+void BM_Simulate1TOnePipeline(benchmark::State& state) {
+  run(state, make(3072, 3072), false);
+}
+BENCHMARK(BM_Simulate1TOnePipeline)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Simulate1TInterleaved(benchmark::State& state) {
+  run(state, make(3072, 3072, 2), false);
+}
+BENCHMARK(BM_Simulate1TInterleaved)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Simulate1TFull16384(benchmark::State& state) {
+  run(state, make(16384, 3072), true);
+}
+BENCHMARK(BM_Simulate1TFull16384)->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(2);
+
+void BM_Simulate1TLongBatch(benchmark::State& state) {
+  run(state, make(3072, 32768 * 6), false);
+}
+BENCHMARK(BM_Simulate1TLongBatch)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();
