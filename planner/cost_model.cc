@@ -32,11 +32,15 @@ double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t laye
     case Schedule::kInterleaved1F1B: {
       const double v = static_cast<double>(p.virtual_stages);
       const double pp = static_cast<double>(p.pipeline_parallel);
+      // Megatron runs every forward first when m == p.
+      if (m == pp) return m * layers;
       const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * pp;
       return std::min(warmup + 1.0, m * v) * layers / v;
     }
-    case Schedule::k1F1B:
     case Schedule::kZeroBubbleH1:
+      // Every rank holds p microbatches until their weight-gradient passes (counted whole).
+      return std::min(static_cast<double>(p.pipeline_parallel), m) * layers;
+    case Schedule::k1F1B:
       break;
   }
   return std::min(static_cast<double>(p.pipeline_parallel - r), m) * layers;
@@ -126,13 +130,16 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
     add(s.forward, st.layer_f, l);
     add(s.backward, st.layer_b, l);
     add(s.recompute, st.layer_r, l);
+    add(s.weight_grad, st.layer_w, l);
     if (r == 0) {
       add(s.forward, st.embed_f, 1);
       add(s.backward, st.embed_b, 1);
+      add(s.weight_grad, st.embed_w, 1);
     }
     if (r == p.pipeline_parallel - 1) {
       add(s.forward, st.head_f, 1);
       add(s.backward, st.head_b, 1);
+      add(s.weight_grad, st.head_w, 1);
     }
   }
   return stages;
@@ -229,10 +236,16 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   const double pp = static_cast<double>(p.pipeline_parallel);
 
   // The slowest stage sets the steady-state pace; the others' fill and drain is the bubble.
+  // ZB-H1 (Qi et al. 2023) fills the drain with deferred weight-gradient passes: each other
+  // stage leaves F + B - W idle instead of F + B + W, B being the input-gradient part.
+  auto fill_of = [&](const StageTime& st) {
+    if (p.schedule != Schedule::kZeroBubbleH1) return st.per_microbatch();
+    return std::max(0.0, st.per_microbatch() - 2.0 * st.weight_grad.total());
+  };
   size_t slowest = 0;
   double sum_stage = 0;
   for (size_t r = 0; r < out.stages.size(); ++r) {
-    sum_stage += out.stages[r].per_microbatch();
+    sum_stage += fill_of(out.stages[r]);
     if (out.stages[r].per_microbatch() > out.stages[slowest].per_microbatch()) slowest = r;
   }
   const StageTime& s = out.stages[slowest];
@@ -240,7 +253,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   b.compute = m * (s.forward.compute + s.backward.compute);
   b.recompute = m * s.recompute.compute;
   b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
-  const double fill = (sum_stage - s.per_microbatch()) / v;
+  const double fill = (sum_stage - fill_of(s)) / v;
   b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 
   // Pipeline transfers: blocking send/receive pairs on the critical path, one per chunk

@@ -53,6 +53,7 @@ struct PassTime {
 struct StageTime {
   int64_t layers = 0;
   PassTime forward, backward, recompute;
+  PassTime weight_grad;  // the weight-gradient part of `backward` (deferred by ZB-H1)
   double per_microbatch() const { return forward.total() + backward.total() + recompute.total(); }
 };
 

@@ -187,5 +187,89 @@ TEST(Cli, PlanOutFileIsWrittenWholeOrNotAtAll) {
   EXPECT_EQ(nlohmann::json::parse(f)["plans"].size(), 10u);
 }
 
+std::vector<std::string> simulate_small(std::vector<std::string> extra) {
+  std::vector<std::string> args = {"simulate", "--num-layers", "24", "--hidden-size", "2048",
+                                   "--num-attention-heads", "16", "--seq-length", "2048",
+                                   "--vocab-size", "51200", "--num-gpus", "64",
+                                   "--global-batch-size", "32", "--tensor-model-parallel-size",
+                                   "8", "--pipeline-model-parallel-size", "4",
+                                   "--micro-batch-size", "1"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST(CliSimulate, JsonHasTheDocumentedKeysAndAgreesWithPredict) {
+  const Result r = run(simulate_small({"--json"}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* key : {"iteration_time_s", "bubble_fraction", "stages", "exposed_comm_s",
+                          "predicted_iteration_time_s"})
+    EXPECT_TRUE(j.contains(key)) << key;
+  for (const char* key : {"tp", "pp", "dp"}) EXPECT_TRUE(j["exposed_comm_s"].contains(key)) << key;
+  ASSERT_EQ(j["stages"].size(), 4u);
+  const double sim = j["iteration_time_s"].get<double>();
+  const double pred = j["predicted_iteration_time_s"].get<double>();
+  EXPECT_NEAR(sim / pred, 1.0, 0.05);
+  // Every stage's time adds up to the iteration.
+  for (const auto& s : j["stages"]) {
+    const double sum = s["compute_s"].get<double>() + s["tp_comm_s"].get<double>() +
+                       s["pp_comm_s"].get<double>() + s["dp_comm_s"].get<double>() +
+                       s["optimizer_s"].get<double>() + s["idle_s"].get<double>();
+    EXPECT_NEAR(sum, sim, 1e-9);
+  }
+}
+
+TEST(CliSimulate, WritesTraceAndSvg) {
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string trace = (dir / "ptdp_cli_test_trace.json").string();
+  const std::string svg = (dir / "ptdp_cli_test_timeline.svg").string();
+  std::filesystem::remove(trace);
+  std::filesystem::remove(svg);
+  const Result r = run(simulate_small(
+      {"--num-layers-per-virtual-pipeline-stage", "3", "--trace", trace, "--svg", svg}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::ifstream t(trace);
+  const auto j = nlohmann::json::parse(t);
+  EXPECT_GT(j["traceEvents"].size(), 4u * 8 * 2 * 2);
+  std::ifstream s(svg);
+  std::stringstream text;
+  text << s.rdbuf();
+  EXPECT_NE(text.str().find("<svg"), std::string::npos);
+  EXPECT_NE(text.str().find("</svg>"), std::string::npos);
+}
+
+TEST(CliSimulate, FullWithAStragglerIsSlower) {
+  auto base = nlohmann::json::parse(run(simulate_small({"--json", "--full"})).out);
+  auto slow = nlohmann::json::parse(
+      run(simulate_small({"--json", "--full", "--slow-rank", "9:1.5"})).out);
+  // Its compute (not its collectives) takes 1.5x, and every stage of the pipeline waits for it.
+  const double ratio = slow["iteration_time_s"].get<double>() / base["iteration_time_s"].get<double>();
+  EXPECT_GT(ratio, 1.1);
+  EXPECT_LT(ratio, 1.5);
+}
+
+TEST(CliErrors, SlowRank) {
+  expect_bad(simulate_small({"--slow-rank", "3:1.5"}), "--slow-rank");  // without --full
+  expect_bad(simulate_small({"--full", "--slow-rank", "3"}), "--slow-rank");
+  expect_bad(simulate_small({"--full", "--slow-rank", "x:2"}), "--slow-rank");
+  expect_bad(simulate_small({"--full", "--slow-rank", "3:-1"}), "--slow-rank");
+  expect_bad(simulate_small({"--full", "--slow-rank", "640:2"}), "--slow-rank");
+  expect_bad(simulate_small({"--pipeline-schedule", "zb-h2"}), "--pipeline-schedule");
+}
+
+TEST(Cli, PlanSimulateTopReranksBySimulation) {
+  const Result r = run({"plan", "--model", "gpt-7.5b", "--num-gpus", "128", "--global-batch-size",
+                        "512", "--json", "--top", "4", "--simulate-top", "4"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["plans"].size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    ASSERT_TRUE(j["plans"][i].contains("simulated_iteration_time_s"));
+    if (i > 0)
+      EXPECT_GE(j["plans"][i]["simulated_iteration_time_s"].get<double>(),
+                j["plans"][i - 1]["simulated_iteration_time_s"].get<double>());
+  }
+}
+
 }  // namespace
 }  // namespace ptdp

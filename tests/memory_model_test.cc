@@ -4,6 +4,7 @@
 
 #include "core/layer_ops.h"
 #include "core/presets.h"
+#include "core/schedule.h"
 #include "planner/cost_model.h"
 
 namespace ptdp {
@@ -99,6 +100,33 @@ TEST(StateMemory, ActivationsFollowTheScheduleInFlightCounts) {
   plan.global_batch_size = 4;
   EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, 0, 12), 4 * layers);
   (void)m;
+}
+
+// The memory model's in-flight counts are the schedule generator's, rank by rank.
+TEST(StateMemory, InFlightCountsMatchTheScheduleGenerator) {
+  for (Schedule kind : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
+                        Schedule::kZeroBubbleH1}) {
+    for (int64_t p : {2, 4, 8}) {
+      for (int64_t m : {p / 2, p, 2 * p, 4 * p}) {
+        for (int64_t v : {1, 2, 3}) {
+          if ((kind == Schedule::kInterleaved1F1B) != (v > 1)) continue;
+          if (v > 1 && m % p != 0) continue;
+          ParallelPlan plan;
+          plan.pipeline_parallel = p;
+          plan.global_batch_size = m;
+          plan.virtual_stages = v;
+          plan.schedule = kind;
+          ScheduleSpec spec = schedule_spec(plan, false);
+          const PipelineSchedule s = make_pipeline_schedule(spec);
+          for (int64_t r = 0; r < p; ++r) {
+            const double chunks = inflight_layer_activations(plan, r, v * 6) / 6.0;
+            EXPECT_DOUBLE_EQ(chunks, static_cast<double>(peak_chunks_in_flight(s, r)))
+                << to_string(kind) << " p" << p << " m" << m << " v" << v << " rank " << r;
+          }
+        }
+      }
+    }
+  }
 }
 
 TEST(StateMemory, LargerModelsStopFitting) {
