@@ -265,9 +265,10 @@ TEST(Cli, PlanSimulateTopReranksBySimulation) {
   ASSERT_EQ(j["plans"].size(), 4u);
   for (size_t i = 0; i < 4; ++i) {
     ASSERT_TRUE(j["plans"][i].contains("simulated_iteration_time_s"));
-    if (i > 0)
+    if (i > 0) {
       EXPECT_GE(j["plans"][i]["simulated_iteration_time_s"].get<double>(),
                 j["plans"][i - 1]["simulated_iteration_time_s"].get<double>());
+    }
   }
 }
 
