@@ -52,8 +52,8 @@ void run(benchmark::State& state, const Case& k, bool full) {
   }
   state.counters["microbatches"] = static_cast<double>(k.plan.num_microbatches());
   state.counters["events"] = static_cast<double>(events);
-  state.counters["events_per_s"] =
-      benchmark::Counter(static_cast<double>(events), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["events_per_s"] = benchmark::Counter(
+      static_cast<double>(events), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["iteration_s"] = seconds;
 }
 

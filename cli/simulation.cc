@@ -21,8 +21,8 @@ void TimelineFlags::write(const SimulationResult& sim, const ParallelPlan& p,
                           const ModelSpec& m) const {
   const std::string title = "ptdp simulate: " + plan_summary(p) + ", " +
                             std::to_string(m.num_layers) + " layers, hidden " +
-                            std::to_string(m.hidden_size) + ", m=" +
-                            std::to_string(p.num_microbatches());
+                            std::to_string(m.hidden_size) +
+                            ", m=" + std::to_string(p.num_microbatches());
   if (!trace_path.empty()) {
     std::ostringstream s;
     write_chrome_trace(s, sim.timeline, title);

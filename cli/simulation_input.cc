@@ -56,7 +56,8 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     in.dp_sync.push_back(to_picos(dp_time));
     in.dp_last_bucket.push_back(
         to_picos(dp_time / std::max<double>(1.0, static_cast<double>(p.layers_on_stage(m, r)))));
-    const double opt_params = params / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
+    const double opt_params =
+        params / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
     in.optimizer.push_back(to_picos(cm.memory_time(opt_params * h.optimizer_bytes_per_param)));
   }
 
@@ -72,8 +73,8 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     in.p2p_bytes = act;
     if (inter && p.scatter_gather_p2p && p.tensor_parallel > 1) {
       in.p2p_bytes = act / static_cast<double>(p.tensor_parallel);
-      in.p2p_gather = to_picos(
-          comm.collective_time(Collective::kAllGather, act, tensor_group_span(c, p)));
+      in.p2p_gather =
+          to_picos(comm.collective_time(Collective::kAllGather, act, tensor_group_span(c, p)));
     }
     if (!m.untie_embeddings_and_output_weights) {
       GroupSpan pair;

@@ -65,7 +65,7 @@ void one_f_one_b(const ScheduleSpec& s, int64_t r, RankBuilder& b, bool split) {
   const bool first = r == 0, last = r == p - 1;
   const int64_t warmup = std::min(p - r - 1, m), remaining = m - warmup;
   const K backward = split ? K::kBackwardInput : K::kBackward;
-  int64_t next_w = 0;  // next microbatch whose weight gradient is pending
+  int64_t next_w = 0;                // next microbatch whose weight gradient is pending
   auto weight = [&](int64_t upto) {  // run W passes for microbatches < upto
     for (; split && next_w < upto; ++next_w) b.compute(K::kBackwardWeight, next_w, 0);
   };
@@ -164,7 +164,8 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
 void name_receives(const PipelineSchedule& s, int64_t r, std::vector<PipelineAction>& list) {
   std::deque<std::pair<int32_t, int32_t>> fwd, bwd;
   for (const PipelineAction& a : list) {
-    if (a.kind == K::kForward && !s.first_stage(r, a.chunk)) fwd.emplace_back(a.microbatch, a.chunk);
+    if (a.kind == K::kForward && !s.first_stage(r, a.chunk))
+      fwd.emplace_back(a.microbatch, a.chunk);
     if ((a.kind == K::kBackward || a.kind == K::kBackwardInput) && !s.last_stage(r, a.chunk))
       bwd.emplace_back(a.microbatch, a.chunk);
   }
@@ -181,8 +182,7 @@ void name_receives(const PipelineSchedule& s, int64_t r, std::vector<PipelineAct
 }  // namespace
 
 bool is_compute(ActionKind k) {
-  return k == K::kForward || k == K::kBackward || k == K::kBackwardInput ||
-         k == K::kBackwardWeight;
+  return k == K::kForward || k == K::kBackward || k == K::kBackwardInput || k == K::kBackwardWeight;
 }
 bool is_p2p(ActionKind k) {
   return k == K::kSendForward || k == K::kRecvForward || k == K::kSendBackward ||
@@ -240,7 +240,8 @@ PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec) {
     }
     name_receives(s, r, list);
     list.push_back({K::kGradSync});
-    if (spec.tied_embeddings && p > 1 && (r == 0 || r == p - 1)) list.push_back({K::kEmbeddingSync});
+    if (spec.tied_embeddings && p > 1 && (r == 0 || r == p - 1))
+      list.push_back({K::kEmbeddingSync});
     list.push_back({K::kOptimizerStep});
   }
   return s;
@@ -301,7 +302,8 @@ class ScheduleChecker {
     const int64_t stage = s_.global_stage(r, a.chunk);
     const bool forward = a.kind == K::kSendForward || a.kind == K::kRecvBackward;
     const int64_t other = forward ? stage + 1 : stage - 1;
-    if (other < 0 || other >= p_ * s_.v()) fail(r, "p2p past the ends of the pipeline: " + to_string(a));
+    if (other < 0 || other >= p_ * s_.v())
+      fail(r, "p2p past the ends of the pipeline: " + to_string(a));
     return {other % p_, static_cast<int32_t>(other / p_)};
   }
 
@@ -339,7 +341,8 @@ class ScheduleChecker {
 
   void run_compute(int64_t r, const PipelineAction& a, RankState& st) {
     const Item it{a.microbatch, a.chunk};
-    if (a.chunk < 0 || a.chunk >= s_.v() || a.microbatch < 0 || a.microbatch >= s_.spec.microbatches)
+    if (a.chunk < 0 || a.chunk >= s_.v() || a.microbatch < 0 ||
+        a.microbatch >= s_.spec.microbatches)
       fail(r, "action out of range: " + to_string(a));
     switch (a.kind) {
       case K::kForward:
@@ -381,7 +384,8 @@ class ScheduleChecker {
       else
         ch.recvs.emplace_back(it, r);
     }
-    for (size_t i = begin; i <= end; ++i) match(channels_[channel(r, s_.ranks[static_cast<size_t>(r)][i])]);
+    for (size_t i = begin; i <= end; ++i)
+      match(channels_[channel(r, s_.ranks[static_cast<size_t>(r)][i])]);
   }
 
   void match(Channel& ch) {
@@ -392,9 +396,10 @@ class ScheduleChecker {
       if (sent.first != want.first || sent.second != want.second)
         throw std::logic_error("schedule " + to_string(s_.spec.kind) + ": rank " +
                                std::to_string(src) + " sends microbatch " +
-                               std::to_string(sent.first) + " chunk " + std::to_string(sent.second) +
-                               " but rank " + std::to_string(dst) + " expects microbatch " +
-                               std::to_string(want.first) + " chunk " + std::to_string(want.second));
+                               std::to_string(sent.first) + " chunk " +
+                               std::to_string(sent.second) + " but rank " + std::to_string(dst) +
+                               " expects microbatch " + std::to_string(want.first) + " chunk " +
+                               std::to_string(want.second));
       ch.sends.pop_front();
       ch.recvs.pop_front();
     }
@@ -447,7 +452,8 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
 int64_t peak_chunks_in_flight(const PipelineSchedule& s, int64_t rank) {
   int64_t live = 0, peak = 0;
   bool split = false;
-  for (const PipelineAction& a : s.ranks[static_cast<size_t>(rank)]) split |= a.kind == K::kBackwardWeight;
+  for (const PipelineAction& a : s.ranks[static_cast<size_t>(rank)])
+    split |= a.kind == K::kBackwardWeight;
   for (const PipelineAction& a : s.ranks[static_cast<size_t>(rank)]) {
     if (a.kind == K::kForward) peak = std::max(peak, ++live);
     if ((a.kind == K::kBackward || a.kind == K::kBackwardInput) && !split) --live;
@@ -457,7 +463,7 @@ int64_t peak_chunks_in_flight(const PipelineSchedule& s, int64_t rank) {
 }
 
 std::string to_string(const PipelineAction& a) {
-  static const char* const kNames[] = {"F",  "B",  "Bi", "W",    "sF",  "rF",
+  static const char* const kNames[] = {"F",  "B",  "Bi",   "W",   "sF", "rF",
                                        "sB", "rB", "sync", "emb", "opt"};
   std::string out = kNames[static_cast<int>(a.kind)];
   if (a.microbatch >= 0) out += std::to_string(a.microbatch) + "." + std::to_string(a.chunk);

@@ -80,7 +80,7 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
 }
 
 PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
-                         PassTime* weight_grad) const {
+                          PassTime* weight_grad) const {
   PassTime t;
   for (const Op& op : ops) {
     const double time = op_time(op, p);

@@ -32,7 +32,8 @@ int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double b
   Flow& f = flows_[static_cast<size_t>(id)];
   f = Flow{path, bytes, 0, now, 0, 0, tag, true};
   double bottleneck = std::numeric_limits<double>::infinity();
-  for (int32_t l : *path) bottleneck = std::min(bottleneck, links_[static_cast<size_t>(l)].capacity_Bps);
+  for (int32_t l : *path)
+    bottleneck = std::min(bottleneck, links_[static_cast<size_t>(l)].capacity_Bps);
   f.solo = bottleneck;
   bool constrained = false;
   for (int32_t l : *path) {
@@ -50,7 +51,8 @@ int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double b
   return id;
 }
 
-void FlowNetwork::finish(Picos now, int32_t id, std::vector<std::pair<Picos, int32_t>>* reschedule) {
+void FlowNetwork::finish(Picos now, int32_t id,
+                         std::vector<std::pair<Picos, int32_t>>* reschedule) {
   Flow& f = flows_[static_cast<size_t>(id)];
   std::vector<int32_t> neighbours;
   for (int32_t l : *f.path) {

@@ -49,7 +49,8 @@ class FlowNetwork {
 
   const std::vector<Link>& links_;
   bool tight(int32_t link) const {
-    return demand_[static_cast<size_t>(link)] > links_[static_cast<size_t>(link)].capacity_Bps * (1 + 1e-12);
+    return demand_[static_cast<size_t>(link)] >
+           links_[static_cast<size_t>(link)].capacity_Bps * (1 + 1e-12);
   }
   std::vector<std::vector<int32_t>> on_link_;  // active flows per link
   std::vector<double> demand_;                 // sum of the solo rates of those flows

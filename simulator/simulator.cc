@@ -121,8 +121,8 @@ class Engine {
   void push(Picos t, int32_t type, int32_t id) { queue_.push({t, seq_++, type, id}); }
   void record(int32_t e, Stream stream, const PipelineAction& a, Picos start, Picos end) {
     if (!in_.record_timeline || end <= start) return;
-    timeline_.push_back({static_cast<int32_t>(e / p_), static_cast<int32_t>(e % p_), stream,
-                         a.kind, a.microbatch, a.chunk, start, end});
+    timeline_.push_back({static_cast<int32_t>(e / p_), static_cast<int32_t>(e % p_), stream, a.kind,
+                         a.microbatch, a.chunk, start, end});
   }
 
   const PassCost& pass(int64_t r, const PipelineAction& a) const {
@@ -148,7 +148,8 @@ class Engine {
       const PipelineAction& a = list[st.pc];
       if (is_compute(a.kind)) {
         const PassCost& c = pass(r, a);
-        const Picos compute = static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
+        const Picos compute =
+            static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
         record(e, Stream::kCompute, a, now_, now_ + compute);
         record(e, Stream::kTensor, a, now_ + compute, now_ + compute + c.tp_comm);
         st.stats.compute += compute;
@@ -294,7 +295,8 @@ class Engine {
     // Everyone is here: each member finishes after the collective's own time.
     bool self_continues = false;
     Picos all_buckets = 0;
-    for (const auto& [m, t] : rv.arrived) all_buckets = std::max(all_buckets, ranks_[static_cast<size_t>(m)].dp_free);
+    for (const auto& [m, t] : rv.arrived)
+      all_buckets = std::max(all_buckets, ranks_[static_cast<size_t>(m)].dp_free);
     for (const auto& [m, arrival] : rv.arrived) {
       RankState& st = ranks_[static_cast<size_t>(m)];
       const int64_t mr = m % p_;
@@ -377,8 +379,9 @@ void check_input(const SimulationInput& in) {
   const int64_t p = in.schedule.pipeline_parallel, v = in.schedule.virtual_stages;
   auto per_rank = [&](size_t n, const char* what) {
     if (static_cast<int64_t>(n) != p)
-      throw InputError(what, "has " + std::to_string(n) + " entries, expected one per pipeline rank (" +
-                                 std::to_string(p) + ")");
+      throw InputError(what, "has " + std::to_string(n) +
+                                 " entries, expected one per pipeline rank (" + std::to_string(p) +
+                                 ")");
   };
   per_rank(in.cost.size(), "cost");
   for (const auto& c : in.cost)
@@ -414,8 +417,10 @@ bool periodic(const SimulationResult& a, const SimulationResult& b, const Simula
   if (!same_step(a.iteration, b.iteration, c.iteration)) return false;
   for (size_t r = 0; r < a.stages.size(); ++r) {
     const StageStats &x = a.stages[r], &y = b.stages[r], &z = c.stages[r];
-    if (!same_step(x.compute, y.compute, z.compute) || !same_step(x.tp_comm, y.tp_comm, z.tp_comm) ||
-        !same_step(x.pp_comm, y.pp_comm, z.pp_comm) || !same_step(x.dp_comm, y.dp_comm, z.dp_comm) ||
+    if (!same_step(x.compute, y.compute, z.compute) ||
+        !same_step(x.tp_comm, y.tp_comm, z.tp_comm) ||
+        !same_step(x.pp_comm, y.pp_comm, z.pp_comm) ||
+        !same_step(x.dp_comm, y.dp_comm, z.dp_comm) ||
         !same_step(x.optimizer, y.optimizer, z.optimizer) || !same_step(x.idle, y.idle, z.idle))
       return false;
   }

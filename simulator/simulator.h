@@ -47,7 +47,7 @@ struct ChunkCost {
 };
 
 struct SimulationInput {
-  ScheduleSpec schedule;  // the simulator generates the action lists
+  ScheduleSpec schedule;                     // the simulator generates the action lists
   std::vector<std::vector<ChunkCost>> cost;  // [pipeline rank][chunk]
   int64_t tensor_parallel = 1;
   int64_t data_parallel = 1;
@@ -61,9 +61,9 @@ struct SimulationInput {
   std::vector<Picos> dp_sync;         // the whole data-parallel gradient reduction
   std::vector<Picos> dp_last_bucket;  // with overlap: the part that cannot start early
   bool overlap_grad_reduce = false;
-  Picos embedding_sync = 0;           // tied-embedding all-reduce (first and last rank)
-  Picos grad_norm = 0;                // gradient-norm all-reduce before the optimizer step
-  std::vector<Picos> optimizer;       // the optimizer step
+  Picos embedding_sync = 0;      // tied-embedding all-reduce (first and last rank)
+  Picos grad_norm = 0;           // gradient-norm all-reduce before the optimizer step
+  std::vector<Picos> optimizer;  // the optimizer step
   // Every GPU (full) or one pipeline; full is needed for stragglers.
   bool full = false;
   std::map<int64_t, double> slowdown;  // global rank -> compute time multiplier (full only)

@@ -123,14 +123,14 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans,
   };
   for (int r : replicas) {
     sep();
-    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << r << ",\"args\":{\"name\":\"replica "
-        << r << "\"}}";
+    out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << r
+        << ",\"args\":{\"name\":\"replica " << r << "\"}}";
   }
   for (const auto& [replica, tid] : tracks) {
     sep();
     out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << replica << ",\"tid\":" << tid
-        << ",\"args\":{\"name\":\"pipeline rank " << tid / 4 << " " << stream_name(static_cast<Stream>(tid % 4))
-        << "\"}}";
+        << ",\"args\":{\"name\":\"pipeline rank " << tid / 4 << " "
+        << stream_name(static_cast<Stream>(tid % 4)) << "\"}}";
     sep();
     out << "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":" << replica << ",\"tid\":" << tid
         << ",\"args\":{\"sort_index\":" << tid << "}}";
@@ -139,8 +139,9 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans,
     sep();
     out << "{\"ph\":\"X\",\"name\":\"" << span_name(s) << "\",\"cat\":\"" << stream_name(s.stream)
         << "\",\"ts\":" << micros(s.start) << ",\"dur\":" << micros(s.end - s.start)
-        << ",\"pid\":" << s.replica << ",\"tid\":" << track(s) << ",\"cname\":\"" << chrome_colour(s)
-        << "\",\"args\":{\"microbatch\":" << s.microbatch << ",\"chunk\":" << s.chunk << "}}";
+        << ",\"pid\":" << s.replica << ",\"tid\":" << track(s) << ",\"cname\":\""
+        << chrome_colour(s) << "\",\"args\":{\"microbatch\":" << s.microbatch
+        << ",\"chunk\":" << s.chunk << "}}";
   }
   out << "\n]}\n";
 }
@@ -149,7 +150,8 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
                const std::string& title) {
   // Rows: every (replica, rank, stream) that has a span, in that order.
   std::map<std::tuple<int, int, int>, int> rows;
-  for (const Span& s : spans) rows.emplace(std::make_tuple(s.replica, s.rank, static_cast<int>(s.stream)), 0);
+  for (const Span& s : spans)
+    rows.emplace(std::make_tuple(s.replica, s.rank, static_cast<int>(s.stream)), 0);
   int i = 0;
   for (auto& [key, row] : rows) row = i++;
   const double left = 170, top = 46, row_h = 18, width = 1400;
@@ -167,10 +169,9 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
   out << "<text x=\"10\" y=\"18\" font-size=\"14\">" << escape(title) << "</text>\n";
   // Legend.
   const std::pair<const char*, const char*> legend[] = {
-      {"#6baed6", "forward"},          {"#74c476", "backward"},
-      {"#66c2a4", "input grad (B)"},   {"#fdae6b", "weight grad (W)"},
-      {"#b5b5b5", "TP collectives"},   {"#d9b3ff", "in p2p call"},
-      {"#9467bd", "DP reduction"},     {"#de2d26", "optimizer"}};
+      {"#6baed6", "forward"},         {"#74c476", "backward"},       {"#66c2a4", "input grad (B)"},
+      {"#fdae6b", "weight grad (W)"}, {"#b5b5b5", "TP collectives"}, {"#d9b3ff", "in p2p call"},
+      {"#9467bd", "DP reduction"},    {"#de2d26", "optimizer"}};
   double lx = left;
   for (const auto& [fill, label] : legend) {
     std::snprintf(buf, sizeof buf,
@@ -180,7 +181,8 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
     out << buf;
     lx += 118;
   }
-  out << "<text x=\"" << width - 10 << "\" y=\"34\" text-anchor=\"end\" fill=\"#555\">darker: odd "
+  out << "<text x=\"" << width - 10
+      << "\" y=\"34\" text-anchor=\"end\" fill=\"#555\">darker: odd "
          "model chunks; numbers: microbatch</text>\n";
   for (const auto& [key, row] : rows) {
     const auto& [replica, rank, stream] = key;
@@ -192,16 +194,18 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
     std::snprintf(buf, sizeof buf, "<text x=\"4\" y=\"%.1f\">%s</text>\n", y + 12, label.c_str());
     out << buf;
     if (row % 2 == 0) {
-      std::snprintf(buf, sizeof buf,
-                    "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#f4f4f4\"/>\n",
-                    left, y, plot_w, row_h);
+      std::snprintf(
+          buf, sizeof buf,
+          "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#f4f4f4\"/>\n", left,
+          y, plot_w, row_h);
       out << buf;
     }
   }
   for (const Span& s : spans) {
     const double x = left + static_cast<double>(s.start) * scale;
     const double w = std::max(0.5, static_cast<double>(s.end - s.start) * scale);
-    const double y = top + row_h * rows.at(std::make_tuple(s.replica, s.rank, static_cast<int>(s.stream)));
+    const double y =
+        top + row_h * rows.at(std::make_tuple(s.replica, s.rank, static_cast<int>(s.stream)));
     const std::string name = span_name(s);
     std::snprintf(buf, sizeof buf,
                   "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" "
@@ -210,15 +214,17 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
                   static_cast<double>(s.start) / 1e9, static_cast<double>(s.end) / 1e9);
     out << buf;
     if (w > 14 && s.microbatch >= 0 && s.stream == Stream::kCompute) {
-      std::snprintf(buf, sizeof buf, "<text x=\"%.2f\" y=\"%.1f\" font-size=\"9\" fill=\"white\">%d</text>\n",
-                    x + 2, y + 12, s.microbatch);
+      std::snprintf(buf, sizeof buf,
+                    "<text x=\"%.2f\" y=\"%.1f\" font-size=\"9\" fill=\"white\">%d</text>\n", x + 2,
+                    y + 12, s.microbatch);
       out << buf;
     }
   }
   // Time axis in milliseconds.
   const double axis_y = top + row_h * static_cast<double>(rows.size()) + 10;
-  std::snprintf(buf, sizeof buf, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\"/>\n",
-                left, axis_y, left + plot_w, axis_y);
+  std::snprintf(buf, sizeof buf,
+                "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"black\"/>\n", left,
+                axis_y, left + plot_w, axis_y);
   out << buf;
   for (int k = 0; k <= 10; ++k) {
     const double x = left + plot_w * k / 10.0;

@@ -62,8 +62,8 @@ Topology::Topology(const ClusterSpec& c, const HardwareProfile& h) : graph_(new 
       // GPUs of a rail reach their NIC over PCIe; the NIC's port is the bottleneck.
       for (int64_t i = 0; i < gpus_per_node_; ++i)
         if (i * rails / gpus_per_node_ == k)
-          b.link(n * gpus_per_node_ + i, v, node + "/gpu" + std::to_string(i) + "-nic",
-                 nic * 4.0, c.nic_latency_us * kMicrosecond / 2);
+          b.link(n * gpus_per_node_ + i, v, node + "/gpu" + std::to_string(i) + "-nic", nic * 4.0,
+                 c.nic_latency_us * kMicrosecond / 2);
     }
   }
   if (nodes > 1) {
@@ -75,7 +75,8 @@ Topology::Topology(const ClusterSpec& c, const HardwareProfile& h) : graph_(new 
     for (int64_t k = 0; k < rails; ++k) {
       std::vector<int64_t> below;  // vertices of the previous level, one per group of nodes
       int64_t group = 1;           // nodes each vertex of `below` covers
-      for (int64_t n = 0; n < nodes; ++n) below.push_back(nic_vertex[static_cast<size_t>(n)][static_cast<size_t>(k)]);
+      for (int64_t n = 0; n < nodes; ++n)
+        below.push_back(nic_vertex[static_cast<size_t>(n)][static_cast<size_t>(k)]);
       double up_bw = nic;
       for (size_t ti = 0; ti < tiers.size(); ++ti) {
         const TopologyTier& tier = tiers[ti];
@@ -87,8 +88,8 @@ Topology::Topology(const ClusterSpec& c, const HardwareProfile& h) : graph_(new 
         for (size_t i = 0; i < below.size(); ++i) {
           if (i % static_cast<size_t>(per) == 0) level.push_back(b.vertex());
           b.link(below[i], level.back(),
-                 tier.name + std::to_string(level.size() - 1) + ".rail" + std::to_string(k) + "-down" +
-                     std::to_string(i),
+                 tier.name + std::to_string(level.size() - 1) + ".rail" + std::to_string(k) +
+                     "-down" + std::to_string(i),
                  up_bw, tier.latency_us * kMicrosecond / 2);
         }
         // The next level's links carry everything below one switch, divided by the
@@ -138,7 +139,8 @@ const std::vector<int32_t>& Topology::path(int64_t src, int64_t dst) {
       boost::breadth_first_search(g, static_cast<size_t>(src), boost::visitor(rec));
     } catch (const Found&) {
     }
-    if (!reached[static_cast<size_t>(dst)]) throw std::logic_error("topology: no path between GPUs");
+    if (!reached[static_cast<size_t>(dst)])
+      throw std::logic_error("topology: no path between GPUs");
     auto index = boost::get(boost::edge_index, g);
     for (size_t v = static_cast<size_t>(dst); v != static_cast<size_t>(src);) {
       const auto e = pred[v];

@@ -21,8 +21,8 @@
 namespace ptdp {
 
 struct Link {
-  std::string name;          // e.g. "node3/gpu5->nvswitch", "node3/nic5->leaf0.r5"
-  double capacity_Bps = 0;   // bytes per second, one direction
+  std::string name;         // e.g. "node3/gpu5->nvswitch", "node3/nic5->leaf0.r5"
+  double capacity_Bps = 0;  // bytes per second, one direction
   double latency_s = 0;
 };
 
@@ -41,7 +41,7 @@ class Topology {
   double path_latency_s(const std::vector<int32_t>& path) const;
   bool same_node(int64_t a, int64_t b) const { return a / gpus_per_node_ == b / gpus_per_node_; }
 
- struct Graph;  // the Boost.Graph adjacency list, kept out of this header
+  struct Graph;  // the Boost.Graph adjacency list, kept out of this header
 
  private:
   std::unique_ptr<Graph> graph_;

@@ -188,12 +188,17 @@ TEST(Cli, PlanOutFileIsWrittenWholeOrNotAtAll) {
 }
 
 std::vector<std::string> simulate_small(std::vector<std::string> extra) {
-  std::vector<std::string> args = {"simulate", "--num-layers", "24", "--hidden-size", "2048",
-                                   "--num-attention-heads", "16", "--seq-length", "2048",
-                                   "--vocab-size", "51200", "--num-gpus", "64",
-                                   "--global-batch-size", "32", "--tensor-model-parallel-size",
-                                   "8", "--pipeline-model-parallel-size", "4",
-                                   "--micro-batch-size", "1"};
+  std::vector<std::string> args = {"simulate", "--num-layers",
+                                   "24",       "--hidden-size",
+                                   "2048",     "--num-attention-heads",
+                                   "16",       "--seq-length",
+                                   "2048",     "--vocab-size",
+                                   "51200",    "--num-gpus",
+                                   "64",       "--global-batch-size",
+                                   "32",       "--tensor-model-parallel-size",
+                                   "8",        "--pipeline-model-parallel-size",
+                                   "4",        "--micro-batch-size",
+                                   "1"};
   args.insert(args.end(), extra.begin(), extra.end());
   return args;
 }
@@ -240,10 +245,11 @@ TEST(CliSimulate, WritesTraceAndSvg) {
 
 TEST(CliSimulate, FullWithAStragglerIsSlower) {
   auto base = nlohmann::json::parse(run(simulate_small({"--json", "--full"})).out);
-  auto slow = nlohmann::json::parse(
-      run(simulate_small({"--json", "--full", "--slow-rank", "9:1.5"})).out);
+  auto slow =
+      nlohmann::json::parse(run(simulate_small({"--json", "--full", "--slow-rank", "9:1.5"})).out);
   // Its compute (not its collectives) takes 1.5x, and every stage of the pipeline waits for it.
-  const double ratio = slow["iteration_time_s"].get<double>() / base["iteration_time_s"].get<double>();
+  const double ratio =
+      slow["iteration_time_s"].get<double>() / base["iteration_time_s"].get<double>();
   EXPECT_GT(ratio, 1.1);
   EXPECT_LT(ratio, 1.5);
 }

@@ -104,8 +104,8 @@ TEST(StateMemory, ActivationsFollowTheScheduleInFlightCounts) {
 
 // The memory model's in-flight counts are the schedule generator's, rank by rank.
 TEST(StateMemory, InFlightCountsMatchTheScheduleGenerator) {
-  for (Schedule kind : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
-                        Schedule::kZeroBubbleH1}) {
+  for (Schedule kind :
+       {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B, Schedule::kZeroBubbleH1}) {
     for (int64_t p : {2, 4, 8}) {
       for (int64_t m : {p / 2, p, 2 * p, 4 * p}) {
         for (int64_t v : {1, 2, 3}) {

@@ -32,7 +32,8 @@ std::string golden(const std::string& name) {
 
 std::string all_ranks(const PipelineSchedule& s) {
   std::string out;
-  for (int64_t r = 0; r < s.p(); ++r) out += "rank " + std::to_string(r) + ": " + rank_to_string(s, r) + "\n";
+  for (int64_t r = 0; r < s.p(); ++r)
+    out += "rank " + std::to_string(r) + ": " + rank_to_string(s, r) + "\n";
   return out;
 }
 
@@ -65,7 +66,8 @@ TEST(Schedule, EveryScheduleIsConsistentAndDeadlockFree) {
   for (int64_t p = 1; p <= 8; ++p) {
     for (int64_t m = 1; m <= 3 * p + 1; ++m) {
       for (Schedule k : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kZeroBubbleH1}) {
-        EXPECT_NO_THROW(check_pipeline_schedule(make(k, p, m))) << to_string(k) << " p" << p << " m" << m;
+        EXPECT_NO_THROW(check_pipeline_schedule(make(k, p, m)))
+            << to_string(k) << " p" << p << " m" << m;
         ++checked;
       }
       if (p > 1 && m % p == 0) {
@@ -92,7 +94,8 @@ TEST(Schedule, WarmupCountsFollowMegatron) {
         const auto il = make(Schedule::kInterleaved1F1B, p, m, v);
         for (int64_t r = 0; r < p; ++r) {
           const int64_t warm = m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * p, m * v);
-          EXPECT_EQ(warmup_forwards(il, r), warm + (warm < m * v ? 1 : 0)) << p << " " << m << " " << v;
+          EXPECT_EQ(warmup_forwards(il, r), warm + (warm < m * v ? 1 : 0))
+              << p << " " << m << " " << v;
         }
       }
     }

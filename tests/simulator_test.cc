@@ -197,18 +197,20 @@ TEST(Topology, PathsFollowTheCluster) {
   c.resize(8 * 40);  // 40 nodes: two leaf groups of 20
   const HardwareProfile h = resolve_profile("a100-80gb");
   Topology t(c, h);
-  EXPECT_EQ(t.path(0, 5).size(), 2u);    // GPU -> NVSwitch -> GPU
-  EXPECT_EQ(t.path(0, 8).size(), 4u);    // GPU -> NIC -> leaf -> NIC -> GPU (same rail)
+  EXPECT_EQ(t.path(0, 5).size(), 2u);       // GPU -> NVSwitch -> GPU
+  EXPECT_EQ(t.path(0, 8).size(), 4u);       // GPU -> NIC -> leaf -> NIC -> GPU (same rail)
   EXPECT_EQ(t.path(0, 8 * 25).size(), 6u);  // through a spine
   const double nvlink = t.links()[static_cast<size_t>(t.path(0, 5)[0])].capacity_Bps;
   EXPECT_DOUBLE_EQ(nvlink, 300e9 * h.nvlink.busbw_efficiency);
   double bottleneck = 1e30;
-  for (int32_t l : t.path(0, 8)) bottleneck = std::min(bottleneck, t.links()[static_cast<size_t>(l)].capacity_Bps);
+  for (int32_t l : t.path(0, 8))
+    bottleneck = std::min(bottleneck, t.links()[static_cast<size_t>(l)].capacity_Bps);
   EXPECT_DOUBLE_EQ(bottleneck, 25e9 * h.network.busbw_efficiency);
 }
 
 std::vector<ValidationCase> cases() {
-  return load_sc21_cases(std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json");
+  return load_sc21_cases(std::string(PTDP_SOURCE_DIR) +
+                         "/tests/data/validation/megatron_sc21.json");
 }
 
 // Every published configuration: simulation and analytic prediction within 5%.
@@ -266,7 +268,8 @@ TEST(Timeline, TraceParsesAndTracksNeverOverlap) {
   boost::property_tree::ptree tree;
   std::istringstream in_svg(svg.str());
   EXPECT_NO_THROW(boost::property_tree::read_xml(in_svg, tree));
-  EXPECT_EQ(tree.get_child("svg").get<std::string>("<xmlattr>.xmlns"), "http://www.w3.org/2000/svg");
+  EXPECT_EQ(tree.get_child("svg").get<std::string>("<xmlattr>.xmlns"),
+            "http://www.w3.org/2000/svg");
   size_t rects = 0;
   for (const auto& child : tree.get_child("svg")) rects += child.first == "rect";
   EXPECT_GT(rects, r.timeline.size());

@@ -1,0 +1,170 @@
+// Every CPU kernel's backward against central finite differences of its forward, in double
+// precision: for a random projection R, L(x) = sum(forward(x) * R), and dL/dx from the backward
+// with dy = R must match (L(x + e) - L(x - e)) / 2e element by element.
+#include "kernels/cpu/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <vector>
+
+namespace ptdp::kernels {
+namespace {
+
+using V = std::vector<double>;
+
+V random(size_t n, uint32_t seed, double scale = 1.0) {
+  std::mt19937 g(seed);
+  std::normal_distribution<double> d(0.0, scale);
+  V v(n);
+  for (double& x : v) x = d(g);
+  return v;
+}
+
+double dot(const V& a, const V& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Checks analytic against numeric gradient of `loss` with respect to `x`.
+void expect_gradient(V& x, const std::function<double()>& loss, const V& analytic,
+                     const char* what) {
+  ASSERT_EQ(x.size(), analytic.size());
+  const double eps = 1e-6;
+  double worst = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double keep = x[i];
+    x[i] = keep + eps;
+    const double up = loss();
+    x[i] = keep - eps;
+    const double down = loss();
+    x[i] = keep;
+    const double numeric = (up - down) / (2 * eps);
+    const double err = std::abs(numeric - analytic[i]) / std::max(1.0, std::abs(numeric));
+    worst = std::max(worst, err);
+  }
+  EXPECT_LT(worst, 1e-6) << what;
+}
+
+TEST(Kernels, LinearGradients) {
+  const int64_t n = 5, in = 4, out = 3;
+  V x = random(n * in, 1), w = random(out * in, 2), b = random(out, 3), r = random(n * out, 4);
+  auto loss = [&] {
+    V y(n * out);
+    linear_forward(x.data(), w.data(), b.data(), y.data(), n, in, out);
+    return dot(y, r);
+  };
+  V dx(n * in), dw(out * in, 0.0), db(out, 0.0);
+  linear_backward(x.data(), w.data(), r.data(), dx.data(), dw.data(), db.data(), n, in, out);
+  expect_gradient(x, loss, dx, "dx");
+  expect_gradient(w, loss, dw, "dw");
+  expect_gradient(b, loss, db, "db");
+}
+
+TEST(Kernels, LayerNormGradients) {
+  const int64_t n = 4, h = 6;
+  V x = random(n * h, 5), g = random(h, 6), b = random(h, 7), r = random(n * h, 8);
+  V mean(n), rstd(n);
+  auto loss = [&] {
+    V y(n * h);
+    layernorm_forward(x.data(), g.data(), b.data(), y.data(), mean.data(), rstd.data(), n, h);
+    return dot(y, r);
+  };
+  loss();
+  V dx(n * h), dg(h, 0.0), db(h, 0.0);
+  layernorm_backward(x.data(), g.data(), mean.data(), rstd.data(), r.data(), dx.data(), dg.data(),
+                     db.data(), n, h);
+  expect_gradient(x, loss, dx, "dx");
+  expect_gradient(g, loss, dg, "dg");
+  expect_gradient(b, loss, db, "db");
+}
+
+TEST(Kernels, GeluGradientAndValues) {
+  V x = random(20, 9, 2.0), r = random(20, 10);
+  auto loss = [&] {
+    V y(20);
+    gelu_forward(x.data(), y.data(), 20);
+    return dot(y, r);
+  };
+  V dx(20);
+  gelu_backward(x.data(), r.data(), dx.data(), 20);
+  expect_gradient(x, loss, dx, "dx");
+  const double z[3] = {-1.0, 0.0, 1.0};
+  double y[3];
+  gelu_forward(z, y, 3);
+  EXPECT_NEAR(y[1], 0.0, 1e-15);
+  EXPECT_NEAR(y[2], 0.8411919906, 1e-9);        // tanh-approximate GELU(1)
+  EXPECT_NEAR(y[0], 0.8411919906 - 1.0, 1e-9);  // GELU(-x) = GELU(x) - x
+}
+
+TEST(Kernels, CausalAttentionGradientsAndMask) {
+  const int64_t b = 2, s = 4, heads = 2, d = 3, n = b * s * heads * d;
+  V q = random(n, 11), k = random(n, 12), v = random(n, 13), r = random(n, 14);
+  V probs(b * heads * s * s);
+  auto loss = [&] {
+    V out(n);
+    attention_forward(q.data(), k.data(), v.data(), out.data(), probs.data(), b, s, heads, d);
+    return dot(out, r);
+  };
+  loss();
+  V dq(n), dk(n), dv(n);
+  attention_backward(q.data(), k.data(), v.data(), probs.data(), r.data(), dq.data(), dk.data(),
+                     dv.data(), b, s, heads, d);
+  expect_gradient(q, loss, dq, "dq");
+  expect_gradient(k, loss, dk, "dk");
+  expect_gradient(v, loss, dv, "dv");
+  // Causal: position 0 attends only to itself; rows sum to 1.
+  EXPECT_DOUBLE_EQ(probs[0], 1.0);
+  for (int64_t i = 0; i < s; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < s; ++j) sum += probs[i * s + j];
+    EXPECT_NEAR(sum, 1.0, 1e-12);
+    for (int64_t j = i + 1; j < s; ++j) EXPECT_EQ(probs[i * s + j], 0.0);
+  }
+}
+
+TEST(Kernels, CrossEntropyGradientAndUniformLoss) {
+  const int64_t n = 3, vocab = 7;
+  V logits = random(n * vocab, 15);
+  const int32_t targets[n] = {0, 6, 3};
+  V dl(n * vocab);
+  cross_entropy(logits.data(), targets, dl.data(), n, vocab);
+  expect_gradient(
+      logits, [&] { return cross_entropy<double>(logits.data(), targets, nullptr, n, vocab); }, dl,
+      "dlogits");
+  V zeros(n * vocab, 0.0);
+  EXPECT_NEAR(cross_entropy<double>(zeros.data(), targets, nullptr, n, vocab), std::log(7.0),
+              1e-12);
+}
+
+TEST(Kernels, EmbeddingGradients) {
+  const int64_t n = 6, s = 3, h = 4, vocab = 5;
+  const int32_t tokens[n] = {1, 4, 1, 0, 2, 4};
+  V table = random(vocab * h, 16), pos = random(s * h, 17), r = random(n * h, 18);
+  auto loss = [&] {
+    V y(n * h);
+    embedding_forward(tokens, table.data(), pos.data(), y.data(), n, s, h);
+    return dot(y, r);
+  };
+  V dt(vocab * h, 0.0), dp(s * h, 0.0);
+  embedding_backward(tokens, r.data(), dt.data(), dp.data(), n, s, h);
+  expect_gradient(table, loss, dt, "dtable");
+  expect_gradient(pos, loss, dp, "dpos");
+}
+
+TEST(Kernels, AdamWFirstStepMovesByLearningRate) {
+  // After one step m_hat = g and v_hat = g^2, so the update is lr * sign(g) (+ decay).
+  V p = {1.0, -2.0}, g = {0.5, -3.0}, m(2, 0.0), v(2, 0.0);
+  AdamW o;
+  o.lr = 0.01;
+  o.weight_decay = 0.0;
+  adamw_step(p.data(), g.data(), m.data(), v.data(), 2, o, 1);
+  EXPECT_NEAR(p[0], 1.0 - 0.01, 1e-9);
+  EXPECT_NEAR(p[1], -2.0 + 0.01, 1e-9);
+}
+
+}  // namespace
+}  // namespace ptdp::kernels
