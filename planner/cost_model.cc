@@ -145,6 +145,38 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
   return stages;
 }
 
+double CostModel::activation_message_bytes(const ParallelPlan& p) const {
+  return static_cast<double>(p.micro_batch_size * model_.seq_length) *
+         static_cast<double>(model_.hidden_size) * kWeightBytes /
+         (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
+}
+
+double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const {
+  const GroupSpan dp = data_group_span(cluster_, p);
+  const double gbytes = params * grad_bytes(p);
+  if (p.distributed_optimizer)
+    return comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
+           comm_.collective_time(Collective::kAllGather, params * kWeightBytes, dp);
+  return comm_.collective_time(Collective::kAllReduce, gbytes, dp);
+}
+
+double CostModel::embedding_sync_time(const ParallelPlan& p) const {
+  if (p.pipeline_parallel == 1 || model_.untie_embeddings_and_output_weights) return 0.0;
+  GroupSpan pair;
+  pair.size = 2;
+  pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
+  pair.concurrent_per_node = cluster_.gpus_per_node;
+  const double emb = static_cast<double>(model_.vocab_size * model_.hidden_size) /
+                     static_cast<double>(p.tensor_parallel) * grad_bytes(p);
+  return comm_.collective_time(Collective::kAllReduce, emb, pair);
+}
+
+double CostModel::optimizer_time(const ParallelPlan& p, double params) const {
+  const double local =
+      params / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
+  return memory_time(local * profile_.optimizer_bytes_per_param);
+}
+
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
   const ShapeTimes& st = shape_times(p);
   ChunkTime c;
@@ -259,10 +291,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // Pipeline transfers: blocking send/receive pairs on the critical path, one per chunk
   // boundary and direction for every microbatch, plus the fill and drain of the pipeline.
   if (p.pipeline_parallel > 1) {
-    const double act = static_cast<double>(p.micro_batch_size * model_.seq_length) *
-                       static_cast<double>(model_.hidden_size) * 2.0 /
-                       (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
-    out.p2p_time_s = comm_.p2p_time(act, p);
+    out.p2p_time_s = comm_.p2p_time(activation_message_bytes(p), p);
     b.pp_comm = (2.0 * m * v + 2.0 * (pp - 1.0)) * out.p2p_time_s;
   }
 
@@ -271,14 +300,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   double params_max = 0;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r)
     params_max = std::max(params_max, parameters_on_stage(p, r));
-  const GroupSpan dp = data_group_span(cluster_, p);
-  const double gbytes = params_max * grad_bytes(p);
-  if (p.distributed_optimizer) {
-    out.dp_time_s = comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
-                    comm_.collective_time(Collective::kAllGather, params_max * kWeightBytes, dp);
-  } else {
-    out.dp_time_s = comm_.collective_time(Collective::kAllReduce, gbytes, dp);
-  }
+  out.dp_time_s = gradient_sync_time(p, params_max);
   double dp_exposed = out.dp_time_s;
   if (p.overlap_grad_reduce && p.data_parallel > 1) {
     // Buckets are reduced while the last microbatch's backward pass runs; the final bucket
@@ -287,20 +309,9 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
     const double last_bucket = out.dp_time_s / std::max<double>(1.0, static_cast<double>(s.layers));
     dp_exposed = std::max(last_bucket, out.dp_time_s - hidden);
   }
-  if (p.pipeline_parallel > 1 && !model_.untie_embeddings_and_output_weights) {
-    GroupSpan pair;
-    pair.size = 2;
-    pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
-    pair.concurrent_per_node = cluster_.gpus_per_node;
-    const double emb = static_cast<double>(model_.vocab_size * model_.hidden_size) /
-                       static_cast<double>(p.tensor_parallel) * grad_bytes(p);
-    dp_exposed += comm_.collective_time(Collective::kAllReduce, emb, pair);
-  }
-  b.dp_comm = dp_exposed;
+  b.dp_comm = dp_exposed + embedding_sync_time(p);
 
-  const double opt_params =
-      params_max / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
-  b.optimizer = memory_time(opt_params * profile_.optimizer_bytes_per_param);
+  b.optimizer = optimizer_time(p, params_max);
 
   out.iteration_time_s =
       b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;

@@ -91,6 +91,15 @@ class CostModel {
   double gemm_time(const Op& op) const;
   double memory_time(double bytes) const;
   ChunkTime chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const;
+  // Bytes of one activation (or its gradient) sent between pipeline stages.
+  double activation_message_bytes(const ParallelPlan& p) const;
+  // Data-parallel reduction of `params` parameters' gradients (reduce-scatter + all-gather of
+  // the weights with the distributed optimizer), not overlapped.
+  double gradient_sync_time(const ParallelPlan& p, double params) const;
+  // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
+  double embedding_sync_time(const ParallelPlan& p) const;
+  // Optimizer step over `params` parameters (a 1/d shard with the distributed optimizer).
+  double optimizer_time(const ParallelPlan& p, double params) const;
   // Parameters held by pipeline rank r (one tensor-parallel shard).
   double parameters_on_stage(const ParallelPlan& p, int64_t r) const;
 

@@ -313,7 +313,7 @@ class Engine {
         st.stats.dp_comm += took;
         record(m, Stream::kData, a, now_, now_ + took);
       } else {
-        took = in_.grad_norm + in_.optimizer[static_cast<size_t>(mr)];
+        took = in_.optimizer[static_cast<size_t>(mr)];
         st.stats.optimizer += took;
         record(m, Stream::kCompute, a, now_, now_ + took);
       }

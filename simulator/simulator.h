@@ -6,7 +6,8 @@
 // collectives sit inside its passes, as Megatron runs them), point-to-point transfers that
 // travel as flows over the cluster Topology and share link bandwidth max-min fairly, a
 // data-parallel stream whose gradient buckets overlap the last backward passes when asked, and
-// the optimizer step (after the gradient-norm all-reduce across the pipeline).
+// the optimizer step, a barrier across the pipeline (Megatron all-reduces the gradient norm
+// there; the microseconds of that all-reduce are not charged).
 //
 // By default one representative pipeline is simulated: the ranks across data- and
 // tensor-parallel groups do the same thing at the same time. `full` simulates every GPU:
@@ -62,7 +63,6 @@ struct SimulationInput {
   std::vector<Picos> dp_last_bucket;  // with overlap: the part that cannot start early
   bool overlap_grad_reduce = false;
   Picos embedding_sync = 0;      // tied-embedding all-reduce (first and last rank)
-  Picos grad_norm = 0;           // gradient-norm all-reduce before the optimizer step
   std::vector<Picos> optimizer;  // the optimizer step
   // Every GPU (full) or one pipeline; full is needed for stragglers.
   bool full = false;
