@@ -57,7 +57,8 @@ void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
                "disable SC'21's scatter/gather optimisation of pipeline transfers");
   app.add_flag("--no-gradient-accumulation-fusion", no_grad_accumulation_fusion,
                "accumulate weight gradients in a separate pass (Megatron-LM before 2022)");
-  app.add_option("--pipeline-schedule", pipeline_schedule, "gpipe, 1f1b, interleaved or zb-h1 (zero bubble)");
+  app.add_option("--pipeline-schedule", pipeline_schedule,
+                 "gpipe, 1f1b, interleaved or zb-h1 (zero bubble)");
   app.add_flag("--json", json, "machine-readable output");
 }
 
