@@ -13,5 +13,6 @@ using Action = std::function<int(std::ostream& out, std::ostream& err)>;
 Action add_predict_command(CLI::App& app);
 Action add_plan_command(CLI::App& app);
 Action add_simulate_command(CLI::App& app);
+Action add_tokenize_command(CLI::App& app);
 
 }  // namespace ptdp

@@ -278,5 +278,15 @@ TEST(Cli, PlanSimulateTopReranksBySimulation) {
   }
 }
 
+TEST(Cli, TokenizeWritesTwoBytesPerByte) {
+  const std::string in = temp_file("tokenize_in.txt", "hello world\n");
+  const std::string out =
+      (std::filesystem::temp_directory_path() / "ptdp_cli_test_tokens.bin").string();
+  const Result r = run({"tokenize", in, out});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(std::filesystem::file_size(out), 24u);
+  expect_bad({"tokenize", "/nonexistent/input.txt", out}, "/nonexistent/input.txt");
+}
+
 }  // namespace
 }  // namespace ptdp
