@@ -52,7 +52,6 @@ int run_simulate(const SimulateFlags& f, std::ostream& out, std::ostream& err) {
   const ParallelPlan p = f.job.resolve_plan(m, c);
   p.validate(m);
   const auto slow = parse_slow_ranks(f.slow_ranks);
-  if (!slow.empty() && !f.full) throw InputError("--slow-rank", "needs --full");
   const CostModel cm(m, c, h);
   const Prediction pred = cm.predict(p);
   const bool progress = !f.job.json && isatty(STDERR_FILENO);

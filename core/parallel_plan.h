@@ -59,6 +59,12 @@ struct ParallelPlan {
   std::string megatron_flags(const ModelSpec& m) const;
 };
 
+// Megatron-LM's rank placement: tensor-parallel innermost, then data-parallel, then
+// pipeline-parallel.
+inline int64_t megatron_global_rank(int64_t t, int64_t d, int64_t tp, int64_t dp, int64_t pp) {
+  return tp + t * (dp + d * pp);
+}
+
 ParallelPlan plan_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const ParallelPlan& p);
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/parallel_plan.h"
+
 namespace ptdp {
 
 struct GridPosition {
@@ -20,7 +22,9 @@ class ProcessGroups {
 
   int64_t rank() const { return rank_; }
   GridPosition position() const { return pos_; }
-  int64_t global_rank(int64_t tp, int64_t dp, int64_t pp) const { return tp + t_ * (dp + d_ * pp); }
+  int64_t global_rank(int64_t tp, int64_t dp, int64_t pp) const {
+    return megatron_global_rank(t_, d_, tp, dp, pp);
+  }
 
   std::vector<int64_t> tensor_group() const;    // same dp, pp; tp = 0..t-1
   std::vector<int64_t> data_group() const;      // same tp, pp; dp = 0..d-1

@@ -54,18 +54,18 @@ int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double b
 void FlowNetwork::finish(Picos now, int32_t id,
                          std::vector<std::pair<Picos, int32_t>>* reschedule) {
   Flow& f = flows_[static_cast<size_t>(id)];
-  std::vector<int32_t> neighbours;
+  neighbours_.clear();
   for (int32_t l : *f.path) {
     auto& v = on_link_[static_cast<size_t>(l)];
     const bool was_tight = tight(l);
     v.erase(std::find(v.begin(), v.end(), id));
     demand_[static_cast<size_t>(l)] -= f.solo;
     if (v.empty()) demand_[static_cast<size_t>(l)] = 0;  // no drift from rounding
-    if (was_tight) neighbours.insert(neighbours.end(), v.begin(), v.end());
+    if (was_tight) neighbours_.insert(neighbours_.end(), v.begin(), v.end());
   }
   f.active = false;
   free_.push_back(id);
-  if (!neighbours.empty()) rerate(now, neighbours, reschedule);
+  if (!neighbours_.empty()) rerate(now, neighbours_, reschedule);
 }
 
 void FlowNetwork::rerate(Picos now, const std::vector<int32_t>& seeds,
@@ -92,20 +92,22 @@ void FlowNetwork::rerate(Picos now, const std::vector<int32_t>& seeds,
     }
   }
   // Bring every flow's remaining bytes up to now at its old rate.
-  std::vector<double> old_rate(component_.size());
+  old_rate_.resize(component_.size());
   for (size_t i = 0; i < component_.size(); ++i) {
     Flow& f = flows_[static_cast<size_t>(component_[i])];
     f.remaining = std::max(0.0, f.remaining - f.rate * static_cast<double>(now - f.last) / 1e12);
     f.last = now;
-    old_rate[i] = f.rate;
+    old_rate_[i] = f.rate;
     f.rate = -1;  // not fixed yet
   }
   // Progressive filling over the tight links: the link with the smallest fair share fixes the
   // rate of its unfixed flows (all links tied at that share at once); a flow whose own path
   // bottleneck is below the share is held there instead.
   const size_t nl = links_touched_.size();
-  std::vector<double> left(nl);
-  std::vector<int32_t> count(nl, 0);
+  left_.assign(nl, 0.0);
+  count_.assign(nl, 0);
+  std::vector<double>& left = left_;
+  std::vector<int32_t>& count = count_;
   for (size_t i = 0; i < nl; ++i) {
     const int32_t l = links_touched_[i];
     left[i] = links_[static_cast<size_t>(l)].capacity_Bps;
@@ -148,7 +150,7 @@ void FlowNetwork::rerate(Picos now, const std::vector<int32_t>& seeds,
   }
   for (size_t i = 0; i < component_.size(); ++i) {
     Flow& f = flows_[static_cast<size_t>(component_[i])];
-    if (f.rate == old_rate[i] && f.due >= now) continue;  // unchanged: its event stands
+    if (f.rate == old_rate_[i] && f.due >= now) continue;  // unchanged: its event stands
     f.due = completion(now, f);
     reschedule->emplace_back(f.due, component_[i]);
   }

@@ -57,7 +57,9 @@ class FlowNetwork {
   std::vector<Flow> flows_;
   std::vector<int32_t> free_;
   // Scratch for rerate.
-  std::vector<int32_t> component_, links_touched_;
+  std::vector<int32_t> component_, links_touched_, neighbours_;
+  std::vector<double> old_rate_, left_;
+  std::vector<int32_t> count_;
   std::vector<uint32_t> flow_mark_, link_mark_;
   std::vector<int32_t> link_pos_;
   uint32_t epoch_ = 0;

@@ -66,7 +66,6 @@ class Engine {
 
   SimulationResult run() {
     for (size_t e = 0; e < ranks_.size(); ++e) advance(static_cast<int32_t>(e));
-    std::vector<std::pair<Picos, int32_t>> due;
     while (!queue_.empty()) {
       const Event ev = queue_.top();
       queue_.pop();
@@ -79,9 +78,9 @@ class Engine {
         case kFlowBytesDone: {
           if (!net_.active(ev.id) || net_.due(ev.id) != ev.time) break;  // re-rated since
           const int32_t transfer = static_cast<int32_t>(net_.tag(ev.id));
-          due.clear();
-          net_.finish(now_, ev.id, &due);
-          for (const auto& [t, f] : due) push(t, kFlowBytesDone, f);
+          due_.clear();
+          net_.finish(now_, ev.id, &due_);
+          for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
           push(now_ + transfers_[static_cast<size_t>(transfer)].tail, kTransferDone, transfer);
           break;
         }
@@ -109,14 +108,13 @@ class Engine {
     Picos start = 0;
     bool sender_waits = false;
     Picos tail = 0;  // fixed latency after the bytes are through
-    PipelineAction recv_action, send_action;
   };
   struct Rendezvous {
     std::vector<std::pair<int32_t, Picos>> arrived;
   };
 
   int64_t gpu(int64_t tp, int64_t replica, int64_t rank) const {
-    return tp + in_.tensor_parallel * (replica + in_.data_parallel * rank);
+    return megatron_global_rank(in_.tensor_parallel, in_.data_parallel, tp, replica, rank);
   }
   void push(Picos t, int32_t type, int32_t id) { queue_.push({t, seq_++, type, id}); }
   void record(int32_t e, Stream stream, const PipelineAction& a, Picos start, Picos end) {
@@ -208,12 +206,10 @@ class Engine {
     Transfer& tr = transfers_[static_cast<size_t>(it->second)];
     if (is_send(a.kind)) {
       tr.src = e;
-      tr.send_action = a;
       tr.sender_waits = s_.synchronous_p2p;
       if (s_.synchronous_p2p) ++st.waiting;
     } else {
       tr.dst = e;
-      tr.recv_action = a;
       ++st.waiting;
     }
     if (tr.src >= 0 && tr.dst >= 0) {
