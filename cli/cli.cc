@@ -18,9 +18,10 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   actions["plan"] = add_plan_command(app);
   actions["simulate"] = add_simulate_command(app);
   actions["tokenize"] = add_tokenize_command(app);
+  actions["run"] = add_run_command(app);
   if (argc > 1 && argv[1][0] != '-' && !actions.count(argv[1])) {
     err << "ptdp: unknown subcommand '" << argv[1]
-        << "' (commands: plan, predict, simulate, tokenize)\n";
+        << "' (commands: plan, predict, simulate, run, tokenize)\n";
     return 2;
   }
   try {

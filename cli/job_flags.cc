@@ -23,6 +23,13 @@ auto for_flag(const std::string& flag, const std::string& what, F f) {
 }  // namespace
 
 void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
+  add_model_flags(app);
+  add_cluster_flags(app);
+  add_parallel_flags(app, plan_flags_required, true);
+  app.add_flag("--json", json, "machine-readable output");
+}
+
+void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--model", model, "model preset, ptdp model JSON or Hugging Face config.json");
   app.add_option("--num-layers", num_layers);
   app.add_option("--hidden-size", hidden_size);
@@ -33,10 +40,17 @@ void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
   app.add_option("--vocab-size", vocab_size);
   app.add_flag("--swiglu", swiglu);
   app.add_flag("--untie-embeddings-and-output-weights", untie);
+}
+
+void JobFlags::add_cluster_flags(CLI::App& app) {
   app.add_option("--cluster", cluster, "cluster preset or JSON file")->capture_default_str();
   app.add_option("--profile", profile, "hardware profile preset or JSON (default: by GPU)");
   app.add_option("--num-gpus", num_gpus, "GPUs to use (whole nodes)");
-  app.add_option("--global-batch-size", global_batch_size)->required();
+}
+
+void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool batch_required) {
+  auto* batch = app.add_option("--global-batch-size", global_batch_size);
+  if (batch_required) batch->required();
   auto* t = app.add_option("--tensor-model-parallel-size", tensor_parallel);
   auto* p = app.add_option("--pipeline-model-parallel-size", pipeline_parallel);
   auto* b = app.add_option("--micro-batch-size", micro_batch_size);
@@ -59,7 +73,6 @@ void JobFlags::add_to(CLI::App& app, bool plan_flags_required) {
                "accumulate weight gradients in a separate pass (Megatron-LM before 2022)");
   app.add_option("--pipeline-schedule", pipeline_schedule,
                  "gpipe, 1f1b, interleaved or zb-h1 (zero bubble)");
-  app.add_flag("--json", json, "machine-readable output");
 }
 
 ModelSpec JobFlags::resolve_model() const {
@@ -108,6 +121,11 @@ HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
 }
 
 ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) const {
+  return resolve_plan(m, c.num_gpus(), "--num-gpus");
+}
+
+ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
+                                    const std::string& what) const {
   ParallelPlan p;
   p.global_batch_size = global_batch_size.value_or(0);
   if (p.global_batch_size <= 0) {
@@ -122,11 +140,11 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) co
     throw InputError("--pipeline-model-parallel-size", "must be positive");
   if (p.micro_batch_size <= 0) throw InputError("--micro-batch-size", "must be positive");
   const int64_t tp = p.tensor_parallel * p.pipeline_parallel;
-  if (c.num_gpus() % tp != 0) {
-    throw InputError("--num-gpus", std::to_string(c.num_gpus()) +
-                                       " GPUs are not a multiple of t * p = " + std::to_string(tp));
+  if (num_gpus % tp != 0) {
+    throw InputError(what, std::to_string(num_gpus) + (what == "--num-gpus" ? " GPUs" : " ranks") +
+                               " are not a multiple of t * p = " + std::to_string(tp));
   }
-  p.data_parallel = c.num_gpus() / tp;
+  p.data_parallel = num_gpus / tp;
   if (layers_per_virtual_stage) {
     const int64_t k = *layers_per_virtual_stage;
     if (k <= 0 || m.num_layers % (p.pipeline_parallel * k) != 0) {

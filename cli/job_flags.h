@@ -32,12 +32,20 @@ struct JobFlags {
   bool json = false;
 
   void add_to(CLI::App& app, bool plan_flags_required);
+  // The pieces of add_to: model flags; --cluster, --profile, --num-gpus; the parallel
+  // configuration and batch (add_parallel_flags(app, false, false) for ptdp run, whose
+  // --plan file may give them instead).
+  void add_model_flags(CLI::App& app);
+  void add_cluster_flags(CLI::App& app);
+  void add_parallel_flags(CLI::App& app, bool plan_flags_required, bool batch_required);
 
   ModelSpec resolve_model() const;
   ClusterSpec resolve_cluster() const;  // sized by --num-gpus
   HardwareProfile resolve_profile(const ClusterSpec& c) const;
   // Shared settings (precision, overlap, ...) and, where given, the parallel flags.
   ParallelPlan resolve_plan(const ModelSpec& m, const ClusterSpec& c) const;
+  // The same for `num_gpus` ranks; `what` names the source of that count in errors.
+  ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage;
   }

@@ -120,6 +120,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
       if (&rp != &r.top[0]) e["loses_because"] = loses_because(best.prediction, rp.prediction);
       j["plans"].push_back(e);
     }
+    j["model"] = to_json(m);  // so that `ptdp run --plan` can run it
     j["considered"] = r.considered;
     j["evaluated"] = r.evaluated;
     j["rejected"] = r.rejected;

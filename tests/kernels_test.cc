@@ -126,6 +126,90 @@ TEST(Kernels, CausalAttentionGradientsAndMask) {
   }
 }
 
+// The split attention ops (scores, softmax, context) with grouped-query attention: gradients
+// by finite differences, and with one query head per group they equal the fused kernel.
+TEST(Kernels, SplitAttentionWithGroupedQueriesGradients) {
+  const int64_t b = 2, s = 4, hq = 4, hk = 2, d = 3;
+  V q = random(b * s * hq * d, 31), k = random(b * s * hk * d, 32), v = random(b * s * hk * d, 33);
+  V r = random(b * s * hq * d, 34);
+  const int64_t rows = b * hq;
+  V probs(rows * s * s);
+  auto forward = [&](V& out) {
+    attention_scores_forward(q.data(), k.data(), probs.data(), b, s, hq, hk, d);
+    causal_softmax_forward(probs.data(), rows, s);
+    attention_context_forward(probs.data(), v.data(), out.data(), b, s, hq, hk, d);
+  };
+  auto loss = [&] {
+    V out(b * s * hq * d);
+    forward(out);
+    return dot(out, r);
+  };
+  loss();
+  V dprobs(rows * s * s), dq(q.size()), dk(k.size()), dv(v.size());
+  attention_context_backward(probs.data(), v.data(), r.data(), dprobs.data(), dv.data(), b, s, hq,
+                             hk, d);
+  causal_softmax_backward(probs.data(), dprobs.data(), dprobs.data(), rows, s);  // in place
+  attention_scores_backward(q.data(), k.data(), dprobs.data(), dq.data(), dk.data(), b, s, hq, hk,
+                            d);
+  expect_gradient(q, loss, dq, "dq");
+  expect_gradient(k, loss, dk, "dk");
+  expect_gradient(v, loss, dv, "dv");
+}
+
+TEST(Kernels, SplitAttentionEqualsFusedAttention) {
+  const int64_t b = 2, s = 5, h = 3, d = 4;
+  const size_t n = static_cast<size_t>(b * s * h * d);
+  V q = random(n, 41), k = random(n, 42), v = random(n, 43), dout = random(n, 44);
+  V fused(n), fused_probs(b * h * s * s), split(n), probs(b * h * s * s);
+  attention_forward(q.data(), k.data(), v.data(), fused.data(), fused_probs.data(), b, s, h, d);
+  attention_scores_forward(q.data(), k.data(), probs.data(), b, s, h, h, d);
+  causal_softmax_forward(probs.data(), b * h, s);
+  attention_context_forward(probs.data(), v.data(), split.data(), b, s, h, h, d);
+  for (size_t i = 0; i < n; ++i) EXPECT_NEAR(split[i], fused[i], 1e-12);
+  for (size_t i = 0; i < probs.size(); ++i) EXPECT_NEAR(probs[i], fused_probs[i], 1e-12);
+  V dq1(n), dk1(n), dv1(n), dq2(n), dk2(n), dv2(n), dp(probs.size());
+  attention_backward(q.data(), k.data(), v.data(), fused_probs.data(), dout.data(), dq1.data(),
+                     dk1.data(), dv1.data(), b, s, h, d);
+  attention_context_backward(probs.data(), v.data(), dout.data(), dp.data(), dv2.data(), b, s, h, h,
+                             d);
+  causal_softmax_backward(probs.data(), dp.data(), dp.data(), b * h, s);
+  attention_scores_backward(q.data(), k.data(), dp.data(), dq2.data(), dk2.data(), b, s, h, h, d);
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(dq1[i], dq2[i], 1e-12);
+    EXPECT_NEAR(dk1[i], dk2[i], 1e-12);
+    EXPECT_NEAR(dv1[i], dv2[i], 1e-12);
+  }
+}
+
+TEST(Kernels, RmsNormGradients) {
+  const int64_t n = 3, h = 5;
+  V x = random(n * h, 61), g = random(h, 62), r = random(n * h, 63);
+  V rstd(n);
+  auto loss = [&] {
+    V y(n * h);
+    rmsnorm_forward(x.data(), g.data(), y.data(), rstd.data(), n, h);
+    return dot(y, r);
+  };
+  loss();
+  V dx(x.size()), dg(h, 0.0);
+  rmsnorm_backward(x.data(), g.data(), rstd.data(), r.data(), dx.data(), dg.data(), n, h);
+  expect_gradient(x, loss, dx, "dx");
+  expect_gradient(g, loss, dg, "dg");
+}
+
+TEST(Kernels, SwiGluGradients) {
+  const int64_t n = 3, f = 4;
+  V x = random(n * 2 * f, 51), r = random(n * f, 52);
+  auto loss = [&] {
+    V y(n * f);
+    swiglu_forward(x.data(), y.data(), n, f);
+    return dot(y, r);
+  };
+  V dx(x.size());
+  swiglu_backward(x.data(), r.data(), dx.data(), n, f);
+  expect_gradient(x, loss, dx, "dx");
+}
+
 TEST(Kernels, CrossEntropyGradientAndUniformLoss) {
   const int64_t n = 3, vocab = 7;
   V logits = random(n * vocab, 15);

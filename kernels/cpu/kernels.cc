@@ -76,6 +76,35 @@ void layernorm_backward(const T* x, const T* g, const T* mean, const T* rstd, co
   }
 }
 
+template <typename T>
+void rmsnorm_forward(const T* x, const T* g, T* y, T* rstd, int64_t n, int64_t h, T eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * h;
+    T ms = 0;
+    for (int64_t j = 0; j < h; ++j) ms += xi[j] * xi[j];
+    const T r = T(1) / std::sqrt(ms / static_cast<T>(h) + eps);
+    for (int64_t j = 0; j < h; ++j) y[i * h + j] = xi[j] * r * g[j];
+    rstd[i] = r;
+  }
+}
+
+template <typename T>
+void rmsnorm_backward(const T* x, const T* g, const T* rstd, const T* dy, T* dx, T* dg, int64_t n,
+                      int64_t h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* xi = x + i * h;
+    const T* dyi = dy + i * h;
+    T dot = 0;  // sum_j dy_j g_j x_j
+    for (int64_t j = 0; j < h; ++j) {
+      dot += dyi[j] * g[j] * xi[j];
+      dg[j] += dyi[j] * xi[j] * rstd[i];
+    }
+    const T r = rstd[i];
+    const T c = r * r * r * dot / static_cast<T>(h);
+    for (int64_t j = 0; j < h; ++j) dx[i * h + j] = dyi[j] * g[j] * r - xi[j] * c;
+  }
+}
+
 namespace {
 constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
 }
@@ -168,6 +197,130 @@ void attention_backward(const T* q, const T* k, const T* v, const T* probs, cons
   }
 }
 
+namespace {
+// One head's [s, d] slice of a [b, s, heads, d] tensor.
+template <typename T>
+using HeadMap = Eigen::Map<Mat<T>, 0, Eigen::OuterStride<>>;
+template <typename T>
+using CHeadMap = Eigen::Map<const Mat<T>, 0, Eigen::OuterStride<>>;
+
+template <typename T>
+CHeadMap<T> head(const T* x, int64_t bi, int64_t hi, int64_t s, int64_t heads, int64_t d) {
+  return CHeadMap<T>(x + (bi * s * heads + hi) * d, s, d, Eigen::OuterStride<>(heads * d));
+}
+template <typename T>
+HeadMap<T> head(T* x, int64_t bi, int64_t hi, int64_t s, int64_t heads, int64_t d) {
+  return HeadMap<T>(x + (bi * s * heads + hi) * d, s, d, Eigen::OuterStride<>(heads * d));
+}
+}  // namespace
+
+template <typename T>
+void attention_scores_forward(const T* q, const T* k, T* scores, int64_t b, int64_t s, int64_t hq,
+                              int64_t hk, int64_t d) {
+  const T scale = T(1) / std::sqrt(static_cast<T>(d));
+  const int64_t per_group = hq / hk;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < hq; ++hi) {
+      MapM<T> S(scores + (bi * hq + hi) * s * s, s, s);
+      S.noalias() = head(q, bi, hi, s, hq, d) * head(k, bi, hi / per_group, s, hk, d).transpose();
+      S *= scale;
+      S.template triangularView<Eigen::StrictlyUpper>().setZero();
+    }
+}
+
+template <typename T>
+void attention_scores_backward(const T* q, const T* k, const T* dscores, T* dq, T* dk, int64_t b,
+                               int64_t s, int64_t hq, int64_t hk, int64_t d) {
+  const T scale = T(1) / std::sqrt(static_cast<T>(d));
+  const int64_t per_group = hq / hk;
+  if (dk) std::fill(dk, dk + b * s * hk * d, T(0));
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < hq; ++hi) {
+      CMapM<T> dS(dscores + (bi * hq + hi) * s * s, s, s);
+      const int64_t g = hi / per_group;
+      if (dq) head(dq, bi, hi, s, hq, d).noalias() = scale * dS * head(k, bi, g, s, hk, d);
+      if (dk)
+        head(dk, bi, g, s, hk, d).noalias() += scale * dS.transpose() * head(q, bi, hi, s, hq, d);
+    }
+}
+
+template <typename T>
+void causal_softmax_forward(T* scores, int64_t rows, int64_t s) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < s; ++i) {
+      T* p = scores + (r * s + i) * s;
+      const T mx = *std::max_element(p, p + i + 1);
+      T sum = 0;
+      for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
+      for (int64_t j = 0; j <= i; ++j) p[j] /= sum;
+    }
+}
+
+template <typename T>
+void causal_softmax_backward(const T* probs, const T* dprobs, T* dscores, int64_t rows, int64_t s) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < s; ++i) {
+      const T* p = probs + (r * s + i) * s;
+      const T* dp = dprobs + (r * s + i) * s;
+      T* ds = dscores + (r * s + i) * s;
+      T dot = 0;
+      for (int64_t j = 0; j <= i; ++j) dot += p[j] * dp[j];
+      for (int64_t j = 0; j <= i; ++j) ds[j] = p[j] * (dp[j] - dot);
+      for (int64_t j = i + 1; j < s; ++j) ds[j] = 0;
+    }
+}
+
+template <typename T>
+void attention_context_forward(const T* probs, const T* v, T* out, int64_t b, int64_t s, int64_t hq,
+                               int64_t hk, int64_t d) {
+  const int64_t per_group = hq / hk;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < hq; ++hi)
+      head(out, bi, hi, s, hq, d).noalias() =
+          CMapM<T>(probs + (bi * hq + hi) * s * s, s, s) * head(v, bi, hi / per_group, s, hk, d);
+}
+
+template <typename T>
+void attention_context_backward(const T* probs, const T* v, const T* dout, T* dprobs, T* dv,
+                                int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+  const int64_t per_group = hq / hk;
+  if (dv) std::fill(dv, dv + b * s * hk * d, T(0));
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t hi = 0; hi < hq; ++hi) {
+      const int64_t g = hi / per_group;
+      const auto dO = head(dout, bi, hi, s, hq, d);
+      if (dprobs) {
+        MapM<T> dP(dprobs + (bi * hq + hi) * s * s, s, s);
+        dP.noalias() = dO * head(v, bi, g, s, hk, d).transpose();
+        dP.template triangularView<Eigen::StrictlyUpper>().setZero();
+      }
+      if (dv)
+        head(dv, bi, g, s, hk, d).noalias() +=
+            CMapM<T>(probs + (bi * hq + hi) * s * s, s, s).transpose() * dO;
+    }
+}
+
+template <typename T>
+void swiglu_forward(const T* x, T* y, int64_t n, int64_t f) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const T g = x[i * 2 * f + j], u = x[i * 2 * f + f + j];
+      y[i * f + j] = g / (T(1) + std::exp(-g)) * u;
+    }
+}
+
+template <typename T>
+void swiglu_backward(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < f; ++j) {
+      const T g = x[i * 2 * f + j], u = x[i * 2 * f + f + j];
+      const T sig = T(1) / (T(1) + std::exp(-g));
+      const T dyi = dy[i * f + j];
+      dx[i * 2 * f + j] = dyi * u * sig * (T(1) + g * (T(1) - sig));
+      dx[i * 2 * f + f + j] = dyi * g * sig;
+    }
+}
+
 template <typename T>
 T cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int64_t n, int64_t v) {
   T loss = 0;
@@ -226,6 +379,9 @@ void adamw_step(T* param, const T* grad, T* m, T* v, int64_t n, const AdamW& o, 
                                      T);                                                         \
   template void layernorm_backward<T>(const T*, const T*, const T*, const T*, const T*, T*, T*,  \
                                       T*, int64_t, int64_t);                                     \
+  template void rmsnorm_forward<T>(const T*, const T*, T*, T*, int64_t, int64_t, T);             \
+  template void rmsnorm_backward<T>(const T*, const T*, const T*, const T*, T*, T*, int64_t,     \
+                                    int64_t);                                                    \
   template void gelu_forward<T>(const T*, T*, int64_t);                                          \
   template void gelu_backward<T>(const T*, const T*, T*, int64_t);                               \
   template void attention_forward<T>(const T*, const T*, const T*, T*, T*, int64_t, int64_t,     \
@@ -237,7 +393,19 @@ void adamw_step(T* param, const T* grad, T* m, T* v, int64_t n, const AdamW& o, 
                                      int64_t);                                                   \
   template void embedding_backward<T>(const int32_t*, const T*, T*, T*, int64_t, int64_t,        \
                                       int64_t);                                                  \
-  template void adamw_step<T>(T*, const T*, T*, T*, int64_t, const AdamW&, int64_t);
+  template void adamw_step<T>(T*, const T*, T*, T*, int64_t, const AdamW&, int64_t);             \
+  template void attention_scores_forward<T>(const T*, const T*, T*, int64_t, int64_t, int64_t,   \
+                                            int64_t, int64_t);                                   \
+  template void attention_scores_backward<T>(const T*, const T*, const T*, T*, T*, int64_t,      \
+                                             int64_t, int64_t, int64_t, int64_t);                \
+  template void causal_softmax_forward<T>(T*, int64_t, int64_t);                                 \
+  template void causal_softmax_backward<T>(const T*, const T*, T*, int64_t, int64_t);            \
+  template void attention_context_forward<T>(const T*, const T*, T*, int64_t, int64_t, int64_t,  \
+                                             int64_t, int64_t);                                  \
+  template void attention_context_backward<T>(const T*, const T*, const T*, T*, T*, int64_t,     \
+                                              int64_t, int64_t, int64_t, int64_t);               \
+  template void swiglu_forward<T>(const T*, T*, int64_t, int64_t);                               \
+  template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t);
 
 PTDP_INSTANTIATE(float)
 PTDP_INSTANTIATE(double)

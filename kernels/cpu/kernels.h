@@ -30,6 +30,13 @@ template <typename T>
 void layernorm_backward(const T* x, const T* g, const T* mean, const T* rstd, const T* dy, T* dx,
                         T* dg, T* db, int64_t n, int64_t h);
 
+// RMSNorm (Llama): y = x / sqrt(mean(x^2) + eps) * g; rstd ([n]) is saved.
+template <typename T>
+void rmsnorm_forward(const T* x, const T* g, T* y, T* rstd, int64_t n, int64_t h, T eps = T(1e-5));
+template <typename T>
+void rmsnorm_backward(const T* x, const T* g, const T* rstd, const T* dy, T* dx, T* dg, int64_t n,
+                      int64_t h);
+
 template <typename T>
 void gelu_forward(const T* x, T* y, int64_t n);
 template <typename T>
@@ -42,6 +49,35 @@ void attention_forward(const T* q, const T* k, const T* v, T* out, T* probs, int
 template <typename T>
 void attention_backward(const T* q, const T* k, const T* v, const T* probs, const T* dout, T* dq,
                         T* dk, T* dv, int64_t b, int64_t s, int64_t heads, int64_t d);
+
+// Attention split into the ops of the layer op list (attn_scores, attn_softmax, attn_context),
+// with grouped-query attention: q [b, s, hq, d], k and v [b, s, hk, d], query head j reading
+// key/value head j / (hq / hk). scores/probs [b, hq, s, s]; entries above the diagonal are 0.
+// Backward outputs (dq, dk, dv, dprobs) are overwritten; any may be null.
+template <typename T>
+void attention_scores_forward(const T* q, const T* k, T* scores, int64_t b, int64_t s, int64_t hq,
+                              int64_t hk, int64_t d);
+template <typename T>
+void attention_scores_backward(const T* q, const T* k, const T* dscores, T* dq, T* dk, int64_t b,
+                               int64_t s, int64_t hq, int64_t hk, int64_t d);
+// rows = b * hq matrices of s x s, in place.
+template <typename T>
+void causal_softmax_forward(T* scores, int64_t rows, int64_t s);
+// dscores may alias dprobs.
+template <typename T>
+void causal_softmax_backward(const T* probs, const T* dprobs, T* dscores, int64_t rows, int64_t s);
+template <typename T>
+void attention_context_forward(const T* probs, const T* v, T* out, int64_t b, int64_t s, int64_t hq,
+                               int64_t hk, int64_t d);
+template <typename T>
+void attention_context_backward(const T* probs, const T* v, const T* dout, T* dprobs, T* dv,
+                                int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d);
+
+// SwiGLU on x [n, 2f] = [gate | up]: y [n, f] = silu(gate) * up.
+template <typename T>
+void swiglu_forward(const T* x, T* y, int64_t n, int64_t f);
+template <typename T>
+void swiglu_backward(const T* x, const T* dy, T* dx, int64_t n, int64_t f);
 
 // Returns the mean loss over n rows; dlogits may be null (forward only).
 template <typename T>

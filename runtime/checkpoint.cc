@@ -1,0 +1,134 @@
+#include "runtime/checkpoint.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "core/error.h"
+
+namespace ptdp {
+namespace {
+
+constexpr char kMagic[] = "PTDPCKPT1\n";
+
+uint64_t fnv1a(const char* data, size_t n, uint64_t h = 1469598103934665603ULL) {
+  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ULL;
+  return h;
+}
+
+// Writes `bytes` to path via path.tmp, flushed to disk, then renamed.
+void write_atomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  FILE* f = std::fopen(tmp.c_str(), "wb");
+  if (!f) throw std::runtime_error("cannot write " + tmp);
+  const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size() &&
+                  std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
+  if (std::fclose(f) != 0 || !ok) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
+}
+
+// A short description of a layout for error messages.
+std::string describe(const nlohmann::json& l) {
+  std::ostringstream s;
+  s << "t=" << l.value("t", 0) << " p=" << l.value("p", 0) << " d=" << l.value("d", 0)
+    << " v=" << l.value("v", 0)
+    << (l.value("distributed_optimizer", false) ? " distributed optimizer" : "");
+  return s.str();
+}
+
+}  // namespace
+
+std::string checkpoint_step_dir(const std::string& dir, int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step_%07lld", static_cast<long long>(step));
+  return (std::filesystem::path(dir) / name).string();
+}
+
+std::string checkpoint_file(const std::string& dir, int64_t step, int64_t rank) {
+  char name[32];
+  std::snprintf(name, sizeof name, "rank_%05lld.bin", static_cast<long long>(rank));
+  return (std::filesystem::path(checkpoint_step_dir(dir, step)) / name).string();
+}
+
+void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
+                            const nlohmann::json& layout,
+                            const std::vector<std::span<const float>>& arrays) {
+  std::error_code ec;
+  std::filesystem::create_directories(checkpoint_step_dir(dir, step), ec);
+  if (ec) throw std::runtime_error("cannot create " + checkpoint_step_dir(dir, step));
+  nlohmann::json header = {{"step", step}, {"layout", layout}, {"arrays", nlohmann::json::array()}};
+  for (const auto& a : arrays) header["arrays"].push_back(a.size());
+  std::string bytes = kMagic;
+  bytes += header.dump() + "\n";
+  for (const auto& a : arrays)
+    bytes.append(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
+  const uint64_t sum = fnv1a(bytes.data(), bytes.size());
+  bytes.append(reinterpret_cast<const char*>(&sum), sizeof sum);
+  write_atomically(checkpoint_file(dir, step, rank), bytes);
+}
+
+void write_latest(const std::string& dir, int64_t step) {
+  write_atomically((std::filesystem::path(dir) / "latest").string(), std::to_string(step) + "\n");
+}
+
+int64_t read_latest(const std::string& dir) {
+  std::ifstream in(std::filesystem::path(dir) / "latest");
+  int64_t step = -1;
+  if (!in || !(in >> step) || step < 0)
+    throw InputError("--load", "no checkpoint in " + dir + " (no readable 'latest' file)");
+  return step;
+}
+
+CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
+                                      const nlohmann::json& expected) {
+  const std::string path = checkpoint_file(dir, step, rank);
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw InputError("--load", "no shard for rank " + std::to_string(rank) + " at " + path +
+                                   " (a checkpoint of another layout?)");
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t magic = sizeof kMagic - 1;
+  if (bytes.size() < magic + sizeof(uint64_t) || bytes.compare(0, magic, kMagic) != 0)
+    throw InputError("--load", path + " is not a ptdp checkpoint");
+  uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
+  const size_t body = bytes.size() - sizeof stored;
+  if (fnv1a(bytes.data(), body) != stored)
+    throw InputError("--load", path + " is corrupt (checksum mismatch)");
+  const size_t eol = bytes.find('\n', magic);
+  CheckpointShard c;
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.substr(magic, eol - magic));
+  } catch (const nlohmann::json::exception&) {
+    throw InputError("--load", path + " has an unreadable header");
+  }
+  c.step = header.value("step", int64_t{-1});
+  c.layout = header["layout"];
+  if (c.layout != expected)
+    throw InputError(
+        "--load",
+        "the checkpoint in " + dir + " was written by another layout (" + describe(c.layout) +
+            ") than this run (" + describe(expected) + ")" +
+            (describe(c.layout) == describe(expected) ? ": the model or batch differs" : ""));
+  size_t pos = eol + 1;
+  for (const auto& n : header["arrays"]) {
+    const size_t count = n.get<size_t>();
+    if (pos + count * sizeof(float) > body) throw InputError("--load", path + " is truncated");
+    std::vector<float> a(count);
+    std::memcpy(a.data(), bytes.data() + pos, count * sizeof(float));
+    pos += count * sizeof(float);
+    c.arrays.push_back(std::move(a));
+  }
+  return c;
+}
+
+}  // namespace ptdp

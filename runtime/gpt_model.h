@@ -1,0 +1,127 @@
+// GptShard: the part of a GPT model that one rank holds, sharded as Megatron-LM shards it, and
+// its forward and backward passes.
+//
+// Tensor parallelism: QKV and FC1 are column-parallel (each rank holds heads/t heads and ffn/t
+// columns), the attention projection and FC2 row-parallel; the word embedding and the LM head
+// are vocabulary-parallel (each rank holds a contiguous 1/t of the vocabulary, cross-entropy
+// reduced over the tensor-parallel group). With sequence parallelism, layernorms, dropout-adds
+// and the embedding's position add run on a 1/t slice of the sequence, entered by all-gather
+// and left by reduce-scatter. Pipeline parallelism: the rank holds v chunks of consecutive
+// layers (chunk c is global stage c * p + rank); the first stage adds the embedding, the last
+// the final layernorm, LM head and loss; with tied embeddings the last stage keeps a copy of
+// the word embedding whose gradient the trainer all-reduces with the first stage's.
+//
+// The passes are not hand-written sequences: each transformer layer executes the op list of
+// core/layer_ops.h (transformer_layer_ops, embedding_ops, lm_head_ops) for this rank's shape,
+// one kernel or collective per op, so the cost model prices exactly the ops that run here; an
+// op the runtime cannot execute is an error at construction. Recomputation follows the same
+// lists: after its forward pass a layer keeps what the recompute mode stores, and before its
+// backward pass runs the list's recompute ops (all of the forward for full, the attention core
+// for selective).
+//
+// Activations are [b, s, h] row-major (sequence-parallel slices [b, s/t, h]); weights are
+// [out, in] like Megatron's. Initial values are a hash of (seed, parameter name, global
+// element index), so every layout of the same model starts from the same weights.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "runtime/communicator.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+
+struct ShardLayout {
+  int64_t t = 1, tp = 0;  // tensor-parallel size and this rank's index
+  int64_t p = 1, pp = 0;  // pipeline-parallel size and this rank's index
+  int64_t v = 1;          // model chunks per pipeline rank
+  int64_t micro_batch = 1;
+  bool sequence_parallel = false;
+  Recompute recompute = Recompute::kNone;
+  // Layers of each global stage (size p * v); empty: even split.
+  std::vector<int64_t> layers_per_stage;
+  // Parameters are laid out so that each segment's length is a multiple of this (the
+  // data-parallel size), for the distributed optimizer's reduce-scatter.
+  int64_t segment_multiple = 1;
+};
+
+// Throws InputError naming the flag when the model cannot be sharded so (t must divide heads,
+// query groups and, with sequence parallelism, the sequence; layers must split evenly, ...).
+void validate_shard_layout(const ModelSpec& m, const ShardLayout& s);
+
+struct ParamInfo {
+  std::string name;            // "layers.3.qkv.weight" (global layer index)
+  int64_t offset = 0;          // in the flat parameter buffer
+  int64_t size = 0;            // elements on this rank (vocabulary padding included)
+  int64_t real_size = 0;       // elements that are model parameters (padding excluded)
+  int segment = 1;             // 0: word embedding (first stage, and the last stage's tied copy)
+  bool decay = true;           // weight decay applies (not to biases and norms)
+  bool tp_replicated = false;  // identical on every tensor-parallel rank
+  bool sp_partial = false;     // with sequence parallelism its gradient is partial per TP rank
+  bool tied_copy = false;      // the last stage's copy of the word embedding
+};
+
+struct Segment {
+  int64_t offset = 0, size = 0;  // size is a multiple of ShardLayout::segment_multiple
+};
+
+class GptShard {
+ public:
+  GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
+           uint64_t seed);
+  ~GptShard();
+  GptShard(const GptShard&) = delete;
+  GptShard& operator=(const GptShard&) = delete;
+
+  const ModelSpec& model() const { return model_; }
+  const ShardLayout& layout() const { return layout_; }
+  int64_t num_chunks() const { return layout_.v; }
+  bool first_stage(int64_t chunk) const;
+  bool last_stage(int64_t chunk) const;
+  int64_t global_stage(int64_t chunk) const { return chunk * layout_.p + layout_.pp; }
+  // Floats of the activation (and its gradient) crossing a pipeline-stage boundary.
+  int64_t boundary_elements() const;
+  // Tokens of one microbatch: b sequences of s + 1 (inputs are the first s, targets the last s).
+  int64_t tokens_per_microbatch() const;
+
+  // Forward of microbatch `mb` on `chunk`. tokens: the microbatch's tokens (read on the first
+  // and the last stage); input: the received activation (null on the first stage). Writes the
+  // output activation (not on the last stage) and returns the mean loss on the last stage
+  // (0 elsewhere). Keeps what the backward pass needs until backward(chunk, mb).
+  double forward(int64_t chunk, int64_t mb, const int32_t* tokens, const Buffer* input,
+                 Buffer* output);
+  // Backward of microbatch `mb` on `chunk`: grad_output is the received gradient (null on the
+  // last stage, whose gradient is that of loss_scale * loss); writes grad_input (not on the
+  // first stage). Accumulates into grads().
+  void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
+                double loss_scale);
+  // Microbatches whose forward ran and backward has not.
+  int64_t stashed() const;
+
+  Buffer& params() { return params_; }
+  Buffer& grads() { return grads_; }
+  const std::vector<ParamInfo>& param_infos() const { return infos_; }
+  const std::vector<Segment>& segments() const { return segments_; }
+  // Parameters of the whole model held here without padding or tied copies.
+  int64_t real_parameters() const;
+
+  struct Impl;
+
+ private:
+  ModelSpec model_;
+  ShardLayout layout_;
+  Buffer params_, grads_;
+  std::vector<ParamInfo> infos_;
+  std::vector<Segment> segments_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ptdp

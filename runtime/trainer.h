@@ -1,0 +1,77 @@
+// train(): `ptdp run` on every rank. Builds the process groups and communicators for (t, p, d),
+// this rank's GptShard, and the pipeline schedule's action list for its pipeline rank
+// (core/schedule.h, the list the simulator replays), then executes that list for every step:
+// forward and backward passes, the batched point-to-point transfers, the data-parallel
+// gradient reduction (all-reduce, or reduce-scatter with the distributed optimizer), the tied
+// embedding's all-reduce, gradient clipping by global norm and AdamW (sharded over the
+// data-parallel group with the distributed optimizer, then all-gathered).
+//
+// Every problem with the plan, the data or the checkpoint is found before the first step, and
+// agreed on by all ranks, so that no rank trains while another has given up.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "core/schedule.h"
+#include "runtime/communicator.h"
+
+namespace ptdp {
+
+struct TrainOptions {
+  ModelSpec model;
+  ParallelPlan plan;  // t, p, d (must match the world), b, B, v, schedule, recompute, SP, ...
+  int64_t steps = 10;
+  uint64_t seed = 1;
+  std::string data = "synthetic";  // or a uint16 token file
+  double lr = 1e-3, min_lr = 0.0;
+  int64_t warmup_steps = 0;
+  std::string lr_decay = "constant";  // or "cosine" (to min_lr at the last step)
+  double weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double clip_grad = 1.0;  // 0: no clipping
+  std::string save_dir;
+  int64_t save_interval = 0;  // 0: only at the end (when save_dir is set)
+  std::string load_dir;
+  bool record_timeline = false;
+};
+
+struct StepStats {
+  int64_t step = 0;  // 0-based
+  double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  int64_t tokens = 0;
+};
+
+// One executed action of one pipeline rank (tensor-parallel rank 0 of each replica).
+struct TimelineEvent {
+  int32_t pp = 0, dp = 0;
+  ActionKind kind = ActionKind::kForward;
+  int32_t microbatch = -1, chunk = -1;
+  double start = 0, end = 0;  // seconds since the first step began
+};
+
+struct TrainResult {
+  int64_t first_step = 0;  // > 0 when resumed
+  std::vector<StepStats> steps;
+  int64_t parameters = 0;               // of the whole model
+  int64_t peak_memory_bytes = 0;        // the most-loaded rank's tensors (params, grads, ...)
+  int64_t peak_rss_bytes = 0;           // the most-loaded rank's resident set (VmHWM)
+  std::vector<TimelineEvent> timeline;  // on world rank 0, every replica and stage
+};
+
+// Thrown on the ranks that did not find a problem another rank reported (exit quietly).
+struct PeerFailed : std::runtime_error {
+  PeerFailed() : std::runtime_error("another rank stopped the run") {}
+};
+
+// Learning rate of step `step` (0-based): linear warm-up, then constant or cosine decay.
+double learning_rate(const TrainOptions& o, int64_t step);
+
+TrainResult train(const TrainOptions& options, Communicator& world,
+                  const std::function<void(const StepStats&)>& on_step = {});
+
+}  // namespace ptdp
