@@ -1,6 +1,7 @@
 #include "cli/cli.h"
 
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -9,6 +10,13 @@
 #include "core/error.h"
 
 namespace ptdp {
+
+int launcher_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  }
+  return -1;
+}
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
@@ -35,7 +43,8 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   } catch (const CLI::ParseError& e) {
     std::string msg = e.what();
     for (char& c : msg) c = c == '\n' ? ' ' : c;
-    err << "ptdp: " << msg << "\n";
+    // Under a launcher every rank parses the same flags: rank 0 reports.
+    if (launcher_rank() <= 0) err << "ptdp: " << msg << "\n";
     return 2;
   }
   try {

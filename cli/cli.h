@@ -8,4 +8,8 @@ namespace ptdp {
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
 
+// The rank a launcher (mpirun, srun) gave this process, from its environment; -1 when the
+// process was started directly.
+int launcher_rank();
+
 }  // namespace ptdp

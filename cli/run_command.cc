@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/cli.h"
 #include "cli/commands.h"
 #include "cli/job_flags.h"
 #include "cli/report.h"
@@ -29,14 +30,6 @@ struct RunFlags {
   std::string trace, svg;
   bool json = false;
 };
-
-// The rank the launcher gave this process (mpirun, srun), or -1 when started directly.
-int launcher_rank() {
-  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"}) {
-    if (const char* v = std::getenv(name)) return std::atoi(v);
-  }
-  return -1;
-}
 
 // The parallel configuration from `ptdp plan --out` (best plan first), or from a file holding
 // one plan object; its model too, when the file records it.

@@ -1,0 +1,247 @@
+// `ptdp run` under mpirun, as a user runs it: every parallel layout of the tiny model trains to
+// the single-rank losses; bad plans stop every rank before training with one message; a rank
+// killed mid-run brings the job down quickly, leaves the last checkpoint whole, and resuming
+// from it continues the same loss curve bit for bit.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+namespace ptdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+const std::string kTiny =
+    " --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 128"
+    " --global-batch-size 8 --micro-batch-size 2 --steps 6";
+
+// The tiny model's flags with another step count.
+std::string tiny_steps(int64_t steps) {
+  std::string f = kTiny;
+  return f.replace(f.find("--steps 6"), 9, "--steps " + std::to_string(steps));
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+struct Outcome {
+  int status = -1;
+  std::string out, err;
+};
+
+// Runs `ptdp run <args>` on np ranks (np = 0: directly, without the launcher).
+Outcome ptdp_run(int np, const std::string& args) {
+  static int counter = 0;
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test";
+  fs::create_directories(dir);
+  const fs::path out = dir / ("out" + std::to_string(counter));
+  const fs::path err = dir / ("err" + std::to_string(counter++));
+  std::string cmd = np > 0
+                        ? std::string(PTDP_MPIEXEC) + " --allow-run-as-root --oversubscribe -np " +
+                              std::to_string(np) + " "
+                        : std::string();
+  cmd += std::string(PTDP_BINARY) + " run " + args + " > " + out.string() + " 2> " + err.string();
+  Outcome r;
+  const int raw = std::system(cmd.c_str());
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128;
+  r.out = read_file(out);
+  r.err = read_file(err);
+  return r;
+}
+
+nlohmann::json run_json(int np, const std::string& args) {
+  const Outcome r = ptdp_run(np, args + " --json");
+  EXPECT_EQ(r.status, 0) << args << "\n" << r.err;
+  try {
+    return nlohmann::json::parse(r.out);
+  } catch (const nlohmann::json::exception&) {
+    ADD_FAILURE() << "no JSON from " << args << ":\n" << r.out << r.err;
+    return {};
+  }
+}
+
+std::vector<double> losses(const nlohmann::json& j) {
+  return j.contains("losses") ? j["losses"].get<std::vector<double>>() : std::vector<double>{};
+}
+
+struct Layout {
+  int t, p, d;
+  std::string extra;
+  std::string model = kTiny;
+};
+
+std::string flags(const Layout& l) {
+  return l.model + " --tensor-model-parallel-size " + std::to_string(l.t) +
+         " --pipeline-model-parallel-size " + std::to_string(l.p) + " " + l.extra;
+}
+
+void expect_same_losses(const Layout& l, const nlohmann::json& single) {
+  const nlohmann::json j = run_json(l.t * l.p * l.d, flags(l));
+  const auto got = losses(j), want = losses(single);
+  ASSERT_EQ(got.size(), want.size()) << flags(l);
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << flags(l) << " step " << i;
+  EXPECT_EQ(j["parameters"], single["parameters"]) << flags(l);
+  EXPECT_EQ(j["world_size"], l.t * l.p * l.d);
+  // The model really is split: a rank holding part of it needs less memory than one rank
+  // holding all of it (data parallelism alone replicates it).
+  if (l.t * l.p > 1) {
+    EXPECT_LT(j["peak_memory_gib"].get<double>(), single["peak_memory_gib"].get<double>())
+        << flags(l);
+  }
+}
+
+TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
+  const nlohmann::json single = run_json(0, kTiny);
+  ASSERT_EQ(losses(single).size(), 6u);
+  for (const Layout& l : std::vector<Layout>{
+           {2, 1, 1, ""},
+           {1, 2, 1, ""},
+           {1, 1, 2, ""},
+           {2, 2, 1, ""},
+           {2, 2, 2, ""},
+           {1, 2, 1, "--pipeline-schedule gpipe"},
+           {2, 1, 1, "--sequence-parallel"},
+           {1, 1, 2, "--use-distributed-optimizer"},
+           {2, 2, 2, "--sequence-parallel --use-distributed-optimizer"},
+           {2, 2, 1, "--recompute-granularity selective"},
+           {2, 2, 1, "--recompute-granularity full --sequence-parallel"},
+       })
+    expect_same_losses(l, single);
+}
+
+TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
+  std::string eight = kTiny;
+  eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");
+  const nlohmann::json single = run_json(0, eight);
+  expect_same_losses({1, 4, 1, "--num-layers-per-virtual-pipeline-stage 1", eight}, single);
+}
+
+TEST(RunMpi, GroupedQuerySwiGluUntiedModelShardsToTheSameLosses) {
+  std::string llama = kTiny +
+                      " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights"
+                      " --ffn-hidden-size 96";
+  llama.replace(llama.find("--vocab-size 128"), 16, "--vocab-size 127");  // not a multiple of t
+  const nlohmann::json single = run_json(0, llama);
+  expect_same_losses({2, 2, 1, "--sequence-parallel", llama}, single);
+  expect_same_losses({2, 1, 2, "--use-distributed-optimizer", llama}, single);
+}
+
+// One line from one rank, exit status non-zero, no training step.
+void expect_refused(int np, const std::string& args, const std::string& field) {
+  const Outcome r = ptdp_run(np, args);
+  EXPECT_NE(r.status, 0) << args;
+  const std::string needle = "ptdp: " + field;
+  const size_t at = r.err.find(needle);
+  EXPECT_NE(at, std::string::npos) << args << "\n" << r.err;
+  if (at != std::string::npos) {
+    EXPECT_EQ(r.err.find(needle, at + 1), std::string::npos) << "reported twice:\n" << r.err;
+  }
+  EXPECT_EQ(r.out.find("step "), std::string::npos) << r.out;
+}
+
+TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
+  expect_refused(3, kTiny + " --tensor-model-parallel-size 3", "--tensor-model-parallel-size");
+  expect_refused(3, kTiny + " --tensor-model-parallel-size 2", "world size");
+  expect_refused(2, kTiny + " --data /nonexistent/tokens.bin", "--data");
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_layout";
+  fs::remove_all(dir);
+  const Outcome saved =
+      ptdp_run(2, kTiny + " --pipeline-model-parallel-size 2 --save " + dir.string());
+  ASSERT_EQ(saved.status, 0) << saved.err;
+  expect_refused(2, tiny_steps(8) + " --tensor-model-parallel-size 2 --load " + dir.string(),
+                 "--load");
+}
+
+// Processes of this test's run: their command line names `marker`.
+std::vector<pid_t> ranks_of(const std::string& marker, const std::string& rank) {
+  std::vector<pid_t> pids;
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::string cmdline = read_file(e.path() / "cmdline");
+    if (cmdline.find(marker) == std::string::npos || cmdline.find("mpirun") != std::string::npos ||
+        cmdline.find(PTDP_MPIEXEC) != std::string::npos)
+      continue;
+    std::string env = read_file(e.path() / "environ");
+    for (char& c : env) c = c == '\0' ? '\n' : c;
+    if (("\n" + env).find("\nOMPI_COMM_WORLD_RANK=" + rank + "\n") != std::string::npos)
+      pids.push_back(static_cast<pid_t>(std::stol(name)));
+  }
+  return pids;
+}
+
+TEST(RunMpi, KilledRankEndsTheJobAndTheCheckpointResumesTheCurve) {
+  using Clock = std::chrono::steady_clock;
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_fault";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const fs::path ckpt = dir / "checkpoints", out = dir / "out", rc = dir / "rc";
+  const std::string layout = " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2";
+  const std::string long_run =
+      tiny_steps(100000) + layout + " --save " + ckpt.string() + " --save-interval 2";
+  const std::string cmd = "(" + std::string(PTDP_MPIEXEC) +
+                          " --allow-run-as-root --oversubscribe -np 4 " + PTDP_BINARY + " run " +
+                          long_run + " > " + out.string() + " 2>&1; echo $? > " + rc.string() +
+                          ") &";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  auto cleanup = [&] {
+    for (const char* r : {"0", "1", "2", "3"})
+      for (pid_t pid : ranks_of(ckpt.string(), r)) kill(pid, SIGKILL);
+  };
+  // Wait for a few checkpoints, then kill rank 2.
+  const auto deadline = Clock::now() + std::chrono::seconds(120);
+  while (Clock::now() < deadline) {
+    std::ifstream latest(ckpt / "latest");
+    int64_t step = 0;
+    if (latest >> step && step >= 4) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const std::vector<pid_t> victims = ranks_of(ckpt.string(), "2");
+  if (victims.size() != 1) cleanup();
+  ASSERT_EQ(victims.size(), 1u) << read_file(out);
+  kill(victims[0], SIGKILL);
+  const auto killed = Clock::now();
+  while (!fs::exists(rc) && Clock::now() < killed + std::chrono::seconds(60))
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  const double seconds = std::chrono::duration<double>(Clock::now() - killed).count();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // rc fully written
+  if (!fs::exists(rc)) cleanup();
+  ASSERT_TRUE(fs::exists(rc)) << "the job hangs after losing a rank";
+  EXPECT_LT(seconds, 30.0);
+  EXPECT_NE(std::stoi(read_file(rc)), 0);
+  const std::string log = read_file(out);
+  EXPECT_NE(log.find("rank 2"), std::string::npos)
+      << log.substr(log.size() > 3000 ? log.size() - 3000 : 0);
+  for (const char* r : {"0", "1", "3"}) EXPECT_TRUE(ranks_of(ckpt.string(), r).empty()) << r;
+
+  // The last checkpoint is whole, and resuming from it continues the uninterrupted curve.
+  std::ifstream latest(ckpt / "latest");
+  int64_t saved = 0;
+  ASSERT_TRUE(latest >> saved);
+  const std::string base = tiny_steps(saved + 3) + layout;
+  const nlohmann::json resumed = run_json(4, base + " --load " + ckpt.string());
+  const nlohmann::json reference = run_json(4, base);
+  EXPECT_EQ(resumed["first_step"], saved);
+  const auto tail = losses(resumed), all = losses(reference);
+  ASSERT_EQ(tail.size(), 3u);
+  ASSERT_EQ(all.size(), static_cast<size_t>(saved + 3));
+  for (size_t i = 0; i < 3; ++i)
+    EXPECT_EQ(tail[i], all[static_cast<size_t>(saved) + i]) << "step " << saved + 1 + i;
+}
+
+}  // namespace
+}  // namespace ptdp

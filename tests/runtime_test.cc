@@ -1,0 +1,324 @@
+// The runtime on one rank: the sharded GPT's parameters and gradients, recomputation,
+// checkpoints, plan checks before training, the learning-rate schedule, the measured timeline,
+// and training on real text. The multi-rank equivalence and fault tests are in
+// run_mpi_test.cc.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "core/error.h"
+#include "runtime/checkpoint.h"
+#include "runtime/communicator.h"
+#include "runtime/data.h"
+#include "runtime/gpt_model.h"
+#include "runtime/trainer.h"
+
+namespace ptdp {
+namespace {
+
+ModelSpec tiny(int64_t layers = 4) {
+  ModelSpec m;
+  m.name = "tiny";
+  m.num_layers = layers;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  return m;
+}
+
+ModelSpec tiny_llama() {
+  ModelSpec m = tiny();
+  m.num_query_groups = 2;
+  m.swiglu = true;
+  m.untie_embeddings_and_output_weights = true;
+  m.ffn_hidden_size = 96;
+  m.vocab_size = 127;
+  return m;
+}
+
+TrainOptions options(const ModelSpec& m, int64_t steps = 4) {
+  TrainOptions o;
+  o.model = m;
+  o.plan.global_batch_size = 8;
+  o.plan.micro_batch_size = 2;
+  o.steps = steps;
+  return o;
+}
+
+TrainResult train_one(const TrainOptions& o) {
+  auto self = make_self_communicator();
+  return train(o, *self);
+}
+
+std::vector<double> losses(const TrainResult& r) {
+  std::vector<double> l;
+  for (const StepStats& s : r.steps) l.push_back(s.loss);
+  return l;
+}
+
+std::filesystem::path temp_dir(const std::string& name) {
+  auto d = std::filesystem::temp_directory_path() / ("ptdp_runtime_test_" + name);
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+TEST(GptShard, ParameterCountEqualsTheModelSpec) {
+  for (const ModelSpec& m : {tiny(), tiny_llama()}) {
+    auto self = make_self_communicator();
+    GptShard shard(m, ShardLayout{}, self.get(), 1);
+    EXPECT_EQ(shard.real_parameters(), static_cast<int64_t>(m.parameters())) << m.swiglu;
+  }
+}
+
+// Every op of the cost model's layer op list has an implementation: the shard compiles the
+// lists for every combination of the options that change them.
+TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
+  auto self = make_self_communicator();
+  for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+    for (bool swiglu : {false, true}) {
+      ModelSpec m = swiglu ? tiny_llama() : tiny();
+      ShardLayout l;
+      l.recompute = r;
+      EXPECT_NO_THROW(GptShard(m, l, self.get(), 1));
+    }
+}
+
+// The backward pass against central differences of the loss, for a few parameters of every
+// kind (in float, so the tolerance is loose, but a wiring error is off by O(1)).
+TEST(GptShard, GradientsMatchFiniteDifferences) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama()}) {
+    ModelSpec m = base;
+    m.num_layers = 2;
+    m.hidden_size = 16;
+    m.num_attention_heads = 4;
+    m.seq_length = 8;
+    m.vocab_size = 32;
+    if (m.swiglu) m.ffn_hidden_size = 24;
+    auto self = make_self_communicator();
+    ShardLayout l;
+    GptShard shard(m, l, self.get(), 7);
+    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    auto loss = [&] {
+      const double v = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+      shard.backward(0, 0, nullptr, nullptr, 0.0);  // drops the stash, adds nothing
+      return v;
+    };
+    std::fill(shard.grads().begin(), shard.grads().end(), 0.0f);
+    shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    const std::vector<float> analytic(shard.grads().begin(), shard.grads().end());
+    std::mt19937 rng(5);
+    int checked = 0;
+    for (const ParamInfo& p : shard.param_infos()) {
+      for (int k = 0; k < 3; ++k) {
+        const int64_t i =
+            p.offset + static_cast<int64_t>(rng() % static_cast<uint32_t>(p.real_size));
+        float& x = shard.params()[static_cast<size_t>(i)];
+        const float keep = x, eps = 1e-2f;
+        x = keep + eps;
+        const double up = loss();
+        x = keep - eps;
+        const double down = loss();
+        x = keep;
+        const double numeric = (up - down) / (2.0 * eps);
+        const double a = analytic[static_cast<size_t>(i)];
+        EXPECT_NEAR(a, numeric, 2e-3 + 0.05 * std::abs(numeric)) << p.name << " [" << i << "]";
+        ++checked;
+      }
+    }
+    EXPECT_GT(checked, 30);
+  }
+}
+
+TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
+  TrainOptions o = options(tiny(), 3);
+  std::vector<double> reference;
+  int64_t previous = 0;
+  for (Recompute r : {Recompute::kFull, Recompute::kSelective, Recompute::kNone}) {
+    o.plan.recompute = r;
+    const TrainResult res = train_one(o);
+    if (reference.empty()) reference = losses(res);
+    EXPECT_EQ(losses(res), reference) << to_string(r);
+    EXPECT_GT(res.peak_memory_bytes, previous) << to_string(r) << " keeps more than the last";
+    previous = res.peak_memory_bytes;
+  }
+}
+
+TEST(Train, GradientAccumulationOverMicrobatchesEqualsOneLargeMicrobatch) {
+  TrainOptions a = options(tiny(), 3), b = a;
+  a.plan.micro_batch_size = 1;  // m = 8
+  b.plan.micro_batch_size = 8;  // m = 1
+  const auto la = losses(train_one(a)), lb = losses(train_one(b));
+  ASSERT_EQ(la.size(), lb.size());
+  for (size_t i = 0; i < la.size(); ++i) EXPECT_NEAR(la[i], lb[i], 1e-5 * lb[i]);
+}
+
+TEST(Train, LossStartsNearLogVocabularyAndFalls) {
+  TrainOptions o = options(tiny(), 30);
+  const auto l = losses(train_one(o));
+  EXPECT_NEAR(l.front(), std::log(128.0), 0.15);
+  EXPECT_LT(l.back(), l.front() - 0.5);
+}
+
+// Real text: the GPL (shipped by Debian's base-files), tokenized by `ptdp tokenize`'s code.
+TEST(Train, LossFallsOnRealText) {
+  const std::string gpl = "/usr/share/common-licenses/GPL-3";
+  if (!std::filesystem::exists(gpl)) GTEST_SKIP() << gpl << " is not on this machine";
+  const auto dir = temp_dir("text");
+  const std::string tokens = (dir / "gpl.bin").string();
+  ASSERT_GT(tokenize_file(gpl, tokens), 30000);
+  TrainOptions o = options(tiny(), 60);
+  o.model.vocab_size = 256;
+  o.data = tokens;
+  o.lr = 3e-3;
+  const auto l = losses(train_one(o));
+  const double first = l.front();
+  double last = 0;
+  for (size_t i = 0; i < 5; ++i) last += l[l.size() - 1 - i] / 5;
+  EXPECT_NEAR(first, std::log(256.0), 0.3);
+  // English text in bytes: a unigram model alone is near 3 nats; the model must get close.
+  EXPECT_LT(last, 3.4) << "first " << first;
+}
+
+TEST(Train, ResumingFromACheckpointContinuesBitForBit) {
+  const auto dir = temp_dir("resume");
+  TrainOptions full = options(tiny(), 6);
+  full.plan.distributed_optimizer = true;
+  const auto reference = losses(train_one(full));
+  TrainOptions first = full;
+  first.steps = 3;
+  first.save_dir = dir.string();
+  train_one(first);
+  EXPECT_EQ(read_latest(dir.string()), 3);
+  TrainOptions second = full;
+  second.load_dir = dir.string();
+  const TrainResult resumed = train_one(second);
+  EXPECT_EQ(resumed.first_step, 3);
+  const auto tail = losses(resumed);
+  ASSERT_EQ(tail.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail[i], reference[i + 3]) << "step " << i + 3;
+}
+
+TEST(Train, CheckpointsAreVerifiedBeforeTraining) {
+  const auto dir = temp_dir("verify");
+  TrainOptions o = options(tiny(), 2);
+  o.save_dir = dir.string();
+  o.save_interval = 1;
+  train_one(o);
+  EXPECT_EQ(read_latest(dir.string()), 2);
+  EXPECT_TRUE(std::filesystem::exists(checkpoint_file(dir.string(), 1, 0)));
+  // No temporary file is left behind.
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+    EXPECT_NE(e.path().extension(), ".tmp") << e.path();
+
+  auto expect_load_error = [&](TrainOptions l, const std::string& what,
+                               const std::string& from = "") {
+    l.load_dir = from.empty() ? dir.string() : from;
+    l.steps = 4;
+    l.save_dir.clear();
+    l.save_interval = 0;
+    try {
+      train_one(l);
+      ADD_FAILURE() << "loaded: " << what;
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), "--load");
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  TrainOptions other = o;
+  other.plan.distributed_optimizer = true;
+  expect_load_error(other, "another layout");
+  other = o;
+  other.model.hidden_size = 32;
+  expect_load_error(other, "another layout");
+  // A flipped byte fails the checksum.
+  const std::string file = checkpoint_file(dir.string(), 2, 0);
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(200);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(200);
+    c = static_cast<char>(c ^ 0x40);
+    f.write(&c, 1);
+  }
+  expect_load_error(o, "checksum");
+  std::filesystem::remove(file);
+  expect_load_error(o, "no shard for rank 0");
+  expect_load_error(o, "no checkpoint", (dir / "nothing-here").string());
+}
+
+TEST(Train, BadPlansFailBeforeTraining) {
+  auto expect_error = [](TrainOptions o, const std::string& field) {
+    try {
+      train_one(o);
+      ADD_FAILURE() << "trained with a bad " << field;
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), field) << e.what();
+    }
+  };
+  TrainOptions o = options(tiny());
+  o.plan.tensor_parallel = 3;  // does not divide 4 heads
+  o.plan.data_parallel = 1;
+  auto self = make_self_communicator();
+  expect_error(o, "world size");  // and 3 ranks are not 1
+  o = options(tiny());
+  o.model.num_attention_heads = 6;
+  o.model.hidden_size = 66;
+  o.plan.tensor_parallel = 1;
+  o.plan.global_batch_size = 7;  // not divisible by b = 2
+  expect_error(o, "--global-batch-size");
+  o = options(tiny());
+  o.data = "/nonexistent/tokens.bin";
+  expect_error(o, "--data");
+  o = options(tiny());
+  o.plan.schedule = Schedule::kZeroBubbleH1;
+  expect_error(o, "--pipeline-schedule");
+  o = options(tiny());
+  o.model.learned_position_embeddings = false;
+  expect_error(o, "--model");
+  o = options(tiny());
+  o.steps = 0;
+  expect_error(o, "--steps");
+  // t not dividing the heads, checked by the shard layout with one rank per shard.
+  ShardLayout l;
+  l.t = 3;
+  EXPECT_THROW(validate_shard_layout(tiny(), l), InputError);
+}
+
+TEST(Train, LearningRateWarmsUpThenDecays) {
+  TrainOptions o = options(tiny(), 11);
+  o.lr = 1.0;
+  o.min_lr = 0.1;
+  o.warmup_steps = 2;
+  o.lr_decay = "cosine";
+  EXPECT_DOUBLE_EQ(learning_rate(o, 0), 0.5);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 1), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, 2), 1.0);
+  EXPECT_NEAR(learning_rate(o, 10), 0.1, 1e-12);
+  EXPECT_GT(learning_rate(o, 5), learning_rate(o, 6));
+}
+
+TEST(Train, TimelineHasEveryActionInOrder) {
+  TrainOptions o = options(tiny(), 2);
+  o.record_timeline = true;
+  const TrainResult r = train_one(o);
+  // One rank, m = 4: per step 4 forwards, 4 backwards, gradient sync, optimizer step.
+  ASSERT_EQ(r.timeline.size(), 2u * 10u);
+  for (size_t i = 0; i < r.timeline.size(); ++i) {
+    EXPECT_LE(r.timeline[i].start, r.timeline[i].end);
+    if (i > 0) {
+      EXPECT_GE(r.timeline[i].start, r.timeline[i - 1].end);
+    }
+  }
+  EXPECT_EQ(r.timeline.back().kind, ActionKind::kOptimizerStep);
+}
+
+}  // namespace
+}  // namespace ptdp
