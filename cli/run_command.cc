@@ -125,8 +125,10 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   }
   f.train.record_timeline = !f.trace.empty() || !f.svg.empty();
   std::ostream& lines = f.json ? err : out;
-  if (root && !f.json) out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+  bool header = false;  // printed with the first step, once every check has passed
   auto on_step = [&](const StepStats& s) {
+    if (!header && !f.json) out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+    header = true;
     char buf[256];
     std::snprintf(
         buf, sizeof buf,

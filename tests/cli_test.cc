@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -286,6 +287,76 @@ TEST(Cli, TokenizeWritesTwoBytesPerByte) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(std::filesystem::file_size(out), 24u);
   expect_bad({"tokenize", "/nonexistent/input.txt", out}, "/nonexistent/input.txt");
+}
+
+const std::vector<std::string> kTinyRun = {
+    "run", "--num-layers",       "2",  "--hidden-size", "32", "--num-attention-heads",
+    "4",   "--seq-length",       "16", "--vocab-size",  "64", "--global-batch-size",
+    "4",   "--micro-batch-size", "2",  "--steps",       "2"};
+
+std::vector<std::string> tiny_run(std::vector<std::string> extra) {
+  auto args = kTinyRun;
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST(Cli, RunPrintsAStepLineEachAndJsonWithLossesAndTimes) {
+  const Result text = run(kTinyRun);
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("step     1/2  loss"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("step     2/2  loss"), std::string::npos) << text.out;
+  const Result r = run(tiny_run({"--json"}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["losses"].size(), 2u);
+  ASSERT_EQ(j["step_time_s"].size(), 2u);
+  EXPECT_GT(j["step_time_s"][0].get<double>(), 0.0);
+  EXPECT_GT(j["peak_memory_gib"].get<double>(), 0.0);
+  EXPECT_NEAR(j["losses"][0].get<double>(), std::log(64.0), 0.2);
+  EXPECT_EQ(j["parameters"].get<double>(),
+            2 * (12.0 * 32 * 32 + 13 * 32) + (64 + 16) * 32 + 2 * 32);
+}
+
+TEST(Cli, RunWritesItsMeasuredTimelineAsAChromeTrace) {
+  const std::string trace =
+      (std::filesystem::temp_directory_path() / "ptdp_cli_test_run_trace.json").string();
+  const Result r = run(tiny_run({"--trace", trace}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  std::ifstream in(trace);
+  const auto j = nlohmann::json::parse(in);
+  int spans = 0;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X") ++spans;
+  EXPECT_EQ(spans, 2 * (2 + 2 + 2));  // per step: 2 forwards, 2 backwards, grad sync, optimizer
+}
+
+TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
+  const std::string plans =
+      (std::filesystem::temp_directory_path() / "ptdp_cli_test_run_plans.json").string();
+  const Result p = run({"plan", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                        "4", "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "4",
+                        "--num-gpus", "1", "--out", plans});
+  ASSERT_EQ(p.status, 0) << p.err;
+  const Result r = run({"run", "--plan", plans, "--steps", "1", "--json"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["losses"].size(), 1u);
+}
+
+TEST(Cli, RunRefusesBadInputWithOneLine) {
+  expect_bad(tiny_run({"--tensor-model-parallel-size", "2"}), "world size");
+  expect_bad(tiny_run({"--data", "/nonexistent/tokens.bin"}), "--data");
+  expect_bad(tiny_run({"--lr-decay-style", "sometimes"}), "--lr-decay-style");
+  expect_bad(tiny_run({"--load", "/nonexistent/checkpoints"}), "--load");
+  auto odd_micro = kTinyRun;
+  *(std::find(odd_micro.begin(), odd_micro.end(), "--micro-batch-size") + 1) = "3";
+  expect_bad(odd_micro, "--global-batch-size");
+  expect_bad({"run", "--plan", "/nonexistent/plans.json"}, "--plan");
+  auto no_batch = kTinyRun;
+  no_batch.erase(no_batch.begin() + 11, no_batch.begin() + 13);
+  expect_bad(no_batch, "--global-batch-size");
+  auto bad_steps = kTinyRun;
+  bad_steps.back() = "0";
+  expect_bad(bad_steps, "--steps");
 }
 
 }  // namespace
