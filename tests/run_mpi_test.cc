@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -45,7 +46,9 @@ struct Outcome {
 // Runs `ptdp run <args>` on np ranks (np = 0: directly, without the launcher).
 Outcome ptdp_run(int np, const std::string& args) {
   static int counter = 0;
-  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test";
+  // CTest runs tests in parallel processes: each has its own directory.
+  const fs::path dir =
+      fs::temp_directory_path() / ("ptdp_run_mpi_test." + std::to_string(getpid()));
   fs::create_directories(dir);
   const fs::path out = dir / ("out" + std::to_string(counter));
   const fs::path err = dir / ("err" + std::to_string(counter++));
