@@ -499,12 +499,16 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   TrainResult result;
   result.first_step = first_step_;
   {
-    float n = 0;
+    // Each parameter once (replicated ones on TP rank 0, DP replica 0 only). Summed exactly
+    // in three 12-bit limbs, since the communicator reduces floats.
+    int64_t n = 0;
     for (const ParamInfo& p : shard_->param_infos())
-      if (!p.tied_copy && (pos_.dp == 0) && (!p.tp_replicated || pos_.tp == 0))
-        n += static_cast<float>(p.real_size);
-    world_.all_reduce(&n, 1);
-    result.parameters = static_cast<int64_t>(std::llround(n));
+      if (!p.tied_copy && pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0)) n += p.real_size;
+    float limbs[3] = {static_cast<float>(n & 4095), static_cast<float>((n >> 12) & 4095),
+                      static_cast<float>(n >> 24)};
+    world_.all_reduce(limbs, 3);
+    result.parameters =
+        std::llround(limbs[0]) + (std::llround(limbs[1]) << 12) + (std::llround(limbs[2]) << 24);
   }
   world_.barrier();
   t0_ = Clock::now();
