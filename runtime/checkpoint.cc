@@ -10,16 +10,12 @@
 #include <stdexcept>
 
 #include "core/error.h"
+#include "runtime/hash.h"
 
 namespace ptdp {
 namespace {
 
 constexpr char kMagic[] = "PTDPCKPT1\n";
-
-uint64_t fnv1a(const char* data, size_t n, uint64_t h = 1469598103934665603ULL) {
-  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(data[i])) * 1099511628211ULL;
-  return h;
-}
 
 // Writes `bytes` to path via path.tmp, flushed to disk, then renamed.
 void write_atomically(const std::string& path, const std::string& bytes) {
@@ -70,7 +66,7 @@ void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
   bytes += header.dump() + "\n";
   for (const auto& a : arrays)
     bytes.append(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
-  const uint64_t sum = fnv1a(bytes.data(), bytes.size());
+  const uint64_t sum = fnv1a(bytes);
   bytes.append(reinterpret_cast<const char*>(&sum), sizeof sum);
   write_atomically(checkpoint_file(dir, step, rank), bytes);
 }
@@ -101,7 +97,7 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
   uint64_t stored = 0;
   std::memcpy(&stored, bytes.data() + bytes.size() - sizeof stored, sizeof stored);
   const size_t body = bytes.size() - sizeof stored;
-  if (fnv1a(bytes.data(), body) != stored)
+  if (fnv1a(std::string_view(bytes).substr(0, body)) != stored)
     throw InputError("--load", path + " is corrupt (checksum mismatch)");
   const size_t eol = bytes.find('\n', magic);
   CheckpointShard c;

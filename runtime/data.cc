@@ -6,16 +6,13 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "runtime/hash.h"
 
 namespace ptdp {
 namespace {
 
-// splitmix64: a small, well-mixed deterministic generator.
 uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
+  return splitmix64(x);
 }
 
 }  // namespace

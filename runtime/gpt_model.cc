@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/kernels.h"
+#include "runtime/hash.h"
 
 namespace ptdp {
 
@@ -64,15 +65,7 @@ namespace {
 
 // Deterministic initial values: a hash of (seed, parameter, global index).
 uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-uint64_t name_hash(const std::string& s) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ULL;
-  return h;
+  return splitmix64(x);
 }
 float normal_at(uint64_t seed, uint64_t id, uint64_t index, double stddev) {
   const uint64_t a = splitmix(seed ^ splitmix(id ^ splitmix(index)));
@@ -813,7 +806,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   // rows x cols local; global element of local (r, c) given by `index`.
   auto normal = [seed](std::string name, int64_t rows, int64_t cols, double sd,
                        std::function<int64_t(int64_t, int64_t)> index) {
-    return [=, id = name_hash(name)](float* x) {
+    return [=, id = fnv1a(name)](float* x) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c)
           x[r * cols + c] = normal_at(seed, id, static_cast<uint64_t>(index(r, c)), sd);
@@ -829,21 +822,26 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     p.sp_partial = I.sp;
     return add(p, constant(n, value));
   };
-  auto word_embedding = [&](bool tied_copy) {
-    ParamInfo p;
-    p.name = tied_copy ? "output_layer.weight (tied copy)" : "embedding.word_embeddings.weight";
+  // A vocabulary-parallel [V/t, h] table: this rank's rows of the global table, the padding
+  // rows past the vocabulary (last shard) zero.
+  auto vocab_table = [&](ParamInfo p, const std::string& values_of) {
     p.size = I.vl * h;
     p.real_size = std::max<int64_t>(0, std::min(I.vl, I.vocab - I.v0)) * h;
-    p.segment = 0;
-    p.tied_copy = tied_copy;
     const int64_t vl = I.vl, v0 = I.v0, vocab = I.vocab;
-    auto values = normal("embedding.word_embeddings.weight", vl, h, std_dev,
-                         [=](int64_t r, int64_t c) { return (v0 + r) * h + c; });
+    auto values =
+        normal(values_of, vl, h, std_dev, [=](int64_t r, int64_t c) { return (v0 + r) * h + c; });
     return add(p, [=](float* x) {
       values(x);
       for (int64_t r = std::max<int64_t>(0, vocab - v0); r < vl; ++r)
-        std::fill(x + r * h, x + (r + 1) * h, 0.0f);  // padding rows of the last shard
+        std::fill(x + r * h, x + (r + 1) * h, 0.0f);
     });
+  };
+  auto word_embedding = [&](bool tied_copy) {
+    ParamInfo p;
+    p.name = tied_copy ? "output_layer.weight (tied copy)" : "embedding.word_embeddings.weight";
+    p.segment = 0;
+    p.tied_copy = tied_copy;
+    return vocab_table(p, "embedding.word_embeddings.weight");
   };
 
   const int64_t stages = layout.p * layout.v;
@@ -944,16 +942,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       if (m.untie_embeddings_and_output_weights) {
         ParamInfo p;
         p.name = "output_layer.weight";
-        p.size = I.vl * h;
-        p.real_size = std::max<int64_t>(0, std::min(I.vl, I.vocab - I.v0)) * h;
-        const int64_t vl = I.vl, v0 = I.v0, vocab = I.vocab;
-        auto values = normal(p.name, vl, h, std_dev,
-                             [=](int64_t r, int64_t c2) { return (v0 + r) * h + c2; });
-        ix.head = add(p, [=](float* x) {
-          values(x);
-          for (int64_t r = std::max<int64_t>(0, vocab - v0); r < vl; ++r)
-            std::fill(x + r * h, x + (r + 1) * h, 0.0f);
-        });
+        ix.head = vocab_table(p, p.name);
       } else {
         ix.head = word_index >= 0 ? word_index : word_embedding(true);
       }
