@@ -4,8 +4,6 @@
 // the simulator's Chrome trace format.
 #include <CLI/CLI.hpp>
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>

@@ -297,7 +297,21 @@ struct GptShard::Impl {
     local.resize(static_cast<size_t>(n_local * width));
     tp_comm->reduce_scatter(scratch.data(), local.data(), static_cast<size_t>(n_local * width));
   }
+  // Leaves a row-parallel block with sequence parallelism: [b, s, h] partial sums become this
+  // rank's reduced [b, s/t, h] slice.
+  void scatter_sequence_in_place(Buffer& x) {
+    Buffer local;
+    scatter_sequence(x, local, h);
+    x.swap(local);
+  }
   void all_reduce(Buffer& x) { tp_comm->all_reduce(x.data(), x.size()); }
+  // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
+  void residual_add(Buffer& out, const Buffer& residual, Buffer& partial, int64_t bias) {
+    out = residual;
+    add_into(out, partial);
+    add_bias(out, bias, h);
+    release(partial);
+  }
 
   // Layernorm, or RMSNorm for models without biases (Llama).
   void norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean, Buffer& rstd,
@@ -382,17 +396,11 @@ struct GptShard::Impl {
       case Exec::kAttnAllReduce:
         all_reduce(A.proj);
         break;
-      case Exec::kAttnReduceScatter: {
-        Buffer local;
-        scatter_sequence(A.proj, local, h);
-        A.proj.swap(local);
+      case Exec::kAttnReduceScatter:
+        scatter_sequence_in_place(A.proj);
         break;
-      }
       case Exec::kAttnBiasAdd:
-        A.h1 = A.x;
-        add_into(A.h1, A.proj);
-        add_bias(A.h1, W.proj_b, h);
-        release(A.proj);
+        residual_add(A.h1, A.x, A.proj, W.proj_b);
         break;
       case Exec::kPostNorm:
         norm_forward(A.h1, W.ln2_g, W.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd, n_local);
@@ -421,17 +429,11 @@ struct GptShard::Impl {
       case Exec::kMlpAllReduce:
         all_reduce(A.fc2);
         break;
-      case Exec::kMlpReduceScatter: {
-        Buffer local;
-        scatter_sequence(A.fc2, local, h);
-        A.fc2.swap(local);
+      case Exec::kMlpReduceScatter:
+        scatter_sequence_in_place(A.fc2);
         break;
-      }
       case Exec::kMlpBiasAdd:
-        A.out = A.h1;
-        add_into(A.out, A.fc2);
-        add_bias(A.out, W.fc2_b, h);
-        release(A.fc2);
+        residual_add(A.out, A.h1, A.fc2, W.fc2_b);
         break;
       default:
         throw std::logic_error("not a forward op of a transformer layer");
@@ -593,12 +595,9 @@ struct GptShard::Impl {
       case Exec::kEmbAllReduce:
         all_reduce(A.emb);
         break;
-      case Exec::kEmbReduceScatter: {
-        Buffer local;
-        scatter_sequence(A.emb, local, h);
-        A.emb.swap(local);
+      case Exec::kEmbReduceScatter:
+        scatter_sequence_in_place(A.emb);
         break;
-      }
       case Exec::kPositionAdd: {
         x = A.emb;
         release(A.emb);
@@ -1012,9 +1011,6 @@ int64_t GptShard::boundary_elements() const {
 int64_t GptShard::tokens_per_microbatch() const {
   return impl_->b * (impl_->s + 1);
 }
-int64_t GptShard::stashed() const {
-  return static_cast<int64_t>(impl_->stash.size());
-}
 
 int64_t GptShard::real_parameters() const {
   int64_t n = 0;
@@ -1030,15 +1026,16 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   ChunkActs& A = I.stash[{chunk, mb}];
   A.layers.resize(static_cast<size_t>(c.num_layers));
   Buffer x;
-  if (c.first || c.last) {
-    A.inputs.resize(static_cast<size_t>(I.n_full));
-    A.targets.resize(static_cast<size_t>(I.n_full));
+  // The first stage reads the inputs (tokens 0..s-1 of each sequence), the last the targets
+  // (tokens 1..s).
+  auto take = [&](std::vector<int32_t>& out, int64_t shift) {
+    out.resize(static_cast<size_t>(I.n_full));
     for (int64_t bi = 0; bi < I.b; ++bi)
-      for (int64_t j = 0; j < I.s; ++j) {
-        A.inputs[static_cast<size_t>(bi * I.s + j)] = tokens[bi * (I.s + 1) + j];
-        A.targets[static_cast<size_t>(bi * I.s + j)] = tokens[bi * (I.s + 1) + j + 1];
-      }
-  }
+      for (int64_t j = 0; j < I.s; ++j)
+        out[static_cast<size_t>(bi * I.s + j)] = tokens[bi * (I.s + 1) + j + shift];
+  };
+  if (c.first) take(A.inputs, 0);
+  if (c.last) take(A.targets, 1);
   if (c.first) {
     for (Exec op : I.emb_fwd) I.embedding_op(op, c, A, x, nullptr);
   } else {
@@ -1046,7 +1043,6 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
       throw std::logic_error("forward: missing or mis-sized input activation");
     x = *input;
   }
-  if (!c.first) A.inputs.clear();
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     L.x.swap(x);

@@ -103,8 +103,6 @@ class GptShard {
   // first stage). Accumulates into grads().
   void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                 double loss_scale);
-  // Microbatches whose forward ran and backward has not.
-  int64_t stashed() const;
 
   Buffer& params() { return params_; }
   Buffer& grads() { return grads_; }
