@@ -2,6 +2,8 @@
 // objects, a "sources" array). Reading checks that every number is physically possible.
 #include "core/hardware_profile.h"
 
+#include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -12,9 +14,17 @@ namespace ptdp {
 
 using nlohmann::json;
 
-double GemmEfficiency::at(double m, double n, double k) const {
+double GemmEfficiency::at(double m, double n, double k, double batch) const {
   auto s = [](double x, double half) { return x / (x + half); };
-  return max_efficiency * s(m, m_half) * s(n, n_half) * s(k, k_half);
+  if (sm_count <= 0) return max_efficiency * s(batch * m, m_half) * s(n, n_half) * s(k, k_half);
+  auto fill = [&](double tm, double tn) {
+    const double tiles = batch * std::ceil(m / tm) * std::ceil(n / tn);
+    const double waves = std::ceil(tiles / static_cast<double>(sm_count));
+    return batch * m * n / (waves * static_cast<double>(sm_count) * tm * tn);
+  };
+  const double f = std::max(fill(static_cast<double>(tile_m), static_cast<double>(tile_n)),
+                              fill(static_cast<double>(tile_n), static_cast<double>(tile_m)));
+  return max_efficiency * f * s(k, k_half);
 }
 
 namespace {
@@ -65,6 +75,9 @@ HardwareProfile profile_from_json(const json& j) {
     gr.read("m_half", p.gemm.m_half);
     gr.read("n_half", p.gemm.n_half);
     gr.read("k_half", p.gemm.k_half);
+    gr.read("sm_count", p.gemm.sm_count);
+    gr.read("tile_m", p.gemm.tile_m);
+    gr.read("tile_n", p.gemm.tile_n);
     gr.reject_unknown_keys();
   }
   r.read("hbm_efficiency", p.hbm_efficiency);
@@ -79,6 +92,10 @@ HardwareProfile profile_from_json(const json& j) {
   require_non_negative("gemm.m_half", p.gemm.m_half);
   require_non_negative("gemm.n_half", p.gemm.n_half);
   require_non_negative("gemm.k_half", p.gemm.k_half);
+  if (p.gemm.sm_count < 0)
+    throw InputError("gemm.sm_count", "must not be negative, got " + str(p.gemm.sm_count));
+  if (p.gemm.tile_m <= 0) throw InputError("gemm.tile_m", "must be positive, got " + str(p.gemm.tile_m));
+  if (p.gemm.tile_n <= 0) throw InputError("gemm.tile_n", "must be positive, got " + str(p.gemm.tile_n));
   require_fraction("hbm_efficiency", p.hbm_efficiency);
   require_non_negative("kernel_gap_us", p.kernel_gap_us);
   if (!(p.optimizer_bytes_per_param > 0))
@@ -93,7 +110,10 @@ json to_json(const HardwareProfile& p) {
                {{"max_efficiency", p.gemm.max_efficiency},
                 {"m_half", p.gemm.m_half},
                 {"n_half", p.gemm.n_half},
-                {"k_half", p.gemm.k_half}}},
+                {"k_half", p.gemm.k_half},
+                {"sm_count", p.gemm.sm_count},
+                {"tile_m", p.gemm.tile_m},
+                {"tile_n", p.gemm.tile_n}}},
               {"hbm_efficiency", p.hbm_efficiency},
               {"kernel_gap_us", p.kernel_gap_us},
               {"nvlink", link_to_json(p.nvlink)},

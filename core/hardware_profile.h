@@ -12,17 +12,25 @@
 
 namespace ptdp {
 
-// Achieved fraction of tensor-core peak for a GEMM of shape (m, n, k):
-//   efficiency = max_efficiency * s(m, m_half) * s(n, n_half) * s(k, k_half),  s(x, h) = x / (x +
-//   h)
-// A dimension of x_half elements halves throughput (too few tiles to fill the SMs, or too
-// short a K loop to amortise the prologue); large GEMMs approach max_efficiency.
+// Achieved fraction of tensor-core peak for `batch` GEMMs of shape (m, n, k):
+//   efficiency = max_efficiency * fill(m, n, batch) * s(k, k_half),  s(x, h) = x / (x + h)
+// fill is how much of the GPU the output tiles keep busy. With sm_count > 0 it is counted
+// exactly (NVIDIA's "tile" and "wave" quantisation): cuBLAS cuts C into tile_m x tile_n tiles
+// (either orientation, whichever fills better), each SM works on one tile at a time, and a
+// wave that leaves SMs idle costs as much as a full one:
+//   tiles = batch * ceil(m / tm) * ceil(n / tn),  waves = ceil(tiles / sm_count)
+//   fill  = batch * m * n / (waves * sm_count * tm * tn)
+// With sm_count = 0 a smooth curve stands in: fill = s(batch * m, m_half) * s(n, n_half).
+// s(k, k_half) is the K loop's prologue and epilogue, amortised over a longer loop.
 struct GemmEfficiency {
   double max_efficiency = 0.8;
   double m_half = 64;
   double n_half = 64;
   double k_half = 64;
-  double at(double m, double n, double k) const;
+  int64_t sm_count = 0;  // 0: the smooth curve instead of counted tiles and waves
+  int64_t tile_m = 256;
+  int64_t tile_n = 128;
+  double at(double m, double n, double k, double batch = 1) const;
 };
 
 // One kind of link a collective may span.

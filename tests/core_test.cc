@@ -331,10 +331,35 @@ TEST(ClusterSpec, Resize) {
 // ---- hardware profile ----
 
 TEST(HardwareProfile, GemmEfficiency) {
-  GemmEfficiency g{0.8, 64, 32, 16};
+  GemmEfficiency g{0.8, 64, 32, 16, 0, 256, 128};
   EXPECT_DOUBLE_EQ(g.at(64, 32, 16), 0.8 / 8);
   EXPECT_NEAR(g.at(1e9, 1e9, 1e9), 0.8, 1e-6);
   EXPECT_LT(g.at(128, 4096, 4096), g.at(4096, 4096, 4096));
+}
+
+// Counted tiles and waves on 108 SMs with 256 x 128 tiles (k_half 0: the K loop is free).
+TEST(HardwareProfile, GemmEfficiencyCountsTilesAndWaves) {
+  GemmEfficiency g{1.0, 0, 0, 0, 108, 256, 128};
+  // 2048 x 5760: 8 x 45 = 360 tiles = 3.33 waves, paid as 4: 360 / 432.
+  EXPECT_DOUBLE_EQ(g.at(2048, 5760, 15360), 360.0 / 432.0);
+  // Twice the rows: 720 tiles, 6.67 waves paid as 7.
+  EXPECT_DOUBLE_EQ(g.at(4096, 5760, 15360), 720.0 / 756.0);
+  // Exactly one full wave: 108 tiles of 256 x 128 (12 x 9 in the better orientation).
+  EXPECT_DOUBLE_EQ(g.at(12 * 256, 9 * 128, 1024), 1.0);
+  // One tile more costs a second wave.
+  EXPECT_DOUBLE_EQ(g.at(12 * 256, 9 * 128 + 1, 1024),
+                   (12.0 * 256 * (9 * 128 + 1)) / (2 * 108 * 256 * 128.0));
+  // A ragged edge is a partly empty tile: 100 x 100 fills 10000 / 32768 of one tile.
+  EXPECT_DOUBLE_EQ(g.at(100, 100, 64), 100.0 * 100 / (108 * 256 * 128.0));
+  // Either orientation: 128 x 256 fits the 256 x 128 tile turned over, in one tile.
+  EXPECT_DOUBLE_EQ(g.at(128, 256, 64), g.at(256, 128, 64));
+  // Batched products share the waves: 16 x (2048 x 2048) is 16 x 8 x 16 = 2048 tiles,
+  // 18.96 waves paid as 19.
+  EXPECT_DOUBLE_EQ(g.at(2048, 2048, 120, 16), 2048.0 / (19 * 108));
+  // The K loop: k = k_half halves it.
+  GemmEfficiency gk = g;
+  gk.k_half = 64;
+  EXPECT_DOUBLE_EQ(gk.at(12 * 256, 9 * 128, 64), 0.5);
 }
 
 // ---- parallel plan ----

@@ -84,9 +84,10 @@ TEST(Validation, Figure12InterleavingWinsAtEveryBatch) {
   }
 }
 
-// Known gap (docs/validation.md): at B=128 the model ranks b=1 0.5% above b=2, while the paper
-// measured b=2 1.8% ahead; at B=512 the trend holds. Enable once the model captures it.
-TEST(Validation, DISABLED_Figure16MicroBatchTwoIsBest) {
+// b=1 loses to b=2 through tile and wave quantisation of its GEMMs (docs/validation.md); b=4
+// and b=8 lose through the larger bubble. At B=512 the model's b=2 leads b=4 by only 0.2%
+// (measured: 7%), which docs/validation.md discusses.
+TEST(Validation, Figure16MicroBatchTwoIsBest) {
   for (int batch : {128, 512}) {
     std::map<int, double> t;
     for (const ValidationCase& v : cases()) {
