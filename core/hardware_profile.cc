@@ -17,13 +17,17 @@ using nlohmann::json;
 double GemmEfficiency::at(double m, double n, double k, double batch) const {
   auto s = [](double x, double half) { return x / (x + half); };
   if (sm_count <= 0) return max_efficiency * s(batch * m, m_half) * s(n, n_half) * s(k, k_half);
+  const double sms = static_cast<double>(sm_count);
   auto fill = [&](double tm, double tn) {
     const double tiles = batch * std::ceil(m / tm) * std::ceil(n / tn);
-    const double waves = std::ceil(tiles / static_cast<double>(sm_count));
-    return batch * m * n / (waves * static_cast<double>(sm_count) * tm * tn);
+    const double waves = std::ceil(tiles / sms);
+    return batch * m * n / (waves * sms * tm * tn);
   };
-  const double f = std::max(fill(static_cast<double>(tile_m), static_cast<double>(tile_n)),
-                              fill(static_cast<double>(tile_n), static_cast<double>(tile_m)));
+  double f = 0;
+  for (const GemmTile& t : tiles) {
+    const double tm = static_cast<double>(t.m), tn = static_cast<double>(t.n);
+    f = std::max(f, t.efficiency * std::max(fill(tm, tn), fill(tn, tm)));
+  }
   return max_efficiency * f * s(k, k_half);
 }
 
@@ -63,6 +67,32 @@ json link_to_json(const LinkEfficiency& l) {
               {"busbw_efficiency", l.busbw_efficiency}};
 }
 
+std::vector<GemmTile> tiles_from_json(const json& j) {
+  if (!j.is_array() || j.empty())
+    throw InputError("gemm.tiles", "must be a non-empty array of {m, n, efficiency}");
+  std::vector<GemmTile> tiles;
+  for (size_t i = 0; i < j.size(); ++i) {
+    const std::string name = "gemm.tiles[" + std::to_string(i) + "]";
+    JsonObjectReader r(j[i], name, name + ".");
+    GemmTile t;
+    r.read("m", t.m);
+    r.read("n", t.n);
+    r.read("efficiency", t.efficiency);
+    r.reject_unknown_keys();
+    if (t.m <= 0) throw InputError(name + ".m", "must be positive, got " + str(t.m));
+    if (t.n <= 0) throw InputError(name + ".n", "must be positive, got " + str(t.n));
+    require_fraction(name + ".efficiency", t.efficiency);
+    tiles.push_back(t);
+  }
+  return tiles;
+}
+
+json tiles_to_json(const std::vector<GemmTile>& tiles) {
+  json a = json::array();
+  for (const GemmTile& t : tiles) a.push_back({{"m", t.m}, {"n", t.n}, {"efficiency", t.efficiency}});
+  return a;
+}
+
 }  // namespace
 
 HardwareProfile profile_from_json(const json& j) {
@@ -76,8 +106,7 @@ HardwareProfile profile_from_json(const json& j) {
     gr.read("n_half", p.gemm.n_half);
     gr.read("k_half", p.gemm.k_half);
     gr.read("sm_count", p.gemm.sm_count);
-    gr.read("tile_m", p.gemm.tile_m);
-    gr.read("tile_n", p.gemm.tile_n);
+    if (const json* t = gr.member("tiles")) p.gemm.tiles = tiles_from_json(*t);
     gr.reject_unknown_keys();
   }
   r.read("hbm_efficiency", p.hbm_efficiency);
@@ -94,8 +123,6 @@ HardwareProfile profile_from_json(const json& j) {
   require_non_negative("gemm.k_half", p.gemm.k_half);
   if (p.gemm.sm_count < 0)
     throw InputError("gemm.sm_count", "must not be negative, got " + str(p.gemm.sm_count));
-  if (p.gemm.tile_m <= 0) throw InputError("gemm.tile_m", "must be positive, got " + str(p.gemm.tile_m));
-  if (p.gemm.tile_n <= 0) throw InputError("gemm.tile_n", "must be positive, got " + str(p.gemm.tile_n));
   require_fraction("hbm_efficiency", p.hbm_efficiency);
   require_non_negative("kernel_gap_us", p.kernel_gap_us);
   if (!(p.optimizer_bytes_per_param > 0))
@@ -112,8 +139,7 @@ json to_json(const HardwareProfile& p) {
                 {"n_half", p.gemm.n_half},
                 {"k_half", p.gemm.k_half},
                 {"sm_count", p.gemm.sm_count},
-                {"tile_m", p.gemm.tile_m},
-                {"tile_n", p.gemm.tile_n}}},
+                {"tiles", tiles_to_json(p.gemm.tiles)}}},
               {"hbm_efficiency", p.hbm_efficiency},
               {"kernel_gap_us", p.kernel_gap_us},
               {"nvlink", link_to_json(p.nvlink)},

@@ -12,14 +12,23 @@
 
 namespace ptdp {
 
+// One CTA tile shape cuBLAS may cut a GEMM's output into, and how fast an SM runs it relative
+// to the best tile (smaller tiles reuse each loaded operand less).
+struct GemmTile {
+  int64_t m = 256;
+  int64_t n = 128;
+  double efficiency = 1.0;
+};
+
 // Achieved fraction of tensor-core peak for `batch` GEMMs of shape (m, n, k):
 //   efficiency = max_efficiency * fill(m, n, batch) * s(k, k_half),  s(x, h) = x / (x + h)
 // fill is how much of the GPU the output tiles keep busy. With sm_count > 0 it is counted
-// exactly (NVIDIA's "tile" and "wave" quantisation): cuBLAS cuts C into tile_m x tile_n tiles
-// (either orientation, whichever fills better), each SM works on one tile at a time, and a
-// wave that leaves SMs idle costs as much as a full one:
+// (NVIDIA's tile and wave quantisation): for each tile shape (either orientation) the output
+// is cut into tm x tn tiles, each SM works on one tile at a time, and a wave that leaves SMs
+// idle costs as much as a full one:
 //   tiles = batch * ceil(m / tm) * ceil(n / tn),  waves = ceil(tiles / sm_count)
-//   fill  = batch * m * n / (waves * sm_count * tm * tn)
+//   fill  = tile.efficiency * batch * m * n / (waves * sm_count * tm * tn)
+// and the best tile wins, as cuBLAS's heuristics aim to pick it.
 // With sm_count = 0 a smooth curve stands in: fill = s(batch * m, m_half) * s(n, n_half).
 // s(k, k_half) is the K loop's prologue and epilogue, amortised over a longer loop.
 struct GemmEfficiency {
@@ -28,8 +37,7 @@ struct GemmEfficiency {
   double n_half = 64;
   double k_half = 64;
   int64_t sm_count = 0;  // 0: the smooth curve instead of counted tiles and waves
-  int64_t tile_m = 256;
-  int64_t tile_n = 128;
+  std::vector<GemmTile> tiles = {GemmTile{}};
   double at(double m, double n, double k, double batch = 1) const;
 };
 

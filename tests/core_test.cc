@@ -311,6 +311,21 @@ TEST(BadInput, ClusterAndProfile) {
   p = to_json(resolve_profile("a100-80gb"));
   p["sources"] = {"ok", 3};
   EXPECT_EQ(field_of([&] { profile_from_json(p); }), "sources");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["tiles"] = json::array();
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.tiles");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["tiles"][1]["n"] = 0;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.tiles[1].n");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["tiles"][2]["efficiency"] = 1.2;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.tiles[2].efficiency");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["tiles"][0]["k"] = 32;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.tiles[0].k");
+  p = to_json(resolve_profile("a100-80gb"));
+  p["gemm"]["sm_count"] = -1;
+  EXPECT_EQ(field_of([&] { profile_from_json(p); }), "gemm.sm_count");
 }
 
 // ---- cluster ----
@@ -331,7 +346,7 @@ TEST(ClusterSpec, Resize) {
 // ---- hardware profile ----
 
 TEST(HardwareProfile, GemmEfficiency) {
-  GemmEfficiency g{0.8, 64, 32, 16, 0, 256, 128};
+  GemmEfficiency g{0.8, 64, 32, 16, 0, {}};
   EXPECT_DOUBLE_EQ(g.at(64, 32, 16), 0.8 / 8);
   EXPECT_NEAR(g.at(1e9, 1e9, 1e9), 0.8, 1e-6);
   EXPECT_LT(g.at(128, 4096, 4096), g.at(4096, 4096, 4096));
@@ -339,7 +354,7 @@ TEST(HardwareProfile, GemmEfficiency) {
 
 // Counted tiles and waves on 108 SMs with 256 x 128 tiles (k_half 0: the K loop is free).
 TEST(HardwareProfile, GemmEfficiencyCountsTilesAndWaves) {
-  GemmEfficiency g{1.0, 0, 0, 0, 108, 256, 128};
+  GemmEfficiency g{1.0, 0, 0, 0, 108, {GemmTile{256, 128, 1.0}}};
   // 2048 x 5760: 8 x 45 = 360 tiles = 3.33 waves, paid as 4: 360 / 432.
   EXPECT_DOUBLE_EQ(g.at(2048, 5760, 15360), 360.0 / 432.0);
   // Twice the rows: 720 tiles, 6.67 waves paid as 7.
@@ -356,6 +371,13 @@ TEST(HardwareProfile, GemmEfficiencyCountsTilesAndWaves) {
   // Batched products share the waves: 16 x (2048 x 2048) is 16 x 8 x 16 = 2048 tiles,
   // 18.96 waves paid as 19.
   EXPECT_DOUBLE_EQ(g.at(2048, 2048, 120, 16), 2048.0 / (19 * 108));
+  // With several tiles the best one wins: 2048 x 5760 on 128 x 128 tiles is 720 tiles, 6.67
+  // waves paid as 7, at 0.92 of the big tile's rate; better than the big tile's 360 / 432.
+  GemmEfficiency two = g;
+  two.tiles.push_back(GemmTile{128, 128, 0.92});
+  EXPECT_DOUBLE_EQ(two.at(2048, 5760, 15360), 0.92 * 720.0 / 756.0);
+  // ... but not where the big tile fills the GPU as well.
+  EXPECT_DOUBLE_EQ(two.at(12 * 256, 9 * 128, 1024), 1.0);
   // The K loop: k = k_half halves it.
   GemmEfficiency gk = g;
   gk.k_half = 64;

@@ -84,9 +84,9 @@ TEST(Validation, Figure12InterleavingWinsAtEveryBatch) {
   }
 }
 
-// b=1 loses to b=2 through tile and wave quantisation of its GEMMs (docs/validation.md); b=4
-// and b=8 lose through the larger bubble. At B=512 the model's b=2 leads b=4 by only 0.2%
-// (measured: 7%), which docs/validation.md discusses.
+// b=1 loses to b=2 through tile and wave quantisation of its GEMMs; b=4 and b=8 lose through
+// the larger bubble. The margins are thin (1.1% over b=1 at B=128, 0.5% over b=4 at B=512;
+// measured 1.8% and 7%), and docs/validation.md says what they rest on.
 TEST(Validation, Figure16MicroBatchTwoIsBest) {
   for (int batch : {128, 512}) {
     std::map<int, double> t;
