@@ -89,7 +89,8 @@ std::vector<GemmTile> tiles_from_json(const json& j) {
 
 json tiles_to_json(const std::vector<GemmTile>& tiles) {
   json a = json::array();
-  for (const GemmTile& t : tiles) a.push_back({{"m", t.m}, {"n", t.n}, {"efficiency", t.efficiency}});
+  for (const GemmTile& t : tiles)
+    a.push_back({{"m", t.m}, {"n", t.n}, {"efficiency", t.efficiency}});
   return a;
 }
 

@@ -50,9 +50,8 @@ CostModel::CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwarePro
     : model_(m), cluster_(c), profile_(h), comm_(cluster_, profile_) {}
 
 double CostModel::gemm_time(const Op& op) const {
-  const double eff =
-      profile_.gemm.at(static_cast<double>(op.m), static_cast<double>(op.n),
-                       static_cast<double>(op.k), static_cast<double>(op.batch));
+  const double eff = profile_.gemm.at(static_cast<double>(op.m), static_cast<double>(op.n),
+                                      static_cast<double>(op.k), static_cast<double>(op.batch));
   return op.flops() / (cluster_.gpu.peak_tflops_16bit * kTFLOP * eff) +
          profile_.kernel_gap_us * kMicrosecond;
 }
