@@ -84,6 +84,26 @@ TEST(Validation, Figure12InterleavingWinsAtEveryBatch) {
   }
 }
 
+// Figure 11 (weak scaling of p, 3 layers per stage): throughput falls with p at both batches,
+// steeply at B=8 where the bubble (p-1)/m reaches 7/8, gently at B=128.
+TEST(Validation, Figure11ThroughputFallsWithPipelineDepth) {
+  std::map<std::string, double> t;
+  for (const ValidationCase& v : cases()) {
+    if (v.label.rfind("fig11", 0) == 0) t[v.label] = tflops(v);
+  }
+  for (int batch : {8, 128}) {
+    const std::string b = " B=" + std::to_string(batch);
+    for (int p : {1, 2, 4}) {
+      EXPECT_GT(t.at("fig11 p=" + std::to_string(p) + b),
+                t.at("fig11 p=" + std::to_string(2 * p) + b))
+          << "p=" << p << b;
+    }
+  }
+  // Measured: p=8 keeps 53% of p=1's throughput at B=8 and 92% at B=128.
+  EXPECT_LT(t.at("fig11 p=8 B=8") / t.at("fig11 p=1 B=8"), 0.65);
+  EXPECT_GT(t.at("fig11 p=8 B=128") / t.at("fig11 p=1 B=128"), 0.9);
+}
+
 // b=1 loses to b=2 through tile and wave quantisation of its GEMMs; b=4 and b=8 lose through
 // the larger bubble. The margins are thin (1.1% over b=1 at B=128, 0.5% over b=4 at B=512;
 // measured 1.8% and 7%), and docs/validation.md says what they rest on.
