@@ -3,52 +3,175 @@
 // projection and FC2, fused scale-mask-softmax, dropout after attention and both blocks).
 #include "core/layer_ops.h"
 
+#include <array>
+
 namespace ptdp {
 namespace {
 
-constexpr double kAct = 2.0;  // bytes per 16-bit activation element
+constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
+    "input_layernorm",
+    "attn_allgather",
+    "qkv",
+    "attn_scores",
+    "attn_softmax",
+    "attn_dropout",
+    "attn_context",
+    "attn_proj",
+    "attn_allreduce",
+    "attn_reducescatter",
+    "attn_bias_dropout_add",
+    "post_attention_layernorm",
+    "mlp_allgather",
+    "fc1",
+    "bias_gelu",
+    "swiglu",
+    "fc2",
+    "mlp_allreduce",
+    "mlp_reducescatter",
+    "mlp_bias_dropout_add",
+    "mlp_bias_dropout_add_backward",
+    "mlp_reducescatter_backward",
+    "fc2_dgrad",
+    "fc2_wgrad",
+    "bias_gelu_backward",
+    "swiglu_backward",
+    "fc1_dgrad",
+    "fc1_input_grad_allreduce",
+    "fc1_wgrad",
+    "mlp_allgather_backward",
+    "post_attention_layernorm_backward",
+    "attn_bias_dropout_add_backward",
+    "attn_reducescatter_backward",
+    "attn_proj_dgrad",
+    "attn_proj_wgrad",
+    "attn_context_dprobs",
+    "attn_context_dv",
+    "attn_dropout_backward",
+    "attn_softmax_backward",
+    "attn_scores_dq",
+    "attn_scores_dk",
+    "qkv_dgrad",
+    "qkv_input_grad_allreduce",
+    "qkv_wgrad",
+    "attn_allgather_backward",
+    "input_layernorm_backward",
+    "weight_grad_accumulate",
+    "word_embedding_lookup",
+    "embedding_allreduce",
+    "embedding_reducescatter",
+    "embedding_position_dropout",
+    "embedding_dropout_backward",
+    "embedding_grad_allgather",
+    "word_embedding_grad_scatter_add",
+    "embedding_grad_accumulate",
+    "final_layernorm",
+    "lm_head_allgather",
+    "lm_head",
+    "cross_entropy",
+    "cross_entropy_allgather",
+    "cross_entropy_backward",
+    "lm_head_dgrad",
+    "lm_head_wgrad",
+    "lm_head_grad_reducescatter",
+    "lm_head_input_grad_allreduce",
+    "final_layernorm_backward",
+    "output_grad_accumulate",
+};
+
+// The backward ops of a forward op: for a GEMM its two backward GEMMs (the second computes a
+// weight gradient unless the GEMM has no weights), for a memory-bound op or a collective its
+// backward (kNone when a tensor-parallel all-reduce's backward is the identity).
+struct BackwardOf {
+  OpId first, second;
+  bool has_second = false, second_is_weight_grad = false, none = false;
+};
+
+BackwardOf backward_ids(OpId f) {
+  using I = OpId;
+  switch (f) {
+    case I::kQkv:
+      return {I::kQkvDgrad, I::kQkvWgrad, true, true};
+    case I::kAttnScores:  // scores = Q K^T: dQ and dK, both input gradients
+      return {I::kAttnScoresDq, I::kAttnScoresDk, true, false};
+    case I::kAttnContext:  // context = P V: dP and dV, both input gradients
+      return {I::kAttnContextDprobs, I::kAttnContextDv, true, false};
+    case I::kAttnProj:
+      return {I::kAttnProjDgrad, I::kAttnProjWgrad, true, true};
+    case I::kFc1:
+      return {I::kFc1Dgrad, I::kFc1Wgrad, true, true};
+    case I::kFc2:
+      return {I::kFc2Dgrad, I::kFc2Wgrad, true, true};
+    case I::kLmHead:
+      return {I::kLmHeadDgrad, I::kLmHeadWgrad, true, true};
+    case I::kInputLayernorm:
+      return {I::kInputLayernormBackward, I::kInputLayernormBackward};
+    case I::kAttnSoftmax:
+      return {I::kAttnSoftmaxBackward, I::kAttnSoftmaxBackward};
+    case I::kAttnDropout:
+      return {I::kAttnDropoutBackward, I::kAttnDropoutBackward};
+    case I::kAttnBiasDropoutAdd:
+      return {I::kAttnBiasDropoutAddBackward, I::kAttnBiasDropoutAddBackward};
+    case I::kPostAttentionLayernorm:
+      return {I::kPostAttentionLayernormBackward, I::kPostAttentionLayernormBackward};
+    case I::kBiasGelu:
+      return {I::kBiasGeluBackward, I::kBiasGeluBackward};
+    case I::kSwiglu:
+      return {I::kSwigluBackward, I::kSwigluBackward};
+    case I::kMlpBiasDropoutAdd:
+      return {I::kMlpBiasDropoutAddBackward, I::kMlpBiasDropoutAddBackward};
+    case I::kAttnAllGather:
+      return {I::kAttnAllGatherBackward, I::kAttnAllGatherBackward};
+    case I::kAttnReduceScatter:
+      return {I::kAttnReduceScatterBackward, I::kAttnReduceScatterBackward};
+    case I::kMlpAllGather:
+      return {I::kMlpAllGatherBackward, I::kMlpAllGatherBackward};
+    case I::kMlpReduceScatter:
+      return {I::kMlpReduceScatterBackward, I::kMlpReduceScatterBackward};
+    default:  // tensor-parallel all-reduces: the conjugate "f" operator is the identity
+      return {f, f, false, false, true};
+  }
+}
 
 struct Builder {
   std::vector<Op>* out;
+  OpRole role;
+  DType dtype;
 
-  void gemm(const std::string& name, int64_t m, int64_t n, int64_t k, int64_t batch = 1) {
+  Op& add(OpId id, OpKind kind) {
     Op op;
-    op.name = name;
-    op.kind = OpKind::kGemm;
+    op.id = id;
+    op.kind = kind;
+    op.role = role;
+    op.dtype = dtype;
+    out->push_back(op);
+    return out->back();
+  }
+  void gemm(OpId id, int64_t m, int64_t n, int64_t k, int64_t batch = 1,
+            OpRole r = OpRole::kForward) {
+    Op& op = add(id, OpKind::kGemm);
     op.m = m;
     op.n = n;
     op.k = k;
     op.batch = batch;
-    out->push_back(op);
+    if (r != OpRole::kForward) op.role = r;
   }
-  void memory(const std::string& name, double bytes) {
-    Op op;
-    op.name = name;
-    op.kind = OpKind::kMemory;
+  void memory(OpId id, double bytes, OpRole r = OpRole::kForward) {
+    Op& op = add(id, OpKind::kMemory);
     op.bytes = bytes;
-    out->push_back(op);
+    if (r != OpRole::kForward) op.role = r;
   }
-  void collective(const std::string& name, Collective c, double bytes,
-                  CommGroup g = CommGroup::kTensor) {
-    Op op;
-    op.name = name;
-    op.kind = OpKind::kCollective;
+  void collective(OpId id, Collective c, double bytes, CommGroup g = CommGroup::kTensor) {
+    Op& op = add(id, OpKind::kCollective);
     op.collective = c;
     op.bytes = bytes;
     op.group = g;
-    out->push_back(op);
   }
 };
-
-// The backward of a GEMM C = A B: dA = dC B^T and dB = A^T dC.
-void add_gemm_backward(Builder& b, const Op& f) {
-  b.gemm(f.name + "_dgrad", f.m, f.k, f.n, f.batch);
-  b.gemm(f.name + "_wgrad", f.k, f.n, f.m, f.batch);
-}
 
 struct Dims {
   double T, h, s, heads, kv, groups, ffn, t;
   int64_t Ti, hi, si, kvi;
+  double act;  // bytes per activation element
 };
 
 Dims dims(const ModelSpec& m, const LayerShape& s) {
@@ -65,6 +188,7 @@ Dims dims(const ModelSpec& m, const LayerShape& s) {
   d.kv = static_cast<double>(d.kvi);
   d.groups = static_cast<double>(m.query_groups());
   d.ffn = static_cast<double>(m.ffn_hidden());
+  d.act = static_cast<double>(dtype_bytes(s.activation_dtype));
   return d;
 }
 
@@ -74,58 +198,66 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
   const int64_t local_heads = m.num_attention_heads / s.tensor_parallel;
   const int64_t batch = s.micro_batch * local_heads;
   const double scores = static_cast<double>(batch) * d.s * d.s;  // elements
-  b.gemm("attn_scores", d.si, d.si, d.kvi, batch);
-  b.memory("attn_softmax", scores * kAct * 2);          // read scores, write probabilities
-  b.memory("attn_dropout", scores * (kAct * 2 + 1.0));  // read, write, 1-byte mask
-  b.gemm("attn_context", d.si, d.kvi, d.si, batch);
+  b.gemm(OpId::kAttnScores, d.si, d.si, d.kvi, batch);
+  b.memory(OpId::kAttnSoftmax, scores * d.act * 2);          // read scores, write probabilities
+  b.memory(OpId::kAttnDropout, scores * (d.act * 2 + 1.0));  // read, write, 1-byte mask
+  b.gemm(OpId::kAttnContext, d.si, d.kvi, d.si, batch);
 }
 
 // Entry into a column-parallel block: with sequence parallelism the s/t shard is all-gathered.
-void enter_tp(Builder& b, const LayerShape& s, const Dims& d, const std::string& what) {
-  if (s.sequence_parallel)
-    b.collective(what + "_allgather", Collective::kAllGather, d.T * d.h * kAct);
+void enter_tp(Builder& b, const LayerShape& s, const Dims& d, OpId all_gather) {
+  if (s.sequence_parallel) b.collective(all_gather, Collective::kAllGather, d.T * d.h * d.act);
 }
 // Exit of a row-parallel block: partial sums are all-reduced (or reduce-scattered with SP).
-void exit_tp(Builder& b, const LayerShape& s, const Dims& d, const std::string& what) {
+void exit_tp(Builder& b, const LayerShape& s, const Dims& d, OpId all_reduce, OpId reduce_scatter) {
   if (s.tensor_parallel == 1) return;
-  b.collective(what + (s.sequence_parallel ? "_reducescatter" : "_allreduce"),
-               s.sequence_parallel ? Collective::kReduceScatter : Collective::kAllReduce,
-               d.T * d.h * kAct);
+  if (s.sequence_parallel)
+    b.collective(reduce_scatter, Collective::kReduceScatter, d.T * d.h * d.act);
+  else
+    b.collective(all_reduce, Collective::kAllReduce, d.T * d.h * d.act);
 }
 
 std::vector<Op> layer_forward(const ModelSpec& m, const LayerShape& s) {
   std::vector<Op> ops;
-  Builder b{&ops};
+  Builder b{&ops, OpRole::kForward, s.activation_dtype};
   const Dims d = dims(m, s);
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;  // tokens a rank holds outside TP
   const int64_t t = s.tensor_parallel;
   const int64_t qkv_out = (m.num_attention_heads + 2 * m.query_groups()) * m.kv_channels() / t;
   const int64_t ffn_local = m.ffn_hidden() / t;
 
-  b.memory("input_layernorm", rows * d.h * kAct * 2);
-  if (t > 1) enter_tp(b, s, d, "attn");
-  b.gemm("qkv", d.Ti, qkv_out, d.hi);
+  b.memory(OpId::kInputLayernorm, rows * d.h * d.act * 2);
+  if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
+  b.gemm(OpId::kQkv, d.Ti, qkv_out, d.hi);
   attention_core(b, m, s, d);
-  b.gemm("attn_proj", d.Ti, d.hi, m.hidden_size / t);
-  exit_tp(b, s, d, "attn");
-  b.memory("attn_bias_dropout_add", rows * d.h * (kAct * 3 + 1.0));
-  b.memory("post_attention_layernorm", rows * d.h * kAct * 2);
-  if (t > 1) enter_tp(b, s, d, "mlp");
-  b.gemm("fc1", d.Ti, m.swiglu ? 2 * ffn_local : ffn_local, d.hi);
-  b.memory(m.swiglu ? "swiglu" : "bias_gelu",
-           d.T * static_cast<double>(ffn_local) * kAct * (m.swiglu ? 3 : 2));
-  b.gemm("fc2", d.Ti, d.hi, ffn_local);
-  exit_tp(b, s, d, "mlp");
-  b.memory("mlp_bias_dropout_add", rows * d.h * (kAct * 3 + 1.0));
+  b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.hidden_size / t);
+  exit_tp(b, s, d, OpId::kAttnAllReduce, OpId::kAttnReduceScatter);
+  b.memory(OpId::kAttnBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
+  b.memory(OpId::kPostAttentionLayernorm, rows * d.h * d.act * 2);
+  if (t > 1) enter_tp(b, s, d, OpId::kMlpAllGather);
+  b.gemm(OpId::kFc1, d.Ti, m.swiglu ? 2 * ffn_local : ffn_local, d.hi);
+  b.memory(m.swiglu ? OpId::kSwiglu : OpId::kBiasGelu,
+           d.T * static_cast<double>(ffn_local) * d.act * (m.swiglu ? 3 : 2));
+  b.gemm(OpId::kFc2, d.Ti, d.hi, ffn_local);
+  exit_tp(b, s, d, OpId::kMlpAllReduce, OpId::kMlpReduceScatter);
+  b.memory(OpId::kMlpBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
   return ops;
+}
+
+// The backward GEMMs of C = A B: dA = dC B^T and dB = A^T dC.
+void add_gemm_backward(Builder& b, const Op& f) {
+  const BackwardOf ids = backward_ids(f.id);
+  b.gemm(ids.first, f.m, f.k, f.n, f.batch, OpRole::kInputGrad);
+  b.gemm(ids.second, f.k, f.n, f.m, f.batch,
+         ids.second_is_weight_grad ? OpRole::kWeightGrad : OpRole::kInputGrad);
 }
 
 // Backward of a forward list, in reverse order. GEMMs split into input- and weight-gradient
 // GEMMs; memory-bound ops read the saved input and the incoming gradient and write the
 // outgoing one (1.5x the forward traffic); a collective's backward is its conjugate.
-std::vector<Op> backward_of(const std::vector<Op>& fwd) {
+std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
   std::vector<Op> ops;
-  Builder b{&ops};
+  Builder b{&ops, OpRole::kInputGrad, dtype};
   for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
     const Op& f = *it;
     switch (f.kind) {
@@ -133,17 +265,14 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd) {
         add_gemm_backward(b, f);
         break;
       case OpKind::kMemory:
-        b.memory(f.name + "_backward", f.bytes * 1.5);
+        b.memory(backward_ids(f.id).first, f.bytes * 1.5);
         break;
       case OpKind::kCollective: {
-        Collective c = f.collective;
-        if (c == Collective::kAllGather)
-          c = Collective::kReduceScatter;
-        else if (c == Collective::kReduceScatter)
-          c = Collective::kAllGather;
-        else if (c == Collective::kAllReduce && f.group == CommGroup::kTensor)
-          continue;
-        b.collective(f.name + "_backward", c, f.bytes, f.group);
+        const BackwardOf ids = backward_ids(f.id);
+        if (ids.none) continue;
+        Collective c = f.collective == Collective::kAllGather ? Collective::kReduceScatter
+                                                              : Collective::kAllGather;
+        b.collective(ids.first, c, f.bytes, f.group);
         break;
       }
     }
@@ -156,18 +285,42 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd) {
 void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const LayerShape& s, const Dims& d) {
   if (s.tensor_parallel == 1 || s.sequence_parallel) return;
   std::vector<Op> out;
-  Builder b{&out};
+  Builder b{&out, OpRole::kInputGrad, s.activation_dtype};
   for (const Op& op : bwd) {
     out.push_back(op);
-    if (op.name == "fc1_dgrad" || op.name == "qkv_dgrad") {
-      b.collective(op.name.substr(0, op.name.find('_')) + "_input_grad_allreduce",
-                   Collective::kAllReduce, d.T * d.h * kAct);
-    }
+    if (op.id == OpId::kFc1Dgrad)
+      b.collective(OpId::kFc1InputGradAllReduce, Collective::kAllReduce, d.T * d.h * d.act);
+    if (op.id == OpId::kQkvDgrad)
+      b.collective(OpId::kQkvInputGradAllReduce, Collective::kAllReduce, d.T * d.h * d.act);
   }
   bwd.swap(out);
 }
 
+// Without fused accumulation a weight gradient is written fresh in 16 bits, then a second
+// pass reads it and the main gradient (main_grad_bytes per element) and writes the main one.
+double accumulate_bytes(double params, const LayerShape& s, const Dims& d) {
+  return params * (2.0 * d.act + 2.0 * s.main_grad_bytes);
+}
+
 }  // namespace
+
+std::string_view op_name(OpId id) {
+  return kOpNames[static_cast<size_t>(id)];
+}
+
+std::string to_string(OpRole r) {
+  switch (r) {
+    case OpRole::kForward:
+      return "forward";
+    case OpRole::kInputGrad:
+      return "input-grad";
+    case OpRole::kWeightGrad:
+      return "weight-grad";
+    case OpRole::kRecompute:
+      return "recompute";
+  }
+  return "?";
+}
 
 std::string to_string(Collective c) {
   switch (c) {
@@ -191,28 +344,29 @@ LayerShape layer_shape(const ParallelPlan& p) {
   s.recompute = p.recompute;
   s.fused_grad_accumulation = p.gradient_accumulation_fusion;
   s.main_grad_bytes = p.fp32_grad_reduce ? 4.0 : 2.0;
+  // SC'21's runs reduced 16-bit gradients in fp16 mixed precision; later runs use bf16.
+  s.activation_dtype = p.fp32_grad_reduce ? DType::kBF16 : DType::kF16;
   return s;
 }
 
 PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   PassOps p;
+  const Dims d = dims(m, s);
   p.forward = layer_forward(m, s);
-  p.backward = backward_of(p.forward);
-  add_tp_input_grad_allreduces(p.backward, s, dims(m, s));
+  p.backward = backward_of(p.forward, s.activation_dtype);
+  add_tp_input_grad_allreduces(p.backward, s, d);
   if (!s.fused_grad_accumulation) {
-    // The weight-gradient GEMM writes a fresh 16-bit gradient; a second pass reads it and
-    // the main gradient and writes the main gradient.
-    Builder b{&p.backward};
-    b.memory("weight_grad_accumulate", m.parameters_per_layer() /
-                                           static_cast<double>(s.tensor_parallel) *
-                                           (2.0 * kAct + 2.0 * s.main_grad_bytes));
+    Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
+    b.memory(OpId::kWeightGradAccumulate, accumulate_bytes(m.parameters_per_layer() / d.t, s, d),
+             OpRole::kWeightGrad);
   }
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
-    Builder b{&p.recompute};
-    attention_core(b, m, s, dims(m, s));
+    Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
+    attention_core(b, m, s, d);
   }
+  for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
 }
 
@@ -220,19 +374,21 @@ PassOps embedding_ops(const ModelSpec& m, const LayerShape& s) {
   PassOps p;
   const Dims d = dims(m, s);
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;
-  Builder f{&p.forward};
+  Builder f{&p.forward, OpRole::kForward, s.activation_dtype};
   // Vocabulary-parallel lookup: each rank fills the rows of its vocabulary shard, zeros elsewhere.
-  f.memory("word_embedding_lookup", d.T * d.h * kAct * 2);
-  if (s.tensor_parallel > 1) exit_tp(f, s, d, "embedding");
-  f.memory("embedding_position_dropout", rows * d.h * (kAct * 3 + 1.0));
-  Builder bw{&p.backward};
-  bw.memory("embedding_dropout_backward", rows * d.h * (kAct * 3 + 1.0));
+  f.memory(OpId::kWordEmbeddingLookup, d.T * d.h * d.act * 2);
+  if (s.tensor_parallel > 1)
+    exit_tp(f, s, d, OpId::kEmbeddingAllReduce, OpId::kEmbeddingReduceScatter);
+  f.memory(OpId::kEmbeddingPositionDropout, rows * d.h * (d.act * 3 + 1.0));
+  Builder bw{&p.backward, OpRole::kInputGrad, s.activation_dtype};
+  bw.memory(OpId::kEmbeddingDropoutBackward, rows * d.h * (d.act * 3 + 1.0));
   if (s.sequence_parallel)
-    bw.collective("embedding_grad_allgather", Collective::kAllGather, d.T * d.h * kAct);
-  bw.memory("word_embedding_grad_scatter_add", d.T * d.h * (kAct + 4.0 * 2));
+    bw.collective(OpId::kEmbeddingGradAllGather, Collective::kAllGather, d.T * d.h * d.act);
+  // The word embedding's gradient: rows of the table gathered by token (fp32 main gradient).
+  bw.memory(OpId::kWordEmbeddingGradScatterAdd, d.T * d.h * (d.act + 4.0 * 2), OpRole::kWeightGrad);
   if (!s.fused_grad_accumulation) {
-    bw.memory("embedding_grad_accumulate",
-              m.embedding_parameters() / d.t * (2.0 * kAct + 2.0 * s.main_grad_bytes));
+    bw.memory(OpId::kEmbeddingGradAccumulate,
+              accumulate_bytes(m.embedding_parameters() / d.t, s, d), OpRole::kWeightGrad);
   }
   return p;
 }
@@ -243,31 +399,35 @@ PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s) {
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;
   const int64_t vocab_local = (m.vocab_size + s.tensor_parallel - 1) / s.tensor_parallel;
   const double logits = d.T * static_cast<double>(vocab_local);
-  Builder f{&p.forward};
-  f.memory("final_layernorm", rows * d.h * kAct * 2);
-  if (s.tensor_parallel > 1) enter_tp(f, s, d, "lm_head");
-  f.gemm("lm_head", d.Ti, vocab_local, d.hi);
-  // Vocabulary-parallel cross entropy: max, sum-exp and target logit reduced over TP ranks.
-  f.memory("cross_entropy", logits * (kAct + 4.0 * 2));
+  Builder f{&p.forward, OpRole::kForward, s.activation_dtype};
+  f.memory(OpId::kFinalLayernorm, rows * d.h * d.act * 2);
+  if (s.tensor_parallel > 1) enter_tp(f, s, d, OpId::kLmHeadAllGather);
+  f.gemm(OpId::kLmHead, d.Ti, vocab_local, d.hi);
+  // Vocabulary-parallel cross entropy: each rank's (max, sum-exp, target logit) per token in
+  // fp32, all-gathered over the tensor-parallel ranks (an output of t times the stats).
+  f.memory(OpId::kCrossEntropy, logits * (d.act + 4.0 * 2));
   if (s.tensor_parallel > 1) {
-    f.collective("cross_entropy_allreduce", Collective::kAllReduce, d.T * 4.0 * 3);
+    f.collective(OpId::kCrossEntropyAllGather, Collective::kAllGather,
+                 d.t * d.T * 4.0 * static_cast<double>(kCrossEntropyStatsPerToken));
+    f.out->back().dtype = DType::kF32;
   }
-  Builder bw{&p.backward};
-  bw.memory("cross_entropy_backward", logits * (4.0 + kAct));
+  Builder bw{&p.backward, OpRole::kInputGrad, s.activation_dtype};
+  bw.memory(OpId::kCrossEntropyBackward, logits * (4.0 + d.act));
   for (const Op& op : p.forward) {
     if (op.kind == OpKind::kGemm) add_gemm_backward(bw, op);
   }
   if (s.tensor_parallel > 1) {
     if (s.sequence_parallel) {
-      bw.collective("lm_head_grad_reducescatter", Collective::kReduceScatter, d.T * d.h * kAct);
+      bw.collective(OpId::kLmHeadGradReduceScatter, Collective::kReduceScatter, d.T * d.h * d.act);
     } else {
-      bw.collective("lm_head_input_grad_allreduce", Collective::kAllReduce, d.T * d.h * kAct);
+      bw.collective(OpId::kLmHeadInputGradAllReduce, Collective::kAllReduce, d.T * d.h * d.act);
     }
   }
-  bw.memory("final_layernorm_backward", rows * d.h * kAct * 3);
+  bw.memory(OpId::kFinalLayernormBackward, rows * d.h * d.act * 3);
   if (!s.fused_grad_accumulation) {
-    bw.memory("output_grad_accumulate", static_cast<double>(m.vocab_size) * d.h / d.t *
-                                            (2.0 * kAct + 2.0 * s.main_grad_bytes));
+    bw.memory(OpId::kOutputGradAccumulate,
+              accumulate_bytes(static_cast<double>(m.vocab_size) * d.h / d.t, s, d),
+              OpRole::kWeightGrad);
   }
   return p;
 }
@@ -276,7 +436,9 @@ double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   const double sbh = d.T * d.h;
   const double t = d.t;
-  if (s.recompute == Recompute::kFull) return kAct * sbh / (s.sequence_parallel ? t : 1.0);
+  // Korthikanti et al.'s counts in units of 16-bit elements (2 bytes), scaled to the type.
+  const double unit = d.act / 2.0;
+  if (s.recompute == Recompute::kFull) return unit * 2.0 * sbh / (s.sequence_parallel ? t : 1.0);
   const double kv_fraction = d.groups / d.heads;
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
@@ -287,17 +449,8 @@ double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * d.ffn;
   // Softmax output (2), dropout mask (1) and dropout output (2) per score: 5 a s^2 b.
   const double scores = s.recompute == Recompute::kSelective ? 0.0 : 5.0 * d.heads * d.s * d.T;
-  if (s.sequence_parallel) return (replicated + sharded + scores) / t;
-  return replicated + (sharded + scores) / t;
-}
-
-bool is_weight_gradient(const Op& op) {
-  const std::string& n = op.name;
-  auto ends_with = [&](const std::string& tail) {
-    return n.size() >= tail.size() && n.compare(n.size() - tail.size(), tail.size(), tail) == 0;
-  };
-  return ends_with("_wgrad") || ends_with("grad_accumulate") ||
-         n == "word_embedding_grad_scatter_add";
+  if (s.sequence_parallel) return unit * (replicated + sharded + scores) / t;
+  return unit * (replicated + (sharded + scores) / t);
 }
 
 }  // namespace ptdp

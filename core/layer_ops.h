@@ -2,16 +2,20 @@
 // as the operations one GPU executes, derived from (model, t, b, sequence parallel, recompute).
 //
 // The same list is priced by the cost model, benchmarked by the calibrator and executed by the
-// runtime, so all three name the same ops. Shapes are per GPU (already divided by t).
-// Activations and weights are 16-bit; `bytes` counts every byte a memory-bound op reads and
-// writes; for a collective `bytes` is the full (unsharded-by-the-collective) buffer, as
-// nccl-tests counts it.
+// runtime, so all three name the same ops: each op carries an identity (OpId) that the runtime
+// dispatches on, the role it plays in the pass (forward, input gradient B, weight gradient W,
+// recompute) and the element type it reads and writes. Shapes are per GPU (already divided by
+// t). Activations have the shape's activation type (16-bit on GPUs, fp32 on the CPU backend);
+// `bytes` counts every byte a memory-bound op reads and writes; for a collective `bytes` is
+// the full (unsharded-by-the-collective) buffer, as nccl-tests counts it.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
 
@@ -23,21 +27,107 @@ enum class CommGroup { kTensor, kPipeline, kData, kEmbedding };
 
 std::string to_string(Collective c);
 
+// Every op that appears in a list. Backward ops are named for what they compute: a GEMM
+// C = A B has a dgrad (dA) and a wgrad (dB, a weight gradient); the attention GEMMs have no
+// weights, so their backward GEMMs are named for the inputs they differentiate (dQ, dK, dV,
+// d probabilities) and all of them are input-gradient work.
+enum class OpId : uint8_t {
+  // transformer layer, forward (full recomputation repeats these)
+  kInputLayernorm,
+  kAttnAllGather,
+  kQkv,
+  kAttnScores,
+  kAttnSoftmax,
+  kAttnDropout,
+  kAttnContext,
+  kAttnProj,
+  kAttnAllReduce,
+  kAttnReduceScatter,
+  kAttnBiasDropoutAdd,
+  kPostAttentionLayernorm,
+  kMlpAllGather,
+  kFc1,
+  kBiasGelu,
+  kSwiglu,
+  kFc2,
+  kMlpAllReduce,
+  kMlpReduceScatter,
+  kMlpBiasDropoutAdd,
+  // transformer layer, backward
+  kMlpBiasDropoutAddBackward,
+  kMlpReduceScatterBackward,
+  kFc2Dgrad,
+  kFc2Wgrad,
+  kBiasGeluBackward,
+  kSwigluBackward,
+  kFc1Dgrad,
+  kFc1InputGradAllReduce,
+  kFc1Wgrad,
+  kMlpAllGatherBackward,
+  kPostAttentionLayernormBackward,
+  kAttnBiasDropoutAddBackward,
+  kAttnReduceScatterBackward,
+  kAttnProjDgrad,
+  kAttnProjWgrad,
+  kAttnContextDprobs,
+  kAttnContextDv,
+  kAttnDropoutBackward,
+  kAttnSoftmaxBackward,
+  kAttnScoresDq,
+  kAttnScoresDk,
+  kQkvDgrad,
+  kQkvInputGradAllReduce,
+  kQkvWgrad,
+  kAttnAllGatherBackward,
+  kInputLayernormBackward,
+  kWeightGradAccumulate,
+  // embedding (first pipeline stage)
+  kWordEmbeddingLookup,
+  kEmbeddingAllReduce,
+  kEmbeddingReduceScatter,
+  kEmbeddingPositionDropout,
+  kEmbeddingDropoutBackward,
+  kEmbeddingGradAllGather,
+  kWordEmbeddingGradScatterAdd,
+  kEmbeddingGradAccumulate,
+  // final layernorm, LM head and loss (last pipeline stage)
+  kFinalLayernorm,
+  kLmHeadAllGather,
+  kLmHead,
+  kCrossEntropy,
+  kCrossEntropyAllGather,
+  kCrossEntropyBackward,
+  kLmHeadDgrad,
+  kLmHeadWgrad,
+  kLmHeadGradReduceScatter,
+  kLmHeadInputGradAllReduce,
+  kFinalLayernormBackward,
+  kOutputGradAccumulate,
+};
+inline constexpr int kNumOpIds = static_cast<int>(OpId::kOutputGradAccumulate) + 1;
+
+// "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
+std::string_view op_name(OpId id);
+
+// What an op contributes to its pass. A zero-bubble schedule defers exactly the kWeightGrad ops
+// of a backward pass (W); the kInputGrad ops (B) are what the previous stage waits for.
+enum class OpRole : uint8_t { kForward, kInputGrad, kWeightGrad, kRecompute };
+std::string to_string(OpRole r);
+
 struct Op {
-  std::string name;
+  OpId id = OpId::kInputLayernorm;
+  OpRole role = OpRole::kForward;
   OpKind kind = OpKind::kMemory;
+  DType dtype = DType::kBF16;  // elements read and written; a collective's elements on the wire
   // GEMM: `batch` independent products C[m x n] = A[m x k] * B[k x n].
   int64_t m = 0, n = 0, k = 0, batch = 1;
   double bytes = 0;  // memory op: bytes moved; collective: buffer bytes
   Collective collective = Collective::kAllReduce;
   CommGroup group = CommGroup::kTensor;
 
+  std::string_view name() const { return op_name(id); }
   double flops() const { return kind == OpKind::kGemm ? 2.0 * m * n * k * batch : 0.0; }
 };
-
-// Whether an op of a backward pass computes (or accumulates) weight gradients, the part a
-// zero-bubble schedule defers (W); the rest computes input gradients (B).
-bool is_weight_gradient(const Op& op);
 
 // Ops of one pass, in execution order.
 struct PassOps {
@@ -55,6 +145,8 @@ struct LayerShape {
   // buffer (of main_grad_bytes per element) by a separate memory-bound pass.
   bool fused_grad_accumulation = true;
   double main_grad_bytes = 4;
+  // Element type of activations and weights as the GEMMs and kernels read them.
+  DType activation_dtype = DType::kBF16;
 };
 
 LayerShape layer_shape(const ParallelPlan& p);
@@ -62,6 +154,9 @@ LayerShape layer_shape(const ParallelPlan& p);
 PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s);
 PassOps embedding_ops(const ModelSpec& m, const LayerShape& s);  // first pipeline stage
 PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s);    // last stage, loss included
+// The vocabulary-parallel cross-entropy exchanges, per token, this rank's (max logit, sum of
+// exponentials, target logit) as fp32 by an all-gather over the tensor-parallel group.
+inline constexpr int64_t kCrossEntropyStatsPerToken = 3;
 
 // Activation bytes one layer keeps for its backward pass, per microbatch (Korthikanti et al.
 // 2022, Table 2, generalised to GQA and gated MLPs; equals s b h (34 + 5 a s / h) for GPT).

@@ -84,7 +84,7 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
   PassTime t;
   for (const Op& op : ops) {
     const double time = op_time(op, p);
-    PassTime& w = weight_grad && is_weight_gradient(op) ? *weight_grad : t;
+    PassTime& w = weight_grad && op.role == OpRole::kWeightGrad ? *weight_grad : t;
     if (op.kind == OpKind::kCollective)
       w.tp_comm += time;
     else

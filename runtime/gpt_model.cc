@@ -7,7 +7,6 @@
 #include <functional>
 #include <numeric>
 #include <stdexcept>
-#include <unordered_map>
 
 #include "core/error.h"
 #include "kernels/cpu/kernels.h"
@@ -76,154 +75,20 @@ float normal_at(uint64_t seed, uint64_t id, uint64_t index, double stddev) {
                             std::cos(6.283185307179586 * u2));
 }
 
-enum class Exec {
-  // transformer layer, forward
-  kInputNorm,
-  kAttnAllGather,
-  kQkv,
-  kAttnScores,
-  kAttnSoftmax,
-  kAttnDropout,
-  kAttnContext,
-  kAttnProj,
-  kAttnAllReduce,
-  kAttnReduceScatter,
-  kAttnBiasAdd,
-  kPostNorm,
-  kMlpAllGather,
-  kFc1,
-  kBiasGelu,
-  kSwiglu,
-  kFc2,
-  kMlpAllReduce,
-  kMlpReduceScatter,
-  kMlpBiasAdd,
-  // transformer layer, backward
-  kMlpBiasAddBack,
-  kMlpReduceScatterBack,
-  kFc2Dgrad,
-  kFc2Wgrad,
-  kBiasGeluBack,
-  kSwigluBack,
-  kFc1Dgrad,
-  kFc1InputGradAllReduce,
-  kFc1Wgrad,
-  kMlpAllGatherBack,
-  kPostNormBack,
-  kAttnBiasAddBack,
-  kAttnReduceScatterBack,
-  kAttnProjDgrad,
-  kAttnProjWgrad,
-  kAttnContextDgrad,
-  kAttnContextWgrad,
-  kAttnDropoutBack,
-  kAttnSoftmaxBack,
-  kAttnScoresDgrad,
-  kAttnScoresWgrad,
-  kQkvDgrad,
-  kQkvInputGradAllReduce,
-  kQkvWgrad,
-  kAttnAllGatherBack,
-  kInputNormBack,
-  // embedding
-  kWordLookup,
-  kEmbAllReduce,
-  kEmbReduceScatter,
-  kPositionAdd,
-  kEmbDropoutBack,
-  kEmbGradAllGather,
-  kWordGradScatterAdd,
-  // LM head and loss
-  kFinalNorm,
-  kHeadAllGather,
-  kHead,
-  kCrossEntropy,
-  kCrossEntropyAllReduce,
-  kCrossEntropyBack,
-  kHeadDgrad,
-  kHeadWgrad,
-  kHeadGradReduceScatter,
-  kHeadInputGradAllReduce,
-  kFinalNormBack,
-};
-
-const std::unordered_map<std::string, Exec>& op_names() {
-  static const std::unordered_map<std::string, Exec> names = {
-      {"input_layernorm", Exec::kInputNorm},
-      {"attn_allgather", Exec::kAttnAllGather},
-      {"qkv", Exec::kQkv},
-      {"attn_scores", Exec::kAttnScores},
-      {"attn_softmax", Exec::kAttnSoftmax},
-      {"attn_dropout", Exec::kAttnDropout},
-      {"attn_context", Exec::kAttnContext},
-      {"attn_proj", Exec::kAttnProj},
-      {"attn_allreduce", Exec::kAttnAllReduce},
-      {"attn_reducescatter", Exec::kAttnReduceScatter},
-      {"attn_bias_dropout_add", Exec::kAttnBiasAdd},
-      {"post_attention_layernorm", Exec::kPostNorm},
-      {"mlp_allgather", Exec::kMlpAllGather},
-      {"fc1", Exec::kFc1},
-      {"bias_gelu", Exec::kBiasGelu},
-      {"swiglu", Exec::kSwiglu},
-      {"fc2", Exec::kFc2},
-      {"mlp_allreduce", Exec::kMlpAllReduce},
-      {"mlp_reducescatter", Exec::kMlpReduceScatter},
-      {"mlp_bias_dropout_add", Exec::kMlpBiasAdd},
-      {"mlp_bias_dropout_add_backward", Exec::kMlpBiasAddBack},
-      {"mlp_reducescatter_backward", Exec::kMlpReduceScatterBack},
-      {"fc2_dgrad", Exec::kFc2Dgrad},
-      {"fc2_wgrad", Exec::kFc2Wgrad},
-      {"bias_gelu_backward", Exec::kBiasGeluBack},
-      {"swiglu_backward", Exec::kSwigluBack},
-      {"fc1_dgrad", Exec::kFc1Dgrad},
-      {"fc1_input_grad_allreduce", Exec::kFc1InputGradAllReduce},
-      {"fc1_wgrad", Exec::kFc1Wgrad},
-      {"mlp_allgather_backward", Exec::kMlpAllGatherBack},
-      {"post_attention_layernorm_backward", Exec::kPostNormBack},
-      {"attn_bias_dropout_add_backward", Exec::kAttnBiasAddBack},
-      {"attn_reducescatter_backward", Exec::kAttnReduceScatterBack},
-      {"attn_proj_dgrad", Exec::kAttnProjDgrad},
-      {"attn_proj_wgrad", Exec::kAttnProjWgrad},
-      {"attn_context_dgrad", Exec::kAttnContextDgrad},
-      {"attn_context_wgrad", Exec::kAttnContextWgrad},
-      {"attn_dropout_backward", Exec::kAttnDropoutBack},
-      {"attn_softmax_backward", Exec::kAttnSoftmaxBack},
-      {"attn_scores_dgrad", Exec::kAttnScoresDgrad},
-      {"attn_scores_wgrad", Exec::kAttnScoresWgrad},
-      {"qkv_dgrad", Exec::kQkvDgrad},
-      {"qkv_input_grad_allreduce", Exec::kQkvInputGradAllReduce},
-      {"qkv_wgrad", Exec::kQkvWgrad},
-      {"attn_allgather_backward", Exec::kAttnAllGatherBack},
-      {"input_layernorm_backward", Exec::kInputNormBack},
-      {"word_embedding_lookup", Exec::kWordLookup},
-      {"embedding_allreduce", Exec::kEmbAllReduce},
-      {"embedding_reducescatter", Exec::kEmbReduceScatter},
-      {"embedding_position_dropout", Exec::kPositionAdd},
-      {"embedding_dropout_backward", Exec::kEmbDropoutBack},
-      {"embedding_grad_allgather", Exec::kEmbGradAllGather},
-      {"word_embedding_grad_scatter_add", Exec::kWordGradScatterAdd},
-      {"final_layernorm", Exec::kFinalNorm},
-      {"lm_head_allgather", Exec::kHeadAllGather},
-      {"lm_head", Exec::kHead},
-      {"cross_entropy", Exec::kCrossEntropy},
-      {"cross_entropy_allreduce", Exec::kCrossEntropyAllReduce},
-      {"cross_entropy_backward", Exec::kCrossEntropyBack},
-      {"lm_head_dgrad", Exec::kHeadDgrad},
-      {"lm_head_wgrad", Exec::kHeadWgrad},
-      {"lm_head_grad_reducescatter", Exec::kHeadGradReduceScatter},
-      {"lm_head_input_grad_allreduce", Exec::kHeadInputGradAllReduce},
-      {"final_layernorm_backward", Exec::kFinalNormBack},
-  };
-  return names;
+// The ops ptdp run executes: all but the separate gradient-accumulation passes (the runtime
+// accumulates weight gradients in place, as Megatron's fused accumulation does).
+bool implemented(OpId id) {
+  return id != OpId::kWeightGradAccumulate && id != OpId::kEmbeddingGradAccumulate &&
+         id != OpId::kOutputGradAccumulate;
 }
 
-std::vector<Exec> compile(const std::vector<ptdp::Op>& ops) {
-  std::vector<Exec> program;
+std::vector<OpId> compile(const std::vector<ptdp::Op>& ops) {
+  std::vector<OpId> program;
   for (const ptdp::Op& op : ops) {
-    auto it = op_names().find(op.name);
-    if (it == op_names().end())
-      throw std::logic_error("ptdp run has no implementation of layer op '" + op.name + "'");
-    program.push_back(it->second);
+    if (!implemented(op.id))
+      throw std::logic_error("ptdp run has no implementation of layer op '" +
+                             std::string(op.name()) + "'");
+    program.push_back(op.id);
   }
   return program;
 }
@@ -267,7 +132,7 @@ struct GptShard::Impl {
   bool sp, biases;
   int64_t n_full, n_local;
   std::vector<Chunk> chunks;
-  std::vector<Exec> layer_fwd, layer_bwd, layer_recompute, emb_fwd, emb_bwd, head_fwd, head_bwd;
+  std::vector<OpId> layer_fwd, layer_bwd, layer_recompute, emb_fwd, emb_bwd, head_fwd, head_bwd;
   std::map<std::pair<int64_t, int64_t>, ChunkActs> stash;  // (chunk, microbatch)
   Buffer scratch;
 
@@ -350,17 +215,17 @@ struct GptShard::Impl {
   }
 
   // Transformer layer, one op at a time.
-  void layer_forward_op(Exec op, const LayerParams& W, LayerActs& A) {
+  void layer_forward_op(OpId op, const LayerParams& W, LayerActs& A) {
     const Buffer& ln1_full = sp ? A.ln1_full : A.ln1;
     const Buffer& ln2_full = sp ? A.ln2_full : A.ln2;
     switch (op) {
-      case Exec::kInputNorm:
+      case OpId::kInputLayernorm:
         norm_forward(A.x, W.ln1_g, W.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd, n_local);
         break;
-      case Exec::kAttnAllGather:
+      case OpId::kAttnAllGather:
         gather_sequence(A.ln1, A.ln1_full, h);
         break;
-      case Exec::kQkv: {
+      case OpId::kQkv: {
         Buffer qkv(static_cast<size_t>(n_full * qkv_width()));
         k::linear_forward(ln1_full.data(), P(W.qkv_w), W.qkv_b >= 0 ? P(W.qkv_b) : nullptr,
                           qkv.data(), n_full, h, qkv_width());
@@ -375,64 +240,64 @@ struct GptShard::Impl {
         }
         break;
       }
-      case Exec::kAttnScores:
+      case OpId::kAttnScores:
         A.probs.resize(static_cast<size_t>(b * hl * s * s));
         k::attention_scores_forward(A.q.data(), A.k.data(), A.probs.data(), b, s, hl, gl, d);
         break;
-      case Exec::kAttnSoftmax:
+      case OpId::kAttnSoftmax:
         k::causal_softmax_forward(A.probs.data(), b * hl, s);
         break;
-      case Exec::kAttnDropout:  // no dropout in ptdp run (deterministic training)
+      case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
         break;
-      case Exec::kAttnContext:
+      case OpId::kAttnContext:
         A.ctx.resize(static_cast<size_t>(n_full * hl * d));
         k::attention_context_forward(A.probs.data(), A.v.data(), A.ctx.data(), b, s, hl, gl, d);
         break;
-      case Exec::kAttnProj:
+      case OpId::kAttnProj:
         A.proj.resize(static_cast<size_t>(n_full * h));
         k::linear_forward<float>(A.ctx.data(), P(W.proj_w), nullptr, A.proj.data(), n_full, hl * d,
                                  h);
         break;
-      case Exec::kAttnAllReduce:
+      case OpId::kAttnAllReduce:
         all_reduce(A.proj);
         break;
-      case Exec::kAttnReduceScatter:
+      case OpId::kAttnReduceScatter:
         scatter_sequence_in_place(A.proj);
         break;
-      case Exec::kAttnBiasAdd:
+      case OpId::kAttnBiasDropoutAdd:
         residual_add(A.h1, A.x, A.proj, W.proj_b);
         break;
-      case Exec::kPostNorm:
+      case OpId::kPostAttentionLayernorm:
         norm_forward(A.h1, W.ln2_g, W.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd, n_local);
         break;
-      case Exec::kMlpAllGather:
+      case OpId::kMlpAllGather:
         gather_sequence(A.ln2, A.ln2_full, h);
         break;
-      case Exec::kFc1:
+      case OpId::kFc1:
         A.fc1.resize(static_cast<size_t>(n_full * fc1_width()));
         k::linear_forward<float>(ln2_full.data(), P(W.fc1_w), nullptr, A.fc1.data(), n_full, h,
                                  fc1_width());
         break;
-      case Exec::kBiasGelu:
+      case OpId::kBiasGelu:
         add_bias(A.fc1, W.fc1_b, ffl);
         A.act.resize(A.fc1.size());
         k::gelu_forward(A.fc1.data(), A.act.data(), static_cast<int64_t>(A.fc1.size()));
         break;
-      case Exec::kSwiglu:
+      case OpId::kSwiglu:
         A.act.resize(static_cast<size_t>(n_full * ffl));
         k::swiglu_forward(A.fc1.data(), A.act.data(), n_full, ffl);
         break;
-      case Exec::kFc2:
+      case OpId::kFc2:
         A.fc2.resize(static_cast<size_t>(n_full * h));
         k::linear_forward<float>(A.act.data(), P(W.fc2_w), nullptr, A.fc2.data(), n_full, ffl, h);
         break;
-      case Exec::kMlpAllReduce:
+      case OpId::kMlpAllReduce:
         all_reduce(A.fc2);
         break;
-      case Exec::kMlpReduceScatter:
+      case OpId::kMlpReduceScatter:
         scatter_sequence_in_place(A.fc2);
         break;
-      case Exec::kMlpBiasAdd:
+      case OpId::kMlpBiasDropoutAdd:
         residual_add(A.out, A.h1, A.fc2, W.fc2_b);
         break;
       default:
@@ -440,102 +305,102 @@ struct GptShard::Impl {
     }
   }
 
-  void layer_backward_op(Exec op, const LayerParams& W, LayerActs& A, LayerGrads& D) {
+  void layer_backward_op(OpId op, const LayerParams& W, LayerActs& A, LayerGrads& D) {
     const Buffer& ln1_full = sp ? A.ln1_full : A.ln1;
     const Buffer& ln2_full = sp ? A.ln2_full : A.ln2;
     // Without sequence parallelism (or with t = 1) the reduce-scatter/all-gather pairs are
     // absent and the gradient of a row-parallel output is the layer's incoming gradient.
     switch (op) {
-      case Exec::kMlpBiasAddBack:
+      case OpId::kMlpBiasDropoutAddBackward:
         bias_grad(D.d_out, W.fc2_b, h);
         D.d_h1 = D.d_out;
         D.d_fc2 = D.d_out;
         break;
-      case Exec::kMlpReduceScatterBack:
+      case OpId::kMlpReduceScatterBackward:
         gather_sequence(D.d_out, D.d_fc2, h);
         break;
-      case Exec::kFc2Dgrad:
+      case OpId::kFc2Dgrad:
         D.d_act.resize(static_cast<size_t>(n_full * ffl));
         k::linear_backward<float>(nullptr, P(W.fc2_w), D.d_fc2.data(), D.d_act.data(), nullptr,
                                   nullptr, n_full, ffl, h);
         break;
-      case Exec::kFc2Wgrad:
+      case OpId::kFc2Wgrad:
         k::linear_backward<float>(A.act.data(), nullptr, D.d_fc2.data(), nullptr, G(W.fc2_w),
                                   nullptr, n_full, ffl, h);
         break;
-      case Exec::kBiasGeluBack:
+      case OpId::kBiasGeluBackward:
         D.d_pre.resize(A.fc1.size());
         k::gelu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(),
                          static_cast<int64_t>(A.fc1.size()));
         bias_grad(D.d_pre, W.fc1_b, ffl);
         break;
-      case Exec::kSwigluBack:
+      case OpId::kSwigluBackward:
         D.d_pre.resize(A.fc1.size());
         k::swiglu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), n_full, ffl);
         break;
-      case Exec::kFc1Dgrad:
+      case OpId::kFc1Dgrad:
         D.d_ln2_full.resize(static_cast<size_t>(n_full * h));
         k::linear_backward<float>(nullptr, P(W.fc1_w), D.d_pre.data(), D.d_ln2_full.data(), nullptr,
                                   nullptr, n_full, h, fc1_width());
         break;
-      case Exec::kFc1InputGradAllReduce:
+      case OpId::kFc1InputGradAllReduce:
         all_reduce(D.d_ln2_full);
         break;
-      case Exec::kFc1Wgrad:
+      case OpId::kFc1Wgrad:
         k::linear_backward<float>(ln2_full.data(), nullptr, D.d_pre.data(), nullptr, G(W.fc1_w),
                                   nullptr, n_full, h, fc1_width());
         break;
-      case Exec::kMlpAllGatherBack:
+      case OpId::kMlpAllGatherBackward:
         scatter_sequence(D.d_ln2_full, D.d_ln2, h);
         break;
-      case Exec::kPostNormBack:
+      case OpId::kPostAttentionLayernormBackward:
         norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, sp ? D.d_ln2 : D.d_ln2_full,
                       D.tmp, n_local);
         add_into(D.d_h1, D.tmp);
         break;
-      case Exec::kAttnBiasAddBack:
+      case OpId::kAttnBiasDropoutAddBackward:
         bias_grad(D.d_h1, W.proj_b, h);
         D.d_x = D.d_h1;
         D.d_proj = D.d_h1;
         break;
-      case Exec::kAttnReduceScatterBack:
+      case OpId::kAttnReduceScatterBackward:
         gather_sequence(D.d_h1, D.d_proj, h);
         break;
-      case Exec::kAttnProjDgrad:
+      case OpId::kAttnProjDgrad:
         D.d_ctx.resize(static_cast<size_t>(n_full * hl * d));
         k::linear_backward<float>(nullptr, P(W.proj_w), D.d_proj.data(), D.d_ctx.data(), nullptr,
                                   nullptr, n_full, hl * d, h);
         break;
-      case Exec::kAttnProjWgrad:
+      case OpId::kAttnProjWgrad:
         k::linear_backward<float>(A.ctx.data(), nullptr, D.d_proj.data(), nullptr, G(W.proj_w),
                                   nullptr, n_full, hl * d, h);
         break;
-      case Exec::kAttnContextDgrad:
+      case OpId::kAttnContextDprobs:
         D.d_probs.resize(A.probs.size());
         k::attention_context_backward<float>(A.probs.data(), A.v.data(), D.d_ctx.data(),
                                              D.d_probs.data(), nullptr, b, s, hl, gl, d);
         break;
-      case Exec::kAttnContextWgrad:
+      case OpId::kAttnContextDv:
         D.dv.resize(A.v.size());
         k::attention_context_backward<float>(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
                                              D.dv.data(), b, s, hl, gl, d);
         break;
-      case Exec::kAttnDropoutBack:
+      case OpId::kAttnDropoutBackward:
         break;
-      case Exec::kAttnSoftmaxBack:
+      case OpId::kAttnSoftmaxBackward:
         k::causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), b * hl, s);
         break;
-      case Exec::kAttnScoresDgrad:
+      case OpId::kAttnScoresDq:
         D.dq.resize(A.q.size());
         k::attention_scores_backward<float>(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(),
                                             nullptr, b, s, hl, gl, d);
         break;
-      case Exec::kAttnScoresWgrad:
+      case OpId::kAttnScoresDk:
         D.dk.resize(A.k.size());
         k::attention_scores_backward<float>(A.q.data(), A.k.data(), D.d_probs.data(), nullptr,
                                             D.dk.data(), b, s, hl, gl, d);
         break;
-      case Exec::kQkvDgrad:
+      case OpId::kQkvDgrad:
         D.d_qkv.resize(static_cast<size_t>(n_full * qkv_width()));
         for (int64_t i = 0; i < n_full; ++i) {
           float* row = D.d_qkv.data() + i * qkv_width();
@@ -547,17 +412,17 @@ struct GptShard::Impl {
         k::linear_backward<float>(nullptr, P(W.qkv_w), D.d_qkv.data(), D.d_ln1_full.data(), nullptr,
                                   nullptr, n_full, h, qkv_width());
         break;
-      case Exec::kQkvInputGradAllReduce:
+      case OpId::kQkvInputGradAllReduce:
         all_reduce(D.d_ln1_full);
         break;
-      case Exec::kQkvWgrad:
+      case OpId::kQkvWgrad:
         k::linear_backward<float>(ln1_full.data(), nullptr, D.d_qkv.data(), nullptr, G(W.qkv_w),
                                   W.qkv_b >= 0 ? G(W.qkv_b) : nullptr, n_full, h, qkv_width());
         break;
-      case Exec::kAttnAllGatherBack:
+      case OpId::kAttnAllGatherBackward:
         scatter_sequence(D.d_ln1_full, D.d_ln1, h);
         break;
-      case Exec::kInputNormBack:
+      case OpId::kInputLayernormBackward:
         norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, sp ? D.d_ln1 : D.d_ln1_full,
                       D.tmp, n_local);
         add_into(D.d_x, D.tmp);
@@ -578,11 +443,11 @@ struct GptShard::Impl {
   }
 
   // Vocabulary-parallel embedding and LM head.
-  void embedding_op(Exec op, const Chunk& c, ChunkActs& A, Buffer& x, Buffer* dx) {
+  void embedding_op(OpId op, const Chunk& c, ChunkActs& A, Buffer& x, Buffer* dx) {
     const int64_t sl = sp ? s / t : s;
     const int64_t first_pos = sp ? self->layout_.tp * sl : 0;
     switch (op) {
-      case Exec::kWordLookup: {
+      case OpId::kWordEmbeddingLookup: {
         A.emb.assign(static_cast<size_t>(n_full * h), 0.0f);
         const float* table = P(c.word);
         for (int64_t i = 0; i < n_full; ++i) {
@@ -592,13 +457,13 @@ struct GptShard::Impl {
         }
         break;
       }
-      case Exec::kEmbAllReduce:
+      case OpId::kEmbeddingAllReduce:
         all_reduce(A.emb);
         break;
-      case Exec::kEmbReduceScatter:
+      case OpId::kEmbeddingReduceScatter:
         scatter_sequence_in_place(A.emb);
         break;
-      case Exec::kPositionAdd: {
+      case OpId::kEmbeddingPositionDropout: {
         x = A.emb;
         release(A.emb);
         const float* pos = P(c.pos);
@@ -608,7 +473,7 @@ struct GptShard::Impl {
               x[(bi * sl + j) * h + e] += pos[(first_pos + j) * h + e];
         break;
       }
-      case Exec::kEmbDropoutBack: {
+      case OpId::kEmbeddingDropoutBackward: {
         float* gpos = G(c.pos);
         for (int64_t bi = 0; bi < b; ++bi)
           for (int64_t j = 0; j < sl; ++j)
@@ -616,13 +481,13 @@ struct GptShard::Impl {
               gpos[(first_pos + j) * h + e] += (*dx)[(bi * sl + j) * h + e];
         break;
       }
-      case Exec::kEmbGradAllGather: {
+      case OpId::kEmbeddingGradAllGather: {
         Buffer full;
         gather_sequence(*dx, full, h);
         dx->swap(full);
         break;
       }
-      case Exec::kWordGradScatterAdd: {
+      case OpId::kWordEmbeddingGradScatterAdd: {
         float* gw = G(c.word);
         for (int64_t i = 0; i < n_full; ++i) {
           const int64_t tok = A.inputs[static_cast<size_t>(i)] - v0;
@@ -663,21 +528,21 @@ struct GptShard::Impl {
     return loss / static_cast<double>(n_full);
   }
 
-  double head_forward_op(Exec op, const Chunk& c, ChunkActs& A) {
+  double head_forward_op(OpId op, const Chunk& c, ChunkActs& A) {
     const Buffer& lnf_full = sp ? A.lnf_full : A.lnf;
     switch (op) {
-      case Exec::kFinalNorm:
+      case OpId::kFinalLayernorm:
         norm_forward(A.lnf_in, c.lnf_g, c.lnf_b, A.lnf, A.lnf_mean, A.lnf_rstd, n_local);
         break;
-      case Exec::kHeadAllGather:
+      case OpId::kLmHeadAllGather:
         gather_sequence(A.lnf, A.lnf_full, h);
         break;
-      case Exec::kHead:
+      case OpId::kLmHead:
         A.probs.resize(static_cast<size_t>(n_full * vl));  // logits until the loss is finished
         k::linear_forward<float>(lnf_full.data(), P(c.head), nullptr, A.probs.data(), n_full, h,
                                  vl);
         break;
-      case Exec::kCrossEntropy: {
+      case OpId::kCrossEntropy: {
         const int64_t valid = std::min(vl, vocab - v0);
         A.stats.resize(static_cast<size_t>(n_full * 3));
         for (int64_t i = 0; i < n_full; ++i) {
@@ -694,7 +559,7 @@ struct GptShard::Impl {
         if (t == 1) return finish_cross_entropy(A, A.stats.data(), 1);
         break;
       }
-      case Exec::kCrossEntropyAllReduce: {
+      case OpId::kCrossEntropyAllGather: {
         Buffer all(static_cast<size_t>(t * n_full * 3));
         tp_comm->all_gather(A.stats.data(), all.data(), A.stats.size());
         return finish_cross_entropy(A, all.data(), t);
@@ -705,10 +570,10 @@ struct GptShard::Impl {
     return 0;
   }
 
-  void head_backward_op(Exec op, const Chunk& c, ChunkActs& A, LayerGrads& D, double scale) {
+  void head_backward_op(OpId op, const Chunk& c, ChunkActs& A, LayerGrads& D, double scale) {
     const Buffer& lnf_full = sp ? A.lnf_full : A.lnf;
     switch (op) {
-      case Exec::kCrossEntropyBack: {
+      case OpId::kCrossEntropyBackward: {
         // d(loss_scale * mean loss)/dlogits = (softmax - onehot) * scale / tokens, in place.
         const float f = static_cast<float>(scale / static_cast<double>(n_full));
         for (int64_t i = 0; i < n_full; ++i) {
@@ -719,22 +584,22 @@ struct GptShard::Impl {
         }
         break;
       }
-      case Exec::kHeadDgrad:
+      case OpId::kLmHeadDgrad:
         D.d_ln1_full.resize(static_cast<size_t>(n_full * h));
         k::linear_backward<float>(nullptr, P(c.head), A.probs.data(), D.d_ln1_full.data(), nullptr,
                                   nullptr, n_full, h, vl);
         break;
-      case Exec::kHeadWgrad:
+      case OpId::kLmHeadWgrad:
         k::linear_backward<float>(lnf_full.data(), nullptr, A.probs.data(), nullptr, G(c.head),
                                   nullptr, n_full, h, vl);
         break;
-      case Exec::kHeadGradReduceScatter:
+      case OpId::kLmHeadGradReduceScatter:
         scatter_sequence(D.d_ln1_full, D.d_ln1, h);
         break;
-      case Exec::kHeadInputGradAllReduce:
+      case OpId::kLmHeadInputGradAllReduce:
         all_reduce(D.d_ln1_full);
         break;
-      case Exec::kFinalNormBack:
+      case OpId::kFinalLayernormBackward:
         norm_backward(A.lnf_in, c.lnf_g, c.lnf_b, A.lnf_mean, A.lnf_rstd,
                       sp ? D.d_ln1 : D.d_ln1_full, D.d_out, n_local);
         break;
@@ -1037,7 +902,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   if (c.first) take(A.inputs, 0);
   if (c.last) take(A.targets, 1);
   if (c.first) {
-    for (Exec op : I.emb_fwd) I.embedding_op(op, c, A, x, nullptr);
+    for (OpId op : I.emb_fwd) I.embedding_op(op, c, A, x, nullptr);
   } else {
     if (!input || static_cast<int64_t>(input->size()) != I.n_local * I.h)
       throw std::logic_error("forward: missing or mis-sized input activation");
@@ -1046,7 +911,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   for (int64_t l = 0; l < c.num_layers; ++l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     L.x.swap(x);
-    for (Exec op : I.layer_fwd) I.layer_forward_op(op, c.layers[static_cast<size_t>(l)], L);
+    for (OpId op : I.layer_fwd) I.layer_forward_op(op, c.layers[static_cast<size_t>(l)], L);
     x.swap(L.out);
     release(L.out);
     I.drop_recomputed(L, layout_.recompute);
@@ -1057,7 +922,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   }
   A.lnf_in.swap(x);
   double loss = 0;
-  for (Exec op : I.head_fwd) loss += I.head_forward_op(op, c, A);
+  for (OpId op : I.head_fwd) loss += I.head_forward_op(op, c, A);
   return loss;
 }
 
@@ -1070,7 +935,7 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
   ChunkActs& A = it->second;
   LayerGrads D;
   if (c.last) {
-    for (Exec op : I.head_bwd) I.head_backward_op(op, c, A, D, loss_scale);
+    for (OpId op : I.head_bwd) I.head_backward_op(op, c, A, D, loss_scale);
   } else {
     if (!grad_output || static_cast<int64_t>(grad_output->size()) != I.n_local * I.h)
       throw std::logic_error("backward: missing or mis-sized output gradient");
@@ -1079,16 +944,16 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
   for (int64_t l = c.num_layers - 1; l >= 0; --l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     const LayerParams& W = c.layers[static_cast<size_t>(l)];
-    for (Exec op : I.layer_recompute) I.layer_forward_op(op, W, L);
+    for (OpId op : I.layer_recompute) I.layer_forward_op(op, W, L);
     release(L.out);
     D.d_x.clear();
-    for (Exec op : I.layer_bwd) I.layer_backward_op(op, W, L, D);
+    for (OpId op : I.layer_bwd) I.layer_backward_op(op, W, L, D);
     D.d_out.swap(D.d_x);
     L = LayerActs();
   }
   if (c.first) {
     Buffer unused;
-    for (Exec op : I.emb_bwd) I.embedding_op(op, c, A, unused, &D.d_out);
+    for (OpId op : I.emb_bwd) I.embedding_op(op, c, A, unused, &D.d_out);
   } else {
     *grad_input = std::move(D.d_out);
   }

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+#include <string>
+
 #include "core/presets.h"
 
 namespace ptdp {
@@ -64,6 +67,91 @@ TEST(LayerOps, LmHeadFlopsAreSixTokensHiddenVocab) {
   const double tokens = 2048, expect = 2 * tokens * 12288.0 * 51200 / 4;
   EXPECT_NEAR(flops(head.forward), expect, expect * 1e-12);
   EXPECT_NEAR(flops(head.backward), 2 * expect, expect * 1e-12);
+}
+
+// dK and dV (attn_scores_dk, attn_context_dv) are what the QKV input gradient needs, so they
+// are B work; only GEMMs against weights, the embedding's table gradient and the separate
+// accumulation passes are W, the part a zero-bubble schedule may defer.
+TEST(LayerOps, WeightGradientRoleIsExactlyTheWeightGemmsAndAccumulation) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  for (bool fused : {true, false}) {
+    LayerShape s{8, 1, false, Recompute::kNone};
+    s.fused_grad_accumulation = fused;
+    std::vector<Op> all;
+    for (const PassOps& p : {transformer_layer_ops(m, s), embedding_ops(m, s), lm_head_ops(m, s)})
+      all.insert(all.end(), p.backward.begin(), p.backward.end());
+    std::vector<std::string> weight;
+    for (const Op& op : all) {
+      EXPECT_NE(op.role, OpRole::kForward) << op.name();
+      if (op.role == OpRole::kWeightGrad) weight.emplace_back(op.name());
+    }
+    std::vector<std::string> expect = {"fc2_wgrad", "fc1_wgrad", "attn_proj_wgrad", "qkv_wgrad"};
+    if (!fused) expect.push_back("weight_grad_accumulate");
+    expect.push_back("word_embedding_grad_scatter_add");
+    if (!fused) expect.push_back("embedding_grad_accumulate");
+    expect.push_back("lm_head_wgrad");
+    if (!fused) expect.push_back("output_grad_accumulate");
+    EXPECT_EQ(weight, expect) << "fused " << fused;
+    for (const Op& op : all) {
+      if (op.id == OpId::kAttnScoresDk || op.id == OpId::kAttnContextDv ||
+          op.id == OpId::kAttnScoresDq || op.id == OpId::kAttnContextDprobs) {
+        EXPECT_EQ(op.role, OpRole::kInputGrad) << op.name();
+      }
+    }
+  }
+}
+
+TEST(LayerOps, EveryOpStatesItsRoleAndElementType) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  for (Recompute r : {Recompute::kSelective, Recompute::kFull}) {
+    LayerShape s{4, 1, true, r};
+    s.activation_dtype = DType::kF32;
+    const PassOps layer = transformer_layer_ops(m, s);
+    for (const Op& op : layer.forward) EXPECT_EQ(op.role, OpRole::kForward) << op.name();
+    ASSERT_FALSE(layer.recompute.empty());
+    for (const Op& op : layer.recompute) EXPECT_EQ(op.role, OpRole::kRecompute) << op.name();
+    for (const Op& op : layer.forward) EXPECT_EQ(op.dtype, DType::kF32) << op.name();
+  }
+  // Bytes follow the element type: fp32 collectives move twice the bf16 bytes; memory-bound
+  // ops move more (their 1-byte dropout masks stay 1 byte).
+  LayerShape half{2, 1, false, Recompute::kNone}, full = half;
+  full.activation_dtype = DType::kF32;
+  const PassOps a = transformer_layer_ops(m, half), b = transformer_layer_ops(m, full);
+  ASSERT_EQ(a.forward.size(), b.forward.size());
+  for (size_t i = 0; i < a.forward.size(); ++i) {
+    if (a.forward[i].kind == OpKind::kCollective) {
+      EXPECT_DOUBLE_EQ(b.forward[i].bytes, 2 * a.forward[i].bytes) << a.forward[i].name();
+    } else if (a.forward[i].kind == OpKind::kMemory) {
+      EXPECT_GT(b.forward[i].bytes, 1.5 * a.forward[i].bytes) << a.forward[i].name();
+    }
+  }
+}
+
+// The vocabulary-parallel loss exchanges fp32 (max, sum-exp, target) per token by all-gather,
+// as ptdp run executes it: the gathered buffer holds t times one rank's stats.
+TEST(LayerOps, CrossEntropyExchangeIsAnAllGatherOfThreeFloatsPerToken) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  for (int64_t t : {2, 8}) {
+    const PassOps head = lm_head_ops(m, LayerShape{t, 2, false, Recompute::kNone});
+    const Op* ce = nullptr;
+    for (const Op& op : head.forward)
+      if (op.id == OpId::kCrossEntropyAllGather) ce = &op;
+    ASSERT_NE(ce, nullptr);
+    EXPECT_EQ(ce->collective, Collective::kAllGather);
+    EXPECT_EQ(ce->dtype, DType::kF32);
+    EXPECT_DOUBLE_EQ(ce->bytes, static_cast<double>(t) * 2 * 2048 * 3 * 4);
+  }
+  const PassOps one = lm_head_ops(m, LayerShape{1, 2, false, Recompute::kNone});
+  for (const Op& op : one.forward) EXPECT_NE(op.kind, OpKind::kCollective) << op.name();
+}
+
+TEST(LayerOps, EveryOpIdHasADistinctName) {
+  std::set<std::string_view> names;
+  for (int i = 0; i < kNumOpIds; ++i) {
+    const std::string_view n = op_name(static_cast<OpId>(i));
+    EXPECT_FALSE(n.empty());
+    EXPECT_TRUE(names.insert(n).second) << n;
+  }
 }
 
 }  // namespace
