@@ -9,12 +9,13 @@
 #include <stdexcept>
 
 #include "core/error.h"
-#include "kernels/cpu/kernels.h"
+#include "kernels/cpu/elementwise.h"
+#include "runtime/embedding_head.h"
 #include "runtime/hash.h"
+#include "runtime/shard_context.h"
+#include "runtime/transformer_layer.h"
 
 namespace ptdp {
-
-namespace k = kernels;
 
 void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   const std::string t = std::to_string(s.t);
@@ -60,6 +61,18 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   }
 }
 
+LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
+  LayerShape s;
+  s.tensor_parallel = l.t;
+  s.micro_batch = l.micro_batch;
+  s.sequence_parallel = l.sequence_parallel && l.t > 1;
+  s.recompute = l.recompute;
+  s.fused_grad_accumulation = true;  // gradients accumulate in place
+  s.main_grad_bytes = 4;
+  s.activation_dtype = DType::kF32;
+  return s;
+}
+
 namespace {
 
 // Deterministic initial values: a hash of (seed, parameter, global index).
@@ -77,15 +90,10 @@ float normal_at(uint64_t seed, uint64_t id, uint64_t index, double stddev) {
 
 // The ops ptdp run executes: all but the separate gradient-accumulation passes (the runtime
 // accumulates weight gradients in place, as Megatron's fused accumulation does).
-bool implemented(OpId id) {
-  return id != OpId::kWeightGradAccumulate && id != OpId::kEmbeddingGradAccumulate &&
-         id != OpId::kOutputGradAccumulate;
-}
-
-std::vector<OpId> compile(const std::vector<ptdp::Op>& ops) {
+std::vector<OpId> compile(const std::vector<ptdp::Op>& ops, bool (*runs)(OpId)) {
   std::vector<OpId> program;
   for (const ptdp::Op& op : ops) {
-    if (!implemented(op.id))
+    if (!runs(op.id))
       throw std::logic_error("ptdp run has no implementation of layer op '" +
                              std::string(op.name()) + "'");
     program.push_back(op.id);
@@ -93,530 +101,36 @@ std::vector<OpId> compile(const std::vector<ptdp::Op>& ops) {
   return program;
 }
 
-struct LayerParams {  // offsets into the flat buffers; -1 when absent
-  int64_t ln1_g = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
-  int64_t ln2_g = -1, ln2_b = -1, fc1_w = -1, fc1_b = -1, fc2_w = -1, fc2_b = -1;
-};
-
-struct LayerActs {
-  Buffer x, ln1, ln1_mean, ln1_rstd, ln1_full, q, k, v, probs, ctx, proj, h1;
-  Buffer ln2, ln2_mean, ln2_rstd, ln2_full, fc1, act, fc2, out;
-};
-
-struct LayerGrads {  // the backward pass's scratch
-  Buffer d_out, d_h1, d_fc2, d_act, d_pre, d_ln2_full, d_ln2, d_proj, d_ctx, d_probs, dq, dk, dv;
-  Buffer d_qkv, d_ln1_full, d_ln1, d_x, tmp;
-};
-
-struct ChunkActs {
-  std::vector<int32_t> inputs, targets;  // [b, s]
-  Buffer emb;                            // word embedding before the position add
-  std::vector<LayerActs> layers;
-  Buffer lnf_in, lnf, lnf_mean, lnf_rstd, lnf_full, probs, stats, lse;
-};
-
 struct Chunk {
   int64_t first_layer = 0, num_layers = 0;
   bool first = false, last = false;
   std::vector<LayerParams> layers;
-  int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
+  ChunkParams params;
 };
 
 }  // namespace
 
 struct GptShard::Impl {
-  GptShard* self;
-  Communicator* tp_comm;
-  // Dimensions of this rank's shard.
-  int64_t b, s, h, heads, groups, d, hl, gl, ffl, vocab, vl, v0, t;
-  bool sp, biases;
-  int64_t n_full, n_local;
+  std::unique_ptr<Backend> own_backend;
+  std::unique_ptr<ShardContext> ctx;
   std::vector<Chunk> chunks;
   std::vector<OpId> layer_fwd, layer_bwd, layer_recompute, emb_fwd, emb_bwd, head_fwd, head_bwd;
   std::map<std::pair<int64_t, int64_t>, ChunkActs> stash;  // (chunk, microbatch)
-  Buffer scratch;
-
-  float* P(int64_t off) { return self->params_.data() + off; }
-  float* G(int64_t off) { return self->grads_.data() + off; }
-  int64_t qkv_width() const { return (hl + 2 * gl) * d; }
-  int64_t fc1_width() const { return self->model_.swiglu ? 2 * ffl : ffl; }
-
-  // Sequence-parallel data movement between [b, s/t, h] slices and the full [b, s, h].
-  void gather_sequence(const Buffer& local, Buffer& full, int64_t width) {
-    const int64_t sl = s / t, block = sl * width;
-    full.resize(static_cast<size_t>(n_full * width));
-    scratch.resize(static_cast<size_t>(t * n_local * width));
-    tp_comm->all_gather(local.data(), scratch.data(), static_cast<size_t>(n_local * width));
-    for (int64_t r = 0; r < t; ++r)
-      for (int64_t bi = 0; bi < b; ++bi)
-        std::memcpy(full.data() + (bi * s + r * sl) * width, scratch.data() + (r * b + bi) * block,
-                    sizeof(float) * block);
-  }
-  void scatter_sequence(const Buffer& full, Buffer& local, int64_t width) {
-    const int64_t sl = s / t, block = sl * width;
-    scratch.resize(static_cast<size_t>(t * n_local * width));
-    for (int64_t r = 0; r < t; ++r)
-      for (int64_t bi = 0; bi < b; ++bi)
-        std::memcpy(scratch.data() + (r * b + bi) * block, full.data() + (bi * s + r * sl) * width,
-                    sizeof(float) * block);
-    local.resize(static_cast<size_t>(n_local * width));
-    tp_comm->reduce_scatter(scratch.data(), local.data(), static_cast<size_t>(n_local * width));
-  }
-  // Leaves a row-parallel block with sequence parallelism: [b, s, h] partial sums become this
-  // rank's reduced [b, s/t, h] slice.
-  void scatter_sequence_in_place(Buffer& x) {
-    Buffer local;
-    scatter_sequence(x, local, h);
-    x.swap(local);
-  }
-  void all_reduce(Buffer& x) { tp_comm->all_reduce(x.data(), x.size()); }
-  // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
-  void residual_add(Buffer& out, const Buffer& residual, Buffer& partial, int64_t bias) {
-    out = residual;
-    add_into(out, partial);
-    add_bias(out, bias, h);
-    release(partial);
-  }
-
-  // Layernorm, or RMSNorm for models without biases (Llama).
-  void norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean, Buffer& rstd,
-                    int64_t n) {
-    y.resize(static_cast<size_t>(n * h));
-    rstd.resize(static_cast<size_t>(n));
-    if (beta >= 0) {
-      mean.resize(static_cast<size_t>(n));
-      k::layernorm_forward(x.data(), P(g), P(beta), y.data(), mean.data(), rstd.data(), n, h);
-    } else {
-      k::rmsnorm_forward(x.data(), P(g), y.data(), rstd.data(), n, h);
-    }
-  }
-  // dx = norm backward (overwritten).
-  void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
-                     const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n) {
-    dx.resize(static_cast<size_t>(n * h));
-    if (beta >= 0)
-      k::layernorm_backward(x.data(), P(g), mean.data(), rstd.data(), dy.data(), dx.data(), G(g),
-                            G(beta), n, h);
-    else
-      k::rmsnorm_backward(x.data(), P(g), rstd.data(), dy.data(), dx.data(), G(g), n, h);
-  }
-  static void add_into(Buffer& y, const Buffer& x) {
-    for (size_t i = 0; i < y.size(); ++i) y[i] += x[i];
-  }
-  void add_bias(Buffer& y, int64_t bias, int64_t width) {
-    if (bias < 0) return;
-    const float* bb = P(bias);
-    for (size_t i = 0; i < y.size(); ++i) y[i] += bb[static_cast<int64_t>(i) % width];
-  }
-  void bias_grad(const Buffer& dy, int64_t bias, int64_t width) {
-    if (bias < 0) return;
-    float* gb = G(bias);
-    for (size_t i = 0; i < dy.size(); ++i) gb[static_cast<int64_t>(i) % width] += dy[i];
-  }
-
-  // Transformer layer, one op at a time.
-  void layer_forward_op(OpId op, const LayerParams& W, LayerActs& A) {
-    const Buffer& ln1_full = sp ? A.ln1_full : A.ln1;
-    const Buffer& ln2_full = sp ? A.ln2_full : A.ln2;
-    switch (op) {
-      case OpId::kInputLayernorm:
-        norm_forward(A.x, W.ln1_g, W.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd, n_local);
-        break;
-      case OpId::kAttnAllGather:
-        gather_sequence(A.ln1, A.ln1_full, h);
-        break;
-      case OpId::kQkv: {
-        Buffer qkv(static_cast<size_t>(n_full * qkv_width()));
-        k::linear_forward(ln1_full.data(), P(W.qkv_w), W.qkv_b >= 0 ? P(W.qkv_b) : nullptr,
-                          qkv.data(), n_full, h, qkv_width());
-        A.q.resize(static_cast<size_t>(n_full * hl * d));
-        A.k.resize(static_cast<size_t>(n_full * gl * d));
-        A.v.resize(static_cast<size_t>(n_full * gl * d));
-        for (int64_t i = 0; i < n_full; ++i) {
-          const float* row = qkv.data() + i * qkv_width();
-          std::memcpy(A.q.data() + i * hl * d, row, sizeof(float) * hl * d);
-          std::memcpy(A.k.data() + i * gl * d, row + hl * d, sizeof(float) * gl * d);
-          std::memcpy(A.v.data() + i * gl * d, row + (hl + gl) * d, sizeof(float) * gl * d);
-        }
-        break;
-      }
-      case OpId::kAttnScores:
-        A.probs.resize(static_cast<size_t>(b * hl * s * s));
-        k::attention_scores_forward(A.q.data(), A.k.data(), A.probs.data(), b, s, hl, gl, d);
-        break;
-      case OpId::kAttnSoftmax:
-        k::causal_softmax_forward(A.probs.data(), b * hl, s);
-        break;
-      case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
-        break;
-      case OpId::kAttnContext:
-        A.ctx.resize(static_cast<size_t>(n_full * hl * d));
-        k::attention_context_forward(A.probs.data(), A.v.data(), A.ctx.data(), b, s, hl, gl, d);
-        break;
-      case OpId::kAttnProj:
-        A.proj.resize(static_cast<size_t>(n_full * h));
-        k::linear_forward<float>(A.ctx.data(), P(W.proj_w), nullptr, A.proj.data(), n_full, hl * d,
-                                 h);
-        break;
-      case OpId::kAttnAllReduce:
-        all_reduce(A.proj);
-        break;
-      case OpId::kAttnReduceScatter:
-        scatter_sequence_in_place(A.proj);
-        break;
-      case OpId::kAttnBiasDropoutAdd:
-        residual_add(A.h1, A.x, A.proj, W.proj_b);
-        break;
-      case OpId::kPostAttentionLayernorm:
-        norm_forward(A.h1, W.ln2_g, W.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd, n_local);
-        break;
-      case OpId::kMlpAllGather:
-        gather_sequence(A.ln2, A.ln2_full, h);
-        break;
-      case OpId::kFc1:
-        A.fc1.resize(static_cast<size_t>(n_full * fc1_width()));
-        k::linear_forward<float>(ln2_full.data(), P(W.fc1_w), nullptr, A.fc1.data(), n_full, h,
-                                 fc1_width());
-        break;
-      case OpId::kBiasGelu:
-        add_bias(A.fc1, W.fc1_b, ffl);
-        A.act.resize(A.fc1.size());
-        k::gelu_forward(A.fc1.data(), A.act.data(), static_cast<int64_t>(A.fc1.size()));
-        break;
-      case OpId::kSwiglu:
-        A.act.resize(static_cast<size_t>(n_full * ffl));
-        k::swiglu_forward(A.fc1.data(), A.act.data(), n_full, ffl);
-        break;
-      case OpId::kFc2:
-        A.fc2.resize(static_cast<size_t>(n_full * h));
-        k::linear_forward<float>(A.act.data(), P(W.fc2_w), nullptr, A.fc2.data(), n_full, ffl, h);
-        break;
-      case OpId::kMlpAllReduce:
-        all_reduce(A.fc2);
-        break;
-      case OpId::kMlpReduceScatter:
-        scatter_sequence_in_place(A.fc2);
-        break;
-      case OpId::kMlpBiasDropoutAdd:
-        residual_add(A.out, A.h1, A.fc2, W.fc2_b);
-        break;
-      default:
-        throw std::logic_error("not a forward op of a transformer layer");
-    }
-  }
-
-  void layer_backward_op(OpId op, const LayerParams& W, LayerActs& A, LayerGrads& D) {
-    const Buffer& ln1_full = sp ? A.ln1_full : A.ln1;
-    const Buffer& ln2_full = sp ? A.ln2_full : A.ln2;
-    // Without sequence parallelism (or with t = 1) the reduce-scatter/all-gather pairs are
-    // absent and the gradient of a row-parallel output is the layer's incoming gradient.
-    switch (op) {
-      case OpId::kMlpBiasDropoutAddBackward:
-        bias_grad(D.d_out, W.fc2_b, h);
-        D.d_h1 = D.d_out;
-        D.d_fc2 = D.d_out;
-        break;
-      case OpId::kMlpReduceScatterBackward:
-        gather_sequence(D.d_out, D.d_fc2, h);
-        break;
-      case OpId::kFc2Dgrad:
-        D.d_act.resize(static_cast<size_t>(n_full * ffl));
-        k::linear_backward<float>(nullptr, P(W.fc2_w), D.d_fc2.data(), D.d_act.data(), nullptr,
-                                  nullptr, n_full, ffl, h);
-        break;
-      case OpId::kFc2Wgrad:
-        k::linear_backward<float>(A.act.data(), nullptr, D.d_fc2.data(), nullptr, G(W.fc2_w),
-                                  nullptr, n_full, ffl, h);
-        break;
-      case OpId::kBiasGeluBackward:
-        D.d_pre.resize(A.fc1.size());
-        k::gelu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(),
-                         static_cast<int64_t>(A.fc1.size()));
-        bias_grad(D.d_pre, W.fc1_b, ffl);
-        break;
-      case OpId::kSwigluBackward:
-        D.d_pre.resize(A.fc1.size());
-        k::swiglu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), n_full, ffl);
-        break;
-      case OpId::kFc1Dgrad:
-        D.d_ln2_full.resize(static_cast<size_t>(n_full * h));
-        k::linear_backward<float>(nullptr, P(W.fc1_w), D.d_pre.data(), D.d_ln2_full.data(), nullptr,
-                                  nullptr, n_full, h, fc1_width());
-        break;
-      case OpId::kFc1InputGradAllReduce:
-        all_reduce(D.d_ln2_full);
-        break;
-      case OpId::kFc1Wgrad:
-        k::linear_backward<float>(ln2_full.data(), nullptr, D.d_pre.data(), nullptr, G(W.fc1_w),
-                                  nullptr, n_full, h, fc1_width());
-        break;
-      case OpId::kMlpAllGatherBackward:
-        scatter_sequence(D.d_ln2_full, D.d_ln2, h);
-        break;
-      case OpId::kPostAttentionLayernormBackward:
-        norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, sp ? D.d_ln2 : D.d_ln2_full,
-                      D.tmp, n_local);
-        add_into(D.d_h1, D.tmp);
-        break;
-      case OpId::kAttnBiasDropoutAddBackward:
-        bias_grad(D.d_h1, W.proj_b, h);
-        D.d_x = D.d_h1;
-        D.d_proj = D.d_h1;
-        break;
-      case OpId::kAttnReduceScatterBackward:
-        gather_sequence(D.d_h1, D.d_proj, h);
-        break;
-      case OpId::kAttnProjDgrad:
-        D.d_ctx.resize(static_cast<size_t>(n_full * hl * d));
-        k::linear_backward<float>(nullptr, P(W.proj_w), D.d_proj.data(), D.d_ctx.data(), nullptr,
-                                  nullptr, n_full, hl * d, h);
-        break;
-      case OpId::kAttnProjWgrad:
-        k::linear_backward<float>(A.ctx.data(), nullptr, D.d_proj.data(), nullptr, G(W.proj_w),
-                                  nullptr, n_full, hl * d, h);
-        break;
-      case OpId::kAttnContextDprobs:
-        D.d_probs.resize(A.probs.size());
-        k::attention_context_backward<float>(A.probs.data(), A.v.data(), D.d_ctx.data(),
-                                             D.d_probs.data(), nullptr, b, s, hl, gl, d);
-        break;
-      case OpId::kAttnContextDv:
-        D.dv.resize(A.v.size());
-        k::attention_context_backward<float>(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
-                                             D.dv.data(), b, s, hl, gl, d);
-        break;
-      case OpId::kAttnDropoutBackward:
-        break;
-      case OpId::kAttnSoftmaxBackward:
-        k::causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), b * hl, s);
-        break;
-      case OpId::kAttnScoresDq:
-        D.dq.resize(A.q.size());
-        k::attention_scores_backward<float>(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(),
-                                            nullptr, b, s, hl, gl, d);
-        break;
-      case OpId::kAttnScoresDk:
-        D.dk.resize(A.k.size());
-        k::attention_scores_backward<float>(A.q.data(), A.k.data(), D.d_probs.data(), nullptr,
-                                            D.dk.data(), b, s, hl, gl, d);
-        break;
-      case OpId::kQkvDgrad:
-        D.d_qkv.resize(static_cast<size_t>(n_full * qkv_width()));
-        for (int64_t i = 0; i < n_full; ++i) {
-          float* row = D.d_qkv.data() + i * qkv_width();
-          std::memcpy(row, D.dq.data() + i * hl * d, sizeof(float) * hl * d);
-          std::memcpy(row + hl * d, D.dk.data() + i * gl * d, sizeof(float) * gl * d);
-          std::memcpy(row + (hl + gl) * d, D.dv.data() + i * gl * d, sizeof(float) * gl * d);
-        }
-        D.d_ln1_full.resize(static_cast<size_t>(n_full * h));
-        k::linear_backward<float>(nullptr, P(W.qkv_w), D.d_qkv.data(), D.d_ln1_full.data(), nullptr,
-                                  nullptr, n_full, h, qkv_width());
-        break;
-      case OpId::kQkvInputGradAllReduce:
-        all_reduce(D.d_ln1_full);
-        break;
-      case OpId::kQkvWgrad:
-        k::linear_backward<float>(ln1_full.data(), nullptr, D.d_qkv.data(), nullptr, G(W.qkv_w),
-                                  W.qkv_b >= 0 ? G(W.qkv_b) : nullptr, n_full, h, qkv_width());
-        break;
-      case OpId::kAttnAllGatherBackward:
-        scatter_sequence(D.d_ln1_full, D.d_ln1, h);
-        break;
-      case OpId::kInputLayernormBackward:
-        norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, sp ? D.d_ln1 : D.d_ln1_full,
-                      D.tmp, n_local);
-        add_into(D.d_x, D.tmp);
-        break;
-      default:
-        throw std::logic_error("not a backward op of a transformer layer");
-    }
-  }
-
-  // After a layer's forward pass, drop what the recompute mode does not keep.
-  void drop_recomputed(LayerActs& A, Recompute r) {
-    if (r == Recompute::kNone) return;
-    release(A.probs);  // selective: the attention core is recomputed
-    if (r == Recompute::kSelective) return;
-    for (Buffer* x : {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q, &A.k, &A.v, &A.ctx,
-                      &A.h1, &A.ln2, &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1, &A.act})
-      release(*x);
-  }
-
-  // Vocabulary-parallel embedding and LM head.
-  void embedding_op(OpId op, const Chunk& c, ChunkActs& A, Buffer& x, Buffer* dx) {
-    const int64_t sl = sp ? s / t : s;
-    const int64_t first_pos = sp ? self->layout_.tp * sl : 0;
-    switch (op) {
-      case OpId::kWordEmbeddingLookup: {
-        A.emb.assign(static_cast<size_t>(n_full * h), 0.0f);
-        const float* table = P(c.word);
-        for (int64_t i = 0; i < n_full; ++i) {
-          const int64_t tok = A.inputs[static_cast<size_t>(i)] - v0;
-          if (tok >= 0 && tok < vl)
-            std::memcpy(A.emb.data() + i * h, table + tok * h, sizeof(float) * h);
-        }
-        break;
-      }
-      case OpId::kEmbeddingAllReduce:
-        all_reduce(A.emb);
-        break;
-      case OpId::kEmbeddingReduceScatter:
-        scatter_sequence_in_place(A.emb);
-        break;
-      case OpId::kEmbeddingPositionDropout: {
-        x = A.emb;
-        release(A.emb);
-        const float* pos = P(c.pos);
-        for (int64_t bi = 0; bi < b; ++bi)
-          for (int64_t j = 0; j < sl; ++j)
-            for (int64_t e = 0; e < h; ++e)
-              x[(bi * sl + j) * h + e] += pos[(first_pos + j) * h + e];
-        break;
-      }
-      case OpId::kEmbeddingDropoutBackward: {
-        float* gpos = G(c.pos);
-        for (int64_t bi = 0; bi < b; ++bi)
-          for (int64_t j = 0; j < sl; ++j)
-            for (int64_t e = 0; e < h; ++e)
-              gpos[(first_pos + j) * h + e] += (*dx)[(bi * sl + j) * h + e];
-        break;
-      }
-      case OpId::kEmbeddingGradAllGather: {
-        Buffer full;
-        gather_sequence(*dx, full, h);
-        dx->swap(full);
-        break;
-      }
-      case OpId::kWordEmbeddingGradScatterAdd: {
-        float* gw = G(c.word);
-        for (int64_t i = 0; i < n_full; ++i) {
-          const int64_t tok = A.inputs[static_cast<size_t>(i)] - v0;
-          if (tok < 0 || tok >= vl) continue;
-          for (int64_t e = 0; e < h; ++e) gw[tok * h + e] += (*dx)[i * h + e];
-        }
-        break;
-      }
-      default:
-        throw std::logic_error("not an embedding op");
-    }
-  }
-
-  // Finishes the vocabulary-parallel cross-entropy from per-rank (max, sum of exp, target logit)
-  // triples: lse = log-sum-exp over the whole vocabulary; probs become the softmax.
-  double finish_cross_entropy(ChunkActs& A, const float* stats, int64_t ranks) {
-    A.lse.resize(static_cast<size_t>(n_full));
-    double loss = 0;
-    for (int64_t i = 0; i < n_full; ++i) {
-      float mx = -INFINITY;
-      for (int64_t r = 0; r < ranks; ++r) mx = std::max(mx, stats[(r * n_full + i) * 3]);
-      float sum = 0, target = 0;
-      for (int64_t r = 0; r < ranks; ++r) {
-        const float* st = stats + (r * n_full + i) * 3;
-        sum += st[1] * std::exp(st[0] - mx);
-        target += st[2];
-      }
-      const float lse = mx + std::log(sum);
-      A.lse[static_cast<size_t>(i)] = lse;
-      loss += static_cast<double>(lse - target);
-    }
-    const int64_t valid = std::min(vl, vocab - v0);
-    for (int64_t i = 0; i < n_full; ++i) {
-      float* row = A.probs.data() + i * vl;
-      for (int64_t j = 0; j < vl; ++j)
-        row[j] = j < valid ? std::exp(row[j] - A.lse[static_cast<size_t>(i)]) : 0.0f;
-    }
-    return loss / static_cast<double>(n_full);
-  }
-
-  double head_forward_op(OpId op, const Chunk& c, ChunkActs& A) {
-    const Buffer& lnf_full = sp ? A.lnf_full : A.lnf;
-    switch (op) {
-      case OpId::kFinalLayernorm:
-        norm_forward(A.lnf_in, c.lnf_g, c.lnf_b, A.lnf, A.lnf_mean, A.lnf_rstd, n_local);
-        break;
-      case OpId::kLmHeadAllGather:
-        gather_sequence(A.lnf, A.lnf_full, h);
-        break;
-      case OpId::kLmHead:
-        A.probs.resize(static_cast<size_t>(n_full * vl));  // logits until the loss is finished
-        k::linear_forward<float>(lnf_full.data(), P(c.head), nullptr, A.probs.data(), n_full, h,
-                                 vl);
-        break;
-      case OpId::kCrossEntropy: {
-        const int64_t valid = std::min(vl, vocab - v0);
-        A.stats.resize(static_cast<size_t>(n_full * 3));
-        for (int64_t i = 0; i < n_full; ++i) {
-          const float* row = A.probs.data() + i * vl;
-          float mx = -INFINITY;
-          for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
-          float sum = 0;
-          for (int64_t j = 0; j < valid; ++j) sum += std::exp(row[j] - mx);
-          const int64_t tgt = A.targets[static_cast<size_t>(i)] - v0;
-          A.stats[static_cast<size_t>(i * 3)] = valid > 0 ? mx : -INFINITY;
-          A.stats[static_cast<size_t>(i * 3 + 1)] = sum;
-          A.stats[static_cast<size_t>(i * 3 + 2)] = tgt >= 0 && tgt < valid ? row[tgt] : 0.0f;
-        }
-        if (t == 1) return finish_cross_entropy(A, A.stats.data(), 1);
-        break;
-      }
-      case OpId::kCrossEntropyAllGather: {
-        Buffer all(static_cast<size_t>(t * n_full * 3));
-        tp_comm->all_gather(A.stats.data(), all.data(), A.stats.size());
-        return finish_cross_entropy(A, all.data(), t);
-      }
-      default:
-        throw std::logic_error("not an LM-head forward op");
-    }
-    return 0;
-  }
-
-  void head_backward_op(OpId op, const Chunk& c, ChunkActs& A, LayerGrads& D, double scale) {
-    const Buffer& lnf_full = sp ? A.lnf_full : A.lnf;
-    switch (op) {
-      case OpId::kCrossEntropyBackward: {
-        // d(loss_scale * mean loss)/dlogits = (softmax - onehot) * scale / tokens, in place.
-        const float f = static_cast<float>(scale / static_cast<double>(n_full));
-        for (int64_t i = 0; i < n_full; ++i) {
-          float* row = A.probs.data() + i * vl;
-          for (int64_t j = 0; j < vl; ++j) row[j] *= f;
-          const int64_t tgt = A.targets[static_cast<size_t>(i)] - v0;
-          if (tgt >= 0 && tgt < vl) row[tgt] -= f;
-        }
-        break;
-      }
-      case OpId::kLmHeadDgrad:
-        D.d_ln1_full.resize(static_cast<size_t>(n_full * h));
-        k::linear_backward<float>(nullptr, P(c.head), A.probs.data(), D.d_ln1_full.data(), nullptr,
-                                  nullptr, n_full, h, vl);
-        break;
-      case OpId::kLmHeadWgrad:
-        k::linear_backward<float>(lnf_full.data(), nullptr, A.probs.data(), nullptr, G(c.head),
-                                  nullptr, n_full, h, vl);
-        break;
-      case OpId::kLmHeadGradReduceScatter:
-        scatter_sequence(D.d_ln1_full, D.d_ln1, h);
-        break;
-      case OpId::kLmHeadInputGradAllReduce:
-        all_reduce(D.d_ln1_full);
-        break;
-      case OpId::kFinalLayernormBackward:
-        norm_backward(A.lnf_in, c.lnf_g, c.lnf_b, A.lnf_mean, A.lnf_rstd,
-                      sp ? D.d_ln1 : D.d_ln1_full, D.d_out, n_local);
-        break;
-      default:
-        throw std::logic_error("not an LM-head backward op");
-    }
-  }
 };
 
 GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
-                   uint64_t seed)
+                   uint64_t seed, Backend* backend)
     : model_(m), layout_(layout), impl_(std::make_unique<Impl>()) {
   validate_shard_layout(m, layout);
-  Impl& I = *impl_;
-  I.self = this;
-  I.tp_comm = tensor_group;
+  Impl& J = *impl_;
+  if (!backend) {
+    J.own_backend = make_backend("cpu");
+    backend = J.own_backend.get();
+  }
+  ShardDims I;
   I.t = layout.t;
+  I.tp = layout.tp;
+  I.swiglu = m.swiglu;
   I.b = layout.micro_batch;
   I.s = m.seq_length;
   I.h = m.hidden_size;
@@ -633,23 +147,18 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   I.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
   I.n_full = I.b * I.s;
   I.n_local = I.sp ? I.n_full / I.t : I.n_full;
+  J.ctx = std::make_unique<ShardContext>(*backend, tensor_group, I);
 
-  ParallelPlan shape_plan;
-  shape_plan.tensor_parallel = I.t;
-  shape_plan.micro_batch_size = I.b;
-  shape_plan.sequence_parallel = I.sp;
-  shape_plan.recompute = layout.recompute;
-  shape_plan.gradient_accumulation_fusion = true;  // gradients accumulate in place
-  const LayerShape shape = layer_shape(shape_plan);
+  const LayerShape shape = runtime_layer_shape(m, layout);
   const PassOps layer = transformer_layer_ops(m, shape);
   const PassOps emb = embedding_ops(m, shape), head = lm_head_ops(m, shape);
-  I.layer_fwd = compile(layer.forward);
-  I.layer_bwd = compile(layer.backward);
-  I.layer_recompute = compile(layer.recompute);
-  I.emb_fwd = compile(emb.forward);
-  I.emb_bwd = compile(emb.backward);
-  I.head_fwd = compile(head.forward);
-  I.head_bwd = compile(head.backward);
+  J.layer_fwd = compile(layer.forward, is_layer_forward_op);
+  J.layer_bwd = compile(layer.backward, is_layer_backward_op);
+  J.layer_recompute = compile(layer.recompute, is_layer_forward_op);
+  J.emb_fwd = compile(emb.forward, is_embedding_op);
+  J.emb_bwd = compile(emb.backward, is_embedding_op);
+  J.head_fwd = compile(head.forward, is_head_forward_op);
+  J.head_bwd = compile(head.backward, is_head_backward_op);
 
   // Parameters, in two segments (word embedding, the rest), each padded to segment_multiple.
   struct Pending {
@@ -711,7 +220,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   const int64_t stages = layout.p * layout.v;
   std::vector<int64_t> per_stage = layout.layers_per_stage;
   if (per_stage.empty()) per_stage.assign(static_cast<size_t>(stages), m.num_layers / stages);
-  I.chunks.resize(static_cast<size_t>(layout.v));
+  J.chunks.resize(static_cast<size_t>(layout.v));
   int64_t word_index = -1;
   struct ChunkIdx {
     std::vector<std::array<int64_t, 12>> layers;
@@ -719,7 +228,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   };
   std::vector<ChunkIdx> idx(static_cast<size_t>(layout.v));
   for (int64_t c = 0; c < layout.v; ++c) {
-    Chunk& ch = I.chunks[static_cast<size_t>(c)];
+    Chunk& ch = J.chunks[static_cast<size_t>(c)];
     ChunkIdx& ix = idx[static_cast<size_t>(c)];
     const int64_t g = c * layout.p + layout.pp;
     ch.first = g == 0;
@@ -830,19 +339,21 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   }
   params_.assign(static_cast<size_t>(offset), 0.0f);
   grads_.assign(static_cast<size_t>(offset), 0.0f);
+  J.ctx->params = params_.data();
+  J.ctx->grads = grads_.data();
   for (Pending& p : pending) {
     p.init(params_.data() + p.info.offset);
     infos_.push_back(p.info);
   }
   auto off = [&](int64_t i) { return i < 0 ? int64_t{-1} : infos_[static_cast<size_t>(i)].offset; };
   for (int64_t c = 0; c < layout.v; ++c) {
-    Chunk& ch = I.chunks[static_cast<size_t>(c)];
+    Chunk& ch = J.chunks[static_cast<size_t>(c)];
     const ChunkIdx& ix = idx[static_cast<size_t>(c)];
-    ch.word = off(ix.word);
-    ch.pos = off(ix.pos);
-    ch.lnf_g = off(ix.lnf_g);
-    ch.lnf_b = off(ix.lnf_b);
-    ch.head = off(ix.head);
+    ch.params.word = off(ix.word);
+    ch.params.pos = off(ix.pos);
+    ch.params.lnf_g = off(ix.lnf_g);
+    ch.params.lnf_b = off(ix.lnf_b);
+    ch.params.head = off(ix.head);
     for (const auto& L : ix.layers) {
       LayerParams W;
       W.ln1_g = off(L[0]);
@@ -871,10 +382,16 @@ bool GptShard::last_stage(int64_t chunk) const {
   return impl_->chunks[static_cast<size_t>(chunk)].last;
 }
 int64_t GptShard::boundary_elements() const {
-  return impl_->n_local * impl_->h;
+  return impl_->ctx->dims.n_local * impl_->ctx->dims.h;
 }
 int64_t GptShard::tokens_per_microbatch() const {
-  return impl_->b * (impl_->s + 1);
+  return impl_->ctx->dims.b * (impl_->ctx->dims.s + 1);
+}
+Backend& GptShard::backend() {
+  return impl_->ctx->be;
+}
+void GptShard::trace_ops(std::vector<ExecutedOp>* sink) {
+  impl_->ctx->trace = sink;
 }
 
 int64_t GptShard::real_parameters() const {
@@ -887,73 +404,98 @@ int64_t GptShard::real_parameters() const {
 double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const Buffer* input,
                          Buffer* output) {
   Impl& I = *impl_;
-  const Chunk& c = I.chunks[static_cast<size_t>(chunk)];
+  ShardContext& c = *I.ctx;
+  const ShardDims& d = c.dims;
+  const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   ChunkActs& A = I.stash[{chunk, mb}];
-  A.layers.resize(static_cast<size_t>(c.num_layers));
+  A.layers.resize(static_cast<size_t>(ch.num_layers));
   Buffer x;
   // The first stage reads the inputs (tokens 0..s-1 of each sequence), the last the targets
   // (tokens 1..s).
-  auto take = [&](std::vector<int32_t>& out, int64_t shift) {
-    out.resize(static_cast<size_t>(I.n_full));
-    for (int64_t bi = 0; bi < I.b; ++bi)
-      for (int64_t j = 0; j < I.s; ++j)
-        out[static_cast<size_t>(bi * I.s + j)] = tokens[bi * (I.s + 1) + j + shift];
-  };
-  if (c.first) take(A.inputs, 0);
-  if (c.last) take(A.targets, 1);
-  if (c.first) {
-    for (OpId op : I.emb_fwd) I.embedding_op(op, c, A, x, nullptr);
-  } else {
-    if (!input || static_cast<int64_t>(input->size()) != I.n_local * I.h)
-      throw std::logic_error("forward: missing or mis-sized input activation");
-    x = *input;
+  if (ch.first) {
+    A.inputs.resize(static_cast<size_t>(d.n_full));
+    kernels::token_window(tokens, A.inputs.data(), d.b, d.s, 0);
   }
-  for (int64_t l = 0; l < c.num_layers; ++l) {
+  if (ch.last) {
+    A.targets.resize(static_cast<size_t>(d.n_full));
+    kernels::token_window(tokens, A.targets.data(), d.b, d.s, 1);
+  }
+  if (ch.first) {
+    for (OpId op : I.emb_fwd) {
+      c.begin(op, PassKind::kForward);
+      embedding_op(c, op, ch.params, A, x, nullptr);
+    }
+  } else {
+    if (!input || elems(*input) != d.n_local * d.h)
+      throw std::logic_error("forward: missing or mis-sized input activation");
+    c.copy(*input, x);
+  }
+  for (int64_t l = 0; l < ch.num_layers; ++l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     L.x.swap(x);
-    for (OpId op : I.layer_fwd) I.layer_forward_op(op, c.layers[static_cast<size_t>(l)], L);
+    for (OpId op : I.layer_fwd) {
+      c.begin(op, PassKind::kForward);
+      layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
+    }
     x.swap(L.out);
     release(L.out);
-    I.drop_recomputed(L, layout_.recompute);
+    drop_recomputed(L, layout_.recompute);
   }
-  if (!c.last) {
+  if (!ch.last) {
     *output = std::move(x);
     return 0;
   }
   A.lnf_in.swap(x);
   double loss = 0;
-  for (OpId op : I.head_fwd) loss += I.head_forward_op(op, c, A);
+  for (OpId op : I.head_fwd) {
+    c.begin(op, PassKind::kForward);
+    loss += head_forward_op(c, op, ch.params, A);
+  }
   return loss;
 }
 
 void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                         double loss_scale) {
   Impl& I = *impl_;
-  const Chunk& c = I.chunks[static_cast<size_t>(chunk)];
+  ShardContext& c = *I.ctx;
+  const ShardDims& d = c.dims;
+  const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   auto it = I.stash.find({chunk, mb});
   if (it == I.stash.end()) throw std::logic_error("backward before forward");
   ChunkActs& A = it->second;
   LayerGrads D;
-  if (c.last) {
-    for (OpId op : I.head_bwd) I.head_backward_op(op, c, A, D, loss_scale);
+  if (ch.last) {
+    for (OpId op : I.head_bwd) {
+      c.begin(op, PassKind::kBackward);
+      head_backward_op(c, op, ch.params, A, D, loss_scale);
+    }
   } else {
-    if (!grad_output || static_cast<int64_t>(grad_output->size()) != I.n_local * I.h)
+    if (!grad_output || elems(*grad_output) != d.n_local * d.h)
       throw std::logic_error("backward: missing or mis-sized output gradient");
-    D.d_out = *grad_output;
+    c.copy(*grad_output, D.d_out);
   }
-  for (int64_t l = c.num_layers - 1; l >= 0; --l) {
+  for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
-    const LayerParams& W = c.layers[static_cast<size_t>(l)];
-    for (OpId op : I.layer_recompute) I.layer_forward_op(op, W, L);
+    const LayerParams& W = ch.layers[static_cast<size_t>(l)];
+    for (OpId op : I.layer_recompute) {
+      c.begin(op, PassKind::kRecompute);
+      layer_forward_op(c, op, W, L);
+    }
     release(L.out);
     D.d_x.clear();
-    for (OpId op : I.layer_bwd) I.layer_backward_op(op, W, L, D);
+    for (OpId op : I.layer_bwd) {
+      c.begin(op, PassKind::kBackward);
+      layer_backward_op(c, op, W, L, D);
+    }
     D.d_out.swap(D.d_x);
     L = LayerActs();
   }
-  if (c.first) {
+  if (ch.first) {
     Buffer unused;
-    for (OpId op : I.emb_bwd) I.embedding_op(op, c, A, unused, &D.d_out);
+    for (OpId op : I.emb_bwd) {
+      c.begin(op, PassKind::kBackward);
+      embedding_op(c, op, ch.params, A, unused, &D.d_out);
+    }
   } else {
     *grad_input = std::move(D.d_out);
   }

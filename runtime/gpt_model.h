@@ -13,11 +13,13 @@
 //
 // The passes are not hand-written sequences: each transformer layer executes the op list of
 // core/layer_ops.h (transformer_layer_ops, embedding_ops, lm_head_ops) for this rank's shape,
-// one kernel or collective per op, so the cost model prices exactly the ops that run here; an
-// op the runtime cannot execute is an error at construction. Recomputation follows the same
-// lists: after its forward pass a layer keeps what the recompute mode stores, and before its
-// backward pass runs the list's recompute ops (all of the forward for full, the attention core
-// for selective).
+// dispatching on each op's OpId to one kernel or collective (runtime/transformer_layer.cc,
+// runtime/embedding_head.cc), so the cost model prices exactly the ops that run here; an op
+// the runtime cannot execute is an error at construction. Kernels run on a Backend
+// (runtime/backend.h); with a trace attached, the shard records every op it executes. Recomputation
+// follows the same lists: after its forward pass a layer keeps what the recompute mode stores, and
+// before its backward pass runs the list's recompute ops (all of the forward for full, the
+// attention core for selective).
 //
 // Activations are [b, s, h] row-major (sequence-parallel slices [b, s/t, h]); weights are
 // [out, in] like Megatron's. Initial values are a hash of (seed, parameter name, global
@@ -34,6 +36,7 @@
 #include "core/layer_ops.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
+#include "runtime/backend.h"
 #include "runtime/communicator.h"
 #include "runtime/tensor.h"
 
@@ -53,6 +56,10 @@ struct ShardLayout {
   int64_t segment_multiple = 1;
 };
 
+// The shape of the op lists this layout executes: fp32 activations (the CPU backend), weight
+// gradients accumulated in place.
+LayerShape runtime_layer_shape(const ModelSpec& m, const ShardLayout& s);
+
 // Throws InputError naming the flag when the model cannot be sharded so (t must divide heads,
 // query groups and, with sequence parallelism, the sequence; layers must split evenly, ...).
 void validate_shard_layout(const ModelSpec& m, const ShardLayout& s);
@@ -69,14 +76,27 @@ struct ParamInfo {
   bool tied_copy = false;      // the last stage's copy of the word embedding
 };
 
+// One op as the shard executed it: its identity, the role it played (a weight gradient when it
+// accumulated into a weight's gradient in the backward pass), and what it ran: a collective's
+// kind and buffer bytes (as the op list counts them), or a GEMM's shape.
+struct ExecutedOp {
+  OpId id = OpId::kInputLayernorm;
+  OpRole role = OpRole::kForward;
+  OpKind kind = OpKind::kMemory;
+  Collective collective = Collective::kAllReduce;
+  double bytes = 0;
+  int64_t m = 0, n = 0, k = 0, batch = 0;
+};
+
 struct Segment {
   int64_t offset = 0, size = 0;  // size is a multiple of ShardLayout::segment_multiple
 };
 
 class GptShard {
  public:
-  GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
-           uint64_t seed);
+  // backend: where the kernels run (null: a CPU backend of the shard's own).
+  GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group, uint64_t seed,
+           Backend* backend = nullptr);
   ~GptShard();
   GptShard(const GptShard&) = delete;
   GptShard& operator=(const GptShard&) = delete;
@@ -110,6 +130,9 @@ class GptShard {
   const std::vector<Segment>& segments() const { return segments_; }
   // Parameters of the whole model held here without padding or tied copies.
   int64_t real_parameters() const;
+  Backend& backend();
+  // Appends every op executed from now on to `sink` (null: stop recording).
+  void trace_ops(std::vector<ExecutedOp>* sink);
 
   struct Impl;
 

@@ -1,0 +1,165 @@
+// Backends: the CPU backend, each of whose calls is the kernel of the same name in kernels/cpu/.
+#include "runtime/backend.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/kernels.h"
+
+namespace ptdp {
+namespace {
+
+namespace k = kernels;
+
+class CpuBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cpu"; }
+
+  void linear_forward(const float* x, const float* w, const float* b, float* y, int64_t n,
+                      int64_t in, int64_t out) override {
+    k::linear_forward(x, w, b, y, n, in, out);
+  }
+  void linear_dgrad(const float* w, const float* dy, float* dx, int64_t n, int64_t in,
+                    int64_t out) override {
+    k::linear_backward<float>(nullptr, w, dy, dx, nullptr, nullptr, n, in, out);
+  }
+  void linear_wgrad(const float* x, const float* dy, float* dw, float* db, int64_t n, int64_t in,
+                    int64_t out) override {
+    k::linear_backward<float>(x, nullptr, dy, nullptr, dw, db, n, in, out);
+  }
+  void attention_scores(const float* q, const float* kk, float* scores, int64_t b, int64_t s,
+                        int64_t hq, int64_t hk, int64_t d) override {
+    k::attention_scores_forward(q, kk, scores, b, s, hq, hk, d);
+  }
+  void attention_scores_backward(const float* q, const float* kk, const float* dscores, float* dq,
+                                 float* dk, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                                 int64_t d) override {
+    k::attention_scores_backward(q, kk, dscores, dq, dk, b, s, hq, hk, d);
+  }
+  void causal_softmax(float* scores, int64_t rows, int64_t s) override {
+    k::causal_softmax_forward(scores, rows, s);
+  }
+  void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores,
+                               int64_t rows, int64_t s) override {
+    k::causal_softmax_backward(probs, dprobs, dscores, rows, s);
+  }
+  void attention_context(const float* probs, const float* v, float* out, int64_t b, int64_t s,
+                         int64_t hq, int64_t hk, int64_t d) override {
+    k::attention_context_forward(probs, v, out, b, s, hq, hk, d);
+  }
+  void attention_context_backward(const float* probs, const float* v, const float* dout,
+                                  float* dprobs, float* dv, int64_t b, int64_t s, int64_t hq,
+                                  int64_t hk, int64_t d) override {
+    k::attention_context_backward(probs, v, dout, dprobs, dv, b, s, hq, hk, d);
+  }
+
+  void norm_forward(const float* x, const float* g, const float* beta, float* y, float* mean,
+                    float* rstd, int64_t n, int64_t h) override {
+    if (beta)
+      k::layernorm_forward(x, g, beta, y, mean, rstd, n, h);
+    else
+      k::rmsnorm_forward(x, g, y, rstd, n, h);
+  }
+  void norm_backward(const float* x, const float* g, bool has_beta, const float* mean,
+                     const float* rstd, const float* dy, float* dx, float* dg, float* dbeta,
+                     int64_t n, int64_t h) override {
+    if (has_beta)
+      k::layernorm_backward(x, g, mean, rstd, dy, dx, dg, dbeta, n, h);
+    else
+      k::rmsnorm_backward(x, g, rstd, dy, dx, dg, n, h);
+  }
+  void gelu(const float* x, float* y, int64_t n) override { k::gelu_forward(x, y, n); }
+  void gelu_backward(const float* x, const float* dy, float* dx, int64_t n) override {
+    k::gelu_backward(x, dy, dx, n);
+  }
+  void swiglu(const float* x, float* y, int64_t n, int64_t f) override {
+    k::swiglu_forward(x, y, n, f);
+  }
+  void swiglu_backward(const float* x, const float* dy, float* dx, int64_t n, int64_t f) override {
+    k::swiglu_backward(x, dy, dx, n, f);
+  }
+
+  void copy(const float* x, float* y, int64_t n) override {
+    if (n > 0) std::memcpy(y, x, sizeof(float) * static_cast<size_t>(n));
+  }
+  void fill_zero(float* x, int64_t n) override { std::fill(x, x + n, 0.0f); }
+  void add(float* y, const float* x, int64_t n) override { k::add(y, x, n); }
+  void add_bias(float* y, const float* bias, int64_t rows, int64_t width) override {
+    k::add_bias(y, bias, rows, width);
+  }
+  void bias_grad(const float* dy, float* db, int64_t rows, int64_t width) override {
+    k::bias_grad(dy, db, rows, width);
+  }
+  void scale(float* x, int64_t n, double f) override { k::scale(x, n, f); }
+  void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
+                      int64_t b, int64_t c) override {
+    k::split_columns3(x, y0, y1, y2, n, a, b, c);
+  }
+  void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
+                       int64_t a, int64_t b, int64_t c) override {
+    k::concat_columns3(x0, x1, x2, y, n, a, b, c);
+  }
+  void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
+                        int64_t width) override {
+    k::sequence_unshard(shards, full, t, b, s, width);
+  }
+  void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
+                      int64_t width) override {
+    k::sequence_shard(full, shards, t, b, s, width);
+  }
+  void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
+                              int64_t h, int64_t v0, int64_t vl) override {
+    k::vocab_embedding_lookup(tokens, table, y, n, h, v0, vl);
+  }
+  void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
+                            int64_t h, int64_t v0, int64_t vl) override {
+    k::vocab_embedding_grad(tokens, dy, dtable, n, h, v0, vl);
+  }
+  void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h,
+                     int64_t first) override {
+    k::add_positions(x, pos, b, sl, h, first);
+  }
+  void position_grad(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h,
+                     int64_t first) override {
+    k::position_grad(dx, dpos, b, sl, h, first);
+  }
+  void cross_entropy_stats(const float* logits, const int32_t* targets, float* stats, int64_t n,
+                           int64_t vl, int64_t valid, int64_t v0) override {
+    k::cross_entropy_stats(logits, targets, stats, n, vl, valid, v0);
+  }
+  double cross_entropy_finish(const float* stats, int64_t ranks, float* logits, float* lse,
+                              int64_t n, int64_t vl, int64_t valid) override {
+    return k::cross_entropy_finish(stats, ranks, logits, lse, n, vl, valid);
+  }
+  void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl,
+                              int64_t v0, double scale) override {
+    k::cross_entropy_backward(probs, targets, n, vl, v0, scale);
+  }
+
+  double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
+  void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWSettings& o,
+             int64_t step) override {
+    k::AdamW a;
+    a.lr = o.lr;
+    a.beta1 = o.beta1;
+    a.beta2 = o.beta2;
+    a.eps = o.eps;
+    a.weight_decay = o.weight_decay;
+    k::adamw_step(param, grad, m, v, n, a, step);
+  }
+
+  void synchronize() override {}
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_backend(std::string_view name) {
+  if (name == "cpu") return std::make_unique<CpuBackend>();
+  if (name == "cuda")
+    throw InputError("--backend", "cuda is not available in this build (CPU backend only)");
+  throw InputError("--backend", "unknown backend '" + std::string(name) + "' (expected cpu)");
+}
+
+}  // namespace ptdp

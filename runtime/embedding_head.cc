@@ -1,0 +1,131 @@
+#include "runtime/embedding_head.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace ptdp {
+
+bool is_embedding_op(OpId id) {
+  return id >= OpId::kWordEmbeddingLookup && id <= OpId::kWordEmbeddingGradScatterAdd;
+}
+bool is_head_forward_op(OpId id) {
+  return id >= OpId::kFinalLayernorm && id <= OpId::kCrossEntropyAllGather;
+}
+bool is_head_backward_op(OpId id) {
+  return id >= OpId::kCrossEntropyBackward && id <= OpId::kFinalLayernormBackward;
+}
+
+void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, Buffer& x,
+                  Buffer* dx) {
+  const ShardDims& m = c.dims;
+  const int64_t sl = m.sp ? m.s / m.t : m.s;
+  const int64_t first_pos = m.sp ? m.tp * sl : 0;
+  switch (op) {
+    case OpId::kWordEmbeddingLookup:
+      resize(A.emb, m.n_full * m.h);
+      c.be.vocab_embedding_lookup(A.inputs.data(), c.P(W.word), A.emb.data(), m.n_full, m.h, m.v0,
+                                  m.vl);
+      break;
+    case OpId::kEmbeddingAllReduce:
+      c.all_reduce(A.emb);
+      break;
+    case OpId::kEmbeddingReduceScatter:
+      c.scatter_sequence_in_place(A.emb);
+      break;
+    case OpId::kEmbeddingPositionDropout:
+      x.swap(A.emb);
+      release(A.emb);
+      c.be.add_positions(x.data(), c.P(W.pos), m.b, sl, m.h, first_pos);
+      break;
+    case OpId::kEmbeddingDropoutBackward:
+      c.be.position_grad(dx->data(), c.G(W.pos), m.b, sl, m.h, first_pos);
+      break;
+    case OpId::kEmbeddingGradAllGather: {
+      Buffer full;
+      c.gather_sequence(*dx, full, m.h);
+      dx->swap(full);
+      break;
+    }
+    case OpId::kWordEmbeddingGradScatterAdd:
+      c.be.vocab_embedding_grad(A.inputs.data(), dx->data(), c.G(W.word), m.n_full, m.h, m.v0,
+                                m.vl);
+      c.weight_gradient_done();
+      break;
+    default:
+      throw std::logic_error("not an embedding op");
+  }
+}
+
+double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A) {
+  const ShardDims& m = c.dims;
+  const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
+  const int64_t valid = std::min(m.vl, m.vocab - m.v0);
+  // The loss: log-sum-exp over the whole vocabulary from every rank's stats; the logits
+  // become probabilities in place.
+  auto finish = [&](const float* stats, int64_t ranks) {
+    resize(A.lse, m.n_full);
+    const double sum = c.be.cross_entropy_finish(stats, ranks, A.probs.data(), A.lse.data(),
+                                                 m.n_full, m.vl, valid);
+    return sum / static_cast<double>(m.n_full);
+  };
+  switch (op) {
+    case OpId::kFinalLayernorm:
+      c.norm_forward(A.lnf_in, W.lnf_g, W.lnf_b, A.lnf, A.lnf_mean, A.lnf_rstd, m.n_local);
+      break;
+    case OpId::kLmHeadAllGather:
+      c.gather_sequence(A.lnf, A.lnf_full, m.h);
+      break;
+    case OpId::kLmHead:
+      resize(A.probs, m.n_full * m.vl);  // logits until the loss is finished
+      c.linear(lnf_full.data(), W.head, -1, A.probs.data(), m.n_full, m.h, m.vl);
+      break;
+    case OpId::kCrossEntropy:
+      resize(A.stats, m.n_full * kCrossEntropyStatsPerToken);
+      c.be.cross_entropy_stats(A.probs.data(), A.targets.data(), A.stats.data(), m.n_full, m.vl,
+                               valid, m.v0);
+      if (m.t == 1) return finish(A.stats.data(), 1);
+      break;
+    case OpId::kCrossEntropyAllGather: {
+      Buffer all;
+      resize(all, m.t * elems(A.stats));
+      c.all_gather(A.stats.data(), all.data(), elems(A.stats));
+      return finish(all.data(), m.t);
+    }
+    default:
+      throw std::logic_error("not an LM-head forward op");
+  }
+  return 0;
+}
+
+void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, LayerGrads& D,
+                      double loss_scale) {
+  const ShardDims& m = c.dims;
+  const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
+  switch (op) {
+    case OpId::kCrossEntropyBackward:
+      c.be.cross_entropy_backward(A.probs.data(), A.targets.data(), m.n_full, m.vl, m.v0,
+                                  loss_scale);
+      break;
+    case OpId::kLmHeadDgrad:
+      resize(D.d_ln1_full, m.n_full * m.h);
+      c.linear_dgrad(W.head, A.probs.data(), D.d_ln1_full.data(), m.n_full, m.h, m.vl);
+      break;
+    case OpId::kLmHeadWgrad:
+      c.linear_wgrad(lnf_full.data(), A.probs.data(), W.head, -1, m.n_full, m.h, m.vl);
+      break;
+    case OpId::kLmHeadGradReduceScatter:
+      c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
+      break;
+    case OpId::kLmHeadInputGradAllReduce:
+      c.all_reduce(D.d_ln1_full);
+      break;
+    case OpId::kFinalLayernormBackward:
+      c.norm_backward(A.lnf_in, W.lnf_g, W.lnf_b, A.lnf_mean, A.lnf_rstd,
+                      m.sp ? D.d_ln1 : D.d_ln1_full, D.d_out, m.n_local);
+      break;
+    default:
+      throw std::logic_error("not an LM-head backward op");
+  }
+}
+
+}  // namespace ptdp

@@ -1,0 +1,41 @@
+// The first stage's vocabulary-parallel embedding and the last stage's final norm, LM head
+// and vocabulary-parallel cross-entropy, executed op by op from embedding_ops and lm_head_ops
+// (core/layer_ops.h). Each tensor-parallel rank holds a contiguous 1/t of the (padded)
+// vocabulary; the loss is finished from every rank's per-token (max, sum-exp, target) stats.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "runtime/shard_context.h"
+#include "runtime/transformer_layer.h"
+
+namespace ptdp {
+
+// Parameters of one model chunk outside its layers (offsets, -1 when absent).
+struct ChunkParams {
+  int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
+};
+
+struct ChunkActs {
+  std::vector<int32_t> inputs, targets;  // [b, s]
+  Buffer emb;                            // word embedding before the position add
+  std::vector<LayerActs> layers;
+  Buffer lnf_in, lnf, lnf_mean, lnf_rstd, lnf_full, probs, stats, lse;
+};
+
+bool is_embedding_op(OpId id);
+bool is_head_forward_op(OpId id);
+bool is_head_backward_op(OpId id);
+
+// x: the embedding output (forward); dx: the gradient reaching the embedding (backward).
+void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, Buffer& x,
+                  Buffer* dx);
+// Returns the mean loss over the microbatch's tokens once the loss is finished (else 0).
+double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A);
+// D.d_out receives the gradient of the final norm's input.
+void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, LayerGrads& D,
+                      double loss_scale);
+
+}  // namespace ptdp

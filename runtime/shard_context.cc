@@ -1,0 +1,132 @@
+#include "runtime/shard_context.h"
+
+namespace ptdp {
+
+ExecutedOp* ShardContext::current() {
+  return trace && !trace->empty() ? &trace->back() : nullptr;
+}
+
+void ShardContext::begin(OpId id, PassKind pass) {
+  pass_ = pass;
+  if (!trace) return;
+  ExecutedOp e;
+  e.id = id;
+  e.role = pass == PassKind::kForward     ? OpRole::kForward
+           : pass == PassKind::kRecompute ? OpRole::kRecompute
+                                          : OpRole::kInputGrad;
+  trace->push_back(e);
+}
+
+void ShardContext::collective_done(Collective c, double bytes) {
+  if (ExecutedOp* e = current()) {
+    e->kind = OpKind::kCollective;
+    e->collective = c;
+    e->bytes += bytes;
+  }
+}
+
+void ShardContext::gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch) {
+  if (ExecutedOp* e = current()) {
+    e->kind = OpKind::kGemm;
+    e->m = m;
+    e->n = n;
+    e->k = k;
+    e->batch = batch;
+  }
+}
+
+void ShardContext::weight_gradient_done() {
+  if (ExecutedOp* e = current(); e && pass_ == PassKind::kBackward) e->role = OpRole::kWeightGrad;
+}
+
+void ShardContext::gather_sequence(const Buffer& local, Buffer& full, int64_t width) {
+  const int64_t t = dims.t, n = dims.n_local * width;
+  resize(full, dims.n_full * width);
+  resize(scratch_, t * n);
+  tp->all_gather(local.data(), scratch_.data(), static_cast<size_t>(n));
+  collective_done(Collective::kAllGather, static_cast<double>(t * n) * sizeof(float));
+  be.sequence_unshard(scratch_.data(), full.data(), t, dims.b, dims.s, width);
+}
+
+void ShardContext::scatter_sequence(const Buffer& full, Buffer& local, int64_t width) {
+  const int64_t t = dims.t, n = dims.n_local * width;
+  resize(scratch_, t * n);
+  be.sequence_shard(full.data(), scratch_.data(), t, dims.b, dims.s, width);
+  resize(local, n);
+  tp->reduce_scatter(scratch_.data(), local.data(), static_cast<size_t>(n));
+  collective_done(Collective::kReduceScatter, static_cast<double>(t * n) * sizeof(float));
+}
+
+void ShardContext::scatter_sequence_in_place(Buffer& x) {
+  Buffer local;
+  scatter_sequence(x, local, dims.h);
+  x.swap(local);
+}
+
+void ShardContext::all_reduce(Buffer& x) {
+  tp->all_reduce(x.data(), x.size());
+  collective_done(Collective::kAllReduce, static_cast<double>(x.size()) * sizeof(float));
+}
+
+void ShardContext::all_gather(const float* in, float* out, int64_t n) {
+  tp->all_gather(in, out, static_cast<size_t>(n));
+  collective_done(Collective::kAllGather, static_cast<double>(dims.t * n) * sizeof(float));
+}
+
+void ShardContext::linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,
+                          int64_t out) {
+  be.linear_forward(x, P(w), bias >= 0 ? P(bias) : nullptr, y, n, in, out);
+  gemm_done(n, out, in, 1);
+}
+
+void ShardContext::linear_dgrad(int64_t w, const float* dy, float* dx, int64_t n, int64_t in,
+                                int64_t out) {
+  be.linear_dgrad(P(w), dy, dx, n, in, out);
+  gemm_done(n, in, out, 1);
+}
+
+void ShardContext::linear_wgrad(const float* x, const float* dy, int64_t w, int64_t bias, int64_t n,
+                                int64_t in, int64_t out) {
+  be.linear_wgrad(x, dy, G(w), bias >= 0 ? G(bias) : nullptr, n, in, out);
+  gemm_done(in, out, n, 1);
+  weight_gradient_done();
+}
+
+void ShardContext::norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean,
+                                Buffer& rstd, int64_t n) {
+  resize(y, n * dims.h);
+  resize(rstd, n);
+  if (beta >= 0) resize(mean, n);
+  be.norm_forward(x.data(), P(g), beta >= 0 ? P(beta) : nullptr, y.data(),
+                  beta >= 0 ? mean.data() : nullptr, rstd.data(), n, dims.h);
+}
+
+void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
+                                 const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n) {
+  resize(dx, n * dims.h);
+  be.norm_backward(x.data(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
+                   dy.data(), dx.data(), G(g), beta >= 0 ? G(beta) : nullptr, n, dims.h);
+}
+
+void ShardContext::residual_add(Buffer& out, const Buffer& residual, Buffer& partial,
+                                int64_t bias) {
+  copy(residual, out);
+  be.add(out.data(), partial.data(), elems(out));
+  add_bias(out, bias, dims.h);
+  release(partial);
+}
+
+void ShardContext::copy(const Buffer& from, Buffer& to) {
+  resize(to, elems(from));
+  be.copy(from.data(), to.data(), elems(from));
+}
+
+void ShardContext::add_bias(Buffer& y, int64_t bias, int64_t width) {
+  if (bias >= 0) be.add_bias(y.data(), P(bias), elems(y) / width, width);
+}
+
+void ShardContext::bias_grad(const Buffer& dy, int64_t bias, int64_t width) {
+  if (bias >= 0) be.bias_grad(dy.data(), G(bias), elems(dy) / width, width);
+}
+
+}  // namespace ptdp

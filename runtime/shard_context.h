@@ -1,0 +1,94 @@
+// ShardContext: what the pieces of a GptShard share (runtime/transformer_layer.cc,
+// runtime/embedding_head.cc, runtime/gpt_model.cc): this rank's dimensions, the backend its
+// kernels run on, the tensor-parallel group with the sequence-parallel data movement around
+// its collectives, the flat parameter and gradient buffers, and the record of executed ops.
+//
+// Every kernel and collective a piece runs goes through the methods below, which also record
+// what ran (kind, collective and bytes, GEMM shape) when a trace is attached, so that the trace
+// says what was executed independently of the op list it is compared with.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "runtime/backend.h"
+#include "runtime/communicator.h"
+#include "runtime/gpt_model.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+
+// Pass being executed, for the role the trace records.
+enum class PassKind { kForward, kBackward, kRecompute };
+
+struct ShardDims {
+  int64_t b, s, h, heads, groups, d, hl, gl, ffl, vocab, vl, v0, t, tp;
+  bool sp, biases, swiglu;
+  int64_t n_full, n_local;  // tokens of a microbatch; tokens held outside TP blocks
+  int64_t qkv_width() const { return (hl + 2 * gl) * d; }
+  int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
+};
+
+class ShardContext {
+ public:
+  ShardContext(Backend& backend, Communicator* tensor_group, const ShardDims& dims)
+      : be(backend), tp(tensor_group), dims(dims) {}
+
+  Backend& be;
+  Communicator* tp;
+  ShardDims dims;
+  float* params = nullptr;
+  float* grads = nullptr;
+  std::vector<ExecutedOp>* trace = nullptr;
+
+  float* P(int64_t off) const { return params + off; }
+  float* G(int64_t off) const { return grads + off; }
+
+  // Starts the record of one op (when tracing).
+  void begin(OpId id, PassKind pass);
+
+  // Tensor-parallel collectives (recorded). Sequence-parallel movement between [b, s/t, width]
+  // slices and the full [b, s, width].
+  void gather_sequence(const Buffer& local, Buffer& full, int64_t width);
+  void scatter_sequence(const Buffer& full, Buffer& local, int64_t width);
+  void scatter_sequence_in_place(Buffer& x);
+  void all_reduce(Buffer& x);
+  void all_gather(const float* in, float* out, int64_t n);
+
+  // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
+  void linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,
+              int64_t out);
+  void linear_dgrad(int64_t w, const float* dy, float* dx, int64_t n, int64_t in, int64_t out);
+  void linear_wgrad(const float* x, const float* dy, int64_t w, int64_t bias, int64_t n, int64_t in,
+                    int64_t out);
+  void gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch);
+  // Marks the op as computing a weight gradient (the table gradient of the embedding).
+  void weight_gradient_done();
+
+  // Layernorm, or RMSNorm for models without biases (Llama); `beta` < 0 when absent.
+  void norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean, Buffer& rstd,
+                    int64_t n);
+  void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
+                     const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n);
+  // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
+  void residual_add(Buffer& out, const Buffer& residual, Buffer& partial, int64_t bias);
+  void copy(const Buffer& from, Buffer& to);
+  void add_bias(Buffer& y, int64_t bias, int64_t width);
+  void bias_grad(const Buffer& dy, int64_t bias, int64_t width);
+
+ private:
+  ExecutedOp* current();
+  void collective_done(Collective c, double bytes);
+  PassKind pass_ = PassKind::kForward;
+  Buffer scratch_;
+};
+
+inline int64_t elems(const Buffer& b) {
+  return static_cast<int64_t>(b.size());
+}
+inline void resize(Buffer& b, int64_t n) {
+  b.resize(static_cast<size_t>(n));
+}
+
+}  // namespace ptdp

@@ -1,0 +1,234 @@
+#include "runtime/transformer_layer.h"
+
+#include <stdexcept>
+
+namespace ptdp {
+
+bool is_layer_forward_op(OpId id) {
+  return id >= OpId::kInputLayernorm && id <= OpId::kMlpBiasDropoutAdd;
+}
+bool is_layer_backward_op(OpId id) {
+  return id >= OpId::kMlpBiasDropoutAddBackward && id <= OpId::kInputLayernormBackward;
+}
+
+void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A) {
+  const ShardDims& m = c.dims;
+  Backend& be = c.be;
+  const Buffer& ln1_full = m.sp ? A.ln1_full : A.ln1;
+  const Buffer& ln2_full = m.sp ? A.ln2_full : A.ln2;
+  switch (op) {
+    case OpId::kInputLayernorm:
+      c.norm_forward(A.x, W.ln1_g, W.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd, m.n_local);
+      break;
+    case OpId::kAttnAllGather:
+      c.gather_sequence(A.ln1, A.ln1_full, m.h);
+      break;
+    case OpId::kQkv: {
+      Buffer qkv;
+      resize(qkv, m.n_full * m.qkv_width());
+      c.linear(ln1_full.data(), W.qkv_w, W.qkv_b, qkv.data(), m.n_full, m.h, m.qkv_width());
+      resize(A.q, m.n_full * m.hl * m.d);
+      resize(A.k, m.n_full * m.gl * m.d);
+      resize(A.v, m.n_full * m.gl * m.d);
+      be.split_columns3(qkv.data(), A.q.data(), A.k.data(), A.v.data(), m.n_full, m.hl * m.d,
+                        m.gl * m.d, m.gl * m.d);
+      break;
+    }
+    case OpId::kAttnScores:
+      resize(A.probs, m.b * m.hl * m.s * m.s);
+      be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.s, m.s, m.d, m.b * m.hl);
+      break;
+    case OpId::kAttnSoftmax:
+      be.causal_softmax(A.probs.data(), m.b * m.hl, m.s);
+      break;
+    case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
+      break;
+    case OpId::kAttnContext:
+      resize(A.ctx, m.n_full * m.hl * m.d);
+      be.attention_context(A.probs.data(), A.v.data(), A.ctx.data(), m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+      break;
+    case OpId::kAttnProj:
+      resize(A.proj, m.n_full * m.h);
+      c.linear(A.ctx.data(), W.proj_w, -1, A.proj.data(), m.n_full, m.hl * m.d, m.h);
+      break;
+    case OpId::kAttnAllReduce:
+      c.all_reduce(A.proj);
+      break;
+    case OpId::kAttnReduceScatter:
+      c.scatter_sequence_in_place(A.proj);
+      break;
+    case OpId::kAttnBiasDropoutAdd:
+      c.residual_add(A.h1, A.x, A.proj, W.proj_b);
+      break;
+    case OpId::kPostAttentionLayernorm:
+      c.norm_forward(A.h1, W.ln2_g, W.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd, m.n_local);
+      break;
+    case OpId::kMlpAllGather:
+      c.gather_sequence(A.ln2, A.ln2_full, m.h);
+      break;
+    case OpId::kFc1:
+      resize(A.fc1, m.n_full * m.fc1_width());
+      c.linear(ln2_full.data(), W.fc1_w, -1, A.fc1.data(), m.n_full, m.h, m.fc1_width());
+      break;
+    case OpId::kBiasGelu:
+      c.add_bias(A.fc1, W.fc1_b, m.ffl);
+      resize(A.act, elems(A.fc1));
+      be.gelu(A.fc1.data(), A.act.data(), elems(A.fc1));
+      break;
+    case OpId::kSwiglu:
+      resize(A.act, m.n_full * m.ffl);
+      be.swiglu(A.fc1.data(), A.act.data(), m.n_full, m.ffl);
+      break;
+    case OpId::kFc2:
+      resize(A.fc2, m.n_full * m.h);
+      c.linear(A.act.data(), W.fc2_w, -1, A.fc2.data(), m.n_full, m.ffl, m.h);
+      break;
+    case OpId::kMlpAllReduce:
+      c.all_reduce(A.fc2);
+      break;
+    case OpId::kMlpReduceScatter:
+      c.scatter_sequence_in_place(A.fc2);
+      break;
+    case OpId::kMlpBiasDropoutAdd:
+      c.residual_add(A.out, A.h1, A.fc2, W.fc2_b);
+      break;
+    default:
+      throw std::logic_error("not a forward op of a transformer layer");
+  }
+}
+
+void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A,
+                       LayerGrads& D) {
+  const ShardDims& m = c.dims;
+  Backend& be = c.be;
+  const Buffer& ln1_full = m.sp ? A.ln1_full : A.ln1;
+  const Buffer& ln2_full = m.sp ? A.ln2_full : A.ln2;
+  // Without sequence parallelism (or with t = 1) the reduce-scatter/all-gather pairs are
+  // absent and the gradient of a row-parallel output is the layer's incoming gradient.
+  switch (op) {
+    case OpId::kMlpBiasDropoutAddBackward:
+      c.bias_grad(D.d_out, W.fc2_b, m.h);
+      c.copy(D.d_out, D.d_h1);
+      c.copy(D.d_out, D.d_fc2);
+      break;
+    case OpId::kMlpReduceScatterBackward:
+      c.gather_sequence(D.d_out, D.d_fc2, m.h);
+      break;
+    case OpId::kFc2Dgrad:
+      resize(D.d_act, m.n_full * m.ffl);
+      c.linear_dgrad(W.fc2_w, D.d_fc2.data(), D.d_act.data(), m.n_full, m.ffl, m.h);
+      break;
+    case OpId::kFc2Wgrad:
+      c.linear_wgrad(A.act.data(), D.d_fc2.data(), W.fc2_w, -1, m.n_full, m.ffl, m.h);
+      break;
+    case OpId::kBiasGeluBackward:
+      resize(D.d_pre, elems(A.fc1));
+      be.gelu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), elems(A.fc1));
+      c.bias_grad(D.d_pre, W.fc1_b, m.ffl);
+      break;
+    case OpId::kSwigluBackward:
+      resize(D.d_pre, elems(A.fc1));
+      be.swiglu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), m.n_full, m.ffl);
+      break;
+    case OpId::kFc1Dgrad:
+      resize(D.d_ln2_full, m.n_full * m.h);
+      c.linear_dgrad(W.fc1_w, D.d_pre.data(), D.d_ln2_full.data(), m.n_full, m.h, m.fc1_width());
+      break;
+    case OpId::kFc1InputGradAllReduce:
+      c.all_reduce(D.d_ln2_full);
+      break;
+    case OpId::kFc1Wgrad:
+      c.linear_wgrad(ln2_full.data(), D.d_pre.data(), W.fc1_w, -1, m.n_full, m.h, m.fc1_width());
+      break;
+    case OpId::kMlpAllGatherBackward:
+      c.scatter_sequence(D.d_ln2_full, D.d_ln2, m.h);
+      break;
+    case OpId::kPostAttentionLayernormBackward:
+      c.norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, m.sp ? D.d_ln2 : D.d_ln2_full,
+                      D.tmp, m.n_local);
+      be.add(D.d_h1.data(), D.tmp.data(), elems(D.d_h1));
+      break;
+    case OpId::kAttnBiasDropoutAddBackward:
+      c.bias_grad(D.d_h1, W.proj_b, m.h);
+      c.copy(D.d_h1, D.d_x);
+      c.copy(D.d_h1, D.d_proj);
+      break;
+    case OpId::kAttnReduceScatterBackward:
+      c.gather_sequence(D.d_h1, D.d_proj, m.h);
+      break;
+    case OpId::kAttnProjDgrad:
+      resize(D.d_ctx, m.n_full * m.hl * m.d);
+      c.linear_dgrad(W.proj_w, D.d_proj.data(), D.d_ctx.data(), m.n_full, m.hl * m.d, m.h);
+      break;
+    case OpId::kAttnProjWgrad:
+      c.linear_wgrad(A.ctx.data(), D.d_proj.data(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
+      break;
+    case OpId::kAttnContextDprobs:
+      resize(D.d_probs, elems(A.probs));
+      be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), D.d_probs.data(),
+                                    nullptr, m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.s, m.s, m.d, m.b * m.hl);
+      break;
+    case OpId::kAttnContextDv:
+      resize(D.dv, elems(A.v));
+      be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
+                                    D.dv.data(), m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+      break;
+    case OpId::kAttnDropoutBackward:
+      break;
+    case OpId::kAttnSoftmaxBackward:
+      be.causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), m.b * m.hl,
+                                 m.s);
+      break;
+    case OpId::kAttnScoresDq:
+      resize(D.dq, elems(A.q));
+      be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(), nullptr,
+                                   m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+      break;
+    case OpId::kAttnScoresDk:
+      resize(D.dk, elems(A.k));
+      be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), nullptr, D.dk.data(),
+                                   m.b, m.s, m.hl, m.gl, m.d);
+      c.gemm_done(m.d, m.s, m.s, m.b * m.hl);
+      break;
+    case OpId::kQkvDgrad:
+      resize(D.d_qkv, m.n_full * m.qkv_width());
+      be.concat_columns3(D.dq.data(), D.dk.data(), D.dv.data(), D.d_qkv.data(), m.n_full,
+                         m.hl * m.d, m.gl * m.d, m.gl * m.d);
+      resize(D.d_ln1_full, m.n_full * m.h);
+      c.linear_dgrad(W.qkv_w, D.d_qkv.data(), D.d_ln1_full.data(), m.n_full, m.h, m.qkv_width());
+      break;
+    case OpId::kQkvInputGradAllReduce:
+      c.all_reduce(D.d_ln1_full);
+      break;
+    case OpId::kQkvWgrad:
+      c.linear_wgrad(ln1_full.data(), D.d_qkv.data(), W.qkv_w, W.qkv_b, m.n_full, m.h,
+                     m.qkv_width());
+      break;
+    case OpId::kAttnAllGatherBackward:
+      c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
+      break;
+    case OpId::kInputLayernormBackward:
+      c.norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, m.sp ? D.d_ln1 : D.d_ln1_full,
+                      D.tmp, m.n_local);
+      be.add(D.d_x.data(), D.tmp.data(), elems(D.d_x));
+      break;
+    default:
+      throw std::logic_error("not a backward op of a transformer layer");
+  }
+}
+
+void drop_recomputed(LayerActs& A, Recompute r) {
+  if (r == Recompute::kNone) return;
+  release(A.probs);  // selective: the attention core is recomputed
+  if (r == Recompute::kSelective) return;
+  for (Buffer* x : {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q, &A.k, &A.v, &A.ctx, &A.h1,
+                    &A.ln2, &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1, &A.act})
+    release(*x);
+}
+
+}  // namespace ptdp
