@@ -1,0 +1,177 @@
+// What the runtime executes is what the op list prices: a GptShard with a trace attached
+// records, for every op it runs, its identity, its role (a weight gradient when it accumulated
+// into a weight's gradient), the collective it called with the bytes it passed, and the GEMM
+// shape it computed. For one microbatch through a one-stage shard (embedding, two layers, LM
+// head) the record must equal embedding_ops + transformer_layer_ops x 2 + lm_head_ops, forward
+// then backward with recomputation, under tensor and sequence parallelism and every recompute
+// mode.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "runtime/communicator.h"
+#include "runtime/gpt_model.h"
+
+namespace ptdp {
+namespace {
+
+// Rank 0 of a tensor-parallel group of `size` ranks whose peers hold the same data: enough to
+// drive every collective of a shard in one process (the values are not those of a real group;
+// the test checks what runs, not the numbers).
+class MirrorGroup final : public Communicator {
+ public:
+  explicit MirrorGroup(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  void all_reduce(float*, size_t) override {}
+  void all_gather(const float* in, float* out, size_t n) override {
+    for (int r = 0; r < size_; ++r) std::copy(in, in + n, out + static_cast<size_t>(r) * n);
+  }
+  void reduce_scatter(const float* in, float* out, size_t n) override {
+    std::copy(in, in + n, out);
+  }
+  void broadcast(float*, size_t, int) override {}
+  void barrier() override {}
+  void batch(std::span<const P2P>) override { throw std::logic_error("no peers"); }
+  std::unique_ptr<Communicator> split(int, int) override { throw std::logic_error("no split"); }
+
+ private:
+  int size_;
+};
+
+ModelSpec gpt() {
+  ModelSpec m;
+  m.name = "trace-gpt";
+  m.num_layers = 2;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 16;
+  m.vocab_size = 100;
+  return m;
+}
+
+ModelSpec llama_like() {
+  ModelSpec m = gpt();
+  m.name = "trace-gqa-swiglu";
+  m.num_attention_heads = 8;
+  m.num_query_groups = 4;
+  m.swiglu = true;
+  m.untie_embeddings_and_output_weights = true;
+  m.ffn_hidden_size = 96;
+  m.vocab_size = 101;
+  return m;
+}
+
+std::vector<Op> listed(const ModelSpec& m, const ShardLayout& l) {
+  const LayerShape s = runtime_layer_shape(m, l);
+  const PassOps emb = embedding_ops(m, s), layer = transformer_layer_ops(m, s),
+                head = lm_head_ops(m, s);
+  std::vector<Op> ops;
+  auto append = [&](const std::vector<Op>& v) { ops.insert(ops.end(), v.begin(), v.end()); };
+  append(emb.forward);
+  for (int64_t i = 0; i < m.num_layers; ++i) append(layer.forward);
+  append(head.forward);
+  append(head.backward);
+  for (int64_t i = 0; i < m.num_layers; ++i) {
+    append(layer.recompute);
+    append(layer.backward);
+  }
+  append(emb.backward);
+  return ops;
+}
+
+std::vector<ExecutedOp> executed(const ModelSpec& m, const ShardLayout& l) {
+  MirrorGroup group(static_cast<int>(l.t));
+  GptShard shard(m, l, &group, 3);
+  std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 37) % 97);
+  std::vector<ExecutedOp> trace;
+  shard.trace_ops(&trace);
+  shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+  shard.backward(0, 0, nullptr, nullptr, 1.0);
+  return trace;
+}
+
+struct Variant {
+  int64_t t;
+  bool sp;
+  Recompute recompute;
+};
+
+TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
+  const Variant variants[] = {
+      {1, false, Recompute::kNone},     {2, false, Recompute::kNone},
+      {2, true, Recompute::kNone},      {4, false, Recompute::kSelective},
+      {2, true, Recompute::kSelective}, {2, false, Recompute::kFull},
+      {4, true, Recompute::kFull},
+  };
+  int checked = 0;
+  for (const ModelSpec& m : {gpt(), llama_like()}) {
+    for (const Variant& v : variants) {
+      ShardLayout l;
+      l.t = v.t;
+      l.micro_batch = 2;
+      l.sequence_parallel = v.sp;
+      l.recompute = v.recompute;
+      const std::vector<Op> want = listed(m, l);
+      const std::vector<ExecutedOp> got = executed(m, l);
+      const std::string where =
+          m.name + " t" + std::to_string(v.t) + (v.sp ? " sp " : " ") + to_string(v.recompute);
+      ASSERT_EQ(got.size(), want.size()) << where;
+      for (size_t i = 0; i < want.size(); ++i) {
+        const Op& w = want[i];
+        const ExecutedOp& g = got[i];
+        const std::string at = where + " op " + std::to_string(i) + " " + std::string(w.name());
+        ASSERT_EQ(op_name(g.id), w.name()) << at;
+        EXPECT_EQ(to_string(g.role), to_string(w.role)) << at;
+        ASSERT_EQ(static_cast<int>(g.kind), static_cast<int>(w.kind)) << at;
+        if (w.kind == OpKind::kCollective) {
+          EXPECT_EQ(to_string(g.collective), to_string(w.collective)) << at;
+          EXPECT_DOUBLE_EQ(g.bytes, w.bytes) << at;
+        }
+        if (w.kind == OpKind::kGemm) {
+          EXPECT_EQ(g.m, w.m) << at;
+          EXPECT_EQ(g.n, w.n) << at;
+          EXPECT_EQ(g.k, w.k) << at;
+          EXPECT_EQ(g.batch, w.batch) << at;
+        }
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
+}
+
+// The trace is not vacuous: a shard with sequence parallelism runs all-gathers where one
+// without runs all-reduces, and the recorded bytes follow the microbatch size.
+TEST(OpTrace, TraceFollowsTheLayout) {
+  ShardLayout a;
+  a.t = 2;
+  a.micro_batch = 1;
+  ShardLayout b = a;
+  b.sequence_parallel = true;
+  b.micro_batch = 2;
+  auto count = [](const std::vector<ExecutedOp>& ops, Collective c) {
+    return std::count_if(ops.begin(), ops.end(), [&](const ExecutedOp& e) {
+      return e.kind == OpKind::kCollective && e.collective == c;
+    });
+  };
+  const auto plain = executed(gpt(), a), sp = executed(gpt(), b);
+  EXPECT_EQ(count(plain, Collective::kReduceScatter), 0);
+  EXPECT_GT(count(sp, Collective::kReduceScatter), 0);
+  EXPECT_GT(count(plain, Collective::kAllReduce), count(sp, Collective::kAllReduce));
+  double plain_bytes = 0, sp_bytes = 0;
+  for (const ExecutedOp& e : plain)
+    if (e.id == OpId::kQkv) plain_bytes = static_cast<double>(e.m);
+  for (const ExecutedOp& e : sp)
+    if (e.id == OpId::kQkv) sp_bytes = static_cast<double>(e.m);
+  EXPECT_EQ(sp_bytes, 2 * plain_bytes);  // tokens of the QKV GEMM double with b
+}
+
+}  // namespace
+}  // namespace ptdp
