@@ -138,7 +138,9 @@ class CpuBackend final : public Backend {
     k::cross_entropy_backward(probs, targets, n, vl, v0, scale);
   }
 
-  double sum_squares(const float* x, int64_t n) override { return k::sum_squares(x, n); }
+  double sum_squares(const float* x, int64_t n, double acc) override {
+    return k::sum_squares(x, n, acc);
+  }
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWSettings& o,
              int64_t step) override {
     k::AdamW a;

@@ -93,7 +93,8 @@ class Backend {
                                       int64_t v0, double scale) = 0;
 
   // Optimizer and gradient norm.
-  virtual double sum_squares(const float* x, int64_t n) = 0;
+  // acc + the sum of squares of x, accumulated in double in index order.
+  virtual double sum_squares(const float* x, int64_t n, double acc) = 0;
   // step counts from 1.
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWSettings& o, int64_t step) = 0;

@@ -84,11 +84,4 @@ class ShardContext {
   Buffer scratch_;
 };
 
-inline int64_t elems(const Buffer& b) {
-  return static_cast<int64_t>(b.size());
-}
-inline void resize(Buffer& b, int64_t n) {
-  b.resize(static_cast<size_t>(n));
-}
-
 }  // namespace ptdp

@@ -40,6 +40,13 @@ struct CountingAllocator {
 
 using Buffer = std::vector<float, CountingAllocator<float>>;
 
+inline int64_t elems(const Buffer& b) {
+  return static_cast<int64_t>(b.size());
+}
+inline void resize(Buffer& b, int64_t n) {
+  b.resize(static_cast<size_t>(n));
+}
+
 // Releases a buffer's memory (clear() keeps the capacity).
 inline void release(Buffer& b) {
   Buffer().swap(b);

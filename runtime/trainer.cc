@@ -11,10 +11,12 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "kernels/cpu/kernels.h"
+#include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
+#include "runtime/grad_sync.h"
+#include "runtime/lr_schedule.h"
 #include "runtime/process_groups.h"
 #include "runtime/tensor.h"
 
@@ -22,7 +24,6 @@ namespace ptdp {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
 
 // Runs f on every rank. If it throws on any rank, the lowest such rank rethrows its error and
 // the others throw PeerFailed, so every rank stops before training and one says why.
@@ -77,11 +78,7 @@ nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
 
 void validate_options(const TrainOptions& o) {
   if (o.steps <= 0) throw InputError("--steps", "must be positive");
-  if (!(o.lr > 0)) throw InputError("--lr", "must be positive");
-  if (o.min_lr < 0 || o.min_lr > o.lr) throw InputError("--min-lr", "must be in [0, --lr]");
-  if (o.warmup_steps < 0) throw InputError("--lr-warmup-steps", "must not be negative");
-  if (o.lr_decay != "constant" && o.lr_decay != "cosine")
-    throw InputError("--lr-decay-style", "must be constant or cosine, got '" + o.lr_decay + "'");
+  schedule_of(o).validate();
   if (o.clip_grad < 0) throw InputError("--clip-grad", "must not be negative");
   if (o.weight_decay < 0) throw InputError("--weight-decay", "must not be negative");
   if (o.save_interval < 0) throw InputError("--save-interval", "must not be negative");
@@ -103,30 +100,22 @@ class Executor {
   void load_checkpoint();
   void save_checkpoint(int64_t completed);
   double step(int64_t step, double* grad_norm);
-  void run_p2p(std::vector<Communicator::P2P>& batch, std::vector<Key>& sent_fwd,
-               std::vector<Key>& sent_bwd);
   void tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) const;
-  void grad_sync();
-  void embedding_sync();
-  double optimizer_step(int64_t step);
-  template <class F>
-  void for_each_owned_range(F f);
   void gather_timeline(TrainResult& r);
 
   const TrainOptions& o_;
   Communicator& world_;
   std::unique_ptr<ProcessGroups> pg_;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
+  std::unique_ptr<Backend> backend_;
   std::unique_ptr<GptShard> shard_;
+  std::unique_ptr<DataParallelOptimizer> optimizer_;
+  std::unique_ptr<ScheduleExecutor> executor_;
   PipelineSchedule schedule_;
   std::optional<TokenSource> data_;
   int64_t t_ = 1, p_ = 1, d_ = 1, m_ = 1, first_step_ = 0;
   GridPosition pos_;
   bool dist_ = false;
-  // Optimizer state: with the distributed optimizer only this rank's shard of each segment.
-  Buffer adam_m_, adam_v_, shard_grads_;
-  std::vector<int64_t> state_offset_;  // per segment, into the state arrays
-  std::map<Key, Buffer> act_in_, act_out_, grad_in_, grad_out_;
   std::vector<TimelineEvent> events_;
   Clock::time_point t0_;
 };
@@ -165,6 +154,7 @@ void Executor::setup() {
     schedule_ = make_pipeline_schedule(schedule_spec(plan, !m.untie_embeddings_and_output_weights));
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
+    backend_ = make_backend(o_.backend);
   });
   const int key = static_cast<int>(world_.rank());
   tp_ = world_.split(static_cast<int>(pg_->tensor_color()), key);
@@ -176,17 +166,19 @@ void Executor::setup() {
   embedding_ = world_.split(
       embedding_member ? static_cast<int>(pg_->pipeline_color()) : static_cast<int>(t_ * d_ + key),
       key);
-  shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed);
-
-  const auto& segs = shard_->segments();
-  int64_t state = 0;
-  for (const Segment& s : segs) {
-    state_offset_.push_back(state);
-    state += dist_ ? s.size / d_ : s.size;
-  }
-  adam_m_.assign(static_cast<size_t>(state), 0.0f);
-  adam_v_.assign(static_cast<size_t>(state), 0.0f);
-  if (dist_) shard_grads_.assign(static_cast<size_t>(state), 0.0f);
+  shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
+  DataParallelGroups groups;
+  groups.tensor = tp_.get();
+  groups.data = dp_.get();
+  groups.embedding = embedding_.get();
+  groups.norm = dist_ ? &world_ : model_.get();
+  groups.data_parallel = d_;
+  groups.dp_rank = pos_.dp;
+  groups.tp_rank = pos_.tp;
+  optimizer_ = std::make_unique<DataParallelOptimizer>(*shard_, groups, dist_);
+  executor_ = std::make_unique<ScheduleExecutor>(*shard_, *pp_, *optimizer_,
+                                                 schedule_.ranks[static_cast<size_t>(pos_.pp)],
+                                                 pos_.pp, p_, pos_.dp, m_);
 }
 
 void Executor::load_checkpoint() {
@@ -194,12 +186,12 @@ void Executor::load_checkpoint() {
     const int64_t step = read_latest(o_.load_dir);
     const auto layout = checkpoint_layout(o_, static_cast<int64_t>(shard_->params().size()));
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    if (c.arrays.size() != 3 || c.arrays[0].size() != shard_->params().size() ||
-        c.arrays[1].size() != adam_m_.size() || c.arrays[2].size() != adam_v_.size())
-      throw InputError("--load", "the checkpoint's arrays do not fit this run");
-    std::copy(c.arrays[0].begin(), c.arrays[0].end(), shard_->params().begin());
-    std::copy(c.arrays[1].begin(), c.arrays[1].end(), adam_m_.begin());
-    std::copy(c.arrays[2].begin(), c.arrays[2].end(), adam_v_.begin());
+    Buffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
+    bool fits = c.arrays.size() == 3;
+    for (size_t i = 0; fits && i < 3; ++i) fits = c.arrays[i].size() == into[i]->size();
+    if (!fits) throw InputError("--load", "the checkpoint's arrays do not fit this run");
+    for (size_t i = 0; i < 3; ++i)
+      backend_->copy(c.arrays[i].data(), into[i]->data(), elems(*into[i]));
     first_step_ = c.step;
     if (first_step_ >= o_.steps)
       throw InputError("--steps", "the checkpoint has already completed " +
@@ -209,10 +201,11 @@ void Executor::load_checkpoint() {
 
 void Executor::save_checkpoint(int64_t completed) {
   const auto layout = checkpoint_layout(o_, static_cast<int64_t>(shard_->params().size()));
-  write_checkpoint_shard(o_.save_dir, world_.rank(), completed, layout,
-                         {std::span<const float>(shard_->params().data(), shard_->params().size()),
-                          std::span<const float>(adam_m_.data(), adam_m_.size()),
-                          std::span<const float>(adam_v_.data(), adam_v_.size())});
+  write_checkpoint_shard(
+      o_.save_dir, world_.rank(), completed, layout,
+      {std::span<const float>(shard_->params().data(), shard_->params().size()),
+       std::span<const float>(optimizer_->adam_m().data(), optimizer_->adam_m().size()),
+       std::span<const float>(optimizer_->adam_v().data(), optimizer_->adam_v().size())});
   world_.barrier();
   if (world_.rank() == 0) write_latest(o_.save_dir, completed);
 }
@@ -225,229 +218,18 @@ void Executor::tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) co
   for (int64_t i = 0; i < b; ++i) data_->sequence(base + i, s, out.data() + i * (s + 1));
 }
 
-void Executor::run_p2p(std::vector<Communicator::P2P>& batch, std::vector<Key>& sent_fwd,
-                       std::vector<Key>& sent_bwd) {
-  pp_->batch(batch);
-  batch.clear();
-  for (const Key& k : sent_fwd) act_out_.erase(k);
-  for (const Key& k : sent_bwd) grad_out_.erase(k);
-  sent_fwd.clear();
-  sent_bwd.clear();
-}
-
-// Calls f(param, lo, hi, state_index_of_lo) for the part of each parameter this rank's
-// optimizer owns: all of it, or with the distributed optimizer its data-parallel shard.
-template <class F>
-void Executor::for_each_owned_range(F f) {
-  const auto& segs = shard_->segments();
-  for (const ParamInfo& p : shard_->param_infos()) {
-    const Segment& s = segs[static_cast<size_t>(p.segment)];
-    int64_t lo = p.offset, hi = p.offset + p.size, base = 0;
-    if (dist_) {
-      const int64_t shard = s.size / d_;
-      const int64_t begin = s.offset + pos_.dp * shard;
-      lo = std::max(lo, begin);
-      hi = std::min(hi, begin + shard);
-      if (lo >= hi) continue;
-      base = state_offset_[static_cast<size_t>(p.segment)] + (lo - begin);
-    } else {
-      base = lo;
-    }
-    f(p, lo, hi, base);
-  }
-}
-
-void Executor::grad_sync() {
-  Buffer& g = shard_->grads();
-  if (o_.plan.sequence_parallel && t_ > 1) {
-    // Replicated parameters applied to a sequence slice: their gradients are partial sums.
-    Buffer packed;
-    for (const ParamInfo& p : shard_->param_infos())
-      if (p.sp_partial)
-        packed.insert(packed.end(), g.begin() + p.offset, g.begin() + p.offset + p.size);
-    tp_->all_reduce(packed.data(), packed.size());
-    size_t at = 0;
-    for (const ParamInfo& p : shard_->param_infos())
-      if (p.sp_partial) {
-        std::copy(packed.begin() + static_cast<int64_t>(at),
-                  packed.begin() + static_cast<int64_t>(at) + p.size, g.begin() + p.offset);
-        at += static_cast<size_t>(p.size);
-      }
-  }
-  const float inv_d = 1.0f / static_cast<float>(d_);
-  if (!dist_) {
-    if (d_ > 1) {
-      dp_->all_reduce(g.data(), g.size());
-      for (float& x : g) x *= inv_d;
-    }
-    return;
-  }
-  const auto& segs = shard_->segments();
-  for (size_t i = 0; i < segs.size(); ++i) {
-    const int64_t shard = segs[i].size / d_;
-    if (shard == 0) continue;
-    float* out = shard_grads_.data() + state_offset_[i];
-    dp_->reduce_scatter(g.data() + segs[i].offset, out, static_cast<size_t>(shard));
-    if (d_ > 1)
-      for (int64_t j = 0; j < shard; ++j) out[j] *= inv_d;
-  }
-}
-
-void Executor::embedding_sync() {
-  if (embedding_->size() < 2) return;
-  const Segment& s = shard_->segments()[0];
-  if (dist_)
-    embedding_->all_reduce(shard_grads_.data() + state_offset_[0],
-                           static_cast<size_t>(s.size / d_));
-  else
-    embedding_->all_reduce(shard_->grads().data() + s.offset, static_cast<size_t>(s.size));
-}
-
-double Executor::optimizer_step(int64_t step) {
-  Buffer& params = shard_->params();
-  float* grads = dist_ ? shard_grads_.data() : shard_->grads().data();
-  // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
-  // tied embedding on the first stage).
-  double sq = 0;
-  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    if (p.tied_copy || (p.tp_replicated && pos_.tp != 0)) return;
-    const float* gp = grads + (dist_ ? base : lo);
-    for (int64_t i = 0; i < hi - lo; ++i) sq += static_cast<double>(gp[i]) * gp[i];
-  });
-  float total = static_cast<float>(sq);
-  (dist_ ? world_ : *model_).all_reduce(&total, 1);
-  const double norm = std::sqrt(static_cast<double>(total));
-  const double coef = o_.clip_grad > 0 && norm > o_.clip_grad ? o_.clip_grad / (norm + 1e-6) : 1.0;
-  kernels::AdamW adam;
-  adam.lr = learning_rate(o_, step);
-  adam.beta1 = o_.beta1;
-  adam.beta2 = o_.beta2;
-  adam.eps = o_.eps;
-  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    float* gp = grads + (dist_ ? base : lo);
-    const int64_t n = hi - lo;
-    if (coef != 1.0)
-      for (int64_t i = 0; i < n; ++i) gp[i] = static_cast<float>(gp[i] * coef);
-    kernels::AdamW a = adam;
-    a.weight_decay = p.decay ? o_.weight_decay : 0.0;
-    kernels::adamw_step(params.data() + lo, gp, adam_m_.data() + base, adam_v_.data() + base, n, a,
-                        step + 1);
-  });
-  if (dist_) {
-    const auto& segs = shard_->segments();
-    Buffer gathered;
-    for (const Segment& s : segs) {
-      const int64_t shard = s.size / d_;
-      if (shard == 0) continue;
-      gathered.resize(static_cast<size_t>(s.size));
-      dp_->all_gather(params.data() + s.offset + pos_.dp * shard, gathered.data(),
-                      static_cast<size_t>(shard));
-      std::copy(gathered.begin(), gathered.end(), params.begin() + s.offset);
-    }
-  }
-  return norm;
-}
-
 double Executor::step(int64_t step, double* grad_norm) {
-  std::fill(shard_->grads().begin(), shard_->grads().end(), 0.0f);
-  const auto& actions = schedule_.ranks[static_cast<size_t>(pos_.pp)];
-  const int64_t v = shard_->num_chunks();
-  const int64_t next = (pos_.pp + 1) % p_, prev = (pos_.pp + p_ - 1) % p_;
-  auto tag = [v](int dir, int64_t mb, int64_t chunk) {
-    return static_cast<int>(((mb * v + chunk) * 2 + dir) % 32768);
-  };
-  std::vector<Communicator::P2P> batch;
-  std::vector<Key> sent_fwd, sent_bwd;
-  std::vector<int32_t> tokens;
-  double loss_sum = 0;
+  StepContext ctx;
+  ctx.step = step;
+  ctx.lr = learning_rate(o_, step);
+  ctx.optimizer.beta1 = o_.beta1;
+  ctx.optimizer.beta2 = o_.beta2;
+  ctx.optimizer.eps = o_.eps;
+  ctx.optimizer.weight_decay = o_.weight_decay;
+  ctx.optimizer.clip_grad = o_.clip_grad;
+  ctx.tokens = [&](int64_t mb, std::vector<int32_t>& out) { tokens_of(step, mb, out); };
   const bool record = o_.record_timeline && pos_.tp == 0;
-  double group_start = -1;
-  const size_t group_first_event = events_.size();
-  for (const PipelineAction& a : actions) {
-    const double start = std::chrono::duration<double>(Clock::now() - t0_).count();
-    const Key key{a.microbatch, a.chunk};
-    switch (a.kind) {
-      case ActionKind::kForward: {
-        const bool first = shard_->first_stage(a.chunk), last = shard_->last_stage(a.chunk);
-        if (first || last) tokens_of(step, a.microbatch, tokens);
-        Buffer out;
-        const Buffer* in = first ? nullptr : &act_in_.at(key);
-        loss_sum += shard_->forward(a.chunk, a.microbatch, tokens.data(), in, &out);
-        if (!first) act_in_.erase(key);
-        if (!last) act_out_[key] = std::move(out);
-        break;
-      }
-      case ActionKind::kBackward: {
-        const bool first = shard_->first_stage(a.chunk), last = shard_->last_stage(a.chunk);
-        Buffer gin;
-        const Buffer* gout = last ? nullptr : &grad_in_.at(key);
-        shard_->backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_));
-        if (!last) grad_in_.erase(key);
-        if (!first) grad_out_[key] = std::move(gin);
-        break;
-      }
-      case ActionKind::kSendForward: {
-        const int64_t rc = pos_.pp == p_ - 1 ? a.chunk + 1 : a.chunk;
-        Buffer& b = act_out_.at(key);
-        batch.push_back(
-            {true, b.data(), b.size(), static_cast<int>(next), tag(0, a.microbatch, rc)});
-        sent_fwd.push_back(key);
-        break;
-      }
-      case ActionKind::kRecvForward: {
-        Buffer& b = act_in_[key];
-        b.resize(static_cast<size_t>(shard_->boundary_elements()));
-        batch.push_back(
-            {false, b.data(), b.size(), static_cast<int>(prev), tag(0, a.microbatch, a.chunk)});
-        break;
-      }
-      case ActionKind::kSendBackward: {
-        const int64_t rc = pos_.pp == 0 ? a.chunk - 1 : a.chunk;
-        Buffer& b = grad_out_.at(key);
-        batch.push_back(
-            {true, b.data(), b.size(), static_cast<int>(prev), tag(1, a.microbatch, rc)});
-        sent_bwd.push_back(key);
-        break;
-      }
-      case ActionKind::kRecvBackward: {
-        Buffer& b = grad_in_[key];
-        b.resize(static_cast<size_t>(shard_->boundary_elements()));
-        batch.push_back(
-            {false, b.data(), b.size(), static_cast<int>(next), tag(1, a.microbatch, a.chunk)});
-        break;
-      }
-      case ActionKind::kGradSync:
-        grad_sync();
-        break;
-      case ActionKind::kEmbeddingSync:
-        embedding_sync();
-        break;
-      case ActionKind::kOptimizerStep:
-        *grad_norm = optimizer_step(step);
-        break;
-      case ActionKind::kBackwardInput:
-      case ActionKind::kBackwardWeight:
-        throw std::logic_error("zero-bubble actions are not executed by ptdp run");
-    }
-    const bool p2p = is_p2p(a.kind);
-    if (p2p && group_start < 0) group_start = start;
-    if (p2p && !a.batched_with_next) run_p2p(batch, sent_fwd, sent_bwd);
-    if (record) {
-      const double end = std::chrono::duration<double>(Clock::now() - t0_).count();
-      events_.push_back({static_cast<int32_t>(pos_.pp), static_cast<int32_t>(pos_.dp), a.kind,
-                         a.microbatch, a.chunk, p2p ? group_start : start, end});
-      if (p2p && !a.batched_with_next) {
-        // Every action of a batched call spans the call.
-        for (size_t i = events_.size(); i-- > group_first_event;) {
-          TimelineEvent& e = events_[i];
-          if (!is_p2p(e.kind) || e.start != group_start) break;
-          e.end = end;
-        }
-      }
-    }
-    if (p2p && !a.batched_with_next) group_start = -1;
-  }
-  if (!batch.empty()) throw std::logic_error("schedule ends inside a batched transfer");
+  const double loss_sum = executor_->run(ctx, grad_norm, record ? &events_ : nullptr, t0_);
   // Mean loss over the global batch, to every rank.
   float loss = 0;
   if (pos_.pp == p_ - 1 && pos_.tp == 0)
@@ -542,12 +324,17 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
 }  // namespace
 
 double learning_rate(const TrainOptions& o, int64_t step) {
-  if (o.warmup_steps > 0 && step < o.warmup_steps)
-    return o.lr * static_cast<double>(step + 1) / static_cast<double>(o.warmup_steps);
-  if (o.lr_decay != "cosine") return o.lr;
-  const double span = static_cast<double>(std::max<int64_t>(1, o.steps - 1 - o.warmup_steps));
-  const double x = std::min(1.0, static_cast<double>(step - o.warmup_steps) / span);
-  return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1.0 + std::cos(3.141592653589793 * x));
+  return schedule_of(o).at(step);
+}
+
+LearningRateSchedule schedule_of(const TrainOptions& o) {
+  LearningRateSchedule s;
+  s.lr = o.lr;
+  s.min_lr = o.min_lr;
+  s.warmup_steps = o.warmup_steps;
+  s.total_steps = o.steps;
+  s.decay = o.lr_decay;
+  return s;
 }
 
 TrainResult train(const TrainOptions& options, Communicator& world,

@@ -1,10 +1,8 @@
 // train(): `ptdp run` on every rank. Builds the process groups and communicators for (t, p, d),
-// this rank's GptShard, and the pipeline schedule's action list for its pipeline rank
-// (core/schedule.h, the list the simulator replays), then executes that list for every step:
-// forward and backward passes, the batched point-to-point transfers, the data-parallel
-// gradient reduction (all-reduce, or reduce-scatter with the distributed optimizer), the tied
-// embedding's all-reduce, gradient clipping by global norm and AdamW (sharded over the
-// data-parallel group with the distributed optimizer, then all-gathered).
+// this rank's GptShard on its backend, the data-parallel optimizer (runtime/grad_sync.h) and
+// the pipeline schedule's action list for its pipeline rank (core/schedule.h, the list the
+// simulator replays), then executes that list for every step (runtime/schedule_executor.h),
+// saving checkpoints (runtime/checkpoint.h) at the intervals asked for.
 //
 // Every problem with the plan, the data or the checkpoint is found before the first step, and
 // agreed on by all ranks, so that no rank trains while another has given up.
@@ -20,6 +18,8 @@
 #include "core/parallel_plan.h"
 #include "core/schedule.h"
 #include "runtime/communicator.h"
+#include "runtime/lr_schedule.h"
+#include "runtime/schedule_executor.h"
 
 namespace ptdp {
 
@@ -38,20 +38,13 @@ struct TrainOptions {
   int64_t save_interval = 0;  // 0: only at the end (when save_dir is set)
   std::string load_dir;
   bool record_timeline = false;
+  std::string backend = "cpu";  // --backend (runtime/backend.h)
 };
 
 struct StepStats {
   int64_t step = 0;  // 0-based
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
   int64_t tokens = 0;
-};
-
-// One executed action of one pipeline rank (tensor-parallel rank 0 of each replica).
-struct TimelineEvent {
-  int32_t pp = 0, dp = 0;
-  ActionKind kind = ActionKind::kForward;
-  int32_t microbatch = -1, chunk = -1;
-  double start = 0, end = 0;  // seconds since the first step began
 };
 
 struct TrainResult {
@@ -70,6 +63,7 @@ struct PeerFailed : std::runtime_error {
 
 // Learning rate of step `step` (0-based): linear warm-up, then constant or cosine decay.
 double learning_rate(const TrainOptions& o, int64_t step);
+LearningRateSchedule schedule_of(const TrainOptions& o);
 
 TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step = {});

@@ -24,8 +24,8 @@ void scale(float* x, int64_t n, double f) {
   for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(x[i] * f);
 }
 
-double sum_squares(const float* x, int64_t n) {
-  double s = 0;
+double sum_squares(const float* x, int64_t n, double acc) {
+  double s = acc;
   for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * x[i];
   return s;
 }

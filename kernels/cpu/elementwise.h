@@ -16,8 +16,8 @@ void add_bias(float* y, const float* bias, int64_t rows, int64_t width);
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t width);
 // x[i] = x[i] * f, the product rounded once to fp32.
 void scale(float* x, int64_t n, double f);
-// Sum of squares accumulated in double, in index order.
-double sum_squares(const float* x, int64_t n);
+// acc + the sum of squares, accumulated in double in index order.
+double sum_squares(const float* x, int64_t n, double acc = 0);
 
 // Rows of x [n, a + b + c] split into y0 [n, a], y1 [n, b], y2 [n, c], and back.
 void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,

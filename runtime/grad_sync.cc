@@ -1,0 +1,135 @@
+#include "runtime/grad_sync.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace ptdp {
+
+DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallelGroups& groups,
+                                             bool distributed)
+    : shard_(shard), be_(shard.backend()), g_(groups), dist_(distributed) {
+  int64_t state = 0;
+  for (const Segment& s : shard_.segments()) {
+    state_offset_.push_back(state);
+    state += dist_ ? s.size / g_.data_parallel : s.size;
+  }
+  adam_m_.assign(static_cast<size_t>(state), 0.0f);
+  adam_v_.assign(static_cast<size_t>(state), 0.0f);
+  if (dist_) shard_grads_.assign(static_cast<size_t>(state), 0.0f);
+}
+
+void DataParallelOptimizer::for_each_owned_range(
+    const std::function<void(const ParamInfo&, int64_t, int64_t, int64_t)>& f) {
+  const auto& segs = shard_.segments();
+  const int64_t d = g_.data_parallel;
+  for (const ParamInfo& p : shard_.param_infos()) {
+    const Segment& s = segs[static_cast<size_t>(p.segment)];
+    int64_t lo = p.offset, hi = p.offset + p.size, base = 0;
+    if (dist_) {
+      const int64_t shard = s.size / d;
+      const int64_t begin = s.offset + g_.dp_rank * shard;
+      lo = std::max(lo, begin);
+      hi = std::min(hi, begin + shard);
+      if (lo >= hi) continue;
+      base = state_offset_[static_cast<size_t>(p.segment)] + (lo - begin);
+    } else {
+      base = lo;
+    }
+    f(p, lo, hi, base);
+  }
+}
+
+void DataParallelOptimizer::reduce_gradients() {
+  Buffer& g = shard_.grads();
+  const int64_t d = g_.data_parallel;
+  if (shard_.layout().sequence_parallel && shard_.layout().t > 1) {
+    // Replicated parameters applied to a sequence slice: their gradients are partial sums.
+    int64_t n = 0;
+    for (const ParamInfo& p : shard_.param_infos())
+      if (p.sp_partial) n += p.size;
+    Buffer packed(static_cast<size_t>(n));
+    int64_t at = 0;
+    for (const ParamInfo& p : shard_.param_infos())
+      if (p.sp_partial) {
+        be_.copy(g.data() + p.offset, packed.data() + at, p.size);
+        at += p.size;
+      }
+    g_.tensor->all_reduce(packed.data(), packed.size());
+    at = 0;
+    for (const ParamInfo& p : shard_.param_infos())
+      if (p.sp_partial) {
+        be_.copy(packed.data() + at, g.data() + p.offset, p.size);
+        at += p.size;
+      }
+  }
+  const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
+  if (!dist_) {
+    if (d > 1) {
+      g_.data->all_reduce(g.data(), g.size());
+      be_.scale(g.data(), elems(g), inv_d);
+    }
+    return;
+  }
+  const auto& segs = shard_.segments();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    const int64_t shard = segs[i].size / d;
+    if (shard == 0) continue;
+    float* out = shard_grads_.data() + state_offset_[i];
+    g_.data->reduce_scatter(g.data() + segs[i].offset, out, static_cast<size_t>(shard));
+    if (d > 1) be_.scale(out, shard, inv_d);
+  }
+}
+
+void DataParallelOptimizer::sync_embedding() {
+  if (g_.embedding->size() < 2) return;
+  const Segment& s = shard_.segments()[0];
+  if (dist_)
+    g_.embedding->all_reduce(shard_grads_.data() + state_offset_[0],
+                             static_cast<size_t>(s.size / g_.data_parallel));
+  else
+    g_.embedding->all_reduce(shard_.grads().data() + s.offset, static_cast<size_t>(s.size));
+}
+
+double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
+  Buffer& params = shard_.params();
+  float* grads = dist_ ? shard_grads_.data() : shard_.grads().data();
+  // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
+  // tied embedding on the first stage).
+  double sq = 0;
+  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
+    if (p.tied_copy || (p.tp_replicated && g_.tp_rank != 0)) return;
+    sq = be_.sum_squares(grads + (dist_ ? base : lo), hi - lo, sq);
+  });
+  float total = static_cast<float>(sq);
+  g_.norm->all_reduce(&total, 1);
+  const double norm = std::sqrt(static_cast<double>(total));
+  const double coef = o.clip_grad > 0 && norm > o.clip_grad ? o.clip_grad / (norm + 1e-6) : 1.0;
+  AdamWSettings adam;
+  adam.lr = lr;
+  adam.beta1 = o.beta1;
+  adam.beta2 = o.beta2;
+  adam.eps = o.eps;
+  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
+    float* gp = grads + (dist_ ? base : lo);
+    const int64_t n = hi - lo;
+    if (coef != 1.0) be_.scale(gp, n, coef);
+    AdamWSettings a = adam;
+    a.weight_decay = p.decay ? o.weight_decay : 0.0;
+    be_.adamw(params.data() + lo, gp, adam_m_.data() + base, adam_v_.data() + base, n, a, step + 1);
+  });
+  if (dist_) {
+    const int64_t d = g_.data_parallel;
+    Buffer gathered;
+    for (const Segment& s : shard_.segments()) {
+      const int64_t shard = s.size / d;
+      if (shard == 0) continue;
+      gathered.resize(static_cast<size_t>(s.size));
+      g_.data->all_gather(params.data() + s.offset + g_.dp_rank * shard, gathered.data(),
+                          static_cast<size_t>(shard));
+      be_.copy(gathered.data(), params.data() + s.offset, s.size);
+    }
+  }
+  return norm;
+}
+
+}  // namespace ptdp

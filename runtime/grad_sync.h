@@ -1,0 +1,63 @@
+// DataParallelOptimizer: what happens to a rank's gradients after the backward passes of a
+// step. Partial gradients of sequence-parallel parameters are all-reduced over the
+// tensor-parallel group; the data-parallel group all-reduces the whole gradient buffer (or,
+// with the distributed optimizer, reduce-scatters each segment so that every rank holds the
+// averaged gradients of its 1/d shard); the first and last stage all-reduce the tied word
+// embedding's gradient; then the global gradient norm (each parameter counted once), clipping
+// and AdamW on what this rank owns, and with the distributed optimizer an all-gather of the
+// updated parameters. Kernels run on the shard's backend.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+#include "runtime/backend.h"
+#include "runtime/communicator.h"
+#include "runtime/gpt_model.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+
+struct OptimizerSettings {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
+  double clip_grad = 1.0;  // 0: no clipping
+};
+
+struct DataParallelGroups {
+  Communicator* tensor = nullptr;     // sequence-parallel partial gradients
+  Communicator* data = nullptr;       // gradient reduction, distributed optimizer
+  Communicator* embedding = nullptr;  // first and last stage (tied word embedding)
+  Communicator* norm = nullptr;       // every rank whose gradients the global norm sums
+  int64_t data_parallel = 1;
+  int64_t dp_rank = 0, tp_rank = 0;
+};
+
+class DataParallelOptimizer {
+ public:
+  DataParallelOptimizer(GptShard& shard, const DataParallelGroups& groups, bool distributed);
+
+  void reduce_gradients();
+  void sync_embedding();
+  // Clips by the global gradient norm and applies AdamW at `lr`; step counts from 0. Returns
+  // the norm before clipping.
+  double step(int64_t step, double lr, const OptimizerSettings& o);
+
+  // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
+  Buffer& adam_m() { return adam_m_; }
+  Buffer& adam_v() { return adam_v_; }
+
+ private:
+  // Calls f(param, lo, hi, state index of lo) for the part of each parameter this rank's
+  // optimizer owns.
+  void for_each_owned_range(
+      const std::function<void(const ParamInfo&, int64_t, int64_t, int64_t)>& f);
+
+  GptShard& shard_;
+  Backend& be_;
+  DataParallelGroups g_;
+  bool dist_;
+  Buffer adam_m_, adam_v_, shard_grads_;
+  std::vector<int64_t> state_offset_;  // per segment, into the state arrays
+};
+
+}  // namespace ptdp

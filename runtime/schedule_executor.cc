@@ -1,0 +1,131 @@
+#include "runtime/schedule_executor.h"
+
+#include <stdexcept>
+
+namespace ptdp {
+
+ScheduleExecutor::ScheduleExecutor(GptShard& shard, Communicator& pipeline,
+                                   DataParallelOptimizer& optimizer,
+                                   std::vector<PipelineAction> actions, int64_t pp, int64_t p,
+                                   int64_t dp, int64_t microbatches)
+    : shard_(shard),
+      pipeline_(pipeline),
+      optimizer_(optimizer),
+      actions_(std::move(actions)),
+      pp_(pp),
+      p_(p),
+      dp_(dp),
+      m_(microbatches) {}
+
+void ScheduleExecutor::flush_p2p() {
+  pipeline_.batch(batch_);
+  batch_.clear();
+  for (const Key& k : sent_fwd_) act_out_.erase(k);
+  for (const Key& k : sent_bwd_) grad_out_.erase(k);
+  sent_fwd_.clear();
+  sent_bwd_.clear();
+}
+
+double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
+                             std::vector<TimelineEvent>* events, Clock::time_point t0) {
+  Backend& be = shard_.backend();
+  be.fill_zero(shard_.grads().data(), elems(shard_.grads()));
+  const int64_t v = shard_.num_chunks();
+  const int64_t next = (pp_ + 1) % p_, prev = (pp_ + p_ - 1) % p_;
+  auto tag = [v](int dir, int64_t mb, int64_t chunk) {
+    return static_cast<int>(((mb * v + chunk) * 2 + dir) % 32768);
+  };
+  std::vector<int32_t> tokens;
+  double loss_sum = 0;
+  double group_start = -1;
+  const size_t group_first_event = events ? events->size() : 0;
+  auto now = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  for (const PipelineAction& a : actions_) {
+    const double start = now();
+    const Key key{a.microbatch, a.chunk};
+    switch (a.kind) {
+      case ActionKind::kForward: {
+        const bool first = shard_.first_stage(a.chunk), last = shard_.last_stage(a.chunk);
+        if (first || last) step.tokens(a.microbatch, tokens);
+        Buffer out;
+        const Buffer* in = first ? nullptr : &act_in_.at(key);
+        loss_sum += shard_.forward(a.chunk, a.microbatch, tokens.data(), in, &out);
+        if (!first) act_in_.erase(key);
+        if (!last) act_out_[key] = std::move(out);
+        break;
+      }
+      case ActionKind::kBackward: {
+        const bool first = shard_.first_stage(a.chunk), last = shard_.last_stage(a.chunk);
+        Buffer gin;
+        const Buffer* gout = last ? nullptr : &grad_in_.at(key);
+        shard_.backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_));
+        if (!last) grad_in_.erase(key);
+        if (!first) grad_out_[key] = std::move(gin);
+        break;
+      }
+      case ActionKind::kSendForward: {
+        const int64_t rc = pp_ == p_ - 1 ? a.chunk + 1 : a.chunk;
+        Buffer& b = act_out_.at(key);
+        batch_.push_back(
+            {true, b.data(), b.size(), static_cast<int>(next), tag(0, a.microbatch, rc)});
+        sent_fwd_.push_back(key);
+        break;
+      }
+      case ActionKind::kRecvForward: {
+        Buffer& b = act_in_[key];
+        b.resize(static_cast<size_t>(shard_.boundary_elements()));
+        batch_.push_back(
+            {false, b.data(), b.size(), static_cast<int>(prev), tag(0, a.microbatch, a.chunk)});
+        break;
+      }
+      case ActionKind::kSendBackward: {
+        const int64_t rc = pp_ == 0 ? a.chunk - 1 : a.chunk;
+        Buffer& b = grad_out_.at(key);
+        batch_.push_back(
+            {true, b.data(), b.size(), static_cast<int>(prev), tag(1, a.microbatch, rc)});
+        sent_bwd_.push_back(key);
+        break;
+      }
+      case ActionKind::kRecvBackward: {
+        Buffer& b = grad_in_[key];
+        b.resize(static_cast<size_t>(shard_.boundary_elements()));
+        batch_.push_back(
+            {false, b.data(), b.size(), static_cast<int>(next), tag(1, a.microbatch, a.chunk)});
+        break;
+      }
+      case ActionKind::kGradSync:
+        optimizer_.reduce_gradients();
+        break;
+      case ActionKind::kEmbeddingSync:
+        optimizer_.sync_embedding();
+        break;
+      case ActionKind::kOptimizerStep:
+        *grad_norm = optimizer_.step(step.step, step.lr, step.optimizer);
+        break;
+      case ActionKind::kBackwardInput:
+      case ActionKind::kBackwardWeight:
+        throw std::logic_error("zero-bubble actions are not executed by ptdp run");
+    }
+    const bool p2p = is_p2p(a.kind);
+    if (p2p && group_start < 0) group_start = start;
+    if (p2p && !a.batched_with_next) flush_p2p();
+    if (events) {
+      const double end = now();
+      events->push_back({static_cast<int32_t>(pp_), static_cast<int32_t>(dp_), a.kind, a.microbatch,
+                         a.chunk, p2p ? group_start : start, end});
+      if (p2p && !a.batched_with_next) {
+        // Every action of a batched call spans the call.
+        for (size_t i = events->size(); i-- > group_first_event;) {
+          TimelineEvent& e = (*events)[i];
+          if (!is_p2p(e.kind) || e.start != group_start) break;
+          e.end = end;
+        }
+      }
+    }
+    if (p2p && !a.batched_with_next) group_start = -1;
+  }
+  if (!batch_.empty()) throw std::logic_error("schedule ends inside a batched transfer");
+  return loss_sum;
+}
+
+}  // namespace ptdp

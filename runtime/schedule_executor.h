@@ -1,0 +1,68 @@
+// ScheduleExecutor: one step of a pipeline rank's action list (core/schedule.h, the list the
+// simulator replays): forward and backward passes of the shard's chunks, the batched
+// point-to-point transfers posted and waited on together (as Megatron's batch_isend_irecv), and
+// the gradient reduction, embedding sync and optimizer step at the points the list puts them.
+// Optionally records each action's start and end for the measured timeline.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "core/schedule.h"
+#include "runtime/communicator.h"
+#include "runtime/gpt_model.h"
+#include "runtime/grad_sync.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+
+// One executed action of one pipeline rank (tensor-parallel rank 0 of each replica).
+struct TimelineEvent {
+  int32_t pp = 0, dp = 0;
+  ActionKind kind = ActionKind::kForward;
+  int32_t microbatch = -1, chunk = -1;
+  double start = 0, end = 0;  // seconds since the first step began
+};
+
+struct StepContext {
+  int64_t step = 0;
+  double lr = 0;
+  OptimizerSettings optimizer;
+  // The microbatch's token sequences ([b, s + 1]) for the first and the last stage.
+  std::function<void(int64_t microbatch, std::vector<int32_t>&)> tokens;
+};
+
+class ScheduleExecutor {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  // pipeline: the pipeline-parallel group; pp, p: this rank's stage and the stage count;
+  // microbatches: m of one step; dp: the replica (for the timeline).
+  ScheduleExecutor(GptShard& shard, Communicator& pipeline, DataParallelOptimizer& optimizer,
+                   std::vector<PipelineAction> actions, int64_t pp, int64_t p, int64_t dp,
+                   int64_t microbatches);
+
+  // Runs the action list once. Returns the sum of this rank's microbatch losses (last stage)
+  // and sets *grad_norm. With `events`, appends one event per action (times since t0).
+  double run(const StepContext& step, double* grad_norm, std::vector<TimelineEvent>* events,
+             Clock::time_point t0);
+
+ private:
+  using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
+  void flush_p2p();
+
+  GptShard& shard_;
+  Communicator& pipeline_;
+  DataParallelOptimizer& optimizer_;
+  std::vector<PipelineAction> actions_;
+  int64_t pp_, p_, dp_, m_;
+  std::map<Key, Buffer> act_in_, act_out_, grad_in_, grad_out_;
+  std::vector<Communicator::P2P> batch_;
+  std::vector<Key> sent_fwd_, sent_bwd_;
+};
+
+}  // namespace ptdp
