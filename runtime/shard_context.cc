@@ -53,8 +53,7 @@ void ShardContext::scatter_sequence(const Buffer& full, Buffer& local, int64_t w
   resize(scratch_, t * n);
   be.sequence_shard(full.data(), scratch_.data(), t, dims.b, dims.s, width);
   resize(local, n);
-  tp->reduce_scatter(scratch_.data(), local.data(), static_cast<size_t>(n));
-  collective_done(Collective::kReduceScatter, static_cast<double>(t * n) * sizeof(float));
+  reduce_scatter(scratch_.data(), local.data(), n);
 }
 
 void ShardContext::scatter_sequence_in_place(Buffer& x) {
@@ -71,6 +70,11 @@ void ShardContext::all_reduce(Buffer& x) {
 void ShardContext::all_gather(const float* in, float* out, int64_t n) {
   tp->all_gather(in, out, static_cast<size_t>(n));
   collective_done(Collective::kAllGather, static_cast<double>(dims.t * n) * sizeof(float));
+}
+
+void ShardContext::reduce_scatter(const float* in, float* out, int64_t n) {
+  tp->reduce_scatter(in, out, static_cast<size_t>(n));
+  collective_done(Collective::kReduceScatter, static_cast<double>(dims.t * n) * sizeof(float));
 }
 
 void ShardContext::linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,

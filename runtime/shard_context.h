@@ -55,6 +55,7 @@ class ShardContext {
   void scatter_sequence_in_place(Buffer& x);
   void all_reduce(Buffer& x);
   void all_gather(const float* in, float* out, int64_t n);
+  void reduce_scatter(const float* in, float* out, int64_t n);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
   void linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,

@@ -16,6 +16,7 @@
 #include "core/layer_ops.h"
 #include "runtime/communicator.h"
 #include "runtime/gpt_model.h"
+#include "runtime/op_executor.h"
 
 namespace ptdp {
 namespace {
@@ -171,6 +172,55 @@ TEST(OpTrace, TraceFollowsTheLayout) {
   for (const ExecutedOp& e : sp)
     if (e.id == OpId::kQkv) sp_bytes = static_cast<double>(e.m);
   EXPECT_EQ(sp_bytes, 2 * plain_bytes);  // tokens of the QKV GEMM double with b
+}
+
+// The op executor (what the calibrator times) runs any op of the lists alone, with the GEMM
+// shape and collective bytes the list states.
+TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
+  auto backend = make_backend("cpu");
+  int ran = 0;
+  for (const ModelSpec& m : {gpt(), llama_like()}) {
+    for (const Variant& v :
+         {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
+          Variant{4, false, Recompute::kSelective}}) {
+      ShardLayout l;
+      l.t = v.t;
+      l.micro_batch = 2;
+      l.sequence_parallel = v.sp;
+      l.recompute = v.recompute;
+      MirrorGroup group(static_cast<int>(v.t));
+      OpExecutor exec(*backend, &group, m, l);
+      std::vector<ExecutedOp> trace;
+      exec.trace_ops(&trace);
+      for (const Op& op : listed(m, l)) {
+        trace.clear();
+        exec.run(op);
+        ASSERT_EQ(trace.size(), 1u) << op.name();
+        const ExecutedOp& g = trace[0];
+        EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << op.name();
+        if (op.kind == OpKind::kGemm) {
+          EXPECT_EQ(g.m, op.m) << op.name();
+          EXPECT_EQ(g.n, op.n) << op.name();
+          EXPECT_EQ(g.k, op.k) << op.name();
+          EXPECT_EQ(g.batch, op.batch) << op.name();
+        }
+        if (op.kind == OpKind::kCollective) {
+          EXPECT_EQ(g.collective, op.collective) << op.name();
+          EXPECT_DOUBLE_EQ(g.bytes, op.bytes) << op.name();
+        }
+        ++ran;
+      }
+    }
+  }
+  EXPECT_GT(ran, 400);
+  // An op ptdp run does not execute is refused.
+  ShardLayout l;
+  MirrorGroup one(1);
+  OpExecutor exec(*backend, &one, gpt(), l);
+  Op accumulate;
+  accumulate.id = OpId::kWeightGradAccumulate;
+  accumulate.kind = OpKind::kMemory;
+  EXPECT_THROW(exec.run(accumulate), std::invalid_argument);
 }
 
 }  // namespace

@@ -1,0 +1,266 @@
+#include "runtime/op_executor.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+#include "runtime/shard_context.h"
+
+namespace ptdp {
+
+struct OpExecutor::State {
+  ShardContext ctx;
+  Buffer params;  // one weight of the largest shape any op reads, and a bias
+  Buffer grads;
+  Buffer a, b, c, d, e, f;  // operands, sized per op
+  std::vector<int32_t> tokens;
+
+  State(Backend& be, Communicator* tp, const ShardDims& dims) : ctx(be, tp, dims) {}
+
+  // Sizes x to n elements of deterministic, moderate values.
+  void fill(Buffer& x, int64_t n) {
+    resize(x, n);
+    for (int64_t i = 0; i < n; ++i)
+      x[static_cast<size_t>(i)] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+  }
+};
+
+namespace {
+
+ShardDims dims_of(const ModelSpec& m, const ShardLayout& l) {
+  ShardDims d;
+  d.t = l.t;
+  d.tp = l.tp;
+  d.b = l.micro_batch;
+  d.s = m.seq_length;
+  d.h = m.hidden_size;
+  d.heads = m.num_attention_heads;
+  d.groups = m.query_groups();
+  d.d = m.kv_channels();
+  d.hl = d.heads / d.t;
+  d.gl = d.groups / d.t;
+  d.ffl = m.ffn_hidden() / d.t;
+  d.vocab = m.vocab_size;
+  d.vl = (m.vocab_size + d.t - 1) / d.t;
+  d.v0 = l.tp * d.vl;
+  d.sp = l.sequence_parallel && d.t > 1;
+  d.biases = !m.swiglu;
+  d.swiglu = m.swiglu;
+  d.n_full = d.b * d.s;
+  d.n_local = d.sp ? d.n_full / d.t : d.n_full;
+  return d;
+}
+
+}  // namespace
+
+OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const ModelSpec& m,
+                       const ShardLayout& layout)
+    : s_(std::make_unique<State>(backend, tensor_group, dims_of(m, layout))) {
+  validate_shard_layout(m, layout);
+  const ShardDims& d = s_->ctx.dims;
+  // The largest weight: QKV, FC1 or the vocabulary shard, plus a bias of the widest output.
+  const int64_t weight =
+      std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h});
+  s_->fill(s_->params, weight + std::max({d.qkv_width(), d.fc1_width(), d.h}));
+  s_->fill(s_->grads, elems(s_->params));
+  s_->ctx.params = s_->params.data();
+  s_->ctx.grads = s_->grads.data();
+  s_->tokens.resize(static_cast<size_t>(d.n_full));
+  for (int64_t i = 0; i < d.n_full; ++i)
+    s_->tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31) % d.vocab);
+}
+
+OpExecutor::~OpExecutor() = default;
+
+void OpExecutor::trace_ops(std::vector<ExecutedOp>* sink) {
+  s_->ctx.trace = sink;
+}
+
+void OpExecutor::run(const Op& op) {
+  State& S = *s_;
+  ShardContext& c = S.ctx;
+  const ShardDims& d = c.dims;
+  Backend& be = c.be;
+  const int64_t bias = elems(S.params) - std::max({d.qkv_width(), d.fc1_width(), d.h});
+  auto gemm = [&] {
+    switch (op.role == OpRole::kForward || op.role == OpRole::kRecompute ? 0
+            : op.role == OpRole::kWeightGrad                             ? 2
+                                                                         : 1) {
+      case 0:  // y[m, n] = x[m, k] W[n, k]^T
+        S.fill(S.a, op.m * op.k);
+        resize(S.b, op.m * op.n);
+        c.linear(S.a.data(), 0, -1, S.b.data(), op.m, op.k, op.n);
+        break;
+      case 1:  // dx[m, n] = dy[m, k] W[k, n]
+        S.fill(S.a, op.m * op.k);
+        resize(S.b, op.m * op.n);
+        c.linear_dgrad(0, S.a.data(), S.b.data(), op.m, op.n, op.k);
+        break;
+      default:  // dW[n, m] += dy[k, n]^T x[k, m]
+        S.fill(S.a, op.k * op.m);
+        S.fill(S.b, op.k * op.n);
+        c.linear_wgrad(S.a.data(), S.b.data(), 0, -1, op.k, op.m, op.n);
+        break;
+    }
+  };
+  c.begin(op.id, op.role == OpRole::kForward     ? PassKind::kForward
+                 : op.role == OpRole::kRecompute ? PassKind::kRecompute
+                                                 : PassKind::kBackward);
+  const int64_t q = d.n_full * d.hl * d.d, kv = d.n_full * d.gl * d.d;
+  const int64_t scores = d.b * d.hl * d.s * d.s;
+  switch (op.kind) {
+    case OpKind::kCollective: {
+      // The op's buffer as the op list counts it: the output of an all-gather, the input of a
+      // reduce-scatter, the buffer of an all-reduce.
+      const int64_t n = static_cast<int64_t>(op.bytes / static_cast<double>(dtype_bytes(op.dtype)));
+      if (op.collective == Collective::kAllReduce) {
+        S.fill(S.a, n);
+        c.all_reduce(S.a);
+      } else if (op.collective == Collective::kAllGather) {
+        S.fill(S.a, n / d.t);
+        resize(S.b, n);
+        c.all_gather(S.a.data(), S.b.data(), n / d.t);
+      } else {
+        S.fill(S.a, n);
+        resize(S.b, n / d.t);
+        c.reduce_scatter(S.a.data(), S.b.data(), n / d.t);
+      }
+      return;
+    }
+    case OpKind::kGemm:
+      switch (op.id) {
+        case OpId::kAttnScores:
+          S.fill(S.a, q), S.fill(S.b, kv), resize(S.c, scores);
+          be.attention_scores(S.a.data(), S.b.data(), S.c.data(), d.b, d.s, d.hl, d.gl, d.d);
+          c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
+          return;
+        case OpId::kAttnContext:
+          S.fill(S.a, scores), S.fill(S.b, kv), resize(S.c, q);
+          be.attention_context(S.a.data(), S.b.data(), S.c.data(), d.b, d.s, d.hl, d.gl, d.d);
+          c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
+          return;
+        case OpId::kAttnScoresDq:
+        case OpId::kAttnScoresDk:
+          S.fill(S.a, q), S.fill(S.b, kv), S.fill(S.c, scores), resize(S.e, q), resize(S.f, kv);
+          be.attention_scores_backward(S.a.data(), S.b.data(), S.c.data(),
+                                       op.id == OpId::kAttnScoresDq ? S.e.data() : nullptr,
+                                       op.id == OpId::kAttnScoresDk ? S.f.data() : nullptr, d.b,
+                                       d.s, d.hl, d.gl, d.d);
+          if (op.id == OpId::kAttnScoresDq)
+            c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
+          else
+            c.gemm_done(d.d, d.s, d.s, d.b * d.hl);
+          return;
+        case OpId::kAttnContextDprobs:
+        case OpId::kAttnContextDv:
+          S.fill(S.a, scores), S.fill(S.b, kv), S.fill(S.c, q), resize(S.e, scores);
+          resize(S.f, kv);
+          be.attention_context_backward(S.a.data(), S.b.data(), S.c.data(),
+                                        op.id == OpId::kAttnContextDprobs ? S.e.data() : nullptr,
+                                        op.id == OpId::kAttnContextDv ? S.f.data() : nullptr, d.b,
+                                        d.s, d.hl, d.gl, d.d);
+          if (op.id == OpId::kAttnContextDprobs)
+            c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
+          else
+            c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
+          return;
+        default:
+          gemm();
+          return;
+      }
+    case OpKind::kMemory:
+      break;
+  }
+  const int64_t rows = d.n_local, ffn = d.n_full * d.ffl;
+  const int64_t logits = d.n_full * d.vl, valid = std::min(d.vl, d.vocab - d.v0);
+  switch (op.id) {
+    case OpId::kInputLayernorm:
+    case OpId::kPostAttentionLayernorm:
+    case OpId::kFinalLayernorm:
+      S.fill(S.a, rows * d.h);
+      c.norm_forward(S.a, 0, d.biases ? bias : -1, S.b, S.c, S.d, rows);
+      return;
+    case OpId::kInputLayernormBackward:
+    case OpId::kPostAttentionLayernormBackward:
+    case OpId::kFinalLayernormBackward:
+      S.fill(S.a, rows * d.h), S.fill(S.c, rows), S.fill(S.d, rows), S.fill(S.e, rows * d.h);
+      c.norm_backward(S.a, 0, d.biases ? bias : -1, S.c, S.d, S.e, S.f, rows);
+      return;
+    case OpId::kAttnSoftmax:
+      S.fill(S.a, scores);
+      be.causal_softmax(S.a.data(), d.b * d.hl, d.s);
+      return;
+    case OpId::kAttnSoftmaxBackward:
+      S.fill(S.a, scores), S.fill(S.b, scores);
+      be.causal_softmax_backward(S.a.data(), S.b.data(), S.b.data(), d.b * d.hl, d.s);
+      return;
+    case OpId::kAttnDropout:
+    case OpId::kAttnDropoutBackward:  // ptdp run has no dropout: nothing runs
+      return;
+    case OpId::kAttnBiasDropoutAdd:
+    case OpId::kMlpBiasDropoutAdd:
+      S.fill(S.a, rows * d.h), S.fill(S.b, rows * d.h);
+      c.residual_add(S.c, S.a, S.b, d.biases ? bias : -1);
+      return;
+    case OpId::kAttnBiasDropoutAddBackward:
+    case OpId::kMlpBiasDropoutAddBackward:
+      S.fill(S.a, rows * d.h);
+      c.bias_grad(S.a, d.biases ? bias : -1, d.h);
+      c.copy(S.a, S.b);
+      c.copy(S.a, S.c);
+      return;
+    case OpId::kBiasGelu:
+      S.fill(S.a, ffn), resize(S.b, ffn);
+      c.add_bias(S.a, d.biases ? bias : -1, d.ffl);
+      be.gelu(S.a.data(), S.b.data(), ffn);
+      return;
+    case OpId::kBiasGeluBackward:
+      S.fill(S.a, ffn), S.fill(S.b, ffn), resize(S.c, ffn);
+      be.gelu_backward(S.a.data(), S.b.data(), S.c.data(), ffn);
+      c.bias_grad(S.c, d.biases ? bias : -1, d.ffl);
+      return;
+    case OpId::kSwiglu:
+      S.fill(S.a, 2 * ffn), resize(S.b, ffn);
+      be.swiglu(S.a.data(), S.b.data(), d.n_full, d.ffl);
+      return;
+    case OpId::kSwigluBackward:
+      S.fill(S.a, 2 * ffn), S.fill(S.b, ffn), resize(S.c, 2 * ffn);
+      be.swiglu_backward(S.a.data(), S.b.data(), S.c.data(), d.n_full, d.ffl);
+      return;
+    case OpId::kWordEmbeddingLookup:
+      resize(S.a, d.n_full * d.h);
+      be.vocab_embedding_lookup(S.tokens.data(), c.P(0), S.a.data(), d.n_full, d.h, d.v0, d.vl);
+      return;
+    case OpId::kWordEmbeddingGradScatterAdd:
+      S.fill(S.a, d.n_full * d.h);
+      be.vocab_embedding_grad(S.tokens.data(), S.a.data(), c.G(0), d.n_full, d.h, d.v0, d.vl);
+      return;
+    case OpId::kEmbeddingPositionDropout: {
+      const int64_t sl = rows / d.b;
+      S.fill(S.a, rows * d.h);
+      be.add_positions(S.a.data(), c.P(0), d.b, sl, d.h, 0);
+      return;
+    }
+    case OpId::kEmbeddingDropoutBackward: {
+      const int64_t sl = rows / d.b;
+      S.fill(S.a, rows * d.h);
+      be.position_grad(S.a.data(), c.G(0), d.b, sl, d.h, 0);
+      return;
+    }
+    case OpId::kCrossEntropy:
+      S.fill(S.a, logits), resize(S.b, d.n_full * kCrossEntropyStatsPerToken),
+          resize(S.c, d.n_full);
+      be.cross_entropy_stats(S.a.data(), S.tokens.data(), S.b.data(), d.n_full, d.vl, valid, d.v0);
+      if (d.t == 1)
+        be.cross_entropy_finish(S.b.data(), 1, S.a.data(), S.c.data(), d.n_full, d.vl, valid);
+      return;
+    case OpId::kCrossEntropyBackward:
+      S.fill(S.a, logits);
+      be.cross_entropy_backward(S.a.data(), S.tokens.data(), d.n_full, d.vl, d.v0, 1.0);
+      return;
+    default:
+      throw std::invalid_argument("ptdp run does not execute op '" + std::string(op.name()) + "'");
+  }
+}
+
+}  // namespace ptdp

@@ -1,0 +1,40 @@
+// OpExecutor: runs one op of the layer op list alone, on a backend and a tensor-parallel
+// group, with buffers of the op's shapes, so that `ptdp calibrate` can time exactly the kernel
+// or collective `ptdp run` executes for that op. GEMMs take their shape from the op itself
+// (m, n, k, batch); memory-bound ops and collectives from the model and the layout the op list
+// was built for (runtime_layer_shape of the same model and layout). Inputs hold deterministic
+// values; outputs are scratch.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "core/model_spec.h"
+#include "runtime/backend.h"
+#include "runtime/communicator.h"
+#include "runtime/gpt_model.h"
+
+namespace ptdp {
+
+class OpExecutor {
+ public:
+  OpExecutor(Backend& backend, Communicator* tensor_group, const ModelSpec& m,
+             const ShardLayout& layout);
+  ~OpExecutor();
+  OpExecutor(const OpExecutor&) = delete;
+  OpExecutor& operator=(const OpExecutor&) = delete;
+
+  // Runs `op` once. Throws std::invalid_argument for an op ptdp run does not execute (the
+  // separate gradient-accumulation passes).
+  void run(const Op& op);
+  // Records what each run executes (as GptShard::trace_ops does).
+  void trace_ops(std::vector<ExecutedOp>* sink);
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace ptdp
