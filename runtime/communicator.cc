@@ -1,29 +1,136 @@
 #include "runtime/communicator.h"
 
-#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
 #include <stdexcept>
 
 namespace ptdp {
+
+CommDuration default_comm_timeout() {
+  const char* env = std::getenv("PTDP_COMM_TIMEOUT_S");
+  if (env == nullptr || *env == '\0') return CommDuration(300.0);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s > 0))
+    throw std::invalid_argument(std::string("PTDP_COMM_TIMEOUT_S='") + env +
+                                "' is not a positive number of seconds");
+  return CommDuration(s);
+}
+
 namespace {
+
+std::string timeout_message(const std::string& group, const std::string& operation,
+                            const std::vector<int>& missing, CommDuration waited,
+                            const std::string& detail) {
+  std::ostringstream m;
+  m << "communication timed out after " << waited.count() << " s: " << operation << " in group '"
+    << group << "'";
+  if (!missing.empty()) {
+    m << "; not heard from: rank" << (missing.size() > 1 ? "s" : "");
+    for (size_t i = 0; i < missing.size(); ++i) m << (i ? ", " : " ") << missing[i];
+  }
+  if (!detail.empty()) m << "; " << detail;
+  return m.str();
+}
+
+}  // namespace
+
+CommTimeout::CommTimeout(std::string group, std::string operation, std::vector<int> missing_ranks,
+                         CommDuration waited, const std::string& detail)
+    : std::runtime_error(timeout_message(group, operation, missing_ranks, waited, detail)),
+      group_(std::move(group)),
+      operation_(std::move(operation)),
+      missing_(std::move(missing_ranks)) {}
+
+Communicator::Communicator() : timeout_(default_comm_timeout()) {}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key, std::string name) {
+  auto c = make_split(color, key);
+  c->set_name(name.empty() ? name_ + "/" + std::to_string(color) : std::move(name));
+  c->set_timeout(timeout_);
+  return c;
+}
+
+ControlPlane::ControlPlane() : timeout_(default_comm_timeout()) {}
+
+int ControlPlane::agree(bool failed) {
+  const std::vector<bool> flags = all_gather_flags(failed);
+  for (size_t r = 0; r < flags.size(); ++r)
+    if (flags[r]) return static_cast<int>(r);
+  return -1;
+}
+
+std::unique_ptr<ControlPlane> ControlPlane::split(int color, int key, std::string name) {
+  auto c = make_split(color, key);
+  c->set_name(name.empty() ? name_ + "/" + std::to_string(color) : std::move(name));
+  c->set_timeout(timeout_);
+  return c;
+}
+
+namespace {
+
+class DoneWork final : public Work {
+ public:
+  bool test() override { return true; }
+  void wait() override {}
+  void wait(CommDuration) override {}
+};
+
+std::unique_ptr<Work> done() {
+  return std::make_unique<DoneWork>();
+}
 
 class SelfCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
-  void all_reduce(float*, size_t) override {}
-  void all_gather(const float* in, float* out, size_t n) override {
-    if (in != out) std::copy(in, in + n, out);
+
+ protected:
+  std::unique_ptr<Work> start_all_reduce(void*, size_t, DType, DeviceStream) override {
+    return done();
   }
-  void reduce_scatter(const float* in, float* out, size_t n) override {
-    if (in != out) std::copy(in, in + n, out);
+  std::unique_ptr<Work> start_all_gather(const void* in, void* out, size_t n, DType t,
+                                         DeviceStream) override {
+    if (in != out && n > 0) std::memmove(out, in, n * dtype_bytes(t));
+    return done();
   }
-  void broadcast(float*, size_t, int) override {}
-  void barrier() override {}
-  void batch(std::span<const P2P> ops) override {
+  std::unique_ptr<Work> start_reduce_scatter(const void* in, void* out, size_t n, DType t,
+                                             DeviceStream) override {
+    if (in != out && n > 0) std::memmove(out, in, n * dtype_bytes(t));
+    return done();
+  }
+  std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int root, DeviceStream) override {
+    if (root != 0) throw std::out_of_range("broadcast root " + std::to_string(root));
+    return done();
+  }
+  std::unique_ptr<Work> start_batch(std::span<const P2P> ops, DeviceStream) override {
     if (!ops.empty()) throw std::logic_error("point-to-point in a group of one rank");
+    return done();
   }
-  std::unique_ptr<Communicator> split(int, int) override {
+  std::unique_ptr<Work> start_barrier() override { return done(); }
+  std::unique_ptr<Communicator> make_split(int, int) override {
     return std::make_unique<SelfCommunicator>();
+  }
+};
+
+class SelfControlPlane final : public ControlPlane {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::vector<bool> all_gather_flags(bool flag) override { return {flag}; }
+  int64_t sum(int64_t x) override { return x; }
+  int64_t max(int64_t x) override { return x; }
+  double sum(double x) override { return x; }
+  double max(double x) override { return x; }
+  std::vector<std::vector<uint8_t>> all_gather_bytes(const std::vector<uint8_t>& mine) override {
+    return {mine};
+  }
+  void barrier() override {}
+
+ protected:
+  std::unique_ptr<ControlPlane> make_split(int, int) override {
+    return std::make_unique<SelfControlPlane>();
   }
 };
 
@@ -31,6 +138,10 @@ class SelfCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_self_communicator() {
   return std::make_unique<SelfCommunicator>();
+}
+
+std::unique_ptr<ControlPlane> make_self_control_plane() {
+  return std::make_unique<SelfControlPlane>();
 }
 
 }  // namespace ptdp

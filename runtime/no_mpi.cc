@@ -11,4 +11,8 @@ std::unique_ptr<Communicator> make_mpi_world() {
   return nullptr;
 }
 
+std::unique_ptr<ControlPlane> make_mpi_control_plane() {
+  return nullptr;
+}
+
 }  // namespace ptdp
