@@ -1,19 +1,25 @@
 // `ptdp run`: train a GPT model with a PTD-P plan on CPU ranks (one process per rank; under
 // mpirun or srun every process runs this command). Rank 0 prints a line per step and, with
 // --json, one object with the losses and step times; --trace writes the measured timeline in
-// the simulator's Chrome trace format.
+// the simulator's Chrome trace format. --dry-run makes every check a run makes, reports each
+// rank's memory and trains nothing; with --plan-index all it does so for every plan of a
+// `ptdp plan --out` file in one launch.
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "cli/cli.h"
 #include "cli/commands.h"
+#include "cli/dry_run.h"
 #include "cli/job_flags.h"
 #include "cli/report.h"
 #include "core/error.h"
 #include "core/presets.h"
+#include "planner/search.h"
 #include "runtime/communicator.h"
 #include "runtime/trainer.h"
 #include "simulator/timeline_export.h"
@@ -24,26 +30,61 @@ namespace {
 struct RunFlags {
   JobFlags job;
   std::string plan_file;
+  std::string plan_index;  // empty: the first (best) plan
   TrainOptions train;
   std::string trace, svg;
   bool json = false;
+  bool dry_run = false;
+  std::optional<double> memory_limit_gib;
 };
 
-// The parallel configuration from `ptdp plan --out` (best plan first), or from a file holding
-// one plan object; its model too, when the file records it.
-void read_plan_file(RunFlags& f, ModelSpec* model, bool* have_model) {
+// A plan to run and its 1-based position in the --plan file (0 without a file).
+struct NumberedPlan {
+  ParallelPlan plan;
+  int64_t index = 0;
+};
+
+// The plans selected by --plan-index from `ptdp plan --out`'s ranked list (best first) or
+// from a file holding one plan object; the file's model too, when it records one.
+std::vector<NumberedPlan> read_plan_file(const RunFlags& f, ModelSpec* model, bool* have_model) {
   const nlohmann::json j = read_json_file(f.plan_file, "--plan");
-  const nlohmann::json* plan = &j;
+  std::vector<const nlohmann::json*> listed;
   if (j.contains("plans")) {
     if (!j["plans"].is_array() || j["plans"].empty())
       throw InputError("--plan", "'plans' holds no plan");
-    plan = &j["plans"][0];
+    for (const nlohmann::json& p : j["plans"]) listed.push_back(&p);
+  } else {
+    listed.push_back(&j);
   }
-  if (plan->contains("configuration")) plan = &(*plan)["configuration"];
-  try {
-    f.train.plan = plan_from_json(*plan);
-  } catch (const InputError& e) {
-    throw InputError("--plan", e.what());
+  const int64_t n = static_cast<int64_t>(listed.size());
+  int64_t first = 1, last = 1;
+  if (f.plan_index == "all") {
+    last = n;
+  } else if (!f.plan_index.empty()) {
+    size_t used = 0;
+    int64_t k = 0;
+    try {
+      k = std::stoll(f.plan_index, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != f.plan_index.size() || k < 1)
+      throw InputError("--plan-index",
+                       "must be a plan's rank (1 = the best) or all, got '" + f.plan_index + "'");
+    if (k > n)
+      throw InputError("--plan-index", std::to_string(k) + " exceeds the " + std::to_string(n) +
+                                           " plans of " + f.plan_file);
+    first = last = k;
+  }
+  std::vector<NumberedPlan> out;
+  for (int64_t k = first; k <= last; ++k) {
+    const nlohmann::json* plan = listed[static_cast<size_t>(k - 1)];
+    if (plan->contains("configuration")) plan = &(*plan)["configuration"];
+    try {
+      out.push_back({plan_from_json(*plan), k});
+    } catch (const InputError& e) {
+      throw InputError("--plan", e.what());
+    }
   }
   *have_model = j.contains("model");
   if (*have_model) {
@@ -53,6 +94,7 @@ void read_plan_file(RunFlags& f, ModelSpec* model, bool* have_model) {
       throw InputError("--plan", std::string("model: ") + e.what());
     }
   }
+  return out;
 }
 
 Span to_span(const TimelineEvent& e) {
@@ -85,17 +127,138 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   return s.str();
 }
 
+// One rank's line of the dry-run table.
+std::string memory_row(const RankFootprint& r, const RankMemory& mem) {
+  auto mib = [](double bytes) { return bytes / (1024.0 * 1024.0); };
+  char buf[200];
+  std::snprintf(
+      buf, sizeof buf, "%5lld %4lld %4lld %4lld %14lld %11.2f %10.2f %10.2f %10.2f %10.2f\n",
+      static_cast<long long>(r.rank), static_cast<long long>(r.tp), static_cast<long long>(r.pp),
+      static_cast<long long>(r.dp), static_cast<long long>(r.parameter_floats), mib(mem.parameters),
+      mib(mem.gradients), mib(mem.optimizer), mib(mem.activations), mib(mem.peak()));
+  return buf;
+}
+
+// `ptdp run --dry-run`: for each plan, every check of a real run and the memory check, agreed
+// on by all ranks; rank 0 reports each rank's memory. Stops at the first plan refused.
+int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<NumberedPlan>& plans,
+                  Communicator& world, std::ostream& out, std::ostream& err) {
+  const bool root = world.rank() == 0;
+  std::string limit_source;
+  const double limit = memory_limit_bytes(f.memory_limit_gib, world.size(), &limit_source);
+  nlohmann::json j;
+  j["model"] = to_json(model);
+  j["world_size"] = world.size();
+  j["memory_limit_bytes"] = std::isfinite(limit) ? nlohmann::json(limit) : nlohmann::json();
+  j["memory_limit"] = limit_source;
+  j["plans"] = nlohmann::json::array();
+  for (const NumberedPlan& np : plans) {
+    const std::string which =
+        np.index > 0 ? "plan " + std::to_string(np.index) + " of " + f.plan_file : "the plan";
+    TrainOptions o = f.train;
+    o.plan = np.plan;
+    auto check = [&](const RankFootprint& r) {
+      const double need = rank_memory(model, o.plan, r).peak();
+      if (need > limit) {
+        char buf[200];
+        std::snprintf(buf, sizeof buf,
+                      "rank %lld (tp %lld, pp %lld, dp %lld) would need %.1f MiB, more than the "
+                      "%.1f MiB it has (%s)",
+                      static_cast<long long>(r.rank), static_cast<long long>(r.tp),
+                      static_cast<long long>(r.pp), static_cast<long long>(r.dp),
+                      need / (1024.0 * 1024.0), limit / (1024.0 * 1024.0), limit_source.c_str());
+        throw InputError(f.memory_limit_gib ? "--memory-limit-gib" : "memory", buf);
+      }
+    };
+    // Several plans in one launch: say which one was refused.
+    auto refuse = [&](const InputError& e) {
+      if (plans.size() > 1) throw InputError(which + " (" + plan_summary(np.plan) + ")", e.what());
+      throw e;
+    };
+    if (o.plan.num_gpus() != world.size()) {  // the same on every rank: rank 0 reports
+      refuse(
+          InputError("--plan", "the plan needs t * p * d = " + std::to_string(o.plan.num_gpus()) +
+                                   " ranks, not " + std::to_string(world.size())));
+    }
+    std::vector<RankFootprint> ranks;
+    try {
+      ranks = dry_run(o, world, check);
+    } catch (const PeerFailed&) {
+      return 2;
+    } catch (const InputError& e) {
+      // Agreed on: only the lowest failing rank gets here, and reports.
+      try {
+        refuse(e);
+      } catch (const InputError& named) {
+        err << "ptdp: " << named.what() << "\n";
+      }
+      return 2;
+    }
+    if (!root) continue;
+    nlohmann::json p;
+    p["index"] = np.index;
+    p["configuration"] = to_json(np.plan);
+    p["ranks"] = nlohmann::json::array();
+    size_t worst = 0;
+    std::vector<RankMemory> mem;
+    for (const RankFootprint& r : ranks) {
+      mem.push_back(rank_memory(model, np.plan, r));
+      if (mem.back().peak() > mem[worst].peak()) worst = mem.size() - 1;
+      p["ranks"].push_back({{"rank", r.rank},
+                            {"tp", r.tp},
+                            {"pp", r.pp},
+                            {"dp", r.dp},
+                            {"parameters", r.parameter_floats},
+                            {"parameter_bytes", mem.back().parameters},
+                            {"gradient_bytes", mem.back().gradients},
+                            {"optimizer_bytes", mem.back().optimizer},
+                            {"activation_bytes", mem.back().activations},
+                            {"peak_bytes", mem.back().peak()}});
+    }
+    p["peak_bytes"] = mem[worst].peak();
+    j["plans"].push_back(p);
+    if (f.json) continue;
+    out << "ptdp run --dry-run: " << which << ": " << plan_line(model, np.plan) << "\n";
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%5s %4s %4s %4s %14s %11s %10s %10s %10s %10s\n", "rank", "tp",
+                  "pp", "dp", "parameters", "params MiB", "grads MiB", "optim MiB", "activ MiB",
+                  "peak MiB");
+    out << buf;
+    for (size_t i = 0; i < ranks.size(); ++i) out << memory_row(ranks[i], mem[i]);
+    std::snprintf(buf, sizeof buf, "ok: %zu ranks; largest predicted peak %.2f MiB (rank %zu); ",
+                  ranks.size(), mem[worst].peak() / (1024.0 * 1024.0), worst);
+    out << buf;
+    if (std::isfinite(limit)) {
+      std::snprintf(buf, sizeof buf, "limit %.1f MiB per rank (%s)\n\n", limit / (1024.0 * 1024.0),
+                    limit_source.c_str());
+      out << buf;
+    } else {
+      out << limit_source << "\n\n";
+    }
+  }
+  if (root && f.json) out << j.dump(2) << "\n";
+  return 0;
+}
+
 int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   const int lrank = launcher_rank();
   const bool launched = lrank >= 0;
   // Errors in the flags are the same on every rank: rank 0 reports them.
   ModelSpec model;
+  std::vector<NumberedPlan> plans;
   try {
     bool have_model = false;
+    if (!f.plan_index.empty() && f.plan_file.empty())
+      throw InputError("--plan-index", "needs --plan FILE");
+    if (f.plan_index == "all" && !f.dry_run)
+      throw InputError("--plan-index", "all needs --dry-run (a run trains one plan)");
+    if (f.memory_limit_gib && !f.dry_run) throw InputError("--memory-limit-gib", "needs --dry-run");
+    if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
+      throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {
       if (f.job.has_parallel_flags() || f.job.global_batch_size)
         throw InputError("--plan", "gives the parallel configuration; drop the parallel flags");
-      read_plan_file(f, &model, &have_model);
+      plans = read_plan_file(f, &model, &have_model);
     }
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
@@ -111,8 +274,11 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   try {
     if (f.plan_file.empty()) {
       if (!f.job.global_batch_size) throw InputError("--global-batch-size", "is required");
-      f.train.plan = f.job.resolve_plan(model, world->size(), "world size");
-    } else if (f.train.plan.num_gpus() != world->size()) {
+      plans.push_back({f.job.resolve_plan(model, world->size(), "world size"), 0});
+    }
+    if (f.dry_run) return dry_run_plans(f, model, plans, *world, out, err);
+    f.train.plan = plans.front().plan;
+    if (f.train.plan.num_gpus() != world->size()) {
       throw InputError("--plan",
                        "the plan needs t * p * d = " + std::to_string(f.train.plan.num_gpus()) +
                            " ranks, not " + std::to_string(world->size()));
@@ -209,7 +375,14 @@ Action add_run_command(CLI::App& app) {
   f->job.add_model_flags(*sub);
   f->job.add_parallel_flags(*sub, false, false);
   TrainOptions& t = f->train;
-  sub->add_option("--plan", f->plan_file, "run the best plan of a `ptdp plan --out` file");
+  sub->add_option("--plan", f->plan_file, "run a plan of a `ptdp plan --out` file (the best)");
+  sub->add_option("--plan-index", f->plan_index,
+                  "which plan of the --plan file: its rank (1 = the best), or all (--dry-run)");
+  sub->add_flag("--dry-run", f->dry_run,
+                "check the plan, data and --load checkpoint, report each rank's memory, train "
+                "nothing");
+  sub->add_option("--memory-limit-gib", f->memory_limit_gib,
+                  "--dry-run: memory per rank (default: MemAvailable / ranks on this host)");
   sub->add_option("--steps", t.steps, "training steps")->capture_default_str();
   sub->add_option("--seed", t.seed, "initialisation and synthetic-data seed")
       ->capture_default_str();

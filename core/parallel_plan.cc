@@ -1,14 +1,14 @@
-// ParallelPlan: enum names, stage sizes, validation against a model (errors name Megatron's
-// flags), the Megatron-LM flag line, and JSON I/O.
+// ParallelPlan: enum names, stage sizes, validation against a model (the rules of
+// core/plan_rules.h), the Megatron-LM flag line, and JSON I/O.
 #include "core/parallel_plan.h"
 
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <sstream>
 #include <stdexcept>
 
 #include "core/error.h"
 #include "core/json_reader.h"
+#include "core/plan_rules.h"
 
 namespace ptdp {
 
@@ -76,14 +76,6 @@ int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
 
 namespace {
 
-std::string num(int64_t v) {
-  return std::to_string(v);
-}
-
-void require_positive(const std::string& flag, int64_t v) {
-  if (v <= 0) throw InputError(flag, "must be positive, got " + num(v));
-}
-
 bool uneven(const ParallelPlan& p) {
   for (int64_t n : p.layers_per_stage)
     if (n != p.layers_per_stage.front()) return true;
@@ -101,69 +93,7 @@ bool only_ends_differ(const ParallelPlan& p) {
 }  // namespace
 
 void ParallelPlan::validate(const ModelSpec& m) const {
-  const int64_t t = tensor_parallel, p = pipeline_parallel, d = data_parallel;
-  const int64_t b = micro_batch_size, v = virtual_stages;
-  require_positive("--tensor-model-parallel-size", t);
-  require_positive("--pipeline-model-parallel-size", p);
-  require_positive("data_parallel", d);
-  require_positive("--micro-batch-size", b);
-  require_positive("--global-batch-size", global_batch_size);
-  require_positive("--num-layers-per-virtual-pipeline-stage", v);
-
-  const std::string tp = "--tensor-model-parallel-size";
-  if (m.num_attention_heads % t != 0)
-    throw InputError(
-        tp, num(t) + " does not divide num_attention_heads (" + num(m.num_attention_heads) + ")");
-  if (m.query_groups() % t != 0)
-    throw InputError(tp,
-                     num(t) + " does not divide num_query_groups (" + num(m.query_groups()) + ")");
-  if (m.ffn_hidden() % t != 0)
-    throw InputError(tp, num(t) + " does not divide ffn_hidden_size (" + num(m.ffn_hidden()) + ")");
-
-  const std::string pp = "--pipeline-model-parallel-size";
-  if (p > m.num_layers)
-    throw InputError(pp, num(p) + " exceeds num_layers (" + num(m.num_layers) + ")");
-  if (layers_per_stage.empty()) {
-    if (m.num_layers % p != 0)
-      throw InputError(pp, num(p) + " does not divide num_layers (" + num(m.num_layers) +
-                               "); give layers_per_stage for an uneven split");
-  } else {
-    if (static_cast<int64_t>(layers_per_stage.size()) != p)
-      throw InputError("layers_per_stage",
-                       "has " + num(static_cast<int64_t>(layers_per_stage.size())) +
-                           " entries, expected pipeline-model-parallel-size (" + num(p) + ")");
-    for (int64_t n : layers_per_stage)
-      if (n < 1) throw InputError("layers_per_stage", "every stage needs a layer, got " + num(n));
-    const int64_t sum =
-        std::accumulate(layers_per_stage.begin(), layers_per_stage.end(), int64_t{0});
-    if (sum != m.num_layers)
-      throw InputError("layers_per_stage",
-                       "sums to " + num(sum) + ", expected num_layers (" + num(m.num_layers) + ")");
-  }
-
-  if (global_batch_size % (d * b) != 0)
-    throw InputError("--global-batch-size",
-                     num(global_batch_size) +
-                         " is not divisible by data-parallel size * micro-batch size (" + num(d) +
-                         " * " + num(b) + ")");
-
-  const std::string vp = "--num-layers-per-virtual-pipeline-stage";
-  if (v > 1) {
-    if (schedule != Schedule::kInterleaved1F1B)
-      throw InputError(
-          vp, num(v) + " virtual stages need the interleaved schedule, not " + to_string(schedule));
-    if (p < 2) throw InputError(vp, "interleaving needs pipeline-model-parallel-size >= 2");
-    for (int64_t r = 0; r < p; ++r)
-      if (layers_on_stage(m, r) % v != 0)
-        throw InputError(vp, num(v) + " virtual stages do not divide the " +
-                                 num(layers_on_stage(m, r)) + " layers of pipeline rank " + num(r));
-    if (num_microbatches() % p != 0)
-      throw InputError(vp,
-                       "interleaving needs the number of microbatches (" + num(num_microbatches()) +
-                           ") to be a multiple of pipeline-model-parallel-size (" + num(p) + ")");
-  }
-  if (sequence_parallel && t == 1)
-    throw InputError("--sequence-parallel", "needs tensor-model-parallel-size > 1");
+  check_plan(m, *this);
 }
 
 std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {

@@ -52,8 +52,8 @@ struct ParallelPlan {
   // Layers held by pipeline rank r (all its virtual chunks together).
   int64_t layers_on_stage(const ModelSpec& m, int64_t r) const;
 
-  // Throws InputError naming the Megatron flag when the plan cannot run this model
-  // (t must divide heads and query groups, B divisible by d*b, p <= layers, ...).
+  // Throws InputError naming the Megatron flag when the plan cannot run this model: the first
+  // rule of core/plan_rules.h it breaks (check_plan).
   void validate(const ModelSpec& m) const;
   // The Megatron-LM launch flags for this plan (parallelism, batch, recompute, ...).
   std::string megatron_flags(const ModelSpec& m) const;

@@ -8,6 +8,8 @@
 #include <thread>
 #include <tuple>
 
+#include "core/plan_rules.h"
+
 namespace ptdp {
 namespace {
 
@@ -62,7 +64,6 @@ struct Tally {
 
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
-  const int64_t micro = o.global_batch_size / (c.d * c.b);
   const int64_t layers_per_stage = m.num_layers / c.p;
   for (int64_t v : divisors(layers_per_stage)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
@@ -72,10 +73,6 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
         for (int dopt = 0; dopt < 2; ++dopt) {
           if (dopt && (c.d == 1 || !o.try_distributed_optimizer)) continue;
           ++tally.considered;
-          if (v > 1 && micro % c.p != 0) {
-            ++tally.rejected["interleaving needs microbatches divisible by p"];
-            continue;
-          }
           ParallelPlan plan = o.defaults;
           plan.layers_per_stage.clear();
           plan.tensor_parallel = c.t;
@@ -88,6 +85,11 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
+          // The rules `ptdp run` and ParallelPlan::validate apply (core/plan_rules.h).
+          if (const PlanRule rule = first_violated_rule(m, plan); rule != PlanRule::kNone) {
+            ++tally.rejected[rule_reason(rule)];
+            continue;
+          }
           const MemoryBreakdown mem = cost.memory(plan);
           if (!mem.fits) {
             ++tally.rejected["does not fit in GPU memory"];
@@ -109,26 +111,28 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
   const int64_t n = c.num_gpus();
   const size_t k = static_cast<size_t>(std::max(1, o.top_k));
   Tally total;
-  // Enumerate the (t, p, d, b) cells; structural rejections are counted once per (t, p) or
-  // (t, p, d) since no b, v or flag can rescue them.
+  // Enumerate the (t, p, d, b) cells.
   std::vector<Cell> cells;
   for (int64_t t : divisors(n)) {
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
     for (int64_t p : divisors(n / t)) {
       const int64_t d = n / (t * p);
-      if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) {
+      // Rules no b, v or flag can rescue (t against the heads, groups and FFN, p against the
+      // layers, B against d) are counted once per (t, p, d): the plan with b = 1, v = 1 and
+      // no sequence parallelism breaks only those.
+      ParallelPlan cell = o.defaults;
+      cell.layers_per_stage.clear();
+      cell.tensor_parallel = t;
+      cell.pipeline_parallel = p;
+      cell.data_parallel = d;
+      cell.micro_batch_size = 1;
+      cell.global_batch_size = o.global_batch_size;
+      cell.virtual_stages = 1;
+      cell.schedule = Schedule::k1F1B;
+      cell.sequence_parallel = false;
+      if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
         ++total.considered;
-        ++total.rejected["t does not divide the attention heads or query groups"];
-        continue;
-      }
-      if (p > m.num_layers || m.num_layers % p != 0) {
-        ++total.considered;
-        ++total.rejected["p does not divide the layers"];
-        continue;
-      }
-      if (o.global_batch_size % d != 0) {
-        ++total.considered;
-        ++total.rejected["global batch not divisible by d"];
+        ++total.rejected[rule_reason(rule)];
         continue;
       }
       for (int64_t b : divisors(o.global_batch_size / d)) cells.push_back(Cell{t, p, d, b});

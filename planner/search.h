@@ -1,6 +1,7 @@
 // Exhaustive search over PTD-P configurations: every (t, p, d, b, v, recompute, sequence
-// parallel, distributed optimizer) that can run the model on the GPUs with the global batch,
-// pruned by memory and ranked by predicted iteration time.
+// parallel, distributed optimizer) that can run the model on the GPUs with the global batch
+// (the rules of core/plan_rules.h, the ones `ptdp run` applies), pruned by memory and ranked by
+// predicted iteration time.
 //
 // The result does not depend on the thread count: each configuration is priced independently
 // and ties are broken by the configuration itself.

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "core/error.h"
+#include "core/plan_rules.h"
 #include "kernels/cpu/elementwise.h"
 #include "runtime/embedding_head.h"
 #include "runtime/hash.h"
@@ -18,47 +19,36 @@
 namespace ptdp {
 
 void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
-  const std::string t = std::to_string(s.t);
-  if (s.t <= 0 || s.p <= 0 || s.v <= 0 || s.micro_batch <= 0)
-    throw InputError("--tensor-model-parallel-size", "parallel sizes must be positive");
-  if (m.num_attention_heads % s.t != 0)
-    throw InputError(
-        "--tensor-model-parallel-size",
-        t + " does not divide the " + std::to_string(m.num_attention_heads) + " attention heads");
-  if (m.query_groups() % s.t != 0)
-    throw InputError(
-        "--tensor-model-parallel-size",
-        t + " does not divide the " + std::to_string(m.query_groups()) + " query groups");
-  if (m.num_attention_heads % m.query_groups() != 0)
-    throw InputError("--num-query-groups", "must divide the number of attention heads");
-  if (m.ffn_hidden() % s.t != 0)
-    throw InputError("--tensor-model-parallel-size",
-                     t + " does not divide the FFN hidden size " + std::to_string(m.ffn_hidden()));
-  if (s.sequence_parallel && m.seq_length % s.t != 0)
-    throw InputError("--sequence-parallel", "the sequence length " + std::to_string(m.seq_length) +
-                                                " is not a multiple of t = " + t);
+  m.validate();
+  // The plan rules of core/plan_rules.h on the plan this layout belongs to: one data-parallel
+  // replica, p microbatches (a count any interleaved plan allows), each pipeline rank's layers
+  // the sum of its chunks'.
+  ParallelPlan plan;
+  plan.tensor_parallel = s.t;
+  plan.pipeline_parallel = s.p;
+  plan.virtual_stages = s.v;
+  plan.micro_batch_size = s.micro_batch;
+  plan.global_batch_size = s.micro_batch * s.p;
+  plan.schedule = s.v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
+  plan.sequence_parallel = s.sequence_parallel;
+  plan.recompute = s.recompute;
+  const bool listed = !s.layers_per_stage.empty() && s.p > 0 && s.v > 0;
+  if (listed) {
+    if (static_cast<int64_t>(s.layers_per_stage.size()) != s.p * s.v)
+      throw InputError("layers_per_stage", "needs one entry per model chunk (p * v = " +
+                                               std::to_string(s.p * s.v) + ")");
+    plan.layers_per_stage.assign(static_cast<size_t>(s.p), 0);
+    for (size_t g = 0; g < s.layers_per_stage.size(); ++g)
+      plan.layers_per_stage[g % static_cast<size_t>(s.p)] += s.layers_per_stage[g];
+  }
+  check_plan(m, plan);
+  if (listed && layers_per_model_chunk(m, plan) != s.layers_per_stage)
+    throw InputError("layers_per_stage", "the chunks of a pipeline rank must hold equal layers");
+  // Not a plan rule: what this runtime executes.
   if (!m.learned_position_embeddings)
     throw InputError("--model",
                      "ptdp run implements learned position embeddings only; "
                      "this model uses rotary embeddings");
-  const int64_t stages = s.p * s.v;
-  if (!s.layers_per_stage.empty()) {
-    if (static_cast<int64_t>(s.layers_per_stage.size()) != stages)
-      throw InputError("layers_per_stage", "needs one entry per pipeline stage");
-    int64_t sum = 0;
-    for (int64_t n : s.layers_per_stage) {
-      if (n <= 0) throw InputError("layers_per_stage", "every stage needs a layer");
-      sum += n;
-    }
-    if (sum != m.num_layers)
-      throw InputError("layers_per_stage", "sums to " + std::to_string(sum) + ", not " +
-                                               std::to_string(m.num_layers) + " layers");
-  } else if (m.num_layers % stages != 0) {
-    throw InputError(
-        s.v > 1 ? "--num-layers-per-virtual-pipeline-stage" : "--pipeline-model-parallel-size",
-        std::to_string(m.num_layers) + " layers do not split evenly over " +
-            std::to_string(stages) + " pipeline stages");
-  }
 }
 
 LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {

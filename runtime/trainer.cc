@@ -7,10 +7,12 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/plan_rules.h"
 #include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
@@ -18,6 +20,7 @@
 #include "runtime/grad_sync.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/process_groups.h"
+#include "runtime/shard_footprint.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -76,6 +79,18 @@ nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
           {"parameters_on_rank", flat_size}};
 }
 
+int64_t total(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+
+// Floats of one AdamW moment for parameter segments of these sizes: all of them, or with the
+// distributed optimizer this rank's 1/d of each.
+int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, int64_t d) {
+  int64_t n = 0;
+  for (int64_t s : segments) n += distributed ? s / d : s;
+  return n;
+}
+
 void validate_options(const TrainOptions& o) {
   if (o.steps <= 0) throw InputError("--steps", "must be positive");
   schedule_of(o).validate();
@@ -91,9 +106,11 @@ void validate_options(const TrainOptions& o) {
 
 class Executor {
  public:
-  Executor(const TrainOptions& o, Communicator& world) : o_(o), world_(world) {}
+  Executor(const TrainOptions& o, Communicator& world, bool dry = false)
+      : o_(o), world_(world), dry_(dry) {}
 
   TrainResult run(const std::function<void(const StepStats&)>& on_step);
+  std::vector<RankFootprint> dry_run(const std::function<void(const RankFootprint&)>& check);
 
  private:
   void setup();
@@ -105,6 +122,9 @@ class Executor {
 
   const TrainOptions& o_;
   Communicator& world_;
+  const bool dry_;  // check and size everything, allocate nothing
+  ShardLayout layout_;
+  std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
   std::unique_ptr<Backend> backend_;
@@ -123,7 +143,7 @@ class Executor {
 void Executor::setup() {
   const ParallelPlan& plan = o_.plan;
   const ModelSpec& m = o_.model;
-  ShardLayout layout;
+  ShardLayout& layout = layout_;
   agree(world_, [&] {
     validate_options(o_);
     m.validate();
@@ -146,16 +166,18 @@ void Executor::setup() {
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
     layout.recompute = plan.recompute;
-    if (plan.virtual_stages == 1) layout.layers_per_stage = plan.layers_per_stage;
+    layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
     layout.segment_multiple = dist_ ? d_ : 1;
     validate_shard_layout(m, layout);
+    segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
     schedule_ = make_pipeline_schedule(schedule_spec(plan, !m.untie_embeddings_and_output_weights));
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
   });
+  if (dry_) return;
   const int key = static_cast<int>(world_.rank());
   tp_ = world_.split(static_cast<int>(pg_->tensor_color()), key);
   dp_ = world_.split(static_cast<int>(pg_->data_color()), key);
@@ -167,6 +189,10 @@ void Executor::setup() {
       embedding_member ? static_cast<int>(pg_->pipeline_color()) : static_cast<int>(t_ * d_ + key),
       key);
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
+  const auto& segs = shard_->segments();
+  for (size_t i = 0; i < segs.size(); ++i)
+    if (i >= segment_sizes_.size() || segs[i].size != segment_sizes_[i])
+      throw std::logic_error("the shard's parameter segments differ from shard_segment_sizes");
   DataParallelGroups groups;
   groups.tensor = tp_.get();
   groups.data = dp_.get();
@@ -184,19 +210,51 @@ void Executor::setup() {
 void Executor::load_checkpoint() {
   agree(world_, [&] {
     const int64_t step = read_latest(o_.load_dir);
-    const auto layout = checkpoint_layout(o_, static_cast<int64_t>(shard_->params().size()));
+    const int64_t params = total(segment_sizes_);
+    const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    Buffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
-    bool fits = c.arrays.size() == 3;
-    for (size_t i = 0; fits && i < 3; ++i) fits = c.arrays[i].size() == into[i]->size();
-    if (!fits) throw InputError("--load", "the checkpoint's arrays do not fit this run");
-    for (size_t i = 0; i < 3; ++i)
-      backend_->copy(c.arrays[i].data(), into[i]->data(), elems(*into[i]));
+    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_));
+    if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
+        c.arrays[1].size() != moments || c.arrays[2].size() != moments)
+      throw InputError("--load", "the checkpoint's arrays do not fit this run");
+    if (!dry_) {
+      Buffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
+      for (size_t i = 0; i < 3; ++i)
+        backend_->copy(c.arrays[i].data(), into[i]->data(), elems(*into[i]));
+    }
     first_step_ = c.step;
     if (first_step_ >= o_.steps)
       throw InputError("--steps", "the checkpoint has already completed " +
                                       std::to_string(first_step_) + " steps");
   });
+}
+
+std::vector<RankFootprint> Executor::dry_run(
+    const std::function<void(const RankFootprint&)>& check) {
+  setup();
+  if (!o_.load_dir.empty()) load_checkpoint();
+  // Every rank's footprint follows from the plan: each rank works out all of them.
+  std::vector<RankFootprint> all;
+  for (int64_t r = 0; r < world_.size(); ++r) {
+    const GridPosition pos = ProcessGroups(world_.size(), t_, p_, d_, r).position();
+    ShardLayout l = layout_;
+    l.tp = pos.tp;
+    l.pp = pos.pp;
+    const std::vector<int64_t> sizes = shard_segment_sizes(o_.model, l);
+    RankFootprint f;
+    f.rank = r;
+    f.tp = pos.tp;
+    f.pp = pos.pp;
+    f.dp = pos.dp;
+    f.parameter_floats = total(sizes);
+    // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
+    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, d_);
+    all.push_back(f);
+  }
+  agree(world_, [&] {
+    if (check) check(all[static_cast<size_t>(world_.rank())]);
+  });
+  return all;
 }
 
 void Executor::save_checkpoint(int64_t completed) {
@@ -341,6 +399,12 @@ TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step) {
   Executor e(options, world);
   return e.run(on_step);
+}
+
+std::vector<RankFootprint> dry_run(const TrainOptions& options, Communicator& world,
+                                   const std::function<void(const RankFootprint&)>& check) {
+  Executor e(options, world, true);
+  return e.dry_run(check);
 }
 
 }  // namespace ptdp

@@ -68,4 +68,20 @@ LearningRateSchedule schedule_of(const TrainOptions& o);
 TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step = {});
 
+// What one rank of a run holds, in floats (fp32): its parameter buffer (gradients as many) and
+// its optimizer state (AdamW's two moments; with the distributed optimizer, of its 1/d shard,
+// plus that shard's reduced gradients).
+struct RankFootprint {
+  int64_t rank = 0, tp = 0, pp = 0, dp = 0;
+  int64_t parameter_floats = 0, optimizer_floats = 0;
+};
+
+// `ptdp run --dry-run`: every check train() makes before its first step (options, model,
+// plan, world size, data, the checkpoint to --load), agreed on by all ranks as train() agrees
+// on them, without allocating the model. Then `check` runs on every rank with that rank's
+// footprint (e.g. against the memory it has) and the ranks agree on it the same way. Returns
+// every rank's footprint, on every rank.
+std::vector<RankFootprint> dry_run(const TrainOptions& options, Communicator& world,
+                                   const std::function<void(const RankFootprint&)>& check = {});
+
 }  // namespace ptdp

@@ -15,6 +15,7 @@
 #include "core/hardware_profile.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
+#include "core/plan_rules.h"
 #include "core/presets.h"
 
 namespace ptdp {
@@ -483,6 +484,58 @@ TEST(ParallelPlan, RejectsPlansMegatronCannotRun) {
   p.tensor_parallel = 16;
   p.pipeline_parallel = 5;
   EXPECT_NE(error_of([&] { p.validate(gqa); }).find("num_query_groups (8)"), std::string::npos);
+}
+
+// The rules the search, ParallelPlan::validate and the runtime share: each violation has its
+// rule and one message naming the Megatron flag, whichever entry point finds it.
+TEST(PlanRules, OneRuleOneMessage) {
+  ModelSpec m;
+  m.num_layers = 8;
+  m.hidden_size = 64;
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 100;
+  m.seq_length = 30;
+  m.vocab_size = 128;
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kTensorDividesFfn);
+  EXPECT_EQ(error_of([&] { check_plan(m, p); }),
+            "--tensor-model-parallel-size|--tensor-model-parallel-size: 8 does not divide "
+            "ffn_hidden_size (100)");
+  EXPECT_EQ(error_of([&] { p.validate(m); }), error_of([&] { check_plan(m, p); }));
+  p.tensor_parallel = 4;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  p.sequence_parallel = true;  // 4 does not divide the 30 tokens of a sequence
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kSequenceParallelDividesSequence);
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--sequence-parallel|--sequence-parallel: seq_length (30) is not a multiple of "
+            "tensor-model-parallel-size (4)");
+  p.tensor_parallel = 2;
+  EXPECT_NO_THROW(check_plan(m, p));
+  EXPECT_STRNE(rule_reason(PlanRule::kTensorDividesFfn),
+               rule_reason(PlanRule::kSequenceParallelDividesSequence));
+}
+
+TEST(PlanRules, ChunksOfAnUnevenInterleavedPlan) {
+  ModelSpec m;
+  m.num_layers = 6;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 4;
+  p.layers_per_stage = {2, 4};
+  ASSERT_NO_THROW(p.validate(m));
+  // Chunk c of pipeline rank r is global stage c * p + r.
+  EXPECT_EQ(layers_per_model_chunk(m, p), (std::vector<int64_t>{1, 2, 1, 2}));
+  p.virtual_stages = 1;
+  p.schedule = Schedule::k1F1B;
+  p.layers_per_stage.clear();
+  EXPECT_EQ(layers_per_model_chunk(m, p), (std::vector<int64_t>{3, 3}));
 }
 
 TEST(ParallelPlan, MegatronFlags) {

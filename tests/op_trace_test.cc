@@ -29,17 +29,39 @@ class MirrorGroup final : public Communicator {
   explicit MirrorGroup(int size) : size_(size) {}
   int rank() const override { return 0; }
   int size() const override { return size_; }
-  void all_reduce(float*, size_t) override {}
-  void all_gather(const float* in, float* out, size_t n) override {
-    for (int r = 0; r < size_; ++r) std::copy(in, in + n, out + static_cast<size_t>(r) * n);
+
+ protected:
+  struct Done final : Work {
+    bool test() override { return true; }
+    void wait() override {}
+    void wait(CommDuration) override {}
+  };
+  static std::unique_ptr<Work> done() { return std::make_unique<Done>(); }
+  std::unique_ptr<Work> start_all_reduce(void*, size_t, DType, DeviceStream) override {
+    return done();
   }
-  void reduce_scatter(const float* in, float* out, size_t n) override {
-    std::copy(in, in + n, out);
+  std::unique_ptr<Work> start_all_gather(const void* in, void* out, size_t n, DType t,
+                                         DeviceStream) override {
+    const size_t bytes = n * dtype_bytes(t);
+    for (int r = 0; r < size_; ++r)
+      std::memcpy(static_cast<char*>(out) + static_cast<size_t>(r) * bytes, in, bytes);
+    return done();
   }
-  void broadcast(float*, size_t, int) override {}
-  void barrier() override {}
-  void batch(std::span<const P2P>) override { throw std::logic_error("no peers"); }
-  std::unique_ptr<Communicator> split(int, int) override { throw std::logic_error("no split"); }
+  std::unique_ptr<Work> start_reduce_scatter(const void* in, void* out, size_t n, DType t,
+                                             DeviceStream) override {
+    std::memmove(out, in, n * dtype_bytes(t));
+    return done();
+  }
+  std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int, DeviceStream) override {
+    return done();
+  }
+  std::unique_ptr<Work> start_batch(std::span<const P2P>, DeviceStream) override {
+    throw std::logic_error("no peers");
+  }
+  std::unique_ptr<Work> start_barrier() override { return done(); }
+  std::unique_ptr<Communicator> make_split(int, int) override {
+    throw std::logic_error("no split");
+  }
 
  private:
   int size_;

@@ -14,6 +14,7 @@
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
+#include "runtime/shard_footprint.h"
 #include "runtime/trainer.h"
 
 namespace ptdp {
@@ -86,6 +87,40 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
       l.recompute = r;
       EXPECT_NO_THROW(GptShard(m, l, self.get(), 1));
     }
+}
+
+// `ptdp run --dry-run` sizes each rank's parameters without building its shard: the sizes
+// must be the ones the shard has, for every kind of rank (first, middle, last stage, tied copy,
+// interleaved chunks, padded vocabulary, distributed-optimizer padding).
+TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
+  auto self = make_self_communicator();
+  int checked = 0;
+  for (const ModelSpec& base : {tiny(8), tiny_llama()}) {
+    ModelSpec m = base;
+    m.num_layers = 8;
+    for (int64_t t : {1, 2})
+      for (int64_t p : {1, 2, 4})
+        for (int64_t v : {1, 2}) {
+          if (v > 1 && p == 1) continue;
+          for (int64_t pp = 0; pp < p; ++pp)
+            for (int64_t tp = 0; tp < t; ++tp) {
+              ShardLayout l;
+              l.t = t;
+              l.tp = tp;
+              l.p = p;
+              l.pp = pp;
+              l.v = v;
+              l.segment_multiple = 3;
+              GptShard shard(m, l, self.get(), 1);
+              std::vector<int64_t> built;
+              for (const Segment& s : shard.segments()) built.push_back(s.size);
+              EXPECT_EQ(shard_segment_sizes(m, l), built)
+                  << m.name << " t" << t << " p" << p << " v" << v << " tp" << tp << " pp" << pp;
+              ++checked;
+            }
+        }
+  }
+  EXPECT_GT(checked, 40);
 }
 
 // The backward pass against central differences of the loss, for a few parameters of every

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include "core/plan_rules.h"
 #include "core/presets.h"
+#include "runtime/gpt_model.h"
 
 namespace ptdp {
 namespace {
@@ -75,6 +77,43 @@ TEST(Search, PlanDifferenceListsChangedFields) {
   b.recompute = Recompute::kSelective;
   EXPECT_EQ(plan_difference(a, b), "p 16->8, recompute none->selective");
   EXPECT_EQ(plan_difference(a, a), "same configuration");
+}
+
+// The search applies the rules ParallelPlan::validate and the runtime apply
+// (core/plan_rules.h): for a model whose FFN width (100) t = 8 does not divide and whose
+// sequence (30) t = 4 does not, with d forced to 1, no ranked plan breaks them, and the
+// rejections are tallied under the rules' reasons.
+TEST(Search, RanksOnlyPlansEveryValidatorAccepts) {
+  Job j(16);
+  j.m = ModelSpec{};
+  j.m.num_layers = 8;
+  j.m.hidden_size = 64;
+  j.m.num_attention_heads = 8;
+  j.m.ffn_hidden_size = 100;
+  j.m.seq_length = 30;
+  j.m.vocab_size = 128;
+  SearchOptions o;
+  o.global_batch_size = 1;
+  o.top_k = 1000;
+  const SearchResult r = search_plans(j.m, j.c, j.h, o);
+  ASSERT_FALSE(r.top.empty());
+  for (const RankedPlan& rp : r.top) {
+    EXPECT_EQ(first_violated_rule(j.m, rp.plan), PlanRule::kNone) << plan_summary(rp.plan);
+    EXPECT_NO_THROW(rp.plan.validate(j.m)) << plan_summary(rp.plan);
+    for (int64_t pp = 0; pp < rp.plan.pipeline_parallel; ++pp) {
+      ShardLayout l;
+      l.t = rp.plan.tensor_parallel;
+      l.p = rp.plan.pipeline_parallel;
+      l.pp = pp;
+      l.v = rp.plan.virtual_stages;
+      l.micro_batch = rp.plan.micro_batch_size;
+      l.sequence_parallel = rp.plan.sequence_parallel;
+      l.layers_per_stage = layers_per_model_chunk(j.m, rp.plan);
+      EXPECT_NO_THROW(validate_shard_layout(j.m, l)) << plan_summary(rp.plan);
+    }
+  }
+  EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kTensorDividesFfn)), 0);
+  EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kSequenceParallelDividesSequence)), 0);
 }
 
 }  // namespace

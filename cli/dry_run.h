@@ -1,0 +1,32 @@
+// `ptdp run --dry-run`'s memory figures: what each rank would hold, and what it may hold.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "runtime/trainer.h"
+
+namespace ptdp {
+
+// Bytes one rank of `ptdp run` would use (fp32 throughout).
+struct RankMemory {
+  double parameters = 0, gradients = 0, optimizer = 0;  // exact: the rank's RankFootprint
+  // Predicted by the memory model's formulas (planner/cost_model.cc, CostModel::memory) for
+  // this pipeline rank, in 4-byte elements: the in-flight layers' activations (and the layer
+  // being recomputed), the first stage's embedding output, the last stage's logits and their
+  // gradient, the pipeline's send and receive buffers.
+  double activations = 0;
+  double peak() const { return parameters + gradients + optimizer + activations; }
+};
+
+RankMemory rank_memory(const ModelSpec& m, const ParallelPlan& p, const RankFootprint& f);
+
+// The bytes this rank may use: `limit_gib` when given, else MemAvailable (/proc/meminfo)
+// divided by the ranks on this host (the launcher's local size, else the world size).
+// `source` says which, for messages.
+double memory_limit_bytes(std::optional<double> limit_gib, int world_size, std::string* source);
+
+}  // namespace ptdp

@@ -1,0 +1,189 @@
+// The plan rules of core/plan_rules.h: one evaluator, asked either for the rule alone (the
+// search) or for the rule with its message (check_plan).
+#include "core/plan_rules.h"
+
+#include <numeric>
+#include <string>
+
+#include "core/error.h"
+
+namespace ptdp {
+namespace {
+
+std::string num(int64_t v) {
+  return std::to_string(v);
+}
+
+// Where a violation is described; null when only the rule is wanted.
+struct Report {
+  std::string flag, message;
+};
+
+// Records the violation (building the message only when asked) and returns its rule.
+template <class Message>
+PlanRule broken(PlanRule rule, Report* report, const char* flag, Message message) {
+  if (report) {
+    report->flag = flag;
+    report->message = message();
+  }
+  return rule;
+}
+
+PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) {
+  const int64_t t = plan.tensor_parallel, p = plan.pipeline_parallel, d = plan.data_parallel;
+  const int64_t b = plan.micro_batch_size, B = plan.global_batch_size, v = plan.virtual_stages;
+  const std::pair<const char*, int64_t> sizes[] = {{"--tensor-model-parallel-size", t},
+                                                   {"--pipeline-model-parallel-size", p},
+                                                   {"data_parallel", d},
+                                                   {"--micro-batch-size", b},
+                                                   {"--global-batch-size", B},
+                                                   {"--num-layers-per-virtual-pipeline-stage", v}};
+  for (const auto& [flag, value] : sizes)
+    if (value <= 0)
+      return broken(PlanRule::kPositiveSizes, report, flag,
+                    [&] { return "must be positive, got " + num(value); });
+
+  const char* tp = "--tensor-model-parallel-size";
+  if (m.num_attention_heads % t != 0)
+    return broken(PlanRule::kTensorDividesHeads, report, tp, [&] {
+      return num(t) + " does not divide num_attention_heads (" + num(m.num_attention_heads) + ")";
+    });
+  if (m.query_groups() % t != 0)
+    return broken(PlanRule::kTensorDividesQueryGroups, report, tp, [&] {
+      return num(t) + " does not divide num_query_groups (" + num(m.query_groups()) + ")";
+    });
+  if (m.ffn_hidden() % t != 0)
+    return broken(PlanRule::kTensorDividesFfn, report, tp, [&] {
+      return num(t) + " does not divide ffn_hidden_size (" + num(m.ffn_hidden()) + ")";
+    });
+
+  const char* pp = "--pipeline-model-parallel-size";
+  if (p > m.num_layers)
+    return broken(PlanRule::kPipelineWithinLayers, report, pp,
+                  [&] { return num(p) + " exceeds num_layers (" + num(m.num_layers) + ")"; });
+  const std::vector<int64_t>& split = plan.layers_per_stage;
+  if (split.empty()) {
+    if (m.num_layers % p != 0)
+      return broken(PlanRule::kPipelineDividesLayers, report, pp, [&] {
+        return num(p) + " does not divide num_layers (" + num(m.num_layers) +
+               "); give layers_per_stage for an uneven split";
+      });
+  } else {
+    if (static_cast<int64_t>(split.size()) != p)
+      return broken(PlanRule::kLayersPerStage, report, "layers_per_stage", [&] {
+        return "has " + num(static_cast<int64_t>(split.size())) +
+               " entries, expected pipeline-model-parallel-size (" + num(p) + ")";
+      });
+    for (int64_t n : split)
+      if (n < 1)
+        return broken(PlanRule::kLayersPerStage, report, "layers_per_stage",
+                      [&] { return "every stage needs a layer, got " + num(n); });
+    const int64_t sum = std::accumulate(split.begin(), split.end(), int64_t{0});
+    if (sum != m.num_layers)
+      return broken(PlanRule::kLayersPerStage, report, "layers_per_stage", [&] {
+        return "sums to " + num(sum) + ", expected num_layers (" + num(m.num_layers) + ")";
+      });
+  }
+
+  if (B % (d * b) != 0)
+    return broken(PlanRule::kBatchDivisible, report, "--global-batch-size", [&] {
+      return num(B) + " is not divisible by data-parallel size * micro-batch size (" + num(d) +
+             " * " + num(b) + ")";
+    });
+
+  const char* vp = "--num-layers-per-virtual-pipeline-stage";
+  if (v > 1) {
+    if (plan.schedule != Schedule::kInterleaved1F1B)
+      return broken(PlanRule::kVirtualNeedsInterleaved, report, vp, [&] {
+        return num(v) + " virtual stages need the interleaved schedule, not " +
+               to_string(plan.schedule);
+      });
+    if (p < 2)
+      return broken(PlanRule::kVirtualNeedsPipeline, report, vp, [] {
+        return std::string("interleaving needs pipeline-model-parallel-size >= 2");
+      });
+    for (int64_t r = 0; r < p; ++r) {
+      const int64_t layers = plan.layers_on_stage(m, r);
+      if (layers % v != 0)
+        return broken(PlanRule::kVirtualDividesStage, report, vp, [&] {
+          return num(v) + " virtual stages do not divide the " + num(layers) +
+                 " layers of pipeline rank " + num(r);
+        });
+    }
+    if (plan.num_microbatches() % p != 0)
+      return broken(PlanRule::kVirtualMicrobatches, report, vp, [&] {
+        return "interleaving needs the number of microbatches (" + num(plan.num_microbatches()) +
+               ") to be a multiple of pipeline-model-parallel-size (" + num(p) + ")";
+      });
+  }
+
+  if (plan.sequence_parallel) {
+    if (t == 1)
+      return broken(PlanRule::kSequenceParallelNeedsTensor, report, "--sequence-parallel",
+                    [] { return std::string("needs tensor-model-parallel-size > 1"); });
+    // Layernorms and dropout-adds run on s/t of the sequence (runtime/gpt_model.h).
+    if (m.seq_length % t != 0)
+      return broken(PlanRule::kSequenceParallelDividesSequence, report, "--sequence-parallel", [&] {
+        return "seq_length (" + num(m.seq_length) +
+               ") is not a multiple of tensor-model-parallel-size (" + num(t) + ")";
+      });
+  }
+  return PlanRule::kNone;
+}
+
+}  // namespace
+
+PlanRule first_violated_rule(const ModelSpec& m, const ParallelPlan& p) {
+  return evaluate(m, p, nullptr);
+}
+
+const char* rule_reason(PlanRule r) {
+  switch (r) {
+    case PlanRule::kNone:
+      return "valid";
+    case PlanRule::kPositiveSizes:
+      return "a parallel or batch size is not positive";
+    case PlanRule::kTensorDividesHeads:
+      return "t does not divide the attention heads";
+    case PlanRule::kTensorDividesQueryGroups:
+      return "t does not divide the query groups";
+    case PlanRule::kTensorDividesFfn:
+      return "t does not divide the FFN hidden size";
+    case PlanRule::kPipelineWithinLayers:
+      return "p exceeds the layers";
+    case PlanRule::kPipelineDividesLayers:
+      return "p does not divide the layers";
+    case PlanRule::kLayersPerStage:
+      return "layers_per_stage does not fit p and the layers";
+    case PlanRule::kBatchDivisible:
+      return "global batch not divisible by d * b";
+    case PlanRule::kVirtualNeedsInterleaved:
+      return "virtual stages need the interleaved schedule";
+    case PlanRule::kVirtualNeedsPipeline:
+      return "virtual stages need p >= 2";
+    case PlanRule::kVirtualDividesStage:
+      return "v does not divide a stage's layers";
+    case PlanRule::kVirtualMicrobatches:
+      return "interleaving needs microbatches divisible by p";
+    case PlanRule::kSequenceParallelNeedsTensor:
+      return "sequence parallelism needs t > 1";
+    case PlanRule::kSequenceParallelDividesSequence:
+      return "sequence parallelism needs t to divide the sequence";
+  }
+  return "?";
+}
+
+void check_plan(const ModelSpec& m, const ParallelPlan& p) {
+  Report report;
+  if (evaluate(m, p, &report) != PlanRule::kNone) throw InputError(report.flag, report.message);
+}
+
+std::vector<int64_t> layers_per_model_chunk(const ModelSpec& m, const ParallelPlan& p) {
+  const int64_t stages = p.pipeline_parallel * p.virtual_stages;
+  std::vector<int64_t> out(static_cast<size_t>(stages));
+  for (int64_t g = 0; g < stages; ++g)
+    out[static_cast<size_t>(g)] = p.layers_on_stage(m, g % p.pipeline_parallel) / p.virtual_stages;
+  return out;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,62 @@
+// The one validity rule for a PTD-P plan on a model: every condition a ParallelPlan must meet
+// for Megatron-LM's sharding of the model, stated once.
+//
+// Callers, all of which must agree:
+//   - ParallelPlan::validate (core/parallel_plan.cc) throws the first violation (check_plan);
+//   - the search (planner/search.cc) rejects a candidate whose first_violated_rule is not
+//     kNone, and tallies it under rule_reason;
+//   - the runtime's validate_shard_layout (runtime/gpt_model.cc) turns its ShardLayout into a
+//     plan and applies the same check, so `ptdp run` refuses exactly what `ptdp plan` rejects.
+//
+// Each rule has one error message, a single line starting with the Megatron-LM flag it is
+// about (thrown as InputError, core/error.h).
+//
+// Not plan rules, and so not here: what `ptdp run` does not execute whatever the plan, i.e.
+// rotary position embeddings (a property of the model, checked in validate_shard_layout) and
+// the zb-h1 schedule (simulated only, checked by the trainer). The search never proposes zb-h1
+// (it picks 1f1b or interleaved itself), so every plan it ranks for a model with learned
+// position embeddings is one `ptdp run` accepts. Whether the world has t * p * d ranks is a
+// property of the launch, checked where the world is known.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+
+namespace ptdp {
+
+enum class PlanRule {
+  kNone,                             // the plan is valid
+  kPositiveSizes,                    // t, p, d, b, B and v are positive
+  kTensorDividesHeads,               // t | num_attention_heads
+  kTensorDividesQueryGroups,         // t | num_query_groups
+  kTensorDividesFfn,                 // t | ffn_hidden_size
+  kPipelineWithinLayers,             // p <= num_layers
+  kPipelineDividesLayers,            // p | num_layers (no layers_per_stage given)
+  kLayersPerStage,                   // layers_per_stage: p entries, each >= 1, summing to L
+  kBatchDivisible,                   // d * b | B
+  kVirtualNeedsInterleaved,          // v > 1 only with the interleaved schedule
+  kVirtualNeedsPipeline,             // v > 1 only with p >= 2
+  kVirtualDividesStage,              // v | layers of every pipeline rank
+  kVirtualMicrobatches,              // v > 1: p | number of microbatches
+  kSequenceParallelNeedsTensor,      // sequence parallelism only with t > 1
+  kSequenceParallelDividesSequence,  // sequence parallelism: t | seq_length
+};
+
+// The first rule the plan breaks, in the order listed above (kNone when it breaks none).
+// Cheap: builds no message.
+PlanRule first_violated_rule(const ModelSpec& m, const ParallelPlan& p);
+// A short reason for tallies, e.g. "t does not divide the FFN hidden size".
+const char* rule_reason(PlanRule r);
+// Throws InputError for the first rule the plan breaks, naming the Megatron flag, e.g.
+//   "--tensor-model-parallel-size: 3 does not divide ffn_hidden_size (256)".
+void check_plan(const ModelSpec& m, const ParallelPlan& p);
+
+// Layers of each model chunk in global-stage order (chunk c of pipeline rank r is global stage
+// c * p + r; size p * v): pipeline rank r's layers (layers_on_stage) split evenly over its v
+// chunks. The plan must be valid.
+std::vector<int64_t> layers_per_model_chunk(const ModelSpec& m, const ParallelPlan& p);
+
+}  // namespace ptdp
