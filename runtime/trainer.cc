@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <exception>
 #include <fstream>
 #include <map>
@@ -31,22 +32,24 @@ using Clock = std::chrono::steady_clock;
 // Runs f on every rank. If it throws on any rank, the lowest such rank rethrows its error and
 // the others throw PeerFailed, so every rank stops before training and one says why.
 template <class F>
-void agree(Communicator& world, F f) {
+void agree(ControlPlane& control, F f) {
   std::exception_ptr error;
   try {
     f();
   } catch (const std::exception&) {
     error = std::current_exception();
   }
-  std::vector<float> failed(static_cast<size_t>(world.size()));
-  const float mine = error ? 1.0f : 0.0f;
-  world.all_gather(&mine, failed.data(), 1);
-  for (int r = 0; r < world.size(); ++r) {
-    if (failed[static_cast<size_t>(r)] == 0.0f) continue;
-    if (r == world.rank()) std::rethrow_exception(error);
-    throw PeerFailed();
-  }
+  const int first = control.agree(error != nullptr);
+  if (first < 0) return;
+  if (first == control.rank()) std::rethrow_exception(error);
+  throw PeerFailed();
 }
+
+// A timeline event on the control plane: fixed-size little records of plain values.
+struct PackedEvent {
+  int32_t pp, dp, kind, microbatch, chunk;
+  double start, end;
+};
 
 int64_t peak_rss_bytes() {
   std::ifstream in("/proc/self/status");
@@ -106,8 +109,8 @@ void validate_options(const TrainOptions& o) {
 
 class Executor {
  public:
-  Executor(const TrainOptions& o, Communicator& world, bool dry = false)
-      : o_(o), world_(world), dry_(dry) {}
+  Executor(const TrainOptions& o, Communicator& world, ControlPlane& control, bool dry = false)
+      : o_(o), world_(world), control_(control), dry_(dry) {}
 
   TrainResult run(const std::function<void(const StepStats&)>& on_step);
   std::vector<RankFootprint> dry_run(const std::function<void(const RankFootprint&)>& check);
@@ -122,7 +125,8 @@ class Executor {
 
   const TrainOptions& o_;
   Communicator& world_;
-  const bool dry_;  // check and size everything, allocate nothing
+  ControlPlane& control_;  // agreement, losses, counts, timelines (runtime/communicator.h)
+  const bool dry_;         // check and size everything, allocate nothing
   ShardLayout layout_;
   std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
@@ -144,7 +148,7 @@ void Executor::setup() {
   const ParallelPlan& plan = o_.plan;
   const ModelSpec& m = o_.model;
   ShardLayout& layout = layout_;
-  agree(world_, [&] {
+  agree(control_, [&] {
     validate_options(o_);
     m.validate();
     t_ = plan.tensor_parallel;
@@ -208,7 +212,7 @@ void Executor::setup() {
 }
 
 void Executor::load_checkpoint() {
-  agree(world_, [&] {
+  agree(control_, [&] {
     const int64_t step = read_latest(o_.load_dir);
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
@@ -251,7 +255,7 @@ std::vector<RankFootprint> Executor::dry_run(
     f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, d_);
     all.push_back(f);
   }
-  agree(world_, [&] {
+  agree(control_, [&] {
     if (check) check(all[static_cast<size_t>(world_.rank())]);
   });
   return all;
@@ -264,7 +268,7 @@ void Executor::save_checkpoint(int64_t completed) {
       {std::span<const float>(shard_->params().data(), shard_->params().size()),
        std::span<const float>(optimizer_->adam_m().data(), optimizer_->adam_m().size()),
        std::span<const float>(optimizer_->adam_v().data(), optimizer_->adam_v().size())});
-  world_.barrier();
+  control_.barrier();
   if (world_.rank() == 0) write_latest(o_.save_dir, completed);
 }
 
@@ -288,46 +292,29 @@ double Executor::step(int64_t step, double* grad_norm) {
   ctx.tokens = [&](int64_t mb, std::vector<int32_t>& out) { tokens_of(step, mb, out); };
   const bool record = o_.record_timeline && pos_.tp == 0;
   const double loss_sum = executor_->run(ctx, grad_norm, record ? &events_ : nullptr, t0_);
-  // Mean loss over the global batch, to every rank.
-  float loss = 0;
-  if (pos_.pp == p_ - 1 && pos_.tp == 0)
-    loss = static_cast<float>(loss_sum / static_cast<double>(m_ * d_));
-  world_.all_reduce(&loss, 1);
-  return loss;
+  // Mean loss over the global batch, to every rank: each replica's last stage (tensor-parallel
+  // rank 0) contributes its share, summed in rank order.
+  double loss = 0;
+  if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * d_);
+  return control_.sum(loss);
 }
 
 void Executor::gather_timeline(TrainResult& r) {
-  // Eight floats per event; times as microseconds split into a float and its remainder.
-  std::vector<float> mine;
-  for (const TimelineEvent& e : events_) {
-    const double s = e.start * 1e6, d = (e.end - e.start) * 1e6;
-    const float s_hi = static_cast<float>(s), d_hi = static_cast<float>(d);
-    mine.insert(mine.end(),
-                {static_cast<float>(e.pp), static_cast<float>(e.dp), static_cast<float>(e.kind),
-                 static_cast<float>(e.microbatch), static_cast<float>(e.chunk), s_hi,
-                 static_cast<float>(s - s_hi), d_hi + static_cast<float>(d - d_hi)});
+  std::vector<uint8_t> mine(events_.size() * sizeof(PackedEvent));
+  for (size_t i = 0; i < events_.size(); ++i) {
+    const TimelineEvent& e = events_[i];
+    const PackedEvent p{e.pp,    e.dp, static_cast<int32_t>(e.kind), e.microbatch, e.chunk,
+                        e.start, e.end};
+    std::memcpy(mine.data() + i * sizeof(PackedEvent), &p, sizeof p);
   }
-  const int n = world_.size();
-  std::vector<float> counts(static_cast<size_t>(n));
-  const float count = static_cast<float>(mine.size());
-  world_.all_gather(&count, counts.data(), 1);
-  const size_t most = static_cast<size_t>(*std::max_element(counts.begin(), counts.end()));
-  mine.resize(most, 0.0f);
-  std::vector<float> all(most * static_cast<size_t>(n));
-  world_.all_gather(mine.data(), all.data(), most);
-  if (world_.rank() != 0) return;
-  for (int rank = 0; rank < n; ++rank) {
-    const float* f = all.data() + static_cast<size_t>(rank) * most;
-    for (size_t i = 0; i + 8 <= static_cast<size_t>(counts[static_cast<size_t>(rank)]); i += 8) {
-      TimelineEvent e;
-      e.pp = static_cast<int32_t>(f[i]);
-      e.dp = static_cast<int32_t>(f[i + 1]);
-      e.kind = static_cast<ActionKind>(static_cast<int>(f[i + 2]));
-      e.microbatch = static_cast<int32_t>(f[i + 3]);
-      e.chunk = static_cast<int32_t>(f[i + 4]);
-      e.start = (static_cast<double>(f[i + 5]) + f[i + 6]) * 1e-6;
-      e.end = e.start + static_cast<double>(f[i + 7]) * 1e-6;
-      r.timeline.push_back(e);
+  const auto all = control_.all_gather_bytes(mine);
+  if (control_.rank() != 0) return;
+  for (const std::vector<uint8_t>& bytes : all) {
+    for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
+      PackedEvent p;
+      std::memcpy(&p, bytes.data() + at, sizeof p);
+      r.timeline.push_back(
+          {p.pp, p.dp, static_cast<ActionKind>(p.kind), p.microbatch, p.chunk, p.start, p.end});
     }
   }
 }
@@ -339,18 +326,13 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   TrainResult result;
   result.first_step = first_step_;
   {
-    // Each parameter once (replicated ones on TP rank 0, DP replica 0 only). Summed exactly
-    // in three 12-bit limbs, since the communicator reduces floats.
+    // Each parameter once (replicated ones on TP rank 0, DP replica 0 only).
     int64_t n = 0;
     for (const ParamInfo& p : shard_->param_infos())
       if (!p.tied_copy && pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0)) n += p.real_size;
-    float limbs[3] = {static_cast<float>(n & 4095), static_cast<float>((n >> 12) & 4095),
-                      static_cast<float>(n >> 24)};
-    world_.all_reduce(limbs, 3);
-    result.parameters =
-        std::llround(limbs[0]) + (std::llround(limbs[1]) << 12) + (std::llround(limbs[2]) << 24);
+    result.parameters = control_.sum(n);
   }
-  world_.barrier();
+  control_.barrier();
   t0_ = Clock::now();
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {
@@ -368,14 +350,8 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
       save_checkpoint(s + 1);
   }
   if (o_.record_timeline) gather_timeline(result);
-  std::vector<float> peaks(static_cast<size_t>(2 * world_.size()));
-  const float mine[2] = {static_cast<float>(MemoryCounter::peak()),
-                         static_cast<float>(peak_rss_bytes())};
-  world_.all_gather(mine, peaks.data(), 2);
-  for (size_t i = 0; i < peaks.size(); i += 2) {
-    result.peak_memory_bytes = std::max(result.peak_memory_bytes, static_cast<int64_t>(peaks[i]));
-    result.peak_rss_bytes = std::max(result.peak_rss_bytes, static_cast<int64_t>(peaks[i + 1]));
-  }
+  result.peak_memory_bytes = control_.max(MemoryCounter::peak());
+  result.peak_rss_bytes = control_.max(peak_rss_bytes());
   return result;
 }
 
@@ -395,15 +371,29 @@ LearningRateSchedule schedule_of(const TrainOptions& o) {
   return s;
 }
 
+namespace {
+
+// The control plane beside `world`: a group of one, or MPI's (a duplicate of COMM_WORLD).
+std::unique_ptr<ControlPlane> control_plane_for(const Communicator& world) {
+  if (world.size() == 1) return make_self_control_plane();
+  auto c = make_mpi_control_plane();
+  if (!c) throw std::logic_error("a world of several ranks without MPI");
+  return c;
+}
+
+}  // namespace
+
 TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step) {
-  Executor e(options, world);
+  auto control = control_plane_for(world);
+  Executor e(options, world, *control);
   return e.run(on_step);
 }
 
 std::vector<RankFootprint> dry_run(const TrainOptions& options, Communicator& world,
                                    const std::function<void(const RankFootprint&)>& check) {
-  Executor e(options, world, true);
+  auto control = control_plane_for(world);
+  Executor e(options, world, *control, true);
   return e.dry_run(check);
 }
 

@@ -65,6 +65,8 @@ struct PeerFailed : std::runtime_error {
 double learning_rate(const TrainOptions& o, int64_t step);
 LearningRateSchedule schedule_of(const TrainOptions& o);
 
+// Agreement before training, the reported loss, the parameter count, the timeline and the
+// memory peaks travel on a host control plane beside `world` (runtime/communicator.h).
 TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step = {});
 
