@@ -3,10 +3,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <new>
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/kernels.h"
+#include "runtime/tensor.h"
 
 namespace ptdp {
 namespace {
@@ -151,6 +153,24 @@ class CpuBackend final : public Backend {
     a.weight_decay = o.weight_decay;
     k::adamw_step(param, grad, m, v, n, a, step);
   }
+
+  void* allocate(size_t bytes) override {
+    void* p = ::operator new (bytes, std::align_val_t{64});
+    std::memset(p, 0, bytes);
+    MemoryCounter::allocated(bytes);
+    return p;
+  }
+  void deallocate(void* p, size_t bytes) override {
+    MemoryCounter::freed(bytes);
+    ::operator delete (p, std::align_val_t{64});
+  }
+  void upload(const void* host, void* device, size_t bytes) override {
+    if (bytes > 0) std::memcpy(device, host, bytes);
+  }
+  void download(const void* device, void* host, size_t bytes) override {
+    if (bytes > 0) std::memcpy(host, device, bytes);
+  }
+  bool host_accessible() const override { return true; }
 
   void synchronize() override {}
 };

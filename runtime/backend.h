@@ -9,6 +9,7 @@
 // the op list states the type each op runs in (core/layer_ops.h).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -98,6 +99,16 @@ class Backend {
   // step counts from 1.
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWSettings& o, int64_t step) = 0;
+
+  // Memory in the backend's space: zero-filled, counted towards the run's peak memory
+  // (runtime/tensor.h's MemoryCounter), 64-byte aligned.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* p, size_t bytes) = 0;
+  // Copies between host memory and the backend's.
+  virtual void upload(const void* host, void* device, size_t bytes) = 0;
+  virtual void download(const void* device, void* host, size_t bytes) = 0;
+  // Whether host code may read and write the backend's memory directly (the CPU backend).
+  virtual bool host_accessible() const = 0;
 
   // Waits for all work queued on this backend (a no-op where kernels run synchronously).
   virtual void synchronize() = 0;

@@ -327,12 +327,17 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     sg.size = offset - sg.offset;
     segments_.push_back(sg);
   }
-  params_.assign(static_cast<size_t>(offset), 0.0f);
-  grads_.assign(static_cast<size_t>(offset), 0.0f);
-  J.ctx->params = params_.data();
-  J.ctx->grads = grads_.data();
+  params_ = DeviceBuffer(*backend, DType::kF32, offset);
+  grads_ = DeviceBuffer(*backend, DType::kF32, offset);
+  J.ctx->params = params_.data<float>();
+  J.ctx->grads = grads_.data<float>();
+  // Initial values are computed on the host and uploaded parameter by parameter.
+  std::vector<float> host;
   for (Pending& p : pending) {
-    p.init(params_.data() + p.info.offset);
+    host.assign(static_cast<size_t>(p.info.size), 0.0f);
+    p.init(host.data());
+    backend->upload(host.data(), params_.data<float>() + p.info.offset,
+                    host.size() * sizeof(float));
     infos_.push_back(p.info);
   }
   auto off = [&](int64_t i) { return i < 0 ? int64_t{-1} : infos_[static_cast<size_t>(i)].offset; };

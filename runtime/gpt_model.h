@@ -38,6 +38,7 @@
 #include "core/parallel_plan.h"
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
+#include "runtime/device_buffer.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -124,8 +125,10 @@ class GptShard {
   void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                 double loss_scale);
 
-  Buffer& params() { return params_; }
-  Buffer& grads() { return grads_; }
+  // One contiguous fp32 buffer of every parameter this rank holds, and one of their gradients,
+  // in the backend's memory; ParamInfo::offset and size give each parameter's typed view.
+  DeviceBuffer& params() { return params_; }
+  DeviceBuffer& grads() { return grads_; }
   const std::vector<ParamInfo>& param_infos() const { return infos_; }
   const std::vector<Segment>& segments() const { return segments_; }
   // Parameters of the whole model held here without padding or tied copies.
@@ -139,10 +142,10 @@ class GptShard {
  private:
   ModelSpec model_;
   ShardLayout layout_;
-  Buffer params_, grads_;
+  std::unique_ptr<Impl> impl_;  // owns the backend when the shard made its own
+  DeviceBuffer params_, grads_;
   std::vector<ParamInfo> infos_;
   std::vector<Segment> segments_;
-  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace ptdp

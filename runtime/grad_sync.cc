@@ -13,9 +13,9 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
     state_offset_.push_back(state);
     state += dist_ ? s.size / g_.data_parallel : s.size;
   }
-  adam_m_.assign(static_cast<size_t>(state), 0.0f);
-  adam_v_.assign(static_cast<size_t>(state), 0.0f);
-  if (dist_) shard_grads_.assign(static_cast<size_t>(state), 0.0f);
+  adam_m_ = DeviceBuffer(be_, DType::kF32, state);
+  adam_v_ = DeviceBuffer(be_, DType::kF32, state);
+  if (dist_) shard_grads_ = DeviceBuffer(be_, DType::kF32, state);
 }
 
 void DataParallelOptimizer::for_each_owned_range(
@@ -40,7 +40,8 @@ void DataParallelOptimizer::for_each_owned_range(
 }
 
 void DataParallelOptimizer::reduce_gradients() {
-  Buffer& g = shard_.grads();
+  float* g = shard_.grads().data<float>();
+  const int64_t g_size = shard_.grads().size();
   const int64_t d = g_.data_parallel;
   if (shard_.layout().sequence_parallel && shard_.layout().t > 1) {
     // Replicated parameters applied to a sequence slice: their gradients are partial sums.
@@ -51,22 +52,22 @@ void DataParallelOptimizer::reduce_gradients() {
     int64_t at = 0;
     for (const ParamInfo& p : shard_.param_infos())
       if (p.sp_partial) {
-        be_.copy(g.data() + p.offset, packed.data() + at, p.size);
+        be_.copy(g + p.offset, packed.data() + at, p.size);
         at += p.size;
       }
     g_.tensor->all_reduce(packed.data(), packed.size());
     at = 0;
     for (const ParamInfo& p : shard_.param_infos())
       if (p.sp_partial) {
-        be_.copy(packed.data() + at, g.data() + p.offset, p.size);
+        be_.copy(packed.data() + at, g + p.offset, p.size);
         at += p.size;
       }
   }
   const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
   if (!dist_) {
     if (d > 1) {
-      g_.data->all_reduce(g.data(), g.size());
-      be_.scale(g.data(), elems(g), inv_d);
+      g_.data->all_reduce(g, static_cast<size_t>(g_size));
+      be_.scale(g, g_size, inv_d);
     }
     return;
   }
@@ -74,8 +75,8 @@ void DataParallelOptimizer::reduce_gradients() {
   for (size_t i = 0; i < segs.size(); ++i) {
     const int64_t shard = segs[i].size / d;
     if (shard == 0) continue;
-    float* out = shard_grads_.data() + state_offset_[i];
-    g_.data->reduce_scatter(g.data() + segs[i].offset, out, static_cast<size_t>(shard));
+    float* out = shard_grads_.data<float>() + state_offset_[i];
+    g_.data->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
     if (d > 1) be_.scale(out, shard, inv_d);
   }
 }
@@ -84,15 +85,15 @@ void DataParallelOptimizer::sync_embedding() {
   if (g_.embedding->size() < 2) return;
   const Segment& s = shard_.segments()[0];
   if (dist_)
-    g_.embedding->all_reduce(shard_grads_.data() + state_offset_[0],
+    g_.embedding->all_reduce(shard_grads_.data<float>() + state_offset_[0],
                              static_cast<size_t>(s.size / g_.data_parallel));
   else
-    g_.embedding->all_reduce(shard_.grads().data() + s.offset, static_cast<size_t>(s.size));
+    g_.embedding->all_reduce(shard_.grads().data<float>() + s.offset, static_cast<size_t>(s.size));
 }
 
 double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
-  Buffer& params = shard_.params();
-  float* grads = dist_ ? shard_grads_.data() : shard_.grads().data();
+  float* params = shard_.params().data<float>();
+  float* grads = dist_ ? shard_grads_.data<float>() : shard_.grads().data<float>();
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
   // tied embedding on the first stage).
   double sq = 0;
@@ -115,7 +116,8 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
     if (coef != 1.0) be_.scale(gp, n, coef);
     AdamWSettings a = adam;
     a.weight_decay = p.decay ? o.weight_decay : 0.0;
-    be_.adamw(params.data() + lo, gp, adam_m_.data() + base, adam_v_.data() + base, n, a, step + 1);
+    be_.adamw(params + lo, gp, adam_m_.data<float>() + base, adam_v_.data<float>() + base, n, a,
+              step + 1);
   });
   if (dist_) {
     const int64_t d = g_.data_parallel;
@@ -124,9 +126,9 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
       const int64_t shard = s.size / d;
       if (shard == 0) continue;
       gathered.resize(static_cast<size_t>(s.size));
-      g_.data->all_gather(params.data() + s.offset + g_.dp_rank * shard, gathered.data(),
+      g_.data->all_gather(params + s.offset + g_.dp_rank * shard, gathered.data(),
                           static_cast<size_t>(shard));
-      be_.copy(gathered.data(), params.data() + s.offset, s.size);
+      be_.copy(gathered.data(), params + s.offset, s.size);
     }
   }
   return norm;

@@ -43,8 +43,8 @@ class DataParallelOptimizer {
   double step(int64_t step, double lr, const OptimizerSettings& o);
 
   // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
-  Buffer& adam_m() { return adam_m_; }
-  Buffer& adam_v() { return adam_v_; }
+  DeviceBuffer& adam_m() { return adam_m_; }
+  DeviceBuffer& adam_v() { return adam_v_; }
 
  private:
   // Calls f(param, lo, hi, state index of lo) for the part of each parameter this rank's
@@ -56,7 +56,7 @@ class DataParallelOptimizer {
   Backend& be_;
   DataParallelGroups g_;
   bool dist_;
-  Buffer adam_m_, adam_v_, shard_grads_;
+  DeviceBuffer adam_m_, adam_v_, shard_grads_;
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
 };
 

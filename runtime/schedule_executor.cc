@@ -29,7 +29,7 @@ void ScheduleExecutor::flush_p2p() {
 double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
                              std::vector<TimelineEvent>* events, Clock::time_point t0) {
   Backend& be = shard_.backend();
-  be.fill_zero(shard_.grads().data(), elems(shard_.grads()));
+  be.fill_zero(shard_.grads().data<float>(), shard_.grads().size());
   const int64_t v = shard_.num_chunks();
   const int64_t next = (pp_ + 1) % p_, prev = (pp_ + p_ - 1) % p_;
   auto tag = [v](int dir, int64_t mb, int64_t chunk) {

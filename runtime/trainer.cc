@@ -222,9 +222,9 @@ void Executor::load_checkpoint() {
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
     if (!dry_) {
-      Buffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
+      DeviceBuffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
       for (size_t i = 0; i < 3; ++i)
-        backend_->copy(c.arrays[i].data(), into[i]->data(), elems(*into[i]));
+        backend_->upload(c.arrays[i].data(), into[i]->data<float>(), into[i]->bytes());
     }
     first_step_ = c.step;
     if (first_step_ >= o_.steps)
@@ -262,12 +262,16 @@ std::vector<RankFootprint> Executor::dry_run(
 }
 
 void Executor::save_checkpoint(int64_t completed) {
-  const auto layout = checkpoint_layout(o_, static_cast<int64_t>(shard_->params().size()));
-  write_checkpoint_shard(
-      o_.save_dir, world_.rank(), completed, layout,
-      {std::span<const float>(shard_->params().data(), shard_->params().size()),
-       std::span<const float>(optimizer_->adam_m().data(), optimizer_->adam_m().size()),
-       std::span<const float>(optimizer_->adam_v().data(), optimizer_->adam_v().size())});
+  const auto layout = checkpoint_layout(o_, shard_->params().size());
+  // The arrays come to the host before they are written.
+  std::vector<std::vector<float>> host;
+  std::vector<std::span<const float>> arrays;
+  for (DeviceBuffer* b : {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()}) {
+    host.emplace_back(static_cast<size_t>(b->size()));
+    backend_->download(b->data<float>(), host.back().data(), b->bytes());
+  }
+  for (const auto& h : host) arrays.emplace_back(h.data(), h.size());
+  write_checkpoint_shard(o_.save_dir, world_.rank(), completed, layout, arrays);
   control_.barrier();
   if (world_.rank() == 0) write_latest(o_.save_dir, completed);
 }
