@@ -317,6 +317,14 @@ TEST(Cli, RunPrintsAStepLineEachAndJsonWithLossesAndTimes) {
             2 * (12.0 * 32 * 32 + 13 * 32) + (64 + 16) * 32 + 2 * 32);
 }
 
+TEST(Cli, RunOnTheCpuBackendIsTheDefault) {
+  const Result a = run(tiny_run({"--json"}));
+  const Result b = run(tiny_run({"--json", "--backend", "cpu"}));
+  ASSERT_EQ(a.status, 0) << a.err;
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_EQ(nlohmann::json::parse(a.out)["losses"], nlohmann::json::parse(b.out)["losses"]);
+}
+
 TEST(Cli, RunWritesItsMeasuredTimelineAsAChromeTrace) {
   const std::string trace =
       (std::filesystem::temp_directory_path() / "ptdp_cli_test_run_trace.json").string();
@@ -346,6 +354,8 @@ TEST(Cli, RunRefusesBadInputWithOneLine) {
   expect_bad(tiny_run({"--tensor-model-parallel-size", "2"}), "world size");
   expect_bad(tiny_run({"--data", "/nonexistent/tokens.bin"}), "--data");
   expect_bad(tiny_run({"--lr-decay-style", "sometimes"}), "--lr-decay-style");
+  expect_bad(tiny_run({"--backend", "tpu"}), "--backend");
+  expect_bad(tiny_run({"--backend", "cuda"}), "--backend");  // this build has no CUDA
   expect_bad(tiny_run({"--load", "/nonexistent/checkpoints"}), "--load");
   auto odd_micro = kTinyRun;
   *(std::find(odd_micro.begin(), odd_micro.end(), "--micro-batch-size") + 1) = "3";
