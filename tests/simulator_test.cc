@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/simulation_input.h"
 #include "core/error.h"
 #include "core/presets.h"
+#include "planner/simulation_input.h"
 #include "planner/validation.h"
 #include "simulator/flow_network.h"
 #include "simulator/timeline_export.h"
