@@ -14,10 +14,10 @@
 #include "core/error.h"
 #include "core/presets.h"
 #include "planner/simulation_input.h"
-#include "planner/validation.h"
 #include "simulator/flow_network.h"
 #include "simulator/timeline_export.h"
 #include "simulator/topology.h"
+#include "tests/support/validation.h"
 
 namespace ptdp {
 namespace {
