@@ -8,8 +8,8 @@
 //   build/bench/simulate_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 
-#include "cli/simulation_input.h"
 #include "core/presets.h"
+#include "planner/simulation_input.h"
 
 namespace {
 

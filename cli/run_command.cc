@@ -19,6 +19,7 @@
 #include "cli/report.h"
 #include "core/error.h"
 #include "core/presets.h"
+#include "core/units.h"
 #include "planner/search.h"
 #include "runtime/communicator.h"
 #include "runtime/trainer.h"
@@ -333,6 +334,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     seconds += s.seconds;
     tokens += s.tokens;
   }
+  const double tokens_per_s = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
   if (f.json) {
     nlohmann::json j;
     j["model"] = to_json(model);
@@ -348,9 +350,9 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       j["step_time_s"].push_back(s.seconds);
       j["grad_norms"].push_back(s.grad_norm);
     }
-    j["tokens_per_s"] = seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
-    j["peak_memory_gib"] = static_cast<double>(r.peak_memory_bytes) / (1024.0 * 1024 * 1024);
-    j["peak_rss_gib"] = static_cast<double>(r.peak_rss_bytes) / (1024.0 * 1024 * 1024);
+    j["tokens_per_s"] = tokens_per_s;
+    j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
+    j["peak_rss_gib"] = to_gib(static_cast<double>(r.peak_rss_bytes));
     out << j.dump(2) << "\n";
     return 0;
   }
@@ -358,8 +360,8 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   std::snprintf(buf, sizeof buf,
                 "%zu steps in %.2f s (%.0f tokens/s); final loss %.4f; %lld parameters; peak "
                 "memory per rank %.1f MiB of tensors, %.1f MiB resident\n",
-                r.steps.size(), seconds, seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0,
-                r.steps.empty() ? 0.0 : r.steps.back().loss, static_cast<long long>(r.parameters),
+                r.steps.size(), seconds, tokens_per_s, r.steps.empty() ? 0.0 : r.steps.back().loss,
+                static_cast<long long>(r.parameters),
                 static_cast<double>(r.peak_memory_bytes) / (1024.0 * 1024),
                 static_cast<double>(r.peak_rss_bytes) / (1024.0 * 1024));
   out << buf;

@@ -43,8 +43,8 @@ nlohmann::json simulation_json(const ModelSpec& m, const ParallelPlan& p,
   const double it = to_seconds(sim.iteration);
   j["iteration_time_s"] = it;
   j["predicted_iteration_time_s"] = pred.iteration_time_s;
-  j["tokens_per_s"] = static_cast<double>(p.global_batch_size * m.seq_length) / it;
-  j["model_tflops_per_gpu"] = pred.model_flops / (it * static_cast<double>(p.num_gpus())) / 1e12;
+  j["tokens_per_s"] = tokens_per_second(m, p, it);
+  j["model_tflops_per_gpu"] = tflops_per_gpu(pred.model_flops, it, p.num_gpus());
   j["bubble_fraction"] = sim.bubble_fraction;
   j["critical_stage"] = sim.critical_stage;
   j["exposed_comm_s"] = {{"tp", to_seconds(sim.exposed_tp)},
@@ -79,9 +79,9 @@ void print_simulation(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                 "pipeline bubble     %10.1f%%  of the busiest stage's work (stage %lld)\n"
                 "exposed comm        tp %.4f s  pp %.4f s  dp %.4f s\n\n",
                 it, pred.iteration_time_s, 100 * (it / pred.iteration_time_s - 1),
-                pred.model_flops / (it * static_cast<double>(p.num_gpus())) / 1e12,
-                100 * sim.bubble_fraction, static_cast<long long>(sim.critical_stage),
-                to_seconds(sim.exposed_tp), to_seconds(sim.exposed_pp), to_seconds(sim.exposed_dp));
+                tflops_per_gpu(pred.model_flops, it, p.num_gpus()), 100 * sim.bubble_fraction,
+                static_cast<long long>(sim.critical_stage), to_seconds(sim.exposed_tp),
+                to_seconds(sim.exposed_pp), to_seconds(sim.exposed_dp));
   out << buf;
   out << "stage   compute    tp comm    pp comm    dp comm  optimizer       idle   (seconds)\n";
   for (const StageStats& s : sim.stages) {

@@ -7,7 +7,7 @@
 #include <ostream>
 #include <string>
 
-#include "cli/simulation_input.h"
+#include "planner/simulation_input.h"
 
 namespace ptdp {
 

@@ -71,11 +71,15 @@ double CommModel::bus_bandwidth(const GroupSpan& span) const {
   return std::min(nvlink, net);
 }
 
+double CommModel::software_latency_us(Collective kind, int64_t n, bool inter_node) const {
+  const LinkEfficiency& link = inter_node ? profile_.network : profile_.nvlink;
+  return link.latency_us + link.per_step_latency_us * ring_steps(kind, n);
+}
+
 double CommModel::collective_time(Collective kind, double bytes, const GroupSpan& span) const {
   if (span.size <= 1 || bytes <= 0) return 0.0;
   const bool inter = span.nodes > 1;
-  const LinkEfficiency& link = inter ? profile_.network : profile_.nvlink;
-  double latency_us = link.latency_us + link.per_step_latency_us * ring_steps(kind, span.size) +
+  double latency_us = software_latency_us(kind, span.size, inter) +
                       (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);
   if (inter) {
     // A message that leaves one switch of a tier climbs to the next tier and back down.
@@ -87,27 +91,32 @@ double CommModel::collective_time(Collective kind, double bytes, const GroupSpan
          algorithm_factor(kind, span.size) * bytes / bus_bandwidth(span);
 }
 
-double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
-  GroupSpan pair;
-  pair.size = 2;
-  const bool inter = pipeline_crosses_nodes(cluster_, p);
-  if (!inter) {
-    return collective_time(Collective::kSendRecv, bytes, pair);
-  }
-  pair.nodes = 2;
-  pair.ranks_per_node = 1;
+P2PSplit CommModel::p2p_split(double bytes, const ParallelPlan& p) const {
+  P2PSplit s;
+  s.inter_node = pipeline_crosses_nodes(cluster_, p);
+  s.latency_s = software_latency_us(Collective::kSendRecv, 2, s.inter_node) * kMicrosecond;
+  s.bytes = bytes;
   const int64_t t = p.tensor_parallel;
-  if (p.scatter_gather_p2p && t > 1) {
+  if (s.inter_node && p.scatter_gather_p2p && t > 1) {
     // Each tensor-parallel rank sends a 1/t slice on its own rail, then the slices are
     // all-gathered inside the receiving node.
-    pair.concurrent_per_node = cluster_.gpus_per_node;
-    const double send =
-        collective_time(Collective::kSendRecv, bytes / static_cast<double>(t), pair);
-    return send + collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p));
+    s.bytes = bytes / static_cast<double>(t);
+    s.gather_s = collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p));
   }
-  // Every tensor-parallel rank sends the full tensor; t of them share the node's rails.
+  return s;
+}
+
+double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
+  const P2PSplit s = p2p_split(bytes, p);
+  GroupSpan pair;
+  pair.size = 2;
+  if (!s.inter_node) return collective_time(Collective::kSendRecv, s.bytes, pair);
+  // Across nodes: each sender has its own rail with scatter/gather; without it the t ranks
+  // that each send the full tensor share the node's rails.
+  pair.nodes = 2;
+  pair.ranks_per_node = 1;
   pair.concurrent_per_node = cluster_.gpus_per_node;
-  return collective_time(Collective::kSendRecv, bytes, pair);
+  return collective_time(Collective::kSendRecv, s.bytes, pair) + s.gather_s;
 }
 
 }  // namespace ptdp

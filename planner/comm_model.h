@@ -28,6 +28,19 @@ GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p);
 // True when neighbouring pipeline stages sit on different nodes.
 bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p);
 
+// One pipeline transfer of `bytes` (one activation or its gradient), split into what moves it:
+// a fixed software latency, the bytes each tensor-parallel rank sends to its counterpart on the
+// neighbouring stage (bytes/t with the scatter/gather optimisation across nodes) and, with
+// scatter/gather, the all-gather of the slices inside the receiving node. CommModel::p2p_time
+// prices the bytes on the links in closed form; the simulator moves them as flows over its
+// topology, which adds the links' own latencies (planner/simulation_input.cc).
+struct P2PSplit {
+  bool inter_node = false;  // the neighbouring stages sit on different nodes
+  double latency_s = 0;     // software latency of the send/receive pair
+  double bytes = 0;         // per tensor-parallel rank
+  double gather_s = 0;      // all-gather in the receiving node (0 without scatter/gather)
+};
+
 class CommModel {
  public:
   CommModel(const ClusterSpec& c, const HardwareProfile& h) : cluster_(c), profile_(h) {}
@@ -40,8 +53,13 @@ class CommModel {
   // tensor-parallel rank set; with scatter/gather each of the t ranks sends bytes/t over its
   // own NIC and the receivers all-gather over NVLink.
   double p2p_time(double bytes, const ParallelPlan& p) const;
+  P2PSplit p2p_split(double bytes, const ParallelPlan& p) const;
 
  private:
+  // The launch and per-ring-step latency of a collective over `n` ranks, microseconds
+  // (without the links' own latencies).
+  double software_latency_us(Collective kind, int64_t n, bool inter_node) const;
+
   const ClusterSpec& cluster_;
   const HardwareProfile& profile_;
 };

@@ -12,16 +12,28 @@ constexpr double kWeightBytes = 2.0;      // 16-bit model weights
 constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
 constexpr double kUsableMemory = 0.95;    // CUDA context and allocator fragmentation keep the rest
 
-double grad_bytes(const ParallelPlan& p) {
-  return p.fp32_grad_reduce ? 4.0 : 2.0;
-}
-
 void add(PassTime& a, const PassTime& b, double times) {
   a.compute += b.compute * times;
   a.tp_comm += b.tp_comm * times;
 }
 
 }  // namespace
+
+double gradient_bytes_per_parameter(const ParallelPlan& p) {
+  return layer_shape(p).main_grad_bytes;
+}
+
+double last_gradient_bucket_time(double sync_time_s, int64_t layers) {
+  return sync_time_s / std::max<double>(1.0, static_cast<double>(layers));
+}
+
+double tflops_per_gpu(double flops, double iteration_s, int64_t gpus) {
+  return flops / (iteration_s * static_cast<double>(gpus)) / kTFLOP;
+}
+
+double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double iteration_s) {
+  return static_cast<double>(p.global_batch_size * m.seq_length) / iteration_s;
+}
 
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage) {
   const double m = static_cast<double>(p.num_microbatches());
@@ -121,26 +133,33 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   return cache_.emplace(key, st).first->second;
 }
 
+ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, bool embedding,
+                                     bool head) {
+  ChunkTime c;
+  c.layers = layers;
+  const double l = static_cast<double>(layers);
+  add(c.forward, st.layer_f, l);
+  add(c.backward, st.layer_b, l);
+  add(c.recompute, st.layer_r, l);
+  add(c.weight_grad, st.layer_w, l);
+  if (embedding) {
+    add(c.forward, st.embed_f, 1);
+    add(c.backward, st.embed_b, 1);
+    add(c.weight_grad, st.embed_w, 1);
+  }
+  if (head) {
+    add(c.forward, st.head_f, 1);
+    add(c.backward, st.head_b, 1);
+    add(c.weight_grad, st.head_w, 1);
+  }
+  return c;
+}
+
 std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const ShapeTimes& st) const {
-  std::vector<StageTime> stages(static_cast<size_t>(p.pipeline_parallel));
+  std::vector<StageTime> stages;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
-    StageTime& s = stages[static_cast<size_t>(r)];
-    s.layers = p.layers_on_stage(model_, r);
-    const double l = static_cast<double>(s.layers);
-    add(s.forward, st.layer_f, l);
-    add(s.backward, st.layer_b, l);
-    add(s.recompute, st.layer_r, l);
-    add(s.weight_grad, st.layer_w, l);
-    if (r == 0) {
-      add(s.forward, st.embed_f, 1);
-      add(s.backward, st.embed_b, 1);
-      add(s.weight_grad, st.embed_w, 1);
-    }
-    if (r == p.pipeline_parallel - 1) {
-      add(s.forward, st.head_f, 1);
-      add(s.backward, st.head_b, 1);
-      add(s.weight_grad, st.head_w, 1);
-    }
+    stages.push_back(
+        {layer_span_time(st, p.layers_on_stage(model_, r), r == 0, r == p.pipeline_parallel - 1)});
   }
   return stages;
 }
@@ -153,7 +172,7 @@ double CostModel::activation_message_bytes(const ParallelPlan& p) const {
 
 double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const {
   const GroupSpan dp = data_group_span(cluster_, p);
-  const double gbytes = params * grad_bytes(p);
+  const double gbytes = params * gradient_bytes_per_parameter(p);
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
            comm_.collective_time(Collective::kAllGather, params * kWeightBytes, dp);
@@ -167,7 +186,7 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
   pair.concurrent_per_node = cluster_.gpus_per_node;
   const double emb = static_cast<double>(model_.vocab_size * model_.hidden_size) /
-                     static_cast<double>(p.tensor_parallel) * grad_bytes(p);
+                     static_cast<double>(p.tensor_parallel) * gradient_bytes_per_parameter(p);
   return comm_.collective_time(Collective::kAllReduce, emb, pair);
 }
 
@@ -178,25 +197,9 @@ double CostModel::optimizer_time(const ParallelPlan& p, double params) const {
 }
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
-  const ShapeTimes& st = shape_times(p);
-  ChunkTime c;
-  c.layers = p.layers_on_stage(model_, rank) / p.virtual_stages;
-  const double l = static_cast<double>(c.layers);
-  add(c.forward, st.layer_f, l);
-  add(c.backward, st.layer_b, l);
-  add(c.recompute, st.layer_r, l);
-  add(c.weight_grad, st.layer_w, l);
-  if (rank == 0 && chunk == 0) {
-    add(c.forward, st.embed_f, 1);
-    add(c.backward, st.embed_b, 1);
-    add(c.weight_grad, st.embed_w, 1);
-  }
-  if (rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1) {
-    add(c.forward, st.head_f, 1);
-    add(c.backward, st.head_b, 1);
-    add(c.weight_grad, st.head_w, 1);
-  }
-  return c;
+  return layer_span_time(shape_times(p), p.layers_on_stage(model_, rank) / p.virtual_stages,
+                         rank == 0 && chunk == 0,
+                         rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
@@ -235,7 +238,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     MemoryBreakdown mb;
     const double params = parameters_on_stage(p, r);
     mb.weights = params * kWeightBytes;
-    mb.gradients = params * grad_bytes(p);
+    mb.gradients = params * gradient_bytes_per_parameter(p);
     mb.optimizer = params * kOptimizerBytes / (p.distributed_optimizer ? d : 1.0);
     const int64_t layers = p.layers_on_stage(model_, r);
     mb.activations = inflight_layer_activations(p, r, layers) * act_layer + working_layer;
@@ -303,11 +306,10 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   out.dp_time_s = gradient_sync_time(p, params_max);
   double dp_exposed = out.dp_time_s;
   if (p.overlap_grad_reduce && p.data_parallel > 1) {
-    // Buckets are reduced while the last microbatch's backward pass runs; the final bucket
-    // (about a layer's worth) cannot be hidden.
+    // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
     const double hidden = s.backward.total() + s.recompute.total();
-    const double last_bucket = out.dp_time_s / std::max<double>(1.0, static_cast<double>(s.layers));
-    dp_exposed = std::max(last_bucket, out.dp_time_s - hidden);
+    dp_exposed =
+        std::max(last_gradient_bucket_time(out.dp_time_s, s.layers), out.dp_time_s - hidden);
   }
   b.dp_comm = dp_exposed + embedding_sync_time(p);
 
@@ -324,12 +326,11 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
       static_cast<double>(p.tensor_parallel) * m * static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;
   out.hardware_flops = (per_mb_model + per_mb_recompute) * replicas;
-  const double n = static_cast<double>(p.num_gpus());
-  out.model_tflops_per_gpu = out.model_flops / (out.iteration_time_s * n) / kTFLOP;
-  out.hardware_tflops_per_gpu = out.hardware_flops / (out.iteration_time_s * n) / kTFLOP;
+  out.model_tflops_per_gpu = tflops_per_gpu(out.model_flops, out.iteration_time_s, p.num_gpus());
+  out.hardware_tflops_per_gpu =
+      tflops_per_gpu(out.hardware_flops, out.iteration_time_s, p.num_gpus());
   out.mfu = out.model_tflops_per_gpu / cluster_.gpu.peak_tflops_16bit;
-  out.tokens_per_s =
-      static_cast<double>(p.global_batch_size * model_.seq_length) / out.iteration_time_s;
+  out.tokens_per_s = tokens_per_second(model_, p, out.iteration_time_s);
   out.memory = memory(p);
   return out;
 }

@@ -50,18 +50,17 @@ struct PassTime {
   double total() const { return compute + tp_comm; }
 };
 
-struct StageTime {
-  int64_t layers = 0;
-  PassTime forward, backward, recompute;
-  PassTime weight_grad;  // the weight-gradient part of `backward` (deferred by ZB-H1)
-  double per_microbatch() const { return forward.total() + backward.total() + recompute.total(); }
-};
-
 // One microbatch on one model chunk (a pipeline rank holds v chunks). `weight_grad` is the
 // part of `backward` that computes weight gradients (what zero-bubble schedules defer).
 struct ChunkTime {
   int64_t layers = 0;
   PassTime forward, backward, recompute, weight_grad;
+};
+
+// One microbatch on one pipeline stage: all its chunks' layers, priced as one chunk holding
+// them (CostModel::layer_span_time prices both).
+struct StageTime : ChunkTime {
+  double per_microbatch() const { return forward.total() + backward.total() + recompute.total(); }
 };
 
 struct Prediction {
@@ -106,6 +105,7 @@ class CostModel {
   const ModelSpec& model() const { return model_; }
   const ClusterSpec& cluster() const { return cluster_; }
   const HardwareProfile& profile() const { return profile_; }
+  const CommModel& comm() const { return comm_; }
 
  private:
   struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
@@ -114,6 +114,9 @@ class CostModel {
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
+  // One microbatch through `layers` transformer layers, plus the embedding and/or the LM head:
+  // a model chunk (chunk_time) or a whole stage (stage_times).
+  static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, bool embedding, bool head);
   PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
                  PassTime* weight_grad = nullptr) const;
   std::vector<StageTime> stage_times(const ParallelPlan& p, const ShapeTimes& st) const;
@@ -124,6 +127,22 @@ class CostModel {
   CommModel comm_;
   mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t>, ShapeTimes> cache_;
 };
+
+// Bytes per parameter of the gradients kept and reduced: 4 with fp32 gradient reduction, 2
+// with 16-bit (the main-gradient width of core/layer_ops.cc's layer_shape, so the op list and
+// the cost model agree).
+double gradient_bytes_per_parameter(const ParallelPlan& p);
+
+// With --overlap-grad-reduce the gradient buckets are reduced while the last microbatch's
+// backward pass runs; the final bucket (about one layer's gradients of the stage's `layers`)
+// cannot be hidden. `sync_time_s` is the whole reduction (CostModel::gradient_sync_time).
+double last_gradient_bucket_time(double sync_time_s, int64_t layers);
+
+// TFLOP/s per GPU of `flops` (per iteration, all GPUs) done in `iteration_s` on `gpus` GPUs.
+double tflops_per_gpu(double flops, double iteration_s, int64_t gpus);
+
+// Tokens per second of an iteration of `iteration_s` (global batch x sequence length).
+double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double iteration_s);
 
 // In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
 // number of layers in each (Megatron's warm-up counts; DESIGN.md).

@@ -47,7 +47,7 @@ struct ChunkCost {
   PassCost forward, backward, backward_input, backward_weight;
 };
 
-// Built from a configuration by cli/simulation_input.h (the cost model prices it; the
+// Built from a configuration by planner/simulation_input.h (the cost model prices it; the
 // simulator itself depends on core only).
 struct SimulationInput {
   ScheduleSpec schedule;                     // the simulator generates the action lists

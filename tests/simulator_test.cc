@@ -11,13 +11,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/simulation_input.h"
 #include "core/error.h"
 #include "core/presets.h"
-#include "planner/validation.h"
+#include "planner/simulation_input.h"
 #include "simulator/flow_network.h"
 #include "simulator/timeline_export.h"
 #include "simulator/topology.h"
+#include "tests/support/validation.h"
 
 namespace ptdp {
 namespace {

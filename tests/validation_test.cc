@@ -1,6 +1,6 @@
 // The analytic model against the published Megatron-LM measurements (SC'21 Table 1 and
 // Figures 11, 12, 16). Prints a table of every point, then asserts the bounds.
-#include "planner/validation.h"
+#include "tests/support/validation.h"
 
 #include <gtest/gtest.h>
 
@@ -69,8 +69,9 @@ TEST(Validation, FiguresEveryPointWithin10Percent) {
 }
 
 double tflops(const ValidationCase& v) {
-  return sc21_equation3_flops(v.model, static_cast<double>(v.plan.global_batch_size)) /
-         (predicted_time(v) * static_cast<double>(v.plan.num_gpus())) / 1e12;
+  return tflops_per_gpu(
+      sc21_equation3_flops(v.model, static_cast<double>(v.plan.global_batch_size)),
+      predicted_time(v), v.plan.num_gpus());
 }
 
 TEST(Validation, Figure12InterleavingWinsAtEveryBatch) {

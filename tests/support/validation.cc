@@ -1,4 +1,4 @@
-#include "planner/validation.h"
+#include "tests/support/validation.h"
 
 #include <nlohmann/json.hpp>
 

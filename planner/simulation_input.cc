@@ -1,6 +1,4 @@
-#include "cli/simulation_input.h"
-
-#include <algorithm>
+#include "planner/simulation_input.h"
 
 #include "core/units.h"
 
@@ -15,8 +13,6 @@ PassCost picos(const PassTime& t) {
 
 SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   const ModelSpec& m = cm.model();
-  const ClusterSpec& c = cm.cluster();
-  const HardwareProfile& h = cm.profile();
   SimulationInput in;
   in.schedule = schedule_spec(p, !m.untie_embeddings_and_output_weights);
   in.tensor_parallel = p.tensor_parallel;
@@ -42,24 +38,18 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     const double dp_time = cm.gradient_sync_time(p, params);
     in.dp_sync.push_back(to_picos(dp_time));
     in.dp_last_bucket.push_back(
-        to_picos(dp_time / std::max<double>(1.0, static_cast<double>(p.layers_on_stage(m, r)))));
+        to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r))));
     in.optimizer.push_back(to_picos(cm.optimizer_time(p, params)));
   }
   in.embedding_sync = to_picos(cm.embedding_sync_time(p));
 
-  // Pipeline transfers, as CommModel::p2p_time prices them, split into a fixed latency, the
-  // bytes each tensor-parallel rank moves (a flow in the topology) and the gather.
+  // Pipeline transfers, split as CommModel::p2p_split prices them: the bytes each
+  // tensor-parallel rank moves travel as a flow in the topology.
   if (pp > 1) {
-    const double act = cm.activation_message_bytes(p);
-    const bool inter = pipeline_crosses_nodes(c, p);
-    const LinkEfficiency& link = inter ? h.network : h.nvlink;
-    in.p2p_latency = to_picos((link.latency_us + link.per_step_latency_us) * kMicrosecond);
-    in.p2p_bytes = act;
-    if (inter && p.scatter_gather_p2p && p.tensor_parallel > 1) {
-      in.p2p_bytes = act / static_cast<double>(p.tensor_parallel);
-      in.p2p_gather = to_picos(
-          CommModel(c, h).collective_time(Collective::kAllGather, act, tensor_group_span(c, p)));
-    }
+    const P2PSplit split = cm.comm().p2p_split(cm.activation_message_bytes(p), p);
+    in.p2p_latency = to_picos(split.latency_s);
+    in.p2p_bytes = split.bytes;
+    in.p2p_gather = to_picos(split.gather_s);
   }
   return in;
 }

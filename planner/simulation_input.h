@@ -1,6 +1,11 @@
 // From a configuration to the simulator's input: the cost model prices each model chunk's
 // passes, the transfers, the gradient reduction and the optimizer step; the simulator replays
-// the schedule against them (DESIGN.md: the simulator is handed op costs).
+// the schedule against them.
+//
+// This adapter is its own library, ptdp_plan_sim (planner/CMakeLists.txt), linking
+// ptdp_planner and ptdp_simulator: the simulator depends on core only (it is handed op costs,
+// simulator/simulator.h) and the planner does not depend on the simulator, so only what
+// needs both (the `ptdp` commands, the tests, bench/simulate_bench.cc) links this.
 #pragma once
 
 #include <map>

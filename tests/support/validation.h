@@ -1,6 +1,7 @@
 // The published Megatron-LM measurements (SC'21, tests/data/validation/megatron_sc21.json) as
 // runnable cases: each is a model, a plan on the paper's cluster and the measured iteration
 // time derived from the paper's TFLOP/s (its equation 3 divided by GPUs x TFLOP/s).
+// Test-only: built as ptdp_test_support (tests/CMakeLists.txt), linked by the tests alone.
 #pragma once
 
 #include <string>
