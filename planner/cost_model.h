@@ -145,7 +145,7 @@ double tflops_per_gpu(double flops, double iteration_s, int64_t gpus);
 double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double iteration_s);
 
 // In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
-// number of layers in each (Megatron's warm-up counts; DESIGN.md).
+// number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);
 
 }  // namespace ptdp

@@ -117,26 +117,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.own_backend = make_backend("cpu");
     backend = J.own_backend.get();
   }
-  ShardDims I;
-  I.t = layout.t;
-  I.tp = layout.tp;
-  I.swiglu = m.swiglu;
-  I.b = layout.micro_batch;
-  I.s = m.seq_length;
-  I.h = m.hidden_size;
-  I.heads = m.num_attention_heads;
-  I.groups = m.query_groups();
-  I.d = m.kv_channels();
-  I.hl = I.heads / I.t;
-  I.gl = I.groups / I.t;
-  I.ffl = m.ffn_hidden() / I.t;
-  I.vocab = m.vocab_size;
-  I.vl = (m.vocab_size + I.t - 1) / I.t;
-  I.v0 = layout.tp * I.vl;
-  I.sp = layout.sequence_parallel && I.t > 1;
-  I.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
-  I.n_full = I.b * I.s;
-  I.n_local = I.sp ? I.n_full / I.t : I.n_full;
+  const ShardDims I = shard_dims(m, layout);
   J.ctx = std::make_unique<ShardContext>(*backend, tensor_group, I);
 
   const LayerShape shape = runtime_layer_shape(m, layout);

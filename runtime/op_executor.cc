@@ -25,37 +25,9 @@ struct OpExecutor::State {
   }
 };
 
-namespace {
-
-ShardDims dims_of(const ModelSpec& m, const ShardLayout& l) {
-  ShardDims d;
-  d.t = l.t;
-  d.tp = l.tp;
-  d.b = l.micro_batch;
-  d.s = m.seq_length;
-  d.h = m.hidden_size;
-  d.heads = m.num_attention_heads;
-  d.groups = m.query_groups();
-  d.d = m.kv_channels();
-  d.hl = d.heads / d.t;
-  d.gl = d.groups / d.t;
-  d.ffl = m.ffn_hidden() / d.t;
-  d.vocab = m.vocab_size;
-  d.vl = (m.vocab_size + d.t - 1) / d.t;
-  d.v0 = l.tp * d.vl;
-  d.sp = l.sequence_parallel && d.t > 1;
-  d.biases = !m.swiglu;
-  d.swiglu = m.swiglu;
-  d.n_full = d.b * d.s;
-  d.n_local = d.sp ? d.n_full / d.t : d.n_full;
-  return d;
-}
-
-}  // namespace
-
 OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const ModelSpec& m,
                        const ShardLayout& layout)
-    : s_(std::make_unique<State>(backend, tensor_group, dims_of(m, layout))) {
+    : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout))) {
   validate_shard_layout(m, layout);
   const ShardDims& d = s_->ctx.dims;
   // The largest weight: QKV, FC1 or the vocabulary shard, plus a bias of the widest output.

@@ -2,6 +2,30 @@
 
 namespace ptdp {
 
+ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
+  ShardDims d;
+  d.t = l.t;
+  d.tp = l.tp;
+  d.swiglu = m.swiglu;
+  d.b = l.micro_batch;
+  d.s = m.seq_length;
+  d.h = m.hidden_size;
+  d.heads = m.num_attention_heads;
+  d.groups = m.query_groups();
+  d.d = m.kv_channels();
+  d.hl = d.heads / d.t;
+  d.gl = d.groups / d.t;
+  d.ffl = m.ffn_hidden() / d.t;
+  d.vocab = m.vocab_size;
+  d.vl = (m.vocab_size + d.t - 1) / d.t;  // the vocabulary padded to a multiple of t
+  d.v0 = l.tp * d.vl;
+  d.sp = l.sequence_parallel && d.t > 1;
+  d.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
+  d.n_full = d.b * d.s;
+  d.n_local = d.sp ? d.n_full / d.t : d.n_full;
+  return d;
+}
+
 ExecutedOp* ShardContext::current() {
   return trace && !trace->empty() ? &trace->back() : nullptr;
 }

@@ -30,6 +30,9 @@ struct ShardDims {
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
 };
 
+// This rank's dimensions for a model and layout.
+ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l);
+
 class ShardContext {
  public:
   ShardContext(Backend& backend, Communicator* tensor_group, const ShardDims& dims)

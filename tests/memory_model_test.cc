@@ -1,4 +1,4 @@
-// The memory model against the closed forms of DESIGN.md (Korthikanti et al. 2022, Table 2;
+// The memory model against the closed forms of Korthikanti et al. 2022 (Table 2;
 // 18 bytes per parameter; 6 + 12/d with the distributed optimizer; in-flight microbatches).
 #include <gtest/gtest.h>
 

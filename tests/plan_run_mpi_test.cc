@@ -17,48 +17,23 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tests/support/launch.h"
+
 namespace ptdp {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using test::Outcome;
+using test::read_file;
 
 fs::path scratch() {
-  // CTest runs tests in parallel processes: each has its own directory.
-  const fs::path dir =
-      fs::temp_directory_path() / ("ptdp_plan_run_mpi_test." + std::to_string(getpid()));
-  fs::create_directories(dir);
-  return dir;
+  return test::scratch_dir("ptdp_plan_run_mpi_test");
 }
-
-struct Outcome {
-  int status = -1;
-  std::string out, err;
-};
 
 // Runs `ptdp <args>` on np ranks under the launcher (np = 0: directly).
 Outcome ptdp(int np, const std::string& args) {
-  static int counter = 0;
-  const fs::path dir = scratch();
-  const fs::path out = dir / ("out" + std::to_string(counter));
-  const fs::path err = dir / ("err" + std::to_string(counter++));
-  std::string cmd = np > 0
-                        ? std::string(PTDP_MPIEXEC) + " --allow-run-as-root --oversubscribe -np " +
-                              std::to_string(np) + " "
-                        : std::string();
-  cmd += std::string(PTDP_BINARY) + " " + args + " > " + out.string() + " 2> " + err.string();
-  Outcome r;
-  const int raw = std::system(cmd.c_str());
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128;
-  r.out = read_file(out);
-  r.err = read_file(err);
-  return r;
+  return test::launch(PTDP_MPIEXEC, PTDP_BINARY, np, args, "ptdp_plan_run_mpi_test");
 }
 
 nlohmann::json json_of(const Outcome& r, const std::string& what) {

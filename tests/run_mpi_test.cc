@@ -16,6 +16,8 @@
 #include <sstream>
 #include <thread>
 
+#include "tests/support/launch.h"
+
 namespace ptdp {
 namespace {
 
@@ -31,38 +33,12 @@ std::string tiny_steps(int64_t steps) {
   return f.replace(f.find("--steps 6"), 9, "--steps " + std::to_string(steps));
 }
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-struct Outcome {
-  int status = -1;
-  std::string out, err;
-};
+using test::Outcome;
+using test::read_file;
 
 // Runs `ptdp run <args>` on np ranks (np = 0: directly, without the launcher).
 Outcome ptdp_run(int np, const std::string& args) {
-  static int counter = 0;
-  // CTest runs tests in parallel processes: each has its own directory.
-  const fs::path dir =
-      fs::temp_directory_path() / ("ptdp_run_mpi_test." + std::to_string(getpid()));
-  fs::create_directories(dir);
-  const fs::path out = dir / ("out" + std::to_string(counter));
-  const fs::path err = dir / ("err" + std::to_string(counter++));
-  std::string cmd = np > 0
-                        ? std::string(PTDP_MPIEXEC) + " --allow-run-as-root --oversubscribe -np " +
-                              std::to_string(np) + " "
-                        : std::string();
-  cmd += std::string(PTDP_BINARY) + " run " + args + " > " + out.string() + " 2> " + err.string();
-  Outcome r;
-  const int raw = std::system(cmd.c_str());
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : 128;
-  r.out = read_file(out);
-  r.err = read_file(err);
-  return r;
+  return test::launch(PTDP_MPIEXEC, PTDP_BINARY, np, "run " + args, "ptdp_run_mpi_test");
 }
 
 nlohmann::json run_json(int np, const std::string& args) {
