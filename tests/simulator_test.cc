@@ -213,7 +213,8 @@ std::vector<ValidationCase> cases() {
                          "/tests/data/validation/megatron_sc21.json");
 }
 
-// Every published configuration: simulation and analytic prediction within 5%.
+// Every published configuration: simulation and analytic prediction within 1% (the two share every
+// op cost; they differ only in how transfers and the data-parallel overlap are timed).
 TEST(Simulator, AgreesWithPredictOnEveryValidationConfiguration) {
   const HardwareProfile h = resolve_profile("a100-80gb");
   double worst = 0;
@@ -227,7 +228,7 @@ TEST(Simulator, AgreesWithPredictOnEveryValidationConfiguration) {
     worst = std::max(worst, std::abs(err));
     std::printf("%-34s predict %8.3f s  simulate %8.3f s  %+5.1f%%\n", v.label.c_str(), predicted,
                 simulated, 100 * err);
-    EXPECT_LT(std::abs(err), 0.05) << v.label;
+    EXPECT_LT(std::abs(err), 0.01) << v.label;
   }
   std::printf("worst difference %.2f%%\n", 100 * worst);
 }
