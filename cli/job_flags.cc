@@ -40,6 +40,8 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--vocab-size", vocab_size);
   app.add_flag("--swiglu", swiglu);
   app.add_flag("--untie-embeddings-and-output-weights", untie);
+  app.add_option("--position-embedding-type", position_embedding_type, "learned_absolute or rope");
+  app.add_option("--rotary-base", rotary_base, "rotary embedding base (Hugging Face rope_theta)");
 }
 
 void JobFlags::add_cluster_flags(CLI::App& app) {
@@ -96,6 +98,14 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.vocab_size, vocab_size);
   if (swiglu) m.swiglu = true;
   if (untie) m.untie_embeddings_and_output_weights = true;
+  if (position_embedding_type == "rope")
+    m.learned_position_embeddings = false;
+  else if (position_embedding_type == "learned_absolute")
+    m.learned_position_embeddings = true;
+  else if (!position_embedding_type.empty())
+    throw InputError("--position-embedding-type",
+                     "must be learned_absolute or rope, got '" + position_embedding_type + "'");
+  if (rotary_base) m.rotary_base = *rotary_base;
   try {
     m.validate();
   } catch (const InputError& e) {

@@ -19,6 +19,8 @@ struct JobFlags {
   std::optional<int64_t> num_layers, hidden_size, num_attention_heads, num_query_groups,
       ffn_hidden_size, seq_length, vocab_size;
   bool swiglu = false, untie = false;
+  std::string position_embedding_type;  // learned_absolute or rope (Megatron's names)
+  std::optional<double> rotary_base;
   std::string cluster = "dgx-a100-80gb";
   std::string profile;
   std::optional<int64_t> num_gpus;

@@ -12,6 +12,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "input_layernorm",
     "attn_allgather",
     "qkv",
+    "rotary_embedding",
     "attn_scores",
     "attn_softmax",
     "attn_dropout",
@@ -50,6 +51,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "attn_softmax_backward",
     "attn_scores_dq",
     "attn_scores_dk",
+    "rotary_embedding_backward",
     "qkv_dgrad",
     "qkv_input_grad_allreduce",
     "qkv_wgrad",
@@ -107,6 +109,8 @@ BackwardOf backward_ids(OpId f) {
       return {I::kInputLayernormBackward, I::kInputLayernormBackward};
     case I::kAttnSoftmax:
       return {I::kAttnSoftmaxBackward, I::kAttnSoftmaxBackward};
+    case I::kRotaryEmbedding:
+      return {I::kRotaryEmbeddingBackward, I::kRotaryEmbeddingBackward};
     case I::kAttnDropout:
       return {I::kAttnDropoutBackward, I::kAttnDropoutBackward};
     case I::kAttnBiasDropoutAdd:
@@ -229,6 +233,11 @@ std::vector<Op> layer_forward(const ModelSpec& m, const LayerShape& s) {
   b.memory(OpId::kInputLayernorm, rows * d.h * d.act * 2);
   if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
   b.gemm(OpId::kQkv, d.Ti, qkv_out, d.hi);
+  // Rotary position embeddings rotate the local queries and keys in place (read and write).
+  if (!m.learned_position_embeddings)
+    b.memory(OpId::kRotaryEmbedding,
+             d.T * static_cast<double>((m.num_attention_heads + m.query_groups()) / t) * d.kv *
+                 d.act * 2);
   attention_core(b, m, s, d);
   b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.hidden_size / t);
   exit_tp(b, s, d, OpId::kAttnAllReduce, OpId::kAttnReduceScatter);

@@ -65,6 +65,7 @@ ModelSpec model_from_hf_config(const json& j) {
   m.swiglu = is_one_of(hidden_act, {"silu", "swiglu"});
   m.learned_position_embeddings =
       !(is_one_of(model_type, {"llama", "mistral", "qwen2"}) || j.contains("rope_theta"));
+  r.read("rope_theta", m.rotary_base);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
 }
@@ -113,6 +114,12 @@ void ModelSpec::validate() const {
     throw InputError("num_query_groups", std::to_string(query_groups()) +
                                              " does not divide num_attention_heads (" +
                                              std::to_string(num_attention_heads) + ")");
+  if (!learned_position_embeddings && !(rotary_base > 1))
+    throw InputError("rotary_base", "must be greater than 1");
+  if (!learned_position_embeddings && (hidden_size / num_attention_heads) % 2 != 0)
+    throw InputError("num_attention_heads",
+                     "rotary embeddings need an even head dimension (hidden_size / "
+                     "num_attention_heads)");
 }
 
 ModelSpec model_from_json(const json& j) {
@@ -132,6 +139,7 @@ ModelSpec model_from_json(const json& j) {
     r.read("swiglu", m.swiglu);
     r.read("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
     r.read("learned_position_embeddings", m.learned_position_embeddings);
+    r.read("rotary_base", m.rotary_base);
     r.reject_unknown_keys();
   }
   m.validate();
@@ -149,7 +157,8 @@ json to_json(const ModelSpec& m) {
               {"vocab_size", m.vocab_size},
               {"swiglu", m.swiglu},
               {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-              {"learned_position_embeddings", m.learned_position_embeddings}};
+              {"learned_position_embeddings", m.learned_position_embeddings},
+              {"rotary_base", m.rotary_base}};
 }
 
 }  // namespace ptdp

@@ -23,6 +23,7 @@ struct ModelSpec {
   bool swiglu = false;  // gated MLP (three weight matrices)
   bool untie_embeddings_and_output_weights = false;
   bool learned_position_embeddings = true;  // false: rotary (no position table)
+  double rotary_base = 10000;               // --rotary-base (Hugging Face rope_theta)
 
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;
@@ -42,7 +43,7 @@ struct ModelSpec {
 
 // Reads ptdp's own JSON (keys as the struct fields) or a Hugging Face config.json
 // (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-// vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act). Validates.
+// vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act, rope_theta). Validates.
 ModelSpec model_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const ModelSpec& m);
 

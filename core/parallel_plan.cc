@@ -132,7 +132,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
-  if (!m.learned_position_embeddings) f << " --position-embedding-type rope";
+  if (!m.learned_position_embeddings)
+    f << " --position-embedding-type rope --rotary-base " << static_cast<int64_t>(m.rotary_base);
   return f.str();
 }
 

@@ -12,11 +12,9 @@
 // about (thrown as InputError, core/error.h).
 //
 // Not plan rules, and so not here: what `ptdp run` does not execute whatever the plan, i.e.
-// rotary position embeddings (a property of the model, checked in validate_shard_layout) and
 // the zb-h1 schedule (simulated only, checked by the trainer). The search never proposes zb-h1
-// (it picks 1f1b or interleaved itself), so every plan it ranks for a model with learned
-// position embeddings is one `ptdp run` accepts. Whether the world has t * p * d ranks is a
-// property of the launch, checked where the world is known.
+// (it picks 1f1b or interleaved itself), so every plan it ranks is one `ptdp run` accepts. Whether
+// the world has t * p * d ranks is a property of the launch, checked where the world is known.
 #pragma once
 
 #include <cstdint>

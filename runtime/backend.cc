@@ -83,6 +83,11 @@ class CpuBackend final : public Backend {
     k::swiglu_backward(x, dy, dx, n, f);
   }
 
+  void rope(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+            bool inverse) override {
+    k::rope(x, b, s, heads, d, base, inverse);
+  }
+
   void copy(const float* x, float* y, int64_t n) override {
     if (n > 0) std::memcpy(y, x, sizeof(float) * static_cast<size_t>(n));
   }

@@ -62,6 +62,9 @@ class Backend {
   virtual void swiglu(const float* x, float* y, int64_t n, int64_t f) = 0;
   virtual void swiglu_backward(const float* x, const float* dy, float* dx, int64_t n,
                                int64_t f) = 0;
+  // Rotary position embedding in place on x [b, s, heads, d]; inverse: its backward.
+  virtual void rope(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+                    bool inverse) = 0;
 
   // Element-wise glue (kernels/cpu/elementwise.h).
   virtual void copy(const float* x, float* y, int64_t n) = 0;

@@ -35,10 +35,10 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
     case OpId::kEmbeddingPositionDropout:
       x.swap(A.emb);
       release(A.emb);
-      c.be.add_positions(x.data(), c.P(W.pos), m.b, sl, m.h, first_pos);
+      if (W.pos >= 0) c.be.add_positions(x.data(), c.P(W.pos), m.b, sl, m.h, first_pos);
       break;
     case OpId::kEmbeddingDropoutBackward:
-      c.be.position_grad(dx->data(), c.G(W.pos), m.b, sl, m.h, first_pos);
+      if (W.pos >= 0) c.be.position_grad(dx->data(), c.G(W.pos), m.b, sl, m.h, first_pos);
       break;
     case OpId::kEmbeddingGradAllGather: {
       Buffer full;

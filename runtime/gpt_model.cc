@@ -44,11 +44,6 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   check_plan(m, plan);
   if (listed && layers_per_model_chunk(m, plan) != s.layers_per_stage)
     throw InputError("layers_per_stage", "the chunks of a pipeline rank must hold equal layers");
-  // Not a plan rule: what this runtime executes.
-  if (!m.learned_position_embeddings)
-    throw InputError("--model",
-                     "ptdp run implements learned position embeddings only; "
-                     "this model uses rotary embeddings");
 }
 
 LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
@@ -206,8 +201,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     ch.last = g == stages - 1;
     ch.first_layer = std::accumulate(per_stage.begin(), per_stage.begin() + g, int64_t{0});
     ch.num_layers = per_stage[static_cast<size_t>(g)];
-    if (ch.first) {
-      ix.word = word_index = word_embedding(false);
+    if (ch.first) ix.word = word_index = word_embedding(false);
+    if (ch.first && m.learned_position_embeddings) {
       ParamInfo p;
       p.name = "embedding.position_embeddings.weight";
       p.size = m.seq_length * h;

@@ -166,6 +166,14 @@ void OpExecutor::run(const Op& op) {
       S.fill(S.a, scores), S.fill(S.b, scores);
       be.causal_softmax_backward(S.a.data(), S.b.data(), S.b.data(), d.b * d.hl, d.s);
       return;
+    case OpId::kRotaryEmbedding:
+    case OpId::kRotaryEmbeddingBackward: {
+      const bool inverse = op.id == OpId::kRotaryEmbeddingBackward;
+      S.fill(S.a, q), S.fill(S.b, kv);
+      be.rope(S.a.data(), d.b, d.s, d.hl, d.d, d.rotary_base, inverse);
+      be.rope(S.b.data(), d.b, d.s, d.gl, d.d, d.rotary_base, inverse);
+      return;
+    }
     case OpId::kAttnDropout:
     case OpId::kAttnDropoutBackward:  // ptdp run has no dropout: nothing runs
       return;

@@ -21,6 +21,8 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.v0 = l.tp * d.vl;
   d.sp = l.sequence_parallel && d.t > 1;
   d.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
+  d.rotary = !m.learned_position_embeddings;
+  d.rotary_base = m.rotary_base;
   d.n_full = d.b * d.s;
   d.n_local = d.sp ? d.n_full / d.t : d.n_full;
   return d;

@@ -25,6 +25,8 @@ enum class PassKind { kForward, kBackward, kRecompute };
 struct ShardDims {
   int64_t b, s, h, heads, groups, d, hl, gl, ffl, vocab, vl, v0, t, tp;
   bool sp, biases, swiglu;
+  bool rotary;
+  double rotary_base;
   int64_t n_full, n_local;  // tokens of a microbatch; tokens held outside TP blocks
   int64_t qkv_width() const { return (hl + 2 * gl) * d; }
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }

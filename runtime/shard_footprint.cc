@@ -27,8 +27,8 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   for (int64_t c = 0; c < l.v; ++c) {
     const int64_t g = c * l.p + l.pp;
     if (g == 0) {
-      word += vl * h;            // word embedding (vocabulary-parallel, padded)
-      rest += m.seq_length * h;  // position embedding (replicated)
+      word += vl * h;  // word embedding (vocabulary-parallel, padded)
+      if (m.learned_position_embeddings) rest += m.seq_length * h;  // position table (replicated)
       holds_word = true;
     }
     rest += per_stage[static_cast<size_t>(g)] * per_layer;

@@ -34,6 +34,10 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
                         m.gl * m.d, m.gl * m.d);
       break;
     }
+    case OpId::kRotaryEmbedding:
+      be.rope(A.q.data(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
+      be.rope(A.k.data(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
+      break;
     case OpId::kAttnScores:
       resize(A.probs, m.b * m.hl * m.s * m.s);
       be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, m.s, m.hl, m.gl, m.d);
@@ -194,6 +198,10 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), nullptr, D.dk.data(),
                                    m.b, m.s, m.hl, m.gl, m.d);
       c.gemm_done(m.d, m.s, m.s, m.b * m.hl);
+      break;
+    case OpId::kRotaryEmbeddingBackward:
+      be.rope(D.dq.data(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
+      be.rope(D.dk.data(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
       break;
     case OpId::kQkvDgrad:
       resize(D.d_qkv, m.n_full * m.qkv_width());

@@ -239,6 +239,52 @@ TEST(Kernels, EmbeddingGradients) {
   expect_gradient(pos, loss, dp, "dpos");
 }
 
+// Rotary embeddings: the inverse undoes the rotation; it is the adjoint (so the backward pass);
+// position 0 is left alone; and a rotated query-key product depends only on their distance.
+TEST(Kernels, RotaryEmbeddingIsAnOrthogonalRelativeRotation) {
+  const int64_t b = 2, s = 5, heads = 3, d = 8;
+  const size_t n = static_cast<size_t>(b * s * heads * d);
+  const V x = random(n, 11), dy = random(n, 12);
+  V y = x;
+  kernels::rope(y.data(), b, s, heads, d, 10000.0, false);
+  V back = y;
+  kernels::rope(back.data(), b, s, heads, d, 10000.0, true);
+  double moved = 0;
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(back[i], x[i], 1e-12);
+    moved = std::max(moved, std::abs(y[i] - x[i]));
+  }
+  EXPECT_GT(moved, 0.1);
+  for (int64_t i = 0; i < heads * d; ++i)  // batch 0, position 0
+    EXPECT_EQ(y[static_cast<size_t>(i)], x[static_cast<size_t>(i)]);
+  V dx = dy;
+  kernels::rope(dx.data(), b, s, heads, d, 10000.0, true);
+  double lhs = 0, rhs = 0;
+  for (size_t i = 0; i < n; ++i) {
+    lhs += dy[i] * y[i];
+    rhs += dx[i] * x[i];
+  }
+  EXPECT_NEAR(lhs, rhs, 1e-9 * std::abs(lhs) + 1e-12);
+  // One head, the same q and k at every position: <R_i q, R_j k> is a function of i - j.
+  const V q = random(static_cast<size_t>(d), 21), k = random(static_cast<size_t>(d), 22);
+  V qs, ks;
+  for (int64_t j = 0; j < s; ++j) {
+    qs.insert(qs.end(), q.begin(), q.end());
+    ks.insert(ks.end(), k.begin(), k.end());
+  }
+  kernels::rope(qs.data(), 1, s, 1, d, 500000.0, false);
+  kernels::rope(ks.data(), 1, s, 1, d, 500000.0, false);
+  auto dot = [&](int64_t i, int64_t j) {
+    double r = 0;
+    for (int64_t e = 0; e < d; ++e)
+      r += qs[static_cast<size_t>(i * d + e)] * ks[static_cast<size_t>(j * d + e)];
+    return r;
+  };
+  EXPECT_NEAR(dot(3, 1), dot(2, 0), 1e-12);
+  EXPECT_NEAR(dot(4, 4), dot(0, 0), 1e-12);
+  EXPECT_GT(std::abs(dot(3, 0) - dot(0, 0)), 1e-6);
+}
+
 TEST(Kernels, AdamWFirstStepMovesByLearningRate) {
   // After one step m_hat = g and v_hat = g^2, so the update is lr * sign(g) (+ decay).
   V p = {1.0, -2.0}, g = {0.5, -3.0}, m(2, 0.0), v(2, 0.0);

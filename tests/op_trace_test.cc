@@ -126,6 +126,13 @@ struct Variant {
   Recompute recompute;
 };
 
+ModelSpec rotary() {
+  ModelSpec m = llama_like();
+  m.name = "trace-rotary";
+  m.learned_position_embeddings = false;
+  return m;
+}
+
 TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   const Variant variants[] = {
       {1, false, Recompute::kNone},     {2, false, Recompute::kNone},
@@ -134,7 +141,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       {4, true, Recompute::kFull},
   };
   int checked = 0;
-  for (const ModelSpec& m : {gpt(), llama_like()}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary()}) {
     for (const Variant& v : variants) {
       ShardLayout l;
       l.t = v.t;
@@ -201,7 +208,7 @@ TEST(OpTrace, TraceFollowsTheLayout) {
 TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   auto backend = make_backend("cpu");
   int ran = 0;
-  for (const ModelSpec& m : {gpt(), llama_like()}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary()}) {
     for (const Variant& v :
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
           Variant{4, false, Recompute::kSelective}}) {

@@ -1,10 +1,10 @@
 // One validity rule (core/plan_rules.h), as a property of the two commands users chain: every
 // plan `ptdp plan` ranks is one `ptdp run` accepts. For three small models (a GPT, a deeper GPT
 // whose FFN width and sequence length t = 4 or 8 does not always divide, and a GQA + SwiGLU +
-// untied model) and 1, 2, 4, 8 and 16 ranks, every plan of `ptdp plan --top 20 --out` passes
-// `ptdp run --dry-run` under mpirun (one launch per model and rank count, --plan-index all),
-// and the best plan trains to the single-rank losses. Also: the dry run refuses a rank whose
-// predicted memory exceeds --memory-limit-gib, naming it.
+// untied model with rotary positions, as Llama) and 1, 2, 4, 8 and 16 ranks, every plan of `ptdp
+// plan --top 20 --out` passes `ptdp run --dry-run` under mpirun (one launch per model and rank
+// count, --plan-index all), and the best plan trains to the single-rank losses. Also: the dry run
+// refuses a rank whose predicted memory exceeds --memory-limit-gib, naming it.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -61,12 +61,12 @@ const std::string kTiny =
 const std::string kDeep =
     " --num-layers 8 --hidden-size 64 --num-attention-heads 8 --ffn-hidden-size 100"
     " --seq-length 30 --vocab-size 128 --global-batch-size 1";
-// Grouped-query attention, SwiGLU, untied embeddings, learned positions, a vocabulary (127)
-// that t does not divide.
+// Llama's shape: grouped-query attention, SwiGLU, untied embeddings, rotary positions, and a
+// vocabulary (127) that t does not divide.
 const std::string kLlama =
     " --num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --swiglu"
     " --untie-embeddings-and-output-weights --ffn-hidden-size 96 --seq-length 32"
-    " --vocab-size 127 --global-batch-size 4";
+    " --vocab-size 127 --global-batch-size 4 --position-embedding-type rope";
 
 // For each rank count: plan, dry-run every ranked plan in one launch, train the best.
 void every_ranked_plan_runs(const std::string& model, const std::string& name) {
@@ -127,7 +127,7 @@ TEST(PlanRunMpi, EveryRankedPlanOfTheEightLayerGptRuns) {
   every_ranked_plan_runs(kDeep, "deep");
 }
 
-TEST(PlanRunMpi, EveryRankedPlanOfTheGqaSwigluUntiedModelRuns) {
+TEST(PlanRunMpi, EveryRankedPlanOfTheRotaryGqaSwigluUntiedModelRuns) {
   every_ranked_plan_runs(kLlama, "llama");
 }
 

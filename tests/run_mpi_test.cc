@@ -119,6 +119,15 @@ TEST(RunMpi, GroupedQuerySwiGluUntiedModelShardsToTheSameLosses) {
   expect_same_losses({2, 1, 2, "--use-distributed-optimizer", llama}, single);
 }
 
+TEST(RunMpi, RotaryModelShardsToTheSameLosses) {
+  std::string rotary = kTiny +
+                       " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights"
+                       " --ffn-hidden-size 96 --position-embedding-type rope --rotary-base 500000";
+  const nlohmann::json single = run_json(0, rotary);
+  expect_same_losses({2, 2, 1, "--sequence-parallel", rotary}, single);
+  expect_same_losses({2, 1, 2, "--recompute-granularity full", rotary}, single);
+}
+
 // One line from one rank, exit status non-zero, no training step.
 void expect_refused(int np, const std::string& args, const std::string& field) {
   const Outcome r = ptdp_run(np, args);

@@ -41,6 +41,15 @@ ModelSpec tiny_llama() {
   return m;
 }
 
+// Llama's position encoding too: rotary embeddings, no position table.
+ModelSpec tiny_rotary() {
+  ModelSpec m = tiny_llama();
+  m.name = "tiny-rotary";
+  m.learned_position_embeddings = false;
+  m.rotary_base = 500000;
+  return m;
+}
+
 TrainOptions options(const ModelSpec& m, int64_t steps = 4) {
   TrainOptions o;
   o.model = m;
@@ -95,7 +104,7 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
 TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
   auto self = make_self_communicator();
   int checked = 0;
-  for (const ModelSpec& base : {tiny(8), tiny_llama()}) {
+  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary()}) {
     ModelSpec m = base;
     m.num_layers = 8;
     for (int64_t t : {1, 2})
@@ -126,7 +135,7 @@ TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
 // The backward pass against central differences of the loss, for a few parameters of every
 // kind (in float, so the tolerance is loose, but a wiring error is off by O(1)).
 TEST(GptShard, GradientsMatchFiniteDifferences) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama()}) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary()}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
@@ -319,9 +328,6 @@ TEST(Train, BadPlansFailBeforeTraining) {
   o = options(tiny());
   o.plan.schedule = Schedule::kZeroBubbleH1;
   expect_error(o, "--pipeline-schedule");
-  o = options(tiny());
-  o.model.learned_position_embeddings = false;
-  expect_error(o, "--model");
   o = options(tiny());
   o.steps = 0;
   expect_error(o, "--steps");

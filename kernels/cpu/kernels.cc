@@ -371,6 +371,32 @@ void adamw_step(T* param, const T* grad, T* m, T* v, int64_t n, const AdamW& o, 
   }
 }
 
+template <typename T>
+void rope(T* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse) {
+  const int64_t half = d / 2;
+  std::vector<double> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i)
+    inv_freq[static_cast<size_t>(i)] =
+        std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+  std::vector<T> c(static_cast<size_t>(half)), sn(static_cast<size_t>(half));
+  for (int64_t j = 0; j < s; ++j) {
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(j) * inv_freq[static_cast<size_t>(i)];
+      c[static_cast<size_t>(i)] = static_cast<T>(std::cos(angle));
+      sn[static_cast<size_t>(i)] = static_cast<T>(inverse ? -std::sin(angle) : std::sin(angle));
+    }
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* v = x + ((bi * s + j) * heads + hd) * d;
+        for (int64_t i = 0; i < half; ++i) {
+          const T x1 = v[i], x2 = v[i + half];
+          v[i] = x1 * c[static_cast<size_t>(i)] - x2 * sn[static_cast<size_t>(i)];
+          v[i + half] = x2 * c[static_cast<size_t>(i)] + x1 * sn[static_cast<size_t>(i)];
+        }
+      }
+  }
+}
+
 #define PTDP_INSTANTIATE(T)                                                                      \
   template void linear_forward<T>(const T*, const T*, const T*, T*, int64_t, int64_t, int64_t);  \
   template void linear_backward<T>(const T*, const T*, const T*, T*, T*, T*, int64_t, int64_t,   \
@@ -405,7 +431,8 @@ void adamw_step(T* param, const T* grad, T* m, T* v, int64_t n, const AdamW& o, 
   template void attention_context_backward<T>(const T*, const T*, const T*, T*, T*, int64_t,     \
                                               int64_t, int64_t, int64_t, int64_t);               \
   template void swiglu_forward<T>(const T*, T*, int64_t, int64_t);                               \
-  template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t);
+  template void swiglu_backward<T>(const T*, const T*, T*, int64_t, int64_t);                    \
+  template void rope<T>(T*, int64_t, int64_t, int64_t, int64_t, double, bool);
 
 PTDP_INSTANTIATE(float)
 PTDP_INSTANTIATE(double)

@@ -79,6 +79,13 @@ void swiglu_forward(const T* x, T* y, int64_t n, int64_t f);
 template <typename T>
 void swiglu_backward(const T* x, const T* dy, T* dx, int64_t n, int64_t f);
 
+// Rotary position embedding (Su et al. 2021, "RoFormer"), in place on x [b, s, heads, d] in the
+// rotate-half layout Megatron-LM and Hugging Face use: element i < d/2 of a head pairs with
+// i + d/2 and the pair at position j turns by j * base^(-2i/d). inverse: the transposed
+// rotation, which is the backward pass (the rotation is orthogonal).
+template <typename T>
+void rope(T* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse);
+
 // Returns the mean loss over n rows; dlogits may be null (forward only).
 template <typename T>
 T cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int64_t n, int64_t v);
