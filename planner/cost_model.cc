@@ -233,12 +233,13 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
   const double t = static_cast<double>(p.tensor_parallel);
   const double d = static_cast<double>(p.data_parallel);
 
+  const double grad_bytes = gradient_bytes_per_parameter(p);
   MemoryBreakdown best;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
     MemoryBreakdown mb;
     const double params = parameters_on_stage(p, r);
     mb.weights = params * kWeightBytes;
-    mb.gradients = params * gradient_bytes_per_parameter(p);
+    mb.gradients = params * grad_bytes;
     mb.optimizer = params * kOptimizerBytes / (p.distributed_optimizer ? d : 1.0);
     const int64_t layers = p.layers_on_stage(model_, r);
     mb.activations = inflight_layer_activations(p, r, layers) * act_layer + working_layer;
