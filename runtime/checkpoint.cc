@@ -10,7 +10,7 @@
 #include <stdexcept>
 
 #include "core/error.h"
-#include "runtime/hash.h"
+#include "kernels/cpu/hash.h"
 
 namespace ptdp {
 namespace {

@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "runtime/hash.h"
+#include "kernels/cpu/hash.h"
 
 namespace ptdp {
 namespace {

@@ -11,8 +11,9 @@
 #include "core/error.h"
 #include "core/plan_rules.h"
 #include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/hash.h"
+#include "kernels/cpu/init.h"
 #include "runtime/embedding_head.h"
-#include "runtime/hash.h"
 #include "runtime/shard_context.h"
 #include "runtime/transformer_layer.h"
 
@@ -59,19 +60,6 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
 }
 
 namespace {
-
-// Deterministic initial values: a hash of (seed, parameter, global index).
-uint64_t splitmix(uint64_t x) {
-  return splitmix64(x);
-}
-float normal_at(uint64_t seed, uint64_t id, uint64_t index, double stddev) {
-  const uint64_t a = splitmix(seed ^ splitmix(id ^ splitmix(index)));
-  const uint64_t b = splitmix(a);
-  const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
-  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;
-  return static_cast<float>(stddev * std::sqrt(-2.0 * std::log(u1)) *
-                            std::cos(6.283185307179586 * u2));
-}
 
 // The ops ptdp run executes: all but the separate gradient-accumulation passes (the runtime
 // accumulates weight gradients in place, as Megatron's fused accumulation does).
@@ -146,9 +134,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   auto normal = [seed](std::string name, int64_t rows, int64_t cols, double sd,
                        std::function<int64_t(int64_t, int64_t)> index) {
     return [=, id = fnv1a(name)](float* x) {
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          x[r * cols + c] = normal_at(seed, id, static_cast<uint64_t>(index(r, c)), sd);
+      kernels::fill_hashed_normal(x, rows, cols, seed, id, sd, index);
     };
   };
   const int64_t h = I.h, tp = layout.tp, d = I.d;
@@ -171,8 +157,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         normal(values_of, vl, h, std_dev, [=](int64_t r, int64_t c) { return (v0 + r) * h + c; });
     return add(p, [=](float* x) {
       values(x);
-      for (int64_t r = std::max<int64_t>(0, vocab - v0); r < vl; ++r)
-        std::fill(x + r * h, x + (r + 1) * h, 0.0f);
+      const int64_t real_rows = std::clamp<int64_t>(vocab - v0, 0, vl);
+      std::fill(x + real_rows * h, x + vl * h, 0.0f);
     });
   };
   auto word_embedding = [&](bool tied_copy) {

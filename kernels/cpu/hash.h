@@ -1,4 +1,4 @@
-// Small deterministic hashes of the runtime: splitmix64 (synthetic data, initial weights) and
+// Small deterministic hashes: splitmix64 (synthetic data, initial weights) and
 // FNV-1a (parameter names, checkpoint checksums).
 #pragma once
 
