@@ -18,7 +18,10 @@ int launcher_rank() {
   return -1;
 }
 
-int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+namespace {
+
+// run_cli, or with run_command false parse_cli.
+int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err, bool run_command) {
   CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
   app.require_subcommand(1);
   std::map<std::string, Action> actions;
@@ -28,7 +31,9 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
   actions["tokenize"] = add_tokenize_command(app);
   actions["run"] = add_run_command(app);
   if (argc > 1 && argv[1][0] != '-' && !actions.count(argv[1])) {
-    err << "ptdp: unknown subcommand '" << argv[1]
+    std::string name = argv[1];
+    for (char& c : name) c = static_cast<unsigned char>(c) < 0x20 ? '?' : c;  // one line
+    err << "ptdp: unknown subcommand '" << name
         << "' (commands: plan, predict, simulate, run, tokenize)\n";
     return 2;
   }
@@ -47,6 +52,7 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     if (launcher_rank() <= 0) err << "ptdp: " << msg << "\n";
     return 2;
   }
+  if (!run_command) return 0;
   try {
     for (const auto& [name, action] : actions) {
       if (app.got_subcommand(name)) return action(out, err);
@@ -62,6 +68,16 @@ int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& 
     return 1;
   }
   return 2;
+}
+
+}  // namespace
+
+int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  return cli(argc, argv, out, err, true);
+}
+
+int parse_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
+  return cli(argc, argv, out, err, false);
 }
 
 }  // namespace ptdp

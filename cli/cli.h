@@ -7,6 +7,9 @@
 namespace ptdp {
 
 int run_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
+// The flag parsing of run_cli alone: the same status and messages for bad flags (and --help),
+// 0 where run_cli would go on to run the command, which it does not (tests/fuzz/cli_args.cc).
+int parse_cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err);
 
 // The rank a launcher (mpirun, srun) gave this process, from its environment; -1 when the
 // process was started directly.

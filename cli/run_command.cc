@@ -16,6 +16,7 @@
 #include "cli/commands.h"
 #include "cli/dry_run.h"
 #include "cli/job_flags.h"
+#include "cli/plan_file.h"
 #include "cli/report.h"
 #include "core/error.h"
 #include "core/presets.h"
@@ -38,65 +39,6 @@ struct RunFlags {
   bool dry_run = false;
   std::optional<double> memory_limit_gib;
 };
-
-// A plan to run and its 1-based position in the --plan file (0 without a file).
-struct NumberedPlan {
-  ParallelPlan plan;
-  int64_t index = 0;
-};
-
-// The plans selected by --plan-index from `ptdp plan --out`'s ranked list (best first) or
-// from a file holding one plan object; the file's model too, when it records one.
-std::vector<NumberedPlan> read_plan_file(const RunFlags& f, ModelSpec* model, bool* have_model) {
-  const nlohmann::json j = read_json_file(f.plan_file, "--plan");
-  std::vector<const nlohmann::json*> listed;
-  if (j.contains("plans")) {
-    if (!j["plans"].is_array() || j["plans"].empty())
-      throw InputError("--plan", "'plans' holds no plan");
-    for (const nlohmann::json& p : j["plans"]) listed.push_back(&p);
-  } else {
-    listed.push_back(&j);
-  }
-  const int64_t n = static_cast<int64_t>(listed.size());
-  int64_t first = 1, last = 1;
-  if (f.plan_index == "all") {
-    last = n;
-  } else if (!f.plan_index.empty()) {
-    size_t used = 0;
-    int64_t k = 0;
-    try {
-      k = std::stoll(f.plan_index, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != f.plan_index.size() || k < 1)
-      throw InputError("--plan-index",
-                       "must be a plan's rank (1 = the best) or all, got '" + f.plan_index + "'");
-    if (k > n)
-      throw InputError("--plan-index", std::to_string(k) + " exceeds the " + std::to_string(n) +
-                                           " plans of " + f.plan_file);
-    first = last = k;
-  }
-  std::vector<NumberedPlan> out;
-  for (int64_t k = first; k <= last; ++k) {
-    const nlohmann::json* plan = listed[static_cast<size_t>(k - 1)];
-    if (plan->contains("configuration")) plan = &(*plan)["configuration"];
-    try {
-      out.push_back({plan_from_json(*plan), k});
-    } catch (const InputError& e) {
-      throw InputError("--plan", e.what());
-    }
-  }
-  *have_model = j.contains("model");
-  if (*have_model) {
-    try {
-      *model = model_from_json(j["model"]);
-    } catch (const InputError& e) {
-      throw InputError("--plan", std::string("model: ") + e.what());
-    }
-  }
-  return out;
-}
 
 Span to_span(const TimelineEvent& e) {
   Span s;
@@ -259,7 +201,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!f.plan_file.empty()) {
       if (f.job.has_parallel_flags() || f.job.global_batch_size)
         throw InputError("--plan", "gives the parallel configuration; drop the parallel flags");
-      plans = read_plan_file(f, &model, &have_model);
+      plans = read_plan_file(f.plan_file, f.plan_index, &model, &have_model);
     }
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();

@@ -35,6 +35,9 @@ void require_non_negative(const std::string& field, double value) {
 
 void ClusterSpec::resize(int64_t n) {
   require_positive("num_gpus", n);
+  if (n > kMaxGpus)
+    throw InputError("num_gpus", std::to_string(n) + " exceeds the " + std::to_string(kMaxGpus) +
+                                     " GPUs ptdp handles");
   require_positive("gpus_per_node", gpus_per_node);
   if (n <= gpus_per_node) {
     num_nodes = 1;
@@ -53,6 +56,13 @@ void ClusterSpec::validate() const {
   require_positive("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps);
   require_positive("gpus_per_node", gpus_per_node);
   require_positive("num_nodes", num_nodes);
+  if (gpus_per_node > kMaxGpus)
+    throw InputError("gpus_per_node", std::to_string(gpus_per_node) + " exceeds the " +
+                                          std::to_string(kMaxGpus) + " GPUs ptdp handles");
+  if (num_nodes > kMaxGpus / gpus_per_node)
+    throw InputError("num_nodes", std::to_string(num_nodes) + " nodes of " +
+                                      std::to_string(gpus_per_node) + " GPUs exceed the " +
+                                      std::to_string(kMaxGpus) + " GPUs ptdp handles");
   require_positive("nvlink_bandwidth_gbps", nvlink_bandwidth_gbps);
   require_non_negative("nvlink_latency_us", nvlink_latency_us);
   require_positive("nics_per_node", nics_per_node);

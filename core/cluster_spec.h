@@ -26,6 +26,11 @@ struct TopologyTier {
   double latency_us = 0;          // added per crossing of this tier
 };
 
+// The most GPUs a cluster may have: ten times the largest machines of 2024, and small enough
+// that every GPU count ptdp multiplies stays far from overflowing (validate and resize refuse
+// more, naming the field).
+inline constexpr int64_t kMaxGpus = int64_t{1} << 20;
+
 struct ClusterSpec {
   std::string name = "custom";
   GpuSpec gpu;

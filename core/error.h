@@ -11,11 +11,32 @@ namespace ptdp {
 
 class InputError : public std::runtime_error {
  public:
-  InputError(std::string field, const std::string& problem)
-      : std::runtime_error(field + ": " + problem), field_(std::move(field)) {}
+  // Line breaks and other control characters in either part (they may come from the input:
+  // a JSON key, a flag's value) are shown as escapes, so that the message stays one line.
+  InputError(const std::string& field, const std::string& problem)
+      : std::runtime_error(one_line(field) + ": " + one_line(problem)), field_(one_line(field)) {}
   const std::string& field() const { return field_; }
 
  private:
+  static std::string one_line(const std::string& s) {
+    std::string out;
+    out.reserve(s.size());
+    for (const char c : s) {
+      if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\r') {
+        out += "\\r";
+      } else if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+        const char* hex = "0123456789abcdef";
+        out += "\\x";
+        out += hex[(static_cast<unsigned char>(c) >> 4) & 0xf];
+        out += hex[static_cast<unsigned char>(c) & 0xf];
+      } else {
+        out += c;
+      }
+    }
+    return out;
+  }
   std::string field_;
 };
 

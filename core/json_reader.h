@@ -29,8 +29,8 @@ class JsonObjectReader {
   void read(const std::string& key, std::vector<std::string>& out);
   // The member, or nullptr when absent; either way the key counts as known.
   const nlohmann::json* member(const std::string& key);
-  // The name errors use for a member: prefix + key.
-  std::string field(const std::string& key) const { return prefix_ + key; }
+  // The name errors use for a member: prefix + key (prefix + "\"\"" for the empty key).
+  std::string field(const std::string& key) const { return prefix_ + (key.empty() ? "\"\"" : key); }
 
   // Throws InputError naming the first key that was neither read nor documentation.
   void reject_unknown_keys() const;

@@ -106,6 +106,17 @@ void ModelSpec::validate() const {
   require_non_negative("ffn_hidden_size", ffn_hidden_size);
   require_positive("seq_length", seq_length);
   require_positive("vocab_size", vocab_size);
+  const std::pair<const char*, int64_t> sizes[] = {{"num_layers", num_layers},
+                                                   {"hidden_size", hidden_size},
+                                                   {"num_attention_heads", num_attention_heads},
+                                                   {"num_query_groups", num_query_groups},
+                                                   {"ffn_hidden_size", ffn_hidden_size},
+                                                   {"seq_length", seq_length},
+                                                   {"vocab_size", vocab_size}};
+  for (const auto& [field, value] : sizes)
+    if (value > kMaxModelSize)
+      throw InputError(field, std::to_string(value) + " exceeds " + std::to_string(kMaxModelSize) +
+                                  ", the largest size ptdp handles");
   if (hidden_size % num_attention_heads != 0)
     throw InputError("hidden_size", std::to_string(hidden_size) +
                                         " is not divisible by num_attention_heads (" +

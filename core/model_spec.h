@@ -11,6 +11,11 @@
 
 namespace ptdp {
 
+// The largest value of any size of a model (layers, widths, heads, sequence, vocabulary):
+// hundreds of times today's largest models, and small enough that the products ptdp forms from
+// sizes stay far from overflowing. validate() refuses more, naming the field.
+inline constexpr int64_t kMaxModelSize = int64_t{1} << 24;
+
 struct ModelSpec {
   std::string name = "custom";
   int64_t num_layers = 0;

@@ -2,7 +2,6 @@
 // search) or for the rule with its message (check_plan).
 #include "core/plan_rules.h"
 
-#include <numeric>
 #include <string>
 
 #include "core/error.h"
@@ -38,10 +37,25 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                                                    {"--micro-batch-size", b},
                                                    {"--global-batch-size", B},
                                                    {"--num-layers-per-virtual-pipeline-stage", v}};
-  for (const auto& [flag, value] : sizes)
+  for (const auto& size : sizes) {
+    const int64_t value = size.second;  // a copy: clang 14 cannot capture structured bindings
     if (value <= 0)
-      return broken(PlanRule::kPositiveSizes, report, flag,
+      return broken(PlanRule::kPositiveSizes, report, size.first,
                     [&] { return "must be positive, got " + num(value); });
+  }
+
+  // Bounded before anything multiplies them (plan files may hold any integer).
+  if (t > kMaxGpus || p > kMaxGpus || d > kMaxGpus || t * p * d > kMaxGpus)
+    return broken(PlanRule::kSizesInRange, report, "data_parallel", [&] {
+      return "t * p * d = " + num(t) + " * " + num(p) + " * " + num(d) + " exceeds the " +
+             num(kMaxGpus) + " GPUs ptdp handles";
+    });
+  for (const auto& size : {sizes[3], sizes[4], sizes[5]}) {
+    const int64_t value = size.second;
+    if (value > kMaxBatch)
+      return broken(PlanRule::kSizesInRange, report, size.first,
+                    [&] { return num(value) + " exceeds " + num(kMaxBatch); });
+  }
 
   const char* tp = "--tensor-model-parallel-size";
   if (m.num_attention_heads % t != 0)
@@ -74,13 +88,17 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
         return "has " + num(static_cast<int64_t>(split.size())) +
                " entries, expected pipeline-model-parallel-size (" + num(p) + ")";
       });
-    for (int64_t n : split)
+    int64_t sum = 0;
+    for (int64_t n : split) {
       if (n < 1)
         return broken(PlanRule::kLayersPerStage, report, "layers_per_stage",
                       [&] { return "every stage needs a layer, got " + num(n); });
-    const int64_t sum = std::accumulate(split.begin(), split.end(), int64_t{0});
+      // Summed without overflow: past num_layers the sum is wrong whatever follows.
+      sum = n > m.num_layers - sum ? m.num_layers + 1 : sum + n;
+    }
     if (sum != m.num_layers)
       return broken(PlanRule::kLayersPerStage, report, "layers_per_stage", [&] {
+        if (sum > m.num_layers) return "sums to more than num_layers (" + num(m.num_layers) + ")";
         return "sums to " + num(sum) + ", expected num_layers (" + num(m.num_layers) + ")";
       });
   }
@@ -143,6 +161,8 @@ const char* rule_reason(PlanRule r) {
       return "valid";
     case PlanRule::kPositiveSizes:
       return "a parallel or batch size is not positive";
+    case PlanRule::kSizesInRange:
+      return "a parallel or batch size is too large";
     case PlanRule::kTensorDividesHeads:
       return "t does not divide the attention heads";
     case PlanRule::kTensorDividesQueryGroups:

@@ -20,14 +20,20 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/cluster_spec.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
 
 namespace ptdp {
 
+// The largest micro-batch, global batch and virtual stage count a plan may have, so that the
+// products later drawn from them (d * b, tokens per batch) stay far from overflowing.
+inline constexpr int64_t kMaxBatch = int64_t{1} << 24;
+
 enum class PlanRule {
   kNone,                             // the plan is valid
   kPositiveSizes,                    // t, p, d, b, B and v are positive
+  kSizesInRange,                     // t * p * d <= kMaxGpus; b, B, v <= kMaxBatch
   kTensorDividesHeads,               // t | num_attention_heads
   kTensorDividesQueryGroups,         // t | num_query_groups
   kTensorDividesFfn,                 // t | ffn_hidden_size

@@ -3,6 +3,7 @@
 #include "core/presets.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -39,8 +40,8 @@ int64_t to_int(const json& v, const std::string& field) {
   if (v.is_number_unsigned() && v.get<uint64_t>() <= uint64_t{INT64_MAX}) return v.get<int64_t>();
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d)) && d > -9.2e18 && d < 9.2e18)
-      return static_cast<int64_t>(d);
+    // The range first: converting a double outside int64's range is undefined behaviour.
+    if (d > -9.2e18 && d < 9.2e18 && d == std::trunc(d)) return static_cast<int64_t>(d);
   }
   throw InputError(field, "expected an integer, got " + describe(v));
 }
@@ -131,6 +132,8 @@ json read_json_file(const std::string& path, const std::string& field) {
     return json::parse(text.str());
   } catch (const json::parse_error& e) {
     throw InputError(field, path + ": invalid JSON at byte " + std::to_string(e.byte));
+  } catch (const json::exception& e) {  // e.g. out_of_range for a number past a double's range
+    throw InputError(field, path + ": " + e.what());
   }
 }
 

@@ -31,12 +31,16 @@ void write_atomically(const std::string& path, const std::string& bytes) {
   if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
 }
 
-// A short description of a layout for error messages.
+// A short description of a layout for error messages; "?" for what a damaged file lacks.
 std::string describe(const nlohmann::json& l) {
+  auto get = [&](const char* key) {
+    return l.is_object() && l.contains(key) ? l[key].dump() : std::string("?");
+  };
+  const bool distributed =
+      l.is_object() && l.value("distributed_optimizer", nlohmann::json()) == true;
   std::ostringstream s;
-  s << "t=" << l.value("t", 0) << " p=" << l.value("p", 0) << " d=" << l.value("d", 0)
-    << " v=" << l.value("v", 0)
-    << (l.value("distributed_optimizer", false) ? " distributed optimizer" : "");
+  s << "t=" << get("t") << " p=" << get("p") << " d=" << get("d") << " v=" << get("v")
+    << (distributed ? " distributed optimizer" : "");
   return s.str();
 }
 
@@ -99,15 +103,18 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
   const size_t body = bytes.size() - sizeof stored;
   if (fnv1a(std::string_view(bytes).substr(0, body)) != stored)
     throw InputError("--load", path + " is corrupt (checksum mismatch)");
+  // The header: one JSON object line, {"step": N, "layout": {...}, "arrays": [sizes]}.
   const size_t eol = bytes.find('\n', magic);
-  CheckpointShard c;
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(bytes.substr(magic, eol - magic));
-  } catch (const nlohmann::json::exception&) {
+  const nlohmann::json header =
+      eol < body ? nlohmann::json::parse(bytes.begin() + static_cast<std::ptrdiff_t>(magic),
+                                         bytes.begin() + static_cast<std::ptrdiff_t>(eol), nullptr,
+                                         /*allow_exceptions=*/false)
+                 : nlohmann::json();
+  if (!header.is_object() || !header.contains("step") || !header["step"].is_number_integer() ||
+      !header.contains("layout") || !header.contains("arrays") || !header["arrays"].is_array())
     throw InputError("--load", path + " has an unreadable header");
-  }
-  c.step = header.value("step", int64_t{-1});
+  CheckpointShard c;
+  c.step = header["step"].get<int64_t>();
   c.layout = header["layout"];
   if (c.layout != expected)
     throw InputError(
@@ -117,13 +124,16 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
             (describe(c.layout) == describe(expected) ? ": the model or batch differs" : ""));
   size_t pos = eol + 1;
   for (const auto& n : header["arrays"]) {
+    // Sizes are compared with what the file holds before anything is allocated.
+    if (!n.is_number_unsigned() || n.get<uint64_t>() > (body - pos) / sizeof(float))
+      throw InputError("--load", path + " is truncated");
     const size_t count = n.get<size_t>();
-    if (pos + count * sizeof(float) > body) throw InputError("--load", path + " is truncated");
     std::vector<float> a(count);
-    std::memcpy(a.data(), bytes.data() + pos, count * sizeof(float));
+    if (count > 0) std::memcpy(a.data(), bytes.data() + pos, count * sizeof(float));
     pos += count * sizeof(float);
     c.arrays.push_back(std::move(a));
   }
+  if (pos != body) throw InputError("--load", path + " is corrupt (bytes after its arrays)");
   return c;
 }
 

@@ -369,5 +369,15 @@ TEST(Cli, RunRefusesBadInputWithOneLine) {
   expect_bad(bad_steps, "--steps");
 }
 
+// Found by fuzzing (tests/fuzz/, docs/reliability.md): still one line naming the field.
+TEST(CliErrors, HugeNumbersAndLineBreaksInArguments) {
+  expect_bad(predict_with("--num-gpus", "1000000000000"), "num_gpus: 1000000000000 exceeds");
+  expect_bad(predict_with("--hidden-size", "4611686018427387904"), "--hidden-size");
+  expect_bad({"pl\nan"}, "unknown subcommand 'pl?an'");
+  const std::string plans = temp_file("one_plan.json", R"({"tensor_parallel": 1})");
+  expect_bad({"run", "--plan", plans, "--plan-index", "1\n2", "--model", "gpt-1.7b"},
+             "--plan-index: must be a plan's rank (1 = the best) or all, got '1\\n2'");
+}
+
 }  // namespace
 }  // namespace ptdp

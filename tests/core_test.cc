@@ -573,5 +573,73 @@ TEST(ParallelPlan, MegatronFlags) {
             "--overlap-grad-reduce --position-embedding-type rope --rotary-base 500000");
 }
 
+// ---- found by fuzzing (tests/fuzz/, docs/reliability.md) ----
+
+TEST(FuzzFindings, HugeClustersAreRefusedNamingTheField) {
+  json c = to_json(resolve_cluster("dgx-a100-80gb"));
+  c["num_nodes"] = 125000000000;  // 10^12 GPUs
+  EXPECT_EQ(message_of([&] { cluster_from_json(c); }),
+            "num_nodes: 125000000000 nodes of 8 GPUs exceed the 1048576 GPUs ptdp handles");
+  c["num_nodes"] = 2;
+  c["gpus_per_node"] = int64_t{1} << 62;  // the product would overflow
+  EXPECT_EQ(field_of([&] { cluster_from_json(c); }), "gpus_per_node");
+  ClusterSpec d = resolve_cluster("dgx-a100-80gb");
+  EXPECT_EQ(message_of([&] { d.resize(1000000000000); }),
+            "num_gpus: 1000000000000 exceeds the 1048576 GPUs ptdp handles");
+  d.resize(kMaxGpus);
+  EXPECT_EQ(d.num_gpus(), kMaxGpus);
+  EXPECT_NO_THROW(d.validate());
+}
+
+TEST(FuzzFindings, ErrorsStayOneLineAndNameAField) {
+  // An empty key: the field was "", the message ": unknown key ...".
+  EXPECT_EQ(field_of([] { plan_from_json(json{{"", 1}}); }), "\"\"");
+  // A line break in a value or a key is shown escaped.
+  const std::string m = message_of([] { plan_from_json(json{{"schedule", "1f1b\nx"}}); });
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  EXPECT_NE(m.find("'1f1b\\nx'"), std::string::npos) << m;
+  EXPECT_EQ(field_of([] { model_from_json(json{{"a\rb\x01", 1}}); }), "a\\rb\\x01");
+}
+
+TEST(FuzzFindings, NumbersOutOfRange) {
+  // 2e48 where an integer is expected: converted to int64 before its range was checked.
+  EXPECT_EQ(message_of([] { model_from_json(json::parse(R"({"num_hidden_layers": 2e48})")); }),
+            "num_hidden_layers: expected an integer, got number 2e+48");
+  EXPECT_EQ(field_of([] { model_from_json(json::parse(R"({"hidden_size": -1e300})")); }),
+            "hidden_size");
+  // A number past a double's range: nlohmann::json's out_of_range escaped read_json_file.
+  const std::string huge = write_temp("huge_number.json", R"({"num_layers": 1e999})");
+  EXPECT_EQ(field_of([&] { resolve_model(huge); }), "model");
+}
+
+TEST(FuzzFindings, HugeModelsAndPlansAreRefusedBeforeAnyProductOverflows) {
+  json j = model_json();
+  j["hidden_size"] = int64_t{1} << 62;  // 4 * hidden_size (the default FFN width) overflowed
+  j["num_attention_heads"] = 1;
+  EXPECT_EQ(message_of([&] { model_from_json(j); }),
+            "hidden_size: 4611686018427387904 exceeds 16777216, the largest size ptdp handles");
+  j = model_json();
+  j["seq_length"] = kMaxModelSize;
+  EXPECT_NO_THROW(model_from_json(j));
+  j["seq_length"] = kMaxModelSize + 1;
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "seq_length");
+
+  const ModelSpec m = resolve_model("gpt3-175b");
+  ParallelPlan p;
+  p.data_parallel = int64_t{1} << 40;  // d * b overflowed in the batch rule
+  p.micro_batch_size = int64_t{1} << 40;
+  p.global_batch_size = int64_t{1} << 62;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kSizesInRange);
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "data_parallel");
+  p.data_parallel = 4;
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--micro-batch-size");
+  // Stage sizes whose sum overflowed int64.
+  ParallelPlan u;
+  u.pipeline_parallel = 2;
+  u.layers_per_stage = {INT64_MAX, INT64_MAX};
+  EXPECT_EQ(message_of([&] { u.validate(m); }),
+            "layers_per_stage: sums to more than num_layers (96)");
+}
+
 }  // namespace
 }  // namespace ptdp

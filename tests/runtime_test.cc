@@ -14,6 +14,7 @@
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
+#include "runtime/hash.h"
 #include "runtime/shard_footprint.h"
 #include "runtime/trainer.h"
 
@@ -363,6 +364,62 @@ TEST(Train, TimelineHasEveryActionInOrder) {
     }
   }
   EXPECT_EQ(r.timeline.back().kind, ActionKind::kOptimizerStep);
+}
+
+// ---- checkpoint files damaged on purpose (found by tests/fuzz/checkpoint.cc) ----
+
+// A shard file with this header line and body, under a correct checksum, at step 0 rank 0.
+std::string write_raw_shard(const std::filesystem::path& dir, const std::string& header,
+                            const std::string& body) {
+  std::filesystem::create_directories(checkpoint_step_dir(dir.string(), 0));
+  std::string bytes = "PTDPCKPT1\n" + header + "\n" + body;
+  const uint64_t sum = fnv1a(bytes);
+  bytes.append(reinterpret_cast<const char*>(&sum), sizeof sum);
+  std::ofstream(checkpoint_file(dir.string(), 0, 0), std::ios::binary) << bytes;
+  return dir.string();
+}
+
+std::string load_error(const std::string& dir, const nlohmann::json& expected) {
+  try {
+    read_checkpoint_shard(dir, 0, 0, expected);
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), "--load");
+    return e.what();
+  }
+  return "loaded";
+}
+
+TEST(Checkpoint, DamagedHeadersAreInputErrors) {
+  const auto dir = temp_dir("damaged");
+  const nlohmann::json layout = {{"t", 1}};
+  const std::string four_floats(16, '\0');
+  // An array size whose byte count wraps around: was a multi-exabyte allocation.
+  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[4611686018427387905]})",
+                  four_floats);
+  EXPECT_NE(load_error(dir.string(), layout).find("is truncated"), std::string::npos);
+  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[-1]})", four_floats);
+  EXPECT_NE(load_error(dir.string(), layout).find("is truncated"), std::string::npos);
+  // Headers that are not the object ptdp writes: were nlohmann::json type errors.
+  for (const char* header : {"7", R"({"step":"x","layout":{"t":1},"arrays":[]})",
+                             R"({"step":0,"layout":{"t":1},"arrays":{}})", R"({"step":0})"}) {
+    write_raw_shard(dir, header, "");
+    EXPECT_NE(load_error(dir.string(), layout).find("unreadable header"), std::string::npos)
+        << header;
+  }
+  // Another layout that is not an object: its description was a type error.
+  write_raw_shard(dir, R"({"step":0,"layout":5,"arrays":[]})", "");
+  EXPECT_NE(load_error(dir.string(), layout).find("another layout (t=? p=? d=? v=?)"),
+            std::string::npos);
+  // Bytes the header does not account for.
+  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[2]})", four_floats);
+  EXPECT_NE(load_error(dir.string(), layout).find("bytes after its arrays"), std::string::npos);
+  // An empty array reads back empty (its copy had a null destination).
+  write_raw_shard(dir, R"({"step":4,"layout":{"t":1},"arrays":[0,4]})", four_floats);
+  const CheckpointShard c = read_checkpoint_shard(dir.string(), 0, 0, layout);
+  EXPECT_EQ(c.step, 4);
+  ASSERT_EQ(c.arrays.size(), 2u);
+  EXPECT_TRUE(c.arrays[0].empty());
+  EXPECT_EQ(c.arrays[1], std::vector<float>(4, 0.0f));
 }
 
 }  // namespace

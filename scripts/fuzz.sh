@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses of tests/fuzz/ (clang, -DPTDP_FUZZ=ON, in build-fuzz) and runs
+# each for the given time, one after the other. Usage:
+#   scripts/fuzz.sh [seconds-per-harness] [harness...]      (default 30 s, every harness)
+# The growing corpus is kept in build-fuzz/corpus/<harness> (seeded from tests/fuzz/corpus),
+# findings in build-fuzz/findings/<harness>/, logs in build-fuzz/fuzz-logs/. Exits non-zero on
+# any finding. PTDP_FUZZ_FLAGS adds libFuzzer flags (e.g. "-runs=1000000", which then bounds a
+# run together with the time); PTDP_FUZZ_BUILD names another build directory.
+# Reproduce a finding: build-fuzz/tests/fuzz/fuzz_<harness> build-fuzz/findings/<harness>/crash-...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-30}
+shift || true
+all=(model_json hf_config cluster_json profile_json plan_json plan_file token_file checkpoint cli_args)
+harnesses=("$@")
+[ ${#harnesses[@]} -eq 0 ] && harnesses=("${all[@]}")
+build=${PTDP_FUZZ_BUILD:-build-fuzz}
+
+# The largest input worth trying per harness: a few times its largest seed.
+max_len() {
+  case "$1" in
+    cli_args) echo 2048 ;;
+    plan_file | profile_json) echo 16384 ;;
+    *) echo 8192 ;;
+  esac
+}
+
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
+  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
+  -DPTDP_FUZZ=ON -DPTDP_BUILD_TESTS=OFF -DPTDP_BUILD_BENCH=OFF >/dev/null
+targets=()
+for h in "${harnesses[@]}"; do targets+=("fuzz_$h"); done
+ninja -C "$build" -j2 "${targets[@]}"
+
+# No allocation stack traces: they are most of the time of CLI11's many small allocations
+# (a finding is reproduced with the default by running its input alone).
+export ASAN_OPTIONS=${ASAN_OPTIONS:-malloc_context_size=0}
+mkdir -p "$build/fuzz-logs"
+failed=()
+for h in "${harnesses[@]}"; do
+  corpus="$build/corpus/$h"
+  findings="$build/findings/$h"
+  log="$build/fuzz-logs/$h.log"
+  mkdir -p "$corpus" "$findings"
+  echo "== $h: ${seconds} s"
+  # shellcheck disable=SC2086
+  if ! "$build/tests/fuzz/fuzz_$h" "$corpus" "tests/fuzz/corpus/$h" -max_total_time="$seconds" \
+    -max_len="$(max_len "$h")" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+    -artifact_prefix="$findings/" ${PTDP_FUZZ_FLAGS:-} >"$log" 2>&1; then
+    failed+=("$h")
+    tail -n 40 "$log"
+  fi
+  # The last status line (executions, cov: edges, ft: features, corpus), and the time.
+  grep -E '^#[0-9]+' "$log" | tail -n 1 || true
+  grep -E '^Done [0-9]+ runs' "$log" || true
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "fuzz: findings in ${failed[*]} (inputs under $build/findings/, logs under $build/fuzz-logs/)"
+  exit 1
+fi
+echo "fuzz: no findings in ${harnesses[*]}"
