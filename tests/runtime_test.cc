@@ -14,7 +14,7 @@
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
-#include "runtime/hash.h"
+#include "kernels/cpu/hash.h"
 #include "runtime/shard_footprint.h"
 #include "runtime/trainer.h"
 

@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
-#include "runtime/hash.h"
+#include "kernels/cpu/hash.h"
 #include "tests/fuzz/fuzz_support.h"
 
 using namespace ptdp;
