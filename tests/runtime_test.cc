@@ -10,11 +10,11 @@
 #include <random>
 
 #include "core/error.h"
+#include "kernels/cpu/hash.h"
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
-#include "kernels/cpu/hash.h"
 #include "runtime/shard_footprint.h"
 #include "runtime/trainer.h"
 
