@@ -7,37 +7,26 @@
 
 #include "core/error.h"
 #include "core/layer_ops.h"
+#include "core/units.h"
 #include "planner/cost_model.h"
 
 namespace ptdp {
 
 RankMemory rank_memory(const ModelSpec& m, const ParallelPlan& p, const RankFootprint& f) {
-  constexpr double kFloat = 4.0;
-  // The memory model counts 16-bit activations (2 bytes an element); the runtime keeps fp32.
-  constexpr double kActivationScale = kFloat / 2.0;
+  constexpr double kFloat = 4.0;  // the runtime keeps everything in fp32
   RankMemory r;
   r.parameters = kFloat * static_cast<double>(f.parameter_floats);
   r.gradients = r.parameters;
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
-
-  const LayerShape shape = layer_shape(p);
-  LayerShape full = shape;
-  full.recompute = Recompute::kNone;
-  const int64_t layers = p.layers_on_stage(m, f.pp);
-  const double inflight = inflight_layer_activations(p, f.pp, layers);
-  double act = inflight * layer_activation_bytes(m, shape);
-  if (p.recompute != Recompute::kNone) act += layer_activation_bytes(m, full);
-  act *= kActivationScale;
-  const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
-  const double h = static_cast<double>(m.hidden_size), t = static_cast<double>(p.tensor_parallel);
-  const double sp = p.sequence_parallel ? t : 1.0;
-  if (f.pp == 0 && layers > 0)  // the embedding's output of every in-flight microbatch
-    act += inflight / static_cast<double>(layers) * static_cast<double>(p.virtual_stages) * tokens *
-           h * kFloat / sp;
-  if (f.pp == p.pipeline_parallel - 1)  // logits of the vocabulary shard and their gradient
-    act += tokens * std::ceil(static_cast<double>(m.vocab_size) / t) * 2.0 * kFloat;
-  if (p.pipeline_parallel > 1) act += 4.0 * tokens * h * kFloat / sp;  // send/receive buffers
-  r.activations = act;
+  const ActivationMemory activations(m, p, DType::kF32);
+  r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
+  if (f.pp == p.pipeline_parallel - 1) {  // logits of the vocabulary shard and their gradient
+    const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
+    r.activations +=
+        tokens *
+        std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
+        2.0 * kFloat;
+  }
   return r;
 }
 
@@ -61,7 +50,7 @@ double memory_limit_bytes(std::optional<double> limit_gib, int world_size, std::
   if (limit_gib) {
     if (!(*limit_gib > 0)) throw InputError("--memory-limit-gib", "must be positive");
     *source = "--memory-limit-gib";
-    return *limit_gib * 1024.0 * 1024.0 * 1024.0;
+    return *limit_gib * kGiB;
   }
   int local = world_size;
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})

@@ -70,15 +70,21 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   return s.str();
 }
 
+// The refusal of a plan file's plan made for another number of ranks.
+InputError world_mismatch(const ParallelPlan& p, int world) {
+  return InputError("--plan", "the plan needs t * p * d = " + std::to_string(p.num_gpus()) +
+                                  " ranks, not " + std::to_string(world));
+}
+
 // One rank's line of the dry-run table.
 std::string memory_row(const RankFootprint& r, const RankMemory& mem) {
-  auto mib = [](double bytes) { return bytes / (1024.0 * 1024.0); };
   char buf[200];
   std::snprintf(
       buf, sizeof buf, "%5lld %4lld %4lld %4lld %14lld %11.2f %10.2f %10.2f %10.2f %10.2f\n",
       static_cast<long long>(r.rank), static_cast<long long>(r.tp), static_cast<long long>(r.pp),
-      static_cast<long long>(r.dp), static_cast<long long>(r.parameter_floats), mib(mem.parameters),
-      mib(mem.gradients), mib(mem.optimizer), mib(mem.activations), mib(mem.peak()));
+      static_cast<long long>(r.dp), static_cast<long long>(r.parameter_floats),
+      to_mib(mem.parameters), to_mib(mem.gradients), to_mib(mem.optimizer), to_mib(mem.activations),
+      to_mib(mem.peak()));
   return buf;
 }
 
@@ -108,8 +114,8 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
                       "rank %lld (tp %lld, pp %lld, dp %lld) would need %.1f MiB, more than the "
                       "%.1f MiB it has (%s)",
                       static_cast<long long>(r.rank), static_cast<long long>(r.tp),
-                      static_cast<long long>(r.pp), static_cast<long long>(r.dp),
-                      need / (1024.0 * 1024.0), limit / (1024.0 * 1024.0), limit_source.c_str());
+                      static_cast<long long>(r.pp), static_cast<long long>(r.dp), to_mib(need),
+                      to_mib(limit), limit_source.c_str());
         throw InputError(f.memory_limit_gib ? "--memory-limit-gib" : "memory", buf);
       }
     };
@@ -118,11 +124,8 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
       if (plans.size() > 1) throw InputError(which + " (" + plan_summary(np.plan) + ")", e.what());
       throw e;
     };
-    if (o.plan.num_gpus() != world.size()) {  // the same on every rank: rank 0 reports
-      refuse(
-          InputError("--plan", "the plan needs t * p * d = " + std::to_string(o.plan.num_gpus()) +
-                                   " ranks, not " + std::to_string(world.size())));
-    }
+    // The same on every rank: rank 0 reports.
+    if (o.plan.num_gpus() != world.size()) refuse(world_mismatch(o.plan, world.size()));
     std::vector<RankFootprint> ranks;
     try {
       ranks = dry_run(o, world, check);
@@ -169,10 +172,10 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     out << buf;
     for (size_t i = 0; i < ranks.size(); ++i) out << memory_row(ranks[i], mem[i]);
     std::snprintf(buf, sizeof buf, "ok: %zu ranks; largest predicted peak %.2f MiB (rank %zu); ",
-                  ranks.size(), mem[worst].peak() / (1024.0 * 1024.0), worst);
+                  ranks.size(), to_mib(mem[worst].peak()), worst);
     out << buf;
     if (std::isfinite(limit)) {
-      std::snprintf(buf, sizeof buf, "limit %.1f MiB per rank (%s)\n\n", limit / (1024.0 * 1024.0),
+      std::snprintf(buf, sizeof buf, "limit %.1f MiB per rank (%s)\n\n", to_mib(limit),
                     limit_source.c_str());
       out << buf;
     } else {
@@ -221,11 +224,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     }
     if (f.dry_run) return dry_run_plans(f, model, plans, *world, out, err);
     f.train.plan = plans.front().plan;
-    if (f.train.plan.num_gpus() != world->size()) {
-      throw InputError("--plan",
-                       "the plan needs t * p * d = " + std::to_string(f.train.plan.num_gpus()) +
-                           " ranks, not " + std::to_string(world->size()));
-    }
+    if (f.train.plan.num_gpus() != world->size()) throw world_mismatch(f.train.plan, world->size());
   } catch (const InputError& e) {
     if (root) err << "ptdp: " << e.what() << "\n";
     return 2;
@@ -304,8 +303,8 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
                 "memory per rank %.1f MiB of tensors, %.1f MiB resident\n",
                 r.steps.size(), seconds, tokens_per_s, r.steps.empty() ? 0.0 : r.steps.back().loss,
                 static_cast<long long>(r.parameters),
-                static_cast<double>(r.peak_memory_bytes) / (1024.0 * 1024),
-                static_cast<double>(r.peak_rss_bytes) / (1024.0 * 1024));
+                to_mib(static_cast<double>(r.peak_memory_bytes)),
+                to_mib(static_cast<double>(r.peak_rss_bytes)));
   out << buf;
   return 0;
 }

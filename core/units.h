@@ -13,6 +13,9 @@ inline constexpr double kGB = 1e9;      // bandwidths are decimal: GB/s
 inline constexpr double kTFLOP = 1e12;  // FLOP/s are decimal: TFLOP/s
 inline constexpr double kMicrosecond = 1e-6;
 
+inline constexpr double to_mib(double bytes) {
+  return bytes / kMiB;
+}
 inline constexpr double to_gib(double bytes) {
   return bytes / kGiB;
 }

@@ -35,6 +35,35 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
   return static_cast<double>(p.global_batch_size * m.seq_length) / iteration_s;
 }
 
+ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element)
+    : m_(m), p_(p), element_(static_cast<double>(dtype_bytes(element))) {
+  LayerShape shape{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, p.recompute};
+  shape.activation_dtype = element;
+  per_layer_ = layer_activation_bytes(m, shape);
+  // The layer being recomputed (or the last one run) holds its full activations once.
+  LayerShape full = shape;
+  full.recompute = Recompute::kNone;
+  working_layer_ = p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(m, full);
+  // One activation crossing a stage boundary ([b, s, h], 1/t of it with sequence parallelism).
+  boundary_ = static_cast<double>(p.micro_batch_size * m.seq_length) *
+              static_cast<double>(m.hidden_size) * element_ /
+              (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
+}
+
+double ActivationMemory::on_stage(int64_t r) const {
+  const int64_t layers = p_.layers_on_stage(m_, r);
+  const double inflight = inflight_layer_activations(p_, r, layers);
+  double bytes = inflight * per_layer_ + working_layer_;
+  if (r == 0 && layers > 0)
+    bytes +=
+        inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
+  return bytes;
+}
+
+double ActivationMemory::p2p_buffers() const {
+  return p_.pipeline_parallel > 1 ? 4.0 * boundary_ : 0.0;
+}
+
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage) {
   const double m = static_cast<double>(p.num_microbatches());
   const double layers = static_cast<double>(layers_on_stage);
@@ -221,15 +250,8 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
 }
 
 MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
-  const LayerShape shape{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, p.recompute};
-  const double act_layer = layer_activation_bytes(model_, shape);
-  // The layer being recomputed (or the last one run) holds its full activations once.
-  const LayerShape full{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel,
-                        Recompute::kNone};
-  const double working_layer =
-      p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(model_, full);
+  const ActivationMemory activations(model_, p, DType::kBF16);
   const double tokens = static_cast<double>(p.micro_batch_size * model_.seq_length);
-  const double h = static_cast<double>(model_.hidden_size);
   const double t = static_cast<double>(p.tensor_parallel);
   const double d = static_cast<double>(p.data_parallel);
 
@@ -241,20 +263,13 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     mb.weights = params * kWeightBytes;
     mb.gradients = params * grad_bytes;
     mb.optimizer = params * kOptimizerBytes / (p.distributed_optimizer ? d : 1.0);
-    const int64_t layers = p.layers_on_stage(model_, r);
-    mb.activations = inflight_layer_activations(p, r, layers) * act_layer + working_layer;
-    const double inflight_mb = layers > 0 ? inflight_layer_activations(p, r, layers) /
-                                                static_cast<double>(layers) * p.virtual_stages
-                                          : 0.0;
-    if (r == 0) mb.activations += inflight_mb * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
+    mb.activations = activations.on_stage(r);
     if (r == p.pipeline_parallel - 1) {
       // fp16 logits and their fp32 softmax for the vocabulary shard, one microbatch.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
       mb.buffers += tokens * vocab_local * (2.0 + 4.0);
     }
-    // Send/receive buffers for activations and gradients.
-    if (p.pipeline_parallel > 1)
-      mb.buffers += 4.0 * tokens * h * 2.0 / (p.sequence_parallel ? t : 1.0);
+    mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;
     if (mb.peak > best.peak) best = mb;
   }

@@ -148,4 +148,23 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);
 
+// Activation memory of a plan's pipeline stages, for activations of one element type (16-bit
+// on GPUs as the memory model prices them, fp32 in ptdp run on CPU ranks). It keeps references:
+// the model and the plan must outlive it.
+class ActivationMemory {
+ public:
+  ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element);
+  // What pipeline rank r holds at its peak: the in-flight microbatches' layer activations
+  // (Korthikanti et al. 2022), the layer being recomputed, and on the first stage the
+  // embedding's outputs.
+  double on_stage(int64_t r) const;
+  // Send and receive buffers of the pipeline transfers (0 without pipelining).
+  double p2p_buffers() const;
+
+ private:
+  const ModelSpec& m_;
+  const ParallelPlan& p_;
+  double element_, per_layer_, working_layer_, boundary_;
+};
+
 }  // namespace ptdp
