@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "core/embedded_presets.h"
 #include "core/error.h"
@@ -191,8 +192,15 @@ HardwareProfile resolve_profile(const std::string& name_or_path) {
 }
 
 HardwareProfile default_profile_for(const ClusterSpec& c) {
-  if (c.gpu.name.find("H100") != std::string::npos) return resolve_profile("h100-sxm");
-  return resolve_profile("a100-80gb");
+  // The GPU families the built-in profiles describe, matched on the GPU's name. Blackwell
+  // (B200, and the GB200's GPUs) before the rest, since "GB200" contains "B200".
+  static const std::pair<const char*, const char*> kFamilies[] = {
+      {"B200", "b200"}, {"H200", "h200-sxm"}, {"H100", "h100-sxm"}, {"A100", "a100-80gb"}};
+  for (const auto& [family, profile] : kFamilies)
+    if (c.gpu.name.find(family) != std::string::npos) return resolve_profile(profile);
+  // Another GPU priced as an A100 would be silently wrong by a factor of its speed.
+  throw InputError("profile", "no built-in hardware profile for GPU '" + c.gpu.name +
+                                  "' (A100, H100, H200 and B200 have one): pass --profile");
 }
 
 }  // namespace ptdp

@@ -121,13 +121,17 @@ TEST(Presets, EveryPresetLoadsAndValidates) {
     EXPECT_EQ(m.name, name);
     EXPECT_NO_THROW(m.validate()) << name;
   }
-  EXPECT_EQ(cluster_preset_names(), (std::vector<std::string>{"dgx-a100-80gb", "dgx-h100"}));
+  EXPECT_EQ(cluster_preset_names(),
+            (std::vector<std::string>{"dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200",
+                                      "gb200-nvl72"}));
   for (const std::string& name : cluster_preset_names()) {
     const ClusterSpec c = resolve_cluster(name);
     EXPECT_EQ(c.name, name);
-    EXPECT_EQ(c.num_gpus(), 8);
+    EXPECT_EQ(c.num_nodes, 1);
+    EXPECT_NO_THROW(c.validate()) << name;
   }
-  EXPECT_EQ(profile_preset_names(), (std::vector<std::string>{"a100-80gb", "h100-sxm"}));
+  EXPECT_EQ(profile_preset_names(),
+            (std::vector<std::string>{"a100-80gb", "b200", "h100-sxm", "h200-sxm"}));
   for (const std::string& name : profile_preset_names()) {
     const HardwareProfile p = resolve_profile(name);
     EXPECT_EQ(p.name, name);
@@ -148,7 +152,24 @@ TEST(Presets, ClusterFacts) {
   EXPECT_EQ(default_profile_for(h).name, "h100-sxm");
   ClusterSpec other = h;
   other.gpu.name = "Some GPU";
-  EXPECT_EQ(default_profile_for(other).name, "a100-80gb");
+  EXPECT_EQ(field_of([&] { default_profile_for(other); }), "profile");
+}
+
+// Every built-in cluster is priced with its own GPU's profile, never another's by default.
+TEST(Presets, EachClusterHasItsGpusProfile) {
+  const std::pair<const char*, const char*> expected[] = {{"dgx-a100-80gb", "a100-80gb"},
+                                                          {"dgx-h100", "h100-sxm"},
+                                                          {"dgx-h200", "h200-sxm"},
+                                                          {"dgx-b200", "b200"},
+                                                          {"gb200-nvl72", "b200"}};
+  for (const auto& [cluster, profile] : expected)
+    EXPECT_EQ(default_profile_for(resolve_cluster(cluster)).name, profile) << cluster;
+  const ClusterSpec h200 = resolve_cluster("dgx-h200");
+  EXPECT_EQ(h200.gpu.hbm_bandwidth_gbps, 4800);
+  EXPECT_GT(h200.gpu.memory_gib, resolve_cluster("dgx-h100").gpu.memory_gib);
+  const ClusterSpec nvl72 = resolve_cluster("gb200-nvl72");
+  EXPECT_EQ(nvl72.gpus_per_node, 72);  // the NVLink domain is the node
+  EXPECT_EQ(nvl72.nvlink_bandwidth_gbps, 900);
 }
 
 TEST(Presets, UnknownNameListsPresets) {
