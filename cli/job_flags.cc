@@ -62,6 +62,12 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
     b->required();
   }
   app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
+  app.add_option("--num-virtual-stages-per-pipeline-rank", virtual_stages_per_rank,
+                 "model chunks per pipeline rank (interleaving; also with uneven stages)");
+  app.add_option("--decoder-first-pipeline-num-layers", first_stage_layers,
+                 "layers on the first pipeline stage (the others share the rest evenly)");
+  app.add_option("--decoder-last-pipeline-num-layers", last_stage_layers,
+                 "layers on the last pipeline stage (the others share the rest evenly)");
   app.add_option("--recompute-granularity", recompute_granularity,
                  "full or selective (default: none)");
   app.add_flag("--sequence-parallel", sequence_parallel);
@@ -155,7 +161,25 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
                                " are not a multiple of t * p = " + std::to_string(tp));
   }
   p.data_parallel = num_gpus / tp;
-  if (layers_per_virtual_stage) {
+  if (first_stage_layers && *first_stage_layers <= 0)
+    throw InputError("--decoder-first-pipeline-num-layers", "must be positive");
+  if (last_stage_layers && *last_stage_layers <= 0)
+    throw InputError("--decoder-last-pipeline-num-layers", "must be positive");
+  if (first_stage_layers || last_stage_layers)
+    p.layers_per_stage =
+        megatron_stage_split(m.num_layers, p.pipeline_parallel, first_stage_layers.value_or(0),
+                             last_stage_layers.value_or(0));
+  if (layers_per_virtual_stage && virtual_stages_per_rank)
+    throw InputError("--num-virtual-stages-per-pipeline-rank",
+                     "give it or --num-layers-per-virtual-pipeline-stage, not both");
+  if (virtual_stages_per_rank) {
+    if (*virtual_stages_per_rank <= 0)
+      throw InputError("--num-virtual-stages-per-pipeline-rank", "must be positive");
+    p.virtual_stages = *virtual_stages_per_rank;  // each stage's layers: checked by validate
+  } else if (layers_per_virtual_stage && !p.layers_per_stage.empty()) {
+    throw InputError("--num-layers-per-virtual-pipeline-stage",
+                     "with uneven stages give --num-virtual-stages-per-pipeline-rank instead");
+  } else if (layers_per_virtual_stage) {
     const int64_t k = *layers_per_virtual_stage;
     if (k <= 0 || m.num_layers % (p.pipeline_parallel * k) != 0) {
       throw InputError("--num-layers-per-virtual-pipeline-stage",

@@ -26,7 +26,9 @@ struct JobFlags {
   std::optional<int64_t> num_gpus;
   std::optional<int64_t> global_batch_size;
   std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,
-      layers_per_virtual_stage;
+      layers_per_virtual_stage, virtual_stages_per_rank;
+  // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
+  std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
@@ -49,7 +51,8 @@ struct JobFlags {
   // The same for `num_gpus` ranks; `what` names the source of that count in errors.
   ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
   bool has_parallel_flags() const {
-    return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage;
+    return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
+           virtual_stages_per_rank || first_stage_layers || last_stage_layers;
   }
 };
 

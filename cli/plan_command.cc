@@ -31,10 +31,14 @@ struct PlanFlags {
 
 // `simulated`: simulated iteration times of the first plans (re-ranked by them), if any.
 void print_table(std::ostream& out, const SearchResult& r, const std::vector<double>& simulated) {
-  char buf[320];
-  std::snprintf(buf, sizeof buf, "%-4s %-34s %9s %9s %8s %6s %8s  %s\n", "rank", "configuration",
-                "iter s", simulated.empty() ? "" : "sim s", "TFLOP/s", "MFU", "mem GiB",
-                "loses to #1 by");
+  // The configuration column is as wide as its longest entry (uneven splits lengthen it).
+  int width = 34;
+  for (const RankedPlan& rp : r.top)
+    width = std::max(width, static_cast<int>(plan_summary(rp.plan).size()));
+  char buf[400];
+  std::snprintf(buf, sizeof buf, "%-4s %-*s %9s %9s %8s %6s %8s  %s\n", "rank", width,
+                "configuration", "iter s", simulated.empty() ? "" : "sim s", "TFLOP/s", "MFU",
+                "mem GiB", "loses to #1 by");
   out << buf;
   for (size_t i = 0; i < r.top.size(); ++i) {
     const RankedPlan& rp = r.top[i];
@@ -48,7 +52,7 @@ void print_table(std::ostream& out, const SearchResult& r, const std::vector<dou
     }
     char sim[16] = "";
     if (i < simulated.size()) std::snprintf(sim, sizeof sim, "%9.3f", simulated[i]);
-    std::snprintf(buf, sizeof buf, "%-4zu %-34s %9.3f %9s %8.1f %5.1f%% %8.1f  %s\n", i + 1,
+    std::snprintf(buf, sizeof buf, "%-4zu %-*s %9.3f %9s %8.1f %5.1f%% %8.1f  %s\n", i + 1, width,
                   plan_summary(rp.plan).c_str(), p.iteration_time_s, sim, p.model_tflops_per_gpu,
                   100 * p.mfu, to_gib(p.memory.peak), why.c_str());
     out << buf;

@@ -137,6 +137,30 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   return f.str();
 }
 
+std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t first,
+                                          int64_t last) {
+  const char* first_flag = "--decoder-first-pipeline-num-layers";
+  const char* last_flag = "--decoder-last-pipeline-num-layers";
+  const char* flag = last > 0 ? last_flag : first_flag;
+  if (first < 0 || last < 0)
+    throw InputError(first < 0 ? first_flag : last_flag, "must be positive");
+  const int64_t ends = (first > 0) + (last > 0);
+  if (p < ends + 1 && !(p == ends && first + last == num_layers))
+    throw InputError(flag, "needs pipeline-model-parallel-size > " + std::to_string(ends) +
+                               " (or first + last = num_layers with p = 2)");
+  const int64_t rest = num_layers - first - last;
+  const int64_t middle_stages = p - ends;
+  if (middle_stages == 0) return {first, last};
+  if (rest < middle_stages || rest % middle_stages != 0)
+    throw InputError(flag, "leaves " + std::to_string(rest) + " of " + std::to_string(num_layers) +
+                               " layers for " + std::to_string(middle_stages) +
+                               " other pipeline stages, which must share them evenly");
+  std::vector<int64_t> split(static_cast<size_t>(p), rest / middle_stages);
+  if (first > 0) split.front() = first;
+  if (last > 0) split.back() = last;
+  return split;
+}
+
 ParallelPlan plan_from_json(const json& j) {
   JsonObjectReader r(j, "plan");
   ParallelPlan p;

@@ -59,6 +59,13 @@ struct ParallelPlan {
   std::string megatron_flags(const ModelSpec& m) const;
 };
 
+// Megatron-LM's uneven split: --decoder-first-pipeline-num-layers and
+// --decoder-last-pipeline-num-layers (0: not given) set the first and last stages, and the
+// other stages share the remaining layers evenly. Throws InputError naming the flag when the
+// remainder does not divide, a stage would be empty, or p is too small for the flags given.
+std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t first,
+                                          int64_t last);
+
 // Megatron-LM's rank placement: tensor-parallel innermost, then data-parallel, then
 // pipeline-parallel.
 inline int64_t megatron_global_rank(int64_t t, int64_t d, int64_t tp, int64_t dp, int64_t pp) {

@@ -109,7 +109,9 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
              " * " + num(b) + ")";
     });
 
-  const char* vp = "--num-layers-per-virtual-pipeline-stage";
+  // Megatron states v per rank when the stages are uneven, and layers per chunk otherwise.
+  const char* vp = split.empty() ? "--num-layers-per-virtual-pipeline-stage"
+                                 : "--num-virtual-stages-per-pipeline-rank";
   if (v > 1) {
     if (plan.schedule != Schedule::kInterleaved1F1B)
       return broken(PlanRule::kVirtualNeedsInterleaved, report, vp, [&] {

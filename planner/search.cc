@@ -8,6 +8,7 @@
 #include <thread>
 #include <tuple>
 
+#include "core/error.h"
 #include "core/plan_rules.h"
 
 namespace ptdp {
@@ -29,7 +30,7 @@ std::vector<int64_t> divisors(int64_t n) {
 auto plan_key(const ParallelPlan& p) {
   return std::make_tuple(p.tensor_parallel, p.pipeline_parallel, p.micro_batch_size,
                          p.virtual_stages, static_cast<int>(p.recompute), p.sequence_parallel,
-                         p.distributed_optimizer);
+                         p.distributed_optimizer, p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -39,9 +40,11 @@ bool better(const RankedPlan& a, const RankedPlan& b) {
   return plan_key(a.plan) < plan_key(b.plan);
 }
 
-// One unit of work: a (t, p, d, b) to expand over v, recompute, SP and the optimizer.
+// One unit of work: a (t, p, d, b) and a layer split to expand over v, recompute, SP and the
+// optimizer.
 struct Cell {
   int64_t t, p, d, b;
+  std::vector<int64_t> split;  // empty: the even split
 };
 
 struct Tally {
@@ -64,8 +67,10 @@ struct Tally {
 
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
-  const int64_t layers_per_stage = m.num_layers / c.p;
-  for (int64_t v : divisors(layers_per_stage)) {
+  // Chunks per rank: v divides every stage's layers (the smallest stage's divisors).
+  int64_t fewest_layers = m.num_layers / c.p;
+  for (int64_t n : c.split) fewest_layers = std::min(fewest_layers, n);
+  for (int64_t v : divisors(fewest_layers)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
     for (Recompute rc : o.recompute_modes) {
       for (int sp = 0; sp < 2; ++sp) {
@@ -74,7 +79,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           if (dopt && (c.d == 1 || !o.try_distributed_optimizer)) continue;
           ++tally.considered;
           ParallelPlan plan = o.defaults;
-          plan.layers_per_stage.clear();
+          plan.layers_per_stage = c.split;
           plan.tensor_parallel = c.t;
           plan.pipeline_parallel = c.p;
           plan.data_parallel = c.d;
@@ -105,6 +110,42 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
 
 }  // namespace
 
+std::vector<std::vector<int64_t>> stage_splits(int64_t layers, int64_t p, bool uneven) {
+  std::vector<std::vector<int64_t>> out;
+  if (layers % p == 0) out.push_back({});
+  if (!uneven || p < 2 || layers <= p) return out;
+  auto add = [&](int64_t first, int64_t last) {
+    if (first < 1 || last < 1) return;
+    std::vector<int64_t> split;
+    try {
+      split = megatron_stage_split(layers, p, first, last);
+    } catch (const InputError&) {
+      return;
+    }
+    bool all_equal = true;
+    for (int64_t n : split) all_equal = all_equal && n == split.front();
+    if (all_equal || std::find(out.begin(), out.end(), split) != out.end()) return;
+    out.push_back(std::move(split));
+  };
+  if (p == 2) {
+    for (int64_t first = layers / 2 - 1; first <= layers / 2 + 1; ++first)
+      add(first, layers - first);
+    return out;
+  }
+  const int64_t lowest_mid = (layers + p - 1) / p;
+  for (int64_t mid = lowest_mid; mid <= lowest_mid + 2; ++mid) {
+    const int64_t ends = layers - mid * (p - 2);  // layers left for the first and last stages
+    if (ends < 2 || ends > 2 * mid) continue;
+    add(ends / 2, ends - ends / 2);
+    add(ends - ends / 2, ends / 2);
+    if (ends - mid >= 1) {  // one end as full as the middle, the other lighter
+      add(mid, ends - mid);
+      add(ends - mid, mid);
+    }
+  }
+  return out;
+}
+
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o) {
   const auto start = std::chrono::steady_clock::now();
@@ -120,8 +161,10 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
       // Rules no b, v or flag can rescue (t against the heads, groups and FFN, p against the
       // layers, B against d) are counted once per (t, p, d): the plan with b = 1, v = 1 and
       // no sequence parallelism breaks only those.
+      const std::vector<std::vector<int64_t>> splits =
+          stage_splits(m.num_layers, p, o.try_uneven_stages);
       ParallelPlan cell = o.defaults;
-      cell.layers_per_stage.clear();
+      cell.layers_per_stage = splits.empty() ? std::vector<int64_t>{} : splits.front();
       cell.tensor_parallel = t;
       cell.pipeline_parallel = p;
       cell.data_parallel = d;
@@ -135,7 +178,8 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         ++total.rejected[rule_reason(rule)];
         continue;
       }
-      for (int64_t b : divisors(o.global_batch_size / d)) cells.push_back(Cell{t, p, d, b});
+      for (int64_t b : divisors(o.global_batch_size / d))
+        for (const std::vector<int64_t>& split : splits) cells.push_back(Cell{t, p, d, b, split});
     }
   }
 
@@ -208,16 +252,34 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("d", num(a.data_parallel), num(b.data_parallel));
   field("b", num(a.micro_batch_size), num(b.micro_batch_size));
   field("v", num(a.virtual_stages), num(b.virtual_stages));
+  field("layers per stage", stage_split_summary(a), stage_split_summary(b));
   field("recompute", to_string(a.recompute), to_string(b.recompute));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
   return out.empty() ? "same configuration" : out;
 }
 
+std::string stage_split_summary(const ParallelPlan& p) {
+  const std::vector<int64_t>& n = p.layers_per_stage;
+  if (n.empty()) return "even";
+  // Runs of equal stages print once with their count: 7+14x8+7.
+  std::string s;
+  for (size_t i = 0; i < n.size();) {
+    size_t j = i;
+    while (j < n.size() && n[j] == n[i]) ++j;
+    if (!s.empty()) s += "+";
+    if (j - i > 1) s += std::to_string(j - i) + "x";
+    s += std::to_string(n[i]);
+    i = j;
+  }
+  return s;
+}
+
 std::string plan_summary(const ParallelPlan& p) {
   std::string s = "t" + std::to_string(p.tensor_parallel) + " p" +
                   std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) +
                   " b" + std::to_string(p.micro_batch_size);
+  if (!p.layers_per_stage.empty()) s += " L" + stage_split_summary(p);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
   s += " " + to_string(p.recompute);
   if (p.sequence_parallel) s += " sp";

@@ -30,6 +30,9 @@ struct SearchOptions {
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
   bool try_interleaving = true;
+  // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
+  // p that does not divide the layers (planner/search.cc stage_splits).
+  bool try_uneven_stages = true;
   int64_t max_tensor_parallel = 0;  // 0: no limit beyond the heads
   // Settings every candidate shares (taken from the user's flags).
   ParallelPlan defaults;
@@ -50,6 +53,15 @@ struct SearchResult {
   double seconds = 0;
 };
 
+// The ways the search lays num_layers over p pipeline stages: the even split (an empty
+// vector) where p divides the layers and, with `uneven`, Megatron's uneven splits, in which
+// the first and last stages hold fewer layers than the others (they also hold the embedding
+// and the LM head) and every other stage holds the same number `mid`. For each mid from the
+// smallest that leaves the ends no more than mid, up to two layers more, the ends share the
+// rest as evenly as possible (both orders when it is odd), or one end is as full as the
+// middle and the other takes the rest. p = 2 tries the halves and one layer either way.
+std::vector<std::vector<int64_t>> stage_splits(int64_t num_layers, int64_t p, bool uneven);
+
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o);
 
@@ -60,5 +72,7 @@ std::string loses_because(const Prediction& winner, const Prediction& loser);
 std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b);
 // Short form used in tables: "t8 p16 d8 b1 v3 full sp do".
 std::string plan_summary(const ParallelPlan& p);
+// Layers per pipeline stage: "even", or runs of equal stages such as "7+14x8+7".
+std::string stage_split_summary(const ParallelPlan& p);
 
 }  // namespace ptdp

@@ -147,6 +147,31 @@ TEST(CliErrors, PipelineAboveLayers) {
   auto args = predict_with("--pipeline-model-parallel-size", "128");
   expect_bad(args, "--pipeline-model-parallel-size");
 }
+// Megatron's --decoder-first/last-pipeline-num-layers: the other stages share the rest evenly,
+// the flags come back in the printed plan, and a split that does not divide is refused.
+TEST(Cli, UnevenPipelineStagesFromMegatronFlags) {
+  auto args = predict_with("--num-layers", "94");  // 96 layers do not allow 94 on p = 16
+  args.insert(args.end(), {"--decoder-first-pipeline-num-layers", "4",
+                           "--decoder-last-pipeline-num-layers", "6", "--json"});
+  const Result r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  std::vector<int64_t> expected(16, 6);  // (94 - 4 - 6) / 14
+  expected.front() = 4;
+  EXPECT_EQ(j["configuration"]["layers_per_stage"].get<std::vector<int64_t>>(), expected);
+  EXPECT_NE(
+      r.out.find("--decoder-first-pipeline-num-layers 4 --decoder-last-pipeline-num-layers 6"),
+      std::string::npos);
+}
+TEST(CliErrors, UnevenStagesThatDoNotDivide) {
+  auto args = predict_with("--decoder-first-pipeline-num-layers", "5");  // 91 over 15 stages
+  expect_bad(args, "--decoder-first-pipeline-num-layers");
+  expect_bad(predict_with("--decoder-last-pipeline-num-layers", "0"),
+             "--decoder-last-pipeline-num-layers");
+  args = predict_with("--num-virtual-stages-per-pipeline-rank", "2");
+  args.insert(args.end(), {"--num-layers-per-virtual-pipeline-stage", "3"});
+  expect_bad(args, "--num-virtual-stages-per-pipeline-rank");
+}
 TEST(CliErrors, UnknownPresetAndCluster) {
   expect_bad({"plan", "--model", "gpt-9000", "--global-batch-size", "8"}, "--model");
   expect_bad(predict_with("--cluster", "dgx-z9000"), "--cluster");

@@ -2,6 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <numeric>
+
 #include "core/plan_rules.h"
 #include "core/presets.h"
 #include "runtime/gpt_model.h"
@@ -114,6 +117,64 @@ TEST(Search, RanksOnlyPlansEveryValidatorAccepts) {
   }
   EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kTensorDividesFfn)), 0);
   EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kSequenceParallelDividesSequence)), 0);
+}
+
+// Megatron's uneven splits: the ends lighter than (or as full as) the equal middle stages, the
+// sum always the model's layers, the even split first when there is one.
+TEST(StageSplits, MegatronStyleFirstAndLastStages) {
+  for (const auto& [layers, p] : std::vector<std::pair<int64_t, int64_t>>{
+           {126, 16}, {96, 8}, {80, 6}, {32, 3}, {30, 4}, {61, 2}, {7, 7}}) {
+    const auto splits = stage_splits(layers, p, true);
+    EXPECT_EQ(splits.empty() || !splits.front().empty(), layers % p != 0) << layers << "/" << p;
+    for (const std::vector<int64_t>& s : splits) {
+      if (s.empty()) continue;
+      ASSERT_EQ(static_cast<int64_t>(s.size()), p);
+      EXPECT_EQ(std::accumulate(s.begin(), s.end(), int64_t{0}), layers);
+      const int64_t mid = p > 2 ? s[1] : std::max(s.front(), s.back());
+      for (size_t i = 1; i + 1 < s.size(); ++i) EXPECT_EQ(s[i], mid);
+      EXPECT_GE(s.front(), 1);
+      EXPECT_GE(s.back(), 1);
+      EXPECT_LE(s.front(), mid);
+      EXPECT_LE(s.back(), mid);
+      EXPECT_EQ(s, megatron_stage_split(layers, p, s.front(), s.back()));
+    }
+    EXPECT_EQ(stage_splits(layers, p, false).size(), layers % p == 0 ? 1u : 0u);
+  }
+  // Llama 3 405B's split at p = 16 (Llama 3 paper, section 3.3.2: one fewer layer on the
+  // first and the last stage).
+  std::vector<int64_t> llama(16, 8);
+  llama.front() = llama.back() = 7;
+  const auto splits = stage_splits(126, 16, true);
+  EXPECT_NE(std::find(splits.begin(), splits.end(), llama), splits.end());
+  EXPECT_TRUE(stage_splits(7, 7, true).size() == 1 && stage_splits(7, 7, true)[0].empty());
+}
+
+TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
+  Job j(64);
+  j.m = resolve_model("llama3-405b");  // 126 layers
+  j.m.seq_length = 4096;
+  j.c = resolve_cluster("dgx-h100");
+  j.c.resize(1024);
+  j.h = resolve_profile("h100-sxm");
+  SearchOptions o;
+  o.global_batch_size = 512;
+  o.top_k = 50;
+  o.try_uneven_stages = false;
+  const SearchResult even = search_plans(j.m, j.c, j.h, o);
+  o.try_uneven_stages = true;
+  const SearchResult uneven = search_plans(j.m, j.c, j.h, o);
+  EXPECT_GT(uneven.considered, even.considered);
+  ASSERT_FALSE(uneven.top.empty());
+  // Without uneven splits p must divide 126; with them p = 16 and the like are priced too.
+  bool any_uneven = false;
+  for (const RankedPlan& r : uneven.top) {
+    EXPECT_NO_THROW(r.plan.validate(j.m));
+    any_uneven = any_uneven || !r.plan.layers_per_stage.empty();
+  }
+  for (const RankedPlan& r : even.top) EXPECT_EQ(126 % r.plan.pipeline_parallel, 0);
+  EXPECT_TRUE(any_uneven);
+  // Here p | 126 leaves p <= 2 for 1024 GPUs, too few stages to hold 405B parameters.
+  EXPECT_TRUE(even.top.empty());
 }
 
 }  // namespace
