@@ -12,8 +12,26 @@
 
 namespace ptdp {
 
-RankMemory rank_memory(const ModelSpec& m, const ParallelPlan& p, const RankFootprint& f) {
+ModelSpec as_executed(const ModelSpec& m) {
+  ModelSpec run = m;
+  run.attention_dropout = 0;
+  run.hidden_dropout = 0;
+  run.flash_attention = false;
+  return run;
+}
+
+std::string execution_note(const ModelSpec& m) {
+  std::string note;
+  if (m.attention_dropout > 0 || m.hidden_dropout > 0) note = "trains without dropout";
+  if (m.flash_attention)
+    note +=
+        std::string(note.empty() ? "" : "; ") + "keeps the attention scores (no flash attention)";
+  return note.empty() ? note : note + " (the cpu backend has neither)";
+}
+
+RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const RankFootprint& f) {
   constexpr double kFloat = 4.0;  // the runtime keeps everything in fp32
+  const ModelSpec m = as_executed(model);
   RankMemory r;
   r.parameters = kFloat * static_cast<double>(f.parameter_floats);
   r.gradients = r.parameters;

@@ -42,6 +42,13 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_flag("--untie-embeddings-and-output-weights", untie);
   app.add_option("--position-embedding-type", position_embedding_type, "learned_absolute or rope");
   app.add_option("--rotary-base", rotary_base, "rotary embedding base (Hugging Face rope_theta)");
+  app.add_option(
+      "--attention-dropout", attention_dropout,
+      "dropout on attention probabilities (default: the model's; presets 0.1 GPT, 0 Llama)");
+  app.add_option("--hidden-dropout", hidden_dropout,
+                 "dropout after attention and MLP (default: the model's)");
+  app.add_flag("--use-flash-attn", flash_attention,
+               "flash attention: no s x s attention scores kept for the backward pass");
 }
 
 void JobFlags::add_cluster_flags(CLI::App& app) {
@@ -112,6 +119,9 @@ ModelSpec JobFlags::resolve_model() const {
     throw InputError("--position-embedding-type",
                      "must be learned_absolute or rope, got '" + position_embedding_type + "'");
   if (rotary_base) m.rotary_base = *rotary_base;
+  if (attention_dropout) m.attention_dropout = *attention_dropout;
+  if (hidden_dropout) m.hidden_dropout = *hidden_dropout;
+  if (flash_attention) m.flash_attention = true;
   try {
     m.validate();
   } catch (const InputError& e) {

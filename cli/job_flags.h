@@ -21,6 +21,8 @@ struct JobFlags {
   bool swiglu = false, untie = false;
   std::string position_embedding_type;  // learned_absolute or rope (Megatron's names)
   std::optional<double> rotary_base;
+  std::optional<double> attention_dropout, hidden_dropout;
+  bool flash_attention = false;
   std::string cluster = "dgx-a100-80gb";
   std::string profile;
   std::optional<int64_t> num_gpus;

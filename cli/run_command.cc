@@ -233,7 +233,11 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   std::ostream& lines = f.json ? err : out;
   bool header = false;  // printed with the first step, once every check has passed
   auto on_step = [&](const StepStats& s) {
-    if (!header && !f.json) out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+    if (!header && !f.json) {
+      out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+      if (const std::string note = execution_note(model); !note.empty())
+        out << "ptdp run: " << note << "\n";
+    }
     header = true;
     char buf[256];
     std::snprintf(

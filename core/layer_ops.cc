@@ -451,13 +451,17 @@ double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double kv_fraction = d.groups / d.heads;
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
-  // QKV and FC1 inputs (2 sbh each) and the two dropout masks (1 sbh each).
-  const double replicated = 10.0 * sbh;
+  // QKV and FC1 inputs (2 sbh each) and, with hidden dropout, its two masks (1 sbh each).
+  const double replicated = (m.hidden_dropout > 0 ? 10.0 : 8.0) * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   const double sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * d.ffn;
-  // Softmax output (2), dropout mask (1) and dropout output (2) per score: 5 a s^2 b.
-  const double scores = s.recompute == Recompute::kSelective ? 0.0 : 5.0 * d.heads * d.s * d.T;
+  // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
+  // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row (2 a s b).
+  const double per_score = m.attention_dropout > 0 ? 5.0 : 2.0;
+  const double scores = s.recompute == Recompute::kSelective ? 0.0
+                        : m.flash_attention                  ? 2.0 * d.heads * d.T
+                                                             : per_score * d.heads * d.s * d.T;
   if (s.sequence_parallel) return unit * (replicated + sharded + scores) / t;
   return unit * (replicated + (sharded + scores) / t);
 }

@@ -66,6 +66,13 @@ ModelSpec model_from_hf_config(const json& j) {
   m.learned_position_embeddings =
       !(is_one_of(model_type, {"llama", "mistral", "qwen2"}) || j.contains("rope_theta"));
   r.read("rope_theta", m.rotary_base);
+  // Dropout as the config states it (GPT-2's attn_pdrop/resid_pdrop); none where it is silent.
+  m.attention_dropout = 0;
+  m.hidden_dropout = 0;
+  r.read("attn_pdrop", m.attention_dropout);
+  r.read("attention_dropout", m.attention_dropout);
+  r.read("resid_pdrop", m.hidden_dropout);
+  r.read("hidden_dropout", m.hidden_dropout);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
 }
@@ -125,6 +132,11 @@ void ModelSpec::validate() const {
     throw InputError("num_query_groups", std::to_string(query_groups()) +
                                              " does not divide num_attention_heads (" +
                                              std::to_string(num_attention_heads) + ")");
+  for (const auto& [field, p] :
+       {std::pair<const char*, double>{"attention_dropout", attention_dropout},
+        {"hidden_dropout", hidden_dropout}})
+    if (!(p >= 0 && p < 1))
+      throw InputError(field, "must be a probability in [0, 1), got " + std::to_string(p));
   if (!learned_position_embeddings && !(rotary_base > 1))
     throw InputError("rotary_base", "must be greater than 1");
   if (!learned_position_embeddings && (hidden_size / num_attention_heads) % 2 != 0)
@@ -151,6 +163,9 @@ ModelSpec model_from_json(const json& j) {
     r.read("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
     r.read("learned_position_embeddings", m.learned_position_embeddings);
     r.read("rotary_base", m.rotary_base);
+    r.read("attention_dropout", m.attention_dropout);
+    r.read("hidden_dropout", m.hidden_dropout);
+    r.read("flash_attention", m.flash_attention);
     r.reject_unknown_keys();
   }
   m.validate();
@@ -169,7 +184,10 @@ json to_json(const ModelSpec& m) {
               {"swiglu", m.swiglu},
               {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
               {"learned_position_embeddings", m.learned_position_embeddings},
-              {"rotary_base", m.rotary_base}};
+              {"rotary_base", m.rotary_base},
+              {"attention_dropout", m.attention_dropout},
+              {"hidden_dropout", m.hidden_dropout},
+              {"flash_attention", m.flash_attention}};
 }
 
 }  // namespace ptdp

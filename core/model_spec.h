@@ -29,6 +29,14 @@ struct ModelSpec {
   bool untie_embeddings_and_output_weights = false;
   bool learned_position_embeddings = true;  // false: rotary (no position table)
   double rotary_base = 10000;               // --rotary-base (Hugging Face rope_theta)
+  // What the activations hold besides the tensors themselves (core/layer_ops.cc's
+  // layer_activation_bytes). Dropout probabilities as Megatron's --attention-dropout and
+  // --hidden-dropout (default 0.1 both; Hugging Face configs say 0 for Llama); a positive one
+  // keeps a mask (and, for attention, the dropped-out scores) per element. Flash attention
+  // (--use-flash-attn) keeps no s x s scores, only the softmax's log-sum-exp per row.
+  double attention_dropout = 0.1;
+  double hidden_dropout = 0.1;
+  bool flash_attention = false;
 
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;

@@ -134,6 +134,10 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
   if (!m.learned_position_embeddings)
     f << " --position-embedding-type rope --rotary-base " << static_cast<int64_t>(m.rotary_base);
+  // Megatron's defaults are 0.1 for both and no flash attention.
+  if (m.attention_dropout != 0.1) f << " --attention-dropout " << m.attention_dropout;
+  if (m.hidden_dropout != 0.1) f << " --hidden-dropout " << m.hidden_dropout;
+  if (m.flash_attention) f << " --use-flash-attn";
   return f.str();
 }
 

@@ -252,6 +252,28 @@ TEST(HuggingFace, LlamaConfig) {
   EXPECT_TRUE(m.untie_embeddings_and_output_weights);  // llama: untied unless stated
   EXPECT_FALSE(m.learned_position_embeddings);
   EXPECT_EQ(m.parameters(), resolve_model("llama3-8b").parameters());
+  EXPECT_EQ(m.attention_dropout, 0);  // the config is silent: no dropout
+  EXPECT_EQ(m.hidden_dropout, 0);
+  EXPECT_EQ(to_json(m)["attention_dropout"],
+            to_json(resolve_model("llama3-8b"))["attention_dropout"]);
+}
+
+TEST(ModelSpec, DropoutIsReadAndChecked) {
+  const json gpt2 = {{"model_type", "gpt2"}, {"num_hidden_layers", 12},
+                     {"hidden_size", 768},   {"num_attention_heads", 12},
+                     {"vocab_size", 50257},  {"attn_pdrop", 0.1},
+                     {"resid_pdrop", 0.05},  {"max_position_embeddings", 1024}};
+  const ModelSpec m = model_from_json(gpt2);
+  EXPECT_DOUBLE_EQ(m.attention_dropout, 0.1);
+  EXPECT_DOUBLE_EQ(m.hidden_dropout, 0.05);
+  EXPECT_DOUBLE_EQ(resolve_model("gpt3-175b").attention_dropout, 0.1);  // Megatron's default
+  json own = to_json(m);
+  EXPECT_EQ(model_from_json(own).hidden_dropout, m.hidden_dropout);
+  own["hidden_dropout"] = 1.0;
+  EXPECT_EQ(field_of([&] { model_from_json(own); }), "hidden_dropout");
+  json hf = gpt2;
+  hf["attn_pdrop"] = -0.5;
+  EXPECT_EQ(field_of([&] { model_from_json(hf); }), "attention_dropout");
 }
 
 TEST(HuggingFace, DefaultsForOtherModels) {
@@ -591,7 +613,8 @@ TEST(ParallelPlan, MegatronFlags) {
             "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
             "--num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
             "--global-batch-size 128 --recompute-granularity selective --sequence-parallel "
-            "--overlap-grad-reduce --position-embedding-type rope --rotary-base 500000");
+            "--overlap-grad-reduce --position-embedding-type rope --rotary-base 500000 "
+            "--attention-dropout 0 --hidden-dropout 0");
 }
 
 // ---- found by fuzzing (tests/fuzz/, docs/reliability.md) ----

@@ -43,6 +43,28 @@ TEST(ActivationMemory, MatchesKorthikantiTable2) {
   }
 }
 
+// Korthikanti's 34 sbh + 5 a s^2 b counts two hidden dropout masks (1 sbh each) and, per
+// attention score, a dropout mask (1) and the dropped-out probabilities (2) besides the softmax
+// output (2). Without dropout they go; with flash attention no score is kept at all, only a
+// log-sum-exp per row (fp32: 2 units of a s b).
+TEST(ActivationMemory, DropoutAndFlashAttentionTerms) {
+  ModelSpec m = gpt175();
+  const double s = 2048, h = 12288, a = 96, b = 1;
+  const double sbh = s * b * h;
+  const LayerShape shape{1, 1, false, Recompute::kNone};
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 34 + 5 * a * s * s * b, 1);
+  m.hidden_dropout = 0;
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 32 + 5 * a * s * s * b, 1);
+  m.attention_dropout = 0;
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 32 + 2 * a * s * s * b, 1);
+  m.flash_attention = true;
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 32 + 2 * a * s * b, 1);
+  m.attention_dropout = 0.1;  // flash attention applies dropout inside the kernel
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 32 + 2 * a * s * b, 1);
+  const LayerShape selective{1, 1, false, Recompute::kSelective};
+  EXPECT_NEAR(layer_activation_bytes(m, selective), sbh * 32, 1);
+}
+
 TEST(ActivationMemory, GqaAndSwigluShrinkAndGrowTheRightTerms) {
   ModelSpec m = resolve_model("llama2-70b");
   const LayerShape shape{8, 1, true, Recompute::kSelective};
