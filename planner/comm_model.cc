@@ -12,7 +12,14 @@ GroupSpan span_of(int64_t size, int64_t stride, int64_t gpn) {
   GroupSpan g;
   g.size = size;
   const int64_t extent = size * stride;  // consecutive ranks the group's pattern covers
-  if (extent <= gpn) {
+  if (extent < gpn && gpn % extent != 0) {
+    // The groups do not tile a node (t = 3 on 8-GPU nodes): some group straddles two nodes,
+    // with as few as one rank on one side, and that slowest group sets the pace. Its ring
+    // crosses over the one rank's rail while every GPU of the node may be doing the same.
+    g.ranks_per_node = 1;
+    g.nodes = 2;
+    g.concurrent_per_node = gpn;
+  } else if (extent <= gpn) {
     g.ranks_per_node = size;
     g.nodes = 1;
     g.concurrent_per_node = std::max<int64_t>(1, gpn / size);

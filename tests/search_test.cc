@@ -7,6 +7,7 @@
 
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "planner/comm_model.h"
 #include "runtime/gpt_model.h"
 
 namespace ptdp {
@@ -147,6 +148,34 @@ TEST(StageSplits, MegatronStyleFirstAndLastStages) {
   const auto splits = stage_splits(126, 16, true);
   EXPECT_NE(std::find(splits.begin(), splits.end(), llama), splits.end());
   EXPECT_TRUE(stage_splits(7, 7, true).size() == 1 && stage_splits(7, 7, true)[0].empty());
+}
+
+// Tensor-parallel groups that do not tile a node (t = 3 on 8-GPU nodes) leave one group across
+// two nodes, and that group sets the pace; on a 72-GPU NVLink domain t = 3 stays inside.
+TEST(CommModel, TensorGroupsThatDoNotTileANodeCrossIt) {
+  ClusterSpec dgx = resolve_cluster("dgx-a100-80gb");
+  dgx.resize(96);
+  const HardwareProfile h = resolve_profile("a100-80gb");
+  ParallelPlan p;
+  auto span = [&](const ClusterSpec& c, int64_t t) {
+    p.tensor_parallel = t;
+    return tensor_group_span(c, p);
+  };
+  EXPECT_EQ(span(dgx, 4).nodes, 1);
+  EXPECT_EQ(span(dgx, 8).nodes, 1);
+  EXPECT_EQ(span(dgx, 3).nodes, 2);
+  EXPECT_EQ(span(dgx, 6).nodes, 2);
+  EXPECT_EQ(span(dgx, 16).nodes, 2);
+  EXPECT_EQ(span(dgx, 16).ranks_per_node, 8);
+  const CommModel comm(dgx, h);
+  const double bytes = 64e6;
+  EXPECT_GT(comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 3)),
+            2 * comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 4)));
+  ClusterSpec nvl72 = resolve_cluster("gb200-nvl72");
+  nvl72.resize(144);
+  EXPECT_EQ(span(nvl72, 3).nodes, 1);
+  EXPECT_EQ(span(nvl72, 8).nodes, 1);
+  EXPECT_EQ(span(nvl72, 16).nodes, 2);  // 16 does not tile 72
 }
 
 TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
