@@ -80,6 +80,11 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
+  app.add_flag("--overlap-param-gather", overlap_param_gather,
+               "hide the distributed optimizer's parameter all-gather behind the next forward");
+  app.add_flag(
+      "--tp-comm-overlap", tp_comm_overlap,
+      "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
   app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,
                "keep and reduce gradients in 16 bits (SC'21 fp16 runs) instead of fp32");
   app.add_flag("--no-scatter-gather", no_scatter_gather,
@@ -205,6 +210,8 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.sequence_parallel = sequence_parallel;
   p.distributed_optimizer = distributed_optimizer;
   p.overlap_grad_reduce = overlap_grad_reduce;
+  p.overlap_param_gather = overlap_param_gather;
+  p.tp_comm_overlap = tp_comm_overlap;
   p.fp32_grad_reduce = !fp16_grad_reduce;
   p.scatter_gather_p2p = !no_scatter_gather;
   p.gradient_accumulation_fusion = !no_grad_accumulation_fusion;

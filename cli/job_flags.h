@@ -33,6 +33,7 @@ struct JobFlags {
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
+  bool overlap_param_gather = false, tp_comm_overlap = false;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   std::string pipeline_schedule;
   bool json = false;

@@ -130,6 +130,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (sequence_parallel) f << " --sequence-parallel";
   if (distributed_optimizer) f << " --use-distributed-optimizer";
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
+  if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
+  if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
   if (!m.learned_position_embeddings)
@@ -182,6 +184,8 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("sequence_parallel", p.sequence_parallel);
   r.read("distributed_optimizer", p.distributed_optimizer);
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
+  r.read("overlap_param_gather", p.overlap_param_gather);
+  r.read("tp_comm_overlap", p.tp_comm_overlap);
   r.read("fp32_grad_reduce", p.fp32_grad_reduce);
   r.read("scatter_gather_p2p", p.scatter_gather_p2p);
   r.read("gradient_accumulation_fusion", p.gradient_accumulation_fusion);
@@ -202,6 +206,8 @@ json to_json(const ParallelPlan& p) {
               {"sequence_parallel", p.sequence_parallel},
               {"distributed_optimizer", p.distributed_optimizer},
               {"overlap_grad_reduce", p.overlap_grad_reduce},
+              {"overlap_param_gather", p.overlap_param_gather},
+              {"tp_comm_overlap", p.tp_comm_overlap},
               {"fp32_grad_reduce", p.fp32_grad_reduce},
               {"scatter_gather_p2p", p.scatter_gather_p2p},
               {"gradient_accumulation_fusion", p.gradient_accumulation_fusion},

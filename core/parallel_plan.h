@@ -42,6 +42,13 @@ struct ParallelPlan {
   // (--gradient-accumulation-fusion, Megatron's default since 2022); off, each microbatch
   // adds its gradients to the buffer in a separate pass.
   bool gradient_accumulation_fusion = true;
+  // Megatron-Core's overlaps that are settings (all off by default, as there):
+  // --tp-comm-overlap hides the sequence-parallel all-gathers and reduce-scatters behind the
+  // GEMMs they feed or drain (Transformer Engine's chunked GEMMs; needs sequence parallelism);
+  // --overlap-param-gather hides the distributed optimizer's parameter all-gather behind the
+  // next iteration's forward pass, all but its first bucket.
+  bool tp_comm_overlap = false;
+  bool overlap_param_gather = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
   std::vector<int64_t> layers_per_stage;
 

@@ -148,6 +148,13 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                ") is not a multiple of tensor-model-parallel-size (" + num(t) + ")";
       });
   }
+  // Settings that apply only where there is something to overlap: no-ops at t = 1 or d = 1.
+  if (plan.tp_comm_overlap && t > 1 && !plan.sequence_parallel)
+    return broken(PlanRule::kTpCommOverlapNeedsSequenceParallel, report, "--tp-comm-overlap",
+                  [] { return std::string("needs --sequence-parallel"); });
+  if (plan.overlap_param_gather && d > 1 && !plan.distributed_optimizer)
+    return broken(PlanRule::kParamGatherNeedsDistributedOptimizer, report, "--overlap-param-gather",
+                  [] { return std::string("needs --use-distributed-optimizer"); });
   return PlanRule::kNone;
 }
 
@@ -191,6 +198,10 @@ const char* rule_reason(PlanRule r) {
       return "sequence parallelism needs t > 1";
     case PlanRule::kSequenceParallelDividesSequence:
       return "sequence parallelism needs t to divide the sequence";
+    case PlanRule::kTpCommOverlapNeedsSequenceParallel:
+      return "tp-comm-overlap needs sequence parallelism";
+    case PlanRule::kParamGatherNeedsDistributedOptimizer:
+      return "overlap-param-gather needs the distributed optimizer";
   }
   return "?";
 }

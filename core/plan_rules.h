@@ -31,22 +31,24 @@ namespace ptdp {
 inline constexpr int64_t kMaxBatch = int64_t{1} << 24;
 
 enum class PlanRule {
-  kNone,                             // the plan is valid
-  kPositiveSizes,                    // t, p, d, b, B and v are positive
-  kSizesInRange,                     // t * p * d <= kMaxGpus; b, B, v <= kMaxBatch
-  kTensorDividesHeads,               // t | num_attention_heads
-  kTensorDividesQueryGroups,         // t | num_query_groups
-  kTensorDividesFfn,                 // t | ffn_hidden_size
-  kPipelineWithinLayers,             // p <= num_layers
-  kPipelineDividesLayers,            // p | num_layers (no layers_per_stage given)
-  kLayersPerStage,                   // layers_per_stage: p entries, each >= 1, summing to L
-  kBatchDivisible,                   // d * b | B
-  kVirtualNeedsInterleaved,          // v > 1 only with the interleaved schedule
-  kVirtualNeedsPipeline,             // v > 1 only with p >= 2
-  kVirtualDividesStage,              // v | layers of every pipeline rank
-  kVirtualMicrobatches,              // v > 1: p | number of microbatches
-  kSequenceParallelNeedsTensor,      // sequence parallelism only with t > 1
-  kSequenceParallelDividesSequence,  // sequence parallelism: t | seq_length
+  kNone,                                  // the plan is valid
+  kPositiveSizes,                         // t, p, d, b, B and v are positive
+  kSizesInRange,                          // t * p * d <= kMaxGpus; b, B, v <= kMaxBatch
+  kTensorDividesHeads,                    // t | num_attention_heads
+  kTensorDividesQueryGroups,              // t | num_query_groups
+  kTensorDividesFfn,                      // t | ffn_hidden_size
+  kPipelineWithinLayers,                  // p <= num_layers
+  kPipelineDividesLayers,                 // p | num_layers (no layers_per_stage given)
+  kLayersPerStage,                        // layers_per_stage: p entries, each >= 1, summing to L
+  kBatchDivisible,                        // d * b | B
+  kVirtualNeedsInterleaved,               // v > 1 only with the interleaved schedule
+  kVirtualNeedsPipeline,                  // v > 1 only with p >= 2
+  kVirtualDividesStage,                   // v | layers of every pipeline rank
+  kVirtualMicrobatches,                   // v > 1: p | number of microbatches
+  kSequenceParallelNeedsTensor,           // sequence parallelism only with t > 1
+  kSequenceParallelDividesSequence,       // sequence parallelism: t | seq_length
+  kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
+  kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
 };
 
 // The first rule the plan breaks, in the order listed above (kNone when it breaks none).

@@ -120,11 +120,54 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
   return 0.0;
 }
 
+std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
+                                             const ParallelPlan& p) const {
+  std::vector<double> time(ops.size());
+  for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p);
+  const int64_t t = p.tensor_parallel;
+  if (!p.tp_comm_overlap || !p.sequence_parallel || t == 1) return time;
+  // --tp-comm-overlap (Transformer Engine's userbuffers): a sequence-parallel all-gather is
+  // pipelined with the GEMM that consumes it, a reduce-scatter with the GEMM that produces it,
+  // each cut into t chunks along the tokens. What it hides: the smaller of the two, but for
+  // the one chunk that cannot overlap. What it costs: t - 1 more kernel launches and gaps.
+  // Assumed: the chunks run on several streams (as Transformer Engine launches them), so their
+  // tiles fill the GPU as the whole GEMM's do.
+  std::vector<bool> paired(ops.size(), false);
+  auto is_partner = [&](size_t j) {
+    return ops[j].kind == OpKind::kGemm && ops[j].role != OpRole::kWeightGrad && !paired[j] &&
+           ops[j].batch == 1;
+  };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& c = ops[i];
+    if (c.kind != OpKind::kCollective || c.group != CommGroup::kTensor) continue;
+    const bool gather = c.collective == Collective::kAllGather;
+    if (!gather && c.collective != Collective::kReduceScatter) continue;
+    size_t j = i;
+    if (gather) {
+      for (j = i + 1; j < ops.size() && !is_partner(j); ++j) {
+      }
+    } else {
+      for (j = i; j > 0 && !is_partner(j - 1); --j) {
+      }
+      j = j > 0 ? j - 1 : ops.size();
+    }
+    if (j >= ops.size()) continue;
+    paired[j] = true;
+    const double chunks = static_cast<double>(t);
+    const double comm = time[i], gemm = time[j];
+    time[j] = gemm + (chunks - 1.0) * profile_.kernel_gap_us * kMicrosecond;
+    time[i] = std::max(0.0, comm - gemm) + std::min(comm, gemm) / chunks;
+  }
+  return time;
+}
+
 PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
                           PassTime* weight_grad) const {
   PassTime t;
-  for (const Op& op : ops) {
-    const double time = op_time(op, p);
+  const std::vector<double> times = exposed_times(ops, p);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& op = ops[i];
+    const double time = times[i];
     PassTime& w = weight_grad && op.role == OpRole::kWeightGrad ? *weight_grad : t;
     if (op.kind == OpKind::kCollective)
       w.tp_comm += time;
@@ -139,7 +182,8 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
 const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const {
   const auto key = std::make_tuple(
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
-      int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce);
+      int64_t{p.tp_comm_overlap} * 4 + int64_t{p.gradient_accumulation_fusion} * 2 +
+          p.fp32_grad_reduce);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   const LayerShape shape = layer_shape(p);
@@ -206,6 +250,14 @@ double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const
     return comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
            comm_.collective_time(Collective::kAllGather, params * kWeightBytes, dp);
   return comm_.collective_time(Collective::kAllReduce, gbytes, dp);
+}
+
+double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int64_t layers,
+                                      double forward_s) const {
+  if (!p.overlap_param_gather || !p.distributed_optimizer || p.data_parallel == 1) return 0.0;
+  const double gather = comm_.collective_time(Collective::kAllGather, params * kWeightBytes,
+                                              data_group_span(cluster_, p));
+  return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
 
 double CostModel::embedding_sync_time(const ParallelPlan& p) const {
@@ -320,12 +372,12 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   for (int64_t r = 0; r < p.pipeline_parallel; ++r)
     params_max = std::max(params_max, parameters_on_stage(p, r));
   out.dp_time_s = gradient_sync_time(p, params_max);
-  double dp_exposed = out.dp_time_s;
+  double dp_exposed =
+      out.dp_time_s - hidden_param_gather(p, params_max, s.layers, s.forward.total());
   if (p.overlap_grad_reduce && p.data_parallel > 1) {
     // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
     const double hidden = s.backward.total() + s.recompute.total();
-    dp_exposed =
-        std::max(last_gradient_bucket_time(out.dp_time_s, s.layers), out.dp_time_s - hidden);
+    dp_exposed = std::max(last_gradient_bucket_time(dp_exposed, s.layers), dp_exposed - hidden);
   }
   b.dp_comm = dp_exposed + embedding_sync_time(p);
 

@@ -87,6 +87,10 @@ class CostModel {
   MemoryBreakdown memory(const ParallelPlan& p) const;
 
   double op_time(const Op& op, const ParallelPlan& p) const;
+  // Each op's time on the critical path of its pass: op_time, except that with
+  // --tp-comm-overlap a sequence-parallel collective shows only what its GEMM cannot hide and
+  // that GEMM runs in t chunks.
+  std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p) const;
   double gemm_time(const Op& op) const;
   double memory_time(double bytes) const;
   ChunkTime chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const;
@@ -95,6 +99,11 @@ class CostModel {
   // Data-parallel reduction of `params` parameters' gradients (reduce-scatter + all-gather of
   // the weights with the distributed optimizer), not overlapped.
   double gradient_sync_time(const ParallelPlan& p, double params) const;
+  // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
+  // parameter all-gather, bucket by bucket ahead of the next iteration's first forward pass
+  // (`forward_s`, one microbatch through the stage), all but the first of `layers` buckets.
+  double hidden_param_gather(const ParallelPlan& p, double params, int64_t layers,
+                             double forward_s) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
   // Optimizer step over `params` parameters (a 1/d shard with the distributed optimizer).

@@ -35,7 +35,10 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     in.cost.push_back(chunks);
     // Each stage reduces and updates its own parameters.
     const double params = cm.parameters_on_stage(p, r);
-    const double dp_time = cm.gradient_sync_time(p, params);
+    double forward = 0;  // one microbatch through all the stage's chunks
+    for (int64_t k = 0; k < v; ++k) forward += cm.chunk_time(p, r, k).forward.total();
+    const double dp_time = cm.gradient_sync_time(p, params) -
+                           cm.hidden_param_gather(p, params, p.layers_on_stage(m, r), forward);
     in.dp_sync.push_back(to_picos(dp_time));
     in.dp_last_bucket.push_back(
         to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r))));

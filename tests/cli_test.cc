@@ -250,6 +250,46 @@ TEST(CliSimulate, JsonHasTheDocumentedKeysAndAgreesWithPredict) {
   }
 }
 
+// Megatron-Core's overlap settings: each hides what it overlaps (and no more), the simulator
+// agrees with the analytic model, the flags come back in the plan, and each refuses the plan
+// it cannot apply to.
+TEST(CliSimulate, OverlapSettingsHideTheirCommunication) {
+  auto time = [](std::vector<std::string> extra) {
+    extra.push_back("--json");
+    const Result r = run(simulate_small(extra));
+    EXPECT_EQ(r.status, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_NEAR(j["iteration_time_s"].get<double>() / j["predicted_iteration_time_s"].get<double>(),
+                1.0, 0.05);
+    return j;
+  };
+  const auto sp = time({"--sequence-parallel"});
+  const auto tp = time({"--sequence-parallel", "--tp-comm-overlap"});
+  EXPECT_LT(tp["exposed_comm_s"]["tp"].get<double>(),
+            0.5 * sp["exposed_comm_s"]["tp"].get<double>());
+  EXPECT_LT(tp["iteration_time_s"].get<double>(), sp["iteration_time_s"].get<double>());
+  const auto dopt = time({"--use-distributed-optimizer"});
+  const auto gather = time({"--use-distributed-optimizer", "--overlap-param-gather"});
+  EXPECT_LT(gather["exposed_comm_s"]["dp"].get<double>(),
+            dopt["exposed_comm_s"]["dp"].get<double>());
+  EXPECT_GT(gather["exposed_comm_s"]["dp"].get<double>(), 0);  // the reduce-scatter stays
+  auto pred = kPredict175B;
+  pred.insert(pred.end(), {"--sequence-parallel", "--tp-comm-overlap",
+                           "--use-distributed-optimizer", "--overlap-param-gather", "--json"});
+  const Result r = run(pred);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string flags = nlohmann::json::parse(r.out)["megatron_flags"];
+  EXPECT_NE(flags.find("--overlap-param-gather"), std::string::npos);
+  EXPECT_NE(flags.find("--tp-comm-overlap"), std::string::npos);
+}
+TEST(CliErrors, OverlapSettingsNeedWhatTheyOverlap) {
+  for (const char* flag : {"--tp-comm-overlap", "--overlap-param-gather"}) {
+    auto args = kPredict175B;
+    args.push_back(flag);
+    expect_bad(args, flag);
+  }
+}
+
 TEST(CliSimulate, WritesTraceAndSvg) {
   const auto dir = std::filesystem::temp_directory_path();
   const std::string trace = (dir / "ptdp_cli_test_trace.json").string();
