@@ -227,7 +227,7 @@ const std::string kWide =
 TEST(CheckpointFaults, RankKilledWhileWritingLeavesThePreviousCheckpointWhichResumesTheCurve) {
   const fs::path dir = fresh_dir("killed_save"), ckpt = dir / "ckpt", log = dir / "log";
   Job job("exec " + kMpirun + " -np 2 " + PTDP_BINARY + " run" + kWide + " --steps 1000 --save " +
-              ckpt.string() + " --save-interval 1 > " + log.string() + " 2>&1",
+              ckpt.string() + " --save-interval 1 --keep-checkpoints 2 > " + log.string() + " 2>&1",
           ckpt.string());
   // Once a checkpoint exists, SIGKILL the first rank seen writing a later one.
   int64_t killed_step = -1;
@@ -275,6 +275,7 @@ TEST(CheckpointFaults, RankKilledWhileWritingLeavesThePreviousCheckpointWhichRes
   ASSERT_EQ(all.size(), static_cast<size_t>(saved + 2));
   for (size_t i = 0; i < 2; ++i)
     EXPECT_EQ(tail[i], all[static_cast<size_t>(saved) + i]) << "step " << saved + 1 + i;
+  fs::remove_all(dir);  // large files
 }
 
 TEST(CheckpointFaults, DamagedShardIsRefusedNamingTheFileBeforeAnyStep) {
