@@ -23,6 +23,10 @@ bool watchdog_active() {
   return false;
 }
 
+int64_t watchdog_checks() {
+  return 0;
+}
+
 void watchdog_check_peers(const std::string&, const std::string&, CommDuration,
                           const std::string&) {}
 

@@ -40,6 +40,7 @@ struct State {
 };
 
 State* g_state = nullptr;  // set while the watchdog runs
+std::atomic<int64_t> g_checks{0};
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::ostringstream s;
@@ -217,10 +218,15 @@ bool watchdog_active() {
   return g_state != nullptr;
 }
 
+int64_t watchdog_checks() {
+  return g_checks.load();
+}
+
 void watchdog_check_peers(const std::string& group, const std::string& operation,
                           CommDuration waited, const std::string& cause) {
   State* s = g_state;
   if (!s) return;
+  ++g_checks;
   const std::vector<int> lost = silent_ranks(s, answer_time());
   if (lost.empty()) return;
   notify(s, lost);

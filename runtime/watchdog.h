@@ -16,6 +16,7 @@
 // PTDP_COMM_TIMEOUT_S with CommTimeout, as before.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,9 @@ bool watchdog_active();
 // returns at once.
 void watchdog_check_peers(const std::string& group, const std::string& operation,
                           CommDuration waited, const std::string& cause = {});
+
+// How many times this process has checked its peers (for tests).
+int64_t watchdog_checks();
 
 // Prints `line` (one line, on stderr, with this world rank's prefix added by the caller) and
 // stops the whole job: MPI_Abort, or _exit if that does not end this process within 10 s.
