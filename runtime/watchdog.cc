@@ -39,6 +39,9 @@ struct State {
   int64_t round = 0;
 };
 
+void claim_abort(const std::string& line);
+[[noreturn]] void finish_abort();
+
 State* g_state = nullptr;  // set while the watchdog runs
 std::atomic<int64_t> g_checks{0};
 
@@ -229,22 +232,36 @@ void watchdog_check_peers(const std::string& group, const std::string& operation
   ++g_checks;
   const std::vector<int> lost = silent_ranks(s, answer_time());
   if (lost.empty()) return;
-  notify(s, lost);
   char seconds[32];
   std::snprintf(seconds, sizeof seconds, "%.1f", waited.count());
-  abort_job("ptdp: watchdog: world rank " + std::to_string(s->rank) + ": " + operation +
-            " in group '" + group + "' waited " + seconds + " s" +
-            (cause.empty() ? "" : " (" + cause + ")") + "; " + ranks_phrase(lost) +
-            (lost.size() > 1 ? " do" : " does") + " not answer: lost; aborting the job");
+  // This rank's line first: a notice from a peer that found the same loss is then ignored.
+  claim_abort("ptdp: watchdog: world rank " + std::to_string(s->rank) + ": " + operation +
+              " in group '" + group + "' waited " + seconds + " s" +
+              (cause.empty() ? "" : " (" + cause + ")") + "; " + ranks_phrase(lost) +
+              (lost.size() > 1 ? " do" : " does") + " not answer: lost; aborting the job");
+  notify(s, lost);
+  finish_abort();
 }
 
 [[noreturn]] void abort_job(const std::string& line) {
+  claim_abort(line);
+  finish_abort();
+}
+
+namespace {
+
+// Prints `line` if this is the first thread to stop the process; any later caller parks here
+// while the first one ends the process.
+void claim_abort(const std::string& line) {
   static std::atomic<bool> aborting{false};
-  if (aborting.exchange(true))  // another thread is already stopping the process
+  if (aborting.exchange(true))
     for (;;) std::this_thread::sleep_for(1s);
   std::fflush(stdout);
   std::fprintf(stderr, "%s\n", line.c_str());
   std::fflush(stderr);
+}
+
+[[noreturn]] void finish_abort() {
   std::thread([] {
     std::this_thread::sleep_for(10s);
     std::_Exit(3);
@@ -256,8 +273,11 @@ void watchdog_check_peers(const std::string& group, const std::string& operation
   std::_Exit(3);
 }
 
+}  // namespace
+
 void start_watchdog(bool thread_multiple) {
-  if (g_state || !thread_multiple) return;
+  const char* off = std::getenv("PTDP_WATCHDOG");
+  if (g_state || !thread_multiple || (off && std::string(off) == "off")) return;
   int size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   if (size < 2) return;

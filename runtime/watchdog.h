@@ -12,7 +12,8 @@
 // that gets the notice prints its own line and aborts too, so no rank depends on the launcher
 // to be stopped.
 //
-// Without MPI_THREAD_MULTIPLE (or without MPI) there is no watchdog thread: waits then end at
+// Without MPI_THREAD_MULTIPLE (or without MPI, or with PTDP_WATCHDOG=off in the environment of
+// every rank) there is no watchdog thread: waits then end at
 // PTDP_COMM_TIMEOUT_S with CommTimeout, as before.
 #pragma once
 
