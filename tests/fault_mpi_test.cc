@@ -172,7 +172,7 @@ double lose_a_rank(const std::string& name, int victim, int signal) {
                           " --pipeline-model-parallel-size 2 --save " +
                           marker + " --save-interval 1000000 > " + log.string() + " 2>&1";
   Job job(cmd, marker);
-  const bool training = eventually([&] { return lines_with(read_file(log), "step ") >= 3; }, 90s);
+  const bool training = eventually([&] { return lines_with(read_file(log), "step ") >= 3; }, 60s);
   EXPECT_TRUE(training) << read_file(log);
   if (!training) return -1;
   const std::vector<pid_t> pids = job.rank(victim);
@@ -232,7 +232,7 @@ TEST(CheckpointFaults, RankKilledWhileWritingLeavesThePreviousCheckpointWhichRes
   // Once a checkpoint exists, SIGKILL the first rank seen writing a later one.
   int64_t killed_step = -1;
   fs::path killed_file;
-  const auto deadline = Clock::now() + 90s;
+  const auto deadline = Clock::now() + 60s;
   while (killed_step < 0 && Clock::now() < deadline) {
     const int64_t latest = latest_step(ckpt);
     std::error_code ec;
@@ -257,7 +257,7 @@ TEST(CheckpointFaults, RankKilledWhileWritingLeavesThePreviousCheckpointWhichRes
     std::this_thread::sleep_for(1ms);
   }
   ASSERT_GE(killed_step, 2) << read_file(log);
-  EXPECT_GT(job.wait_for(60s), 0) << read_file(log);
+  EXPECT_GT(job.wait_for(30s), 0) << read_file(log);
   job.kill_all();
   // The rank died before its file was complete, so `latest` still names an earlier step.
   const std::string shard = killed_file.string().substr(0, killed_file.string().size() - 4);
