@@ -127,6 +127,9 @@ int64_t read_latest(const std::string& dir) {
 CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
                                       const nlohmann::json& expected) {
   const std::string path = checkpoint_file(dir, step, rank);
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw InputError("--load", path + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   if (!in)
     throw InputError("--load", "no shard for rank " + std::to_string(rank) + " at " + path +
