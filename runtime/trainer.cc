@@ -387,12 +387,14 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
 namespace {
 
 std::string non_finite_message(int64_t step, double loss, double grad_norm) {
-  char buf[200];
-  std::snprintf(buf, sizeof buf,
-                "step %lld: the loss is %g (gradient norm %g on rank 0): not finite; every rank "
-                "stops before saving these weights",
-                static_cast<long long>(step + 1), loss, grad_norm);
-  return buf;
+  auto show = [](double x) {  // "nan" whatever its sign bit
+    if (std::isnan(x)) return std::string("nan");
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", x);
+    return std::string(b);
+  };
+  return "step " + std::to_string(step + 1) + ": the loss is " + show(loss) + " (gradient norm " +
+         show(grad_norm) + " on rank 0): not finite; every rank stops before saving these weights";
 }
 
 }  // namespace
