@@ -211,8 +211,9 @@ void notify(State* s, const std::vector<int>& lost) {
   std::this_thread::sleep_for(500ms);
 }
 
+// How long a ping waits for its answer: the stall timeout, within [2 s, 5 s].
 CommDuration answer_time() {
-  return std::clamp(stall_timeout(), CommDuration(1.0), CommDuration(5.0));
+  return std::clamp(stall_timeout(), CommDuration(2.0), CommDuration(5.0));
 }
 
 }  // namespace
