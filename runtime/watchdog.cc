@@ -25,6 +25,7 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 constexpr int kToWatchdog = 1, kToProber = 2;
+constexpr auto kGrace = 1s;  // between a lost-rank notice and MPI_Abort
 constexpr int64_t kPing = 1, kPong = 2, kLost = 3;
 constexpr int kMaxNamed = 14;  // lost ranks a notice names
 constexpr int kMsg = 2 + kMaxNamed;
@@ -95,9 +96,13 @@ void serve(State* s) {
         std::vector<int> lost;
         for (int64_t i = 0; i < std::min<int64_t>(in[1], kMaxNamed); ++i)
           lost.push_back(static_cast<int>(in[static_cast<size_t>(2 + i)]));
-        abort_job("ptdp: watchdog: world rank " + std::to_string(s->rank) + " stops: world rank " +
-                  std::to_string(st.MPI_SOURCE) + " found " + ranks_phrase(lost) +
-                  " lost (no answer); aborting the job");
+        claim_abort("ptdp: watchdog: world rank " + std::to_string(s->rank) +
+                    " stops: world rank " + std::to_string(st.MPI_SOURCE) + " found " +
+                    ranks_phrase(lost) + " lost (no answer); aborting the job");
+        // As the rank that sent the notice: time for every notified rank to print its line
+        // before the first MPI_Abort makes the launcher kill the others.
+        std::this_thread::sleep_for(kGrace);
+        finish_abort();
       }
       continue;
     }
@@ -208,7 +213,7 @@ void notify(State* s, const std::vector<int>& lost) {
     if (r != MPI_REQUEST_NULL) wait_until(r, deadline);
   // Time for the notified ranks to print their own line before MPI_Abort makes the launcher
   // kill them.
-  std::this_thread::sleep_for(500ms);
+  std::this_thread::sleep_for(kGrace);
 }
 
 // How long a ping waits for its answer: the stall timeout, within [2 s, 5 s].

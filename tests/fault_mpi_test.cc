@@ -160,14 +160,15 @@ bool eventually(F done, Clock::duration limit) {
   return true;
 }
 
-// Starts a long 4-rank run (t=2, p=2), lets it train a few steps, stops rank `victim` with
-// `signal`, and checks that every other rank exits within 60 s by itself, each with a line
-// naming the lost rank. Returns the seconds from the signal to the last rank's exit.
-double lose_a_rank(const std::string& name, int victim, int signal) {
+// Starts a long 4-rank run (t=2, p=2) with the environment `env`, lets it train a few steps,
+// stops rank `victim` with `signal`, and returns the seconds until every other rank has exited
+// (at most 60 s; then everything is killed) and the job's output in `log_text`.
+double stop_a_rank(const std::string& name, const std::string& env, int victim, int signal,
+                   std::string* log_text) {
   const fs::path dir = fresh_dir(name), log = dir / "log";
   const std::string marker = (dir / "never").string();  // in the ranks' command line
-  const std::string cmd = "PTDP_STALL_TIMEOUT_S=3 exec " + kMpirun + kNoLauncherAbort + " -np 4 " +
-                          PTDP_BINARY + " run" + kTiny +
+  const std::string cmd = env + " exec " + kMpirun + kNoLauncherAbort + " -np 4 " + PTDP_BINARY +
+                          " run" + kTiny +
                           " --steps 1000000 --tensor-model-parallel-size 2"
                           " --pipeline-model-parallel-size 2 --save " +
                           marker + " --save-interval 1000000 > " + log.string() + " 2>&1";
@@ -192,18 +193,29 @@ double lose_a_rank(const std::string& name, int victim, int signal) {
       60s);
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   job.kill_all();
-  const std::string text = read_file(log);
-  EXPECT_TRUE(stopped) << "ranks still running 60 s after losing rank " << victim << "\n" << text;
+  *log_text = read_file(log);
+  EXPECT_TRUE(stopped) << "ranks still running 60 s after losing rank " << victim << "\n"
+                       << *log_text;
+  std::printf("[ measured ] %s: %.1f s from the signal to every other rank's exit\n", name.c_str(),
+              seconds);
+  return stopped ? seconds : -1;
+}
+
+// With the watchdog: every other rank exits by itself, each with a line naming the lost rank,
+// the first also naming the group and the operation.
+double lose_a_rank(const std::string& name, int victim, int signal) {
+  std::string text;
+  const double seconds = stop_a_rank(name, "PTDP_STALL_TIMEOUT_S=3", victim, signal, &text);
   const std::string lost = "world rank " + std::to_string(victim) + " does not answer: lost";
   EXPECT_NE(text.find(lost), std::string::npos) << text;
   EXPECT_NE(text.find("in group '"), std::string::npos) << text;
   // Each live rank printed its own line: it stopped by itself, not by the launcher.
-  for (int r : others)
+  for (int r = 0; r < 4; ++r) {
+    if (r == victim) continue;
     EXPECT_NE(text.find("ptdp: watchdog: world rank " + std::to_string(r)), std::string::npos)
         << "rank " << r << "\n"
         << text;
-  std::printf("[ measured ] %s: %.1f s from the signal to every other rank's exit\n", name.c_str(),
-              seconds);
+  }
   return seconds;
 }
 
@@ -213,6 +225,19 @@ TEST(Watchdog, FrozenRankStopsEveryOtherRankWithinAMinuteNamingIt) {
 
 TEST(Watchdog, KilledRankStopsEveryOtherRankWithoutTheLauncher) {
   EXPECT_LT(lose_a_rank("sigkill", 1, SIGKILL), 60.0);
+}
+
+// Without the watchdog thread (as without MPI_THREAD_MULTIPLE) the communication timeout still
+// ends the job: the first rank to time out prints it and aborts.
+TEST(Watchdog, WithoutItTheCommunicationTimeoutStillEndsTheJob) {
+  std::string text;
+  const double seconds =
+      stop_a_rank("no_watchdog", "PTDP_WATCHDOG=off PTDP_COMM_TIMEOUT_S=3", 2, SIGSTOP, &text);
+  EXPECT_GE(seconds, 0.0);
+  EXPECT_LT(seconds, 60.0);
+  EXPECT_NE(text.find("communication timed out after 3 s"), std::string::npos) << text;
+  EXPECT_NE(text.find("in group '"), std::string::npos) << text;
+  EXPECT_EQ(text.find("ptdp: watchdog"), std::string::npos) << text;
 }
 
 // ---- checkpoints ----
