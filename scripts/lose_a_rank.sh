@@ -19,10 +19,10 @@ job=$!
 rank_pid() {
   for p in $(pgrep -f "$work/marker" || true); do
     if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" &&
-      ! grep -q mpirun "/proc/$p/cmdline"; then echo "$p"; fi
+      ! grep -q mpirun "/proc/$p/cmdline" 2>/dev/null; then echo "$p"; fi
   done
 }
-until [ "$(grep -c '^step' "$work/log" || true)" -ge 3 ]; do sleep 0.1; done
+until [ "$(grep -c '^step' "$work/log" 2>/dev/null || echo 0)" -ge 3 ]; do sleep 0.1; done
 victim=$(rank_pid 2)
 kill "-$sig" "$victim"
 t0=$(date +%s.%N)
