@@ -18,7 +18,7 @@ job=$!
 # The pid of rank $1 of this job (its command line names $work).
 rank_pid() {
   for p in $(pgrep -f "$work/marker" || true); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1" &&
+    if tr '\0' '\n' 2>/dev/null <"/proc/$p/environ" | grep -qx "OMPI_COMM_WORLD_RANK=$1" &&
       ! grep -q mpirun "/proc/$p/cmdline" 2>/dev/null; then echo "$p"; fi
   done
 }
