@@ -24,6 +24,7 @@
 #include "planner/search.h"
 #include "runtime/communicator.h"
 #include "runtime/trainer.h"
+#include "runtime/watchdog.h"
 #include "simulator/timeline_export.h"
 
 namespace ptdp {
@@ -38,6 +39,7 @@ struct RunFlags {
   bool json = false;
   bool dry_run = false;
   std::optional<double> memory_limit_gib;
+  std::optional<int64_t> keep_checkpoints;
 };
 
 Span to_span(const TimelineEvent& e) {
@@ -199,6 +201,10 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (f.plan_index == "all" && !f.dry_run)
       throw InputError("--plan-index", "all needs --dry-run (a run trains one plan)");
     if (f.memory_limit_gib && !f.dry_run) throw InputError("--memory-limit-gib", "needs --dry-run");
+    if (f.keep_checkpoints) {
+      if (*f.keep_checkpoints < 1) throw InputError("--keep-checkpoints", "must be at least 1");
+      f.train.keep_checkpoints = *f.keep_checkpoints;
+    }
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {
@@ -252,6 +258,11 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     r = train(f.train, *world, on_step);
   } catch (const PeerFailed&) {
     return 2;
+  } catch (const NonFiniteLoss& e) {  // on every rank, at the same step
+    if (root) err << "ptdp: " << e.what() << "\n";
+    return 3;
+  } catch (const CommTimeout& e) {  // a wait past PTDP_COMM_TIMEOUT_S: stop the whole job
+    abort_job("ptdp: world rank " + std::to_string(world->rank()) + ": " + e.what());
   }
   if (!root) return 0;
   if (!r.timeline.empty()) {
@@ -350,6 +361,9 @@ Action add_run_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--save", t.save_dir, "checkpoint directory");
   sub->add_option("--save-interval", t.save_interval, "steps between checkpoints");
+  sub->add_option("--keep-checkpoints", f->keep_checkpoints,
+                  "keep only the newest N checkpoints in --save (older ones removed after each "
+                  "save)");
   sub->add_option("--load", t.load_dir, "resume from the latest checkpoint in this directory");
   sub->add_option("--trace", f->trace, "write the measured timeline (Chrome trace JSON)");
   sub->add_option("--svg", f->svg, "write the measured timeline as an SVG chart");

@@ -124,9 +124,12 @@ void JsonObjectReader::reject_unknown_keys() const {
 // ---- files and presets ----
 
 json read_json_file(const std::string& path, const std::string& field) {
+  // Only regular files: a device (/dev/zero), a FIFO or a directory would hang or fail late.
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw InputError(field, "'" + path + "' is not a regular file");
   std::ifstream in(path, std::ios::binary);
-  if (!in || std::filesystem::is_directory(path))
-    throw InputError(field, "cannot open '" + path + "'");
+  if (!in) throw InputError(field, "cannot open '" + path + "'");
   std::stringstream text;
   text << in.rdbuf();
   try {

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -17,18 +19,32 @@ namespace {
 
 constexpr char kMagic[] = "PTDPCKPT1\n";
 
-// Writes `bytes` to path via path.tmp, flushed to disk, then renamed.
+// The error of a failed write: InputError("--save", ...) naming the path and the system's
+// reason (a full disk, a file-size limit, permissions).
+InputError save_error(const std::string& what, const std::string& path, int err) {
+  return InputError("--save", "cannot " + what + " " + path + ": " + std::strerror(err));
+}
+
+// Writes `bytes` to path via path.tmp, flushed to disk, then renamed. On failure the temporary
+// file is removed and `path` keeps what it held.
 void write_atomically(const std::string& path, const std::string& bytes) {
   const std::string tmp = path + ".tmp";
   FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw std::runtime_error("cannot write " + tmp);
-  const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size() &&
-                  std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
-  if (std::fclose(f) != 0 || !ok) {
+  if (!f) throw save_error("write", tmp, errno);
+  int err = 0;
+  if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() || std::fflush(f) != 0 ||
+      ::fsync(fileno(f)) != 0)
+    err = errno ? errno : EIO;
+  if (std::fclose(f) != 0 && err == 0) err = errno ? errno : EIO;
+  if (err != 0) {
     std::remove(tmp.c_str());
-    throw std::runtime_error("cannot write " + tmp);
+    throw save_error("write", tmp, err);
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("cannot rename " + tmp);
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    err = errno;
+    std::remove(tmp.c_str());
+    throw save_error("rename", tmp, err);
+  }
 }
 
 // A short description of a layout for error messages; "?" for what a damaged file lacks.
@@ -63,7 +79,7 @@ void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
                             const std::vector<std::span<const float>>& arrays) {
   std::error_code ec;
   std::filesystem::create_directories(checkpoint_step_dir(dir, step), ec);
-  if (ec) throw std::runtime_error("cannot create " + checkpoint_step_dir(dir, step));
+  if (ec) throw save_error("create", checkpoint_step_dir(dir, step), ec.value());
   nlohmann::json header = {{"step", step}, {"layout", layout}, {"arrays", nlohmann::json::array()}};
   for (const auto& a : arrays) header["arrays"].push_back(a.size());
   std::string bytes = kMagic;
@@ -79,6 +95,27 @@ void write_latest(const std::string& dir, int64_t step) {
   write_atomically((std::filesystem::path(dir) / "latest").string(), std::to_string(step) + "\n");
 }
 
+std::vector<int64_t> prune_checkpoints(const std::string& dir, int64_t latest, int64_t keep) {
+  std::vector<int64_t> older;  // steps of the complete checkpoints before `latest`
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() != 12 || name.compare(0, 5, "step_") != 0 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
+    const int64_t step = std::stoll(name.substr(5));
+    if (step < latest) older.push_back(step);
+  }
+  std::sort(older.rbegin(), older.rend());
+  std::vector<int64_t> removed;
+  for (size_t i = static_cast<size_t>(std::max<int64_t>(keep - 1, 0)); i < older.size(); ++i) {
+    std::filesystem::remove_all(checkpoint_step_dir(dir, older[i]), ec);
+    if (ec) throw std::runtime_error("cannot remove " + checkpoint_step_dir(dir, older[i]));
+    removed.push_back(older[i]);
+  }
+  return removed;
+}
+
 int64_t read_latest(const std::string& dir) {
   std::ifstream in(std::filesystem::path(dir) / "latest");
   int64_t step = -1;
@@ -90,6 +127,9 @@ int64_t read_latest(const std::string& dir) {
 CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
                                       const nlohmann::json& expected) {
   const std::string path = checkpoint_file(dir, step, rank);
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw InputError("--load", path + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   if (!in)
     throw InputError("--load", "no shard for rank " + std::to_string(rank) + " at " + path +

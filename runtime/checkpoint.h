@@ -22,12 +22,17 @@ struct CheckpointShard {
 std::string checkpoint_step_dir(const std::string& dir, int64_t step);
 std::string checkpoint_file(const std::string& dir, int64_t step, int64_t rank);
 
-// Writes this rank's file atomically; throws std::runtime_error naming the path on I/O errors.
+// Writes this rank's file atomically; throws InputError("--save", ...) naming the path and the
+// system's reason (e.g. "No space left on device") on I/O errors, leaving no partial file.
 void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
                             const nlohmann::json& layout,
                             const std::vector<std::span<const float>>& arrays);
 // Rank 0, after every rank wrote its shard: DIR/latest := step (atomically).
 void write_latest(const std::string& dir, int64_t step);
+// Rank 0, after write_latest(dir, latest): removes the step directories older than `latest`
+// except the keep - 1 most recent (with `latest`, `keep` checkpoints remain). Directories of
+// steps after `latest` (a save that did not complete) are left alone. Returns the steps removed.
+std::vector<int64_t> prune_checkpoints(const std::string& dir, int64_t latest, int64_t keep);
 // The step DIR/latest names; InputError("--load", ...) if there is none.
 int64_t read_latest(const std::string& dir);
 // Reads and verifies (checksum, layout equal to `expected`) rank's file of `step`;

@@ -5,17 +5,32 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "runtime/watchdog.h"
+
 namespace ptdp {
 
-CommDuration default_comm_timeout() {
-  const char* env = std::getenv("PTDP_COMM_TIMEOUT_S");
-  if (env == nullptr || *env == '\0') return CommDuration(300.0);
+namespace {
+
+// Seconds from the environment variable `name`, or `fallback` when it is unset or empty.
+CommDuration seconds_from_env(const char* name, double fallback) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return CommDuration(fallback);
   char* end = nullptr;
   const double s = std::strtod(env, &end);
   if (end == env || *end != '\0' || !(s > 0))
-    throw std::invalid_argument(std::string("PTDP_COMM_TIMEOUT_S='") + env +
+    throw std::invalid_argument(std::string(name) + "='" + env +
                                 "' is not a positive number of seconds");
   return CommDuration(s);
+}
+
+}  // namespace
+
+CommDuration default_comm_timeout() {
+  return seconds_from_env("PTDP_COMM_TIMEOUT_S", 300.0);
+}
+
+CommDuration stall_timeout() {
+  return seconds_from_env("PTDP_STALL_TIMEOUT_S", 30.0);
 }
 
 namespace {

@@ -24,6 +24,9 @@ std::vector<uint16_t> tokenize_bytes(const std::string& text) {
 }
 
 int64_t tokenize_file(const std::string& input, const std::string& output) {
+  std::error_code ec;
+  if (std::filesystem::exists(input, ec) && !std::filesystem::is_regular_file(input, ec))
+    throw InputError(input, "is not a regular file");
   std::ifstream in(input, std::ios::binary);
   if (!in) throw InputError(input, "cannot be read");
   std::stringstream text;
@@ -56,6 +59,9 @@ TokenSource TokenSource::synthetic(int64_t vocab, uint64_t seed) {
 }
 
 TokenSource TokenSource::file(const std::string& path, int64_t vocab, int64_t seq_length) {
+  std::error_code ec;
+  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
+    throw InputError("--data", path + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError("--data", path + " cannot be read");
   std::stringstream bytes;

@@ -9,6 +9,11 @@
 // bf16 and fp16 travel as 16-bit words (MPI_UINT16_T) and are summed by user-defined MPI ops
 // (MPI_Op_create, commutative) that widen both operands to fp32, add, and round back to 16 bits
 // with runtime/float16.h: one rounding per reduction step, half the traffic of an fp32 detour.
+//
+// Lost ranks. MPI starts with MPI_THREAD_MULTIPLE where the library provides it, for the
+// watchdog thread (runtime/watchdog.h). A wait that lasts the stall timeout, or an MPI error
+// while polling, makes the rank ask every peer whether it is alive: a lost peer is named and
+// the job aborted; if all answer, the wait goes on up to the communicator's timeout.
 #include <mpi.h>
 
 #include <algorithm>
@@ -24,6 +29,7 @@
 
 #include "runtime/communicator.h"
 #include "runtime/float16.h"
+#include "runtime/watchdog.h"
 
 namespace ptdp {
 namespace {
@@ -86,6 +92,7 @@ void finalize_at_exit() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  stop_watchdog();
   if (g_bf16_sum != MPI_OP_NULL) MPI_Op_free(&g_bf16_sum);
   if (g_fp16_sum != MPI_OP_NULL) MPI_Op_free(&g_fp16_sum);
   MPI_Finalize();
@@ -98,8 +105,9 @@ void ensure_mpi() {
   MPI_Initialized(&initialized);
   if (!initialized) {
     int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
     std::atexit(finalize_at_exit);
+    start_watchdog(provided >= MPI_THREAD_MULTIPLE);
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   if (g_bf16_sum == MPI_OP_NULL) check(MPI_Op_create(bf16_sum, 1, &g_bf16_sum), "op create");
@@ -147,7 +155,8 @@ class MpiWork final : public Work {
       : group_name_(group.name),
         world_ranks_(group.world_ranks),
         operation_(std::move(operation)),
-        timeout_(timeout) {}
+        timeout_(timeout),
+        stall_(stall_timeout()) {}
 
   ~MpiWork() override {
     if (remaining_ == 0) return;
@@ -200,23 +209,40 @@ class MpiWork final : public Work {
   }
 
  private:
-  // Tests the requests until all are done (true) or `timeout` has passed (false).
+  // Tests the requests until all are done (true) or `timeout` has passed (false). Each time
+  // the wait has lasted the stall timeout, and on an MPI error, the watchdog checks that every
+  // peer is alive (and aborts the job if one is not).
   bool poll(CommDuration timeout) {
     if (remaining_ == 0) return true;
     const auto start = Clock::now();
     const auto deadline = start + std::chrono::duration_cast<Clock::duration>(timeout);
+    const auto stall = std::chrono::duration_cast<Clock::duration>(stall_);
+    auto next_check = start + stall;
     auto pause = std::chrono::microseconds(20);
     std::vector<int> done(reqs_.size());
     for (;;) {
       int outcount = 0;
-      check(MPI_Testsome(static_cast<int>(reqs_.size()), reqs_.data(), &outcount, done.data(),
-                         MPI_STATUSES_IGNORE),
-            operation_);
+      const int rc = MPI_Testsome(static_cast<int>(reqs_.size()), reqs_.data(), &outcount,
+                                  done.data(), MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        char msg[MPI_MAX_ERROR_STRING];
+        int len = 0;
+        MPI_Error_string(rc, msg, &len);
+        watchdog_check_peers(group_name_, operation_, Clock::now() - start,
+                             "MPI error: " + std::string(msg, static_cast<size_t>(len)));
+        check(rc, operation_);  // every peer answers: an error of this rank's own
+      }
       // MPI_UNDEFINED: no active request is left (also when a post failed and left none).
       remaining_ = outcount == MPI_UNDEFINED ? 0 : remaining_ - static_cast<size_t>(outcount);
       if (remaining_ == 0) return true;
-      const auto now = Clock::now();
+      auto now = Clock::now();
       if (now >= deadline) return false;
+      if (now >= next_check && watchdog_active()) {
+        watchdog_check_peers(group_name_, operation_, now - start);
+        now = Clock::now();
+        next_check = now + stall;
+        if (now >= deadline) return false;
+      }
       if (now - start < std::chrono::microseconds(100)) {  // short transfers: spin, yielding
         std::this_thread::yield();                         // the core, when ranks outnumber cores
         continue;
@@ -265,7 +291,7 @@ class MpiWork final : public Work {
   std::string group_name_;
   std::vector<int> world_ranks_;
   std::string operation_;
-  CommDuration timeout_;
+  CommDuration timeout_, stall_;
   std::vector<MPI_Request> reqs_;
   std::vector<Peer> peers_;  // parallel to reqs_ for a point-to-point batch, else empty
   size_t remaining_ = 0;

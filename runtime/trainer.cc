@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -102,6 +104,9 @@ void validate_options(const TrainOptions& o) {
   if (o.save_interval < 0) throw InputError("--save-interval", "must not be negative");
   if (o.save_interval > 0 && o.save_dir.empty())
     throw InputError("--save-interval", "needs --save DIR");
+  if (o.keep_checkpoints < 0) throw InputError("--keep-checkpoints", "must be at least 1");
+  if (o.keep_checkpoints > 0 && o.save_dir.empty())
+    throw InputError("--keep-checkpoints", "needs --save DIR");
   if (o.plan.schedule == Schedule::kZeroBubbleH1)
     throw InputError("--pipeline-schedule",
                      "ptdp run executes gpipe, 1f1b and interleaved; zb-h1 is simulated only");
@@ -183,15 +188,18 @@ void Executor::setup() {
   });
   if (dry_) return;
   const int key = static_cast<int>(world_.rank());
-  tp_ = world_.split(static_cast<int>(pg_->tensor_color()), key);
-  dp_ = world_.split(static_cast<int>(pg_->data_color()), key);
-  pp_ = world_.split(static_cast<int>(pg_->pipeline_color()), key);
-  model_ = world_.split(static_cast<int>(pg_->model_color()), key);
+  // Named for messages (a timeout, the watchdog): "tensor-parallel 3" is tensor group 3.
+  auto split = [&](int64_t color, const char* kind) {
+    return world_.split(static_cast<int>(color), key,
+                        kind + std::string(" ") + std::to_string(color));
+  };
+  tp_ = split(pg_->tensor_color(), "tensor-parallel");
+  dp_ = split(pg_->data_color(), "data-parallel");
+  pp_ = split(pg_->pipeline_color(), "pipeline");
+  model_ = split(pg_->model_color(), "model-parallel");
   const bool embedding_member = p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) &&
                                 !o_.model.untie_embeddings_and_output_weights;
-  embedding_ = world_.split(
-      embedding_member ? static_cast<int>(pg_->pipeline_color()) : static_cast<int>(t_ * d_ + key),
-      key);
+  embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * d_ + key, "embedding");
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
   const auto& segs = shard_->segments();
   for (size_t i = 0; i < segs.size(); ++i)
@@ -271,9 +279,20 @@ void Executor::save_checkpoint(int64_t completed) {
     backend_->download(b->data<float>(), host.back().data(), b->bytes());
   }
   for (const auto& h : host) arrays.emplace_back(h.data(), h.size());
-  write_checkpoint_shard(o_.save_dir, world_.rank(), completed, layout, arrays);
-  control_.barrier();
-  if (world_.rank() == 0) write_latest(o_.save_dir, completed);
+  // Agreed on, so that a failed write (a full disk) stops every rank, and `latest` moves only
+  // once every shard is in place.
+  agree(control_,
+        [&] { write_checkpoint_shard(o_.save_dir, world_.rank(), completed, layout, arrays); });
+  agree(control_, [&] {
+    if (world_.rank() == 0) write_latest(o_.save_dir, completed);
+  });
+  if (world_.rank() == 0 && o_.keep_checkpoints > 0) {
+    try {
+      prune_checkpoints(o_.save_dir, completed, o_.keep_checkpoints);
+    } catch (const std::exception& e) {  // an old checkpoint left behind is not fatal
+      std::fprintf(stderr, "ptdp: warning: --keep-checkpoints: %s\n", e.what());
+    }
+  }
 }
 
 void Executor::tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) const {
@@ -298,8 +317,10 @@ double Executor::step(int64_t step, double* grad_norm) {
   const double loss_sum = executor_->run(ctx, grad_norm, record ? &events_ : nullptr, t0_);
   // Mean loss over the global batch, to every rank: each replica's last stage (tensor-parallel
   // rank 0) contributes its share, summed in rank order.
+  // A non-finite gradient norm on any rank (its weights are now bad) makes the sum NaN too.
   double loss = 0;
   if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * d_);
+  if (!std::isfinite(*grad_norm)) loss = std::numeric_limits<double>::quiet_NaN();
   return control_.sum(loss);
 }
 
@@ -345,6 +366,8 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     st.step = s;
     st.lr = learning_rate(o_, s);
     st.loss = step(s, &st.grad_norm);
+    // The same sum on every rank: every rank stops here, before anything is saved.
+    if (!std::isfinite(st.loss)) throw NonFiniteLoss(s, st.loss, st.grad_norm);
     st.seconds = std::chrono::duration<double>(Clock::now() - begin).count();
     st.tokens = tokens_per_step;
     result.steps.push_back(st);
@@ -360,6 +383,24 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
 }
 
 }  // namespace
+
+namespace {
+
+std::string non_finite_message(int64_t step, double loss, double grad_norm) {
+  auto show = [](double x) {  // "nan" whatever its sign bit
+    if (std::isnan(x)) return std::string("nan");
+    char b[32];
+    std::snprintf(b, sizeof b, "%g", x);
+    return std::string(b);
+  };
+  return "step " + std::to_string(step + 1) + ": the loss is " + show(loss) + " (gradient norm " +
+         show(grad_norm) + " on rank 0): not finite; every rank stops before saving these weights";
+}
+
+}  // namespace
+
+NonFiniteLoss::NonFiniteLoss(int64_t s, double loss, double grad_norm)
+    : std::runtime_error(non_finite_message(s, loss, grad_norm)), step(s) {}
 
 double learning_rate(const TrainOptions& o, int64_t step) {
   return schedule_of(o).at(step);

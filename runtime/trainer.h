@@ -35,7 +35,8 @@ struct TrainOptions {
   double weight_decay = 0.01, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
   double clip_grad = 1.0;  // 0: no clipping
   std::string save_dir;
-  int64_t save_interval = 0;  // 0: only at the end (when save_dir is set)
+  int64_t save_interval = 0;     // 0: only at the end (when save_dir is set)
+  int64_t keep_checkpoints = 0;  // > 0: prune all but the newest N after each save; 0: keep all
   std::string load_dir;
   bool record_timeline = false;
   std::string backend = "cpu";  // --backend (runtime/backend.h)
@@ -59,6 +60,13 @@ struct TrainResult {
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).
 struct PeerFailed : std::runtime_error {
   PeerFailed() : std::runtime_error("another rank stopped the run") {}
+};
+
+// Thrown on every rank when a step's loss (or a gradient norm) is NaN or infinite: every rank
+// stops at that step, before its weights are saved. what() names the step.
+struct NonFiniteLoss : std::runtime_error {
+  NonFiniteLoss(int64_t step, double loss, double grad_norm);
+  int64_t step;
 };
 
 // Learning rate of step `step` (0-based): linear warm-up, then constant or cosine decay.

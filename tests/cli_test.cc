@@ -194,6 +194,21 @@ TEST(CliErrors, BadJsonFiles) {
 TEST(CliErrors, MissingFile) {
   expect_bad({"plan", "--model", "/nonexistent/x.json", "--global-batch-size", "8"}, "model");
 }
+// Devices, FIFOs and directories given as input files are refused at once (reading /dev/zero
+// used to never end), naming the flag.
+TEST(CliErrors, NonRegularInputFilesAreRefusedNamingTheFlag) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  for (const std::string& path : {std::string("/dev/zero"), dir}) {
+    expect_bad({"plan", "--model", path, "--global-batch-size", "8"}, "--model");
+    expect_bad(predict_with("--cluster", path), "--cluster");
+    expect_bad({"run", "--plan", path}, "--plan");
+    expect_bad(
+        {"run", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "16", "--vocab-size", "256", "--global-batch-size", "2", "--data", path},
+        "--data");
+    expect_bad({"tokenize", path, dir + "/ptdp_cli_test_tokens.bin"}, path);
+  }
+}
 TEST(CliErrors, BadRecomputeAndNumGpus) {
   expect_bad(predict_with("--recompute-granularity", "some"), "--recompute-granularity");
   expect_bad(predict_with("--num-gpus", "1001"), "num_gpus");

@@ -11,11 +11,13 @@
 #include <limits>
 #include <numeric>
 #include <ostream>
+#include <thread>
 #include <vector>
 
 #include "runtime/communicator.h"
 #include "runtime/float16.h"
 #include "runtime/process_groups.h"
+#include "runtime/watchdog.h"
 
 namespace ptdp {
 namespace {
@@ -518,6 +520,33 @@ TEST(BoundedWait, CollectiveWithALateRankTimesOutThenCompletes) {
     work->wait(CommDuration(60.0));  // still pending after the timeout: completes now
   }
   EXPECT_EQ(x, n * (int64_t{1} << 40) + n * (n - 1) / 2);
+  w.barrier();
+}
+
+// A slow peer is not a lost one: a wait that passes the stall timeout makes the watchdog ping
+// every rank; the late rank's watchdog thread answers while its main thread sleeps, so the wait
+// goes on and completes (the job is not aborted).
+TEST(Watchdog, ASlowPeerIsNotTakenForALostOne) {
+  Communicator& w = world();
+  if (w.size() < 2) GTEST_SKIP() << "needs 2 or more ranks";
+  ASSERT_TRUE(watchdog_active()) << "MPI without MPI_THREAD_MULTIPLE?";
+  setenv("PTDP_STALL_TIMEOUT_S", "0.3", 1);
+  EXPECT_EQ(stall_timeout().count(), 0.3);
+  auto c = w.split(0, w.rank(), "slow-peer");
+  const int64_t checks = watchdog_checks();
+  const auto start = std::chrono::steady_clock::now();
+  if (c->rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  int64_t one = 1;
+  c->all_reduce(&one, 1, DType::kI64);  // the others wait past the stall timeout several times
+  EXPECT_EQ(one, c->size());
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_GE(waited, 2.4);
+  if (c->rank() != 1) {
+    EXPECT_GE(watchdog_checks() - checks, 2);  // it did ping, and went on
+  }
+  unsetenv("PTDP_STALL_TIMEOUT_S");
+  EXPECT_EQ(stall_timeout().count(), 30.0);
   w.barrier();
 }
 

@@ -156,20 +156,7 @@ TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
 
 // Processes of this test's run: their command line names `marker`.
 std::vector<pid_t> ranks_of(const std::string& marker, const std::string& rank) {
-  std::vector<pid_t> pids;
-  for (const auto& e : fs::directory_iterator("/proc")) {
-    const std::string name = e.path().filename().string();
-    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::string cmdline = read_file(e.path() / "cmdline");
-    if (cmdline.find(marker) == std::string::npos || cmdline.find("mpirun") != std::string::npos ||
-        cmdline.find(PTDP_MPIEXEC) != std::string::npos)
-      continue;
-    std::string env = read_file(e.path() / "environ");
-    for (char& c : env) c = c == '\0' ? '\n' : c;
-    if (("\n" + env).find("\nOMPI_COMM_WORLD_RANK=" + rank + "\n") != std::string::npos)
-      pids.push_back(static_cast<pid_t>(std::stol(name)));
-  }
-  return pids;
+  return test::ranks_of(marker, rank, PTDP_MPIEXEC);
 }
 
 TEST(RunMpi, KilledRankEndsTheJobAndTheCheckpointResumesTheCurve) {

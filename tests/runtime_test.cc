@@ -4,6 +4,7 @@
 // run_mpi_test.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -420,6 +421,34 @@ TEST(Checkpoint, DamagedHeadersAreInputErrors) {
   ASSERT_EQ(c.arrays.size(), 2u);
   EXPECT_TRUE(c.arrays[0].empty());
   EXPECT_EQ(c.arrays[1], std::vector<float>(4, 0.0f));
+}
+
+// A shard that is not a regular file (here /dev/zero, which used to be read for ever).
+TEST(Checkpoint, ShardThatIsNotARegularFileIsRefused) {
+  const auto dir = temp_dir("device_shard");
+  std::filesystem::create_directories(checkpoint_step_dir(dir.string(), 0));
+  std::filesystem::remove(checkpoint_file(dir.string(), 0, 0));
+  std::filesystem::create_symlink("/dev/zero", checkpoint_file(dir.string(), 0, 0));
+  EXPECT_NE(load_error(dir.string(), {{"t", 1}}).find("not a regular file"), std::string::npos);
+}
+
+// --keep-checkpoints: the newest `keep` up to `latest` stay; a later, unfinished step's
+// directory and other files are not touched.
+TEST(Checkpoint, PruningKeepsTheNewestAndLeavesLaterStepsAlone) {
+  const auto dir = temp_dir("prune");
+  std::filesystem::remove_all(dir);
+  for (int64_t step : {1, 2, 3, 4, 5, 9})
+    std::filesystem::create_directories(checkpoint_step_dir(dir.string(), step));
+  std::ofstream(dir / "notes.txt") << "mine";
+  EXPECT_EQ(prune_checkpoints(dir.string(), 5, 2), (std::vector<int64_t>{3, 2, 1}));
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"notes.txt", "step_0000004", "step_0000005",
+                                            "step_0000009"}));
+  EXPECT_TRUE(prune_checkpoints(dir.string(), 5, 2).empty());
+  EXPECT_EQ(prune_checkpoints(dir.string(), 5, 1), std::vector<int64_t>{4});
 }
 
 }  // namespace

@@ -3,8 +3,11 @@
 // directory (CTest runs tests in parallel processes).
 #pragma once
 
+#include <sys/types.h>
+
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace ptdp::test {
 
@@ -19,5 +22,10 @@ std::filesystem::path scratch_dir(const std::string& test);
 // Runs `binary args` under `mpiexec -np np` (np = 0: directly); files go to scratch_dir(test).
 Outcome launch(const std::string& mpiexec, const std::string& binary, int np,
                const std::string& args, const std::string& test);
+
+// The processes whose command line contains `marker` and whose environment says they are MPI
+// rank `rank` (OMPI_COMM_WORLD_RANK); the launcher itself is never included.
+std::vector<pid_t> ranks_of(const std::string& marker, const std::string& rank,
+                            const std::string& launcher);
 
 }  // namespace ptdp::test
