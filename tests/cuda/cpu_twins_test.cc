@@ -1,13 +1,11 @@
-// The CPU twins added for the CUDA kernels (kernels/cpu/fused.h, kernels/cpu/bf16.h), checked
+// The CPU twins added for the CUDA kernels (kernels/cpu/fused.h), checked
 // against the existing CPU kernels and against finite differences. Runs on every machine.
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <limits>
 #include <random>
 #include <vector>
 
-#include "kernels/cpu/bf16.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cpu/kernels.h"
 
@@ -26,23 +24,6 @@ double dot(const std::vector<float>& a, const std::vector<float>& b) {
   double s = 0;
   for (size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
   return s;
-}
-
-TEST(Bf16, RoundsToNearestEvenAndKeepsSpecialValues) {
-  EXPECT_EQ(to_bf16_bits(1.0f), 0x3f80);
-  EXPECT_EQ(to_bf16_bits(1.0f + 0x1p-8f), 0x3f80);             // tie: to the even neighbour below
-  EXPECT_EQ(to_bf16_bits(1.0f + 3 * 0x1p-8f), 0x3f82);         // tie: to the even neighbour above
-  EXPECT_EQ(to_bf16_bits(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);  // above the tie
-  EXPECT_EQ(to_bf16_bits(-2.0f), 0xc000);
-  EXPECT_EQ(to_bf16_bits(std::numeric_limits<float>::infinity()), 0x7f80);
-  EXPECT_EQ(to_bf16_bits(std::numeric_limits<float>::max()), 0x7f80);  // overflows to inf
-  EXPECT_TRUE(std::isnan(round_bf16(std::numeric_limits<float>::quiet_NaN())));
-  for (uint32_t b = 0; b < 0x10000; ++b) {  // every finite bf16 value survives the round trip
-    const auto bits = static_cast<uint16_t>(b);
-    const float x = from_bf16_bits(bits);
-    if (!std::isfinite(x)) continue;
-    ASSERT_EQ(to_bf16_bits(x), bits) << b;
-  }
 }
 
 TEST(CpuTwins, FlashAttentionTwinEqualsTheSplitAttentionKernels) {

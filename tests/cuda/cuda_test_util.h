@@ -11,8 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "kernels/cpu/bf16.h"
 #include "kernels/cuda/common.h"
+#include "runtime/float16.h"
 
 // Skips the test, with the reason, when no CUDA device is visible.
 #define PTDP_REQUIRE_GPU()                                                          \
@@ -26,6 +26,21 @@
 namespace ptdp::cuda_test {
 
 using kernels::cuda::bf16;
+
+// bf16 rounding as the kernels store it (round to nearest even), via runtime/float16.h.
+inline float round_bf16(float x) {
+  return bf16_to_float(float_to_bf16(x));
+}
+inline std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = float_to_bf16(x[i]);
+  return y;
+}
+inline std::vector<float> from_bf16(const std::vector<uint16_t>& x) {
+  std::vector<float> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = bf16_to_float(x[i]);
+  return y;
+}
 
 // A cudaMalloc'd array of n T, freed on destruction.
 template <typename T>
@@ -66,10 +81,10 @@ class DeviceBuffer {
 
 // A bf16 device buffer from float values (rounded) and back.
 inline DeviceBuffer<bf16> to_device_bf16(const std::vector<float>& x) {
-  return DeviceBuffer<bf16>(kernels::to_bf16(x));
+  return DeviceBuffer<bf16>(to_bf16(x));
 }
 inline std::vector<float> bf16_values(const DeviceBuffer<bf16>& d) {
-  return kernels::from_bf16(d.download<uint16_t>());
+  return from_bf16(d.download<uint16_t>());
 }
 
 // n normal(0, sd) values already rounded to bf16, so the CPU twin sees the device's inputs.
@@ -77,7 +92,7 @@ inline std::vector<float> random_bf16(size_t n, float sd, uint32_t seed) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> dist(0.0f, sd);
   std::vector<float> x(n);
-  for (auto& v : x) v = kernels::round_bf16(dist(gen));
+  for (auto& v : x) v = round_bf16(dist(gen));
   return x;
 }
 inline std::vector<float> random_f32(size_t n, float sd, uint32_t seed) {

@@ -27,7 +27,7 @@ TEST(CudaEmbedding, VocabParallelForwardAndBackwardMatchCpu) {
     std::vector<float> want(b * sl * h);
     kernels::vocab_embedding_lookup(tokens.data(), table.data(), want.data(), b * sl, h, v0, vl);
     kernels::add_positions(want.data(), pos.data(), b, sl, h, first);
-    for (auto& x : want) x = kernels::round_bf16(x);
+    for (auto& x : want) x = round_bf16(x);
     expect_close(bf16_values(d_y), want, 0, 0, "embedding forward");  // one rounding of one sum
 
     // Gradients accumulate onto what is already there.

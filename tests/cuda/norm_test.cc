@@ -28,7 +28,7 @@ TEST(CudaNorm, ResidualLayerNormMatchesCpu) {
   std::vector<float> r_want(kN * kH), y_want(kN * kH), mean_want(kN), rstd_want(kN);
   kernels::add_layernorm_forward(c.x.data(), c.res.data(), r_want.data(), c.g.data(), c.b.data(),
                                  y_want.data(), mean_want.data(), rstd_want.data(), kN, kH, 1e-5f);
-  for (auto& v : r_want) v = kernels::round_bf16(v);
+  for (auto& v : r_want) v = round_bf16(v);
   expect_close(bf16_values(r), r_want, 0, 0, "residual sum");
   expect_close(mean.download(), mean_want, 1e-2, 0, "mean");  // GPU normalizes the bf16 sum
   expect_close(rstd.download(), rstd_want, 0, 1e-2, "rstd");

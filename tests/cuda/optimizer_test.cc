@@ -33,7 +33,7 @@ TEST(CudaAdamW, ThreeStepsMatchCpuAndWriteTheBf16Copy) {
   expect_close(d_m.download(), m, 1e-7, 1e-5, "first moment");
   expect_close(d_v.download(), v, 1e-9, 1e-5, "second moment");
   std::vector<float> rounded(n);
-  for (int64_t i = 0; i < n; ++i) rounded[i] = kernels::round_bf16(got[i]);
+  for (int64_t i = 0; i < n; ++i) rounded[i] = round_bf16(got[i]);
   expect_close(bf16_values(d_bf16), rounded, 0, 0, "bf16 copy of the device weights");
 }
 
