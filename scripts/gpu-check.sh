@@ -32,8 +32,9 @@ command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || {
 [ -n "${CUDACXX:-}" ] || command -v nvcc >/dev/null || export CUDACXX=/usr/local/cuda/bin/nvcc
 
 start=$(date +%s)
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${args[@]}" >"$build.configure.log" 2>&1 || {
-  cat "$build.configure.log" >&2
+mkdir -p "$build"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${args[@]}" >"$build/configure.log" 2>&1 || {
+  cat "$build/configure.log" >&2
   exit 1
 }
 ninja -C "$build" -j"$jobs" cpu_twins_test cuda_kernels_test cuda_kernels_bench
