@@ -20,7 +20,9 @@ else
   arch=${CUDA_ARCH:-90}
 fi
 
-args=(-DPTDP_CUDA=ON -DPTDP_WERROR=ON -DCMAKE_CUDA_ARCHITECTURES="$arch")
+# Warnings are CI's business (-DPTDP_WERROR=ON there); another host compiler on the GPU machine
+# must not stop the check over a new warning.
+args=(-DPTDP_CUDA=ON -DPTDP_WERROR=OFF -DCMAKE_CUDA_ARCHITECTURES="$arch")
 if [ -d .deps/debs ]; then
   [ -d .deps/root ] || scripts/prepare-deps.sh --unpack
   args+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/root/usr")

@@ -26,6 +26,23 @@ download() {
   echo "prepare-deps: $(ls "$deps/debs" | wc -l) packages in .deps/debs ($(du -sh "$deps/debs" | cut -f1))"
 }
 
+# dpkg -x, or where there is no dpkg (or PREPARE_DEPS_NO_DPKG=1) the same by hand: a .deb is an
+# ar archive whose data.tar.* member holds the files.
+extract() {
+  if command -v dpkg >/dev/null && [ -z "${PREPARE_DEPS_NO_DPKG:-}" ]; then
+    dpkg -x "$1" "$2"
+    return
+  fi
+  local member
+  member=$(ar t "$1" | grep '^data\.tar')
+  case "$member" in
+    *.xz) ar p "$1" "$member" | tar -xJ -C "$2" ;;
+    *.zst) ar p "$1" "$member" | tar --zstd -x -C "$2" ;;
+    *.gz) ar p "$1" "$member" | tar -xz -C "$2" ;;
+    *) ar p "$1" "$member" | tar -x -C "$2" ;;
+  esac
+}
+
 unpack() {
   shopt -s nullglob
   local debs=("$deps"/debs/*.deb)
@@ -35,7 +52,7 @@ unpack() {
   fi
   rm -rf "$deps/root.tmp"
   mkdir -p "$deps/root.tmp"
-  for f in "${debs[@]}"; do dpkg -x "$f" "$deps/root.tmp"; done
+  for f in "${debs[@]}"; do extract "$f" "$deps/root.tmp"; done
   rm -rf "$deps/root"
   mv "$deps/root.tmp" "$deps/root"
   echo "prepare-deps: unpacked into .deps/root; use -DCMAKE_PREFIX_PATH=$deps/root/usr"
