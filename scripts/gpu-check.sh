@@ -4,8 +4,11 @@
 # and the kernel benchmark, runs every GPU test, times each kernel and a GEMM, and prints one
 # summary table. Exits non-zero if a test fails or is skipped (a skip there means the GPU was
 # not visible) or a benchmark reports an error.
+# The GPU tests also run under compute-sanitizer's memcheck and racecheck (shared-memory races),
+# without the long-sequence test.
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
-# capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex).
+# capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
+# SANITIZE=0 to skip compute-sanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -46,6 +49,15 @@ mkdir -p "$out"
 set +e
 "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
 "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+rm -f "$out"/sanitizer-*.rc
+if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
+  for tool in memcheck racecheck; do
+    "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/tests/cuda/cuda_kernels_test" \
+      --gtest_filter='-*LongSequence*' >"$out/sanitizer-$tool.log" 2>&1
+    echo $? >"$out/sanitizer-$tool.rc"
+  done
+fi
 "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
   --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
   --benchmark_out_format=json >"$out/bench.log" 2>&1
@@ -68,6 +80,13 @@ for f in ("cpu_twins.json", "gpu_tests.json"):
             if status != "passed":
                 fail += 1
             rows.append((suite["name"] + "." + t["name"], status, t.get("time", "")))
+for tool in ("memcheck", "racecheck"):
+    rc = os.path.join(out, "sanitizer-%s.rc" % tool)
+    if os.path.exists(rc):
+        ok = open(rc).read().strip() == "0"
+        fail += 0 if ok else 1
+        rows.append(("compute-sanitizer --tool %s cuda_kernels_test" % tool,
+                     "passed" if ok else "FAILED", "see sanitizer-%s.log" % tool))
 print("\n%-72s %-8s %s" % ("test", "result", "time"))
 for r in rows:
     print("%-72s %-8s %s" % r)
