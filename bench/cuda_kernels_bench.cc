@@ -17,6 +17,7 @@
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/grad_norm.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
 
 namespace {
 
@@ -205,6 +206,15 @@ void BM_Embedding(benchmark::State& state) {  // forward and backward
   });
 }
 BENCHMARK(BM_Embedding)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_Rope(benchmark::State& state) {  // queries of one layer, in place
+  if (!have_gpu(state)) return;
+  const int64_t n = kBatch * kSeq * kHeads * kHeadDim;
+  Buf x(n * 2);
+  run(state, 2.0 * n * 2, 0,
+      [&] { kc::rope(x.as<bf16>(), kBatch, kSeq, kHeads, kHeadDim, 10000.0, false, nullptr); });
+}
+BENCHMARK(BM_Rope)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_AdamW(benchmark::State& state) {  // 100M parameters
   if (!have_gpu(state)) return;
