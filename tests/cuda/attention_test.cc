@@ -43,6 +43,15 @@ void check_attention(const Shape& sh) {
   expect_close(bf16_values(dq), dq_want, 2e-2 * max_abs(dq_want), 1e-2, "dq");
   expect_close(bf16_values(dk), dk_want, 2e-2 * max_abs(dk_want), 1e-2, "dk");
   expect_close(bf16_values(dv), dv_want, 2e-2 * max_abs(dv_want), 1e-2, "dv");
+
+  // No atomics: a second backward pass gives the same bits.
+  DeviceBuffer<bf16> dq2(q.size()), dk2(k.size()), dv2(v.size());
+  kernels::cuda::flash_attention_backward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(),
+                                          ddo.get(), dq2.get(), dk2.get(), dv2.get(), b, s, hq, hk,
+                                          d, nullptr);
+  EXPECT_EQ(dq2.download<uint16_t>(), dq.download<uint16_t>());
+  EXPECT_EQ(dk2.download<uint16_t>(), dk.download<uint16_t>());
+  EXPECT_EQ(dv2.download<uint16_t>(), dv.download<uint16_t>());
 }
 
 TEST(CudaFlashAttention, GroupedQueriesHeadDim64MatchCpu) {
