@@ -1,0 +1,241 @@
+// Google Benchmark timings of the CUDA kernels (kernels/cuda/) and a cuBLASLt GEMM, timed with
+// CUDA events around each call (manual time), at the shapes of a GPT-3-like layer: hidden 4096,
+// 32 heads of 128, sequence 2048, micro-batch 4, vocabulary 50304 split over t = 2 ranks.
+// Counters: bytes/s for the memory-bound kernels (bytes the kernel must move at least), FLOP/s
+// for the GEMM and attention. scripts/gpu-check.sh runs it; every benchmark reports an error
+// where no GPU is visible.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/adamw.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cross_entropy.h"
+#include "kernels/cuda/embedding.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grad_norm.h"
+#include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
+
+namespace {
+
+namespace kc = ptdp::kernels::cuda;
+using kc::bf16;
+
+constexpr int64_t kBatch = 4, kSeq = 2048, kHidden = 4096, kHeads = 32, kHeadDim = 128;
+constexpr int64_t kTokens = kBatch * kSeq, kVocabShard = 50304 / 2;
+
+// A device allocation filled with a constant byte pattern (small finite values for bf16/fp32).
+struct Buf {
+  void* p = nullptr;
+  explicit Buf(size_t bytes) {
+    PTDP_CUDA_CHECK(cudaMalloc(&p, bytes));
+    PTDP_CUDA_CHECK(cudaMemset(p, 0x3c, bytes));  // bf16 0x3c3c ~ 0.0115; fp32 ~ 0.0115
+  }
+  ~Buf() { cudaFree(p); }
+  template <typename T>
+  T* as() {
+    return static_cast<T*>(p);
+  }
+};
+
+// Times `launch` with CUDA events; sets bytes and FLOPs per iteration as rates.
+template <typename F>
+void run(benchmark::State& state, double bytes, double flops, F launch) {
+  cudaEvent_t start, stop;
+  PTDP_CUDA_CHECK(cudaEventCreate(&start));
+  PTDP_CUDA_CHECK(cudaEventCreate(&stop));
+  launch();  // warm-up (and cuBLASLt's heuristic)
+  PTDP_CUDA_CHECK(cudaDeviceSynchronize());
+  for (auto _ : state) {
+    PTDP_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    PTDP_CUDA_CHECK(cudaEventRecord(stop));
+    PTDP_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    PTDP_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    state.SetIterationTime(ms / 1e3);
+  }
+  if (bytes > 0)
+    state.counters["bytes/s"] =
+        benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+  if (flops > 0)
+    state.counters["FLOP/s"] =
+        benchmark::Counter(flops, benchmark::Counter::kIsIterationInvariantRate);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+bool have_gpu(benchmark::State& state) {
+  if (kc::device_count() > 0) return true;
+  state.SkipWithError("no CUDA device visible");
+  for (auto _ : state) {
+  }
+  return false;
+}
+
+void BM_Gemm(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t m = state.range(0), n = state.range(1), k = state.range(2);
+  Buf a(m * k * 2), b(k * n * 2), c(m * n * 2);
+  kc::Gemm gemm;
+  kc::GemmArgs g;
+  g.m = m, g.n = n, g.k = k, g.a = a.as<bf16>(), g.b = b.as<bf16>(), g.trans_b = true, g.c = c.p;
+  run(state, 0, 2.0 * m * n * k, [&] { gemm.run(g, nullptr); });
+}
+BENCHMARK(BM_Gemm)
+    ->Args({8192, 8192, 8192})
+    ->Args({kTokens, 3 * kHidden, kHidden})
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+void BM_FlashAttentionForward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t qkv = kBatch * kSeq * kHeads * kHeadDim;
+  Buf q(qkv * 2), k(qkv * 2), v(qkv * 2), o(qkv * 2), lse(kBatch * kHeads * kSeq * 4);
+  const double flops = 4.0 * kBatch * kHeads * kSeq * kSeq * kHeadDim / 2;  // causal half
+  run(state, 0, flops, [&] {
+    kc::flash_attention_forward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
+                                lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+  });
+}
+BENCHMARK(BM_FlashAttentionForward)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+void BM_FlashAttentionBackward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t qkv = kBatch * kSeq * kHeads * kHeadDim;
+  Buf q(qkv * 2), k(qkv * 2), v(qkv * 2), o(qkv * 2), dout(qkv * 2), dq(qkv * 2), dk(qkv * 2),
+      dv(qkv * 2), lse(kBatch * kHeads * kSeq * 4);
+  kc::flash_attention_forward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
+                              lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+  const double flops = 10.0 * kBatch * kHeads * kSeq * kSeq * kHeadDim / 2;  // 5 matmuls, causal
+  run(state, 0, flops, [&] {
+    kc::flash_attention_backward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
+                                 lse.as<float>(), dout.as<bf16>(), dq.as<bf16>(), dk.as<bf16>(),
+                                 dv.as<bf16>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+  });
+}
+BENCHMARK(BM_FlashAttentionBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+void BM_AddLayerNormForward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, h = kHidden;
+  Buf x(n * h * 2), res(n * h * 2), r(n * h * 2), y(n * h * 2), g(h * 2), b(h * 2), mean(n * 4),
+      rstd(n * 4);
+  run(state, 4.0 * n * h * 2, 0, [&] {
+    kc::add_layernorm_forward(x.as<bf16>(), res.as<bf16>(), r.as<bf16>(), g.as<bf16>(),
+                              b.as<bf16>(), y.as<bf16>(), mean.as<float>(), rstd.as<float>(), n, h,
+                              1e-5f, nullptr);
+  });
+}
+BENCHMARK(BM_AddLayerNormForward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_AddLayerNormBackward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, h = kHidden;
+  Buf r(n * h * 2), dy(n * h * 2), dres(n * h * 2), dx(n * h * 2), g(h * 2), mean(n * 4),
+      rstd(n * 4), dg(h * 4), db(h * 4);
+  run(state, 4.0 * n * h * 2, 0, [&] {
+    kc::add_layernorm_backward(r.as<bf16>(), g.as<bf16>(), mean.as<float>(), rstd.as<float>(),
+                               dy.as<bf16>(), dres.as<bf16>(), dx.as<bf16>(), dg.as<float>(),
+                               db.as<float>(), n, h, nullptr);
+  });
+}
+BENCHMARK(BM_AddLayerNormBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_BiasGeluForward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t rows = kTokens, cols = 4 * kHidden / 2;  // the MLP's first GEMM output at t = 2
+  Buf x(rows * cols * 2), bias(cols * 2), y(rows * cols * 2);
+  run(state, 2.0 * rows * cols * 2, 0, [&] {
+    kc::bias_gelu_forward(x.as<bf16>(), bias.as<bf16>(), y.as<bf16>(), rows, cols, nullptr);
+  });
+}
+BENCHMARK(BM_BiasGeluForward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_BiasGeluBackward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t rows = kTokens, cols = 4 * kHidden / 2;
+  Buf x(rows * cols * 2), bias(cols * 2), dy(rows * cols * 2), dx(rows * cols * 2), db(cols * 4);
+  run(state, 3.0 * rows * cols * 2, 0, [&] {
+    kc::bias_gelu_backward(x.as<bf16>(), bias.as<bf16>(), dy.as<bf16>(), dx.as<bf16>(),
+                           db.as<float>(), rows, cols, nullptr);
+  });
+}
+BENCHMARK(BM_BiasGeluBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_SwigluForward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, f = 11008 / 2;
+  Buf x(n * 2 * f * 2), y(n * f * 2);
+  run(state, 3.0 * n * f * 2, 0,
+      [&] { kc::swiglu_forward(x.as<bf16>(), y.as<bf16>(), n, f, nullptr); });
+}
+BENCHMARK(BM_SwigluForward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_CrossEntropy(benchmark::State& state) {  // stats, finish and the in-place gradient
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, vl = kVocabShard;
+  Buf logits(n * vl * 2), targets(n * 4), stats(n * 3 * 4), lse(n * 4), loss(n * 4);
+  PTDP_CUDA_CHECK(cudaMemset(targets.p, 0, n * 4));
+  run(state, 3.0 * n * vl * 2, 0, [&] {
+    kc::cross_entropy_stats(logits.as<bf16>(), targets.as<int32_t>(), stats.as<float>(), n, vl, vl,
+                            0, nullptr);
+    kc::cross_entropy_finish(stats.as<float>(), 1, lse.as<float>(), loss.as<float>(), n, nullptr);
+    kc::cross_entropy_backward(logits.as<bf16>(), targets.as<int32_t>(), lse.as<float>(), n, vl, vl,
+                               0, 1.0, nullptr);
+  });
+}
+BENCHMARK(BM_CrossEntropy)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_Embedding(benchmark::State& state) {  // forward and backward
+  if (!have_gpu(state)) return;
+  const int64_t h = kHidden, vl = kVocabShard;
+  Buf tokens(kTokens * 4), table(vl * h * 2), pos(kSeq * h * 2), y(kTokens * h * 2),
+      dtable(vl * h * 4), dpos(kSeq * h * 4);
+  std::vector<int32_t> tok(kTokens);
+  for (int64_t i = 0; i < kTokens; ++i) tok[i] = static_cast<int32_t>((i * 7919) % (2 * vl));
+  PTDP_CUDA_CHECK(cudaMemcpy(tokens.p, tok.data(), kTokens * 4, cudaMemcpyHostToDevice));
+  run(state, 4.0 * kTokens * h * 2, 0, [&] {
+    kc::embedding_forward(tokens.as<int32_t>(), table.as<bf16>(), pos.as<bf16>(), y.as<bf16>(),
+                          kBatch, kSeq, h, 0, vl, 0, nullptr);
+    kc::embedding_backward(tokens.as<int32_t>(), y.as<bf16>(), dtable.as<float>(), dpos.as<float>(),
+                           kBatch, kSeq, h, 0, vl, 0, nullptr);
+  });
+}
+BENCHMARK(BM_Embedding)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_Rope(benchmark::State& state) {  // queries of one layer, in place
+  if (!have_gpu(state)) return;
+  const int64_t n = kBatch * kSeq * kHeads * kHeadDim;
+  Buf x(n * 2);
+  run(state, 2.0 * n * 2, 0,
+      [&] { kc::rope(x.as<bf16>(), kBatch, kSeq, kHeads, kHeadDim, 10000.0, false, nullptr); });
+}
+BENCHMARK(BM_Rope)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_AdamW(benchmark::State& state) {  // 100M parameters
+  if (!have_gpu(state)) return;
+  const int64_t n = 100'000'000;
+  Buf p(n * 4), g(n * 4), m(n * 4), v(n * 4), pb(n * 2);
+  ptdp::kernels::AdamW o;
+  run(state, static_cast<double>(n) * (4 * 4 + 3 * 4 + 2), 0, [&] {
+    kc::adamw_step(p.as<float>(), g.as<float>(), m.as<float>(), v.as<float>(), pb.as<bf16>(), n, o,
+                   1, 1.0, nullptr);
+  });
+}
+BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_GradNorm(benchmark::State& state) {  // 100M fp32 gradients
+  if (!have_gpu(state)) return;
+  const int64_t n = 100'000'000;
+  Buf g(n * 4), acc(8);
+  run(state, n * 4.0, 0, [&] { kc::sum_squares(g.as<float>(), n, acc.as<double>(), nullptr); });
+}
+BENCHMARK(BM_GradNorm)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,109 @@
+// Bias + GELU and SwiGLU kernels (kernels/cuda/activation.h): elementwise, grid-stride loops.
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/common.cuh"
+
+namespace ptdp::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+
+__device__ __forceinline__ float gelu(float x) {
+  return 0.5f * x * (1.0f + tanhf(kGeluC * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_grad(float x) {
+  const float th = tanhf(kGeluC * (x + 0.044715f * x * x * x));
+  const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
+  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+}
+
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+}
+
+__global__ void bias_gelu_forward_kernel(const bf16* x, const bf16* bias, bf16* y, int64_t n,
+                                         int64_t cols) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float pre = to_float(x[i]) + (bias ? to_float(bias[i % cols]) : 0.0f);
+    y[i] = to_bf16(gelu(pre));
+  }
+}
+
+__device__ __forceinline__ float bias_gelu_dx(const bf16* x, const bf16* bias, const bf16* dy,
+                                              int64_t i, int64_t c) {
+  const float pre = to_float(x[i]) + (bias ? to_float(bias[c]) : 0.0f);
+  return to_float(dy[i]) * gelu_grad(pre);
+}
+
+struct BiasGeluGrad {
+  const bf16 *x, *bias, *dy;
+  int64_t cols;
+  __device__ float operator()(int64_t r, int64_t c) const {
+    return bias_gelu_dx(x, bias, dy, r * cols + c, c);
+  }
+};
+
+__global__ void bias_gelu_backward_kernel(const bf16* x, const bf16* bias, const bf16* dy, bf16* dx,
+                                          int64_t n, int64_t cols) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dx[i] = to_bf16(bias_gelu_dx(x, bias, dy, i, i % cols));
+}
+
+__global__ void swiglu_forward_kernel(const bf16* x, bf16* y, int64_t n, int64_t f) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * f;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / f, j = i % f;
+    const float g = to_float(x[row * 2 * f + j]), u = to_float(x[row * 2 * f + f + j]);
+    y[i] = to_bf16(g / (1.0f + __expf(-g)) * u);
+  }
+}
+
+__global__ void swiglu_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, int64_t n,
+                                       int64_t f) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * f;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / f, j = i % f;
+    const float g = to_float(x[row * 2 * f + j]), u = to_float(x[row * 2 * f + f + j]);
+    const float sig = 1.0f / (1.0f + __expf(-g)), d = to_float(dy[i]);
+    dx[row * 2 * f + j] = to_bf16(d * u * sig * (1.0f + g * (1.0f - sig)));
+    dx[row * 2 * f + f + j] = to_bf16(d * g * sig);
+  }
+}
+
+}  // namespace
+
+void bias_gelu_forward(const bf16* x, const bf16* bias, bf16* y, int64_t rows, int64_t cols,
+                       cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n <= 0) return;
+  bias_gelu_forward_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bias, y, n, cols);
+  check_launch("bias_gelu_forward_kernel");
+}
+
+void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* dx, float* dbias,
+                        int64_t rows, int64_t cols, cudaStream_t stream) {
+  const int64_t n = rows * cols;
+  if (n <= 0) return;
+  // The bias gradient reads dy, so it runs before dx (which may alias dy) is written.
+  if (dbias) column_sum(BiasGeluGrad{x, bias, dy, cols}, dbias, rows, cols, stream);
+  bias_gelu_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bias, dy, dx, n, cols);
+  check_launch("bias_gelu_backward_kernel");
+}
+
+void swiglu_forward(const bf16* x, bf16* y, int64_t n, int64_t f, cudaStream_t stream) {
+  if (n * f <= 0) return;
+  swiglu_forward_kernel<<<grid_for(n * f), kThreads, 0, stream>>>(x, y, n, f);
+  check_launch("swiglu_forward_kernel");
+}
+
+void swiglu_backward(const bf16* x, const bf16* dy, bf16* dx, int64_t n, int64_t f,
+                     cudaStream_t stream) {
+  if (n * f <= 0) return;
+  swiglu_backward_kernel<<<grid_for(n * f), kThreads, 0, stream>>>(x, dy, dx, n, f);
+  check_launch("swiglu_backward_kernel");
+}
+
+}  // namespace ptdp::kernels::cuda

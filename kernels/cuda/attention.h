@@ -1,0 +1,26 @@
+// Causal self-attention on the GPU the flash-attention way (Dao et al. 2022, "FlashAttention";
+// Dao 2023, "FlashAttention-2"): K/V tiles staged in shared memory, a running max and sum per
+// query row (online softmax), no s x s matrix in memory; the backward pass recomputes the
+// probabilities from the saved log-sum-exp. Grouped-query attention: query head j reads key/value
+// head j / (hq / hk). CPU twin: causal_attention_* in kernels/cpu/fused.h.
+#pragma once
+
+#include "kernels/cuda/common.h"
+
+namespace ptdp::kernels::cuda {
+
+// q, out [b, s, hq, d]; k, v [b, s, hk, d] (bf16); lse [b, hq, s] (fp32): the natural log of
+// each row's softmax denominator over the scores q.k / sqrt(d). d is 64 or 128; hq a multiple
+// of hk (else std::invalid_argument).
+void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
+                             int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                             cudaStream_t stream);
+// dq [b, s, hq, d], dk and dv [b, s, hk, d] are overwritten (summed over the query heads of a
+// group). Deterministic: no atomics (dq and dk/dv come from two kernels that each own their
+// output rows).
+void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+                              const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
+                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                              cudaStream_t stream);
+
+}  // namespace ptdp::kernels::cuda

@@ -1,0 +1,96 @@
+// Device helpers shared by the .cu files of kernels/cuda/: bf16 conversion, warp and block
+// reductions, launch checks, and the deterministic column sum used for bias, gamma and beta
+// gradients (fixed row chunks summed in a fixed order, so results do not depend on scheduling).
+#pragma once
+
+#include <cmath>
+
+#include "kernels/cuda/common.h"
+
+namespace ptdp::kernels::cuda {
+
+__device__ __forceinline__ float to_float(bf16 x) {
+  return __bfloat162float(x);
+}
+__device__ __forceinline__ bf16 to_bf16(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), returned to every thread.
+// `scratch` holds 32 floats of shared memory; the call synchronizes the block.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  v = warp_sum(v);
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : 0.0f;
+  return warp_sum(v);
+}
+
+inline unsigned blocks_for(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+inline void check_launch(const char* kernel) {
+  check(cudaGetLastError(), kernel);
+}
+
+// ---- deterministic column sums: out[c] += sum over rows r of f(r, c) ----
+constexpr int kColumnChunks = 128;  // row chunks; fixed, so the summation order is too
+
+template <typename F>
+__global__ void column_partials_kernel(F f, float* partial, int64_t rows, int64_t cols,
+                                       int64_t rows_per_chunk) {
+  __shared__ float sh[8][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+  float acc = 0;
+  if (c < cols)
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) acc += f(r, c);
+  sh[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float s = 0;
+    for (int i = 0; i < 8; ++i) s += sh[i][threadIdx.x];
+    partial[blockIdx.y * cols + c] = s;
+  }
+}
+
+// A template so that every .cu file gets its own copy (no relocatable device code needed).
+template <typename T = float>
+__global__ void column_finish_kernel(const T* partial, T* out, int chunks, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  T s = 0;
+  for (int i = 0; i < chunks; ++i) s += partial[i * cols + c];
+  out[c] += s;
+}
+
+template <typename F>
+void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t per = (rows + kColumnChunks - 1) / kColumnChunks;
+  const int chunks = static_cast<int>((rows + per - 1) / per);
+  float* partial = nullptr;
+  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * chunks * cols, stream));
+  column_partials_kernel<<<dim3(blocks_for(cols, 32), chunks), dim3(32, 8), 0, stream>>>(
+      f, partial, rows, cols, per);
+  check_launch("column_partials_kernel");
+  column_finish_kernel<float>
+      <<<blocks_for(cols, 256), 256, 0, stream>>>(partial, out, chunks, cols);
+  check_launch("column_finish_kernel");
+  PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
+}  // namespace ptdp::kernels::cuda

@@ -1,0 +1,66 @@
+// Deterministic sum-of-squares kernels (kernels/cuda/grad_norm.h).
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/grad_norm.h"
+
+namespace ptdp::kernels::cuda {
+namespace {
+
+constexpr int kBlocks = 256, kThreads = 256;  // fixed: they define the summation order
+
+__device__ double block_sum_double(double v, double* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) sh[threadIdx.x] += sh[threadIdx.x + half];
+    __syncthreads();
+  }
+  return sh[0];
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_partial_kernel(const float* x, int64_t n, double* partial) {
+  __shared__ double sh[kThreads];
+  double acc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    acc += static_cast<double>(x[i]) * x[i];
+  const double s = block_sum_double(acc, sh);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sum_partials_kernel(const double* partial, double* acc) {
+  __shared__ double sh[kThreads];
+  const double s = block_sum_double(partial[threadIdx.x], sh);  // kThreads == kBlocks
+  if (threadIdx.x == 0) *acc += s;
+}
+
+}  // namespace
+
+void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
+  if (n <= 0) return;
+  double* partial = nullptr;
+  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(double) * kBlocks, stream));
+  sum_squares_partial_kernel<<<kBlocks, kThreads, 0, stream>>>(x, n, partial);
+  check_launch("sum_squares_partial_kernel");
+  sum_partials_kernel<<<1, kThreads, 0, stream>>>(partial, acc);
+  check_launch("sum_partials_kernel");
+  PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
+double global_norm(const std::vector<std::pair<const float*, int64_t>>& tensors,
+                   cudaStream_t stream) {
+  double* acc = nullptr;
+  PTDP_CUDA_CHECK(cudaMallocAsync(&acc, sizeof(double), stream));
+  PTDP_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), stream));
+  for (const auto& [x, n] : tensors) sum_squares(x, n, acc, stream);
+  double host = 0;
+  PTDP_CUDA_CHECK(cudaMemcpyAsync(&host, acc, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  PTDP_CUDA_CHECK(cudaFreeAsync(acc, stream));
+  PTDP_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return std::sqrt(host);
+}
+
+}  // namespace ptdp::kernels::cuda

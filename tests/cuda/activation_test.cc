@@ -1,0 +1,55 @@
+// kernels/cuda/activation.h against bias_gelu_* (kernels/cpu/fused.h) and swiglu_*.
+#include "kernels/cuda/activation.h"
+
+#include "kernels/cpu/fused.h"
+#include "kernels/cpu/kernels.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace ptdp::cuda_test {
+namespace {
+
+TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  const int64_t rows = 33, cols = 257;
+  const auto x = random_bf16(rows * cols, 2, 1), bias = random_bf16(cols, 1, 2),
+             dy = random_bf16(rows * cols, 1, 3);
+  const auto dbias0 = random_f32(cols, 1, 4);
+  auto d_x = to_device_bf16(x), d_bias = to_device_bf16(bias), d_dy = to_device_bf16(dy);
+  DeviceBuffer<bf16> y(rows * cols), dx(rows * cols);
+  DeviceBuffer<float> dbias(dbias0);
+  kernels::cuda::bias_gelu_forward(d_x.get(), d_bias.get(), y.get(), rows, cols, nullptr);
+  kernels::cuda::bias_gelu_backward(d_x.get(), d_bias.get(), d_dy.get(), dx.get(), dbias.get(),
+                                    rows, cols, nullptr);
+  std::vector<float> y_want(rows * cols), dx_want(rows * cols);
+  auto dbias_want = dbias0;
+  kernels::bias_gelu_forward(x.data(), bias.data(), y_want.data(), rows, cols);
+  kernels::bias_gelu_backward(x.data(), bias.data(), dy.data(), dx_want.data(), dbias_want.data(),
+                              rows, cols);
+  expect_close(bf16_values(y), y_want, 1e-3, 8e-3, "bias gelu forward");
+  expect_close(bf16_values(dx), dx_want, 1e-3, 8e-3, "bias gelu dx");
+  expect_close(dbias.download(), dbias_want, 1e-4, 1e-4, "bias gradient");
+
+  // Without a bias, and in place (dx aliasing dy).
+  kernels::cuda::bias_gelu_backward(d_x.get(), nullptr, d_dy.get(), d_dy.get(), nullptr, rows, cols,
+                                    nullptr);
+  kernels::bias_gelu_backward(x.data(), nullptr, dy.data(), dx_want.data(), nullptr, rows, cols);
+  expect_close(bf16_values(d_dy), dx_want, 1e-3, 8e-3, "gelu dx in place");
+}
+
+TEST(CudaActivation, SwigluForwardAndBackwardMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  const int64_t n = 19, f = 130;
+  const auto x = random_bf16(n * 2 * f, 2, 5), dy = random_bf16(n * f, 1, 6);
+  auto d_x = to_device_bf16(x), d_dy = to_device_bf16(dy);
+  DeviceBuffer<bf16> y(n * f), dx(n * 2 * f);
+  kernels::cuda::swiglu_forward(d_x.get(), y.get(), n, f, nullptr);
+  kernels::cuda::swiglu_backward(d_x.get(), d_dy.get(), dx.get(), n, f, nullptr);
+  std::vector<float> y_want(n * f), dx_want(n * 2 * f);
+  kernels::swiglu_forward(x.data(), y_want.data(), n, f);
+  kernels::swiglu_backward(x.data(), dy.data(), dx_want.data(), n, f);
+  expect_close(bf16_values(y), y_want, 1e-3, 8e-3, "swiglu forward");
+  expect_close(bf16_values(dx), dx_want, 1e-3, 8e-3, "swiglu backward");
+}
+
+}  // namespace
+}  // namespace ptdp::cuda_test

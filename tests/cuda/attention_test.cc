@@ -1,0 +1,104 @@
+// kernels/cuda/attention.h against causal_attention_* (kernels/cpu/fused.h).
+#include "kernels/cuda/attention.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "kernels/cpu/fused.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace ptdp::cuda_test {
+namespace {
+
+struct Shape {
+  int64_t b, s, hq, hk, d;
+};
+
+void check_attention(const Shape& sh) {
+  const auto [b, s, hq, hk, d] = sh;
+  const auto q = random_bf16(b * s * hq * d, 1, 1), k = random_bf16(b * s * hk * d, 1, 2),
+             v = random_bf16(b * s * hk * d, 1, 3), dout = random_bf16(b * s * hq * d, 1, 4);
+  auto dq_ = to_device_bf16(q), dk_ = to_device_bf16(k), dv_ = to_device_bf16(v),
+       ddo = to_device_bf16(dout);
+  DeviceBuffer<bf16> out(q.size());
+  DeviceBuffer<float> lse(b * hq * s);
+  kernels::cuda::flash_attention_forward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(), b,
+                                         s, hq, hk, d, nullptr);
+  std::vector<float> out_want(q.size()), lse_want(b * hq * s);
+  kernels::causal_attention_forward(q.data(), k.data(), v.data(), out_want.data(), lse_want.data(),
+                                    b, s, hq, hk, d);
+  expect_close(bf16_values(out), out_want, 1e-2, 1e-2, "attention output");
+  expect_close(lse.download(), lse_want, 1e-3, 1e-4, "log-sum-exp");
+
+  // Backward from the device's own output and lse.
+  const auto out_dev = bf16_values(out), lse_dev = lse.download();
+  DeviceBuffer<bf16> dq(q.size()), dk(k.size()), dv(v.size());
+  kernels::cuda::flash_attention_backward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(),
+                                          ddo.get(), dq.get(), dk.get(), dv.get(), b, s, hq, hk, d,
+                                          nullptr);
+  std::vector<float> dq_want(q.size()), dk_want(k.size()), dv_want(v.size());
+  kernels::causal_attention_backward(q.data(), k.data(), v.data(), out_dev.data(), lse_dev.data(),
+                                     dout.data(), dq_want.data(), dk_want.data(), dv_want.data(), b,
+                                     s, hq, hk, d);
+  expect_close(bf16_values(dq), dq_want, 2e-2 * max_abs(dq_want), 1e-2, "dq");
+  expect_close(bf16_values(dk), dk_want, 2e-2 * max_abs(dk_want), 1e-2, "dk");
+  expect_close(bf16_values(dv), dv_want, 2e-2 * max_abs(dv_want), 1e-2, "dv");
+
+  // No atomics: a second backward pass gives the same bits.
+  DeviceBuffer<bf16> dq2(q.size()), dk2(k.size()), dv2(v.size());
+  kernels::cuda::flash_attention_backward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(),
+                                          ddo.get(), dq2.get(), dk2.get(), dv2.get(), b, s, hq, hk,
+                                          d, nullptr);
+  EXPECT_EQ(dq2.download<uint16_t>(), dq.download<uint16_t>());
+  EXPECT_EQ(dk2.download<uint16_t>(), dk.download<uint16_t>());
+  EXPECT_EQ(dv2.download<uint16_t>(), dv.download<uint16_t>());
+}
+
+TEST(CudaFlashAttention, GroupedQueriesHeadDim64MatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_attention({2, 70, 4, 2, 64});  // three query tiles, the last one partial
+}
+
+TEST(CudaFlashAttention, MultiHeadHeadDim128MatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_attention({1, 96, 2, 2, 128});
+}
+
+TEST(CudaFlashAttention, MultiQueryShortSequenceMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_attention({3, 5, 4, 1, 64});  // shorter than one tile
+}
+
+TEST(CudaFlashAttention, LongSequenceKeepsNoScoreMatrix) {
+  PTDP_REQUIRE_GPU();
+  // s = 16384: a [hq, s, s] fp32 score matrix would need 2 GiB; the kernel's own extra memory is
+  // the lse and delta rows only, so the free memory barely moves.
+  const int64_t b = 1, s = 16384, hq = 2, hk = 2, d = 64;
+  DeviceBuffer<bf16> q(b * s * hq * d), k(b * s * hk * d), v(b * s * hk * d), out(b * s * hq * d);
+  DeviceBuffer<float> lse(b * hq * s);
+  size_t free_before = 0, free_after = 0, total = 0;
+  PTDP_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  kernels::cuda::flash_attention_forward(q.get(), k.get(), v.get(), out.get(), lse.get(), b, s, hq,
+                                         hk, d, nullptr);
+  PTDP_CUDA_CHECK(cudaDeviceSynchronize());
+  PTDP_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  EXPECT_LT(free_before - std::min(free_before, free_after), size_t{64} << 20);
+  const auto lse_host = lse.download();
+  // All-zero inputs: uniform attention, lse of row i is log(i + 1).
+  EXPECT_NEAR(lse_host[s - 1], std::log(static_cast<double>(s)), 1e-3);
+  EXPECT_NEAR(lse_host[0], 0.0, 1e-6);
+}
+
+TEST(CudaFlashAttention, RejectsUnsupportedShapesBeforeTouchingTheDevice) {
+  // No GPU needed: the shape checks come first.
+  EXPECT_THROW(kernels::cuda::flash_attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                      1, 8, 2, 2, 32, nullptr),
+               std::invalid_argument);
+  EXPECT_THROW(
+      kernels::cuda::flash_attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                              nullptr, nullptr, nullptr, 1, 8, 3, 2, 64, nullptr),
+      std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ptdp::cuda_test

@@ -1,0 +1,37 @@
+// kernels/cuda/rope.h against rope (kernels/cpu/kernels.h).
+#include "kernels/cuda/rope.h"
+
+#include <stdexcept>
+
+#include "kernels/cpu/kernels.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace ptdp::cuda_test {
+namespace {
+
+TEST(CudaRope, ForwardAndInverseMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  const int64_t b = 2, s = 300, heads = 3, d = 64;
+  const double base = 10000;
+  const auto x = random_bf16(b * s * heads * d, 1, 1);
+  auto dx = to_device_bf16(x);
+  kernels::cuda::rope(dx.get(), b, s, heads, d, base, false, nullptr);
+  auto want = x;
+  kernels::rope(want.data(), b, s, heads, d, base, false);
+  expect_close(bf16_values(dx), want, 1e-2, 1e-2, "rope");
+
+  const auto rotated = bf16_values(dx);
+  kernels::cuda::rope(dx.get(), b, s, heads, d, base, true, nullptr);
+  auto back = rotated;
+  kernels::rope(back.data(), b, s, heads, d, base, true);
+  expect_close(bf16_values(dx), back, 1e-2, 1e-2, "inverse rope");
+  expect_close(bf16_values(dx), x, 3e-2, 3e-2, "rope then inverse");  // two bf16 roundings
+}
+
+TEST(CudaRope, RejectsOddHeadDimension) {
+  EXPECT_THROW(kernels::cuda::rope(nullptr, 1, 4, 1, 7, 10000, false, nullptr),
+               std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace ptdp::cuda_test
