@@ -1,9 +1,10 @@
 // `ptdp run`: train a GPT model with a PTD-P plan on CPU ranks (one process per rank; under
 // mpirun or srun every process runs this command). Rank 0 prints a line per step and, with
 // --json, one object with the losses and step times; --trace writes the measured timeline in
-// the simulator's Chrome trace format with every op's span and the job (cli/run_trace.h). --dry-run
-// makes every check a run makes, reports each rank's memory and trains nothing; with --plan-index
-// all it does so for every plan of a `ptdp plan --out` file in one launch.
+// the simulator's Chrome trace format, with every op's span and the job for `ptdp reconcile`
+// (cli/run_trace.h). --dry-run makes every check a run makes, reports each rank's memory and
+// trains nothing; with --plan-index all it does so for every plan of a `ptdp plan --out` file
+// in one launch.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -186,6 +187,13 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       throw InputError("--plan-index", "all needs --dry-run (a run trains one plan)");
     if (f.memory_limit_gib && !f.dry_run) throw InputError("--memory-limit-gib", "needs --dry-run");
     if (!f.cluster.empty() && f.trace.empty()) throw InputError("--cluster", "needs --trace FILE");
+    if (!f.cluster.empty()) {
+      try {
+        resolve_cluster(f.cluster).validate();  // a typo found now, not by ptdp reconcile
+      } catch (const InputError& e) {
+        throw InputError("--cluster", e.what());
+      }
+    }
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {

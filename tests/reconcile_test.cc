@@ -360,6 +360,11 @@ TEST(ReconcileCli, BadInputs) {
   expect_refused({"reconcile", "--trace", temp_file("warmup.json", good_trace_text(1))},
                  "no measured step");
   expect_refused({"reconcile"}, "--trace");
+  // ptdp run checks the cluster it records at once.
+  expect_refused({"run", "--global-batch-size", "1", "--trace", temp_file("unused.json", ""),
+                  "--cluster", "no-such-cluster"},
+                 "--cluster");
+  expect_refused({"run", "--global-batch-size", "1", "--cluster", "dgx-a100-80gb"}, "--trace");
 }
 
 }  // namespace
