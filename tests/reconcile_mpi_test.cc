@@ -6,8 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 
 #include "tests/support/launch.h"
 
@@ -34,12 +36,39 @@ void expect_finite(const nlohmann::json& c, const std::string& what) {
       << what;
 }
 
+// Every op span lies inside the forward or backward action of its replica, stage, microbatch
+// and chunk (times are written to the picosecond).
+void expect_ops_inside_their_passes(const std::string& trace) {
+  const auto j = nlohmann::json::parse(test::read_file(trace));
+  using Key = std::tuple<int, int, int, int>;  // replica, stage, microbatch, chunk
+  std::multimap<Key, std::pair<double, double>> passes;
+  for (const auto& e : j["traceEvents"])
+    if (e["ph"] == "X" && e["args"].contains("action") &&
+        (e["args"]["action"] == "F" || e["args"]["action"] == "B"))
+      passes.insert({Key{e["pid"], e["args"]["stage"], e["args"]["microbatch"], e["args"]["chunk"]},
+                     {e["ts"].get<double>(), e["ts"].get<double>() + e["dur"].get<double>()}});
+  int ops = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "op") continue;
+    ++ops;
+    const double start = e["ts"], end = start + e["dur"].get<double>();
+    const auto [lo, hi] = passes.equal_range(
+        Key{e["pid"], e["args"]["stage"], e["args"]["microbatch"], e["args"]["chunk"]});
+    bool inside = false;
+    for (auto it = lo; it != hi; ++it)
+      inside |= it->second.first - 1e-6 <= start && end <= it->second.second + 1e-6;
+    EXPECT_TRUE(inside) << e.dump();
+  }
+  EXPECT_GT(ops, 0);
+}
+
 void run_and_reconcile(const std::string& layout, const std::string& family_with_time) {
   const auto dir = test::scratch_dir("ptdp_reconcile_mpi_test");
   const std::string trace =
       (dir / ("trace" + std::to_string(std::hash<std::string>{}(layout)) + ".json")).string();
   const test::Outcome run = ptdp(2, "run" + kTiny + layout + " --trace " + trace + " --json");
   ASSERT_EQ(run.status, 0) << run.err;
+  expect_ops_inside_their_passes(trace);
   const test::Outcome table = ptdp(0, "reconcile --trace " + trace + kCluster);
   ASSERT_EQ(table.status, 0) << table.err;
   EXPECT_NE(table.out.find("largest contributor"), std::string::npos) << table.out;
