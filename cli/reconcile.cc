@@ -13,13 +13,26 @@ namespace {
 constexpr const char* kPassOverhead = "pass_overhead";
 constexpr const char* kBubble = "bubble";
 
+// Calls of one blocking exchange: how many, their total and their shortest duration.
+struct Shortest {
+  int64_t calls = 0;
+  double total = 0, shortest = std::numeric_limits<double>::infinity();
+  void add(double d) {
+    ++calls;
+    total += d;
+    shortest = std::min(shortest, d);
+  }
+  double cost() const { return calls > 0 ? static_cast<double>(calls) * shortest : 0.0; }
+};
+
 // One stage's measured seconds, summed over the measured steps and replicas.
 struct Measured {
   FamilyTimes families;
   double pass_overhead = 0;
-  double p2p_busy = 0;  // time inside p2p calls, waiting included
-  int64_t p2p_calls = 0;
-  double p2p_shortest = std::numeric_limits<double>::infinity();
+  // Blocking exchanges with ranks that may still be busy: batched p2p calls, the embedding
+  // sync, the gradient-norm all-reduce. Each counts at its shortest occurrence (a call that did
+  // not wait), the rest is waiting (idle time, the bubble).
+  Shortest p2p, embedding_sync, norm_reduction;
 };
 
 using RankKey = std::pair<int32_t, int32_t>;  // (replica, stage)
@@ -95,16 +108,16 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
         // The actions of one batched call share its start and end.
         if (group && group->start == a.start && group->end == a.end) continue;
         group = &a;
-        m.p2p_busy += d;
-        ++m.p2p_calls;
-        m.p2p_shortest = std::min(m.p2p_shortest, d);
+        m.p2p.add(d);
         continue;
       }
       group = nullptr;
       switch (a.kind) {
         case ActionKind::kGradSync:
-        case ActionKind::kEmbeddingSync:
           m.families.at(OpFamily::kDataParallel, OpRole::kForward) += d;
+          break;
+        case ActionKind::kEmbeddingSync:
+          m.embedding_sync.add(d);
           break;
         case ActionKind::kOptimizerStep:
           m.families.at(OpFamily::kOptimizer, OpRole::kForward) += d;
@@ -115,6 +128,25 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
     }
   }
 
+  for (const auto& [key, norms] : by_rank(trace.norm_reductions)) {
+    Measured& m = stage[static_cast<size_t>(key.second)];
+    for (size_t k = 0; k < norms.size(); ++k)
+      if (measured_step[step_of(k, norms.size(), key, "norm reductions")])
+        m.norm_reduction.add(norms[k]->end - norms[k]->start);
+  }
+
+  // A collective costs what its quickest member saw: the member that arrived last did not wait.
+  // (The embedding sync joins the first and last stage, the norm all-reduce every stage.)
+  double emb_shortest = std::numeric_limits<double>::infinity(), norm_shortest = emb_shortest;
+  for (const Measured& m : stage) {
+    emb_shortest = std::min(emb_shortest, m.embedding_sync.shortest);
+    norm_shortest = std::min(norm_shortest, m.norm_reduction.shortest);
+  }
+  for (Measured& m : stage) {
+    m.embedding_sync.shortest = emb_shortest;
+    m.norm_reduction.shortest = norm_shortest;
+  }
+
   const PredictedBreakdown pred = predict_breakdown(cost, plan);
   out.iteration.predicted = pred.iteration;
   out.peak_memory = {cost.memory(plan).peak, trace.info.peak_memory_bytes};
@@ -122,10 +154,12 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
   for (int64_t r = 0; r < plan.pipeline_parallel; ++r) {
     const StagePrediction& ps = pred.stages[static_cast<size_t>(r)];
     Measured& m = stage[static_cast<size_t>(r)];
-    // A batched call that did not wait is the shortest: count every call at that price, the
-    // waiting beyond it is idle time (the bubble).
-    const double p2p = m.p2p_calls > 0 ? static_cast<double>(m.p2p_calls) * m.p2p_shortest : 0.0;
-    m.families.at(OpFamily::kPipelineP2p, OpRole::kForward) = p2p;
+    // The first stage reaches the tied-embedding all-reduce long before the last; every stage
+    // waits in the gradient-norm all-reduce (inside the optimizer step) for the slowest.
+    m.families.at(OpFamily::kPipelineP2p, OpRole::kForward) = m.p2p.cost();
+    m.families.at(OpFamily::kDataParallel, OpRole::kForward) += m.embedding_sync.cost();
+    m.families.at(OpFamily::kOptimizer, OpRole::kForward) +=
+        m.norm_reduction.cost() - m.norm_reduction.total;
     StageReconciliation sr;
     sr.stage = r;
     double busy_measured = 0;

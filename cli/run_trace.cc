@@ -40,6 +40,9 @@ std::string run_trace_text(const TrainResult& r, RunTraceInfo info, const std::s
   for (const OpTimelineEvent& e : r.op_timeline)
     x.ops.push_back({e.dp, e.pp, e.op.microbatch, e.op.chunk, std::string(op_name(e.op.id)),
                      to_string(e.op.role), picos(e.op.start), picos(e.op.end)});
+  for (const NormReductionEvent& e : r.norm_reductions)
+    x.ops.push_back(
+        {e.dp, e.pp, -1, -1, kNormReduction, "", picos(e.start), picos(e.end), kSyncCategory});
   for (const StepStats& s : r.steps)
     x.steps.push_back({s.step, s.step < r.first_step + info.warmup_steps, picos(s.start),
                        picos(s.start + s.seconds)});

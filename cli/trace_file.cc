@@ -175,6 +175,12 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
         static_cast<int32_t>(r.integer(args, "microbatch", a, -1, p.num_microbatches() - 1));
     const int32_t chunk =
         static_cast<int32_t>(r.integer(args, "chunk", a, -1, p.virtual_stages - 1));
+    if (cat == kSyncCategory) {
+      if (r.string(e, "name", f) != kNormReduction)
+        r.fail(f + ".name", std::string("expected ") + kNormReduction);
+      out.norm_reductions.push_back({replica, stage, start, end});
+      continue;
+    }
     if (cat == "op") {
       TraceOp op{replica, stage, mb, chunk, OpId::kInputLayernorm, OpRole::kForward, start, end};
       if (!parse_op(r.string(e, "name", f), &op.id)) r.fail(f + ".name", "not an op of ptdp");

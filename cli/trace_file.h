@@ -34,6 +34,14 @@ struct TraceOp {
   double start = 0, end = 0;
 };
 
+// Inside the optimizer step: the gradient-norm all-reduce (category "sync", named so).
+inline constexpr const char* kSyncCategory = "sync";
+inline constexpr const char* kNormReduction = "grad_norm_allreduce";
+struct TraceSync {
+  int32_t replica = 0, stage = 0;
+  double start = 0, end = 0;
+};
+
 struct TraceStep {
   int64_t step = 0;
   bool warmup = false;
@@ -55,6 +63,7 @@ struct RunTrace {
   RunTraceInfo info;
   std::vector<TraceAction> actions;
   std::vector<TraceOp> ops;
+  std::vector<TraceSync> norm_reductions;
   std::vector<TraceStep> steps;
 };
 

@@ -54,6 +54,10 @@ struct PackedOp {
   int32_t pp, dp, chunk, microbatch, id, role;
   double start, end;
 };
+struct PackedNorm {
+  int32_t pp, dp;
+  double start, end;
+};
 
 // Every rank's records as bytes, gathered on the control plane's rank 0.
 template <class Packed, class T, class F>
@@ -158,6 +162,7 @@ class Executor {
   bool dist_ = false;
   std::vector<TimelineEvent> events_;
   std::vector<TimedOp> ops_;
+  std::vector<std::pair<double, double>> norm_spans_;
   Clock::time_point t0_;
 };
 
@@ -336,7 +341,18 @@ void Executor::gather_timeline(TrainResult& r) {
                     o.start,
                     o.end};
   });
+  const auto norms =
+      gather_packed<PackedNorm>(control_, norm_spans_, [&](const std::pair<double, double>& n) {
+        return PackedNorm{pp, dp, n.first, n.second};
+      });
   if (control_.rank() != 0) return;
+  for (const std::vector<uint8_t>& bytes : norms) {
+    for (size_t at = 0; at + sizeof(PackedNorm) <= bytes.size(); at += sizeof(PackedNorm)) {
+      PackedNorm p;
+      std::memcpy(&p, bytes.data() + at, sizeof p);
+      r.norm_reductions.push_back({p.pp, p.dp, p.start, p.end});
+    }
+  }
   for (const std::vector<uint8_t>& bytes : all) {
     for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
       PackedEvent p;
@@ -371,7 +387,10 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   }
   control_.barrier();
   t0_ = Clock::now();
-  if (o_.record_timeline && pos_.tp == 0) executor_->time_ops(&ops_, t0_);
+  if (o_.record_timeline && pos_.tp == 0) {
+    executor_->time_ops(&ops_, t0_);
+    optimizer_->time_norm_reduction(&norm_spans_, t0_);
+  }
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {
     const auto begin = Clock::now();

@@ -54,6 +54,12 @@ struct OpTimelineEvent {
   TimedOp op;
 };
 
+// One step's gradient-norm all-reduce inside the optimizer step (runtime/grad_sync.h).
+struct NormReductionEvent {
+  int32_t pp = 0, dp = 0;
+  double start = 0, end = 0;
+};
+
 struct TrainResult {
   int64_t first_step = 0;  // > 0 when resumed
   std::vector<StepStats> steps;
@@ -62,6 +68,7 @@ struct TrainResult {
   int64_t peak_rss_bytes = 0;                // the most-loaded rank's resident set (VmHWM)
   std::vector<TimelineEvent> timeline;       // on world rank 0, every replica and stage
   std::vector<OpTimelineEvent> op_timeline;  // the same, every op of every pass
+  std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
 };
 
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).

@@ -167,11 +167,13 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
   }
   for (const OpSpan& o : extras.ops) {
     sep();
-    out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name)
-        << "\",\"cat\":\"op\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
+    out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name) << "\",\"cat\":\"" << escape(o.category)
+        << "\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
         << ",\"pid\":" << o.replica << ",\"tid\":" << kOpTrack + o.rank
         << ",\"args\":{\"microbatch\":" << o.microbatch << ",\"chunk\":" << o.chunk
-        << ",\"stage\":" << o.rank << ",\"role\":\"" << escape(o.role) << "\"}}";
+        << ",\"stage\":" << o.rank;
+    if (!o.role.empty()) out << ",\"role\":\"" << escape(o.role) << "\"";
+    out << "}}";
   }
   for (const StepSpan& st : extras.steps) {
     sep();

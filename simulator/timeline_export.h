@@ -24,11 +24,13 @@ namespace ptdp {
 
 std::string span_name(const Span& s);
 
-// One op of a pass (layer_ops.h's op name and role name).
+// One op of a pass (layer_ops.h's op name and role name), or with another category a named
+// piece of a step-level action (e.g. "sync": the gradient-norm all-reduce), without a role.
 struct OpSpan {
   int32_t replica = 0, rank = 0, microbatch = -1, chunk = -1;
   std::string name, role;
   Picos start = 0, end = 0;
+  std::string category = "op";
 };
 
 // One training step; the warm-up step is marked so that readers leave it out of their figures.

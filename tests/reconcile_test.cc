@@ -56,8 +56,10 @@ CostModel cost_for(const ModelSpec& m, const ParallelPlan& p) {
 // time, each step lasting the predicted iteration; the warm-up step (step 0) takes `warmup`
 // times as long in everything. With `slow_mlp` > 0 every MLP GEMM of the last stage takes that
 // much longer, and each step as much longer as the last stage's extra time.
+// With `norm_wait`, in step s the first stage's optimizer step holds a gradient-norm all-reduce
+// of norm_wait[s] (waiting for the others), and the step is as much longer.
 TrainResult predicted_run(const CostModel& cost, const ParallelPlan& p, int steps, double warmup,
-                          double slow_mlp = 0) {
+                          double slow_mlp = 0, const std::vector<double>& norm_wait = {}) {
   const ModelSpec& m = cost.model();
   const PredictedBreakdown pred = predict_breakdown(cost, p);
   const LayerShape shape = layer_shape(p);
@@ -126,7 +128,13 @@ TrainResult predicted_run(const CostModel& cost, const ParallelPlan& p, int step
           } else if (a.kind == ActionKind::kGradSync) {
             t += ps.families.family(OpFamily::kDataParallel) * scale;
           } else if (a.kind == ActionKind::kOptimizerStep) {
-            t += ps.families.family(OpFamily::kOptimizer) * scale;
+            const double wait =
+                pp == 0 && s < static_cast<int>(norm_wait.size()) ? norm_wait[s] : 0;
+            if (pp == 0 && s < static_cast<int>(norm_wait.size())) {
+              r.norm_reductions.push_back({pp, dp, t, t + wait});
+              if (dp == 0) slower += wait;
+            }
+            t += ps.families.family(OpFamily::kOptimizer) * scale + wait;
           }
           r.timeline.push_back({pp, dp, a.kind, a.microbatch, a.chunk, start, t});
         }
@@ -264,6 +272,29 @@ TEST(Reconcile, NamesTheFamilyThatWasSlower) {
   EXPECT_NEAR(rec.largest_error, static_cast<double>(gemms) * 1e-4, 1e-9);
   EXPECT_NEAR(rec.iteration.error(), static_cast<double>(gemms) * 1e-4, 1e-9);
   EXPECT_NEAR(rec.largest_share, 1.0, 1e-6);
+}
+
+TEST(Reconcile, WaitingInTheNormAllReduceIsIdleTime) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 1, 1);
+  const CostModel cost = cost_for(m, p);
+  // Stage 0 waits 1 ms, then 3 ms in the norm all-reduce of the two measured steps: 1 ms is
+  // counted as the all-reduce's cost (its shortest call), the other 1 ms on average is idle.
+  const TrainResult r = predicted_run(cost, p, 3, 1.0, 0, {5e-3, 1e-3, 3e-3});
+  const RunTrace t = parse_run_trace(run_trace_text(r, info_of(m, p, 3), "wait"), "test");
+  ASSERT_EQ(t.norm_reductions.size(), 3u);
+  const Reconciliation rec = reconcile(t, cost, "test");
+  EXPECT_NEAR(rec.iteration.error(), 2e-3, 1e-9);
+  auto row = [&](int64_t stage, const std::string& name) {
+    for (const ReconcileRow& x : rec.stages[static_cast<size_t>(stage)].rows)
+      if (x.name == name) return x.time.error();
+    ADD_FAILURE() << name;
+    return 0.0;
+  };
+  EXPECT_NEAR(row(0, "optimizer"), 1e-3, 1e-9);
+  EXPECT_NEAR(row(0, "bubble"), 1e-3, 1e-9);
+  EXPECT_NEAR(row(1, "bubble"), 2e-3, 1e-9);  // the last stage waited for the first
+  EXPECT_NEAR(row(1, "optimizer"), 0, 1e-9);
 }
 
 struct Result {

@@ -23,6 +23,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const TraceAction& a : t.actions)
       if (a.stage < 0 || a.stage >= p.pipeline_parallel || !(a.end >= a.start))
         fuzz::fail("an action outside the plan");
+    for (const TraceSync& n : t.norm_reductions)
+      if (n.stage < 0 || n.stage >= p.pipeline_parallel || !(n.end >= n.start))
+        fuzz::fail("a norm all-reduce outside the plan");
     for (const TraceStep& s : t.steps)
       if (s.step < 0 || s.step >= t.info.steps) fuzz::fail("a step outside the run");
   });
