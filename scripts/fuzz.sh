@@ -22,7 +22,7 @@ max_len() {
   case "$1" in
     cli_args) echo 2048 ;;
     plan_file | profile_json) echo 16384 ;;
-    run_trace) echo 32768 ;;
+    run_trace) echo 49152 ;;
     *) echo 8192 ;;
   esac
 }

@@ -44,12 +44,12 @@ trap 'rm -rf "$tmp"' EXIT
 { printf '\0'; cat "$corpus/plan_json/gpt3_interleaved.json"; } > "$corpus/plan_file/one_plan"
 
 # `ptdp run --trace` files: one rank, and two pipeline stages under mpirun.
-tiny=(--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 --vocab-size 32
+tiny=(--hidden-size 16 --num-attention-heads 2 --seq-length 8 --vocab-size 32
   --global-batch-size 1 --micro-batch-size 1 --steps 2)
 "$build/cli/ptdp" run "${tiny[@]}" --num-layers 1 --cluster dgx-a100-80gb \
   --trace "$corpus/run_trace/one_layer.json" >/dev/null
 OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --allow-run-as-root --oversubscribe -np 2 \
-  "$build/cli/ptdp" run "${tiny[@]}" --pipeline-model-parallel-size 2 \
+  "$build/cli/ptdp" run "${tiny[@]}" --num-layers 2 --pipeline-model-parallel-size 2 \
   --trace "$corpus/run_trace/two_stages.json" </dev/null >/dev/null
 
 # Command lines, one argument per line (README.md's commands, preset names for files).
