@@ -1,9 +1,10 @@
 // `ptdp run`: train a GPT model with a PTD-P plan on CPU ranks (one process per rank; under
 // mpirun or srun every process runs this command). Rank 0 prints a line per step and, with
 // --json, one object with the losses and step times; --trace writes the measured timeline in
-// the simulator's Chrome trace format. --dry-run makes every check a run makes, reports each
-// rank's memory and trains nothing; with --plan-index all it does so for every plan of a
-// `ptdp plan --out` file in one launch.
+// the simulator's Chrome trace format, with every op's span and the job for `ptdp reconcile`
+// (cli/run_trace.h). --dry-run makes every check a run makes, reports each rank's memory and
+// trains nothing; with --plan-index all it does so for every plan of a `ptdp plan --out` file
+// in one launch.
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +19,7 @@
 #include "cli/job_flags.h"
 #include "cli/plan_file.h"
 #include "cli/report.h"
+#include "cli/run_trace.h"
 #include "core/error.h"
 #include "core/presets.h"
 #include "core/units.h"
@@ -36,27 +38,12 @@ struct RunFlags {
   std::string plan_index;  // empty: the first (best) plan
   TrainOptions train;
   std::string trace, svg;
+  std::string cluster;  // recorded in the --trace for ptdp reconcile
   bool json = false;
   bool dry_run = false;
   std::optional<double> memory_limit_gib;
   std::optional<int64_t> keep_checkpoints;
 };
-
-Span to_span(const TimelineEvent& e) {
-  Span s;
-  s.replica = e.dp;
-  s.rank = e.pp;
-  s.kind = e.kind;
-  s.microbatch = e.microbatch;
-  s.chunk = e.chunk;
-  s.stream = is_p2p(e.kind) ? Stream::kPipeline
-             : e.kind == ActionKind::kGradSync || e.kind == ActionKind::kEmbeddingSync
-                 ? Stream::kData
-                 : Stream::kCompute;
-  s.start = static_cast<Picos>(e.start * 1e12);
-  s.end = static_cast<Picos>(e.end * 1e12);
-  return s;
-}
 
 std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   std::ostringstream s;
@@ -205,6 +192,14 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       if (*f.keep_checkpoints < 1) throw InputError("--keep-checkpoints", "must be at least 1");
       f.train.keep_checkpoints = *f.keep_checkpoints;
     }
+    if (!f.cluster.empty() && f.trace.empty()) throw InputError("--cluster", "needs --trace FILE");
+    if (!f.cluster.empty()) {
+      try {
+        resolve_cluster(f.cluster).validate();  // a typo found now, not by ptdp reconcile
+      } catch (const InputError& e) {
+        throw InputError("--cluster", e.what());
+      }
+    }
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {
@@ -274,9 +269,14 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     }
     const std::string title = "ptdp run: " + plan_line(model, f.train.plan);
     if (!f.trace.empty()) {
-      std::ostringstream s;
-      write_chrome_trace(s, spans, title);
-      write_file_atomically(f.trace, s.str(), "--trace");
+      RunTraceInfo info;
+      info.model = model;
+      info.plan = f.train.plan;
+      info.cluster = f.cluster;
+      info.world_size = world->size();
+      info.backend = f.train.backend;
+      info.steps = f.train.steps;
+      write_file_atomically(f.trace, run_trace_text(r, info, title), "--trace");
     }
     if (!f.svg.empty()) {
       std::ostringstream s;
@@ -365,7 +365,12 @@ Action add_run_command(CLI::App& app) {
                   "keep only the newest N checkpoints in --save (older ones removed after each "
                   "save)");
   sub->add_option("--load", t.load_dir, "resume from the latest checkpoint in this directory");
-  sub->add_option("--trace", f->trace, "write the measured timeline (Chrome trace JSON)");
+  sub->add_option("--trace", f->trace,
+                  "write the measured timeline, every op of every pass and the job (Chrome trace "
+                  "JSON; ptdp reconcile reads it)");
+  sub->add_option("--cluster", f->cluster,
+                  "cluster or machine file name recorded in the --trace for ptdp reconcile (the "
+                  "run does not use it)");
   sub->add_option("--svg", f->svg, "write the measured timeline as an SVG chart");
   sub->add_flag("--json", f->json, "print one JSON object (rank 0) instead of the summary");
   return [f](std::ostream& out, std::ostream& err) { return run(*f, out, err); };

@@ -350,6 +350,9 @@ Backend& GptShard::backend() {
 void GptShard::trace_ops(std::vector<ExecutedOp>* sink) {
   impl_->ctx->trace = sink;
 }
+void GptShard::time_ops(OpTimer* timer) {
+  impl_->ctx->timer = timer;
+}
 
 int64_t GptShard::real_parameters() const {
   int64_t n = 0;

@@ -43,6 +43,8 @@
 
 namespace ptdp {
 
+class OpTimer;
+
 struct ShardLayout {
   int64_t t = 1, tp = 0;  // tensor-parallel size and this rank's index
   int64_t p = 1, pp = 0;  // pipeline-parallel size and this rank's index
@@ -136,6 +138,8 @@ class GptShard {
   Backend& backend();
   // Appends every op executed from now on to `sink` (null: stop recording).
   void trace_ops(std::vector<ExecutedOp>* sink);
+  // Times every op executed from now on (runtime/op_timer.h; null: stop timing).
+  void time_ops(OpTimer* timer);
 
   struct Impl;
 

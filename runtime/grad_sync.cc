@@ -102,7 +102,13 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
     sq = be_.sum_squares(grads + (dist_ ? base : lo), hi - lo, sq);
   });
   float total = static_cast<float>(sq);
+  auto now = [&] {
+    be_.synchronize();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  };
+  const double norm_start = norm_sink_ ? now() : 0.0;
   g_.norm->all_reduce(&total, 1);
+  if (norm_sink_) norm_sink_->emplace_back(norm_start, now());
   const double norm = std::sqrt(static_cast<double>(total));
   const double coef = o.clip_grad > 0 && norm > o.clip_grad ? o.clip_grad / (norm + 1e-6) : 1.0;
   AdamWSettings adam;

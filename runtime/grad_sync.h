@@ -8,8 +8,11 @@
 // updated parameters. Kernels run on the shard's backend.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
@@ -42,6 +45,15 @@ class DataParallelOptimizer {
   // the norm before clipping.
   double step(int64_t step, double lr, const OptimizerSettings& o);
 
+  // With a sink, appends when each step's gradient-norm all-reduce began and ended (seconds
+  // since t0): besides its one float it waits for every rank of the group to finish its
+  // backward passes, which `ptdp reconcile` counts as idle time. Null: stop recording.
+  void time_norm_reduction(std::vector<std::pair<double, double>>* sink,
+                           std::chrono::steady_clock::time_point t0) {
+    norm_sink_ = sink;
+    t0_ = t0;
+  }
+
   // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
   DeviceBuffer& adam_m() { return adam_m_; }
   DeviceBuffer& adam_v() { return adam_v_; }
@@ -58,6 +70,8 @@ class DataParallelOptimizer {
   bool dist_;
   DeviceBuffer adam_m_, adam_v_, shard_grads_;
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
+  std::vector<std::pair<double, double>>* norm_sink_ = nullptr;
+  std::chrono::steady_clock::time_point t0_;
 };
 
 }  // namespace ptdp

@@ -17,6 +17,11 @@ ScheduleExecutor::ScheduleExecutor(GptShard& shard, Communicator& pipeline,
       dp_(dp),
       m_(microbatches) {}
 
+void ScheduleExecutor::time_ops(std::vector<TimedOp>* sink, Clock::time_point t0) {
+  timer_ = sink ? std::make_unique<OpTimer>(shard_.backend(), t0, sink) : nullptr;
+  shard_.time_ops(timer_.get());
+}
+
 void ScheduleExecutor::flush_p2p() {
   pipeline_.batch(batch_);
   batch_.clear();
@@ -49,7 +54,9 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         if (first || last) step.tokens(a.microbatch, tokens);
         Buffer out;
         const Buffer* in = first ? nullptr : &act_in_.at(key);
+        if (timer_) timer_->pass(a.chunk, a.microbatch);
         loss_sum += shard_.forward(a.chunk, a.microbatch, tokens.data(), in, &out);
+        if (timer_) timer_->close();
         if (!first) act_in_.erase(key);
         if (!last) act_out_[key] = std::move(out);
         break;
@@ -58,7 +65,9 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         const bool first = shard_.first_stage(a.chunk), last = shard_.last_stage(a.chunk);
         Buffer gin;
         const Buffer* gout = last ? nullptr : &grad_in_.at(key);
+        if (timer_) timer_->pass(a.chunk, a.microbatch);
         shard_.backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_));
+        if (timer_) timer_->close();
         if (!last) grad_in_.erase(key);
         if (!first) grad_out_[key] = std::move(gin);
         break;

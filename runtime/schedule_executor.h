@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "runtime/communicator.h"
 #include "runtime/gpt_model.h"
 #include "runtime/grad_sync.h"
+#include "runtime/op_timer.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -50,6 +52,9 @@ class ScheduleExecutor {
   // and sets *grad_norm. With `events`, appends one event per action (times since t0).
   double run(const StepContext& step, double* grad_norm, std::vector<TimelineEvent>* events,
              Clock::time_point t0);
+  // From now on, appends every op the shard executes to `sink` with its start and end (times
+  // since t0), tagged with the pass's chunk and microbatch (runtime/op_timer.h).
+  void time_ops(std::vector<TimedOp>* sink, Clock::time_point t0);
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
@@ -63,6 +68,7 @@ class ScheduleExecutor {
   std::map<Key, Buffer> act_in_, act_out_, grad_in_, grad_out_;
   std::vector<Communicator::P2P> batch_;
   std::vector<Key> sent_fwd_, sent_bwd_;
+  std::unique_ptr<OpTimer> timer_;  // null unless ops are timed
 };
 
 }  // namespace ptdp

@@ -34,12 +34,15 @@ ExecutedOp* ShardContext::current() {
 
 void ShardContext::begin(OpId id, PassKind pass) {
   pass_ = pass;
+  if (!trace && !timer) return;
+  const OpRole role = pass == PassKind::kForward     ? OpRole::kForward
+                      : pass == PassKind::kRecompute ? OpRole::kRecompute
+                                                     : OpRole::kInputGrad;
+  if (timer) timer->begin(id, role);
   if (!trace) return;
   ExecutedOp e;
   e.id = id;
-  e.role = pass == PassKind::kForward     ? OpRole::kForward
-           : pass == PassKind::kRecompute ? OpRole::kRecompute
-                                          : OpRole::kInputGrad;
+  e.role = role;
   trace->push_back(e);
 }
 
@@ -62,7 +65,9 @@ void ShardContext::gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch) {
 }
 
 void ShardContext::weight_gradient_done() {
-  if (ExecutedOp* e = current(); e && pass_ == PassKind::kBackward) e->role = OpRole::kWeightGrad;
+  if (pass_ != PassKind::kBackward) return;
+  if (ExecutedOp* e = current()) e->role = OpRole::kWeightGrad;
+  if (timer) timer->weight_gradient();
 }
 
 void ShardContext::gather_sequence(const Buffer& local, Buffer& full, int64_t width) {

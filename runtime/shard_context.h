@@ -15,6 +15,7 @@
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
 #include "runtime/gpt_model.h"
+#include "runtime/op_timer.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -46,6 +47,7 @@ class ShardContext {
   float* params = nullptr;
   float* grads = nullptr;
   std::vector<ExecutedOp>* trace = nullptr;
+  OpTimer* timer = nullptr;  // times each op (runtime/op_timer.h) when set
 
   float* P(int64_t off) const { return params + off; }
   float* G(int64_t off) const { return grads + off; }

@@ -52,6 +52,26 @@ struct PackedEvent {
   int32_t pp, dp, kind, microbatch, chunk;
   double start, end;
 };
+struct PackedOp {
+  int32_t pp, dp, chunk, microbatch, id, role;
+  double start, end;
+};
+struct PackedNorm {
+  int32_t pp, dp;
+  double start, end;
+};
+
+// Every rank's records as bytes, gathered on the control plane's rank 0.
+template <class Packed, class T, class F>
+std::vector<std::vector<uint8_t>> gather_packed(ControlPlane& control, const std::vector<T>& v,
+                                                F pack) {
+  std::vector<uint8_t> mine(v.size() * sizeof(Packed));
+  for (size_t i = 0; i < v.size(); ++i) {
+    const Packed p = pack(v[i]);
+    std::memcpy(mine.data() + i * sizeof(Packed), &p, sizeof p);
+  }
+  return control.all_gather_bytes(mine);
+}
 
 int64_t peak_rss_bytes() {
   std::ifstream in("/proc/self/status");
@@ -146,6 +166,8 @@ class Executor {
   GridPosition pos_;
   bool dist_ = false;
   std::vector<TimelineEvent> events_;
+  std::vector<TimedOp> ops_;
+  std::vector<std::pair<double, double>> norm_spans_;
   Clock::time_point t0_;
 };
 
@@ -325,21 +347,48 @@ double Executor::step(int64_t step, double* grad_norm) {
 }
 
 void Executor::gather_timeline(TrainResult& r) {
-  std::vector<uint8_t> mine(events_.size() * sizeof(PackedEvent));
-  for (size_t i = 0; i < events_.size(); ++i) {
-    const TimelineEvent& e = events_[i];
-    const PackedEvent p{e.pp,    e.dp, static_cast<int32_t>(e.kind), e.microbatch, e.chunk,
-                        e.start, e.end};
-    std::memcpy(mine.data() + i * sizeof(PackedEvent), &p, sizeof p);
-  }
-  const auto all = control_.all_gather_bytes(mine);
+  const auto all = gather_packed<PackedEvent>(control_, events_, [](const TimelineEvent& e) {
+    return PackedEvent{e.pp,    e.dp, static_cast<int32_t>(e.kind), e.microbatch, e.chunk,
+                       e.start, e.end};
+  });
+  const int32_t pp = static_cast<int32_t>(pos_.pp), dp = static_cast<int32_t>(pos_.dp);
+  const auto ops = gather_packed<PackedOp>(control_, ops_, [&](const TimedOp& o) {
+    return PackedOp{pp,
+                    dp,
+                    o.chunk,
+                    o.microbatch,
+                    static_cast<int32_t>(o.id),
+                    static_cast<int32_t>(o.role),
+                    o.start,
+                    o.end};
+  });
+  const auto norms =
+      gather_packed<PackedNorm>(control_, norm_spans_, [&](const std::pair<double, double>& n) {
+        return PackedNorm{pp, dp, n.first, n.second};
+      });
   if (control_.rank() != 0) return;
+  for (const std::vector<uint8_t>& bytes : norms) {
+    for (size_t at = 0; at + sizeof(PackedNorm) <= bytes.size(); at += sizeof(PackedNorm)) {
+      PackedNorm p;
+      std::memcpy(&p, bytes.data() + at, sizeof p);
+      r.norm_reductions.push_back({p.pp, p.dp, p.start, p.end});
+    }
+  }
   for (const std::vector<uint8_t>& bytes : all) {
     for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
       PackedEvent p;
       std::memcpy(&p, bytes.data() + at, sizeof p);
       r.timeline.push_back(
           {p.pp, p.dp, static_cast<ActionKind>(p.kind), p.microbatch, p.chunk, p.start, p.end});
+    }
+  }
+  for (const std::vector<uint8_t>& bytes : ops) {
+    for (size_t at = 0; at + sizeof(PackedOp) <= bytes.size(); at += sizeof(PackedOp)) {
+      PackedOp p;
+      std::memcpy(&p, bytes.data() + at, sizeof p);
+      r.op_timeline.push_back({p.pp, p.dp,
+                               TimedOp{static_cast<OpId>(p.id), static_cast<OpRole>(p.role),
+                                       p.chunk, p.microbatch, p.start, p.end}});
     }
   }
 }
@@ -359,6 +408,10 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   }
   control_.barrier();
   t0_ = Clock::now();
+  if (o_.record_timeline && pos_.tp == 0) {
+    executor_->time_ops(&ops_, t0_);
+    optimizer_->time_norm_reduction(&norm_spans_, t0_);
+  }
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {
     const auto begin = Clock::now();
@@ -369,6 +422,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     // The same sum on every rank: every rank stops here, before anything is saved.
     if (!std::isfinite(st.loss)) throw NonFiniteLoss(s, st.loss, st.grad_norm);
     st.seconds = std::chrono::duration<double>(Clock::now() - begin).count();
+    st.start = std::chrono::duration<double>(begin - t0_).count();
     st.tokens = tokens_per_step;
     result.steps.push_back(st);
     if (world_.rank() == 0 && on_step) on_step(st);

@@ -45,16 +45,31 @@ struct TrainOptions {
 struct StepStats {
   int64_t step = 0;  // 0-based
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  double start = 0;  // seconds since the first step began (world rank 0's clock)
   int64_t tokens = 0;
+};
+
+// One timed op of a pass on pipeline rank pp of replica dp (tensor-parallel rank 0).
+struct OpTimelineEvent {
+  int32_t pp = 0, dp = 0;
+  TimedOp op;
+};
+
+// One step's gradient-norm all-reduce inside the optimizer step (runtime/grad_sync.h).
+struct NormReductionEvent {
+  int32_t pp = 0, dp = 0;
+  double start = 0, end = 0;
 };
 
 struct TrainResult {
   int64_t first_step = 0;  // > 0 when resumed
   std::vector<StepStats> steps;
-  int64_t parameters = 0;               // of the whole model
-  int64_t peak_memory_bytes = 0;        // the most-loaded rank's tensors (params, grads, ...)
-  int64_t peak_rss_bytes = 0;           // the most-loaded rank's resident set (VmHWM)
-  std::vector<TimelineEvent> timeline;  // on world rank 0, every replica and stage
+  int64_t parameters = 0;                    // of the whole model
+  int64_t peak_memory_bytes = 0;             // the most-loaded rank's tensors (params, grads, ...)
+  int64_t peak_rss_bytes = 0;                // the most-loaded rank's resident set (VmHWM)
+  std::vector<TimelineEvent> timeline;       // on world rank 0, every replica and stage
+  std::vector<OpTimelineEvent> op_timeline;  // the same, every op of every pass
+  std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
 };
 
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).

@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-30}
 shift || true
-all=(model_json hf_config cluster_json profile_json plan_json plan_file token_file checkpoint cli_args)
+all=(model_json hf_config cluster_json profile_json plan_json plan_file token_file checkpoint run_trace
+  cli_args)
 harnesses=("$@")
 [ ${#harnesses[@]} -eq 0 ] && harnesses=("${all[@]}")
 build=${PTDP_FUZZ_BUILD:-build-fuzz}
@@ -21,6 +22,7 @@ max_len() {
   case "$1" in
     cli_args) echo 2048 ;;
     plan_file | profile_json) echo 16384 ;;
+    run_trace) echo 49152 ;;
     *) echo 8192 ;;
   esac
 }

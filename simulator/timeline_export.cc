@@ -108,40 +108,80 @@ std::string span_name(const Span& s) {
 
 void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans,
                         const std::string& title) {
-  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"title\":\"" << escape(title)
-      << "\"},\"traceEvents\":[\n";
+  write_chrome_trace(out, spans, title, TraceExtras{});
+}
+
+void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const std::string& title,
+                        const TraceExtras& extras) {
+  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"title\":\"" << escape(title) << "\"";
+  if (!extras.other_data.empty()) out << "," << extras.other_data;
+  out << "},\"traceEvents\":[\n";
   std::set<std::pair<int, int>> tracks;
   std::set<int> replicas;
   for (const Span& s : spans) {
     tracks.emplace(s.replica, track(s));
     replicas.insert(s.replica);
   }
+  std::set<std::pair<int, int>> op_tracks;
+  for (const OpSpan& o : extras.ops) {
+    op_tracks.emplace(o.replica, o.rank);
+    replicas.insert(o.replica);
+  }
+  if (!extras.steps.empty()) replicas.insert(0);
   bool first = true;
   auto sep = [&] {
     if (!first) out << ",\n";
     first = false;
+  };
+  auto thread = [&](int pid, int tid, const std::string& name, int sort) {
+    sep();
+    out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << pid << ",\"tid\":" << tid
+        << ",\"args\":{\"name\":\"" << name << "\"}}";
+    sep();
+    out << "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":" << pid << ",\"tid\":" << tid
+        << ",\"args\":{\"sort_index\":" << sort << "}}";
   };
   for (int r : replicas) {
     sep();
     out << "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":" << r
         << ",\"args\":{\"name\":\"replica " << r << "\"}}";
   }
-  for (const auto& [replica, tid] : tracks) {
-    sep();
-    out << "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":" << replica << ",\"tid\":" << tid
-        << ",\"args\":{\"name\":\"pipeline rank " << tid / 4 << " "
-        << stream_name(static_cast<Stream>(tid % 4)) << "\"}}";
-    sep();
-    out << "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":" << replica << ",\"tid\":" << tid
-        << ",\"args\":{\"sort_index\":" << tid << "}}";
-  }
+  for (const auto& [replica, tid] : tracks)
+    thread(replica, tid,
+           "pipeline rank " + std::to_string(tid / 4) + " " +
+               stream_name(static_cast<Stream>(tid % 4)),
+           tid);
+  for (const auto& [replica, rank] : op_tracks)
+    thread(replica, kOpTrack + rank, "pipeline rank " + std::to_string(rank) + " ops", rank * 4);
+  if (!extras.steps.empty()) thread(0, kStepTrack, "steps", -1);
   for (const Span& s : spans) {
+    PipelineAction code;
+    code.kind = s.kind;
     sep();
     out << "{\"ph\":\"X\",\"name\":\"" << span_name(s) << "\",\"cat\":\"" << stream_name(s.stream)
         << "\",\"ts\":" << micros(s.start) << ",\"dur\":" << micros(s.end - s.start)
         << ",\"pid\":" << s.replica << ",\"tid\":" << track(s) << ",\"cname\":\""
         << chrome_colour(s) << "\",\"args\":{\"microbatch\":" << s.microbatch
-        << ",\"chunk\":" << s.chunk << "}}";
+        << ",\"chunk\":" << s.chunk << ",\"stage\":" << s.rank << ",\"action\":\""
+        << to_string(code) << "\"}}";
+  }
+  for (const OpSpan& o : extras.ops) {
+    sep();
+    out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name) << "\",\"cat\":\"" << escape(o.category)
+        << "\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
+        << ",\"pid\":" << o.replica << ",\"tid\":" << kOpTrack + o.rank
+        << ",\"args\":{\"microbatch\":" << o.microbatch << ",\"chunk\":" << o.chunk
+        << ",\"stage\":" << o.rank;
+    if (!o.role.empty()) out << ",\"role\":\"" << escape(o.role) << "\"";
+    out << "}}";
+  }
+  for (const StepSpan& st : extras.steps) {
+    sep();
+    out << "{\"ph\":\"X\",\"name\":\"step " << st.step
+        << "\",\"cat\":\"step\",\"ts\":" << micros(st.start)
+        << ",\"dur\":" << micros(st.end - st.start) << ",\"pid\":0,\"tid\":" << kStepTrack
+        << ",\"args\":{\"step\":" << st.step << ",\"warmup\":" << (st.warmup ? "true" : "false")
+        << "}}";
   }
   out << "\n]}\n";
 }

@@ -412,10 +412,22 @@ TEST(Cli, RunWritesItsMeasuredTimelineAsAChromeTrace) {
   ASSERT_EQ(r.status, 0) << r.err;
   std::ifstream in(trace);
   const auto j = nlohmann::json::parse(in);
-  int spans = 0;
-  for (const auto& e : j["traceEvents"])
-    if (e["ph"] == "X") ++spans;
+  int spans = 0, ops = 0, steps = 0, norms = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["cat"] == "op")
+      ++ops;
+    else if (e["cat"] == "step")
+      ++steps;
+    else if (e["cat"] == "sync")
+      ++norms;
+    else
+      ++spans;
+  }
   EXPECT_EQ(spans, 2 * (2 + 2 + 2));  // per step: 2 forwards, 2 backwards, grad sync, optimizer
+  EXPECT_EQ(steps, 2);
+  EXPECT_EQ(norms, 2);    // the gradient-norm all-reduce inside each optimizer step
+  EXPECT_GT(ops, 4 * 2);  // every op of every pass (tests/reconcile_test.cc checks them)
 }
 
 TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {

@@ -10,7 +10,7 @@ build=${1:-build-fuzz}
 corpus=tests/fuzz/corpus
 export ASAN_OPTIONS=detect_leaks=0
 rm -rf "$corpus"
-mkdir -p "$corpus"/{model_json,hf_config,cluster_json,profile_json,plan_json,plan_file,token_file,checkpoint,cli_args}
+mkdir -p "$corpus"/{model_json,hf_config,cluster_json,profile_json,plan_json,plan_file,token_file,checkpoint,run_trace,cli_args}
 
 cp core/presets/models/*.json "$corpus/model_json/"
 cp core/presets/clusters/*.json "$corpus/cluster_json/"
@@ -43,6 +43,15 @@ trap 'rm -rf "$tmp"' EXIT
 { printf '\3'; cat "$tmp/llama.json"; } > "$corpus/plan_file/llama_second"
 { printf '\0'; cat "$corpus/plan_json/gpt3_interleaved.json"; } > "$corpus/plan_file/one_plan"
 
+# `ptdp run --trace` files: one rank, and two pipeline stages under mpirun.
+tiny=(--hidden-size 16 --num-attention-heads 2 --seq-length 8 --vocab-size 32
+  --global-batch-size 1 --micro-batch-size 1 --steps 2)
+"$build/cli/ptdp" run "${tiny[@]}" --num-layers 1 --cluster dgx-a100-80gb \
+  --trace "$corpus/run_trace/one_layer.json" >/dev/null
+OMPI_MCA_btl_vader_single_copy_mechanism=none mpirun --allow-run-as-root --oversubscribe -np 2 \
+  "$build/cli/ptdp" run "${tiny[@]}" --num-layers 2 --pipeline-model-parallel-size 2 \
+  --trace "$corpus/run_trace/two_stages.json" </dev/null >/dev/null
+
 # Command lines, one argument per line (README.md's commands, preset names for files).
 i=0
 while IFS= read -r line; do
@@ -55,6 +64,7 @@ predict --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-lengt
 simulate --model gpt3-175b --num-gpus 1024 --global-batch-size 1536 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --micro-batch-size 1 --pipeline-schedule zb-h1 --full --slow-rank 3:1.5
 run --model llama2-7b --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --vocab-size 256 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --micro-batch-size 2 --global-batch-size 4 --steps 3 --seed 1 --data synthetic --dry-run --memory-limit-gib 1
 run --plan plans.json --plan-index all --dry-run --json
+reconcile --trace run.json --cluster machine.json --profile a100-80gb --json
 tokenize input.txt tokens.bin
 predict --model llama3-70b --profile h100-sxm --cluster dgx-h100 --num-gpus 64 --global-batch-size 128 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --micro-batch-size 1 --fp16-grad-reduce --no-scatter-gather --no-gradient-accumulation-fusion --overlap-grad-reduce --swiglu --untie-embeddings-and-output-weights --num-query-groups 8 --ffn-hidden-size 28672
 ARGS

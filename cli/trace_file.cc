@@ -1,0 +1,208 @@
+// Reading and checking `ptdp run --trace` files (cli/trace_file.h).
+#include "cli/trace_file.h"
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace ptdp {
+namespace {
+
+using nlohmann::json;
+
+class Reader {
+ public:
+  explicit Reader(std::string what) : what_(std::move(what)) {}
+  [[noreturn]] void fail(const std::string& field, const std::string& problem) const {
+    throw InputError(what_, field + ": " + problem);
+  }
+  const json& member(const json& j, const std::string& key, const std::string& field) const {
+    if (!j.is_object()) fail(field, "expected an object");
+    auto it = j.find(key);
+    if (it == j.end()) fail(field + "." + key, "missing");
+    return *it;
+  }
+  double number(const json& j, const std::string& key, const std::string& field) const {
+    const json& v = member(j, key, field);
+    if (!v.is_number() || !std::isfinite(v.get<double>()))
+      fail(field + "." + key, "expected a finite number");
+    return v.get<double>();
+  }
+  int64_t integer(const json& j, const std::string& key, const std::string& field, int64_t lo,
+                  int64_t hi) const {
+    const json& v = member(j, key, field);
+    if (!v.is_number_integer()) fail(field + "." + key, "expected an integer");
+    const int64_t x = v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}
+                          ? INT64_MAX
+                          : v.get<int64_t>();
+    if (x < lo || x > hi)
+      fail(field + "." + key, std::to_string(x) + " is outside [" + std::to_string(lo) + ", " +
+                                  std::to_string(hi) + "]");
+    return x;
+  }
+  std::string string(const json& j, const std::string& key, const std::string& field) const {
+    const json& v = member(j, key, field);
+    if (!v.is_string()) fail(field + "." + key, "expected a string");
+    return v.get<std::string>();
+  }
+
+ private:
+  std::string what_;
+};
+
+bool parse_kind(const std::string& code, ActionKind* kind) {
+  for (int k = 0; k <= static_cast<int>(ActionKind::kOptimizerStep); ++k) {
+    PipelineAction a;
+    a.kind = static_cast<ActionKind>(k);
+    if (to_string(a) == code) {
+      *kind = a.kind;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool parse_op(const std::string& name, OpId* id) {
+  for (int i = 0; i < kNumOpIds; ++i)
+    if (op_name(static_cast<OpId>(i)) == name) {
+      *id = static_cast<OpId>(i);
+      return true;
+    }
+  return false;
+}
+
+bool parse_role(const std::string& name, OpRole* role) {
+  for (OpRole r : {OpRole::kForward, OpRole::kInputGrad, OpRole::kWeightGrad, OpRole::kRecompute})
+    if (to_string(r) == name) {
+      *role = r;
+      return true;
+    }
+  return false;
+}
+
+RunTraceInfo read_info(const Reader& r, const json& meta) {
+  const std::string f = "otherData";
+  RunTraceInfo info;
+  if (r.string(meta, "format", f) != kRunTraceFormat)
+    r.fail(f + ".format", std::string("not a ptdp run trace (expected \"") + kRunTraceFormat +
+                              "\"; `ptdp run --trace` writes one)");
+  if (r.integer(meta, "version", f, 0, INT64_MAX) != kRunTraceVersion)
+    r.fail(f + ".version", "this ptdp reads version " + std::to_string(kRunTraceVersion));
+  try {
+    info.model = model_from_json(r.member(meta, "model", f));
+    info.model.validate();
+  } catch (const InputError& e) {
+    r.fail(f + ".model", e.what());
+  }
+  try {
+    info.plan = plan_from_json(r.member(meta, "configuration", f));
+    info.plan.validate(info.model);
+  } catch (const InputError& e) {
+    r.fail(f + ".configuration", e.what());
+  }
+  const auto cluster = meta.find("cluster");
+  if (cluster != meta.end() && !cluster->is_null()) info.cluster = r.string(meta, "cluster", f);
+  info.world_size = r.integer(meta, "world_size", f, 1, 1 << 24);
+  if (info.world_size != info.plan.num_gpus())
+    r.fail(f + ".world_size", std::to_string(info.world_size) + " ranks, but the plan has " +
+                                  std::to_string(info.plan.num_gpus()));
+  const json& job = r.member(meta, "job", f);
+  info.backend = r.string(job, "backend", f + ".job");
+  info.steps = r.integer(job, "steps", f + ".job", 1, INT64_MAX);
+  info.first_step = r.integer(job, "first_step", f + ".job", 0, info.steps - 1);
+  info.warmup_steps = r.integer(meta, "warmup_steps", f, 0, INT64_MAX);
+  const json& measured = r.member(meta, "measured", f);
+  info.peak_memory_bytes = r.number(measured, "peak_memory_bytes", f + ".measured");
+  info.peak_rss_bytes = r.number(measured, "peak_rss_bytes", f + ".measured");
+  if (info.peak_memory_bytes < 0 || info.peak_rss_bytes < 0)
+    r.fail(f + ".measured", "peaks must not be negative");
+  return info;
+}
+
+}  // namespace
+
+std::string run_trace_metadata(const RunTraceInfo& info) {
+  json j;
+  j["format"] = kRunTraceFormat;
+  j["version"] = kRunTraceVersion;
+  j["source"] = "ptdp run";
+  j["model"] = to_json(info.model);
+  j["configuration"] = to_json(info.plan);
+  j["cluster"] = info.cluster.empty() ? json() : json(info.cluster);
+  j["world_size"] = info.world_size;
+  j["job"] = {{"backend", info.backend}, {"steps", info.steps}, {"first_step", info.first_step}};
+  j["warmup_steps"] = info.warmup_steps;
+  j["time_unit"] = "ts and dur in microseconds since the first step began";
+  j["measured"] = {{"peak_memory_bytes", info.peak_memory_bytes},
+                   {"peak_rss_bytes", info.peak_rss_bytes}};
+  const std::string text = j.dump();
+  return text.substr(1, text.size() - 2);  // the members, without the braces
+}
+
+RunTrace parse_run_trace(const std::string& text, const std::string& what) {
+  const Reader r(what);
+  const json doc = json::parse(text, nullptr, false);
+  if (doc.is_discarded()) r.fail("file", "not JSON");
+  RunTrace out;
+  out.info = read_info(r, r.member(doc, "otherData", "trace"));
+  const ParallelPlan& p = out.info.plan;
+  const json& events = r.member(doc, "traceEvents", "trace");
+  if (!events.is_array()) r.fail("traceEvents", "expected an array");
+  for (size_t i = 0; i < events.size(); ++i) {
+    const json& e = events[i];
+    const std::string f = "traceEvents[" + std::to_string(i) + "]";
+    if (r.string(e, "ph", f) != "X") continue;  // metadata records
+    const double ts = r.number(e, "ts", f), dur = r.number(e, "dur", f);
+    if (ts < 0 || dur < 0) r.fail(f, "negative ts or dur");
+    const double start = ts * 1e-6, end = (ts + dur) * 1e-6;
+    const std::string cat = r.string(e, "cat", f);
+    const json& args = r.member(e, "args", f);
+    const std::string a = f + ".args";
+    if (cat == "step") {
+      out.steps.push_back(
+          {r.integer(args, "step", a, 0, out.info.steps - 1),
+           r.member(args, "warmup", a).is_boolean() && r.member(args, "warmup", a).get<bool>(),
+           start, end});
+      continue;
+    }
+    const int32_t replica = static_cast<int32_t>(r.integer(e, "pid", f, 0, p.data_parallel - 1));
+    const int32_t stage =
+        static_cast<int32_t>(r.integer(args, "stage", a, 0, p.pipeline_parallel - 1));
+    const int32_t mb =
+        static_cast<int32_t>(r.integer(args, "microbatch", a, -1, p.num_microbatches() - 1));
+    const int32_t chunk =
+        static_cast<int32_t>(r.integer(args, "chunk", a, -1, p.virtual_stages - 1));
+    if (cat == kSyncCategory) {
+      if (r.string(e, "name", f) != kNormReduction)
+        r.fail(f + ".name", std::string("expected ") + kNormReduction);
+      out.norm_reductions.push_back({replica, stage, start, end});
+      continue;
+    }
+    if (cat == "op") {
+      TraceOp op{replica, stage, mb, chunk, OpId::kInputLayernorm, OpRole::kForward, start, end};
+      if (!parse_op(r.string(e, "name", f), &op.id)) r.fail(f + ".name", "not an op of ptdp");
+      if (!parse_role(r.string(args, "role", a), &op.role)) r.fail(a + ".role", "unknown role");
+      if (mb < 0 || chunk < 0) r.fail(a, "an op belongs to a microbatch and a chunk");
+      out.ops.push_back(op);
+      continue;
+    }
+    TraceAction act{replica, stage, ActionKind::kForward, mb, chunk, start, end};
+    if (!parse_kind(r.string(args, "action", a), &act.kind))
+      r.fail(a + ".action", "unknown action code");
+    out.actions.push_back(act);
+  }
+  return out;
+}
+
+RunTrace read_run_trace(const std::string& path, const std::string& flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(flag, "cannot read " + path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_run_trace(text.str(), flag + " " + path);
+}
+
+}  // namespace ptdp

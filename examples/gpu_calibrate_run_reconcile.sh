@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The same loop on GPUs. NEEDS ptdp built with its CUDA backend (`ptdp run --backend cuda`) and
+# `ptdp calibrate`, and one GPU per rank (GPUS, default 2). Script only: CI does not run it.
+source "$(dirname "$0")/common.sh"
+gpus=${GPUS:-2}
+model=(--model gpt-1.7b --num-layers 8)
+plan=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 2
+  --global-batch-size 16)
+"$PTDP" calibrate --backend cuda --quick --out "$OUT/machine.json"
+"$PTDP" predict "${model[@]}" "${plan[@]}" --cluster "$OUT/machine.json" --num-gpus "$gpus"
+mpirun_np "$gpus" "$PTDP" run "${model[@]}" "${plan[@]}" --steps 6 --backend cuda \
+  --trace "$OUT/run.trace.json" --cluster "$OUT/machine.json" --json >"$OUT/run.json"
+"$PTDP" reconcile --trace "$OUT/run.trace.json"

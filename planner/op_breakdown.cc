@@ -1,0 +1,165 @@
+#include "planner/op_breakdown.h"
+
+#include "core/schedule.h"
+
+namespace ptdp {
+
+OpFamily op_family(OpId id) {
+  switch (id) {
+    case OpId::kQkv:
+    case OpId::kAttnProj:
+    case OpId::kAttnProjDgrad:
+    case OpId::kAttnProjWgrad:
+    case OpId::kQkvDgrad:
+    case OpId::kQkvWgrad:
+      return OpFamily::kAttentionGemm;
+    case OpId::kFc1:
+    case OpId::kFc2:
+    case OpId::kFc2Dgrad:
+    case OpId::kFc2Wgrad:
+    case OpId::kFc1Dgrad:
+    case OpId::kFc1Wgrad:
+      return OpFamily::kMlpGemm;
+    case OpId::kRotaryEmbedding:
+    case OpId::kAttnScores:
+    case OpId::kAttnSoftmax:
+    case OpId::kAttnDropout:
+    case OpId::kAttnContext:
+    case OpId::kAttnContextDprobs:
+    case OpId::kAttnContextDv:
+    case OpId::kAttnDropoutBackward:
+    case OpId::kAttnSoftmaxBackward:
+    case OpId::kAttnScoresDq:
+    case OpId::kAttnScoresDk:
+    case OpId::kRotaryEmbeddingBackward:
+      return OpFamily::kAttentionCore;
+    case OpId::kInputLayernorm:
+    case OpId::kPostAttentionLayernorm:
+    case OpId::kPostAttentionLayernormBackward:
+    case OpId::kInputLayernormBackward:
+      return OpFamily::kNorm;
+    case OpId::kAttnBiasDropoutAdd:
+    case OpId::kBiasGelu:
+    case OpId::kSwiglu:
+    case OpId::kMlpBiasDropoutAdd:
+    case OpId::kMlpBiasDropoutAddBackward:
+    case OpId::kBiasGeluBackward:
+    case OpId::kSwigluBackward:
+    case OpId::kAttnBiasDropoutAddBackward:
+    case OpId::kWeightGradAccumulate:
+      return OpFamily::kElementwise;
+    case OpId::kAttnAllGather:
+    case OpId::kAttnAllReduce:
+    case OpId::kAttnReduceScatter:
+    case OpId::kMlpAllGather:
+    case OpId::kMlpAllReduce:
+    case OpId::kMlpReduceScatter:
+    case OpId::kMlpReduceScatterBackward:
+    case OpId::kFc1InputGradAllReduce:
+    case OpId::kMlpAllGatherBackward:
+    case OpId::kAttnReduceScatterBackward:
+    case OpId::kQkvInputGradAllReduce:
+    case OpId::kAttnAllGatherBackward:
+    case OpId::kEmbeddingAllReduce:
+    case OpId::kEmbeddingReduceScatter:
+    case OpId::kEmbeddingGradAllGather:
+    case OpId::kLmHeadAllGather:
+    case OpId::kCrossEntropyAllGather:
+    case OpId::kLmHeadGradReduceScatter:
+    case OpId::kLmHeadInputGradAllReduce:
+      return OpFamily::kTensorComm;
+    case OpId::kWordEmbeddingLookup:
+    case OpId::kEmbeddingPositionDropout:
+    case OpId::kEmbeddingDropoutBackward:
+    case OpId::kWordEmbeddingGradScatterAdd:
+    case OpId::kEmbeddingGradAccumulate:
+    case OpId::kFinalLayernorm:
+    case OpId::kLmHead:
+    case OpId::kCrossEntropy:
+    case OpId::kCrossEntropyBackward:
+    case OpId::kLmHeadDgrad:
+    case OpId::kLmHeadWgrad:
+    case OpId::kFinalLayernormBackward:
+    case OpId::kOutputGradAccumulate:
+      return OpFamily::kEmbeddingHead;
+  }
+  return OpFamily::kElementwise;
+}
+
+namespace {
+
+constexpr std::string_view kFamilyNames[kNumOpFamilies] = {
+    "attention_gemm", "mlp_gemm",       "attention_core", "norm",         "elementwise",
+    "tp_comm",        "embedding_head", "pipeline_p2p",   "dp_grad_sync", "optimizer"};
+
+}  // namespace
+
+std::string_view family_name(OpFamily f) {
+  return kFamilyNames[static_cast<size_t>(f)];
+}
+
+std::optional<OpFamily> parse_family(std::string_view name) {
+  for (int i = 0; i < kNumOpFamilies; ++i)
+    if (kFamilyNames[i] == name) return static_cast<OpFamily>(i);
+  return std::nullopt;
+}
+
+double FamilyTimes::family(OpFamily f) const {
+  double t = 0;
+  for (double x : s[static_cast<size_t>(f)]) t += x;
+  return t;
+}
+
+double FamilyTimes::total() const {
+  double t = 0;
+  for (int f = 0; f < kNumOpFamilies; ++f) t += family(static_cast<OpFamily>(f));
+  return t;
+}
+
+namespace {
+
+void add_ops(const CostModel& cost, const ParallelPlan& p, const PassOps& ops, double times,
+             FamilyTimes& out) {
+  for (const auto* list : {&ops.forward, &ops.backward, &ops.recompute})
+    for (const Op& op : *list) out.at(op_family(op.id), op.role) += cost.op_time(op, p) * times;
+}
+
+}  // namespace
+
+PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& p) {
+  const ModelSpec& m = cost.model();
+  const Prediction pred = cost.predict(p);
+  PredictedBreakdown out;
+  out.iteration = pred.iteration_time_s;
+  out.peak_memory_bytes = pred.memory.peak;
+  const LayerShape shape = layer_shape(p);
+  const PassOps layer = transformer_layer_ops(m, shape);
+  const PassOps embed = embedding_ops(m, shape);
+  const PassOps head = lm_head_ops(m, shape);
+  const double mb = static_cast<double>(p.num_microbatches());
+  const PipelineSchedule schedule =
+      make_pipeline_schedule(schedule_spec(p, !m.untie_embeddings_and_output_weights));
+  const double p2p =
+      p.pipeline_parallel > 1 ? cost.comm().p2p_time(cost.activation_message_bytes(p), p) : 0.0;
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+    StagePrediction st;
+    st.stage = r;
+    FamilyTimes& f = st.families;
+    add_ops(cost, p, layer, mb * static_cast<double>(p.layers_on_stage(m, r)), f);
+    if (r == 0) add_ops(cost, p, embed, mb, f);
+    if (r == p.pipeline_parallel - 1) add_ops(cost, p, head, mb, f);
+    for (const PipelineAction& a : schedule.ranks[static_cast<size_t>(r)])
+      if (is_p2p(a.kind) && !a.batched_with_next) ++st.p2p_calls;
+    f.at(OpFamily::kPipelineP2p, OpRole::kForward) = static_cast<double>(st.p2p_calls) * p2p;
+    const double params = cost.parameters_on_stage(p, r);
+    double dp = p.data_parallel > 1 ? cost.gradient_sync_time(p, params) : 0.0;
+    if (r == 0 || r == p.pipeline_parallel - 1) dp += cost.embedding_sync_time(p);
+    f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;
+    f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, params);
+    st.bubble = out.iteration - f.total();
+    out.stages.push_back(st);
+  }
+  return out;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,49 @@
+// OpTimer: the measured duration of every op a shard executes, for `ptdp run --trace` and
+// `ptdp reconcile`. ShardContext::begin closes the previous op and opens the next; the schedule
+// executor names the pass (chunk, microbatch) before it runs and closes the last op after it.
+// Only attached when a trace is asked for: without one, the shard makes no clock reading.
+// On a backend that runs kernels asynchronously the timer synchronises it at each op boundary,
+// so that the span covers the op's kernels rather than their launch.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "runtime/backend.h"
+
+namespace ptdp {
+
+struct TimedOp {
+  OpId id = OpId::kInputLayernorm;
+  OpRole role = OpRole::kForward;
+  int32_t chunk = -1, microbatch = -1;
+  double start = 0, end = 0;  // seconds since the run's first step began
+};
+
+class OpTimer {
+ public:
+  using Clock = std::chrono::steady_clock;
+  OpTimer(Backend& backend, Clock::time_point t0, std::vector<TimedOp>* sink)
+      : be_(backend), t0_(t0), sink_(sink) {}
+
+  // The pass the following ops belong to.
+  void pass(int64_t chunk, int64_t microbatch);
+  // Closes the open op (if any) and opens `id`.
+  void begin(OpId id, OpRole role);
+  // The open op computes a weight gradient (ShardContext::weight_gradient_done).
+  void weight_gradient();
+  // Closes the open op (end of a pass).
+  void close();
+
+ private:
+  double now();
+  Backend& be_;
+  Clock::time_point t0_;
+  std::vector<TimedOp>* sink_;
+  int32_t chunk_ = -1, microbatch_ = -1;
+  bool open_ = false;
+};
+
+}  // namespace ptdp

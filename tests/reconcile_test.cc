@@ -1,0 +1,402 @@
+// `ptdp run --trace` files and `ptdp reconcile`: a trace written and read back holds the same
+// spans and metadata; a trace whose every op took exactly the time the cost model prices it at
+// reconciles with zero error (the warm-up step, made slower, is left out); bad traces and
+// clusters are refused with one line and exit status 2.
+#include "cli/reconcile.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cli/cli.h"
+#include "cli/run_trace.h"
+#include "cli/trace_file.h"
+#include "core/presets.h"
+#include "core/schedule.h"
+#include "planner/op_breakdown.h"
+
+namespace ptdp {
+namespace {
+
+ModelSpec tiny_model() {
+  ModelSpec m;
+  m.name = "tiny";
+  m.num_layers = 4;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  return m;
+}
+
+ParallelPlan plan_of(int64_t p, int64_t d, int64_t v) {
+  ParallelPlan plan;
+  plan.pipeline_parallel = p;
+  plan.data_parallel = d;
+  plan.micro_batch_size = 2;
+  plan.global_batch_size = 16;
+  plan.virtual_stages = v;
+  if (v > 1) plan.schedule = Schedule::kInterleaved1F1B;
+  return plan;
+}
+
+CostModel cost_for(const ModelSpec& m, const ParallelPlan& p) {
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(p.num_gpus());
+  return CostModel(m, c, default_profile_for(c));
+}
+
+// A run whose every op, p2p call, gradient sync and optimizer step took exactly its predicted
+// time, each step lasting the predicted iteration; the warm-up step (step 0) takes `warmup`
+// times as long in everything. With `slow_mlp` > 0 every MLP GEMM of the last stage takes that
+// much longer, and each step as much longer as the last stage's extra time.
+// With `norm_wait`, in step s the first stage's optimizer step holds a gradient-norm all-reduce
+// of norm_wait[s] (waiting for the others), and the step is as much longer.
+TrainResult predicted_run(const CostModel& cost, const ParallelPlan& p, int steps, double warmup,
+                          double slow_mlp = 0, const std::vector<double>& norm_wait = {}) {
+  const ModelSpec& m = cost.model();
+  const PredictedBreakdown pred = predict_breakdown(cost, p);
+  const LayerShape shape = layer_shape(p);
+  const PassOps layer = transformer_layer_ops(m, shape), embed = embedding_ops(m, shape),
+                head = lm_head_ops(m, shape);
+  const PipelineSchedule sched =
+      make_pipeline_schedule(schedule_spec(p, !m.untie_embeddings_and_output_weights));
+  const double p2p = cost.comm().p2p_time(cost.activation_message_bytes(p), p);
+  TrainResult r;
+  double step_start = 0;
+  std::vector<double> cursor(static_cast<size_t>(p.pipeline_parallel * p.data_parallel), 0.0);
+  for (int s = 0; s < steps; ++s) {
+    const double scale = s == 0 ? warmup : 1.0;
+    StepStats st;
+    st.step = s;
+    st.start = step_start;
+    st.seconds = pred.iteration * scale;
+    double slower = 0;  // the last stage's extra time this step
+    for (int32_t dp = 0; dp < p.data_parallel; ++dp) {
+      for (int32_t pp = 0; pp < p.pipeline_parallel; ++pp) {
+        double& t = cursor[static_cast<size_t>(dp * p.pipeline_parallel + pp)];
+        t = std::max(t, step_start);
+        const StagePrediction& ps = pred.stages[static_cast<size_t>(pp)];
+        const auto& list = sched.ranks[static_cast<size_t>(pp)];
+        for (size_t i = 0; i < list.size(); ++i) {
+          const PipelineAction& a = list[i];
+          const double start = t;
+          if (a.kind == ActionKind::kForward || a.kind == ActionKind::kBackward) {
+            const bool fwd = a.kind == ActionKind::kForward;
+            const int64_t layers = p.layers_on_stage(m, pp) / p.virtual_stages;
+            auto run_ops = [&](const std::vector<Op>& ops, int64_t times) {
+              for (int64_t k = 0; k < times; ++k)
+                for (const Op& op : ops) {
+                  double d = cost.op_time(op, p) * scale;
+                  if (pp == p.pipeline_parallel - 1 && op_family(op.id) == OpFamily::kMlpGemm) {
+                    d += slow_mlp;
+                    if (dp == 0) slower += slow_mlp;
+                  }
+                  r.op_timeline.push_back(
+                      {pp, dp, TimedOp{op.id, op.role, a.chunk, a.microbatch, t, t + d}});
+                  t += d;
+                }
+            };
+            const bool first = pp == 0 && a.chunk == 0;
+            const bool last = pp == p.pipeline_parallel - 1 && a.chunk == p.virtual_stages - 1;
+            if (fwd) {
+              if (first) run_ops(embed.forward, 1);
+              run_ops(layer.forward, layers);
+              if (last) run_ops(head.forward, 1);
+            } else {
+              if (last) run_ops(head.backward, 1);
+              run_ops(layer.recompute, layers);
+              run_ops(layer.backward, layers);
+              if (first) run_ops(embed.backward, 1);
+            }
+          } else if (is_p2p(a.kind)) {
+            // One batched call: every action of it spans the call.
+            size_t j = i;
+            while (list[j].batched_with_next) ++j;
+            t += p2p * scale;
+            for (size_t k = i; k <= j; ++k)
+              r.timeline.push_back(
+                  {pp, dp, list[k].kind, list[k].microbatch, list[k].chunk, start, t});
+            i = j;
+            continue;
+          } else if (a.kind == ActionKind::kGradSync) {
+            t += ps.families.family(OpFamily::kDataParallel) * scale;
+          } else if (a.kind == ActionKind::kOptimizerStep) {
+            const double wait =
+                pp == 0 && s < static_cast<int>(norm_wait.size()) ? norm_wait[s] : 0;
+            if (pp == 0 && s < static_cast<int>(norm_wait.size())) {
+              r.norm_reductions.push_back({pp, dp, t, t + wait});
+              if (dp == 0) slower += wait;
+            }
+            t += ps.families.family(OpFamily::kOptimizer) * scale + wait;
+          }
+          r.timeline.push_back({pp, dp, a.kind, a.microbatch, a.chunk, start, t});
+        }
+      }
+    }
+    st.seconds += slower;
+    r.steps.push_back(st);
+    step_start += st.seconds;
+  }
+  r.peak_memory_bytes = 123456789;
+  r.peak_rss_bytes = 987654321;
+  return r;
+}
+
+RunTraceInfo info_of(const ModelSpec& m, const ParallelPlan& p, int steps) {
+  RunTraceInfo info;
+  info.model = m;
+  info.plan = p;
+  info.cluster = "dgx-a100-80gb";
+  info.world_size = p.num_gpus();
+  info.steps = steps;
+  return info;
+}
+
+TEST(RunTrace, RoundTripKeepsSpansAndMetadata) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 2, 1);
+  const TrainResult r = predicted_run(cost_for(m, p), p, 3, 2.0);
+  const std::string text = run_trace_text(r, info_of(m, p, 3), "round trip");
+  const RunTrace t = parse_run_trace(text, "test");
+  EXPECT_EQ(t.info.model.num_layers, 4);
+  EXPECT_EQ(to_json(t.info.plan), to_json(p));
+  EXPECT_EQ(t.info.cluster, "dgx-a100-80gb");
+  EXPECT_EQ(t.info.world_size, 4);
+  EXPECT_EQ(t.info.backend, "cpu");
+  EXPECT_EQ(t.info.steps, 3);
+  EXPECT_EQ(t.info.peak_memory_bytes, 123456789);
+  EXPECT_EQ(t.info.peak_rss_bytes, 987654321);
+  ASSERT_EQ(t.actions.size(), r.timeline.size());
+  for (size_t i = 0; i < t.actions.size(); ++i) {
+    const TraceAction& a = t.actions[i];
+    const TimelineEvent& e = r.timeline[i];
+    EXPECT_EQ(a.kind, e.kind) << i;
+    EXPECT_EQ(a.stage, e.pp) << i;
+    EXPECT_EQ(a.replica, e.dp) << i;
+    EXPECT_EQ(a.microbatch, e.microbatch) << i;
+    EXPECT_EQ(a.chunk, e.chunk) << i;
+    EXPECT_NEAR(a.start, e.start, 1e-11) << i;
+    EXPECT_NEAR(a.end, e.end, 1e-11) << i;
+  }
+  ASSERT_EQ(t.ops.size(), r.op_timeline.size());
+  for (size_t i = 0; i < t.ops.size(); ++i) {
+    const TraceOp& o = t.ops[i];
+    const OpTimelineEvent& e = r.op_timeline[i];
+    EXPECT_EQ(o.id, e.op.id) << i;
+    EXPECT_EQ(o.role, e.op.role) << i;
+    EXPECT_EQ(o.stage, e.pp) << i;
+    EXPECT_EQ(o.replica, e.dp) << i;
+    EXPECT_EQ(o.microbatch, e.op.microbatch) << i;
+    EXPECT_EQ(o.chunk, e.op.chunk) << i;
+    EXPECT_NEAR(o.end - o.start, e.op.end - e.op.start, 1e-11) << i;
+  }
+  ASSERT_EQ(t.steps.size(), 3u);
+  EXPECT_TRUE(t.steps[0].warmup);
+  EXPECT_FALSE(t.steps[1].warmup);
+  EXPECT_NEAR(t.steps[2].end - t.steps[2].start, r.steps[2].seconds, 1e-11);
+  // Still a Chrome trace: every event has ph, pid and (for spans) ts and dur.
+  const auto j = nlohmann::json::parse(text);
+  for (const auto& e : j["traceEvents"]) {
+    ASSERT_TRUE(e.contains("ph") && e.contains("pid"));
+    if (e["ph"] == "X") {
+      EXPECT_TRUE(e.contains("ts") && e.contains("dur") && e.contains("tid"));
+    }
+  }
+}
+
+class PredictedTrace : public testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(PredictedTrace, ReconcilesWithZeroError) {
+  const auto [pp, dp, v] = GetParam();
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(pp, dp, v);
+  const CostModel cost = cost_for(m, p);
+  const TrainResult r = predicted_run(cost, p, 4, 3.0);
+  const RunTrace t = parse_run_trace(run_trace_text(r, info_of(m, p, 4), "predicted"), "test");
+  const Reconciliation rec = reconcile(t, cost, "test");
+  EXPECT_EQ(rec.measured_steps, 3);
+  EXPECT_EQ(rec.warmup_steps, 1);
+  const double tol = 1e-6 * rec.iteration.predicted;
+  EXPECT_GT(rec.iteration.predicted, 0);
+  EXPECT_NEAR(rec.iteration.error(), 0, tol);
+  ASSERT_EQ(rec.stages.size(), static_cast<size_t>(pp));
+  for (const StageReconciliation& s : rec.stages) {
+    EXPECT_NEAR(s.busy.error(), 0, tol) << "stage " << s.stage;
+    double sum_p = 0, sum_m = 0;
+    for (const ReconcileRow& row : s.rows) {
+      EXPECT_NEAR(row.time.error(), 0, tol) << "stage " << s.stage << " " << row.name;
+      for (const Compared& c : row.roles) EXPECT_NEAR(c.error(), 0, tol) << row.name;
+      sum_p += row.time.predicted;
+      sum_m += row.time.measured;
+    }
+    // The rows are a partition of the iteration on both sides.
+    EXPECT_NEAR(sum_p, rec.iteration.predicted, tol);
+    EXPECT_NEAR(sum_m, rec.iteration.measured, tol);
+    EXPECT_GT(s.rows.front().time.predicted, 0);  // attention GEMMs cost something
+  }
+  EXPECT_NEAR(rec.largest_error, 0, tol);
+  EXPECT_EQ(rec.peak_memory.measured, 123456789);
+  EXPECT_GT(rec.peak_memory.predicted, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, PredictedTrace,
+                         testing::Values(std::make_tuple(1, 1, 1), std::make_tuple(2, 2, 1),
+                                         std::make_tuple(2, 1, 2)));
+
+TEST(Reconcile, NamesTheFamilyThatWasSlower) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 1, 1);
+  const CostModel cost = cost_for(m, p);
+  // Stage 1's MLP GEMMs take 0.1 ms longer each: the iteration gets as much longer.
+  const TrainResult r = predicted_run(cost, p, 3, 1.0, 1e-4);
+  const RunTrace t = parse_run_trace(run_trace_text(r, info_of(m, p, 3), "slow"), "test");
+  const Reconciliation rec = reconcile(t, cost, "test");
+  EXPECT_EQ(rec.largest_stage, 1);
+  EXPECT_EQ(rec.largest_row, "mlp_gemm");
+  EXPECT_GT(rec.largest_error, 0);
+  EXPECT_EQ(rec.critical_stage, 1);
+  // All of the iteration's error is the MLP GEMMs': each of the last stage's, every microbatch.
+  const PassOps layer = transformer_layer_ops(m, layer_shape(p));
+  int64_t gemms = 0;
+  for (const auto* list : {&layer.forward, &layer.backward, &layer.recompute})
+    for (const Op& op : *list) gemms += op_family(op.id) == OpFamily::kMlpGemm;
+  ASSERT_GT(gemms, 0);
+  gemms *= p.layers_on_stage(m, 1) * p.num_microbatches();
+  EXPECT_NEAR(rec.largest_error, static_cast<double>(gemms) * 1e-4, 1e-9);
+  EXPECT_NEAR(rec.iteration.error(), static_cast<double>(gemms) * 1e-4, 1e-9);
+  EXPECT_NEAR(rec.largest_share, 1.0, 1e-6);
+}
+
+TEST(Reconcile, WaitingInTheNormAllReduceIsIdleTime) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 1, 1);
+  const CostModel cost = cost_for(m, p);
+  // Stage 0 waits 1 ms, then 3 ms in the norm all-reduce of the two measured steps: 1 ms is
+  // counted as the all-reduce's cost (its shortest call), the other 1 ms on average is idle.
+  const TrainResult r = predicted_run(cost, p, 3, 1.0, 0, {5e-3, 1e-3, 3e-3});
+  const RunTrace t = parse_run_trace(run_trace_text(r, info_of(m, p, 3), "wait"), "test");
+  ASSERT_EQ(t.norm_reductions.size(), 3u);
+  const Reconciliation rec = reconcile(t, cost, "test");
+  EXPECT_NEAR(rec.iteration.error(), 2e-3, 1e-9);
+  auto row = [&](int64_t stage, const std::string& name) {
+    for (const ReconcileRow& x : rec.stages[static_cast<size_t>(stage)].rows)
+      if (x.name == name) return x.time.error();
+    ADD_FAILURE() << name;
+    return 0.0;
+  };
+  EXPECT_NEAR(row(0, "optimizer"), 1e-3, 1e-9);
+  EXPECT_NEAR(row(0, "bubble"), 1e-3, 1e-9);
+  EXPECT_NEAR(row(1, "bubble"), 2e-3, 1e-9);  // the last stage waited for the first
+  EXPECT_NEAR(row(1, "optimizer"), 0, 1e-9);
+}
+
+struct Result {
+  int status;
+  std::string out, err;
+};
+
+Result cli(std::vector<std::string> args) {
+  args.insert(args.begin(), "ptdp");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {status, out.str(), err.str()};
+}
+
+std::string temp_file(const std::string& name, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("ptdp_reconcile_test_" + std::to_string(::getpid()) + "_" + name);
+  std::ofstream(path, std::ios::binary) << text;
+  return path.string();
+}
+
+std::string good_trace_text(int steps = 3) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 1, 1);
+  return run_trace_text(predicted_run(cost_for(m, p), p, steps, 1.0), info_of(m, p, steps), "t");
+}
+
+TEST(ReconcileCli, TableAndJson) {
+  const std::string path = temp_file("good.json", good_trace_text());
+  const Result table = cli({"reconcile", "--trace", path});
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find("iteration"), std::string::npos);
+  EXPECT_NE(table.out.find("stage 1 busy"), std::string::npos);
+  EXPECT_NE(table.out.find("largest contributor"), std::string::npos);
+  const Result json = cli({"reconcile", "--trace", path, "--json"});
+  ASSERT_EQ(json.status, 0) << json.err;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j["cluster"], "dgx-a100-80gb");
+  EXPECT_EQ(j["measured_steps"], 2);
+  EXPECT_EQ(j["stages"].size(), 2u);
+  EXPECT_TRUE(j["largest_contributor"].contains("share_of_iteration_error"));
+  std::filesystem::remove(path);
+}
+
+// Exit status 2 and one line on stderr that contains `needle`.
+void expect_refused(const std::vector<std::string>& args, const std::string& needle) {
+  const Result r = cli(args);
+  EXPECT_EQ(r.status, 2) << r.out;
+  EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find('\n'), r.err.size() - 1) << r.err;
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST(ReconcileCli, BadInputs) {
+  const std::string good = good_trace_text();
+  auto edited = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& name) {
+    nlohmann::json j = nlohmann::json::parse(good);
+    edit(j);
+    return temp_file(name, j.dump());
+  };
+  expect_refused({"reconcile", "--trace", temp_file("notjson.json", "{\"otherData\": [")},
+                 "not JSON");
+  expect_refused({"reconcile", "--trace", "/nonexistent/run.json"}, "--trace");
+  expect_refused({"reconcile", "--trace",
+                  edited([](nlohmann::json& j) { j["otherData"].erase("model"); }, "nomodel.json")},
+                 "otherData.model");
+  expect_refused({"reconcile", "--trace",
+                  edited([](nlohmann::json& j) { j["otherData"].erase("format"); }, "sim.json")},
+                 "otherData.format");
+  expect_refused({"reconcile", "--trace",
+                  edited(
+                      [](nlohmann::json& j) {
+                        for (auto& e : j["traceEvents"])
+                          if (e["ph"] == "X" && e["cat"] == "op") e["args"]["stage"] = 7;
+                      },
+                      "stage.json")},
+                 "args.stage");
+  expect_refused({"reconcile", "--trace",
+                  edited(
+                      [](nlohmann::json& j) {
+                        for (auto& e : j["traceEvents"])
+                          if (e["ph"] == "X" && e["cat"] == "op") e["name"] = "warp_drive";
+                      },
+                      "op.json")},
+                 "not an op of ptdp");
+  expect_refused(
+      {"reconcile", "--trace",
+       edited([](nlohmann::json& j) { j["otherData"]["cluster"] = nullptr; }, "nocluster.json")},
+      "--cluster");
+  const std::string good_path = temp_file("good2.json", good);
+  expect_refused({"reconcile", "--trace", good_path, "--cluster", "no-such-cluster"}, "--cluster");
+  expect_refused({"reconcile", "--trace", temp_file("warmup.json", good_trace_text(1))},
+                 "no measured step");
+  expect_refused({"reconcile"}, "--trace");
+  // ptdp run checks the cluster it records at once.
+  expect_refused({"run", "--global-batch-size", "1", "--trace", temp_file("unused.json", ""),
+                  "--cluster", "no-such-cluster"},
+                 "--cluster");
+  expect_refused({"run", "--global-batch-size", "1", "--cluster", "dgx-a100-80gb"}, "--trace");
+}
+
+}  // namespace
+}  // namespace ptdp
