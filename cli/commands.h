@@ -15,5 +15,6 @@ Action add_plan_command(CLI::App& app);
 Action add_simulate_command(CLI::App& app);
 Action add_tokenize_command(CLI::App& app);
 Action add_run_command(CLI::App& app);
+Action add_calibrate_command(CLI::App& app);
 
 }  // namespace ptdp

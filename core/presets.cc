@@ -191,6 +191,7 @@ HardwareProfile resolve_profile(const std::string& name_or_path) {
 }
 
 HardwareProfile default_profile_for(const ClusterSpec& c) {
+  if (c.measured_profile) return *c.measured_profile;  // a machine file (ptdp calibrate)
   if (c.gpu.name.find("H100") != std::string::npos) return resolve_profile("h100-sxm");
   return resolve_profile("a100-80gb");
 }
