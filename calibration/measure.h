@@ -19,7 +19,9 @@
 namespace ptdp {
 
 // Times a function on every rank at once: one warm-up call, then as many calls as fill
-// `target_s` on the slowest rank (the same count on every rank), started together.
+// `target_s` on the slowest rank (the same count on every rank), in five chunks each started
+// together; a rank's time is its median chunk's (another tenant's moment of load is left out;
+// what the ranks do to each other, running side by side, is not).
 class Stopwatch {
  public:
   Stopwatch(ControlPlane& control, double target_s) : control_(control), target_s_(target_s) {}
