@@ -94,7 +94,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
       static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts.front()));
   const Plan plan = plan_for(o, n_world, ranks_per_node);
 
-  double target = o.quick ? 0.003 : 0.02;
+  double target = o.quick ? 0.05 : 0.15;
   const int64_t timings = count_timings(plan, o.model);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
@@ -364,6 +364,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                   {"command", o.command},
                   {"quick", o.quick},
                   {"timing_target_s", target},
+                  {"cpu_share", control.sum(sw.cpu_share()) / n_world},
                   {"model", to_json(o.model)}};
   return json{{"format", kMachineFileFormat}, {"machine", machine}, {"cluster", to_json(cl)},
               {"profile", to_json(prof)},     {"fits", fits},       {"measurements", measured}};
@@ -377,6 +378,10 @@ void print_calibration(std::ostream& out, const json& f) {
   out << "machine: " << m["device"].get<std::string>() << ", " << m["ranks"].get<int64_t>()
       << " ranks (" << m["ranks_per_node"].get<int64_t>() << " per node), Eigen "
       << m["eigen"].get<std::string>() << ", MPI " << m["mpi"].get<std::string>() << "\n";
+  std::snprintf(buf, sizeof buf,
+                "each rank had %.0f%% of a CPU while timed (CPU time / wall time)\n",
+                100 * m["cpu_share"].get<double>());
+  out << buf;
   std::snprintf(buf, sizeof buf,
                 "per rank: peak GEMM %.1f GFLOP/s, memory bandwidth %.2f GB/s, %.1f GiB\n",
                 c["gpu"]["peak_tflops_16bit"].get<double>() * 1e3,

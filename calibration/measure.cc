@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
 #include <map>
 #include <stdexcept>
 #include <tuple>
@@ -18,6 +19,12 @@ using Clock = std::chrono::steady_clock;
 
 double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // A tensor-parallel group of size t for ops that do not communicate (GEMMs and memory-bound
@@ -73,9 +80,13 @@ std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int war
   std::vector<double> chunk(kChunks);
   for (double& c : chunk) {
     control_.barrier();
+    const double cpu0 = thread_cpu_seconds();
     t0 = Clock::now();
     for (int64_t i = 0; i < per_chunk; ++i) f();
-    c = since(t0) / static_cast<double>(per_chunk);
+    const double wall = since(t0);
+    c = wall / static_cast<double>(per_chunk);
+    wall_s_ += wall;
+    cpu_s_ += thread_cpu_seconds() - cpu0;
   }
   std::nth_element(chunk.begin(), chunk.begin() + kChunks / 2, chunk.end());
   const double per = chunk[kChunks / 2];

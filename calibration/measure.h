@@ -21,7 +21,9 @@ namespace ptdp {
 // Times a function on every rank at once: one warm-up call, then as many calls as fill
 // `target_s` on the slowest rank (the same count on every rank), in five chunks each started
 // together; a rank's time is its median chunk's (another tenant's moment of load is left out;
-// what the ranks do to each other, running side by side, is not).
+// what the ranks do to each other, running side by side, is not). Chunks are long enough
+// (target / 5: 10 ms with --quick, else 30 ms) to span the scheduler's time slices, so that a
+// CPU shared with other work is measured at the share the ranks get, as a run gets it.
 class Stopwatch {
  public:
   Stopwatch(ControlPlane& control, double target_s) : control_(control), target_s_(target_s) {}
@@ -29,11 +31,15 @@ class Stopwatch {
   double mean_seconds(const std::function<void()>& f);
   double max_seconds(const std::function<void()>& f, int warmup = 1);
   ControlPlane& control() { return control_; }
+  // This rank's CPU time over wall time in the timed loops: below 1 when the machine's other
+  // work (or ranks sharing a core) took the CPU away (recorded, not priced).
+  double cpu_share() const { return wall_s_ > 0 ? cpu_s_ / wall_s_ : 1.0; }
 
  private:
   std::pair<double, double> run(const std::function<void()>& f, int warmup);
   ControlPlane& control_;
   double target_s_;
+  double wall_s_ = 0, cpu_s_ = 0;
 };
 
 // One op of the list, with the layout it was listed for, and its measured time.

@@ -80,49 +80,69 @@ std::string memory_family(OpId id) {
     case OpId::kInputLayernorm:
     case OpId::kPostAttentionLayernorm:
     case OpId::kFinalLayernorm:
+      return "norm";
     case OpId::kInputLayernormBackward:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
-      return "norm";
+      return "norm_backward";
     case OpId::kAttnSoftmax:
-    case OpId::kAttnSoftmaxBackward:
       return "softmax";
+    case OpId::kAttnSoftmaxBackward:
+      return "softmax_backward";
     case OpId::kAttnDropout:
     case OpId::kAttnDropoutBackward:
       return "dropout";
     case OpId::kBiasGelu:
-    case OpId::kBiasGeluBackward:
     case OpId::kSwiglu:
-    case OpId::kSwigluBackward:
       return "activation";
+    case OpId::kBiasGeluBackward:
+    case OpId::kSwigluBackward:
+      return "activation_backward";
     case OpId::kRotaryEmbedding:
-    case OpId::kRotaryEmbeddingBackward:
       return "rotary";
+    case OpId::kRotaryEmbeddingBackward:
+      return "rotary_backward";
     case OpId::kWordEmbeddingLookup:
-    case OpId::kWordEmbeddingGradScatterAdd:
     case OpId::kEmbeddingPositionDropout:
-    case OpId::kEmbeddingDropoutBackward:
       return "embedding";
+    case OpId::kWordEmbeddingGradScatterAdd:
+    case OpId::kEmbeddingDropoutBackward:
+      return "embedding_backward";
     case OpId::kCrossEntropy:
-    case OpId::kCrossEntropyBackward:
       return "cross_entropy";
+    case OpId::kCrossEntropyBackward:
+      return "cross_entropy_backward";
     case OpId::kAttnBiasDropoutAdd:
     case OpId::kMlpBiasDropoutAdd:
+      return "elementwise";
     case OpId::kAttnBiasDropoutAddBackward:
     case OpId::kMlpBiasDropoutAddBackward:
     case OpId::kWeightGradAccumulate:
     case OpId::kEmbeddingGradAccumulate:
     case OpId::kOutputGradAccumulate:
-      return "elementwise";
+      return "elementwise_backward";
     default:
       return "";
   }
 }
 
 const std::vector<std::string>& memory_families() {
-  static const std::vector<std::string> f = {"norm",          "softmax",     "dropout",
-                                             "activation",    "rotary",      "embedding",
-                                             "cross_entropy", "elementwise", "optimizer"};
+  static const std::vector<std::string> f = {"norm",
+                                             "norm_backward",
+                                             "softmax",
+                                             "softmax_backward",
+                                             "dropout",
+                                             "activation",
+                                             "activation_backward",
+                                             "rotary",
+                                             "rotary_backward",
+                                             "embedding",
+                                             "embedding_backward",
+                                             "cross_entropy",
+                                             "cross_entropy_backward",
+                                             "elementwise",
+                                             "elementwise_backward",
+                                             "optimizer"};
   return f;
 }
 

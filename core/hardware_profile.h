@@ -79,9 +79,10 @@ struct CollectiveFit {
 // "all_reduce", "all_gather", "reduce_scatter", "send_recv": the names the files use.
 std::string collective_key(Collective c);
 
-// The memory-bound kernel family an op belongs to ("norm", "softmax", "dropout", "activation",
-// "elementwise", "rotary", "embedding", "cross_entropy"), for per-family efficiencies;
-// "" for GEMMs and collectives.
+// The memory-bound kernel family an op belongs to, for per-family efficiencies: "norm",
+// "softmax", "activation" (GeLU, SwiGLU), "rotary", "embedding", "cross_entropy",
+// "elementwise" (bias-dropout-add, gradient accumulation), each with a "_backward" twin (a
+// backward kernel is another kernel), and "dropout"; "" for GEMMs and collectives.
 std::string memory_family(OpId id);
 // The families a profile's memory_efficiency may name, and "optimizer" (the AdamW step).
 const std::vector<std::string>& memory_families();
