@@ -136,15 +136,10 @@ LinearFit fit_latency_bandwidth(const std::vector<double>& x, const std::vector<
   Eigen::Vector2d s = A.colPivHouseholderQr().solve(b);
   LinearFit f;
   if (n < 2 || s[0] < 0 || !(s[1] > 0)) {
-    // One parameter only: no latency, or (no byte dependence) a constant.
+    // No latency (or too few points, or a time that does not grow with the size, which only
+    // noise makes): the bandwidth alone, through the origin.
     const Eigen::VectorXd col = A.col(1);
-    const double slope = col.squaredNorm() > 0 ? col.dot(b) / col.squaredNorm() : 0.0;
-    if (slope > 0 && (n < 2 || s[0] < 0)) {
-      s = Eigen::Vector2d(0, slope);
-    } else {
-      const Eigen::VectorXd c0 = A.col(0);
-      s = Eigen::Vector2d(c0.dot(b) / c0.squaredNorm(), 1e-30);
-    }
+    s = Eigen::Vector2d(0, col.squaredNorm() > 0 ? col.dot(b) / col.squaredNorm() : 1e-30);
   }
   f.latency_s = s[0];
   f.seconds_per_unit = s[1];
