@@ -20,10 +20,9 @@ namespace ptdp {
 
 // Times a function on every rank at once: one warm-up call, then as many calls as fill
 // `target_s` on the slowest rank (the same count on every rank), in five chunks each started
-// together; a rank's time is its median chunk's (another tenant's moment of load is left out;
-// what the ranks do to each other, running side by side, is not). Chunks are long enough
-// (target / 5: 10 ms with --quick, else 30 ms) to span the scheduler's time slices, so that a
-// CPU shared with other work is measured at the share the ranks get, as a run gets it.
+// together; a rank's time is the mean over the chunks. Chunks are long enough (target / 5:
+// 10 ms with --quick, else 30 ms) to span the scheduler's time slices, so that a CPU shared
+// with other work is measured at the share the ranks get, as a run gets it.
 class Stopwatch {
  public:
   Stopwatch(ControlPlane& control, double target_s) : control_(control), target_s_(target_s) {}
