@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/cluster_spec.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 
@@ -306,6 +307,19 @@ json tiles_to_json(const std::vector<GemmTile>& tiles) {
 }  // namespace
 
 HardwareProfile profile_from_json(const json& j) {
+  // A machine file (ptdp calibrate) as a profile: its measured profile.
+  if (is_machine_file(j)) {
+    if (!j.contains("profile")) throw InputError("profile", "the machine file has no profile");
+    if (is_machine_file(j["profile"]))
+      throw InputError("profile", "a machine file's profile may not be another machine file");
+    try {
+      return profile_from_json(j["profile"]);
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      throw InputError("profile." + e.field(),
+                       what.substr(std::min(what.size(), e.field().size() + 2)));
+    }
+  }
   JsonObjectReader r(j, "profile");
   HardwareProfile p;
   r.read("name", p.name);

@@ -116,6 +116,7 @@ struct HardwareProfile {
   double memory_efficiency_of(const std::string& family) const;
 };
 
+// Reads a profile file, or a machine file's measured profile (`--profile machine.json`).
 HardwareProfile profile_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const HardwareProfile& p);
 

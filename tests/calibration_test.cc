@@ -173,6 +173,8 @@ TEST(MachineFile, RoundTripsAndCarriesItsProfile) {
   EXPECT_EQ(to_json(*c.measured_profile), j["profile"]);
   EXPECT_EQ(to_json(profile_from_json(to_json(*c.measured_profile))), j["profile"]);
   EXPECT_EQ(default_profile_for(c).name, "measured-cpu");
+  // --profile machine.json: its measured profile alone.
+  EXPECT_EQ(to_json(profile_from_json(j)), j["profile"]);
   // Presets carry none of the measured fields and still write what they read.
   const HardwareProfile a100 = resolve_profile("a100-80gb");
   EXPECT_TRUE(a100.gemm_table.empty() && a100.collectives.empty());
