@@ -60,7 +60,7 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
 int64_t count_timings(const Plan& p, const ModelSpec& m) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb) n += static_cast<int64_t>(executed_ops(m, t, b).size());
-  n += static_cast<int64_t>(p.groups.size() * 4 * p.message_bytes.size());
+  n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 2));
   return n;
 }
 
@@ -155,6 +155,26 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
         tick(to_string(kind) + " over " + std::to_string(g) + " ranks");
       }
     }
+  }
+
+  // The all-reduce of a tensor-parallel layer's output (T h fp32 values, b = 1) when one rank
+  // arrives 1 ms late, against the same all-reduce in lockstep: what waiting costs in a run.
+  json late = json::array();
+  for (int64_t g : plan.groups) {
+    auto group = world.split(world.rank() / static_cast<int>(g), world.rank(),
+                             "calibrate/late/" + std::to_string(g));
+    const double bytes = 4.0 * static_cast<double>(o.model.seq_length * o.model.hidden_size);
+    const double lockstep = time_collective(Collective::kAllReduce, *group, bytes, sw, plan.warmup);
+    const double after =
+        time_collective_late(Collective::kAllReduce, *group, bytes, 1e-3, sw, plan.warmup);
+    late.push_back({{"collective", "all_reduce"},
+                    {"ranks", g},
+                    {"bytes", bytes},
+                    {"late_by_s", 1e-3},
+                    {"lockstep_s", lockstep},
+                    {"after_last_arrival_s", after}});
+    done += 1;
+    tick("late arrival over " + std::to_string(g) + " ranks");
   }
 
   // ---- fits ----
@@ -341,6 +361,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                      {"seconds", sec},
                                      {"flops_per_s", gemm_flops(g[0], g[1], g[2], 1) / sec}});
   measured["stream"] = stream;
+  measured["late_arrival"] = late;
   measured["collectives"] = json::array();
   for (const CommSample& s : comm)
     measured["collectives"].push_back({{"collective", collective_key(s.kind)},
@@ -423,6 +444,16 @@ void print_calibration(std::ostream& out, const json& f) {
                   fits["optimizer"]["efficiency"].get<double>());
     out << buf;
   }
+  if (f["measurements"].contains("late_arrival"))
+    for (const json& l : f["measurements"]["late_arrival"]) {
+      std::snprintf(buf, sizeof buf,
+                    "all_reduce %3lld ranks, %.0f bytes: %.1f us in lockstep, %.1f us after the "
+                    "last of ranks 1 ms apart arrives (not priced)\n",
+                    static_cast<long long>(l["ranks"].get<int64_t>()), l["bytes"].get<double>(),
+                    1e6 * l["lockstep_s"].get<double>(),
+                    1e6 * l["after_last_arrival_s"].get<double>());
+      out << buf;
+    }
   for (const json& cf : fits["collectives"]) {
     std::snprintf(buf, sizeof buf,
                   "%-14s %3lld ranks %2lld nodes: latency %8.2f us, busbw %8.3f GB/s; ",

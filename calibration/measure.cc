@@ -193,6 +193,11 @@ double time_optimizer(Backend& be, int64_t n, Stopwatch& sw) {
 
 double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
                        int warmup) {
+  return time_collective_late(kind, group, bytes, 0.0, sw, warmup);
+}
+
+double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
+                            Stopwatch& sw, int warmup) {
   const size_t n = static_cast<size_t>(std::max(1.0, bytes / 4));
   const size_t g = static_cast<size_t>(group.size());
   Buffer a(n, 1.0f), b(n, 0.0f);
@@ -217,7 +222,17 @@ double time_collective(Collective kind, Communicator& group, double bytes, Stopw
       break;
     }
   }
-  return sw.max_seconds(f, warmup);
+  if (delay_s <= 0) return sw.max_seconds(f, warmup);
+  const bool late = group.rank() == 0;
+  std::function<void()> delayed = [&] {
+    if (late) {  // busy: a rank still computing
+      const auto until = Clock::now() + std::chrono::duration<double>(delay_s);
+      while (Clock::now() < until) {
+      }
+    }
+    f();
+  };
+  return std::max(0.0, sw.max_seconds(delayed, warmup) - delay_s);
 }
 
 }  // namespace ptdp

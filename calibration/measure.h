@@ -80,5 +80,10 @@ struct CommSample {
 };
 double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
                        int warmup);
+// The same collective when the group's rank 0 arrives `delay_s` after the others (as in a run,
+// where ranks finish their compute apart): seconds from the last arrival to completion on the
+// slowest rank. Recorded beside the fits, not priced (docs/calibration.md).
+double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
+                            Stopwatch& sw, int warmup);
 
 }  // namespace ptdp
