@@ -31,11 +31,12 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   actions["tokenize"] = add_tokenize_command(app);
   actions["run"] = add_run_command(app);
   actions["reconcile"] = add_reconcile_command(app);
+  actions["calibrate"] = add_calibrate_command(app);
   if (argc > 1 && argv[1][0] != '-' && !actions.count(argv[1])) {
     std::string name = argv[1];
     for (char& c : name) c = static_cast<unsigned char>(c) < 0x20 ? '?' : c;  // one line
     err << "ptdp: unknown subcommand '" << name
-        << "' (commands: plan, predict, simulate, run, reconcile, tokenize)\n";
+        << "' (commands: plan, predict, simulate, run, calibrate, reconcile, tokenize)\n";
     return 2;
   }
   try {

@@ -16,5 +16,6 @@ Action add_simulate_command(CLI::App& app);
 Action add_tokenize_command(CLI::App& app);
 Action add_run_command(CLI::App& app);
 Action add_reconcile_command(CLI::App& app);
+Action add_calibrate_command(CLI::App& app);
 
 }  // namespace ptdp

@@ -1,6 +1,7 @@
 // ClusterSpec: resizing, validation and JSON I/O (nested "gpu" object, "tiers" array).
 #include "core/cluster_spec.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -85,7 +86,53 @@ void ClusterSpec::validate() const {
   }
 }
 
+bool is_machine_file(const json& j) {
+  return j.is_object() && j.contains("format") && j["format"] == kMachineFileFormat;
+}
+
+namespace {
+
+// Runs f, naming the part of a machine file a field belongs to ("profile.gemm.k_half").
+template <class F>
+auto in_part(const std::string& part, F f) {
+  try {
+    return f();
+  } catch (const InputError& e) {
+    const std::string what = e.what();
+    const std::string rest = what.substr(std::min(what.size(), e.field().size() + 2));
+    if (e.field() == part) throw InputError(part, rest);
+    throw InputError(part + "." + e.field(), rest);
+  }
+}
+
+ClusterSpec machine_from_json(const json& j) {
+  JsonObjectReader r(j, "cluster");
+  std::string format;
+  r.read("format", format);
+  const json* c = r.member("cluster");
+  const json* p = r.member("profile");
+  // What was measured and how well the fits hold: documentation to the loader, checked to be
+  // objects so that a truncated file is refused.
+  for (const char* key : {"machine", "measurements", "fits"}) {
+    const json* v = r.member(key);
+    if (v && !v->is_object())
+      throw InputError(key, std::string("expected a JSON object, got ") + v->type_name());
+  }
+  r.reject_unknown_keys();
+  if (!c) throw InputError("cluster", "a machine file needs its \"cluster\" object");
+  if (!p) throw InputError("profile", "a machine file needs its \"profile\" object");
+  if (c->is_object() && is_machine_file(*c))
+    throw InputError("cluster", "a machine file's cluster may not be another machine file");
+  ClusterSpec out = in_part("cluster", [&] { return cluster_from_json(*c); });
+  out.measured_profile = std::make_shared<const HardwareProfile>(
+      in_part("profile", [&] { return profile_from_json(*p); }));
+  return out;
+}
+
+}  // namespace
+
 ClusterSpec cluster_from_json(const json& j) {
+  if (is_machine_file(j)) return machine_from_json(j);
   JsonObjectReader r(j, "cluster");
   ClusterSpec c;
   r.read("name", c.name);

@@ -5,9 +5,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
+
+#include "core/hardware_profile.h"
 
 namespace ptdp {
 
@@ -42,6 +45,9 @@ struct ClusterSpec {
   double nic_bandwidth_gbps = 0;  // per NIC, one direction, GB/s
   double nic_latency_us = 0;
   std::vector<TopologyTier> tiers;
+  // The profile measured on this machine when the cluster was read from a machine file
+  // (`ptdp calibrate --out`); default_profile_for returns it. Null for presets.
+  std::shared_ptr<const HardwareProfile> measured_profile;
 
   int64_t num_gpus() const { return gpus_per_node * num_nodes; }
   // Re-sizes the cluster to hold num_gpus (whole nodes, or one partial node when fewer GPUs
@@ -50,7 +56,15 @@ struct ClusterSpec {
   void validate() const;
 };
 
+// Reads a cluster file, or a machine file (an object with "format": "ptdp-machine"; its
+// "cluster" and its "profile", errors named "cluster.<field>" and "profile.<field>"; see
+// docs/file_formats.md).
 ClusterSpec cluster_from_json(const nlohmann::json& j);
+// The cluster alone (a machine file's profile is written by the calibrator, not here).
 nlohmann::json to_json(const ClusterSpec& c);
+
+// The value of a machine file's "format".
+inline constexpr const char* kMachineFileFormat = "ptdp-machine";
+bool is_machine_file(const nlohmann::json& j);
 
 }  // namespace ptdp

@@ -1,12 +1,16 @@
-// HardwareProfile: the GEMM efficiency curve and JSON I/O (nested "gemm", "nvlink", "network"
-// objects, a "sources" array). Reading checks that every number is physically possible.
+// HardwareProfile: the GEMM efficiency curve and measured table, and JSON I/O (nested "gemm",
+// "nvlink", "network" objects, a "sources" array, and the optional measured "collectives",
+// "memory_efficiency", "activation_dtype"). Reading checks that every number is physically
+// possible.
 #include "core/hardware_profile.h"
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/cluster_spec.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 
@@ -29,6 +33,130 @@ double GemmEfficiency::at(double m, double n, double k, double batch) const {
     f = std::max(f, t.efficiency * std::max(fill(tm, tn), fill(tn, tm)));
   }
   return max_efficiency * f * s(k, k_half);
+}
+
+double HardwareProfile::gemm_efficiency(double m, double n, double k, double batch) const {
+  const double c = gemm.at(m, n, k, batch);
+  if (gemm_table.empty()) return c;
+  // log2 distance in (m, n, k, batch); Gaussian weights of one octave; a prior weight of the
+  // curve itself equal to one entry's two octaves away.
+  const double q[4] = {std::log2(std::max(m, 1.0)), std::log2(std::max(n, 1.0)),
+                       std::log2(std::max(k, 1.0)), std::log2(std::max(batch, 1.0))};
+  constexpr double kPriorWeight = 0.1353352832366127;  // exp(-2^2 / 2)
+  double wsum = kPriorWeight, lsum = 0;
+  for (const GemmMeasurement& e : gemm_table) {
+    const double x[4] = {std::log2(static_cast<double>(e.m)), std::log2(static_cast<double>(e.n)),
+                         std::log2(static_cast<double>(e.k)),
+                         std::log2(static_cast<double>(e.batch))};
+    double d2 = 0;
+    for (int i = 0; i < 4; ++i) d2 += (q[i] - x[i]) * (q[i] - x[i]);
+    if (d2 < 1e-18) return e.efficiency;
+    const double w = std::exp(-d2 / 2);
+    const double ce = gemm.at(static_cast<double>(e.m), static_cast<double>(e.n),
+                              static_cast<double>(e.k), static_cast<double>(e.batch));
+    if (!(ce > 0) || w < 1e-12) continue;
+    wsum += w;
+    lsum += w * std::log(e.efficiency / ce);
+  }
+  const double v = c * std::exp(lsum / wsum);
+  return std::clamp(v, std::numeric_limits<double>::min(), 1.0);
+}
+
+std::string collective_key(Collective c) {
+  switch (c) {
+    case Collective::kAllReduce:
+      return "all_reduce";
+    case Collective::kAllGather:
+      return "all_gather";
+    case Collective::kReduceScatter:
+      return "reduce_scatter";
+    case Collective::kSendRecv:
+      return "send_recv";
+  }
+  return "?";
+}
+
+std::string memory_family(OpId id) {
+  switch (id) {
+    case OpId::kInputLayernorm:
+    case OpId::kPostAttentionLayernorm:
+    case OpId::kFinalLayernorm:
+      return "norm";
+    case OpId::kInputLayernormBackward:
+    case OpId::kPostAttentionLayernormBackward:
+    case OpId::kFinalLayernormBackward:
+      return "norm_backward";
+    case OpId::kAttnSoftmax:
+      return "softmax";
+    case OpId::kAttnSoftmaxBackward:
+      return "softmax_backward";
+    case OpId::kAttnDropout:
+    case OpId::kAttnDropoutBackward:
+      return "dropout";
+    case OpId::kBiasGelu:
+    case OpId::kSwiglu:
+      return "activation";
+    case OpId::kBiasGeluBackward:
+    case OpId::kSwigluBackward:
+      return "activation_backward";
+    case OpId::kRotaryEmbedding:
+      return "rotary";
+    case OpId::kRotaryEmbeddingBackward:
+      return "rotary_backward";
+    case OpId::kWordEmbeddingLookup:
+    case OpId::kEmbeddingPositionDropout:
+      return "embedding";
+    case OpId::kWordEmbeddingGradScatterAdd:
+    case OpId::kEmbeddingDropoutBackward:
+      return "embedding_backward";
+    case OpId::kCrossEntropy:
+      return "cross_entropy";
+    case OpId::kCrossEntropyBackward:
+      return "cross_entropy_backward";
+    case OpId::kAttnBiasDropoutAdd:
+    case OpId::kMlpBiasDropoutAdd:
+      return "elementwise";
+    case OpId::kAttnBiasDropoutAddBackward:
+    case OpId::kMlpBiasDropoutAddBackward:
+    case OpId::kWeightGradAccumulate:
+    case OpId::kEmbeddingGradAccumulate:
+    case OpId::kOutputGradAccumulate:
+      return "elementwise_backward";
+    default:
+      return "";
+  }
+}
+
+const std::vector<std::string>& memory_families() {
+  static const std::vector<std::string> f = {"norm",
+                                             "norm_backward",
+                                             "softmax",
+                                             "softmax_backward",
+                                             "dropout",
+                                             "activation",
+                                             "activation_backward",
+                                             "rotary",
+                                             "rotary_backward",
+                                             "embedding",
+                                             "embedding_backward",
+                                             "cross_entropy",
+                                             "cross_entropy_backward",
+                                             "elementwise",
+                                             "elementwise_backward",
+                                             "optimizer"};
+  return f;
+}
+
+const CollectiveFit* HardwareProfile::find_collective(Collective kind, int64_t ranks,
+                                                      int64_t nodes) const {
+  for (const CollectiveFit& f : collectives)
+    if (f.kind == kind && f.ranks == ranks && f.nodes == nodes) return &f;
+  return nullptr;
+}
+
+double HardwareProfile::memory_efficiency_of(const std::string& family) const {
+  auto it = memory_efficiency.find(family);
+  return it == memory_efficiency.end() ? hbm_efficiency : it->second;
 }
 
 namespace {
@@ -87,6 +215,88 @@ std::vector<GemmTile> tiles_from_json(const json& j) {
   return tiles;
 }
 
+std::vector<GemmMeasurement> table_from_json(const json& j) {
+  if (!j.is_array())
+    throw InputError("gemm.table", "must be an array of {m, n, k, batch, efficiency}");
+  std::vector<GemmMeasurement> table;
+  for (size_t i = 0; i < j.size(); ++i) {
+    const std::string name = "gemm.table[" + std::to_string(i) + "]";
+    JsonObjectReader r(j[i], name, name + ".");
+    GemmMeasurement e;
+    r.read("m", e.m);
+    r.read("n", e.n);
+    r.read("k", e.k);
+    r.read("batch", e.batch);
+    r.read("efficiency", e.efficiency);
+    r.reject_unknown_keys();
+    for (const auto& [key, v] :
+         {std::pair<const char*, int64_t>{"m", e.m}, {"n", e.n}, {"k", e.k}, {"batch", e.batch}}) {
+      if (v <= 0 || v > (int64_t{1} << 40))
+        throw InputError(name + "." + key, "must be in [1, 2^40], got " + std::to_string(v));
+    }
+    require_fraction(name + ".efficiency", e.efficiency);
+    table.push_back(e);
+  }
+  return table;
+}
+
+json table_to_json(const std::vector<GemmMeasurement>& table) {
+  json a = json::array();
+  for (const GemmMeasurement& e : table)
+    a.push_back(
+        {{"m", e.m}, {"n", e.n}, {"k", e.k}, {"batch", e.batch}, {"efficiency", e.efficiency}});
+  return a;
+}
+
+Collective collective_from_key(const std::string& field, const std::string& key) {
+  for (Collective c : {Collective::kAllReduce, Collective::kAllGather, Collective::kReduceScatter,
+                       Collective::kSendRecv})
+    if (collective_key(c) == key) return c;
+  throw InputError(
+      field, "must be all_reduce, all_gather, reduce_scatter or send_recv, got '" + key + "'");
+}
+
+std::vector<CollectiveFit> collectives_from_json(const json& j) {
+  if (!j.is_array())
+    throw InputError("collectives",
+                     "must be an array of {collective, ranks, nodes, latency_us, "
+                     "busbw_gbps}");
+  std::vector<CollectiveFit> out;
+  for (size_t i = 0; i < j.size(); ++i) {
+    const std::string name = "collectives[" + std::to_string(i) + "]";
+    JsonObjectReader r(j[i], name, name + ".");
+    CollectiveFit f;
+    std::string kind;
+    r.read("collective", kind);
+    f.kind = collective_from_key(name + ".collective", kind);
+    r.read("ranks", f.ranks);
+    r.read("nodes", f.nodes);
+    r.read("latency_us", f.latency_us);
+    r.read("busbw_gbps", f.busbw_gbps);
+    r.reject_unknown_keys();
+    if (f.ranks < 2 || f.ranks > (int64_t{1} << 20))
+      throw InputError(name + ".ranks", "must be in [2, 2^20], got " + std::to_string(f.ranks));
+    if (f.nodes < 1 || f.nodes > f.ranks)
+      throw InputError(name + ".nodes", "must be in [1, ranks], got " + std::to_string(f.nodes));
+    require_non_negative(name + ".latency_us", f.latency_us);
+    if (!(f.busbw_gbps > 0 && f.busbw_gbps < 1e9))
+      throw InputError(name + ".busbw_gbps", "must be positive, got " + str(f.busbw_gbps));
+    out.push_back(f);
+  }
+  return out;
+}
+
+json collectives_to_json(const std::vector<CollectiveFit>& fits) {
+  json a = json::array();
+  for (const CollectiveFit& f : fits)
+    a.push_back({{"collective", collective_key(f.kind)},
+                 {"ranks", f.ranks},
+                 {"nodes", f.nodes},
+                 {"latency_us", f.latency_us},
+                 {"busbw_gbps", f.busbw_gbps}});
+  return a;
+}
+
 json tiles_to_json(const std::vector<GemmTile>& tiles) {
   json a = json::array();
   for (const GemmTile& t : tiles)
@@ -97,6 +307,19 @@ json tiles_to_json(const std::vector<GemmTile>& tiles) {
 }  // namespace
 
 HardwareProfile profile_from_json(const json& j) {
+  // A machine file (ptdp calibrate) as a profile: its measured profile.
+  if (is_machine_file(j)) {
+    if (!j.contains("profile")) throw InputError("profile", "the machine file has no profile");
+    if (is_machine_file(j["profile"]))
+      throw InputError("profile", "a machine file's profile may not be another machine file");
+    try {
+      return profile_from_json(j["profile"]);
+    } catch (const InputError& e) {
+      const std::string what = e.what();
+      throw InputError("profile." + e.field(),
+                       what.substr(std::min(what.size(), e.field().size() + 2)));
+    }
+  }
   JsonObjectReader r(j, "profile");
   HardwareProfile p;
   r.read("name", p.name);
@@ -108,6 +331,7 @@ HardwareProfile profile_from_json(const json& j) {
     gr.read("k_half", p.gemm.k_half);
     gr.read("sm_count", p.gemm.sm_count);
     if (const json* t = gr.member("tiles")) p.gemm.tiles = tiles_from_json(*t);
+    if (const json* t = gr.member("table")) p.gemm_table = table_from_json(*t);
     gr.reject_unknown_keys();
   }
   r.read("hbm_efficiency", p.hbm_efficiency);
@@ -116,6 +340,30 @@ HardwareProfile profile_from_json(const json& j) {
   if (const json* l = r.member("network")) p.network = link_from_json(*l, "network");
   r.read("optimizer_bytes_per_param", p.optimizer_bytes_per_param);
   r.read("sources", p.sources);
+  if (const json* c = r.member("collectives")) p.collectives = collectives_from_json(*c);
+  if (const json* me = r.member("memory_efficiency")) {
+    JsonObjectReader mr(*me, "memory_efficiency", "memory_efficiency.");
+    for (const std::string& f : memory_families()) {
+      if (!mr.member(f)) continue;
+      double v = 0;
+      mr.read(f, v);
+      // Above 1 where a kernel's working set stays in cache (CPU ranks).
+      if (!(v > 0 && v <= 1000))
+        throw InputError("memory_efficiency." + f, "must be in (0, 1000], got " + str(v));
+      p.memory_efficiency[f] = v;
+    }
+    mr.reject_unknown_keys();
+  }
+  if (const json* a = r.member("activation_dtype")) {
+    if (*a == "fp32")
+      p.activation_dtype = DType::kF32;
+    else if (*a == "bf16")
+      p.activation_dtype = DType::kBF16;
+    else if (*a == "fp16")
+      p.activation_dtype = DType::kF16;
+    else
+      throw InputError("activation_dtype", "must be fp32, bf16 or fp16, got " + a->dump());
+  }
   r.reject_unknown_keys();
 
   require_fraction("gemm.max_efficiency", p.gemm.max_efficiency);
@@ -133,20 +381,26 @@ HardwareProfile profile_from_json(const json& j) {
 }
 
 json to_json(const HardwareProfile& p) {
-  return json{{"name", p.name},
-              {"gemm",
-               {{"max_efficiency", p.gemm.max_efficiency},
-                {"m_half", p.gemm.m_half},
-                {"n_half", p.gemm.n_half},
-                {"k_half", p.gemm.k_half},
-                {"sm_count", p.gemm.sm_count},
-                {"tiles", tiles_to_json(p.gemm.tiles)}}},
-              {"hbm_efficiency", p.hbm_efficiency},
-              {"kernel_gap_us", p.kernel_gap_us},
-              {"nvlink", link_to_json(p.nvlink)},
-              {"network", link_to_json(p.network)},
-              {"optimizer_bytes_per_param", p.optimizer_bytes_per_param},
-              {"sources", p.sources}};
+  json j{{"name", p.name},
+         {"gemm",
+          {{"max_efficiency", p.gemm.max_efficiency},
+           {"m_half", p.gemm.m_half},
+           {"n_half", p.gemm.n_half},
+           {"k_half", p.gemm.k_half},
+           {"sm_count", p.gemm.sm_count},
+           {"tiles", tiles_to_json(p.gemm.tiles)}}},
+         {"hbm_efficiency", p.hbm_efficiency},
+         {"kernel_gap_us", p.kernel_gap_us},
+         {"nvlink", link_to_json(p.nvlink)},
+         {"network", link_to_json(p.network)},
+         {"optimizer_bytes_per_param", p.optimizer_bytes_per_param},
+         {"sources", p.sources}};
+  // The measured parts only where present, so that presets write what they read.
+  if (!p.gemm_table.empty()) j["gemm"]["table"] = table_to_json(p.gemm_table);
+  if (!p.collectives.empty()) j["collectives"] = collectives_to_json(p.collectives);
+  if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;
+  if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);
+  return j;
 }
 
 }  // namespace ptdp

@@ -2,13 +2,20 @@
 //
 // The cost model multiplies datasheet numbers (ClusterSpec) by these efficiencies. Each number
 // is physically meaningful and documented with its source in the preset's JSON and in
-// docs/cost_model.md; `ptdp calibrate` will fit them from microbenchmarks.
+// docs/cost_model.md. `ptdp calibrate` measures a machine and fits them (docs/calibration.md);
+// a measured profile also carries what the fits cannot say in a few numbers: the measured GEMM
+// table, per-collective latency and bandwidth per group span, and memory-bound efficiency per
+// kernel family. Every such addition is optional: a preset without them prices as before.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
+
+#include "core/dtype.h"
+#include "core/layer_ops.h"
 
 namespace ptdp {
 
@@ -41,6 +48,12 @@ struct GemmEfficiency {
   double at(double m, double n, double k, double batch = 1) const;
 };
 
+// One GEMM shape measured by `ptdp calibrate` (HardwareProfile::gemm_table).
+struct GemmMeasurement {
+  int64_t m = 1, n = 1, k = 1, batch = 1;
+  double efficiency = 1;  // achieved / the cluster's peak, in (0, 1]
+};
+
 // One kind of link a collective may span.
 //   time = latency_us + per_step_latency_us * steps + algorithm_bytes / (busbw_efficiency * link
 //   GB/s)
@@ -49,6 +62,30 @@ struct LinkEfficiency {
   double per_step_latency_us = 1;  // each of the ring's steps (n-1 or 2(n-1))
   double busbw_efficiency = 0.8;   // achieved bus bandwidth / link bandwidth, large messages
 };
+
+// A collective's measured cost over groups of `ranks` ranks spanning `nodes` nodes (1: inside
+// one node), fitted by `ptdp calibrate` to nccl-tests-style timings:
+//   time = latency_us + algorithm_factor(kind, ranks) * bytes / busbw_gbps
+// (the algorithm factor of planner/comm_model.cc: 2(n-1)/n for all-reduce, (n-1)/n for
+// all-gather and reduce-scatter, 1 for send/recv). Used in preference to the link model.
+struct CollectiveFit {
+  Collective kind = Collective::kAllReduce;
+  int64_t ranks = 2;
+  int64_t nodes = 1;
+  double latency_us = 0;
+  double busbw_gbps = 1;
+};
+
+// "all_reduce", "all_gather", "reduce_scatter", "send_recv": the names the files use.
+std::string collective_key(Collective c);
+
+// The memory-bound kernel family an op belongs to, for per-family efficiencies: "norm",
+// "softmax", "activation" (GeLU, SwiGLU), "rotary", "embedding", "cross_entropy",
+// "elementwise" (bias-dropout-add, gradient accumulation), each with a "_backward" twin (a
+// backward kernel is another kernel), and "dropout"; "" for GEMMs and collectives.
+std::string memory_family(OpId id);
+// The families a profile's memory_efficiency may name, and "optimizer" (the AdamW step).
+const std::vector<std::string>& memory_families();
 
 struct HardwareProfile {
   std::string name = "custom";
@@ -59,8 +96,27 @@ struct HardwareProfile {
   LinkEfficiency network;                 // collectives whose group spans nodes
   double optimizer_bytes_per_param = 32;  // bytes moved per parameter by a fused AdamW step
   std::vector<std::string> sources;       // where each number comes from
+
+  // Measured by `ptdp calibrate` (absent from presets; see docs/calibration.md).
+  std::vector<GemmMeasurement> gemm_table;          // JSON: "gemm": {"table": [...]}
+  std::vector<CollectiveFit> collectives;           // per collective and group span
+  std::map<std::string, double> memory_efficiency;  // per kernel family, of the HBM bandwidth
+  // Element type of activations on this device (fp32 on CPU ranks); 16-bit when not given.
+  DType activation_dtype = DType::kBF16;
+
+  // Achieved fraction of peak for a GEMM: with a measured table, a shape in the table gets its
+  // measured efficiency and any other shape the curve (gemm.at) times the measured/curve ratio
+  // of the nearby entries, interpolated in log2(m, n, k, batch) with a Gaussian weight of one
+  // octave and tending to the curve alone two octaves from every entry; without one, gemm.at.
+  // Always in (0, 1].
+  double gemm_efficiency(double m, double n, double k, double batch = 1) const;
+  // The fit for `kind` over `ranks` ranks on `nodes` nodes, or null.
+  const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
+  // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.
+  double memory_efficiency_of(const std::string& family) const;
 };
 
+// Reads a profile file, or a machine file's measured profile (`--profile machine.json`).
 HardwareProfile profile_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const HardwareProfile& p);
 

@@ -195,6 +195,7 @@ HardwareProfile resolve_profile(const std::string& name_or_path) {
 }
 
 HardwareProfile default_profile_for(const ClusterSpec& c) {
+  if (c.measured_profile) return *c.measured_profile;  // a machine file (ptdp calibrate)
   // The GPU families the built-in profiles describe, matched on the GPU's name. Blackwell
   // (B200, and the GB200's GPUs) before the rest, since "GB200" contains "B200".
   static const std::pair<const char*, const char*> kFamilies[] = {

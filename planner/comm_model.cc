@@ -53,6 +53,10 @@ double ring_steps(Collective kind, int64_t n) {
 
 }  // namespace
 
+double collective_algorithm_factor(Collective kind, int64_t n) {
+  return algorithm_factor(kind, n);
+}
+
 GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p) {
   return span_of(p.tensor_parallel, 1, c.gpus_per_node);
 }
@@ -85,6 +89,10 @@ double CommModel::software_latency_us(Collective kind, int64_t n, bool inter_nod
 
 double CommModel::collective_time(Collective kind, double bytes, const GroupSpan& span) const {
   if (span.size <= 1 || bytes <= 0) return 0.0;
+  // Measured on this machine (ptdp calibrate): its own latency and bus bandwidth.
+  if (const CollectiveFit* f = profile_.find_collective(kind, span.size, span.nodes))
+    return f->latency_us * kMicrosecond +
+           algorithm_factor(kind, span.size) * bytes / (f->busbw_gbps * kGB);
   const bool inter = span.nodes > 1;
   double latency_us = software_latency_us(kind, span.size, inter) +
                       (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);

@@ -23,6 +23,10 @@ struct GroupSpan {
   int64_t concurrent_per_node = 1;
 };
 
+// The bytes a ring moves per rank, over the buffer's bytes (nccl-tests' busbw / algbw):
+// 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter, 1 for send/recv.
+double collective_algorithm_factor(Collective kind, int64_t n);
+
 GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p);
 // True when neighbouring pipeline stages sit on different nodes.

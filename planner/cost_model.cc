@@ -91,8 +91,9 @@ CostModel::CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwarePro
     : model_(m), cluster_(c), profile_(h), comm_(cluster_, profile_) {}
 
 double CostModel::gemm_time(const Op& op) const {
-  const double eff = profile_.gemm.at(static_cast<double>(op.m), static_cast<double>(op.n),
-                                      static_cast<double>(op.k), static_cast<double>(op.batch));
+  const double eff =
+      profile_.gemm_efficiency(static_cast<double>(op.m), static_cast<double>(op.n),
+                               static_cast<double>(op.k), static_cast<double>(op.batch));
   return op.flops() / (cluster_.gpu.peak_tflops_16bit * kTFLOP * eff) +
          profile_.kernel_gap_us * kMicrosecond;
 }
@@ -102,12 +103,24 @@ double CostModel::memory_time(double bytes) const {
          profile_.kernel_gap_us * kMicrosecond;
 }
 
+double CostModel::memory_time(const Op& op) const {
+  const double eff = profile_.memory_efficiency_of(memory_family(op.id));
+  return op.bytes / (cluster_.gpu.hbm_bandwidth_gbps * kGB * eff) +
+         profile_.kernel_gap_us * kMicrosecond;
+}
+
+LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {
+  LayerShape s = layer_shape(p);
+  s.activation_dtype = profile_.activation_dtype;
+  return s;
+}
+
 double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
   switch (op.kind) {
     case OpKind::kGemm:
       return gemm_time(op);
     case OpKind::kMemory:
-      return memory_time(op.bytes);
+      return memory_time(op);
     case OpKind::kCollective: {
       GroupSpan span;
       if (op.group == CommGroup::kTensor)
@@ -186,7 +199,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
           p.fp32_grad_reduce);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
-  const LayerShape shape = layer_shape(p);
+  const LayerShape shape = priced_layer_shape(p);
   ShapeTimes st;
   const PassOps layer = transformer_layer_ops(model_, shape);
   const PassOps embed = embedding_ops(model_, shape);
@@ -238,8 +251,9 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
 }
 
 double CostModel::activation_message_bytes(const ParallelPlan& p) const {
+  const double element = static_cast<double>(dtype_bytes(profile_.activation_dtype));
   return static_cast<double>(p.micro_batch_size * model_.seq_length) *
-         static_cast<double>(model_.hidden_size) * kWeightBytes /
+         static_cast<double>(model_.hidden_size) * element /
          (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
 }
 
@@ -274,7 +288,10 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
 double CostModel::optimizer_time(const ParallelPlan& p, double params) const {
   const double local =
       params / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
-  return memory_time(local * profile_.optimizer_bytes_per_param);
+  const double eff = profile_.memory_efficiency_of("optimizer");
+  return local * profile_.optimizer_bytes_per_param /
+             (cluster_.gpu.hbm_bandwidth_gbps * kGB * eff) +
+         profile_.kernel_gap_us * kMicrosecond;
 }
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {

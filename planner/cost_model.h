@@ -93,6 +93,11 @@ class CostModel {
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p) const;
   double gemm_time(const Op& op) const;
   double memory_time(double bytes) const;
+  // A memory-bound op of the list: its kernel family's efficiency where the profile measured it
+  // (HardwareProfile::memory_efficiency), else hbm_efficiency.
+  double memory_time(const Op& op) const;
+  // The op list's shape for a plan on this profile's device (its activation element type).
+  LayerShape priced_layer_shape(const ParallelPlan& p) const;
   ChunkTime chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const;
   // Bytes of one activation (or its gradient) sent between pipeline stages.
   double activation_message_bytes(const ParallelPlan& p) const;

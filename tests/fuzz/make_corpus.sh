@@ -15,6 +15,10 @@ mkdir -p "$corpus"/{model_json,hf_config,cluster_json,profile_json,plan_json,pla
 cp core/presets/models/*.json "$corpus/model_json/"
 cp core/presets/clusters/*.json "$corpus/cluster_json/"
 cp core/presets/profiles/*.json "$corpus/profile_json/"
+# A machine file of `mpirun -np 2 ptdp calibrate --quick` (its measurements cut to two of each)
+# and its measured profile, so that fuzzing covers the machine-file fields.
+cp tests/fuzz/seeds/machine.json "$corpus/cluster_json/"
+cp tests/fuzz/seeds/measured_profile.json "$corpus/profile_json/"
 cat > "$corpus/hf_config/llama3_8b.json" <<'JSON'
 {"_name_or_path": "meta-llama/Meta-Llama-3-8B", "architectures": ["LlamaForCausalLM"],
  "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336,

@@ -1,7 +1,7 @@
 // Fuzzes the hardware profile loader, `--profile FILE`: core/presets.h resolve_profile reads
 // the file and profile_from_json checks it (core/hardware_profile.cc). An accepted profile must
-// give every GEMM a usable efficiency (GemmEfficiency::at in (0, 1]), since the cost model
-// divides by it.
+// give every GEMM a usable efficiency (GemmEfficiency::at and, with a measured table,
+// HardwareProfile::gemm_efficiency in (0, 1]), since the cost model divides by it.
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -24,6 +24,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const double e = p->gemm.at(s[0], s[1], s[2], s[3]);
     if (!(e > 0 && e <= 1))
       fuzz::fail("GEMM efficiency " + std::to_string(e) + " of an accepted profile");
+    // With a measured table (ptdp calibrate) the interpolated efficiency, which the cost model
+    // uses, must be a fraction too.
+    const double t = p->gemm_efficiency(s[0], s[1], s[2], s[3]);
+    if (!(t > 0 && t <= 1))
+      fuzz::fail("measured GEMM efficiency " + std::to_string(t) + " of an accepted profile");
   }
   return 0;
 }

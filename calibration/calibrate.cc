@@ -1,0 +1,468 @@
+#include "calibration/calibrate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "calibration/fit.h"
+#include "calibration/machine_info.h"
+#include "calibration/measure.h"
+#include "core/cluster_spec.h"
+#include "core/error.h"
+#include "core/hardware_profile.h"
+#include "planner/comm_model.h"
+
+namespace ptdp {
+
+using nlohmann::json;
+
+namespace {
+
+// The work of one calibration, fixed before any timing so that progress and the time limit
+// know the total.
+struct Plan {
+  std::vector<std::pair<int64_t, int64_t>> tb;  // (t, b) of the op lists
+  std::vector<std::array<int64_t, 3>> grid;     // generic GEMMs (m, n, k)
+  std::vector<int64_t> stream_sizes;            // floats
+  int64_t optimizer_params = 0;
+  std::vector<int64_t> groups;  // group sizes of the collectives
+  std::vector<double> message_bytes;
+  int warmup = 5;
+};
+
+Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
+  Plan p;
+  const ModelSpec& m = o.model;
+  std::vector<int64_t> bs = o.quick ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1, 2, 4};
+  for (int64_t t = 1; t <= std::max(1, ranks_per_node); ++t) {
+    if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) continue;
+    for (int64_t b : bs) p.tb.push_back({t, b});
+  }
+  const std::vector<int64_t> edge =
+      o.quick ? std::vector<int64_t>{128, 512} : std::vector<int64_t>{64, 256, 1024};
+  for (int64_t a : edge)
+    for (int64_t b : edge)
+      for (int64_t c : edge) p.grid.push_back({a, b, c});
+  p.stream_sizes = o.quick ? std::vector<int64_t>{1 << 16, 1 << 20}
+                           : std::vector<int64_t>{1 << 14, 1 << 17, 1 << 20, 1 << 22};
+  p.optimizer_params = o.quick ? 1 << 18 : 1 << 21;
+  for (int g = 2; g <= world; ++g)
+    if (world % g == 0) p.groups.push_back(g);
+  for (double b = o.quick ? 4096 : 1024; b <= (o.quick ? 4.0 * (1 << 20) : 64.0 * (1 << 20));
+       b *= 4)
+    p.message_bytes.push_back(b);
+  p.warmup = o.quick ? 2 : 5;
+  return p;
+}
+
+int64_t count_timings(const Plan& p, const ModelSpec& m) {
+  int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
+  for (const auto& [t, b] : p.tb) n += static_cast<int64_t>(executed_ops(m, t, b).size());
+  n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 2));
+  return n;
+}
+
+// Rank-major list of every rank's host name.
+std::vector<std::string> hosts_of(ControlPlane& control) {
+  const std::string me = host_name();
+  std::vector<std::string> out;
+  for (const auto& bytes : control.all_gather_bytes(std::vector<uint8_t>(me.begin(), me.end())))
+    out.emplace_back(bytes.begin(), bytes.end());
+  return out;
+}
+
+double gemm_flops(double m, double n, double k, double batch) {
+  return 2.0 * m * n * k * batch;
+}
+
+}  // namespace
+
+json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control) {
+  if (o.backend != "cpu")
+    throw InputError("--backend", "'" + o.backend +
+                                      "' cannot be calibrated yet: only cpu (the CUDA backend "
+                                      "does not exist yet)");
+  o.model.validate();
+  auto backend = make_backend(o.backend);
+  Backend& be = *backend;
+  const int n_world = world.size();
+  const std::vector<std::string> hosts = hosts_of(control);
+  const std::set<std::string> distinct(hosts.begin(), hosts.end());
+  const int ranks_per_node =
+      static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts.front()));
+  const Plan plan = plan_for(o, n_world, ranks_per_node);
+
+  double target = o.quick ? 0.05 : 0.15;
+  const int64_t timings = count_timings(plan, o.model);
+  // Each timing runs about twice its target (the warm-up and the sizing call around it).
+  if (o.time_limit_s > 0)
+    target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
+  Stopwatch sw(control, target);
+  const bool root = world.rank() == 0;
+  int64_t done = 0;
+  auto tick = [&](const std::string& what) {
+    ++done;
+    if (root && o.progress)
+      o.progress(std::min(1.0, static_cast<double>(done) / static_cast<double>(timings)), what);
+  };
+
+  // ---- compute: the op lists' kernels, a generic GEMM grid, bandwidth, optimizer ----
+  std::vector<OpSample> ops =
+      measure_ops(be, o.model, plan.tb, sw, [&](int, int) { tick("kernels of the op list"); });
+  std::vector<std::pair<std::array<int64_t, 3>, double>> grid;
+  for (const auto& g : plan.grid) {
+    grid.push_back({g, time_linear(be, g[0], g[1], g[2], sw)});
+    tick("GEMM grid");
+  }
+  double bandwidth = 0;  // bytes/s of the largest stream
+  json stream = json::array();
+  for (int64_t n : plan.stream_sizes) {
+    const double bw = stream_bandwidth(be, n, sw);
+    stream.push_back({{"floats", n}, {"bytes_per_s", bw}});
+    bandwidth = bw;
+    tick("memory bandwidth");
+  }
+  const double optimizer_s = time_optimizer(be, plan.optimizer_params, sw);
+  tick("optimizer");
+
+  // ---- collectives over each group size, all groups at once ----
+  std::vector<CommSample> comm;
+  for (int64_t g : plan.groups) {
+    const int color = world.rank() / static_cast<int>(g);
+    auto group = world.split(color, world.rank(), "calibrate/" + std::to_string(g));
+    std::set<std::string> group_hosts;
+    for (int r = color * static_cast<int>(g); r < (color + 1) * static_cast<int>(g); ++r)
+      group_hosts.insert(hosts[static_cast<size_t>(r)]);
+    // Spans may differ between groups on uneven hosts: the most nodes any group spans.
+    const int64_t nodes =
+        static_cast<int64_t>(control.max(static_cast<int64_t>(group_hosts.size())));
+    for (Collective kind : {Collective::kAllReduce, Collective::kAllGather,
+                            Collective::kReduceScatter, Collective::kSendRecv}) {
+      if (kind == Collective::kSendRecv && g != 2) continue;
+      for (double bytes : plan.message_bytes) {
+        CommSample s;
+        s.kind = kind;
+        s.ranks = g;
+        s.nodes = nodes;
+        // Whole elements, divisible by the group (nccl-tests rounds the same way).
+        s.bytes = std::floor(bytes / (4.0 * static_cast<double>(g))) * 4.0 * static_cast<double>(g);
+        s.seconds = time_collective(kind, *group, s.bytes, sw, plan.warmup);
+        s.algbw_gbps = s.bytes / s.seconds / 1e9;
+        s.busbw_gbps = s.algbw_gbps * collective_algorithm_factor(kind, g);
+        comm.push_back(s);
+        tick(to_string(kind) + " over " + std::to_string(g) + " ranks");
+      }
+    }
+  }
+
+  // The all-reduce of a tensor-parallel layer's output (T h fp32 values, b = 1) when one rank
+  // arrives 1 ms late, against the same all-reduce in lockstep: what waiting costs in a run.
+  json late = json::array();
+  for (int64_t g : plan.groups) {
+    auto group = world.split(world.rank() / static_cast<int>(g), world.rank(),
+                             "calibrate/late/" + std::to_string(g));
+    const double bytes = 4.0 * static_cast<double>(o.model.seq_length * o.model.hidden_size);
+    const double lockstep = time_collective(Collective::kAllReduce, *group, bytes, sw, plan.warmup);
+    const double after =
+        time_collective_late(Collective::kAllReduce, *group, bytes, 1e-3, sw, plan.warmup);
+    late.push_back({{"collective", "all_reduce"},
+                    {"ranks", g},
+                    {"bytes", bytes},
+                    {"late_by_s", 1e-3},
+                    {"lockstep_s", lockstep},
+                    {"after_last_arrival_s", after}});
+    done += 1;
+    tick("late arrival over " + std::to_string(g) + " ranks");
+  }
+
+  // ---- fits ----
+  // Memory-bound kernels: one per-kernel gap, one throughput per family.
+  const std::vector<std::string>& families = memory_families();
+  std::vector<int> fam;
+  std::vector<double> mbytes, msec;
+  for (const OpSample& s : ops) {
+    if (s.op.kind != OpKind::kMemory || s.op.bytes <= 0) continue;
+    const std::string f = memory_family(s.op.id);
+    const auto it = std::find(families.begin(), families.end(), f);
+    if (it == families.end()) continue;
+    fam.push_back(static_cast<int>(it - families.begin()));
+    mbytes.push_back(s.op.bytes);
+    msec.push_back(s.seconds);
+  }
+  HardwareProfile prof;
+  prof.name = "measured-" + o.backend;
+  prof.activation_dtype = DType::kF32;
+  json fits;
+  double gap_s = 0;
+  if (!msec.empty()) {
+    const MemoryFit mf = fit_memory_kernels(fam, mbytes, msec, static_cast<int>(families.size()));
+    gap_s = mf.gap_s;
+    json fj;
+    fj["kernel_gap_us"] = gap_s * 1e6;
+    fj["all"] = to_json(mf.all);
+    for (size_t f = 0; f < families.size(); ++f) {
+      if (mf.residuals[f].points == 0) continue;
+      const double spb = mf.seconds_per_byte[f];
+      const double eff = spb > 0 ? std::min(1000.0, 1.0 / (spb * bandwidth)) : 1000.0;
+      prof.memory_efficiency[families[f]] = eff;
+      fj["families"][families[f]] = {{"efficiency", eff},
+                                     {"bytes_per_s", eff * bandwidth},
+                                     {"residuals", to_json(mf.residuals[f])}};
+    }
+    fits["memory"] = fj;
+  }
+  prof.kernel_gap_us = gap_s * 1e6;
+  prof.hbm_efficiency = 1.0;  // the cluster's bandwidth is itself measured
+  // Optimizer: the per-parameter kernels' bytes at their measured rate.
+  prof.optimizer_bytes_per_param = kOptimizerBytesPerParam;
+  {
+    const double bytes = kOptimizerBytesPerParam * static_cast<double>(plan.optimizer_params);
+    const double eff =
+        std::clamp(bytes / (bandwidth * std::max(optimizer_s - gap_s, 1e-9)), 1e-6, 1000.0);
+    prof.memory_efficiency["optimizer"] = eff;
+    fits["optimizer"] = {{"parameters", plan.optimizer_params},
+                         {"seconds", optimizer_s},
+                         {"bytes_per_param", kOptimizerBytesPerParam},
+                         {"efficiency", eff}};
+  }
+  // GEMMs: the peak is the fastest measured; the table holds each op-list shape's efficiency
+  // (net of the per-kernel gap the cost model adds); the curve is fitted to table and grid.
+  struct G {
+    double m, n, k, batch, seconds;
+  };
+  std::vector<G> gemms;
+  for (const OpSample& s : ops)
+    if (s.op.kind == OpKind::kGemm)
+      gemms.push_back({static_cast<double>(s.op.m), static_cast<double>(s.op.n),
+                       static_cast<double>(s.op.k), static_cast<double>(s.op.batch), s.seconds});
+  for (const auto& [g, sec] : grid)
+    gemms.push_back({static_cast<double>(g[0]), static_cast<double>(g[1]),
+                     static_cast<double>(g[2]), 1.0, sec});
+  double peak = 0;  // FLOP/s
+  for (const G& g : gemms)
+    peak = std::max(peak, gemm_flops(g.m, g.n, g.k, g.batch) / std::max(g.seconds - gap_s, 1e-9));
+  std::vector<GemmSample> samples;
+  std::map<std::array<int64_t, 4>, std::pair<double, int>> table;  // sum of log eff, count
+  for (size_t i = 0; i < gemms.size(); ++i) {
+    const G& g = gemms[i];
+    const double eff = std::clamp(
+        gemm_flops(g.m, g.n, g.k, g.batch) / (peak * std::max(g.seconds - gap_s, 1e-9)), 1e-9, 1.0);
+    samples.push_back({g.m, g.n, g.k, g.batch, eff});
+    const std::array<int64_t, 4> key = {static_cast<int64_t>(g.m), static_cast<int64_t>(g.n),
+                                        static_cast<int64_t>(g.k), static_cast<int64_t>(g.batch)};
+    auto& e = table[key];
+    e.first += std::log(eff);
+    e.second += 1;
+  }
+  if (!samples.empty()) {
+    const GemmCurveFit gf = fit_gemm_curve(samples);
+    prof.gemm.max_efficiency = std::min(1.0, gf.max_efficiency);
+    prof.gemm.m_half = gf.m_half;
+    prof.gemm.n_half = gf.n_half;
+    prof.gemm.k_half = gf.k_half;
+    prof.gemm.sm_count = 0;
+    for (const auto& [key, e] : table)
+      prof.gemm_table.push_back(
+          {key[0], key[1], key[2], key[3], std::clamp(std::exp(e.first / e.second), 1e-9, 1.0)});
+    fits["gemm"] = {{"peak_flops_per_s", peak},
+                    {"max_efficiency", gf.max_efficiency},
+                    {"m_half", gf.m_half},
+                    {"n_half", gf.n_half},
+                    {"k_half", gf.k_half},
+                    {"table_entries", prof.gemm_table.size()},
+                    {"residuals", to_json(gf.residuals)}};
+  }
+  // Collectives: latency and bus bandwidth per (collective, group size, nodes).
+  std::map<std::tuple<int, int64_t, int64_t>, std::pair<std::vector<double>, std::vector<double>>>
+      series;
+  for (const CommSample& s : comm) {
+    auto& xy = series[{static_cast<int>(s.kind), s.ranks, s.nodes}];
+    xy.first.push_back(collective_algorithm_factor(s.kind, s.ranks) * s.bytes);
+    xy.second.push_back(s.seconds);
+  }
+  fits["collectives"] = json::array();
+  double intra_busbw = 0, inter_busbw = 0, intra_latency_us = -1;
+  for (const auto& [key, xy] : series) {
+    const LinearFit lf = fit_latency_bandwidth(xy.first, xy.second);
+    CollectiveFit c;
+    c.kind = static_cast<Collective>(std::get<0>(key));
+    c.ranks = std::get<1>(key);
+    c.nodes = std::get<2>(key);
+    c.latency_us = lf.latency_s * 1e6;
+    c.busbw_gbps = std::min(1e8, 1.0 / lf.seconds_per_unit / 1e9);
+    prof.collectives.push_back(c);
+    (c.nodes > 1 ? inter_busbw : intra_busbw) =
+        std::max(c.nodes > 1 ? inter_busbw : intra_busbw, c.busbw_gbps);
+    if (c.nodes == 1 && c.kind == Collective::kAllReduce && intra_latency_us < 0)
+      intra_latency_us = c.latency_us;
+    fits["collectives"].push_back({{"collective", collective_key(c.kind)},
+                                   {"ranks", c.ranks},
+                                   {"nodes", c.nodes},
+                                   {"latency_us", c.latency_us},
+                                   {"busbw_gbps", c.busbw_gbps},
+                                   {"residuals", to_json(lf.residuals)}});
+  }
+  prof.nvlink.latency_us = std::max(0.0, intra_latency_us);
+  prof.nvlink.per_step_latency_us = 0;
+  prof.nvlink.busbw_efficiency = 1;
+  prof.network = prof.nvlink;
+  prof.sources = {
+      "ptdp calibrate --backend " + o.backend + " on " + host_name() + ", " + utc_now() +
+          " (docs/calibration.md)",
+      "gemm: curve fitted by least squares to the measured table and grid; table: each op-list "
+      "GEMM's measured efficiency",
+      "kernel_gap_us, memory_efficiency: one least-squares fit of every memory-bound kernel",
+      "collectives: latency and bus bandwidth fitted per collective and group span"};
+
+  // ---- the cluster measured ----
+  ClusterSpec cl;
+  cl.name = "measured-" + o.backend;
+  cl.gpu.name = cpu_model_name() + " (1 of " + std::to_string(ranks_per_node) + " ranks)";
+  cl.gpu.peak_tflops_16bit = std::max(peak, 1.0) / 1e12;
+  const double mem = host_memory_bytes();
+  cl.gpu.memory_gib = std::max(mem, 1.0 * (1 << 30)) / ranks_per_node / (1024.0 * 1024 * 1024);
+  cl.gpu.hbm_bandwidth_gbps = std::max(bandwidth, 1.0) / 1e9;
+  cl.gpus_per_node = ranks_per_node;
+  cl.num_nodes = static_cast<int64_t>(distinct.size());
+  if (cl.num_nodes * cl.gpus_per_node != n_world)
+    cl.num_nodes = (n_world + ranks_per_node - 1) / ranks_per_node;
+  cl.nvlink_bandwidth_gbps = intra_busbw > 0 ? intra_busbw : cl.gpu.hbm_bandwidth_gbps;
+  cl.nvlink_latency_us = 0;  // in the fits' latencies
+  cl.nics_per_node = 1;
+  cl.nic_bandwidth_gbps = inter_busbw > 0 ? inter_busbw : cl.nvlink_bandwidth_gbps;
+  cl.nic_latency_us = 0;
+  cl.validate();
+
+  // ---- the file ----
+  json measured;
+  measured["ops"] = json::array();
+  for (const OpSample& s : ops) {
+    json j = {{"op", std::string(s.op.name())},
+              {"role", to_string(s.op.role)},
+              {"t", s.t},
+              {"micro_batch", s.b},
+              {"seconds", s.seconds}};
+    if (s.op.kind == OpKind::kGemm) {
+      j["m"] = s.op.m, j["n"] = s.op.n, j["k"] = s.op.k, j["batch"] = s.op.batch;
+      j["flops_per_s"] = s.op.flops() / s.seconds;
+    } else {
+      j["bytes"] = s.op.bytes;
+      j["family"] = memory_family(s.op.id);
+    }
+    measured["ops"].push_back(j);
+  }
+  measured["gemm_grid"] = json::array();
+  for (const auto& [g, sec] : grid)
+    measured["gemm_grid"].push_back({{"m", g[0]},
+                                     {"n", g[1]},
+                                     {"k", g[2]},
+                                     {"seconds", sec},
+                                     {"flops_per_s", gemm_flops(g[0], g[1], g[2], 1) / sec}});
+  measured["stream"] = stream;
+  measured["late_arrival"] = late;
+  measured["collectives"] = json::array();
+  for (const CommSample& s : comm)
+    measured["collectives"].push_back({{"collective", collective_key(s.kind)},
+                                       {"ranks", s.ranks},
+                                       {"nodes", s.nodes},
+                                       {"bytes", s.bytes},
+                                       {"seconds", s.seconds},
+                                       {"algbw_gbps", s.algbw_gbps},
+                                       {"busbw_gbps", s.busbw_gbps}});
+  json machine = {{"device", cpu_model_name()},
+                  {"backend", o.backend},
+                  {"activations", "fp32"},
+                  {"ranks", n_world},
+                  {"nodes", cl.num_nodes},
+                  {"ranks_per_node", ranks_per_node},
+                  {"hosts", json(std::vector<std::string>(distinct.begin(), distinct.end()))},
+                  {"host_memory_bytes", mem},
+                  {"eigen", eigen_version()},
+                  {"mpi", mpi_library_version()},
+                  {"date", utc_now()},
+                  {"command", o.command},
+                  {"quick", o.quick},
+                  {"timing_target_s", target},
+                  {"cpu_share", control.sum(sw.cpu_share()) / n_world},
+                  {"model", to_json(o.model)}};
+  return json{{"format", kMachineFileFormat}, {"machine", machine}, {"cluster", to_json(cl)},
+              {"profile", to_json(prof)},     {"fits", fits},       {"measurements", measured}};
+}
+
+void print_calibration(std::ostream& out, const json& f) {
+  char buf[400];
+  const json& m = f["machine"];
+  const json& c = f["cluster"];
+  const json& fits = f["fits"];
+  out << "machine: " << m["device"].get<std::string>() << ", " << m["ranks"].get<int64_t>()
+      << " ranks (" << m["ranks_per_node"].get<int64_t>() << " per node), Eigen "
+      << m["eigen"].get<std::string>() << ", MPI " << m["mpi"].get<std::string>() << "\n";
+  std::snprintf(buf, sizeof buf,
+                "each rank had %.0f%% of a CPU while timed (CPU time / wall time)\n",
+                100 * m["cpu_share"].get<double>());
+  out << buf;
+  std::snprintf(buf, sizeof buf,
+                "per rank: peak GEMM %.1f GFLOP/s, memory bandwidth %.2f GB/s, %.1f GiB\n",
+                c["gpu"]["peak_tflops_16bit"].get<double>() * 1e3,
+                c["gpu"]["hbm_bandwidth_gbps"].get<double>(), c["gpu"]["memory_gib"].get<double>());
+  out << buf;
+  auto res = [](const json& r) {
+    char b[120];
+    std::snprintf(b, sizeof b, "residuals rms %.1f%%, max %.1f%% over %lld points",
+                  100 * r["rms_relative"].get<double>(), 100 * r["max_relative"].get<double>(),
+                  static_cast<long long>(r["points"].get<int64_t>()));
+    return std::string(b);
+  };
+  if (fits.contains("gemm")) {
+    const json& g = fits["gemm"];
+    std::snprintf(buf, sizeof buf,
+                  "GEMM curve: max_efficiency %.3f, m_half %.1f, n_half %.1f, k_half %.1f; ",
+                  g["max_efficiency"].get<double>(), g["m_half"].get<double>(),
+                  g["n_half"].get<double>(), g["k_half"].get<double>());
+    out << buf << res(g["residuals"]) << "; table of " << g["table_entries"].get<int64_t>()
+        << " shapes\n";
+  }
+  if (fits.contains("memory")) {
+    const json& mm = fits["memory"];
+    std::snprintf(buf, sizeof buf,
+                  "kernel gap %.2f us; memory-bound kernels: ", mm["kernel_gap_us"].get<double>());
+    out << buf << res(mm["all"]) << "\n";
+    for (const auto& [name, fam] : mm["families"].items()) {
+      std::snprintf(buf, sizeof buf, "  %-14s efficiency %8.3f (%7.2f GB/s); ", name.c_str(),
+                    fam["efficiency"].get<double>(), fam["bytes_per_s"].get<double>() / 1e9);
+      out << buf << res(fam["residuals"]) << "\n";
+    }
+  }
+  if (fits.contains("optimizer")) {
+    std::snprintf(buf, sizeof buf,
+                  "optimizer: %.2f ns per parameter (%g bytes at efficiency %.3f)\n",
+                  fits["optimizer"]["seconds"].get<double>() /
+                      fits["optimizer"]["parameters"].get<double>() * 1e9,
+                  fits["optimizer"]["bytes_per_param"].get<double>(),
+                  fits["optimizer"]["efficiency"].get<double>());
+    out << buf;
+  }
+  if (f["measurements"].contains("late_arrival"))
+    for (const json& l : f["measurements"]["late_arrival"]) {
+      std::snprintf(buf, sizeof buf,
+                    "all_reduce %3lld ranks, %.0f bytes: %.1f us in lockstep, %.1f us after the "
+                    "last of ranks 1 ms apart arrives (not priced)\n",
+                    static_cast<long long>(l["ranks"].get<int64_t>()), l["bytes"].get<double>(),
+                    1e6 * l["lockstep_s"].get<double>(),
+                    1e6 * l["after_last_arrival_s"].get<double>());
+      out << buf;
+    }
+  for (const json& cf : fits["collectives"]) {
+    std::snprintf(buf, sizeof buf,
+                  "%-14s %3lld ranks %2lld nodes: latency %8.2f us, busbw %8.3f GB/s; ",
+                  cf["collective"].get<std::string>().c_str(),
+                  static_cast<long long>(cf["ranks"].get<int64_t>()),
+                  static_cast<long long>(cf["nodes"].get<int64_t>()),
+                  cf["latency_us"].get<double>(), cf["busbw_gbps"].get<double>());
+    out << buf << res(cf["residuals"]) << "\n";
+  }
+}
+
+}  // namespace ptdp

@@ -1,0 +1,36 @@
+// `ptdp calibrate`: measure this machine (calibration/measure.h), fit the cost model's numbers
+// to the measurements (calibration/fit.h) and describe both in one machine file: the cluster
+// measured, its fitted hardware profile, what was measured and how well each fit holds
+// (docs/file_formats.md, docs/calibration.md).
+#pragma once
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+
+#include "core/model_spec.h"
+#include "runtime/communicator.h"
+
+namespace ptdp {
+
+struct CalibrateOptions {
+  std::string backend = "cpu";
+  ModelSpec model;     // whose op list's shapes are measured
+  bool quick = false;  // fewer sizes, shorter timings (under 2 minutes on two cores)
+  // Seconds the measurements may take (0: no limit): each timing's target shrinks to fit.
+  double time_limit_s = 0;
+  std::string command;  // the command line, recorded in the file
+  // Called on rank 0 as the work advances: fraction done, what is being measured.
+  std::function<void(double, const std::string&)> progress;
+};
+
+// Collective over `world` (and `control`, its control plane): every rank measures. Returns the
+// machine file (the same object on every rank). Throws InputError("--backend") for a backend
+// other than cpu.
+nlohmann::json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control);
+
+// The fitted numbers and every fit's residuals, as text.
+void print_calibration(std::ostream& out, const nlohmann::json& machine);
+
+}  // namespace ptdp

@@ -1,0 +1,238 @@
+#include "calibration/measure.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <ctime>
+#include <map>
+#include <stdexcept>
+#include <tuple>
+
+#include "runtime/gpt_model.h"
+#include "runtime/op_executor.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double thread_cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
+// A tensor-parallel group of size t for ops that do not communicate (GEMMs and memory-bound
+// kernels): what the op executor needs to shape them. Any data movement is a bug.
+class ShapeOnlyGroup final : public Communicator {
+ public:
+  explicit ShapeOnlyGroup(int size) : size_(size) {}
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+
+ protected:
+  [[noreturn]] static void refuse() {
+    throw std::logic_error("calibration: a compute op tried to communicate");
+  }
+  std::unique_ptr<Communicator> make_split(int, int) override { refuse(); }
+  std::unique_ptr<Work> start_all_reduce(void*, size_t, DType, DeviceStream) override { refuse(); }
+  std::unique_ptr<Work> start_all_gather(const void*, void*, size_t, DType, DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_reduce_scatter(const void*, void*, size_t, DType,
+                                             DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int, DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_batch(std::span<const P2P>, DeviceStream) override { refuse(); }
+  std::unique_ptr<Work> start_barrier() override { refuse(); }
+
+ private:
+  int size_;
+};
+
+bool executed(OpId id) {
+  return id != OpId::kWeightGradAccumulate && id != OpId::kEmbeddingGradAccumulate &&
+         id != OpId::kOutputGradAccumulate;
+}
+
+}  // namespace
+
+std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int warmup) {
+  for (int i = 0; i < warmup; ++i) f();
+  control_.barrier();
+  auto t0 = Clock::now();
+  f();
+  const double one = control_.max(since(t0));
+  // The loop in chunks, each started together; a rank's time is the mean over them: a run
+  // sees every preemption by other work on the machine, so the measurement does too (as
+  // nccl-tests averages its iterations).
+  constexpr int kChunks = 5;
+  const int64_t per_chunk = static_cast<int64_t>(
+      std::clamp(std::ceil(target_s_ / kChunks / std::max(one, 1e-7)), 1.0, 20000.0));
+  std::vector<double> chunk(kChunks);
+  for (double& c : chunk) {
+    control_.barrier();
+    const double cpu0 = thread_cpu_seconds();
+    t0 = Clock::now();
+    for (int64_t i = 0; i < per_chunk; ++i) f();
+    const double wall = since(t0);
+    c = wall / static_cast<double>(per_chunk);
+    wall_s_ += wall;
+    cpu_s_ += thread_cpu_seconds() - cpu0;
+  }
+  double per = 0;
+  for (double c : chunk) per += c / kChunks;
+  return {control_.sum(per) / control_.size(), control_.max(per)};
+}
+
+double Stopwatch::mean_seconds(const std::function<void()>& f) {
+  return run(f, 1).first;
+}
+
+double Stopwatch::max_seconds(const std::function<void()>& f, int warmup) {
+  return run(f, warmup).second;
+}
+
+std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b) {
+  ShardLayout l;
+  l.t = t;
+  l.micro_batch = b;
+  const LayerShape s = runtime_layer_shape(m, l);
+  std::vector<Op> out;
+  for (const PassOps& pass : {transformer_layer_ops(m, s), embedding_ops(m, s), lm_head_ops(m, s)})
+    for (const std::vector<Op>* ops : {&pass.forward, &pass.backward})
+      for (const Op& op : *ops)
+        if (executed(op.id)) out.push_back(op);
+  return out;
+}
+
+std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
+                                  const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
+                                  const std::function<void(int, int)>& progress) {
+  // Distinct ops per layout: the same kernel on the same shape is timed once.
+  std::vector<std::vector<Op>> todo;
+  int total = 0;
+  for (const auto& [t, b] : tb) {
+    std::vector<Op> ops;
+    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, double>, bool> seen;
+    for (const Op& op : executed_ops(m, t, b)) {
+      if (op.kind == OpKind::kCollective) continue;
+      if (seen.emplace(
+                  std::make_tuple(static_cast<int>(op.id), op.m, op.n, op.k, op.batch, op.bytes),
+                  true)
+              .second)
+        ops.push_back(op);
+    }
+    total += static_cast<int>(ops.size());
+    todo.push_back(std::move(ops));
+  }
+  std::vector<OpSample> out;
+  int done = 0;
+  for (size_t i = 0; i < tb.size(); ++i) {
+    const auto [t, b] = tb[i];
+    ShardLayout l;
+    l.t = t;
+    l.micro_batch = b;
+    ShapeOnlyGroup group(static_cast<int>(t));
+    OpExecutor exec(be, &group, m, l);
+    for (const Op& op : todo[i]) {
+      OpSample s;
+      s.op = op;
+      s.t = t;
+      s.b = b;
+      s.seconds = sw.mean_seconds([&] {
+        exec.run(op);
+        be.synchronize();
+      });
+      out.push_back(s);
+      if (progress) progress(++done, total);
+    }
+  }
+  return out;
+}
+
+double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw) {
+  Buffer x(static_cast<size_t>(m * k), 0.01f), w(static_cast<size_t>(n * k), 0.02f),
+      y(static_cast<size_t>(m * n));
+  return sw.mean_seconds([&] {
+    be.linear_forward(x.data(), w.data(), nullptr, y.data(), m, k, n);
+    be.synchronize();
+  });
+}
+
+double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw) {
+  Buffer x(static_cast<size_t>(n), 1e-3f), y(static_cast<size_t>(n), 0.f);
+  const double s = sw.mean_seconds([&] {
+    be.add(y.data(), x.data(), n);
+    be.synchronize();
+  });
+  return 12.0 * static_cast<double>(n) / s;
+}
+
+double time_optimizer(Backend& be, int64_t n, Stopwatch& sw) {
+  Buffer p(static_cast<size_t>(n), 0.1f), g(static_cast<size_t>(n), 1e-3f),
+      mm(static_cast<size_t>(n), 0.f), v(static_cast<size_t>(n), 0.f);
+  AdamWSettings a;
+  int64_t step = 0;
+  return sw.mean_seconds([&] {
+    const double sq = be.sum_squares(g.data(), n, 0.0);
+    a.lr = sq > 0 ? 1e-4 : 0.0;
+    be.adamw(p.data(), g.data(), mm.data(), v.data(), n, a, ++step);
+    be.fill_zero(g.data(), n);  // as the next step's start does (gradients then refilled)
+    be.synchronize();
+  });
+}
+
+double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
+                       int warmup) {
+  return time_collective_late(kind, group, bytes, 0.0, sw, warmup);
+}
+
+double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
+                            Stopwatch& sw, int warmup) {
+  const size_t n = static_cast<size_t>(std::max(1.0, bytes / 4));
+  const size_t g = static_cast<size_t>(group.size());
+  Buffer a(n, 1.0f), b(n, 0.0f);
+  std::function<void()> f;
+  switch (kind) {
+    case Collective::kAllReduce:
+      f = [&] { group.all_reduce(a.data(), n); };
+      break;
+    case Collective::kAllGather:
+      f = [&] { group.all_gather(a.data(), b.data(), n / g); };
+      break;
+    case Collective::kReduceScatter:
+      f = [&] { group.reduce_scatter(a.data(), b.data(), n / g); };
+      break;
+    case Collective::kSendRecv: {
+      const int peer = group.rank() ^ 1;
+      f = [&, peer] {
+        const Communicator::P2P ops[2] = {{true, a.data(), n, peer, 7, DType::kF32},
+                                          {false, b.data(), n, peer, 7, DType::kF32}};
+        group.batch(ops);
+      };
+      break;
+    }
+  }
+  if (delay_s <= 0) return sw.max_seconds(f, warmup);
+  const bool late = group.rank() == 0;
+  std::function<void()> delayed = [&] {
+    if (late) {  // busy: a rank still computing
+      const auto until = Clock::now() + std::chrono::duration<double>(delay_s);
+      while (Clock::now() < until) {
+      }
+    }
+    f();
+  };
+  return std::max(0.0, sw.max_seconds(delayed, warmup) - delay_s);
+}
+
+}  // namespace ptdp

@@ -1,0 +1,89 @@
+// The measurements of `ptdp calibrate`: each kernel of the layer op list through the op
+// executor (runtime/op_executor.h), a generic GEMM grid, streaming memory bandwidth, the
+// optimizer's per-parameter kernels, and the collectives over every group size the ranks allow,
+// timed as nccl-tests times them. Every function is collective over the control plane: all
+// ranks call it with the same arguments, and all ranks run each kernel at the same time (ranks
+// that share cores are measured as they will run).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "core/model_spec.h"
+#include "runtime/backend.h"
+#include "runtime/communicator.h"
+
+namespace ptdp {
+
+// Times a function on every rank at once: one warm-up call, then as many calls as fill
+// `target_s` on the slowest rank (the same count on every rank), in five chunks each started
+// together; a rank's time is the mean over the chunks. Chunks are long enough (target / 5:
+// 10 ms with --quick, else 30 ms) to span the scheduler's time slices, so that a CPU shared
+// with other work is measured at the share the ranks get, as a run gets it.
+class Stopwatch {
+ public:
+  Stopwatch(ControlPlane& control, double target_s) : control_(control), target_s_(target_s) {}
+  // Seconds per call: the mean over ranks (compute) or the slowest rank (collectives).
+  double mean_seconds(const std::function<void()>& f);
+  double max_seconds(const std::function<void()>& f, int warmup = 1);
+  ControlPlane& control() { return control_; }
+  // This rank's CPU time over wall time in the timed loops: below 1 when the machine's other
+  // work (or ranks sharing a core) took the CPU away (recorded, not priced).
+  double cpu_share() const { return wall_s_ > 0 ? cpu_s_ / wall_s_ : 1.0; }
+
+ private:
+  std::pair<double, double> run(const std::function<void()>& f, int warmup);
+  ControlPlane& control_;
+  double target_s_;
+  double wall_s_ = 0, cpu_s_ = 0;
+};
+
+// One op of the list, with the layout it was listed for, and its measured time.
+struct OpSample {
+  Op op;
+  int64_t t = 1, b = 1;
+  double seconds = 0;
+};
+
+// The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run
+// executes them (runtime_layer_shape), without those it does not execute.
+std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b);
+
+// Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b).
+// `progress(done, total)` after each.
+std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
+                                  const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
+                                  const std::function<void(int, int)>& progress);
+
+// A generic GEMM (y = x W^T through the backend's linear kernel) of m x k by k x n.
+double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw);
+
+// Streaming bandwidth of y += x over n floats (12 bytes per element), bytes/s.
+double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw);
+
+// The optimizer's work per parameter in ptdp run: zeroing the gradients, their sum of squares,
+// and AdamW; seconds for n parameters, and the bytes those kernels move (kOptimizerBytes each).
+inline constexpr double kOptimizerBytesPerParam = 4 + 4 + 28;
+double time_optimizer(Backend& be, int64_t n, Stopwatch& sw);
+
+// One collective over groups of `group` consecutive ranks (all groups at once), of `bytes` as
+// nccl-tests counts them (the whole buffer: an all-gather's output, a reduce-scatter's input).
+// send/recv: ranks exchange with their partner (rank ^ 1) in each group of 2.
+struct CommSample {
+  Collective kind = Collective::kAllReduce;
+  int64_t ranks = 2, nodes = 1;
+  double bytes = 0, seconds = 0;
+  double algbw_gbps = 0, busbw_gbps = 0;
+};
+double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
+                       int warmup);
+// The same collective when the group's rank 0 arrives `delay_s` after the others (as in a run,
+// where ranks finish their compute apart): seconds from the last arrival to completion on the
+// slowest rank. Recorded beside the fits, not priced (docs/calibration.md).
+double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
+                            Stopwatch& sw, int warmup);
+
+}  // namespace ptdp

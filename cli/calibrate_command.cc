@@ -1,0 +1,134 @@
+// `ptdp calibrate`: measure this machine and write a machine file (docs/calibration.md,
+// docs/file_formats.md) that `--cluster FILE` prices with. Under mpirun every rank measures at
+// the same time (collectives need the ranks; ranks that share cores compute side by side as
+// they will in `ptdp run`); rank 0 writes the file and reports.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "calibration/calibrate.h"
+#include "cli/cli.h"
+#include "cli/commands.h"
+#include "cli/job_flags.h"
+#include "cli/report.h"
+#include "core/error.h"
+#include "runtime/communicator.h"
+
+namespace ptdp {
+namespace {
+
+struct CalibrateFlags {
+  JobFlags job;
+  std::string backend = "cpu";
+  bool quick = false;
+  double time_limit_s = 0;
+  std::string out;
+  bool json = false;
+};
+
+// This process's command line, as recorded in the machine file.
+std::string command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string line;
+  for (char c : all) line += c == '\0' ? ' ' : c;
+  while (!line.empty() && line.back() == ' ') line.pop_back();
+  return line.empty() ? "ptdp calibrate" : line;
+}
+
+// The model whose shapes are measured: --model (and the model flags), else a small GPT.
+ModelSpec model_of(const JobFlags& j) {
+  if (!j.model.empty() || j.num_layers || j.hidden_size) return j.resolve_model();
+  ModelSpec m;
+  m.name = "calibration-gpt";
+  m.num_layers = 4;
+  m.hidden_size = 256;
+  m.num_attention_heads = 4;
+  m.seq_length = 128;
+  m.vocab_size = 1024;
+  m.validate();
+  return m;
+}
+
+void draw_bar(double fraction, const std::string& what) {
+  const int width = 30;
+  const int filled = static_cast<int>(fraction * width + 0.5);
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(width, '.');
+  std::fprintf(stderr, "\r[%s] %3.0f%% %-40.40s", bar.c_str(), 100 * fraction, what.c_str());
+  std::fflush(stderr);
+}
+
+int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err) {
+  const int lrank = launcher_rank();
+  CalibrateOptions o;
+  try {
+    if (f.backend != "cpu")
+      throw InputError("--backend", "'" + f.backend +
+                                        "' cannot be calibrated: only cpu until the CUDA "
+                                        "backend exists");
+    if (f.out.empty()) throw InputError("--out", "is required");
+    const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec))
+      throw InputError("--out", "directory '" + dir.string() + "' does not exist");
+    if (!(f.time_limit_s >= 0)) throw InputError("--time-limit-s", "must not be negative");
+    o.backend = f.backend;
+    o.model = model_of(f.job);
+    o.quick = f.quick;
+    o.time_limit_s = f.time_limit_s;
+    o.command = command_line();
+  } catch (const InputError& e) {
+    if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
+    return 2;
+  }
+  std::unique_ptr<Communicator> world;
+  if (lrank >= 0 && mpi_available()) world = make_mpi_world();
+  if (!world) world = make_self_communicator();
+  std::unique_ptr<ControlPlane> control =
+      world->size() > 1 ? make_mpi_control_plane() : make_self_control_plane();
+  const bool root = world->rank() == 0;
+  const bool bar = root && isatty(STDERR_FILENO);
+  if (bar) o.progress = draw_bar;
+  const nlohmann::json machine = calibrate(o, *world, *control);
+  if (bar) std::fprintf(stderr, "\r%80s\r", "");
+  if (!root) return 0;
+  write_file_atomically(f.out, machine.dump(1) + "\n", "--out");
+  if (f.json) {
+    out << nlohmann::json{{"out", f.out},
+                          {"machine", machine["machine"]},
+                          {"fits", machine["fits"]}}
+               .dump(2)
+        << "\n";
+  } else {
+    print_calibration(out, machine);
+    out << "wrote " << f.out << " (ptdp predict|plan|simulate --cluster " << f.out << ")\n";
+  }
+  return 0;
+}
+
+}  // namespace
+
+Action add_calibrate_command(CLI::App& app) {
+  auto* sub = app.add_subcommand(
+      "calibrate",
+      "measure this machine's kernels, memory and collectives and fit the cost model to them "
+      "(mpirun -np N ptdp calibrate ... for the collectives)");
+  auto f = std::make_shared<CalibrateFlags>();
+  f->job.add_model_flags(*sub);
+  sub->add_option("--backend", f->backend, "cpu (cuda once the CUDA backend exists)")
+      ->capture_default_str();
+  sub->add_flag("--quick", f->quick, "fewer sizes and shorter timings");
+  sub->add_option("--time-limit-s", f->time_limit_s,
+                  "bound the measurements' time (shorter timings; 0: no bound)");
+  sub->add_option("--out", f->out, "the machine file to write")->required();
+  sub->add_flag("--json", f->json, "print the fits as JSON");
+  return [f](std::ostream& out, std::ostream& err) { return calibrate_main(*f, out, err); };
+}
+
+}  // namespace ptdp

@@ -1,0 +1,344 @@
+// ptdp calibrate's pieces without timing anything: the GEMM table's interpolation, each fit
+// recovering known parameters from synthetic data (with residuals), the machine file's round
+// trip and loading through --cluster, and one-line errors for bad machine files.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "calibration/fit.h"
+#include "cli/cli.h"
+#include "core/cluster_spec.h"
+#include "core/error.h"
+#include "core/hardware_profile.h"
+#include "core/presets.h"
+#include "planner/comm_model.h"
+#include "planner/cost_model.h"
+
+namespace ptdp {
+namespace {
+
+using nlohmann::json;
+
+void set_curve(GemmEfficiency& g, double max, double mh, double nh, double kh) {
+  g.max_efficiency = max;
+  g.m_half = mh;
+  g.n_half = nh;
+  g.k_half = kh;
+  g.sm_count = 0;
+}
+
+// ---- the measured GEMM table ----
+
+TEST(GemmTable, ExactShapesGetTheirMeasurementAndOthersInterpolate) {
+  HardwareProfile h;
+  set_curve(h.gemm, 0.8, 64, 64, 64);
+  const GemmEfficiency& g = h.gemm;
+  const double c1 = g.at(512, 512, 512), c2 = g.at(1024, 512, 512);
+  h.gemm_table = {{512, 512, 512, 1, 0.5 * c1}, {1024, 512, 512, 1, 0.25 * c2}};
+  EXPECT_DOUBLE_EQ(h.gemm_efficiency(512, 512, 512), 0.5 * c1);
+  EXPECT_DOUBLE_EQ(h.gemm_efficiency(1024, 512, 512), 0.25 * c2);
+  // Halfway (in log2 m) between the two: the ratio to the curve lies between theirs.
+  const double mid = std::sqrt(512.0 * 1024.0);
+  const double r = h.gemm_efficiency(mid, 512, 512) / g.at(mid, 512, 512);
+  EXPECT_GT(r, 0.25);
+  EXPECT_LT(r, 0.5);
+  // Nearer the first entry, nearer its ratio.
+  const double r_near = h.gemm_efficiency(600, 512, 512) / g.at(600, 512, 512);
+  EXPECT_GT(r_near, r);
+  // Far from every entry: the curve alone (to within the vanishing weights).
+  EXPECT_NEAR(h.gemm_efficiency(8, 65536, 16), g.at(8, 65536, 16), 1e-6 * g.at(8, 65536, 16));
+  // Without a table, the curve.
+  HardwareProfile plain;
+  set_curve(plain.gemm, 0.8, 64, 64, 64);
+  EXPECT_DOUBLE_EQ(plain.gemm_efficiency(300, 200, 100, 2), plain.gemm.at(300, 200, 100, 2));
+}
+
+TEST(GemmTable, EfficiencyStaysAFraction) {
+  HardwareProfile h;
+  set_curve(h.gemm, 1.0, 0, 0, 0);
+  h.gemm_table = {{64, 64, 64, 1, 1.0}};
+  for (double m : {32.0, 60.0, 70.0, 128.0}) {
+    const double e = h.gemm_efficiency(m, 64, 64);
+    EXPECT_GT(e, 0);
+    EXPECT_LE(e, 1);
+  }
+}
+
+// ---- fits recover known parameters ----
+
+TEST(Fits, GemmCurveRecoversItsParameters) {
+  HardwareProfile truth_profile;
+  set_curve(truth_profile.gemm, 0.7, 48, 96, 24);
+  const GemmEfficiency& truth = truth_profile.gemm;
+  std::vector<GemmSample> s;
+  for (double m : {16, 64, 256, 1024})
+    for (double n : {16, 64, 256, 1024})
+      for (double k : {8, 32, 128, 512}) s.push_back({m, n, k, 1, truth.at(m, n, k)});
+  const GemmCurveFit f = fit_gemm_curve(s);
+  EXPECT_NEAR(f.max_efficiency, 0.7, 0.7e-3);
+  EXPECT_NEAR(f.m_half, 48, 0.5);
+  EXPECT_NEAR(f.n_half, 96, 1.0);
+  EXPECT_NEAR(f.k_half, 24, 0.3);
+  EXPECT_EQ(f.residuals.points, static_cast<int64_t>(s.size()));
+  EXPECT_LT(f.residuals.max_relative, 1e-3);
+  // With 5% multiplicative noise the fit still lands near, and says how far off it is.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> noise(-0.05, 0.05);
+  for (GemmSample& g : s) g.efficiency *= 1 + noise(rng);
+  const GemmCurveFit nf = fit_gemm_curve(s);
+  EXPECT_NEAR(nf.max_efficiency, 0.7, 0.05);
+  EXPECT_GT(nf.residuals.rms_relative, 0.005);
+  EXPECT_LT(nf.residuals.max_relative, 0.1);
+}
+
+TEST(Fits, LatencyAndBandwidthAreRecovered) {
+  std::vector<double> x, t;
+  for (double b = 1024; b <= 64 << 20; b *= 4) {
+    x.push_back(b);
+    t.push_back(12e-6 + b / 3e9);
+  }
+  const LinearFit f = fit_latency_bandwidth(x, t);
+  EXPECT_NEAR(f.latency_s, 12e-6, 1e-9);
+  EXPECT_NEAR(1 / f.seconds_per_unit, 3e9, 3e6);
+  EXPECT_LT(f.residuals.max_relative, 1e-9);
+  // Noise: residuals say so.
+  for (size_t i = 0; i < t.size(); ++i) t[i] *= i % 2 ? 1.1 : 0.9;
+  const LinearFit nf = fit_latency_bandwidth(x, t);
+  EXPECT_NEAR(nf.residuals.max_relative, 0.1, 0.03);
+  EXPECT_GE(nf.latency_s, 0);
+}
+
+TEST(Fits, MemoryKernelsShareOneGapAndHaveAThroughputEach) {
+  std::vector<int> fam;
+  std::vector<double> bytes, t;
+  const double gap = 2e-6, spb[3] = {1 / 10e9, 1 / 4e9, 1 / 20e9};
+  for (int f = 0; f < 3; ++f)
+    for (double b = 4096; b <= 16 << 20; b *= 4) {
+      fam.push_back(f);
+      bytes.push_back(b);
+      t.push_back(gap + b * spb[f]);
+    }
+  const MemoryFit m = fit_memory_kernels(fam, bytes, t, 4);  // family 3 has no samples
+  EXPECT_NEAR(m.gap_s, gap, 1e-10);
+  for (int f = 0; f < 3; ++f) EXPECT_NEAR(m.seconds_per_byte[f] / spb[f], 1.0, 1e-6);
+  EXPECT_EQ(m.residuals[3].points, 0);
+  EXPECT_EQ(m.all.points, static_cast<int64_t>(t.size()));
+  EXPECT_LT(m.all.max_relative, 1e-6);
+}
+
+// ---- the machine file ----
+
+// A machine file as ptdp calibrate writes one, with every measured field of the profile.
+json machine_file() {
+  ClusterSpec c;
+  c.name = "measured-cpu";
+  c.gpu = {"Test CPU (1 of 2 ranks)", 0.05, 8, 10};
+  c.gpus_per_node = 2;
+  c.num_nodes = 1;
+  c.nvlink_bandwidth_gbps = 5;
+  c.nics_per_node = 1;
+  c.nic_bandwidth_gbps = 5;
+  HardwareProfile p;
+  p.name = "measured-cpu";
+  set_curve(p.gemm, 0.9, 16, 16, 8);
+  p.gemm_table = {{128, 768, 256, 1, 0.6}, {128, 256, 256, 1, 0.5}};
+  p.kernel_gap_us = 1.5;
+  p.hbm_efficiency = 1;
+  p.collectives = {{Collective::kAllReduce, 2, 1, 20, 2.5}, {Collective::kSendRecv, 2, 1, 8, 4}};
+  p.memory_efficiency = {{"norm", 0.4}, {"softmax", 1.7}, {"optimizer", 0.3}};
+  p.activation_dtype = DType::kF32;
+  p.optimizer_bytes_per_param = 36;
+  return {{"format", kMachineFileFormat}, {"machine", {{"device", "Test CPU"}, {"ranks", 2}}},
+          {"cluster", to_json(c)},        {"profile", to_json(p)},
+          {"fits", json::object()},       {"measurements", json::object()}};
+}
+
+std::string write_temp(const std::string& name, const json& j) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("ptdp_calibration_test_" + std::to_string(::getpid()) + "_" + name);
+  std::ofstream(path) << j.dump(1);
+  return path.string();
+}
+
+TEST(MachineFile, RoundTripsAndCarriesItsProfile) {
+  const json j = machine_file();
+  const ClusterSpec c = cluster_from_json(j);
+  ASSERT_TRUE(c.measured_profile);
+  EXPECT_EQ(to_json(c), j["cluster"]);
+  EXPECT_EQ(to_json(*c.measured_profile), j["profile"]);
+  EXPECT_EQ(to_json(profile_from_json(to_json(*c.measured_profile))), j["profile"]);
+  EXPECT_EQ(default_profile_for(c).name, "measured-cpu");
+  // --profile machine.json: its measured profile alone.
+  EXPECT_EQ(to_json(profile_from_json(j)), j["profile"]);
+  // Presets carry none of the measured fields and still write what they read.
+  const HardwareProfile a100 = resolve_profile("a100-80gb");
+  EXPECT_TRUE(a100.gemm_table.empty() && a100.collectives.empty());
+  EXPECT_FALSE(to_json(a100).contains("collectives"));
+  EXPECT_FALSE(resolve_cluster("dgx-a100-80gb").measured_profile);
+}
+
+TEST(MachineFile, CostModelPricesWithTheMeasurements) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  const HardwareProfile& h = *c.measured_profile;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  const CostModel cm(m, c, h);
+  // A GEMM of the table runs at its measured efficiency.
+  Op g;
+  g.kind = OpKind::kGemm;
+  g.m = 128, g.n = 768, g.k = 256;
+  EXPECT_DOUBLE_EQ(cm.gemm_time(g), g.flops() / (0.05e12 * 0.6) + 1.5e-6);
+  // A memory-bound op at its family's efficiency; an unmeasured family at hbm_efficiency.
+  Op n;
+  n.kind = OpKind::kMemory;
+  n.id = OpId::kInputLayernorm;
+  n.bytes = 1e6;
+  EXPECT_DOUBLE_EQ(cm.op_time(n, ParallelPlan{}), 1e6 / (10e9 * 0.4) + 1.5e-6);
+  n.id = OpId::kBiasGelu;
+  EXPECT_DOUBLE_EQ(cm.op_time(n, ParallelPlan{}), 1e6 / (10e9 * 1.0) + 1.5e-6);
+  // The all-reduce fit over two ranks; its group size only.
+  GroupSpan two;
+  two.size = 2;
+  EXPECT_DOUBLE_EQ(cm.comm().collective_time(Collective::kAllReduce, 1e6, two),
+                   20e-6 + 1.0 * 1e6 / 2.5e9);
+  GroupSpan four = two;
+  four.size = 4;
+  EXPECT_NE(cm.comm().collective_time(Collective::kAllReduce, 1e6, four),
+            20e-6 + 1.5 * 1e6 / 2.5e9);
+  // fp32 activations: pipeline messages of 4 bytes per element.
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.global_batch_size = 2;
+  EXPECT_DOUBLE_EQ(cm.activation_message_bytes(p), 128.0 * 256 * 4);
+  // The optimizer at its family's efficiency.
+  EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
+}
+
+struct CliResult {
+  int status;
+  std::string out, err;
+};
+
+CliResult cli(std::vector<std::string> args) {
+  args.insert(args.begin(), "ptdp");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {status, out.str(), err.str()};
+}
+
+std::vector<std::string> predict(const std::string& cluster) {
+  return {"predict", "--num-layers",
+          "2",       "--hidden-size",
+          "256",     "--num-attention-heads",
+          "4",       "--seq-length",
+          "128",     "--vocab-size",
+          "1024",    "--cluster",
+          cluster,   "--num-gpus",
+          "2",       "--global-batch-size",
+          "4",       "--tensor-model-parallel-size",
+          "1",       "--pipeline-model-parallel-size",
+          "2",       "--micro-batch-size",
+          "1",       "--json"};
+}
+
+TEST(MachineFile, PredictLoadsItThroughCluster) {
+  const std::string path = write_temp("machine.json", machine_file());
+  const CliResult r = cli(predict(path));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const json j = json::parse(r.out);
+  // The same numbers as the cost model with the file's cluster and profile.
+  const ClusterSpec c = resolve_cluster(path);
+  ModelSpec m;
+  m.name = "custom";
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.global_batch_size = 4;
+  const Prediction want = CostModel(m, c, *c.measured_profile).predict(p);
+  EXPECT_NEAR(j["iteration_time_s"].get<double>(), want.iteration_time_s,
+              1e-9 * want.iteration_time_s);
+  // --profile still overrides the profile alone.
+  auto args = predict(path);
+  args.insert(args.end(), {"--profile", "a100-80gb"});
+  const CliResult o = cli(args);
+  ASSERT_EQ(o.status, 0) << o.err;
+  const Prediction a100 = CostModel(m, c, resolve_profile("a100-80gb")).predict(p);
+  EXPECT_NEAR(json::parse(o.out)["iteration_time_s"].get<double>(), a100.iteration_time_s,
+              1e-9 * a100.iteration_time_s);
+  std::filesystem::remove(path);
+}
+
+TEST(MachineFile, BadFilesGetOneLineErrorsNamingTheField) {
+  struct Case {
+    std::string name;
+    std::function<void(json&)> edit;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {"efficiency", [](json& j) { j["profile"]["gemm"]["table"][1]["efficiency"] = 1.5; },
+       "profile.gemm.table[1].efficiency"},
+      {"table_m", [](json& j) { j["profile"]["gemm"]["table"][0]["m"] = 0; },
+       "profile.gemm.table[0].m"},
+      {"collective", [](json& j) { j["profile"]["collectives"][0]["collective"] = "all-to-all"; },
+       "profile.collectives[0].collective"},
+      {"busbw", [](json& j) { j["profile"]["collectives"][1]["busbw_gbps"] = -1; },
+       "profile.collectives[1].busbw_gbps"},
+      {"ranks", [](json& j) { j["profile"]["collectives"][0]["ranks"] = 1; },
+       "profile.collectives[0].ranks"},
+      {"family", [](json& j) { j["profile"]["memory_efficiency"]["norms"] = 0.5; },
+       "profile.memory_efficiency.norms"},
+      {"family_value", [](json& j) { j["profile"]["memory_efficiency"]["norm"] = 0; },
+       "profile.memory_efficiency.norm"},
+      {"dtype", [](json& j) { j["profile"]["activation_dtype"] = "fp8"; },
+       "profile.activation_dtype"},
+      {"peak", [](json& j) { j["cluster"]["gpu"]["peak_tflops_16bit"] = 0; },
+       "cluster.gpu.peak_tflops_16bit"},
+      {"no_profile", [](json& j) { j.erase("profile"); }, "profile"},
+      {"no_cluster", [](json& j) { j.erase("cluster"); }, "cluster"},
+      {"fits", [](json& j) { j["fits"] = 3; }, "fits"},
+      {"unknown", [](json& j) { j["extra"] = 1; }, "extra"},
+  };
+  for (const Case& k : cases) {
+    json j = machine_file();
+    k.edit(j);
+    try {
+      (void)cluster_from_json(j);
+      ADD_FAILURE() << k.name << " was accepted";
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), k.field) << k.name << ": " << e.what();
+    }
+    // Through the command line: exit 2, one line naming the flag and the field.
+    const std::string path = write_temp(k.name + ".json", j);
+    const CliResult r = cli(predict(path));
+    EXPECT_EQ(r.status, 2) << k.name;
+    EXPECT_EQ(r.out, "") << k.name;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find("--cluster"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(k.field), std::string::npos) << r.err;
+    std::filesystem::remove(path);
+  }
+}
+
+TEST(Calibrate, CudaAndBadFlagsAreRefusedBeforeMeasuring) {
+  const auto out =
+      (std::filesystem::temp_directory_path() / "ptdp_calibration_test_x.json").string();
+  CliResult r = cli({"calibrate", "--backend", "cuda", "--out", out});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err.rfind("ptdp: --backend:", 0), 0u) << r.err;
+  r = cli({"calibrate", "--out", "/no/such/dir/m.json"});
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err.rfind("ptdp: --out:", 0), 0u) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+}  // namespace
+}  // namespace ptdp
