@@ -60,7 +60,7 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
 int64_t count_timings(const Plan& p, const ModelSpec& m) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb) n += static_cast<int64_t>(executed_ops(m, t, b).size());
-  n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 2));
+  n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
   return n;
 }
 
@@ -175,6 +175,27 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                     {"after_last_arrival_s", after}});
     done += 1;
     tick("late arrival over " + std::to_string(g) + " ranks");
+  }
+
+  // Arrival skew: a layer's GEMM then the all-reduce of its output, as tensor-parallel ranks
+  // alternate them; what the pair takes beyond its parts is the wait for the slowest rank.
+  json skew = json::array();
+  double arrival_skew = 0;
+  for (int64_t g : plan.groups) {
+    if (g < 2) continue;
+    auto group = world.split(world.rank() / static_cast<int>(g), world.rank(),
+                             "calibrate/skew/" + std::to_string(g));
+    // Jitter averages out slowly: four times the usual time for these three timings.
+    Stopwatch long_sw(control, 4 * target);
+    const SkewSample s = time_arrival_skew(be, *group, o.model, long_sw, plan.warmup);
+    skew.push_back({{"ranks", s.ranks},
+                    {"compute_s", s.compute_s},
+                    {"all_reduce_s", s.all_reduce_s},
+                    {"pair_s", s.pair_s},
+                    {"skew", s.skew}});
+    arrival_skew = std::max(arrival_skew, s.skew);  // the widest group's (the most ranks wait)
+    done += 12;
+    tick("arrival skew over " + std::to_string(g) + " ranks");
   }
 
   // ---- fits ----
@@ -304,6 +325,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                    {"busbw_gbps", c.busbw_gbps},
                                    {"residuals", to_json(lf.residuals)}});
   }
+  prof.arrival_skew = std::min(arrival_skew, 10.0);
   prof.nvlink.latency_us = std::max(0.0, intra_latency_us);
   prof.nvlink.per_step_latency_us = 0;
   prof.nvlink.busbw_efficiency = 1;
@@ -362,6 +384,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                      {"flops_per_s", gemm_flops(g[0], g[1], g[2], 1) / sec}});
   measured["stream"] = stream;
   measured["late_arrival"] = late;
+  measured["arrival_skew"] = skew;
   measured["collectives"] = json::array();
   for (const CommSample& s : comm)
     measured["collectives"].push_back({{"collective", collective_key(s.kind)},
@@ -452,6 +475,16 @@ void print_calibration(std::ostream& out, const json& f) {
                     static_cast<long long>(l["ranks"].get<int64_t>()), l["bytes"].get<double>(),
                     1e6 * l["lockstep_s"].get<double>(),
                     1e6 * l["after_last_arrival_s"].get<double>());
+      out << buf;
+    }
+  if (f["measurements"].contains("arrival_skew"))
+    for (const json& s : f["measurements"]["arrival_skew"]) {
+      std::snprintf(buf, sizeof buf,
+                    "arrival skew %3lld ranks: GEMM %.1f us + all_reduce %.1f us took %.1f us "
+                    "together: %.1f%% of the compute waited for the last rank\n",
+                    static_cast<long long>(s["ranks"].get<int64_t>()),
+                    1e6 * s["compute_s"].get<double>(), 1e6 * s["all_reduce_s"].get<double>(),
+                    1e6 * s["pair_s"].get<double>(), 100 * s["skew"].get<double>());
       out << buf;
     }
   for (const json& cf : fits["collectives"]) {

@@ -235,4 +235,30 @@ double time_collective_late(Collective kind, Communicator& group, double bytes, 
   return std::max(0.0, sw.max_seconds(delayed, warmup) - delay_s);
 }
 
+SkewSample time_arrival_skew(Backend& be, Communicator& group, const ModelSpec& m, Stopwatch& sw,
+                             int warmup) {
+  const int64_t g = group.size();
+  const int64_t tokens = m.seq_length, in = m.hidden_size;
+  const int64_t out = std::max<int64_t>(1, m.ffn_hidden() / g);
+  Buffer x(static_cast<size_t>(tokens * in), 0.01f), w(static_cast<size_t>(out * in), 0.02f),
+      y(static_cast<size_t>(tokens * out)), z(static_cast<size_t>(tokens * in), 1.0f);
+  auto compute = [&] {
+    be.linear_forward(x.data(), w.data(), nullptr, y.data(), tokens, in, out);
+    be.synchronize();
+  };
+  auto reduce = [&] { group.all_reduce(z.data(), z.size()); };
+  SkewSample s;
+  s.ranks = g;
+  s.compute_s = sw.mean_seconds(compute);
+  s.all_reduce_s = sw.max_seconds(reduce, warmup);
+  s.pair_s = sw.max_seconds(
+      [&] {
+        compute();
+        reduce();
+      },
+      warmup);
+  s.skew = std::max(0.0, (s.pair_s - s.compute_s - s.all_reduce_s) / s.compute_s);
+  return s;
+}
+
 }  // namespace ptdp

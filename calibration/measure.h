@@ -86,4 +86,15 @@ double time_collective(Collective kind, Communicator& group, double bytes, Stopw
 double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
                             Stopwatch& sw, int warmup);
 
+// Arrival skew over `group`: a layer-sized GEMM (the FC1 of `m` at t = the group size, one
+// sequence) and then the all-reduce of its output, as tensor-parallel ranks alternate them.
+// skew = (pair - compute - all-reduce in lockstep) / compute: the wait for the slowest rank,
+// as a fraction of the compute before it (HardwareProfile::arrival_skew).
+struct SkewSample {
+  int64_t ranks = 0;
+  double compute_s = 0, all_reduce_s = 0, pair_s = 0, skew = 0;
+};
+SkewSample time_arrival_skew(Backend& be, Communicator& group, const ModelSpec& m, Stopwatch& sw,
+                             int warmup);
+
 }  // namespace ptdp

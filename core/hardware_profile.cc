@@ -354,6 +354,9 @@ HardwareProfile profile_from_json(const json& j) {
     }
     mr.reject_unknown_keys();
   }
+  r.read("arrival_skew", p.arrival_skew);
+  if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))
+    throw InputError("arrival_skew", "must be in [0, 10], got " + str(p.arrival_skew));
   if (const json* a = r.member("activation_dtype")) {
     if (*a == "fp32")
       p.activation_dtype = DType::kF32;
@@ -400,6 +403,7 @@ json to_json(const HardwareProfile& p) {
   if (!p.collectives.empty()) j["collectives"] = collectives_to_json(p.collectives);
   if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;
   if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);
+  if (p.arrival_skew > 0) j["arrival_skew"] = p.arrival_skew;
   return j;
 }
 

@@ -103,6 +103,10 @@ struct HardwareProfile {
   std::map<std::string, double> memory_efficiency;  // per kernel family, of the HBM bandwidth
   // Element type of activations on this device (fp32 on CPU ranks); 16-bit when not given.
   DType activation_dtype = DType::kBF16;
+  // Arrival skew: what a tensor-parallel collective waits for its last rank, as a fraction of
+  // the compute since the group's previous collective (the ranks' compute times jitter, and
+  // each collective waits for the slowest). 0 when not measured (GPUs in lockstep).
+  double arrival_skew = 0;
 
   // Achieved fraction of peak for a GEMM: with a measured table, a shape in the table gets its
   // measured efficiency and any other shape the curve (gemm.at) times the measured/curve ratio

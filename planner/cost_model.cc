@@ -138,7 +138,21 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
   std::vector<double> time(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p);
   const int64_t t = p.tensor_parallel;
-  if (!p.tp_comm_overlap || !p.sequence_parallel || t == 1) return time;
+  if (t == 1) return time;
+  // Arrival skew (measured by ptdp calibrate): each tensor-parallel collective also waits for
+  // its last rank, a fraction of the compute since the previous one.
+  if (profile_.arrival_skew > 0) {
+    double since = 0;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      if (ops[i].kind != OpKind::kCollective) {
+        since += time[i];
+      } else if (ops[i].group == CommGroup::kTensor) {
+        time[i] += profile_.arrival_skew * since;
+        since = 0;
+      }
+    }
+  }
+  if (!p.tp_comm_overlap || !p.sequence_parallel) return time;
   // --tp-comm-overlap (Transformer Engine's userbuffers): a sequence-parallel all-gather is
   // pipelined with the GEMM that consumes it, a reduce-scatter with the GEMM that produces it,
   // each cut into t chunks along the tokens. What it hides: the smaller of the two, but for

@@ -120,8 +120,12 @@ namespace {
 
 void add_ops(const CostModel& cost, const ParallelPlan& p, const PassOps& ops, double times,
              FamilyTimes& out) {
-  for (const auto* list : {&ops.forward, &ops.backward, &ops.recompute})
-    for (const Op& op : *list) out.at(op_family(op.id), op.role) += cost.op_time(op, p) * times;
+  // Priced as CostModel::predict prices them: each op's exposed time (tp-comm-overlap).
+  for (const auto* list : {&ops.forward, &ops.backward, &ops.recompute}) {
+    const std::vector<double> t = cost.exposed_times(*list, p);
+    for (size_t i = 0; i < list->size(); ++i)
+      out.at(op_family((*list)[i].id), (*list)[i].role) += t[i] * times;
+  }
 }
 
 }  // namespace
@@ -132,7 +136,7 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
   PredictedBreakdown out;
   out.iteration = pred.iteration_time_s;
   out.peak_memory_bytes = pred.memory.peak;
-  const LayerShape shape = layer_shape(p);
+  const LayerShape shape = cost.priced_layer_shape(p);  // the device's activation type
   const PassOps layer = transformer_layer_ops(m, shape);
   const PassOps embed = embedding_ops(m, shape);
   const PassOps head = lm_head_ops(m, shape);

@@ -2,7 +2,7 @@
 //
 // Every operation is posted with a non-blocking call (MPI_Iallreduce, MPI_Iallgather,
 // MPI_Ireduce_scatter_block, MPI_Ibcast, MPI_Ibarrier, MPI_Isend/MPI_Irecv) and completed by
-// polling MPI_Testsome, spinning (and yielding the core) for 100 us and then sleeping with a
+// polling MPI_Testsome, spinning (and yielding the core) for 20 ms and then sleeping with a
 // pause growing from 20 to 250 us, until done or until the timeout, when CommTimeout is thrown.
 // Polling also drives MPI's progress for the non-blocking collectives.
 //
@@ -212,6 +212,9 @@ class MpiWork final : public Work {
   // Tests the requests until all are done (true) or `timeout` has passed (false). Each time
   // the wait has lasted the stall timeout, and on an MPI error, the watchdog checks that every
   // peer is alive (and aborts the job if one is not).
+  // How long a wait polls without sleeping (then the pause grows from 20 to 250 us).
+  static constexpr std::chrono::milliseconds kSpin{20};
+
   bool poll(CommDuration timeout) {
     if (remaining_ == 0) return true;
     const auto start = Clock::now();
@@ -243,8 +246,11 @@ class MpiWork final : public Work {
         next_check = now + stall;
         if (now >= deadline) return false;
       }
-      if (now - start < std::chrono::microseconds(100)) {  // short transfers: spin, yielding
-        std::this_thread::yield();                         // the core, when ranks outnumber cores
+      // Spin first, yielding the core to any rank that shares it: tensor-parallel ranks meet
+      // in a collective every few hundred microseconds, and one that slept would arrive late
+      // to the next (and leave its non-blocking collective without progress meanwhile).
+      if (now - start < kSpin) {
+        std::this_thread::yield();
         continue;
       }
       std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
