@@ -18,6 +18,7 @@
 #include "core/presets.h"
 #include "planner/comm_model.h"
 #include "planner/cost_model.h"
+#include "tests/support/cli_run.h"
 
 namespace ptdp {
 namespace {
@@ -220,19 +221,8 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
 }
 
-struct CliResult {
-  int status;
-  std::string out, err;
-};
-
-CliResult cli(std::vector<std::string> args) {
-  args.insert(args.begin(), "ptdp");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {status, out.str(), err.str()};
-}
+using CliResult = test::CliResult;
+constexpr auto cli = &test::run_ptdp;
 
 std::vector<std::string> predict(const std::string& cluster) {
   return {"predict", "--num-layers",

@@ -9,22 +9,13 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tests/support/cli_run.h"
+
 namespace ptdp {
 namespace {
 
-struct Result {
-  int status;
-  std::string out, err;
-};
-
-Result run(std::vector<std::string> args) {
-  args.insert(args.begin(), "ptdp");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {status, out.str(), err.str()};
-}
+using Result = test::CliResult;
+constexpr auto run = &test::run_ptdp;
 
 std::string temp_file(const std::string& name, const std::string& text) {
   const auto path = std::filesystem::temp_directory_path() / ("ptdp_cli_test_" + name);

@@ -20,6 +20,7 @@
 #include "core/presets.h"
 #include "core/schedule.h"
 #include "planner/op_breakdown.h"
+#include "tests/support/cli_run.h"
 
 namespace ptdp {
 namespace {
@@ -297,19 +298,8 @@ TEST(Reconcile, WaitingInTheNormAllReduceIsIdleTime) {
   EXPECT_NEAR(row(1, "optimizer"), 0, 1e-9);
 }
 
-struct Result {
-  int status;
-  std::string out, err;
-};
-
-Result cli(std::vector<std::string> args) {
-  args.insert(args.begin(), "ptdp");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  std::ostringstream out, err;
-  const int status = run_cli(static_cast<int>(argv.size()), argv.data(), out, err);
-  return {status, out.str(), err.str()};
-}
+using Result = test::CliResult;
+constexpr auto cli = &test::run_ptdp;
 
 std::string temp_file(const std::string& name, const std::string& text) {
   const auto path = std::filesystem::temp_directory_path() /
