@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "tests/support/launch.h"
+#include "tests/support/run_json.h"
 
 namespace ptdp {
 namespace {
@@ -83,19 +84,10 @@ void expect_one_error(const Outcome& r, const std::vector<std::string>& names) {
 }
 
 nlohmann::json run_json(int np, const std::string& args) {
-  const Outcome r = ptdp(np, "run " + args + " --json");
-  EXPECT_EQ(r.status, 0) << args << "\n" << r.err;
-  try {
-    return nlohmann::json::parse(r.out);
-  } catch (const nlohmann::json::exception&) {
-    ADD_FAILURE() << "no JSON from " << args << ":\n" << r.out << r.err;
-    return {};
-  }
+  return test::json_of(ptdp(np, "run " + args + " --json"), args);
 }
 
-std::vector<double> losses(const nlohmann::json& j) {
-  return j.contains("losses") ? j["losses"].get<std::vector<double>>() : std::vector<double>{};
-}
+using test::losses;
 
 int64_t latest_step(const fs::path& ckpt) {
   std::ifstream in(ckpt / "latest");

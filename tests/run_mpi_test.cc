@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "tests/support/launch.h"
+#include "tests/support/run_json.h"
 
 namespace ptdp {
 namespace {
@@ -42,19 +43,10 @@ Outcome ptdp_run(int np, const std::string& args) {
 }
 
 nlohmann::json run_json(int np, const std::string& args) {
-  const Outcome r = ptdp_run(np, args + " --json");
-  EXPECT_EQ(r.status, 0) << args << "\n" << r.err;
-  try {
-    return nlohmann::json::parse(r.out);
-  } catch (const nlohmann::json::exception&) {
-    ADD_FAILURE() << "no JSON from " << args << ":\n" << r.out << r.err;
-    return {};
-  }
+  return test::json_of(ptdp_run(np, args + " --json"), args);
 }
 
-std::vector<double> losses(const nlohmann::json& j) {
-  return j.contains("losses") ? j["losses"].get<std::vector<double>>() : std::vector<double>{};
-}
+using test::losses;
 
 struct Layout {
   int t, p, d;
