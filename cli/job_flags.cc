@@ -49,6 +49,14 @@ void JobFlags::add_model_flags(CLI::App& app) {
                  "dropout after attention and MLP (default: the model's)");
   app.add_flag("--use-flash-attn", flash_attention,
                "flash attention: no s x s attention scores kept for the backward pass");
+  app.add_option("--num-experts", num_experts, "routed experts per MoE layer (0: dense)");
+  app.add_option("--moe-router-topk", moe_router_topk, "experts each token is routed to");
+  app.add_option("--moe-ffn-hidden-size", moe_ffn_hidden_size, "one routed expert's FFN width");
+  app.add_option("--moe-shared-expert-intermediate-size", moe_shared_expert_ffn_size,
+                 "FFN width of the shared experts together");
+  app.add_option("--moe-layer-freq", moe_layer_freq, "every N-th layer is an MoE layer");
+  app.add_option("--moe-expert-capacity-factor", moe_capacity_factor,
+                 "expert capacity as a multiple of the fair share (default: dropless)");
 }
 
 void JobFlags::add_cluster_flags(CLI::App& app) {
@@ -68,6 +76,13 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
     p->required();
     b->required();
   }
+  app.add_option("--context-parallel-size", context_parallel,
+                 "ranks the sequence is split over (ring attention)");
+  app.add_option("--expert-model-parallel-size", expert_parallel,
+                 "ranks an MoE layer's experts are split over");
+  app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel,
+                 "ranks each expert's weights are split over (default: t)");
+  app.add_option("--fp8-format", fp8_format, "hybrid or e4m3: FP8 GEMMs (priced; not run)");
   app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
   app.add_option("--num-virtual-stages-per-pipeline-rank", virtual_stages_per_rank,
                  "model chunks per pipeline rank (interleaving; also with uneven stages)");
@@ -127,13 +142,27 @@ ModelSpec JobFlags::resolve_model() const {
   if (attention_dropout) m.attention_dropout = *attention_dropout;
   if (hidden_dropout) m.hidden_dropout = *hidden_dropout;
   if (flash_attention) m.flash_attention = true;
+  set(m.num_experts, num_experts);
+  set(m.moe_router_topk, moe_router_topk);
+  set(m.moe_ffn_hidden_size, moe_ffn_hidden_size);
+  set(m.moe_shared_expert_ffn_size, moe_shared_expert_ffn_size);
+  set(m.moe_layer_freq, moe_layer_freq);
+  if (moe_capacity_factor) m.moe_capacity_factor = *moe_capacity_factor;
   try {
     m.validate();
   } catch (const InputError& e) {
     // Name the flag the user typed rather than the JSON field.
     std::string flag = "--" + e.field();
     for (char& ch : flag) ch = ch == '_' ? '-' : ch;
-    if (model.empty()) throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
+    if (e.field() == "moe_shared_expert_ffn_size") flag = "--moe-shared-expert-intermediate-size";
+    if (e.field() == "moe_capacity_factor") flag = "--moe-expert-capacity-factor";
+    const bool from_flag = (e.field() == "num_experts" && num_experts) ||
+                           (e.field() == "moe_router_topk" && moe_router_topk) ||
+                           (e.field() == "moe_ffn_hidden_size" && moe_ffn_hidden_size) ||
+                           (e.field() == "moe_shared_expert_ffn_size" && moe_shared_expert_ffn_size) ||
+                           (e.field() == "moe_layer_freq" && moe_layer_freq) ||
+                           (e.field() == "moe_capacity_factor" && moe_capacity_factor);
+    if (model.empty() || from_flag) throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
     throw;
   }
   return m;
@@ -170,12 +199,29 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   if (p.pipeline_parallel <= 0)
     throw InputError("--pipeline-model-parallel-size", "must be positive");
   if (p.micro_batch_size <= 0) throw InputError("--micro-batch-size", "must be positive");
-  const int64_t tp = p.tensor_parallel * p.pipeline_parallel;
+  p.context_parallel = context_parallel.value_or(1);
+  p.expert_parallel = expert_parallel.value_or(1);
+  p.expert_tensor_parallel = expert_tensor_parallel.value_or(0);
+  if (p.context_parallel <= 0) throw InputError("--context-parallel-size", "must be positive");
+  if (p.expert_parallel <= 0) throw InputError("--expert-model-parallel-size", "must be positive");
+  if (expert_tensor_parallel && p.expert_tensor_parallel <= 0)
+    throw InputError("--expert-tensor-parallel-size", "must be positive");
+  if (p.tensor_parallel > kMaxGpus || p.pipeline_parallel > kMaxGpus ||
+      p.context_parallel > kMaxGpus)
+    throw InputError(p.context_parallel > kMaxGpus ? "--context-parallel-size"
+                     : p.tensor_parallel > kMaxGpus ? "--tensor-model-parallel-size"
+                                                     : "--pipeline-model-parallel-size",
+                     "exceeds the " + std::to_string(kMaxGpus) + " GPUs ptdp handles");
+  const int64_t tp = p.tensor_parallel * p.pipeline_parallel * p.context_parallel;
   if (num_gpus % tp != 0) {
     throw InputError(what, std::to_string(num_gpus) + (what == "--num-gpus" ? " GPUs" : " ranks") +
-                               " are not a multiple of t * p = " + std::to_string(tp));
+                               " are not a multiple of t * cp * p = " + std::to_string(tp));
   }
   p.data_parallel = num_gpus / tp;
+  if (fp8_format == "hybrid" || fp8_format == "e4m3")
+    p.fp8 = true;
+  else if (!fp8_format.empty())
+    throw InputError("--fp8-format", "must be hybrid or e4m3, got '" + fp8_format + "'");
   if (first_stage_layers && *first_stage_layers <= 0)
     throw InputError("--decoder-first-pipeline-num-layers", "must be positive");
   if (last_stage_layers && *last_stage_layers <= 0)

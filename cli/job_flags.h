@@ -23,12 +23,17 @@ struct JobFlags {
   std::optional<double> rotary_base;
   std::optional<double> attention_dropout, hidden_dropout;
   bool flash_attention = false;
+  std::optional<int64_t> num_experts, moe_router_topk, moe_ffn_hidden_size,
+      moe_shared_expert_ffn_size, moe_layer_freq;
+  std::optional<double> moe_capacity_factor;
   std::string cluster = "dgx-a100-80gb";
   std::string profile;
   std::optional<int64_t> num_gpus;
   std::optional<int64_t> global_batch_size;
   std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,
       layers_per_virtual_stage, virtual_stages_per_rank;
+  std::optional<int64_t> context_parallel, expert_parallel, expert_tensor_parallel;
+  std::string fp8_format;  // Megatron's --fp8-format (hybrid or e4m3): priced, never run
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
@@ -55,7 +60,8 @@ struct JobFlags {
   ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
-           virtual_stages_per_rank || first_stage_layers || last_stage_layers;
+           virtual_stages_per_rank || first_stage_layers || last_stage_layers ||
+           context_parallel || expert_parallel || expert_tensor_parallel;
   }
 };
 

@@ -7,7 +7,9 @@
 // counts exactly.
 #include "core/model_spec.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "core/error.h"
 #include "core/json_reader.h"
@@ -42,6 +44,81 @@ bool is_one_of(const std::string& s, std::initializer_list<const char*> options)
   return false;
 }
 
+void validate_moe(const ModelSpec& m) {
+  if (m.num_experts < 0)
+    throw InputError("num_experts", "must be positive (or 0 for a dense model), got " +
+                                        std::to_string(m.num_experts));
+  if (m.num_experts == 0) return;
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"num_experts", m.num_experts},
+      {"moe_ffn_hidden_size", m.moe_ffn_hidden_size},
+      {"moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size},
+      {"moe_layer_freq", m.moe_layer_freq}};
+  for (const auto& [field, value] : sizes) {
+    require_non_negative(field, value);
+    if (value > kMaxModelSize)
+      throw InputError(field, std::to_string(value) + " exceeds " + std::to_string(kMaxModelSize) +
+                                  ", the largest size ptdp handles");
+  }
+  require_positive("moe_layer_freq", m.moe_layer_freq);
+  if (m.moe_router_topk < 1 || m.moe_router_topk > m.num_experts)
+    throw InputError("moe_router_topk", "must be between 1 and num_experts (" +
+                                            std::to_string(m.num_experts) + "), got " +
+                                            std::to_string(m.moe_router_topk));
+  if (m.moe_first_dense_layers < 0 || m.moe_first_dense_layers >= m.num_layers)
+    throw InputError("moe_first_dense_layers",
+                     "must leave at least one MoE layer among the " +
+                         std::to_string(m.num_layers) + " layers, got " +
+                         std::to_string(m.moe_first_dense_layers));
+  if (m.num_moe_layers() == 0)
+    throw InputError("moe_layer_freq", "leaves no MoE layer");
+  if (!(m.moe_capacity_factor == 0 || (m.moe_capacity_factor >= 1 && m.moe_capacity_factor <= 64)))
+    throw InputError("moe_capacity_factor",
+                     "must be 0 (dropless) or between 1 and 64, got " +
+                         std::to_string(m.moe_capacity_factor));
+}
+
+// The MoE fields of a Hugging Face config: Mixtral (num_local_experts, every layer MoE with
+// intermediate_size experts), Qwen-MoE (num_experts, moe_intermediate_size,
+// shared_expert_intermediate_size, decoder_sparse_step, mlp_only_layers) and DeepSeek
+// (n_routed_experts, n_shared_experts, moe_intermediate_size, first_k_dense_replace,
+// moe_layer_freq). All route each token to num_experts_per_tok experts without dropping tokens.
+// Multi-head latent attention (DeepSeek-V2/V3's kv_lora_rank) is refused: ptdp prices it as
+// neither MHA nor GQA.
+void read_hf_moe_fields(JsonObjectReader& r, const json& j, const std::string& model_type,
+                        ModelSpec& m) {
+  if (j.contains("kv_lora_rank") && !j.at("kv_lora_rank").is_null())
+    throw InputError("kv_lora_rank",
+                     "multi-head latent attention (DeepSeek-V2/V3) is not modelled by ptdp");
+  const bool mixtral = model_type == "mixtral" || j.contains("num_local_experts");
+  r.read("num_local_experts", m.num_experts);
+  r.read("num_experts", m.num_experts);
+  r.read("n_routed_experts", m.num_experts);
+  if (j.contains("num_experts") && j.at("num_experts").is_null()) m.num_experts = 0;
+  if (m.num_experts <= 0) return;
+  r.read("num_experts_per_tok", m.moe_router_topk);
+  if (mixtral) m.moe_ffn_hidden_size = m.ffn_hidden_size;
+  r.read("moe_intermediate_size", m.moe_ffn_hidden_size);
+  r.read("shared_expert_intermediate_size", m.moe_shared_expert_ffn_size);
+  int64_t shared_experts = 0;
+  r.read("n_shared_experts", shared_experts);
+  if (shared_experts > 0) m.moe_shared_expert_ffn_size = shared_experts * m.moe_ffn_hidden_size;
+  r.read("first_k_dense_replace", m.moe_first_dense_layers);
+  r.read("moe_layer_freq", m.moe_layer_freq);
+  int64_t sparse_step = 1;
+  r.read("decoder_sparse_step", sparse_step);
+  if (sparse_step != 1)
+    throw InputError("decoder_sparse_step",
+                     "only 1 (every layer MoE) is supported, got " + std::to_string(sparse_step));
+  std::vector<int64_t> mlp_only;
+  r.read("mlp_only_layers", mlp_only);
+  for (size_t i = 0; i < mlp_only.size(); ++i)
+    if (mlp_only[i] != static_cast<int64_t>(i))
+      throw InputError("mlp_only_layers",
+                       "only a leading run of dense layers (0, 1, ..., k-1) is supported");
+  if (!mlp_only.empty()) m.moe_first_dense_layers = static_cast<int64_t>(mlp_only.size());
+}
+
 // A Hugging Face config.json (detected by its "num_hidden_layers" key). Other keys are ignored.
 ModelSpec model_from_hf_config(const json& j) {
   JsonObjectReader r(j, "model");
@@ -58,7 +135,8 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("intermediate_size", m.ffn_hidden_size);
   r.read("vocab_size", m.vocab_size);
   r.read("max_position_embeddings", m.seq_length);
-  bool tied = !is_one_of(model_type, {"llama", "mistral"});
+  bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "deepseek",
+                                      "deepseek_v2", "deepseek_v3"});
   r.read("tie_word_embeddings", tied);
   m.untie_embeddings_and_output_weights = !tied;
   r.read("hidden_act", hidden_act);
@@ -73,21 +151,67 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("attention_dropout", m.attention_dropout);
   r.read("resid_pdrop", m.hidden_dropout);
   r.read("hidden_dropout", m.hidden_dropout);
+  read_hf_moe_fields(r, j, model_type, m);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
 }
 
 }  // namespace
 
-double ModelSpec::parameters_per_layer() const {
-  const double h = static_cast<double>(hidden_size);
-  const double f = static_cast<double>(ffn_hidden());
-  const double kv = static_cast<double>(kv_channels() * query_groups());  // width of K (and V)
-  const double bias = has_biases(*this) ? 1.0 : 0.0;
+namespace {
+
+// Attention (QKV and projection) and the two norms of a layer.
+double attention_and_norm_parameters(const ModelSpec& m) {
+  const double h = static_cast<double>(m.hidden_size);
+  const double kv = static_cast<double>(m.kv_channels() * m.query_groups());  // K (and V) width
+  const double bias = has_biases(m) ? 1.0 : 0.0;
   const double qkv = h * (h + 2 * kv) + bias * (h + 2 * kv);
   const double proj = h * h + bias * h;
-  const double mlp = swiglu ? 3 * h * f + bias * (2 * f + h) : 2 * h * f + bias * (f + h);
-  return qkv + proj + mlp + 2 * norm_parameters(*this);
+  return qkv + proj + 2 * norm_parameters(m);
+}
+
+// One MLP of FFN width `width`.
+double mlp_parameters(const ModelSpec& m, int64_t width) {
+  const double h = static_cast<double>(m.hidden_size);
+  const double f = static_cast<double>(width);
+  const double bias = has_biases(m) ? 1.0 : 0.0;
+  return m.swiglu ? 3 * h * f + bias * (2 * f + h) : 2 * h * f + bias * (f + h);
+}
+
+}  // namespace
+
+double ModelSpec::parameters_per_layer() const {
+  return attention_and_norm_parameters(*this) + mlp_parameters(*this, ffn_hidden());
+}
+
+double ModelSpec::expert_parameters_per_layer() const {
+  return static_cast<double>(num_experts) * mlp_parameters(*this, moe_ffn_hidden());
+}
+
+double ModelSpec::moe_layer_parameters() const {
+  const double router = static_cast<double>(hidden_size) * static_cast<double>(num_experts);
+  const double shared =
+      moe_shared_expert_ffn_size > 0 ? mlp_parameters(*this, moe_shared_expert_ffn_size) : 0.0;
+  return attention_and_norm_parameters(*this) + router + shared + expert_parameters_per_layer();
+}
+
+double ModelSpec::expert_parameters() const {
+  return static_cast<double>(num_moe_layers()) * expert_parameters_per_layer();
+}
+
+bool ModelSpec::is_moe_layer(int64_t i) const {
+  return num_experts > 0 && i >= moe_first_dense_layers && moe_layer_freq > 0 &&
+         i % moe_layer_freq == 0;
+}
+
+int64_t ModelSpec::moe_layers_in(int64_t first, int64_t count) const {
+  if (num_experts <= 0 || moe_layer_freq <= 0) return 0;
+  // Layers i in [max(first, first_dense), first + count) with i % freq == 0.
+  const int64_t lo = std::max(first, moe_first_dense_layers);
+  const int64_t hi = first + count;  // exclusive
+  if (hi <= lo) return 0;
+  auto multiples_below = [&](int64_t x) { return (x + moe_layer_freq - 1) / moe_layer_freq; };
+  return multiples_below(hi) - multiples_below(lo);
 }
 
 double ModelSpec::embedding_parameters() const {
@@ -101,8 +225,10 @@ double ModelSpec::output_parameters() const {
 }
 
 double ModelSpec::parameters() const {
-  return static_cast<double>(num_layers) * parameters_per_layer() + embedding_parameters() +
-         output_parameters() + norm_parameters(*this);
+  const auto moe_layers = static_cast<double>(num_moe_layers());
+  const double layers = (static_cast<double>(num_layers) - moe_layers) * parameters_per_layer() +
+                        (moe_layers > 0 ? moe_layers * moe_layer_parameters() : 0.0);
+  return layers + embedding_parameters() + output_parameters() + norm_parameters(*this);
 }
 
 void ModelSpec::validate() const {
@@ -137,6 +263,7 @@ void ModelSpec::validate() const {
         {"hidden_dropout", hidden_dropout}})
     if (!(p >= 0 && p < 1))
       throw InputError(field, "must be a probability in [0, 1), got " + std::to_string(p));
+  validate_moe(*this);
   if (!learned_position_embeddings && !(rotary_base > 1))
     throw InputError("rotary_base", "must be greater than 1");
   if (!learned_position_embeddings && (hidden_size / num_attention_heads) % 2 != 0)
@@ -166,6 +293,13 @@ ModelSpec model_from_json(const json& j) {
     r.read("attention_dropout", m.attention_dropout);
     r.read("hidden_dropout", m.hidden_dropout);
     r.read("flash_attention", m.flash_attention);
+    r.read("num_experts", m.num_experts);
+    r.read("moe_router_topk", m.moe_router_topk);
+    r.read("moe_ffn_hidden_size", m.moe_ffn_hidden_size);
+    r.read("moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size);
+    r.read("moe_layer_freq", m.moe_layer_freq);
+    r.read("moe_first_dense_layers", m.moe_first_dense_layers);
+    r.read("moe_capacity_factor", m.moe_capacity_factor);
     r.reject_unknown_keys();
   }
   m.validate();
@@ -173,7 +307,7 @@ ModelSpec model_from_json(const json& j) {
 }
 
 json to_json(const ModelSpec& m) {
-  return json{{"name", m.name},
+  json j{{"name", m.name},
               {"num_layers", m.num_layers},
               {"hidden_size", m.hidden_size},
               {"num_attention_heads", m.num_attention_heads},
@@ -188,6 +322,16 @@ json to_json(const ModelSpec& m) {
               {"attention_dropout", m.attention_dropout},
               {"hidden_dropout", m.hidden_dropout},
               {"flash_attention", m.flash_attention}};
+  if (m.is_moe()) {
+    j["num_experts"] = m.num_experts;
+    j["moe_router_topk"] = m.moe_router_topk;
+    j["moe_ffn_hidden_size"] = m.moe_ffn_hidden_size;
+    j["moe_shared_expert_ffn_size"] = m.moe_shared_expert_ffn_size;
+    j["moe_layer_freq"] = m.moe_layer_freq;
+    j["moe_first_dense_layers"] = m.moe_first_dense_layers;
+    j["moe_capacity_factor"] = m.moe_capacity_factor;
+  }
+  return j;
 }
 
 }  // namespace ptdp

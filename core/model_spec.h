@@ -38,14 +38,46 @@ struct ModelSpec {
   double hidden_dropout = 0.1;
   bool flash_attention = false;
 
+  // Mixture of experts, in Megatron-Core's terms; num_experts 0 is a dense model.
+  //   num_experts           --num-experts (routed experts per MoE layer)
+  //   moe_router_topk       --moe-router-topk (experts each token is routed to)
+  //   moe_ffn_hidden_size   --moe-ffn-hidden-size (one routed expert's FFN width; 0: ffn_hidden)
+  //   moe_shared_expert_ffn_size  --moe-shared-expert-intermediate-size (all shared experts
+  //                         together, run on every token; 0: none)
+  //   moe_layer_freq        --moe-layer-freq N: layer i (from 0) is an MoE layer when i % N == 0
+  //   moe_first_dense_layers  the first K layers stay dense (DeepSeek's first_k_dense_replace;
+  //                         Megatron states it as a --moe-layer-freq pattern)
+  //   moe_capacity_factor   --moe-expert-capacity-factor (tokens an expert takes, as a multiple
+  //                         of its fair share; 0: dropless)
+  // Dense layers use ffn_hidden().
+  int64_t num_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;
+  int64_t moe_shared_expert_ffn_size = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t moe_first_dense_layers = 0;
+  double moe_capacity_factor = 0;
+
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;
   }
   int64_t ffn_hidden() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+  bool is_moe() const { return num_experts > 0; }
+  int64_t moe_ffn_hidden() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden(); }
+  // Whether layer i (from 0) is an MoE layer, and how many of layers [first, first + count) are.
+  bool is_moe_layer(int64_t i) const;
+  int64_t moe_layers_in(int64_t first, int64_t count) const;
+  int64_t num_moe_layers() const { return moe_layers_in(0, num_layers); }
 
-  // Exact parameter counts (weights and biases, layernorms included).
+  // Exact parameter counts (weights and biases, layernorms included). parameters_per_layer is a
+  // dense layer's; an MoE layer has moe_layer_parameters, of which expert_parameters_per_layer
+  // are its routed experts' (what expert parallelism shards; the router and shared experts are
+  // dense parameters).
   double parameters_per_layer() const;
+  double moe_layer_parameters() const;
+  double expert_parameters_per_layer() const;
+  double expert_parameters() const;  // all routed experts of all MoE layers
   double embedding_parameters() const;  // word (+ position) embeddings
   double output_parameters() const;     // untied LM head, 0 when tied
   double parameters() const;            // everything; final layernorm included
@@ -56,7 +88,8 @@ struct ModelSpec {
 
 // Reads ptdp's own JSON (keys as the struct fields) or a Hugging Face config.json
 // (hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size,
-// vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act, rope_theta). Validates.
+// vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act, rope_theta; the MoE
+// fields of Mixtral, Qwen-MoE and DeepSeek configs). Validates.
 ModelSpec model_from_json(const nlohmann::json& j);
 nlohmann::json to_json(const ModelSpec& m);
 

@@ -108,8 +108,30 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   // ModelSpec's bias rule: gated models have no biases and use RMSNorm.
   if (m.swiglu) f << " --swiglu --disable-bias-linear --normalization RMSNorm";
   if (m.untie_embeddings_and_output_weights) f << " --untie-embeddings-and-output-weights";
+  if (m.is_moe()) {
+    f << " --num-experts " << m.num_experts << " --moe-router-topk " << m.moe_router_topk;
+    if (m.moe_ffn_hidden() != m.ffn_hidden()) f << " --moe-ffn-hidden-size " << m.moe_ffn_hidden();
+    if (m.moe_shared_expert_ffn_size > 0)
+      f << " --moe-shared-expert-intermediate-size " << m.moe_shared_expert_ffn_size;
+    if (m.moe_first_dense_layers > 0) {
+      // Megatron's pattern form: "([0]*K+[1]*(L-K))" for a freq of 1.
+      f << " --moe-layer-freq \"[";
+      for (int64_t i = 0; i < m.num_layers; ++i) f << (i ? "," : "") << (m.is_moe_layer(i) ? 1 : 0);
+      f << "]\"";
+    } else if (m.moe_layer_freq != 1) {
+      f << " --moe-layer-freq " << m.moe_layer_freq;
+    }
+    if (m.moe_capacity_factor > 0)
+      f << " --moe-expert-capacity-factor " << m.moe_capacity_factor
+        << " --moe-token-drop-policy probs";
+    f << " --moe-token-dispatcher-type alltoall --moe-grouped-gemm";
+  }
   f << " --tensor-model-parallel-size " << tensor_parallel << " --pipeline-model-parallel-size "
     << pipeline_parallel;
+  if (context_parallel > 1) f << " --context-parallel-size " << context_parallel;
+  if (expert_parallel > 1) f << " --expert-model-parallel-size " << expert_parallel;
+  if (m.is_moe() && expert_tp() != tensor_parallel)
+    f << " --expert-tensor-parallel-size " << expert_tp();
   // Megatron expresses an uneven split only as a different first and last stage; other uneven
   // splits have no flag and are left out.
   const int64_t p = pipeline_parallel;
@@ -132,6 +154,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
   if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
+  if (fp8) f << " --fp8-format hybrid";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
   if (!m.learned_position_embeddings)
@@ -173,6 +196,9 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("tensor_parallel", p.tensor_parallel);
   r.read("pipeline_parallel", p.pipeline_parallel);
   r.read("data_parallel", p.data_parallel);
+  r.read("context_parallel", p.context_parallel);
+  r.read("expert_parallel", p.expert_parallel);
+  r.read("expert_tensor_parallel", p.expert_tensor_parallel);
   r.read("micro_batch_size", p.micro_batch_size);
   r.read("global_batch_size", p.global_batch_size);
   r.read("virtual_stages", p.virtual_stages);
@@ -186,6 +212,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
   r.read("overlap_param_gather", p.overlap_param_gather);
   r.read("tp_comm_overlap", p.tp_comm_overlap);
+  r.read("fp8", p.fp8);
   r.read("fp32_grad_reduce", p.fp32_grad_reduce);
   r.read("scatter_gather_p2p", p.scatter_gather_p2p);
   r.read("gradient_accumulation_fusion", p.gradient_accumulation_fusion);
@@ -198,6 +225,9 @@ json to_json(const ParallelPlan& p) {
   return json{{"tensor_parallel", p.tensor_parallel},
               {"pipeline_parallel", p.pipeline_parallel},
               {"data_parallel", p.data_parallel},
+              {"context_parallel", p.context_parallel},
+              {"expert_parallel", p.expert_parallel},
+              {"expert_tensor_parallel", p.expert_tensor_parallel},
               {"micro_batch_size", p.micro_batch_size},
               {"global_batch_size", p.global_batch_size},
               {"virtual_stages", p.virtual_stages},
@@ -208,6 +238,7 @@ json to_json(const ParallelPlan& p) {
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},
               {"tp_comm_overlap", p.tp_comm_overlap},
+              {"fp8", p.fp8},
               {"fp32_grad_reduce", p.fp32_grad_reduce},
               {"scatter_gather_p2p", p.scatter_gather_p2p},
               {"gradient_accumulation_fusion", p.gradient_accumulation_fusion},

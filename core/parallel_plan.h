@@ -1,7 +1,8 @@
 // ParallelPlan: one PTD-P configuration, in Megatron-LM's terms.
 //
 //   t  --tensor-model-parallel-size      p  --pipeline-model-parallel-size
-//   d  data-parallel size = num_gpus / (t * p)
+//   cp --context-parallel-size           d  data-parallel size = num_gpus / (t * cp * p)
+//   ep --expert-model-parallel-size      etp --expert-tensor-parallel-size (MoE layers' experts)
 //   b  --micro-batch-size                B  --global-batch-size
 //   v  virtual pipeline stages (model chunks per pipeline rank);
 //      Megatron's --num-layers-per-virtual-pipeline-stage K gives v = num_layers / (p * K).
@@ -28,6 +29,14 @@ struct ParallelPlan {
   int64_t tensor_parallel = 1;
   int64_t pipeline_parallel = 1;
   int64_t data_parallel = 1;
+  // Context parallelism: the sequence split over cp ranks, attention as a ring passing K and V
+  // blocks (Megatron-Core's), each rank holding two of 2 * cp chunks for causal balance.
+  int64_t context_parallel = 1;
+  // Expert parallelism: an MoE layer's experts split over ep ranks, each expert's weights over
+  // etp ranks (0: etp = t, Megatron-Core's default). The t * cp * d ranks of a pipeline stage
+  // regroup as etp x ep x expert-data-parallel for the experts.
+  int64_t expert_parallel = 1;
+  int64_t expert_tensor_parallel = 0;
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 1;
   int64_t virtual_stages = 1;
@@ -49,10 +58,21 @@ struct ParallelPlan {
   // next iteration's forward pass, all but its first bucket.
   bool tp_comm_overlap = false;
   bool overlap_param_gather = false;
+  // FP8 GEMMs (--fp8-format hybrid, Transformer Engine): priced only; ptdp run refuses it.
+  bool fp8 = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
   std::vector<int64_t> layers_per_stage;
 
-  int64_t num_gpus() const { return tensor_parallel * pipeline_parallel * data_parallel; }
+  int64_t num_gpus() const {
+    return tensor_parallel * context_parallel * pipeline_parallel * data_parallel;
+  }
+  int64_t expert_tp() const {
+    return expert_tensor_parallel > 0 ? expert_tensor_parallel : tensor_parallel;
+  }
+  // Data-parallel replicas of each expert: t * cp * d / (etp * ep).
+  int64_t expert_data_parallel() const {
+    return tensor_parallel * context_parallel * data_parallel / (expert_tp() * expert_parallel);
+  }
   int64_t num_microbatches() const {
     return global_batch_size / (data_parallel * micro_batch_size);
   }
@@ -73,10 +93,15 @@ struct ParallelPlan {
 std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t first,
                                           int64_t last);
 
-// Megatron-LM's rank placement: tensor-parallel innermost, then data-parallel, then
-// pipeline-parallel.
+// Megatron-LM's rank placement: tensor-parallel innermost, then context-parallel, then
+// data-parallel, then pipeline-parallel (Megatron-Core's default order "tp-cp-ep-dp-pp"; the
+// expert groups are carved from the same t * cp * d ranks of a stage).
 inline int64_t megatron_global_rank(int64_t t, int64_t d, int64_t tp, int64_t dp, int64_t pp) {
   return tp + t * (dp + d * pp);
+}
+inline int64_t megatron_global_rank(int64_t t, int64_t cp, int64_t d, int64_t tp, int64_t cpr,
+                                    int64_t dp, int64_t pp) {
+  return tp + t * (cpr + cp * (dp + d * pp));
 }
 
 ParallelPlan plan_from_json(const nlohmann::json& j);

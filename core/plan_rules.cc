@@ -31,12 +31,15 @@ PlanRule broken(PlanRule rule, Report* report, const char* flag, Message message
 PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) {
   const int64_t t = plan.tensor_parallel, p = plan.pipeline_parallel, d = plan.data_parallel;
   const int64_t b = plan.micro_batch_size, B = plan.global_batch_size, v = plan.virtual_stages;
+  const int64_t cp = plan.context_parallel, ep = plan.expert_parallel;
   const std::pair<const char*, int64_t> sizes[] = {{"--tensor-model-parallel-size", t},
                                                    {"--pipeline-model-parallel-size", p},
                                                    {"data_parallel", d},
                                                    {"--micro-batch-size", b},
                                                    {"--global-batch-size", B},
-                                                   {"--num-layers-per-virtual-pipeline-stage", v}};
+                                                   {"--num-layers-per-virtual-pipeline-stage", v},
+                                                   {"--context-parallel-size", cp},
+                                                   {"--expert-model-parallel-size", ep}};
   for (const auto& size : sizes) {
     const int64_t value = size.second;  // a copy: clang 14 cannot capture structured bindings
     if (value <= 0)
@@ -45,10 +48,15 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   }
 
   // Bounded before anything multiplies them (plan files may hold any integer).
-  if (t > kMaxGpus || p > kMaxGpus || d > kMaxGpus || t * p * d > kMaxGpus)
+  if (plan.expert_tensor_parallel < 0)
+    return broken(PlanRule::kPositiveSizes, report, "--expert-tensor-parallel-size", [&] {
+      return "must be positive, got " + num(plan.expert_tensor_parallel);
+    });
+  if (t > kMaxGpus || p > kMaxGpus || d > kMaxGpus || cp > kMaxGpus || ep > kMaxGpus ||
+      plan.expert_tensor_parallel > kMaxGpus || t * p * d > kMaxGpus || t * p * d * cp > kMaxGpus)
     return broken(PlanRule::kSizesInRange, report, "data_parallel", [&] {
-      return "t * p * d = " + num(t) + " * " + num(p) + " * " + num(d) + " exceeds the " +
-             num(kMaxGpus) + " GPUs ptdp handles";
+      return "t * cp * p * d = " + num(t) + " * " + num(cp) + " * " + num(p) + " * " + num(d) +
+             " exceeds the " + num(kMaxGpus) + " GPUs ptdp handles";
     });
   for (const auto& size : {sizes[3], sizes[4], sizes[5]}) {
     const int64_t value = size.second;
@@ -70,6 +78,41 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kTensorDividesFfn, report, tp, [&] {
       return num(t) + " does not divide ffn_hidden_size (" + num(m.ffn_hidden()) + ")";
     });
+
+  // Context parallelism splits the sequence in 2 * cp chunks, two per rank (causal balance).
+  if (cp > 1 && m.seq_length % (2 * cp) != 0)
+    return broken(PlanRule::kContextDividesSequence, report, "--context-parallel-size", [&] {
+      return "2 * " + num(cp) + " does not divide seq_length (" + num(m.seq_length) + ")";
+    });
+
+  const char* epf = "--expert-model-parallel-size";
+  if (!m.is_moe() && (ep > 1 || plan.expert_tensor_parallel > 0))
+    return broken(PlanRule::kExpertNeedsMoe, report,
+                  ep > 1 ? epf : "--expert-tensor-parallel-size",
+                  [] { return std::string("needs an MoE model (num_experts > 0)"); });
+  if (m.is_moe()) {
+    if (m.num_experts % ep != 0)
+      return broken(PlanRule::kExpertDividesExperts, report, epf, [&] {
+        return num(ep) + " does not divide num_experts (" + num(m.num_experts) + ")";
+      });
+    const int64_t etp = plan.expert_tp();
+    if (m.moe_ffn_hidden() % etp != 0 ||
+        (m.moe_shared_expert_ffn_size > 0 && m.moe_shared_expert_ffn_size % t != 0))
+      return broken(PlanRule::kExpertTensorDividesFfn, report,
+                    plan.expert_tensor_parallel > 0 ? "--expert-tensor-parallel-size"
+                                                    : "--tensor-model-parallel-size",
+                    [&] {
+                      return num(etp) + " does not divide the expert FFN width (" +
+                             num(m.moe_ffn_hidden()) + ") or t the shared experts' (" +
+                             num(m.moe_shared_expert_ffn_size) + ")";
+                    });
+    if ((t * cp * d) % (etp * ep) != 0)
+      return broken(PlanRule::kExpertGroupsFit, report, epf, [&] {
+        return "expert-tensor-parallel-size * expert-model-parallel-size (" + num(etp) + " * " +
+               num(ep) + ") does not divide the t * cp * d = " + num(t * cp * d) +
+               " ranks of a pipeline stage";
+      });
+  }
 
   const char* pp = "--pipeline-model-parallel-size";
   if (p > m.num_layers)
@@ -141,11 +184,15 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     if (t == 1)
       return broken(PlanRule::kSequenceParallelNeedsTensor, report, "--sequence-parallel",
                     [] { return std::string("needs tensor-model-parallel-size > 1"); });
-    // Layernorms and dropout-adds run on s/t of the sequence (runtime/gpt_model.h).
-    if (m.seq_length % t != 0)
+    // Layernorms and dropout-adds run on s/(cp t) of the sequence (runtime/gpt_model.h).
+    if (m.seq_length % (t * cp) != 0)
       return broken(PlanRule::kSequenceParallelDividesSequence, report, "--sequence-parallel", [&] {
+        if (cp == 1)
+          return "seq_length (" + num(m.seq_length) +
+                 ") is not a multiple of tensor-model-parallel-size (" + num(t) + ")";
         return "seq_length (" + num(m.seq_length) +
-               ") is not a multiple of tensor-model-parallel-size (" + num(t) + ")";
+               ") is not a multiple of tensor-model-parallel-size * context-parallel-size (" +
+               num(t) + " * " + num(cp) + ")";
       });
   }
   // Settings that apply only where there is something to overlap: no-ops at t = 1 or d = 1.
@@ -178,6 +225,16 @@ const char* rule_reason(PlanRule r) {
       return "t does not divide the query groups";
     case PlanRule::kTensorDividesFfn:
       return "t does not divide the FFN hidden size";
+    case PlanRule::kContextDividesSequence:
+      return "2 * cp does not divide the sequence";
+    case PlanRule::kExpertNeedsMoe:
+      return "expert parallelism needs an MoE model";
+    case PlanRule::kExpertDividesExperts:
+      return "ep does not divide the experts";
+    case PlanRule::kExpertTensorDividesFfn:
+      return "etp does not divide the expert FFN size";
+    case PlanRule::kExpertGroupsFit:
+      return "etp * ep does not divide t * cp * d";
     case PlanRule::kPipelineWithinLayers:
       return "p exceeds the layers";
     case PlanRule::kPipelineDividesLayers:

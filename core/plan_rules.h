@@ -32,11 +32,16 @@ inline constexpr int64_t kMaxBatch = int64_t{1} << 24;
 
 enum class PlanRule {
   kNone,                                  // the plan is valid
-  kPositiveSizes,                         // t, p, d, b, B and v are positive
-  kSizesInRange,                          // t * p * d <= kMaxGpus; b, B, v <= kMaxBatch
+  kPositiveSizes,                         // t, p, d, b, B, v, cp and ep are positive
+  kSizesInRange,                          // t * cp * p * d <= kMaxGpus; b, B, v <= kMaxBatch
   kTensorDividesHeads,                    // t | num_attention_heads
   kTensorDividesQueryGroups,              // t | num_query_groups
   kTensorDividesFfn,                      // t | ffn_hidden_size
+  kContextDividesSequence,                // 2 cp | seq_length
+  kExpertNeedsMoe,                        // ep > 1 or etp given only for an MoE model
+  kExpertDividesExperts,                  // ep | num_experts
+  kExpertTensorDividesFfn,                // etp | moe_ffn_hidden_size, t | shared experts' FFN
+  kExpertGroupsFit,                       // etp * ep | t * cp * d
   kPipelineWithinLayers,                  // p <= num_layers
   kPipelineDividesLayers,                 // p | num_layers (no layers_per_stage given)
   kLayersPerStage,                        // layers_per_stage: p entries, each >= 1, summing to L
@@ -46,7 +51,7 @@ enum class PlanRule {
   kVirtualDividesStage,                   // v | layers of every pipeline rank
   kVirtualMicrobatches,                   // v > 1: p | number of microbatches
   kSequenceParallelNeedsTensor,           // sequence parallelism only with t > 1
-  kSequenceParallelDividesSequence,       // sequence parallelism: t | seq_length
+  kSequenceParallelDividesSequence,       // sequence parallelism: t * cp | seq_length
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
 };

@@ -130,6 +130,15 @@ void validate_options(const TrainOptions& o) {
   if (o.plan.schedule == Schedule::kZeroBubbleH1)
     throw InputError("--pipeline-schedule",
                      "ptdp run executes gpipe, 1f1b and interleaved; zb-h1 is simulated only");
+  if (o.plan.fp8)
+    throw InputError("--fp8-format",
+                     "FP8 GEMMs are priced by plan and predict only; ptdp run trains in 16/32 bits");
+  if (o.plan.context_parallel > 1)
+    throw InputError("--context-parallel-size",
+                     "ptdp run does not execute context parallelism yet (plan and predict price it)");
+  if (o.model.is_moe())
+    throw InputError("--num-experts",
+                     "ptdp run does not execute MoE layers yet (plan and predict price them)");
 }
 
 class Executor {

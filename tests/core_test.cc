@@ -115,7 +115,7 @@ TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
 // ---- presets ----
 
 TEST(Presets, EveryPresetLoadsAndValidates) {
-  EXPECT_EQ(model_preset_names().size(), 16u);
+  EXPECT_EQ(model_preset_names().size(), 19u);
   for (const std::string& name : model_preset_names()) {
     const ModelSpec m = resolve_model(name);
     EXPECT_EQ(m.name, name);

@@ -1,0 +1,204 @@
+// Tests for the model and plan inputs of mixture-of-experts and context parallelism (core/):
+// parameter counts of MoE models against their published totals, the MoE fields of Hugging Face
+// configs (Mixtral, Qwen-MoE, DeepSeek), which layers are MoE, and the plan rules and Megatron
+// flags of context and expert parallelism.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "core/error.h"
+#include "core/model_spec.h"
+#include "core/parallel_plan.h"
+#include "core/plan_rules.h"
+#include "core/presets.h"
+
+namespace ptdp {
+namespace {
+
+using nlohmann::json;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.field() + "|" + e.what();
+  }
+  return "no error";
+}
+
+std::string field_of(const std::function<void()>& f) {
+  const std::string e = error_of(f);
+  return e.substr(0, e.find('|'));
+}
+
+std::string example(const std::string& name) {
+  return std::string(PTDP_SOURCE_DIR) + "/examples/models/" + name;
+}
+
+// Published totals: Mixtral 46.7B (Jiang et al. 2024, Sec. 2), Qwen2-57B-A14B 57B (Qwen2
+// report, Table 1; the Hugging Face checkpoint holds 57.4B), DeepSeekMoE 16B 16.4B (Dai et al.
+// 2024, Table 2), Qwen1.5-MoE-A2.7B 14.3B (its model card).
+TEST(MoeModel, ParameterCountsMatchPublishedTotals) {
+  EXPECT_NEAR(resolve_model("mixtral-8x7b").parameters() / 1e9, 46.7, 0.1);
+  EXPECT_NEAR(resolve_model("qwen2-57b-a14b").parameters() / 1e9, 57.4, 0.2);
+  EXPECT_NEAR(resolve_model(example("deepseek-moe-16b.config.json")).parameters() / 1e9, 16.4,
+              0.1);
+  EXPECT_NEAR(resolve_model(example("qwen1.5-moe-a2.7b.config.json")).parameters() / 1e9, 14.3,
+              0.1);
+  // A dense model's count is unchanged by the MoE fields it does not use.
+  const ModelSpec dense = resolve_model("llama3-8b");
+  EXPECT_EQ(dense.parameters(), dense.num_layers * dense.parameters_per_layer() +
+                                    dense.embedding_parameters() + dense.output_parameters() +
+                                    dense.hidden_size);
+  EXPECT_EQ(dense.expert_parameters(), 0);
+}
+
+TEST(MoeModel, HuggingFaceMoeFields) {
+  const ModelSpec ds = resolve_model(example("deepseek-moe-16b.config.json"));
+  EXPECT_EQ(ds.num_experts, 64);
+  EXPECT_EQ(ds.moe_router_topk, 6);
+  EXPECT_EQ(ds.moe_ffn_hidden(), 1408);
+  EXPECT_EQ(ds.moe_shared_expert_ffn_size, 2 * 1408);
+  EXPECT_EQ(ds.moe_first_dense_layers, 1);
+  EXPECT_EQ(ds.ffn_hidden(), 10944);
+  EXPECT_FALSE(ds.is_moe_layer(0));
+  EXPECT_TRUE(ds.is_moe_layer(1));
+  EXPECT_EQ(ds.num_moe_layers(), 27);
+  EXPECT_TRUE(ds.untie_embeddings_and_output_weights);
+  EXPECT_FALSE(ds.learned_position_embeddings);
+
+  const ModelSpec qw = resolve_model(example("qwen1.5-moe-a2.7b.config.json"));
+  EXPECT_EQ(qw.num_experts, 60);
+  EXPECT_EQ(qw.moe_router_topk, 4);
+  EXPECT_EQ(qw.moe_shared_expert_ffn_size, 5632);
+  EXPECT_EQ(qw.num_moe_layers(), 24);
+
+  json mixtral = {{"model_type", "mixtral"},     {"num_hidden_layers", 32},
+                  {"hidden_size", 4096},         {"num_attention_heads", 32},
+                  {"num_key_value_heads", 8},    {"intermediate_size", 14336},
+                  {"vocab_size", 32000},         {"max_position_embeddings", 32768},
+                  {"hidden_act", "silu"},        {"rope_theta", 1e6},
+                  {"num_local_experts", 8},      {"num_experts_per_tok", 2},
+                  {"tie_word_embeddings", false}};
+  const ModelSpec mx = model_from_json(mixtral);
+  const ModelSpec preset = resolve_model("mixtral-8x7b");
+  EXPECT_EQ(mx.parameters(), preset.parameters());
+  EXPECT_EQ(mx.moe_ffn_hidden(), 14336);
+
+  // Shapes ptdp does not model are refused, naming the field.
+  json mla = mixtral;
+  mla["kv_lora_rank"] = 512;
+  EXPECT_EQ(field_of([&] { model_from_json(mla); }), "kv_lora_rank");
+  json step = mixtral;
+  step["decoder_sparse_step"] = 2;
+  EXPECT_EQ(field_of([&] { model_from_json(step); }), "decoder_sparse_step");
+  json topk = mixtral;
+  topk["num_experts_per_tok"] = 9;
+  EXPECT_EQ(field_of([&] { model_from_json(topk); }), "moe_router_topk");
+}
+
+TEST(MoeModel, WhichLayersAreMoe) {
+  ModelSpec m = resolve_model("mixtral-8x7b");
+  EXPECT_EQ(m.num_moe_layers(), 32);
+  m.moe_layer_freq = 2;  // Megatron: layer i is MoE when i % 2 == 0
+  EXPECT_TRUE(m.is_moe_layer(0));
+  EXPECT_FALSE(m.is_moe_layer(1));
+  EXPECT_EQ(m.num_moe_layers(), 16);
+  m.moe_first_dense_layers = 3;
+  EXPECT_EQ(m.num_moe_layers(), 14);  // 4, 6, ..., 30
+  // moe_layers_in counts exactly what is_moe_layer says, for every range.
+  for (int64_t first = 0; first < 32; ++first)
+    for (int64_t count = 0; first + count <= 32; ++count) {
+      int64_t n = 0;
+      for (int64_t i = first; i < first + count; ++i) n += m.is_moe_layer(i);
+      ASSERT_EQ(m.moe_layers_in(first, count), n) << first << " " << count;
+    }
+}
+
+TEST(MoeModel, BadFieldsNameThemselves) {
+  json j = to_json(resolve_model("mixtral-8x7b"));
+  EXPECT_EQ(to_json(model_from_json(j)), j);  // round trip
+  auto with = [&](const std::string& key, json value) {
+    json k = j;
+    k[key] = std::move(value);
+    return field_of([&] { model_from_json(k); });
+  };
+  EXPECT_EQ(with("num_experts", -1), "num_experts");
+  EXPECT_EQ(with("moe_router_topk", 0), "moe_router_topk");
+  EXPECT_EQ(with("moe_ffn_hidden_size", -5), "moe_ffn_hidden_size");
+  EXPECT_EQ(with("moe_first_dense_layers", 32), "moe_first_dense_layers");
+  EXPECT_EQ(with("moe_layer_freq", 0), "moe_layer_freq");
+  EXPECT_EQ(with("moe_capacity_factor", 0.5), "moe_capacity_factor");
+  EXPECT_EQ(with("num_experts", int64_t{1} << 40), "num_experts");
+  EXPECT_EQ(with("moe_expert_count", 8), "moe_expert_count");  // unknown MoE field
+}
+
+TEST(ContextAndExpertParallel, PlanRulesNameTheFlag) {
+  const ModelSpec moe = resolve_model("mixtral-8x7b");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.data_parallel = 4;
+  p.global_batch_size = 64;
+  p.expert_parallel = 4;
+  EXPECT_EQ(error_of([&] { p.validate(moe); }), "no error");
+  EXPECT_EQ(p.num_gpus(), 8);
+  EXPECT_EQ(p.expert_tp(), 2);
+  EXPECT_EQ(p.expert_data_parallel(), 1);
+  p.expert_parallel = 3;
+  EXPECT_EQ(field_of([&] { p.validate(moe); }), "--expert-model-parallel-size");
+  p.expert_parallel = 8;  // 2 * 8 does not divide the 8 ranks of a stage
+  EXPECT_EQ(field_of([&] { p.validate(moe); }), "--expert-model-parallel-size");
+  p.expert_tensor_parallel = 1;  // 1 * 8 does
+  EXPECT_EQ(error_of([&] { p.validate(moe); }), "no error");
+  EXPECT_EQ(p.expert_data_parallel(), 1);
+  p.expert_tensor_parallel = 0;
+  p.expert_parallel = 1;
+
+  p.context_parallel = 2;
+  EXPECT_EQ(p.num_gpus(), 16);
+  EXPECT_EQ(error_of([&] { p.validate(moe); }), "no error");
+  ModelSpec odd = moe;
+  odd.seq_length = 32766;  // not a multiple of 2 * cp
+  EXPECT_EQ(field_of([&] { p.validate(odd); }), "--context-parallel-size");
+  p.context_parallel = 0;
+  EXPECT_EQ(field_of([&] { p.validate(moe); }), "--context-parallel-size");
+  p.context_parallel = 1;
+
+  const ModelSpec dense = resolve_model("llama3-8b");
+  p.expert_parallel = 2;
+  EXPECT_EQ(field_of([&] { p.validate(dense); }), "--expert-model-parallel-size");
+  p.expert_parallel = 1;
+  p.expert_tensor_parallel = 1;
+  EXPECT_EQ(field_of([&] { p.validate(dense); }), "--expert-tensor-parallel-size");
+}
+
+TEST(ContextAndExpertParallel, MegatronFlagsAndJson) {
+  const ModelSpec moe = resolve_model("mixtral-8x7b");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.context_parallel = 2;
+  p.data_parallel = 4;
+  p.expert_parallel = 8;
+  p.expert_tensor_parallel = 1;
+  p.global_batch_size = 64;
+  p.fp8 = true;
+  p.validate(moe);
+  const std::string f = p.megatron_flags(moe);
+  for (const char* flag :
+       {"--num-experts 8", "--moe-router-topk 2", "--context-parallel-size 2",
+        "--expert-model-parallel-size 8", "--expert-tensor-parallel-size 1",
+        "--moe-token-dispatcher-type alltoall", "--fp8-format hybrid"})
+    EXPECT_NE(f.find(flag), std::string::npos) << flag << " in " << f;
+  const ParallelPlan back = plan_from_json(to_json(p));
+  EXPECT_EQ(to_json(back), to_json(p));
+
+  ModelSpec ds = resolve_model(example("deepseek-moe-16b.config.json"));
+  const std::string g = ParallelPlan{}.megatron_flags(ds);
+  EXPECT_NE(g.find("--moe-layer-freq \"[0,1,1"), std::string::npos) << g;
+  EXPECT_NE(g.find("--moe-shared-expert-intermediate-size 2816"), std::string::npos) << g;
+}
+
+}  // namespace
+}  // namespace ptdp
