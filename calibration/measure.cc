@@ -221,6 +221,22 @@ double time_collective_late(Collective kind, Communicator& group, double bytes, 
       };
       break;
     }
+    case Collective::kAllToAll: {
+      // Every rank sends a 1/g block to each other rank, as one batch of sends and receives.
+      const size_t block = std::max<size_t>(1, n / g);
+      f = [&, block] {
+        std::vector<Communicator::P2P> ops;
+        for (int r = 0; r < group.size(); ++r) {
+          if (r == group.rank()) continue;
+          ops.push_back({true, a.data() + block * static_cast<size_t>(r) % n, block, r, 8,
+                         DType::kF32});
+          ops.push_back({false, b.data() + block * static_cast<size_t>(r) % n, block, r, 8,
+                         DType::kF32});
+        }
+        group.batch(ops);
+      };
+      break;
+    }
   }
   if (delay_s <= 0) return sw.max_seconds(f, warmup);
   const bool late = group.rank() == 0;

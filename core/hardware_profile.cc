@@ -72,6 +72,8 @@ std::string collective_key(Collective c) {
       return "reduce_scatter";
     case Collective::kSendRecv:
       return "send_recv";
+    case Collective::kAllToAll:
+      return "all_to_all";
   }
   return "?";
 }
@@ -250,10 +252,11 @@ json table_to_json(const std::vector<GemmMeasurement>& table) {
 
 Collective collective_from_key(const std::string& field, const std::string& key) {
   for (Collective c : {Collective::kAllReduce, Collective::kAllGather, Collective::kReduceScatter,
-                       Collective::kSendRecv})
+                       Collective::kSendRecv, Collective::kAllToAll})
     if (collective_key(c) == key) return c;
-  throw InputError(
-      field, "must be all_reduce, all_gather, reduce_scatter or send_recv, got '" + key + "'");
+  throw InputError(field,
+                   "must be all_reduce, all_gather, reduce_scatter, send_recv or all_to_all, got '" +
+                       key + "'");
 }
 
 std::vector<CollectiveFit> collectives_from_json(const json& j) {

@@ -78,6 +78,33 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "lm_head_input_grad_allreduce",
     "final_layernorm_backward",
     "output_grad_accumulate",
+    "cp_kv_exchange",
+    "cp_kv_exchange_backward",
+    "router",
+    "router_topk",
+    "moe_permute",
+    "moe_dispatch",
+    "moe_dispatch_allgather",
+    "expert_fc1",
+    "expert_activation",
+    "expert_fc2",
+    "moe_combine_reducescatter",
+    "moe_combine",
+    "moe_unpermute",
+    "moe_unpermute_backward",
+    "moe_combine_backward",
+    "moe_combine_reducescatter_backward",
+    "expert_fc2_dgrad",
+    "expert_fc2_wgrad",
+    "expert_activation_backward",
+    "expert_fc1_dgrad",
+    "expert_fc1_wgrad",
+    "moe_dispatch_allgather_backward",
+    "moe_dispatch_backward",
+    "moe_permute_backward",
+    "router_topk_backward",
+    "router_dgrad",
+    "router_wgrad",
 };
 
 // The backward ops of a forward op: for a GEMM its two backward GEMMs (the second computes a
@@ -341,6 +368,8 @@ std::string to_string(Collective c) {
       return "reduce-scatter";
     case Collective::kSendRecv:
       return "send/recv";
+    case Collective::kAllToAll:
+      return "all-to-all";
   }
   return "?";
 }

@@ -22,8 +22,10 @@
 namespace ptdp {
 
 enum class OpKind { kGemm, kMemory, kCollective };
-enum class Collective { kAllReduce, kAllGather, kReduceScatter, kSendRecv };
-enum class CommGroup { kTensor, kPipeline, kData, kEmbedding };
+enum class Collective { kAllReduce, kAllGather, kReduceScatter, kSendRecv, kAllToAll };
+// kContext: the cp ranks of a context-parallel ring; kExpert: the ep ranks an MoE layer's
+// tokens are exchanged among; kExpertTensor: the etp ranks sharing each expert's weights.
+enum class CommGroup { kTensor, kPipeline, kData, kEmbedding, kContext, kExpert, kExpertTensor };
 
 std::string to_string(Collective c);
 
@@ -105,8 +107,39 @@ enum class OpId : uint8_t {
   kLmHeadInputGradAllReduce,
   kFinalLayernormBackward,
   kOutputGradAccumulate,
+  // context parallelism (a transformer layer's attention on cp ranks): the ring's K and V
+  // blocks, one send/recv per step (cp - 1 steps); backward passes K, V and their gradients
+  kCpKvExchange,
+  kCpKvExchangeBackward,
+  // MoE layer (replaces the MLP of an MoE layer), forward
+  kRouter,              // GEMM: tokens x hidden -> expert logits
+  kRouterTopk,          // softmax over experts and top-k selection
+  kMoePermute,          // copy each token once per chosen expert, grouped by expert
+  kMoeDispatch,         // all-to-all of the routed tokens over the expert-parallel group
+  kMoeDispatchAllGather,  // etp > 1: tokens all-gathered over the expert-tensor group
+  kExpertFc1,           // grouped GEMM over the rank's local experts
+  kExpertActivation,    // GELU or SwiGLU of the experts
+  kExpertFc2,
+  kMoeCombineReduceScatter,  // etp > 1: partial outputs reduce-scattered back
+  kMoeCombine,          // all-to-all back to the tokens' ranks
+  kMoeUnpermute,        // weighted sum of each token's k expert outputs
+  // MoE layer, backward
+  kMoeUnpermuteBackward,
+  kMoeCombineBackward,
+  kMoeCombineReduceScatterBackward,
+  kExpertFc2Dgrad,
+  kExpertFc2Wgrad,
+  kExpertActivationBackward,
+  kExpertFc1Dgrad,
+  kExpertFc1Wgrad,
+  kMoeDispatchAllGatherBackward,
+  kMoeDispatchBackward,
+  kMoePermuteBackward,
+  kRouterTopkBackward,
+  kRouterDgrad,
+  kRouterWgrad,
 };
-inline constexpr int kNumOpIds = static_cast<int>(OpId::kOutputGradAccumulate) + 1;
+inline constexpr int kNumOpIds = static_cast<int>(OpId::kRouterWgrad) + 1;
 
 // "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
 std::string_view op_name(OpId id);

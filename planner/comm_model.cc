@@ -38,6 +38,7 @@ double algorithm_factor(Collective kind, int64_t n) {
       return 2.0 * (nd - 1.0) / nd;
     case Collective::kAllGather:
     case Collective::kReduceScatter:
+    case Collective::kAllToAll:  // each rank keeps 1/n of its buffer and sends the rest
       return (nd - 1.0) / nd;
     case Collective::kSendRecv:
       return 1.0;

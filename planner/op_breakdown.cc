@@ -82,6 +82,38 @@ OpFamily op_family(OpId id) {
     case OpId::kFinalLayernormBackward:
     case OpId::kOutputGradAccumulate:
       return OpFamily::kEmbeddingHead;
+    case OpId::kCpKvExchange:
+    case OpId::kCpKvExchangeBackward:
+      return OpFamily::kContextComm;
+    case OpId::kRouter:
+    case OpId::kRouterTopk:
+    case OpId::kMoePermute:
+    case OpId::kMoeUnpermute:
+    case OpId::kMoeUnpermuteBackward:
+    case OpId::kMoePermuteBackward:
+    case OpId::kRouterTopkBackward:
+    case OpId::kRouterDgrad:
+    case OpId::kRouterWgrad:
+      return OpFamily::kMoeRouting;
+    case OpId::kExpertFc1:
+    case OpId::kExpertFc2:
+    case OpId::kExpertFc2Dgrad:
+    case OpId::kExpertFc2Wgrad:
+    case OpId::kExpertFc1Dgrad:
+    case OpId::kExpertFc1Wgrad:
+      return OpFamily::kExpertGemm;
+    case OpId::kExpertActivation:
+    case OpId::kExpertActivationBackward:
+      return OpFamily::kElementwise;
+    case OpId::kMoeDispatch:
+    case OpId::kMoeDispatchAllGather:
+    case OpId::kMoeCombineReduceScatter:
+    case OpId::kMoeCombine:
+    case OpId::kMoeCombineBackward:
+    case OpId::kMoeCombineReduceScatterBackward:
+    case OpId::kMoeDispatchAllGatherBackward:
+    case OpId::kMoeDispatchBackward:
+      return OpFamily::kExpertComm;
   }
   return OpFamily::kElementwise;
 }
@@ -89,8 +121,9 @@ OpFamily op_family(OpId id) {
 namespace {
 
 constexpr std::string_view kFamilyNames[kNumOpFamilies] = {
-    "attention_gemm", "mlp_gemm",       "attention_core", "norm",         "elementwise",
-    "tp_comm",        "embedding_head", "pipeline_p2p",   "dp_grad_sync", "optimizer"};
+    "attention_gemm", "mlp_gemm",     "attention_core", "norm",           "elementwise",
+    "tp_comm",        "cp_comm",      "moe_routing",    "expert_gemm",    "ep_comm",
+    "embedding_head", "pipeline_p2p", "dp_grad_sync",   "optimizer"};
 
 }  // namespace
 

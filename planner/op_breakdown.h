@@ -29,6 +29,10 @@ enum class OpFamily : uint8_t {
   kNorm,           // layernorms / RMSNorms
   kElementwise,    // bias-dropout-add, GELU, SwiGLU, gradient accumulation
   kTensorComm,     // tensor-/sequence-parallel collectives
+  kContextComm,    // context-parallel ring exchanges of K and V (and their gradients)
+  kMoeRouting,     // router GEMM, top-k, permute and unpermute of routed tokens
+  kExpertGemm,     // the experts' FC1 and FC2 and their gradients
+  kExpertComm,     // token dispatch and combine (all-to-all, expert-tensor gathers)
   kEmbeddingHead,  // embedding lookup, LM head, cross-entropy
   kPipelineP2p,    // activations and gradients between stages
   kDataParallel,   // data-parallel gradient reduction and the tied-embedding all-reduce
