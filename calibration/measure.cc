@@ -228,10 +228,10 @@ double time_collective_late(Collective kind, Communicator& group, double bytes, 
         std::vector<Communicator::P2P> ops;
         for (int r = 0; r < group.size(); ++r) {
           if (r == group.rank()) continue;
-          ops.push_back({true, a.data() + block * static_cast<size_t>(r) % n, block, r, 8,
-                         DType::kF32});
-          ops.push_back({false, b.data() + block * static_cast<size_t>(r) % n, block, r, 8,
-                         DType::kF32});
+          ops.push_back(
+              {true, a.data() + block * static_cast<size_t>(r) % n, block, r, 8, DType::kF32});
+          ops.push_back(
+              {false, b.data() + block * static_cast<size_t>(r) % n, block, r, 8, DType::kF32});
         }
         group.batch(ops);
       };

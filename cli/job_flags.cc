@@ -156,13 +156,15 @@ ModelSpec JobFlags::resolve_model() const {
     for (char& ch : flag) ch = ch == '_' ? '-' : ch;
     if (e.field() == "moe_shared_expert_ffn_size") flag = "--moe-shared-expert-intermediate-size";
     if (e.field() == "moe_capacity_factor") flag = "--moe-expert-capacity-factor";
-    const bool from_flag = (e.field() == "num_experts" && num_experts) ||
-                           (e.field() == "moe_router_topk" && moe_router_topk) ||
-                           (e.field() == "moe_ffn_hidden_size" && moe_ffn_hidden_size) ||
-                           (e.field() == "moe_shared_expert_ffn_size" && moe_shared_expert_ffn_size) ||
-                           (e.field() == "moe_layer_freq" && moe_layer_freq) ||
-                           (e.field() == "moe_capacity_factor" && moe_capacity_factor);
-    if (model.empty() || from_flag) throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
+    const bool from_flag =
+        (e.field() == "num_experts" && num_experts) ||
+        (e.field() == "moe_router_topk" && moe_router_topk) ||
+        (e.field() == "moe_ffn_hidden_size" && moe_ffn_hidden_size) ||
+        (e.field() == "moe_shared_expert_ffn_size" && moe_shared_expert_ffn_size) ||
+        (e.field() == "moe_layer_freq" && moe_layer_freq) ||
+        (e.field() == "moe_capacity_factor" && moe_capacity_factor);
+    if (model.empty() || from_flag)
+      throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
     throw;
   }
   return m;
@@ -208,9 +210,9 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
     throw InputError("--expert-tensor-parallel-size", "must be positive");
   if (p.tensor_parallel > kMaxGpus || p.pipeline_parallel > kMaxGpus ||
       p.context_parallel > kMaxGpus)
-    throw InputError(p.context_parallel > kMaxGpus ? "--context-parallel-size"
+    throw InputError(p.context_parallel > kMaxGpus  ? "--context-parallel-size"
                      : p.tensor_parallel > kMaxGpus ? "--tensor-model-parallel-size"
-                                                     : "--pipeline-model-parallel-size",
+                                                    : "--pipeline-model-parallel-size",
                      "exceeds the " + std::to_string(kMaxGpus) + " GPUs ptdp handles");
   const int64_t tp = p.tensor_parallel * p.pipeline_parallel * p.context_parallel;
   if (num_gpus % tp != 0) {

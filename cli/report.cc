@@ -27,6 +27,16 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
                  {"buffers_gib", to_gib(r.memory.buffers)},
                  {"peak_gib", to_gib(r.memory.peak)},
                  {"capacity_gib", to_gib(r.memory.capacity)}};
+  // Dense (attention, router, shared experts, embeddings) and routed-expert parts of the
+  // model state: the experts' shard by ep x etp and their optimizer state by the
+  // expert-data-parallel ranks.
+  const MemoryBreakdown& mb = r.memory;
+  j["memory"]["dense"] = {{"weights_gib", to_gib(mb.weights - mb.expert_weights)},
+                          {"gradients_gib", to_gib(mb.gradients - mb.expert_gradients)},
+                          {"optimizer_gib", to_gib(mb.optimizer - mb.expert_optimizer)}};
+  j["memory"]["expert"] = {{"weights_gib", to_gib(mb.expert_weights)},
+                           {"gradients_gib", to_gib(mb.expert_gradients)},
+                           {"optimizer_gib", to_gib(mb.expert_optimizer)}};
   const TimeBreakdown& b = r.breakdown;
   j["breakdown"] = {{"compute_s", b.compute},    {"recompute_s", b.recompute},
                     {"tp_comm_s", b.tp_comm},    {"pp_comm_s", b.pp_comm},
@@ -49,6 +59,17 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                       const ParallelPlan& p, const Prediction& r) {
   char buf[256];
   out << describe_job(m, c, p.global_batch_size) << "\n";
+  if (m.is_moe()) {
+    std::snprintf(buf, sizeof buf, "cp=%lld ep=%lld etp=%lld (expert data-parallel %lld)%s\n",
+                  static_cast<long long>(p.context_parallel),
+                  static_cast<long long>(p.expert_parallel), static_cast<long long>(p.expert_tp()),
+                  static_cast<long long>(p.expert_data_parallel()), p.fp8 ? ", FP8 GEMMs" : "");
+    out << buf;
+  } else if (p.context_parallel > 1 || p.fp8) {
+    std::snprintf(buf, sizeof buf, "cp=%lld%s\n", static_cast<long long>(p.context_parallel),
+                  p.fp8 ? ", FP8 GEMMs" : "");
+    out << buf;
+  }
   std::snprintf(
       buf, sizeof buf,
       "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches, schedule %s, recompute %s%s%s\n\n",
@@ -89,6 +110,13 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                 to_gib(mem.activations), to_gib(mem.buffers), to_gib(mem.peak),
                 to_gib(mem.capacity), mem.fits ? "fits" : "DOES NOT FIT");
   out << buf;
+  if (m.is_moe()) {
+    std::snprintf(buf, sizeof buf,
+                  "  of which routed experts: weights %.1f  gradients %.1f  optimizer %.1f\n",
+                  to_gib(mem.expert_weights), to_gib(mem.expert_gradients),
+                  to_gib(mem.expert_optimizer));
+    out << buf;
+  }
 }
 
 void write_file_atomically(const std::string& path, const std::string& text,

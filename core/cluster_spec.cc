@@ -53,6 +53,7 @@ void ClusterSpec::resize(int64_t n) {
 
 void ClusterSpec::validate() const {
   require_positive("gpu.peak_tflops_16bit", gpu.peak_tflops_16bit);
+  require_non_negative("gpu.peak_tflops_fp8", gpu.peak_tflops_fp8);
   require_positive("gpu.memory_gib", gpu.memory_gib);
   require_positive("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps);
   require_positive("gpus_per_node", gpus_per_node);
@@ -140,6 +141,7 @@ ClusterSpec cluster_from_json(const json& j) {
     JsonObjectReader gr(*g, "gpu", "gpu.");
     gr.read("name", c.gpu.name);
     gr.read("peak_tflops_16bit", c.gpu.peak_tflops_16bit);
+    gr.read("peak_tflops_fp8", c.gpu.peak_tflops_fp8);
     gr.read("memory_gib", c.gpu.memory_gib);
     gr.read("hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps);
     gr.reject_unknown_keys();
@@ -182,6 +184,7 @@ json to_json(const ClusterSpec& c) {
               {"gpu",
                {{"name", c.gpu.name},
                 {"peak_tflops_16bit", c.gpu.peak_tflops_16bit},
+                {"peak_tflops_fp8", c.gpu.peak_tflops_fp8},
                 {"memory_gib", c.gpu.memory_gib},
                 {"hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps}}},
               {"gpus_per_node", c.gpus_per_node},

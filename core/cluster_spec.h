@@ -17,6 +17,7 @@ namespace ptdp {
 struct GpuSpec {
   std::string name;
   double peak_tflops_16bit = 0;   // dense fp16/bf16 tensor-core peak, TFLOP/s
+  double peak_tflops_fp8 = 0;     // dense FP8 tensor-core peak, TFLOP/s (0: no FP8 support)
   double memory_gib = 0;          // device memory, GiB
   double hbm_bandwidth_gbps = 0;  // device memory bandwidth, GB/s
 };

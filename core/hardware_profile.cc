@@ -254,9 +254,9 @@ Collective collective_from_key(const std::string& field, const std::string& key)
   for (Collective c : {Collective::kAllReduce, Collective::kAllGather, Collective::kReduceScatter,
                        Collective::kSendRecv, Collective::kAllToAll})
     if (collective_key(c) == key) return c;
-  throw InputError(field,
-                   "must be all_reduce, all_gather, reduce_scatter, send_recv or all_to_all, got '" +
-                       key + "'");
+  throw InputError(
+      field,
+      "must be all_reduce, all_gather, reduce_scatter, send_recv or all_to_all, got '" + key + "'");
 }
 
 std::vector<CollectiveFit> collectives_from_json(const json& j) {

@@ -3,7 +3,9 @@
 // projection and FC2, fused scale-mask-softmax, dropout after attention and both blocks).
 #include "core/layer_ops.h"
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 
 namespace ptdp {
 namespace {
@@ -158,6 +160,30 @@ BackwardOf backward_ids(OpId f) {
       return {I::kMlpAllGatherBackward, I::kMlpAllGatherBackward};
     case I::kMlpReduceScatter:
       return {I::kMlpReduceScatterBackward, I::kMlpReduceScatterBackward};
+    case I::kCpKvExchange:
+      return {I::kCpKvExchangeBackward, I::kCpKvExchangeBackward};
+    case I::kRouter:
+      return {I::kRouterDgrad, I::kRouterWgrad, true, true};
+    case I::kExpertFc1:
+      return {I::kExpertFc1Dgrad, I::kExpertFc1Wgrad, true, true};
+    case I::kExpertFc2:
+      return {I::kExpertFc2Dgrad, I::kExpertFc2Wgrad, true, true};
+    case I::kRouterTopk:
+      return {I::kRouterTopkBackward, I::kRouterTopkBackward};
+    case I::kMoePermute:
+      return {I::kMoePermuteBackward, I::kMoePermuteBackward};
+    case I::kExpertActivation:
+      return {I::kExpertActivationBackward, I::kExpertActivationBackward};
+    case I::kMoeUnpermute:
+      return {I::kMoeUnpermuteBackward, I::kMoeUnpermuteBackward};
+    case I::kMoeDispatch:
+      return {I::kMoeDispatchBackward, I::kMoeDispatchBackward};
+    case I::kMoeDispatchAllGather:
+      return {I::kMoeDispatchAllGatherBackward, I::kMoeDispatchAllGatherBackward};
+    case I::kMoeCombineReduceScatter:
+      return {I::kMoeCombineReduceScatterBackward, I::kMoeCombineReduceScatterBackward};
+    case I::kMoeCombine:
+      return {I::kMoeCombineBackward, I::kMoeCombineBackward};
     default:  // tensor-parallel all-reduces: the conjugate "f" operator is the identity
       return {f, f, false, false, true};
   }
@@ -199,16 +225,19 @@ struct Builder {
   }
 };
 
+// T: tokens of a microbatch this rank holds (b s / cp); s: the whole sequence (keys); sq: the
+// rank's queries (s / cp).
 struct Dims {
   double T, h, s, heads, kv, groups, ffn, t;
-  int64_t Ti, hi, si, kvi;
+  int64_t Ti, hi, si, sqi, kvi;
   double act;  // bytes per activation element
 };
 
 Dims dims(const ModelSpec& m, const LayerShape& s) {
   Dims d;
   d.t = static_cast<double>(s.tensor_parallel);
-  d.Ti = s.micro_batch * m.seq_length;
+  d.sqi = m.seq_length / s.context_parallel;
+  d.Ti = s.micro_batch * d.sqi;
   d.T = static_cast<double>(d.Ti);
   d.hi = m.hidden_size;
   d.h = static_cast<double>(m.hidden_size);
@@ -225,14 +254,54 @@ Dims dims(const ModelSpec& m, const LayerShape& s) {
 
 // Forward ops of the attention core (scores, softmax, dropout, context): the part selective
 // recomputation redoes.
+// Attention as fused (flash) kernels compute it: with --use-flash-attn, and always with context
+// parallelism (Megatron-Core runs cp only with Transformer Engine's fused attention).
+bool fused_attention(const ModelSpec& m, const LayerShape& s) {
+  return s.fused_attention && (m.flash_attention || s.context_parallel > 1);
+}
+
+// A fused attention's backward pass first recomputes the scores (FlashAttention-2's backward is
+// five GEMMs to the forward's two): one more scores GEMM, a recomputation, before the others.
+void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& fwd) {
+  const auto scores =
+      std::find_if(fwd.begin(), fwd.end(), [](const Op& op) { return op.id == OpId::kAttnScores; });
+  const auto first = std::find_if(bwd.begin(), bwd.end(), [](const Op& op) {
+    return op.id == OpId::kAttnContextDprobs || op.id == OpId::kAttnContextDv;
+  });
+  if (scores == fwd.end() || first == bwd.end()) return;
+  Op again = *scores;
+  again.role = OpRole::kRecompute;
+  bwd.insert(first, again);
+}
+
+// With context parallelism the rank's s/cp queries meet all s keys: the K and V blocks of the
+// other cp - 1 ranks arrive one ring step at a time (each step's transfer overlapping the
+// previous block's attention, which the cost model prices).
+//
+// Unfused (Megatron's scale-mask-softmax), the scores of all s x s pairs are written, soft-maxed
+// and dropped out in memory. Fused, they stay on chip: the GEMMs skip the blocks above the causal
+// diagonal (half the pairs; causal load balancing gives every cp rank half of its block too),
+// the softmax only writes one fp32 log-sum-exp per row, and dropout happens in the kernel.
 void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
   const int64_t local_heads = m.num_attention_heads / s.tensor_parallel;
   const int64_t batch = s.micro_batch * local_heads;
-  const double scores = static_cast<double>(batch) * d.s * d.s;  // elements
-  b.gemm(OpId::kAttnScores, d.si, d.si, d.kvi, batch);
-  b.memory(OpId::kAttnSoftmax, scores * d.act * 2);          // read scores, write probabilities
-  b.memory(OpId::kAttnDropout, scores * (d.act * 2 + 1.0));  // read, write, 1-byte mask
-  b.gemm(OpId::kAttnContext, d.si, d.kvi, d.si, batch);
+  const double rows = static_cast<double>(batch) * static_cast<double>(d.sqi);
+  const double scores = rows * d.s;  // elements
+  const double kv_block = 2.0 * d.T * static_cast<double>(m.query_groups()) / d.t * d.kv * d.act;
+  for (int64_t step = 1; step < s.context_parallel; ++step)
+    b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
+  if (fused_attention(m, s)) {
+    const int64_t keys = std::max<int64_t>(1, d.si / 2);  // the causal half
+    b.gemm(OpId::kAttnScores, d.sqi, keys, d.kvi, batch);
+    b.memory(OpId::kAttnSoftmax, rows * 4.0);
+    b.gemm(OpId::kAttnContext, d.sqi, d.kvi, keys, batch);
+    return;
+  }
+  b.gemm(OpId::kAttnScores, d.sqi, d.si, d.kvi, batch);
+  b.memory(OpId::kAttnSoftmax, scores * d.act * 2);  // read scores, write probabilities
+  if (m.attention_dropout > 0)
+    b.memory(OpId::kAttnDropout, scores * (d.act * 2 + 1.0));  // read, write, 1-byte mask
+  b.gemm(OpId::kAttnContext, d.sqi, d.kvi, d.si, batch);
 }
 
 // Entry into a column-parallel block: with sequence parallelism the s/t shard is all-gathered.
@@ -248,14 +317,11 @@ void exit_tp(Builder& b, const LayerShape& s, const Dims& d, OpId all_reduce, Op
     b.collective(all_reduce, Collective::kAllReduce, d.T * d.h * d.act);
 }
 
-std::vector<Op> layer_forward(const ModelSpec& m, const LayerShape& s) {
-  std::vector<Op> ops;
-  Builder b{&ops, OpRole::kForward, s.activation_dtype};
-  const Dims d = dims(m, s);
+// The attention half of a layer, up to and including the post-attention layernorm.
+void attention_forward(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;  // tokens a rank holds outside TP
   const int64_t t = s.tensor_parallel;
   const int64_t qkv_out = (m.num_attention_heads + 2 * m.query_groups()) * m.kv_channels() / t;
-  const int64_t ffn_local = m.ffn_hidden() / t;
 
   b.memory(OpId::kInputLayernorm, rows * d.h * d.act * 2);
   if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
@@ -270,12 +336,86 @@ std::vector<Op> layer_forward(const ModelSpec& m, const LayerShape& s) {
   exit_tp(b, s, d, OpId::kAttnAllReduce, OpId::kAttnReduceScatter);
   b.memory(OpId::kAttnBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
   b.memory(OpId::kPostAttentionLayernorm, rows * d.h * d.act * 2);
+}
+
+// A tensor-parallel MLP of FFN width `width` (the dense MLP, or an MoE layer's shared experts),
+// from its sequence-parallel all-gather to its reduce.
+void dense_mlp(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d, int64_t width) {
+  const int64_t t = s.tensor_parallel;
+  const int64_t ffn_local = width / t;
   if (t > 1) enter_tp(b, s, d, OpId::kMlpAllGather);
   b.gemm(OpId::kFc1, d.Ti, m.swiglu ? 2 * ffn_local : ffn_local, d.hi);
   b.memory(m.swiglu ? OpId::kSwiglu : OpId::kBiasGelu,
            d.T * static_cast<double>(ffn_local) * d.act * (m.swiglu ? 3 : 2));
   b.gemm(OpId::kFc2, d.Ti, d.hi, ffn_local);
   exit_tp(b, s, d, OpId::kMlpAllReduce, OpId::kMlpReduceScatter);
+}
+
+std::vector<Op> layer_forward(const ModelSpec& m, const LayerShape& s) {
+  std::vector<Op> ops;
+  Builder b{&ops, OpRole::kForward, s.activation_dtype};
+  const Dims d = dims(m, s);
+  const double rows = s.sequence_parallel ? d.T / d.t : d.T;
+  attention_forward(b, m, s, d);
+  dense_mlp(b, m, s, d, m.ffn_hidden());
+  b.memory(OpId::kMlpBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
+  return ops;
+}
+
+// Token assignments routed from this rank (its tokens times top-k), and those the rank's
+// experts process: every rank of its expert-tensor group's assignments, at the busiest rank's
+// load.
+struct Routing {
+  double sent = 0, processed = 0;
+  int64_t local_experts = 1, per_expert = 0, ffn_local = 0;
+};
+
+Routing routing(const ModelSpec& m, const LayerShape& s, const Dims& d) {
+  Routing r;
+  const double rows = s.sequence_parallel ? d.T / d.t : d.T;
+  r.sent = rows * static_cast<double>(m.moe_router_topk);
+  r.processed = r.sent * static_cast<double>(s.expert_tensor_parallel) * s.expert_load;
+  r.local_experts = m.num_experts / s.expert_parallel;
+  r.per_expert = static_cast<int64_t>(
+      std::ceil(r.processed / static_cast<double>(std::max<int64_t>(1, r.local_experts))));
+  r.ffn_local = m.moe_ffn_hidden() / s.expert_tensor_parallel;
+  return r;
+}
+
+// Megatron-Core's MoE layer with the all-to-all token dispatcher, in place of the MLP.
+std::vector<Op> moe_forward(const ModelSpec& m, const LayerShape& s) {
+  std::vector<Op> ops;
+  Builder b{&ops, OpRole::kForward, s.activation_dtype};
+  const Dims d = dims(m, s);
+  const double rows = s.sequence_parallel ? d.T / d.t : d.T;
+  const int64_t rows_i = static_cast<int64_t>(rows);
+  const Routing r = routing(m, s, d);
+  const double experts = static_cast<double>(m.num_experts);
+  attention_forward(b, m, s, d);
+  if (m.moe_shared_expert_ffn_size > 0) dense_mlp(b, m, s, d, m.moe_shared_expert_ffn_size);
+  b.gemm(OpId::kRouter, rows_i, m.num_experts, d.hi);
+  // Softmax over the experts' logits and the top-k (fp32 probabilities).
+  b.memory(OpId::kRouterTopk, rows * experts * (d.act + 4.0) + r.sent * 8.0);
+  b.memory(OpId::kMoePermute, r.sent * d.h * d.act * 2);
+  const double routed = r.sent * d.h * d.act;
+  if (s.expert_parallel > 1)
+    b.collective(OpId::kMoeDispatch, Collective::kAllToAll, routed, CommGroup::kExpert);
+  const double etp = static_cast<double>(s.expert_tensor_parallel);
+  if (s.expert_tensor_parallel > 1)
+    b.collective(OpId::kMoeDispatchAllGather, Collective::kAllGather, routed * etp,
+                 CommGroup::kExpertTensor);
+  const int64_t fc1_out = m.swiglu ? 2 * r.ffn_local : r.ffn_local;
+  b.gemm(OpId::kExpertFc1, r.per_expert, fc1_out, d.hi, r.local_experts);
+  b.memory(OpId::kExpertActivation,
+           r.processed * static_cast<double>(r.ffn_local) * d.act * (m.swiglu ? 3 : 2));
+  b.gemm(OpId::kExpertFc2, r.per_expert, d.hi, r.ffn_local, r.local_experts);
+  if (s.expert_tensor_parallel > 1)
+    b.collective(OpId::kMoeCombineReduceScatter, Collective::kReduceScatter, routed * etp,
+                 CommGroup::kExpertTensor);
+  if (s.expert_parallel > 1)
+    b.collective(OpId::kMoeCombine, Collective::kAllToAll, routed, CommGroup::kExpert);
+  // Each token's k outputs weighted by their probabilities and summed.
+  b.memory(OpId::kMoeUnpermute, routed * 2 + rows * d.h * d.act);
   b.memory(OpId::kMlpBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
   return ops;
 }
@@ -306,9 +446,14 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
       case OpKind::kCollective: {
         const BackwardOf ids = backward_ids(f.id);
         if (ids.none) continue;
-        Collective c = f.collective == Collective::kAllGather ? Collective::kReduceScatter
-                                                              : Collective::kAllGather;
-        b.collective(ids.first, c, f.bytes, f.group);
+        Collective c = f.collective;
+        if (c == Collective::kAllGather)
+          c = Collective::kReduceScatter;
+        else if (c == Collective::kReduceScatter)
+          c = Collective::kAllGather;
+        // A context-parallel ring step moves K and V again and their gradients back.
+        const double bytes = f.id == OpId::kCpKvExchange ? 2.0 * f.bytes : f.bytes;
+        b.collective(ids.first, c, bytes, f.group);
         break;
       }
     }
@@ -384,6 +529,9 @@ LayerShape layer_shape(const ParallelPlan& p) {
   s.main_grad_bytes = p.fp32_grad_reduce ? 4.0 : 2.0;
   // SC'21's runs reduced 16-bit gradients in fp16 mixed precision; later runs use bf16.
   s.activation_dtype = p.fp32_grad_reduce ? DType::kBF16 : DType::kF16;
+  s.context_parallel = p.context_parallel;
+  s.expert_parallel = p.expert_parallel;
+  s.expert_tensor_parallel = p.expert_tp();
   return s;
 }
 
@@ -392,10 +540,35 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   p.forward = layer_forward(m, s);
   p.backward = backward_of(p.forward, s.activation_dtype);
+  if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
   add_tp_input_grad_allreduces(p.backward, s, d);
   if (!s.fused_grad_accumulation) {
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
     b.memory(OpId::kWeightGradAccumulate, accumulate_bytes(m.parameters_per_layer() / d.t, s, d),
+             OpRole::kWeightGrad);
+  }
+  if (s.recompute == Recompute::kFull) {
+    p.recompute = p.forward;
+  } else if (s.recompute == Recompute::kSelective) {
+    Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
+    attention_core(b, m, s, d);
+  }
+  for (Op& op : p.recompute) op.role = OpRole::kRecompute;
+  return p;
+}
+
+PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
+  PassOps p;
+  const Dims d = dims(m, s);
+  p.forward = moe_forward(m, s);
+  p.backward = backward_of(p.forward, s.activation_dtype);
+  if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
+  if (!s.fused_grad_accumulation) {
+    const double dense = (m.moe_layer_parameters() - m.expert_parameters_per_layer()) / d.t;
+    const double experts = m.expert_parameters_per_layer() /
+                           static_cast<double>(s.expert_parallel * s.expert_tensor_parallel);
+    Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
+    b.memory(OpId::kWeightGradAccumulate, accumulate_bytes(dense + experts, s, d),
              OpRole::kWeightGrad);
   }
   if (s.recompute == Recompute::kFull) {
@@ -470,29 +643,65 @@ PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s) {
   return p;
 }
 
-double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
-  const Dims d = dims(m, s);
+namespace {
+
+// Korthikanti et al.'s counts in units of 16-bit elements (2 bytes), split by how they shard:
+// `replicated` over the tensor-parallel ranks unless sequence parallel, `sharded` by t, and
+// `per_rank` already this rank's (the routed tokens of an MoE layer). `mlp_width` is the FFN
+// width sharded by t (the dense MLP, or the shared experts of an MoE layer; 0: none).
+struct ActivationUnits {
+  double replicated = 0, sharded = 0, per_rank = 0;
+};
+
+ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s, const Dims& d,
+                                        double mlp_width) {
+  ActivationUnits u;
   const double sbh = d.T * d.h;
-  const double t = d.t;
-  // Korthikanti et al.'s counts in units of 16-bit elements (2 bytes), scaled to the type.
-  const double unit = d.act / 2.0;
-  if (s.recompute == Recompute::kFull) return unit * 2.0 * sbh / (s.sequence_parallel ? t : 1.0);
   const double kv_fraction = d.groups / d.heads;
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
-  // QKV and FC1 inputs (2 sbh each) and, with hidden dropout, its two masks (1 sbh each).
-  const double replicated = (m.hidden_dropout > 0 ? 10.0 : 8.0) * sbh;
+  // QKV and FC1 (or router) inputs (2 sbh each) and, with hidden dropout, its two masks.
+  u.replicated = (m.hidden_dropout > 0 ? 10.0 : 8.0) * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
-  const double sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * d.ffn;
+  u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * mlp_width;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
-  // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row (2 a s b).
+  // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row (2 a s b). With
+  // context parallelism the rank's s/cp queries each score all s keys.
   const double per_score = m.attention_dropout > 0 ? 5.0 : 2.0;
-  const double scores = s.recompute == Recompute::kSelective ? 0.0
-                        : m.flash_attention                  ? 2.0 * d.heads * d.T
-                                                             : per_score * d.heads * d.s * d.T;
-  if (s.sequence_parallel) return unit * (replicated + sharded + scores) / t;
-  return unit * (replicated + (sharded + scores) / t);
+  u.sharded += s.recompute == Recompute::kSelective ? 0.0
+               : fused_attention(m, s)              ? 2.0 * d.heads * d.T
+                                                    : per_score * d.heads * d.s * d.T;
+  return u;
+}
+
+double activation_bytes(const LayerShape& s, const Dims& d, const ActivationUnits& u) {
+  const double unit = d.act / 2.0;
+  if (s.recompute == Recompute::kFull)
+    return unit * 2.0 * d.T * d.h / (s.sequence_parallel ? d.t : 1.0);
+  if (s.sequence_parallel) return unit * ((u.replicated + u.sharded) / d.t + u.per_rank);
+  return unit * (u.replicated + u.sharded / d.t + u.per_rank);
+}
+
+}  // namespace
+
+double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
+  const Dims d = dims(m, s);
+  return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn));
+}
+
+double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
+  const Dims d = dims(m, s);
+  ActivationUnits u =
+      attention_and_mlp_units(m, s, d, static_cast<double>(m.moe_shared_expert_ffn_size));
+  // The rank's experts keep, per token they process, its permuted input (2 h), the activation
+  // input(s) and the FC2 input; unpermuting keeps the k outputs of each of the rank's tokens
+  // (2 h each) and their fp32 probabilities.
+  const Routing r = routing(m, s, d);
+  const double gate = m.swiglu ? 2.0 : 1.0;
+  const double ffn = static_cast<double>(r.ffn_local);
+  u.per_rank = r.processed * (2.0 * d.h + (2.0 * gate + 2.0) * ffn) + r.sent * (2.0 * d.h + 2.0);
+  return activation_bytes(s, d, u);
 }
 
 }  // namespace ptdp

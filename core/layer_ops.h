@@ -112,17 +112,17 @@ enum class OpId : uint8_t {
   kCpKvExchange,
   kCpKvExchangeBackward,
   // MoE layer (replaces the MLP of an MoE layer), forward
-  kRouter,              // GEMM: tokens x hidden -> expert logits
-  kRouterTopk,          // softmax over experts and top-k selection
-  kMoePermute,          // copy each token once per chosen expert, grouped by expert
-  kMoeDispatch,         // all-to-all of the routed tokens over the expert-parallel group
+  kRouter,                // GEMM: tokens x hidden -> expert logits
+  kRouterTopk,            // softmax over experts and top-k selection
+  kMoePermute,            // copy each token once per chosen expert, grouped by expert
+  kMoeDispatch,           // all-to-all of the routed tokens over the expert-parallel group
   kMoeDispatchAllGather,  // etp > 1: tokens all-gathered over the expert-tensor group
-  kExpertFc1,           // grouped GEMM over the rank's local experts
-  kExpertActivation,    // GELU or SwiGLU of the experts
+  kExpertFc1,             // grouped GEMM over the rank's local experts
+  kExpertActivation,      // GELU or SwiGLU of the experts
   kExpertFc2,
   kMoeCombineReduceScatter,  // etp > 1: partial outputs reduce-scattered back
-  kMoeCombine,          // all-to-all back to the tokens' ranks
-  kMoeUnpermute,        // weighted sum of each token's k expert outputs
+  kMoeCombine,               // all-to-all back to the tokens' ranks
+  kMoeUnpermute,             // weighted sum of each token's k expert outputs
   // MoE layer, backward
   kMoeUnpermuteBackward,
   kMoeCombineBackward,
@@ -182,11 +182,27 @@ struct LayerShape {
   double main_grad_bytes = 4;
   // Element type of activations and weights as the GEMMs and kernels read them.
   DType activation_dtype = DType::kBF16;
+  // Context parallelism: a rank holds s / cp of each sequence; its queries attend to all s keys,
+  // whose K and V blocks come round the cp ranks' ring.
+  int64_t context_parallel = 1;
+  // MoE layers: experts over expert_parallel ranks, each over expert_tensor_parallel ranks;
+  // expert_load is the token count of the busiest rank's experts as a multiple of the fair
+  // share (1: perfectly balanced routing).
+  int64_t expert_parallel = 1;
+  int64_t expert_tensor_parallel = 1;
+  double expert_load = 1.0;
+  // Fused (flash) attention where the model asks for it (--use-flash-attn) or context
+  // parallelism needs it; false: Megatron's unfused softmax path whatever the model says (what
+  // ptdp run's CPU kernels execute).
+  bool fused_attention = true;
 };
 
 LayerShape layer_shape(const ParallelPlan& p);
 
 PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s);
+// An MoE layer (model.is_moe()): the same attention, then router, dispatch, the rank's experts,
+// combine and the shared experts in place of the MLP.
+PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s);
 PassOps embedding_ops(const ModelSpec& m, const LayerShape& s);  // first pipeline stage
 PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s);    // last stage, loss included
 // The vocabulary-parallel cross-entropy exchanges, per token, this rank's (max logit, sum of
@@ -196,5 +212,8 @@ inline constexpr int64_t kCrossEntropyStatsPerToken = 3;
 // Activation bytes one layer keeps for its backward pass, per microbatch (Korthikanti et al.
 // 2022, Table 2, generalised to GQA and gated MLPs; equals s b h (34 + 5 a s / h) for GPT).
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s);
+// The same for an MoE layer: the attention's, plus the router's input and, per routed token,
+// the permuted input, the expert activations and output.
+double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s);
 
 }  // namespace ptdp

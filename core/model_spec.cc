@@ -66,16 +66,13 @@ void validate_moe(const ModelSpec& m) {
                                             std::to_string(m.num_experts) + "), got " +
                                             std::to_string(m.moe_router_topk));
   if (m.moe_first_dense_layers < 0 || m.moe_first_dense_layers >= m.num_layers)
-    throw InputError("moe_first_dense_layers",
-                     "must leave at least one MoE layer among the " +
-                         std::to_string(m.num_layers) + " layers, got " +
-                         std::to_string(m.moe_first_dense_layers));
-  if (m.num_moe_layers() == 0)
-    throw InputError("moe_layer_freq", "leaves no MoE layer");
+    throw InputError("moe_first_dense_layers", "must leave at least one MoE layer among the " +
+                                                   std::to_string(m.num_layers) + " layers, got " +
+                                                   std::to_string(m.moe_first_dense_layers));
+  if (m.num_moe_layers() == 0) throw InputError("moe_layer_freq", "leaves no MoE layer");
   if (!(m.moe_capacity_factor == 0 || (m.moe_capacity_factor >= 1 && m.moe_capacity_factor <= 64)))
-    throw InputError("moe_capacity_factor",
-                     "must be 0 (dropless) or between 1 and 64, got " +
-                         std::to_string(m.moe_capacity_factor));
+    throw InputError("moe_capacity_factor", "must be 0 (dropless) or between 1 and 64, got " +
+                                                std::to_string(m.moe_capacity_factor));
 }
 
 // The MoE fields of a Hugging Face config: Mixtral (num_local_experts, every layer MoE with
@@ -308,20 +305,20 @@ ModelSpec model_from_json(const json& j) {
 
 json to_json(const ModelSpec& m) {
   json j{{"name", m.name},
-              {"num_layers", m.num_layers},
-              {"hidden_size", m.hidden_size},
-              {"num_attention_heads", m.num_attention_heads},
-              {"num_query_groups", m.num_query_groups},
-              {"ffn_hidden_size", m.ffn_hidden_size},
-              {"seq_length", m.seq_length},
-              {"vocab_size", m.vocab_size},
-              {"swiglu", m.swiglu},
-              {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-              {"learned_position_embeddings", m.learned_position_embeddings},
-              {"rotary_base", m.rotary_base},
-              {"attention_dropout", m.attention_dropout},
-              {"hidden_dropout", m.hidden_dropout},
-              {"flash_attention", m.flash_attention}};
+         {"num_layers", m.num_layers},
+         {"hidden_size", m.hidden_size},
+         {"num_attention_heads", m.num_attention_heads},
+         {"num_query_groups", m.num_query_groups},
+         {"ffn_hidden_size", m.ffn_hidden_size},
+         {"seq_length", m.seq_length},
+         {"vocab_size", m.vocab_size},
+         {"swiglu", m.swiglu},
+         {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
+         {"learned_position_embeddings", m.learned_position_embeddings},
+         {"rotary_base", m.rotary_base},
+         {"attention_dropout", m.attention_dropout},
+         {"hidden_dropout", m.hidden_dropout},
+         {"flash_attention", m.flash_attention}};
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;
     j["moe_router_topk"] = m.moe_router_topk;

@@ -64,7 +64,9 @@ struct ModelSpec {
   int64_t ffn_hidden() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
   bool is_moe() const { return num_experts > 0; }
-  int64_t moe_ffn_hidden() const { return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden(); }
+  int64_t moe_ffn_hidden() const {
+    return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden();
+  }
   // Whether layer i (from 0) is an MoE layer, and how many of layers [first, first + count) are.
   bool is_moe_layer(int64_t i) const;
   int64_t moe_layers_in(int64_t first, int64_t count) const;
@@ -77,7 +79,7 @@ struct ModelSpec {
   double parameters_per_layer() const;
   double moe_layer_parameters() const;
   double expert_parameters_per_layer() const;
-  double expert_parameters() const;  // all routed experts of all MoE layers
+  double expert_parameters() const;     // all routed experts of all MoE layers
   double embedding_parameters() const;  // word (+ position) embeddings
   double output_parameters() const;     // untied LM head, 0 when tied
   double parameters() const;            // everything; final layernorm included

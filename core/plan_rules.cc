@@ -49,9 +49,8 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
 
   // Bounded before anything multiplies them (plan files may hold any integer).
   if (plan.expert_tensor_parallel < 0)
-    return broken(PlanRule::kPositiveSizes, report, "--expert-tensor-parallel-size", [&] {
-      return "must be positive, got " + num(plan.expert_tensor_parallel);
-    });
+    return broken(PlanRule::kPositiveSizes, report, "--expert-tensor-parallel-size",
+                  [&] { return "must be positive, got " + num(plan.expert_tensor_parallel); });
   if (t > kMaxGpus || p > kMaxGpus || d > kMaxGpus || cp > kMaxGpus || ep > kMaxGpus ||
       plan.expert_tensor_parallel > kMaxGpus || t * p * d > kMaxGpus || t * p * d * cp > kMaxGpus)
     return broken(PlanRule::kSizesInRange, report, "data_parallel", [&] {
@@ -87,8 +86,7 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
 
   const char* epf = "--expert-model-parallel-size";
   if (!m.is_moe() && (ep > 1 || plan.expert_tensor_parallel > 0))
-    return broken(PlanRule::kExpertNeedsMoe, report,
-                  ep > 1 ? epf : "--expert-tensor-parallel-size",
+    return broken(PlanRule::kExpertNeedsMoe, report, ep > 1 ? epf : "--expert-tensor-parallel-size",
                   [] { return std::string("needs an MoE model (num_experts > 0)"); });
   if (m.is_moe()) {
     if (m.num_experts % ep != 0)
@@ -195,6 +193,11 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                num(t) + " * " + num(cp) + ")";
       });
   }
+  // Megatron-Core: MoE layers with tensor parallelism run on sequence-parallel tokens.
+  if (m.is_moe() && t > 1 && !plan.sequence_parallel)
+    return broken(PlanRule::kMoeNeedsSequenceParallel, report, "--sequence-parallel", [] {
+      return std::string("is required for an MoE model with tensor-model-parallel-size > 1");
+    });
   // Settings that apply only where there is something to overlap: no-ops at t = 1 or d = 1.
   if (plan.tp_comm_overlap && t > 1 && !plan.sequence_parallel)
     return broken(PlanRule::kTpCommOverlapNeedsSequenceParallel, report, "--tp-comm-overlap",
@@ -255,6 +258,8 @@ const char* rule_reason(PlanRule r) {
       return "sequence parallelism needs t > 1";
     case PlanRule::kSequenceParallelDividesSequence:
       return "sequence parallelism needs t to divide the sequence";
+    case PlanRule::kMoeNeedsSequenceParallel:
+      return "MoE with t > 1 needs sequence parallelism";
     case PlanRule::kTpCommOverlapNeedsSequenceParallel:
       return "tp-comm-overlap needs sequence parallelism";
     case PlanRule::kParamGatherNeedsDistributedOptimizer:

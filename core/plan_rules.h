@@ -52,6 +52,7 @@ enum class PlanRule {
   kVirtualMicrobatches,                   // v > 1: p | number of microbatches
   kSequenceParallelNeedsTensor,           // sequence parallelism only with t > 1
   kSequenceParallelDividesSequence,       // sequence parallelism: t * cp | seq_length
+  kMoeNeedsSequenceParallel,              // an MoE model with t > 1 needs SP
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
 };

@@ -63,11 +63,42 @@ GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p) {
 }
 
 GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
-  return span_of(p.data_parallel, p.tensor_parallel, c.gpus_per_node);
+  return span_of(p.data_parallel * p.context_parallel, p.tensor_parallel, c.gpus_per_node);
+}
+
+GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.context_parallel, p.tensor_parallel, c.gpus_per_node);
+}
+
+GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.expert_parallel, p.expert_tp(), c.gpus_per_node);
+}
+
+GroupSpan expert_tensor_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.expert_tp(), 1, c.gpus_per_node);
+}
+
+GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
+  return span_of(p.expert_data_parallel(), p.expert_tp() * p.expert_parallel, c.gpus_per_node);
+}
+
+GroupSpan ring_neighbour_span(const GroupSpan& group) {
+  GroupSpan pair;
+  pair.size = group.size > 1 ? 2 : 1;
+  if (group.nodes > 1) {
+    pair.nodes = 2;
+    pair.ranks_per_node = 1;
+    pair.concurrent_per_node = group.concurrent_per_node;
+  } else {
+    pair.ranks_per_node = pair.size;
+    pair.concurrent_per_node = group.concurrent_per_node;
+  }
+  return pair;
 }
 
 bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p) {
-  return p.tensor_parallel * p.data_parallel >= c.gpus_per_node || p.num_gpus() > c.gpus_per_node;
+  return p.tensor_parallel * p.context_parallel * p.data_parallel >= c.gpus_per_node ||
+         p.num_gpus() > c.gpus_per_node;
 }
 
 double CommModel::bus_bandwidth(const GroupSpan& span) const {
@@ -95,6 +126,23 @@ double CommModel::collective_time(Collective kind, double bytes, const GroupSpan
     return f->latency_us * kMicrosecond +
            algorithm_factor(kind, span.size) * bytes / (f->busbw_gbps * kGB);
   const bool inter = span.nodes > 1;
+  if (kind == Collective::kAllToAll && inter) {
+    // Every rank of the node exchanges at once (all the node's groups): each has its share of
+    // the node's NICs for the part of its buffer bound for other nodes, and NVLink for the rest.
+    const double gpn = static_cast<double>(span.ranks_per_node * span.concurrent_per_node);
+    const double per_rank_net = static_cast<double>(cluster_.nics_per_node) *
+                                cluster_.nic_bandwidth_gbps * kGB *
+                                profile_.network.busbw_efficiency / std::max(1.0, gpn);
+    const double n = static_cast<double>(span.size);
+    const double local = static_cast<double>(span.ranks_per_node);
+    double net = per_rank_net;
+    for (const TopologyTier& tier : cluster_.tiers)
+      if (span.nodes > tier.nodes_per_switch) net /= tier.oversubscription;
+    const double nvlink = cluster_.nvlink_bandwidth_gbps * kGB * profile_.nvlink.busbw_efficiency;
+    const double cross = bytes * (n - local) / n, within = bytes * (local - 1.0) / n;
+    return (software_latency_us(kind, span.size, true) + cluster_.nic_latency_us) * kMicrosecond +
+           std::max(cross / net, within / nvlink);
+  }
   double latency_us = software_latency_us(kind, span.size, inter) +
                       (inter ? cluster_.nic_latency_us : cluster_.nvlink_latency_us);
   if (inter) {

@@ -1,7 +1,9 @@
 // Where a parallel group's ranks sit, and what a collective over them costs.
 //
-// Ranks are placed as Megatron-LM places them: tensor-parallel innermost, then data-parallel,
-// then pipeline-parallel (global rank = tp + t * (dp + d * pp)), nodes filled in rank order.
+// Ranks are placed as Megatron-LM places them: tensor-parallel innermost, then context-
+// parallel, then data-parallel, then pipeline-parallel (global rank = tp + t * (cpr + cp * (dp +
+// d * pp))), nodes filled in rank order. The experts regroup a stage's t * cp * d ranks as
+// expert-tensor (innermost), expert-parallel, then expert-data-parallel.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +30,15 @@ struct GroupSpan {
 double collective_algorithm_factor(Collective kind, int64_t n);
 
 GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
+// The ranks that reduce the dense parameters' gradients: d * cp of them (Megatron's
+// data-parallel group with context parallelism).
 GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan expert_tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p);
+// A ring's neighbours within `group`: two ranks, across nodes when the group spans nodes.
+GroupSpan ring_neighbour_span(const GroupSpan& group);
 // True when neighbouring pipeline stages sit on different nodes.
 bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p);
 

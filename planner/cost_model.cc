@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/error.h"
 #include "core/units.h"
 
 namespace ptdp {
@@ -12,12 +13,108 @@ constexpr double kWeightBytes = 2.0;      // 16-bit model weights
 constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
 constexpr double kUsableMemory = 0.95;    // CUDA context and allocator fragmentation keep the rest
 
+// The GEMMs Transformer Engine runs in FP8 (--fp8-format): the layers' linear GEMMs and the
+// experts'; the attention core, the router and the LM head stay in 16 bits.
+bool is_fp8_gemm(OpId id) {
+  switch (id) {
+    case OpId::kQkv:
+    case OpId::kQkvDgrad:
+    case OpId::kQkvWgrad:
+    case OpId::kAttnProj:
+    case OpId::kAttnProjDgrad:
+    case OpId::kAttnProjWgrad:
+    case OpId::kFc1:
+    case OpId::kFc1Dgrad:
+    case OpId::kFc1Wgrad:
+    case OpId::kFc2:
+    case OpId::kFc2Dgrad:
+    case OpId::kFc2Wgrad:
+    case OpId::kExpertFc1:
+    case OpId::kExpertFc1Dgrad:
+    case OpId::kExpertFc1Wgrad:
+    case OpId::kExpertFc2:
+    case OpId::kExpertFc2Dgrad:
+    case OpId::kExpertFc2Wgrad:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_attention_core(OpId id) {
+  switch (id) {
+    case OpId::kAttnScores:
+    case OpId::kAttnSoftmax:
+    case OpId::kAttnDropout:
+    case OpId::kAttnContext:
+    case OpId::kAttnContextDprobs:
+    case OpId::kAttnContextDv:
+    case OpId::kAttnDropoutBackward:
+    case OpId::kAttnSoftmaxBackward:
+    case OpId::kAttnScoresDq:
+    case OpId::kAttnScoresDk:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Context parallelism's ring: the cp - 1 block transfers of a pass overlap the attention of
+// the blocks already there (cp blocks of attention, each 1/cp of the core's time), so a step
+// shows only what its transfer takes beyond one block's attention.
+void hide_ring_exchanges(const std::vector<Op>& ops, int64_t cp, std::vector<double>& time) {
+  double core = 0;
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (is_attention_core(ops[i].id)) core += time[i];
+  const double per_block = core / static_cast<double>(cp);
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].id == OpId::kCpKvExchange || ops[i].id == OpId::kCpKvExchangeBackward)
+      time[i] = std::max(0.0, time[i] - per_block);
+}
+
 void add(PassTime& a, const PassTime& b, double times) {
   a.compute += b.compute * times;
   a.tp_comm += b.tp_comm * times;
 }
 
+// The first layer (global index) and layer count of pipeline rank r's model chunk c: chunks
+// hold consecutive layers in global-stage order (chunk c of rank r is global stage c p + r).
+std::pair<int64_t, int64_t> chunk_layers(const ModelSpec& m, const ParallelPlan& p, int64_t r,
+                                         int64_t c) {
+  const int64_t v = p.virtual_stages, pp = p.pipeline_parallel;
+  const int64_t g = c * pp + r;
+  int64_t first = 0;
+  for (int64_t k = 0; k < g; ++k) first += p.layers_on_stage(m, k % pp) / v;
+  return {first, p.layers_on_stage(m, r) / v};
+}
+
+int64_t moe_layers_of_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r, int64_t c) {
+  if (!m.is_moe()) return 0;
+  const auto [first, count] = chunk_layers(m, p, r, c);
+  return m.moe_layers_in(first, count);
+}
+
+int64_t moe_layers_of_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < p.virtual_stages && m.is_moe(); ++c) n += moe_layers_of_chunk(m, p, r, c);
+  return n;
+}
+
+// Gradient and optimizer shards of the dense parameters (over d * cp ranks) and the experts'
+// (over the expert-data-parallel ranks) with the distributed optimizer.
+double dense_shards(const ParallelPlan& p) {
+  return p.distributed_optimizer ? static_cast<double>(p.data_parallel * p.context_parallel) : 1.0;
+}
+double expert_shards(const ParallelPlan& p) {
+  return p.distributed_optimizer ? static_cast<double>(p.expert_data_parallel()) : 1.0;
+}
+
 }  // namespace
+
+double expert_load(const ModelSpec& m) {
+  if (m.moe_capacity_factor > 0) return std::min(m.moe_capacity_factor, kDroplessExpertLoad);
+  return kDroplessExpertLoad;
+}
 
 double gradient_bytes_per_parameter(const ParallelPlan& p) {
   return layer_shape(p).main_grad_bytes;
@@ -37,15 +134,20 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
 
 ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element)
     : m_(m), p_(p), element_(static_cast<double>(dtype_bytes(element))) {
-  LayerShape shape{p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, p.recompute};
+  LayerShape shape = layer_shape(p);
   shape.activation_dtype = element;
+  shape.expert_load = m.is_moe() ? expert_load(m) : 1.0;
   per_layer_ = layer_activation_bytes(m, shape);
+  per_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, shape) : per_layer_;
   // The layer being recomputed (or the last one run) holds its full activations once.
   LayerShape full = shape;
   full.recompute = Recompute::kNone;
-  working_layer_ = p.recompute == Recompute::kNone ? 0.0 : layer_activation_bytes(m, full);
-  // One activation crossing a stage boundary ([b, s, h], 1/t of it with sequence parallelism).
-  boundary_ = static_cast<double>(p.micro_batch_size * m.seq_length) *
+  working_layer_ = p.recompute == Recompute::kNone ? 0.0
+                   : m.is_moe()                    ? moe_layer_activation_bytes(m, full)
+                                                   : layer_activation_bytes(m, full);
+  // One activation crossing a stage boundary ([b, s/cp, h], 1/t of it with sequence
+  // parallelism).
+  boundary_ = static_cast<double>(p.micro_batch_size * (m.seq_length / p.context_parallel)) *
               static_cast<double>(m.hidden_size) * element_ /
               (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
 }
@@ -53,7 +155,13 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
 double ActivationMemory::on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
   const double inflight = inflight_layer_activations(p_, r, layers);
-  double bytes = inflight * per_layer_ + working_layer_;
+  // Per layer: the stage's mix of dense and MoE layers.
+  const double moe = static_cast<double>(moe_layers_of_stage(m_, p_, r));
+  const double per_layer =
+      layers > 0 ? ((static_cast<double>(layers) - moe) * per_layer_ + moe * per_moe_layer_) /
+                       static_cast<double>(layers)
+                 : per_layer_;
+  double bytes = inflight * per_layer + working_layer_;
   if (r == 0 && layers > 0)
     bytes +=
         inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
@@ -112,21 +220,52 @@ double CostModel::memory_time(const Op& op) const {
 LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {
   LayerShape s = layer_shape(p);
   s.activation_dtype = profile_.activation_dtype;
+  s.expert_load = model_.is_moe() ? expert_load(model_) : 1.0;
   return s;
 }
 
 double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
   switch (op.kind) {
     case OpKind::kGemm:
+      if (p.fp8 && is_fp8_gemm(op.id)) {
+        // FP8: the tensor cores' FP8 rate at the GEMM's efficiency, plus casting the
+        // activation operand to FP8 (read 16 bits, write 8: 3 bytes per element of A; the
+        // weights' casts are amortised over the microbatches).
+        if (cluster_.gpu.peak_tflops_fp8 <= 0)
+          throw InputError("--fp8-format", cluster_.gpu.name + " has no FP8 tensor cores");
+        const double eff =
+            profile_.gemm_efficiency(static_cast<double>(op.m), static_cast<double>(op.n),
+                                     static_cast<double>(op.k), static_cast<double>(op.batch));
+        const double cast = static_cast<double>(op.m * op.k * op.batch) * 3.0;
+        return op.flops() / (cluster_.gpu.peak_tflops_fp8 * kTFLOP * eff) + memory_time(cast) +
+               profile_.kernel_gap_us * kMicrosecond;
+      }
       return gemm_time(op);
     case OpKind::kMemory:
       return memory_time(op);
     case OpKind::kCollective: {
       GroupSpan span;
-      if (op.group == CommGroup::kTensor)
-        span = tensor_group_span(cluster_, p);
-      else if (op.group == CommGroup::kData)
-        span = data_group_span(cluster_, p);
+      switch (op.group) {
+        case CommGroup::kTensor:
+          span = tensor_group_span(cluster_, p);
+          break;
+        case CommGroup::kData:
+          span = data_group_span(cluster_, p);
+          break;
+        case CommGroup::kContext:
+          span = context_group_span(cluster_, p);
+          break;
+        case CommGroup::kExpert:
+          span = expert_group_span(cluster_, p);
+          break;
+        case CommGroup::kExpertTensor:
+          span = expert_tensor_group_span(cluster_, p);
+          break;
+        case CommGroup::kPipeline:
+        case CommGroup::kEmbedding:
+          break;
+      }
+      if (op.collective == Collective::kSendRecv) span = ring_neighbour_span(span);
       return comm_.collective_time(op.collective, op.bytes, span);
     }
   }
@@ -137,6 +276,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
                                              const ParallelPlan& p) const {
   std::vector<double> time(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p);
+  if (p.context_parallel > 1) hide_ring_exchanges(ops, p.context_parallel, time);
   const int64_t t = p.tensor_parallel;
   if (t == 1) return time;
   // Arrival skew (measured by ptdp calibrate): each tensor-parallel collective also waits for
@@ -189,7 +329,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
 }
 
 PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
-                          PassTime* weight_grad) const {
+                          PassTime* weight_grad, double* recompute_flops) const {
   PassTime t;
   const std::vector<double> times = exposed_times(ops, p);
   for (size_t i = 0; i < ops.size(); ++i) {
@@ -200,7 +340,7 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
       w.tp_comm += time;
     else
       w.compute += time;
-    *flops += op.flops();
+    *(recompute_flops && op.role == OpRole::kRecompute ? recompute_flops : flops) += op.flops();
   }
   if (weight_grad) add(t, *weight_grad, 1);
   return t;
@@ -209,8 +349,9 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
 const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const {
   const auto key = std::make_tuple(
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
-      int64_t{p.tp_comm_overlap} * 4 + int64_t{p.gradient_accumulation_fusion} * 2 +
-          p.fp32_grad_reduce);
+      int64_t{p.fp8} * 8 + int64_t{p.tp_comm_overlap} * 4 +
+          int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce,
+      p.context_parallel, p.expert_parallel * (int64_t{1} << 24) + p.expert_tp());
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   const LayerShape shape = priced_layer_shape(p);
@@ -220,7 +361,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   const PassOps head = lm_head_ops(model_, shape);
   double fwd_flops = 0, bwd_flops = 0;
   st.layer_f = price(layer.forward, p, &fwd_flops);
-  st.layer_b = price(layer.backward, p, &bwd_flops, &st.layer_w);
+  st.layer_b = price(layer.backward, p, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
   st.layer_r = price(layer.recompute, p, &st.layer_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
   double ef = 0, hf = 0;
@@ -230,18 +371,38 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   st.head_b = price(head.backward, p, &hf, &st.head_w);
   st.embed_flops = ef;
   st.head_flops = hf;
+  if (model_.is_moe()) {
+    const PassOps moe = moe_layer_ops(model_, shape);
+    double unused = 0;
+    st.moe_f = price(moe.forward, p, &unused);
+    st.moe_b = price(moe.backward, p, &unused, &st.moe_w);
+    st.moe_r = price(moe.recompute, p, &unused);
+    // Model FLOPs count the experts' work at balanced routing (the load only costs time).
+    LayerShape balanced = shape;
+    balanced.expert_load = 1.0;
+    const PassOps even = moe_layer_ops(model_, balanced);
+    for (const auto* list : {&even.forward, &even.backward, &even.recompute})
+      for (const Op& op : *list)
+        (op.role == OpRole::kRecompute ? st.moe_recompute_flops : st.moe_flops) += op.flops();
+  }
   return cache_.emplace(key, st).first->second;
 }
 
-ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, bool embedding,
-                                     bool head) {
+ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
+                                     bool embedding, bool head) {
   ChunkTime c;
   c.layers = layers;
-  const double l = static_cast<double>(layers);
+  const double l = static_cast<double>(layers - moe), e = static_cast<double>(moe);
   add(c.forward, st.layer_f, l);
   add(c.backward, st.layer_b, l);
   add(c.recompute, st.layer_r, l);
   add(c.weight_grad, st.layer_w, l);
+  if (moe > 0) {
+    add(c.forward, st.moe_f, e);
+    add(c.backward, st.moe_b, e);
+    add(c.recompute, st.moe_r, e);
+    add(c.weight_grad, st.moe_w, e);
+  }
   if (embedding) {
     add(c.forward, st.embed_f, 1);
     add(c.backward, st.embed_b, 1);
@@ -258,15 +419,15 @@ ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, bool 
 std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const ShapeTimes& st) const {
   std::vector<StageTime> stages;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
-    stages.push_back(
-        {layer_span_time(st, p.layers_on_stage(model_, r), r == 0, r == p.pipeline_parallel - 1)});
+    stages.push_back({layer_span_time(st, p.layers_on_stage(model_, r), moe_layers_on_stage(p, r),
+                                      r == 0, r == p.pipeline_parallel - 1)});
   }
   return stages;
 }
 
 double CostModel::activation_message_bytes(const ParallelPlan& p) const {
   const double element = static_cast<double>(dtype_bytes(profile_.activation_dtype));
-  return static_cast<double>(p.micro_batch_size * model_.seq_length) *
+  return static_cast<double>(p.micro_batch_size * (model_.seq_length / p.context_parallel)) *
          static_cast<double>(model_.hidden_size) * element /
          (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
 }
@@ -280,9 +441,21 @@ double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const
   return comm_.collective_time(Collective::kAllReduce, gbytes, dp);
 }
 
+double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params) const {
+  if (params <= 0 || p.expert_data_parallel() <= 1) return 0.0;
+  const GroupSpan edp = expert_data_group_span(cluster_, p);
+  const double gbytes = params * gradient_bytes_per_parameter(p);
+  if (p.distributed_optimizer)
+    return comm_.collective_time(Collective::kReduceScatter, gbytes, edp) +
+           comm_.collective_time(Collective::kAllGather, params * kWeightBytes, edp);
+  return comm_.collective_time(Collective::kAllReduce, gbytes, edp);
+}
+
 double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int64_t layers,
                                       double forward_s) const {
-  if (!p.overlap_param_gather || !p.distributed_optimizer || p.data_parallel == 1) return 0.0;
+  if (!p.overlap_param_gather || !p.distributed_optimizer ||
+      p.data_parallel * p.context_parallel == 1)
+    return 0.0;
   const double gather = comm_.collective_time(Collective::kAllGather, params * kWeightBytes,
                                               data_group_span(cluster_, p));
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
@@ -299,9 +472,8 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   return comm_.collective_time(Collective::kAllReduce, emb, pair);
 }
 
-double CostModel::optimizer_time(const ParallelPlan& p, double params) const {
-  const double local =
-      params / (p.distributed_optimizer ? static_cast<double>(p.data_parallel) : 1.0);
+double CostModel::optimizer_time(const ParallelPlan& p, double params, double expert_params) const {
+  const double local = params / dense_shards(p) + expert_params / expert_shards(p);
   const double eff = profile_.memory_efficiency_of("optimizer");
   return local * profile_.optimizer_bytes_per_param /
              (cluster_.gpu.hbm_bandwidth_gbps * kGB * eff) +
@@ -310,14 +482,36 @@ double CostModel::optimizer_time(const ParallelPlan& p, double params) const {
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
   return layer_span_time(shape_times(p), p.layers_on_stage(model_, rank) / p.virtual_stages,
-                         rank == 0 && chunk == 0,
+                         moe_layers_in_chunk(p, rank, chunk), rank == 0 && chunk == 0,
                          rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
+}
+
+int64_t CostModel::moe_layers_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const {
+  return moe_layers_of_chunk(model_, p, r, c);
+}
+
+int64_t CostModel::moe_layers_on_stage(const ParallelPlan& p, int64_t r) const {
+  return moe_layers_of_stage(model_, p, r);
+}
+
+double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
+  if (!model_.is_moe()) return 0.0;
+  return static_cast<double>(moe_layers_on_stage(p, r)) * model_.expert_parameters_per_layer() /
+         static_cast<double>(p.expert_parallel * p.expert_tp());
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const double t = static_cast<double>(p.tensor_parallel);
-  double params =
-      static_cast<double>(p.layers_on_stage(model_, r)) * model_.parameters_per_layer() / t;
+  const int64_t moe = moe_layers_on_stage(p, r);
+  const double dense_layers = static_cast<double>(p.layers_on_stage(model_, r) - moe);
+  double params = dense_layers * model_.parameters_per_layer() / t;
+  if (moe > 0) {
+    // An MoE layer's attention and shared experts are sharded by t, its router replicated.
+    const double router = static_cast<double>(model_.hidden_size * model_.num_experts);
+    const double dense =
+        model_.moe_layer_parameters() - model_.expert_parameters_per_layer() - router;
+    params += static_cast<double>(moe) * (dense / t + router) + expert_parameters_on_stage(p, r);
+  }
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
   if (first) params += model_.embedding_parameters() / t;
   if (last) {
@@ -334,18 +528,23 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
 
 MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
   const ActivationMemory activations(model_, p, DType::kBF16);
-  const double tokens = static_cast<double>(p.micro_batch_size * model_.seq_length);
+  const double tokens =
+      static_cast<double>(p.micro_batch_size * (model_.seq_length / p.context_parallel));
   const double t = static_cast<double>(p.tensor_parallel);
-  const double d = static_cast<double>(p.data_parallel);
 
   const double grad_bytes = gradient_bytes_per_parameter(p);
   MemoryBreakdown best;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
     MemoryBreakdown mb;
     const double params = parameters_on_stage(p, r);
-    mb.weights = params * kWeightBytes;
+    const double experts = expert_parameters_on_stage(p, r);
+    // With FP8, Transformer Engine also keeps each weight's FP8 copy (1 byte).
+    mb.weights = params * (kWeightBytes + (p.fp8 ? 1.0 : 0.0));
     mb.gradients = params * grad_bytes;
-    mb.optimizer = params * kOptimizerBytes / (p.distributed_optimizer ? d : 1.0);
+    mb.expert_weights = experts * kWeightBytes;
+    mb.expert_gradients = experts * grad_bytes;
+    mb.expert_optimizer = experts * kOptimizerBytes / expert_shards(p);
+    mb.optimizer = (params - experts) * kOptimizerBytes / dense_shards(p) + mb.expert_optimizer;
     mb.activations = activations.on_stage(r);
     if (r == p.pipeline_parallel - 1) {
       // fp16 logits and their fp32 softmax for the vocabulary shard, one microbatch.
@@ -399,30 +598,40 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
 
   // Data-parallel gradient reduction of the most loaded stage, and the tied-embedding
   // all-reduce between the first and last stage.
-  double params_max = 0;
-  for (int64_t r = 0; r < p.pipeline_parallel; ++r)
-    params_max = std::max(params_max, parameters_on_stage(p, r));
-  out.dp_time_s = gradient_sync_time(p, params_max);
+  double params_max = 0, experts_max = 0;
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+    const double params = parameters_on_stage(p, r);
+    if (params > params_max) {
+      params_max = params;
+      experts_max = expert_parameters_on_stage(p, r);
+    }
+  }
+  const double dense_max = params_max - experts_max;
+  out.dp_time_s = gradient_sync_time(p, dense_max) + expert_gradient_sync_time(p, experts_max);
   double dp_exposed =
-      out.dp_time_s - hidden_param_gather(p, params_max, s.layers, s.forward.total());
-  if (p.overlap_grad_reduce && p.data_parallel > 1) {
+      out.dp_time_s - hidden_param_gather(p, dense_max, s.layers, s.forward.total());
+  if (p.overlap_grad_reduce && out.dp_time_s > 0) {
     // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
     const double hidden = s.backward.total() + s.recompute.total();
     dp_exposed = std::max(last_gradient_bucket_time(dp_exposed, s.layers), dp_exposed - hidden);
   }
   b.dp_comm = dp_exposed + embedding_sync_time(p);
 
-  b.optimizer = optimizer_time(p, params_max);
+  b.optimizer = optimizer_time(p, dense_max, experts_max);
 
   out.iteration_time_s =
       b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;
 
-  // FLOPs: the op lists count per-GPU shards, so multiply by t; all microbatches, all replicas.
+  // FLOPs: the op lists count per-GPU shards (1/t of the work, s/cp of the tokens), so multiply
+  // by t cp; all microbatches, all replicas.
+  const auto moe_layers = static_cast<double>(model_.num_moe_layers());
+  const double dense_layers = static_cast<double>(model_.num_layers) - moe_layers;
   const double per_mb_model =
-      static_cast<double>(model_.num_layers) * st.layer_flops + st.embed_flops + st.head_flops;
-  const double per_mb_recompute = static_cast<double>(model_.num_layers) * st.layer_recompute_flops;
-  const double replicas =
-      static_cast<double>(p.tensor_parallel) * m * static_cast<double>(p.data_parallel);
+      dense_layers * st.layer_flops + moe_layers * st.moe_flops + st.embed_flops + st.head_flops;
+  const double per_mb_recompute =
+      dense_layers * st.layer_recompute_flops + moe_layers * st.moe_recompute_flops;
+  const double replicas = static_cast<double>(p.tensor_parallel * p.context_parallel) * m *
+                          static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;
   out.hardware_flops = (per_mb_model + per_mb_recompute) * replicas;
   out.model_tflops_per_gpu = tflops_per_gpu(out.model_flops, out.iteration_time_s, p.num_gpus());

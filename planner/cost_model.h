@@ -25,6 +25,11 @@ struct MemoryBreakdown {
   double weights = 0;
   double gradients = 0;
   double optimizer = 0;
+  // The routed experts' part of weights, gradients and optimizer state (MoE models); the rest
+  // is dense (attention, router, shared experts, embeddings).
+  double expert_weights = 0;
+  double expert_gradients = 0;
+  double expert_optimizer = 0;
   double activations = 0;
   double buffers = 0;  // logits, communication buffers
   double peak = 0;
@@ -101,9 +106,11 @@ class CostModel {
   ChunkTime chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const;
   // Bytes of one activation (or its gradient) sent between pipeline stages.
   double activation_message_bytes(const ParallelPlan& p) const;
-  // Data-parallel reduction of `params` parameters' gradients (reduce-scatter + all-gather of
-  // the weights with the distributed optimizer), not overlapped.
+  // Data-parallel reduction of `params` dense parameters' gradients over the d * cp ranks
+  // (reduce-scatter + all-gather of the weights with the distributed optimizer), not overlapped.
   double gradient_sync_time(const ParallelPlan& p, double params) const;
+  // The same for `params` expert parameters, over the expert-data-parallel group.
+  double expert_gradient_sync_time(const ParallelPlan& p, double params) const;
   // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
   // parameter all-gather, bucket by bucket ahead of the next iteration's first forward pass
   // (`forward_s`, one microbatch through the stage), all but the first of `layers` buckets.
@@ -111,10 +118,15 @@ class CostModel {
                              double forward_s) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
-  // Optimizer step over `params` parameters (a 1/d shard with the distributed optimizer).
-  double optimizer_time(const ParallelPlan& p, double params) const;
-  // Parameters held by pipeline rank r (one tensor-parallel shard).
+  // Optimizer step over `params` dense and `expert_params` expert parameters (1/(d cp) and
+  // 1/edp shards with the distributed optimizer).
+  double optimizer_time(const ParallelPlan& p, double params, double expert_params = 0) const;
+  // Parameters held by one rank of pipeline stage r: all of them, and the routed experts' part.
   double parameters_on_stage(const ParallelPlan& p, int64_t r) const;
+  double expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const;
+  // MoE layers among the layers of pipeline rank r's model chunk c (0 for a dense model).
+  int64_t moe_layers_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const;
+  int64_t moe_layers_on_stage(const ParallelPlan& p, int64_t r) const;
 
   const ModelSpec& model() const { return model_; }
   const ClusterSpec& cluster() const { return cluster_; }
@@ -124,22 +136,27 @@ class CostModel {
  private:
   struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
     PassTime layer_f, layer_b, layer_r, embed_f, embed_b, head_f, head_b;
-    PassTime layer_w, embed_w, head_w;  // weight-gradient parts of the backward passes
+    PassTime layer_w, embed_w, head_w;    // weight-gradient parts of the backward passes
+    PassTime moe_f, moe_b, moe_r, moe_w;  // one MoE layer
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
+    double moe_flops = 0, moe_recompute_flops = 0;  // at balanced routing
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
-  // One microbatch through `layers` transformer layers, plus the embedding and/or the LM head:
-  // a model chunk (chunk_time) or a whole stage (stage_times).
-  static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, bool embedding, bool head);
+  // One microbatch through `layers` transformer layers (`moe` of them MoE layers), plus the
+  // embedding and/or the LM head: a model chunk (chunk_time) or a whole stage (stage_times).
+  static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
+                                   bool embedding, bool head);
+  // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.
   PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
-                 PassTime* weight_grad = nullptr) const;
+                 PassTime* weight_grad = nullptr, double* recompute_flops = nullptr) const;
   std::vector<StageTime> stage_times(const ParallelPlan& p, const ShapeTimes& st) const;
 
   ModelSpec model_;
   ClusterSpec cluster_;
   HardwareProfile profile_;
   CommModel comm_;
-  mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t>, ShapeTimes> cache_;
+  mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t, int64_t, int64_t>, ShapeTimes>
+      cache_;
 };
 
 // Bytes per parameter of the gradients kept and reduced: 4 with fp32 gradient reduction, 2
@@ -157,6 +174,12 @@ double tflops_per_gpu(double flops, double iteration_s, int64_t gpus);
 
 // Tokens per second of an iteration of `iteration_s` (global batch x sequence length).
 double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double iteration_s);
+
+// The token load of the busiest expert-parallel rank, as a multiple of its fair share, that
+// MoE layers are priced at: dropless routing with Megatron-Core's load balancing is assumed to
+// leave the busiest rank 10% over the mean (kDroplessExpertLoad); a capacity factor caps it.
+inline constexpr double kDroplessExpertLoad = 1.1;
+double expert_load(const ModelSpec& m);
 
 // In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
@@ -178,7 +201,7 @@ class ActivationMemory {
  private:
   const ModelSpec& m_;
   const ParallelPlan& p_;
-  double element_, per_layer_, working_layer_, boundary_;
+  double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
 };
 
 }  // namespace ptdp

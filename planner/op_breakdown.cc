@@ -121,8 +121,8 @@ OpFamily op_family(OpId id) {
 namespace {
 
 constexpr std::string_view kFamilyNames[kNumOpFamilies] = {
-    "attention_gemm", "mlp_gemm",     "attention_core", "norm",           "elementwise",
-    "tp_comm",        "cp_comm",      "moe_routing",    "expert_gemm",    "ep_comm",
+    "attention_gemm", "mlp_gemm",     "attention_core", "norm",        "elementwise",
+    "tp_comm",        "cp_comm",      "moe_routing",    "expert_gemm", "ep_comm",
     "embedding_head", "pipeline_p2p", "dp_grad_sync",   "optimizer"};
 
 }  // namespace
@@ -171,6 +171,7 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
   out.peak_memory_bytes = pred.memory.peak;
   const LayerShape shape = cost.priced_layer_shape(p);  // the device's activation type
   const PassOps layer = transformer_layer_ops(m, shape);
+  const PassOps moe = m.is_moe() ? moe_layer_ops(m, shape) : PassOps{};
   const PassOps embed = embedding_ops(m, shape);
   const PassOps head = lm_head_ops(m, shape);
   const double mb = static_cast<double>(p.num_microbatches());
@@ -182,17 +183,20 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     StagePrediction st;
     st.stage = r;
     FamilyTimes& f = st.families;
-    add_ops(cost, p, layer, mb * static_cast<double>(p.layers_on_stage(m, r)), f);
+    const int64_t moe_layers = cost.moe_layers_on_stage(p, r);
+    add_ops(cost, p, layer, mb * static_cast<double>(p.layers_on_stage(m, r) - moe_layers), f);
+    if (moe_layers > 0) add_ops(cost, p, moe, mb * static_cast<double>(moe_layers), f);
     if (r == 0) add_ops(cost, p, embed, mb, f);
     if (r == p.pipeline_parallel - 1) add_ops(cost, p, head, mb, f);
     for (const PipelineAction& a : schedule.ranks[static_cast<size_t>(r)])
       if (is_p2p(a.kind) && !a.batched_with_next) ++st.p2p_calls;
     f.at(OpFamily::kPipelineP2p, OpRole::kForward) = static_cast<double>(st.p2p_calls) * p2p;
-    const double params = cost.parameters_on_stage(p, r);
-    double dp = p.data_parallel > 1 ? cost.gradient_sync_time(p, params) : 0.0;
+    const double experts = cost.expert_parameters_on_stage(p, r);
+    const double dense = cost.parameters_on_stage(p, r) - experts;
+    double dp = cost.gradient_sync_time(p, dense) + cost.expert_gradient_sync_time(p, experts);
     if (r == 0 || r == p.pipeline_parallel - 1) dp += cost.embedding_sync_time(p);
     f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;
-    f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, params);
+    f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, dense, experts);
     st.bubble = out.iteration - f.total();
     out.stages.push_back(st);
   }

@@ -28,7 +28,8 @@ std::vector<int64_t> divisors(int64_t n) {
 
 // A total order on configurations, used to break ties in predicted time.
 auto plan_key(const ParallelPlan& p) {
-  return std::make_tuple(p.tensor_parallel, p.pipeline_parallel, p.micro_batch_size,
+  return std::make_tuple(p.tensor_parallel, p.context_parallel, p.pipeline_parallel,
+                         p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
                          p.virtual_stages, static_cast<int>(p.recompute), p.sequence_parallel,
                          p.distributed_optimizer, p.layers_per_stage);
 }
@@ -43,8 +44,8 @@ bool better(const RankedPlan& a, const RankedPlan& b) {
 // One unit of work: a (t, p, d, b) and a layer split to expand over v, recompute, SP and the
 // optimizer.
 struct Cell {
-  int64_t t, p, d, b;
-  std::vector<int64_t> split;  // empty: the even split
+  int64_t t, cp, p, d, b, ep, etp;  // etp 0: t
+  std::vector<int64_t> split;       // empty: the even split
 };
 
 struct Tally {
@@ -76,11 +77,14 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
         for (int dopt = 0; dopt < 2; ++dopt) {
-          if (dopt && (c.d == 1 || !o.try_distributed_optimizer)) continue;
+          if (dopt && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
           ++tally.considered;
           ParallelPlan plan = o.defaults;
           plan.layers_per_stage = c.split;
           plan.tensor_parallel = c.t;
+          plan.context_parallel = c.cp;
+          plan.expert_parallel = c.ep;
+          plan.expert_tensor_parallel = c.etp;
           plan.pipeline_parallel = c.p;
           plan.data_parallel = c.d;
           plan.micro_batch_size = c.b;
@@ -152,34 +156,56 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
   const int64_t n = c.num_gpus();
   const size_t k = static_cast<size_t>(std::max(1, o.top_k));
   Tally total;
-  // Enumerate the (t, p, d, b) cells.
+  // Enumerate the (t, cp, p, d, b, ep, etp) cells.
   std::vector<Cell> cells;
   for (int64_t t : divisors(n)) {
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
-    for (int64_t p : divisors(n / t)) {
-      const int64_t d = n / (t * p);
-      // Rules no b, v or flag can rescue (t against the heads, groups and FFN, p against the
-      // layers, B against d) are counted once per (t, p, d): the plan with b = 1, v = 1 and
-      // no sequence parallelism breaks only those.
-      const std::vector<std::vector<int64_t>> splits =
-          stage_splits(m.num_layers, p, o.try_uneven_stages);
-      ParallelPlan cell = o.defaults;
-      cell.layers_per_stage = splits.empty() ? std::vector<int64_t>{} : splits.front();
-      cell.tensor_parallel = t;
-      cell.pipeline_parallel = p;
-      cell.data_parallel = d;
-      cell.micro_batch_size = 1;
-      cell.global_batch_size = o.global_batch_size;
-      cell.virtual_stages = 1;
-      cell.schedule = Schedule::k1F1B;
-      cell.sequence_parallel = false;
-      if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
-        ++total.considered;
-        ++total.rejected[rule_reason(rule)];
+    for (int64_t cp : divisors(n / t)) {
+      if (cp > 1 && (!o.try_context_parallel || m.seq_length % (2 * cp) != 0 ||
+                     (o.max_context_parallel > 0 && cp > o.max_context_parallel)))
         continue;
+      for (int64_t p : divisors(n / (t * cp))) {
+        const int64_t d = n / (t * cp * p);
+        // Rules no b, v or flag can rescue (t against the heads, groups and FFN, p against the
+        // layers, B against d) are counted once per (t, p, d): the plan with b = 1, v = 1 and
+        // no sequence parallelism breaks only those.
+        const std::vector<std::vector<int64_t>> splits =
+            stage_splits(m.num_layers, p, o.try_uneven_stages);
+        ParallelPlan cell = o.defaults;
+        cell.layers_per_stage = splits.empty() ? std::vector<int64_t>{} : splits.front();
+        cell.tensor_parallel = t;
+        cell.context_parallel = cp;
+        cell.pipeline_parallel = p;
+        cell.data_parallel = d;
+        cell.micro_batch_size = 1;
+        cell.global_batch_size = o.global_batch_size;
+        cell.virtual_stages = 1;
+        cell.schedule = Schedule::k1F1B;
+        cell.sequence_parallel = m.is_moe() && t > 1;  // required there; tried either way else
+        if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
+          ++total.considered;
+          ++total.rejected[rule_reason(rule)];
+          continue;
+        }
+        // Expert layouts: ep dividing the experts, each expert over t ranks or whole (etp = 1).
+        std::vector<std::pair<int64_t, int64_t>> experts{{1, 0}};
+        if (m.is_moe()) {
+          experts.clear();
+          for (int64_t ep : divisors(m.num_experts)) {
+            if (ep > 1 && !o.try_expert_parallel) continue;
+            for (int64_t etp : {int64_t{0}, int64_t{1}}) {
+              if (etp == 1 && t == 1) continue;  // the same as etp = t
+              const int64_t e = etp == 0 ? t : etp;
+              if ((t * cp * d) % (e * ep) != 0 || m.moe_ffn_hidden() % e != 0) continue;
+              experts.emplace_back(ep, etp);
+            }
+          }
+        }
+        for (int64_t b : divisors(o.global_batch_size / d))
+          for (const auto& [ep, etp] : experts)
+            for (const std::vector<int64_t>& split : splits)
+              cells.push_back(Cell{t, cp, p, d, b, ep, etp, split});
       }
-      for (int64_t b : divisors(o.global_batch_size / d))
-        for (const std::vector<int64_t>& split : splits) cells.push_back(Cell{t, p, d, b, split});
     }
   }
 
@@ -248,6 +274,9 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   auto num = [](int64_t v) { return std::to_string(v); };
   auto flag = [](bool v) { return std::string(v ? "on" : "off"); };
   field("t", num(a.tensor_parallel), num(b.tensor_parallel));
+  field("cp", num(a.context_parallel), num(b.context_parallel));
+  field("ep", num(a.expert_parallel), num(b.expert_parallel));
+  field("etp", num(a.expert_tp()), num(b.expert_tp()));
   field("p", num(a.pipeline_parallel), num(b.pipeline_parallel));
   field("d", num(a.data_parallel), num(b.data_parallel));
   field("b", num(a.micro_batch_size), num(b.micro_batch_size));
@@ -276,9 +305,13 @@ std::string stage_split_summary(const ParallelPlan& p) {
 }
 
 std::string plan_summary(const ParallelPlan& p) {
-  std::string s = "t" + std::to_string(p.tensor_parallel) + " p" +
-                  std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) +
-                  " b" + std::to_string(p.micro_batch_size);
+  std::string s = "t" + std::to_string(p.tensor_parallel);
+  if (p.context_parallel > 1) s += " cp" + std::to_string(p.context_parallel);
+  s += " p" + std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) + " b" +
+       std::to_string(p.micro_batch_size);
+  if (p.expert_parallel > 1) s += " ep" + std::to_string(p.expert_parallel);
+  if (p.expert_tensor_parallel > 0 && p.expert_tensor_parallel != p.tensor_parallel)
+    s += " etp" + std::to_string(p.expert_tensor_parallel);
   if (!p.layers_per_stage.empty()) s += " L" + stage_split_summary(p);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
   s += " " + to_string(p.recompute);

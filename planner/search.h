@@ -1,7 +1,7 @@
-// Exhaustive search over PTD-P configurations: every (t, p, d, b, v, recompute, sequence
-// parallel, distributed optimizer) that can run the model on the GPUs with the global batch
-// (the rules of core/plan_rules.h, the ones `ptdp run` applies), pruned by memory and ranked by
-// predicted iteration time.
+// Exhaustive search over PTD-P configurations: every (t, cp, p, d, b, v, ep, etp, recompute,
+// sequence parallel, distributed optimizer) that can run the model on the GPUs with the global
+// batch (the rules of core/plan_rules.h, the ones `ptdp run` applies), pruned by memory and ranked
+// by predicted iteration time.
 //
 // The result does not depend on the thread count: each configuration is priced independently
 // and ties are broken by the configuration itself.
@@ -34,6 +34,12 @@ struct SearchOptions {
   // p that does not divide the layers (planner/search.cc stage_splits).
   bool try_uneven_stages = true;
   int64_t max_tensor_parallel = 0;  // 0: no limit beyond the heads
+  // Context parallelism (cp dividing the GPUs, 2 cp the sequence) up to max_context_parallel
+  // (0: no limit), and for MoE models expert parallelism (ep dividing the experts) with the
+  // expert tensor-parallel size t or 1.
+  bool try_context_parallel = true;
+  int64_t max_context_parallel = 0;
+  bool try_expert_parallel = true;
   // Settings every candidate shares (taken from the user's flags).
   ParallelPlan defaults;
   // Called now and then from the searching threads with (done, total) units of work.

@@ -16,8 +16,10 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   SimulationInput in;
   in.schedule = schedule_spec(p, !m.untie_embeddings_and_output_weights);
   in.tensor_parallel = p.tensor_parallel;
-  in.data_parallel = p.data_parallel;
-  in.overlap_grad_reduce = p.overlap_grad_reduce && p.data_parallel > 1;
+  // Context-parallel ranks sit between the tensor- and data-parallel ones (Megatron's order),
+  // so for placement a stage's replicas are its d * cp context/data-parallel ranks.
+  in.data_parallel = p.data_parallel * p.context_parallel;
+  in.overlap_grad_reduce = p.overlap_grad_reduce && in.data_parallel > 1;
   const int64_t pp = p.pipeline_parallel, v = p.virtual_stages;
   for (int64_t r = 0; r < pp; ++r) {
     std::vector<ChunkCost> chunks;
@@ -34,15 +36,17 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     }
     in.cost.push_back(chunks);
     // Each stage reduces and updates its own parameters.
-    const double params = cm.parameters_on_stage(p, r);
+    const double experts = cm.expert_parameters_on_stage(p, r);
+    const double params = cm.parameters_on_stage(p, r) - experts;
     double forward = 0;  // one microbatch through all the stage's chunks
     for (int64_t k = 0; k < v; ++k) forward += cm.chunk_time(p, r, k).forward.total();
-    const double dp_time = cm.gradient_sync_time(p, params) -
+    const double dp_time = cm.gradient_sync_time(p, params) +
+                           cm.expert_gradient_sync_time(p, experts) -
                            cm.hidden_param_gather(p, params, p.layers_on_stage(m, r), forward);
     in.dp_sync.push_back(to_picos(dp_time));
     in.dp_last_bucket.push_back(
         to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r))));
-    in.optimizer.push_back(to_picos(cm.optimizer_time(p, params)));
+    in.optimizer.push_back(to_picos(cm.optimizer_time(p, params, experts)));
   }
   in.embedding_sync = to_picos(cm.embedding_sync_time(p));
 

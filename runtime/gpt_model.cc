@@ -56,6 +56,7 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   s.fused_grad_accumulation = true;  // gradients accumulate in place
   s.main_grad_bytes = 4;
   s.activation_dtype = DType::kF32;
+  s.fused_attention = false;  // the CPU kernels run the unfused softmax path
   return s;
 }
 

@@ -138,7 +138,10 @@ TEST(Fits, MemoryKernelsShareOneGapAndHaveAThroughputEach) {
 json machine_file() {
   ClusterSpec c;
   c.name = "measured-cpu";
-  c.gpu = {"Test CPU (1 of 2 ranks)", 0.05, 8, 10};
+  c.gpu.name = "Test CPU (1 of 2 ranks)";
+  c.gpu.peak_tflops_16bit = 0.05;
+  c.gpu.memory_gib = 8;
+  c.gpu.hbm_bandwidth_gbps = 10;
   c.gpus_per_node = 2;
   c.num_nodes = 1;
   c.nvlink_bandwidth_gbps = 5;

@@ -115,7 +115,7 @@ TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
 // ---- presets ----
 
 TEST(Presets, EveryPresetLoadsAndValidates) {
-  EXPECT_EQ(model_preset_names().size(), 19u);
+  EXPECT_EQ(model_preset_names().size(), 20u);
   for (const std::string& name : model_preset_names()) {
     const ModelSpec m = resolve_model(name);
     EXPECT_EQ(m.name, name);
@@ -614,7 +614,7 @@ TEST(ParallelPlan, MegatronFlags) {
             "--num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
             "--global-batch-size 128 --recompute-granularity selective --sequence-parallel "
             "--overlap-grad-reduce --position-embedding-type rope --rotary-base 500000 "
-            "--attention-dropout 0 --hidden-dropout 0");
+            "--attention-dropout 0 --hidden-dropout 0 --use-flash-attn");
 }
 
 // ---- found by fuzzing (tests/fuzz/, docs/reliability.md) ----

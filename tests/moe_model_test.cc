@@ -37,14 +37,14 @@ std::string example(const std::string& name) {
   return std::string(PTDP_SOURCE_DIR) + "/examples/models/" + name;
 }
 
-// Published totals: Mixtral 46.7B (Jiang et al. 2024, Sec. 2), Qwen2-57B-A14B 57B (Qwen2
-// report, Table 1; the Hugging Face checkpoint holds 57.4B), DeepSeekMoE 16B 16.4B (Dai et al.
-// 2024, Table 2), Qwen1.5-MoE-A2.7B 14.3B (its model card).
+// Published totals: Mixtral 46.7B (Jiang et al. 2024, Sec. 2), Mixtral 8x22B 141B (Mistral AI),
+// Qwen2-57B-A14B 57B (Qwen2 report, Table 1; the Hugging Face checkpoint holds 57.4B), DeepSeekMoE
+// 16B 16.4B (Dai et al. 2024, Table 2), Qwen1.5-MoE-A2.7B 14.3B (its model card).
 TEST(MoeModel, ParameterCountsMatchPublishedTotals) {
   EXPECT_NEAR(resolve_model("mixtral-8x7b").parameters() / 1e9, 46.7, 0.1);
+  EXPECT_NEAR(resolve_model("mixtral-8x22b").parameters() / 1e9, 140.6, 0.5);  // "141B"
   EXPECT_NEAR(resolve_model("qwen2-57b-a14b").parameters() / 1e9, 57.4, 0.2);
-  EXPECT_NEAR(resolve_model(example("deepseek-moe-16b.config.json")).parameters() / 1e9, 16.4,
-              0.1);
+  EXPECT_NEAR(resolve_model(example("deepseek-moe-16b.config.json")).parameters() / 1e9, 16.4, 0.1);
   EXPECT_NEAR(resolve_model(example("qwen1.5-moe-a2.7b.config.json")).parameters() / 1e9, 14.3,
               0.1);
   // A dense model's count is unchanged by the MoE fields it does not use.
@@ -142,6 +142,8 @@ TEST(ContextAndExpertParallel, PlanRulesNameTheFlag) {
   p.data_parallel = 4;
   p.global_batch_size = 64;
   p.expert_parallel = 4;
+  EXPECT_EQ(field_of([&] { p.validate(moe); }), "--sequence-parallel");  // Megatron-Core's rule
+  p.sequence_parallel = true;
   EXPECT_EQ(error_of([&] { p.validate(moe); }), "no error");
   EXPECT_EQ(p.num_gpus(), 8);
   EXPECT_EQ(p.expert_tp(), 2);
@@ -183,13 +185,13 @@ TEST(ContextAndExpertParallel, MegatronFlagsAndJson) {
   p.expert_parallel = 8;
   p.expert_tensor_parallel = 1;
   p.global_batch_size = 64;
+  p.sequence_parallel = true;
   p.fp8 = true;
   p.validate(moe);
   const std::string f = p.megatron_flags(moe);
-  for (const char* flag :
-       {"--num-experts 8", "--moe-router-topk 2", "--context-parallel-size 2",
-        "--expert-model-parallel-size 8", "--expert-tensor-parallel-size 1",
-        "--moe-token-dispatcher-type alltoall", "--fp8-format hybrid"})
+  for (const char* flag : {"--num-experts 8", "--moe-router-topk 2", "--context-parallel-size 2",
+                           "--expert-model-parallel-size 8", "--expert-tensor-parallel-size 1",
+                           "--moe-token-dispatcher-type alltoall", "--fp8-format hybrid"})
     EXPECT_NE(f.find(flag), std::string::npos) << flag << " in " << f;
   const ParallelPlan back = plan_from_json(to_json(p));
   EXPECT_EQ(to_json(back), to_json(p));
