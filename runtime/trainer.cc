@@ -160,6 +160,9 @@ class Executor {
   double step(int64_t step, double* grad_norm);
   void tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) const;
   void gather_timeline(TrainResult& r);
+  // The ranks whose timeline a trace holds: one per (replica, stage), as the others of its
+  // tensor- and context-parallel groups run the same passes.
+  bool timeline_rank() const { return pos_.tp == 0 && cpr_ == 0; }
 
   const TrainOptions& o_;
   Communicator& world_;
@@ -267,7 +270,7 @@ void Executor::setup() {
   optimizer_ = std::make_unique<DataParallelOptimizer>(*shard_, groups, dist_);
   executor_ = std::make_unique<ScheduleExecutor>(*shard_, *pp_, *optimizer_,
                                                  schedule_.ranks[static_cast<size_t>(pos_.pp)],
-                                                 pos_.pp, p_, pos_.dp, m_);
+                                                 pos_.pp, p_, dp_index_, m_);
 }
 
 void Executor::load_checkpoint() {
@@ -366,7 +369,7 @@ double Executor::step(int64_t step, double* grad_norm) {
   ctx.optimizer.weight_decay = o_.weight_decay;
   ctx.optimizer.clip_grad = o_.clip_grad;
   ctx.tokens = [&](int64_t mb, std::vector<int32_t>& out) { tokens_of(step, mb, out); };
-  const bool record = o_.record_timeline && pos_.tp == 0;
+  const bool record = o_.record_timeline && timeline_rank();
   const double loss_sum = executor_->run(ctx, grad_norm, record ? &events_ : nullptr, t0_);
   // Mean loss over the global batch, to every rank: each replica's last stage (tensor-parallel
   // rank 0) contributes its share, summed in rank order; with context parallelism each cp rank
@@ -383,7 +386,7 @@ void Executor::gather_timeline(TrainResult& r) {
     return PackedEvent{e.pp,    e.dp, static_cast<int32_t>(e.kind), e.microbatch, e.chunk,
                        e.start, e.end};
   });
-  const int32_t pp = static_cast<int32_t>(pos_.pp), dp = static_cast<int32_t>(pos_.dp);
+  const int32_t pp = static_cast<int32_t>(pos_.pp), dp = static_cast<int32_t>(dp_index_);
   const auto ops = gather_packed<PackedOp>(control_, ops_, [&](const TimedOp& o) {
     return PackedOp{pp,
                     dp,
@@ -440,7 +443,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   }
   control_.barrier();
   t0_ = Clock::now();
-  if (o_.record_timeline && pos_.tp == 0) {
+  if (o_.record_timeline && timeline_rank()) {
     executor_->time_ops(&ops_, t0_);
     optimizer_->time_norm_reduction(&norm_spans_, t0_);
   }
