@@ -144,6 +144,7 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
                             {"tp", r.tp},
                             {"pp", r.pp},
                             {"dp", r.dp},
+                            {"cp", r.cp},
                             {"parameters", r.parameter_floats},
                             {"parameter_bytes", mem.back().parameters},
                             {"gradient_bytes", mem.back().gradients},

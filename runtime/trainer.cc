@@ -313,6 +313,7 @@ std::vector<RankFootprint> Executor::dry_run(
     f.tp = pos.tp;
     f.pp = pos.pp;
     f.dp = pos.dp / cp_;
+    f.cp = pos.dp % cp_;
     f.parameter_floats = total(sizes);
     // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
     f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, dcp_);

@@ -139,6 +139,17 @@ TEST(RunMpi, ContextParallelTrainsToTheSingleRankLosses) {
        })
     expect_same_losses(l, single);
   expect_same_losses({1, 1, 1, "", kRotary, 2}, run_json(0, kRotary));
+  // The dry run lists both ranks of the ring and sizes their activations for s / cp tokens.
+  const nlohmann::json one = run_json(0, kTiny + " --dry-run");
+  const nlohmann::json two = run_json(2, kTiny + " --dry-run --context-parallel-size 2");
+  const auto& ranks = two["plans"][0]["ranks"];
+  ASSERT_EQ(ranks.size(), 2u) << two.dump();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks[r]["cp"], r);
+    EXPECT_EQ(ranks[r]["dp"], 0);
+    EXPECT_LT(ranks[r]["activation_bytes"].get<double>(),
+              one["plans"][0]["ranks"][0]["activation_bytes"].get<double>());
+  }
 }
 
 // `ptdp run --trace` shows the ring's exchanges: each layer's forward and backward pass on each
