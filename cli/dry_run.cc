@@ -31,12 +31,19 @@ std::string execution_note(const ModelSpec& m) {
 
 RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const RankFootprint& f) {
   constexpr double kFloat = 4.0;  // the runtime keeps everything in fp32
-  const ModelSpec m = as_executed(model);
+  // With context parallelism a rank holds s / cp tokens of each microbatch (two of the 2 cp
+  // chunks, runtime/context_parallel.h): its activations are those of a sequence s / cp long.
+  ModelSpec m = as_executed(model);
+  ParallelPlan local = p;
+  if (p.context_parallel > 1) {
+    m.seq_length /= p.context_parallel;
+    local.context_parallel = 1;
+  }
   RankMemory r;
   r.parameters = kFloat * static_cast<double>(f.parameter_floats);
   r.gradients = r.parameters;
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
-  const ActivationMemory activations(m, p, DType::kF32);
+  const ActivationMemory activations(m, local, DType::kF32);
   r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
   if (f.pp == p.pipeline_parallel - 1) {  // logits of the vocabulary shard and their gradient
     const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);

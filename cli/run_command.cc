@@ -50,8 +50,9 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   s << m.name << " (" << m.num_layers << " layers, hidden " << m.hidden_size << ", "
     << m.num_attention_heads << " heads, sequence " << m.seq_length << ", vocabulary "
     << m.vocab_size << ") with t=" << p.tensor_parallel << " p=" << p.pipeline_parallel
-    << " d=" << p.data_parallel << " b=" << p.micro_batch_size << " B=" << p.global_batch_size
-    << " m=" << p.num_microbatches();
+    << " d=" << p.data_parallel
+    << (p.context_parallel > 1 ? " cp=" + std::to_string(p.context_parallel) : std::string())
+    << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " m=" << p.num_microbatches();
   if (p.virtual_stages > 1) s << " v=" << p.virtual_stages;
   s << ", " << to_string(p.schedule) << ", recompute " << to_string(p.recompute);
   if (p.sequence_parallel) s << ", sequence parallel";
@@ -61,7 +62,7 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
 
 // The refusal of a plan file's plan made for another number of ranks.
 InputError world_mismatch(const ParallelPlan& p, int world) {
-  return InputError("--plan", "the plan needs t * p * d = " + std::to_string(p.num_gpus()) +
+  return InputError("--plan", "the plan needs t * cp * p * d = " + std::to_string(p.num_gpus()) +
                                   " ranks, not " + std::to_string(world));
 }
 
@@ -143,6 +144,7 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
                             {"tp", r.tp},
                             {"pp", r.pp},
                             {"dp", r.dp},
+                            {"cp", r.cp},
                             {"parameters", r.parameter_floats},
                             {"parameter_bytes", mem.back().parameters},
                             {"gradient_bytes", mem.back().gradients},

@@ -56,6 +56,7 @@ std::string describe(const nlohmann::json& l) {
       l.is_object() && l.value("distributed_optimizer", nlohmann::json()) == true;
   std::ostringstream s;
   s << "t=" << get("t") << " p=" << get("p") << " d=" << get("d") << " v=" << get("v")
+    << (l.is_object() && l.contains("cp") ? " cp=" + get("cp") : std::string())
     << (distributed ? " distributed optimizer" : "");
   return s.str();
 }

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "runtime/context_parallel.h"
+
 namespace ptdp {
 
 bool is_embedding_op(OpId id) {
@@ -35,10 +37,10 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
     case OpId::kEmbeddingPositionDropout:
       x.swap(A.emb);
       release(A.emb);
-      if (W.pos >= 0) c.be.add_positions(x.data(), c.P(W.pos), m.b, sl, m.h, first_pos);
+      if (W.pos >= 0) context_positions(c, x.data(), W.pos, sl, first_pos, false);
       break;
     case OpId::kEmbeddingDropoutBackward:
-      if (W.pos >= 0) c.be.position_grad(dx->data(), c.G(W.pos), m.b, sl, m.h, first_pos);
+      if (W.pos >= 0) context_positions(c, dx->data(), W.pos, sl, first_pos, true);
       break;
     case OpId::kEmbeddingGradAllGather: {
       Buffer full;

@@ -13,6 +13,7 @@
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/hash.h"
 #include "kernels/cpu/init.h"
+#include "runtime/context_parallel.h"
 #include "runtime/embedding_head.h"
 #include "runtime/shard_context.h"
 #include "runtime/transformer_layer.h"
@@ -27,6 +28,7 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   ParallelPlan plan;
   plan.tensor_parallel = s.t;
   plan.pipeline_parallel = s.p;
+  plan.context_parallel = s.cp;
   plan.virtual_stages = s.v;
   plan.micro_batch_size = s.micro_batch;
   plan.global_batch_size = s.micro_batch * s.p;
@@ -43,6 +45,9 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
       plan.layers_per_stage[g % static_cast<size_t>(s.p)] += s.layers_per_stage[g];
   }
   check_plan(m, plan);
+  if (s.cp_rank < 0 || s.cp_rank >= s.cp)
+    throw InputError("--context-parallel-size", "rank " + std::to_string(s.cp_rank) +
+                                                    " is outside the context-parallel group");
   if (listed && layers_per_model_chunk(m, plan) != s.layers_per_stage)
     throw InputError("layers_per_stage", "the chunks of a pipeline rank must hold equal layers");
 }
@@ -343,7 +348,12 @@ int64_t GptShard::boundary_elements() const {
   return impl_->ctx->dims.n_local * impl_->ctx->dims.h;
 }
 int64_t GptShard::tokens_per_microbatch() const {
-  return impl_->ctx->dims.b * (impl_->ctx->dims.s + 1);
+  return impl_->ctx->dims.b * (impl_->ctx->dims.s_attn + 1);
+}
+void GptShard::set_context_group(Communicator* group) {
+  if (group && group->size() != layout_.cp)
+    throw std::logic_error("the context-parallel group's size differs from the layout's cp");
+  impl_->ctx->cp = group;
 }
 Backend& GptShard::backend() {
   return impl_->ctx->be;
@@ -368,19 +378,22 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
+  if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
   ChunkActs& A = I.stash[{chunk, mb}];
   A.layers.resize(static_cast<size_t>(ch.num_layers));
   Buffer x;
   // The first stage reads the inputs (tokens 0..s-1 of each sequence), the last the targets
   // (tokens 1..s).
-  if (ch.first) {
-    A.inputs.resize(static_cast<size_t>(d.n_full));
-    kernels::token_window(tokens, A.inputs.data(), d.b, d.s, 0);
-  }
-  if (ch.last) {
-    A.targets.resize(static_cast<size_t>(d.n_full));
-    kernels::token_window(tokens, A.targets.data(), d.b, d.s, 1);
-  }
+  // With context parallelism, this rank's two chunks of each sequence.
+  auto window = [&](std::vector<int32_t>& out, int64_t shift) {
+    out.resize(static_cast<size_t>(d.n_full));
+    if (d.cp > 1)
+      context_token_window(tokens, out.data(), d.b, d.s_attn, d.cp, d.cpr, shift);
+    else
+      kernels::token_window(tokens, out.data(), d.b, d.s, shift);
+  };
+  if (ch.first) window(A.inputs, 0);
+  if (ch.last) window(A.targets, 1);
   if (ch.first) {
     for (OpId op : I.emb_fwd) {
       c.begin(op, PassKind::kForward);

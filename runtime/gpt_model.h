@@ -46,9 +46,10 @@ namespace ptdp {
 class OpTimer;
 
 struct ShardLayout {
-  int64_t t = 1, tp = 0;  // tensor-parallel size and this rank's index
-  int64_t p = 1, pp = 0;  // pipeline-parallel size and this rank's index
-  int64_t v = 1;          // model chunks per pipeline rank
+  int64_t t = 1, tp = 0;        // tensor-parallel size and this rank's index
+  int64_t p = 1, pp = 0;        // pipeline-parallel size and this rank's index
+  int64_t cp = 1, cp_rank = 0;  // context-parallel size and index (runtime/context_parallel.h)
+  int64_t v = 1;                // model chunks per pipeline rank
   int64_t micro_batch = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
@@ -112,7 +113,8 @@ class GptShard {
   int64_t global_stage(int64_t chunk) const { return chunk * layout_.p + layout_.pp; }
   // Floats of the activation (and its gradient) crossing a pipeline-stage boundary.
   int64_t boundary_elements() const;
-  // Tokens of one microbatch: b sequences of s + 1 (inputs are the first s, targets the last s).
+  // Tokens of one microbatch: b sequences of s + 1 (inputs are the first s, targets the last s;
+  // with context parallelism the shard takes its 2 of the 2 cp chunks of each).
   int64_t tokens_per_microbatch() const;
 
   // Forward of microbatch `mb` on `chunk`. tokens: the microbatch's tokens (read on the first
@@ -136,6 +138,8 @@ class GptShard {
   // Parameters of the whole model held here without padding or tied copies.
   int64_t real_parameters() const;
   Backend& backend();
+  // The context-parallel ring (layout().cp ranks); needed before a pass when cp > 1.
+  void set_context_group(Communicator* group);
   // Appends every op executed from now on to `sink` (null: stop recording).
   void trace_ops(std::vector<ExecutedOp>* sink);
   // Times every op executed from now on (runtime/op_timer.h; null: stop timing).

@@ -8,7 +8,10 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.tp = l.tp;
   d.swiglu = m.swiglu;
   d.b = l.micro_batch;
-  d.s = m.seq_length;
+  d.cp = l.cp;
+  d.cpr = l.cp_rank;
+  d.s_attn = m.seq_length;
+  d.s = m.seq_length / l.cp;
   d.h = m.hidden_size;
   d.heads = m.num_attention_heads;
   d.groups = m.query_groups();
@@ -106,6 +109,16 @@ void ShardContext::all_gather(const float* in, float* out, int64_t n) {
 void ShardContext::reduce_scatter(const float* in, float* out, int64_t n) {
   tp->reduce_scatter(in, out, static_cast<size_t>(n));
   collective_done(Collective::kReduceScatter, static_cast<double>(dims.t * n) * sizeof(float));
+}
+
+void ShardContext::ring_step(OpId id, const float* send, float* recv, int64_t n) {
+  begin(id, pass_);
+  const int size = cp->size(), r = cp->rank();
+  const Communicator::P2P ops[2] = {
+      {true, const_cast<float*>(send), static_cast<size_t>(n), (r + 1) % size, 0, DType::kF32},
+      {false, recv, static_cast<size_t>(n), (r + size - 1) % size, 0, DType::kF32}};
+  cp->batch(ops);
+  collective_done(Collective::kSendRecv, static_cast<double>(n) * sizeof(float));
 }
 
 void ShardContext::linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,

@@ -29,6 +29,9 @@ struct ShardDims {
   bool rotary;
   double rotary_base;
   int64_t n_full, n_local;  // tokens of a microbatch; tokens held outside TP blocks
+  // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
+  // whole sequence (s is the s / cp tokens held here, s_attn the length attention spans).
+  int64_t cp = 1, cpr = 0, s_attn = 0;
   int64_t qkv_width() const { return (hl + 2 * gl) * d; }
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
 };
@@ -43,6 +46,7 @@ class ShardContext {
 
   Backend& be;
   Communicator* tp;
+  Communicator* cp = nullptr;  // the context-parallel ring (cp > 1)
   ShardDims dims;
   float* params = nullptr;
   float* grads = nullptr;
@@ -63,6 +67,9 @@ class ShardContext {
   void all_reduce(Buffer& x);
   void all_gather(const float* in, float* out, int64_t n);
   void reduce_scatter(const float* in, float* out, int64_t n);
+  // One step of the context-parallel ring, recorded as op `id` of the current pass: sends n
+  // floats to the next cp rank and receives n from the previous one (one P2P batch).
+  void ring_step(OpId id, const float* send, float* recv, int64_t n);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
   void linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,

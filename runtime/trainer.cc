@@ -90,7 +90,7 @@ int64_t peak_rss_bytes() {
 
 // The checkpoint layout: everything that must match for a shard to be loaded and the run to
 // continue its loss curve.
-nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
+nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
   const ParallelPlan& p = o.plan;
   return {{"model", to_json(o.model)},
           {"t", p.tensor_parallel},
@@ -102,6 +102,13 @@ nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
           {"global_batch_size", p.global_batch_size},
           {"micro_batch_size", p.micro_batch_size},
           {"parameters_on_rank", flat_size}};
+}
+
+nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
+  nlohmann::json layout = layout_fields(o, flat_size);
+  // Absent without context parallelism, as in the checkpoints written before it.
+  if (o.plan.context_parallel > 1) layout["cp"] = o.plan.context_parallel;
+  return layout;
 }
 
 int64_t total(const std::vector<int64_t>& v) {
@@ -133,9 +140,6 @@ void validate_options(const TrainOptions& o) {
   if (o.plan.fp8)
     throw InputError("--fp8-format",
                      "FP8 GEMMs are priced by plan and predict only; ptdp run trains in 16/32 bits");
-  if (o.plan.context_parallel > 1)
-    throw InputError("--context-parallel-size",
-                     "ptdp run does not execute context parallelism yet (plan and predict price it)");
   if (o.model.is_moe())
     throw InputError("--num-experts",
                      "ptdp run does not execute MoE layers yet (plan and predict price them)");
@@ -156,6 +160,9 @@ class Executor {
   double step(int64_t step, double* grad_norm);
   void tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) const;
   void gather_timeline(TrainResult& r);
+  // The ranks whose timeline a trace holds: one per (replica, stage), as the others of its
+  // tensor- and context-parallel groups run the same passes.
+  bool timeline_rank() const { return pos_.tp == 0 && cpr_ == 0; }
 
   const TrainOptions& o_;
   Communicator& world_;
@@ -172,6 +179,11 @@ class Executor {
   PipelineSchedule schedule_;
   std::optional<TokenSource> data_;
   int64_t t_ = 1, p_ = 1, d_ = 1, m_ = 1, first_step_ = 0;
+  // Context parallelism: cp_ ranks per ring; the dp x cp ranks of a (tp, pp) reduce gradients
+  // together (dcp_ of them), so ProcessGroups places ranks on a (t, p, dcp_) grid whose data
+  // index is cpr + cp dp (runtime/context_parallel.h).
+  int64_t cp_ = 1, dcp_ = 1, dp_index_ = 0, cpr_ = 0;
+  std::unique_ptr<Communicator> cp_group_;
   GridPosition pos_;
   bool dist_ = false;
   std::vector<TimelineEvent> events_;
@@ -190,25 +202,32 @@ void Executor::setup() {
     t_ = plan.tensor_parallel;
     p_ = plan.pipeline_parallel;
     d_ = plan.data_parallel;
-    if (world_.size() != t_ * p_ * d_)
-      throw InputError("world size", std::to_string(world_.size()) +
-                                         " ranks, but the plan needs t * p * d = " +
-                                         std::to_string(t_) + " * " + std::to_string(p_) + " * " +
-                                         std::to_string(d_) + " = " + std::to_string(t_ * p_ * d_));
+    cp_ = plan.context_parallel;
+    dcp_ = d_ * cp_;
+    if (world_.size() != t_ * cp_ * p_ * d_)
+      throw InputError("world size",
+                       std::to_string(world_.size()) +
+                           " ranks, but the plan needs t * cp * p * d = " + std::to_string(t_) +
+                           " * " + std::to_string(cp_) + " * " + std::to_string(p_) + " * " +
+                           std::to_string(d_) + " = " + std::to_string(t_ * cp_ * p_ * d_));
     plan.validate(m);
-    pg_ = std::make_unique<ProcessGroups>(world_.size(), t_, p_, d_, world_.rank());
+    pg_ = std::make_unique<ProcessGroups>(world_.size(), t_, p_, dcp_, world_.rank());
     pos_ = pg_->position();
+    dp_index_ = pos_.dp / cp_;
+    cpr_ = pos_.dp % cp_;
     layout.t = t_;
     layout.tp = pos_.tp;
     layout.p = p_;
     layout.pp = pos_.pp;
+    layout.cp = cp_;
+    layout.cp_rank = cpr_;
     layout.v = plan.virtual_stages;
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
     layout.recompute = plan.recompute;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
-    layout.segment_multiple = dist_ ? d_ : 1;
+    layout.segment_multiple = dist_ ? dcp_ : 1;
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
@@ -230,8 +249,12 @@ void Executor::setup() {
   model_ = split(pg_->model_color(), "model-parallel");
   const bool embedding_member = p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) &&
                                 !o_.model.untie_embeddings_and_output_weights;
-  embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * d_ + key, "embedding");
+  embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * dcp_ + key, "embedding");
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
+  if (cp_ > 1) {  // the ring: the cp ranks of one (tp, dp, pp)
+    cp_group_ = split(pos_.tp + t_ * (dp_index_ + d_ * pos_.pp), "context-parallel");
+    shard_->set_context_group(cp_group_.get());
+  }
   const auto& segs = shard_->segments();
   for (size_t i = 0; i < segs.size(); ++i)
     if (i >= segment_sizes_.size() || segs[i].size != segment_sizes_[i])
@@ -241,13 +264,13 @@ void Executor::setup() {
   groups.data = dp_.get();
   groups.embedding = embedding_.get();
   groups.norm = dist_ ? &world_ : model_.get();
-  groups.data_parallel = d_;
+  groups.data_parallel = dcp_;
   groups.dp_rank = pos_.dp;
   groups.tp_rank = pos_.tp;
   optimizer_ = std::make_unique<DataParallelOptimizer>(*shard_, groups, dist_);
   executor_ = std::make_unique<ScheduleExecutor>(*shard_, *pp_, *optimizer_,
                                                  schedule_.ranks[static_cast<size_t>(pos_.pp)],
-                                                 pos_.pp, p_, pos_.dp, m_);
+                                                 pos_.pp, p_, dp_index_, m_);
 }
 
 void Executor::load_checkpoint() {
@@ -256,7 +279,7 @@ void Executor::load_checkpoint() {
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_));
+    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, dcp_));
     if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
@@ -279,19 +302,21 @@ std::vector<RankFootprint> Executor::dry_run(
   // Every rank's footprint follows from the plan: each rank works out all of them.
   std::vector<RankFootprint> all;
   for (int64_t r = 0; r < world_.size(); ++r) {
-    const GridPosition pos = ProcessGroups(world_.size(), t_, p_, d_, r).position();
+    const GridPosition pos = ProcessGroups(world_.size(), t_, p_, dcp_, r).position();
     ShardLayout l = layout_;
     l.tp = pos.tp;
     l.pp = pos.pp;
+    l.cp_rank = pos.dp % cp_;
     const std::vector<int64_t> sizes = shard_segment_sizes(o_.model, l);
     RankFootprint f;
     f.rank = r;
     f.tp = pos.tp;
     f.pp = pos.pp;
-    f.dp = pos.dp;
+    f.dp = pos.dp / cp_;
+    f.cp = pos.dp % cp_;
     f.parameter_floats = total(sizes);
     // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
-    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, d_);
+    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, dcp_);
     all.push_back(f);
   }
   agree(control_, [&] {
@@ -330,7 +355,8 @@ void Executor::tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) co
   const int64_t b = o_.plan.micro_batch_size, s = o_.model.seq_length;
   out.resize(static_cast<size_t>(b * (s + 1)));
   // Megatron's order: data-parallel rank r takes the r-th contiguous slice of the global batch.
-  const int64_t base = step * o_.plan.global_batch_size + pos_.dp * m_ * b + mb * b;
+  // Every context-parallel rank of a replica reads the same sequences (and takes its chunks).
+  const int64_t base = step * o_.plan.global_batch_size + dp_index_ * m_ * b + mb * b;
   for (int64_t i = 0; i < b; ++i) data_->sequence(base + i, s, out.data() + i * (s + 1));
 }
 
@@ -344,13 +370,14 @@ double Executor::step(int64_t step, double* grad_norm) {
   ctx.optimizer.weight_decay = o_.weight_decay;
   ctx.optimizer.clip_grad = o_.clip_grad;
   ctx.tokens = [&](int64_t mb, std::vector<int32_t>& out) { tokens_of(step, mb, out); };
-  const bool record = o_.record_timeline && pos_.tp == 0;
+  const bool record = o_.record_timeline && timeline_rank();
   const double loss_sum = executor_->run(ctx, grad_norm, record ? &events_ : nullptr, t0_);
   // Mean loss over the global batch, to every rank: each replica's last stage (tensor-parallel
-  // rank 0) contributes its share, summed in rank order.
+  // rank 0) contributes its share, summed in rank order; with context parallelism each cp rank
+  // the mean over its half of the chunks, all of equal size.
   // A non-finite gradient norm on any rank (its weights are now bad) makes the sum NaN too.
   double loss = 0;
-  if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * d_);
+  if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * dcp_);
   if (!std::isfinite(*grad_norm)) loss = std::numeric_limits<double>::quiet_NaN();
   return control_.sum(loss);
 }
@@ -360,7 +387,7 @@ void Executor::gather_timeline(TrainResult& r) {
     return PackedEvent{e.pp,    e.dp, static_cast<int32_t>(e.kind), e.microbatch, e.chunk,
                        e.start, e.end};
   });
-  const int32_t pp = static_cast<int32_t>(pos_.pp), dp = static_cast<int32_t>(pos_.dp);
+  const int32_t pp = static_cast<int32_t>(pos_.pp), dp = static_cast<int32_t>(dp_index_);
   const auto ops = gather_packed<PackedOp>(control_, ops_, [&](const TimedOp& o) {
     return PackedOp{pp,
                     dp,
@@ -417,7 +444,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   }
   control_.barrier();
   t0_ = Clock::now();
-  if (o_.record_timeline && pos_.tp == 0) {
+  if (o_.record_timeline && timeline_rank()) {
     executor_->time_ops(&ops_, t0_);
     optimizer_->time_norm_reduction(&norm_spans_, t0_);
   }

@@ -97,7 +97,7 @@ TrainResult train(const TrainOptions& options, Communicator& world,
 // its optimizer state (AdamW's two moments; with the distributed optimizer, of its 1/d shard,
 // plus that shard's reduced gradients).
 struct RankFootprint {
-  int64_t rank = 0, tp = 0, pp = 0, dp = 0;
+  int64_t rank = 0, tp = 0, pp = 0, dp = 0, cp = 0;  // cp: the context-parallel index
   int64_t parameter_floats = 0, optimizer_floats = 0;
 };
 

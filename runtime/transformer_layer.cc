@@ -2,6 +2,8 @@
 
 #include <stdexcept>
 
+#include "runtime/context_parallel.h"
+
 namespace ptdp {
 
 bool is_layer_forward_op(OpId id) {
@@ -14,6 +16,11 @@ bool is_layer_backward_op(OpId id) {
 void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A) {
   const ShardDims& m = c.dims;
   Backend& be = c.be;
+  // Attention spans the whole sequence; with context parallelism K and V come round the ring
+  // once they are final (after QKV, or after the rotary embedding) and Q is placed at its
+  // global rows (runtime/context_parallel.h).
+  const int64_t sa = m.s_attn;
+  const bool cp = m.cp > 1;
   const Buffer& ln1_full = m.sp ? A.ln1_full : A.ln1;
   const Buffer& ln2_full = m.sp ? A.ln2_full : A.ln2;
   switch (op) {
@@ -32,26 +39,34 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.data(), A.q.data(), A.k.data(), A.v.data(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
+      if (cp && !m.rotary) context_exchange_kv(c, A);
       break;
     }
     case OpId::kRotaryEmbedding:
+      if (cp) {
+        context_rope(c, A.q, m.hl, false);
+        context_rope(c, A.k, m.gl, false);
+        context_exchange_kv(c, A);
+        break;
+      }
       be.rope(A.q.data(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
       be.rope(A.k.data(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
       break;
     case OpId::kAttnScores:
-      resize(A.probs, m.b * m.hl * m.s * m.s);
-      be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.s, m.s, m.d, m.b * m.hl);
+      resize(A.probs, m.b * m.hl * sa * sa);
+      be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
     case OpId::kAttnSoftmax:
-      be.causal_softmax(A.probs.data(), m.b * m.hl, m.s);
+      be.causal_softmax(A.probs.data(), m.b * m.hl, sa);
       break;
     case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
       break;
     case OpId::kAttnContext:
-      resize(A.ctx, m.n_full * m.hl * m.d);
-      be.attention_context(A.probs.data(), A.v.data(), A.ctx.data(), m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+      resize(A.ctx, m.b * sa * m.hl * m.d);
+      be.attention_context(A.probs.data(), A.v.data(), A.ctx.data(), m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(sa, m.d, sa, m.b * m.hl);
+      if (cp) context_keep_local(c, A.ctx, m.hl * m.d);
       break;
     case OpId::kAttnProj:
       resize(A.proj, m.n_full * m.h);
@@ -107,6 +122,8 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
                        LayerGrads& D) {
   const ShardDims& m = c.dims;
   Backend& be = c.be;
+  const int64_t sa = m.s_attn;
+  const bool cp = m.cp > 1;
   const Buffer& ln1_full = m.sp ? A.ln1_full : A.ln1;
   const Buffer& ln2_full = m.sp ? A.ln2_full : A.ln2;
   // Without sequence parallelism (or with t = 1) the reduce-scatter/all-gather pairs are
@@ -170,36 +187,44 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.linear_wgrad(A.ctx.data(), D.d_proj.data(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnContextDprobs:
+      if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.d_probs, elems(A.probs));
       be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), D.d_probs.data(),
-                                    nullptr, m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.s, m.s, m.d, m.b * m.hl);
+                                    nullptr, m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
     case OpId::kAttnContextDv:
+      if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.dv, elems(A.v));
       be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
-                                    D.dv.data(), m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+                                    D.dv.data(), m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(sa, m.d, sa, m.b * m.hl);
       break;
     case OpId::kAttnDropoutBackward:
       break;
     case OpId::kAttnSoftmaxBackward:
       be.causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), m.b * m.hl,
-                                 m.s);
+                                 sa);
       break;
     case OpId::kAttnScoresDq:
       resize(D.dq, elems(A.q));
       be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(), nullptr,
-                                   m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.s, m.d, m.s, m.b * m.hl);
+                                   m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(sa, m.d, sa, m.b * m.hl);
       break;
     case OpId::kAttnScoresDk:
       resize(D.dk, elems(A.k));
       be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), nullptr, D.dk.data(),
-                                   m.b, m.s, m.hl, m.gl, m.d);
-      c.gemm_done(m.d, m.s, m.s, m.b * m.hl);
+                                   m.b, sa, m.hl, m.gl, m.d);
+      c.gemm_done(m.d, sa, sa, m.b * m.hl);
+      if (cp) context_return_dkv(c, D);  // dQ, dK and dV become local
       break;
     case OpId::kRotaryEmbeddingBackward:
+      if (cp) {
+        context_rope(c, D.dq, m.hl, true);
+        context_rope(c, D.dk, m.gl, true);
+        break;
+      }
       be.rope(D.dq.data(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
       be.rope(D.dk.data(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
       break;

@@ -52,21 +52,25 @@ struct Layout {
   int t, p, d;
   std::string extra;
   std::string model = kTiny;
+  int cp = 1;  // context-parallel size
+  int ranks() const { return t * cp * p * d; }
 };
 
 std::string flags(const Layout& l) {
   return l.model + " --tensor-model-parallel-size " + std::to_string(l.t) +
-         " --pipeline-model-parallel-size " + std::to_string(l.p) + " " + l.extra;
+         " --pipeline-model-parallel-size " + std::to_string(l.p) +
+         (l.cp > 1 ? " --context-parallel-size " + std::to_string(l.cp) : std::string()) + " " +
+         l.extra;
 }
 
 void expect_same_losses(const Layout& l, const nlohmann::json& single) {
-  const nlohmann::json j = run_json(l.t * l.p * l.d, flags(l));
+  const nlohmann::json j = run_json(l.ranks(), flags(l));
   const auto got = losses(j), want = losses(single);
   ASSERT_EQ(got.size(), want.size()) << flags(l);
   for (size_t i = 0; i < want.size(); ++i)
     EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << flags(l) << " step " << i;
   EXPECT_EQ(j["parameters"], single["parameters"]) << flags(l);
-  EXPECT_EQ(j["world_size"], l.t * l.p * l.d);
+  EXPECT_EQ(j["world_size"], l.ranks());
   // The model really is split: a rank holding part of it needs less memory than one rank
   // holding all of it (data parallelism alone replicates it).
   if (l.t * l.p > 1) {
@@ -111,13 +115,70 @@ TEST(RunMpi, GroupedQuerySwiGluUntiedModelShardsToTheSameLosses) {
   expect_same_losses({2, 1, 2, "--use-distributed-optimizer", llama}, single);
 }
 
+const std::string kRotary = kTiny +
+                            " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights"
+                            " --ffn-hidden-size 96 --position-embedding-type rope"
+                            " --rotary-base 500000";
+
 TEST(RunMpi, RotaryModelShardsToTheSameLosses) {
-  std::string rotary = kTiny +
-                       " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights"
-                       " --ffn-hidden-size 96 --position-embedding-type rope --rotary-base 500000";
+  const std::string& rotary = kRotary;
   const nlohmann::json single = run_json(0, rotary);
   expect_same_losses({2, 2, 1, "--sequence-parallel", rotary}, single);
   expect_same_losses({2, 1, 2, "--recompute-granularity full", rotary}, single);
+}
+
+// Context parallelism (runtime/context_parallel.h): the sequence in 2 cp chunks, attention as a
+// ring passing K and V, gradients reduced over dp x cp.
+TEST(RunMpi, ContextParallelTrainsToTheSingleRankLosses) {
+  const nlohmann::json single = run_json(0, kTiny);
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 1, "", kTiny, 2},
+           {2, 1, 1, "--sequence-parallel", kTiny, 2},
+           {1, 1, 2, "--use-distributed-optimizer", kTiny, 2},
+           {1, 2, 1, "", kTiny, 2},
+       })
+    expect_same_losses(l, single);
+  expect_same_losses({1, 1, 1, "", kRotary, 2}, run_json(0, kRotary));
+  // The dry run lists both ranks of the ring and sizes their activations for s / cp tokens.
+  const nlohmann::json one = run_json(0, kTiny + " --dry-run");
+  const nlohmann::json two = run_json(2, kTiny + " --dry-run --context-parallel-size 2");
+  const auto& ranks = two["plans"][0]["ranks"];
+  ASSERT_EQ(ranks.size(), 2u) << two.dump();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(ranks[r]["cp"], r);
+    EXPECT_EQ(ranks[r]["dp"], 0);
+    EXPECT_LT(ranks[r]["activation_bytes"].get<double>(),
+              one["plans"][0]["ranks"][0]["activation_bytes"].get<double>());
+  }
+}
+
+// `ptdp run --trace` shows the ring's exchanges: each layer's forward and backward pass on each
+// context-parallel rank.
+TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
+  const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_cp_trace.json";
+  fs::remove(trace);
+  const Outcome r =
+      ptdp_run(2, tiny_steps(2) + " --context-parallel-size 2 --trace " + trace.string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(read_file(trace.string()));
+  int forward = 0, backward = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["cat"] != "op") continue;
+    forward += e["name"] == "cp_kv_exchange";
+    backward += e["name"] == "cp_kv_exchange_backward";
+  }
+  // The trace holds context-parallel rank 0 (its partner runs the same passes): 4 layers,
+  // 4 microbatches a step, 1 ring step each (cp - 1), for each traced step.
+  EXPECT_GT(forward, 0);
+  EXPECT_EQ(forward % (4 * 4), 0) << forward;
+  EXPECT_EQ(backward, forward);
+  // And `ptdp reconcile` reads it.
+  const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
+                                   "reconcile --trace " + trace.string() + " --cluster " +
+                                       PTDP_SOURCE_DIR + "/examples/cpu-cluster.json --profile " +
+                                       PTDP_SOURCE_DIR + "/examples/cpu-profile.json",
+                                   "ptdp_run_mpi_test");
+  EXPECT_EQ(rec.status, 0) << rec.err;
 }
 
 // One line from one rank, exit status non-zero, no training step.
@@ -137,6 +198,9 @@ TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
   expect_refused(3, kTiny + " --tensor-model-parallel-size 3", "--tensor-model-parallel-size");
   expect_refused(3, kTiny + " --tensor-model-parallel-size 2", "world size");
   expect_refused(2, kTiny + " --data /nonexistent/tokens.bin", "--data");
+  expect_refused(3, kTiny + " --context-parallel-size 3",
+                 "--context-parallel-size");  // 2 cp = 6 does not divide 32
+  expect_refused(3, kTiny + " --context-parallel-size 2", "world size");
   const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_layout";
   fs::remove_all(dir);
   const Outcome saved =

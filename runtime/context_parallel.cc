@@ -1,0 +1,154 @@
+#include "runtime/context_parallel.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace ptdp {
+
+std::vector<PositionRun> context_runs(int64_t s, int64_t cp, int64_t r, int64_t begin,
+                                      int64_t len) {
+  if (cp == 1) return {{begin, begin, len}};
+  const int64_t c = s / (2 * cp);
+  const int64_t starts[2] = {r * c, (2 * cp - 1 - r) * c};  // chunks r and 2 cp - 1 - r
+  std::vector<PositionRun> runs;
+  for (int64_t k = 0; k < 2; ++k) {
+    const int64_t lo = std::max(begin, k * c), hi = std::min(begin + len, (k + 1) * c);
+    if (lo >= hi) continue;
+    const int64_t g = starts[k] + lo - k * c;
+    if (!runs.empty() && runs.back().global + runs.back().len == g)
+      runs.back().len += hi - lo;  // chunks r and r + 1 meet in the middle (r = cp - 1)
+    else
+      runs.push_back({lo, g, hi - lo});
+  }
+  return runs;
+}
+
+void context_token_window(const int32_t* sequences, int32_t* out, int64_t b, int64_t s, int64_t cp,
+                          int64_t r, int64_t shift) {
+  const int64_t sl = s / cp;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (const PositionRun& run : context_runs(s, cp, r, 0, sl))
+      std::copy_n(sequences + bi * (s + 1) + shift + run.global, run.len,
+                  out + bi * sl + run.local);
+}
+
+void context_rows_to_global(Backend& be, const float* local, float* full, int64_t b, int64_t s,
+                            int64_t cp, int64_t r, int64_t width) {
+  const int64_t sl = s / cp;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (const PositionRun& run : context_runs(s, cp, r, 0, sl))
+      be.copy(local + (bi * sl + run.local) * width, full + (bi * s + run.global) * width,
+              run.len * width);
+}
+
+void context_rows_from_global(Backend& be, const float* full, float* local, int64_t b, int64_t s,
+                              int64_t cp, int64_t r, int64_t width) {
+  const int64_t sl = s / cp;
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (const PositionRun& run : context_runs(s, cp, r, 0, sl))
+      be.copy(full + (bi * s + run.global) * width, local + (bi * sl + run.local) * width,
+              run.len * width);
+}
+
+void context_positions(ShardContext& c, float* x, int64_t table, int64_t sl, int64_t first,
+                       bool grad) {
+  const ShardDims& m = c.dims;
+  if (m.cp == 1) {
+    if (grad)
+      c.be.position_grad(x, c.G(table), m.b, sl, m.h, first);
+    else
+      c.be.add_positions(x, c.P(table), m.b, sl, m.h, first);
+    return;
+  }
+  for (int64_t bi = 0; bi < m.b; ++bi)
+    for (const PositionRun& run : context_runs(m.s_attn, m.cp, m.cpr, first, sl)) {
+      float* rows = x + (bi * sl + run.local - first) * m.h;
+      if (grad)
+        c.be.position_grad(rows, c.G(table), 1, run.len, m.h, run.global);
+      else
+        c.be.add_positions(rows, c.P(table), 1, run.len, m.h, run.global);
+    }
+}
+
+void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse) {
+  const ShardDims& m = c.dims;
+  const int64_t width = heads * m.d;
+  Buffer full;
+  resize(full, m.b * m.s_attn * width);
+  c.be.fill_zero(full.data(), elems(full));
+  context_rows_to_global(c.be, x.data(), full.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  c.be.rope(full.data(), m.b, m.s_attn, heads, m.d, m.rotary_base, inverse);
+  context_rows_from_global(c.be, full.data(), x.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+}
+
+void context_pad_local(ShardContext& c, Buffer& x, int64_t width) {
+  const ShardDims& m = c.dims;
+  Buffer full;
+  resize(full, m.b * m.s_attn * width);
+  c.be.fill_zero(full.data(), elems(full));
+  context_rows_to_global(c.be, x.data(), full.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  x.swap(full);
+}
+
+void context_keep_local(ShardContext& c, Buffer& x, int64_t width) {
+  const ShardDims& m = c.dims;
+  Buffer local;
+  resize(local, m.b * m.s * width);
+  context_rows_from_global(c.be, x.data(), local.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  x.swap(local);
+}
+
+void context_exchange_kv(ShardContext& c, LayerActs& A) {
+  const ShardDims& m = c.dims;
+  const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
+  const int64_t kv = m.b * m.s * width, n = 2 * kv;  // one block: this rank's K, then its V
+  if (elems(A.k) != kv || elems(A.v) != kv)
+    throw std::logic_error("context parallelism: K and V are not the local block");
+  Buffer blocks;
+  resize(blocks, cp * n);
+  c.be.copy(A.k.data(), blocks.data() + r * n, kv);
+  c.be.copy(A.v.data(), blocks.data() + r * n + kv, kv);
+  // Ring all-gather: at step i rank r passes on block r - i and receives block r - i - 1.
+  for (int64_t i = 0; i + 1 < cp; ++i) {
+    const int64_t send = (r - i + cp) % cp, recv = (r - i - 1 + 2 * cp) % cp;
+    c.ring_step(OpId::kCpKvExchange, blocks.data() + send * n, blocks.data() + recv * n, n);
+  }
+  Buffer k, v;
+  resize(k, m.b * m.s_attn * width);
+  resize(v, m.b * m.s_attn * width);
+  for (int64_t q = 0; q < cp; ++q) {
+    context_rows_to_global(c.be, blocks.data() + q * n, k.data(), m.b, m.s_attn, cp, q, width);
+    context_rows_to_global(c.be, blocks.data() + q * n + kv, v.data(), m.b, m.s_attn, cp, q, width);
+  }
+  A.k.swap(k);
+  A.v.swap(v);
+  context_pad_local(c, A.q, m.hl * m.d);
+}
+
+void context_return_dkv(ShardContext& c, LayerGrads& D) {
+  const ShardDims& m = c.dims;
+  const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
+  const int64_t kv = m.b * m.s * width, n = 2 * kv;
+  Buffer part, incoming;
+  resize(part, cp * n);
+  resize(incoming, n);
+  for (int64_t q = 0; q < cp; ++q) {  // this rank's share of every block's dK and dV
+    context_rows_from_global(c.be, D.dk.data(), part.data() + q * n, m.b, m.s_attn, cp, q, width);
+    context_rows_from_global(c.be, D.dv.data(), part.data() + q * n + kv, m.b, m.s_attn, cp, q,
+                             width);
+  }
+  // Ring reduce-scatter: at step i rank r passes on its running sum of block r - 1 - i and adds
+  // its share to the received block r - 2 - i; after cp - 1 steps block r is whole on rank r.
+  for (int64_t i = 0; i + 1 < cp; ++i) {
+    const int64_t send = (r - 1 - i + 2 * cp) % cp, recv = (r - 2 - i + 3 * cp) % cp;
+    c.ring_step(OpId::kCpKvExchangeBackward, part.data() + send * n, incoming.data(), n);
+    c.be.add(part.data() + recv * n, incoming.data(), n);
+  }
+  resize(D.dk, kv);
+  resize(D.dv, kv);
+  c.be.copy(part.data() + r * n, D.dk.data(), kv);
+  c.be.copy(part.data() + r * n + kv, D.dv.data(), kv);
+  context_keep_local(c, D.dq, m.hl * m.d);
+}
+
+}  // namespace ptdp

@@ -1,0 +1,298 @@
+// Context parallelism on one process (runtime/context_parallel.h): the chunk assignment, and the
+// ring attention of cp shards (one thread each, joined by an in-process ring) against one shard
+// holding the whole sequence: the same mean loss, the same averaged gradients, and the ring's
+// exchanges in the executed-op record with one block's K and V each. `ptdp run` with cp under
+// mpirun is in run_mpi_test.cc.
+#include "runtime/context_parallel.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "core/error.h"
+#include "runtime/communicator.h"
+#include "runtime/data.h"
+#include "runtime/gpt_model.h"
+
+namespace ptdp {
+namespace {
+
+TEST(ContextParallel, EachRankHoldsChunksRAndTwoCpMinusOneMinusR) {
+  const int64_t s = 32;
+  for (int64_t cp : {1, 2, 4}) {
+    const int64_t c = s / (2 * cp), sl = s / cp;
+    std::vector<int> owners(static_cast<size_t>(s), 0);
+    for (int64_t r = 0; r < cp; ++r) {
+      std::vector<int64_t> global;  // rank r's local tokens' global positions, in local order
+      for (const PositionRun& run : context_runs(s, cp, r, 0, sl)) {
+        EXPECT_EQ(static_cast<int64_t>(global.size()), run.local);
+        for (int64_t i = 0; i < run.len; ++i) global.push_back(run.global + i);
+      }
+      ASSERT_EQ(static_cast<int64_t>(global.size()), sl);
+      for (int64_t i = 0; i < sl; ++i) {
+        const int64_t chunk = i < c ? r : 2 * cp - 1 - r;
+        EXPECT_EQ(global[static_cast<size_t>(i)], chunk * c + i % c) << "cp " << cp << " r " << r;
+        ++owners[static_cast<size_t>(global[static_cast<size_t>(i)])];
+      }
+      // A slice of the local tokens (a sequence-parallel rank's) maps to the same positions.
+      for (const PositionRun& run : context_runs(s, cp, r, c / 2, c)) {
+        for (int64_t i = 0; i < run.len; ++i)
+          EXPECT_EQ(run.global + i, global[static_cast<size_t>(run.local + i)]);
+      }
+      // Tokens: inputs are positions 0..s-1 of each sequence of s + 1, targets 1..s.
+      const int64_t b = 2;
+      std::vector<int32_t> seq(static_cast<size_t>(b * (s + 1)));
+      std::iota(seq.begin(), seq.end(), 0);
+      std::vector<int32_t> in(static_cast<size_t>(b * sl)), tgt(in.size());
+      context_token_window(seq.data(), in.data(), b, s, cp, r, 0);
+      context_token_window(seq.data(), tgt.data(), b, s, cp, r, 1);
+      for (int64_t bi = 0; bi < b; ++bi)
+        for (int64_t i = 0; i < sl; ++i) {
+          const int32_t want = static_cast<int32_t>(bi * (s + 1) + global[static_cast<size_t>(i)]);
+          EXPECT_EQ(in[static_cast<size_t>(bi * sl + i)], want);
+          EXPECT_EQ(tgt[static_cast<size_t>(bi * sl + i)], want + 1);
+        }
+    }
+    for (int n : owners) EXPECT_EQ(n, 1) << "cp " << cp;  // every position held exactly once
+  }
+}
+
+// Ranks of one process joined for point-to-point only (all the ring needs): a send is copied
+// into the receiver's mailbox, a receive waits for it (bounded).
+struct Mailboxes {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::pair<int, int>, std::deque<std::vector<char>>> queue;  // (from, to)
+};
+
+class DoneWork : public Work {
+ public:
+  bool test() override { return true; }
+  void wait() override {}
+  void wait(CommDuration) override {}
+};
+
+class InProcessRing : public Communicator {
+ public:
+  InProcessRing(Mailboxes& box, int rank, int size) : box_(box), rank_(rank), size_(size) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+ protected:
+  std::unique_ptr<Communicator> make_split(int, int) override { throw unsupported(); }
+  std::unique_ptr<Work> start_all_reduce(void*, size_t, DType, DeviceStream) override {
+    throw unsupported();
+  }
+  std::unique_ptr<Work> start_all_gather(const void*, void*, size_t, DType, DeviceStream) override {
+    throw unsupported();
+  }
+  std::unique_ptr<Work> start_reduce_scatter(const void*, void*, size_t, DType,
+                                             DeviceStream) override {
+    throw unsupported();
+  }
+  std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int, DeviceStream) override {
+    throw unsupported();
+  }
+  std::unique_ptr<Work> start_barrier() override { throw unsupported(); }
+  std::unique_ptr<Work> start_batch(std::span<const P2P> ops, DeviceStream) override {
+    std::unique_lock<std::mutex> lock(box_.mu);
+    for (const P2P& op : ops)
+      if (op.send) {
+        const char* p = static_cast<const char*>(op.data);
+        box_.queue[{rank_, op.peer}].emplace_back(p, p + op.n * dtype_bytes(op.dtype));
+      }
+    box_.cv.notify_all();
+    for (const P2P& op : ops) {
+      if (op.send) continue;
+      auto& q = box_.queue[{op.peer, rank_}];
+      if (!box_.cv.wait_for(lock, std::chrono::seconds(60), [&] { return !q.empty(); }))
+        throw CommTimeout("in-process ring", "recv", {op.peer}, std::chrono::seconds(60), "");
+      if (q.front().size() != op.n * dtype_bytes(op.dtype))
+        throw std::logic_error("in-process ring: message size differs");
+      std::memcpy(op.data, q.front().data(), q.front().size());
+      q.pop_front();
+    }
+    return std::make_unique<DoneWork>();
+  }
+
+ private:
+  static std::logic_error unsupported() {
+    return std::logic_error("in-process ring: point-to-point only");
+  }
+  Mailboxes& box_;
+  int rank_, size_;
+};
+
+ModelSpec tiny(bool rotary) {
+  ModelSpec m;
+  m.name = "tiny";
+  m.num_layers = 2;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  if (rotary) {  // Llama's shape: GQA, SwiGLU, untied, rotary positions
+    m.num_query_groups = 2;
+    m.swiglu = true;
+    m.untie_embeddings_and_output_weights = true;
+    m.ffn_hidden_size = 96;
+    m.learned_position_embeddings = false;
+    m.rotary_base = 10000;
+  }
+  return m;
+}
+
+struct Pass {
+  double loss = 0;
+  std::vector<float> grads;
+  std::vector<ExecutedOp> trace;
+};
+
+// One forward and backward pass of microbatch 0 on a shard of `layout`.
+Pass run_shard(const ModelSpec& m, const ShardLayout& layout, Communicator* ring) {
+  auto self = make_self_communicator();
+  GptShard shard(m, layout, self.get(), 11);
+  if (ring) shard.set_context_group(ring);
+  std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+  const TokenSource data = TokenSource::synthetic(m.vocab_size, 5);
+  for (int64_t i = 0; i < layout.micro_batch; ++i)
+    data.sequence(i, m.seq_length, tokens.data() + i * (m.seq_length + 1));
+  Pass out;
+  shard.trace_ops(&out.trace);
+  out.loss = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+  shard.backward(0, 0, nullptr, nullptr, 1.0);
+  const auto g = shard.grads().view<float>(0, shard.grads().size());
+  out.grads.assign(g.begin(), g.end());
+  return out;
+}
+
+// cp shards in threads; rank r's pass in result[r].
+std::vector<Pass> run_ring(const ModelSpec& m, ShardLayout layout, int cp) {
+  Mailboxes box;
+  std::vector<std::unique_ptr<InProcessRing>> rings;
+  for (int r = 0; r < cp; ++r) rings.push_back(std::make_unique<InProcessRing>(box, r, cp));
+  std::vector<Pass> out(static_cast<size_t>(cp));
+  std::vector<std::string> errors(static_cast<size_t>(cp));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < cp; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ShardLayout l = layout;
+        l.cp = cp;
+        l.cp_rank = r;
+        out[static_cast<size_t>(r)] = run_shard(m, l, rings[static_cast<size_t>(r)].get());
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(r)] = e.what();
+      }
+    });
+  for (std::thread& t : threads) t.join();
+  for (const std::string& e : errors) EXPECT_EQ(e, "");
+  return out;
+}
+
+// The ring's shards together compute what one shard of the whole sequence does: the mean of
+// their losses (each the mean over its s / cp tokens) is the loss, the mean of their gradients
+// (what the dp x cp all-reduce forms) is the gradient.
+TEST(ContextParallel, RingAttentionEqualsPlainAttention) {
+  for (bool rotary : {false, true})
+    for (Recompute rc : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+      for (int cp : {2, 4}) {
+        const ModelSpec m = tiny(rotary);
+        ShardLayout layout;
+        layout.micro_batch = 2;
+        layout.recompute = rc;
+        const Pass plain = run_shard(m, layout, nullptr);
+        const std::vector<Pass> ring = run_ring(m, layout, cp);
+        if (::testing::Test::HasFailure()) return;
+        double loss = 0;
+        std::vector<double> grads(plain.grads.size(), 0.0);
+        for (const Pass& p : ring) {
+          loss += p.loss / cp;
+          ASSERT_EQ(p.grads.size(), grads.size());
+          for (size_t i = 0; i < grads.size(); ++i) grads[i] += p.grads[i] / cp;
+        }
+        const std::string what = std::string(rotary ? "rotary" : "learned") + " cp " +
+                                 std::to_string(cp) + " recompute " + to_string(rc);
+        EXPECT_NEAR(loss, plain.loss, 1e-5 * plain.loss) << what;
+        double scale = 0;
+        for (float g : plain.grads) scale = std::max(scale, std::abs(static_cast<double>(g)));
+        ASSERT_GT(scale, 0);
+        size_t bad = 0;
+        for (size_t i = 0; i < grads.size(); ++i)
+          if (std::abs(grads[i] - plain.grads[i]) > 1e-5 * scale) ++bad;
+        EXPECT_EQ(bad, 0u) << what;
+      }
+}
+
+// Every layer's forward pass has cp - 1 kCpKvExchange steps and its backward cp - 1
+// kCpKvExchangeBackward steps, each a send/recv of one block's K and V (dK and dV): b s / cp
+// tokens of the local query groups' keys and values, in fp32. Full recomputation repeats the
+// forward ring.
+TEST(ContextParallel, ExchangesAreRecordedWithOneBlockPerStep) {
+  for (Recompute rc : {Recompute::kNone, Recompute::kFull}) {
+    const ModelSpec m = tiny(true);
+    ShardLayout layout;
+    layout.micro_batch = 2;
+    layout.recompute = rc;
+    const int cp = 4;
+    const std::vector<Pass> ring = run_ring(m, layout, cp);
+    if (::testing::Test::HasFailure()) return;
+    const double block = 2.0 * layout.micro_batch * (m.seq_length / cp) * m.query_groups() *
+                         m.kv_channels() * sizeof(float);
+    for (const Pass& p : ring) {
+      int64_t fwd = 0, bwd = 0, rec = 0;
+      for (const ExecutedOp& e : p.trace) {
+        if (e.id != OpId::kCpKvExchange && e.id != OpId::kCpKvExchangeBackward) continue;
+        EXPECT_EQ(e.kind, OpKind::kCollective);
+        EXPECT_EQ(e.collective, Collective::kSendRecv);
+        EXPECT_DOUBLE_EQ(e.bytes, block);
+        if (e.id == OpId::kCpKvExchangeBackward) {
+          EXPECT_EQ(e.role, OpRole::kInputGrad);
+          ++bwd;
+        } else if (e.role == OpRole::kRecompute) {
+          ++rec;
+        } else {
+          EXPECT_EQ(e.role, OpRole::kForward);
+          ++fwd;
+        }
+      }
+      EXPECT_EQ(fwd, m.num_layers * (cp - 1));
+      EXPECT_EQ(bwd, m.num_layers * (cp - 1));
+      EXPECT_EQ(rec, rc == Recompute::kFull ? m.num_layers * (cp - 1) : 0);
+    }
+    // The forward exchanges come after the rotary embedding and before the scores.
+    const auto& t = ring[0].trace;
+    const auto first = std::find_if(
+        t.begin(), t.end(), [](const ExecutedOp& e) { return e.id == OpId::kCpKvExchange; });
+    ASSERT_NE(first, t.end());
+    ASSERT_NE(first, t.begin());
+    EXPECT_EQ((first - 1)->id, OpId::kRotaryEmbedding);
+    EXPECT_EQ((first + cp - 1)->id, OpId::kAttnScores);
+  }
+}
+
+TEST(ContextParallel, BadLayoutsAreInputErrors) {
+  ShardLayout l;
+  l.cp = 3;  // 2 * 3 does not divide 32
+  try {
+    validate_shard_layout(tiny(false), l);
+    ADD_FAILURE() << "accepted cp 3 with a sequence of 32";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), "--context-parallel-size") << e.what();
+  }
+  l.cp = 2;
+  l.cp_rank = 2;
+  EXPECT_THROW(validate_shard_layout(tiny(false), l), InputError);
+}
+
+}  // namespace
+}  // namespace ptdp
