@@ -174,6 +174,10 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
     for (int f = 0; f < kNumOpFamilies; ++f) {
       const auto fam = static_cast<OpFamily>(f);
       if (fam == OpFamily::kPipelineP2p) add_row(kPassOverhead, 0, m.pass_overhead / samples);
+      // The context-parallel and MoE families appear only for plans that have them.
+      const bool optional = fam == OpFamily::kContextComm || fam == OpFamily::kMoeRouting ||
+                            fam == OpFamily::kExpertGemm || fam == OpFamily::kExpertComm;
+      if (optional && ps.families.family(fam) == 0 && m.families.family(fam) == 0) continue;
       ReconcileRow* row = add_row(std::string(family_name(fam)), ps.families.family(fam),
                                   m.families.family(fam) / samples);
       for (int role = 0; role < 4; ++role)
