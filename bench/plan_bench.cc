@@ -1,20 +1,25 @@
-// Exhaustive `ptdp plan` of the 1T-parameter model of SC'21 Table 1 (128 layers, hidden 25600,
-// 160 heads) on 3072 A100s at global batch 3072, over the full search space, on one thread.
+// Exhaustive `ptdp plan` over the full search space (t, cp, p, d, b, v, ep, etp, uneven
+// splits, recompute, SP, distributed optimizer): the 1T-parameter model of SC'21 Table 1 (128
+// layers, hidden 25600, 160 heads) on 3072 A100s at global batch 3072; the same on H100s at
+// sequence 32768 (where context parallelism is tried); and a 64-expert MoE (Qwen2-57B-A14B,
+// top-8, shared experts) on 1024 H100s, which adds expert parallelism.
 //   build/bench/plan_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
+
+#include <string>
 
 #include "core/presets.h"
 #include "planner/search.h"
 
 namespace {
 
-void BM_Plan1T(benchmark::State& state) {
-  const ptdp::ModelSpec m = ptdp::resolve_model("gpt-1t");
-  ptdp::ClusterSpec c = ptdp::resolve_cluster("dgx-a100-80gb");
-  c.resize(3072);
+void run_search(benchmark::State& state, const ptdp::ModelSpec& m, const std::string& cluster,
+                int64_t gpus, int64_t batch) {
+  ptdp::ClusterSpec c = ptdp::resolve_cluster(cluster);
+  c.resize(gpus);
   const ptdp::HardwareProfile h = ptdp::default_profile_for(c);
   ptdp::SearchOptions o;
-  o.global_batch_size = 3072;
+  o.global_batch_size = batch;
   o.threads = static_cast<int>(state.range(0));
   int64_t considered = 0, evaluated = 0;
   for (auto _ : state) {
@@ -28,7 +33,23 @@ void BM_Plan1T(benchmark::State& state) {
   state.counters["configs_per_s"] = benchmark::Counter(
       static_cast<double>(considered), benchmark::Counter::kIsIterationInvariantRate);
 }
+
+void BM_Plan1T(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("gpt-1t"), "dgx-a100-80gb", 3072, 3072);
+}
 BENCHMARK(BM_Plan1T)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Plan1TLongContextH100(benchmark::State& state) {
+  ptdp::ModelSpec m = ptdp::resolve_model("gpt-1t");
+  m.seq_length = 32768;
+  run_search(state, m, "dgx-h100", 3072, 384);
+}
+BENCHMARK(BM_Plan1TLongContextH100)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_PlanMoe64Experts(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("qwen2-57b-a14b"), "dgx-h100", 1024, 1024);
+}
+BENCHMARK(BM_PlanMoe64Experts)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Predict175B(benchmark::State& state) {
   const ptdp::ModelSpec m = ptdp::resolve_model("gpt3-175b");

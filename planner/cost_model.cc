@@ -77,26 +77,27 @@ void add(PassTime& a, const PassTime& b, double times) {
   a.tp_comm += b.tp_comm * times;
 }
 
-// The first layer (global index) and layer count of pipeline rank r's model chunk c: chunks
-// hold consecutive layers in global-stage order (chunk c of rank r is global stage c p + r).
-std::pair<int64_t, int64_t> chunk_layers(const ModelSpec& m, const ParallelPlan& p, int64_t r,
-                                         int64_t c) {
+// MoE layers in each model chunk, in global-stage order (chunk c of rank r is global stage
+// c p + r; chunks hold consecutive layers in that order). Empty for a dense model.
+std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan& p) {
+  std::vector<int64_t> out;
+  if (!m.is_moe()) return out;
   const int64_t v = p.virtual_stages, pp = p.pipeline_parallel;
-  const int64_t g = c * pp + r;
+  out.resize(static_cast<size_t>(pp * v));
   int64_t first = 0;
-  for (int64_t k = 0; k < g; ++k) first += p.layers_on_stage(m, k % pp) / v;
-  return {first, p.layers_on_stage(m, r) / v};
+  for (int64_t g = 0; g < pp * v; ++g) {
+    const int64_t count = p.layers_on_stage(m, g % pp) / v;
+    out[static_cast<size_t>(g)] = m.moe_layers_in(first, count);
+    first += count;
+  }
+  return out;
 }
 
-int64_t moe_layers_of_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r, int64_t c) {
-  if (!m.is_moe()) return 0;
-  const auto [first, count] = chunk_layers(m, p, r, c);
-  return m.moe_layers_in(first, count);
-}
-
-int64_t moe_layers_of_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r) {
+int64_t moe_layers_of_stage(const std::vector<int64_t>& chunks, const ParallelPlan& p, int64_t r) {
   int64_t n = 0;
-  for (int64_t c = 0; c < p.virtual_stages && m.is_moe(); ++c) n += moe_layers_of_chunk(m, p, r, c);
+  if (chunks.empty()) return 0;
+  for (int64_t c = 0; c < p.virtual_stages; ++c)
+    n += chunks[static_cast<size_t>(c * p.pipeline_parallel + r)];
   return n;
 }
 
@@ -139,6 +140,7 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
   shape.expert_load = m.is_moe() ? expert_load(m) : 1.0;
   per_layer_ = layer_activation_bytes(m, shape);
   per_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, shape) : per_layer_;
+  moe_chunks_ = moe_layers_per_chunk(m, p);
   // The layer being recomputed (or the last one run) holds its full activations once.
   LayerShape full = shape;
   full.recompute = Recompute::kNone;
@@ -156,7 +158,7 @@ double ActivationMemory::on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
   const double inflight = inflight_layer_activations(p_, r, layers);
   // Per layer: the stage's mix of dense and MoE layers.
-  const double moe = static_cast<double>(moe_layers_of_stage(m_, p_, r));
+  const double moe = static_cast<double>(moe_layers_of_stage(moe_chunks_, p_, r));
   const double per_layer =
       layers > 0 ? ((static_cast<double>(layers) - moe) * per_layer_ + moe * per_moe_layer_) /
                        static_cast<double>(layers)
@@ -486,12 +488,29 @@ ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chu
                          rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
 }
 
+const std::vector<int64_t>& CostModel::moe_chunks(const ParallelPlan& p) const {
+  // The last plan's counts: the search and predict ask for the same plan many times in a row.
+  if (!model_.is_moe()) {
+    static const std::vector<int64_t> none;
+    return none;
+  }
+  if (p.pipeline_parallel != moe_key_p_ || p.virtual_stages != moe_key_v_ ||
+      p.layers_per_stage != moe_key_split_) {
+    moe_key_p_ = p.pipeline_parallel;
+    moe_key_v_ = p.virtual_stages;
+    moe_key_split_ = p.layers_per_stage;
+    moe_chunks_ = moe_layers_per_chunk(model_, p);
+  }
+  return moe_chunks_;
+}
+
 int64_t CostModel::moe_layers_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const {
-  return moe_layers_of_chunk(model_, p, r, c);
+  const std::vector<int64_t>& chunks = moe_chunks(p);
+  return chunks.empty() ? 0 : chunks[static_cast<size_t>(c * p.pipeline_parallel + r)];
 }
 
 int64_t CostModel::moe_layers_on_stage(const ParallelPlan& p, int64_t r) const {
-  return moe_layers_of_stage(model_, p, r);
+  return moe_layers_of_stage(moe_chunks(p), p, r);
 }
 
 double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const {

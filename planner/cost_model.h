@@ -157,6 +157,10 @@ class CostModel {
   CommModel comm_;
   mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t, int64_t, int64_t>, ShapeTimes>
       cache_;
+  // MoE layers per model chunk of the last (p, v, split) asked about.
+  const std::vector<int64_t>& moe_chunks(const ParallelPlan& p) const;
+  mutable int64_t moe_key_p_ = 0, moe_key_v_ = 0;
+  mutable std::vector<int64_t> moe_key_split_, moe_chunks_;
 };
 
 // Bytes per parameter of the gradients kept and reduced: 4 with fp32 gradient reduction, 2
@@ -202,6 +206,7 @@ class ActivationMemory {
   const ModelSpec& m_;
   const ParallelPlan& p_;
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
+  std::vector<int64_t> moe_chunks_;  // MoE layers per model chunk (empty: dense)
 };
 
 }  // namespace ptdp

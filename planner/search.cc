@@ -162,6 +162,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
     for (int64_t cp : divisors(n / t)) {
       if (cp > 1 && (!o.try_context_parallel || m.seq_length % (2 * cp) != 0 ||
+                     m.seq_length / cp < o.min_context_tokens ||
                      (o.max_context_parallel > 0 && cp > o.max_context_parallel)))
         continue;
       for (int64_t p : divisors(n / (t * cp))) {

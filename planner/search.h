@@ -37,8 +37,12 @@ struct SearchOptions {
   // Context parallelism (cp dividing the GPUs, 2 cp the sequence) up to max_context_parallel
   // (0: no limit), and for MoE models expert parallelism (ep dividing the experts) with the
   // expert tensor-parallel size t or 1.
+  // cp is tried while each rank keeps at least min_context_tokens of the sequence: below that a
+  // ring step's attention block is too small to hide the K/V transfer, and Megatron-Core
+  // recommends cp for long sequences only.
   bool try_context_parallel = true;
   int64_t max_context_parallel = 0;
+  int64_t min_context_tokens = 2048;
   bool try_expert_parallel = true;
   // Settings every candidate shares (taken from the user's flags).
   ParallelPlan defaults;
