@@ -19,6 +19,7 @@
 #include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
+#include "runtime/expert_groups.h"
 #include "runtime/gpt_model.h"
 #include "runtime/grad_sync.h"
 #include "runtime/lr_schedule.h"
@@ -92,7 +93,7 @@ int64_t peak_rss_bytes() {
 // continue its loss curve.
 nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
   const ParallelPlan& p = o.plan;
-  return {{"model", to_json(o.model)},
+  nlohmann::json j = {{"model", to_json(o.model)},
           {"t", p.tensor_parallel},
           {"p", p.pipeline_parallel},
           {"d", p.data_parallel},
@@ -102,6 +103,11 @@ nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
           {"global_batch_size", p.global_batch_size},
           {"micro_batch_size", p.micro_batch_size},
           {"parameters_on_rank", flat_size}};
+  if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
+    j["ep"] = p.expert_parallel;
+    j["etp"] = p.expert_tp();
+  }
+  return j;
 }
 
 int64_t total(const std::vector<int64_t>& v) {
@@ -109,10 +115,12 @@ int64_t total(const std::vector<int64_t>& v) {
 }
 
 // Floats of one AdamW moment for parameter segments of these sizes: all of them, or with the
-// distributed optimizer this rank's 1/d of each.
-int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, int64_t d) {
+// distributed optimizer this rank's 1/d of each (1/edp of the routed experts' segment 2).
+int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, int64_t d,
+                      int64_t edp) {
   int64_t n = 0;
-  for (int64_t s : segments) n += distributed ? s / d : s;
+  for (size_t i = 0; i < segments.size(); ++i)
+    n += distributed ? segments[i] / (i == 2 ? edp : d) : segments[i];
   return n;
 }
 
@@ -136,9 +144,6 @@ void validate_options(const TrainOptions& o) {
   if (o.plan.context_parallel > 1)
     throw InputError("--context-parallel-size",
                      "ptdp run does not execute context parallelism yet (plan and predict price it)");
-  if (o.model.is_moe())
-    throw InputError("--num-experts",
-                     "ptdp run does not execute MoE layers yet (plan and predict price them)");
 }
 
 class Executor {
@@ -165,6 +170,8 @@ class Executor {
   std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
+  std::unique_ptr<Communicator> ep_, etp_, edp_;  // MoE models (runtime/expert_groups.h)
+  ExpertPosition expert_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<GptShard> shard_;
   std::unique_ptr<DataParallelOptimizer> optimizer_;
@@ -209,6 +216,13 @@ void Executor::setup() {
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
     layout.segment_multiple = dist_ ? d_ : 1;
+    expert_ = expert_position(t_, d_, m.is_moe() ? plan.expert_tp() : 1, plan.expert_parallel,
+                              pos_.tp, pos_.dp, pos_.pp);
+    layout.ep = expert_.ep;
+    layout.ep_rank = expert_.ep_rank;
+    layout.etp = expert_.etp;
+    layout.etp_rank = expert_.etp_rank;
+    layout.expert_segment_multiple = dist_ ? expert_.edp : 1;
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
@@ -231,7 +245,13 @@ void Executor::setup() {
   const bool embedding_member = p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) &&
                                 !o_.model.untie_embeddings_and_output_weights;
   embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * d_ + key, "embedding");
+  if (m.is_moe()) {
+    ep_ = split(expert_.ep_color, "expert-parallel");
+    etp_ = split(expert_.etp_color, "expert-tensor-parallel");
+    edp_ = split(expert_.edp_color, "expert-data-parallel");
+  }
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
+  shard_->set_expert_groups(ep_.get(), etp_.get());
   const auto& segs = shard_->segments();
   for (size_t i = 0; i < segs.size(); ++i)
     if (i >= segment_sizes_.size() || segs[i].size != segment_sizes_[i])
@@ -240,7 +260,12 @@ void Executor::setup() {
   groups.tensor = tp_.get();
   groups.data = dp_.get();
   groups.embedding = embedding_.get();
-  groups.norm = dist_ ? &world_ : model_.get();
+  groups.norm = dist_ || m.is_moe() ? &world_ : model_.get();
+  groups.norm_spans_replicas = m.is_moe();
+  groups.expert_data = edp_.get();
+  groups.expert_data_parallel = expert_.edp;
+  groups.edp_rank = expert_.edp_rank;
+  groups.etp_rank = expert_.etp_rank;
   groups.data_parallel = d_;
   groups.dp_rank = pos_.dp;
   groups.tp_rank = pos_.tp;
@@ -256,7 +281,8 @@ void Executor::load_checkpoint() {
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_));
+    const auto moments =
+        static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_, expert_.edp));
     if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
@@ -291,7 +317,7 @@ std::vector<RankFootprint> Executor::dry_run(
     f.dp = pos.dp;
     f.parameter_floats = total(sizes);
     // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
-    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, d_);
+    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, d_, expert_.edp);
     all.push_back(f);
   }
   agree(control_, [&] {
@@ -410,9 +436,14 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   result.first_step = first_step_;
   {
     // Each parameter once (replicated ones on TP rank 0, DP replica 0 only).
+    // Routed experts once per expert grid position (expert replica 0, expert-tensor rank 0).
     int64_t n = 0;
-    for (const ParamInfo& p : shard_->param_infos())
-      if (!p.tied_copy && pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0)) n += p.real_size;
+    for (const ParamInfo& p : shard_->param_infos()) {
+      if (p.tied_copy) continue;
+      if (p.expert ? expert_.edp_rank == 0 && (!p.tp_replicated || expert_.etp_rank == 0)
+                   : pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0))
+        n += p.real_size;
+    }
     result.parameters = control_.sum(n);
   }
   control_.barrier();
