@@ -174,6 +174,24 @@ TEST(RunMpi, SwiGluMoeWithASharedExpertAndMoeEveryOtherLayerShardToTheSameLosses
       run_json(0, every_other));
 }
 
+// Every rank's shard of the experts is saved and loaded: resuming continues the curve exactly.
+TEST(RunMpi, MoeCheckpointResumesTheCurve) {
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_moe_checkpoint";
+  fs::remove_all(dir);
+  const std::string moe = kTinyMoe + " --expert-model-parallel-size 2";
+  const nlohmann::json whole = run_json(2, moe);
+  std::string first = moe;
+  first.replace(first.find("--steps 6"), 9, "--steps 3");
+  const Outcome saved = ptdp_run(2, first + " --save " + dir.string());
+  ASSERT_EQ(saved.status, 0) << saved.err;
+  const nlohmann::json resumed = run_json(2, moe + " --load " + dir.string());
+  const auto all = losses(whole), rest = losses(resumed);
+  ASSERT_EQ(all.size(), 6u);
+  ASSERT_EQ(rest.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest[i], all[i + 3]) << i;
+  fs::remove_all(dir);
+}
+
 TEST(RunMpi, BadExpertPlansStopEveryRankWithStatusTwo) {
   for (const auto& [args, flag] : std::vector<std::pair<std::string, std::string>>{
            {kTinyMoe + " --expert-model-parallel-size 3", "--expert-model-parallel-size"},
