@@ -130,8 +130,8 @@ class SelfCommunicator final : public Communicator {
     return done();
   }
   std::unique_ptr<Work> start_barrier() override { return done(); }
-  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send,
-                                           void* out, std::span<const size_t> recv, DType t,
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
+                                           std::span<const size_t> recv, DType t,
                                            DeviceStream) override {
     if (send.size() != 1 || recv.size() != 1 || send[0] != recv[0])
       throw std::invalid_argument("all-to-all counts of a group of one rank");

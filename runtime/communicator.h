@@ -134,8 +134,8 @@ class Communicator {
   // order. Both count vectors have size() entries; every rank's send_counts[r] must equal rank
   // r's recv_counts[this rank] (exchange the counts first, e.g. with an int64 all-to-all of ones).
   std::unique_ptr<Work> all_to_all_v_async(const void* in, std::span<const size_t> send_counts,
-                                           void* out, std::span<const size_t> recv_counts,
-                                           DType t, DeviceStream s = {}) {
+                                           void* out, std::span<const size_t> recv_counts, DType t,
+                                           DeviceStream s = {}) {
     return start_all_to_all_v(in, send_counts, out, recv_counts, t, s);
   }
 

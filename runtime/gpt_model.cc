@@ -142,8 +142,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   if (m.is_moe()) {
     if (!backend->host_accessible())
       throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
-    const MoeDims md = moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp,
-                                layout.etp_rank);
+    const MoeDims md =
+        moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank);
     J.moe = std::make_unique<MoeContext>(m, md);
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
@@ -226,11 +226,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       p.size = md.fc1_width() * h;
       p.segment = 2;
       p.expert = true;
-      mx.fc1_w.push_back(add(p, normal(p.name, md.fc1_width(), h, std_dev,
-                                       [=](int64_t row, int64_t c2) {
-                                         const int64_t part = row / ffe, k = row % ffe;
-                                         return (part * ffn + et * ffe + k) * h + c2;
-                                       })));
+      mx.fc1_w.push_back(
+          add(p, normal(p.name, md.fc1_width(), h, std_dev, [=](int64_t row, int64_t c2) {
+                const int64_t part = row / ffe, k = row % ffe;
+                return (part * ffn + et * ffe + k) * h + c2;
+              })));
       ParamInfo b1 = p;
       b1.name = ex + "fc1.bias";
       b1.size = ffe;
@@ -240,8 +240,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       p2.name = ex + "fc2.weight";
       p2.size = h * ffe;
       mx.fc2_w.push_back(add(p2, normal(p2.name, h, ffe, out_std, [=](int64_t row, int64_t c2) {
-        return row * ffn + et * ffe + c2;
-      })));
+                               return row * ffn + et * ffe + c2;
+                             })));
       ParamInfo b2 = p;
       b2.name = ex + "fc2.bias";
       b2.size = h;

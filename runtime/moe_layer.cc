@@ -92,8 +92,8 @@ void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const
                         const Counts& gathered, Buffer& out) {
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h, n = total(mine);
-  const Buffer by_source = transpose(in, transposed(gathered, d.etp, d.local_experts),
-                                     d.local_experts, d.etp, h);
+  const Buffer by_source =
+      transpose(in, transposed(gathered, d.etp, d.local_experts), d.local_experts, d.etp, h);
   Buffer got;
   exchange_rows(mc.etp(), by_source.data(), row_sums(gathered, d.etp, d.local_experts), got,
                 Counts(static_cast<size_t>(d.etp), n), h);
@@ -198,8 +198,7 @@ void MoeContext::set_groups(Communicator* ep, Communicator* etp) {
   if (!ep && dims_.ep > 1) throw std::logic_error("expert parallelism without its group");
   if (!etp && dims_.etp > 1) throw std::logic_error("expert tensor parallelism without its group");
   if (ep && ep->size() != dims_.ep) throw std::logic_error("expert-parallel group of wrong size");
-  if (etp && etp->size() != dims_.etp)
-    throw std::logic_error("expert-tensor group of wrong size");
+  if (etp && etp->size() != dims_.etp) throw std::logic_error("expert-tensor group of wrong size");
   ep_ = ep ? ep : own_ep_.get();
   etp_ = etp ? etp : own_etp_.get();
 }
@@ -216,9 +215,9 @@ bool is_mlp_forward(OpId id) {
          id == OpId::kMlpReduceScatter;
 }
 bool is_mlp_backward(OpId id) {
-  return id == OpId::kMlpReduceScatterBackward || id == OpId::kFc2Dgrad ||
-         id == OpId::kFc2Wgrad || id == OpId::kBiasGeluBackward || id == OpId::kSwigluBackward ||
-         id == OpId::kFc1Dgrad || id == OpId::kFc1InputGradAllReduce || id == OpId::kFc1Wgrad ||
+  return id == OpId::kMlpReduceScatterBackward || id == OpId::kFc2Dgrad || id == OpId::kFc2Wgrad ||
+         id == OpId::kBiasGeluBackward || id == OpId::kSwigluBackward || id == OpId::kFc1Dgrad ||
+         id == OpId::kFc1InputGradAllReduce || id == OpId::kFc1Wgrad ||
          id == OpId::kMlpAllGatherBackward;
 }
 
@@ -248,9 +247,8 @@ std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const Moe
   using I = OpId;
   std::vector<OpId> routed = {I::kMoeUnpermuteBackward, I::kMoeCombineBackward};
   if (d.etp > 1) routed.push_back(I::kMoeCombineReduceScatterBackward);
-  routed.insert(routed.end(), {I::kExpertFc2Dgrad, I::kExpertFc2Wgrad,
-                               I::kExpertActivationBackward, I::kExpertFc1Dgrad,
-                               I::kExpertFc1Wgrad});
+  routed.insert(routed.end(), {I::kExpertFc2Dgrad, I::kExpertFc2Wgrad, I::kExpertActivationBackward,
+                               I::kExpertFc1Dgrad, I::kExpertFc1Wgrad});
   if (d.etp > 1) routed.push_back(I::kMoeDispatchAllGatherBackward);
   routed.insert(routed.end(), {I::kMoeDispatchBackward, I::kMoePermuteBackward,
                                I::kRouterTopkBackward, I::kRouterDgrad, I::kRouterWgrad});
@@ -273,8 +271,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       kernels::topk_softmax(A.logits.data(), n, E, k, A.chosen.data(), A.prob.data());
       A.expert = A.chosen;
       if (d.capacity_factor > 0) {
-        const auto capacity = static_cast<int64_t>(std::ceil(
-            d.capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
+        const auto capacity = static_cast<int64_t>(
+            std::ceil(d.capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
         kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity);
       }
       release(A.logits);
@@ -282,8 +280,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
     case OpId::kMoePermute:
       A.slot_of_row.resize(static_cast<size_t>(n * k));
       A.counts.resize(static_cast<size_t>(E));
-      A.rows = kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(),
-                                    A.counts.data());
+      A.rows =
+          kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
       resize(A.permuted, A.rows * h);
       kernels::permute_rows(x.data(), A.slot_of_row.data(), A.rows, k, h, A.permuted.data());
       break;
@@ -364,8 +362,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       resize(A.d_y, A.rows * h);
       A.dprob.assign(static_cast<size_t>(n * k), 0.0f);
       kernels::unpermute_backward(d_out.data(), A.combined.data(), A.prob.data(),
-                                  A.slot_of_row.data(), A.rows, k, h, A.d_y.data(),
-                                  A.dprob.data());
+                                  A.slot_of_row.data(), A.rows, k, h, A.d_y.data(), A.dprob.data());
       release(A.combined);
       break;
     case OpId::kMoeCombineBackward: {
@@ -383,8 +380,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     case OpId::kExpertFc2Dgrad:
       resize(A.d_act, elems(A.act));
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
-        be.linear_dgrad(c.P(W.fc2_w[e]), at(A.d_y, r0, h), at(A.d_act, r0, d.ffe), rows, d.ffe,
-                        h);
+        be.linear_dgrad(c.P(W.fc2_w[e]), at(A.d_y, r0, h), at(A.d_act, r0, d.ffe), rows, d.ffe, h);
       });
       c.gemm_done(elems(A.x) / h, d.ffe, h, 1);
       break;
@@ -438,8 +434,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
         resize(d_x, n * h);
         be.fill_zero(d_x.data(), n * h);
       }
-      kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h,
-                                     d_x.data());
+      kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, d_x.data());
       release(A.d_x);
       break;
     case OpId::kRouterTopkBackward:

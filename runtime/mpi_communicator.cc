@@ -348,8 +348,8 @@ class MpiCommunicator final : public Communicator {
           "reduce-scatter");
     return w;
   }
-  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send,
-                                           void* out, std::span<const size_t> recv, DType t,
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
+                                           std::span<const size_t> recv, DType t,
                                            DeviceStream) override {
     const auto n = static_cast<size_t>(size_);
     if (send.size() != n || recv.size() != n)

@@ -18,7 +18,7 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
                             + qkv * h + biases * qkv   // QKV
                             + h * hl * d + biases * h  // attention projection
                             + h + biases * h;          // post-attention layernorm
-  auto mlp = [&](int64_t width) {  // FC1 and FC2 of local width `width`
+  auto mlp = [&](int64_t width) {                      // FC1 and FC2 of local width `width`
     return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;
   };
   const int64_t per_layer = attention + mlp(ffl);

@@ -94,15 +94,15 @@ int64_t peak_rss_bytes() {
 nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
   const ParallelPlan& p = o.plan;
   nlohmann::json j = {{"model", to_json(o.model)},
-          {"t", p.tensor_parallel},
-          {"p", p.pipeline_parallel},
-          {"d", p.data_parallel},
-          {"v", p.virtual_stages},
-          {"layers_per_stage", p.layers_per_stage},
-          {"distributed_optimizer", p.distributed_optimizer},
-          {"global_batch_size", p.global_batch_size},
-          {"micro_batch_size", p.micro_batch_size},
-          {"parameters_on_rank", flat_size}};
+                      {"t", p.tensor_parallel},
+                      {"p", p.pipeline_parallel},
+                      {"d", p.data_parallel},
+                      {"v", p.virtual_stages},
+                      {"layers_per_stage", p.layers_per_stage},
+                      {"distributed_optimizer", p.distributed_optimizer},
+                      {"global_batch_size", p.global_batch_size},
+                      {"micro_batch_size", p.micro_batch_size},
+                      {"parameters_on_rank", flat_size}};
   if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
     j["ep"] = p.expert_parallel;
     j["etp"] = p.expert_tp();
@@ -230,6 +230,8 @@ void Executor::setup() {
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
+    if (m.is_moe() && !backend_->host_accessible())
+      throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
   });
   if (dry_) return;
   const int key = static_cast<int>(world_.rank());
@@ -281,8 +283,7 @@ void Executor::load_checkpoint() {
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    const auto moments =
-        static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_, expert_.edp));
+    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, d_, expert_.edp));
     if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");

@@ -83,7 +83,8 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
   EXPECT_GT(dropped, 0);
   // Permutation: rows grouped by expert, tokens ascending; unpermute is the weighted sum.
   std::vector<int64_t> slot_of_row(static_cast<size_t>(n * k)), counts(static_cast<size_t>(E));
-  const int64_t rows = kernels::permutation(kept.data(), n, k, E, slot_of_row.data(), counts.data());
+  const int64_t rows =
+      kernels::permutation(kept.data(), n, k, E, slot_of_row.data(), counts.data());
   std::vector<int64_t> naive;
   for (int e = 0; e < E; ++e)
     for (int64_t s = 0; s < n * k; ++s)
@@ -225,9 +226,9 @@ TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
   shard.trace_ops(&trace);
   shard.forward(0, 0, tokens.data(), nullptr, nullptr);
   shard.backward(0, 0, nullptr, nullptr, 1.0);
-  const double routed_bytes = static_cast<double>(m.seq_length * m.moe_router_topk *
-                                                  m.hidden_size) *
-                              sizeof(float);  // b = 1, dropless
+  const double routed_bytes =
+      static_cast<double>(m.seq_length * m.moe_router_topk * m.hidden_size) *
+      sizeof(float);  // b = 1, dropless
   int all_to_alls = 0, routers = 0;
   for (const ExecutedOp& op : trace) {
     routers += op.id == OpId::kRouter;

@@ -13,9 +13,8 @@ void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, in
   for (int64_t i = 0; i < n; ++i) {
     const float* z = logits + i * experts;
     std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [z](int32_t a, int32_t b) {
-      return z[a] > z[b] || (z[a] == z[b] && a < b);
-    });
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                      [z](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
     const float top = z[idx[0]];
     double sum = 0;
     for (int64_t j = 0; j < k; ++j) sum += std::exp(static_cast<double>(z[idx[j]] - top));
@@ -26,8 +25,8 @@ void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, in
   }
 }
 
-void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen,
-                           int64_t n, int64_t experts, int64_t k, float* dlogits) {
+void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen, int64_t n,
+                           int64_t experts, int64_t k, float* dlogits) {
   std::fill(dlogits, dlogits + n * experts, 0.0f);
   for (int64_t i = 0; i < n; ++i) {
     double dot = 0;
@@ -75,8 +74,7 @@ int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts
 
 void permute_rows(const float* x, const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h,
                   float* y) {
-  for (int64_t r = 0; r < rows; ++r)
-    std::copy_n(x + (slot_of_row[r] / k) * h, h, y + r * h);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(x + (slot_of_row[r] / k) * h, h, y + r * h);
 }
 
 void permute_rows_backward(const float* dy, const int64_t* slot_of_row, int64_t rows, int64_t k,

@@ -15,8 +15,8 @@ void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, in
 // dlogits[n * E] (overwritten): the gradient through topk_softmax given dprob[n * k], with
 // chosen[n * k] its experts; zero for the experts not chosen. A dropped slot has dprob 0 and
 // still shapes the softmax.
-void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen,
-                           int64_t n, int64_t experts, int64_t k, float* dlogits);
+void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen, int64_t n,
+                           int64_t experts, int64_t k, float* dlogits);
 // Each expert keeps at most `capacity` of its assignments, those of the highest probability
 // (ties: the earlier token); the others' expert becomes -1. Returns the number dropped.
 int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_t k,
