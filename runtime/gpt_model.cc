@@ -34,11 +34,15 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.schedule = s.v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   plan.sequence_parallel = s.sequence_parallel;
   plan.recompute = s.recompute;
-  plan.expert_parallel = s.ep;
-  plan.expert_tensor_parallel = s.etp;
-  // The smallest data-parallel size the expert grid fits in (etp * ep | t * d).
-  plan.data_parallel = std::max<int64_t>(1, s.ep * s.etp / std::gcd(s.ep * s.etp, s.t));
-  plan.global_batch_size *= plan.data_parallel;
+  if (m.is_moe()) {
+    plan.expert_parallel = s.ep;
+    plan.expert_tensor_parallel = s.etp;
+    // The smallest data-parallel size the expert grid fits in (etp * ep | t * d).
+    plan.data_parallel = std::max<int64_t>(1, s.ep * s.etp / std::gcd(s.ep * s.etp, s.t));
+    plan.global_batch_size *= plan.data_parallel;
+  } else if (s.ep != 1 || s.etp != 1) {
+    throw InputError("--expert-model-parallel-size", "needs an MoE model (num_experts > 0)");
+  }
   if (m.is_moe() && s.t > 1 && !s.sequence_parallel)
     throw InputError("--sequence-parallel",
                      "MoE layers with tensor parallelism need sequence parallelism (as in "
