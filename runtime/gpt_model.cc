@@ -209,61 +209,12 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     return vocab_table(p, "embedding.word_embeddings.weight");
   };
 
-  // An MoE layer's router (replicated on the tensor-parallel ranks) and this rank's routed
-  // experts (segment 2): global expert ep_rank * E/ep + e, columns etp_rank of each FFN.
-  auto add_moe_layer = [&](const std::string& pre, auto& mx) {
-    ParamInfo r;
-    r.name = pre + "router.weight";
-    r.size = m.num_experts * h;
-    r.tp_replicated = true;
-    r.sp_partial = I.sp;
-    mx.router = add(r, normal(r.name, m.num_experts, h, std_dev,
-                              [=](int64_t row, int64_t c2) { return row * h + c2; }));
-    const MoeDims md =
-        moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank);
-    const int64_t ffe = md.ffe, ffn = m.moe_ffn_hidden(), et = layout.etp_rank;
-    for (int64_t e = 0; e < md.local_experts; ++e) {
-      const std::string ex =
-          pre + "experts." + std::to_string(layout.ep_rank * md.local_experts + e) + ".";
-      ParamInfo p;
-      p.name = ex + "fc1.weight";
-      p.size = md.fc1_width() * h;
-      p.segment = 2;
-      p.expert = true;
-      mx.fc1_w.push_back(
-          add(p, normal(p.name, md.fc1_width(), h, std_dev, [=](int64_t row, int64_t c2) {
-                const int64_t part = row / ffe, k = row % ffe;
-                return (part * ffn + et * ffe + k) * h + c2;
-              })));
-      ParamInfo b1 = p;
-      b1.name = ex + "fc1.bias";
-      b1.size = ffe;
-      b1.decay = false;
-      mx.fc1_b.push_back(I.biases ? add(b1, constant(ffe, 0.0f)) : -1);
-      ParamInfo p2 = p;
-      p2.name = ex + "fc2.weight";
-      p2.size = h * ffe;
-      mx.fc2_w.push_back(add(p2, normal(p2.name, h, ffe, out_std, [=](int64_t row, int64_t c2) {
-                               return row * ffn + et * ffe + c2;
-                             })));
-      ParamInfo b2 = p;
-      b2.name = ex + "fc2.bias";
-      b2.size = h;
-      b2.decay = false;
-      b2.tp_replicated = true;  // on every expert-tensor rank
-      mx.fc2_b.push_back(I.biases ? add(b2, constant(h, 0.0f)) : -1);
-    }
-  };
-
   const int64_t stages = layout.p * layout.v;
   std::vector<int64_t> per_stage = layout.layers_per_stage;
   if (per_stage.empty()) per_stage.assign(static_cast<size_t>(stages), m.num_layers / stages);
   J.chunks.resize(static_cast<size_t>(layout.v));
   int64_t word_index = -1;
-  struct MoeIdx {
-    int64_t router = -1;
-    std::vector<int64_t> fc1_w, fc1_b, fc2_w, fc2_b;
-  };
+  using MoeIdx = MoeLayerParams;  // parameter indices until the offsets are known
   struct ChunkIdx {
     std::vector<std::array<int64_t, 12>> layers;
     std::vector<MoeIdx> moe;
@@ -355,9 +306,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
                                [=](int64_t r, int64_t c2) { return r * ffn + tp * ffl + c2; }));
         if (I.biases) L[11] = replicated(mlp + "fc2.bias", h, 0.0f);
       }
-      MoeIdx mx;
-      if (moe_layer) add_moe_layer(pre, mx);
-      ix.moe.push_back(mx);
+      ix.moe.push_back(moe_layer ? add_moe_parameters(m, layout, I.sp, seed, pre, add) : MoeIdx{});
       ix.layers.push_back(L);
     }
     if (ch.last) {

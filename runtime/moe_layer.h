@@ -26,7 +26,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/layer_ops.h"
@@ -65,6 +67,16 @@ struct MoeActs {
   Buffer permuted, x, fc1, act, y, combined;
   Buffer d_y, d_act, d_pre, d_x, dprob, dlogits;
 };
+
+// Registers an MoE layer's parameters on this rank (runtime/moe_params.cc): the router [E, h]
+// (replicated on the tensor-parallel ranks; a sequence-parallel partial gradient when `sp`) and
+// the E / ep local experts (segment 2: global expert ep_rank * E / ep + e, columns etp_rank of
+// each FFN), with hashed initial values of the global element (kernels/cpu/init.h). `add`
+// registers one parameter with its initial values and returns its index; the result holds
+// those indices.
+using AddParameter = std::function<int64_t(ParamInfo, std::function<void(float*)>)>;
+MoeLayerParams add_moe_parameters(const ModelSpec& m, const ShardLayout& l, bool sp, uint64_t seed,
+                                  const std::string& prefix, const AddParameter& add);
 
 // The MoE layer's communicators and dimensions on this rank.
 class MoeContext {
