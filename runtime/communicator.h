@@ -129,6 +129,15 @@ class Communicator {
     return start_batch(ops, s);
   }
   std::unique_ptr<Work> barrier_async() { return start_barrier(); }
+  // Variable-size all-to-all (MPI_Alltoallv): send_counts[r] elements of `in` (blocks in rank
+  // order, contiguous) go to rank r; recv_counts[r] elements from rank r land in `out`, in rank
+  // order. Both count vectors have size() entries; every rank's send_counts[r] must equal rank
+  // r's recv_counts[this rank] (exchange the counts first, e.g. with an int64 all-to-all of ones).
+  std::unique_ptr<Work> all_to_all_v_async(const void* in, std::span<const size_t> send_counts,
+                                           void* out, std::span<const size_t> recv_counts, DType t,
+                                           DeviceStream s = {}) {
+    return start_all_to_all_v(in, send_counts, out, recv_counts, t, s);
+  }
 
   // --- Blocking forms: the async form, then a bounded wait ---
   void all_reduce(void* data, size_t n, DType t) { all_reduce_async(data, n, t)->wait(); }
@@ -143,6 +152,10 @@ class Communicator {
   }
   void batch(std::span<const P2P> ops) { batch_async(ops)->wait(); }
   void barrier() { barrier_async()->wait(); }
+  void all_to_all_v(const void* in, std::span<const size_t> send_counts, void* out,
+                    std::span<const size_t> recv_counts, DType t) {
+    all_to_all_v_async(in, send_counts, out, recv_counts, t)->wait();
+  }
 
   // --- float32 shorthands (the interface before DType) ---
   void all_reduce(float* data, size_t n) { all_reduce(data, n, DType::kF32); }
@@ -169,6 +182,12 @@ class Communicator {
                                                 DeviceStream s) = 0;
   virtual std::unique_ptr<Work> start_batch(std::span<const P2P> ops, DeviceStream s) = 0;
   virtual std::unique_ptr<Work> start_barrier() = 0;
+  // Communicators without an all-to-all (test doubles, the calibration's recorder) throw
+  // std::logic_error from this default.
+  virtual std::unique_ptr<Work> start_all_to_all_v(const void* in,
+                                                   std::span<const size_t> send_counts, void* out,
+                                                   std::span<const size_t> recv_counts, DType t,
+                                                   DeviceStream s);
 
  private:
   std::string name_ = "world";

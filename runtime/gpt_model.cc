@@ -15,6 +15,7 @@
 #include "kernels/cpu/init.h"
 #include "runtime/context_parallel.h"
 #include "runtime/embedding_head.h"
+#include "runtime/moe_layer.h"
 #include "runtime/shard_context.h"
 #include "runtime/transformer_layer.h"
 
@@ -35,6 +36,19 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.schedule = s.v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   plan.sequence_parallel = s.sequence_parallel;
   plan.recompute = s.recompute;
+  if (m.is_moe()) {
+    plan.expert_parallel = s.ep;
+    plan.expert_tensor_parallel = s.etp;
+    // The smallest data-parallel size the expert grid fits in (etp * ep | t * d).
+    plan.data_parallel = std::max<int64_t>(1, s.ep * s.etp / std::gcd(s.ep * s.etp, s.t));
+    plan.global_batch_size *= plan.data_parallel;
+  } else if (s.ep != 1 || s.etp != 1) {
+    throw InputError("--expert-model-parallel-size", "needs an MoE model (num_experts > 0)");
+  }
+  if (m.is_moe() && s.t > 1 && !s.sequence_parallel)
+    throw InputError("--sequence-parallel",
+                     "MoE layers with tensor parallelism need sequence parallelism (as in "
+                     "Megatron-Core)");
   const bool listed = !s.layers_per_stage.empty() && s.p > 0 && s.v > 0;
   if (listed) {
     if (static_cast<int64_t>(s.layers_per_stage.size()) != s.p * s.v)
@@ -84,7 +98,19 @@ struct Chunk {
   int64_t first_layer = 0, num_layers = 0;
   bool first = false, last = false;
   std::vector<LayerParams> layers;
+  std::vector<MoeLayerParams> moe;  // per layer; used where the layer is an MoE layer
+  std::vector<bool> is_moe;
   ChunkParams params;
+};
+
+// While an MoE layer runs, the dense MLP ops are its shared experts, of their own width.
+struct SharedExpertWidth {
+  SharedExpertWidth(ShardContext& c, const MoeContext* moe, bool active) : c(c), saved(c.dims.ffl) {
+    if (active && moe) c.dims.ffl = moe->dims().shared_ffl;
+  }
+  ~SharedExpertWidth() { c.dims.ffl = saved; }
+  ShardContext& c;
+  int64_t saved;
 };
 
 }  // namespace
@@ -95,6 +121,10 @@ struct GptShard::Impl {
   std::vector<Chunk> chunks;
   std::vector<OpId> layer_fwd, layer_bwd, layer_recompute, emb_fwd, emb_bwd, head_fwd, head_bwd;
   std::map<std::pair<int64_t, int64_t>, ChunkActs> stash;  // (chunk, microbatch)
+  // MoE models: the MoE layers' programs, context and what each keeps for its backward pass.
+  std::unique_ptr<MoeContext> moe;
+  std::vector<OpId> moe_fwd, moe_bwd, moe_recompute;
+  std::map<std::array<int64_t, 3>, MoeActs> moe_stash;  // (chunk, microbatch, layer)
 };
 
 GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
@@ -119,6 +149,16 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   J.emb_bwd = compile(emb.backward, is_embedding_op);
   J.head_fwd = compile(head.forward, is_head_forward_op);
   J.head_bwd = compile(head.backward, is_head_backward_op);
+  if (m.is_moe()) {
+    if (!backend->host_accessible())
+      throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
+    const MoeDims md =
+        moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank);
+    J.moe = std::make_unique<MoeContext>(m, md);
+    J.moe_fwd = moe_forward_program(J.layer_fwd, md);
+    J.moe_bwd = moe_backward_program(J.layer_bwd, md);
+    J.moe_recompute = moe_forward_program(J.layer_recompute, md);
+  }
 
   // Parameters, in two segments (word embedding, the rest), each padded to segment_multiple.
   struct Pending {
@@ -180,8 +220,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   if (per_stage.empty()) per_stage.assign(static_cast<size_t>(stages), m.num_layers / stages);
   J.chunks.resize(static_cast<size_t>(layout.v));
   int64_t word_index = -1;
+  using MoeIdx = MoeLayerParams;  // parameter indices until the offsets are known
   struct ChunkIdx {
     std::vector<std::array<int64_t, 12>> layers;
+    std::vector<MoeIdx> moe;
     int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
   };
   std::vector<ChunkIdx> idx(static_cast<size_t>(layout.v));
@@ -242,29 +284,35 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       }
       L[6] = replicated(pre + "post_attention_layernorm.weight", h, 1.0f);
       if (I.biases) L[7] = replicated(pre + "post_attention_layernorm.bias", h, 0.0f);
-      {  // FC1: rows [gate | up] of the local columns for SwiGLU
-        const int64_t ffl = I.ffl, ffn = m.ffn_hidden();
+      // An MoE layer's dense MLP is its shared experts (absent without them).
+      const bool moe_layer = m.is_moe_layer(ch.first_layer + l);
+      const std::string mlp = moe_layer ? pre + "shared_experts." : pre;
+      if (!moe_layer || m.moe_shared_expert_ffn_size > 0) {  // FC1: rows [gate | up] for SwiGLU
+        const int64_t ffn = moe_layer ? m.moe_shared_expert_ffn_size : m.ffn_hidden();
+        const int64_t ffl = ffn / layout.t;
         ParamInfo p;
-        p.name = pre + "fc1.weight";
-        p.size = I.fc1_width() * h;
-        L[8] = add(p, normal(p.name, I.fc1_width(), h, std_dev, [=](int64_t r, int64_t c2) {
+        p.name = mlp + "fc1.weight";
+        const int64_t fc1_rows = m.swiglu ? 2 * ffl : ffl;
+        p.size = fc1_rows * h;
+        L[8] = add(p, normal(p.name, fc1_rows, h, std_dev, [=](int64_t r, int64_t c2) {
                      const int64_t part = r / ffl, row = r % ffl;
                      return (part * ffn + tp * ffl + row) * h + c2;
                    }));
         if (I.biases) {
           ParamInfo pb;
-          pb.name = pre + "fc1.bias";
+          pb.name = mlp + "fc1.bias";
           pb.size = ffl;
           pb.decay = false;
           L[9] = add(pb, constant(ffl, 0.0f));
         }
         ParamInfo p2;
-        p2.name = pre + "fc2.weight";
+        p2.name = mlp + "fc2.weight";
         p2.size = h * ffl;
         L[10] = add(p2, normal(p2.name, h, ffl, out_std,
                                [=](int64_t r, int64_t c2) { return r * ffn + tp * ffl + c2; }));
-        if (I.biases) L[11] = replicated(pre + "fc2.bias", h, 0.0f);
+        if (I.biases) L[11] = replicated(mlp + "fc2.bias", h, 0.0f);
       }
+      ix.moe.push_back(moe_layer ? add_moe_parameters(m, layout, I.sp, seed, pre, add) : MoeIdx{});
       ix.layers.push_back(L);
     }
     if (ch.last) {
@@ -280,10 +328,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     }
   }
 
-  // Offsets: segment 0 first, then segment 1, each padded.
-  const int64_t mult = std::max<int64_t>(1, layout.segment_multiple);
+  // Offsets: segment 0 first, then segment 1 (and 2), each padded.
   int64_t offset = 0;
-  for (int seg = 0; seg < 2; ++seg) {
+  for (int seg = 0; seg < (m.is_moe() ? 3 : 2); ++seg) {
+    const int64_t mult =
+        std::max<int64_t>(1, seg == 2 ? layout.expert_segment_multiple : layout.segment_multiple);
     Segment sg;
     sg.offset = offset;
     for (Pending& p : pending)
@@ -317,7 +366,19 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     ch.params.lnf_g = off(ix.lnf_g);
     ch.params.lnf_b = off(ix.lnf_b);
     ch.params.head = off(ix.head);
-    for (const auto& L : ix.layers) {
+    for (size_t li = 0; li < ix.layers.size(); ++li) {
+      const auto& L = ix.layers[li];
+      const MoeIdx& mx = ix.moe[li];
+      MoeLayerParams MW;
+      MW.router = off(mx.router);
+      for (size_t e = 0; e < mx.fc1_w.size(); ++e) {
+        MW.fc1_w.push_back(off(mx.fc1_w[e]));
+        MW.fc1_b.push_back(off(mx.fc1_b[e]));
+        MW.fc2_w.push_back(off(mx.fc2_w[e]));
+        MW.fc2_b.push_back(off(mx.fc2_b[e]));
+      }
+      ch.moe.push_back(MW);
+      ch.is_moe.push_back(m.is_moe_layer(ch.first_layer + static_cast<int64_t>(li)));
       LayerParams W;
       W.ln1_g = off(L[0]);
       W.ln1_b = off(L[1]);
@@ -364,6 +425,9 @@ void GptShard::trace_ops(std::vector<ExecutedOp>* sink) {
 void GptShard::time_ops(OpTimer* timer) {
   impl_->ctx->timer = timer;
 }
+void GptShard::set_expert_groups(Communicator* ep, Communicator* etp) {
+  if (impl_->moe) impl_->moe->set_groups(ep, etp);
+}
 
 int64_t GptShard::real_parameters() const {
   int64_t n = 0;
@@ -407,9 +471,15 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   for (int64_t l = 0; l < ch.num_layers; ++l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     L.x.swap(x);
-    for (OpId op : I.layer_fwd) {
+    const bool moe = ch.is_moe[static_cast<size_t>(l)];
+    SharedExpertWidth width(c, I.moe.get(), moe);
+    MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+    for (OpId op : moe ? I.moe_fwd : I.layer_fwd) {
       c.begin(op, PassKind::kForward);
-      layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
+      if (is_moe_op(op))
+        moe_forward_op(c, *I.moe, op, ch.moe[static_cast<size_t>(l)], L.ln2, L.fc2, *M);
+      else
+        layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
     }
     x.swap(L.out);
     release(L.out);
@@ -451,18 +521,31 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     const LayerParams& W = ch.layers[static_cast<size_t>(l)];
-    for (OpId op : I.layer_recompute) {
+    const bool moe = ch.is_moe[static_cast<size_t>(l)];
+    SharedExpertWidth width(c, I.moe.get(), moe);
+    MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+    const MoeLayerParams& MW = ch.moe[static_cast<size_t>(l)];
+    for (OpId op : moe ? I.moe_recompute : I.layer_recompute) {
       c.begin(op, PassKind::kRecompute);
-      layer_forward_op(c, op, W, L);
+      if (is_moe_op(op))
+        moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);
+      else
+        layer_forward_op(c, op, W, L);
     }
     release(L.out);
     D.d_x.clear();
-    for (OpId op : I.layer_bwd) {
+    // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
+    Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
+    for (OpId op : moe ? I.moe_bwd : I.layer_bwd) {
       c.begin(op, PassKind::kBackward);
-      layer_backward_op(c, op, W, L, D);
+      if (is_moe_op(op))
+        moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
+      else
+        layer_backward_op(c, op, W, L, D);
     }
     D.d_out.swap(D.d_x);
     L = LayerActs();
+    if (M) I.moe_stash.erase({chunk, mb, l});
   }
   if (ch.first) {
     Buffer unused;

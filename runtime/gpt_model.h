@@ -58,6 +58,11 @@ struct ShardLayout {
   // Parameters are laid out so that each segment's length is a multiple of this (the
   // data-parallel size), for the distributed optimizer's reduce-scatter.
   int64_t segment_multiple = 1;
+  // MoE models (runtime/moe_layer.h, runtime/expert_groups.h): this rank's place in the expert
+  // grid, and the multiple of the routed experts' segment (the expert-data-parallel size with
+  // the distributed optimizer).
+  int64_t ep = 1, ep_rank = 0, etp = 1, etp_rank = 0;
+  int64_t expert_segment_multiple = 1;
 };
 
 // The shape of the op lists this layout executes: fp32 activations (the CPU backend), weight
@@ -78,6 +83,9 @@ struct ParamInfo {
   bool tp_replicated = false;  // identical on every tensor-parallel rank
   bool sp_partial = false;     // with sequence parallelism its gradient is partial per TP rank
   bool tied_copy = false;      // the last stage's copy of the word embedding
+  // A routed expert's weight (segment 2): its gradient is reduced over the expert-data-parallel
+  // group; tp_replicated then means identical on the expert-tensor-parallel ranks.
+  bool expert = false;
 };
 
 // One op as the shard executed it: its identity, the role it played (a weight gradient when it
@@ -88,10 +96,13 @@ struct ExecutedOp {
   OpRole role = OpRole::kForward;
   OpKind kind = OpKind::kMemory;
   Collective collective = Collective::kAllReduce;
+  CommGroup group = CommGroup::kTensor;
   double bytes = 0;
   int64_t m = 0, n = 0, k = 0, batch = 0;
 };
 
+// Segments of the flat buffers: 0 the word embedding, 1 every other dense parameter, and for MoE
+// models 2 the routed experts.
 struct Segment {
   int64_t offset = 0, size = 0;  // size is a multiple of ShardLayout::segment_multiple
 };
@@ -140,6 +151,9 @@ class GptShard {
   Backend& backend();
   // The context-parallel ring (layout().cp ranks); needed before a pass when cp > 1.
   void set_context_group(Communicator* group);
+  // MoE models: the expert-parallel and expert-tensor-parallel groups of this rank (null: a
+  // group of one; required where that size is above 1, before the first pass).
+  void set_expert_groups(Communicator* ep, Communicator* etp);
   // Appends every op executed from now on to `sink` (null: stop recording).
   void trace_ops(std::vector<ExecutedOp>* sink);
   // Times every op executed from now on (runtime/op_timer.h; null: stop timing).

@@ -2,16 +2,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 namespace ptdp {
 
 DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallelGroups& groups,
                                              bool distributed)
     : shard_(shard), be_(shard.backend()), g_(groups), dist_(distributed) {
+  if (shard_.segments().size() > 2 && !g_.expert_data)
+    throw std::logic_error("an MoE shard's optimizer without an expert-data-parallel group");
   int64_t state = 0;
-  for (const Segment& s : shard_.segments()) {
+  for (size_t i = 0; i < shard_.segments().size(); ++i) {
     state_offset_.push_back(state);
-    state += dist_ ? s.size / g_.data_parallel : s.size;
+    state += dist_ ? shard_.segments()[i].size / shards_of(i) : shard_.segments()[i].size;
   }
   adam_m_ = DeviceBuffer(be_, DType::kF32, state);
   adam_v_ = DeviceBuffer(be_, DType::kF32, state);
@@ -21,13 +24,13 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
 void DataParallelOptimizer::for_each_owned_range(
     const std::function<void(const ParamInfo&, int64_t, int64_t, int64_t)>& f) {
   const auto& segs = shard_.segments();
-  const int64_t d = g_.data_parallel;
   for (const ParamInfo& p : shard_.param_infos()) {
-    const Segment& s = segs[static_cast<size_t>(p.segment)];
+    const auto seg = static_cast<size_t>(p.segment);
+    const Segment& s = segs[seg];
     int64_t lo = p.offset, hi = p.offset + p.size, base = 0;
     if (dist_) {
-      const int64_t shard = s.size / d;
-      const int64_t begin = s.offset + g_.dp_rank * shard;
+      const int64_t shard = s.size / shards_of(seg);
+      const int64_t begin = s.offset + shard_rank_of(seg) * shard;
       lo = std::max(lo, begin);
       hi = std::min(hi, begin + shard);
       if (lo >= hi) continue;
@@ -37,6 +40,15 @@ void DataParallelOptimizer::for_each_owned_range(
     }
     f(p, lo, hi, base);
   }
+}
+
+bool DataParallelOptimizer::counts_in_norm(const ParamInfo& p) const {
+  if (p.tied_copy) return false;
+  if (p.expert)
+    return (dist_ || !g_.norm_spans_replicas || g_.edp_rank == 0) &&
+           (!p.tp_replicated || g_.etp_rank == 0);
+  if (!dist_ && g_.norm_spans_replicas && g_.dp_rank != 0) return false;
+  return !p.tp_replicated || g_.tp_rank == 0;
 }
 
 void DataParallelOptimizer::reduce_gradients() {
@@ -64,19 +76,21 @@ void DataParallelOptimizer::reduce_gradients() {
       }
   }
   const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
+  const auto& segs = shard_.segments();
   if (!dist_) {
-    if (d > 1) {
-      g_.data->all_reduce(g, static_cast<size_t>(g_size));
-      be_.scale(g, g_size, inv_d);
-    }
+    // The dense segments at once, then the experts' over their own group.
+    const int64_t dense = segs.size() > 2 ? segs[2].offset : g_size;
+    if (d > 1) g_.data->all_reduce(g, static_cast<size_t>(dense));
+    if (segs.size() > 2 && g_.expert_data_parallel > 1)
+      g_.expert_data->all_reduce(g + segs[2].offset, static_cast<size_t>(segs[2].size));
+    if (d > 1) be_.scale(g, g_size, inv_d);
     return;
   }
-  const auto& segs = shard_.segments();
   for (size_t i = 0; i < segs.size(); ++i) {
-    const int64_t shard = segs[i].size / d;
+    const int64_t shard = segs[i].size / shards_of(i);
     if (shard == 0) continue;
     float* out = shard_grads_.data<float>() + state_offset_[i];
-    g_.data->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
+    group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
     if (d > 1) be_.scale(out, shard, inv_d);
   }
 }
@@ -98,7 +112,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   // tied embedding on the first stage).
   double sq = 0;
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    if (p.tied_copy || (p.tp_replicated && g_.tp_rank != 0)) return;
+    if (!counts_in_norm(p)) return;
     sq = be_.sum_squares(grads + (dist_ ? base : lo), hi - lo, sq);
   });
   float total = static_cast<float>(sq);
@@ -126,14 +140,14 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
               step + 1);
   });
   if (dist_) {
-    const int64_t d = g_.data_parallel;
     Buffer gathered;
-    for (const Segment& s : shard_.segments()) {
-      const int64_t shard = s.size / d;
+    for (size_t i = 0; i < shard_.segments().size(); ++i) {
+      const Segment& s = shard_.segments()[i];
+      const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
       gathered.resize(static_cast<size_t>(s.size));
-      g_.data->all_gather(params + s.offset + g_.dp_rank * shard, gathered.data(),
-                          static_cast<size_t>(shard));
+      group_of(i)->all_gather(params + s.offset + shard_rank_of(i) * shard, gathered.data(),
+                              static_cast<size_t>(shard));
       be_.copy(gathered.data(), params + s.offset, s.size);
     }
   }

@@ -33,6 +33,14 @@ struct DataParallelGroups {
   Communicator* norm = nullptr;       // every rank whose gradients the global norm sums
   int64_t data_parallel = 1;
   int64_t dp_rank = 0, tp_rank = 0;
+  // MoE models: the routed experts' segment (2) is reduced over the expert-data-parallel group
+  // (and sharded over it by the distributed optimizer), scaled by 1 / data_parallel as
+  // Megatron-Core scales it (its tokens came from every data-parallel replica).
+  Communicator* expert_data = nullptr;
+  int64_t expert_data_parallel = 1, edp_rank = 0, etp_rank = 0;
+  // The norm group spans the data-parallel replicas without the distributed optimizer: the
+  // dense parameters are counted on replica 0 only (and experts on expert replica 0).
+  bool norm_spans_replicas = false;
 };
 
 class DataParallelOptimizer {
@@ -59,6 +67,15 @@ class DataParallelOptimizer {
   DeviceBuffer& adam_v() { return adam_v_; }
 
  private:
+  // The group that reduces (and with the distributed optimizer shards) segment `seg`, its size
+  // and this rank's index in it.
+  Communicator* group_of(size_t seg) const { return seg == 2 ? g_.expert_data : g_.data; }
+  int64_t shards_of(size_t seg) const {
+    return seg == 2 ? g_.expert_data_parallel : g_.data_parallel;
+  }
+  int64_t shard_rank_of(size_t seg) const { return seg == 2 ? g_.edp_rank : g_.dp_rank; }
+  // Whether this rank counts the parameter in the global gradient norm.
+  bool counts_in_norm(const ParamInfo& p) const;
   // Calls f(param, lo, hi, state index of lo) for the part of each parameter this rank's
   // optimizer owns.
   void for_each_owned_range(

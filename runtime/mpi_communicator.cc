@@ -348,6 +348,31 @@ class MpiCommunicator final : public Communicator {
           "reduce-scatter");
     return w;
   }
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
+                                           std::span<const size_t> recv, DType t,
+                                           DeviceStream) override {
+    const auto n = static_cast<size_t>(size_);
+    if (send.size() != n || recv.size() != n)
+      throw std::invalid_argument("all-to-all: one send and one receive count per rank");
+    // Counts and displacements as MPI wants them (int), kept alive with the Work.
+    auto v = std::make_shared<std::vector<int>>(4 * n);
+    int* sc = v->data();
+    int *sd = sc + n, *rc = sc + 2 * n, *rd = sc + 3 * n;
+    size_t s_at = 0, r_at = 0;
+    for (size_t r = 0; r < n; ++r) {
+      sc[r] = count(send[r]);
+      sd[r] = count(s_at);
+      rc[r] = count(recv[r]);
+      rd[r] = count(r_at);
+      s_at += send[r];
+      r_at += recv[r];
+    }
+    auto w = work(describe("all-to-all", s_at, t));
+    w->keep(v);
+    const MPI_Datatype m = mpi_type(t);
+    check(MPI_Ialltoallv(in, sc, sd, m, out, rc, rd, m, g_.comm, w->add()), "all-to-all");
+    return w;
+  }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
                                         DeviceStream) override {
     auto w = work(describe("broadcast", n, t) + " from rank " + std::to_string(root));

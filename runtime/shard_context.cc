@@ -49,10 +49,11 @@ void ShardContext::begin(OpId id, PassKind pass) {
   trace->push_back(e);
 }
 
-void ShardContext::collective_done(Collective c, double bytes) {
+void ShardContext::collective_done(Collective c, double bytes, CommGroup group) {
   if (ExecutedOp* e = current()) {
     e->kind = OpKind::kCollective;
     e->collective = c;
+    e->group = group;
     e->bytes += bytes;
   }
 }

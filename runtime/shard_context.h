@@ -80,6 +80,8 @@ class ShardContext {
   void gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch);
   // Marks the op as computing a weight gradient (the table gradient of the embedding).
   void weight_gradient_done();
+  // Records a collective run on another group than the tensor-parallel one (runtime/moe_layer.cc).
+  void collective_done(Collective c, double bytes, CommGroup group);
 
   // Layernorm, or RMSNorm for models without biases (Llama); `beta` < 0 when absent.
   void norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean, Buffer& rstd,
@@ -94,7 +96,9 @@ class ShardContext {
 
  private:
   ExecutedOp* current();
-  void collective_done(Collective c, double bytes);
+  void collective_done(Collective c, double bytes) {
+    collective_done(c, bytes, CommGroup::kTensor);
+  }
   PassKind pass_ = PassKind::kForward;
   Buffer scratch_;
 };

@@ -1,6 +1,7 @@
 // Parameter counts of one rank's shard, following GptShard's constructor
 // (runtime/gpt_model.cc): per chunk the word and position embeddings on the first stage, the
-// transformer layers, the final norm and the LM head (or the tied copy) on the last stage.
+// transformer layers, the final norm and the LM head (or the tied copy) on the last stage; for
+// MoE models a third segment, the routed experts.
 #include "runtime/shard_footprint.h"
 
 #include <algorithm>
@@ -12,17 +13,25 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   const int64_t hl = m.num_attention_heads / t, gl = m.query_groups() / t;
   const int64_t ffl = m.ffn_hidden() / t, vl = (m.vocab_size + t - 1) / t;
   const int64_t biases = m.swiglu ? 0 : 1;  // Llama-style models have no biases
-  const int64_t qkv = (hl + 2 * gl) * d, fc1 = m.swiglu ? 2 * ffl : ffl;
-  const int64_t per_layer = h + biases * h             // input layernorm
+  const int64_t qkv = (hl + 2 * gl) * d;
+  const int64_t attention = h + biases * h             // input layernorm
                             + qkv * h + biases * qkv   // QKV
                             + h * hl * d + biases * h  // attention projection
-                            + h + biases * h           // post-attention layernorm
-                            + fc1 * h + biases * ffl   // FC1
-                            + h * ffl + biases * h;    // FC2
+                            + h + biases * h;          // post-attention layernorm
+  auto mlp = [&](int64_t width) {                      // FC1 and FC2 of local width `width`
+    return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;
+  };
+  const int64_t per_layer = attention + mlp(ffl);
+  // An MoE layer: the router, the shared experts (width / t) and, in segment 2, this rank's
+  // E / ep routed experts of width moe_ffn / etp.
+  const int64_t shared = m.moe_shared_expert_ffn_size / t;
+  const int64_t per_moe_layer = attention + m.num_experts * h + (shared > 0 ? mlp(shared) : 0);
+  const int64_t per_moe_experts =
+      m.is_moe() ? m.num_experts / l.ep * mlp(m.moe_ffn_hidden() / l.etp) : 0;
   const int64_t stages = l.p * l.v;
   std::vector<int64_t> per_stage = l.layers_per_stage;
   if (per_stage.empty()) per_stage.assign(static_cast<size_t>(stages), m.num_layers / stages);
-  int64_t word = 0, rest = 0;
+  int64_t word = 0, rest = 0, experts = 0;
   bool holds_word = false;
   for (int64_t c = 0; c < l.v; ++c) {
     const int64_t g = c * l.p + l.pp;
@@ -31,7 +40,12 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
       if (m.learned_position_embeddings) rest += m.seq_length * h;  // position table (replicated)
       holds_word = true;
     }
-    rest += per_stage[static_cast<size_t>(g)] * per_layer;
+    int64_t first = 0;
+    for (int64_t i = 0; i < g; ++i) first += per_stage[static_cast<size_t>(i)];
+    const int64_t layers = per_stage[static_cast<size_t>(g)];
+    const int64_t moe = m.moe_layers_in(first, layers);
+    rest += (layers - moe) * per_layer + moe * per_moe_layer;
+    experts += moe * per_moe_experts;
     if (g == stages - 1) {
       rest += h + biases * h;  // final layernorm
       if (m.untie_embeddings_and_output_weights)
@@ -40,9 +54,13 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
         word += vl * h;  // the tied copy of the word embedding
     }
   }
-  const int64_t mult = std::max<int64_t>(1, l.segment_multiple);
-  auto padded = [mult](int64_t n) { return (n + mult - 1) / mult * mult; };
-  return {padded(word), padded(rest)};
+  auto padded = [](int64_t n, int64_t multiple) {
+    const int64_t mult = std::max<int64_t>(1, multiple);
+    return (n + mult - 1) / mult * mult;
+  };
+  std::vector<int64_t> sizes = {padded(word, l.segment_multiple), padded(rest, l.segment_multiple)};
+  if (m.is_moe()) sizes.push_back(padded(experts, l.expert_segment_multiple));
+  return sizes;
 }
 
 }  // namespace ptdp

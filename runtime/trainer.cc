@@ -19,6 +19,7 @@
 #include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
+#include "runtime/expert_groups.h"
 #include "runtime/gpt_model.h"
 #include "runtime/grad_sync.h"
 #include "runtime/lr_schedule.h"
@@ -92,16 +93,21 @@ int64_t peak_rss_bytes() {
 // continue its loss curve.
 nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
   const ParallelPlan& p = o.plan;
-  return {{"model", to_json(o.model)},
-          {"t", p.tensor_parallel},
-          {"p", p.pipeline_parallel},
-          {"d", p.data_parallel},
-          {"v", p.virtual_stages},
-          {"layers_per_stage", p.layers_per_stage},
-          {"distributed_optimizer", p.distributed_optimizer},
-          {"global_batch_size", p.global_batch_size},
-          {"micro_batch_size", p.micro_batch_size},
-          {"parameters_on_rank", flat_size}};
+  nlohmann::json j = {{"model", to_json(o.model)},
+                      {"t", p.tensor_parallel},
+                      {"p", p.pipeline_parallel},
+                      {"d", p.data_parallel},
+                      {"v", p.virtual_stages},
+                      {"layers_per_stage", p.layers_per_stage},
+                      {"distributed_optimizer", p.distributed_optimizer},
+                      {"global_batch_size", p.global_batch_size},
+                      {"micro_batch_size", p.micro_batch_size},
+                      {"parameters_on_rank", flat_size}};
+  if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
+    j["ep"] = p.expert_parallel;
+    j["etp"] = p.expert_tp();
+  }
+  return j;
 }
 
 nlohmann::json checkpoint_layout(const TrainOptions& o, int64_t flat_size) {
@@ -116,10 +122,12 @@ int64_t total(const std::vector<int64_t>& v) {
 }
 
 // Floats of one AdamW moment for parameter segments of these sizes: all of them, or with the
-// distributed optimizer this rank's 1/d of each.
-int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, int64_t d) {
+// distributed optimizer this rank's 1/d of each (1/edp of the routed experts' segment 2).
+int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, int64_t d,
+                      int64_t edp) {
   int64_t n = 0;
-  for (int64_t s : segments) n += distributed ? s / d : s;
+  for (size_t i = 0; i < segments.size(); ++i)
+    n += distributed ? segments[i] / (i == 2 ? edp : d) : segments[i];
   return n;
 }
 
@@ -138,11 +146,15 @@ void validate_options(const TrainOptions& o) {
     throw InputError("--pipeline-schedule",
                      "ptdp run executes gpipe, 1f1b and interleaved; zb-h1 is simulated only");
   if (o.plan.fp8)
-    throw InputError("--fp8-format",
-                     "FP8 GEMMs are priced by plan and predict only; ptdp run trains in 16/32 bits");
-  if (o.model.is_moe())
-    throw InputError("--num-experts",
-                     "ptdp run does not execute MoE layers yet (plan and predict price them)");
+    throw InputError(
+        "--fp8-format",
+        "FP8 GEMMs are priced by plan and predict only; ptdp run trains in 16/32 bits");
+  // MoE layers run on the expert grid of a stage's t * d ranks; with context parallelism that
+  // grid would also span the cp ranks, which ptdp run does not build yet.
+  if (o.model.is_moe() && o.plan.context_parallel > 1)
+    throw InputError("--context-parallel-size",
+                     "ptdp run does not combine context parallelism with MoE layers yet (plan "
+                     "and predict price it)");
 }
 
 class Executor {
@@ -172,6 +184,8 @@ class Executor {
   std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
+  std::unique_ptr<Communicator> ep_, etp_, edp_;  // MoE models (runtime/expert_groups.h)
+  ExpertPosition expert_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<GptShard> shard_;
   std::unique_ptr<DataParallelOptimizer> optimizer_;
@@ -228,6 +242,13 @@ void Executor::setup() {
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
     layout.segment_multiple = dist_ ? dcp_ : 1;
+    expert_ = expert_position(t_, d_, m.is_moe() ? plan.expert_tp() : 1, plan.expert_parallel,
+                              pos_.tp, pos_.dp, pos_.pp);
+    layout.ep = expert_.ep;
+    layout.ep_rank = expert_.ep_rank;
+    layout.etp = expert_.etp;
+    layout.etp_rank = expert_.etp_rank;
+    layout.expert_segment_multiple = dist_ ? expert_.edp : 1;
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
@@ -235,6 +256,8 @@ void Executor::setup() {
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
+    if (m.is_moe() && !backend_->host_accessible())
+      throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
   });
   if (dry_) return;
   const int key = static_cast<int>(world_.rank());
@@ -250,7 +273,13 @@ void Executor::setup() {
   const bool embedding_member = p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) &&
                                 !o_.model.untie_embeddings_and_output_weights;
   embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * dcp_ + key, "embedding");
+  if (m.is_moe()) {
+    ep_ = split(expert_.ep_color, "expert-parallel");
+    etp_ = split(expert_.etp_color, "expert-tensor-parallel");
+    edp_ = split(expert_.edp_color, "expert-data-parallel");
+  }
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
+  shard_->set_expert_groups(ep_.get(), etp_.get());
   if (cp_ > 1) {  // the ring: the cp ranks of one (tp, dp, pp)
     cp_group_ = split(pos_.tp + t_ * (dp_index_ + d_ * pos_.pp), "context-parallel");
     shard_->set_context_group(cp_group_.get());
@@ -263,7 +292,12 @@ void Executor::setup() {
   groups.tensor = tp_.get();
   groups.data = dp_.get();
   groups.embedding = embedding_.get();
-  groups.norm = dist_ ? &world_ : model_.get();
+  groups.norm = dist_ || m.is_moe() ? &world_ : model_.get();
+  groups.norm_spans_replicas = m.is_moe();
+  groups.expert_data = edp_.get();
+  groups.expert_data_parallel = expert_.edp;
+  groups.edp_rank = expert_.edp_rank;
+  groups.etp_rank = expert_.etp_rank;
   groups.data_parallel = dcp_;
   groups.dp_rank = pos_.dp;
   groups.tp_rank = pos_.tp;
@@ -279,7 +313,8 @@ void Executor::load_checkpoint() {
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    const auto moments = static_cast<size_t>(moment_floats(segment_sizes_, dist_, dcp_));
+    const auto moments =
+        static_cast<size_t>(moment_floats(segment_sizes_, dist_, dcp_, expert_.edp));
     if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
@@ -316,7 +351,7 @@ std::vector<RankFootprint> Executor::dry_run(
     f.cp = pos.dp % cp_;
     f.parameter_floats = total(sizes);
     // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
-    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, dcp_);
+    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, dcp_, expert_.edp);
     all.push_back(f);
   }
   agree(control_, [&] {
@@ -437,9 +472,14 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   result.first_step = first_step_;
   {
     // Each parameter once (replicated ones on TP rank 0, DP replica 0 only).
+    // Routed experts once per expert grid position (expert replica 0, expert-tensor rank 0).
     int64_t n = 0;
-    for (const ParamInfo& p : shard_->param_infos())
-      if (!p.tied_copy && pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0)) n += p.real_size;
+    for (const ParamInfo& p : shard_->param_infos()) {
+      if (p.tied_copy) continue;
+      if (p.expert ? expert_.edp_rank == 0 && (!p.tp_replicated || expert_.etp_rank == 0)
+                   : pos_.dp == 0 && (!p.tp_replicated || pos_.tp == 0))
+        n += p.real_size;
+    }
     result.parameters = control_.sum(n);
   }
   control_.barrier();

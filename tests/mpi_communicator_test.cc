@@ -168,6 +168,28 @@ TEST_P(Typed, AllGatherIsRankMajor) {
   }
 }
 
+// Rank s sends rank d (d + s) % 3 elements of value 8 s + d (zero of them is allowed).
+TEST_P(Typed, AllToAllWithVariableCounts) {
+  Communicator& w = world();
+  const DType t = GetParam();
+  const int n = w.size(), me = w.rank();
+  auto rows = [](int from, int to) { return static_cast<size_t>((from + to) % 3); };
+  std::vector<size_t> send(static_cast<size_t>(n)), recv(static_cast<size_t>(n));
+  std::vector<double> out_values;
+  for (int r = 0; r < n; ++r) {
+    send[static_cast<size_t>(r)] = rows(me, r);
+    recv[static_cast<size_t>(r)] = rows(r, me);
+    for (size_t i = 0; i < rows(me, r); ++i) out_values.push_back(8.0 * me + r);
+  }
+  const size_t total_in = std::accumulate(recv.begin(), recv.end(), size_t{0});
+  Buf in(t, out_values.size()), out(t, total_in);
+  for (size_t i = 0; i < out_values.size(); ++i) in.set(i, out_values[i]);
+  w.all_to_all_v(in.data(), send, out.data(), recv, t);
+  size_t at = 0;
+  for (int r = 0; r < n; ++r)
+    for (size_t i = 0; i < rows(r, me); ++i) EXPECT_EQ(out.get(at++), 8.0 * r + me) << r;
+}
+
 TEST_P(Typed, ReduceScatterKeepsThisRanksBlock) {
   Communicator& w = world();
   const DType t = GetParam();

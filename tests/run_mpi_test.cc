@@ -182,7 +182,7 @@ TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
 }
 
 // One line from one rank, exit status non-zero, no training step.
-void expect_refused(int np, const std::string& args, const std::string& field) {
+Outcome expect_refused(int np, const std::string& args, const std::string& field) {
   const Outcome r = ptdp_run(np, args);
   EXPECT_NE(r.status, 0) << args;
   const std::string needle = "ptdp: " + field;
@@ -192,6 +192,7 @@ void expect_refused(int np, const std::string& args, const std::string& field) {
     EXPECT_EQ(r.err.find(needle, at + 1), std::string::npos) << "reported twice:\n" << r.err;
   }
   EXPECT_EQ(r.out.find("step "), std::string::npos) << r.out;
+  return r;
 }
 
 TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
@@ -208,6 +209,61 @@ TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
   ASSERT_EQ(saved.status, 0) << saved.err;
   expect_refused(2, tiny_steps(8) + " --tensor-model-parallel-size 2 --load " + dir.string(),
                  "--load");
+}
+
+// MoE layers (runtime/moe_layer.h): 4 experts, top-2, every layer an MoE layer unless said.
+const std::string kTinyMoe =
+    kTiny + " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64";
+
+TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
+  const nlohmann::json single = run_json(0, kTinyMoe);
+  ASSERT_EQ(losses(single).size(), 6u);
+  const std::string ep = "--expert-model-parallel-size 2 ";
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 2, ep, kTinyMoe},
+           {2, 1, 2, ep + "--sequence-parallel", kTinyMoe},  // etp = t
+           {2, 1, 2, ep + "--sequence-parallel --expert-tensor-parallel-size 1", kTinyMoe},
+           {1, 2, 2, ep, kTinyMoe},
+       })
+    expect_same_losses(l, single);
+}
+
+TEST(RunMpi, SwiGluMoeWithASharedExpertAndMoeEveryOtherLayerShardToTheSameLosses) {
+  const std::string swiglu = kTinyMoe + " --swiglu --moe-shared-expert-intermediate-size 64";
+  expect_same_losses({2, 1, 2, "--expert-model-parallel-size 2 --sequence-parallel", swiglu},
+                     run_json(0, swiglu));
+  const std::string every_other = kTinyMoe + " --moe-layer-freq 2";
+  expect_same_losses(
+      {1, 2, 2, "--expert-model-parallel-size 2 --use-distributed-optimizer", every_other},
+      run_json(0, every_other));
+}
+
+// Every rank's shard of the experts is saved and loaded: resuming continues the curve exactly.
+TEST(RunMpi, MoeCheckpointResumesTheCurve) {
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_moe_checkpoint";
+  fs::remove_all(dir);
+  const std::string moe = kTinyMoe + " --expert-model-parallel-size 2";
+  const nlohmann::json whole = run_json(2, moe);
+  std::string first = moe;
+  first.replace(first.find("--steps 6"), 9, "--steps 3");
+  const Outcome saved = ptdp_run(2, first + " --save " + dir.string());
+  ASSERT_EQ(saved.status, 0) << saved.err;
+  const nlohmann::json resumed = run_json(2, moe + " --load " + dir.string());
+  const auto all = losses(whole), rest = losses(resumed);
+  ASSERT_EQ(all.size(), 6u);
+  ASSERT_EQ(rest.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(rest[i], all[i + 3]) << i;
+  fs::remove_all(dir);
+}
+
+TEST(RunMpi, BadExpertPlansStopEveryRankWithStatusTwo) {
+  for (const auto& [args, flag] : std::vector<std::pair<std::string, std::string>>{
+           {kTinyMoe + " --expert-model-parallel-size 3", "--expert-model-parallel-size"},
+           {kTiny + " --expert-model-parallel-size 2", "--expert-model-parallel-size"},
+           {kTinyMoe + " --tensor-model-parallel-size 2", "--sequence-parallel"},
+       }) {
+    EXPECT_EQ(expect_refused(2, args, flag).status, 2) << args;
+  }
 }
 
 // Processes of this test's run: their command line names `marker`.

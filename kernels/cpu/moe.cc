@@ -1,0 +1,133 @@
+#include "kernels/cpu/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace ptdp::kernels {
+
+void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, int32_t* expert,
+                  float* prob) {
+  std::vector<int32_t> idx(static_cast<size_t>(experts));
+  for (int64_t i = 0; i < n; ++i) {
+    const float* z = logits + i * experts;
+    std::iota(idx.begin(), idx.end(), 0);
+    std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                      [z](int32_t a, int32_t b) { return z[a] > z[b] || (z[a] == z[b] && a < b); });
+    const float top = z[idx[0]];
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += std::exp(static_cast<double>(z[idx[j]] - top));
+    for (int64_t j = 0; j < k; ++j) {
+      expert[i * k + j] = idx[static_cast<size_t>(j)];
+      prob[i * k + j] = static_cast<float>(std::exp(static_cast<double>(z[idx[j]] - top)) / sum);
+    }
+  }
+}
+
+void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen, int64_t n,
+                           int64_t experts, int64_t k, float* dlogits) {
+  std::fill(dlogits, dlogits + n * experts, 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    double dot = 0;
+    for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(prob[i * k + j]) * dprob[i * k + j];
+    for (int64_t j = 0; j < k; ++j)
+      dlogits[i * experts + chosen[i * k + j]] =
+          static_cast<float>(prob[i * k + j] * (dprob[i * k + j] - dot));
+  }
+}
+
+int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_t k,
+                           int64_t experts, int64_t capacity) {
+  std::vector<std::vector<int64_t>> of(static_cast<size_t>(experts));
+  for (int64_t s = 0; s < n * k; ++s)
+    if (expert[s] >= 0) of[static_cast<size_t>(expert[s])].push_back(s);
+  int64_t dropped = 0;
+  for (auto& slots : of) {
+    if (static_cast<int64_t>(slots.size()) <= capacity) continue;
+    std::stable_sort(slots.begin(), slots.end(),
+                     [prob](int64_t a, int64_t b) { return prob[a] > prob[b]; });
+    for (size_t i = static_cast<size_t>(capacity); i < slots.size(); ++i) {
+      expert[slots[i]] = -1;
+      ++dropped;
+    }
+  }
+  return dropped;
+}
+
+int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts,
+                    int64_t* slot_of_row, int64_t* counts) {
+  std::fill(counts, counts + experts, int64_t{0});
+  for (int64_t s = 0; s < n * k; ++s)
+    if (expert[s] >= 0) ++counts[expert[s]];
+  std::vector<int64_t> at(static_cast<size_t>(experts), 0);
+  for (int64_t e = 1; e < experts; ++e)
+    at[static_cast<size_t>(e)] = at[static_cast<size_t>(e - 1)] + counts[e - 1];
+  int64_t rows = 0;
+  for (int64_t s = 0; s < n * k; ++s)  // slots in token order: tokens ascend within an expert
+    if (expert[s] >= 0) {
+      slot_of_row[at[static_cast<size_t>(expert[s])]++] = s;
+      ++rows;
+    }
+  return rows;
+}
+
+void permute_rows(const float* x, const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h,
+                  float* y) {
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(x + (slot_of_row[r] / k) * h, h, y + r * h);
+}
+
+void permute_rows_backward(const float* dy, const int64_t* slot_of_row, int64_t rows, int64_t k,
+                           int64_t h, float* dx) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dx + (slot_of_row[r] / k) * h;
+    const float* g = dy + r * h;
+    for (int64_t c = 0; c < h; ++c) d[c] += g[c];
+  }
+}
+
+void unpermute(const float* y, const float* prob, const int64_t* slot_of_row, int64_t rows,
+               int64_t k, int64_t h, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t s = slot_of_row[r];
+    float* o = out + (s / k) * h;
+    const float* v = y + r * h;
+    for (int64_t c = 0; c < h; ++c) o[c] += prob[s] * v[c];
+  }
+}
+
+void unpermute_backward(const float* dout, const float* y, const float* prob,
+                        const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h, float* dy,
+                        float* dprob) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t s = slot_of_row[r];
+    const float* g = dout + (s / k) * h;
+    const float* v = y + r * h;
+    float* d = dy + r * h;
+    double dot = 0;
+    for (int64_t c = 0; c < h; ++c) {
+      d[c] = prob[s] * g[c];
+      dot += static_cast<double>(g[c]) * v[c];
+    }
+    dprob[s] = static_cast<float>(dot);
+  }
+}
+
+void transpose_blocks(const float* in, const int64_t* rows, int64_t A, int64_t B, int64_t h,
+                      float* out) {
+  std::vector<int64_t> start(static_cast<size_t>(A * B));
+  int64_t at = 0;
+  for (int64_t i = 0; i < A * B; ++i) {
+    start[static_cast<size_t>(i)] = at;
+    at += rows[i];
+  }
+  int64_t o = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t a = 0; a < A; ++a) {
+      const int64_t n = rows[a * B + b] * h;
+      std::copy_n(in + start[static_cast<size_t>(a * B + b)] * h, n, out + o);
+      o += n;
+    }
+}
+
+}  // namespace ptdp::kernels

@@ -1,0 +1,460 @@
+#include "runtime/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <stdexcept>
+
+#include "core/error.h"
+#include "kernels/cpu/moe.h"
+
+namespace ptdp {
+namespace {
+
+using Counts = std::vector<int64_t>;
+
+// Of an A x B matrix of row counts (a-major): the sum of each row a, of each column b, and the
+// B x A transpose.
+Counts row_sums(const Counts& m, int64_t A, int64_t B) {
+  Counts s(static_cast<size_t>(A), 0);
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < B; ++b) s[static_cast<size_t>(a)] += m[static_cast<size_t>(a * B + b)];
+  return s;
+}
+Counts col_sums(const Counts& m, int64_t A, int64_t B) {
+  Counts s(static_cast<size_t>(B), 0);
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < B; ++b) s[static_cast<size_t>(b)] += m[static_cast<size_t>(a * B + b)];
+  return s;
+}
+Counts transposed(const Counts& m, int64_t A, int64_t B) {
+  Counts t(m.size());
+  for (int64_t a = 0; a < A; ++a)
+    for (int64_t b = 0; b < B; ++b)
+      t[static_cast<size_t>(b * A + a)] = m[static_cast<size_t>(a * B + b)];
+  return t;
+}
+int64_t total(const Counts& c) {
+  return std::accumulate(c.begin(), c.end(), int64_t{0});
+}
+
+std::vector<size_t> elements(const Counts& rows, int64_t width) {
+  std::vector<size_t> n(rows.size());
+  for (size_t i = 0; i < rows.size(); ++i) n[i] = static_cast<size_t>(rows[i] * width);
+  return n;
+}
+
+// `per_peer` counts to every rank of comm (the same block to each when `same`, else block r to
+// rank r); returns what each rank sent this one, rank-major.
+Counts exchange_counts(Communicator& comm, const Counts& mine, int64_t per_peer, bool same) {
+  const auto n = static_cast<size_t>(comm.size());
+  Counts send;
+  for (size_t r = 0; r < n; ++r)
+    send.insert(send.end(), mine.begin() + (same ? 0 : static_cast<int64_t>(r) * per_peer),
+                mine.begin() + (same ? 0 : static_cast<int64_t>(r) * per_peer) + per_peer);
+  Counts recv(n * static_cast<size_t>(per_peer));
+  const std::vector<size_t> c(n, static_cast<size_t>(per_peer));
+  comm.all_to_all_v(send.data(), c, recv.data(), c, DType::kI64);
+  return recv;
+}
+
+// Rows of width h: send_rows[r] consecutive rows of `in` to rank r; out gets recv_rows[r] from r.
+void exchange_rows(Communicator& comm, const float* in, const Counts& send_rows, Buffer& out,
+                   const Counts& recv_rows, int64_t h) {
+  resize(out, total(recv_rows) * h);
+  comm.all_to_all_v(in, elements(send_rows, h), out.data(), elements(recv_rows, h), DType::kF32);
+}
+
+Buffer transpose(const Buffer& in, const Counts& rows, int64_t A, int64_t B, int64_t h) {
+  Buffer out(in.size());
+  kernels::transpose_blocks(in.data(), rows.data(), A, B, h, out.data());
+  return out;
+}
+
+// Rows of this rank's local experts (expert-major, `mine` per expert) gathered from every
+// expert-tensor rank (`gathered`: [etp source][local expert]), expert-major again.
+void etp_gather(ShardContext& c, MoeContext& mc, const Buffer& in, const Counts& mine,
+                const Counts& gathered, Buffer& out) {
+  const MoeDims& d = mc.dims();
+  const int64_t h = c.dims.h, n = total(mine);
+  Buffer repeated(static_cast<size_t>(d.etp * n * h));
+  for (int64_t r = 0; r < d.etp; ++r) std::copy(in.begin(), in.end(), repeated.begin() + r * n * h);
+  Buffer got;
+  exchange_rows(mc.etp(), repeated.data(), Counts(static_cast<size_t>(d.etp), n), got,
+                row_sums(gathered, d.etp, d.local_experts), h);
+  out = transpose(got, gathered, d.etp, d.local_experts, h);
+  c.collective_done(Collective::kAllGather, static_cast<double>(elems(out)) * sizeof(float),
+                    CommGroup::kExpertTensor);
+}
+
+// The inverse: each expert-tensor rank's rows back to it, the partial sums added.
+void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const Counts& mine,
+                        const Counts& gathered, Buffer& out) {
+  const MoeDims& d = mc.dims();
+  const int64_t h = c.dims.h, n = total(mine);
+  const Buffer by_source =
+      transpose(in, transposed(gathered, d.etp, d.local_experts), d.local_experts, d.etp, h);
+  Buffer got;
+  exchange_rows(mc.etp(), by_source.data(), row_sums(gathered, d.etp, d.local_experts), got,
+                Counts(static_cast<size_t>(d.etp), n), h);
+  resize(out, n * h);
+  c.be.copy(got.data(), out.data(), n * h);
+  for (int64_t r = 1; r < d.etp; ++r) c.be.add(out.data(), got.data() + r * n * h, n * h);
+  c.collective_done(Collective::kReduceScatter, static_cast<double>(elems(in)) * sizeof(float),
+                    CommGroup::kExpertTensor);
+}
+
+// Rows in permuted order (this rank's tokens, grouped by expert) to the experts' ranks; arrive
+// expert-major ([local expert][ep source]).
+void to_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs& A, Buffer& out) {
+  const MoeDims& d = mc.dims();
+  const int64_t h = c.dims.h;
+  Buffer got;
+  exchange_rows(mc.ep(), in.data(), row_sums(A.counts, d.ep, d.local_experts), got,
+                row_sums(A.recv, d.ep, d.local_experts), h);
+  out = transpose(got, A.recv, d.ep, d.local_experts, h);
+  c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
+                    CommGroup::kExpert);
+}
+
+// The inverse: expert-major rows back to the ranks of their tokens, in permuted order.
+void from_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs& A,
+                  Buffer& out) {
+  const MoeDims& d = mc.dims();
+  const int64_t h = c.dims.h;
+  const Buffer by_source =
+      transpose(in, transposed(A.recv, d.ep, d.local_experts), d.local_experts, d.ep, h);
+  exchange_rows(mc.ep(), by_source.data(), row_sums(A.recv, d.ep, d.local_experts), out,
+                row_sums(A.counts, d.ep, d.local_experts), h);
+  c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
+                    CommGroup::kExpert);
+}
+
+Counts local_rows(const MoeDims& d, const MoeActs& A) {  // per local expert, after the dispatch
+  return col_sums(A.recv, d.ep, d.local_experts);
+}
+Counts expert_rows(const MoeDims& d, const MoeActs& A) {  // per local expert, what it computes
+  return d.etp > 1 ? col_sums(A.gathered, d.etp, d.local_experts) : local_rows(d, A);
+}
+
+float* at(Buffer& b, int64_t row, int64_t width) {
+  return b.data() + row * width;
+}
+float* opt(ShardContext& c, int64_t off, bool grad) {
+  return off < 0 ? nullptr : grad ? c.G(off) : c.P(off);
+}
+
+// Calls f(local expert, first row, rows) for each local expert with rows.
+template <class F>
+void per_expert(const Counts& rows, F f) {
+  int64_t first = 0;
+  for (size_t e = 0; e < rows.size(); ++e) {
+    if (rows[e] > 0) f(e, first, rows[e]);
+    first += rows[e];
+  }
+}
+
+}  // namespace
+
+int64_t MoeDims::fc1_width() const {
+  return ffe * (fc1_gated ? 2 : 1);
+}
+
+MoeDims moe_dims(const ModelSpec& m, int64_t t, int64_t ep, int64_t ep_rank, int64_t etp,
+                 int64_t etp_rank) {
+  MoeDims d;
+  d.experts = m.num_experts;
+  d.local_experts = m.num_experts / ep;
+  d.topk = m.moe_router_topk;
+  d.ffe = m.moe_ffn_hidden() / etp;
+  d.fc1_gated = m.swiglu;
+  d.ep = ep;
+  d.ep_rank = ep_rank;
+  d.etp = etp;
+  d.etp_rank = etp_rank;
+  d.capacity_factor = m.moe_capacity_factor;
+  d.shared = m.moe_shared_expert_ffn_size > 0;
+  d.shared_ffl = m.moe_shared_expert_ffn_size / t;
+  return d;
+}
+
+MoeContext::MoeContext(const ModelSpec&, const MoeDims& dims) : dims_(dims) {
+  own_ep_ = make_self_communicator();
+  own_etp_ = make_self_communicator();
+  if (dims_.ep == 1) ep_ = own_ep_.get();
+  if (dims_.etp == 1) etp_ = own_etp_.get();
+}
+
+Communicator& MoeContext::ep() {
+  if (!ep_) throw std::logic_error("expert parallelism without its group");
+  return *ep_;
+}
+Communicator& MoeContext::etp() {
+  if (!etp_) throw std::logic_error("expert tensor parallelism without its group");
+  return *etp_;
+}
+
+void MoeContext::set_groups(Communicator* ep, Communicator* etp) {
+  if (!ep && dims_.ep > 1) throw std::logic_error("expert parallelism without its group");
+  if (!etp && dims_.etp > 1) throw std::logic_error("expert tensor parallelism without its group");
+  if (ep && ep->size() != dims_.ep) throw std::logic_error("expert-parallel group of wrong size");
+  if (etp && etp->size() != dims_.etp) throw std::logic_error("expert-tensor group of wrong size");
+  ep_ = ep ? ep : own_ep_.get();
+  etp_ = etp ? etp : own_etp_.get();
+}
+
+bool is_moe_op(OpId id) {
+  return id >= OpId::kRouter && id <= OpId::kRouterWgrad;
+}
+
+namespace {
+
+bool is_mlp_forward(OpId id) {
+  return id == OpId::kMlpAllGather || id == OpId::kFc1 || id == OpId::kBiasGelu ||
+         id == OpId::kSwiglu || id == OpId::kFc2 || id == OpId::kMlpAllReduce ||
+         id == OpId::kMlpReduceScatter;
+}
+bool is_mlp_backward(OpId id) {
+  return id == OpId::kMlpReduceScatterBackward || id == OpId::kFc2Dgrad || id == OpId::kFc2Wgrad ||
+         id == OpId::kBiasGeluBackward || id == OpId::kSwigluBackward || id == OpId::kFc1Dgrad ||
+         id == OpId::kFc1InputGradAllReduce || id == OpId::kFc1Wgrad ||
+         id == OpId::kMlpAllGatherBackward;
+}
+
+std::vector<OpId> substitute(const std::vector<OpId>& dense, bool keep_mlp, bool (*mlp)(OpId),
+                             OpId before, const std::vector<OpId>& routed) {
+  std::vector<OpId> out;
+  for (OpId op : dense) {
+    if (op == before) out.insert(out.end(), routed.begin(), routed.end());
+    if (keep_mlp || !mlp(op)) out.push_back(op);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeDims& d) {
+  using I = OpId;
+  std::vector<OpId> routed = {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kMoeDispatch};
+  if (d.etp > 1) routed.push_back(I::kMoeDispatchAllGather);
+  routed.insert(routed.end(), {I::kExpertFc1, I::kExpertActivation, I::kExpertFc2});
+  if (d.etp > 1) routed.push_back(I::kMoeCombineReduceScatter);
+  routed.insert(routed.end(), {I::kMoeCombine, I::kMoeUnpermute});
+  return substitute(dense, d.shared, is_mlp_forward, I::kMlpBiasDropoutAdd, routed);
+}
+
+std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const MoeDims& d) {
+  using I = OpId;
+  std::vector<OpId> routed = {I::kMoeUnpermuteBackward, I::kMoeCombineBackward};
+  if (d.etp > 1) routed.push_back(I::kMoeCombineReduceScatterBackward);
+  routed.insert(routed.end(), {I::kExpertFc2Dgrad, I::kExpertFc2Wgrad, I::kExpertActivationBackward,
+                               I::kExpertFc1Dgrad, I::kExpertFc1Wgrad});
+  if (d.etp > 1) routed.push_back(I::kMoeDispatchAllGatherBackward);
+  routed.insert(routed.end(), {I::kMoeDispatchBackward, I::kMoePermuteBackward,
+                               I::kRouterTopkBackward, I::kRouterDgrad, I::kRouterWgrad});
+  return substitute(dense, d.shared, is_mlp_backward, I::kPostAttentionLayernormBackward, routed);
+}
+
+void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
+                    const Buffer& x, Buffer& out, MoeActs& A) {
+  const MoeDims& d = mc.dims();
+  const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk, El = d.local_experts;
+  Backend& be = c.be;
+  switch (op) {
+    case OpId::kRouter:
+      resize(A.logits, n * E);
+      c.linear(x.data(), W.router, -1, A.logits.data(), n, h, E);
+      break;
+    case OpId::kRouterTopk:
+      A.chosen.resize(static_cast<size_t>(n * k));
+      resize(A.prob, n * k);
+      kernels::topk_softmax(A.logits.data(), n, E, k, A.chosen.data(), A.prob.data());
+      A.expert = A.chosen;
+      if (d.capacity_factor > 0) {
+        const auto capacity = static_cast<int64_t>(
+            std::ceil(d.capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
+        kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity);
+      }
+      release(A.logits);
+      break;
+    case OpId::kMoePermute:
+      A.slot_of_row.resize(static_cast<size_t>(n * k));
+      A.counts.resize(static_cast<size_t>(E));
+      A.rows =
+          kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
+      resize(A.permuted, A.rows * h);
+      kernels::permute_rows(x.data(), A.slot_of_row.data(), A.rows, k, h, A.permuted.data());
+      break;
+    case OpId::kMoeDispatch:
+      A.recv = exchange_counts(mc.ep(), A.counts, El, false);
+      to_experts(c, mc, A.permuted, A, A.x);
+      release(A.permuted);
+      break;
+    case OpId::kMoeDispatchAllGather: {
+      const Counts mine = local_rows(d, A);
+      A.gathered = exchange_counts(mc.etp(), mine, El, true);
+      Buffer local;
+      local.swap(A.x);
+      etp_gather(c, mc, local, mine, A.gathered, A.x);
+      break;
+    }
+    case OpId::kExpertFc1: {
+      const int64_t w = d.fc1_width();
+      resize(A.fc1, elems(A.x) / h * w);
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_forward(at(A.x, r0, h), c.P(W.fc1_w[e]), opt(c, W.fc1_b[e], false),
+                          at(A.fc1, r0, w), rows, h, w);
+      });
+      c.gemm_done(elems(A.x) / h, w, h, 1);
+      break;
+    }
+    case OpId::kExpertActivation: {
+      const int64_t rows = elems(A.x) / h;
+      resize(A.act, rows * d.ffe);
+      if (d.fc1_gated)
+        be.swiglu(A.fc1.data(), A.act.data(), rows, d.ffe);
+      else
+        be.gelu(A.fc1.data(), A.act.data(), rows * d.ffe);
+      break;
+    }
+    case OpId::kExpertFc2: {
+      resize(A.y, elems(A.x));
+      // The output bias is added once, by expert-tensor rank 0, before the partial sums meet.
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_forward(at(A.act, r0, d.ffe), c.P(W.fc2_w[e]),
+                          d.etp_rank == 0 ? opt(c, W.fc2_b[e], false) : nullptr, at(A.y, r0, h),
+                          rows, d.ffe, h);
+      });
+      c.gemm_done(elems(A.x) / h, h, d.ffe, 1);
+      break;
+    }
+    case OpId::kMoeCombineReduceScatter: {
+      Buffer partial;
+      partial.swap(A.y);
+      etp_reduce_scatter(c, mc, partial, local_rows(d, A), A.gathered, A.y);
+      break;
+    }
+    case OpId::kMoeCombine:
+      from_experts(c, mc, A.y, A, A.combined);
+      release(A.y);
+      break;
+    case OpId::kMoeUnpermute:
+      if (!d.shared) {
+        resize(out, n * h);
+        be.fill_zero(out.data(), n * h);
+      }
+      kernels::unpermute(A.combined.data(), A.prob.data(), A.slot_of_row.data(), A.rows, k, h,
+                         out.data());
+      break;
+    default:
+      throw std::logic_error("not a forward op of an MoE layer");
+  }
+}
+
+void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
+                     const Buffer& x, const Buffer& d_out, Buffer& d_x, MoeActs& A) {
+  const MoeDims& d = mc.dims();
+  const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk;
+  Backend& be = c.be;
+  const int64_t w = d.fc1_width();
+  switch (op) {
+    case OpId::kMoeUnpermuteBackward:
+      resize(A.d_y, A.rows * h);
+      A.dprob.assign(static_cast<size_t>(n * k), 0.0f);
+      kernels::unpermute_backward(d_out.data(), A.combined.data(), A.prob.data(),
+                                  A.slot_of_row.data(), A.rows, k, h, A.d_y.data(), A.dprob.data());
+      release(A.combined);
+      break;
+    case OpId::kMoeCombineBackward: {
+      Buffer permuted;
+      permuted.swap(A.d_y);
+      to_experts(c, mc, permuted, A, A.d_y);
+      break;
+    }
+    case OpId::kMoeCombineReduceScatterBackward: {
+      Buffer local;
+      local.swap(A.d_y);
+      etp_gather(c, mc, local, local_rows(d, A), A.gathered, A.d_y);
+      break;
+    }
+    case OpId::kExpertFc2Dgrad:
+      resize(A.d_act, elems(A.act));
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_dgrad(c.P(W.fc2_w[e]), at(A.d_y, r0, h), at(A.d_act, r0, d.ffe), rows, d.ffe, h);
+      });
+      c.gemm_done(elems(A.x) / h, d.ffe, h, 1);
+      break;
+    case OpId::kExpertFc2Wgrad:
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_wgrad(at(A.act, r0, d.ffe), at(A.d_y, r0, h), c.G(W.fc2_w[e]),
+                        opt(c, W.fc2_b[e], true), rows, d.ffe, h);
+      });
+      c.gemm_done(d.ffe, h, elems(A.x) / h, 1);
+      c.weight_gradient_done();
+      break;
+    case OpId::kExpertActivationBackward: {
+      const int64_t rows = elems(A.x) / h;
+      resize(A.d_pre, rows * w);
+      if (d.fc1_gated)
+        be.swiglu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows, d.ffe);
+      else
+        be.gelu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows * d.ffe);
+      release(A.d_act);
+      break;
+    }
+    case OpId::kExpertFc1Dgrad:
+      resize(A.d_x, elems(A.x));
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_dgrad(c.P(W.fc1_w[e]), at(A.d_pre, r0, w), at(A.d_x, r0, h), rows, h, w);
+      });
+      c.gemm_done(elems(A.x) / h, h, w, 1);
+      break;
+    case OpId::kExpertFc1Wgrad:
+      per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
+        be.linear_wgrad(at(A.x, r0, h), at(A.d_pre, r0, w), c.G(W.fc1_w[e]),
+                        opt(c, W.fc1_b[e], true), rows, h, w);
+      });
+      c.gemm_done(h, w, elems(A.x) / h, 1);
+      c.weight_gradient_done();
+      break;
+    case OpId::kMoeDispatchAllGatherBackward: {
+      Buffer full;
+      full.swap(A.d_x);
+      etp_reduce_scatter(c, mc, full, local_rows(d, A), A.gathered, A.d_x);
+      break;
+    }
+    case OpId::kMoeDispatchBackward: {
+      Buffer expert_major;
+      expert_major.swap(A.d_x);
+      from_experts(c, mc, expert_major, A, A.d_x);
+      break;
+    }
+    case OpId::kMoePermuteBackward:
+      if (!d.shared) {
+        resize(d_x, n * h);
+        be.fill_zero(d_x.data(), n * h);
+      }
+      kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, d_x.data());
+      release(A.d_x);
+      break;
+    case OpId::kRouterTopkBackward:
+      resize(A.dlogits, n * E);
+      kernels::topk_softmax_backward(A.prob.data(), A.dprob.data(), A.chosen.data(), n, E, k,
+                                     A.dlogits.data());
+      break;
+    case OpId::kRouterDgrad: {
+      Buffer dx;
+      resize(dx, n * h);
+      c.linear_dgrad(W.router, A.dlogits.data(), dx.data(), n, h, E);
+      be.add(d_x.data(), dx.data(), n * h);
+      break;
+    }
+    case OpId::kRouterWgrad:
+      c.linear_wgrad(x.data(), A.dlogits.data(), W.router, -1, n, h, E);
+      break;
+    default:
+      throw std::logic_error("not a backward op of an MoE layer");
+  }
+}
+
+}  // namespace ptdp

@@ -1,0 +1,117 @@
+// The MoE layer of a GptShard (Megatron-Core's MoELayer with the all-to-all token dispatcher):
+// it replaces the MLP of each layer i with ModelSpec::is_moe_layer(i).
+//
+// Forward, per rank, on the n_local tokens it holds outside the tensor-parallel blocks (the
+// sequence-parallel slice; Megatron requires sequence parallelism for MoE when t > 1):
+//   kRouter        logits = x Wr^T, Wr [E, h] replicated on the tensor-parallel ranks, no bias
+//   kRouterTopk    the top-k logits of each token, then a softmax over those k (no pre-softmax);
+//                  with a capacity factor c each expert keeps its ceil(c * n_local * k / E)
+//                  highest-probability assignments of this rank's tokens, the rest are dropped
+//   kMoePermute    each (token, expert) assignment as one row, grouped by expert
+//   kMoeDispatch   counts, then rows, all-to-all over the expert-parallel group (variable sizes);
+//                  the received blocks sorted by local expert
+//   kMoeDispatchAllGather  etp > 1: every expert-tensor rank's rows gathered (all-to-all of
+//                  the same block to every peer), sorted by local expert again
+//   kExpertFc1, kExpertActivation, kExpertFc2  each of the E / ep local experts, an MLP of the
+//                  model's kind (GELU with biases, or SwiGLU without) of width moe_ffn / etp
+//   kMoeCombineReduceScatter  etp > 1: each peer's rows back to it, partial sums added
+//   kMoeCombine    the rows all-to-all back to the ranks they came from
+//   kMoeUnpermute  each token's output: the probability-weighted sum of its expert rows
+// Shared experts (moe_shared_expert_ffn_size) are the layer's dense MLP ops at that width, run
+// on every token; the routed output is added to theirs. No auxiliary load-balancing loss (as
+// Megatron's default --moe-aux-loss-coeff 0). The backward ops mirror these in reverse.
+//
+// Routing runs on host memory: MoE layers need a backend whose memory the host can address
+// (the CPU backend).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/layer_ops.h"
+#include "core/model_spec.h"
+#include "runtime/communicator.h"
+#include "runtime/shard_context.h"
+#include "runtime/tensor.h"
+
+namespace ptdp {
+
+struct MoeLayerParams {  // offsets into the flat buffers; -1 when absent
+  int64_t router = -1;
+  std::vector<int64_t> fc1_w, fc1_b, fc2_w, fc2_b;  // per local expert
+};
+
+struct MoeDims {
+  int64_t experts = 0, local_experts = 0, topk = 1;
+  int64_t ffe = 0;  // one expert's FFN width on this rank (moe_ffn_hidden / etp)
+  int64_t ep = 1, ep_rank = 0, etp = 1, etp_rank = 0;
+  double capacity_factor = 0;  // 0: dropless
+  bool fc1_gated = false;      // SwiGLU experts: FC1 rows [gate | up]
+  bool shared = false;         // shared experts run as the layer's dense MLP ops
+  int64_t shared_ffl = 0;      // their width on this rank (moe_shared_expert_ffn_size / t)
+  int64_t fc1_width() const;   // rows of one expert's FC1 weight on this rank
+};
+
+// What one MoE layer keeps between its forward and backward pass (and its backward scratch).
+struct MoeActs {
+  std::vector<int32_t> chosen, expert;  // [n_local * k]: the top-k; expert -1 when dropped
+  Buffer logits, prob;                  // prob [n_local * k]
+  std::vector<int64_t> slot_of_row;     // permuted row -> token * k + slot
+  std::vector<int64_t> counts;          // rows per expert (all E), this rank's tokens
+  std::vector<int64_t> recv;            // [ep source][local expert] rows received
+  std::vector<int64_t> gathered;        // [etp source][local expert] rows after the gather
+  int64_t rows = 0;                     // this rank's routed rows
+  Buffer permuted, x, fc1, act, y, combined;
+  Buffer d_y, d_act, d_pre, d_x, dprob, dlogits;
+};
+
+// Registers an MoE layer's parameters on this rank (runtime/moe_params.cc): the router [E, h]
+// (replicated on the tensor-parallel ranks; a sequence-parallel partial gradient when `sp`) and
+// the E / ep local experts (segment 2: global expert ep_rank * E / ep + e, columns etp_rank of
+// each FFN), with hashed initial values of the global element (kernels/cpu/init.h). `add`
+// registers one parameter with its initial values and returns its index; the result holds
+// those indices.
+using AddParameter = std::function<int64_t(ParamInfo, std::function<void(float*)>)>;
+MoeLayerParams add_moe_parameters(const ModelSpec& m, const ShardLayout& l, bool sp, uint64_t seed,
+                                  const std::string& prefix, const AddParameter& add);
+
+// The MoE layer's communicators and dimensions on this rank.
+class MoeContext {
+ public:
+  MoeContext(const ModelSpec& m, const MoeDims& dims);
+  // ep: the expert-parallel group; etp: the expert-tensor group (null: a group of one, only
+  // when that size is 1).
+  void set_groups(Communicator* ep, Communicator* etp);
+  const MoeDims& dims() const { return dims_; }
+  Communicator& ep();
+  Communicator& etp();
+
+ private:
+  MoeDims dims_;
+  std::unique_ptr<Communicator> own_ep_, own_etp_;
+  Communicator *ep_ = nullptr, *etp_ = nullptr;
+};
+
+MoeDims moe_dims(const ModelSpec& m, int64_t t, int64_t ep, int64_t ep_rank, int64_t etp,
+                 int64_t etp_rank);
+
+bool is_moe_op(OpId id);
+// An MoE layer's programs from the dense layer's: the MLP ops stay for the shared experts (or
+// go, without them) and the routed ops are inserted before the closing bias-dropout-add
+// (forward, recomputation) and before the post-attention layernorm's backward.
+std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeDims& d);
+std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const MoeDims& d);
+
+// x: the post-attention layernorm's output [n_local, h]; out: the MLP output [n_local, h]
+// (the shared experts' when they ran first, added to).
+void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
+                    const Buffer& x, Buffer& out, MoeActs& A);
+// d_out: the gradient of the layer's MLP output [n_local, h]; d_x: the gradient of x, added to
+// when the shared experts wrote it, else written.
+void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
+                     const Buffer& x, const Buffer& d_out, Buffer& d_x, MoeActs& A);
+
+}  // namespace ptdp

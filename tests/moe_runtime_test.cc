@@ -1,0 +1,251 @@
+// MoE layers in the runtime on one process: the routing loops against naive ones, the layer's
+// gradients against finite differences, the parameter count and segment sizes, and the trace
+// of the dispatch and combine all-to-alls. Expert parallelism across ranks is in
+// run_mpi_test.cc.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "kernels/cpu/moe.h"
+#include "runtime/communicator.h"
+#include "runtime/data.h"
+#include "runtime/gpt_model.h"
+#include "runtime/shard_footprint.h"
+
+namespace ptdp {
+namespace {
+
+ModelSpec tiny_moe(bool swiglu, int64_t shared, int64_t freq) {
+  ModelSpec m;
+  m.name = "tiny-moe";
+  m.num_layers = 2;
+  m.hidden_size = 16;
+  m.num_attention_heads = 4;
+  m.seq_length = 8;
+  m.vocab_size = 32;
+  m.swiglu = swiglu;
+  if (swiglu) m.ffn_hidden_size = 24;
+  m.num_experts = 4;
+  m.moe_router_topk = 2;
+  m.moe_ffn_hidden_size = 12;
+  m.moe_shared_expert_ffn_size = shared;
+  m.moe_layer_freq = freq;
+  return m;
+}
+
+std::vector<float> random_floats(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd;
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
+  const int64_t n = 13, E = 6, k = 2;
+  std::vector<float> logits = random_floats(static_cast<size_t>(n * E), 1);
+  logits[7] = logits[8];  // a tie: the lower expert index wins
+  std::vector<int32_t> expert(static_cast<size_t>(n * k));
+  std::vector<float> prob(static_cast<size_t>(n * k));
+  kernels::topk_softmax(logits.data(), n, E, k, expert.data(), prob.data());
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<std::pair<float, int>> order;
+    for (int e = 0; e < E; ++e) order.push_back({-logits[static_cast<size_t>(i * E + e)], e});
+    std::sort(order.begin(), order.end());
+    double sum = 0;
+    for (int64_t j = 0; j < k; ++j) sum += std::exp(-order[j].first);
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(expert[static_cast<size_t>(i * k + j)], order[j].second) << i;
+      EXPECT_NEAR(prob[static_cast<size_t>(i * k + j)], std::exp(-order[j].first) / sum, 1e-6);
+    }
+  }
+  // Capacity: each expert keeps its `cap` most probable assignments.
+  std::vector<int32_t> kept = expert;
+  const int64_t cap = 3;
+  const int64_t dropped = kernels::drop_over_capacity(kept.data(), prob.data(), n, k, E, cap);
+  int64_t naive_dropped = 0;
+  for (int e = 0; e < E; ++e) {
+    std::vector<std::pair<float, int64_t>> mine;  // (-prob, slot)
+    for (int64_t s = 0; s < n * k; ++s)
+      if (expert[static_cast<size_t>(s)] == e) mine.push_back({-prob[static_cast<size_t>(s)], s});
+    std::stable_sort(mine.begin(), mine.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (size_t r = 0; r < mine.size(); ++r) {
+      const bool keep = static_cast<int64_t>(r) < cap;
+      EXPECT_EQ(kept[static_cast<size_t>(mine[r].second)], keep ? e : -1);
+      naive_dropped += !keep;
+    }
+  }
+  EXPECT_EQ(dropped, naive_dropped);
+  EXPECT_GT(dropped, 0);
+  // Permutation: rows grouped by expert, tokens ascending; unpermute is the weighted sum.
+  std::vector<int64_t> slot_of_row(static_cast<size_t>(n * k)), counts(static_cast<size_t>(E));
+  const int64_t rows =
+      kernels::permutation(kept.data(), n, k, E, slot_of_row.data(), counts.data());
+  std::vector<int64_t> naive;
+  for (int e = 0; e < E; ++e)
+    for (int64_t s = 0; s < n * k; ++s)
+      if (kept[static_cast<size_t>(s)] == e) naive.push_back(s);
+  ASSERT_EQ(rows, static_cast<int64_t>(naive.size()));
+  EXPECT_EQ(std::vector<int64_t>(slot_of_row.begin(), slot_of_row.begin() + rows), naive);
+  EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), int64_t{0}), rows);
+  const int64_t h = 3;
+  const std::vector<float> x = random_floats(static_cast<size_t>(n * h), 2);
+  std::vector<float> permuted(static_cast<size_t>(rows * h)), out(static_cast<size_t>(n * h), 0);
+  kernels::permute_rows(x.data(), slot_of_row.data(), rows, k, h, permuted.data());
+  kernels::unpermute(permuted.data(), prob.data(), slot_of_row.data(), rows, k, h, out.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < h; ++c) {
+      double want = 0;
+      for (int64_t j = 0; j < k; ++j)
+        if (kept[static_cast<size_t>(i * k + j)] >= 0)
+          want += prob[static_cast<size_t>(i * k + j)] * x[static_cast<size_t>(i * h + c)];
+      EXPECT_NEAR(out[static_cast<size_t>(i * h + c)], want, 1e-5);
+    }
+}
+
+TEST(MoeRouting, TopkSoftmaxBackwardMatchesFiniteDifferences) {
+  const int64_t n = 5, E = 5, k = 3;
+  std::vector<float> logits = random_floats(static_cast<size_t>(n * E), 3);
+  const std::vector<float> weight = random_floats(static_cast<size_t>(n * k), 4);
+  auto objective = [&](const std::vector<float>& z, std::vector<int32_t>* chosen,
+                       std::vector<float>* p) {
+    kernels::topk_softmax(z.data(), n, E, k, chosen->data(), p->data());
+    double f = 0;
+    for (size_t i = 0; i < p->size(); ++i) f += weight[i] * (*p)[i];
+    return f;
+  };
+  std::vector<int32_t> chosen(static_cast<size_t>(n * k));
+  std::vector<float> p(static_cast<size_t>(n * k)), d(static_cast<size_t>(n * E));
+  objective(logits, &chosen, &p);
+  kernels::topk_softmax_backward(p.data(), weight.data(), chosen.data(), n, E, k, d.data());
+  for (size_t i = 0; i < logits.size(); ++i) {
+    std::vector<int32_t> c2 = chosen;
+    std::vector<float> p2 = p, z = logits;
+    const float eps = 1e-3f;
+    z[i] += eps;
+    const double up = objective(z, &c2, &p2);
+    z[i] -= 2 * eps;
+    const double down = objective(z, &c2, &p2);
+    EXPECT_NEAR(d[i], (up - down) / (2 * eps), 2e-3) << i;
+  }
+}
+
+TEST(MoeShard, ParameterCountAndSegmentSizes) {
+  auto self = make_self_communicator();
+  for (bool swiglu : {false, true}) {
+    const ModelSpec m = tiny_moe(swiglu, swiglu ? 8 : 0, swiglu ? 2 : 1);
+    GptShard one(m, ShardLayout{}, self.get(), 1);
+    EXPECT_EQ(one.real_parameters(), static_cast<int64_t>(m.parameters())) << swiglu;
+    for (int64_t t : {1, 2})
+      for (int64_t ep : {1, 2, 4})
+        for (int64_t etp : {int64_t{1}, t}) {
+          ShardLayout l;
+          l.t = t;
+          l.tp = t - 1;
+          l.sequence_parallel = t > 1;
+          l.ep = ep;
+          l.ep_rank = ep - 1;
+          l.etp = etp;
+          l.etp_rank = etp - 1;
+          l.segment_multiple = 3;
+          l.expert_segment_multiple = 5;
+          GptShard shard(m, l, self.get(), 1);
+          std::vector<int64_t> built;
+          for (const Segment& s : shard.segments()) built.push_back(s.size);
+          EXPECT_EQ(shard_segment_sizes(m, l), built) << t << " " << ep << " " << etp;
+          ASSERT_EQ(built.size(), 3u);
+          EXPECT_EQ(built[2] % 5, 0);
+        }
+  }
+}
+
+// The MoE layer's backward pass against central differences of the loss, for a few parameters
+// of every kind (router, experts, shared experts, the dense layer between).
+TEST(MoeShard, GradientsMatchFiniteDifferences) {
+  for (const ModelSpec& m : {tiny_moe(false, 0, 1), tiny_moe(true, 8, 2)}) {
+    auto self = make_self_communicator();
+    GptShard shard(m, ShardLayout{}, self.get(), 7);
+    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    auto loss = [&] {
+      const double v = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+      shard.backward(0, 0, nullptr, nullptr, 0.0);
+      return v;
+    };
+    ASSERT_TRUE(shard.backend().host_accessible());
+    const auto grads = shard.grads().view<float>(0, shard.grads().size());
+    const auto params = shard.params().view<float>(0, shard.params().size());
+    // Top-k is piecewise: logits spread wide (routers scaled up) keep a perturbation from
+    // changing which experts a token chooses, where the loss jumps.
+    for (const ParamInfo& p : shard.param_infos())
+      if (p.name.find("router") != std::string::npos)
+        for (int64_t i = p.offset; i < p.offset + p.size; ++i) params[static_cast<size_t>(i)] *= 40;
+    std::fill(grads.begin(), grads.end(), 0.0f);
+    shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    const std::vector<float> analytic(grads.begin(), grads.end());
+    std::mt19937 rng(5);
+    int experts = 0, routers = 0;
+    for (const ParamInfo& p : shard.param_infos()) {
+      experts += p.expert;
+      routers += p.name.find("router") != std::string::npos;
+      for (int k = 0; k < 3; ++k) {
+        const int64_t i =
+            p.offset + static_cast<int64_t>(rng() % static_cast<uint32_t>(p.real_size));
+        float& x = params[static_cast<size_t>(i)];
+        const float keep = x, eps = 2e-3f;
+        x = keep + eps;
+        const double up = loss();
+        x = keep - eps;
+        const double down = loss();
+        x = keep;
+        const double numeric = (up - down) / (2.0 * eps);
+        EXPECT_NEAR(analytic[static_cast<size_t>(i)], numeric, 2e-3 + 0.05 * std::abs(numeric))
+            << m.swiglu << " " << p.name << " [" << i << "]";
+      }
+    }
+    EXPECT_EQ(routers, m.num_moe_layers());
+    EXPECT_GT(experts, 0);
+  }
+}
+
+// Each MoE layer's dispatch and combine (and their backward) run as all-to-alls over the
+// expert-parallel group carrying the rank's routed tokens x h x 4 bytes; dense layers route
+// nothing.
+TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
+  const ModelSpec m = tiny_moe(true, 8, 2);
+  auto self = make_self_communicator();
+  GptShard shard(m, ShardLayout{}, self.get(), 7);
+  std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+  TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+  std::vector<ExecutedOp> trace;
+  shard.trace_ops(&trace);
+  shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+  shard.backward(0, 0, nullptr, nullptr, 1.0);
+  const double routed_bytes =
+      static_cast<double>(m.seq_length * m.moe_router_topk * m.hidden_size) *
+      sizeof(float);  // b = 1, dropless
+  int all_to_alls = 0, routers = 0;
+  for (const ExecutedOp& op : trace) {
+    routers += op.id == OpId::kRouter;
+    const bool a2a = op.id == OpId::kMoeDispatch || op.id == OpId::kMoeCombine ||
+                     op.id == OpId::kMoeDispatchBackward || op.id == OpId::kMoeCombineBackward;
+    if (!a2a) continue;
+    ++all_to_alls;
+    EXPECT_EQ(op.kind, OpKind::kCollective) << op_name(op.id);
+    EXPECT_EQ(op.collective, Collective::kAllToAll) << op_name(op.id);
+    EXPECT_EQ(op.group, CommGroup::kExpert) << op_name(op.id);
+    EXPECT_EQ(op.bytes, routed_bytes) << op_name(op.id);
+  }
+  EXPECT_EQ(routers, m.num_moe_layers());
+  EXPECT_EQ(all_to_alls, 4 * m.num_moe_layers());
+  EXPECT_EQ(m.num_moe_layers(), 1);
+  shard.trace_ops(nullptr);
+}
+
+}  // namespace
+}  // namespace ptdp
