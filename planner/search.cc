@@ -161,7 +161,9 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
   for (int64_t t : divisors(n)) {
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
     for (int64_t cp : divisors(n / t)) {
-      if (cp > 1 && (!o.try_context_parallel || m.seq_length % (2 * cp) != 0 ||
+      // MoE models are searched without cp: ptdp run does not combine the two yet, and every
+      // plan the search prints must run (predict prices cp with MoE all the same).
+      if (cp > 1 && (!o.try_context_parallel || m.is_moe() || m.seq_length % (2 * cp) != 0 ||
                      m.seq_length / cp < o.min_context_tokens ||
                      (o.max_context_parallel > 0 && cp > o.max_context_parallel)))
         continue;

@@ -3,12 +3,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "core/presets.h"
 #include "tests/support/cli_run.h"
 
 namespace ptdp {
@@ -163,6 +165,129 @@ TEST(CliErrors, UnevenStagesThatDoNotDivide) {
   args.insert(args.end(), {"--num-layers-per-virtual-pipeline-stage", "3"});
   expect_bad(args, "--num-virtual-stages-per-pipeline-rank");
 }
+// Context and expert parallelism: predict prices them, reports dense and expert memory apart,
+// and refuses values Megatron cannot run, naming the flag or field.
+const std::vector<std::string> kPredictMixtral = {"predict",
+                                                  "--model",
+                                                  "mixtral-8x7b",
+                                                  "--cluster",
+                                                  "dgx-h100",
+                                                  "--num-gpus",
+                                                  "64",
+                                                  "--global-batch-size",
+                                                  "256",
+                                                  "--seq-length",
+                                                  "4096",
+                                                  "--pipeline-model-parallel-size",
+                                                  "4",
+                                                  "--tensor-model-parallel-size",
+                                                  "1",
+                                                  "--micro-batch-size",
+                                                  "1",
+                                                  "--use-distributed-optimizer"};
+
+TEST(Cli, PredictReportsDenseAndExpertMemoryAndExpertParallelismShrinksIt) {
+  auto args = kPredictMixtral;
+  args.insert(args.end(), {"--json"});
+  const Result one = run(args);
+  ASSERT_EQ(one.status, 0) << one.err;
+  args.insert(args.end(), {"--expert-model-parallel-size", "8"});
+  const Result eight = run(args);
+  ASSERT_EQ(eight.status, 0) << eight.err;
+  const auto a = nlohmann::json::parse(one.out), b = nlohmann::json::parse(eight.out);
+  const auto& ea = a["memory"]["expert"];
+  const auto& eb = b["memory"]["expert"];
+  // 8 experts over 8 ranks: each holds an eighth of the expert weights, dense weights unchanged.
+  EXPECT_NEAR(eb["weights_gib"].get<double>() * 8, ea["weights_gib"].get<double>(), 1e-6);
+  EXPECT_DOUBLE_EQ(b["memory"]["dense"]["weights_gib"].get<double>(),
+                   a["memory"]["dense"]["weights_gib"].get<double>());
+  EXPECT_GT(ea["weights_gib"].get<double>(), a["memory"]["dense"]["weights_gib"].get<double>());
+  EXPECT_EQ(b["configuration"]["expert_parallel"], 8);
+  EXPECT_NE(b["megatron_flags"].get<std::string>().find("--expert-model-parallel-size 8"),
+            std::string::npos);
+}
+
+TEST(Cli, ContextParallelismSplitsTheSequencesActivations) {
+  const std::vector<std::string> base = {"predict",
+                                         "--model",
+                                         "llama3-8b",
+                                         "--cluster",
+                                         "dgx-h100",
+                                         "--num-gpus",
+                                         "16",
+                                         "--global-batch-size",
+                                         "16",
+                                         "--seq-length",
+                                         "65536",
+                                         "--tensor-model-parallel-size",
+                                         "8",
+                                         "--pipeline-model-parallel-size",
+                                         "1",
+                                         "--sequence-parallel",
+                                         "--micro-batch-size",
+                                         "1",
+                                         "--json"};
+  const Result one = run(base);
+  auto args = base;
+  args.insert(args.end(), {"--context-parallel-size", "2"});
+  const Result two = run(args);
+  ASSERT_EQ(one.status, 0) << one.err;
+  ASSERT_EQ(two.status, 0) << two.err;
+  const auto a = nlohmann::json::parse(one.out), b = nlohmann::json::parse(two.out);
+  EXPECT_EQ(b["configuration"]["context_parallel"], 2);
+  EXPECT_EQ(b["configuration"]["data_parallel"], 1);
+  EXPECT_LT(b["memory"]["activations_gib"].get<double>(),
+            0.6 * a["memory"]["activations_gib"].get<double>());
+}
+
+TEST(CliErrors, ContextAndExpertParallelValues) {
+  auto cp = kPredictMixtral;
+  cp.insert(cp.end(), {"--context-parallel-size", "3"});  // 192 GPUs would be needed anyway
+  expect_bad(cp, "--num-gpus");
+  cp = kPredictMixtral;
+  cp[std::find(cp.begin(), cp.end(), "4096") - cp.begin()] = "4098";  // 2 * 2 does not divide
+  cp.insert(cp.end(), {"--context-parallel-size", "2"});
+  expect_bad(cp, "--context-parallel-size");
+  auto ep = kPredictMixtral;
+  ep.insert(ep.end(), {"--expert-model-parallel-size", "3"});  // 8 experts
+  expect_bad(ep, "--expert-model-parallel-size");
+  auto dense = predict_with("--expert-model-parallel-size", "2");
+  expect_bad(dense, "--expert-model-parallel-size");
+  auto topk = kPredictMixtral;
+  topk.insert(topk.end(), {"--moe-router-topk", "9"});
+  expect_bad(topk, "--moe-router-topk");
+  auto fp8 = predict_with("--fp8-format", "e5m2");
+  expect_bad(fp8, "--fp8-format");
+  fp8 = predict_with("--fp8-format", "hybrid");  // the A100 preset has no FP8 tensor cores
+  expect_bad(fp8, "--fp8-format");
+  // An unknown MoE field in a model file.
+  const std::string path = testing::TempDir() + "ptdp_cli_moe_unknown.json";
+  nlohmann::json j = to_json(resolve_model("mixtral-8x7b"));
+  j["moe_expert_capacity"] = 2;
+  std::ofstream(path) << j.dump();
+  expect_bad({"plan", "--model", path, "--global-batch-size", "8"}, "moe_expert_capacity");
+}
+
+TEST(Cli, Fp8IsPricedFasterOnH100AndRunRefusesIt) {
+  auto args = kPredictMixtral;
+  args.insert(args.end(), {"--expert-model-parallel-size", "8", "--json"});
+  const Result bf16 = run(args);
+  args.insert(args.end(), {"--fp8-format", "hybrid"});
+  const Result fp8 = run(args);
+  ASSERT_EQ(bf16.status, 0) << bf16.err;
+  ASSERT_EQ(fp8.status, 0) << fp8.err;
+  const double a = nlohmann::json::parse(bf16.out)["iteration_time_s"].get<double>();
+  const double b = nlohmann::json::parse(fp8.out)["iteration_time_s"].get<double>();
+  EXPECT_LT(b, 0.9 * a);
+  EXPECT_GT(b, 0.4 * a);  // the attention core, router and communication stay as they were
+  const Result run_fp8 =
+      run({"run", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+           "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "2", "--steps", "1",
+           "--fp8-format", "hybrid"});
+  EXPECT_EQ(run_fp8.status, 2);
+  EXPECT_NE(run_fp8.err.find("--fp8-format"), std::string::npos) << run_fp8.err;
+}
+
 TEST(CliErrors, UnknownPresetAndCluster) {
   expect_bad({"plan", "--model", "gpt-9000", "--global-batch-size", "8"}, "--model");
   expect_bad(predict_with("--cluster", "dgx-z9000"), "--cluster");

@@ -105,6 +105,21 @@ TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
   expect_same_losses({1, 4, 1, "--num-layers-per-virtual-pipeline-stage 1", eight}, single);
 }
 
+// Megatron's uneven split (--decoder-first/last-pipeline-num-layers), with and without
+// interleaving over the uneven stages.
+TEST(RunMpi, UnevenPipelineStagesTrainToTheSingleRankLosses) {
+  const nlohmann::json single = run_json(0, kTiny);
+  expect_same_losses({1, 2, 1, "--decoder-first-pipeline-num-layers 1"}, single);
+  std::string eight = kTiny;
+  eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");
+  const nlohmann::json single8 = run_json(0, eight);
+  expect_same_losses({1, 2, 1,
+                      "--decoder-first-pipeline-num-layers 2 --decoder-last-pipeline-num-layers 6"
+                      " --num-virtual-stages-per-pipeline-rank 2",
+                      eight},
+                     single8);
+}
+
 TEST(RunMpi, GroupedQuerySwiGluUntiedModelShardsToTheSameLosses) {
   std::string llama = kTiny +
                       " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights"
