@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Predicts published H100/B200 measurements of long-context (context-parallel) and MoE
+# (expert-parallel) training runs, each with the layout its source gives, and prints measured,
+# predicted and the error (measured - predicted) / predicted. The figures are in
+# docs/validation.md ("Long context and MoE"). Usage: scripts/validate_modern.sh [ptdp binary]
+#
+# Sources (the layouts as published; where a field is missing the choice made is noted):
+#  [L3]  Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4 and section 3.3.2:
+#        405B, BF16, H100, model TFLOPs/GPU. MBS and the interleaving depth are not given: b = 1,
+#        v = 1 with the paper's one-fewer-layer first and last stages (7 + 14 x 8 + 7). The
+#        128K row prints DP = 4; 16384 GPUs and 16M tokens per batch need DP = 8 (used).
+#  [N1]  NVIDIA NeMo docs/source/performance/performance_summary.md (container 24.07), DGX-H100,
+#        FP8, tokens/s/GPU.
+#  [MB]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 26.04.01),
+#        DGX-H100, FP8, tokens/s/GPU. Its split of 126 layers over p8 x v8 is not given: here
+#        v = 1 with first and last stages of 15 layers.
+#  [MZ]  yanring/Megatron-MoE-ModelZoo best_practice/mixtral/run_mixtral_8x22B.sh: H100, BF16,
+#        dropless, alltoall dispatcher, "around 445 TFLOPS" (approximate, as the script says).
+#  [N2]  NeMo Framework performance page (container 25.02), DGX-B200, FP8, tokens/s/GPU.
+# Recompute is not stated by any source: none is used (Megatron's default).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+P=${1:-build/cli/ptdp}
+row() {  # name cluster gpus metric(tflops|tokens) measured predict-flags...
+  local name=$1 cluster=$2 gpus=$3 metric=$4 measured=$5
+  shift 5
+  local out
+  if ! out=$("$P" predict --cluster "$cluster" --num-gpus "$gpus" "$@" --json 2>&1); then
+    printf '%-40s %s\n' "$name" "$out"
+    return
+  fi
+  python3 - "$name" "$metric" "$measured" "$gpus" "$out" <<'PY'
+import json, sys
+name, metric, measured, gpus, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+j = json.loads(out)
+pred = j["tokens_per_s"] / gpus if metric == "tokens" else j["model_tflops_per_gpu"]
+print("%-40s %-6s measured %8.1f  predicted %8.1f  error %+6.1f%%  memory %5.1f GiB%s" % (
+    name, metric, measured, pred, 100 * (measured - pred) / pred, j["memory"]["peak_gib"],
+    "" if j["fits"] else " (does not fit)"))
+PY
+}
+L405="--model llama3-405b --sequence-parallel --use-distributed-optimizer --micro-batch-size 1"
+SPLIT7="--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7"
+# shellcheck disable=SC2086
+{
+row "[L3] llama3-405b 8192 H100 s8k t8 p16" dgx-h100 8192 tflops 430 $L405 $SPLIT7 \
+  --global-batch-size 2048 --seq-length 8192 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+row "[L3] llama3-405b 16384 H100 s8k t8 p16" dgx-h100 16384 tflops 400 $L405 $SPLIT7 \
+  --global-batch-size 2048 --seq-length 8192 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
+row "[L3] llama3-405b 16384 H100 s128k cp16" dgx-h100 16384 tflops 380 $L405 $SPLIT7 \
+  --global-batch-size 128 --seq-length 131072 --tensor-model-parallel-size 8 \
+  --context-parallel-size 16 --pipeline-model-parallel-size 16
+row "[N1] llama3-8b 8 H100 fp8 cp2" dgx-h100 8 tokens 12273 --model llama3-8b --fp8-format hybrid \
+  --global-batch-size 128 --seq-length 8192 --tensor-model-parallel-size 1 --context-parallel-size 2 \
+  --pipeline-model-parallel-size 1 --micro-batch-size 1 --use-distributed-optimizer
+row "[N1] llama3-70b 64 H100 fp8 t4 cp2 p4 v5" dgx-h100 64 tokens 1524 --model llama3-70b \
+  --fp8-format hybrid --global-batch-size 128 --seq-length 8192 --tensor-model-parallel-size 4 \
+  --context-parallel-size 2 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 5 \
+  --micro-batch-size 1 --sequence-parallel --use-distributed-optimizer
+row "[MB] llama3.1-405b 1024 H100 fp8 cp2" dgx-h100 1024 tokens 328 --model llama3-405b \
+  --fp8-format hybrid --global-batch-size 1536 --seq-length 8192 --tensor-model-parallel-size 8 \
+  --context-parallel-size 2 --pipeline-model-parallel-size 8 --decoder-first-pipeline-num-layers 15 \
+  --decoder-last-pipeline-num-layers 15 --micro-batch-size 1 --sequence-parallel --use-distributed-optimizer
+row "[MZ] mixtral-8x22b 128 H100 ep8" dgx-h100 128 tflops 445 --model mixtral-8x22b \
+  --global-batch-size 256 --seq-length 4096 --tensor-model-parallel-size 2 \
+  --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 7 \
+  --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
+  --sequence-parallel --use-distributed-optimizer
+row "[N2] mixtral-8x7b 64 B200 fp8 ep8" dgx-b200 64 tokens 15457 --model mixtral-8x7b \
+  --fp8-format hybrid --global-batch-size 256 --seq-length 4096 --tensor-model-parallel-size 1 \
+  --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --micro-batch-size 2 \
+  --use-distributed-optimizer
+row "[N2] mixtral-8x22b 256 B200 fp8 s64k cp8" dgx-b200 256 tokens 2232 --model mixtral-8x22b \
+  --fp8-format hybrid --global-batch-size 64 --seq-length 65536 --tensor-model-parallel-size 2 \
+  --context-parallel-size 8 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 14 \
+  --expert-model-parallel-size 8 --micro-batch-size 1 --sequence-parallel --use-distributed-optimizer
+}
