@@ -206,5 +206,65 @@ TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
   EXPECT_TRUE(even.top.empty());
 }
 
+// Llama 3 405B at a 128K context on 16384 H100s: nothing without context parallelism fits, so
+// the search ranks cp plans first; every one of them is valid and fits.
+TEST(Search, LongContextNeedsContextParallelism) {
+  Job j(16384);
+  j.m = resolve_model("llama3-405b");
+  j.m.seq_length = 131072;
+  j.c = resolve_cluster("dgx-h100");
+  j.c.resize(16384);
+  j.h = resolve_profile("h100-sxm");
+  SearchOptions o;
+  o.global_batch_size = 2048;
+  o.threads = 1;
+  o.try_context_parallel = false;
+  const SearchResult without = search_plans(j.m, j.c, j.h, o);
+  EXPECT_EQ(without.evaluated, 0);
+  EXPECT_GT(without.rejected.at("does not fit in GPU memory"), 0);
+  o.try_context_parallel = true;
+  const SearchResult with = search_plans(j.m, j.c, j.h, o);
+  ASSERT_FALSE(with.top.empty());
+  for (const RankedPlan& r : with.top) {
+    EXPECT_GT(r.plan.context_parallel, 1);
+    EXPECT_NO_THROW(r.plan.validate(j.m));
+    EXPECT_TRUE(r.prediction.memory.fits);
+    EXPECT_EQ(r.plan.num_gpus(), 16384);
+  }
+}
+
+// An MoE model plans with expert parallelism among the candidates, each a valid plan whose
+// expert groups tile the stage's ranks.
+TEST(Search, MoeModelsPlanWithExpertParallelism) {
+  Job j(64);
+  j.m = resolve_model("mixtral-8x7b");
+  j.m.seq_length = 4096;
+  j.c = resolve_cluster("dgx-h100");
+  j.c.resize(64);
+  j.h = resolve_profile("h100-sxm");
+  SearchOptions o;
+  o.global_batch_size = 256;
+  o.top_k = 20;
+  const SearchResult r = search_plans(j.m, j.c, j.h, o);
+  ASSERT_FALSE(r.top.empty());
+  bool any_ep = false;
+  for (const RankedPlan& x : r.top) {
+    EXPECT_NO_THROW(x.plan.validate(j.m));
+    EXPECT_EQ(x.plan.context_parallel, 1);  // run does not combine cp with MoE yet
+    any_ep = any_ep || x.plan.expert_parallel > 1;
+  }
+  EXPECT_TRUE(any_ep);
+  // Expert parallelism lowers the expert memory of a rank: the best ep > 1 plan holds less
+  // expert state than the same plan with ep = 1.
+  for (const RankedPlan& x : r.top) {
+    if (x.plan.expert_parallel == 1) continue;
+    ParallelPlan one = x.plan;
+    one.expert_parallel = 1;
+    CostModel cost(j.m, j.c, j.h);
+    EXPECT_LT(x.prediction.memory.expert_weights, cost.memory(one).expert_weights);
+    break;
+  }
+}
+
 }  // namespace
 }  // namespace ptdp
