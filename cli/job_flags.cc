@@ -102,6 +102,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
       "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
   app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,
                "keep and reduce gradients in 16 bits (SC'21 fp16 runs) instead of fp32");
+  app.add_flag("--no-overlap-p2p-communication", no_overlap_p2p,
+               "do not overlap the interleaved schedule's pipeline transfers with compute");
   app.add_flag("--no-scatter-gather", no_scatter_gather,
                "disable SC'21's scatter/gather optimisation of pipeline transfers");
   app.add_flag("--no-gradient-accumulation-fusion", no_grad_accumulation_fusion,
@@ -262,6 +264,7 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.tp_comm_overlap = tp_comm_overlap;
   p.fp32_grad_reduce = !fp16_grad_reduce;
   p.scatter_gather_p2p = !no_scatter_gather;
+  p.overlap_p2p_comm = !no_overlap_p2p;
   p.gradient_accumulation_fusion = !no_grad_accumulation_fusion;
   return p;
 }

@@ -40,6 +40,7 @@ struct JobFlags {
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
   bool overlap_param_gather = false, tp_comm_overlap = false;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
+  bool no_overlap_p2p = false;
   std::string pipeline_schedule;
   bool json = false;
 

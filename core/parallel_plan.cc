@@ -155,6 +155,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
   if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
   if (fp8) f << " --fp8-format hybrid";
+  if (virtual_stages > 1 && !overlap_p2p_comm) f << " --no-overlap-p2p-communication";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";
   if (!m.learned_position_embeddings)
@@ -215,6 +216,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("fp8", p.fp8);
   r.read("fp32_grad_reduce", p.fp32_grad_reduce);
   r.read("scatter_gather_p2p", p.scatter_gather_p2p);
+  r.read("overlap_p2p_comm", p.overlap_p2p_comm);
   r.read("gradient_accumulation_fusion", p.gradient_accumulation_fusion);
   r.read("layers_per_stage", p.layers_per_stage);
   r.reject_unknown_keys();
@@ -241,6 +243,7 @@ json to_json(const ParallelPlan& p) {
               {"fp8", p.fp8},
               {"fp32_grad_reduce", p.fp32_grad_reduce},
               {"scatter_gather_p2p", p.scatter_gather_p2p},
+              {"overlap_p2p_comm", p.overlap_p2p_comm},
               {"gradient_accumulation_fusion", p.gradient_accumulation_fusion},
               {"layers_per_stage", p.layers_per_stage}};
 }

@@ -58,6 +58,10 @@ struct ParallelPlan {
   // next iteration's forward pass, all but its first bucket.
   bool tp_comm_overlap = false;
   bool overlap_param_gather = false;
+  // Megatron-Core overlaps the interleaved schedule's steady-state send/receive with the next
+  // chunk's compute (on by default there; --no-overlap-p2p-communication turns it off). Off in
+  // a plan built by hand, as in SC'21's Megatron; the command line turns it on.
+  bool overlap_p2p_comm = false;
   // FP8 GEMMs (--fp8-format hybrid, Transformer Engine): priced only; ptdp run refuses it.
   bool fp8 = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).

@@ -613,7 +613,8 @@ TEST(ParallelPlan, MegatronFlags) {
             "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
             "--num-layers-per-virtual-pipeline-stage 4 --micro-batch-size 1 "
             "--global-batch-size 128 --recompute-granularity selective --sequence-parallel "
-            "--overlap-grad-reduce --position-embedding-type rope --rotary-base 500000 "
+            "--overlap-grad-reduce --no-overlap-p2p-communication --position-embedding-type rope "
+            "--rotary-base 500000 "
             "--attention-dropout 0 --hidden-dropout 0 --use-flash-attn");
 }
 
