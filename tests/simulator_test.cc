@@ -301,7 +301,9 @@ TEST(Simulator, ContextAndExpertTransfersAgreeWithPredict) {
     const bool cp = g.plan.context_parallel > 1, ep = g.plan.expert_parallel > 1;
     // At these lengths attention hides the ring (exposed 0, as predicted); the all-to-alls
     // are never hidden.
-    if (!cp) EXPECT_EQ(r.exposed_cp, 0);
+    if (!cp) {
+      EXPECT_EQ(r.exposed_cp, 0);
+    }
     EXPECT_EQ(r.exposed_ep > 0, ep);
     std::map<Stream, int> spans;
     for (const Span& s : r.timeline)
@@ -341,6 +343,33 @@ TEST(Simulator, ExpertAllToAllFlowsAreHeldBackByTheirLinks) {
   const SimulationResult held = run(in);
   EXPECT_NEAR(to_seconds(held.stages[0].ep_comm), 4 * 5e-6, 1e-8);
   EXPECT_GT(held.iteration, floor.iteration);
+}
+
+// A ring step runs under its pass's kernels: hidden while its bytes get through in time, and
+// exposed by the rest when they do not.
+TEST(Simulator, RingStepsRunUnderThePassAndShowWhatTheyOverrun) {
+  SimulationInput in = uniform(Schedule::k1F1B, 2, 4, 1, 10 * kUs, 20 * kUs);
+  in.data_parallel = 2;
+  in.context_parallel = 2;
+  in.record_timeline = true;
+  const ClusterSpec c = free_cluster(8);
+  const HardwareProfile h = resolve_profile("a100-80gb");
+  const double port = c.nvlink_bandwidth_gbps * 1e9 * h.nvlink.busbw_efficiency;
+  for (auto& rank : in.cost)
+    for (ChunkCost& cc : rank) cc.forward.cp_bytes = port * 4e-6;  // 4 us under 10 us kernels
+  const SimulationResult hidden = run(in);
+  EXPECT_EQ(hidden.stages[0].cp_comm, 0);
+  for (auto& rank : in.cost)
+    for (ChunkCost& cc : rank) cc.forward.cp_bytes = port * 50e-6;  // 50 us: 40 us exposed
+  const SimulationResult exposed = run(in);
+  EXPECT_NEAR(to_seconds(exposed.stages[0].cp_comm), 4 * 40e-6, 1e-8);
+  int context = 0;
+  for (const Span& s : exposed.timeline)
+    if (s.stream == Stream::kContext && s.rank == 0) {
+      ++context;
+      EXPECT_NEAR(to_seconds(s.end - s.start), 50e-6, 1e-9);  // from the pass's start
+    }
+  EXPECT_EQ(context, 4);
 }
 
 TEST(Timeline, TraceParsesAndTracksNeverOverlap) {
