@@ -49,13 +49,17 @@ nlohmann::json simulation_json(const ModelSpec& m, const ParallelPlan& p,
   j["critical_stage"] = sim.critical_stage;
   j["exposed_comm_s"] = {{"tp", to_seconds(sim.exposed_tp)},
                          {"pp", to_seconds(sim.exposed_pp)},
-                         {"dp", to_seconds(sim.exposed_dp)}};
+                         {"dp", to_seconds(sim.exposed_dp)},
+                         {"cp", to_seconds(sim.exposed_cp)},
+                         {"ep", to_seconds(sim.exposed_ep)}};
   j["stages"] = nlohmann::json::array();
   for (const StageStats& s : sim.stages) {
     j["stages"].push_back({{"rank", s.rank},
                            {"busy_s", to_seconds(s.busy())},
                            {"compute_s", to_seconds(s.compute)},
                            {"tp_comm_s", to_seconds(s.tp_comm)},
+                           {"cp_comm_s", to_seconds(s.cp_comm)},
+                           {"ep_comm_s", to_seconds(s.ep_comm)},
                            {"pp_comm_s", to_seconds(s.pp_comm)},
                            {"dp_comm_s", to_seconds(s.dp_comm)},
                            {"optimizer_s", to_seconds(s.optimizer)},
@@ -83,13 +87,27 @@ void print_simulation(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                 static_cast<long long>(sim.critical_stage), to_seconds(sim.exposed_tp),
                 to_seconds(sim.exposed_pp), to_seconds(sim.exposed_dp));
   out << buf;
-  out << "stage   compute    tp comm    pp comm    dp comm  optimizer       idle   (seconds)\n";
+  // Context- and expert-parallel columns only for plans that have them.
+  const bool groups = p.context_parallel > 1 || p.expert_parallel * p.expert_tp() > 1;
+  if (groups) {
+    std::snprintf(buf, sizeof buf, "exposed cp/ep comm  cp %.4f s  ep %.4f s\n\n",
+                  to_seconds(sim.exposed_cp), to_seconds(sim.exposed_ep));
+    out << buf;
+  }
+  out << "stage   compute    tp comm    pp comm    dp comm  optimizer       idle"
+      << (groups ? "    cp comm    ep comm" : "") << "   (seconds)\n";
   for (const StageStats& s : sim.stages) {
-    std::snprintf(buf, sizeof buf, "%5lld %9.4f  %9.4f  %9.4f  %9.4f  %9.4f  %9.4f\n",
+    std::snprintf(buf, sizeof buf, "%5lld %9.4f  %9.4f  %9.4f  %9.4f  %9.4f  %9.4f",
                   static_cast<long long>(s.rank), to_seconds(s.compute), to_seconds(s.tp_comm),
                   to_seconds(s.pp_comm), to_seconds(s.dp_comm), to_seconds(s.optimizer),
                   to_seconds(s.idle));
     out << buf;
+    if (groups) {
+      std::snprintf(buf, sizeof buf, "  %9.4f  %9.4f", to_seconds(s.cp_comm),
+                    to_seconds(s.ep_comm));
+      out << buf;
+    }
+    out << "\n";
   }
   std::snprintf(buf, sizeof buf, "\n%lld events", static_cast<long long>(sim.events));
   out << buf;

@@ -75,6 +75,10 @@ void hide_ring_exchanges(const std::vector<Op>& ops, int64_t cp, std::vector<dou
 void add(PassTime& a, const PassTime& b, double times) {
   a.compute += b.compute * times;
   a.tp_comm += b.tp_comm * times;
+  a.cp_comm += b.cp_comm * times;
+  a.ep_comm += b.ep_comm * times;
+  a.cp_bytes += b.cp_bytes * times;
+  a.ep_bytes += b.ep_bytes * times;
 }
 
 // MoE layers in each model chunk, in global-stage order (chunk c of rank r is global stage
@@ -338,10 +342,17 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
     const Op& op = ops[i];
     const double time = times[i];
     PassTime& w = weight_grad && op.role == OpRole::kWeightGrad ? *weight_grad : t;
-    if (op.kind == OpKind::kCollective)
-      w.tp_comm += time;
-    else
+    if (op.kind != OpKind::kCollective) {
       w.compute += time;
+    } else if (op.group == CommGroup::kContext) {
+      w.cp_comm += time;
+      w.cp_bytes += op.bytes;
+    } else if (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor) {
+      w.ep_comm += time;
+      if (op.collective == Collective::kAllToAll) w.ep_bytes += op.bytes;
+    } else {
+      w.tp_comm += time;
+    }
     *(recompute_flops && op.role == OpRole::kRecompute ? recompute_flops : flops) += op.flops();
   }
   if (weight_grad) add(t, *weight_grad, 1);
@@ -604,7 +615,8 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   TimeBreakdown& b = out.breakdown;
   b.compute = m * (s.forward.compute + s.backward.compute);
   b.recompute = m * s.recompute.compute;
-  b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
+  // All the collectives inside passes (tensor, context and expert groups) count here.
+  b.tp_comm = m * (s.forward.comm() + s.backward.comm() + s.recompute.comm());
   const double fill = (sum_stage - fill_of(s)) / v;
   b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 

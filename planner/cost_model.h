@@ -52,7 +52,14 @@ struct TimeBreakdown {
 struct PassTime {
   double compute = 0;  // GEMMs and memory-bound kernels
   double tp_comm = 0;  // tensor-parallel collectives (not overlapped)
-  double total() const { return compute + tp_comm; }
+  double cp_comm = 0;  // context-parallel ring steps: what attention does not hide
+  double ep_comm = 0;  // expert all-to-alls and the expert-tensor-parallel gathers/scatters
+  // Bytes on the wire behind cp_comm and ep_comm, for the simulator's flows: what each rank
+  // sends its ring neighbour in all its steps (hidden or not), and each rank's all-to-all
+  // buffers (1/ep of each stays, the rest goes to the other members).
+  double cp_bytes = 0, ep_bytes = 0;
+  double comm() const { return tp_comm + cp_comm + ep_comm; }
+  double total() const { return compute + comm(); }
 };
 
 // One microbatch on one model chunk (a pipeline rank holds v chunks). `weight_grad` is the

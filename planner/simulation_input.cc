@@ -6,7 +6,25 @@ namespace ptdp {
 namespace {
 
 PassCost picos(const PassTime& t) {
-  return {to_picos(t.compute), to_picos(t.tp_comm)};
+  PassCost c;
+  c.compute = to_picos(t.compute);
+  c.tp_comm = to_picos(t.tp_comm);
+  c.cp_comm = to_picos(t.cp_comm);
+  c.ep_comm = to_picos(t.ep_comm);
+  c.cp_bytes = t.cp_bytes;
+  c.ep_bytes = t.ep_bytes;
+  return c;
+}
+
+PassCost plus(const PassCost& a, const PassCost& b, int sign = 1) {
+  PassCost c;
+  c.compute = a.compute + sign * b.compute;
+  c.tp_comm = a.tp_comm + sign * b.tp_comm;
+  c.cp_comm = a.cp_comm + sign * b.cp_comm;
+  c.ep_comm = a.ep_comm + sign * b.ep_comm;
+  c.cp_bytes = a.cp_bytes + sign * b.cp_bytes;
+  c.ep_bytes = a.ep_bytes + sign * b.ep_bytes;
+  return c;
 }
 
 }  // namespace
@@ -19,6 +37,9 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   // Context-parallel ranks sit between the tensor- and data-parallel ones (Megatron's order),
   // so for placement a stage's replicas are its d * cp context/data-parallel ranks.
   in.data_parallel = p.data_parallel * p.context_parallel;
+  in.context_parallel = p.context_parallel;
+  in.expert_parallel = p.expert_parallel;
+  in.expert_tensor_parallel = p.expert_tp();
   in.overlap_grad_reduce = p.overlap_grad_reduce && in.data_parallel > 1;
   const int64_t pp = p.pipeline_parallel, v = p.virtual_stages;
   for (int64_t r = 0; r < pp; ++r) {
@@ -27,11 +48,9 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
       const ChunkTime t = cm.chunk_time(p, r, k);
       ChunkCost cc;
       cc.forward = picos(t.forward);
-      cc.backward = {to_picos(t.backward.compute + t.recompute.compute),
-                     to_picos(t.backward.tp_comm + t.recompute.tp_comm)};
+      cc.backward = plus(picos(t.backward), picos(t.recompute));
       cc.backward_weight = picos(t.weight_grad);
-      cc.backward_input = {cc.backward.compute - cc.backward_weight.compute,
-                           cc.backward.tp_comm - cc.backward_weight.tp_comm};
+      cc.backward_input = plus(cc.backward, cc.backward_weight, -1);
       chunks.push_back(cc);
     }
     in.cost.push_back(chunks);

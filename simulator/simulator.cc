@@ -27,7 +27,7 @@ struct Event {
   int32_t id;
   bool operator>(const Event& o) const { return time != o.time ? time > o.time : seq > o.seq; }
 };
-enum EventType : int32_t { kResume, kFlowBytesDone, kTransferDone };
+enum EventType : int32_t { kResume, kFlowBytesDone, kTransferDone, kGroupPhase, kPhaseDone };
 
 void summarise(SimulationResult& out);
 
@@ -77,15 +77,26 @@ class Engine {
           break;
         case kFlowBytesDone: {
           if (!net_.active(ev.id) || net_.due(ev.id) != ev.time) break;  // re-rated since
-          const int32_t transfer = static_cast<int32_t>(net_.tag(ev.id));
+          const int64_t tag = net_.tag(ev.id);
           due_.clear();
           net_.finish(now_, ev.id, &due_);
           for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
+          if (tag < 0) {  // a flow of a rank's context or expert phase
+            group_flow_done(static_cast<int32_t>(-tag - 1));
+            break;
+          }
+          const auto transfer = static_cast<int32_t>(tag);
           push(now_ + transfers_[static_cast<size_t>(transfer)].tail, kTransferDone, transfer);
           break;
         }
         case kTransferDone:
           transfer_done(ev.id);
+          break;
+        case kGroupPhase:
+          group_phase(ev.id);
+          break;
+        case kPhaseDone:
+          phase_done(ev.id);
           break;
       }
     }
@@ -102,6 +113,14 @@ class Engine {
     Picos dp_free = 0;  // the data-parallel stream is busy until then
     Picos finish = -1;
     StageStats stats;
+    // The context (phase 0) and expert (phase 1) parts of the current pass.
+    const PassCost* pass = nullptr;
+    PipelineAction action;
+    int phase = 0;
+    int flows = 0;          // of the current phase, still in flight
+    bool in_phase = false;  // the pass's kernels are over and a phase waits for its end
+    Picos phase_start = 0;  // when its flows started (the timeline span's start)
+    Picos phase_entered = 0, phase_floor = 0;
   };
   struct Transfer {
     int32_t src = -1, dst = -1;
@@ -153,12 +172,22 @@ class Engine {
         st.stats.compute += compute;
         st.stats.tp_comm += c.tp_comm;
         const Picos end = now_ + compute + c.tp_comm;
+        const bool groups = c.cp_comm > 0 || c.ep_comm > 0 || c.cp_bytes > 0 || c.ep_bytes > 0;
         if (in_.overlap_grad_reduce &&
             last_grad_action_[static_cast<size_t>(r)][static_cast<size_t>(a.chunk)] ==
                 static_cast<int64_t>(st.pc))
-          start_bucket(e, a, now_, end);
+          start_bucket(e, a, now_, end + c.cp_comm + c.ep_comm);
         ++st.pc;
-        push(end, kResume, e);
+        if (groups) {
+          st.pass = &c;
+          st.action = a;
+          st.phase = 0;
+          st.phase_start = now_;
+          start_flows(e, true);  // the ring runs under the pass's kernels
+          push(end, kGroupPhase, e);
+        } else {
+          push(end, kResume, e);
+        }
         return;
       }
       if (is_p2p(a.kind)) {
@@ -252,6 +281,102 @@ class Engine {
     };
     if (tr.sender_waits) release(tr.src);
     release(tr.dst);
+  }
+
+  // The context and expert parts of a pass. The ring steps' flows start with the pass and
+  // run under its kernels (the ring overlaps attention); the context phase after the kernels
+  // lasts the cost model's exposed time (its floor) or until the flows are through, when
+  // shared links hold them back. The all-to-alls are not overlapped: their phase starts after
+  // the context phase, its flows with it, and lasts the exposed time or until they are through.
+  void group_phase(int32_t e) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    for (; st.phase < 2; ++st.phase) {
+      const bool cp = st.phase == 0;
+      const Picos time = cp ? st.pass->cp_comm : st.pass->ep_comm;
+      const double bytes = cp ? st.pass->cp_bytes : st.pass->ep_bytes;
+      if (time <= 0 && bytes <= 0) continue;
+      st.phase_entered = now_;
+      st.phase_floor = now_ + time;
+      if (!cp || bytes <= 0) st.phase_start = now_;
+      if (!cp) start_flows(e, false);
+      st.in_phase = true;
+      if (st.flows == 0) push(st.phase_floor, kPhaseDone, e);
+      return;
+    }
+    st.pass = nullptr;
+    advance(e);
+  }
+
+  // Starts rank e's ring-step (cp) or all-to-all flows of its current pass.
+  void start_flows(int32_t e, bool cp) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    st.flows = 0;
+    const double bytes = cp ? st.pass->cp_bytes : st.pass->ep_bytes;
+    if (bytes <= 0) return;
+    const auto pairs = cp ? ring_pairs(e) : all_to_all_pairs(e);
+    const double each = cp ? bytes : bytes / static_cast<double>(in_.expert_parallel);
+    for (const auto& [src, dst] : pairs) {
+      const std::vector<int32_t>& path = topo_.path(src, dst);
+      if (path.empty()) continue;
+      due_.clear();
+      net_.start(now_, &path, each, -static_cast<int64_t>(e) - 1, &due_);
+      for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
+      ++st.flows;
+    }
+  }
+
+  void group_flow_done(int32_t e) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    if (--st.flows == 0 && st.in_phase) push(std::max(now_, st.phase_floor), kPhaseDone, e);
+  }
+
+  void phase_done(int32_t e) {
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    const bool cp = st.phase == 0;
+    (cp ? st.stats.cp_comm : st.stats.ep_comm) += now_ - st.phase_entered;
+    record(e, cp ? Stream::kContext : Stream::kExpert, st.action, st.phase_start, now_);
+    st.in_phase = false;
+    ++st.phase;
+    group_phase(e);
+  }
+
+  // A stage's GPU at local index `local` (tensor rank fastest, then the d * cp replicas).
+  int64_t stage_gpu(int64_t local, int64_t r) const {
+    return local + in_.tensor_parallel * in_.data_parallel * r;
+  }
+
+  // Context-parallel ring steps of tensor rank 0: each rank sends to the next of its ring. The
+  // representative pipeline (replica 0) moves its whole ring's bytes, since those ranks are
+  // not simulated; with `full` every replica sends its own.
+  std::vector<std::pair<int64_t, int64_t>> ring_pairs(int32_t e) const {
+    const int64_t r = e % p_, replica = e / p_, cp = in_.context_parallel;
+    std::vector<std::pair<int64_t, int64_t>> out;
+    if (cp <= 1) return out;
+    const int64_t base = replica - replica % cp;
+    for (int64_t c = 0; c < cp; ++c) {
+      if (in_.full && base + c != replica) continue;
+      out.emplace_back(gpu(0, base + c, r), gpu(0, base + (c + 1) % cp, r));
+    }
+    return out;
+  }
+
+  // An all-to-all of the expert group of tensor rank 0: its ep members sit at a stride of etp
+  // among the stage's t * d * cp ranks. Representative: every member to every other; full:
+  // this rank to the others (members that are not tensor rank 0 are not simulated).
+  std::vector<std::pair<int64_t, int64_t>> all_to_all_pairs(int32_t e) const {
+    const int64_t r = e % p_, replica = e / p_;
+    const int64_t ep = in_.expert_parallel, etp = in_.expert_tensor_parallel;
+    std::vector<std::pair<int64_t, int64_t>> out;
+    if (ep <= 1) return out;
+    const int64_t local = in_.tensor_parallel * replica;
+    const int64_t base = local - ((local / etp) % ep) * etp;
+    for (int64_t i = 0; i < ep; ++i) {
+      const int64_t src = base + i * etp;
+      if (in_.full && src != local) continue;
+      for (int64_t j = 0; j < ep; ++j)
+        if (j != i) out.emplace_back(stage_gpu(src, r), stage_gpu(base + j * etp, r));
+    }
+    return out;
   }
 
   // Overlapped gradient reduction of one chunk: buckets fill while its last backward runs; the
@@ -388,6 +513,11 @@ void check_input(const SimulationInput& in) {
   per_rank(in.optimizer.size(), "optimizer");
   if (in.tensor_parallel < 1 || in.data_parallel < 1)
     throw InputError("tensor_parallel", "tensor- and data-parallel sizes must be positive");
+  if (in.context_parallel < 1 || in.data_parallel % in.context_parallel != 0)
+    throw InputError("context_parallel", "must be positive and divide data_parallel (d * cp)");
+  if (in.expert_parallel < 1 || in.expert_tensor_parallel < 1 ||
+      (in.tensor_parallel * in.data_parallel) % (in.expert_parallel * in.expert_tensor_parallel))
+    throw InputError("expert_parallel", "ep * etp must divide a stage's t * d * cp ranks");
   for (const auto& [gpu, factor] : in.slowdown) {
     if (gpu < 0 || gpu >= in.tensor_parallel * in.data_parallel * p)
       throw InputError("--slow-rank", "rank " + std::to_string(gpu) + " is not in the job");
@@ -415,6 +545,8 @@ bool periodic(const SimulationResult& a, const SimulationResult& b, const Simula
     const StageStats &x = a.stages[r], &y = b.stages[r], &z = c.stages[r];
     if (!same_step(x.compute, y.compute, z.compute) ||
         !same_step(x.tp_comm, y.tp_comm, z.tp_comm) ||
+        !same_step(x.cp_comm, y.cp_comm, z.cp_comm) ||
+        !same_step(x.ep_comm, y.ep_comm, z.ep_comm) ||
         !same_step(x.pp_comm, y.pp_comm, z.pp_comm) ||
         !same_step(x.dp_comm, y.dp_comm, z.dp_comm) ||
         !same_step(x.optimizer, y.optimizer, z.optimizer) || !same_step(x.idle, y.idle, z.idle))
@@ -432,6 +564,8 @@ void summarise(SimulationResult& out) {
   out.bubble_fraction =
       c.busy() > 0 ? static_cast<double>(c.idle) / static_cast<double>(c.busy()) : 0;
   out.exposed_tp = c.tp_comm;
+  out.exposed_cp = c.cp_comm;
+  out.exposed_ep = c.ep_comm;
   out.exposed_pp = c.pp_comm;
   out.exposed_dp = c.dp_comm;
 }
@@ -459,6 +593,8 @@ SimulationResult simulate(const SimulationInput& in, const ClusterSpec& cluster,
     const StageStats& y = b.stages[r];
     s.compute = extend(s.compute, y.compute, k);
     s.tp_comm = extend(s.tp_comm, y.tp_comm, k);
+    s.cp_comm = extend(s.cp_comm, y.cp_comm, k);
+    s.ep_comm = extend(s.ep_comm, y.ep_comm, k);
     s.pp_comm = extend(s.pp_comm, y.pp_comm, k);
     s.dp_comm = extend(s.dp_comm, y.dp_comm, k);
     s.optimizer = extend(s.optimizer, y.optimizer, k);

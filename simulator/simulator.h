@@ -3,7 +3,10 @@
 // It replays the action lists of a PipelineSchedule (core/schedule.h) against op costs it is
 // handed (per pipeline rank and model chunk, from the cost model), with integer picosecond
 // time and one event queue. Each simulated rank has a compute stream (tensor-parallel
-// collectives sit inside its passes, as Megatron runs them), point-to-point transfers that
+// collectives sit inside its passes, as Megatron runs them), context-parallel ring steps (under
+// the pass's kernels) and expert all-to-alls (after them) that travel as flows between the
+// group's GPUs (exposed for the cost model's time, or longer when shared links hold the flows
+// back), point-to-point transfers that
 // travel as flows over the cluster Topology and share link bandwidth max-min fairly, a
 // data-parallel stream whose gradient buckets overlap the last backward passes when asked, and
 // the optimizer step, a barrier across the pipeline (Megatron all-reduces the gradient norm
@@ -38,7 +41,13 @@ inline double to_seconds(Picos t) {
 struct PassCost {
   Picos compute = 0;  // kernels
   Picos tp_comm = 0;  // tensor-parallel collectives inside the pass
-  Picos total() const { return compute + tp_comm; }
+  // Context-parallel ring steps (exposed part) and expert all-to-alls (with the expert-tensor
+  // gathers): the cost model's time, a floor, and the bytes that travel as flows (cp_bytes,
+  // all ring steps, from each rank to its ring neighbour under the pass's kernels; ep_bytes,
+  // each rank's all-to-all buffers, 1/ep of them to every member of its expert group).
+  Picos cp_comm = 0, ep_comm = 0;
+  double cp_bytes = 0, ep_bytes = 0;
+  Picos total() const { return compute + tp_comm + cp_comm + ep_comm; }
 };
 
 // What one microbatch costs on one model chunk. `backward` includes recomputation; for split
@@ -53,7 +62,11 @@ struct SimulationInput {
   ScheduleSpec schedule;                     // the simulator generates the action lists
   std::vector<std::vector<ChunkCost>> cost;  // [pipeline rank][chunk]
   int64_t tensor_parallel = 1;
-  int64_t data_parallel = 1;
+  int64_t data_parallel = 1;  // for placement: d * cp (context ranks sit inside it)
+  int64_t context_parallel = 1;
+  // Expert groups within a stage's t * data_parallel ranks: expert_parallel members at a
+  // stride of expert_tensor_parallel.
+  int64_t expert_parallel = 1, expert_tensor_parallel = 1;
   // Pipeline transfers: each tensor-parallel rank moves `p2p_bytes` to its counterpart on the
   // neighbouring stage (the 1/t slice with the scatter/gather optimisation), plus a fixed
   // software latency and, with scatter/gather, an all-gather in the receiving node.
@@ -76,15 +89,17 @@ struct StageStats {
   int64_t rank = 0;
   Picos compute = 0;    // forward/backward/recompute kernels
   Picos tp_comm = 0;    // tensor-parallel collectives (never overlapped)
+  Picos cp_comm = 0;    // exposed context-parallel ring steps
+  Picos ep_comm = 0;    // expert all-to-alls and expert-tensor gathers
   Picos pp_comm = 0;    // waiting while own pipeline transfers are in flight
   Picos dp_comm = 0;    // exposed data-parallel and embedding gradient collectives
   Picos optimizer = 0;  // gradient-norm all-reduce and optimizer step
   Picos idle = 0;       // waiting for other ranks: the pipeline bubble (and stragglers)
-  Picos busy() const { return compute + tp_comm; }
+  Picos busy() const { return compute + tp_comm + cp_comm + ep_comm; }
 };
 
 // One span of the timeline.
-enum class Stream : uint8_t { kCompute, kTensor, kPipeline, kData };
+enum class Stream : uint8_t { kCompute, kTensor, kPipeline, kData, kContext, kExpert };
 struct Span {
   int32_t replica = 0;  // data-parallel index (0 unless full)
   int32_t rank = 0;     // pipeline rank
@@ -101,6 +116,7 @@ struct SimulationResult {
   int64_t critical_stage = 0;      // the stage with the most busy time
   double bubble_fraction = 0;      // idle / busy on the critical stage (SC'21's convention)
   Picos exposed_tp = 0, exposed_pp = 0, exposed_dp = 0;  // on the critical stage
+  Picos exposed_cp = 0, exposed_ep = 0;
   int64_t events = 0;
   int64_t simulated_microbatches = 0;  // < m when the periodic steady state was extrapolated
   std::vector<Span> timeline;          // when asked for

@@ -19,12 +19,18 @@ const char* stream_name(Stream s) {
       return "pipeline p2p";
     case Stream::kData:
       return "data-parallel comm";
+    case Stream::kContext:
+      return "context";
+    case Stream::kExpert:
+      return "expert";
   }
   return "?";
 }
 
+constexpr int kStreams = 6;  // Stream's values
+
 int track(const Span& s) {
-  return s.rank * 4 + static_cast<int>(s.stream);
+  return s.rank * kStreams + static_cast<int>(s.stream);
 }
 
 // Fill colours: forward blue, backward green, input-gradient teal, weight-gradient orange,
@@ -34,6 +40,8 @@ std::string colour(const Span& s) {
   if (s.stream == Stream::kTensor) return dark ? "#8c8c8c" : "#b5b5b5";
   if (s.stream == Stream::kPipeline) return "#d9b3ff";
   if (s.stream == Stream::kData) return "#9467bd";
+  if (s.stream == Stream::kContext) return "#e7969c";
+  if (s.stream == Stream::kExpert) return "#bcbd22";
   switch (s.kind) {
     case ActionKind::kForward:
       return dark ? "#1f5fa8" : "#6baed6";
@@ -100,6 +108,8 @@ std::string span_name(const Span& s) {
   a.chunk = s.chunk;
   std::string name = to_string(a);
   if (s.stream == Stream::kTensor) name = "tp " + name;
+  if (s.stream == Stream::kContext) name = "cp " + name;
+  if (s.stream == Stream::kExpert) name = "ep " + name;
   if (s.stream == Stream::kData && s.kind != ActionKind::kGradSync &&
       s.kind != ActionKind::kEmbeddingSync)
     name = "dp buckets chunk " + std::to_string(s.chunk);
@@ -148,11 +158,12 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
   }
   for (const auto& [replica, tid] : tracks)
     thread(replica, tid,
-           "pipeline rank " + std::to_string(tid / 4) + " " +
-               stream_name(static_cast<Stream>(tid % 4)),
+           "pipeline rank " + std::to_string(tid / kStreams) + " " +
+               stream_name(static_cast<Stream>(tid % kStreams)),
            tid);
   for (const auto& [replica, rank] : op_tracks)
-    thread(replica, kOpTrack + rank, "pipeline rank " + std::to_string(rank) + " ops", rank * 4);
+    thread(replica, kOpTrack + rank, "pipeline rank " + std::to_string(rank) + " ops",
+           rank * kStreams);
   if (!extras.steps.empty()) thread(0, kStepTrack, "steps", -1);
   for (const Span& s : spans) {
     PipelineAction code;
@@ -211,7 +222,8 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
   const std::pair<const char*, const char*> legend[] = {
       {"#6baed6", "forward"},         {"#74c476", "backward"},       {"#66c2a4", "input grad (B)"},
       {"#fdae6b", "weight grad (W)"}, {"#b5b5b5", "TP collectives"}, {"#d9b3ff", "in p2p call"},
-      {"#9467bd", "DP reduction"},    {"#de2d26", "optimizer"}};
+      {"#9467bd", "DP reduction"},    {"#e7969c", "CP ring"},        {"#bcbd22", "EP all-to-all"},
+      {"#de2d26", "optimizer"}};
   double lx = left;
   for (const auto& [fill, label] : legend) {
     std::snprintf(buf, sizeof buf,
@@ -219,7 +231,7 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
                   "<text x=\"%.0f\" y=\"34\">%s</text>\n",
                   lx, fill, lx + 16, label);
     out << buf;
-    lx += 118;
+    lx += 112;
   }
   out << "<text x=\"" << width - 10
       << "\" y=\"34\" text-anchor=\"end\" fill=\"#555\">darker: odd "

@@ -3,7 +3,8 @@
 // chart a person can read in any browser.
 //
 // Tracks: one process per data-parallel replica, one thread per (pipeline rank, stream):
-// compute, tensor-parallel collectives, pipeline p2p and data-parallel reduction. Span names
+// compute, tensor-parallel collectives, pipeline p2p, data-parallel reduction, context-parallel
+// ring steps ("context") and expert all-to-alls ("expert"). Span names
 // carry the microbatch and chunk ("F3.1": forward of microbatch 3 on chunk 1); colours follow
 // the pass kind, shaded by chunk. Every span's args carry its microbatch, chunk, pipeline
 // stage and action code ("F", "B", "sF", "sync", "opt": core/schedule.h's to_string).

@@ -375,6 +375,7 @@ TEST(CliSimulate, JsonHasTheDocumentedKeysAndAgreesWithPredict) {
   // Every stage's time adds up to the iteration.
   for (const auto& s : j["stages"]) {
     const double sum = s["compute_s"].get<double>() + s["tp_comm_s"].get<double>() +
+                       s["cp_comm_s"].get<double>() + s["ep_comm_s"].get<double>() +
                        s["pp_comm_s"].get<double>() + s["dp_comm_s"].get<double>() +
                        s["optimizer_s"].get<double>() + s["idle_s"].get<double>();
     EXPECT_NEAR(sum, sim, 1e-9);
