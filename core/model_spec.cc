@@ -99,7 +99,15 @@ void read_hf_moe_fields(JsonObjectReader& r, const json& j, const std::string& m
   r.read("shared_expert_intermediate_size", m.moe_shared_expert_ffn_size);
   int64_t shared_experts = 0;
   r.read("n_shared_experts", shared_experts);
-  if (shared_experts > 0) m.moe_shared_expert_ffn_size = shared_experts * m.moe_ffn_hidden_size;
+  if (shared_experts > 0) {
+    // Bounded before multiplying (a config may hold any integer).
+    if (shared_experts > kMaxModelSize || m.moe_ffn_hidden_size > kMaxModelSize ||
+        m.moe_ffn_hidden_size < 0)
+      throw InputError(
+          shared_experts > kMaxModelSize ? "n_shared_experts" : "moe_intermediate_size",
+          "exceeds " + std::to_string(kMaxModelSize) + ", the largest size ptdp handles");
+    m.moe_shared_expert_ffn_size = shared_experts * m.moe_ffn_hidden_size;
+  }
   r.read("first_k_dense_replace", m.moe_first_dense_layers);
   r.read("moe_layer_freq", m.moe_layer_freq);
   int64_t sparse_step = 1;

@@ -94,6 +94,10 @@ TEST(MoeModel, HuggingFaceMoeFields) {
   json step = mixtral;
   step["decoder_sparse_step"] = 2;
   EXPECT_EQ(field_of([&] { model_from_json(step); }), "decoder_sparse_step");
+  json shared = mixtral;  // a product that would overflow is refused before it is formed
+  shared["n_shared_experts"] = int64_t{1} << 40;
+  shared["moe_intermediate_size"] = int64_t{1} << 40;
+  EXPECT_EQ(field_of([&] { model_from_json(shared); }), "n_shared_experts");
   json topk = mixtral;
   topk["num_experts_per_tok"] = 9;
   EXPECT_EQ(field_of([&] { model_from_json(topk); }), "moe_router_topk");
