@@ -31,6 +31,9 @@ cat > "$corpus/hf_config/gpt_neox.json" <<'JSON'
  "num_attention_heads": 16, "vocab_size": 50304, "max_position_embeddings": 2048,
  "tie_word_embeddings": false}
 JSON
+# MoE configs (DeepSeek and Qwen-MoE fields).
+cp examples/models/deepseek-moe-16b.config.json "$corpus/hf_config/deepseek_moe.json"
+cp examples/models/qwen1.5-moe-a2.7b.config.json "$corpus/hf_config/qwen_moe.json"
 cp "$corpus"/hf_config/*.json "$corpus/model_json/"
 
 "$build/tests/fuzz/write_seeds" "$corpus"

@@ -1,6 +1,6 @@
 // Fuzzes the plan JSON reader, core/parallel_plan.h plan_from_json, and the plan rules it
-// feeds (core/plan_rules.h check_plan) against three models: GPT-3 175B, Llama 3 8B (grouped
-// query attention, SwiGLU) and a two-layer toy. For a plan the rules accept, what the runtime
+// feeds (core/plan_rules.h check_plan) against four models: GPT-3 175B, Llama 3 8B (grouped
+// query attention, SwiGLU), Mixtral 8x7B (experts) and a two-layer toy. For a plan the rules accept, what the runtime
 // derives from it (GPU count, microbatches, chunk layers, Megatron flags) must be computable.
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -22,7 +22,8 @@ const std::vector<ModelSpec>& models() {
     toy.num_attention_heads = 2;
     toy.seq_length = 4;
     toy.vocab_size = 16;
-    return std::vector<ModelSpec>{resolve_model("gpt3-175b"), resolve_model("llama3-8b"), toy};
+    return std::vector<ModelSpec>{resolve_model("gpt3-175b"), resolve_model("llama3-8b"),
+                                  resolve_model("mixtral-8x7b"), toy};
   }();
   return ms;
 }
@@ -48,6 +49,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       fuzz::fail("check_plan and first_violated_rule disagree");
     if (!valid) continue;
     if (p->num_gpus() <= 0 || p->num_microbatches() <= 0) fuzz::fail("a valid plan has no work");
+    if (m.is_moe() && p->expert_data_parallel() <= 0) fuzz::fail("a valid plan has no experts");
     const std::vector<int64_t> chunks = layers_per_model_chunk(m, *p);
     if (std::accumulate(chunks.begin(), chunks.end(), int64_t{0}) != m.num_layers)
       fuzz::fail("model chunks do not hold every layer");

@@ -69,7 +69,7 @@ int main(int argc, char** argv) {
   write_file(corpus / "token_file/vocab65536_seq1", std::string("\xff\xff\x00\x00", 4) + tokens);
   write_file(corpus / "token_file/vocab257_seq44", std::string("\x00\x01\x2b\x00", 4) + tokens);
 
-  // Plans: the default, interleaved with sequence parallelism, an uneven split.
+  // Plans: the default, interleaved with sequence parallelism, an uneven split, cp and ep.
   ParallelPlan p;
   write_file(corpus / "plan_json/default.json", to_json(p).dump(2));
   p.tensor_parallel = 8;
@@ -89,6 +89,18 @@ int main(int argc, char** argv) {
   u.layers_per_stage = {1, 1};
   u.recompute = Recompute::kFull;
   write_file(corpus / "plan_json/uneven_toy.json", to_json(u).dump(2));
+  // Context and expert parallelism (valid for Mixtral 8x7B), with FP8 and p2p overlap.
+  ParallelPlan e;
+  e.tensor_parallel = 2;
+  e.context_parallel = 2;
+  e.data_parallel = 4;
+  e.expert_parallel = 4;
+  e.expert_tensor_parallel = 1;
+  e.sequence_parallel = true;
+  e.global_batch_size = 64;
+  e.fp8 = true;
+  e.overlap_p2p_comm = true;
+  write_file(corpus / "plan_json/moe_cp_ep.json", to_json(e).dump(2));
 
   fs::remove_all(tmp);
   return 0;
