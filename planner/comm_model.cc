@@ -82,13 +82,13 @@ GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
   return span_of(p.expert_data_parallel(), p.expert_tp() * p.expert_parallel, c.gpus_per_node);
 }
 
-GroupSpan ring_neighbour_span(const GroupSpan& group) {
+GroupSpan ring_neighbour_span(const GroupSpan& group, const ClusterSpec& c) {
   GroupSpan pair;
   pair.size = group.size > 1 ? 2 : 1;
   if (group.nodes > 1) {
     pair.nodes = 2;
     pair.ranks_per_node = 1;
-    pair.concurrent_per_node = group.concurrent_per_node;
+    pair.concurrent_per_node = std::max(group.concurrent_per_node, c.nics_per_node);
   } else {
     pair.ranks_per_node = pair.size;
     pair.concurrent_per_node = group.concurrent_per_node;

@@ -37,8 +37,9 @@ GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p);
-// A ring's neighbours within `group`: two ranks, across nodes when the group spans nodes.
-GroupSpan ring_neighbour_span(const GroupSpan& group);
+// A ring's neighbours within `group`: two ranks, across nodes when the group spans nodes,
+// where each crossing pair has one NIC (a GPU sends on its own rail) however few rings cross.
+GroupSpan ring_neighbour_span(const GroupSpan& group, const ClusterSpec& c);
 // True when neighbouring pipeline stages sit on different nodes.
 bool pipeline_crosses_nodes(const ClusterSpec& c, const ParallelPlan& p);
 

@@ -271,7 +271,7 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
         case CommGroup::kEmbedding:
           break;
       }
-      if (op.collective == Collective::kSendRecv) span = ring_neighbour_span(span);
+      if (op.collective == Collective::kSendRecv) span = ring_neighbour_span(span, cluster_);
       return comm_.collective_time(op.collective, op.bytes, span);
     }
   }

@@ -281,6 +281,14 @@ std::vector<GroupCase> group_cases() {
     x.expert_tensor_parallel = 1;
     out.push_back({"mixtral-8x7b s8k t2 cp2 p4 d4 ep8 etp1", m, x});
   }
+  {
+    // A cp ring across two nodes (t1 cp16 on 8-GPU nodes): each crossing step on one NIC.
+    ModelSpec m = resolve_model("llama3-8b");
+    m.seq_length = 16384;
+    ParallelPlan x = base_plan(1, 16, 2, 2, 64);
+    x.recompute = Recompute::kNone;
+    out.push_back({"llama3-8b s16k t1 cp16 p2 d2", m, x});
+  }
   return out;
 }
 
