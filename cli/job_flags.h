@@ -61,8 +61,8 @@ struct JobFlags {
   ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
-           virtual_stages_per_rank || first_stage_layers || last_stage_layers ||
-           context_parallel || expert_parallel || expert_tensor_parallel;
+           virtual_stages_per_rank || first_stage_layers || last_stage_layers || context_parallel ||
+           expert_parallel || expert_tensor_parallel;
   }
 };
 

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/units.h"
+#include "planner/op_breakdown.h"
 
 namespace ptdp {
 namespace {
@@ -41,22 +42,11 @@ bool is_fp8_gemm(OpId id) {
   }
 }
 
+// The attention core's ops (op_family's kAttentionCore, whose rotary embedding is not part of
+// a ring block's work).
 bool is_attention_core(OpId id) {
-  switch (id) {
-    case OpId::kAttnScores:
-    case OpId::kAttnSoftmax:
-    case OpId::kAttnDropout:
-    case OpId::kAttnContext:
-    case OpId::kAttnContextDprobs:
-    case OpId::kAttnContextDv:
-    case OpId::kAttnDropoutBackward:
-    case OpId::kAttnSoftmaxBackward:
-    case OpId::kAttnScoresDq:
-    case OpId::kAttnScoresDk:
-      return true;
-    default:
-      return false;
-  }
+  return op_family(id) == OpFamily::kAttentionCore && id != OpId::kRotaryEmbedding &&
+         id != OpId::kRotaryEmbeddingBackward;
 }
 
 // Context parallelism's ring: the cp - 1 block transfers of a pass overlap the attention of

@@ -17,31 +17,15 @@
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "tests/support/input_error.h"
 
 namespace ptdp {
 namespace {
 
 using nlohmann::json;
-
-// The InputError thrown by f: "field|message", or "no error".
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.field() + "|" + e.what();
-  }
-  return "no error";
-}
-
-std::string field_of(const std::function<void()>& f) {
-  const std::string e = error_of(f);
-  return e.substr(0, e.find('|'));
-}
-
-std::string message_of(const std::function<void()>& f) {
-  const std::string e = error_of(f);
-  return e.substr(e.find('|') + 1);
-}
+using test::error_of;
+using test::field_of;
+using test::message_of;
 
 std::string write_temp(const std::string& name, const std::string& text) {
   const std::string path = testing::TempDir() + "ptdp_core_test_" + name;

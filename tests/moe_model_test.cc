@@ -13,25 +13,14 @@
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "tests/support/input_error.h"
 
 namespace ptdp {
 namespace {
 
 using nlohmann::json;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.field() + "|" + e.what();
-  }
-  return "no error";
-}
-
-std::string field_of(const std::function<void()>& f) {
-  const std::string e = error_of(f);
-  return e.substr(0, e.find('|'));
-}
+using test::error_of;
+using test::field_of;
 
 std::string example(const std::string& name) {
   return std::string(PTDP_SOURCE_DIR) + "/examples/models/" + name;

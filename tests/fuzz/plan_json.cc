@@ -1,7 +1,8 @@
 // Fuzzes the plan JSON reader, core/parallel_plan.h plan_from_json, and the plan rules it
 // feeds (core/plan_rules.h check_plan) against four models: GPT-3 175B, Llama 3 8B (grouped
-// query attention, SwiGLU), Mixtral 8x7B (experts) and a two-layer toy. For a plan the rules accept, what the runtime
-// derives from it (GPU count, microbatches, chunk layers, Megatron flags) must be computable.
+// query attention, SwiGLU), Mixtral 8x7B (experts) and a two-layer toy. For a plan the rules
+// accept, what the runtime derives from it (GPU count, microbatches, chunk layers, Megatron flags)
+// must be computable.
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
