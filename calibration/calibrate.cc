@@ -48,8 +48,12 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
   p.stream_sizes = o.quick ? std::vector<int64_t>{1 << 16, 1 << 20}
                            : std::vector<int64_t>{1 << 14, 1 << 17, 1 << 20, 1 << 22};
   p.optimizer_params = o.quick ? 1 << 18 : 1 << 21;
-  for (int g = 2; g <= world; ++g)
-    if (world % g == 0) p.groups.push_back(g);
+  if (!o.group_sizes.empty()) {
+    p.groups = o.group_sizes;
+  } else {
+    for (int g = 2; g <= world; ++g)
+      if (world % g == 0) p.groups.push_back(g);
+  }
   for (double b = o.quick ? 4096 : 1024; b <= (o.quick ? 4.0 * (1 << 20) : 64.0 * (1 << 20));
        b *= 4)
     p.message_bytes.push_back(b);
@@ -79,12 +83,29 @@ double gemm_flops(double m, double n, double k, double batch) {
 
 }  // namespace
 
+void check_group_sizes(const std::vector<int64_t>& sizes, int ranks) {
+  for (int64_t g : sizes) {
+    if (g < 2)
+      throw InputError("--group-sizes",
+                       "a collective's group has at least 2 ranks, got " + std::to_string(g));
+    if (g > ranks)
+      throw InputError("--group-sizes",
+                       "a group of " + std::to_string(g) + " ranks needs " + std::to_string(g) +
+                           " ranks, but this calibration has " + std::to_string(ranks) +
+                           " (mpirun -np " + std::to_string(g) + " ptdp calibrate ...)");
+    if (ranks % g != 0)
+      throw InputError("--group-sizes", std::to_string(g) + " does not divide the " +
+                                            std::to_string(ranks) + " ranks");
+  }
+}
+
 json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control) {
   if (o.backend != "cpu")
     throw InputError("--backend", "'" + o.backend +
                                       "' cannot be calibrated yet: only cpu (the CUDA backend "
                                       "does not exist yet)");
   o.model.validate();
+  check_group_sizes(o.group_sizes, world.size());
   auto backend = make_backend(o.backend);
   Backend& be = *backend;
   const int n_world = world.size();
@@ -496,6 +517,9 @@ void print_calibration(std::ostream& out, const json& f) {
                   cf["latency_us"].get<double>(), cf["busbw_gbps"].get<double>());
     out << buf << res(cf["residuals"]) << "\n";
   }
+  if (fits["collectives"].empty())
+    out << "collectives: none measured (one rank); a plan that communicates is priced with "
+           "estimated links, and reconcile refuses its runs: mpirun -np N ptdp calibrate\n";
 }
 
 }  // namespace ptdp

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "core/model_spec.h"
 #include "runtime/communicator.h"
@@ -20,6 +21,9 @@ struct CalibrateOptions {
   bool quick = false;  // fewer sizes, shorter timings (under 2 minutes on two cores)
   // Seconds the measurements may take (0: no limit): each timing's target shrinks to fit.
   double time_limit_s = 0;
+  // Group sizes to time the collectives over (each >= 2 and dividing the ranks); empty: every
+  // divisor of the ranks from 2 up.
+  std::vector<int64_t> group_sizes;
   std::string command;  // the command line, recorded in the file
   // Called on rank 0 as the work advances: fraction done, what is being measured.
   std::function<void(double, const std::string&)> progress;
@@ -27,7 +31,11 @@ struct CalibrateOptions {
 
 // Collective over `world` (and `control`, its control plane): every rank measures. Returns the
 // machine file (the same object on every rank). Throws InputError("--backend") for a backend
-// other than cpu.
+// other than cpu, and InputError("--group-sizes") (check_group_sizes) before measuring.
+// Throws InputError("--group-sizes") unless every size is at least 2 and divides `ranks` (a
+// group of g ranks needs g ranks to run: mpirun -np g or more).
+void check_group_sizes(const std::vector<int64_t>& sizes, int ranks);
+
 nlohmann::json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control);
 
 // The fitted numbers and every fit's residuals, as text.

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <vector>
 
 #include "calibration/calibrate.h"
 #include "cli/cli.h"
@@ -27,6 +28,7 @@ struct CalibrateFlags {
   std::string backend = "cpu";
   bool quick = false;
   double time_limit_s = 0;
+  std::vector<int64_t> group_sizes;
   std::string out;
   bool json = false;
 };
@@ -82,6 +84,7 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
     o.model = model_of(f.job);
     o.quick = f.quick;
     o.time_limit_s = f.time_limit_s;
+    o.group_sizes = f.group_sizes;
     o.command = command_line();
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
@@ -93,6 +96,12 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   std::unique_ptr<ControlPlane> control =
       world->size() > 1 ? make_mpi_control_plane() : make_self_control_plane();
   const bool root = world->rank() == 0;
+  try {
+    check_group_sizes(o.group_sizes, world->size());  // every rank alike: all stop
+  } catch (const InputError& e) {
+    if (root) err << "ptdp: " << e.what() << "\n";
+    return 2;
+  }
   const bool bar = root && isatty(STDERR_FILENO);
   if (bar) o.progress = draw_bar;
   const nlohmann::json machine = calibrate(o, *world, *control);
@@ -126,6 +135,10 @@ Action add_calibrate_command(CLI::App& app) {
   sub->add_flag("--quick", f->quick, "fewer sizes and shorter timings");
   sub->add_option("--time-limit-s", f->time_limit_s,
                   "bound the measurements' time (shorter timings; 0: no bound)");
+  sub->add_option("--group-sizes", f->group_sizes,
+                  "time the collectives over groups of these sizes (each dividing the ranks; "
+                  "default: every divisor from 2)")
+      ->delimiter(',');
   sub->add_option("--out", f->out, "the machine file to write")->required();
   sub->add_flag("--json", f->json, "print the fits as JSON");
   return [f](std::ostream& out, std::ostream& err) { return calibrate_main(*f, out, err); };

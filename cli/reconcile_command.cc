@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "cli/commands.h"
 #include "cli/job_flags.h"
@@ -43,6 +44,33 @@ std::string line(const std::string& what, const Compared& c, double scale, const
   return buf;
 }
 
+// A machine file (ptdp calibrate) prices a run only with what it measured: the run's backend,
+// and collectives over every group size the run's plan communicates over.
+void check_machine_matches(const ClusterSpec& cluster, const RunTraceInfo& run,
+                           const std::string& flag) {
+  if (!cluster.measured_profile) return;  // a preset or a hand-written cluster file
+  if (!cluster.measured_backend.empty() && cluster.measured_backend != run.backend)
+    throw InputError(flag, "measured the " + cluster.measured_backend +
+                               " backend, but the trace ran the " + run.backend + " backend");
+  std::set<int64_t> measured;
+  for (const CollectiveFit& c : cluster.measured_profile->collectives) measured.insert(c.ranks);
+  const ParallelPlan& p = run.plan;
+  std::set<int64_t> needed = {p.tensor_parallel, p.context_parallel,
+                              p.data_parallel * p.context_parallel, p.expert_parallel};
+  if (p.pipeline_parallel > 1) needed.insert(2);  // send/recv pairs
+  for (int64_t g : needed) {
+    if (g <= 1 || measured.count(g)) continue;
+    std::string have;
+    for (int64_t m : measured) have += (have.empty() ? "" : ", ") + std::to_string(m);
+    throw InputError(
+        flag, "collectives over " + std::to_string(g) + " ranks were not measured (it measured " +
+                  std::to_string(cluster.measured_ranks) + " rank(s)" +
+                  (have.empty() ? std::string(", no collectives") : ", groups of " + have) +
+                  "), but the trace's plan needs them: calibrate with mpirun -np " +
+                  std::to_string(run.world_size) + " ptdp calibrate");
+  }
+}
+
 int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
   const RunTrace trace = read_run_trace(f.trace, "--trace");
   JobFlags job;
@@ -52,6 +80,7 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
   job.profile = f.profile;
   job.num_gpus = trace.info.world_size;
   const ClusterSpec cluster = job.resolve_cluster();
+  check_machine_matches(cluster, trace.info, "--cluster " + job.cluster);
   const HardwareProfile profile = job.resolve_profile(cluster);
   const CostModel cost(trace.info.model, cluster, profile);
   Reconciliation r;

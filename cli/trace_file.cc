@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -194,6 +195,17 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
       r.fail(a + ".action", "unknown action code");
     out.actions.push_back(act);
   }
+  // Every rank of the plan ran the schedule: a trace missing one (a file merged from fewer
+  // ranks, or from another plan's run) cannot be set against the plan.
+  std::set<std::pair<int32_t, int32_t>> ran;
+  for (const TraceAction& a : out.actions) ran.insert({a.replica, a.stage});
+  for (int32_t d = 0; d < p.data_parallel; ++d)
+    for (int32_t s = 0; s < p.pipeline_parallel; ++s)
+      if (!ran.count({d, s}))
+        r.fail("traceEvents", "no action of replica " + std::to_string(d) + " stage " +
+                                  std::to_string(s) +
+                                  ", which the plan (d=" + std::to_string(p.data_parallel) +
+                                  ", p=" + std::to_string(p.pipeline_parallel) + ") has");
   return out;
 }
 

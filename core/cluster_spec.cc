@@ -127,6 +127,13 @@ ClusterSpec machine_from_json(const json& j) {
   ClusterSpec out = in_part("cluster", [&] { return cluster_from_json(*c); });
   out.measured_profile = std::make_shared<const HardwareProfile>(
       in_part("profile", [&] { return profile_from_json(*p); }));
+  if (const json* m = r.member("machine")) {
+    const auto backend = m->find("backend");
+    if (backend != m->end() && backend->is_string()) out.measured_backend = *backend;
+    const auto ranks = m->find("ranks");
+    if (ranks != m->end() && ranks->is_number_integer() && ranks->get<int64_t>() > 0)
+      out.measured_ranks = ranks->get<int64_t>();
+  }
   return out;
 }
 

@@ -49,6 +49,10 @@ struct ClusterSpec {
   // The profile measured on this machine when the cluster was read from a machine file
   // (`ptdp calibrate --out`); default_profile_for returns it. Null for presets.
   std::shared_ptr<const HardwareProfile> measured_profile;
+  // From a machine file's "machine" object: the backend it measured and how many ranks took
+  // part (its collectives were timed over groups of those ranks only). Empty / 0 otherwise.
+  std::string measured_backend;
+  int64_t measured_ranks = 0;
 
   int64_t num_gpus() const { return gpus_per_node * num_nodes; }
   // Re-sizes the cluster to hold num_gpus (whole nodes, or one partial node when fewer GPUs

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/support/launch.h"
@@ -103,6 +104,32 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
       EXPECT_GT(j["breakdown"]["pp_comm_s"].get<double>(), 0);
   }
   fs::remove_all(dir);
+}
+
+// Collectives over more ranks than the calibration has (or over one) are refused before any
+// measurement: exit status 2 on every rank, one line naming --group-sizes, no file.
+TEST(CalibrateMpi, GroupsTheRanksCannotFormAreRefused) {
+  const fs::path dir = test::scratch_dir("ptdp_calibrate_mpi_test");
+  const std::string file = (dir / "refused.json").string();
+  for (const auto& [np, sizes, needle] :
+       {std::tuple<int, std::string, std::string>{2, "2,4", "a group of 4 ranks needs 4 ranks"},
+        {2, "1", "a collective's group has at least 2 ranks"},
+        {0, "2", "a group of 2 ranks needs 2 ranks, but this calibration has 1"}}) {
+    fs::remove(file);
+    const test::Outcome c =
+        test::launch(PTDP_MPIEXEC, PTDP_BINARY, np,
+                     "calibrate --quick" + kModel + " --group-sizes " + sizes + " --out " + file,
+                     "ptdp_calibrate_mpi_test");
+    EXPECT_EQ(c.status, 2) << sizes << ": " << c.err;
+    const size_t at = c.err.find("ptdp: --group-sizes: " + needle);
+    EXPECT_NE(at, std::string::npos) << c.err;
+    // Said once (by rank 0); mpirun adds its own lines about the status.
+    if (at != std::string::npos) {
+      EXPECT_EQ(c.err.find("ptdp:", at + 1), std::string::npos) << c.err;
+    }
+    EXPECT_TRUE(c.out.empty()) << c.out;
+    EXPECT_FALSE(fs::exists(file)) << sizes;
+  }
 }
 
 // One attempt of the loop: the iteration-time error of each layout (reconcile's).

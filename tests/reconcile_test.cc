@@ -381,11 +381,49 @@ TEST(ReconcileCli, BadInputs) {
   expect_refused({"reconcile", "--trace", temp_file("warmup.json", good_trace_text(1))},
                  "no measured step");
   expect_refused({"reconcile"}, "--trace");
+  // A trace missing a rank of its plan (here every event of stage 1).
+  expect_refused(
+      {"reconcile", "--trace",
+       edited(
+           [](nlohmann::json& j) {
+             nlohmann::json kept = nlohmann::json::array();
+             for (auto& e : j["traceEvents"])
+               if (!e.contains("args") || !e["args"].contains("stage") || e["args"]["stage"] != 1)
+                 kept.push_back(e);
+             j["traceEvents"] = kept;
+           },
+           "nostage1.json")},
+      "no action of replica 0 stage 1");
   // ptdp run checks the cluster it records at once.
   expect_refused({"run", "--global-batch-size", "1", "--trace", temp_file("unused.json", ""),
                   "--cluster", "no-such-cluster"},
                  "--cluster");
   expect_refused({"run", "--global-batch-size", "1", "--cluster", "dgx-a100-80gb"}, "--trace");
+}
+
+// A machine file (ptdp calibrate) sets a run against what it measured only: the trace's plan
+// communicates over groups of 2 (p=2's send/recv pairs), which a one-rank calibration never
+// timed; a calibration of another backend measured other kernels.
+TEST(ReconcileCli, RefusesAMachineFileThatDidNotMeasureTheRun) {
+  const std::string trace = temp_file("machine_match.json", good_trace_text());
+  const ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  auto machine = [&](const std::string& backend, int64_t ranks, bool pairs) {
+    HardwareProfile prof = default_profile_for(c);
+    prof.collectives.clear();
+    if (pairs) prof.collectives.push_back({Collective::kSendRecv, 2, 1, 5.0, 10.0});
+    const nlohmann::json j = {{"format", "ptdp-machine"},
+                              {"cluster", to_json(c)},
+                              {"profile", to_json(prof)},
+                              {"machine", {{"backend", backend}, {"ranks", ranks}}}};
+    return temp_file("machine_" + backend + std::to_string(ranks) + ".json", j.dump());
+  };
+  const std::string one_rank = machine("cpu", 1, false);
+  expect_refused({"reconcile", "--trace", trace, "--cluster", one_rank},
+                 "--cluster " + one_rank + ": collectives over 2 ranks were not measured");
+  expect_refused({"reconcile", "--trace", trace, "--cluster", machine("cuda", 2, true)},
+                 "measured the cuda backend, but the trace ran the cpu backend");
+  const Result ok = cli({"reconcile", "--trace", trace, "--cluster", machine("cpu", 2, true)});
+  EXPECT_EQ(ok.status, 0) << ok.err;
 }
 
 }  // namespace
