@@ -24,21 +24,30 @@ namespace {
 int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err, bool run_command) {
   CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
   app.require_subcommand(1);
-  std::map<std::string, Action> actions;
-  actions["predict"] = add_predict_command(app);
-  actions["plan"] = add_plan_command(app);
-  actions["simulate"] = add_simulate_command(app);
-  actions["tokenize"] = add_tokenize_command(app);
-  actions["run"] = add_run_command(app);
-  actions["reconcile"] = add_reconcile_command(app);
-  actions["calibrate"] = add_calibrate_command(app);
-  if (argc > 1 && argv[1][0] != '-' && !actions.count(argv[1])) {
+  // Only the subcommand named, when one is: building a subcommand's options is most of the
+  // parse's time (CLI11 checks each new option against the others).
+  static const std::pair<const char*, Action (*)(CLI::App&)> kCommands[] = {
+      {"predict", add_predict_command},
+      {"plan", add_plan_command},
+      {"simulate", add_simulate_command},
+      {"tokenize", add_tokenize_command},
+      {"run", add_run_command},
+      {"reconcile", add_reconcile_command},
+      {"calibrate", add_calibrate_command},
+  };
+  const bool named = argc > 1 && argv[1][0] != '-';
+  bool known = false;
+  for (const auto& [name, add] : kCommands) known |= named && name == std::string(argv[1]);
+  if (named && !known) {
     std::string name = argv[1];
     for (char& c : name) c = static_cast<unsigned char>(c) < 0x20 ? '?' : c;  // one line
     err << "ptdp: unknown subcommand '" << name
         << "' (commands: plan, predict, simulate, run, calibrate, reconcile, tokenize)\n";
     return 2;
   }
+  std::map<std::string, Action> actions;
+  for (const auto& [name, add] : kCommands)
+    if (!named || name == std::string(argv[1])) actions[name] = add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
