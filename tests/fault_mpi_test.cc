@@ -418,6 +418,22 @@ TEST(AtomicWrites, SimulateTraceAndSvg) {
   expect_atomic(d / "s.svg", sim + " --svg " + (d / "s.svg").string(), "--svg");
 }
 
+// The machine file: a write cut short keeps the previous file, and so does a calibration
+// interrupted while it measures (SIGINT after 2 s; a quick calibration takes longer).
+TEST(AtomicWrites, CalibrateOut) {
+  const fs::path f = fresh_dir("calibrate_out") / "machine.json";
+  const std::string calibrate =
+      "calibrate --quick --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+      "--vocab-size 128 --out " +
+      f.string();
+  expect_atomic(f, calibrate + " --time-limit-s 2", "--out");
+  std::ofstream(f, std::ios::binary | std::ios::trunc) << "previous";
+  const Outcome interrupted = ptdp(0, calibrate, "timeout -s INT 2 ");
+  EXPECT_NE(interrupted.status, 0) << interrupted.out;
+  EXPECT_EQ(read_file(f), "previous");
+  EXPECT_FALSE(fs::exists(f.string() + ".tmp"));
+}
+
 TEST(AtomicWrites, TokenizeOutput) {
   const fs::path d = fresh_dir("tokenize");
   std::ofstream(d / "in.txt") << std::string(4096, 'x');

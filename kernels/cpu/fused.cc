@@ -27,8 +27,6 @@ void add_incoming(float* dx, const float* dresid, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dx[i] += dresid[i];
 }
 
-constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
-
 }  // namespace
 
 void add_layernorm_forward(const float* x, const float* residual, float* r_out, const float* g,
