@@ -27,9 +27,13 @@ max_len() {
   esac
 }
 
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
-  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
-  -DPTDP_FUZZ=ON -DPTDP_BUILD_TESTS=OFF -DPTDP_BUILD_BENCH=OFF >/dev/null
+# A build directory already configured with PTDP_FUZZ=ON (CI's sanitizer build, which also
+# builds the tests) is used as it is.
+if ! grep -qs '^PTDP_FUZZ:BOOL=ON' "$build/CMakeCache.txt"; then
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
+    -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
+    -DPTDP_FUZZ=ON -DPTDP_BUILD_TESTS=OFF -DPTDP_BUILD_BENCH=OFF >/dev/null
+fi
 targets=()
 for h in "${harnesses[@]}"; do targets+=("fuzz_$h"); done
 ninja -C "$build" -j2 "${targets[@]}"

@@ -249,7 +249,8 @@ TEST(CheckpointFaults, RankKilledWhileWritingLeavesThePreviousCheckpointWhichRes
   // Once a checkpoint exists, SIGKILL the first rank seen writing a later one.
   int64_t killed_step = -1;
   fs::path killed_file;
-  const auto deadline = Clock::now() + 60s;
+  // The bound on looking for a save in flight (a loaded machine writes and polls slowly).
+  const auto deadline = Clock::now() + 180s;
   while (killed_step < 0 && Clock::now() < deadline) {
     const int64_t latest = latest_step(ckpt);
     std::error_code ec;
