@@ -29,13 +29,14 @@ struct CalibrateOptions {
   std::function<void(double, const std::string&)> progress;
 };
 
-// Collective over `world` (and `control`, its control plane): every rank measures. Returns the
-// machine file (the same object on every rank). Throws InputError("--backend") for a backend
-// other than cpu, and InputError("--group-sizes") (check_group_sizes) before measuring.
 // Throws InputError("--group-sizes") unless every size is at least 2 and divides `ranks` (a
 // group of g ranks needs g ranks to run: mpirun -np g or more).
 void check_group_sizes(const std::vector<int64_t>& sizes, int ranks);
 
+// Collective over `world` (and `control`, its control plane): every rank measures. Returns the
+// machine file (the same object on every rank). Before measuring anything, on every rank alike,
+// throws InputError("--backend") for a backend other than cpu and InputError("--group-sizes")
+// (check_group_sizes).
 nlohmann::json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control);
 
 // The fitted numbers and every fit's residuals, as text.

@@ -96,15 +96,15 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   std::unique_ptr<ControlPlane> control =
       world->size() > 1 ? make_mpi_control_plane() : make_self_control_plane();
   const bool root = world->rank() == 0;
+  const bool bar = root && isatty(STDERR_FILENO);
+  if (bar) o.progress = draw_bar;
+  nlohmann::json machine;
   try {
-    check_group_sizes(o.group_sizes, world->size());  // every rank alike: all stop
-  } catch (const InputError& e) {
+    machine = calibrate(o, *world, *control);
+  } catch (const InputError& e) {  // thrown on every rank alike, before measuring: all stop
     if (root) err << "ptdp: " << e.what() << "\n";
     return 2;
   }
-  const bool bar = root && isatty(STDERR_FILENO);
-  if (bar) o.progress = draw_bar;
-  const nlohmann::json machine = calibrate(o, *world, *control);
   if (bar) std::fprintf(stderr, "\r%80s\r", "");
   if (!root) return 0;
   write_file_atomically(f.out, machine.dump(1) + "\n", "--out");

@@ -35,11 +35,12 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
       {"reconcile", add_reconcile_command},
       {"calibrate", add_calibrate_command},
   };
-  const bool named = argc > 1 && argv[1][0] != '-';
+  const bool has_name = argc > 1 && argv[1][0] != '-';
+  const std::string named = has_name ? argv[1] : "";
   bool known = false;
-  for (const auto& [name, add] : kCommands) known |= named && name == std::string(argv[1]);
-  if (named && !known) {
-    std::string name = argv[1];
+  for (const auto& [name, add] : kCommands) known |= has_name && named == name;
+  if (has_name && !known) {
+    std::string name = named;
     for (char& c : name) c = static_cast<unsigned char>(c) < 0x20 ? '?' : c;  // one line
     err << "ptdp: unknown subcommand '" << name
         << "' (commands: plan, predict, simulate, run, calibrate, reconcile, tokenize)\n";
@@ -47,7 +48,7 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   }
   std::map<std::string, Action> actions;
   for (const auto& [name, add] : kCommands)
-    if (!named || name == std::string(argv[1])) actions[name] = add(app);
+    if (!has_name || named == name) actions[name] = add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

@@ -27,8 +27,8 @@ max_len() {
   esac
 }
 
-# A build directory already configured with PTDP_FUZZ=ON (CI's sanitizer build, which also
-# builds the tests) is used as it is.
+# A build directory already configured with PTDP_FUZZ=ON (such as a clang sanitizer build of
+# the whole project with its tests, docs/reliability.md) is used as it is.
 if ! grep -qs '^PTDP_FUZZ:BOOL=ON' "$build/CMakeCache.txt"; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
     -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
