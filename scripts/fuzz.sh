@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses of tests/fuzz/ (clang, -DPTDP_FUZZ=ON, in build-fuzz) and runs
-# each for the given time, one after the other. Usage:
+# each for the given time, as many at once as there are cores (PTDP_FUZZ_JOBS). Usage:
 #   scripts/fuzz.sh [seconds-per-harness] [harness...]      (default 30 s, every harness)
 # The growing corpus is kept in build-fuzz/corpus/<harness> (seeded from tests/fuzz/corpus),
 # findings in build-fuzz/findings/<harness>/, logs in build-fuzz/fuzz-logs/. Exits non-zero on
@@ -42,24 +42,42 @@ ninja -C "$build" -j2 "${targets[@]}"
 # (a finding is reproduced with the default by running its input alone).
 export ASAN_OPTIONS=${ASAN_OPTIONS:-malloc_context_size=0}
 mkdir -p "$build/fuzz-logs"
-failed=()
-for h in "${harnesses[@]}"; do
-  corpus="$build/corpus/$h"
-  findings="$build/findings/$h"
-  log="$build/fuzz-logs/$h.log"
+# One harness: its status line, the time and, on a finding, the log's tail.
+fuzz_one() {
+  local h=$1 corpus="$build/corpus/$1" findings="$build/findings/$1" log="$build/fuzz-logs/$1.log"
   mkdir -p "$corpus" "$findings"
-  echo "== $h: ${seconds} s"
+  local rc=0
   # shellcheck disable=SC2086
-  if ! "$build/tests/fuzz/fuzz_$h" "$corpus" "tests/fuzz/corpus/$h" -max_total_time="$seconds" \
+  "$build/tests/fuzz/fuzz_$h" "$corpus" "tests/fuzz/corpus/$h" -max_total_time="$seconds" \
     -max_len="$(max_len "$h")" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
-    -artifact_prefix="$findings/" ${PTDP_FUZZ_FLAGS:-} >"$log" 2>&1; then
-    failed+=("$h")
-    tail -n 40 "$log"
-  fi
-  # The last status line (executions, cov: edges, ft: features, corpus), and the time.
-  grep -E '^#[0-9]+' "$log" | tail -n 1 || true
-  grep -E '^Done [0-9]+ runs' "$log" || true
+    -artifact_prefix="$findings/" ${PTDP_FUZZ_FLAGS:-} >"$log" 2>&1 || rc=$?
+  {
+    echo "== $h: ${seconds} s"
+    [ "$rc" -ne 0 ] && tail -n 40 "$log"
+    # The last status line (executions, cov: edges, ft: features, corpus), and the time.
+    grep -E '^#[0-9]+' "$log" | tail -n 1 || true
+    grep -E '^Done [0-9]+ runs' "$log" || true
+  }
+  return "$rc"
+}
+# PTDP_FUZZ_JOBS harnesses at a time (default: the number of cores), each a single process.
+jobs=${PTDP_FUZZ_JOBS:-$(nproc)}
+failed=()
+pids=()
+names=()
+wait_one() {
+  if ! wait "${pids[0]}"; then failed+=("${names[0]}"); fi
+  pids=("${pids[@]:1}")
+  names=("${names[@]:1}")
+}
+for h in "${harnesses[@]}"; do
+  [ ${#pids[@]} -ge "$jobs" ] && wait_one
+  fuzz_one "$h" >"$build/fuzz-logs/$h.summary" &
+  pids+=($!)
+  names+=("$h")
 done
+while [ ${#pids[@]} -gt 0 ]; do wait_one; done
+for h in "${harnesses[@]}"; do cat "$build/fuzz-logs/$h.summary"; done
 if [ ${#failed[@]} -gt 0 ]; then
   echo "fuzz: findings in ${failed[*]} (inputs under $build/findings/, logs under $build/fuzz-logs/)"
   exit 1
