@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "calibration/fit.h"
@@ -61,9 +62,10 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
   return p;
 }
 
-int64_t count_timings(const Plan& p, const ModelSpec& m) {
+int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
-  for (const auto& [t, b] : p.tb) n += static_cast<int64_t>(executed_ops(m, t, b).size());
+  for (const auto& [t, b] : p.tb)
+    n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (cold ? 2 : 1);
   n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
   return n;
 }
@@ -116,7 +118,11 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   const Plan plan = plan_for(o, n_world, ranks_per_node);
 
   double target = o.quick ? 0.05 : 0.15;
-  const int64_t timings = count_timings(plan, o.model);
+  // Ops are timed warm and, where the last-level cache is known, cold (docs/calibration.md).
+  const double llc_bytes = last_level_cache_bytes();
+  std::unique_ptr<CacheEvictor> evict;
+  if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes);
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
@@ -130,8 +136,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   };
 
   // ---- compute: the op lists' kernels, a generic GEMM grid, bandwidth, optimizer ----
-  std::vector<OpSample> ops =
-      measure_ops(be, o.model, plan.tb, sw, [&](int, int) { tick("kernels of the op list"); });
+  std::vector<OpSample> ops = measure_ops(be, o.model, plan.tb, sw, evict.get(),
+                                          [&](int, int) { tick("kernels of the op list"); });
   std::vector<std::pair<std::array<int64_t, 3>, double>> grid;
   for (const auto& g : plan.grid) {
     grid.push_back({g, time_linear(be, g[0], g[1], g[2], sw)});
@@ -305,9 +311,21 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     prof.gemm.n_half = gf.n_half;
     prof.gemm.k_half = gf.k_half;
     prof.gemm.sm_count = 0;
-    for (const auto& [key, e] : table)
-      prof.gemm_table.push_back(
-          {key[0], key[1], key[2], key[3], std::clamp(std::exp(e.first / e.second), 1e-9, 1.0)});
+    // Cold over warm per shape, where measured: the geometric mean over the op-list GEMMs.
+    std::map<std::array<int64_t, 4>, std::pair<double, int>> cold;
+    for (const OpSample& s : ops) {
+      if (s.op.kind != OpKind::kGemm || !(s.cold_seconds > 0) || !(s.seconds > 0)) continue;
+      auto& c = cold[{s.op.m, s.op.n, s.op.k, s.op.batch}];
+      c.first += std::log(s.cold_seconds / s.seconds);
+      c.second += 1;
+    }
+    for (const auto& [key, e] : table) {
+      GemmMeasurement g{key[0], key[1], key[2], key[3],
+                        std::clamp(std::exp(e.first / e.second), 1e-9, 1.0)};
+      if (auto c = cold.find(key); c != cold.end())
+        g.cold_factor = std::clamp(std::exp(c->second.first / c->second.second), 1e-3, 1000.0);
+      prof.gemm_table.push_back(g);
+    }
     fits["gemm"] = {{"peak_flops_per_s", peak},
                     {"max_efficiency", gf.max_efficiency},
                     {"m_half", gf.m_half},
@@ -315,6 +333,29 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                     {"k_half", gf.k_half},
                     {"table_entries", prof.gemm_table.size()},
                     {"residuals", to_json(gf.residuals)}};
+  }
+  // The cache model: the node's last-level cache shared by its ranks, and cold over warm per
+  // memory-bound family (GEMMs: per table entry, above).
+  if (evict) {
+    prof.cache.bytes_per_rank = llc_bytes / ranks_per_node;
+    std::map<std::string, std::pair<double, int>> cold;
+    for (const OpSample& s : ops) {
+      if (s.op.kind != OpKind::kMemory || !(s.cold_seconds > 0) || !(s.seconds > 0)) continue;
+      const std::string f = memory_family(s.op.id);
+      if (f.empty()) continue;
+      cold[f].first += std::log(s.cold_seconds / s.seconds);
+      cold[f].second += 1;
+    }
+    for (const auto& [f, c] : cold)
+      prof.cache.memory_cold_factor[f] = std::clamp(std::exp(c.first / c.second), 1e-3, 1000.0);
+    double gemm_log = 0;
+    int gemm_measured = 0;
+    for (const GemmMeasurement& g : prof.gemm_table)
+      if (g.cold_factor > 0) gemm_log += std::log(g.cold_factor), ++gemm_measured;
+    fits["cache"] = {{"last_level_cache_bytes", llc_bytes},
+                     {"bytes_per_rank", prof.cache.bytes_per_rank},
+                     {"gemm_cold_factor_mean", std::exp(gemm_log / std::max(gemm_measured, 1))},
+                     {"memory_cold_factor", prof.cache.memory_cold_factor}};
   }
   // Collectives: latency and bus bandwidth per (collective, group size, nodes).
   std::map<std::tuple<int, int64_t, int64_t>, std::pair<std::vector<double>, std::vector<double>>>
@@ -357,6 +398,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
       "gemm: curve fitted by least squares to the measured table and grid; table: each op-list "
       "GEMM's measured efficiency",
       "kernel_gap_us, memory_efficiency: one least-squares fit of every memory-bound kernel",
+      "cache: the last-level cache of /sys/devices/system/cpu over the node's ranks; cold "
+      "factors: each op timed with the caches evicted over the same op timed warm",
       "collectives: latency and bus bandwidth fitted per collective and group span"};
 
   // ---- the cluster measured ----
@@ -387,6 +430,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
               {"t", s.t},
               {"micro_batch", s.b},
               {"seconds", s.seconds}};
+    if (s.cold_seconds > 0) j["cold_seconds"] = s.cold_seconds;
     if (s.op.kind == OpKind::kGemm) {
       j["m"] = s.op.m, j["n"] = s.op.n, j["k"] = s.op.k, j["batch"] = s.op.batch;
       j["flops_per_s"] = s.op.flops() / s.seconds;

@@ -4,7 +4,9 @@
 
 #include <Eigen/Core>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #ifdef PTDP_CALIBRATION_MPI
@@ -48,6 +50,46 @@ double host_memory_bytes() {
   double kib = 0;
   s >> kib;
   return kib * 1024.0;
+}
+
+namespace {
+
+std::string first_line(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+}  // namespace
+
+double last_level_cache_bytes() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  int top = 0;
+  std::map<std::string, double> instances;  // shared_cpu_list -> bytes, at level `top`
+  for (const fs::directory_entry& cpu : fs::directory_iterator("/sys/devices/system/cpu", ec)) {
+    const std::string name = cpu.path().filename().string();
+    if (name.size() < 4 || name.rfind("cpu", 0) != 0 ||
+        name.find_first_not_of("0123456789", 3) != std::string::npos)
+      continue;
+    for (const fs::directory_entry& index : fs::directory_iterator(cpu.path() / "cache", ec)) {
+      if (first_line(index.path() / "type") == "Instruction") continue;
+      int level = 0;
+      double bytes = 0;
+      std::string unit;
+      std::istringstream(first_line(index.path() / "level")) >> level;
+      std::istringstream(first_line(index.path() / "size")) >> bytes >> unit;
+      bytes *= unit == "K" ? 1024.0 : unit == "M" ? 1024.0 * 1024 : unit == "G" ? 1 << 30 : 1.0;
+      if (level <= 0 || !(bytes > 0) || level < top) continue;
+      if (level > top) instances.clear(), top = level;
+      const std::string shared = first_line(index.path() / "shared_cpu_list");
+      instances[shared.empty() ? name : shared] = bytes;  // unknown sharing: one per CPU
+    }
+  }
+  double total = 0;
+  for (const auto& [cpus, bytes] : instances) total += bytes;
+  return total;
 }
 
 std::string eigen_version() {

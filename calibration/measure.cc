@@ -65,10 +65,12 @@ bool executed(OpId id) {
 
 }  // namespace
 
-std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int warmup) {
+std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int warmup,
+                                         const std::function<void()>& before) {
   for (int i = 0; i < warmup; ++i) f();
   control_.barrier();
   auto t0 = Clock::now();
+  if (before) before();
   f();
   const double one = control_.max(since(t0));
   // The loop in chunks, each started together; a rank's time is the mean over them: a run
@@ -81,9 +83,19 @@ std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int war
   for (double& c : chunk) {
     control_.barrier();
     const double cpu0 = thread_cpu_seconds();
-    t0 = Clock::now();
-    for (int64_t i = 0; i < per_chunk; ++i) f();
-    const double wall = since(t0);
+    double wall = 0;
+    if (before) {
+      for (int64_t i = 0; i < per_chunk; ++i) {
+        before();
+        t0 = Clock::now();
+        f();
+        wall += since(t0);
+      }
+    } else {
+      t0 = Clock::now();
+      for (int64_t i = 0; i < per_chunk; ++i) f();
+      wall = since(t0);
+    }
     c = wall / static_cast<double>(per_chunk);
     wall_s_ += wall;
     cpu_s_ += thread_cpu_seconds() - cpu0;
@@ -93,8 +105,21 @@ std::pair<double, double> Stopwatch::run(const std::function<void()>& f, int war
   return {control_.sum(per) / control_.size(), control_.max(per)};
 }
 
-double Stopwatch::mean_seconds(const std::function<void()>& f) {
-  return run(f, 1).first;
+double Stopwatch::mean_seconds(const std::function<void()>& f,
+                               const std::function<void()>& before) {
+  return run(f, 1, before).first;
+}
+
+CacheEvictor::CacheEvictor(double last_level_cache_bytes)
+    : junk_(static_cast<size_t>(std::clamp(2 * last_level_cache_bytes, 1e6, 4e9) / sizeof(float)),
+            1.0f) {}
+
+void CacheEvictor::operator()() {
+  // One float per 64-byte line brings every line in.
+  float sum = 0;
+  for (size_t i = 0; i < junk_.size(); i += 16) sum += junk_[i];
+  volatile float sink = sum;
+  (void)sink;
 }
 
 double Stopwatch::max_seconds(const std::function<void()>& f, int warmup) {
@@ -116,6 +141,7 @@ std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b) {
 
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
+                                  CacheEvictor* evict,
                                   const std::function<void(int, int)>& progress) {
   // Distinct ops per layout: the same kernel on the same shape is timed once.
   std::vector<std::vector<Op>> todo;
@@ -131,7 +157,7 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
               .second)
         ops.push_back(op);
     }
-    total += static_cast<int>(ops.size());
+    total += static_cast<int>(ops.size()) * (evict ? 2 : 1);
     todo.push_back(std::move(ops));
   }
   std::vector<OpSample> out;
@@ -148,12 +174,20 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
       s.op = op;
       s.t = t;
       s.b = b;
-      s.seconds = sw.mean_seconds([&] {
+      auto call = [&] {
         exec.run(op);
         be.synchronize();
-      });
-      out.push_back(s);
+      };
+      s.seconds = sw.mean_seconds(call);
       if (progress) progress(++done, total);
+      if (evict) {
+        s.cold_seconds = sw.mean_seconds(call, [&] {
+          (*evict)();
+          exec.touch_input();
+        });
+        if (progress) progress(++done, total);
+      }
+      out.push_back(s);
     }
   }
   return out;

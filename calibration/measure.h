@@ -22,12 +22,13 @@ namespace ptdp {
 // `target_s` on the slowest rank (the same count on every rank), in five chunks each started
 // together; a rank's time is the mean over the chunks. Chunks are long enough (target / 5:
 // 10 ms with --quick, else 30 ms) to span the scheduler's time slices, so that a CPU shared
-// with other work is measured at the share the ranks get, as a run gets it.
+// with other work is measured at the share the ranks get, as a run gets it. With `before`,
+// that runs untimed ahead of every call (each call then timed alone).
 class Stopwatch {
  public:
   Stopwatch(ControlPlane& control, double target_s) : control_(control), target_s_(target_s) {}
   // Seconds per call: the mean over ranks (compute) or the slowest rank (collectives).
-  double mean_seconds(const std::function<void()>& f);
+  double mean_seconds(const std::function<void()>& f, const std::function<void()>& before = {});
   double max_seconds(const std::function<void()>& f, int warmup = 1);
   ControlPlane& control() { return control_; }
   // This rank's CPU time over wall time in the timed loops: below 1 when the machine's other
@@ -35,27 +36,43 @@ class Stopwatch {
   double cpu_share() const { return wall_s_ > 0 ? cpu_s_ / wall_s_ : 1.0; }
 
  private:
-  std::pair<double, double> run(const std::function<void()>& f, int warmup);
+  std::pair<double, double> run(const std::function<void()>& f, int warmup,
+                                const std::function<void()>& before = {});
   ControlPlane& control_;
   double target_s_;
   double wall_s_ = 0, cpu_s_ = 0;
 };
 
-// One op of the list, with the layout it was listed for, and its measured time.
+// One op of the list, with the layout it was listed for, and its measured time: warm (its
+// operands in cache from the call before) and cold (the caches evicted before each call, then
+// its input operand read, as the op before it in a pass leaves it; 0 when not measured).
 struct OpSample {
   Op op;
   int64_t t = 1, b = 1;
   double seconds = 0;
+  double cold_seconds = 0;
+};
+
+// Evicts the CPU caches by reading a buffer twice the node's last-level cache (every rank at
+// once, as the ranks share it).
+class CacheEvictor {
+ public:
+  explicit CacheEvictor(double last_level_cache_bytes);
+  void operator()();
+
+ private:
+  std::vector<float> junk_;
 };
 
 // The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run
 // executes them (runtime_layer_shape), without those it does not execute.
 std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b);
 
-// Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b).
-// `progress(done, total)` after each.
+// Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b),
+// warm, and cold too with an evictor. `progress(done, total)` after each.
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
+                                  CacheEvictor* evict,
                                   const std::function<void(int, int)>& progress);
 
 // A generic GEMM (y = x W^T through the backend's linear kernel) of m x k by k x n.

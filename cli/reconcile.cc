@@ -51,7 +51,9 @@ std::map<RankKey, std::vector<const T*>> by_rank(const std::vector<T>& items) {
 }  // namespace
 
 double Compared::relative_error() const {
-  return predicted != 0 ? error() / predicted : std::numeric_limits<double>::quiet_NaN();
+  // A prediction of nothing (below a picosecond) has no relative error.
+  return std::abs(predicted) > 1e-12 ? error() / predicted
+                                     : std::numeric_limits<double>::quiet_NaN();
 }
 
 Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std::string& what) {

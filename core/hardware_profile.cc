@@ -1,6 +1,6 @@
 // HardwareProfile: the GEMM efficiency curve and measured table, and JSON I/O (nested "gemm",
 // "nvlink", "network" objects, a "sources" array, and the optional measured "collectives",
-// "memory_efficiency", "activation_dtype"). Reading checks that every number is physically
+// "memory_efficiency", "activation_dtype", "cache"). Reading checks that every number is physically
 // possible.
 #include "core/hardware_profile.h"
 
@@ -35,31 +35,75 @@ double GemmEfficiency::at(double m, double n, double k, double batch) const {
   return max_efficiency * f * s(k, k_half);
 }
 
-double HardwareProfile::gemm_efficiency(double m, double n, double k, double batch) const {
-  const double c = gemm.at(m, n, k, batch);
-  if (gemm_table.empty()) return c;
-  // log2 distance in (m, n, k, batch); Gaussian weights of one octave; a prior weight of the
-  // curve itself equal to one entry's two octaves away.
+namespace {
+
+// Interpolates log(value(entry)) over the table in log2(m, n, k, batch): Gaussian weights of
+// one octave, and `prior` (a log value) with the weight of one entry two octaves away. An exact
+// entry returns its own value.
+template <class Value>
+double interpolate_log(const std::vector<GemmMeasurement>& table, double m, double n, double k,
+                       double batch, double prior, Value value) {
   const double q[4] = {std::log2(std::max(m, 1.0)), std::log2(std::max(n, 1.0)),
                        std::log2(std::max(k, 1.0)), std::log2(std::max(batch, 1.0))};
   constexpr double kPriorWeight = 0.1353352832366127;  // exp(-2^2 / 2)
-  double wsum = kPriorWeight, lsum = 0;
-  for (const GemmMeasurement& e : gemm_table) {
+  double wsum = kPriorWeight, lsum = kPriorWeight * prior;
+  for (const GemmMeasurement& e : table) {
     const double x[4] = {std::log2(static_cast<double>(e.m)), std::log2(static_cast<double>(e.n)),
                          std::log2(static_cast<double>(e.k)),
                          std::log2(static_cast<double>(e.batch))};
     double d2 = 0;
     for (int i = 0; i < 4; ++i) d2 += (q[i] - x[i]) * (q[i] - x[i]);
-    if (d2 < 1e-18) return e.efficiency;
+    const double v = value(e);
+    if (d2 < 1e-18) return v;
     const double w = std::exp(-d2 / 2);
+    if (!(v > 0) || w < 1e-12) continue;
+    wsum += w;
+    lsum += w * std::log(v);
+  }
+  return std::exp(lsum / wsum);
+}
+
+}  // namespace
+
+double HardwareProfile::gemm_efficiency(double m, double n, double k, double batch) const {
+  const double c = gemm.at(m, n, k, batch);
+  if (gemm_table.empty()) return c;
+  // The measured/curve ratio (an entry's own where the shape is in the table), tending to 1 (the
+  // curve alone) away from every entry.
+  const double ratio = interpolate_log(gemm_table, m, n, k, batch, 0.0, [&](const auto& e) {
     const double ce = gemm.at(static_cast<double>(e.m), static_cast<double>(e.n),
                               static_cast<double>(e.k), static_cast<double>(e.batch));
-    if (!(ce > 0) || w < 1e-12) continue;
-    wsum += w;
-    lsum += w * std::log(e.efficiency / ce);
+    return ce > 0 ? e.efficiency / ce : 0.0;
+  });
+  return std::clamp(c * ratio, std::numeric_limits<double>::min(), 1.0);
+}
+
+double HardwareProfile::cache_hit(double working_set_bytes) const {
+  if (!(cache.bytes_per_rank > 0) || !(working_set_bytes > cache.bytes_per_rank)) return 1.0;
+  return cache.bytes_per_rank / working_set_bytes;
+}
+
+double HardwareProfile::gemm_cold_factor(double m, double n, double k, double batch) const {
+  std::vector<GemmMeasurement> measured;  // the entries with a cold time
+  double mean = 0;
+  for (const GemmMeasurement& e : gemm_table) {
+    if (!(e.cold_factor > 0)) continue;
+    measured.push_back(e);
+    mean += std::log(e.cold_factor);
   }
-  const double v = c * std::exp(lsum / wsum);
-  return std::clamp(v, std::numeric_limits<double>::min(), 1.0);
+  if (measured.empty()) return 1.0;
+  mean /= static_cast<double>(measured.size());
+  return interpolate_log(measured, m, n, k, batch, mean,
+                         [](const GemmMeasurement& e) { return e.cold_factor; });
+}
+
+double HardwareProfile::memory_cold_factor_of(const std::string& family) const {
+  const auto& f = cache.memory_cold_factor;
+  if (f.empty()) return 1.0;
+  if (auto it = f.find(family); it != f.end()) return it->second;
+  double mean = 0;
+  for (const auto& [name, v] : f) mean += std::log(v);
+  return std::exp(mean / static_cast<double>(f.size()));
 }
 
 std::string collective_key(Collective c) {
@@ -178,6 +222,11 @@ void require_non_negative(const std::string& field, double v) {
   if (!(v >= 0)) throw InputError(field, "must not be negative, got " + str(v));
 }
 
+// Cold over warm time: positive, and an evicted cache does not cost a factor above 1000.
+void require_cold_factor(const std::string& field, double v) {
+  if (!(v > 0 && v <= 1000)) throw InputError(field, "must be in (0, 1000], got " + str(v));
+}
+
 LinkEfficiency link_from_json(const json& j, const std::string& name) {
   JsonObjectReader r(j, name, name + ".");
   LinkEfficiency l;
@@ -230,6 +279,10 @@ std::vector<GemmMeasurement> table_from_json(const json& j) {
     r.read("k", e.k);
     r.read("batch", e.batch);
     r.read("efficiency", e.efficiency);
+    if (r.member("cold_factor")) {
+      r.read("cold_factor", e.cold_factor);
+      require_cold_factor(name + ".cold_factor", e.cold_factor);
+    }
     r.reject_unknown_keys();
     for (const auto& [key, v] :
          {std::pair<const char*, int64_t>{"m", e.m}, {"n", e.n}, {"k", e.k}, {"batch", e.batch}}) {
@@ -244,10 +297,34 @@ std::vector<GemmMeasurement> table_from_json(const json& j) {
 
 json table_to_json(const std::vector<GemmMeasurement>& table) {
   json a = json::array();
-  for (const GemmMeasurement& e : table)
-    a.push_back(
-        {{"m", e.m}, {"n", e.n}, {"k", e.k}, {"batch", e.batch}, {"efficiency", e.efficiency}});
+  for (const GemmMeasurement& e : table) {
+    json j{{"m", e.m}, {"n", e.n}, {"k", e.k}, {"batch", e.batch}, {"efficiency", e.efficiency}};
+    if (e.cold_factor > 0) j["cold_factor"] = e.cold_factor;
+    a.push_back(j);
+  }
   return a;
+}
+
+CacheModel cache_from_json(const json& j) {
+  JsonObjectReader r(j, "cache", "cache.");
+  CacheModel c;
+  r.read("bytes_per_rank", c.bytes_per_rank);
+  // Up to a petabyte: a cache larger than that is a typo.
+  if (!(c.bytes_per_rank >= 0 && c.bytes_per_rank <= 1e15))
+    throw InputError("cache.bytes_per_rank", "must be in [0, 1e15], got " + str(c.bytes_per_rank));
+  if (const json* f = r.member("memory_cold_factor")) {
+    JsonObjectReader fr(*f, "cache.memory_cold_factor", "cache.memory_cold_factor.");
+    for (const std::string& family : memory_families()) {
+      if (!fr.member(family)) continue;
+      double v = 1;
+      fr.read(family, v);
+      require_cold_factor("cache.memory_cold_factor." + family, v);
+      c.memory_cold_factor[family] = v;
+    }
+    fr.reject_unknown_keys();
+  }
+  r.reject_unknown_keys();
+  return c;
 }
 
 Collective collective_from_key(const std::string& field, const std::string& key) {
@@ -357,6 +434,7 @@ HardwareProfile profile_from_json(const json& j) {
     }
     mr.reject_unknown_keys();
   }
+  if (const json* c = r.member("cache")) p.cache = cache_from_json(*c);
   r.read("arrival_skew", p.arrival_skew);
   if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))
     throw InputError("arrival_skew", "must be in [0, 10], got " + str(p.arrival_skew));
@@ -407,6 +485,11 @@ json to_json(const HardwareProfile& p) {
   if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;
   if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);
   if (p.arrival_skew > 0) j["arrival_skew"] = p.arrival_skew;
+  if (p.cache.bytes_per_rank > 0 || !p.cache.memory_cold_factor.empty()) {
+    j["cache"] = {{"bytes_per_rank", p.cache.bytes_per_rank}};
+    if (!p.cache.memory_cold_factor.empty())
+      j["cache"]["memory_cold_factor"] = p.cache.memory_cold_factor;
+  }
   return j;
 }
 

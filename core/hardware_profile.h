@@ -52,6 +52,19 @@ struct GemmEfficiency {
 struct GemmMeasurement {
   int64_t m = 1, n = 1, k = 1, batch = 1;
   double efficiency = 1;  // achieved / the cluster's peak, in (0, 1]
+  // The time with the caches evicted before each call (the GEMM's input operand excepted)
+  // over the time as measured, the caches warm from the call before: 0 where not measured.
+  double cold_factor = 0;
+};
+
+// What the last-level cache does to measured times (CPU ranks, measured by ptdp calibrate).
+// An op's time is measured warm (its operands in cache from the call before) and cold; in a
+// run, between two uses of its weights and stored activations a rank touches its whole working
+// set, of which a cache of C bytes keeps about a fraction min(1, C / working set). The cost
+// model prices each op at warm + (1 - that fraction) (cold - warm) (docs/calibration.md).
+struct CacheModel {
+  double bytes_per_rank = 0;  // last-level cache per rank; 0: no model (ops priced warm)
+  std::map<std::string, double> memory_cold_factor;  // cold / warm per memory-bound family
 };
 
 // One kind of link a collective may span.
@@ -107,6 +120,7 @@ struct HardwareProfile {
   // the compute since the group's previous collective (the ranks' compute times jitter, and
   // each collective waits for the slowest). 0 when not measured (GPUs in lockstep).
   double arrival_skew = 0;
+  CacheModel cache;  // JSON: "cache": {"bytes_per_rank", "memory_cold_factor"}
 
   // Achieved fraction of peak for a GEMM: with a measured table, a shape in the table gets its
   // measured efficiency and any other shape the curve (gemm.at) times the measured/curve ratio
@@ -118,6 +132,14 @@ struct HardwareProfile {
   const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.
   double memory_efficiency_of(const std::string& family) const;
+  // Fraction of its operands an op finds in cache when a rank touches `working_set_bytes`
+  // between two uses of them: min(1, cache.bytes_per_rank / working set); 1 without a model.
+  double cache_hit(double working_set_bytes) const;
+  // Cold over warm time for a GEMM: the table's cold factors interpolated as gemm_efficiency
+  // interpolates efficiencies, tending to their geometric mean away from every entry; for a
+  // memory-bound family, its measured factor, else the mean of the measured ones. 1 without.
+  double gemm_cold_factor(double m, double n, double k, double batch = 1) const;
+  double memory_cold_factor_of(const std::string& family) const;
 };
 
 // Reads a profile file, or a machine file's measured profile (`--profile machine.json`).

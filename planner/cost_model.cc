@@ -220,7 +220,42 @@ LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {
   return s;
 }
 
+double CostModel::cache_hit(const ParallelPlan& p) const {
+  if (!(profile_.cache.bytes_per_rank > 0)) return 1.0;
+  // The largest stage's working set, with weights and activations at the profile's element
+  // width (fp32 on CPU ranks, where cache models are measured) and the gradients as kept.
+  const double element = static_cast<double>(dtype_bytes(profile_.activation_dtype));
+  const ActivationMemory activations(model_, p, profile_.activation_dtype);
+  double working_set = 0;
+  for (int64_t r = 0; r < p.pipeline_parallel; ++r)
+    working_set = std::max(working_set,
+                           parameters_on_stage(p, r) * (element + gradient_bytes_per_parameter(p)) +
+                               activations.on_stage(r) + activations.p2p_buffers());
+  const double hit = profile_.cache_hit(working_set);
+  return std::round(hit * 4096) / 4096;  // a few values, so that memoised prices are reused
+}
+
 double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
+  return op_time(op, p, cache_hit(p));
+}
+
+namespace {
+
+// A warm-measured time's scale when a fraction `hit` of the operands is in cache and the rest
+// costs `cold` times as much.
+double cache_scale(double hit, double cold) {
+  return hit + (1.0 - hit) * cold;
+}
+
+}  // namespace
+
+double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const {
+  const double gemm_scale =
+      op.kind == OpKind::kGemm && hit < 1
+          ? cache_scale(hit, profile_.gemm_cold_factor(
+                                 static_cast<double>(op.m), static_cast<double>(op.n),
+                                 static_cast<double>(op.k), static_cast<double>(op.batch)))
+          : 1.0;
   switch (op.kind) {
     case OpKind::kGemm:
       if (p.fp8 && is_fp8_gemm(op.id)) {
@@ -233,12 +268,14 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
             profile_.gemm_efficiency(static_cast<double>(op.m), static_cast<double>(op.n),
                                      static_cast<double>(op.k), static_cast<double>(op.batch));
         const double cast = static_cast<double>(op.m * op.k * op.batch) * 3.0;
-        return op.flops() / (cluster_.gpu.peak_tflops_fp8 * kTFLOP * eff) + memory_time(cast) +
-               profile_.kernel_gap_us * kMicrosecond;
+        return gemm_scale * (op.flops() / (cluster_.gpu.peak_tflops_fp8 * kTFLOP * eff) +
+                             memory_time(cast) + profile_.kernel_gap_us * kMicrosecond);
       }
-      return gemm_time(op);
+      return gemm_scale * gemm_time(op);
     case OpKind::kMemory:
-      return memory_time(op);
+      return hit < 1 ? cache_scale(hit, profile_.memory_cold_factor_of(memory_family(op.id))) *
+                           memory_time(op)
+                     : memory_time(op);
     case OpKind::kCollective: {
       GroupSpan span;
       switch (op.group) {
@@ -270,8 +307,13 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p) const {
 
 std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
                                              const ParallelPlan& p) const {
+  return exposed_times(ops, p, cache_hit(p));
+}
+
+std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
+                                             double hit) const {
   std::vector<double> time(ops.size());
-  for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p);
+  for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p, hit);
   if (p.context_parallel > 1) hide_ring_exchanges(ops, p.context_parallel, time);
   const int64_t t = p.tensor_parallel;
   if (t == 1) return time;
@@ -324,10 +366,10 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops,
   return time;
 }
 
-PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
-                          PassTime* weight_grad, double* recompute_flops) const {
+PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double hit,
+                          double* flops, PassTime* weight_grad, double* recompute_flops) const {
   PassTime t;
-  const std::vector<double> times = exposed_times(ops, p);
+  const std::vector<double> times = exposed_times(ops, p, hit);
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
     const double time = times[i];
@@ -350,11 +392,12 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
 }
 
 const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const {
+  const double hit = cache_hit(p);
   const auto key = std::make_tuple(
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
       int64_t{p.fp8} * 8 + int64_t{p.tp_comm_overlap} * 4 +
           int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce,
-      p.context_parallel, p.expert_parallel * (int64_t{1} << 24) + p.expert_tp());
+      p.context_parallel, p.expert_parallel * (int64_t{1} << 24) + p.expert_tp(), hit);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   const LayerShape shape = priced_layer_shape(p);
@@ -363,23 +406,23 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   const PassOps embed = embedding_ops(model_, shape);
   const PassOps head = lm_head_ops(model_, shape);
   double fwd_flops = 0, bwd_flops = 0;
-  st.layer_f = price(layer.forward, p, &fwd_flops);
-  st.layer_b = price(layer.backward, p, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
-  st.layer_r = price(layer.recompute, p, &st.layer_recompute_flops);
+  st.layer_f = price(layer.forward, p, hit, &fwd_flops);
+  st.layer_b = price(layer.backward, p, hit, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
+  st.layer_r = price(layer.recompute, p, hit, &st.layer_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
   double ef = 0, hf = 0;
-  st.embed_f = price(embed.forward, p, &ef);
-  st.embed_b = price(embed.backward, p, &ef, &st.embed_w);
-  st.head_f = price(head.forward, p, &hf);
-  st.head_b = price(head.backward, p, &hf, &st.head_w);
+  st.embed_f = price(embed.forward, p, hit, &ef);
+  st.embed_b = price(embed.backward, p, hit, &ef, &st.embed_w);
+  st.head_f = price(head.forward, p, hit, &hf);
+  st.head_b = price(head.backward, p, hit, &hf, &st.head_w);
   st.embed_flops = ef;
   st.head_flops = hf;
   if (model_.is_moe()) {
     const PassOps moe = moe_layer_ops(model_, shape);
     double unused = 0;
-    st.moe_f = price(moe.forward, p, &unused);
-    st.moe_b = price(moe.backward, p, &unused, &st.moe_w);
-    st.moe_r = price(moe.recompute, p, &unused);
+    st.moe_f = price(moe.forward, p, hit, &unused);
+    st.moe_b = price(moe.backward, p, hit, &unused, &st.moe_w);
+    st.moe_r = price(moe.recompute, p, hit, &unused);
     // Model FLOPs count the experts' work at balanced routing (the load only costs time).
     LayerShape balanced = shape;
     balanced.expert_load = 1.0;

@@ -99,6 +99,11 @@ class CostModel {
   MemoryBreakdown memory(const ParallelPlan& p) const;
 
   double op_time(const Op& op, const ParallelPlan& p) const;
+  // The fraction of its operands an op finds in the last-level cache under plan p, from the
+  // profile's cache model (HardwareProfile::cache_hit) and what a rank of the largest stage
+  // touches between two uses of them: its weights, gradients, stored activations and transfer
+  // buffers (not the optimizer state, which only the step touches). 1 without a cache model.
+  double cache_hit(const ParallelPlan& p) const;
   // Each op's time on the critical path of its pass: op_time, except that with
   // --tp-comm-overlap a sequence-parallel collective shows only what its GEMM cannot hide and
   // that GEMM runs in t chunks.
@@ -153,8 +158,12 @@ class CostModel {
   // embedding and/or the LM head: a model chunk (chunk_time) or a whole stage (stage_times).
   static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
                                    bool embedding, bool head);
+  // op_time and exposed_times at a given cache_hit(p).
+  double op_time(const Op& op, const ParallelPlan& p, double hit) const;
+  std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
+                                    double hit) const;
   // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.
-  PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double* flops,
+  PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double hit, double* flops,
                  PassTime* weight_grad = nullptr, double* recompute_flops = nullptr) const;
   std::vector<StageTime> stage_times(const ParallelPlan& p, const ShapeTimes& st) const;
 
@@ -162,7 +171,8 @@ class CostModel {
   ClusterSpec cluster_;
   HardwareProfile profile_;
   CommModel comm_;
-  mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t, int64_t, int64_t>, ShapeTimes>
+  mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t, int64_t, int64_t, double>,
+                   ShapeTimes>
       cache_;
   // MoE layers per model chunk of the last (p, v, split) asked about.
   const std::vector<int64_t>& moe_chunks(const ParallelPlan& p) const;

@@ -1,5 +1,7 @@
 #include "planner/op_breakdown.h"
 
+#include <cmath>
+
 #include "core/schedule.h"
 
 namespace ptdp {
@@ -198,6 +200,8 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;
     f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, dense, experts);
     st.bubble = out.iteration - f.total();
+    // A stage with no wait (p = 1) leaves only the rounding of the sum: no bubble.
+    if (std::abs(st.bubble) <= 1e-9 * out.iteration) st.bubble = 0;
     out.stages.push_back(st);
   }
   return out;

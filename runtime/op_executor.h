@@ -30,6 +30,9 @@ class OpExecutor {
   void run(const Op& op);
   // Records what each run executes (as GptShard::trace_ops does).
   void trace_ops(std::vector<ExecutedOp>* sink);
+  // Reads the first operand of the op run last (its activation input, x or dy), as the op
+  // before it in a pass leaves it in cache (calibration's cold timings).
+  void touch_input() const;
 
   struct State;
 

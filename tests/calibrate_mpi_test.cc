@@ -74,6 +74,20 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
             (std::set<std::string>{"all_gather", "all_reduce", "reduce_scatter", "send_recv"}));
   EXPECT_TRUE(m["fits"]["gemm"].contains("residuals"));
   EXPECT_TRUE(m["fits"]["memory"]["all"].contains("rms_relative"));
+  // Where Linux reports the last-level cache, every op was also timed cold, and the profile
+  // shares the cache between the node's two ranks.
+  if (m["fits"].contains("cache")) {
+    const double llc = m["fits"]["cache"]["last_level_cache_bytes"].get<double>();
+    EXPECT_GT(llc, 0);
+    EXPECT_DOUBLE_EQ(m["profile"]["cache"]["bytes_per_rank"].get<double>(), llc / 2);
+    for (const json& op : m["measurements"]["ops"])
+      EXPECT_GT(op.value("cold_seconds", 0.0), 0) << op.dump();
+    int cold = 0;
+    for (const json& e : m["profile"]["gemm"]["table"]) cold += e.contains("cold_factor");
+    EXPECT_GT(cold, 0);
+  } else {
+    EXPECT_FALSE(m["profile"].contains("cache"));
+  }
   // Busbw of every measured collective is its algbw times the ring factor (nccl-tests).
   for (const json& s : m["measurements"]["collectives"]) {
     const double f = s["collective"] == "all_reduce"  ? 1.0

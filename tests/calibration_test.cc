@@ -150,7 +150,11 @@ json machine_file() {
   HardwareProfile p;
   p.name = "measured-cpu";
   set_curve(p.gemm, 0.9, 16, 16, 8);
-  p.gemm_table = {{128, 768, 256, 1, 0.6}, {128, 256, 256, 1, 0.5}};
+  // The first GEMM was also timed cold; the second was not.
+  p.gemm_table = {{128, 768, 256, 1, 0.6, 1.3}, {128, 256, 256, 1, 0.5}};
+  // A cache larger than any working set here: ops priced warm, as measured.
+  p.cache.bytes_per_rank = 1e12;
+  p.cache.memory_cold_factor = {{"norm", 1.2}};
   p.kernel_gap_us = 1.5;
   p.hbm_efficiency = 1;
   p.collectives = {{Collective::kAllReduce, 2, 1, 20, 2.5}, {Collective::kSendRecv, 2, 1, 8, 4}};
@@ -224,6 +228,59 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
 }
 
+// What calibrate measured cold prices an op by how much of its stage's working set the
+// last-level cache holds: warm when all of it, cold when none, linearly between.
+TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile h = *c.measured_profile;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  ParallelPlan p;
+  p.global_batch_size = 4;
+  Op g;
+  g.kind = OpKind::kGemm;
+  g.m = 128, g.n = 768, g.k = 256;
+  Op other = g;  // no cold time of its own: the measured one's, interpolated
+  other.n = 256;
+  Op n;
+  n.kind = OpKind::kMemory;
+  n.id = OpId::kInputLayernorm;
+  n.bytes = 1e6;
+  Op gelu = n;  // no factor of its own: the mean of the measured families
+  gelu.id = OpId::kBiasGelu;
+  EXPECT_NEAR(h.gemm_cold_factor(128, 256, 256), 1.3, 1e-12);
+  EXPECT_DOUBLE_EQ(h.memory_cold_factor_of("activation"), 1.2);
+
+  const CostModel warm(m, c, h);
+  EXPECT_EQ(warm.cache_hit(p), 1.0);
+  EXPECT_DOUBLE_EQ(warm.op_time(g, p), warm.gemm_time(g));
+  EXPECT_DOUBLE_EQ(warm.op_time(n, p), warm.memory_time(n));
+
+  // A 1 MB cache: a small part of the working set (fp32 weights and gradients alone are
+  // about 15 MB here).
+  h.cache.bytes_per_rank = 1e6;
+  const CostModel small(m, c, h);
+  const double hit = small.cache_hit(p);
+  EXPECT_GT(hit, 0.0);
+  EXPECT_LT(hit, 1e6 / 15e6);
+  for (const auto& [op, cold] :
+       {std::pair{g, 1.3}, std::pair{other, 1.3}, std::pair{n, 1.2}, std::pair{gelu, 1.2}}) {
+    const double w = warm.op_time(op, p);
+    EXPECT_NEAR(small.op_time(op, p), w * (hit + (1 - hit) * cold), 1e-12 * w) << op.name();
+  }
+  // More activations (a larger microbatch): less of them in cache.
+  ParallelPlan big = p;
+  big.micro_batch_size = 4;
+  EXPECT_LT(small.cache_hit(big), hit);
+  // The whole step prices above the warm one.
+  EXPECT_GT(small.predict(p).iteration_time_s, warm.predict(p).iteration_time_s);
+  // Half the working set in cache: halfway.
+  h.cache.bytes_per_rank = 1e6 / hit / 2;
+  const CostModel half(m, c, h);
+  EXPECT_NEAR(half.cache_hit(p), 0.5, 0.01);
+}
+
 using CliResult = test::CliResult;
 constexpr auto cli = &test::run_ptdp;
 
@@ -293,6 +350,15 @@ TEST(MachineFile, BadFilesGetOneLineErrorsNamingTheField) {
        "profile.memory_efficiency.norm"},
       {"dtype", [](json& j) { j["profile"]["activation_dtype"] = "fp8"; },
        "profile.activation_dtype"},
+      {"cold_factor", [](json& j) { j["profile"]["gemm"]["table"][0]["cold_factor"] = 0; },
+       "profile.gemm.table[0].cold_factor"},
+      {"cache_bytes", [](json& j) { j["profile"]["cache"]["bytes_per_rank"] = -1; },
+       "profile.cache.bytes_per_rank"},
+      {"cold_family", [](json& j) { j["profile"]["cache"]["memory_cold_factor"]["norms"] = 1.1; },
+       "profile.cache.memory_cold_factor.norms"},
+      {"cold_family_value",
+       [](json& j) { j["profile"]["cache"]["memory_cold_factor"]["norm"] = 5000; },
+       "profile.cache.memory_cold_factor.norm"},
       {"peak", [](json& j) { j["cluster"]["gpu"]["peak_tflops_16bit"] = 0; },
        "cluster.gpu.peak_tflops_16bit"},
       {"no_profile", [](json& j) { j.erase("profile"); }, "profile"},
