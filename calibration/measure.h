@@ -105,11 +105,16 @@ double time_collective_late(Collective kind, Communicator& group, double bytes, 
 
 // Arrival skew over `group`: a layer-sized GEMM (the FC1 of `m` at t = the group size, one
 // sequence) and then the all-reduce of its output, as tensor-parallel ranks alternate them.
-// skew = (pair - compute - all-reduce in lockstep) / compute: the wait for the slowest rank,
-// as a fraction of the compute before it (HardwareProfile::arrival_skew).
+// skew = (time inside each all-reduce of the pair, mean over ranks - the all-reduce in
+// lockstep) / compute: the wait for the slowest rank, as a fraction of the compute before it
+// (HardwareProfile::arrival_skew). It is what a run's trace counts as tensor-parallel
+// communication beyond the collective itself; (pair - compute - all-reduce) would also count
+// a GEMM slowed by the all-reduce before it, and varies about twice as much between
+// calibrations (docs/calibration.md).
 struct SkewSample {
   int64_t ranks = 0;
   double compute_s = 0, all_reduce_s = 0, pair_s = 0, skew = 0;
+  double in_all_reduce_s = 0;  // mean over ranks of each all-reduce of the pair
 };
 SkewSample time_arrival_skew(Backend& be, Communicator& group, const ModelSpec& m, Stopwatch& sw,
                              int warmup);

@@ -192,14 +192,12 @@ std::vector<double> calibrate_predict_run_reconcile(const fs::path& dir) {
 
 // The loop the product promises, on CPU ranks: calibrate (quick) on 2 ranks, predict a small
 // GPT at t=1,p=2 and at t=2,p=1 with the machine file, run each for a few steps with a trace,
-// and reconcile. The bar is an iteration-time error under 25% (goal 10%); on this
-// shared 2-vCPU machine loops land between -3% and +37% (docs/calibration.md), predictions
-// mostly short, so 25% would fail one CI run in several. Asserted here: under 50%, which the
-// mechanisms the cost model now prices hold (before them t=2 was off by 57-75%);
-// PTDP_ACCURACY_BOUND tightens it (e.g. 0.25) where the machine allows. Run alone
-// (RUN_SERIAL) so that the ranks have the cores they had while calibrating; a quick
-// calibration can catch a passing load, so up to three loops, calibration included, each
-// printed.
+// and reconcile. The bar: an iteration-time error under 25% (goal 10%). On this shared
+// 2-vCPU machine, with the cache model and the arrival skew clocked inside the all-reduce,
+// loops land between -14% and +29% (docs/calibration.md). PTDP_ACCURACY_BOUND sets another
+// bound (e.g. 0.10 to see three loops). Run alone (RUN_SERIAL) so that the ranks have the
+// cores they had while calibrating; a quick calibration can catch a passing load, so up to
+// three loops, calibration included, each printed.
 TEST(CalibrateMpi, CalibratePredictRunReconcile) {
   // A sanitizer build slows each kernel family by its own factor, and differently while
   // calibrating and while training: its timings are not the product's (the quick calibration
@@ -207,7 +205,7 @@ TEST(CalibrateMpi, CalibratePredictRunReconcile) {
   if (kSanitized) GTEST_SKIP() << "timings of a sanitizer build say nothing of the product's";
   const fs::path dir = test::scratch_dir("ptdp_calibration_loop_test");
   const char* bound_env = std::getenv("PTDP_ACCURACY_BOUND");
-  const double bound = bound_env ? std::atof(bound_env) : 0.5;
+  const double bound = bound_env ? std::atof(bound_env) : 0.25;
   auto within = [bound](const std::vector<double>& errors) {
     if (errors.size() != 2) return false;
     for (double e : errors)
