@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
+#include <type_traits>
 
 #include "calibration/fit.h"
 #include "calibration/machine_info.h"
@@ -81,6 +83,26 @@ std::vector<std::string> hosts_of(ControlPlane& control) {
 
 double gemm_flops(double m, double n, double k, double batch) {
   return 2.0 * m * n * k * batch;
+}
+
+// Cold over warm time per key, the geometric mean over the ops of `kind` timed both ways that
+// `key_of` gives a key (std::nullopt: left out), in [1e-3, 1000].
+template <class KeyOf>
+auto cold_factors(const std::vector<OpSample>& ops, OpKind kind, KeyOf key_of) {
+  using Key = typename std::invoke_result_t<KeyOf, const Op&>::value_type;
+  std::map<Key, std::pair<double, int>> logs;
+  for (const OpSample& s : ops) {
+    if (s.op.kind != kind || !(s.cold_seconds > 0) || !(s.seconds > 0)) continue;
+    if (const auto key = key_of(s.op)) {
+      auto& l = logs[*key];
+      l.first += std::log(s.cold_seconds / s.seconds);
+      l.second += 1;
+    }
+  }
+  std::map<Key, double> out;
+  for (const auto& [key, l] : logs)
+    out[key] = std::clamp(std::exp(l.first / l.second), 1e-3, 1000.0);
+  return out;
 }
 
 }  // namespace
@@ -312,19 +334,14 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     prof.gemm.n_half = gf.n_half;
     prof.gemm.k_half = gf.k_half;
     prof.gemm.sm_count = 0;
-    // Cold over warm per shape, where measured: the geometric mean over the op-list GEMMs.
-    std::map<std::array<int64_t, 4>, std::pair<double, int>> cold;
-    for (const OpSample& s : ops) {
-      if (s.op.kind != OpKind::kGemm || !(s.cold_seconds > 0) || !(s.seconds > 0)) continue;
-      auto& c = cold[{s.op.m, s.op.n, s.op.k, s.op.batch}];
-      c.first += std::log(s.cold_seconds / s.seconds);
-      c.second += 1;
-    }
+    // Cold over warm per shape, where measured (the op-list GEMMs; the grid is timed warm).
+    const auto cold = cold_factors(ops, OpKind::kGemm, [](const Op& op) {
+      return std::optional<std::array<int64_t, 4>>({op.m, op.n, op.k, op.batch});
+    });
     for (const auto& [key, e] : table) {
       GemmMeasurement g{key[0], key[1], key[2], key[3],
                         std::clamp(std::exp(e.first / e.second), 1e-9, 1.0)};
-      if (auto c = cold.find(key); c != cold.end())
-        g.cold_factor = std::clamp(std::exp(c->second.first / c->second.second), 1e-3, 1000.0);
+      if (auto c = cold.find(key); c != cold.end()) g.cold_factor = c->second;
       prof.gemm_table.push_back(g);
     }
     fits["gemm"] = {{"peak_flops_per_s", peak},
@@ -339,16 +356,10 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // memory-bound family (GEMMs: per table entry, above).
   if (evict) {
     prof.cache.bytes_per_rank = llc_bytes / ranks_per_node;
-    std::map<std::string, std::pair<double, int>> cold;
-    for (const OpSample& s : ops) {
-      if (s.op.kind != OpKind::kMemory || !(s.cold_seconds > 0) || !(s.seconds > 0)) continue;
-      const std::string f = memory_family(s.op.id);
-      if (f.empty()) continue;
-      cold[f].first += std::log(s.cold_seconds / s.seconds);
-      cold[f].second += 1;
-    }
-    for (const auto& [f, c] : cold)
-      prof.cache.memory_cold_factor[f] = std::clamp(std::exp(c.first / c.second), 1e-3, 1000.0);
+    prof.cache.memory_cold_factor = cold_factors(ops, OpKind::kMemory, [](const Op& op) {
+      std::string f = memory_family(op.id);
+      return f.empty() ? std::nullopt : std::optional<std::string>(std::move(f));
+    });
     double gemm_log = 0;
     int gemm_measured = 0;
     for (const GemmMeasurement& g : prof.gemm_table)

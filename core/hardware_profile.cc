@@ -39,7 +39,7 @@ namespace {
 
 // Interpolates log(value(entry)) over the table in log2(m, n, k, batch): Gaussian weights of
 // one octave, and `prior` (a log value) with the weight of one entry two octaves away. An exact
-// entry returns its own value.
+// entry returns its own value; entries whose value is not positive (not measured) are skipped.
 template <class Value>
 double interpolate_log(const std::vector<GemmMeasurement>& table, double m, double n, double k,
                        double batch, double prior, Value value) {
@@ -51,12 +51,13 @@ double interpolate_log(const std::vector<GemmMeasurement>& table, double m, doub
     const double x[4] = {std::log2(static_cast<double>(e.m)), std::log2(static_cast<double>(e.n)),
                          std::log2(static_cast<double>(e.k)),
                          std::log2(static_cast<double>(e.batch))};
+    const double v = value(e);
+    if (!(v > 0)) continue;
     double d2 = 0;
     for (int i = 0; i < 4; ++i) d2 += (q[i] - x[i]) * (q[i] - x[i]);
-    const double v = value(e);
     if (d2 < 1e-18) return v;
     const double w = std::exp(-d2 / 2);
-    if (!(v > 0) || w < 1e-12) continue;
+    if (w < 1e-12) continue;
     wsum += w;
     lsum += w * std::log(v);
   }
@@ -84,16 +85,12 @@ double HardwareProfile::cache_hit(double working_set_bytes) const {
 }
 
 double HardwareProfile::gemm_cold_factor(double m, double n, double k, double batch) const {
-  std::vector<GemmMeasurement> measured;  // the entries with a cold time
-  double mean = 0;
-  for (const GemmMeasurement& e : gemm_table) {
-    if (!(e.cold_factor > 0)) continue;
-    measured.push_back(e);
-    mean += std::log(e.cold_factor);
-  }
-  if (measured.empty()) return 1.0;
-  mean /= static_cast<double>(measured.size());
-  return interpolate_log(measured, m, n, k, batch, mean,
+  double mean = 0;  // of log cold_factor over the entries with a cold time
+  int measured = 0;
+  for (const GemmMeasurement& e : gemm_table)
+    if (e.cold_factor > 0) mean += std::log(e.cold_factor), ++measured;
+  if (measured == 0) return 1.0;
+  return interpolate_log(gemm_table, m, n, k, batch, mean / measured,
                          [](const GemmMeasurement& e) { return e.cold_factor; });
 }
 
@@ -222,9 +219,25 @@ void require_non_negative(const std::string& field, double v) {
   if (!(v >= 0)) throw InputError(field, "must not be negative, got " + str(v));
 }
 
-// Cold over warm time: positive, and an evicted cache does not cost a factor above 1000.
-void require_cold_factor(const std::string& field, double v) {
+// A per-family efficiency (above 1 where a kernel's working set stays in cache, on CPU ranks)
+// or cold over warm time (an evicted cache does not cost a factor above 1000): in (0, 1000].
+void require_per_family_value(const std::string& field, double v) {
   if (!(v > 0 && v <= 1000)) throw InputError(field, "must be in (0, 1000], got " + str(v));
+}
+
+// {family: value} over memory_families(), each value in (0, 1000]; `field` names the object.
+std::map<std::string, double> family_values_from_json(const json& j, const std::string& field) {
+  JsonObjectReader r(j, field, field + ".");
+  std::map<std::string, double> out;
+  for (const std::string& family : memory_families()) {
+    if (!r.member(family)) continue;
+    double v = 0;
+    r.read(family, v);
+    require_per_family_value(field + "." + family, v);
+    out[family] = v;
+  }
+  r.reject_unknown_keys();
+  return out;
 }
 
 LinkEfficiency link_from_json(const json& j, const std::string& name) {
@@ -281,7 +294,7 @@ std::vector<GemmMeasurement> table_from_json(const json& j) {
     r.read("efficiency", e.efficiency);
     if (r.member("cold_factor")) {
       r.read("cold_factor", e.cold_factor);
-      require_cold_factor(name + ".cold_factor", e.cold_factor);
+      require_per_family_value(name + ".cold_factor", e.cold_factor);
     }
     r.reject_unknown_keys();
     for (const auto& [key, v] :
@@ -312,17 +325,8 @@ CacheModel cache_from_json(const json& j) {
   // Up to a petabyte: a cache larger than that is a typo.
   if (!(c.bytes_per_rank >= 0 && c.bytes_per_rank <= 1e15))
     throw InputError("cache.bytes_per_rank", "must be in [0, 1e15], got " + str(c.bytes_per_rank));
-  if (const json* f = r.member("memory_cold_factor")) {
-    JsonObjectReader fr(*f, "cache.memory_cold_factor", "cache.memory_cold_factor.");
-    for (const std::string& family : memory_families()) {
-      if (!fr.member(family)) continue;
-      double v = 1;
-      fr.read(family, v);
-      require_cold_factor("cache.memory_cold_factor." + family, v);
-      c.memory_cold_factor[family] = v;
-    }
-    fr.reject_unknown_keys();
-  }
+  if (const json* f = r.member("memory_cold_factor"))
+    c.memory_cold_factor = family_values_from_json(*f, "cache.memory_cold_factor");
   r.reject_unknown_keys();
   return c;
 }
@@ -421,19 +425,8 @@ HardwareProfile profile_from_json(const json& j) {
   r.read("optimizer_bytes_per_param", p.optimizer_bytes_per_param);
   r.read("sources", p.sources);
   if (const json* c = r.member("collectives")) p.collectives = collectives_from_json(*c);
-  if (const json* me = r.member("memory_efficiency")) {
-    JsonObjectReader mr(*me, "memory_efficiency", "memory_efficiency.");
-    for (const std::string& f : memory_families()) {
-      if (!mr.member(f)) continue;
-      double v = 0;
-      mr.read(f, v);
-      // Above 1 where a kernel's working set stays in cache (CPU ranks).
-      if (!(v > 0 && v <= 1000))
-        throw InputError("memory_efficiency." + f, "must be in (0, 1000], got " + str(v));
-      p.memory_efficiency[f] = v;
-    }
-    mr.reject_unknown_keys();
-  }
+  if (const json* me = r.member("memory_efficiency"))
+    p.memory_efficiency = family_values_from_json(*me, "memory_efficiency");
   if (const json* c = r.member("cache")) p.cache = cache_from_json(*c);
   r.read("arrival_skew", p.arrival_skew);
   if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))

@@ -250,12 +250,23 @@ double cache_scale(double hit, double cold) {
 }  // namespace
 
 double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const {
-  const double gemm_scale =
-      op.kind == OpKind::kGemm && hit < 1
-          ? cache_scale(hit, profile_.gemm_cold_factor(
-                                 static_cast<double>(op.m), static_cast<double>(op.n),
-                                 static_cast<double>(op.k), static_cast<double>(op.batch)))
-          : 1.0;
+  const double warm = warm_op_time(op, p);
+  if (!(hit < 1)) return warm;
+  switch (op.kind) {
+    case OpKind::kGemm:
+      return cache_scale(hit, profile_.gemm_cold_factor(
+                                  static_cast<double>(op.m), static_cast<double>(op.n),
+                                  static_cast<double>(op.k), static_cast<double>(op.batch))) *
+             warm;
+    case OpKind::kMemory:
+      return cache_scale(hit, profile_.memory_cold_factor_of(memory_family(op.id))) * warm;
+    case OpKind::kCollective:
+      break;
+  }
+  return warm;
+}
+
+double CostModel::warm_op_time(const Op& op, const ParallelPlan& p) const {
   switch (op.kind) {
     case OpKind::kGemm:
       if (p.fp8 && is_fp8_gemm(op.id)) {
@@ -268,14 +279,12 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const
             profile_.gemm_efficiency(static_cast<double>(op.m), static_cast<double>(op.n),
                                      static_cast<double>(op.k), static_cast<double>(op.batch));
         const double cast = static_cast<double>(op.m * op.k * op.batch) * 3.0;
-        return gemm_scale * (op.flops() / (cluster_.gpu.peak_tflops_fp8 * kTFLOP * eff) +
-                             memory_time(cast) + profile_.kernel_gap_us * kMicrosecond);
+        return op.flops() / (cluster_.gpu.peak_tflops_fp8 * kTFLOP * eff) + memory_time(cast) +
+               profile_.kernel_gap_us * kMicrosecond;
       }
-      return gemm_scale * gemm_time(op);
+      return gemm_time(op);
     case OpKind::kMemory:
-      return hit < 1 ? cache_scale(hit, profile_.memory_cold_factor_of(memory_family(op.id))) *
-                           memory_time(op)
-                     : memory_time(op);
+      return memory_time(op);
     case OpKind::kCollective: {
       GroupSpan span;
       switch (op.group) {

@@ -158,8 +158,10 @@ class CostModel {
   // embedding and/or the LM head: a model chunk (chunk_time) or a whole stage (stage_times).
   static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
                                    bool embedding, bool head);
-  // op_time and exposed_times at a given cache_hit(p).
+  // op_time and exposed_times at a given cache_hit(p); warm_op_time: as the profile measured
+  // (or estimated) the op, its operands in cache.
   double op_time(const Op& op, const ParallelPlan& p, double hit) const;
+  double warm_op_time(const Op& op, const ParallelPlan& p) const;
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;
   // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.
