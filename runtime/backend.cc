@@ -3,19 +3,24 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <new>
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/kernels.h"
 #include "runtime/tensor.h"
+#ifdef PTDP_HAVE_CUDA_BACKEND
+#include "runtime/cuda/cuda_backend.h"
+#endif
 
 namespace ptdp {
 namespace {
 
 namespace k = kernels;
 
-class CpuBackend final : public Backend {
+class CpuBackend : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
 
@@ -180,13 +185,60 @@ class CpuBackend final : public Backend {
   void synchronize() override {}
 };
 
+// "cpu-staged": the CPU backend with its memory treated as a device's. host_accessible() is
+// false and it registers itself as the space of new Buffers, so everything the CUDA backend
+// does differently on the host side (communicators staging through host copies, the runtime
+// refusing host-side token routing) runs on machines without a GPU, where tests can compare it
+// with the plain CPU backend bit for bit.
+class StagedCpuBackend final : public CpuBackend {
+ public:
+  StagedCpuBackend() { set_buffer_space(this); }
+  ~StagedCpuBackend() override {
+    if (buffer_space() == this) set_buffer_space(nullptr);
+  }
+  std::string_view name() const override { return "cpu-staged"; }
+  void* allocate(size_t bytes) override {
+    void* p = CpuBackend::allocate(bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    ranges_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    return p;
+  }
+  void deallocate(void* p, size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ranges_.erase(reinterpret_cast<uintptr_t>(p));
+    }
+    CpuBackend::deallocate(p, bytes);
+  }
+  bool host_accessible() const override { return false; }
+  bool device_pointer(const void* p) const override {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ranges_.upper_bound(a);
+    if (it == ranges_.begin()) return false;
+    --it;
+    return a < it->first + std::max<size_t>(it->second, 1);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<uintptr_t, size_t> ranges_;  // start -> bytes
+};
+
 }  // namespace
 
 std::unique_ptr<Backend> make_backend(std::string_view name) {
   if (name == "cpu") return std::make_unique<CpuBackend>();
+  if (name == "cpu-staged") return std::make_unique<StagedCpuBackend>();
+#ifdef PTDP_HAVE_CUDA_BACKEND
+  if (name == "cuda") return make_cuda_backend();
+  throw InputError("--backend",
+                   "unknown backend '" + std::string(name) + "' (expected cpu or cuda)");
+#else
   if (name == "cuda")
-    throw InputError("--backend", "cuda is not available in this build (CPU backend only)");
+    throw InputError("--backend", "cuda is not available in this build (built without nvcc)");
   throw InputError("--backend", "unknown backend '" + std::string(name) + "' (expected cpu)");
+#endif
 }
 
 }  // namespace ptdp

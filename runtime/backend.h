@@ -3,7 +3,8 @@
 // activations, the element-wise glue, the optimizer and the gradient norm), so a device backend
 // (the CUDA issue) implements exactly this list and nothing else of the model changes.
 //
-// Pointers are in the backend's memory space (host memory for the CPU backend). Shapes follow
+// Pointers are in the backend's memory space (host memory for the CPU backend), except token
+// ids (`tokens`, `targets`), which are always host memory: the data loader's. Shapes follow
 // kernels/cpu/kernels.h and kernels/cpu/elementwise.h, whose functions are the CPU backend.
 // Element type: fp32 throughout for now (the CPU backend's activations, weights and gradients);
 // the op list states the type each op runs in (core/layer_ops.h).
@@ -112,13 +113,21 @@ class Backend {
   virtual void download(const void* device, void* host, size_t bytes) = 0;
   // Whether host code may read and write the backend's memory directly (the CPU backend).
   virtual bool host_accessible() const = 0;
+  // Whether p points into the backend's own (not host-accessible) memory. Host pointers handed
+  // to a communicator beside device ones (a norm's partial sum) answer false.
+  virtual bool device_pointer(const void* p) const {
+    (void)p;
+    return false;
+  }
 
   // Waits for all work queued on this backend (a no-op where kernels run synchronously).
   virtual void synchronize() = 0;
 };
 
-// "cpu" (Eigen and the reference kernels). "cuda" comes with the CUDA backend; until then, and
-// for any other name, an InputError naming --backend.
+// "cpu" (Eigen and the reference kernels), or "cuda" (runtime/cuda/cuda_backend.h) in a build
+// with CUDA. "cpu-staged" is the CPU backend acting as a device whose memory host code may not
+// touch (for testing the CUDA backend's host-side paths without a GPU). Any other name, "cuda" in a
+// build without it, or "cuda" with no GPU visible: an InputError naming --backend.
 std::unique_ptr<Backend> make_backend(std::string_view name);
 
 }  // namespace ptdp

@@ -360,7 +360,8 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
   switch (op) {
     case OpId::kMoeUnpermuteBackward:
       resize(A.d_y, A.rows * h);
-      A.dprob.assign(static_cast<size_t>(n * k), 0.0f);
+      A.dprob.clear();
+      resize(A.dprob, n * k);
       kernels::unpermute_backward(d_out.data(), A.combined.data(), A.prob.data(),
                                   A.slot_of_row.data(), A.rows, k, h, A.d_y.data(), A.dprob.data());
       release(A.combined);

@@ -25,6 +25,7 @@
 #include "runtime/lr_schedule.h"
 #include "runtime/process_groups.h"
 #include "runtime/shard_footprint.h"
+#include "runtime/staged_communicator.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -183,6 +184,10 @@ class Executor {
   ShardLayout layout_;
   std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
+  // With a device backend (memory the host may not touch), the data plane stages its buffers
+  // through host memory: world_ wrapped, and every group split from it.
+  std::unique_ptr<Communicator> staged_world_;
+  Communicator* data_world_ = nullptr;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
   std::unique_ptr<Communicator> ep_, etp_, edp_;  // MoE models (runtime/expert_groups.h)
   ExpertPosition expert_;
@@ -260,11 +265,16 @@ void Executor::setup() {
       throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
   });
   if (dry_) return;
+  data_world_ = &world_;
+  if (!backend_->host_accessible()) {
+    staged_world_ = make_host_staged_communicator(world_, *backend_);
+    data_world_ = staged_world_.get();
+  }
   const int key = static_cast<int>(world_.rank());
   // Named for messages (a timeout, the watchdog): "tensor-parallel 3" is tensor group 3.
   auto split = [&](int64_t color, const char* kind) {
-    return world_.split(static_cast<int>(color), key,
-                        kind + std::string(" ") + std::to_string(color));
+    return data_world_->split(static_cast<int>(color), key,
+                              kind + std::string(" ") + std::to_string(color));
   };
   tp_ = split(pg_->tensor_color(), "tensor-parallel");
   dp_ = split(pg_->data_color(), "data-parallel");
@@ -292,7 +302,7 @@ void Executor::setup() {
   groups.tensor = tp_.get();
   groups.data = dp_.get();
   groups.embedding = embedding_.get();
-  groups.norm = dist_ || m.is_moe() ? &world_ : model_.get();
+  groups.norm = dist_ || m.is_moe() ? data_world_ : model_.get();
   groups.norm_spans_replicas = m.is_moe();
   groups.expert_data = edp_.get();
   groups.expert_data_parallel = expert_.edp;

@@ -98,6 +98,24 @@ TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// The CUDA backend's host side without a GPU: cpu-staged keeps every activation, parameter and
+// gradient in memory the runtime treats as a device's, so each collective and point-to-point
+// transfer goes through host copies (runtime/staged_communicator.h). Same kernels, so the same
+// losses and memory to the bit, in layouts that use every group.
+TEST(RunMpi, StagedDeviceMemoryTrainsToTheCpuBackendsLosses) {
+  for (const Layout& l : std::vector<Layout>{
+           {2, 2, 1, "--sequence-parallel"},
+           {1, 2, 2, "--use-distributed-optimizer"},
+           {2, 1, 1, "", kTiny + " --untie-embeddings-and-output-weights"},
+       }) {
+    const nlohmann::json cpu = run_json(l.ranks(), flags(l));
+    const nlohmann::json staged = run_json(l.ranks(), flags(l) + " --backend cpu-staged");
+    ASSERT_EQ(losses(cpu).size(), 6u) << flags(l);
+    EXPECT_EQ(losses(staged), losses(cpu)) << flags(l);
+    EXPECT_EQ(staged["peak_memory_gib"], cpu["peak_memory_gib"]) << flags(l);
+  }
+}
+
 TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
   std::string eight = kTiny;
   eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");

@@ -1,0 +1,530 @@
+// Device twins of the CPU backend's fp32 kernels (runtime/cuda/fp32_kernels.h). Plain
+// grid-stride loops for element-wise work, one block per row for row reductions, one thread per
+// column (rows added in order) for column sums, so results are deterministic.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "runtime/cuda/fp32_kernels.h"
+
+namespace ptdp::cuda_fp32 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
+
+void check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+unsigned grid_for(int64_t n) {
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 65535 * 16 ? (blocks > 0 ? blocks : 1) : 65535 * 16);
+}
+
+__device__ __forceinline__ int64_t first_index() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+__device__ __forceinline__ int64_t grid_stride() {
+  return static_cast<int64_t>(gridDim.x) * blockDim.x;
+}
+
+// Block-wide sum and max (blockDim.x == kThreads), returned to every thread.
+__device__ float block_sum(float v) {
+  __shared__ float sh[kThreads];
+  __syncthreads();
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = kThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  return sh[0];
+}
+__device__ float block_max(float v) {
+  __shared__ float sh[kThreads];
+  __syncthreads();
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = kThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + o]);
+    __syncthreads();
+  }
+  return sh[0];
+}
+__device__ double block_sum_double(double v) {
+  __shared__ double sh[kThreads];
+  __syncthreads();
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = kThreads / 2; o > 0; o >>= 1) {
+    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    __syncthreads();
+  }
+  return sh[0];
+}
+
+// ---- element-wise ----
+__global__ void add_k(float* y, const float* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] += x[i];
+}
+__global__ void add_bias_k(float* y, const float* bias, int64_t n, int64_t width) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] += bias[i % width];
+}
+// db[c] += sum over rows of dy[r, c], rows in order.
+__global__ void bias_grad_k(const float* dy, float* db, int64_t rows, int64_t width) {
+  const int64_t c = first_index();
+  if (c >= width) return;
+  float acc = 0;
+  for (int64_t r = 0; r < rows; ++r) acc += dy[r * width + c];
+  db[c] += acc;
+}
+__global__ void scale_k(float* x, int64_t n, double f) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    x[i] = static_cast<float>(static_cast<double>(x[i]) * f);
+}
+__global__ void sum_squares_partial_k(const float* x, int64_t n, double* partials) {
+  double acc = 0;
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const double v = x[i];
+    acc += v * v;
+  }
+  const double s = block_sum_double(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+__global__ void sum_partials_k(const double* partials, int count, double* out) {
+  double acc = 0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+  const double s = block_sum_double(acc);
+  if (threadIdx.x == 0) *out = s;
+}
+
+__global__ void split3_k(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
+                         int64_t b, int64_t c) {
+  const int64_t w = a + b + c, total = n * w;
+  for (int64_t i = first_index(); i < total; i += grid_stride()) {
+    const int64_t r = i / w, col = i % w;
+    if (col < a)
+      y0[r * a + col] = x[i];
+    else if (col < a + b)
+      y1[r * b + col - a] = x[i];
+    else
+      y2[r * c + col - a - b] = x[i];
+  }
+}
+__global__ void concat3_k(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
+                          int64_t a, int64_t b, int64_t c) {
+  const int64_t w = a + b + c, total = n * w;
+  for (int64_t i = first_index(); i < total; i += grid_stride()) {
+    const int64_t r = i / w, col = i % w;
+    y[i] = col < a ? x0[r * a + col] : col < a + b ? x1[r * b + col - a] : x2[r * c + col - a - b];
+  }
+}
+// full [b, s, width] <-> shards [t][b, s/t, width]; `to_full` picks the direction.
+__global__ void sequence_k(const float* src, float* dst, int64_t t, int64_t b, int64_t s,
+                           int64_t width, bool to_full) {
+  const int64_t sl = s / t, total = b * s * width;
+  for (int64_t i = first_index(); i < total; i += grid_stride()) {
+    const int64_t bi = i / (s * width), pos = (i / width) % s, e = i % width;
+    const int64_t shard = ((pos / sl * b + bi) * sl + pos % sl) * width + e;
+    if (to_full)
+      dst[i] = src[shard];
+    else
+      dst[shard] = src[i];
+  }
+}
+
+__global__ void embedding_lookup_k(const int32_t* tokens, const float* table, float* y, int64_t n,
+                                   int64_t h, int64_t v0, int64_t vl) {
+  for (int64_t i = first_index(); i < n * h; i += grid_stride()) {
+    const int64_t row = i / h, tok = tokens[row] - v0;
+    y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : 0.0f;
+  }
+}
+// One thread per column, tokens in order: deterministic, no atomics.
+__global__ void embedding_grad_k(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
+                                 int64_t h, int64_t v0, int64_t vl) {
+  const int64_t e = first_index();
+  if (e >= h) return;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tok = tokens[i] - v0;
+    if (tok >= 0 && tok < vl) dtable[tok * h + e] += dy[i * h + e];
+  }
+}
+__global__ void add_positions_k(float* x, const float* pos, int64_t b, int64_t sl, int64_t h,
+                                int64_t first) {
+  const int64_t total = b * sl * h;
+  for (int64_t i = first_index(); i < total; i += grid_stride()) {
+    const int64_t j = (i / h) % sl, e = i % h;
+    x[i] += pos[(first + j) * h + e];
+  }
+}
+__global__ void position_grad_k(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h,
+                                int64_t first) {
+  for (int64_t i = first_index(); i < sl * h; i += grid_stride()) {
+    const int64_t j = i / h, e = i % h;
+    float acc = dpos[(first + j) * h + e];
+    for (int64_t bi = 0; bi < b; ++bi) acc += dx[(bi * sl + j) * h + e];
+    dpos[(first + j) * h + e] = acc;
+  }
+}
+
+// ---- cross-entropy ----
+__global__ void ce_stats_k(const float* logits, const int32_t* targets, float* stats, int64_t vl,
+                           int64_t valid, int64_t v0) {
+  const int64_t i = blockIdx.x;
+  const float* row = logits + i * vl;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  mx = block_max(mx);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(row[j] - mx);
+  sum = block_sum(sum);
+  if (threadIdx.x == 0) {
+    const int64_t tgt = targets[i] - v0;
+    stats[i * 3] = valid > 0 ? mx : -INFINITY;
+    stats[i * 3 + 1] = sum;
+    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? row[tgt] : 0.0f;
+  }
+}
+__global__ void ce_lse_k(const float* stats, int64_t ranks, float* lse, float* row_loss,
+                         int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    float mx = -INFINITY;
+    for (int64_t r = 0; r < ranks; ++r) mx = fmaxf(mx, stats[(r * n + i) * 3]);
+    float sum = 0, target = 0;
+    for (int64_t r = 0; r < ranks; ++r) {
+      const float* st = stats + (r * n + i) * 3;
+      sum += st[1] * expf(st[0] - mx);
+      target += st[2];
+    }
+    lse[i] = mx + logf(sum);
+    row_loss[i] = lse[i] - target;
+  }
+}
+__global__ void ce_probs_k(float* logits, const float* lse, int64_t n, int64_t vl, int64_t valid) {
+  for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
+    const int64_t j = i % vl;
+    logits[i] = j < valid ? expf(logits[i] - lse[i / vl]) : 0.0f;
+  }
+}
+__global__ void ce_backward_k(float* probs, const int32_t* targets, int64_t n, int64_t vl,
+                              int64_t v0, float f) {
+  for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
+    const int64_t row = i / vl, j = i % vl;
+    float v = probs[i] * f;
+    if (targets[row] - v0 == j) v -= f;
+    probs[i] = v;
+  }
+}
+
+// ---- norms ----
+__global__ void layernorm_forward_k(const float* x, const float* g, const float* b, float* y,
+                                    float* mean, float* rstd, int64_t h) {
+  const int64_t i = blockIdx.x;
+  const float* xi = x + i * h;
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += xi[j];
+  const float mu = block_sum(s) / static_cast<float>(h);
+  float v = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) v += (xi[j] - mu) * (xi[j] - mu);
+  const float var = block_sum(v) / static_cast<float>(h);
+  const float r = 1.0f / sqrtf(var + 1e-5f);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    y[i * h + j] = (xi[j] - mu) * r * g[j] + b[j];
+  if (threadIdx.x == 0) {
+    mean[i] = mu;
+    rstd[i] = r;
+  }
+}
+__global__ void layernorm_dx_k(const float* x, const float* g, const float* mean, const float* rstd,
+                               const float* dy, float* dx, int64_t h) {
+  const int64_t i = blockIdx.x;
+  const float* xi = x + i * h;
+  const float* dyi = dy + i * h;
+  const float mu = mean[i], r = rstd[i];
+  float s1 = 0, s2 = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    const float xhat = (xi[j] - mu) * r, dxhat = dyi[j] * g[j];
+    s1 += dxhat;
+    s2 += dxhat * xhat;
+  }
+  s1 = block_sum(s1);
+  s2 = block_sum(s2);
+  const float inv_h = 1.0f / static_cast<float>(h);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) {
+    const float xhat = (xi[j] - mu) * r, dxhat = dyi[j] * g[j];
+    dx[i * h + j] = r * (dxhat - inv_h * s1 - xhat * inv_h * s2);
+  }
+}
+// dg[j] += sum_i dy * xhat, db[j] += sum_i dy (db may be null); xhat from mean (may be null:
+// RMSNorm, xhat = x * rstd).
+__global__ void norm_params_k(const float* x, const float* mean, const float* rstd, const float* dy,
+                              float* dg, float* db, int64_t n, int64_t h) {
+  const int64_t j = first_index();
+  if (j >= h) return;
+  float ag = 0, ab = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float xv = x[i * h + j], d = dy[i * h + j];
+    const float xhat = mean ? (xv - mean[i]) * rstd[i] : xv * rstd[i];
+    ag += d * xhat;
+    ab += d;
+  }
+  dg[j] += ag;
+  if (db) db[j] += ab;
+}
+__global__ void rmsnorm_forward_k(const float* x, const float* g, float* y, float* rstd,
+                                  int64_t h) {
+  const int64_t i = blockIdx.x;
+  const float* xi = x + i * h;
+  float s = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) s += xi[j] * xi[j];
+  const float r = 1.0f / sqrtf(block_sum(s) / static_cast<float>(h) + 1e-5f);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) y[i * h + j] = xi[j] * r * g[j];
+  if (threadIdx.x == 0) rstd[i] = r;
+}
+__global__ void rmsnorm_dx_k(const float* x, const float* g, const float* rstd, const float* dy,
+                             float* dx, int64_t h) {
+  const int64_t i = blockIdx.x;
+  const float* xi = x + i * h;
+  const float* dyi = dy + i * h;
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x) dot += dyi[j] * g[j] * xi[j];
+  dot = block_sum(dot);
+  const float r = rstd[i];
+  const float c = r * r * r * dot / static_cast<float>(h);
+  for (int64_t j = threadIdx.x; j < h; j += blockDim.x)
+    dx[i * h + j] = dyi[j] * g[j] * r - xi[j] * c;
+}
+
+// ---- activations ----
+__global__ void gelu_k(const float* x, float* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    const float u = static_cast<float>(kGeluC) * (v + 0.044715f * v * v * v);
+    y[i] = 0.5f * v * (1.0f + tanhf(u));
+  }
+}
+__global__ void gelu_backward_k(const float* x, const float* dy, float* dx, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const float v = x[i];
+    const float u = static_cast<float>(kGeluC) * (v + 0.044715f * v * v * v);
+    const float th = tanhf(u);
+    const float du = static_cast<float>(kGeluC) * (1.0f + static_cast<float>(3 * 0.044715) * v * v);
+    dx[i] = dy[i] * (0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du);
+  }
+}
+__global__ void swiglu_k(const float* x, float* y, int64_t n, int64_t f) {
+  for (int64_t i = first_index(); i < n * f; i += grid_stride()) {
+    const int64_t r = i / f, j = i % f;
+    const float g = x[r * 2 * f + j], u = x[r * 2 * f + f + j];
+    y[i] = g / (1.0f + expf(-g)) * u;
+  }
+}
+__global__ void swiglu_backward_k(const float* x, const float* dy, float* dx, int64_t n,
+                                  int64_t f) {
+  for (int64_t i = first_index(); i < n * f; i += grid_stride()) {
+    const int64_t r = i / f, j = i % f;
+    const float g = x[r * 2 * f + j], u = x[r * 2 * f + f + j];
+    const float sig = 1.0f / (1.0f + expf(-g));
+    dx[r * 2 * f + j] = dy[i] * u * sig * (1.0f + g * (1.0f - sig));
+    dx[r * 2 * f + f + j] = dy[i] * g * sig;
+  }
+}
+__global__ void rope_k(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+                       bool inverse) {
+  const int64_t half = d / 2, total = b * s * heads * half;
+  for (int64_t idx = first_index(); idx < total; idx += grid_stride()) {
+    const int64_t i = idx % half, vec = idx / half;  // vec: (bi * s + j) * heads + hd
+    const int64_t j = (vec / heads) % s;
+    const double angle =
+        static_cast<double>(j) * pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
+    const float c = static_cast<float>(cos(angle));
+    const float sn = static_cast<float>(inverse ? -sin(angle) : sin(angle));
+    float* v = x + vec * d;
+    const float x1 = v[i], x2 = v[i + half];
+    v[i] = x1 * c - x2 * sn;
+    v[i + half] = x2 * c + x1 * sn;
+  }
+}
+
+// ---- attention pieces ----
+__global__ void causal_softmax_k(float* scores, int64_t s) {
+  const int64_t row = blockIdx.x, i = row % s;
+  float* p = scores + row * s;
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, p[j]);
+  mx = block_max(mx);
+  float sum = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(p[j] - mx);
+  sum = block_sum(sum);
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) p[j] = expf(p[j] - mx) / sum;
+}
+__global__ void causal_softmax_backward_k(const float* probs, const float* dprobs, float* dscores,
+                                          int64_t s) {
+  const int64_t row = blockIdx.x, i = row % s;
+  const float* p = probs + row * s;
+  const float* dp = dprobs + row * s;
+  float dot = 0;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += p[j] * dp[j];
+  dot = block_sum(dot);
+  for (int64_t j = threadIdx.x; j < s; j += blockDim.x)
+    dscores[row * s + j] = j <= i ? p[j] * (dp[j] - dot) : 0.0f;
+}
+__global__ void zero_upper_k(float* m, int64_t total, int64_t s) {
+  for (int64_t idx = first_index(); idx < total; idx += grid_stride())
+    if (idx % s > (idx / s) % s) m[idx] = 0.0f;
+}
+
+__global__ void adamw_k(float* param, const float* grad, float* m, float* v, int64_t n,
+                        AdamWArgs a) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const double g = grad[i];
+    m[i] = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
+    v[i] = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
+    const double mhat = m[i] / a.c1, vhat = v[i] / a.c2;
+    const double p = param[i];
+    param[i] = static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + a.weight_decay * p));
+  }
+}
+
+unsigned rows_grid(int64_t rows) {
+  if (rows > 2147483647) throw std::invalid_argument("too many rows for one launch");
+  return static_cast<unsigned>(rows);
+}
+
+}  // namespace
+
+#define PTDP_LAUNCH(kernel, grid, ...)                                \
+  do {                                                                \
+    if ((grid) > 0) kernel<<<(grid), kThreads, 0, st>>>(__VA_ARGS__); \
+    check_launch(#kernel);                                            \
+  } while (0)
+
+void add(float* y, const float* x, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(add_k, grid_for(n), y, x, n);
+}
+void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st) {
+  if (rows * width > 0)
+    PTDP_LAUNCH(add_bias_k, grid_for(rows * width), y, bias, rows * width, width);
+}
+void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
+  if (width > 0) PTDP_LAUNCH(bias_grad_k, grid_for(width), dy, db, rows, width);
+}
+void scale(float* x, int64_t n, double f, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(scale_k, grid_for(n), x, n, f);
+}
+void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st) {
+  PTDP_LAUNCH(sum_squares_partial_k, kSumSquaresBlocks, x, n, partials);
+  PTDP_LAUNCH(sum_partials_k, 1, partials, kSumSquaresBlocks, out);
+}
+void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
+                    int64_t b, int64_t c, cudaStream_t st) {
+  if (n * (a + b + c) > 0)
+    PTDP_LAUNCH(split3_k, grid_for(n * (a + b + c)), x, y0, y1, y2, n, a, b, c);
+}
+void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
+                     int64_t a, int64_t b, int64_t c, cudaStream_t st) {
+  if (n * (a + b + c) > 0)
+    PTDP_LAUNCH(concat3_k, grid_for(n * (a + b + c)), x0, x1, x2, y, n, a, b, c);
+}
+void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, cudaStream_t st) {
+  if (b * s * width > 0)
+    PTDP_LAUNCH(sequence_k, grid_for(b * s * width), shards, full, t, b, s, width, true);
+}
+void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
+                    int64_t width, cudaStream_t st) {
+  if (b * s * width > 0)
+    PTDP_LAUNCH(sequence_k, grid_for(b * s * width), full, shards, t, b, s, width, false);
+}
+void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
+                            int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
+  if (n * h > 0) PTDP_LAUNCH(embedding_lookup_k, grid_for(n * h), tokens, table, y, n, h, v0, vl);
+}
+void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
+                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
+  if (h > 0) PTDP_LAUNCH(embedding_grad_k, grid_for(h), tokens, dy, dtable, n, h, v0, vl);
+}
+void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st) {
+  if (b * sl * h > 0) PTDP_LAUNCH(add_positions_k, grid_for(b * sl * h), x, pos, b, sl, h, first);
+}
+void position_grad(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st) {
+  if (sl * h > 0) PTDP_LAUNCH(position_grad_k, grid_for(sl * h), dx, dpos, b, sl, h, first);
+}
+void cross_entropy_stats(const float* logits, const int32_t* targets, float* stats, int64_t n,
+                         int64_t vl, int64_t valid, int64_t v0, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(ce_stats_k, rows_grid(n), logits, targets, stats, vl, valid, v0);
+}
+void cross_entropy_finish(const float* stats, int64_t ranks, float* logits, float* lse,
+                          float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st) {
+  if (n <= 0) return;
+  PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
+  if (vl > 0) PTDP_LAUNCH(ce_probs_k, grid_for(n * vl), logits, lse, n, vl, valid);
+}
+void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                            double scale, cudaStream_t st) {
+  if (n * vl <= 0) return;
+  const float f = static_cast<float>(scale / static_cast<double>(n));
+  PTDP_LAUNCH(ce_backward_k, grid_for(n * vl), probs, targets, n, vl, v0, f);
+}
+void layernorm_forward(const float* x, const float* g, const float* b, float* y, float* mean,
+                       float* rstd, int64_t n, int64_t h, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(layernorm_forward_k, rows_grid(n), x, g, b, y, mean, rstd, h);
+}
+void layernorm_backward(const float* x, const float* g, const float* mean, const float* rstd,
+                        const float* dy, float* dx, float* dg, float* db, int64_t n, int64_t h,
+                        cudaStream_t st) {
+  if (n <= 0) return;
+  PTDP_LAUNCH(layernorm_dx_k, rows_grid(n), x, g, mean, rstd, dy, dx, h);
+  PTDP_LAUNCH(norm_params_k, grid_for(h), x, mean, rstd, dy, dg, db, n, h);
+}
+void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, int64_t n, int64_t h,
+                     cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(rmsnorm_forward_k, rows_grid(n), x, g, y, rstd, h);
+}
+void rmsnorm_backward(const float* x, const float* g, const float* rstd, const float* dy, float* dx,
+                      float* dg, int64_t n, int64_t h, cudaStream_t st) {
+  if (n <= 0) return;
+  PTDP_LAUNCH(rmsnorm_dx_k, rows_grid(n), x, g, rstd, dy, dx, h);
+  PTDP_LAUNCH(norm_params_k, grid_for(h), x, nullptr, rstd, dy, dg, nullptr, n, h);
+}
+void gelu(const float* x, float* y, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(gelu_k, grid_for(n), x, y, n);
+}
+void gelu_backward(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(gelu_backward_k, grid_for(n), x, dy, dx, n);
+}
+void swiglu(const float* x, float* y, int64_t n, int64_t f, cudaStream_t st) {
+  if (n * f > 0) PTDP_LAUNCH(swiglu_k, grid_for(n * f), x, y, n, f);
+}
+void swiglu_backward(const float* x, const float* dy, float* dx, int64_t n, int64_t f,
+                     cudaStream_t st) {
+  if (n * f > 0) PTDP_LAUNCH(swiglu_backward_k, grid_for(n * f), x, dy, dx, n, f);
+}
+void rope(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
+          cudaStream_t st) {
+  if (b * s * heads * (d / 2) > 0)
+    PTDP_LAUNCH(rope_k, grid_for(b * s * heads * (d / 2)), x, b, s, heads, d, base, inverse);
+}
+void causal_softmax(float* scores, int64_t rows, int64_t s, cudaStream_t st) {
+  if (rows * s > 0) PTDP_LAUNCH(causal_softmax_k, rows_grid(rows * s), scores, s);
+}
+void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows,
+                             int64_t s, cudaStream_t st) {
+  if (rows * s > 0)
+    PTDP_LAUNCH(causal_softmax_backward_k, rows_grid(rows * s), probs, dprobs, dscores, s);
+}
+void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st) {
+  if (count * s * s > 0) PTDP_LAUNCH(zero_upper_k, grid_for(count * s * s), m, count * s * s, s);
+}
+void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
+           cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(adamw_k, grid_for(n), param, grad, m, v, n, a);
+}
+
+}  // namespace ptdp::cuda_fp32

@@ -1,0 +1,88 @@
+// The fp32 kernels of the CUDA backend (runtime/cuda/cuda_backend.cc): one launcher per
+// element-wise or row-wise call of Backend (runtime/backend.h) that is not a GEMM, each the
+// device twin of the CPU kernel of the same name in kernels/cpu/kernels.h or
+// kernels/cpu/elementwise.h, with the same shapes and the same fp32 arithmetic (sums may be
+// added in another order). Every launcher queues its work on `stream` and returns; pointers are
+// device memory, token ids included. The GEMMs (linear layers, attention scores and context) go
+// through cuBLAS in cuda_backend.cc.
+//
+// These run the runtime's fp32 training on a GPU so that it can be checked against the CPU
+// backend step by step. The bf16 kernels of kernels/cuda/ (fused, flash attention, cuBLASLt)
+// are the fast path; docs/gpu.md says how far the backend uses them.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace ptdp::cuda_fp32 {
+
+void add(float* y, const float* x, int64_t n, cudaStream_t st);
+void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st);
+void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
+void scale(float* x, int64_t n, double f, cudaStream_t st);
+// The sum of squares of x in double, written to *out (device) as partial sums in a fixed
+// order: `partials` holds kSumSquaresBlocks doubles.
+constexpr int kSumSquaresBlocks = 256;
+void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st);
+
+void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
+                    int64_t b, int64_t c, cudaStream_t st);
+void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
+                     int64_t a, int64_t b, int64_t c, cudaStream_t st);
+void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, cudaStream_t st);
+void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
+                    int64_t width, cudaStream_t st);
+
+void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
+                            int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
+void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
+                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
+void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st);
+void position_grad(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st);
+
+void cross_entropy_stats(const float* logits, const int32_t* targets, float* stats, int64_t n,
+                         int64_t vl, int64_t valid, int64_t v0, cudaStream_t st);
+// lse [n] and each row's loss (lse - target logit) into row_loss [n]; logits become
+// probabilities in place (0 in the padding columns).
+void cross_entropy_finish(const float* stats, int64_t ranks, float* logits, float* lse,
+                          float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st);
+void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                            double scale, cudaStream_t st);
+
+void layernorm_forward(const float* x, const float* g, const float* b, float* y, float* mean,
+                       float* rstd, int64_t n, int64_t h, cudaStream_t st);
+void layernorm_backward(const float* x, const float* g, const float* mean, const float* rstd,
+                        const float* dy, float* dx, float* dg, float* db, int64_t n, int64_t h,
+                        cudaStream_t st);
+void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, int64_t n, int64_t h,
+                     cudaStream_t st);
+void rmsnorm_backward(const float* x, const float* g, const float* rstd, const float* dy, float* dx,
+                      float* dg, int64_t n, int64_t h, cudaStream_t st);
+
+void gelu(const float* x, float* y, int64_t n, cudaStream_t st);
+void gelu_backward(const float* x, const float* dy, float* dx, int64_t n, cudaStream_t st);
+void swiglu(const float* x, float* y, int64_t n, int64_t f, cudaStream_t st);
+void swiglu_backward(const float* x, const float* dy, float* dx, int64_t n, int64_t f,
+                     cudaStream_t st);
+void rope(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
+          cudaStream_t st);
+
+// Rows of length s, row i of each s x s matrix: softmax over columns 0..i (the rest untouched),
+// and its backward (columns above the diagonal set to 0).
+void causal_softmax(float* scores, int64_t rows, int64_t s, cudaStream_t st);
+void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows,
+                             int64_t s, cudaStream_t st);
+// Zeroes the strictly upper triangle of `count` s x s matrices.
+void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st);
+
+struct AdamWArgs {
+  double lr, beta1, beta2, eps, weight_decay, c1, c2;  // c1, c2: bias corrections
+};
+void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
+           cudaStream_t st);
+
+}  // namespace ptdp::cuda_fp32
