@@ -72,8 +72,8 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   try {
     if (f.backend != "cpu")
       throw InputError("--backend", "'" + f.backend +
-                                        "' cannot be calibrated: only cpu until the CUDA "
-                                        "backend exists");
+                                        "' cannot be calibrated: only cpu (the CUDA "
+                                        "backend has no NCCL data plane to measure yet)");
     if (f.out.empty()) throw InputError("--out", "is required");
     const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();
     std::error_code ec;

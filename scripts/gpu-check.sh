@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The CUDA kernels on a machine with an NVIDIA GPU (docs/gpu.md): configures ptdp with CUDA on
-# (against .deps/ when scripts/prepare-deps.sh carried the packages there), builds the GPU tests
-# and the kernel benchmark, runs every GPU test, times each kernel and a GEMM, and prints one
-# summary table. Exits non-zero if a test fails or is skipped (a skip there means the GPU was
+# The CUDA kernels and the CUDA backend on a machine with an NVIDIA GPU (docs/gpu.md):
+# configures ptdp with CUDA on (against .deps/ when scripts/prepare-deps.sh carried the packages
+# there), builds the GPU tests, the kernel benchmark and ptdp, runs every GPU test, times each
+# kernel and a GEMM, trains a GPT-2-124M-shaped model with `ptdp run --backend cuda` beside its
+# `ptdp predict`, and prints one summary table. Exits non-zero if a test fails or is skipped (a skip there means the GPU was
 # not visible) or a benchmark reports an error.
 # The GPU tests also run under compute-sanitizer's memcheck and racecheck (shared-memory races),
 # without the long-sequence test.
@@ -42,13 +43,24 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${args[@]}" >"$build
   cat "$build/configure.log" >&2
   exit 1
 }
-ninja -C "$build" -j"$jobs" cpu_twins_test cuda_kernels_test cuda_kernels_bench
+ninja -C "$build" -j"$jobs" cpu_twins_test cuda_kernels_test cuda_kernels_bench cuda_backend_test ptdp
 echo "gpu-check: built in $(($(date +%s) - start)) s"
 mkdir -p "$out"
 
 set +e
 "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
 "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
+"$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_tests.json" >"$out/backend_tests.log" 2>&1
+# GPT-2-124M's shape (docs/gpu.md) on one GPU, fp32 on the CUDA backend, and what predict says of
+# the same configuration.
+gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
+  --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4})
+"$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
+  >"$out/gpt2_run.json" 2>"$out/gpt2_run.log"
+"$build/cli/ptdp" predict "${gpt2[@]}" --tensor-model-parallel-size 1 \
+  --pipeline-model-parallel-size 1 --attention-dropout 0 --hidden-dropout 0 \
+  --cluster "${GPT2_CLUSTER:-dgx-h100}" --num-gpus 1 --json >"$out/gpt2_predict.json" \
+  2>"$out/gpt2_predict.log"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 rm -f "$out"/sanitizer-*.rc
 if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
@@ -61,6 +73,12 @@ fi
 "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
   --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
   --benchmark_out_format=json >"$out/bench.log" 2>&1
+# The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs.
+if python3 -c "import torch" 2>/dev/null; then
+  python3 scripts/torch_gpt2_baseline.py --dtype fp32 --batch ${GPT2_BATCH:-8} \
+    --micro ${GPT2_MICRO:-4} --steps ${GPT2_STEPS:-10} >"$out/torch_gpt2.jsonl" \
+    2>"$out/torch_gpt2.log"
+fi
 set -e
 
 python3 - "$out" <<'PY'
@@ -68,7 +86,7 @@ import json, os, sys
 out = sys.argv[1]
 fail = 0
 rows = []
-for f in ("cpu_twins.json", "gpu_tests.json"):
+for f in ("cpu_twins.json", "gpu_tests.json", "backend_tests.json"):
     path = os.path.join(out, f)
     if not os.path.exists(path):
         rows.append((f, "NO RESULT (crashed? see the .log beside it)", ""))
@@ -112,6 +130,33 @@ else:
         bw = si(b["bytes/s"]) + "B/s" if "bytes/s" in b else ""
         fl = si(b["FLOP/s"]) + "FLOP/s" if "FLOP/s" in b else ""
         print("%-44s %12s %14s %14s" % (name, t, bw, fl))
+run_path = os.path.join(out, "gpt2_run.json")
+try:
+    run = json.load(open(run_path))
+    times = run["step_time_s"][1:] or run["step_time_s"]
+    step = sorted(times)[len(times) // 2]
+    tokens = run["configuration"]["global_batch_size"] * 1024
+    print("\nGPT-2-124M shape, ptdp run --backend cuda (fp32): median step %.3f s, %.0f tokens/s, "
+          "peak memory %.2f GiB, losses %s" % (step, tokens / step, run["peak_memory_gib"],
+          ", ".join("%.3f" % l for l in run["losses"])))
+except Exception as e:  # noqa: BLE001 - report whatever went wrong and count it
+    print("\nGPT-2-124M run: NO RESULT (%s; see gpt2_run.log)" % e)
+    fail += 1
+try:
+    pred = json.load(open(os.path.join(out, "gpt2_predict.json")))
+    print("ptdp predict, same configuration on %s (bf16 mixed precision, so not what the fp32 "
+          "backend runs): %.3f s per step, %.0f tokens/s, memory %s" % (
+              os.environ.get("GPT2_CLUSTER", "dgx-h100"), pred["iteration_time_s"],
+              pred["tokens_per_s"], json.dumps(pred["memory"])[:300]))
+except Exception as e:  # noqa: BLE001
+    print("ptdp predict: NO RESULT (%s; see gpt2_predict.log)" % e)
+torch_path = os.path.join(out, "torch_gpt2.jsonl")
+if os.path.exists(torch_path):
+    for line in open(torch_path):
+        t = json.loads(line)
+        print("PyTorch %s %s (%s): median step %.3f s, %.0f tokens/s, MFU %.3f, peak %.2f GiB" % (
+            t["torch"], t["mode"], t["dtype"], t["median_step_s"], t["tokens_per_s"], t["mfu"],
+            t["peak_memory_gib"]))
 print("\ngpu-check: %s" % ("all tests passed and every kernel was timed" if fail == 0 else "%d problem(s); logs in %s" % (fail, out)))
 sys.exit(1 if fail else 0)
 PY

@@ -1,0 +1,362 @@
+// The CUDA backend (runtime/cuda/) against the CPU backend: every Backend call on fresh random
+// inputs of awkward shapes (rows, widths and sequence lengths that are not multiples of a block
+// or a warp, grouped-query attention, a vocabulary shard that is not a multiple of 128), then
+// whole training runs. Each test skips, saying why, where no GPU is visible (scripts/gpu-check.sh
+// runs them on a GPU machine).
+#include "runtime/backend.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/model_spec.h"
+#include "runtime/communicator.h"
+#include "runtime/tensor.h"
+#include "runtime/trainer.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace ptdp {
+namespace {
+
+using Host = std::vector<float>;
+
+Host random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> u(lo, hi);
+  Host x(n);
+  for (float& v : x) v = u(g);
+  return x;
+}
+
+// One GPU backend for the whole program; tests add their arrays to it and read them back.
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    PTDP_REQUIRE_GPU();
+    cpu_ = make_backend("cpu");
+    gpu_ = make_backend("cuda");
+  }
+  void TearDown() override {
+    for (auto& [p, bytes] : owned_) gpu_->deallocate(p, bytes);
+    owned_.clear();
+    gpu_.reset();
+  }
+  float* up(const Host& h) {
+    auto* p = static_cast<float*>(gpu_->allocate(h.size() * sizeof(float)));
+    owned_.push_back({p, h.size() * sizeof(float)});
+    gpu_->upload(h.data(), p, h.size() * sizeof(float));
+    return p;
+  }
+  Host down(const float* p, size_t n) {
+    Host h(n);
+    gpu_->download(p, h.data(), n * sizeof(float));
+    return h;
+  }
+  // Every element within atol + rtol * |want|; the worst one is reported.
+  static void expect_close(const Host& got, const Host& want, const std::string& what,
+                           double rtol = 1e-4, double atol = 1e-5) {
+    ASSERT_EQ(got.size(), want.size()) << what;
+    size_t worst = 0;
+    double worst_excess = -1;
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+      const double excess = err - (atol + rtol * std::abs(static_cast<double>(want[i])));
+      if (!(excess <= worst_excess)) {
+        worst_excess = excess;
+        worst = i;
+      }
+    }
+    EXPECT_LE(worst_excess, 0.0) << what << ": element " << worst << " is " << got[worst]
+                                 << ", the CPU backend gives " << want[worst];
+  }
+
+  std::unique_ptr<Backend> cpu_, gpu_;
+  std::vector<std::pair<void*, size_t>> owned_;
+};
+
+TEST_F(CudaBackendTest, LinearLayersMatchTheCpu) {
+  const int64_t n = 37, in = 70, out = 45;
+  const Host x = random(n * in, 1), w = random(out * in, 2), b = random(out, 3),
+             dy = random(n * out, 4), dw0 = random(out * in, 5), db0 = random(out, 6);
+  Host y(n * out), dx(n * in), dw = dw0, db = db0;
+  cpu_->linear_forward(x.data(), w.data(), b.data(), y.data(), n, in, out);
+  cpu_->linear_dgrad(w.data(), dy.data(), dx.data(), n, in, out);
+  cpu_->linear_wgrad(x.data(), dy.data(), dw.data(), db.data(), n, in, out);
+  float *gx = up(x), *gw = up(w), *gb = up(b), *gdy = up(dy);
+  float *gy = up(Host(n * out)), *gdx = up(Host(n * in)), *gdw = up(dw0), *gdb = up(db0);
+  gpu_->linear_forward(gx, gw, gb, gy, n, in, out);
+  gpu_->linear_dgrad(gw, gdy, gdx, n, in, out);
+  gpu_->linear_wgrad(gx, gdy, gdw, gdb, n, in, out);
+  expect_close(down(gy, y.size()), y, "linear forward");
+  expect_close(down(gdx, dx.size()), dx, "linear dgrad");
+  expect_close(down(gdw, dw.size()), dw, "linear wgrad (accumulated)");
+  expect_close(down(gdb, db.size()), db, "bias grad (accumulated)");
+}
+
+// Scores, softmax, context and their backward, with grouped queries (4 query heads on 2 key/value
+// heads) and without, at a sequence length that is not a multiple of 32.
+TEST_F(CudaBackendTest, AttentionPiecesMatchTheCpu) {
+  for (const auto& [hq, hk] : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) {
+    const int64_t b = 2, s = 19, d = 16, rows = b * hq;
+    const std::string at = " (hq " + std::to_string(hq) + ", hk " + std::to_string(hk) + ")";
+    const Host q = random(b * s * hq * d, 10), k = random(b * s * hk * d, 11),
+               v = random(b * s * hk * d, 12), dout = random(b * s * hq * d, 13);
+    Host probs(rows * s * s), ctx(b * s * hq * d), dprobs(rows * s * s), dv(b * s * hk * d),
+        dscores(rows * s * s), dq(b * s * hq * d), dk(b * s * hk * d);
+    cpu_->attention_scores(q.data(), k.data(), probs.data(), b, s, hq, hk, d);
+    const Host scores = probs;
+    cpu_->causal_softmax(probs.data(), rows, s);
+    cpu_->attention_context(probs.data(), v.data(), ctx.data(), b, s, hq, hk, d);
+    cpu_->attention_context_backward(probs.data(), v.data(), dout.data(), dprobs.data(), dv.data(),
+                                     b, s, hq, hk, d);
+    cpu_->causal_softmax_backward(probs.data(), dprobs.data(), dscores.data(), rows, s);
+    cpu_->attention_scores_backward(q.data(), k.data(), dscores.data(), dq.data(), dk.data(), b, s,
+                                    hq, hk, d);
+    float *gq = up(q), *gk = up(k), *gv = up(v), *gdout = up(dout);
+    float *gp = up(Host(probs.size(), 7.0f)), *gctx = up(Host(ctx.size())),
+          *gdp = up(Host(dprobs.size())), *gdv = up(Host(dv.size(), 3.0f)),
+          *gds = up(Host(dscores.size())), *gdq = up(Host(dq.size())),
+          *gdk = up(Host(dk.size(), 3.0f));
+    gpu_->attention_scores(gq, gk, gp, b, s, hq, hk, d);
+    expect_close(down(gp, scores.size()), scores, "attention scores" + at);
+    gpu_->causal_softmax(gp, rows, s);
+    expect_close(down(gp, probs.size()), probs, "causal softmax" + at);
+    gpu_->attention_context(gp, gv, gctx, b, s, hq, hk, d);
+    expect_close(down(gctx, ctx.size()), ctx, "attention context" + at);
+    gpu_->attention_context_backward(gp, gv, gdout, gdp, gdv, b, s, hq, hk, d);
+    expect_close(down(gdp, dprobs.size()), dprobs, "d probs" + at);
+    expect_close(down(gdv, dv.size()), dv, "d v" + at);
+    gpu_->causal_softmax_backward(gp, gdp, gds, rows, s);
+    expect_close(down(gds, dscores.size()), dscores, "d scores" + at);
+    gpu_->attention_scores_backward(gq, gk, gds, gdq, gdk, b, s, hq, hk, d);
+    expect_close(down(gdq, dq.size()), dq, "d q" + at);
+    expect_close(down(gdk, dk.size()), dk, "d k" + at);
+  }
+}
+
+TEST_F(CudaBackendTest, NormsMatchTheCpu) {
+  for (const bool layernorm : {true, false}) {
+    const int64_t n = 33, h = 301;
+    const std::string what = layernorm ? "layernorm" : "rmsnorm";
+    const Host x = random(n * h, 20, -2, 3), g = random(h, 21), beta = random(h, 22),
+               dy = random(n * h, 23), dg0 = random(h, 24), db0 = random(h, 25);
+    Host y(n * h), mean(n), rstd(n), dx(n * h), dg = dg0, db = db0;
+    cpu_->norm_forward(x.data(), g.data(), layernorm ? beta.data() : nullptr, y.data(),
+                       layernorm ? mean.data() : nullptr, rstd.data(), n, h);
+    cpu_->norm_backward(x.data(), g.data(), layernorm, layernorm ? mean.data() : nullptr,
+                        rstd.data(), dy.data(), dx.data(), dg.data(),
+                        layernorm ? db.data() : nullptr, n, h);
+    float *gx = up(x), *gg = up(g), *gbeta = up(beta), *gdy = up(dy);
+    float *gy = up(Host(n * h)), *gmean = up(Host(n)), *grstd = up(Host(n)), *gdx = up(Host(n * h)),
+          *gdg = up(dg0), *gdb = up(db0);
+    gpu_->norm_forward(gx, gg, layernorm ? gbeta : nullptr, gy, layernorm ? gmean : nullptr, grstd,
+                       n, h);
+    gpu_->norm_backward(gx, gg, layernorm, layernorm ? gmean : nullptr, grstd, gdy, gdx, gdg,
+                        layernorm ? gdb : nullptr, n, h);
+    expect_close(down(gy, y.size()), y, what + " forward");
+    expect_close(down(grstd, n), rstd, what + " rstd");
+    if (layernorm) expect_close(down(gmean, n), mean, what + " mean");
+    expect_close(down(gdx, dx.size()), dx, what + " dx");
+    expect_close(down(gdg, h), dg, what + " d gamma (accumulated)");
+    if (layernorm) expect_close(down(gdb, h), db, what + " d beta (accumulated)");
+  }
+}
+
+TEST_F(CudaBackendTest, ActivationsAndRotaryEmbeddingMatchTheCpu) {
+  const int64_t n = 29, f = 53;
+  const Host x = random(n * 2 * f, 30, -4, 4), dy = random(n * 2 * f, 31);
+  Host y(n * 2 * f), dx(n * 2 * f), sy(n * f), sdx(n * 2 * f);
+  cpu_->gelu(x.data(), y.data(), n * 2 * f);
+  cpu_->gelu_backward(x.data(), dy.data(), dx.data(), n * 2 * f);
+  cpu_->swiglu(x.data(), sy.data(), n, f);
+  cpu_->swiglu_backward(x.data(), dy.data(), sdx.data(), n, f);
+  float *gx = up(x), *gdy = up(dy), *gy = up(Host(y.size())), *gdx = up(Host(dx.size())),
+        *gsy = up(Host(sy.size())), *gsdx = up(Host(sdx.size()));
+  gpu_->gelu(gx, gy, n * 2 * f);
+  gpu_->gelu_backward(gx, gdy, gdx, n * 2 * f);
+  gpu_->swiglu(gx, gsy, n, f);
+  gpu_->swiglu_backward(gx, gdy, gsdx, n, f);
+  expect_close(down(gy, y.size()), y, "gelu");
+  expect_close(down(gdx, dx.size()), dx, "gelu backward");
+  expect_close(down(gsy, sy.size()), sy, "swiglu");
+  expect_close(down(gsdx, sdx.size()), sdx, "swiglu backward");
+
+  const int64_t b = 2, s = 23, heads = 3, d = 10;
+  for (const bool inverse : {false, true}) {
+    Host r = random(b * s * heads * d, 32);
+    float* gr = up(r);
+    cpu_->rope(r.data(), b, s, heads, d, 10000.0, inverse);
+    gpu_->rope(gr, b, s, heads, d, 10000.0, inverse);
+    expect_close(down(gr, r.size()), r, inverse ? "rope inverse" : "rope");
+  }
+}
+
+TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
+  const int64_t n = 21, a = 5, bw = 7, c = 9, w = a + bw + c;
+  const Host x = random(n * w, 40);
+  Host y0(n * a), y1(n * bw), y2(n * c), back(n * w);
+  cpu_->split_columns3(x.data(), y0.data(), y1.data(), y2.data(), n, a, bw, c);
+  cpu_->concat_columns3(y0.data(), y1.data(), y2.data(), back.data(), n, a, bw, c);
+  float *gx = up(x), *g0 = up(Host(y0.size())), *g1 = up(Host(y1.size())),
+        *g2 = up(Host(y2.size())), *gback = up(Host(back.size()));
+  gpu_->split_columns3(gx, g0, g1, g2, n, a, bw, c);
+  gpu_->concat_columns3(g0, g1, g2, gback, n, a, bw, c);
+  expect_close(down(g1, y1.size()), y1, "split_columns3", 0, 0);
+  expect_close(down(gback, back.size()), back, "concat_columns3", 0, 0);
+
+  const int64_t t = 3, b = 2, s = 12, width = 11;
+  const Host full = random(b * s * width, 41);
+  Host shards(full.size()), unsharded(full.size());
+  cpu_->sequence_shard(full.data(), shards.data(), t, b, s, width);
+  cpu_->sequence_unshard(shards.data(), unsharded.data(), t, b, s, width);
+  float *gfull = up(full), *gsh = up(Host(full.size())), *gun = up(Host(full.size()));
+  gpu_->sequence_shard(gfull, gsh, t, b, s, width);
+  gpu_->sequence_unshard(gsh, gun, t, b, s, width);
+  expect_close(down(gsh, shards.size()), shards, "sequence_shard", 0, 0);
+  expect_close(down(gun, full.size()), full, "sequence_unshard", 0, 0);
+
+  const int64_t m = 1000;
+  Host p = random(m, 42), q = random(m, 43), r = p;
+  float *gp = up(p), *gq = up(q);
+  cpu_->add(r.data(), q.data(), m);
+  gpu_->add(gp, gq, m);
+  expect_close(down(gp, m), r, "add");
+  cpu_->scale(r.data(), m, 0.37);
+  gpu_->scale(gp, m, 0.37);
+  expect_close(down(gp, m), r, "scale", 0, 0);
+  const Host bias = random(40, 44);
+  cpu_->add_bias(r.data(), bias.data(), 25, 40);
+  gpu_->add_bias(gp, up(bias), 25, 40);
+  expect_close(down(gp, m), r, "add_bias");
+  Host db = random(40, 45);
+  float* gdb = up(db);
+  cpu_->bias_grad(r.data(), db.data(), 25, 40);
+  gpu_->bias_grad(gp, gdb, 25, 40);
+  expect_close(down(gdb, 40), db, "bias_grad");
+  gpu_->copy(gp, gq, m);
+  expect_close(down(gq, m), r, "copy", 0, 0);
+  gpu_->fill_zero(gq, m);
+  expect_close(down(gq, m), Host(m), "fill_zero", 0, 0);
+  EXPECT_NEAR(gpu_->sum_squares(gp, m, 2.5), cpu_->sum_squares(r.data(), m, 2.5),
+              1e-12 * cpu_->sum_squares(r.data(), m, 2.5));
+}
+
+// Vocabulary-parallel embedding and cross-entropy on a shard [67, 67 + 64) of a 131-token
+// vocabulary, with targets inside and outside it; token ids come from host memory.
+TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
+  const int64_t n = 30, h = 13, v0 = 67, vl = 64, valid = 62, b = 3, sl = 10;
+  std::vector<int32_t> tokens(n);
+  std::mt19937 g(50);
+  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  const Host table = random(vl * h, 51), dy = random(n * h, 52), pos = random(40 * h, 53);
+  Host y(n * h), dtable = random(vl * h, 54), dpos = random(40 * h, 55);
+  float *gtable = up(table), *gy = up(Host(n * h)), *gdy = up(dy), *gdtable = up(dtable),
+        *gpos = up(pos), *gdpos = up(dpos);
+  cpu_->vocab_embedding_lookup(tokens.data(), table.data(), y.data(), n, h, v0, vl);
+  cpu_->vocab_embedding_grad(tokens.data(), dy.data(), dtable.data(), n, h, v0, vl);
+  cpu_->add_positions(y.data(), pos.data(), b, sl, h, 7);
+  cpu_->position_grad(dy.data(), dpos.data(), b, sl, h, 7);
+  gpu_->vocab_embedding_lookup(tokens.data(), gtable, gy, n, h, v0, vl);
+  gpu_->vocab_embedding_grad(tokens.data(), gdy, gdtable, n, h, v0, vl);
+  gpu_->add_positions(gy, gpos, b, sl, h, 7);
+  gpu_->position_grad(gdy, gdpos, b, sl, h, 7);
+  expect_close(down(gy, y.size()), y, "embedding lookup + positions");
+  expect_close(down(gdtable, dtable.size()), dtable, "embedding table gradient");
+  expect_close(down(gdpos, dpos.size()), dpos, "position gradient");
+
+  Host logits = random(n * vl, 56, -5, 5), stats(n * 3), lse(n);
+  float *glogits = up(logits), *gstats = up(Host(n * 3)), *glse = up(Host(n));
+  cpu_->cross_entropy_stats(logits.data(), tokens.data(), stats.data(), n, vl, valid, v0);
+  gpu_->cross_entropy_stats(glogits, tokens.data(), gstats, n, vl, valid, v0);
+  expect_close(down(gstats, stats.size()), stats, "cross-entropy statistics");
+  const double loss =
+      cpu_->cross_entropy_finish(stats.data(), 1, logits.data(), lse.data(), n, vl, valid);
+  const double gloss = gpu_->cross_entropy_finish(gstats, 1, glogits, glse, n, vl, valid);
+  EXPECT_NEAR(gloss, loss, 1e-5 * std::abs(loss));
+  expect_close(down(glse, n), lse, "log-sum-exp");
+  expect_close(down(glogits, logits.size()), logits, "probabilities");
+  cpu_->cross_entropy_backward(logits.data(), tokens.data(), n, vl, v0, 0.5);
+  gpu_->cross_entropy_backward(glogits, tokens.data(), n, vl, v0, 0.5);
+  expect_close(down(glogits, logits.size()), logits, "logit gradient");
+}
+
+TEST_F(CudaBackendTest, AdamWMatchesTheCpu) {
+  const int64_t n = 1031;
+  Host p = random(n, 60), gr = random(n, 61, -0.1f, 0.1f), m(n), v(n);
+  float *gp = up(p), *gg = up(gr), *gm = up(m), *gv = up(v);
+  AdamWSettings o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.1;
+  for (int64_t step = 1; step <= 3; ++step) {
+    cpu_->adamw(p.data(), gr.data(), m.data(), v.data(), n, o, step);
+    gpu_->adamw(gp, gg, gm, gv, n, o, step);
+  }
+  expect_close(down(gp, n), p, "AdamW parameters", 1e-6, 1e-7);
+  expect_close(down(gv, n), v, "AdamW second moment", 1e-6, 1e-12);
+}
+
+TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
+  const int64_t before = MemoryCounter::current();
+  auto* p = static_cast<float*>(gpu_->allocate(4096));
+  EXPECT_EQ(MemoryCounter::current() - before, 4096);
+  EXPECT_EQ(down(p, 1024), Host(1024));
+  EXPECT_TRUE(gpu_->device_pointer(p));
+  const Host h(4);
+  EXPECT_FALSE(gpu_->device_pointer(h.data()));
+  EXPECT_FALSE(gpu_->host_accessible());
+  // New Buffers live on the device while the backend does.
+  Buffer b(100, 2.0f);
+  EXPECT_EQ(b.space(), gpu_.get());
+  EXPECT_TRUE(gpu_->device_pointer(b.data()));
+  EXPECT_EQ(down(b.data(), 100), Host(100, 2.0f));
+  gpu_->deallocate(p, 4096);
+}
+
+// Whole runs on one rank: the GPU's losses follow the CPU backend's from the same seed (fp32 on
+// both; the sums are added in other orders, so not to the bit), for the GPT shape and the
+// Llama shape (grouped queries, SwiGLU with RMSNorm and no biases, rotary, untied head).
+TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
+  PTDP_REQUIRE_GPU();
+  ModelSpec gpt;
+  gpt.num_layers = 2;
+  gpt.hidden_size = 64;
+  gpt.num_attention_heads = 4;
+  gpt.seq_length = 33;
+  gpt.vocab_size = 131;
+  ModelSpec llama = gpt;
+  llama.num_query_groups = 2;
+  llama.swiglu = true;
+  llama.untie_embeddings_and_output_weights = true;
+  llama.learned_position_embeddings = false;
+  llama.rotary_base = 10000;
+  llama.ffn_hidden_size = 96;
+  for (const ModelSpec& m : {gpt, llama}) {
+    std::vector<std::vector<double>> runs;
+    for (const char* be : {"cpu", "cuda"}) {
+      TrainOptions o;
+      o.model = m;
+      o.plan.global_batch_size = 6;
+      o.plan.micro_batch_size = 3;
+      o.steps = 20;
+      o.backend = be;
+      auto self = make_self_communicator();
+      const TrainResult r = train(o, *self);
+      std::vector<double> l;
+      for (const StepStats& s : r.steps) l.push_back(s.loss);
+      runs.push_back(l);
+    }
+    ASSERT_EQ(runs[1].size(), runs[0].size());
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_NEAR(runs[1][i], runs[0][i], 1e-3 * std::abs(runs[0][i])) << "step " << i;
+    EXPECT_LT(runs[1].back(), runs[1].front());
+  }
+}
+
+}  // namespace
+}  // namespace ptdp
