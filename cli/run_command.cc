@@ -343,7 +343,9 @@ Action add_run_command(CLI::App& app) {
                 "nothing");
   sub->add_option("--memory-limit-gib", f->memory_limit_gib,
                   "--dry-run: memory per rank (default: MemAvailable / ranks on this host)");
-  sub->add_option("--backend", t.backend, "where the kernels run: cpu (cuda with a CUDA build)")
+  sub->add_option("--backend", t.backend,
+                  "where the kernels run: cpu, cuda (a CUDA build, fp32), or cpu-staged (the CPU "
+                  "kernels on memory treated as a device's: tests the GPU's host side)")
       ->capture_default_str();
   sub->add_option("--steps", t.steps, "training steps")->capture_default_str();
   sub->add_option("--seed", t.seed, "initialisation and synthetic-data seed")
