@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cuda/common.h"
 #include "runtime/cuda/fp32_kernels.h"
 #include "runtime/tensor.h"
 
@@ -18,9 +19,7 @@ namespace {
 
 namespace k = cuda_fp32;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
+using kernels::cuda::check;  // cudaError_t
 void check(cublasStatus_t e, const char* what) {
   if (e != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string(what) + ": cuBLAS status " + std::to_string(e));

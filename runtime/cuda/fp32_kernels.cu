@@ -4,8 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <stdexcept>
-#include <string>
 
+#include "kernels/cuda/common.cuh"
 #include "runtime/cuda/fp32_kernels.h"
 
 namespace ptdp::cuda_fp32 {
@@ -13,11 +13,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
-
-void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 unsigned grid_for(int64_t n) {
   const int64_t blocks = (n + kThreads - 1) / kThreads;
@@ -31,39 +26,37 @@ __device__ __forceinline__ int64_t grid_stride() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
-// Block-wide sum and max (blockDim.x == kThreads), returned to every thread.
-__device__ float block_sum(float v) {
-  __shared__ float sh[kThreads];
+// Block-wide reduction (blockDim.x == kThreads) by `op`, returned to every thread. The leading
+// barrier lets consecutive calls reuse the shared array.
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op) {
+  __shared__ T sh[kThreads];
   __syncthreads();
   sh[threadIdx.x] = v;
   __syncthreads();
   for (int o = kThreads / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+    if (threadIdx.x < o) sh[threadIdx.x] = op(sh[threadIdx.x], sh[threadIdx.x + o]);
     __syncthreads();
   }
   return sh[0];
+}
+struct Sum {
+  template <typename T>
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
+};
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+__device__ float block_sum(float v) {
+  return block_reduce(v, Sum{});
 }
 __device__ float block_max(float v) {
-  __shared__ float sh[kThreads];
-  __syncthreads();
-  sh[threadIdx.x] = v;
-  __syncthreads();
-  for (int o = kThreads / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sh[threadIdx.x] = fmaxf(sh[threadIdx.x], sh[threadIdx.x + o]);
-    __syncthreads();
-  }
-  return sh[0];
+  return block_reduce(v, Max{});
 }
 __device__ double block_sum_double(double v) {
-  __shared__ double sh[kThreads];
-  __syncthreads();
-  sh[threadIdx.x] = v;
-  __syncthreads();
-  for (int o = kThreads / 2; o > 0; o >>= 1) {
-    if (threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
-    __syncthreads();
-  }
-  return sh[0];
+  return block_reduce(v, Sum{});
 }
 
 // ---- element-wise ----
@@ -400,7 +393,7 @@ unsigned rows_grid(int64_t rows) {
 #define PTDP_LAUNCH(kernel, grid, ...)                                \
   do {                                                                \
     if ((grid) > 0) kernel<<<(grid), kThreads, 0, st>>>(__VA_ARGS__); \
-    check_launch(#kernel);                                            \
+    kernels::cuda::check_launch(#kernel);                             \
   } while (0)
 
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {
