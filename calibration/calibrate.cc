@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/hardware_profile.h"
 #include "planner/comm_model.h"
+#include "runtime/data_plane.h"
 
 namespace ptdp {
 
@@ -35,7 +36,9 @@ struct Plan {
   int warmup = 5;
 };
 
-Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
+// `gpu`: sizes that fill a GPU (its GEMMs need thousands of rows to reach their peak, its
+// memory streams hundreds of megabytes), else sizes for CPU cores.
+Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node, bool gpu) {
   Plan p;
   const ModelSpec& m = o.model;
   std::vector<int64_t> bs = o.quick ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1, 2, 4};
@@ -44,22 +47,28 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node) {
     for (int64_t b : bs) p.tb.push_back({t, b});
   }
   const std::vector<int64_t> edge =
-      o.quick ? std::vector<int64_t>{128, 512} : std::vector<int64_t>{64, 256, 1024};
+      gpu ? (o.quick ? std::vector<int64_t>{512, 4096} : std::vector<int64_t>{256, 1024, 4096})
+          : (o.quick ? std::vector<int64_t>{128, 512} : std::vector<int64_t>{64, 256, 1024});
   for (int64_t a : edge)
     for (int64_t b : edge)
       for (int64_t c : edge) p.grid.push_back({a, b, c});
-  p.stream_sizes = o.quick ? std::vector<int64_t>{1 << 16, 1 << 20}
-                           : std::vector<int64_t>{1 << 14, 1 << 17, 1 << 20, 1 << 22};
-  p.optimizer_params = o.quick ? 1 << 18 : 1 << 21;
+  if (gpu) {
+    p.stream_sizes = o.quick ? std::vector<int64_t>{1 << 20, 1 << 25}
+                             : std::vector<int64_t>{1 << 18, 1 << 21, 1 << 24, 1 << 26};
+    p.optimizer_params = o.quick ? 1 << 22 : 1 << 24;
+  } else {
+    p.stream_sizes = o.quick ? std::vector<int64_t>{1 << 16, 1 << 20}
+                             : std::vector<int64_t>{1 << 14, 1 << 17, 1 << 20, 1 << 22};
+    p.optimizer_params = o.quick ? 1 << 18 : 1 << 21;
+  }
   if (!o.group_sizes.empty()) {
     p.groups = o.group_sizes;
   } else {
     for (int g = 2; g <= world; ++g)
       if (world % g == 0) p.groups.push_back(g);
   }
-  for (double b = o.quick ? 4096 : 1024; b <= (o.quick ? 4.0 * (1 << 20) : 64.0 * (1 << 20));
-       b *= 4)
-    p.message_bytes.push_back(b);
+  const double largest = (o.quick ? 4.0 : 64.0) * (1 << 20) * (gpu ? 4.0 : 1.0);
+  for (double b = o.quick ? 4096 : 1024; b <= largest; b *= 4) p.message_bytes.push_back(b);
   p.warmup = o.quick ? 2 : 5;
   return p;
 }
@@ -72,13 +81,16 @@ int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold) {
   return n;
 }
 
-// Rank-major list of every rank's host name.
-std::vector<std::string> hosts_of(ControlPlane& control) {
-  const std::string me = host_name();
+// Rank-major list of every rank's `mine`.
+std::vector<std::string> gathered_strings(ControlPlane& control, const std::string& mine) {
   std::vector<std::string> out;
-  for (const auto& bytes : control.all_gather_bytes(std::vector<uint8_t>(me.begin(), me.end())))
+  for (const auto& bytes : control.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end())))
     out.emplace_back(bytes.begin(), bytes.end());
   return out;
+}
+
+std::vector<std::string> hosts_of(ControlPlane& control) {
+  return gathered_strings(control, host_name());
 }
 
 double gemm_flops(double m, double n, double k, double batch) {
@@ -124,26 +136,31 @@ void check_group_sizes(const std::vector<int64_t>& sizes, int ranks) {
 }
 
 json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control) {
-  if (o.backend != "cpu")
-    throw InputError("--backend", "'" + o.backend +
-                                      "' cannot be calibrated yet: only cpu (the CUDA backend "
-                                      "does not exist yet)");
+  if (o.backend != "cpu" && o.backend != "cuda")
+    throw InputError("--backend", "must be cpu or cuda, not '" + o.backend + "'");
   o.model.validate();
   check_group_sizes(o.group_sizes, world.size());
-  auto backend = make_backend(o.backend);
+  auto backend = make_backend(o.backend);  // cuda without a GPU: InputError naming --backend
   Backend& be = *backend;
+  const DeviceInfo device = be.device_info();
+  const bool gpu = !device.name.empty();
+  // A GPU's collectives run on its data plane: NCCL where each rank has a GPU of its own.
+  DataPlane plane;
+  if (!be.host_accessible()) plane = make_device_data_plane(world, control, be);
+  Communicator& data = plane.world ? *plane.world : world;
   const int n_world = world.size();
   const std::vector<std::string> hosts = hosts_of(control);
   const std::set<std::string> distinct(hosts.begin(), hosts.end());
   const int ranks_per_node =
       static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts.front()));
-  const Plan plan = plan_for(o, n_world, ranks_per_node);
+  const Plan plan = plan_for(o, n_world, ranks_per_node, gpu);
 
   double target = o.quick ? 0.05 : 0.15;
   // Ops are timed warm and, where the last-level cache is known, cold (docs/calibration.md).
-  const double llc_bytes = last_level_cache_bytes();
+  // On a GPU that is its L2 cache, evicted by writing device memory.
+  const double llc_bytes = gpu ? device.cache_bytes : last_level_cache_bytes();
   std::unique_ptr<CacheEvictor> evict;
-  if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes);
+  if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
   const int64_t timings = count_timings(plan, o.model, evict != nullptr);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
@@ -180,7 +197,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   std::vector<CommSample> comm;
   for (int64_t g : plan.groups) {
     const int color = world.rank() / static_cast<int>(g);
-    auto group = world.split(color, world.rank(), "calibrate/" + std::to_string(g));
+    auto group = data.split(color, world.rank(), "calibrate/" + std::to_string(g));
     std::set<std::string> group_hosts;
     for (int r = color * static_cast<int>(g); r < (color + 1) * static_cast<int>(g); ++r)
       group_hosts.insert(hosts[static_cast<size_t>(r)]);
@@ -210,8 +227,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // arrives 1 ms late, against the same all-reduce in lockstep: what waiting costs in a run.
   json late = json::array();
   for (int64_t g : plan.groups) {
-    auto group = world.split(world.rank() / static_cast<int>(g), world.rank(),
-                             "calibrate/late/" + std::to_string(g));
+    auto group = data.split(world.rank() / static_cast<int>(g), world.rank(),
+                            "calibrate/late/" + std::to_string(g));
     const double bytes = 4.0 * static_cast<double>(o.model.seq_length * o.model.hidden_size);
     const double lockstep = time_collective(Collective::kAllReduce, *group, bytes, sw, plan.warmup);
     const double after =
@@ -232,8 +249,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   double arrival_skew = 0;
   for (int64_t g : plan.groups) {
     if (g < 2) continue;
-    auto group = world.split(world.rank() / static_cast<int>(g), world.rank(),
-                             "calibrate/skew/" + std::to_string(g));
+    auto group = data.split(world.rank() / static_cast<int>(g), world.rank(),
+                            "calibrate/skew/" + std::to_string(g));
     // Jitter averages out slowly: four times the usual time for these three timings.
     Stopwatch long_sw(control, 4 * target);
     const SkewSample s = time_arrival_skew(be, *group, o.model, long_sw, plan.warmup);
@@ -410,17 +427,28 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
       "gemm: curve fitted by least squares to the measured table and grid; table: each op-list "
       "GEMM's measured efficiency",
       "kernel_gap_us, memory_efficiency: one least-squares fit of every memory-bound kernel",
-      "cache: the last-level cache of /sys/devices/system/cpu over the node's ranks; cold "
-      "factors: each op timed with the caches evicted over the same op timed warm",
+      gpu ? "cache: the GPU's L2 cache (cudaDeviceProp::l2CacheSize); cold factors: each op "
+            "timed after writing twice the L2 over the same op timed warm"
+          : "cache: the last-level cache of /sys/devices/system/cpu over the node's ranks; cold "
+            "factors: each op timed with the caches evicted over the same op timed warm",
       "collectives: latency and bus bandwidth fitted per collective and group span"};
 
   // ---- the cluster measured ----
   ClusterSpec cl;
   cl.name = "measured-" + o.backend;
-  cl.gpu.name = cpu_model_name() + " (1 of " + std::to_string(ranks_per_node) + " ranks)";
-  cl.gpu.peak_tflops_16bit = std::max(peak, 1.0) / 1e12;
   const double mem = host_memory_bytes();
-  cl.gpu.memory_gib = std::max(mem, 1.0 * (1 << 30)) / ranks_per_node / (1024.0 * 1024 * 1024);
+  if (gpu) {  // ranks sharing a GPU share its memory
+    const std::vector<std::string> where =
+        gathered_strings(control, host_name() + "/" + std::to_string(be.device_index()));
+    const int sharing = static_cast<int>(std::count(where.begin(), where.end(), where.front()));
+    cl.gpu.name = device.name;
+    cl.gpu.memory_gib = device.memory_bytes / sharing / (1024.0 * 1024 * 1024);
+  } else {
+    cl.gpu.name = cpu_model_name() + " (1 of " + std::to_string(ranks_per_node) + " ranks)";
+    cl.gpu.memory_gib = std::max(mem, 1.0 * (1 << 30)) / ranks_per_node / (1024.0 * 1024 * 1024);
+  }
+  // The backend computes in fp32: its measured peak stands where a profile keeps the 16-bit one.
+  cl.gpu.peak_tflops_16bit = std::max(peak, 1.0) / 1e12;
   cl.gpu.hbm_bandwidth_gbps = std::max(bandwidth, 1.0) / 1e9;
   cl.gpus_per_node = ranks_per_node;
   cl.num_nodes = static_cast<int64_t>(distinct.size());
@@ -471,7 +499,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                        {"seconds", s.seconds},
                                        {"algbw_gbps", s.algbw_gbps},
                                        {"busbw_gbps", s.busbw_gbps}});
-  json machine = {{"device", cpu_model_name()},
+  json machine = {{"device", gpu ? device.name : cpu_model_name()},
                   {"backend", o.backend},
                   {"activations", "fp32"},
                   {"ranks", n_world},
@@ -487,6 +515,15 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                   {"timing_target_s", target},
                   {"cpu_share", control.sum(sw.cpu_share()) / n_world},
                   {"model", to_json(o.model)}};
+  if (gpu) {
+    machine["cpu"] = cpu_model_name();
+    machine["device_memory_bytes"] = device.memory_bytes;
+    machine["device_l2_bytes"] = device.cache_bytes;
+    machine["multiprocessors"] = device.multiprocessors;
+    machine["cuda_driver"] = device.driver;
+    machine["cuda_runtime"] = device.runtime;
+    machine["data_plane"] = plane.kind;
+  }
   return json{{"format", kMachineFileFormat}, {"machine", machine}, {"cluster", to_json(cl)},
               {"profile", to_json(prof)},     {"fits", fits},       {"measurements", measured}};
 }

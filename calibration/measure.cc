@@ -110,11 +110,28 @@ double Stopwatch::mean_seconds(const std::function<void()>& f,
   return run(f, 1, before).first;
 }
 
-CacheEvictor::CacheEvictor(double last_level_cache_bytes)
-    : junk_(static_cast<size_t>(std::clamp(2 * last_level_cache_bytes, 1e6, 4e9) / sizeof(float)),
-            1.0f) {}
+CacheEvictor::CacheEvictor(double last_level_cache_bytes, Backend* device) : device_(device) {
+  const size_t n =
+      static_cast<size_t>(std::clamp(2 * last_level_cache_bytes, 1e6, 4e9) / sizeof(float));
+  if (!device_) {
+    junk_.assign(n, 1.0f);
+    return;
+  }
+  device_bytes_ = n * sizeof(float);
+  device_junk_ = device_->allocate(device_bytes_);
+}
+
+CacheEvictor::~CacheEvictor() {
+  if (device_junk_) device_->deallocate(device_junk_, device_bytes_);
+}
 
 void CacheEvictor::operator()() {
+  if (device_) {
+    device_->fill_zero(static_cast<float*>(device_junk_),
+                       static_cast<int64_t>(device_bytes_ / sizeof(float)));
+    device_->synchronize();
+    return;
+  }
   // One float per 64-byte line brings every line in.
   float sum = 0;
   for (size_t i = 0; i < junk_.size(); i += 16) sum += junk_[i];

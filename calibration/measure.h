@@ -54,14 +54,23 @@ struct OpSample {
 };
 
 // Evicts the CPU caches by reading a buffer twice the node's last-level cache (every rank at
-// once, as the ranks share it).
+// once, as the ranks share it); with a device backend, the device's cache by writing a device
+// buffer twice its size (then waiting for the device).
 class CacheEvictor {
  public:
-  explicit CacheEvictor(double last_level_cache_bytes);
+  explicit CacheEvictor(double last_level_cache_bytes, Backend* device = nullptr);
   void operator()();
 
  private:
   std::vector<float> junk_;
+  Backend* device_ = nullptr;
+  void* device_junk_ = nullptr;
+  size_t device_bytes_ = 0;
+
+ public:
+  ~CacheEvictor();
+  CacheEvictor(const CacheEvictor&) = delete;
+  CacheEvictor& operator=(const CacheEvictor&) = delete;
 };
 
 // The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run

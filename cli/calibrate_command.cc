@@ -70,10 +70,8 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   const int lrank = launcher_rank();
   CalibrateOptions o;
   try {
-    if (f.backend != "cpu")
-      throw InputError("--backend", "'" + f.backend +
-                                        "' cannot be calibrated: only cpu (the CUDA "
-                                        "backend has no NCCL data plane to measure yet)");
+    if (f.backend != "cpu" && f.backend != "cuda")
+      throw InputError("--backend", "must be cpu or cuda, not '" + f.backend + "'");
     if (f.out.empty()) throw InputError("--out", "is required");
     const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();
     std::error_code ec;
@@ -130,7 +128,9 @@ Action add_calibrate_command(CLI::App& app) {
       "(mpirun -np N ptdp calibrate ... for the collectives)");
   auto f = std::make_shared<CalibrateFlags>();
   f->job.add_model_flags(*sub);
-  sub->add_option("--backend", f->backend, "cpu (cuda once the CUDA backend exists)")
+  sub->add_option("--backend", f->backend,
+                  "cpu (Eigen kernels, MPI collectives) or cuda (the CUDA backend's kernels, NCCL "
+                  "collectives where each rank has a GPU of its own)")
       ->capture_default_str();
   sub->add_flag("--quick", f->quick, "fewer sizes and shorter timings");
   sub->add_option("--time-limit-s", f->time_limit_s,

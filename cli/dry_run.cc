@@ -12,28 +12,29 @@
 
 namespace ptdp {
 
-ModelSpec as_executed(const ModelSpec& m) {
+ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   ModelSpec run = m;
   run.attention_dropout = 0;
   run.hidden_dropout = 0;
-  run.flash_attention = false;
+  if (p.context_parallel > 1) run.flash_attention = false;
   return run;
 }
 
-std::string execution_note(const ModelSpec& m) {
+std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   std::string note;
-  if (m.attention_dropout > 0 || m.hidden_dropout > 0) note = "trains without dropout";
-  if (m.flash_attention)
-    note +=
-        std::string(note.empty() ? "" : "; ") + "keeps the attention scores (no flash attention)";
-  return note.empty() ? note : note + " (the cpu backend has neither)";
+  if (m.attention_dropout > 0 || m.hidden_dropout > 0)
+    note = "trains without dropout (ptdp run has none)";
+  if (m.flash_attention && p.context_parallel > 1)
+    note += std::string(note.empty() ? "" : "; ") +
+            "keeps the attention scores (the context-parallel ring runs unfused attention)";
+  return note;
 }
 
 RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const RankFootprint& f) {
   constexpr double kFloat = 4.0;  // the runtime keeps everything in fp32
   // With context parallelism a rank holds s / cp tokens of each microbatch (two of the 2 cp
   // chunks, runtime/context_parallel.h): its activations are those of a sequence s / cp long.
-  ModelSpec m = as_executed(model);
+  ModelSpec m = as_executed(model, p);
   ParallelPlan local = p;
   if (p.context_parallel > 1) {
     m.seq_length /= p.context_parallel;

@@ -22,11 +22,12 @@ struct RankMemory {
   double peak() const { return parameters + gradients + optimizer + activations; }
 };
 
-// The model as the cpu backend executes it: without dropout and with the attention scores
-// kept (no flash attention), whatever `m` asks for; its memory is priced on this.
-ModelSpec as_executed(const ModelSpec& m);
-// "" when the backend runs `m` as given, else a note saying what it runs instead.
-std::string execution_note(const ModelSpec& m);
+// The model as ptdp run executes it under plan `p`: without dropout (the runtime has none), and
+// with the attention scores kept (no flash attention) under context parallelism, whose ring runs
+// the unfused attention pieces; its memory is priced on this.
+ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p);
+// "" when the runtime runs `m` as given, else a note saying what it runs instead.
+std::string execution_note(const ModelSpec& m, const ParallelPlan& p);
 
 RankMemory rank_memory(const ModelSpec& m, const ParallelPlan& p, const RankFootprint& f);
 

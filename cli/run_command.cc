@@ -238,7 +238,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   auto on_step = [&](const StepStats& s) {
     if (!header && !f.json) {
       out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
-      if (const std::string note = execution_note(model); !note.empty())
+      if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }
     header = true;

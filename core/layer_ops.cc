@@ -666,11 +666,12 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * mlp_width;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
-  // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row (2 a s b). With
-  // context parallelism the rank's s/cp queries each score all s keys.
+  // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
+  // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism
+  // the rank's s/cp queries each score all s keys.
   const double per_score = m.attention_dropout > 0 ? 5.0 : 2.0;
   u.sharded += s.recompute == Recompute::kSelective ? 0.0
-               : fused_attention(m, s)              ? 2.0 * d.heads * d.T
+               : fused_attention(m, s)              ? 4.0 / (d.act / 2.0) * d.heads * d.T
                                                     : per_score * d.heads * d.s * d.T;
   return u;
 }

@@ -22,6 +22,15 @@ struct AdamWSettings {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
 };
 
+// What a GPU backend says of its device, for machine files (ptdp calibrate) and messages.
+struct DeviceInfo {
+  std::string name;  // "NVIDIA H100 80GB HBM3"
+  double memory_bytes = 0;
+  double cache_bytes = 0;  // the last-level (L2) cache
+  int multiprocessors = 0;
+  std::string driver, runtime;  // CUDA driver and runtime versions, "12.8"
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -51,6 +60,18 @@ class Backend {
   virtual void attention_context_backward(const float* probs, const float* v, const float* dout,
                                           float* dprobs, float* dv, int64_t b, int64_t s,
                                           int64_t hq, int64_t hk, int64_t d) = 0;
+
+  // Causal attention fused the flash-attention way (--use-flash-attn): q, out [b, s, hq, d], k,
+  // v [b, s, hk, d], lse [b, hq, s] the natural log of each row's softmax denominator over the
+  // scores q.k / sqrt(d). No s x s matrix is kept: the backward pass recomputes the probabilities
+  // from lse and overwrites dq, dk and dv (dk, dv summed over the query heads of a group).
+  virtual void flash_attention_forward(const float* q, const float* k, const float* v, float* out,
+                                       float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                                       int64_t d) = 0;
+  virtual void flash_attention_backward(const float* q, const float* k, const float* v,
+                                        const float* out, const float* lse, const float* dout,
+                                        float* dq, float* dk, float* dv, int64_t b, int64_t s,
+                                        int64_t hq, int64_t hk, int64_t d) = 0;
 
   // Norms (beta null: RMSNorm) and activations.
   virtual void norm_forward(const float* x, const float* g, const float* beta, float* y,
@@ -122,6 +143,13 @@ class Backend {
 
   // Waits for all work queued on this backend (a no-op where kernels run synchronously).
   virtual void synchronize() = 0;
+
+  // A GPU backend's device index and the stream its work is queued on (a cudaStream_t), which a
+  // device data plane orders its operations after (runtime/data_plane.h); -1 and null elsewhere.
+  virtual int device_index() const { return -1; }
+  virtual void* native_stream() const { return nullptr; }
+  // A GPU backend's device; an empty name for host backends.
+  virtual DeviceInfo device_info() const { return {}; }
 };
 
 // "cpu" (Eigen and the reference kernels), or "cuda" (runtime/cuda/cuda_backend.h) in a build

@@ -75,7 +75,9 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   s.fused_grad_accumulation = true;  // gradients accumulate in place
   s.main_grad_bytes = 4;
   s.activation_dtype = DType::kF32;
-  s.fused_attention = false;  // the CPU kernels run the unfused softmax path
+  // Flash attention where the model asks for it (ShardDims::flash); the context-parallel ring
+  // runs the unfused pieces.
+  s.fused_attention = l.cp == 1;
   return s;
 }
 
@@ -537,7 +539,8 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
     // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
     Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
     for (OpId op : moe ? I.moe_bwd : I.layer_bwd) {
-      c.begin(op, PassKind::kBackward);
+      // A forward op in the backward list is a recomputation (flash attention's scores).
+      c.begin(op, is_layer_forward_op(op) ? PassKind::kRecompute : PassKind::kBackward);
       if (is_moe_op(op))
         moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
       else

@@ -25,8 +25,14 @@ struct OpExecutor::State {
     int64_t& done = filled[&x];
     if (done == n && elems(x) == n) return;
     resize(x, n);
-    for (int64_t i = 0; i < n; ++i)
-      x[static_cast<size_t>(i)] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+    auto value = [](int64_t i) { return static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f; };
+    if (x.on_host()) {
+      for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = value(i);
+    } else {  // a device backend's memory (ptdp calibrate --backend cuda)
+      std::vector<float> host(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = value(i);
+      x.space()->upload(host.data(), x.data(), host.size() * sizeof(float));
+    }
     done = n;
   }
   std::map<const Buffer*, int64_t> filled;
@@ -52,6 +58,10 @@ OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const Model
 OpExecutor::~OpExecutor() = default;
 
 void OpExecutor::touch_input() const {
+  if (!s_->a.on_host()) {  // a device: a kernel that reads and writes it back unchanged
+    s_->ctx.be.scale(s_->a.data(), elems(s_->a), 1.0);
+    return;
+  }
   float sum = 0;
   for (float v : s_->a) sum += v;
   volatile float sink = sum;

@@ -31,7 +31,8 @@ class OpExecutor {
   // Records what each run executes (as GptShard::trace_ops does).
   void trace_ops(std::vector<ExecutedOp>* sink);
   // Reads the first operand of the op run last (its activation input, x or dy), as the op
-  // before it in a pass leaves it in cache (calibration's cold timings).
+  // before it in a pass leaves it in cache (calibration's cold timings); on a device backend a
+  // kernel reads and rewrites it (a scale by 1) so that it sits in the device's cache.
   void touch_input() const;
 
   struct State;

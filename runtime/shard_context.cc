@@ -12,6 +12,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.cpr = l.cp_rank;
   d.s_attn = m.seq_length;
   d.s = m.seq_length / l.cp;
+  d.flash = m.flash_attention && l.cp == 1;
   d.h = m.hidden_size;
   d.heads = m.num_attention_heads;
   d.groups = m.query_groups();

@@ -32,6 +32,9 @@ struct ShardDims {
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
   // whole sequence (s is the s / cp tokens held here, s_attn the length attention spans).
   int64_t cp = 1, cpr = 0, s_attn = 0;
+  // Flash attention (--use-flash-attn): the attention core runs fused, keeping lse rather than
+  // the s x s probabilities. Not with context parallelism, whose ring runs the unfused pieces.
+  bool flash = false;
   int64_t qkv_width() const { return (hl + 2 * gl) * d; }
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
 };

@@ -19,13 +19,13 @@
 #include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data.h"
+#include "runtime/data_plane.h"
 #include "runtime/expert_groups.h"
 #include "runtime/gpt_model.h"
 #include "runtime/grad_sync.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/process_groups.h"
 #include "runtime/shard_footprint.h"
-#include "runtime/staged_communicator.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
@@ -266,8 +266,9 @@ void Executor::setup() {
   });
   if (dry_) return;
   data_world_ = &world_;
-  if (!backend_->host_accessible()) {
-    staged_world_ = make_host_staged_communicator(world_, *backend_);
+  if (!backend_->host_accessible()) {  // NCCL, or MPI on host copies (runtime/data_plane.h)
+    DataPlane plane = make_device_data_plane(world_, control_, *backend_);
+    staged_world_ = std::move(plane.world);
     data_world_ = staged_world_.get();
   }
   const int key = static_cast<int>(world_.rank());

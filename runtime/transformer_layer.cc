@@ -1,5 +1,6 @@
 #include "runtime/transformer_layer.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "runtime/context_parallel.h"
@@ -10,8 +11,20 @@ bool is_layer_forward_op(OpId id) {
   return id >= OpId::kInputLayernorm && id <= OpId::kMlpBiasDropoutAdd;
 }
 bool is_layer_backward_op(OpId id) {
-  return id >= OpId::kMlpBiasDropoutAddBackward && id <= OpId::kInputLayernormBackward;
+  // With flash attention the backward list recomputes the scores (FlashAttention-2's backward).
+  return (id >= OpId::kMlpBiasDropoutAddBackward && id <= OpId::kInputLayernormBackward) ||
+         id == OpId::kAttnScores;
 }
+
+namespace {
+
+// Keys per query row the op list prices a fused attention's GEMMs at: the causal half
+// (core/layer_ops.cc, attention_core).
+int64_t fused_keys(const ShardDims& m) {
+  return std::max<int64_t>(1, m.s_attn / 2);
+}
+
+}  // namespace
 
 void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A) {
   const ShardDims& m = c.dims;
@@ -53,16 +66,29 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       be.rope(A.k.data(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
       break;
     case OpId::kAttnScores:
+      if (m.flash) {  // the whole attention core, in one fused kernel
+        resize(A.ctx, m.b * sa * m.hl * m.d);
+        resize(A.lse, m.b * m.hl * sa);
+        be.flash_attention_forward(A.q.data(), A.k.data(), A.v.data(), A.ctx.data(), A.lse.data(),
+                                   m.b, sa, m.hl, m.gl, m.d);
+        c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
+        break;
+      }
       resize(A.probs, m.b * m.hl * sa * sa);
       be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
     case OpId::kAttnSoftmax:
+      if (m.flash) break;  // inside flash_attention_forward
       be.causal_softmax(A.probs.data(), m.b * m.hl, sa);
       break;
     case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
       break;
     case OpId::kAttnContext:
+      if (m.flash) {  // computed with the scores
+        c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
+        break;
+      }
       resize(A.ctx, m.b * sa * m.hl * m.d);
       be.attention_context(A.probs.data(), A.v.data(), A.ctx.data(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
@@ -186,7 +212,21 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kAttnProjWgrad:
       c.linear_wgrad(A.ctx.data(), D.d_proj.data(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
       break;
+    case OpId::kAttnScores:  // flash attention's backward, which recomputes the scores
+      if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
+      resize(D.dq, elems(A.q));
+      resize(D.dk, elems(A.k));
+      resize(D.dv, elems(A.v));
+      be.flash_attention_backward(A.q.data(), A.k.data(), A.v.data(), A.ctx.data(), A.lse.data(),
+                                  D.d_ctx.data(), D.dq.data(), D.dk.data(), D.dv.data(), m.b, sa,
+                                  m.hl, m.gl, m.d);
+      c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
+      break;
     case OpId::kAttnContextDprobs:
+      if (m.flash) {  // the GEMMs of the fused backward ran with the recomputed scores
+        c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
+        break;
+      }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.d_probs, elems(A.probs));
       be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), D.d_probs.data(),
@@ -194,6 +234,10 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
     case OpId::kAttnContextDv:
+      if (m.flash) {
+        c.gemm_done(fused_keys(m), m.d, sa, m.b * m.hl);
+        break;
+      }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.dv, elems(A.v));
       be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
@@ -203,16 +247,25 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kAttnDropoutBackward:
       break;
     case OpId::kAttnSoftmaxBackward:
+      if (m.flash) break;
       be.causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), m.b * m.hl,
                                  sa);
       break;
     case OpId::kAttnScoresDq:
+      if (m.flash) {
+        c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
+        break;
+      }
       resize(D.dq, elems(A.q));
       be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(), nullptr,
                                    m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
       break;
     case OpId::kAttnScoresDk:
+      if (m.flash) {
+        c.gemm_done(m.d, fused_keys(m), sa, m.b * m.hl);
+        break;
+      }
       resize(D.dk, elems(A.k));
       be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), nullptr, D.dk.data(),
                                    m.b, sa, m.hl, m.gl, m.d);
@@ -258,6 +311,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
 void drop_recomputed(LayerActs& A, Recompute r) {
   if (r == Recompute::kNone) return;
   release(A.probs);  // selective: the attention core is recomputed
+  release(A.lse);
   if (r == Recompute::kSelective) return;
   for (Buffer* x : {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q, &A.k, &A.v, &A.ctx, &A.h1,
                     &A.ln2, &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1, &A.act})

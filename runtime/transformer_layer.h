@@ -19,7 +19,9 @@ struct LayerParams {  // offsets into the flat buffers; -1 when absent
 };
 
 struct LayerActs {
-  Buffer x, ln1, ln1_mean, ln1_rstd, ln1_full, q, k, v, probs, ctx, proj, h1;
+  // probs: the s x s attention probabilities; with flash attention lse (one log-sum-exp per
+  // query row and head) instead.
+  Buffer x, ln1, ln1_mean, ln1_rstd, ln1_full, q, k, v, probs, lse, ctx, proj, h1;
   Buffer ln2, ln2_mean, ln2_rstd, ln2_full, fc1, act, fc2, out;
 };
 

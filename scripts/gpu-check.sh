@@ -43,7 +43,12 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${args[@]}" >"$build
   cat "$build/configure.log" >&2
   exit 1
 }
-ninja -C "$build" -j"$jobs" cpu_twins_test cuda_kernels_test cuda_kernels_bench cuda_backend_test ptdp
+targets=(cpu_twins_test cuda_kernels_test cuda_kernels_bench cuda_backend_test ptdp)
+# The NCCL data plane's tests, where CMake found NCCL beside CUDA.
+if ninja -C "$build" -t targets all | grep -q '^nccl_communicator_test:'; then
+  targets+=(nccl_communicator_test)
+fi
+ninja -C "$build" -j"$jobs" "${targets[@]}"
 echo "gpu-check: built in $(($(date +%s) - start)) s"
 mkdir -p "$out"
 
@@ -51,10 +56,16 @@ set +e
 "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
 "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
 "$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_tests.json" >"$out/backend_tests.log" 2>&1
-# GPT-2-124M's shape (docs/gpu.md) on one GPU, fp32 on the CUDA backend, and what predict says of
-# the same configuration.
+if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
+  "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
+    >"$out/nccl_tests.log" 2>&1
+fi
+# GPT-2-124M's shape (docs/gpu.md) on one GPU, fp32 on the CUDA backend with flash attention
+# (no s x s scores kept, as PyTorch's scaled_dot_product_attention), and what predict says of the
+# same configuration.
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
-  --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4})
+  --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4}
+  --use-flash-attn)
 "$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
   >"$out/gpt2_run.json" 2>"$out/gpt2_run.log"
 "$build/cli/ptdp" predict "${gpt2[@]}" --tensor-model-parallel-size 1 \
@@ -86,8 +97,11 @@ import json, os, sys
 out = sys.argv[1]
 fail = 0
 rows = []
-for f in ("cpu_twins.json", "gpu_tests.json", "backend_tests.json"):
+for f in ("cpu_twins.json", "gpu_tests.json", "backend_tests.json", "nccl_tests.json"):
     path = os.path.join(out, f)
+    if f == "nccl_tests.json" and not os.path.exists(path.replace(".json", ".log")):
+        rows.append((f, "not built (CMake found no NCCL)", ""))
+        continue
     if not os.path.exists(path):
         rows.append((f, "NO RESULT (crashed? see the .log beside it)", ""))
         fail += 1

@@ -3,6 +3,7 @@
 // trip and loading through --cluster, and one-line errors for bad machine files.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,7 @@
 #include "core/presets.h"
 #include "planner/comm_model.h"
 #include "planner/cost_model.h"
+#include "runtime/backend.h"
 #include "tests/support/cli_run.h"
 
 namespace ptdp {
@@ -387,12 +389,26 @@ TEST(MachineFile, BadFilesGetOneLineErrorsNamingTheField) {
   }
 }
 
-TEST(Calibrate, CudaAndBadFlagsAreRefusedBeforeMeasuring) {
+// An unknown backend, and cuda where it cannot run (a build without CUDA, or no GPU visible:
+// scripts/gpu-check.sh calibrates it on a GPU), are refused before anything is measured.
+TEST(Calibrate, UnusableBackendsAndBadFlagsAreRefusedBeforeMeasuring) {
   const auto out =
       (std::filesystem::temp_directory_path() / "ptdp_calibration_test_x.json").string();
-  CliResult r = cli({"calibrate", "--backend", "cuda", "--out", out});
+  CliResult r = cli({"calibrate", "--backend", "tpu", "--out", out});
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err.rfind("ptdp: --backend:", 0), 0u) << r.err;
+  bool gpu = true;
+  try {
+    make_backend("cuda");
+  } catch (const InputError&) {
+    gpu = false;
+  }
+  if (!gpu) {
+    r = cli({"calibrate", "--backend", "cuda", "--out", out});
+    EXPECT_EQ(r.status, 2);
+    EXPECT_EQ(r.err.rfind("ptdp: --backend:", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+  }
   r = cli({"calibrate", "--out", "/no/such/dir/m.json"});
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err.rfind("ptdp: --out:", 0), 0u) << r.err;

@@ -140,8 +140,11 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       {2, true, Recompute::kSelective}, {2, false, Recompute::kFull},
       {4, true, Recompute::kFull},
   };
+  ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
+  flash.name = "trace-flash";
+  flash.flash_attention = true;
   int checked = 0;
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary()}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
     for (const Variant& v : variants) {
       ShardLayout l;
       l.t = v.t;

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "core/error.h"
+#include "core/layer_ops.h"
 #include "kernels/cpu/hash.h"
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
@@ -136,8 +137,14 @@ TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
 
 // The backward pass against central differences of the loss, for a few parameters of every
 // kind (in float, so the tolerance is loose, but a wiring error is off by O(1)).
+ModelSpec with_flash(ModelSpec m) {
+  m.flash_attention = true;
+  m.name += "-flash";
+  return m;
+}
+
 TEST(GptShard, GradientsMatchFiniteDifferences) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary()}) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama())}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
@@ -197,6 +204,38 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
     EXPECT_EQ(losses(res), reference) << to_string(r);
     EXPECT_GT(res.peak_memory_bytes, previous) << to_string(r) << " keeps more than the last";
     previous = res.peak_memory_bytes;
+  }
+}
+
+// --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
+// in another order, so not to the bit) in every recompute mode, and keeps no s x s probabilities:
+// the measured peak falls by at least what the memory model says the scores cost.
+TEST(Train, FlashAttentionGivesTheSameLossesWithoutTheScores) {
+  for (const ModelSpec& m : {tiny(), tiny_rotary()}) {
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+      TrainOptions o = options(m, 3);
+      o.plan.recompute = r;
+      const TrainResult unfused = train_one(o);
+      o.model = with_flash(m);
+      const TrainResult flash = train_one(o);
+      const std::string at = m.name + " " + to_string(r);
+      ASSERT_EQ(flash.steps.size(), unfused.steps.size()) << at;
+      for (size_t i = 0; i < unfused.steps.size(); ++i)
+        EXPECT_NEAR(flash.steps[i].loss, unfused.steps[i].loss, 1e-5 * unfused.steps[i].loss)
+            << at << " step " << i;
+      if (r != Recompute::kNone) continue;
+      LayerShape shape;  // as ptdp run executes the layer: fp32, no dropout
+      shape.micro_batch = o.plan.micro_batch_size;
+      shape.activation_dtype = DType::kF32;
+      ModelSpec run = m;
+      run.attention_dropout = run.hidden_dropout = 0;
+      const double scores =
+          static_cast<double>(m.num_layers) *
+          (layer_activation_bytes(run, shape) - layer_activation_bytes(with_flash(run), shape));
+      EXPECT_GT(scores, 0) << at;
+      EXPECT_GE(static_cast<double>(unfused.peak_memory_bytes - flash.peak_memory_bytes), scores)
+          << at;
+    }
   }
 }
 

@@ -172,6 +172,28 @@ class CudaBackend final : public Backend {
     if (dprobs) k::zero_upper(dprobs, b * hq, s, stream_);
   }
 
+  void flash_attention_forward(const float* q, const float* kk, const float* v, float* out,
+                               float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                               int64_t d) override {
+    k::flash_attention_forward(q, kk, v, out, lse, b, s, hq, hk, d, stream_);
+  }
+  void flash_attention_backward(const float* q, const float* kk, const float* v, const float* out,
+                                const float* lse, const float* dout, float* dq, float* dk,
+                                float* dv, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                                int64_t d) override {
+    // The workspace is counted like any allocation (it is the size of lse).
+    const size_t bytes = static_cast<size_t>(b * hq * s) * sizeof(float);
+    float* delta = static_cast<float*>(allocate(bytes));
+    try {
+      k::flash_attention_backward(q, kk, v, out, lse, dout, dq, dk, dv, delta, b, s, hq, hk, d,
+                                  stream_);
+    } catch (...) {
+      deallocate(delta, bytes);
+      throw;
+    }
+    deallocate(delta, bytes);
+  }
+
   void norm_forward(const float* x, const float* g, const float* beta, float* y, float* mean,
                     float* rstd, int64_t n, int64_t h) override {
     if (beta)
@@ -291,6 +313,27 @@ class CudaBackend final : public Backend {
                    1.0 - std::pow(o.beta2, static_cast<double>(step))};
     k::adamw(param, grad, m, v, n, a, stream_);
   }
+
+  int device_index() const override { return device_; }
+  DeviceInfo device_info() const override {
+    cudaDeviceProp prop{};
+    PTDP_CHECK(cudaGetDeviceProperties(&prop, device_));
+    DeviceInfo d;
+    d.name = prop.name;
+    d.memory_bytes = static_cast<double>(prop.totalGlobalMem);
+    d.cache_bytes = static_cast<double>(prop.l2CacheSize);
+    d.multiprocessors = prop.multiProcessorCount;
+    int driver = 0, runtime = 0;
+    cudaDriverGetVersion(&driver);
+    cudaRuntimeGetVersion(&runtime);
+    auto version = [](int v) {  // 12080 -> "12.8"
+      return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+    };
+    d.driver = version(driver);
+    d.runtime = version(runtime);
+    return d;
+  }
+  void* native_stream() const override { return stream_; }
 
   void* allocate(size_t bytes) override {
     void* p = nullptr;

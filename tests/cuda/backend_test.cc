@@ -140,6 +140,45 @@ TEST_F(CudaBackendTest, AttentionPiecesMatchTheCpu) {
   }
 }
 
+// The fused (flash) attention of --use-flash-attn against the CPU twin, forward and backward,
+// with and without grouped queries, at odd sequence lengths and head dimensions that are not a
+// multiple of the warp (16, 40) beside GPT-2's 64.
+TEST_F(CudaBackendTest, FlashAttentionMatchesTheCpu) {
+  struct Case {
+    int64_t b, s, hq, hk, d;
+  };
+  for (const Case& c : {Case{2, 19, 4, 2, 16}, Case{1, 70, 3, 3, 40}, Case{2, 33, 2, 1, 64}}) {
+    const std::string at = " (s " + std::to_string(c.s) + ", hq " + std::to_string(c.hq) + ", hk " +
+                           std::to_string(c.hk) + ", d " + std::to_string(c.d) + ")";
+    const size_t nq = static_cast<size_t>(c.b * c.s * c.hq * c.d),
+                 nk = static_cast<size_t>(c.b * c.s * c.hk * c.d),
+                 nl = static_cast<size_t>(c.b * c.hq * c.s);
+    const Host q = random(nq, 20), k = random(nk, 21), v = random(nk, 22), dout = random(nq, 23);
+    Host out(nq), lse(nl), dq(nq), dk(nk), dv(nk);
+    cpu_->flash_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), c.b, c.s,
+                                  c.hq, c.hk, c.d);
+    cpu_->flash_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(),
+                                   dout.data(), dq.data(), dk.data(), dv.data(), c.b, c.s, c.hq,
+                                   c.hk, c.d);
+    float *gq = up(q), *gk = up(k), *gv = up(v), *gdout = up(dout);
+    float *gout = up(Host(nq)), *glse = up(Host(nl)), *gdq = up(Host(nq, 5.0f)),
+          *gdk = up(Host(nk, 5.0f)), *gdv = up(Host(nk, 5.0f));  // overwritten, not added to
+    gpu_->flash_attention_forward(gq, gk, gv, gout, glse, c.b, c.s, c.hq, c.hk, c.d);
+    expect_close(down(gout, nq), out, "flash attention output" + at);
+    expect_close(down(glse, nl), lse, "flash attention lse" + at);
+    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.hq,
+                                   c.hk, c.d);
+    expect_close(down(gdq, nq), dq, "flash attention d q" + at);
+    expect_close(down(gdk, nk), dk, "flash attention d k" + at);
+    expect_close(down(gdv, nk), dv, "flash attention d v" + at);
+    // Deterministic: a second backward pass gives the same bits.
+    const Host first = down(gdk, nk);
+    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.hq,
+                                   c.hk, c.d);
+    EXPECT_EQ(down(gdk, nk), first) << "flash attention d k is not reproducible" << at;
+  }
+}
+
 TEST_F(CudaBackendTest, NormsMatchTheCpu) {
   for (const bool layernorm : {true, false}) {
     const int64_t n = 33, h = 301;
@@ -320,7 +359,8 @@ TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
 
 // Whole runs on one rank: the GPU's losses follow the CPU backend's from the same seed (fp32 on
 // both; the sums are added in other orders, so not to the bit), for the GPT shape and the
-// Llama shape (grouped queries, SwiGLU with RMSNorm and no biases, rotary, untied head).
+// Llama shape (grouped queries, SwiGLU with RMSNorm and no biases, rotary, untied head), that
+// one also with flash attention.
 TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
   PTDP_REQUIRE_GPU();
   ModelSpec gpt;
@@ -336,7 +376,9 @@ TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
   llama.learned_position_embeddings = false;
   llama.rotary_base = 10000;
   llama.ffn_hidden_size = 96;
-  for (const ModelSpec& m : {gpt, llama}) {
+  ModelSpec flash = llama;  // --use-flash-attn: the fused attention kernels
+  flash.flash_attention = true;
+  for (const ModelSpec& m : {gpt, llama, flash}) {
     std::vector<std::vector<double>> runs;
     for (const char* be : {"cpu", "cuda"}) {
       TrainOptions o;

@@ -1,0 +1,71 @@
+#include "runtime/data_plane.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/staged_communicator.h"
+#ifdef PTDP_HAVE_NCCL_COMM
+#include "runtime/cuda/nccl_communicator.h"
+#endif
+
+namespace ptdp {
+namespace {
+
+// "host/device" of this rank, for finding ranks that share a GPU.
+std::vector<uint8_t> where(const Backend& backend) {
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  const std::string s = std::string(host) + "/" + std::to_string(backend.device_index());
+  return {s.begin(), s.end()};
+}
+
+// Whether every rank has a GPU of its own.
+bool one_gpu_per_rank(ControlPlane& control, const Backend& backend) {
+  std::set<std::string> seen;
+  for (const std::vector<uint8_t>& w : control.all_gather_bytes(where(backend)))
+    if (!seen.insert(std::string(w.begin(), w.end())).second) return false;
+  return true;
+}
+
+}  // namespace
+
+DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Backend& backend) {
+  if (backend.host_accessible())
+    throw std::logic_error("make_device_data_plane: the backend's memory is host memory");
+  const char* env = std::getenv("PTDP_DATA_PLANE");
+  const std::string want = env ? env : "auto";
+  if (want != "auto" && want != "staged" && want != "nccl")
+    throw InputError("PTDP_DATA_PLANE", "must be auto, staged or nccl, not '" + want + "'");
+  DataPlane plane;
+  std::string why_not;
+  if (want != "staged") {
+#ifdef PTDP_HAVE_NCCL_COMM
+    if (backend.name() != "cuda") {
+      why_not = "the " + std::string(backend.name()) + " backend is not a GPU";
+    } else if (!one_gpu_per_rank(control, backend)) {
+      why_not = "ranks share a GPU, which NCCL refuses";
+    } else {
+      plane.world = make_nccl_communicator(control, backend.device_index(), backend.native_stream(),
+                                           world.timeout());
+      plane.world->set_name(world.name());
+      plane.kind = "nccl";
+      return plane;
+    }
+#else
+    why_not = "this build has no NCCL";
+#endif
+    if (want == "nccl") throw InputError("PTDP_DATA_PLANE", "nccl cannot be used: " + why_not);
+  }
+  plane.world = make_host_staged_communicator(world, backend);
+  plane.kind = "staged";
+  return plane;
+}
+
+}  // namespace ptdp

@@ -1,0 +1,101 @@
+// The NCCL data plane (runtime/cuda/nccl_communicator.h) on one GPU: a group of one rank, which
+// is what one GPU allows (NCCL refuses two ranks on a device), so every collective is checked
+// for what a group of one must give, with device and host pointers, on split groups too; then a
+// whole training run on the NCCL data plane against the host-staged one. Multi-GPU exchanges run
+// under mpirun on a machine with several GPUs (docs/gpu.md). Skips, with the reason, where no GPU
+// is visible.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "runtime/cuda/nccl_communicator.h"
+#include "runtime/trainer.h"
+#include "tests/cuda/cuda_test_util.h"
+
+namespace ptdp {
+namespace {
+
+std::vector<float> iota(size_t n, float first) {
+  std::vector<float> v(n);
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+struct Device {
+  float* p = nullptr;
+  size_t n = 0;
+  explicit Device(const std::vector<float>& h) : n(h.size()) {
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(float)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, h.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Device() { cudaFree(p); }
+  std::vector<float> host() const {
+    std::vector<float> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+TEST(NcclCommunicator, AGroupOfOneGivesWhatEachCollectiveMust) {
+  PTDP_REQUIRE_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto control = make_self_control_plane();
+  auto world = make_nccl_communicator(*control, 0, nullptr, CommDuration(60));
+  ASSERT_EQ(world->size(), 1);
+  ASSERT_EQ(world->rank(), 0);
+  for (Communicator* c : {world.get(), world->split(3, 0, "child").get()}) {
+    const std::vector<float> x = iota(1000, 1.0f);
+    Device a(x), b(std::vector<float>(1000, -1.0f));
+    c->all_reduce(a.p, x.size(), DType::kF32);  // the sum over one rank
+    EXPECT_EQ(a.host(), x) << c->name();
+    c->all_gather(a.p, b.p, x.size(), DType::kF32);
+    EXPECT_EQ(b.host(), x) << c->name();
+    c->reduce_scatter(a.p, a.p, x.size(), DType::kF32);  // in place: the block at the start
+    EXPECT_EQ(a.host(), x) << c->name();
+    c->broadcast(a.p, x.size(), DType::kF32, 0);
+    EXPECT_EQ(a.host(), x) << c->name();
+    double host = 2.5;  // host memory is staged through the device
+    c->all_reduce(&host, 1, DType::kF64);
+    EXPECT_EQ(host, 2.5) << c->name();
+    c->barrier();
+    auto work = c->all_reduce_async(a.p, x.size(), DType::kF32);
+    work->wait();
+    EXPECT_TRUE(work->test());
+  }
+}
+
+// ptdp run on one GPU: the NCCL data plane (a group of one) gives the staged plane's losses to
+// the bit, since a sum over one rank changes nothing.
+TEST(NcclCommunicator, TrainingOnTheNcclDataPlaneGivesTheStagedLosses) {
+  PTDP_REQUIRE_GPU();
+  ModelSpec m;
+  m.num_layers = 2;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 33;
+  m.vocab_size = 131;
+  std::vector<std::vector<double>> runs;
+  for (const char* plane : {"staged", "nccl"}) {
+    setenv("PTDP_DATA_PLANE", plane, 1);
+    TrainOptions o;
+    o.model = m;
+    o.plan.global_batch_size = 6;
+    o.plan.micro_batch_size = 3;
+    o.steps = 5;
+    o.backend = "cuda";
+    auto self = make_self_communicator();
+    const TrainResult r = train(o, *self);
+    std::vector<double> l;
+    for (const StepStats& s : r.steps) l.push_back(s.loss);
+    runs.push_back(l);
+  }
+  unsetenv("PTDP_DATA_PLANE");
+  EXPECT_EQ(runs[1], runs[0]);
+}
+
+}  // namespace
+}  // namespace ptdp
