@@ -136,7 +136,7 @@ void check_group_sizes(const std::vector<int64_t>& sizes, int ranks) {
 }
 
 json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control) {
-  if (o.backend != "cpu" && o.backend != "cuda")
+  if (o.backend != "cpu" && o.backend != "cuda" && o.backend != "cpu-staged")
     throw InputError("--backend", "must be cpu or cuda, not '" + o.backend + "'");
   o.model.validate();
   check_group_sizes(o.group_sizes, world.size());
@@ -160,7 +160,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // On a GPU that is its L2 cache, evicted by writing device memory.
   const double llc_bytes = gpu ? device.cache_bytes : last_level_cache_bytes();
   std::unique_ptr<CacheEvictor> evict;
-  if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
+  if (llc_bytes > 0)
+    evict = std::make_unique<CacheEvictor>(llc_bytes, be.host_accessible() ? nullptr : &be);
   const int64_t timings = count_timings(plan, o.model, evict != nullptr);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
@@ -271,7 +272,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   std::vector<int> fam;
   std::vector<double> mbytes, msec;
   for (const OpSample& s : ops) {
-    if (s.op.kind != OpKind::kMemory || s.op.bytes <= 0) continue;
+    if (s.op.kind != OpKind::kMemory || s.op.bytes <= 0 || s.op.fused) continue;
     const std::string f = memory_family(s.op.id);
     const auto it = std::find(families.begin(), families.end(), f);
     if (it == families.end()) continue;
@@ -322,7 +323,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   };
   std::vector<G> gemms;
   for (const OpSample& s : ops)
-    if (s.op.kind == OpKind::kGemm)
+    if (s.op.kind == OpKind::kGemm && !s.op.fused)
       gemms.push_back({static_cast<double>(s.op.m), static_cast<double>(s.op.n),
                        static_cast<double>(s.op.k), static_cast<double>(s.op.batch), s.seconds});
   for (const auto& [g, sec] : grid)
@@ -353,7 +354,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     prof.gemm.sm_count = 0;
     // Cold over warm per shape, where measured (the op-list GEMMs; the grid is timed warm).
     const auto cold = cold_factors(ops, OpKind::kGemm, [](const Op& op) {
-      return std::optional<std::array<int64_t, 4>>({op.m, op.n, op.k, op.batch});
+      using Key = std::optional<std::array<int64_t, 4>>;
+      return op.fused ? Key() : Key({op.m, op.n, op.k, op.batch});
     });
     for (const auto& [key, e] : table) {
       GemmMeasurement g{key[0], key[1], key[2], key[3],
@@ -369,12 +371,20 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                     {"table_entries", prof.gemm_table.size()},
                     {"residuals", to_json(gf.residuals)}};
   }
+  // Fused kernels (a flash attention's core): each op's own time, as measured; the kernel runs
+  // on one op of the group (CostModel prices these from the table, HardwareProfile::fused_ops).
+  for (const OpSample& s : ops) {
+    if (!s.op.fused) continue;
+    const double size = s.op.kind == OpKind::kGemm ? s.op.flops() : s.op.bytes;
+    if (size > 0) prof.fused_ops.push_back({std::string(s.op.name()), size, s.seconds});
+  }
+  if (!prof.fused_ops.empty()) fits["fused_ops"] = prof.fused_ops.size();
   // The cache model: the node's last-level cache shared by its ranks, and cold over warm per
   // memory-bound family (GEMMs: per table entry, above).
   if (evict) {
     prof.cache.bytes_per_rank = llc_bytes / ranks_per_node;
     prof.cache.memory_cold_factor = cold_factors(ops, OpKind::kMemory, [](const Op& op) {
-      std::string f = memory_family(op.id);
+      std::string f = op.fused ? std::string() : memory_family(op.id);
       return f.empty() ? std::nullopt : std::optional<std::string>(std::move(f));
     });
     double gemm_log = 0;
@@ -471,6 +481,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
               {"micro_batch", s.b},
               {"seconds", s.seconds}};
     if (s.cold_seconds > 0) j["cold_seconds"] = s.cold_seconds;
+    if (s.op.fused) j["fused"] = true;
     if (s.op.kind == OpKind::kGemm) {
       j["m"] = s.op.m, j["n"] = s.op.n, j["k"] = s.op.k, j["batch"] = s.op.batch;
       j["flops_per_s"] = s.op.flops() / s.seconds;

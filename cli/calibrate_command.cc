@@ -70,7 +70,9 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   const int lrank = launcher_rank();
   CalibrateOptions o;
   try {
-    if (f.backend != "cpu" && f.backend != "cuda")
+    // cpu-staged: the CPU kernels on memory treated as a device's (runtime/backend.h), which
+    // runs calibrate's device paths on any machine (tests).
+    if (f.backend != "cpu" && f.backend != "cuda" && f.backend != "cpu-staged")
       throw InputError("--backend", "must be cpu or cuda, not '" + f.backend + "'");
     if (f.out.empty()) throw InputError("--out", "is required");
     const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();

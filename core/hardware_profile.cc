@@ -94,6 +94,18 @@ double HardwareProfile::gemm_cold_factor(double m, double n, double k, double ba
                          [](const GemmMeasurement& e) { return e.cold_factor; });
 }
 
+double HardwareProfile::fused_op_seconds(std::string_view op, double size) const {
+  const FusedOpMeasurement* best = nullptr;
+  double distance = 0;
+  for (const FusedOpMeasurement& e : fused_ops) {
+    if (e.op != op) continue;
+    const double d = std::abs(std::log(std::max(size, 1.0) / e.size));
+    if (!best || d < distance) best = &e, distance = d;
+  }
+  if (!best) return -1;
+  return best->seconds * std::max(size, 1.0) / best->size;
+}
+
 double HardwareProfile::memory_cold_factor_of(const std::string& family) const {
   const auto& f = cache.memory_cold_factor;
   if (f.empty()) return 1.0;
@@ -318,6 +330,27 @@ json table_to_json(const std::vector<GemmMeasurement>& table) {
   return a;
 }
 
+std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
+  if (!j.is_array()) throw InputError("fused_ops", "must be an array of {op, size, seconds}");
+  std::vector<FusedOpMeasurement> ops;
+  for (size_t i = 0; i < j.size(); ++i) {
+    const std::string name = "fused_ops[" + std::to_string(i) + "]";
+    JsonObjectReader r(j[i], name, name + ".");
+    FusedOpMeasurement e;
+    r.read("op", e.op);
+    r.read("size", e.size);
+    r.read("seconds", e.seconds);
+    r.reject_unknown_keys();
+    if (e.op.empty()) throw InputError(name + ".op", "must name an op of the layer op list");
+    if (!(e.size > 0 && e.size <= 1e21))
+      throw InputError(name + ".size", "must be in (0, 1e21], got " + str(e.size));
+    if (!(e.seconds >= 0 && e.seconds <= 1e4))
+      throw InputError(name + ".seconds", "must be in [0, 1e4], got " + str(e.seconds));
+    ops.push_back(e);
+  }
+  return ops;
+}
+
 CacheModel cache_from_json(const json& j) {
   JsonObjectReader r(j, "cache", "cache.");
   CacheModel c;
@@ -418,6 +451,7 @@ HardwareProfile profile_from_json(const json& j) {
     if (const json* t = gr.member("table")) p.gemm_table = table_from_json(*t);
     gr.reject_unknown_keys();
   }
+  if (const json* f = r.member("fused_ops")) p.fused_ops = fused_ops_from_json(*f);
   r.read("hbm_efficiency", p.hbm_efficiency);
   r.read("kernel_gap_us", p.kernel_gap_us);
   if (const json* l = r.member("nvlink")) p.nvlink = link_from_json(*l, "nvlink");
@@ -474,6 +508,11 @@ json to_json(const HardwareProfile& p) {
          {"sources", p.sources}};
   // The measured parts only where present, so that presets write what they read.
   if (!p.gemm_table.empty()) j["gemm"]["table"] = table_to_json(p.gemm_table);
+  if (!p.fused_ops.empty()) {
+    j["fused_ops"] = json::array();
+    for (const FusedOpMeasurement& e : p.fused_ops)
+      j["fused_ops"].push_back({{"op", e.op}, {"size", e.size}, {"seconds", e.seconds}});
+  }
   if (!p.collectives.empty()) j["collectives"] = collectives_to_json(p.collectives);
   if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;
   if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/dtype.h"
@@ -55,6 +56,19 @@ struct GemmMeasurement {
   // The time with the caches evicted before each call (the GEMM's input operand excepted)
   // over the time as measured, the caches warm from the call before: 0 where not measured.
   double cold_factor = 0;
+};
+
+// One op of a fused kernel measured by `ptdp calibrate` (HardwareProfile::fused_ops): a fused
+// (flash) attention runs its whole forward pass on the op list's `attn_scores` and its whole
+// backward pass on `attn_scores_recompute`, the other ops of the attention core inside them
+// (measured at what an empty op costs). A GEMM efficiency table cannot hold these, so the time
+// is kept per op: `size` is the op's FLOPs (GEMMs) or bytes (memory-bound ops) at the measured
+// shape, and another size of the same op is priced at seconds * its size / size, from the
+// measurement nearest in size.
+struct FusedOpMeasurement {
+  std::string op;  // op_name(): "attn_scores"
+  double size = 0;
+  double seconds = 0;
 };
 
 // What the last-level cache does to measured times (CPU ranks, measured by ptdp calibrate).
@@ -112,6 +126,7 @@ struct HardwareProfile {
 
   // Measured by `ptdp calibrate` (absent from presets; see docs/calibration.md).
   std::vector<GemmMeasurement> gemm_table;          // JSON: "gemm": {"table": [...]}
+  std::vector<FusedOpMeasurement> fused_ops;        // JSON: "fused_ops": [...]
   std::vector<CollectiveFit> collectives;           // per collective and group span
   std::map<std::string, double> memory_efficiency;  // per kernel family, of the HBM bandwidth
   // Element type of activations on this device (fp32 on CPU ranks); 16-bit when not given.
@@ -128,6 +143,9 @@ struct HardwareProfile {
   // octave and tending to the curve alone two octaves from every entry; without one, gemm.at.
   // Always in (0, 1].
   double gemm_efficiency(double m, double n, double k, double batch = 1) const;
+  // The measured time of op `op` (op_name) at `size` FLOPs or bytes, from fused_ops; a negative
+  // value when the op has no measurement.
+  double fused_op_seconds(std::string_view op, double size) const;
   // The fit for `kind` over `ranks` ranks on `nodes` nodes, or null.
   const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.

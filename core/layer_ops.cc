@@ -47,6 +47,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "attn_reducescatter_backward",
     "attn_proj_dgrad",
     "attn_proj_wgrad",
+    "attn_scores_recompute",
     "attn_context_dprobs",
     "attn_context_dv",
     "attn_dropout_backward",
@@ -195,13 +196,12 @@ struct Builder {
   DType dtype;
 
   Op& add(OpId id, OpKind kind) {
-    Op op;
+    Op& op = out->emplace_back();
     op.id = id;
     op.kind = kind;
     op.role = role;
     op.dtype = dtype;
-    out->push_back(op);
-    return out->back();
+    return op;
   }
   void gemm(OpId id, int64_t m, int64_t n, int64_t k, int64_t batch = 1,
             OpRole r = OpRole::kForward) {
@@ -270,6 +270,7 @@ void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& 
   });
   if (scores == fwd.end() || first == bwd.end()) return;
   Op again = *scores;
+  again.id = OpId::kAttnScoresRecompute;
   again.role = OpRole::kRecompute;
   bwd.insert(first, again);
 }
@@ -292,9 +293,11 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
     b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
   if (fused_attention(m, s)) {
     const int64_t keys = std::max<int64_t>(1, d.si / 2);  // the causal half
+    const size_t first = b.out->size();
     b.gemm(OpId::kAttnScores, d.sqi, keys, d.kvi, batch);
     b.memory(OpId::kAttnSoftmax, rows * 4.0);
     b.gemm(OpId::kAttnContext, d.sqi, d.kvi, keys, batch);
+    for (size_t i = first; i < b.out->size(); ++i) (*b.out)[i].fused = true;
     return;
   }
   b.gemm(OpId::kAttnScores, d.sqi, d.si, d.kvi, batch);
@@ -436,6 +439,7 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
   Builder b{&ops, OpRole::kInputGrad, dtype};
   for (auto it = fwd.rbegin(); it != fwd.rend(); ++it) {
     const Op& f = *it;
+    const size_t first = ops.size();
     switch (f.kind) {
       case OpKind::kGemm:
         add_gemm_backward(b, f);
@@ -457,6 +461,7 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
         break;
       }
     }
+    for (size_t i = first; i < ops.size(); ++i) ops[i].fused = f.fused;
   }
   return ops;
 }

@@ -72,6 +72,9 @@ enum class OpId : uint8_t {
   kAttnReduceScatterBackward,
   kAttnProjDgrad,
   kAttnProjWgrad,
+  // A fused (flash) attention's backward recomputes the scores first: the scores GEMM again,
+  // named apart so that what runs the fused backward kernel has an op of its own.
+  kAttnScoresRecompute,
   kAttnContextDprobs,
   kAttnContextDv,
   kAttnDropoutBackward,
@@ -154,6 +157,10 @@ struct Op {
   OpRole role = OpRole::kForward;
   OpKind kind = OpKind::kMemory;
   DType dtype = DType::kBF16;  // elements read and written; a collective's elements on the wire
+  // Part of a fused kernel (a flash attention's core, and its backward): the kernel runs on
+  // one op of the group and the shapes say what it computes. A calibrated profile prices these
+  // from HardwareProfile::fused_ops.
+  bool fused = false;
   // GEMM: `batch` independent products C[m x n] = A[m x k] * B[k x n].
   int64_t m = 0, n = 0, k = 0, batch = 1;
   double bytes = 0;  // memory op: bytes moved; collective: buffer bytes

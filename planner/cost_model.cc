@@ -251,7 +251,7 @@ double cache_scale(double hit, double cold) {
 
 double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const {
   const double warm = warm_op_time(op, p);
-  if (!(hit < 1)) return warm;
+  if (!(hit < 1) || fused_op_time(op) >= 0) return warm;  // fused kernels: as measured
   switch (op.kind) {
     case OpKind::kGemm:
       return cache_scale(hit, profile_.gemm_cold_factor(
@@ -266,7 +266,13 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const
   return warm;
 }
 
+double CostModel::fused_op_time(const Op& op) const {
+  if (!op.fused || profile_.fused_ops.empty() || op.kind == OpKind::kCollective) return -1;
+  return profile_.fused_op_seconds(op.name(), op.kind == OpKind::kGemm ? op.flops() : op.bytes);
+}
+
 double CostModel::warm_op_time(const Op& op, const ParallelPlan& p) const {
+  if (const double fused = fused_op_time(op); fused >= 0) return fused;
   switch (op.kind) {
     case OpKind::kGemm:
       if (p.fp8 && is_fp8_gemm(op.id)) {

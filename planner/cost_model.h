@@ -162,6 +162,9 @@ class CostModel {
   // (or estimated) the op, its operands in cache.
   double op_time(const Op& op, const ParallelPlan& p, double hit) const;
   double warm_op_time(const Op& op, const ParallelPlan& p) const;
+  // A fused kernel's op as the profile measured it (HardwareProfile::fused_ops); negative when
+  // the op is not fused or was not measured.
+  double fused_op_time(const Op& op) const;
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;
   // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.

@@ -27,6 +27,7 @@ OpFamily op_family(OpId id) {
     case OpId::kAttnSoftmax:
     case OpId::kAttnDropout:
     case OpId::kAttnContext:
+    case OpId::kAttnScoresRecompute:
     case OpId::kAttnContextDprobs:
     case OpId::kAttnContextDv:
     case OpId::kAttnDropoutBackward:

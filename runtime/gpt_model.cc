@@ -539,8 +539,8 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
     // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
     Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
     for (OpId op : moe ? I.moe_bwd : I.layer_bwd) {
-      // A forward op in the backward list is a recomputation (flash attention's scores).
-      c.begin(op, is_layer_forward_op(op) ? PassKind::kRecompute : PassKind::kBackward);
+      // The fused attention's recomputation of the scores is the backward list's one recompute.
+      c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
       if (is_moe_op(op))
         moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
       else

@@ -14,6 +14,10 @@ struct OpExecutor::State {
   Buffer params;  // one weight of the largest shape any op reads, and a bias
   Buffer grads;
   Buffer a, b, c, d, e, f;  // operands, sized per op
+  // A fused attention's own: q, k, v, out, lse, d out, dq, dk, dv; `stats_for` is the size of
+  // q for which out and lse hold the forward pass of q, k, v (0: not computed).
+  Buffer fq, fk, fv, fo, flse, fdo, fdq, fdk, fdv;
+  int64_t stats_for = 0;
   std::vector<int32_t> tokens;
 
   State(Backend& be, Communicator* tp, const ShardDims& dims) : ctx(be, tp, dims) {}
@@ -104,6 +108,30 @@ void OpExecutor::run(const Op& op) {
                                                  : PassKind::kBackward);
   const int64_t q = d.n_full * d.hl * d.d, kv = d.n_full * d.gl * d.d;
   const int64_t scores = d.b * d.hl * d.s * d.s;
+  if (op.fused) {
+    // A fused (flash) attention, as ptdp run executes it (runtime/transformer_layer.cc): the
+    // forward kernel on attn_scores, the backward kernel on attn_scores_recompute, nothing on
+    // the other ops of the core (their GEMM shapes are recorded all the same).
+    const int64_t lse = d.b * d.hl * d.s;
+    S.fill(S.fq, q), S.fill(S.fk, kv), S.fill(S.fv, kv);
+    auto forward = [&] {
+      resize(S.fo, q), resize(S.flse, lse);
+      be.flash_attention_forward(S.fq.data(), S.fk.data(), S.fv.data(), S.fo.data(), S.flse.data(),
+                                 d.b, d.s, d.hl, d.gl, d.d);
+      S.stats_for = q;
+    };
+    if (op.id == OpId::kAttnScores) {
+      forward();
+    } else if (op.id == OpId::kAttnScoresRecompute) {
+      if (S.stats_for != q) forward();  // once: the backward needs a real forward's lse
+      S.fill(S.fdo, q), resize(S.fdq, q), resize(S.fdk, kv), resize(S.fdv, kv);
+      be.flash_attention_backward(S.fq.data(), S.fk.data(), S.fv.data(), S.fo.data(), S.flse.data(),
+                                  S.fdo.data(), S.fdq.data(), S.fdk.data(), S.fdv.data(), d.b, d.s,
+                                  d.hl, d.gl, d.d);
+    }
+    if (op.kind == OpKind::kGemm) c.gemm_done(op.m, op.n, op.k, op.batch);
+    return;
+  }
   switch (op.kind) {
     case OpKind::kCollective: {
       // The op's buffer as the op list counts it: the output of an all-gather, the input of a

@@ -11,9 +11,7 @@ bool is_layer_forward_op(OpId id) {
   return id >= OpId::kInputLayernorm && id <= OpId::kMlpBiasDropoutAdd;
 }
 bool is_layer_backward_op(OpId id) {
-  // With flash attention the backward list recomputes the scores (FlashAttention-2's backward).
-  return (id >= OpId::kMlpBiasDropoutAddBackward && id <= OpId::kInputLayernormBackward) ||
-         id == OpId::kAttnScores;
+  return id >= OpId::kMlpBiasDropoutAddBackward && id <= OpId::kInputLayernormBackward;
 }
 
 namespace {
@@ -212,7 +210,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kAttnProjWgrad:
       c.linear_wgrad(A.ctx.data(), D.d_proj.data(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
       break;
-    case OpId::kAttnScores:  // flash attention's backward, which recomputes the scores
+    case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
       resize(D.dq, elems(A.q));
       resize(D.dk, elems(A.k));

@@ -120,6 +120,37 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
   fs::remove_all(dir);
 }
 
+// The device paths of calibrate (operands uploaded to the backend's memory, the cache evicted
+// by a device kernel, collectives on the host-staged data plane of runtime/data_plane.h) on the
+// CPU backend acting as a device: what calibrate --backend cuda runs, minus the GPU.
+TEST(CalibrateMpi, DeviceMemoryPathsCalibrateOnTheStagedCpuBackend) {
+  const fs::path dir = test::scratch_dir("ptdp_calibrate_mpi_staged");
+  const std::string file = (dir / "machine.json").string();
+  fs::remove(file);
+  const test::Outcome c = test::launch(
+      PTDP_MPIEXEC, PTDP_BINARY, 2,
+      "calibrate --backend cpu-staged --quick --time-limit-s 8" + kModel + " --out " + file,
+      "ptdp_calibrate_mpi_staged");
+  ASSERT_EQ(c.status, 0) << c.err;
+  const json m = json::parse(test::read_file(file));
+  EXPECT_EQ(m["machine"]["backend"], "cpu-staged");
+  EXPECT_FALSE(m["profile"]["gemm"]["table"].empty());
+  for (const json& op : m["measurements"]["ops"]) {
+    EXPECT_GT(op["seconds"].get<double>(), 0) << op.dump();
+    if (m["fits"].contains("cache")) {
+      EXPECT_GT(op.value("cold_seconds", 0.0), 0) << op.dump();
+    }
+  }
+  std::set<std::string> kinds;
+  for (const json& f : m["fits"]["collectives"]) {
+    kinds.insert(f["collective"].get<std::string>());
+    EXPECT_GT(f["busbw_gbps"].get<double>(), 0);
+  }
+  EXPECT_EQ(kinds,
+            (std::set<std::string>{"all_gather", "all_reduce", "reduce_scatter", "send_recv"}));
+  fs::remove_all(dir);
+}
+
 // Collectives over more ranks than the calibration has (or over one) are refused before any
 // measurement: exit status 2 on every rank, one line naming --group-sizes, no file.
 TEST(CalibrateMpi, GroupsTheRanksCannotFormAreRefused) {

@@ -211,7 +211,9 @@ TEST(OpTrace, TraceFollowsTheLayout) {
 TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   auto backend = make_backend("cpu");
   int ran = 0;
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary()}) {
+  ModelSpec flash = rotary();  // the fused attention's kernels run on two of its ops
+  flash.flash_attention = true;
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
     for (const Variant& v :
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
           Variant{4, false, Recompute::kSelective}}) {
