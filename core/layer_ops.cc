@@ -691,6 +691,12 @@ double activation_bytes(const LayerShape& s, const Dims& d, const ActivationUnit
 
 }  // namespace
 
+double attention_backward_workspace_bytes(const ModelSpec& m, const LayerShape& s) {
+  if (fused_attention(m, s)) return 0.0;
+  const Dims d = dims(m, s);
+  return d.act * d.heads * d.s * d.T / d.t;
+}
+
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn));

@@ -12,7 +12,11 @@ namespace {
 
 constexpr double kWeightBytes = 2.0;      // 16-bit model weights
 constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
-constexpr double kUsableMemory = 0.95;    // CUDA context and allocator fragmentation keep the rest
+// fp32 training (ptdp run's precision, on a device whose calibrated profile says fp32
+// activations): the weights are their own master copy, so Adam keeps m and v only.
+constexpr double kFp32WeightBytes = 4.0;
+constexpr double kFp32OptimizerBytes = 8.0;
+constexpr double kUsableMemory = 0.95;  // CUDA context and allocator fragmentation keep the rest
 
 // The GEMMs Transformer Engine runs in FP8 (--fp8-format): the layers' linear GEMMs and the
 // experts'; the attention core, the router and the LM head stay in 16 bits.
@@ -141,6 +145,8 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
   working_layer_ = p.recompute == Recompute::kNone ? 0.0
                    : m.is_moe()                    ? moe_layer_activation_bytes(m, full)
                                                    : layer_activation_bytes(m, full);
+  // While a layer's backward pass runs, the unfused attention's gradient of the scores.
+  backward_workspace_ = attention_backward_workspace_bytes(m, shape);
   // One activation crossing a stage boundary ([b, s/cp, h], 1/t of it with sequence
   // parallelism).
   boundary_ = static_cast<double>(p.micro_batch_size * (m.seq_length / p.context_parallel)) *
@@ -157,7 +163,7 @@ double ActivationMemory::on_stage(int64_t r) const {
       layers > 0 ? ((static_cast<double>(layers) - moe) * per_layer_ + moe * per_moe_layer_) /
                        static_cast<double>(layers)
                  : per_layer_;
-  double bytes = inflight * per_layer + working_layer_;
+  double bytes = inflight * per_layer + working_layer_ + (layers > 0 ? backward_workspace_ : 0.0);
   if (r == 0 && layers > 0)
     bytes +=
         inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
@@ -498,7 +504,7 @@ double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const
   const double gbytes = params * gradient_bytes_per_parameter(p);
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
-           comm_.collective_time(Collective::kAllGather, params * kWeightBytes, dp);
+           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp);
   return comm_.collective_time(Collective::kAllReduce, gbytes, dp);
 }
 
@@ -508,7 +514,7 @@ double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params
   const double gbytes = params * gradient_bytes_per_parameter(p);
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, edp) +
-           comm_.collective_time(Collective::kAllGather, params * kWeightBytes, edp);
+           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp);
   return comm_.collective_time(Collective::kAllReduce, gbytes, edp);
 }
 
@@ -517,7 +523,7 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
   if (!p.overlap_param_gather || !p.distributed_optimizer ||
       p.data_parallel * p.context_parallel == 1)
     return 0.0;
-  const double gather = comm_.collective_time(Collective::kAllGather, params * kWeightBytes,
+  const double gather = comm_.collective_time(Collective::kAllGather, params * weight_bytes(),
                                               data_group_span(cluster_, p));
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
@@ -604,30 +610,43 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   return params;
 }
 
+double CostModel::weight_bytes() const {
+  return fp32_training() ? kFp32WeightBytes : kWeightBytes;
+}
+double CostModel::optimizer_state_bytes() const {
+  return fp32_training() ? kFp32OptimizerBytes : kOptimizerBytes;
+}
+
 MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
-  const ActivationMemory activations(model_, p, DType::kBF16);
+  // Activations in the device's element type (16-bit but for fp32 training).
+  const DType element_type = fp32_training() ? DType::kF32 : DType::kBF16;
+  const double element = static_cast<double>(dtype_bytes(element_type));
+  const ActivationMemory activations(model_, p, element_type);
   const double tokens =
       static_cast<double>(p.micro_batch_size * (model_.seq_length / p.context_parallel));
   const double t = static_cast<double>(p.tensor_parallel);
 
-  const double grad_bytes = gradient_bytes_per_parameter(p);
+  const double grad_bytes = fp32_training() ? std::max(4.0, gradient_bytes_per_parameter(p))
+                                            : gradient_bytes_per_parameter(p);
   MemoryBreakdown best;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
     MemoryBreakdown mb;
     const double params = parameters_on_stage(p, r);
     const double experts = expert_parameters_on_stage(p, r);
     // With FP8, Transformer Engine also keeps each weight's FP8 copy (1 byte).
-    mb.weights = params * (kWeightBytes + (p.fp8 ? 1.0 : 0.0));
+    mb.weights = params * (weight_bytes() + (p.fp8 ? 1.0 : 0.0));
     mb.gradients = params * grad_bytes;
-    mb.expert_weights = experts * kWeightBytes;
+    mb.expert_weights = experts * weight_bytes();
     mb.expert_gradients = experts * grad_bytes;
-    mb.expert_optimizer = experts * kOptimizerBytes / expert_shards(p);
-    mb.optimizer = (params - experts) * kOptimizerBytes / dense_shards(p) + mb.expert_optimizer;
+    mb.expert_optimizer = experts * optimizer_state_bytes() / expert_shards(p);
+    mb.optimizer =
+        (params - experts) * optimizer_state_bytes() / dense_shards(p) + mb.expert_optimizer;
     mb.activations = activations.on_stage(r);
     if (r == p.pipeline_parallel - 1) {
-      // fp16 logits and their fp32 softmax for the vocabulary shard, one microbatch.
+      // The vocabulary shard's logits (16-bit; fp32 in fp32 training) and their fp32 softmax,
+      // one microbatch.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
-      mb.buffers += tokens * vocab_local * (2.0 + 4.0);
+      mb.buffers += tokens * vocab_local * (element + 4.0);
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;

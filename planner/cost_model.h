@@ -165,6 +165,11 @@ class CostModel {
   // A fused kernel's op as the profile measured it (HardwareProfile::fused_ops); negative when
   // the op is not fused or was not measured.
   double fused_op_time(const Op& op) const;
+  // fp32 training (a profile whose activations are fp32: ptdp run's precision, as calibrate
+  // measures it): fp32 weights that are their own master copy, fp32 activations and logits.
+  bool fp32_training() const { return profile_.activation_dtype == DType::kF32; }
+  double weight_bytes() const;           // per parameter: 2 (bf16), or 4
+  double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;
   // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.
@@ -218,8 +223,8 @@ class ActivationMemory {
  public:
   ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element);
   // What pipeline rank r holds at its peak: the in-flight microbatches' layer activations
-  // (Korthikanti et al. 2022), the layer being recomputed, and on the first stage the
-  // embedding's outputs.
+  // (Korthikanti et al. 2022), the layer being recomputed, the unfused attention's gradient of
+  // the scores during a backward pass, and on the first stage the embedding's outputs.
   double on_stage(int64_t r) const;
   // Send and receive buffers of the pipeline transfers (0 without pipelining).
   double p2p_buffers() const;
@@ -228,6 +233,7 @@ class ActivationMemory {
   const ModelSpec& m_;
   const ParallelPlan& p_;
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
+  double backward_workspace_ = 0;    // attention_backward_workspace_bytes, held during a backward
   std::vector<int64_t> moe_chunks_;  // MoE layers per model chunk (empty: dense)
 };
 

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <tuple>
 
 #include "calibration/fit.h"
 #include "cli/cli.h"
@@ -228,6 +229,57 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   EXPECT_DOUBLE_EQ(cm.activation_message_bytes(p), 128.0 * 256 * 4);
   // The optimizer at its family's efficiency.
   EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
+}
+
+// A fused (flash) attention's kernels are priced as calibrate measured them, per op: the
+// measured size at its time, other sizes in proportion from the nearest measurement; only the
+// ops of a fused list (Op::fused), so the unfused attention keeps its GEMM pricing. The table
+// survives the machine file's JSON, and bad entries are one-line errors naming the field.
+TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile h = *c.measured_profile;
+  h.fused_ops = {{"attn_scores", 1e9, 2e-3}, {"attn_scores", 8e9, 20e-3},
+                 {"attn_scores_recompute", 1e9, 5e-3}};
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  const CostModel cm(m, c, h);
+  Op op;
+  op.kind = OpKind::kGemm;
+  op.id = OpId::kAttnScores;
+  op.fused = true;
+  op.m = 500, op.n = 1000, op.k = 1000;  // 1e9 FLOPs: the measurement itself
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 2e-3);
+  op.batch = 2;  // 2e9: nearest 1e9, scaled
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 4e-3);
+  op.batch = 6;  // 6e9: nearest 8e9
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 15e-3);
+  op.id = OpId::kAttnScoresRecompute;
+  op.batch = 1;
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 5e-3);
+  op.id = OpId::kAttnContext;  // not measured: the GEMM curve
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), cm.gemm_time(op));
+  op.id = OpId::kAttnScores;
+  op.fused = false;  // the unfused scores GEMM
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), cm.gemm_time(op));
+  const HardwareProfile back = profile_from_json(to_json(h));
+  ASSERT_EQ(back.fused_ops.size(), 3u);
+  EXPECT_EQ(back.fused_ops[2].op, "attn_scores_recompute");
+  EXPECT_DOUBLE_EQ(back.fused_ops[1].seconds, 20e-3);
+  for (const auto& [key, value, field] :
+       {std::tuple<const char*, json, const char*>{"size", 0.0, "fused_ops[0].size"},
+        {"seconds", -1.0, "fused_ops[0].seconds"},
+        {"op", "", "fused_ops[0].op"},
+        {"flops", 1.0, "fused_ops[0].flops"}}) {
+    json j = to_json(h);
+    j["fused_ops"][0][key] = value;
+    try {
+      profile_from_json(j);
+      ADD_FAILURE() << key << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), field) << e.what();
+    }
+  }
 }
 
 // What calibrate measured cold prices an op by how much of its stage's working set the

@@ -12,7 +12,9 @@
 
 #include "core/error.h"
 #include "core/layer_ops.h"
+#include "core/presets.h"
 #include "kernels/cpu/hash.h"
+#include "planner/cost_model.h"
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
@@ -235,6 +237,35 @@ TEST(Train, FlashAttentionGivesTheSameLossesWithoutTheScores) {
       EXPECT_GT(scores, 0) << at;
       EXPECT_GE(static_cast<double>(unfused.peak_memory_bytes - flash.peak_memory_bytes), scores)
           << at;
+    }
+  }
+}
+
+// Predict knows what runs: priced for fp32 training (a profile with fp32 activations, as
+// calibrate measures ptdp run), the memory model's peak is the runtime's measured peak within
+// 10%, with and without flash attention and in every recompute mode. (The runtime also keeps
+// a backward pass's scratch, which the model does not count: it measures a few percent more.)
+TEST(Train, MeasuredPeakMemoryIsWithinTenPercentOfTheFp32Prediction) {
+  ModelSpec m = tiny();
+  m.num_layers = 3;
+  m.hidden_size = 128;
+  m.seq_length = 256;
+  m.vocab_size = 2048;
+  m.attention_dropout = m.hidden_dropout = 0;  // the runtime has no dropout
+  HardwareProfile fp32 = resolve_profile("a100-80gb");
+  fp32.activation_dtype = DType::kF32;
+  const ClusterSpec cluster = resolve_cluster("dgx-a100-80gb");
+  for (bool flash : {false, true}) {
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+      TrainOptions o = options(flash ? with_flash(m) : m, 2);
+      o.plan.global_batch_size = 4;
+      o.plan.recompute = r;
+      const TrainResult run = train_one(o);
+      const double predicted = CostModel(o.model, cluster, fp32).memory(o.plan).peak;
+      const double measured = static_cast<double>(run.peak_memory_bytes);
+      EXPECT_NEAR(measured / predicted, 1.0, 0.10)
+          << (flash ? "flash " : "") << to_string(r) << ": measured " << measured
+          << " bytes, predicted " << predicted;
     }
   }
 }
