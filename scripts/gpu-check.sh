@@ -61,13 +61,16 @@ if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
     >"$out/nccl_tests.log" 2>&1
 fi
 # GPT-2-124M's shape (docs/gpu.md) on one GPU, fp32 on the CUDA backend with flash attention
-# (no s x s scores kept, as PyTorch's scaled_dot_product_attention), and what predict says of the
+# (no s x s scores kept, as PyTorch's scaled_dot_product_attention), once with fp32 GEMMs and
+# once with the GEMMs on bf16 tensor cores (PTDP_CUDA_MATH=bf16), and what predict says of the
 # same configuration.
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
   --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4}
   --use-flash-attn)
 "$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
   >"$out/gpt2_run.json" 2>"$out/gpt2_run.log"
+PTDP_CUDA_MATH=bf16 "$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda \
+  --json >"$out/gpt2_run_bf16.json" 2>"$out/gpt2_run_bf16.log"
 "$build/cli/ptdp" predict "${gpt2[@]}" --tensor-model-parallel-size 1 \
   --pipeline-model-parallel-size 1 --attention-dropout 0 --hidden-dropout 0 \
   --cluster "${GPT2_CLUSTER:-dgx-h100}" --num-gpus 1 --json >"$out/gpt2_predict.json" \
@@ -84,11 +87,15 @@ fi
 "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
   --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
   --benchmark_out_format=json >"$out/bench.log" 2>&1
-# The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs.
+# The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs and
+# in bf16 autocast (Megatron's arithmetic, the speed target).
 if python3 -c "import torch" 2>/dev/null; then
-  python3 scripts/torch_gpt2_baseline.py --dtype fp32 --batch ${GPT2_BATCH:-8} \
-    --micro ${GPT2_MICRO:-4} --steps ${GPT2_STEPS:-10} >"$out/torch_gpt2.jsonl" \
-    2>"$out/torch_gpt2.log"
+  rm -f "$out/torch_gpt2.jsonl"
+  for dtype in fp32 bf16; do
+    python3 scripts/torch_gpt2_baseline.py --dtype $dtype --batch ${GPT2_BATCH:-8} \
+      --micro ${GPT2_MICRO:-4} --steps ${GPT2_STEPS:-10} >>"$out/torch_gpt2.jsonl" \
+      2>>"$out/torch_gpt2.log"
+  done
 fi
 set -e
 
@@ -144,18 +151,19 @@ else:
         bw = si(b["bytes/s"]) + "B/s" if "bytes/s" in b else ""
         fl = si(b["FLOP/s"]) + "FLOP/s" if "FLOP/s" in b else ""
         print("%-44s %12s %14s %14s" % (name, t, bw, fl))
-run_path = os.path.join(out, "gpt2_run.json")
-try:
-    run = json.load(open(run_path))
-    times = run["step_time_s"][1:] or run["step_time_s"]
-    step = sorted(times)[len(times) // 2]
-    tokens = run["configuration"]["global_batch_size"] * 1024
-    print("\nGPT-2-124M shape, ptdp run --backend cuda (fp32): median step %.3f s, %.0f tokens/s, "
-          "peak memory %.2f GiB, losses %s" % (step, tokens / step, run["peak_memory_gib"],
-          ", ".join("%.3f" % l for l in run["losses"])))
-except Exception as e:  # noqa: BLE001 - report whatever went wrong and count it
-    print("\nGPT-2-124M run: NO RESULT (%s; see gpt2_run.log)" % e)
-    fail += 1
+print()
+for name, math in (("gpt2_run", "fp32"), ("gpt2_run_bf16", "fp32, GEMMs on bf16 tensor cores")):
+    try:
+        run = json.load(open(os.path.join(out, name + ".json")))
+        times = run["step_time_s"][1:] or run["step_time_s"]
+        step = sorted(times)[len(times) // 2]
+        tokens = run["configuration"]["global_batch_size"] * 1024
+        print("GPT-2-124M shape, ptdp run --backend cuda (%s): median step %.3f s, %.0f tokens/s, "
+              "peak memory %.2f GiB, losses %s" % (math, step, tokens / step,
+              run["peak_memory_gib"], ", ".join("%.3f" % l for l in run["losses"])))
+    except Exception as e:  # noqa: BLE001 - report whatever went wrong and count it
+        print("GPT-2-124M run (%s): NO RESULT (%s; see %s.log)" % (math, e, name))
+        fail += 1
 try:
     pred = json.load(open(os.path.join(out, "gpt2_predict.json")))
     print("ptdp predict, same configuration on %s (bf16 mixed precision, so not what the fp32 "

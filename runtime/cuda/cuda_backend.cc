@@ -32,9 +32,22 @@ int local_rank() {
   return 0;
 }
 
+// How the fp32 GEMMs compute (PTDP_CUDA_MATH): "fp32" (the default: fp32 products, as the CPU
+// backend), "tf32" or "bf16" (the inputs rounded to TF32 or bf16 inside cuBLAS for the tensor
+// cores, fp32 accumulation and storage). PTDP_CUDA_TF32=1, the older switch, means tf32.
+cublasComputeType_t gemm_compute_type() {
+  const char* math = std::getenv("PTDP_CUDA_MATH");
+  const char* tf32 = std::getenv("PTDP_CUDA_TF32");
+  const std::string m = math ? math : (tf32 && std::string(tf32) == "1" ? "tf32" : "fp32");
+  if (m == "fp32") return CUBLAS_COMPUTE_32F;
+  if (m == "tf32") return CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (m == "bf16") return CUBLAS_COMPUTE_32F_FAST_16BF;
+  throw InputError("PTDP_CUDA_MATH", "must be fp32, tf32 or bf16, not '" + m + "'");
+}
+
 class CudaBackend final : public Backend {
  public:
-  CudaBackend() {
+  CudaBackend() : compute_(gemm_compute_type()) {
     int count = 0;
     const cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess || count == 0)
@@ -47,9 +60,6 @@ class CudaBackend final : public Backend {
     PTDP_CHECK(cudaStreamCreate(&stream_));
     PTDP_CHECK(cublasCreate(&blas_));
     PTDP_CHECK(cublasSetStream(blas_, stream_));
-    const char* tf32 = std::getenv("PTDP_CUDA_TF32");
-    if (tf32 && std::string(tf32) == "1")
-      PTDP_CHECK(cublasSetMathMode(blas_, CUBLAS_TF32_TENSOR_OP_MATH));
     PTDP_CHECK(cudaMalloc(&scratch_, kScratchBytes));
     set_buffer_space(this);
   }
@@ -86,10 +96,11 @@ class CudaBackend final : public Backend {
       if (v > 2147483647) throw std::invalid_argument("a GEMM dimension above 2^31");
       return static_cast<int>(v);
     };
-    PTDP_CHECK(cublasSgemmStridedBatched(blas_, b.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
-                                         a.trans ? CUBLAS_OP_T : CUBLAS_OP_N, i32(n), i32(m),
-                                         i32(kk), &alpha, b.p, i32(b.ld), b.stride, a.p, i32(a.ld),
-                                         a.stride, &beta, c, i32(ldc), stride_c, i32(batch)));
+    PTDP_CHECK(cublasGemmStridedBatchedEx(
+        blas_, b.trans ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans ? CUBLAS_OP_T : CUBLAS_OP_N, i32(n),
+        i32(m), i32(kk), &alpha, b.p, CUDA_R_32F, i32(b.ld), b.stride, a.p, CUDA_R_32F, i32(a.ld),
+        a.stride, &beta, c, CUDA_R_32F, i32(ldc), stride_c, i32(batch), compute_,
+        CUBLAS_GEMM_DEFAULT));
   }
 
   void linear_forward(const float* x, const float* w, const float* bias, float* y, int64_t n,
@@ -394,6 +405,7 @@ class CudaBackend final : public Backend {
   }
 
   int device_ = 0;
+  cublasComputeType_t compute_ = CUBLAS_COMPUTE_32F;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   void* scratch_ = nullptr;

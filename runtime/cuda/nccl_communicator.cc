@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/watchdog.h"
+
 namespace ptdp {
 namespace {
 
@@ -192,9 +194,17 @@ class NcclWork final : public Work {
     return false;
   }
   void wait() override { wait(c_->timeout); }
+  // Bounded by `timeout`; every stall timeout meanwhile the watchdog pings the other ranks, and
+  // stops the job naming any that does not answer (runtime/watchdog.h), as MPI waits do.
   void wait(CommDuration timeout) override {
     const auto start = Clock::now();
+    const CommDuration stall = stall_timeout();
+    CommDuration next_check = stall;
     while (!test()) {
+      if (since(start) > next_check && watchdog_active()) {
+        watchdog_check_peers(group_, op_, since(start), "NCCL operation not completed");
+        next_check = since(start) + stall;
+      }
       if (since(start) > timeout) {
         c_->broken = true;  // the communicator is aborted, not finalized, when it goes
         throw CommTimeout(group_, op_, {}, since(start),

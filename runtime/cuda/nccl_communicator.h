@@ -22,7 +22,9 @@
 //
 // Bounded waits. The communicators are non-blocking (ncclConfig_t::blocking = 0): setup, split
 // and every enqueue are polled with ncclCommGetAsyncError, and Work::wait() polls its event, each
-// up to the communicator's timeout; past it CommTimeout names the group and the operation. A
+// up to the communicator's timeout; past it CommTimeout names the group and the operation. While
+// a Work waits, every stall timeout the watchdog (runtime/watchdog.h) pings the other ranks and
+// stops the job naming any that does not answer, as MPI waits do. A
 // communicator that timed out or failed is aborted (ncclCommAbort) when destroyed, not finalized,
 // so a stuck peer cannot hang the exit.
 #pragma once

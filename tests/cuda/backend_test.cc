@@ -20,6 +20,7 @@
 #include "runtime/tensor.h"
 #include "runtime/trainer.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/tiny_run.h"
 
 namespace ptdp {
 namespace {
@@ -363,12 +364,7 @@ TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
 // one also with flash attention.
 TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
   PTDP_REQUIRE_GPU();
-  ModelSpec gpt;
-  gpt.num_layers = 2;
-  gpt.hidden_size = 64;
-  gpt.num_attention_heads = 4;
-  gpt.seq_length = 33;
-  gpt.vocab_size = 131;
+  const ModelSpec gpt = cuda_test::tiny_gpt();
   ModelSpec llama = gpt;
   llama.num_query_groups = 2;
   llama.swiglu = true;
@@ -387,11 +383,7 @@ TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
       o.plan.micro_batch_size = 3;
       o.steps = 20;
       o.backend = be;
-      auto self = make_self_communicator();
-      const TrainResult r = train(o, *self);
-      std::vector<double> l;
-      for (const StepStats& s : r.steps) l.push_back(s.loss);
-      runs.push_back(l);
+      runs.push_back(cuda_test::losses_of_one_rank(o));
     }
     ASSERT_EQ(runs[1].size(), runs[0].size());
     for (size_t i = 0; i < runs[0].size(); ++i)

@@ -15,6 +15,7 @@
 #include "runtime/cuda/nccl_communicator.h"
 #include "runtime/trainer.h"
 #include "tests/cuda/cuda_test_util.h"
+#include "tests/cuda/tiny_run.h"
 
 namespace ptdp {
 namespace {
@@ -72,26 +73,16 @@ TEST(NcclCommunicator, AGroupOfOneGivesWhatEachCollectiveMust) {
 // the bit, since a sum over one rank changes nothing.
 TEST(NcclCommunicator, TrainingOnTheNcclDataPlaneGivesTheStagedLosses) {
   PTDP_REQUIRE_GPU();
-  ModelSpec m;
-  m.num_layers = 2;
-  m.hidden_size = 64;
-  m.num_attention_heads = 4;
-  m.seq_length = 33;
-  m.vocab_size = 131;
   std::vector<std::vector<double>> runs;
   for (const char* plane : {"staged", "nccl"}) {
     setenv("PTDP_DATA_PLANE", plane, 1);
     TrainOptions o;
-    o.model = m;
+    o.model = cuda_test::tiny_gpt();
     o.plan.global_batch_size = 6;
     o.plan.micro_batch_size = 3;
     o.steps = 5;
     o.backend = "cuda";
-    auto self = make_self_communicator();
-    const TrainResult r = train(o, *self);
-    std::vector<double> l;
-    for (const StepStats& s : r.steps) l.push_back(s.loss);
-    runs.push_back(l);
+    runs.push_back(cuda_test::losses_of_one_rank(o));
   }
   unsetenv("PTDP_DATA_PLANE");
   EXPECT_EQ(runs[1], runs[0]);
