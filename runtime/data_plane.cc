@@ -16,6 +16,7 @@
 #endif
 
 namespace ptdp {
+#ifdef PTDP_HAVE_NCCL_COMM
 namespace {
 
 // "host/device" of this rank, for finding ranks that share a GPU.
@@ -35,6 +36,7 @@ bool one_gpu_per_rank(ControlPlane& control, const Backend& backend) {
 }
 
 }  // namespace
+#endif
 
 DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Backend& backend) {
   if (backend.host_accessible())
@@ -59,6 +61,7 @@ DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Bac
       return plane;
     }
 #else
+    (void)control;
     why_not = "this build has no NCCL";
 #endif
     if (want == "nccl") throw InputError("PTDP_DATA_PLANE", "nccl cannot be used: " + why_not);
