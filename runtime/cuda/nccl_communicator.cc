@@ -157,8 +157,12 @@ bool device_memory(const void* p) {
 class NcclWork final : public Work {
  public:
   NcclWork(std::shared_ptr<Comm> c, cudaStream_t stream, std::string group, std::string op,
-           std::function<void()> finish)
-      : c_(std::move(c)), group_(std::move(group)), op_(std::move(op)), finish_(std::move(finish)) {
+           CommDuration timeout, std::function<void()> finish)
+      : c_(std::move(c)),
+        group_(std::move(group)),
+        op_(std::move(op)),
+        timeout_(timeout),
+        finish_(std::move(finish)) {
     check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate");
     check_cuda(cudaEventRecord(event_, stream), "cudaEventRecord");
   }
@@ -193,7 +197,7 @@ class NcclWork final : public Work {
     }
     return false;
   }
-  void wait() override { wait(c_->timeout); }
+  void wait() override { wait(timeout_); }
   // Bounded by `timeout`; every stall timeout meanwhile the watchdog pings the other ranks, and
   // stops the job naming any that does not answer (runtime/watchdog.h), as MPI waits do.
   void wait(CommDuration timeout) override {
@@ -219,6 +223,7 @@ class NcclWork final : public Work {
  private:
   std::shared_ptr<Comm> c_;
   std::string group_, op_;
+  CommDuration timeout_;  // the communicator's when the operation was posted
   std::function<void()> finish_;
   cudaEvent_t event_ = nullptr;
   bool done_ = false;
@@ -383,7 +388,7 @@ class NcclCommunicator final : public Communicator {
     check_cuda(cudaStreamWaitEvent(st, c_->ready, 0), "cudaStreamWaitEvent");
     Staging io(*c_, st);
     c_->call(enqueue(st, io), name(), op);
-    return std::make_unique<NcclWork>(c_, st, name(), op, io.finish());
+    return std::make_unique<NcclWork>(c_, st, name(), op, timeout(), io.finish());
   }
 
   std::shared_ptr<Comm> c_;
