@@ -269,8 +269,10 @@ void ModelSpec::validate() const {
     if (!(p >= 0 && p < 1))
       throw InputError(field, "must be a probability in [0, 1), got " + std::to_string(p));
   validate_moe(*this);
-  if (!learned_position_embeddings && !(rotary_base > 1))
-    throw InputError("rotary_base", "must be greater than 1");
+  // Real models use 1e4 to 1e6 (Llama 3: 5e5); above 1e12 is a typo, and would not print as
+  // Megatron's integer --rotary-base.
+  if (!learned_position_embeddings && !(rotary_base > 1 && rotary_base <= 1e12))
+    throw InputError("rotary_base", "must be in (1, 1e12]");
   if (!learned_position_embeddings && (hidden_size / num_attention_heads) % 2 != 0)
     throw InputError("num_attention_heads",
                      "rotary embeddings need an even head dimension (hidden_size / "

@@ -242,6 +242,16 @@ TEST(HuggingFace, LlamaConfig) {
             to_json(resolve_model("llama3-8b"))["attention_dropout"]);
 }
 
+// A rotary base beyond any real model's (the fuzzer's 5e79) is refused naming the field, rather
+// than overflowing the integer --rotary-base of the printed Megatron flags.
+TEST(ModelSpec, RotaryBaseIsBounded) {
+  json llama = to_json(resolve_model("llama3-8b"));
+  llama["rotary_base"] = 5e79;
+  EXPECT_EQ(field_of([&] { model_from_json(llama); }), "rotary_base");
+  llama["rotary_base"] = 1e12;
+  EXPECT_DOUBLE_EQ(model_from_json(llama).rotary_base, 1e12);
+}
+
 TEST(ModelSpec, DropoutIsReadAndChecked) {
   const json gpt2 = {{"model_type", "gpt2"}, {"num_hidden_layers", 12},
                      {"hidden_size", 768},   {"num_attention_heads", 12},
