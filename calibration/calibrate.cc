@@ -511,7 +511,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                        {"algbw_gbps", s.algbw_gbps},
                                        {"busbw_gbps", s.busbw_gbps}});
   json machine = {{"device", gpu ? device.name : cpu_model_name()},
-                  {"backend", o.backend},
+                  {"backend", backend_label(o.backend)},
                   {"activations", "fp32"},
                   {"ranks", n_world},
                   {"nodes", cl.num_nodes},

@@ -276,7 +276,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       info.plan = f.train.plan;
       info.cluster = f.cluster;
       info.world_size = world->size();
-      info.backend = f.train.backend;
+      info.backend = backend_label(f.train.backend);
       info.steps = f.train.steps;
       write_file_atomically(f.trace, run_trace_text(r, info, title), "--trace");
     }

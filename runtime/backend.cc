@@ -2,10 +2,12 @@
 #include "runtime/backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <new>
+#include <string>
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
@@ -239,6 +241,21 @@ class StagedCpuBackend final : public CpuBackend {
 };
 
 }  // namespace
+
+std::string cuda_math() {
+  const char* math = std::getenv("PTDP_CUDA_MATH");
+  const char* tf32 = std::getenv("PTDP_CUDA_TF32");
+  const std::string m = math ? math : (tf32 && std::string(tf32) == "1" ? "tf32" : "fp32");
+  if (m != "fp32" && m != "tf32" && m != "bf16")
+    throw InputError("PTDP_CUDA_MATH", "must be fp32, tf32 or bf16, not '" + m + "'");
+  return m;
+}
+
+std::string backend_label(std::string_view name) {
+  if (name != "cuda") return std::string(name);
+  const std::string math = cuda_math();
+  return math == "fp32" ? "cuda" : "cuda/" + math;
+}
 
 std::unique_ptr<Backend> make_backend(std::string_view name) {
   if (name == "cpu") return std::make_unique<CpuBackend>();

@@ -158,4 +158,14 @@ class Backend {
 // build without it, or "cuda" with no GPU visible: an InputError naming --backend.
 std::unique_ptr<Backend> make_backend(std::string_view name);
 
+// How the CUDA backend's fp32 GEMMs compute: PTDP_CUDA_MATH, "fp32" (default), "tf32" or "bf16"
+// (the inputs rounded for the tensor cores, fp32 accumulation and storage); PTDP_CUDA_TF32=1,
+// the older switch, means "tf32". Any other value: an InputError naming PTDP_CUDA_MATH.
+std::string cuda_math();
+
+// The backend as machine files and traces name it: `name`, with the GEMM arithmetic added for
+// cuda when it is not fp32 ("cuda/bf16"), since that changes what every GEMM costs (ptdp
+// reconcile refuses a machine file measured with other arithmetic than the run's).
+std::string backend_label(std::string_view name);
+
 }  // namespace ptdp

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 #include "core/presets.h"
 #include "kernels/cpu/hash.h"
 #include "planner/cost_model.h"
+#include "runtime/backend.h"
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
@@ -268,6 +270,29 @@ TEST(Train, MeasuredPeakMemoryIsWithinTenPercentOfTheFp32Prediction) {
           << " bytes, predicted " << predicted;
     }
   }
+}
+
+// The backend as machine files and traces name it carries the CUDA GEMM arithmetic, so that
+// reconcile refuses a calibration measured with other arithmetic than the run's.
+TEST(Backend, LabelsNameTheCudaGemmArithmetic) {
+  unsetenv("PTDP_CUDA_TF32");
+  unsetenv("PTDP_CUDA_MATH");
+  EXPECT_EQ(backend_label("cpu"), "cpu");
+  EXPECT_EQ(backend_label("cuda"), "cuda");
+  setenv("PTDP_CUDA_TF32", "1", 1);  // the older switch
+  EXPECT_EQ(backend_label("cuda"), "cuda/tf32");
+  setenv("PTDP_CUDA_MATH", "bf16", 1);  // takes precedence
+  EXPECT_EQ(backend_label("cuda"), "cuda/bf16");
+  EXPECT_EQ(backend_label("cpu-staged"), "cpu-staged");  // the CPU kernels ignore it
+  setenv("PTDP_CUDA_MATH", "fp8", 1);
+  try {
+    backend_label("cuda");
+    ADD_FAILURE() << "PTDP_CUDA_MATH=fp8 accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), "PTDP_CUDA_MATH");
+  }
+  unsetenv("PTDP_CUDA_MATH");
+  unsetenv("PTDP_CUDA_TF32");
 }
 
 TEST(Train, GradientAccumulationOverMicrobatchesEqualsOneLargeMicrobatch) {

@@ -32,17 +32,13 @@ int local_rank() {
   return 0;
 }
 
-// How the fp32 GEMMs compute (PTDP_CUDA_MATH): "fp32" (the default: fp32 products, as the CPU
-// backend), "tf32" or "bf16" (the inputs rounded to TF32 or bf16 inside cuBLAS for the tensor
-// cores, fp32 accumulation and storage). PTDP_CUDA_TF32=1, the older switch, means tf32.
+// How the fp32 GEMMs compute (cuda_math(), runtime/backend.h): fp32 products as the CPU
+// backend, or the inputs rounded to TF32 or bf16 inside cuBLAS for the tensor cores.
 cublasComputeType_t gemm_compute_type() {
-  const char* math = std::getenv("PTDP_CUDA_MATH");
-  const char* tf32 = std::getenv("PTDP_CUDA_TF32");
-  const std::string m = math ? math : (tf32 && std::string(tf32) == "1" ? "tf32" : "fp32");
-  if (m == "fp32") return CUBLAS_COMPUTE_32F;
+  const std::string m = cuda_math();
   if (m == "tf32") return CUBLAS_COMPUTE_32F_FAST_TF32;
   if (m == "bf16") return CUBLAS_COMPUTE_32F_FAST_16BF;
-  throw InputError("PTDP_CUDA_MATH", "must be fp32, tf32 or bf16, not '" + m + "'");
+  return CUBLAS_COMPUTE_32F;
 }
 
 class CudaBackend final : public Backend {
