@@ -311,6 +311,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     j["tokens_per_s"] = tokens_per_s;
     j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
     j["peak_rss_gib"] = to_gib(static_cast<double>(r.peak_rss_bytes));
+    j["data_plane"] = r.data_plane;
     out << j.dump(2) << "\n";
     return 0;
   }

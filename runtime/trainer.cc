@@ -187,6 +187,7 @@ class Executor {
   // With a device backend (memory the host may not touch), the data plane stages its buffers
   // through host memory: world_ wrapped, and every group split from it.
   std::unique_ptr<Communicator> staged_world_;
+  std::string data_plane_;  // a device backend's: "nccl" or "staged"
   Communicator* data_world_ = nullptr;
   std::unique_ptr<Communicator> tp_, dp_, pp_, model_, embedding_;
   std::unique_ptr<Communicator> ep_, etp_, edp_;  // MoE models (runtime/expert_groups.h)
@@ -268,6 +269,7 @@ void Executor::setup() {
   data_world_ = &world_;
   if (!backend_->host_accessible()) {  // NCCL, or MPI on host copies (runtime/data_plane.h)
     DataPlane plane = make_device_data_plane(world_, control_, *backend_);
+    data_plane_ = plane.kind;
     staged_world_ = std::move(plane.world);
     data_world_ = staged_world_.get();
   }
@@ -520,6 +522,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   if (o_.record_timeline) gather_timeline(result);
   result.peak_memory_bytes = control_.max(MemoryCounter::peak());
   result.peak_rss_bytes = control_.max(peak_rss_bytes());
+  result.data_plane = data_plane_.empty() ? (world_.size() > 1 ? "mpi" : "self") : data_plane_;
   return result;
 }
 

@@ -64,11 +64,14 @@ struct NormReductionEvent {
 struct TrainResult {
   int64_t first_step = 0;  // > 0 when resumed
   std::vector<StepStats> steps;
-  int64_t parameters = 0;                    // of the whole model
-  int64_t peak_memory_bytes = 0;             // the most-loaded rank's tensors (params, grads, ...)
-  int64_t peak_rss_bytes = 0;                // the most-loaded rank's resident set (VmHWM)
-  std::vector<TimelineEvent> timeline;       // on world rank 0, every replica and stage
-  std::vector<OpTimelineEvent> op_timeline;  // the same, every op of every pass
+  int64_t parameters = 0;         // of the whole model
+  int64_t peak_memory_bytes = 0;  // the most-loaded rank's tensors (params, grads, ...)
+  int64_t peak_rss_bytes = 0;     // the most-loaded rank's resident set (VmHWM)
+  // What carried the collectives and transfers: "mpi" (or "self" on one rank) for host
+  // backends; "nccl" or "staged" (MPI on host copies) for a device backend (runtime/data_plane.h).
+  std::string data_plane;
+  std::vector<TimelineEvent> timeline;              // on world rank 0, every replica and stage
+  std::vector<OpTimelineEvent> op_timeline;         // the same, every op of every pass
   std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
 };
 

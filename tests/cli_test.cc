@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -533,6 +534,15 @@ TEST(Cli, RunOnStagedDeviceMemoryGivesTheCpuBackendsLosses) {
   const auto ja = nlohmann::json::parse(a.out), jb = nlohmann::json::parse(b.out);
   EXPECT_EQ(ja["losses"], jb["losses"]);
   EXPECT_EQ(ja["peak_memory_gib"], jb["peak_memory_gib"]);
+  EXPECT_EQ(ja["data_plane"], "self");    // one rank on host memory
+  EXPECT_EQ(jb["data_plane"], "staged");  // a device backend without NCCL
+  // A data plane PTDP_DATA_PLANE cannot have: refused naming the variable.
+  setenv("PTDP_DATA_PLANE", "nccl", 1);
+  const Result c = run(tiny_run({"--json", "--backend", "cpu-staged"}));
+  unsetenv("PTDP_DATA_PLANE");
+  EXPECT_EQ(c.status, 2) << c.err;
+  EXPECT_NE(c.err.find("PTDP_DATA_PLANE"), std::string::npos) << c.err;
+  EXPECT_EQ(std::count(c.err.begin(), c.err.end(), '\n'), 1) << c.err;
 }
 
 TEST(Cli, RunWritesItsMeasuredTimelineAsAChromeTrace) {

@@ -113,6 +113,8 @@ TEST(RunMpi, StagedDeviceMemoryTrainsToTheCpuBackendsLosses) {
     ASSERT_EQ(losses(cpu).size(), 6u) << flags(l);
     EXPECT_EQ(losses(staged), losses(cpu)) << flags(l);
     EXPECT_EQ(staged["peak_memory_gib"], cpu["peak_memory_gib"]) << flags(l);
+    EXPECT_EQ(cpu["data_plane"], "mpi") << flags(l);
+    EXPECT_EQ(staged["data_plane"], "staged") << flags(l);
   }
 }
 
