@@ -238,7 +238,8 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
 TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile h = *c.measured_profile;
-  h.fused_ops = {{"attn_scores", 1e9, 2e-3}, {"attn_scores", 8e9, 20e-3},
+  h.fused_ops = {{"attn_scores", 1e9, 2e-3},
+                 {"attn_scores", 8e9, 20e-3},
                  {"attn_scores_recompute", 1e9, 5e-3}};
   ModelSpec m;
   m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
