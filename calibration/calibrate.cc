@@ -81,16 +81,13 @@ int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold) {
   return n;
 }
 
-// Rank-major list of every rank's `mine`.
-std::vector<std::string> gathered_strings(ControlPlane& control, const std::string& mine) {
+// Rank-major list of every rank's host name.
+std::vector<std::string> hosts_of(ControlPlane& control) {
+  const std::string me = host_name();
   std::vector<std::string> out;
-  for (const auto& bytes : control.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end())))
+  for (const auto& bytes : control.all_gather_bytes(std::vector<uint8_t>(me.begin(), me.end())))
     out.emplace_back(bytes.begin(), bytes.end());
   return out;
-}
-
-std::vector<std::string> hosts_of(ControlPlane& control) {
-  return gathered_strings(control, host_name());
 }
 
 double gemm_flops(double m, double n, double k, double batch) {
@@ -136,11 +133,10 @@ void check_group_sizes(const std::vector<int64_t>& sizes, int ranks) {
 }
 
 json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control) {
-  if (o.backend != "cpu" && o.backend != "cuda" && o.backend != "cpu-staged")
-    throw InputError("--backend", "must be cpu or cuda, not '" + o.backend + "'");
   o.model.validate();
   check_group_sizes(o.group_sizes, world.size());
-  auto backend = make_backend(o.backend);  // cuda without a GPU: InputError naming --backend
+  // An unknown backend, or cuda without a GPU: InputError naming --backend.
+  auto backend = make_backend(o.backend);
   Backend& be = *backend;
   const DeviceInfo device = be.device_info();
   const bool gpu = !device.name.empty();
@@ -448,9 +444,9 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   cl.name = "measured-" + o.backend;
   const double mem = host_memory_bytes();
   if (gpu) {  // ranks sharing a GPU share its memory
-    const std::vector<std::string> where =
-        gathered_strings(control, host_name() + "/" + std::to_string(be.device_index()));
-    const int sharing = static_cast<int>(std::count(where.begin(), where.end(), where.front()));
+    const std::vector<std::string> gpus = gpu_of_each_rank(control, be);
+    const int sharing = static_cast<int>(
+        std::count(gpus.begin(), gpus.end(), gpus[static_cast<size_t>(world.rank())]));
     cl.gpu.name = device.name;
     cl.gpu.memory_gib = device.memory_bytes / sharing / (1024.0 * 1024 * 1024);
   } else {

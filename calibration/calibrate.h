@@ -35,8 +35,8 @@ void check_group_sizes(const std::vector<int64_t>& sizes, int ranks);
 
 // Collective over `world` (and `control`, its control plane): every rank measures. Returns the
 // machine file (the same object on every rank). Before measuring anything, on every rank alike,
-// throws InputError("--backend") for a backend other than cpu and InputError("--group-sizes")
-// (check_group_sizes).
+// throws InputError("--backend") for a backend make_backend refuses (an unknown name, cuda
+// without a GPU) and InputError("--group-sizes") (check_group_sizes).
 nlohmann::json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& control);
 
 // The fitted numbers and every fit's residuals, as text.

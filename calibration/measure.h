@@ -59,18 +59,16 @@ struct OpSample {
 class CacheEvictor {
  public:
   explicit CacheEvictor(double last_level_cache_bytes, Backend* device = nullptr);
-  void operator()();
-
- private:
-  std::vector<float> junk_;
-  Backend* device_ = nullptr;
-  void* device_junk_ = nullptr;
-  size_t device_bytes_ = 0;
-
- public:
   ~CacheEvictor();
   CacheEvictor(const CacheEvictor&) = delete;
   CacheEvictor& operator=(const CacheEvictor&) = delete;
+  void operator()();
+
+ private:
+  std::vector<float> junk_;    // host caches
+  Backend* device_ = nullptr;  // or the device's
+  void* device_junk_ = nullptr;
+  size_t device_bytes_ = 0;
 };
 
 // The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run

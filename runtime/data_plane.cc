@@ -16,27 +16,17 @@
 #endif
 
 namespace ptdp {
-#ifdef PTDP_HAVE_NCCL_COMM
-namespace {
 
-// "host/device" of this rank, for finding ranks that share a GPU.
-std::vector<uint8_t> where(const Backend& backend) {
+std::vector<std::string> gpu_of_each_rank(ControlPlane& control, const Backend& backend) {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  const std::string s = std::string(host) + "/" + std::to_string(backend.device_index());
-  return {s.begin(), s.end()};
+  const std::string mine = std::string(host) + "/" + std::to_string(backend.device_index());
+  std::vector<std::string> all;
+  for (const std::vector<uint8_t>& w :
+       control.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end())))
+    all.emplace_back(w.begin(), w.end());
+  return all;
 }
-
-// Whether every rank has a GPU of its own.
-bool one_gpu_per_rank(ControlPlane& control, const Backend& backend) {
-  std::set<std::string> seen;
-  for (const std::vector<uint8_t>& w : control.all_gather_bytes(where(backend)))
-    if (!seen.insert(std::string(w.begin(), w.end())).second) return false;
-  return true;
-}
-
-}  // namespace
-#endif
 
 DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Backend& backend) {
   if (backend.host_accessible())
@@ -51,7 +41,8 @@ DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Bac
 #ifdef PTDP_HAVE_NCCL_COMM
     if (backend.name() != "cuda") {
       why_not = "the " + std::string(backend.name()) + " backend is not a GPU";
-    } else if (!one_gpu_per_rank(control, backend)) {
+    } else if (const auto gpus = gpu_of_each_rank(control, backend);
+               std::set<std::string>(gpus.begin(), gpus.end()).size() != gpus.size()) {
       why_not = "ranks share a GPU, which NCCL refuses";
     } else {
       plane.world = make_nccl_communicator(control, backend.device_index(), backend.native_stream(),

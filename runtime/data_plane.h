@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
@@ -23,5 +24,9 @@ struct DataPlane {
 
 // `world` and `control` must outlive the result. `backend` must not be host-accessible.
 DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Backend& backend);
+
+// Every rank's GPU as "host/device index", rank-major (collective over `control`): ranks with
+// equal entries share a GPU.
+std::vector<std::string> gpu_of_each_rank(ControlPlane& control, const Backend& backend);
 
 }  // namespace ptdp

@@ -29,14 +29,11 @@ struct OpExecutor::State {
     int64_t& done = filled[&x];
     if (done == n && elems(x) == n) return;
     resize(x, n);
-    auto value = [](int64_t i) { return static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f; };
-    if (x.on_host()) {
-      for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = value(i);
-    } else {  // a device backend's memory (ptdp calibrate --backend cuda)
-      std::vector<float> host(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = value(i);
-      x.space()->upload(host.data(), x.data(), host.size() * sizeof(float));
-    }
+    // Written in place in host memory; through a host copy into a device backend's memory.
+    std::vector<float> staged;
+    float* out = x.on_host() ? x.data() : (staged.resize(static_cast<size_t>(n)), staged.data());
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+    if (!x.on_host()) x.space()->upload(staged.data(), x.data(), staged.size() * sizeof(float));
     done = n;
   }
   std::map<const Buffer*, int64_t> filled;
