@@ -39,10 +39,13 @@ std::string run_trace_text(const TrainResult& r, RunTraceInfo info, const std::s
   x.other_data = run_trace_metadata(info);
   for (const OpTimelineEvent& e : r.op_timeline)
     x.ops.push_back({e.dp, e.pp, e.op.microbatch, e.op.chunk, std::string(op_name(e.op.id)),
-                     to_string(e.op.role), picos(e.op.start), picos(e.op.end)});
+                     to_string(e.op.role), picos(e.op.start), picos(e.op.end), "op", std::nullopt});
   for (const NormReductionEvent& e : r.norm_reductions)
-    x.ops.push_back(
-        {e.dp, e.pp, -1, -1, kNormReduction, "", picos(e.start), picos(e.end), kSyncCategory});
+    x.ops.push_back({e.dp, e.pp, -1, -1, kNormReduction, "", picos(e.start), picos(e.end),
+                     kSyncCategory, std::nullopt});
+  for (const NormReductionEvent& e : r.grad_buckets)
+    x.ops.push_back({e.dp, e.pp, -1, -1, kGradBucket, "", picos(e.start), picos(e.end),
+                     kSyncCategory, Stream::kData});
   for (const StepStats& s : r.steps)
     x.steps.push_back({s.step, s.step < r.first_step + info.warmup_steps, picos(s.start),
                        picos(s.start + s.seconds)});

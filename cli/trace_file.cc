@@ -177,9 +177,13 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
     const int32_t chunk =
         static_cast<int32_t>(r.integer(args, "chunk", a, -1, p.virtual_stages - 1));
     if (cat == kSyncCategory) {
-      if (r.string(e, "name", f) != kNormReduction)
-        r.fail(f + ".name", std::string("expected ") + kNormReduction);
-      out.norm_reductions.push_back({replica, stage, start, end});
+      const std::string name = r.string(e, "name", f);
+      if (name == kGradBucket)
+        out.grad_buckets.push_back({replica, stage, start, end});
+      else if (name == kNormReduction)
+        out.norm_reductions.push_back({replica, stage, start, end});
+      else
+        r.fail(f + ".name", std::string("expected ") + kNormReduction + " or " + kGradBucket);
       continue;
     }
     if (cat == "op") {

@@ -37,6 +37,9 @@ struct TraceOp {
 // Inside the optimizer step: the gradient-norm all-reduce (category "sync", named so).
 inline constexpr const char* kSyncCategory = "sync";
 inline constexpr const char* kNormReduction = "grad_norm_allreduce";
+// --overlap-grad-reduce: one data-parallel gradient bucket, queued during the backward pass (same
+// category), from when it was queued to when its rank saw it complete.
+inline constexpr const char* kGradBucket = "dp_grad_bucket";
 struct TraceSync {
   int32_t replica = 0, stage = 0;
   double start = 0, end = 0;
@@ -64,6 +67,7 @@ struct RunTrace {
   std::vector<TraceAction> actions;
   std::vector<TraceOp> ops;
   std::vector<TraceSync> norm_reductions;
+  std::vector<TraceSync> grad_buckets;
   std::vector<TraceStep> steps;
 };
 

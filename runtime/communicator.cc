@@ -66,6 +66,12 @@ std::unique_ptr<Work> Communicator::start_all_to_all_v(const void*, std::span<co
   throw std::logic_error("communicator '" + name() + "' has no all-to-all");
 }
 
+std::unique_ptr<Work> Communicator::start_reduce_scatter_v(const void*, void*,
+                                                           std::span<const size_t>, DType,
+                                                           DeviceStream) {
+  throw std::logic_error("communicator '" + name() + "' has no uneven reduce-scatter");
+}
+
 std::unique_ptr<Communicator> Communicator::split(int color, int key, std::string name) {
   auto c = make_split(color, key);
   c->set_name(name.empty() ? name_ + "/" + std::to_string(color) : std::move(name));
@@ -119,6 +125,13 @@ class SelfCommunicator final : public Communicator {
   std::unique_ptr<Work> start_reduce_scatter(const void* in, void* out, size_t n, DType t,
                                              DeviceStream) override {
     if (in != out && n > 0) std::memmove(out, in, n * dtype_bytes(t));
+    return done();
+  }
+  std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
+                                               std::span<const size_t> counts, DType t,
+                                               DeviceStream) override {
+    if (counts.size() != 1) throw std::invalid_argument("reduce-scatter counts of a group of one");
+    if (counts[0] > 0) std::memmove(out, in, counts[0] * dtype_bytes(t));
     return done();
   }
   std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int root, DeviceStream) override {

@@ -120,6 +120,15 @@ class Communicator {
                                              DeviceStream s = {}) {
     return start_reduce_scatter(in, out, n, t, s);
   }
+  // Uneven blocks (MPI_Reduce_scatter): in holds the sum of `counts` elements on every rank, the
+  // blocks in rank order; out gets counts[rank()] elements, this rank's block of the element-wise
+  // sum. in and out do not overlap. The overlapped gradient reduction hands each rank the part of
+  // a bucket that falls in its distributed-optimizer shard with it (runtime/grad_sync.h).
+  std::unique_ptr<Work> reduce_scatter_v_async(const void* in, void* out,
+                                               std::span<const size_t> counts, DType t,
+                                               DeviceStream s = {}) {
+    return start_reduce_scatter_v(in, out, counts, t, s);
+  }
   // root's n elements to every rank.
   std::unique_ptr<Work> broadcast_async(void* data, size_t n, DType t, int root,
                                         DeviceStream s = {}) {
@@ -146,6 +155,9 @@ class Communicator {
   }
   void reduce_scatter(const void* in, void* out, size_t n, DType t) {
     reduce_scatter_async(in, out, n, t)->wait();
+  }
+  void reduce_scatter_v(const void* in, void* out, std::span<const size_t> counts, DType t) {
+    reduce_scatter_v_async(in, out, counts, t)->wait();
   }
   void broadcast(void* data, size_t n, DType t, int root) {
     broadcast_async(data, n, t, root)->wait();
@@ -188,6 +200,10 @@ class Communicator {
                                                    std::span<const size_t> send_counts, void* out,
                                                    std::span<const size_t> recv_counts, DType t,
                                                    DeviceStream s);
+  // Likewise without an uneven reduce-scatter.
+  virtual std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
+                                                       std::span<const size_t> counts, DType t,
+                                                       DeviceStream s);
 
  private:
   std::string name_ = "world";

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <stdexcept>
 
@@ -103,6 +104,10 @@ struct Chunk {
   std::vector<MoeLayerParams> moe;  // per layer; used where the layer is an MoE layer
   std::vector<bool> is_moe;
   ChunkParams params;
+  // The range [lo, hi) of the dense segment (1) holding the parameters of each part of the chunk,
+  // in the order of the forward pass: the embedding, each layer, the final norm and LM head.
+  // Empty (lo == hi) where a part has none there.
+  std::vector<std::pair<int64_t, int64_t>> dense_grads;
 };
 
 // While an MoE layer runs, the dense MLP ops are its shared experts, of their own width.
@@ -227,6 +232,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     std::vector<std::array<int64_t, 12>> layers;
     std::vector<MoeIdx> moe;
     int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
+    // Where each part's parameters begin in `pending` (embedding, layers, head), and the end.
+    std::vector<int64_t> part_begin;
   };
   std::vector<ChunkIdx> idx(static_cast<size_t>(layout.v));
   for (int64_t c = 0; c < layout.v; ++c) {
@@ -237,6 +244,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     ch.last = g == stages - 1;
     ch.first_layer = std::accumulate(per_stage.begin(), per_stage.begin() + g, int64_t{0});
     ch.num_layers = per_stage[static_cast<size_t>(g)];
+    ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
     if (ch.first) ix.word = word_index = word_embedding(false);
     if (ch.first && m.learned_position_embeddings) {
       ParamInfo p;
@@ -248,6 +256,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
                              [=](int64_t r, int64_t c2) { return r * h + c2; }));
     }
     for (int64_t l = 0; l < ch.num_layers; ++l) {
+      ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
       const std::string pre = "layers." + std::to_string(ch.first_layer + l) + ".";
       std::array<int64_t, 12> L;
       L.fill(-1);
@@ -317,6 +326,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       ix.moe.push_back(moe_layer ? add_moe_parameters(m, layout, I.sp, seed, pre, add) : MoeIdx{});
       ix.layers.push_back(L);
     }
+    ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
     if (ch.last) {
       ix.lnf_g = replicated("final_layernorm.weight", h, 1.0f);
       if (I.biases) ix.lnf_b = replicated("final_layernorm.bias", h, 0.0f);
@@ -328,6 +338,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         ix.head = word_index >= 0 ? word_index : word_embedding(true);
       }
     }
+    ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
   }
 
   // Offsets: segment 0 first, then segment 1 (and 2), each padded.
@@ -363,6 +374,16 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   for (int64_t c = 0; c < layout.v; ++c) {
     Chunk& ch = J.chunks[static_cast<size_t>(c)];
     const ChunkIdx& ix = idx[static_cast<size_t>(c)];
+    for (size_t part = 0; part + 1 < ix.part_begin.size(); ++part) {
+      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+      for (int64_t i = ix.part_begin[part]; i < ix.part_begin[part + 1]; ++i) {
+        const ParamInfo& p = infos_[static_cast<size_t>(i)];
+        if (p.segment != 1) continue;
+        lo = std::min(lo, p.offset);
+        hi = std::max(hi, p.offset + p.size);
+      }
+      ch.dense_grads.emplace_back(hi > 0 ? lo : 0, hi);
+    }
     ch.params.word = off(ix.word);
     ch.params.pos = off(ix.pos);
     ch.params.lnf_g = off(ix.lnf_g);
@@ -501,7 +522,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
 }
 
 void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
-                        double loss_scale) {
+                        double loss_scale, const GradientsReady* ready) {
   Impl& I = *impl_;
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
@@ -509,12 +530,18 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
   auto it = I.stash.find({chunk, mb});
   if (it == I.stash.end()) throw std::logic_error("backward before forward");
   ChunkActs& A = it->second;
+  // The parts of the chunk are 0 (embedding), 1 + l (layer l) and num_layers + 1 (head).
+  auto part_done = [&](int64_t part) {
+    const auto [lo, hi] = ch.dense_grads[static_cast<size_t>(part)];
+    if (ready && hi > lo) (*ready)(lo, hi);
+  };
   LayerGrads D;
   if (ch.last) {
     for (OpId op : I.head_bwd) {
       c.begin(op, PassKind::kBackward);
       head_backward_op(c, op, ch.params, A, D, loss_scale);
     }
+    part_done(ch.num_layers + 1);
   } else {
     if (!grad_output || elems(*grad_output) != d.n_local * d.h)
       throw std::logic_error("backward: missing or mis-sized output gradient");
@@ -549,6 +576,7 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
     D.d_out.swap(D.d_x);
     L = LayerActs();
     if (M) I.moe_stash.erase({chunk, mb, l});
+    part_done(l + 1);
   }
   if (ch.first) {
     Buffer unused;
@@ -556,6 +584,7 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
       c.begin(op, PassKind::kBackward);
       embedding_op(c, op, ch.params, A, unused, &D.d_out);
     }
+    part_done(0);
   } else {
     *grad_input = std::move(D.d_out);
   }

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -136,9 +137,14 @@ class GptShard {
                  Buffer* output);
   // Backward of microbatch `mb` on `chunk`: grad_output is the received gradient (null on the
   // last stage, whose gradient is that of loss_scale * loss); writes grad_input (not on the
-  // first stage). Accumulates into grads().
+  // first stage). Accumulates into grads(). With `ready`, calls it after the LM head, each layer
+  // and the embedding with the range [lo, hi) of grads() in the dense segment (1) that this part
+  // of the chunk accumulates into, once its kernels are queued (not for the word embedding or
+  // routed experts, segments 0 and 2). On a chunk's last backward pass of a step those
+  // gradients are final: --overlap-grad-reduce starts their reduction there.
+  using GradientsReady = std::function<void(int64_t lo, int64_t hi)>;
   void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
-                double loss_scale);
+                double loss_scale, const GradientsReady* ready = nullptr);
 
   // One contiguous fp32 buffer of every parameter this rank holds, and one of their gradients,
   // in the backend's memory; ParamInfo::offset and size give each parameter's typed view.

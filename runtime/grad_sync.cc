@@ -51,36 +51,113 @@ bool DataParallelOptimizer::counts_in_norm(const ParamInfo& p) const {
   return !p.tp_replicated || g_.tp_rank == 0;
 }
 
+void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
+  if (!shard_.layout().sequence_parallel || shard_.layout().t < 2) return;
+  // Replicated parameters applied to a sequence slice: their gradients are partial sums. Those
+  // a bucket has reduced already are skipped.
+  auto wanted = [&](const ParamInfo& p) {
+    if (!p.sp_partial || p.offset < lo || p.offset + p.size > hi) return false;
+    for (const auto& [blo, bhi] : buckets_)
+      if (blo <= p.offset && p.offset + p.size <= bhi) return false;
+    return true;
+  };
+  float* g = shard_.grads().data<float>();
+  int64_t n = 0;
+  for (const ParamInfo& p : shard_.param_infos())
+    if (wanted(p)) n += p.size;
+  if (n == 0) return;
+  Buffer packed(static_cast<size_t>(n));
+  int64_t at = 0;
+  for (const ParamInfo& p : shard_.param_infos())
+    if (wanted(p)) {
+      be_.copy(g + p.offset, packed.data() + at, p.size);
+      at += p.size;
+    }
+  g_.tensor->all_reduce(packed.data(), packed.size());
+  at = 0;
+  for (const ParamInfo& p : shard_.param_infos())
+    if (wanted(p)) {
+      be_.copy(packed.data() + at, g + p.offset, p.size);
+      at += p.size;
+    }
+}
+
+std::unique_ptr<Work> DataParallelOptimizer::start_dense_reduction(int64_t lo, int64_t hi) {
+  float* g = shard_.grads().data<float>();
+  if (!dist_) return g_.data->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
+  // Each rank's shard of segment 1 is a contiguous block: the bucket's blocks are its
+  // intersections with them, in rank order.
+  const Segment& s = shard_.segments()[1];
+  const int64_t d = g_.data_parallel, shard = s.size / d;
+  std::vector<size_t> counts(static_cast<size_t>(d));
+  for (int64_t r = 0; r < d; ++r) {
+    const int64_t begin = s.offset + r * shard;
+    counts[static_cast<size_t>(r)] = static_cast<size_t>(
+        std::max<int64_t>(0, std::min(hi, begin + shard) - std::max(lo, begin)));
+  }
+  const int64_t mine = s.offset + g_.dp_rank * shard;
+  float* out =
+      shard_grads_.data<float>() + state_offset_[1] + std::clamp(lo - mine, int64_t{0}, shard);
+  return g_.data->reduce_scatter_v_async(g + lo, out, counts, DType::kF32);
+}
+
+void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
+  if (g_.data_parallel < 2 || hi <= lo) return;
+  const Segment& s = shard_.segments()[1];
+  if (lo < s.offset || hi > s.offset + s.size)
+    throw std::logic_error("a gradient bucket outside the dense segment");
+  reduce_sequence_parallel(lo, hi);
+  const double queued = bucket_sink_ ? seconds() : 0.0;
+  bucket_work_.push_back(start_dense_reduction(lo, hi));
+  buckets_.emplace_back(lo, hi);
+  bucket_span_.emplace_back(queued, -1.0);
+}
+
+void DataParallelOptimizer::progress() {
+  for (size_t i = 0; i < bucket_span_.size(); ++i)
+    if (bucket_span_[i].second < 0 && bucket_work_[i]->test())
+      bucket_span_[i].second = bucket_sink_ ? seconds() : 0.0;
+}
+
 void DataParallelOptimizer::reduce_gradients() {
   float* g = shard_.grads().data<float>();
   const int64_t g_size = shard_.grads().size();
   const int64_t d = g_.data_parallel;
-  if (shard_.layout().sequence_parallel && shard_.layout().t > 1) {
-    // Replicated parameters applied to a sequence slice: their gradients are partial sums.
-    int64_t n = 0;
-    for (const ParamInfo& p : shard_.param_infos())
-      if (p.sp_partial) n += p.size;
-    Buffer packed(static_cast<size_t>(n));
-    int64_t at = 0;
-    for (const ParamInfo& p : shard_.param_infos())
-      if (p.sp_partial) {
-        be_.copy(g + p.offset, packed.data() + at, p.size);
-        at += p.size;
-      }
-    g_.tensor->all_reduce(packed.data(), packed.size());
-    at = 0;
-    for (const ParamInfo& p : shard_.param_infos())
-      if (p.sp_partial) {
-        be_.copy(packed.data() + at, g + p.offset, p.size);
-        at += p.size;
-      }
-  }
+  reduce_sequence_parallel(0, g_size);
   const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
   const auto& segs = shard_.segments();
+  // What the buckets left of the dense segment, then the wait for every bucket.
+  auto finish_dense = [&] {
+    std::vector<std::pair<int64_t, int64_t>> covered = buckets_;
+    std::sort(covered.begin(), covered.end());
+    int64_t at = segs[1].offset;
+    const int64_t end = segs[1].offset + segs[1].size;
+    for (const auto& [lo, hi] : covered) {
+      if (lo > at) bucket_work_.push_back(start_dense_reduction(at, lo));
+      at = std::max(at, hi);
+    }
+    if (at < end) bucket_work_.push_back(start_dense_reduction(at, end));
+    for (size_t i = 0; i < bucket_work_.size(); ++i) {
+      bucket_work_[i]->wait();
+      if (i < bucket_span_.size() && bucket_span_[i].second < 0)
+        bucket_span_[i].second = bucket_sink_ ? seconds() : 0.0;
+    }
+    if (bucket_sink_)
+      bucket_sink_->insert(bucket_sink_->end(), bucket_span_.begin(), bucket_span_.end());
+    bucket_work_.clear();
+    buckets_.clear();
+    bucket_span_.clear();
+  };
+  const bool overlapped = !buckets_.empty();
   if (!dist_) {
-    // The dense segments at once, then the experts' over their own group.
+    // The dense segments at once (or what the buckets left), then the experts' over their own
+    // group.
     const int64_t dense = segs.size() > 2 ? segs[2].offset : g_size;
-    if (d > 1) g_.data->all_reduce(g, static_cast<size_t>(dense));
+    if (d > 1 && !overlapped) g_.data->all_reduce(g, static_cast<size_t>(dense));
+    if (overlapped) {
+      g_.data->all_reduce(g + segs[0].offset, static_cast<size_t>(segs[0].size));
+      finish_dense();
+    }
     if (segs.size() > 2 && g_.expert_data_parallel > 1)
       g_.expert_data->all_reduce(g + segs[2].offset, static_cast<size_t>(segs[2].size));
     if (d > 1) be_.scale(g, g_size, inv_d);
@@ -90,7 +167,10 @@ void DataParallelOptimizer::reduce_gradients() {
     const int64_t shard = segs[i].size / shards_of(i);
     if (shard == 0) continue;
     float* out = shard_grads_.data<float>() + state_offset_[i];
-    group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
+    if (i == 1 && overlapped)
+      finish_dense();
+    else
+      group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
     if (d > 1) be_.scale(out, shard, inv_d);
   }
 }

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -47,7 +48,21 @@ class DataParallelOptimizer {
  public:
   DataParallelOptimizer(GptShard& shard, const DataParallelGroups& groups, bool distributed);
 
+  // Reduces every gradient not yet reduced by a bucket, then waits for the buckets.
   void reduce_gradients();
+  // --overlap-grad-reduce: [lo, hi) of the dense segment (1) holds final gradients (the backward
+  // passes of the step are done with them); their reduction starts now, asynchronously, on the
+  // data-parallel group: an all-reduce, or with the distributed optimizer an uneven
+  // reduce-scatter that hands each rank the part of the bucket in its shard. With sequence
+  // parallelism the bucket's partial gradients are first all-reduced over the tensor-parallel
+  // group (blocking; they are norms and biases). The data-parallel ranks call this for the same
+  // buckets in the same order (the same schedule runs on each). A no-op with one replica.
+  void reduce_bucket(int64_t lo, int64_t hi);
+  // Lets the buckets in flight progress (MPI moves a non-blocking collective on when it is
+  // tested); never blocks.
+  void progress();
+  // Buckets started since the last reduce_gradients().
+  size_t buckets_started() const { return buckets_.size(); }
   void sync_embedding();
   // Clips by the global gradient norm and applies AdamW at `lr`; step counts from 0. Returns
   // the norm before clipping.
@@ -61,6 +76,10 @@ class DataParallelOptimizer {
     norm_sink_ = sink;
     t0_ = t0;
   }
+
+  // With a sink, appends each overlapped bucket's span (seconds since the t0 of
+  // time_norm_reduction): from when it was queued to when this rank first saw it complete.
+  void time_buckets(std::vector<std::pair<double, double>>* sink) { bucket_sink_ = sink; }
 
   // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
   DeviceBuffer& adam_m() { return adam_m_; }
@@ -81,12 +100,26 @@ class DataParallelOptimizer {
   void for_each_owned_range(
       const std::function<void(const ParamInfo&, int64_t, int64_t, int64_t)>& f);
 
+  // Reduces the sequence-parallel partial gradients of the parameters inside [lo, hi) over the
+  // tensor-parallel group.
+  void reduce_sequence_parallel(int64_t lo, int64_t hi);
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  // Starts the data-parallel reduction of [lo, hi) of segment 1 (see reduce_bucket).
+  std::unique_ptr<Work> start_dense_reduction(int64_t lo, int64_t hi);
+
   GptShard& shard_;
   Backend& be_;
   DataParallelGroups g_;
   bool dist_;
   DeviceBuffer adam_m_, adam_v_, shard_grads_;
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
+  // Buckets in flight or done this step: their ranges (ascending order of start) and Works.
+  std::vector<std::pair<int64_t, int64_t>> buckets_;
+  std::vector<std::unique_ptr<Work>> bucket_work_;
+  std::vector<std::pair<double, double>> bucket_span_;  // per bucket; end < 0 until complete
+  std::vector<std::pair<double, double>>* bucket_sink_ = nullptr;
   std::vector<std::pair<double, double>>* norm_sink_ = nullptr;
   std::chrono::steady_clock::time_point t0_;
 };

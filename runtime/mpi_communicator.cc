@@ -348,6 +348,23 @@ class MpiCommunicator final : public Communicator {
           "reduce-scatter");
     return w;
   }
+  std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
+                                               std::span<const size_t> counts, DType t,
+                                               DeviceStream) override {
+    if (counts.size() != static_cast<size_t>(size_))
+      throw std::invalid_argument("reduce-scatter: one count per rank");
+    auto v = std::make_shared<std::vector<int>>(counts.size());
+    size_t total = 0;
+    for (size_t r = 0; r < counts.size(); ++r) {
+      (*v)[r] = count(counts[r]);
+      total += counts[r];
+    }
+    auto w = work(describe("reduce-scatter", total, t));
+    w->keep(v);
+    check(MPI_Ireduce_scatter(in, out, v->data(), mpi_type(t), sum_op(t), g_.comm, w->add()),
+          "reduce-scatter");
+    return w;
+  }
   std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
                                            std::span<const size_t> recv, DType t,
                                            DeviceStream) override {

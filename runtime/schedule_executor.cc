@@ -15,7 +15,12 @@ ScheduleExecutor::ScheduleExecutor(GptShard& shard, Communicator& pipeline,
       pp_(pp),
       p_(p),
       dp_(dp),
-      m_(microbatches) {}
+      m_(microbatches) {
+  last_backward_.assign(static_cast<size_t>(shard_.num_chunks()), -1);
+  for (size_t i = 0; i < actions_.size(); ++i)
+    if (actions_[i].kind == ActionKind::kBackward)
+      last_backward_.at(static_cast<size_t>(actions_[i].chunk)) = static_cast<int64_t>(i);
+}
 
 void ScheduleExecutor::time_ops(std::vector<TimedOp>* sink, Clock::time_point t0) {
   timer_ = sink ? std::make_unique<OpTimer>(shard_.backend(), t0, sink) : nullptr;
@@ -45,7 +50,13 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
   double group_start = -1;
   const size_t group_first_event = events ? events->size() : 0;
   auto now = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
-  for (const PipelineAction& a : actions_) {
+  // Each part of a chunk's last backward pass hands its gradients to a bucket.
+  const GptShard::GradientsReady start_bucket = [this](int64_t lo, int64_t hi) {
+    optimizer_.reduce_bucket(lo, hi);
+    optimizer_.progress();
+  };
+  for (size_t i = 0; i < actions_.size(); ++i) {
+    const PipelineAction& a = actions_[i];
     const double start = now();
     const Key key{a.microbatch, a.chunk};
     switch (a.kind) {
@@ -66,7 +77,10 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         Buffer gin;
         const Buffer* gout = last ? nullptr : &grad_in_.at(key);
         if (timer_) timer_->pass(a.chunk, a.microbatch);
-        shard_.backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_));
+        const bool last_pass =
+            last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
+        shard_.backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_),
+                        overlap_ && last_pass ? &start_bucket : nullptr);
         if (timer_) timer_->close();
         if (!last) grad_in_.erase(key);
         if (!first) grad_out_[key] = std::move(gin);
@@ -132,6 +146,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       }
     }
     if (p2p && !a.batched_with_next) group_start = -1;
+    if (overlap_) optimizer_.progress();
   }
   if (!batch_.empty()) throw std::logic_error("schedule ends inside a batched transfer");
   return loss_sum;

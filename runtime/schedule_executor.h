@@ -55,6 +55,11 @@ class ScheduleExecutor {
   // From now on, appends every op the shard executes to `sink` with its start and end (times
   // since t0), tagged with the pass's chunk and microbatch (runtime/op_timer.h).
   void time_ops(std::vector<TimedOp>* sink, Clock::time_point t0);
+  // --overlap-grad-reduce: in each chunk's last backward pass of the step, each part's
+  // gradients start their data-parallel reduction as soon as the part is done
+  // (DataParallelOptimizer::reduce_bucket); the gradient-sync action then reduces the rest and
+  // waits for them. The buckets in flight are tested after every action.
+  void overlap_grad_reduce(bool on) { overlap_ = on; }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
@@ -69,6 +74,8 @@ class ScheduleExecutor {
   std::vector<Communicator::P2P> batch_;
   std::vector<Key> sent_fwd_, sent_bwd_;
   std::unique_ptr<OpTimer> timer_;  // null unless ops are timed
+  bool overlap_ = false;
+  std::vector<int64_t> last_backward_;  // per chunk: the index of its last backward action
 };
 
 }  // namespace ptdp

@@ -208,7 +208,7 @@ class Executor {
   bool dist_ = false;
   std::vector<TimelineEvent> events_;
   std::vector<TimedOp> ops_;
-  std::vector<std::pair<double, double>> norm_spans_;
+  std::vector<std::pair<double, double>> norm_spans_, bucket_spans_;
   Clock::time_point t0_;
 };
 
@@ -318,6 +318,8 @@ void Executor::setup() {
   executor_ = std::make_unique<ScheduleExecutor>(*shard_, *pp_, *optimizer_,
                                                  schedule_.ranks[static_cast<size_t>(pos_.pp)],
                                                  pos_.pp, p_, dp_index_, m_);
+  // Buckets only where there is a data-parallel reduction to hide.
+  executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1);
 }
 
 void Executor::load_checkpoint() {
@@ -450,14 +452,23 @@ void Executor::gather_timeline(TrainResult& r) {
       gather_packed<PackedNorm>(control_, norm_spans_, [&](const std::pair<double, double>& n) {
         return PackedNorm{pp, dp, n.first, n.second};
       });
+  const auto buckets =
+      gather_packed<PackedNorm>(control_, bucket_spans_, [&](const std::pair<double, double>& n) {
+        return PackedNorm{pp, dp, n.first, n.second};
+      });
   if (control_.rank() != 0) return;
-  for (const std::vector<uint8_t>& bytes : norms) {
-    for (size_t at = 0; at + sizeof(PackedNorm) <= bytes.size(); at += sizeof(PackedNorm)) {
-      PackedNorm p;
-      std::memcpy(&p, bytes.data() + at, sizeof p);
-      r.norm_reductions.push_back({p.pp, p.dp, p.start, p.end});
+  auto unpack_spans = [](const std::vector<std::vector<uint8_t>>& all,
+                         std::vector<NormReductionEvent>& out) {
+    for (const std::vector<uint8_t>& bytes : all) {
+      for (size_t at = 0; at + sizeof(PackedNorm) <= bytes.size(); at += sizeof(PackedNorm)) {
+        PackedNorm p;
+        std::memcpy(&p, bytes.data() + at, sizeof p);
+        out.push_back({p.pp, p.dp, p.start, p.end});
+      }
     }
-  }
+  };
+  unpack_spans(norms, r.norm_reductions);
+  unpack_spans(buckets, r.grad_buckets);
   for (const std::vector<uint8_t>& bytes : all) {
     for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
       PackedEvent p;
@@ -500,6 +511,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   if (o_.record_timeline && timeline_rank()) {
     executor_->time_ops(&ops_, t0_);
     optimizer_->time_norm_reduction(&norm_spans_, t0_);
+    optimizer_->time_buckets(&bucket_spans_);
   }
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {

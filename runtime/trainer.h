@@ -55,7 +55,8 @@ struct OpTimelineEvent {
   TimedOp op;
 };
 
-// One step's gradient-norm all-reduce inside the optimizer step (runtime/grad_sync.h).
+// One step's gradient-norm all-reduce inside the optimizer step, or one overlapped gradient
+// bucket's reduction (runtime/grad_sync.h).
 struct NormReductionEvent {
   int32_t pp = 0, dp = 0;
   double start = 0, end = 0;
@@ -73,6 +74,8 @@ struct TrainResult {
   std::vector<TimelineEvent> timeline;              // on world rank 0, every replica and stage
   std::vector<OpTimelineEvent> op_timeline;         // the same, every op of every pass
   std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
+  // The same, each --overlap-grad-reduce bucket (queued to seen complete; runtime/grad_sync.h).
+  std::vector<NormReductionEvent> grad_buckets;
 };
 
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).

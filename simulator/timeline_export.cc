@@ -134,7 +134,10 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
   }
   std::set<std::pair<int, int>> op_tracks;
   for (const OpSpan& o : extras.ops) {
-    op_tracks.emplace(o.replica, o.rank);
+    if (o.stream)
+      tracks.emplace(o.replica, o.rank * kStreams + static_cast<int>(*o.stream));
+    else
+      op_tracks.emplace(o.replica, o.rank);
     replicas.insert(o.replica);
   }
   if (!extras.steps.empty()) replicas.insert(0);
@@ -180,7 +183,8 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
     sep();
     out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name) << "\",\"cat\":\"" << escape(o.category)
         << "\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
-        << ",\"pid\":" << o.replica << ",\"tid\":" << kOpTrack + o.rank
+        << ",\"pid\":" << o.replica << ",\"tid\":"
+        << (o.stream ? o.rank * kStreams + static_cast<int>(*o.stream) : kOpTrack + o.rank)
         << ",\"args\":{\"microbatch\":" << o.microbatch << ",\"chunk\":" << o.chunk
         << ",\"stage\":" << o.rank;
     if (!o.role.empty()) out << ",\"role\":\"" << escape(o.role) << "\"";

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -32,6 +33,9 @@ struct OpSpan {
   std::string name, role;
   Picos start = 0, end = 0;
   std::string category = "op";
+  // Drawn on the rank's ops track, or with a stream on that stream's track (overlapped gradient
+  // buckets run beside the passes' ops, on the data stream).
+  std::optional<Stream> stream;
 };
 
 // One training step; the warm-up step is marked so that readers leave it out of their figures.

@@ -208,6 +208,32 @@ TEST_P(Typed, ReduceScatterKeepsThisRanksBlock) {
     EXPECT_EQ(blocks.get(static_cast<size_t>(j)), n * (me + j) + n * (n - 1) / 2);
 }
 
+// Uneven blocks, one of them empty: rank r's block has (r + 1) % 3 elements (rank 2's none), and
+// element j of block b on rank q is 10 b + q + j, so rank r gets n (10 r + j) + n(n-1)/2.
+TEST_P(Typed, UnevenReduceScatterHandsEachRankItsBlock) {
+  Communicator& w = world();
+  const DType t = GetParam();
+  const int n = w.size(), me = w.rank();
+  std::vector<size_t> counts;
+  for (int r = 0; r < n; ++r) counts.push_back(static_cast<size_t>((r + 1) % 3));
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  Buf in(t, total), out(t, std::max<size_t>(1, counts[static_cast<size_t>(me)]));
+  size_t at = 0;
+  for (int b = 0; b < n; ++b)
+    for (size_t j = 0; j < counts[static_cast<size_t>(b)]; ++j)
+      in.set(at++, 10.0 * b + me + static_cast<double>(j));
+  out.set(0, -7);
+  w.reduce_scatter_v(in.data(), out.data(), counts, t);
+  for (size_t j = 0; j < counts[static_cast<size_t>(me)]; ++j)
+    EXPECT_EQ(out.get(j), n * (10.0 * me + static_cast<double>(j)) + n * (n - 1) / 2) << j;
+  if (counts[static_cast<size_t>(me)] == 0) {
+    EXPECT_EQ(out.get(0), -7);  // an empty block: untouched
+  }
+  // Wrong number of counts: refused, not sent.
+  const std::vector<size_t> short_counts(static_cast<size_t>(n) + 1, 0);
+  EXPECT_THROW(w.reduce_scatter_v(in.data(), out.data(), short_counts, t), std::invalid_argument);
+}
+
 TEST_P(Typed, BroadcastFromTheLastRank) {
   Communicator& w = world();
   const DType t = GetParam();
@@ -383,6 +409,10 @@ TEST(SelfCommunicator, CopiesTypedBuffersAndRefusesPeers) {
   const uint16_t src[2] = {0x3c00, 0xc000};
   EXPECT_TRUE(s->reduce_scatter_async(src, h, 2, DType::kF16)->test());
   EXPECT_EQ(h[1], 0xc000);
+  int64_t uneven = 0;
+  const size_t one[] = {1};
+  s->reduce_scatter_v(in + 1, &uneven, one, DType::kI64);
+  EXPECT_EQ(uneven, -5);
   float f = 1;
   const Communicator::P2P op{true, &f, 1, 0, 0};
   EXPECT_THROW(s->batch({&op, 1}), std::logic_error);

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -208,6 +209,76 @@ TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
   EXPECT_EQ(forward % (4 * 4), 0) << forward;
   EXPECT_EQ(backward, forward);
   // And `ptdp reconcile` reads it.
+  const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
+                                   "reconcile --trace " + trace.string() + " --cluster " +
+                                       PTDP_SOURCE_DIR + "/examples/cpu-cluster.json --profile " +
+                                       PTDP_SOURCE_DIR + "/examples/cpu-profile.json",
+                                   "ptdp_run_mpi_test");
+  EXPECT_EQ(rec.status, 0) << rec.err;
+}
+
+// --overlap-grad-reduce reduces each part of a chunk (embedding, layer, head) in its own bucket
+// during the chunk's last backward pass. Element-wise sums over two replicas do not depend on how
+// the buffer is cut, so losses and gradient norms equal the unbucketed reduction's to the bit:
+// with the all-reduce, with the distributed optimizer's uneven reduce-scatter, with sequence
+// parallelism (the tensor-parallel partial sums reduced per bucket) and across pipeline stages.
+TEST(RunMpi, OverlappedGradientReductionGivesTheSameLossesToTheBit) {
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 2, ""},
+           {1, 1, 2, "--use-distributed-optimizer"},
+           {2, 1, 2, "--sequence-parallel"},
+           {1, 2, 2, "--use-distributed-optimizer"},
+           {1, 2, 2, "--use-distributed-optimizer --backend cpu-staged"},
+       }) {
+    const nlohmann::json plain = run_json(l.ranks(), flags(l));
+    const nlohmann::json overlapped = run_json(l.ranks(), flags(l) + " --overlap-grad-reduce");
+    ASSERT_EQ(losses(plain).size(), 6u) << flags(l);
+    EXPECT_EQ(losses(overlapped), losses(plain)) << flags(l);
+    EXPECT_EQ(overlapped["grad_norms"], plain["grad_norms"]) << flags(l);
+  }
+}
+
+// The buckets are in the trace, on each stage's data-parallel track: every part of the stage's
+// chunk once per step, each queued before that step's gradient sync began, and complete when it
+// ended. `ptdp reconcile` reads the trace.
+TEST(RunMpi, OverlappedBucketsRunBeforeTheGradientSync) {
+  const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_bucket_trace.json";
+  fs::remove(trace);
+  const int steps = 3;
+  const Outcome r = ptdp_run(4, tiny_steps(steps) +
+                                    " --pipeline-model-parallel-size 2 --overlap-grad-reduce"
+                                    " --trace " +
+                                    trace.string());
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(read_file(trace.string()));
+  std::vector<std::pair<double, double>> step_spans;
+  // (replica, stage) -> the gradient-sync actions' spans and the buckets' spans.
+  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> syncs, buckets;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    const double ts = e["ts"].get<double>(), end = ts + e["dur"].get<double>();
+    if (e["cat"] == "step") {
+      step_spans.emplace_back(ts, end);
+      continue;
+    }
+    const std::pair<int, int> key{e["pid"].get<int>(), e["args"]["stage"].get<int>()};
+    if (e["name"] == "dp_grad_bucket") buckets[key].emplace_back(ts, end);
+    if (e["cat"] == "data-parallel comm" && e["name"] == "sync") syncs[key].emplace_back(ts, end);
+  }
+  ASSERT_EQ(step_spans.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(buckets.size(), 4u);  // 2 replicas x 2 stages
+  for (const auto& [key, spans] : buckets) {
+    // Stage 0: the embedding and 2 layers; stage 1: 2 layers and the final norm with the head.
+    EXPECT_EQ(spans.size(), static_cast<size_t>(3 * steps)) << key.first << "," << key.second;
+    const auto& sync = syncs[key];
+    ASSERT_EQ(sync.size(), static_cast<size_t>(steps));
+    for (const auto& [start, end] : spans) {
+      size_t s = 0;
+      while (s + 1 < step_spans.size() && step_spans[s + 1].first <= start) ++s;
+      EXPECT_LT(start, sync[s].first) << "a bucket queued after its step's gradient sync began";
+      EXPECT_LE(end, sync[s].second + 1.0) << "a bucket still running after the sync (us)";
+    }
+  }
   const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
                                    "reconcile --trace " + trace.string() + " --cluster " +
                                        PTDP_SOURCE_DIR + "/examples/cpu-cluster.json --profile " +

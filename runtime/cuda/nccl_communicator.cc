@@ -326,6 +326,29 @@ class NcclCommunicator final : public Communicator {
       return ncclSuccess;
     });
   }
+  // One ncclReduce to each rank's block, grouped so that they run as one operation.
+  std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
+                                               std::span<const size_t> counts, DType t,
+                                               DeviceStream s) override {
+    if (counts.size() != static_cast<size_t>(size()))
+      throw std::invalid_argument("nccl reduce-scatter: one count per rank expected");
+    return run("reduce-scatter", s, [&](cudaStream_t st, Staging& io) {
+      const size_t eb = dtype_bytes(t);
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      const char* src = static_cast<const char*>(io.in(in, total * eb));
+      void* dst = io.out(out, counts[static_cast<size_t>(rank())] * eb);
+      ncclResult_t r = ncclGroupStart();
+      size_t at = 0;
+      for (int root = 0; root < size() && r == ncclSuccess; ++root) {
+        const size_t n = counts[static_cast<size_t>(root)];
+        if (n > 0) r = ncclReduce(src + at * eb, dst, n, nccl_type(t), ncclSum, root, c_->comm, st);
+        at += n;
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
                                         DeviceStream s) override {
     return run("broadcast", s, [&](cudaStream_t st, Staging& io) {
