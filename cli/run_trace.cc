@@ -43,9 +43,11 @@ std::string run_trace_text(const TrainResult& r, RunTraceInfo info, const std::s
   for (const NormReductionEvent& e : r.norm_reductions)
     x.ops.push_back({e.dp, e.pp, -1, -1, kNormReduction, "", picos(e.start), picos(e.end),
                      kSyncCategory, std::nullopt});
-  for (const NormReductionEvent& e : r.grad_buckets)
-    x.ops.push_back({e.dp, e.pp, -1, -1, kGradBucket, "", picos(e.start), picos(e.end),
-                     kSyncCategory, Stream::kData});
+  for (const auto& [events, name] :
+       {std::pair{&r.grad_buckets, kGradBucket}, std::pair{&r.param_gathers, kParamGather}})
+    for (const NormReductionEvent& e : *events)
+      x.ops.push_back({e.dp, e.pp, -1, -1, name, "", picos(e.start), picos(e.end), kSyncCategory,
+                       Stream::kData});
   for (const StepStats& s : r.steps)
     x.steps.push_back({s.step, s.step < r.first_step + info.warmup_steps, picos(s.start),
                        picos(s.start + s.seconds)});

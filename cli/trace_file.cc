@@ -180,10 +180,13 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
       const std::string name = r.string(e, "name", f);
       if (name == kGradBucket)
         out.grad_buckets.push_back({replica, stage, start, end});
+      else if (name == kParamGather)
+        out.param_gathers.push_back({replica, stage, start, end});
       else if (name == kNormReduction)
         out.norm_reductions.push_back({replica, stage, start, end});
       else
-        r.fail(f + ".name", std::string("expected ") + kNormReduction + " or " + kGradBucket);
+        r.fail(f + ".name", std::string("expected ") + kNormReduction + ", " + kGradBucket +
+                                " or " + kParamGather);
       continue;
     }
     if (cat == "op") {

@@ -40,6 +40,9 @@ inline constexpr const char* kNormReduction = "grad_norm_allreduce";
 // --overlap-grad-reduce: one data-parallel gradient bucket, queued during the backward pass (same
 // category), from when it was queued to when its rank saw it complete.
 inline constexpr const char* kGradBucket = "dp_grad_bucket";
+// --overlap-param-gather: one part's parameter all-gather, queued in the optimizer step, from
+// then to when its rank saw it complete.
+inline constexpr const char* kParamGather = "dp_param_gather";
 struct TraceSync {
   int32_t replica = 0, stage = 0;
   double start = 0, end = 0;
@@ -68,6 +71,7 @@ struct RunTrace {
   std::vector<TraceOp> ops;
   std::vector<TraceSync> norm_reductions;
   std::vector<TraceSync> grad_buckets;
+  std::vector<TraceSync> param_gathers;
   std::vector<TraceStep> steps;
 };
 

@@ -72,6 +72,11 @@ std::unique_ptr<Work> Communicator::start_reduce_scatter_v(const void*, void*,
   throw std::logic_error("communicator '" + name() + "' has no uneven reduce-scatter");
 }
 
+std::unique_ptr<Work> Communicator::start_all_gather_v(const void*, void*, std::span<const size_t>,
+                                                       DType, DeviceStream) {
+  throw std::logic_error("communicator '" + name() + "' has no uneven all-gather");
+}
+
 std::unique_ptr<Communicator> Communicator::split(int color, int key, std::string name) {
   auto c = make_split(color, key);
   c->set_name(name.empty() ? name_ + "/" + std::to_string(color) : std::move(name));
@@ -132,6 +137,13 @@ class SelfCommunicator final : public Communicator {
                                                DeviceStream) override {
     if (counts.size() != 1) throw std::invalid_argument("reduce-scatter counts of a group of one");
     if (counts[0] > 0) std::memmove(out, in, counts[0] * dtype_bytes(t));
+    return done();
+  }
+  std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
+                                           std::span<const size_t> counts, DType t,
+                                           DeviceStream) override {
+    if (counts.size() != 1) throw std::invalid_argument("all-gather counts of a group of one");
+    if (counts[0] > 0 && in != out) std::memmove(out, in, counts[0] * dtype_bytes(t));
     return done();
   }
   std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int root, DeviceStream) override {

@@ -129,6 +129,14 @@ class Communicator {
                                                DeviceStream s = {}) {
     return start_reduce_scatter_v(in, out, counts, t, s);
   }
+  // Uneven blocks (MPI_Allgatherv): rank r contributes counts[r] elements; out gets the sum of
+  // `counts` elements, the blocks in rank order. `in` may be this rank's own block of `out` (in
+  // place). --overlap-param-gather gathers each bucket of updated parameters so.
+  std::unique_ptr<Work> all_gather_v_async(const void* in, void* out,
+                                           std::span<const size_t> counts, DType t,
+                                           DeviceStream s = {}) {
+    return start_all_gather_v(in, out, counts, t, s);
+  }
   // root's n elements to every rank.
   std::unique_ptr<Work> broadcast_async(void* data, size_t n, DType t, int root,
                                         DeviceStream s = {}) {
@@ -158,6 +166,9 @@ class Communicator {
   }
   void reduce_scatter_v(const void* in, void* out, std::span<const size_t> counts, DType t) {
     reduce_scatter_v_async(in, out, counts, t)->wait();
+  }
+  void all_gather_v(const void* in, void* out, std::span<const size_t> counts, DType t) {
+    all_gather_v_async(in, out, counts, t)->wait();
   }
   void broadcast(void* data, size_t n, DType t, int root) {
     broadcast_async(data, n, t, root)->wait();
@@ -200,10 +211,13 @@ class Communicator {
                                                    std::span<const size_t> send_counts, void* out,
                                                    std::span<const size_t> recv_counts, DType t,
                                                    DeviceStream s);
-  // Likewise without an uneven reduce-scatter.
+  // Likewise without the uneven reduce-scatter and all-gather.
   virtual std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
                                                        std::span<const size_t> counts, DType t,
                                                        DeviceStream s);
+  virtual std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
+                                                   std::span<const size_t> counts, DType t,
+                                                   DeviceStream s);
 
  private:
   std::string name_ = "world";

@@ -107,7 +107,7 @@ struct Chunk {
   // The range [lo, hi) of the dense segment (1) holding the parameters of each part of the chunk,
   // in the order of the forward pass: the embedding, each layer, the final norm and LM head.
   // Empty (lo == hi) where a part has none there.
-  std::vector<std::pair<int64_t, int64_t>> dense_grads;
+  std::vector<std::pair<int64_t, int64_t>> dense_parts;
 };
 
 // While an MoE layer runs, the dense MLP ops are its shared experts, of their own width.
@@ -382,7 +382,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         lo = std::min(lo, p.offset);
         hi = std::max(hi, p.offset + p.size);
       }
-      ch.dense_grads.emplace_back(hi > 0 ? lo : 0, hi);
+      ch.dense_parts.emplace_back(hi > 0 ? lo : 0, hi);
     }
     ch.params.word = off(ix.word);
     ch.params.pos = off(ix.pos);
@@ -422,6 +422,14 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
 
 GptShard::~GptShard() = default;
 
+std::vector<std::pair<int64_t, int64_t>> GptShard::dense_parts() const {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const Chunk& ch : impl_->chunks)
+    for (const auto& [lo, hi] : ch.dense_parts)
+      if (hi > lo) out.emplace_back(lo, hi);
+  return out;
+}
+
 bool GptShard::first_stage(int64_t chunk) const {
   return impl_->chunks[static_cast<size_t>(chunk)].first;
 }
@@ -460,11 +468,16 @@ int64_t GptShard::real_parameters() const {
 }
 
 double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const Buffer* input,
-                         Buffer* output) {
+                         Buffer* output, const PartHook* before) {
   Impl& I = *impl_;
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
+  // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head.
+  auto part_needed = [&](int64_t part) {
+    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
+    if (before && hi > lo) (*before)(lo, hi);
+  };
   if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
   ChunkActs& A = I.stash[{chunk, mb}];
   A.layers.resize(static_cast<size_t>(ch.num_layers));
@@ -482,6 +495,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   if (ch.first) window(A.inputs, 0);
   if (ch.last) window(A.targets, 1);
   if (ch.first) {
+    part_needed(0);
     for (OpId op : I.emb_fwd) {
       c.begin(op, PassKind::kForward);
       embedding_op(c, op, ch.params, A, x, nullptr);
@@ -497,6 +511,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     const bool moe = ch.is_moe[static_cast<size_t>(l)];
     SharedExpertWidth width(c, I.moe.get(), moe);
     MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+    part_needed(l + 1);
     for (OpId op : moe ? I.moe_fwd : I.layer_fwd) {
       c.begin(op, PassKind::kForward);
       if (is_moe_op(op))
@@ -513,6 +528,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     return 0;
   }
   A.lnf_in.swap(x);
+  part_needed(ch.num_layers + 1);
   double loss = 0;
   for (OpId op : I.head_fwd) {
     c.begin(op, PassKind::kForward);
@@ -522,7 +538,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
 }
 
 void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
-                        double loss_scale, const GradientsReady* ready) {
+                        double loss_scale, const PartHook* ready) {
   Impl& I = *impl_;
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
@@ -532,7 +548,7 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
   ChunkActs& A = it->second;
   // The parts of the chunk are 0 (embedding), 1 + l (layer l) and num_layers + 1 (head).
   auto part_done = [&](int64_t part) {
-    const auto [lo, hi] = ch.dense_grads[static_cast<size_t>(part)];
+    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
     if (ready && hi > lo) (*ready)(lo, hi);
   };
   LayerGrads D;

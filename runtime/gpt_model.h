@@ -129,22 +129,29 @@ class GptShard {
   // with context parallelism the shard takes its 2 of the 2 cp chunks of each).
   int64_t tokens_per_microbatch() const;
 
+  // A chunk is executed in parts: the embedding (first stage), each layer, the final norm with
+  // the LM head (last stage). A PartHook is called with the range [lo, hi) of params() and
+  // grads() in the dense segment (1) that a part uses (not the word embedding or routed
+  // experts, segments 0 and 2); parts with nothing there are skipped.
+  using PartHook = std::function<void(int64_t lo, int64_t hi)>;
   // Forward of microbatch `mb` on `chunk`. tokens: the microbatch's tokens (read on the first
   // and the last stage); input: the received activation (null on the first stage). Writes the
   // output activation (not on the last stage) and returns the mean loss on the last stage
-  // (0 elsewhere). Keeps what the backward pass needs until backward(chunk, mb).
+  // (0 elsewhere). Keeps what the backward pass needs until backward(chunk, mb). With `before`,
+  // calls it before each part runs: --overlap-param-gather waits there for the part's
+  // parameters.
   double forward(int64_t chunk, int64_t mb, const int32_t* tokens, const Buffer* input,
-                 Buffer* output);
+                 Buffer* output, const PartHook* before = nullptr);
   // Backward of microbatch `mb` on `chunk`: grad_output is the received gradient (null on the
   // last stage, whose gradient is that of loss_scale * loss); writes grad_input (not on the
-  // first stage). Accumulates into grads(). With `ready`, calls it after the LM head, each layer
-  // and the embedding with the range [lo, hi) of grads() in the dense segment (1) that this part
-  // of the chunk accumulates into, once its kernels are queued (not for the word embedding or
-  // routed experts, segments 0 and 2). On a chunk's last backward pass of a step those
-  // gradients are final: --overlap-grad-reduce starts their reduction there.
-  using GradientsReady = std::function<void(int64_t lo, int64_t hi)>;
+  // first stage). Accumulates into grads(). With `ready`, calls it after each part (the head,
+  // each layer, the embedding) once its kernels are queued. On a chunk's last backward pass of
+  // a step the part's gradients are then final: --overlap-grad-reduce starts their reduction
+  // there.
   void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
-                double loss_scale, const GradientsReady* ready = nullptr);
+                double loss_scale, const PartHook* ready = nullptr);
+  // Every part's range, chunk by chunk in the order of the forward pass.
+  std::vector<std::pair<int64_t, int64_t>> dense_parts() const;
 
   // One contiguous fp32 buffer of every parameter this rank holds, and one of their gradients,
   // in the backend's memory; ParamInfo::offset and size give each parameter's typed view.

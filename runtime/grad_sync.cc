@@ -82,10 +82,8 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
     }
 }
 
-std::unique_ptr<Work> DataParallelOptimizer::start_dense_reduction(int64_t lo, int64_t hi) {
-  float* g = shard_.grads().data<float>();
-  if (!dist_) return g_.data->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
-  // Each rank's shard of segment 1 is a contiguous block: the bucket's blocks are its
+std::vector<size_t> DataParallelOptimizer::shard_counts(int64_t lo, int64_t hi) const {
+  // Each rank's shard of segment 1 is a contiguous block: the range's blocks are its
   // intersections with them, in rank order.
   const Segment& s = shard_.segments()[1];
   const int64_t d = g_.data_parallel, shard = s.size / d;
@@ -95,6 +93,15 @@ std::unique_ptr<Work> DataParallelOptimizer::start_dense_reduction(int64_t lo, i
     counts[static_cast<size_t>(r)] = static_cast<size_t>(
         std::max<int64_t>(0, std::min(hi, begin + shard) - std::max(lo, begin)));
   }
+  return counts;
+}
+
+std::unique_ptr<Work> DataParallelOptimizer::start_dense_reduction(int64_t lo, int64_t hi) {
+  float* g = shard_.grads().data<float>();
+  if (!dist_) return g_.data->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
+  const std::vector<size_t> counts = shard_counts(lo, hi);
+  const Segment& s = shard_.segments()[1];
+  const int64_t shard = s.size / g_.data_parallel;
   const int64_t mine = s.offset + g_.dp_rank * shard;
   float* out =
       shard_grads_.data<float>() + state_offset_[1] + std::clamp(lo - mine, int64_t{0}, shard);
@@ -113,7 +120,38 @@ void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
   bucket_span_.emplace_back(queued, -1.0);
 }
 
+void DataParallelOptimizer::start_param_gathers() {
+  float* params = shard_.params().data<float>();
+  for (const auto& [lo, hi] : shard_.dense_parts()) {
+    const std::vector<size_t> counts = shard_counts(lo, hi);
+    size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
+    for (int64_t r = 0; r < g_.dp_rank; ++r) own += counts[static_cast<size_t>(r)];
+    Gather& gather = gathers_[{lo, hi}];
+    gather.queued = gather_sink_ ? seconds() : 0.0;
+    gather.work = g_.data->all_gather_v_async(params + lo + own, params + lo, counts, DType::kF32);
+  }
+}
+
+void DataParallelOptimizer::wait_params(int64_t lo, int64_t hi) {
+  auto it = gathers_.find({lo, hi});
+  if (it == gathers_.end()) return;
+  Gather& gather = it->second;
+  gather.work->wait();
+  if (gather_sink_)
+    gather_sink_->emplace_back(gather.queued, gather.done >= 0 ? gather.done : seconds());
+  gathers_.erase(it);
+}
+
+void DataParallelOptimizer::finish_param_gather() {
+  while (!gathers_.empty()) {
+    const auto range = gathers_.begin()->first;
+    wait_params(range.first, range.second);
+  }
+}
+
 void DataParallelOptimizer::progress() {
+  for (auto& [range, gather] : gathers_)
+    if (gather.done < 0 && gather.work->test()) gather.done = gather_sink_ ? seconds() : 0.0;
   for (size_t i = 0; i < bucket_span_.size(); ++i)
     if (bucket_span_[i].second < 0 && bucket_work_[i]->test())
       bucket_span_[i].second = bucket_sink_ ? seconds() : 0.0;
@@ -186,6 +224,7 @@ void DataParallelOptimizer::sync_embedding() {
 }
 
 double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
+  finish_param_gather();  // every forward pass has waited for its part already
   float* params = shard_.params().data<float>();
   float* grads = dist_ ? shard_grads_.data<float>() : shard_.grads().data<float>();
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
@@ -225,6 +264,10 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
       const Segment& s = shard_.segments()[i];
       const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
+      if (i == 1 && defer_gather_) {
+        start_param_gathers();
+        continue;
+      }
       gathered.resize(static_cast<size_t>(s.size));
       group_of(i)->all_gather(params + s.offset + shard_rank_of(i) * shard, gathered.data(),
                               static_cast<size_t>(shard));

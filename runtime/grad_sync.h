@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -58,9 +59,19 @@ class DataParallelOptimizer {
   // group (blocking; they are norms and biases). The data-parallel ranks call this for the same
   // buckets in the same order (the same schedule runs on each). A no-op with one replica.
   void reduce_bucket(int64_t lo, int64_t hi);
+  // --overlap-param-gather (with the distributed optimizer and more than one replica): step()
+  // leaves the dense segment to be gathered asynchronously, one uneven all-gather per part of
+  // the shard (GptShard::dense_parts) in the order the next forward passes use them.
+  // wait_params(lo, hi) waits for that part's gather (the forward pass calls it before the part
+  // runs); finish_param_gather() for every one (before a checkpoint is written).
+  void overlap_param_gather(bool on) { defer_gather_ = on && dist_ && g_.data_parallel > 1; }
+  void wait_params(int64_t lo, int64_t hi);
+  void finish_param_gather();
   // Lets the buckets in flight progress (MPI moves a non-blocking collective on when it is
   // tested); never blocks.
   void progress();
+  // Parameter gathers not yet waited for.
+  size_t gathers_pending() const { return gathers_.size(); }
   // Buckets started since the last reduce_gradients().
   size_t buckets_started() const { return buckets_.size(); }
   void sync_embedding();
@@ -80,6 +91,9 @@ class DataParallelOptimizer {
   // With a sink, appends each overlapped bucket's span (seconds since the t0 of
   // time_norm_reduction): from when it was queued to when this rank first saw it complete.
   void time_buckets(std::vector<std::pair<double, double>>* sink) { bucket_sink_ = sink; }
+  // The same for each overlapped parameter gather: from when it was queued (in the optimizer
+  // step) to when this rank first saw it complete.
+  void time_param_gathers(std::vector<std::pair<double, double>>* sink) { gather_sink_ = sink; }
 
   // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
   DeviceBuffer& adam_m() { return adam_m_; }
@@ -106,6 +120,10 @@ class DataParallelOptimizer {
   double seconds() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   }
+  // Starts the gather of every part of segment 1 from the ranks' shards.
+  void start_param_gathers();
+  // The part of [lo, hi) of segment 1 in each data-parallel rank's shard, in rank order.
+  std::vector<size_t> shard_counts(int64_t lo, int64_t hi) const;
   // Starts the data-parallel reduction of [lo, hi) of segment 1 (see reduce_bucket).
   std::unique_ptr<Work> start_dense_reduction(int64_t lo, int64_t hi);
 
@@ -120,6 +138,14 @@ class DataParallelOptimizer {
   std::vector<std::unique_ptr<Work>> bucket_work_;
   std::vector<std::pair<double, double>> bucket_span_;  // per bucket; end < 0 until complete
   std::vector<std::pair<double, double>>* bucket_sink_ = nullptr;
+  // Overlapped parameter gathers in flight, by part range, with when each was queued.
+  struct Gather {
+    std::unique_ptr<Work> work;
+    double queued = 0, done = -1;  // done: when first seen complete (< 0: not yet)
+  };
+  std::map<std::pair<int64_t, int64_t>, Gather> gathers_;
+  bool defer_gather_ = false;
+  std::vector<std::pair<double, double>>* gather_sink_ = nullptr;
   std::vector<std::pair<double, double>>* norm_sink_ = nullptr;
   std::chrono::steady_clock::time_point t0_;
 };

@@ -365,6 +365,29 @@ class MpiCommunicator final : public Communicator {
           "reduce-scatter");
     return w;
   }
+  std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
+                                           std::span<const size_t> counts, DType t,
+                                           DeviceStream) override {
+    const auto n = static_cast<size_t>(size_);
+    if (counts.size() != n) throw std::invalid_argument("all-gather: one count per rank");
+    auto v = std::make_shared<std::vector<int>>(2 * n);  // counts, then displacements
+    size_t at = 0;
+    for (size_t r = 0; r < n; ++r) {
+      (*v)[r] = count(counts[r]);
+      (*v)[n + r] = count(at);
+      at += counts[r];
+    }
+    auto w = work(describe("all-gather", at, t));
+    w->keep(v);
+    const MPI_Datatype m = mpi_type(t);
+    // This rank's own block of out: MPI_IN_PLACE (MPI forbids aliased buffers otherwise).
+    const void* own = static_cast<const char*>(out) +
+                      static_cast<size_t>((*v)[n + static_cast<size_t>(rank_)]) * dtype_bytes(t);
+    check(MPI_Iallgatherv(in == own ? MPI_IN_PLACE : in, (*v)[static_cast<size_t>(rank_)], m, out,
+                          v->data(), v->data() + n, m, g_.comm, w->add()),
+          "all-gather");
+    return w;
+  }
   std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
                                            std::span<const size_t> recv, DType t,
                                            DeviceStream) override {

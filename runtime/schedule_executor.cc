@@ -51,10 +51,15 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
   const size_t group_first_event = events ? events->size() : 0;
   auto now = [&] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   // Each part of a chunk's last backward pass hands its gradients to a bucket.
-  const GptShard::GradientsReady start_bucket = [this](int64_t lo, int64_t hi) {
+  const GptShard::PartHook start_bucket = [this](int64_t lo, int64_t hi) {
     optimizer_.reduce_bucket(lo, hi);
     optimizer_.progress();
   };
+  // --overlap-param-gather: each part waits for its parameters before its first forward pass.
+  const GptShard::PartHook wait_params = [this](int64_t lo, int64_t hi) {
+    optimizer_.wait_params(lo, hi);
+  };
+  const bool gathers = optimizer_.gathers_pending() > 0;
   for (size_t i = 0; i < actions_.size(); ++i) {
     const PipelineAction& a = actions_[i];
     const double start = now();
@@ -66,7 +71,8 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         Buffer out;
         const Buffer* in = first ? nullptr : &act_in_.at(key);
         if (timer_) timer_->pass(a.chunk, a.microbatch);
-        loss_sum += shard_.forward(a.chunk, a.microbatch, tokens.data(), in, &out);
+        loss_sum += shard_.forward(a.chunk, a.microbatch, tokens.data(), in, &out,
+                                   gathers ? &wait_params : nullptr);
         if (timer_) timer_->close();
         if (!first) act_in_.erase(key);
         if (!last) act_out_[key] = std::move(out);
@@ -146,7 +152,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       }
     }
     if (p2p && !a.batched_with_next) group_start = -1;
-    if (overlap_) optimizer_.progress();
+    if (overlap_ || gathers) optimizer_.progress();
   }
   if (!batch_.empty()) throw std::logic_error("schedule ends inside a batched transfer");
   return loss_sum;

@@ -111,6 +111,19 @@ class StagedCommunicator final : public Communicator {
     auto w = inner_->reduce_scatter_v_async(ptr(src, in), ptr(dst, out), counts, t, s);
     return done(std::move(w), both(std::move(dst), std::move(src)));
   }
+  std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
+                                           std::span<const size_t> counts, DType t,
+                                           DeviceStream s) override {
+    sync();
+    const size_t e = dtype_bytes(t);
+    const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+    const size_t mine = static_cast<size_t>(rank()) < counts.size() ? counts[rank()] : 0;
+    // Host copies do not alias: an in-place gather becomes an ordinary one.
+    Staged src = stage_in(const_cast<void*>(in), mine * e);
+    Staged dst = stage_out(out, total * e);
+    auto w = inner_->all_gather_v_async(ptr(src, in), ptr(dst, out), counts, t, s);
+    return done(std::move(w), both(std::move(dst), std::move(src)));
+  }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
                                         DeviceStream s) override {
     sync();

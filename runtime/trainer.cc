@@ -208,7 +208,7 @@ class Executor {
   bool dist_ = false;
   std::vector<TimelineEvent> events_;
   std::vector<TimedOp> ops_;
-  std::vector<std::pair<double, double>> norm_spans_, bucket_spans_;
+  std::vector<std::pair<double, double>> norm_spans_, bucket_spans_, gather_spans_;
   Clock::time_point t0_;
 };
 
@@ -320,6 +320,7 @@ void Executor::setup() {
                                                  pos_.pp, p_, dp_index_, m_);
   // Buckets only where there is a data-parallel reduction to hide.
   executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1);
+  optimizer_->overlap_param_gather(o_.plan.overlap_param_gather);
 }
 
 void Executor::load_checkpoint() {
@@ -456,6 +457,10 @@ void Executor::gather_timeline(TrainResult& r) {
       gather_packed<PackedNorm>(control_, bucket_spans_, [&](const std::pair<double, double>& n) {
         return PackedNorm{pp, dp, n.first, n.second};
       });
+  const auto gathers =
+      gather_packed<PackedNorm>(control_, gather_spans_, [&](const std::pair<double, double>& n) {
+        return PackedNorm{pp, dp, n.first, n.second};
+      });
   if (control_.rank() != 0) return;
   auto unpack_spans = [](const std::vector<std::vector<uint8_t>>& all,
                          std::vector<NormReductionEvent>& out) {
@@ -469,6 +474,7 @@ void Executor::gather_timeline(TrainResult& r) {
   };
   unpack_spans(norms, r.norm_reductions);
   unpack_spans(buckets, r.grad_buckets);
+  unpack_spans(gathers, r.param_gathers);
   for (const std::vector<uint8_t>& bytes : all) {
     for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
       PackedEvent p;
@@ -512,6 +518,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     executor_->time_ops(&ops_, t0_);
     optimizer_->time_norm_reduction(&norm_spans_, t0_);
     optimizer_->time_buckets(&bucket_spans_);
+    optimizer_->time_param_gathers(&gather_spans_);
   }
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {
@@ -528,6 +535,8 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     result.steps.push_back(st);
     if (world_.rank() == 0 && on_step) on_step(st);
     const bool last = s + 1 == o_.steps;
+    // The updated parameters whole again (--overlap-param-gather leaves them in flight).
+    if (last || !o_.save_dir.empty()) optimizer_->finish_param_gather();
     if (!o_.save_dir.empty() && (last || (o_.save_interval > 0 && (s + 1) % o_.save_interval == 0)))
       save_checkpoint(s + 1);
   }

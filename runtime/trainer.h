@@ -76,6 +76,8 @@ struct TrainResult {
   std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
   // The same, each --overlap-grad-reduce bucket (queued to seen complete; runtime/grad_sync.h).
   std::vector<NormReductionEvent> grad_buckets;
+  // The same, each --overlap-param-gather part's parameter gather (queued to seen complete).
+  std::vector<NormReductionEvent> param_gathers;
 };
 
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).

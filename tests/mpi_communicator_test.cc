@@ -234,6 +234,35 @@ TEST_P(Typed, UnevenReduceScatterHandsEachRankItsBlock) {
   EXPECT_THROW(w.reduce_scatter_v(in.data(), out.data(), short_counts, t), std::invalid_argument);
 }
 
+// The inverse: rank r contributes (r + 1) % 3 elements (rank 2 none), element j being 10 r + j;
+// every rank gets all blocks in rank order, from a separate buffer and in place.
+TEST_P(Typed, UnevenAllGatherPutsTheBlocksInRankOrder) {
+  Communicator& w = world();
+  const DType t = GetParam();
+  const int n = w.size(), me = w.rank();
+  std::vector<size_t> counts;
+  for (int r = 0; r < n; ++r) counts.push_back(static_cast<size_t>((r + 1) % 3));
+  const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
+  const size_t mine = counts[static_cast<size_t>(me)];
+  size_t own = 0;  // where this rank's block starts
+  for (int r = 0; r < me; ++r) own += counts[static_cast<size_t>(r)];
+  Buf in(t, std::max<size_t>(1, mine)), out(t, total), whole(t, total);
+  for (size_t j = 0; j < mine; ++j) {
+    in.set(j, 10.0 * me + static_cast<double>(j));
+    whole.set(own + j, 10.0 * me + static_cast<double>(j));
+  }
+  w.all_gather_v(in.data(), out.data(), counts, t);
+  // In place: this rank's block already sits in the output.
+  void* own_block = static_cast<char*>(whole.data()) + own * dtype_bytes(t);
+  w.all_gather_v(own_block, whole.data(), counts, t);
+  size_t at = 0;
+  for (int r = 0; r < n; ++r)
+    for (size_t j = 0; j < counts[static_cast<size_t>(r)]; ++j, ++at) {
+      EXPECT_EQ(out.get(at), 10.0 * r + static_cast<double>(j)) << r << " " << j;
+      EXPECT_EQ(whole.get(at), 10.0 * r + static_cast<double>(j)) << r << " " << j;
+    }
+}
+
 TEST_P(Typed, BroadcastFromTheLastRank) {
   Communicator& w = world();
   const DType t = GetParam();
@@ -413,6 +442,9 @@ TEST(SelfCommunicator, CopiesTypedBuffersAndRefusesPeers) {
   const size_t one[] = {1};
   s->reduce_scatter_v(in + 1, &uneven, one, DType::kI64);
   EXPECT_EQ(uneven, -5);
+  int64_t gathered = 0;
+  s->all_gather_v(in, &gathered, one, DType::kI64);
+  EXPECT_EQ(gathered, int64_t{1} << 40);
   float f = 1;
   const Communicator::P2P op{true, &f, 1, 0, 0};
   EXPECT_THROW(s->batch({&op, 1}), std::logic_error);

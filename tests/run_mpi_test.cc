@@ -218,42 +218,64 @@ TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
 }
 
 // --overlap-grad-reduce reduces each part of a chunk (embedding, layer, head) in its own bucket
-// during the chunk's last backward pass. Element-wise sums over two replicas do not depend on how
-// the buffer is cut, so losses and gradient norms equal the unbucketed reduction's to the bit:
-// with the all-reduce, with the distributed optimizer's uneven reduce-scatter, with sequence
-// parallelism (the tensor-parallel partial sums reduced per bucket) and across pipeline stages.
+// during the chunk's last backward pass; --overlap-param-gather gathers each part's updated
+// parameters after the optimizer step and waits for them before the part's next forward pass.
+// Element-wise sums over two replicas do not depend on how the buffer is cut, and a gather
+// copies, so losses and gradient norms equal the blocking run's to the bit: with the all-reduce,
+// with the distributed optimizer's uneven reduce-scatter and all-gather, with sequence
+// parallelism (the tensor-parallel partial sums reduced per bucket), across pipeline stages and
+// on the staged device path.
 TEST(RunMpi, OverlappedGradientReductionGivesTheSameLossesToTheBit) {
-  for (const Layout& l : std::vector<Layout>{
-           {1, 1, 2, ""},
-           {1, 1, 2, "--use-distributed-optimizer"},
-           {2, 1, 2, "--sequence-parallel"},
-           {1, 2, 2, "--use-distributed-optimizer"},
-           {1, 2, 2, "--use-distributed-optimizer --backend cpu-staged"},
+  const std::string both = " --overlap-grad-reduce --overlap-param-gather";
+  for (const auto& [l, overlap] : std::vector<std::pair<Layout, std::string>>{
+           {{1, 1, 2, ""}, " --overlap-grad-reduce"},
+           {{1, 1, 2, "--use-distributed-optimizer"}, " --overlap-grad-reduce"},
+           {{1, 1, 2, "--use-distributed-optimizer"}, " --overlap-param-gather"},
+           {{2, 1, 2, "--sequence-parallel"}, " --overlap-grad-reduce"},
+           {{1, 2, 2, "--use-distributed-optimizer"}, both},
+           {{1, 2, 2, "--use-distributed-optimizer --backend cpu-staged"}, both},
        }) {
     const nlohmann::json plain = run_json(l.ranks(), flags(l));
-    const nlohmann::json overlapped = run_json(l.ranks(), flags(l) + " --overlap-grad-reduce");
+    const nlohmann::json overlapped = run_json(l.ranks(), flags(l) + overlap);
     ASSERT_EQ(losses(plain).size(), 6u) << flags(l);
-    EXPECT_EQ(losses(overlapped), losses(plain)) << flags(l);
-    EXPECT_EQ(overlapped["grad_norms"], plain["grad_norms"]) << flags(l);
+    EXPECT_EQ(losses(overlapped), losses(plain)) << flags(l) << overlap;
+    EXPECT_EQ(overlapped["grad_norms"], plain["grad_norms"]) << flags(l) << overlap;
   }
 }
 
-// The buckets are in the trace, on each stage's data-parallel track: every part of the stage's
-// chunk once per step, each queued before that step's gradient sync began, and complete when it
-// ended. `ptdp reconcile` reads the trace.
+// A checkpoint written while the parameters are being gathered holds them whole: resuming gives
+// the uninterrupted run's losses.
+TEST(RunMpi, OverlappedParameterGatherCheckpointResumesTheCurve) {
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_param_gather_ckpt";
+  fs::remove_all(dir);
+  const std::string f = " --use-distributed-optimizer --overlap-param-gather";
+  const nlohmann::json whole = run_json(2, tiny_steps(6) + f);
+  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + f + " --save " + dir.string()).status, 0);
+  const nlohmann::json resumed = run_json(2, tiny_steps(6) + f + " --load " + dir.string());
+  const auto all = losses(whole), tail = losses(resumed);
+  ASSERT_EQ(all.size(), 6u);
+  EXPECT_EQ(tail, std::vector<double>(all.begin() + 3, all.end()));
+  fs::remove_all(dir);
+}
+
+// The buckets and gathers are in the trace, on each stage's data-parallel track, every part of
+// the stage's chunk once per step: each bucket queued before that step's gradient sync began and
+// complete when it ended; each gather queued inside an optimizer step. `ptdp reconcile` reads the
+// trace.
 TEST(RunMpi, OverlappedBucketsRunBeforeTheGradientSync) {
   const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_bucket_trace.json";
   fs::remove(trace);
   const int steps = 3;
   const Outcome r = ptdp_run(4, tiny_steps(steps) +
                                     " --pipeline-model-parallel-size 2 --overlap-grad-reduce"
-                                    " --trace " +
+                                    " --use-distributed-optimizer --overlap-param-gather --trace " +
                                     trace.string());
   ASSERT_EQ(r.status, 0) << r.err;
   const auto j = nlohmann::json::parse(read_file(trace.string()));
   std::vector<std::pair<double, double>> step_spans;
-  // (replica, stage) -> the gradient-sync actions' spans and the buckets' spans.
-  std::map<std::pair<int, int>, std::vector<std::pair<double, double>>> syncs, buckets;
+  using Spans = std::vector<std::pair<double, double>>;
+  // (replica, stage) -> spans of the gradient-sync and optimizer actions, buckets and gathers.
+  std::map<std::pair<int, int>, Spans> syncs, optimizers, buckets, gathers;
   for (const auto& e : j["traceEvents"]) {
     if (e["ph"] != "X") continue;
     const double ts = e["ts"].get<double>(), end = ts + e["dur"].get<double>();
@@ -263,20 +285,36 @@ TEST(RunMpi, OverlappedBucketsRunBeforeTheGradientSync) {
     }
     const std::pair<int, int> key{e["pid"].get<int>(), e["args"]["stage"].get<int>()};
     if (e["name"] == "dp_grad_bucket") buckets[key].emplace_back(ts, end);
+    if (e["name"] == "dp_param_gather") gathers[key].emplace_back(ts, end);
     if (e["cat"] == "data-parallel comm" && e["name"] == "sync") syncs[key].emplace_back(ts, end);
+    if (e["cat"] == "compute" && e["name"] == "opt") optimizers[key].emplace_back(ts, end);
   }
   ASSERT_EQ(step_spans.size(), static_cast<size_t>(steps));
+  auto step_of = [&](double t) {
+    size_t s = 0;
+    while (s + 1 < step_spans.size() && step_spans[s + 1].first <= t) ++s;
+    return s;
+  };
   ASSERT_EQ(buckets.size(), 4u);  // 2 replicas x 2 stages
+  ASSERT_EQ(gathers.size(), 4u);
   for (const auto& [key, spans] : buckets) {
     // Stage 0: the embedding and 2 layers; stage 1: 2 layers and the final norm with the head.
     EXPECT_EQ(spans.size(), static_cast<size_t>(3 * steps)) << key.first << "," << key.second;
-    const auto& sync = syncs[key];
+    const Spans& sync = syncs[key];
     ASSERT_EQ(sync.size(), static_cast<size_t>(steps));
     for (const auto& [start, end] : spans) {
-      size_t s = 0;
-      while (s + 1 < step_spans.size() && step_spans[s + 1].first <= start) ++s;
+      const size_t s = step_of(start);
       EXPECT_LT(start, sync[s].first) << "a bucket queued after its step's gradient sync began";
       EXPECT_LE(end, sync[s].second + 1.0) << "a bucket still running after the sync (us)";
+    }
+    const Spans& opt = optimizers[key];
+    ASSERT_EQ(opt.size(), static_cast<size_t>(steps));
+    EXPECT_EQ(gathers[key].size(), static_cast<size_t>(3 * steps));
+    for (const auto& [start, end] : gathers[key]) {
+      const size_t s = step_of(start);
+      EXPECT_GE(start, opt[s].first - 1.0);
+      EXPECT_LE(start, opt[s].second + 1.0);
+      EXPECT_GE(end, start);
     }
   }
   const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,

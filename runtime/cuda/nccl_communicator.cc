@@ -349,6 +349,32 @@ class NcclCommunicator final : public Communicator {
       return r != ncclSuccess ? r : end;
     });
   }
+  // One ncclBroadcast from each rank into its block, grouped (in place where `in` is the block).
+  std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
+                                           std::span<const size_t> counts, DType t,
+                                           DeviceStream s) override {
+    if (counts.size() != static_cast<size_t>(size()))
+      throw std::invalid_argument("nccl all-gather: one count per rank expected");
+    return run("all-gather", s, [&](cudaStream_t st, Staging& io) {
+      const size_t eb = dtype_bytes(t);
+      size_t total = 0;
+      for (size_t c : counts) total += c;
+      char* dst = static_cast<char*>(io.out(out, total * eb));
+      // A device `in` is used as it is (in place when it is this rank's block of a device out).
+      const void* src = io.in(in, counts[static_cast<size_t>(rank())] * eb);
+      ncclResult_t r = ncclGroupStart();
+      size_t at = 0;
+      for (int root = 0; root < size() && r == ncclSuccess; ++root) {
+        const size_t n = counts[static_cast<size_t>(root)];
+        if (n > 0)
+          r = ncclBroadcast(root == rank() ? src : dst + at * eb, dst + at * eb, n, nccl_type(t),
+                            root, c_->comm, st);
+        at += n;
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      return r != ncclSuccess ? r : end;
+    });
+  }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
                                         DeviceStream s) override {
     return run("broadcast", s, [&](cudaStream_t st, Staging& io) {
