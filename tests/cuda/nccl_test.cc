@@ -59,6 +59,14 @@ TEST(NcclCommunicator, AGroupOfOneGivesWhatEachCollectiveMust) {
     EXPECT_EQ(a.host(), x) << c->name();
     c->broadcast(a.p, x.size(), DType::kF32, 0);
     EXPECT_EQ(a.host(), x) << c->name();
+    const size_t all[] = {x.size()};  // the uneven forms with one block
+    c->reduce_scatter_v(a.p, b.p, all, DType::kF32);
+    EXPECT_EQ(b.host(), x) << c->name();
+    c->all_gather_v(a.p, a.p, all, DType::kF32);  // in place
+    EXPECT_EQ(a.host(), x) << c->name();
+    std::vector<float> gathered(x.size(), 0.0f);  // to host memory, staged
+    c->all_gather_v(a.p, gathered.data(), all, DType::kF32);
+    EXPECT_EQ(gathered, x) << c->name();
     double host = 2.5;  // host memory is staged through the device
     c->all_reduce(&host, 1, DType::kF64);
     EXPECT_EQ(host, 2.5) << c->name();
