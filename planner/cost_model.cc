@@ -528,6 +528,19 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
 
+double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double params,
+                                             double expert_params, const StageTime& s) const {
+  const double dense = params - expert_params;
+  const double whole = gradient_sync_time(p, dense) + expert_gradient_sync_time(p, expert_params);
+  double exposed = whole - hidden_param_gather(p, dense, s.layers, s.forward.total());
+  if (p.overlap_grad_reduce && whole > 0) {
+    // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
+    const double hidden = s.backward.total() + s.recompute.total();
+    exposed = std::max(last_gradient_bucket_time(exposed, s.layers), exposed - hidden);
+  }
+  return exposed;
+}
+
 double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   if (p.pipeline_parallel == 1 || model_.untie_embeddings_and_output_weights) return 0.0;
   GroupSpan pair;
@@ -713,14 +726,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   }
   const double dense_max = params_max - experts_max;
   out.dp_time_s = gradient_sync_time(p, dense_max) + expert_gradient_sync_time(p, experts_max);
-  double dp_exposed =
-      out.dp_time_s - hidden_param_gather(p, dense_max, s.layers, s.forward.total());
-  if (p.overlap_grad_reduce && out.dp_time_s > 0) {
-    // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
-    const double hidden = s.backward.total() + s.recompute.total();
-    dp_exposed = std::max(last_gradient_bucket_time(dp_exposed, s.layers), dp_exposed - hidden);
-  }
-  b.dp_comm = dp_exposed + embedding_sync_time(p);
+  b.dp_comm = exposed_gradient_sync_time(p, params_max, experts_max, s) + embedding_sync_time(p);
 
   b.optimizer = optimizer_time(p, dense_max, experts_max);
 

@@ -128,6 +128,12 @@ class CostModel {
   // (`forward_s`, one microbatch through the stage), all but the first of `layers` buckets.
   double hidden_param_gather(const ParallelPlan& p, double params, int64_t layers,
                              double forward_s) const;
+  // What a stage holding `params` parameters (`expert_params` of them routed experts) exposes of
+  // its data-parallel gradient synchronisation: the whole of it less what --overlap-param-gather
+  // and --overlap-grad-reduce hide under the stage's passes (`s`, one microbatch through it).
+  // The embedding sync is not included.
+  double exposed_gradient_sync_time(const ParallelPlan& p, double params, double expert_params,
+                                    const StageTime& s) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
   // Optimizer step over `params` dense and `expert_params` expert parameters (1/(d cp) and

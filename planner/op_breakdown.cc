@@ -196,7 +196,10 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     f.at(OpFamily::kPipelineP2p, OpRole::kForward) = static_cast<double>(st.p2p_calls) * p2p;
     const double experts = cost.expert_parameters_on_stage(p, r);
     const double dense = cost.parameters_on_stage(p, r) - experts;
-    double dp = cost.gradient_sync_time(p, dense) + cost.expert_gradient_sync_time(p, experts);
+    // What the stage exposes of it (--overlap-grad-reduce, --overlap-param-gather), as predict
+    // prices the most loaded stage's.
+    double dp = cost.exposed_gradient_sync_time(p, dense + experts, experts,
+                                                pred.stages[static_cast<size_t>(r)]);
     if (r == 0 || r == p.pipeline_parallel - 1) dp += cost.embedding_sync_time(p);
     f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;
     f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, dense, experts);

@@ -275,6 +275,36 @@ TEST(Reconcile, NamesTheFamilyThatWasSlower) {
   EXPECT_NEAR(rec.largest_share, 1.0, 1e-6);
 }
 
+// What --overlap-grad-reduce and --overlap-param-gather hide comes off each stage's
+// data-parallel row, not off its bubble: every stage's rows still add up to the iteration with a
+// bubble that is not negative, and the first stage (p = 1: no bubble at all) exposes less.
+TEST(Reconcile, OverlappedGradientSyncShrinksTheDataParallelRowNotTheBubble) {
+  const ModelSpec m = tiny_model();
+  for (int64_t p : {1, 2}) {
+    ParallelPlan plain = plan_of(p, 4, 1);
+    plain.distributed_optimizer = true;
+    ParallelPlan overlapped = plain;
+    overlapped.overlap_grad_reduce = true;
+    overlapped.overlap_param_gather = true;
+    double dp_row[2] = {0, 0};
+    for (const ParallelPlan* plan : {&plain, &overlapped}) {
+      const PredictedBreakdown pred = predict_breakdown(cost_for(m, *plan), *plan);
+      ASSERT_EQ(pred.stages.size(), static_cast<size_t>(p));
+      for (const StagePrediction& st : pred.stages) {
+        EXPECT_GE(st.bubble, -1e-9 * pred.iteration) << "p=" << p << " stage " << st.stage;
+        EXPECT_NEAR(st.families.total() + st.bubble, pred.iteration, 1e-9 * pred.iteration);
+      }
+      if (p == 1) {
+        EXPECT_EQ(pred.stages[0].bubble, 0.0);
+      }
+      dp_row[plan == &overlapped] =
+          pred.stages[0].families.at(OpFamily::kDataParallel, OpRole::kForward);
+    }
+    EXPECT_GT(dp_row[0], 0.0);
+    EXPECT_LT(dp_row[1], dp_row[0]) << "p=" << p;
+  }
+}
+
 TEST(Reconcile, WaitingInTheNormAllReduceIsIdleTime) {
   const ModelSpec m = tiny_model();
   const ParallelPlan p = plan_of(2, 1, 1);
