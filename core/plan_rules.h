@@ -12,7 +12,7 @@
 // about (thrown as InputError, core/error.h).
 //
 // Not plan rules, and so not here: what `ptdp run` does not execute whatever the plan, i.e.
-// the zb-h1 schedule (simulated only, checked by the trainer). The search never proposes zb-h1
+// the zb-h1 schedule for MoE models (checked by the trainer). The search never proposes zb-h1
 // (it picks 1f1b or interleaved itself), so every plan it ranks is one `ptdp run` accepts. Whether
 // the world has t * p * d ranks is a property of the launch, checked where the world is known.
 #pragma once

@@ -132,6 +132,16 @@ struct GptShard::Impl {
   std::unique_ptr<MoeContext> moe;
   std::vector<OpId> moe_fwd, moe_bwd, moe_recompute;
   std::map<std::array<int64_t, 3>, MoeActs> moe_stash;  // (chunk, microbatch, layer)
+  // Per op of layer_bwd: whether it is a weight-gradient op (role kWeightGrad), which a
+  // zero-bubble schedule defers to the W pass.
+  std::vector<bool> layer_bwd_weight;
+  // Zero-bubble W passes still to run: per (chunk, microbatch), per layer, the activations and
+  // output gradients the layer's weight-gradient GEMMs read.
+  struct Deferred {
+    LayerActs A;
+    LayerGrads D;
+  };
+  std::map<std::pair<int64_t, int64_t>, std::vector<Deferred>> deferred;
 };
 
 GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
@@ -151,6 +161,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   const PassOps emb = embedding_ops(m, shape), head = lm_head_ops(m, shape);
   J.layer_fwd = compile(layer.forward, is_layer_forward_op);
   J.layer_bwd = compile(layer.backward, is_layer_backward_op);
+  for (const ptdp::Op& op : layer.backward)
+    J.layer_bwd_weight.push_back(op.role == OpRole::kWeightGrad);
   J.layer_recompute = compile(layer.recompute, is_layer_forward_op);
   J.emb_fwd = compile(emb.forward, is_embedding_op);
   J.emb_bwd = compile(emb.backward, is_embedding_op);
@@ -539,6 +551,43 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
 
 void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                         double loss_scale, const PartHook* ready) {
+  backward_pass(chunk, mb, grad_output, grad_input, loss_scale, ready, false);
+}
+
+void GptShard::backward_input(int64_t chunk, int64_t mb, const Buffer* grad_output,
+                              Buffer* grad_input, double loss_scale) {
+  if (impl_->moe) throw std::logic_error("zero-bubble passes of an MoE model");
+  backward_pass(chunk, mb, grad_output, grad_input, loss_scale, nullptr, true);
+}
+
+void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready) {
+  Impl& I = *impl_;
+  ShardContext& c = *I.ctx;
+  const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
+  auto it = I.deferred.find({chunk, mb});
+  if (it == I.deferred.end()) throw std::logic_error("weight pass before its input pass");
+  auto part_done = [&](int64_t part) {
+    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
+    if (ready && hi > lo) (*ready)(lo, hi);
+  };
+  if (ch.last) part_done(ch.num_layers + 1);  // the head's gradients came in the input pass
+  for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
+    Impl::Deferred& w = it->second[static_cast<size_t>(l)];
+    for (size_t k = 0; k < I.layer_bwd.size(); ++k) {
+      if (!I.layer_bwd_weight[k]) continue;
+      c.begin(I.layer_bwd[k], PassKind::kBackward);
+      layer_backward_op(c, I.layer_bwd[k], ch.layers[static_cast<size_t>(l)], w.A, w.D);
+    }
+    w = Impl::Deferred();
+    part_done(l + 1);
+  }
+  if (ch.first) part_done(0);
+  I.deferred.erase(it);
+}
+
+void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_output,
+                             Buffer* grad_input, double loss_scale, const PartHook* ready,
+                             bool defer) {
   Impl& I = *impl_;
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
@@ -581,13 +630,32 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
     D.d_x.clear();
     // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
     Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
-    for (OpId op : moe ? I.moe_bwd : I.layer_bwd) {
+    const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
+    for (size_t k = 0; k < program.size(); ++k) {
+      const OpId op = program[k];
+      if (defer && I.layer_bwd_weight[k]) continue;  // the W pass's
       // The fused attention's recomputation of the scores is the backward list's one recompute.
       c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
       if (is_moe_op(op))
         moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
       else
         layer_backward_op(c, op, W, L, D);
+    }
+    if (defer) {  // what the weight-gradient GEMMs read, kept for the W pass
+      std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
+      kept.resize(static_cast<size_t>(ch.num_layers));
+      Impl::Deferred& w = kept[static_cast<size_t>(l)];
+      for (auto [from, to] : {std::pair{&L.act, &w.A.act},
+                              {&L.ln2, &w.A.ln2},
+                              {&L.ln2_full, &w.A.ln2_full},
+                              {&L.ctx, &w.A.ctx},
+                              {&L.ln1, &w.A.ln1},
+                              {&L.ln1_full, &w.A.ln1_full},
+                              {&D.d_fc2, &w.D.d_fc2},
+                              {&D.d_pre, &w.D.d_pre},
+                              {&D.d_proj, &w.D.d_proj},
+                              {&D.d_qkv, &w.D.d_qkv}})
+        to->swap(*from);
     }
     D.d_out.swap(D.d_x);
     L = LayerActs();

@@ -150,6 +150,15 @@ class GptShard {
   // there.
   void backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                 double loss_scale, const PartHook* ready = nullptr);
+  // Zero-bubble schedules (zb-h1, Qi et al. 2023): backward_input is backward without the
+  // layers' weight-gradient GEMMs (the ops of role kWeightGrad in the layer op list), keeping
+  // what they read; backward_weight(chunk, mb) runs them later and calls `ready` for each part as
+  // backward does. The LM head's and the embedding's weight gradients stay in the input pass
+  // (deferring the head's would keep the logits' gradient, b s V / t floats, until then).
+  // Dense models only.
+  void backward_input(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
+                      double loss_scale);
+  void backward_weight(int64_t chunk, int64_t mb, const PartHook* ready = nullptr);
   // Every part's range, chunk by chunk in the order of the forward pass.
   std::vector<std::pair<int64_t, int64_t>> dense_parts() const;
 
@@ -175,6 +184,9 @@ class GptShard {
   struct Impl;
 
  private:
+  void backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
+                     double loss_scale, const PartHook* ready, bool defer);
+
   ModelSpec model_;
   ShardLayout layout_;
   std::unique_ptr<Impl> impl_;  // owns the backend when the shard made its own

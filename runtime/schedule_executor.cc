@@ -18,7 +18,8 @@ ScheduleExecutor::ScheduleExecutor(GptShard& shard, Communicator& pipeline,
       m_(microbatches) {
   last_backward_.assign(static_cast<size_t>(shard_.num_chunks()), -1);
   for (size_t i = 0; i < actions_.size(); ++i)
-    if (actions_[i].kind == ActionKind::kBackward)
+    if (actions_[i].kind == ActionKind::kBackward ||
+        actions_[i].kind == ActionKind::kBackwardWeight)
       last_backward_.at(static_cast<size_t>(actions_[i].chunk)) = static_cast<int64_t>(i);
 }
 
@@ -78,15 +79,20 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         if (!last) act_out_[key] = std::move(out);
         break;
       }
-      case ActionKind::kBackward: {
+      case ActionKind::kBackward:
+      case ActionKind::kBackwardInput: {
         const bool first = shard_.first_stage(a.chunk), last = shard_.last_stage(a.chunk);
         Buffer gin;
         const Buffer* gout = last ? nullptr : &grad_in_.at(key);
         if (timer_) timer_->pass(a.chunk, a.microbatch);
         const bool last_pass =
             last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
-        shard_.backward(a.chunk, a.microbatch, gout, &gin, 1.0 / static_cast<double>(m_),
-                        overlap_ && last_pass ? &start_bucket : nullptr);
+        const double scale = 1.0 / static_cast<double>(m_);
+        if (a.kind == ActionKind::kBackwardInput)
+          shard_.backward_input(a.chunk, a.microbatch, gout, &gin, scale);
+        else
+          shard_.backward(a.chunk, a.microbatch, gout, &gin, scale,
+                          overlap_ && last_pass ? &start_bucket : nullptr);
         if (timer_) timer_->close();
         if (!last) grad_in_.erase(key);
         if (!first) grad_out_[key] = std::move(gin);
@@ -131,9 +137,15 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       case ActionKind::kOptimizerStep:
         *grad_norm = optimizer_.step(step.step, step.lr, step.optimizer);
         break;
-      case ActionKind::kBackwardInput:
-      case ActionKind::kBackwardWeight:
-        throw std::logic_error("zero-bubble actions are not executed by ptdp run");
+      case ActionKind::kBackwardWeight: {
+        if (timer_) timer_->pass(a.chunk, a.microbatch);
+        const bool last_pass =
+            last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
+        shard_.backward_weight(a.chunk, a.microbatch,
+                               overlap_ && last_pass ? &start_bucket : nullptr);
+        if (timer_) timer_->close();
+        break;
+      }
     }
     const bool p2p = is_p2p(a.kind);
     if (p2p && group_start < 0) group_start = start;

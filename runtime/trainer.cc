@@ -143,9 +143,9 @@ void validate_options(const TrainOptions& o) {
   if (o.keep_checkpoints < 0) throw InputError("--keep-checkpoints", "must be at least 1");
   if (o.keep_checkpoints > 0 && o.save_dir.empty())
     throw InputError("--keep-checkpoints", "needs --save DIR");
-  if (o.plan.schedule == Schedule::kZeroBubbleH1)
+  if (o.plan.schedule == Schedule::kZeroBubbleH1 && o.model.is_moe())
     throw InputError("--pipeline-schedule",
-                     "ptdp run executes gpipe, 1f1b and interleaved; zb-h1 is simulated only");
+                     "ptdp run executes zb-h1 for dense models only (plan and predict price MoE)");
   if (o.plan.fp8)
     throw InputError(
         "--fp8-format",

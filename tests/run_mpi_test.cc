@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -95,6 +96,10 @@ TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
            {2, 2, 2, "--sequence-parallel --use-distributed-optimizer"},
            {2, 2, 1, "--recompute-granularity selective"},
            {2, 2, 1, "--recompute-granularity full --sequence-parallel"},
+           {1, 2, 1, "--pipeline-schedule zb-h1"},
+           {2, 2, 2,
+            "--pipeline-schedule zb-h1 --sequence-parallel --use-distributed-optimizer "
+            "--overlap-grad-reduce"},
        })
     expect_same_losses(l, single);
 }
@@ -323,6 +328,45 @@ TEST(RunMpi, OverlappedBucketsRunBeforeTheGradientSync) {
                                        PTDP_SOURCE_DIR + "/examples/cpu-profile.json",
                                    "ptdp_run_mpi_test");
   EXPECT_EQ(rec.status, 0) << rec.err;
+}
+
+// zb-h1 executes: each backward pass is an input pass (Bi) and, later, a weight pass (W) that
+// runs exactly the layers' weight-gradient GEMMs; the weight gradients accumulate in the same
+// microbatch order, so the losses are 1F1B's to the bit.
+TEST(RunMpi, ZeroBubbleDefersTheWeightGradientsAndKeepsThe1F1BLosses) {
+  const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_zb_trace.json";
+  fs::remove(trace);
+  const std::string f = tiny_steps(3) + " --pipeline-model-parallel-size 2";
+  const nlohmann::json one = run_json(2, f);
+  const nlohmann::json zb = run_json(2, f + " --pipeline-schedule zb-h1 --trace " + trace.string());
+  EXPECT_EQ(losses(zb), losses(one));
+  const auto j = nlohmann::json::parse(read_file(trace.string()));
+  std::vector<std::pair<double, double>> weight_passes, input_passes;
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["pid"] != 0 || e["args"]["stage"] != 0) continue;
+    const double ts = e["ts"].get<double>(), end = ts + e["dur"].get<double>();
+    const std::string name = e["name"];
+    if (e["cat"] == "op") ops.emplace_back(ts, name);
+    if (e["cat"] == "compute" && name.rfind("W", 0) == 0) weight_passes.emplace_back(ts, end);
+    if (e["cat"] == "compute" && name.rfind("Bi", 0) == 0) input_passes.emplace_back(ts, end);
+  }
+  // 4 microbatches a step, 3 steps.
+  ASSERT_EQ(weight_passes.size(), 12u);
+  ASSERT_EQ(input_passes.size(), 12u);
+  auto inside = [](double t, const std::vector<std::pair<double, double>>& spans) {
+    for (const auto& [a, b] : spans)
+      if (t >= a && t <= b) return true;
+    return false;
+  };
+  const std::set<std::string> wgrads = {"qkv_wgrad", "attn_proj_wgrad", "fc1_wgrad", "fc2_wgrad"};
+  int in_weight = 0;
+  for (const auto& [ts, name] : ops) {
+    const bool w = inside(ts, weight_passes);
+    EXPECT_EQ(w, wgrads.count(name) > 0) << name;
+    in_weight += w;
+  }
+  EXPECT_EQ(in_weight, 12 * 2 * 4);  // 2 layers on the stage, 4 GEMMs each
 }
 
 // One line from one rank, exit status non-zero, no training step.
