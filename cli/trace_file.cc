@@ -90,8 +90,9 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
   if (r.string(meta, "format", f) != kRunTraceFormat)
     r.fail(f + ".format", std::string("not a ptdp run trace (expected \"") + kRunTraceFormat +
                               "\"; `ptdp run --trace` writes one)");
-  if (r.integer(meta, "version", f, 0, INT64_MAX) != kRunTraceVersion)
-    r.fail(f + ".version", "this ptdp reads version " + std::to_string(kRunTraceVersion));
+  if (r.integer(meta, "version", f, 0, INT64_MAX) > kRunTraceVersion ||
+      r.integer(meta, "version", f, 0, INT64_MAX) < 1)
+    r.fail(f + ".version", "this ptdp reads versions 1 to " + std::to_string(kRunTraceVersion));
   try {
     info.model = model_from_json(r.member(meta, "model", f));
     info.model.validate();

@@ -18,7 +18,8 @@
 namespace ptdp {
 
 inline constexpr const char* kRunTraceFormat = "ptdp-run-trace";
-inline constexpr int64_t kRunTraceVersion = 1;
+// 2 added the "sync" events dp_grad_bucket and dp_param_gather; version 1 files still read.
+inline constexpr int64_t kRunTraceVersion = 2;
 
 struct TraceAction {
   int32_t replica = 0, stage = 0;

@@ -161,7 +161,10 @@ P2PSplit CommModel::p2p_split(double bytes, const ParallelPlan& p) const {
   s.latency_s = software_latency_us(Collective::kSendRecv, 2, s.inter_node) * kMicrosecond;
   s.bytes = bytes;
   const int64_t t = p.tensor_parallel;
-  if (s.inter_node && p.scatter_gather_p2p && t > 1) {
+  // With sequence parallelism the message is already each rank's 1/t of the sequence, and
+  // Megatron does not scatter it again (scatter_gather_tensors_in_pipeline and not
+  // sequence_parallel).
+  if (s.inter_node && p.scatter_gather_p2p && t > 1 && !p.sequence_parallel) {
     // Each tensor-parallel rank sends a 1/t slice on its own rail, then the slices are
     // all-gathered inside the receiving node.
     s.bytes = bytes / static_cast<double>(t);

@@ -104,10 +104,10 @@ struct Chunk {
   std::vector<MoeLayerParams> moe;  // per layer; used where the layer is an MoE layer
   std::vector<bool> is_moe;
   ChunkParams params;
-  // The range [lo, hi) of the dense segment (1) holding the parameters of each part of the chunk,
-  // in the order of the forward pass: the embedding, each layer, the final norm and LM head.
-  // Empty (lo == hi) where a part has none there.
-  std::vector<std::pair<int64_t, int64_t>> dense_parts;
+  // Per part of the chunk, in the order of the forward pass (the embedding, each layer, the
+  // final norm and LM head): the ranges of the flat buffers holding its parameters, one per
+  // segment it has parameters in, in segment order.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> parts;
 };
 
 // While an MoE layer runs, the dense MLP ops are its shared experts, of their own width.
@@ -387,14 +387,18 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     Chunk& ch = J.chunks[static_cast<size_t>(c)];
     const ChunkIdx& ix = idx[static_cast<size_t>(c)];
     for (size_t part = 0; part + 1 < ix.part_begin.size(); ++part) {
-      int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-      for (int64_t i = ix.part_begin[part]; i < ix.part_begin[part + 1]; ++i) {
-        const ParamInfo& p = infos_[static_cast<size_t>(i)];
-        if (p.segment != 1) continue;
-        lo = std::min(lo, p.offset);
-        hi = std::max(hi, p.offset + p.size);
+      // A part's parameters in one segment are consecutive there (offsets follow `pending`).
+      std::vector<std::pair<int64_t, int64_t>>& ranges = ch.parts.emplace_back();
+      for (int seg = 0; seg < static_cast<int>(segments_.size()); ++seg) {
+        int64_t lo = std::numeric_limits<int64_t>::max(), hi = -1;
+        for (int64_t i = ix.part_begin[part]; i < ix.part_begin[part + 1]; ++i) {
+          const ParamInfo& p = infos_[static_cast<size_t>(i)];
+          if (p.segment != seg || p.size == 0) continue;
+          lo = std::min(lo, p.offset);
+          hi = std::max(hi, p.offset + p.size);
+        }
+        if (hi > lo) ranges.emplace_back(lo, hi);
       }
-      ch.dense_parts.emplace_back(hi > 0 ? lo : 0, hi);
     }
     ch.params.word = off(ix.word);
     ch.params.pos = off(ix.pos);
@@ -434,13 +438,25 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
 
 GptShard::~GptShard() = default;
 
-std::vector<std::pair<int64_t, int64_t>> GptShard::dense_parts() const {
+std::vector<std::pair<int64_t, int64_t>> GptShard::part_ranges() const {
   std::vector<std::pair<int64_t, int64_t>> out;
   for (const Chunk& ch : impl_->chunks)
-    for (const auto& [lo, hi] : ch.dense_parts)
-      if (hi > lo) out.emplace_back(lo, hi);
+    for (const auto& ranges : ch.parts) out.insert(out.end(), ranges.begin(), ranges.end());
   return out;
 }
+
+namespace {
+
+// Calls `hook` (if any) for each range of part `part` of `ch`, the op timer closed first so that
+// what the hook waits for or starts is not counted as the previous op's time.
+void call_part_hook(const GptShard::PartHook* hook, const Chunk& ch, int64_t part,
+                    ShardContext& c) {
+  if (!hook) return;
+  if (c.timer) c.timer->close();
+  for (const auto& [lo, hi] : ch.parts[static_cast<size_t>(part)]) (*hook)(lo, hi);
+}
+
+}  // namespace
 
 bool GptShard::first_stage(int64_t chunk) const {
   return impl_->chunks[static_cast<size_t>(chunk)].first;
@@ -486,10 +502,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   const ShardDims& d = c.dims;
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head.
-  auto part_needed = [&](int64_t part) {
-    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
-    if (before && hi > lo) (*before)(lo, hi);
-  };
+  auto part_needed = [&](int64_t part) { call_part_hook(before, ch, part, c); };
   if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
   ChunkActs& A = I.stash[{chunk, mb}];
   A.layers.resize(static_cast<size_t>(ch.num_layers));
@@ -566,10 +579,7 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   auto it = I.deferred.find({chunk, mb});
   if (it == I.deferred.end()) throw std::logic_error("weight pass before its input pass");
-  auto part_done = [&](int64_t part) {
-    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
-    if (ready && hi > lo) (*ready)(lo, hi);
-  };
+  auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
   if (ch.last) part_done(ch.num_layers + 1);  // the head's gradients came in the input pass
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     Impl::Deferred& w = it->second[static_cast<size_t>(l)];
@@ -596,10 +606,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   if (it == I.stash.end()) throw std::logic_error("backward before forward");
   ChunkActs& A = it->second;
   // The parts of the chunk are 0 (embedding), 1 + l (layer l) and num_layers + 1 (head).
-  auto part_done = [&](int64_t part) {
-    const auto [lo, hi] = ch.dense_parts[static_cast<size_t>(part)];
-    if (ready && hi > lo) (*ready)(lo, hi);
-  };
+  auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
   LayerGrads D;
   if (ch.last) {
     for (OpId op : I.head_bwd) {
@@ -645,12 +652,13 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
       std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
       kept.resize(static_cast<size_t>(ch.num_layers));
       Impl::Deferred& w = kept[static_cast<size_t>(l)];
+      // The GEMM inputs: the full-sequence norms with sequence parallelism, else the norms.
+      Buffer& ln1 = d.sp ? L.ln1_full : L.ln1;
+      Buffer& ln2 = d.sp ? L.ln2_full : L.ln2;
       for (auto [from, to] : {std::pair{&L.act, &w.A.act},
-                              {&L.ln2, &w.A.ln2},
-                              {&L.ln2_full, &w.A.ln2_full},
+                              {&ln2, d.sp ? &w.A.ln2_full : &w.A.ln2},
                               {&L.ctx, &w.A.ctx},
-                              {&L.ln1, &w.A.ln1},
-                              {&L.ln1_full, &w.A.ln1_full},
+                              {&ln1, d.sp ? &w.A.ln1_full : &w.A.ln1},
                               {&D.d_fc2, &w.D.d_fc2},
                               {&D.d_pre, &w.D.d_pre},
                               {&D.d_proj, &w.D.d_proj},

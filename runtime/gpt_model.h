@@ -130,9 +130,9 @@ class GptShard {
   int64_t tokens_per_microbatch() const;
 
   // A chunk is executed in parts: the embedding (first stage), each layer, the final norm with
-  // the LM head (last stage). A PartHook is called with the range [lo, hi) of params() and
-  // grads() in the dense segment (1) that a part uses (not the word embedding or routed
-  // experts, segments 0 and 2); parts with nothing there are skipped.
+  // the LM head (last stage). A PartHook is called with each range [lo, hi) of params() and
+  // grads() that holds a part's parameters: one per segment the part has parameters in (the
+  // word embedding and its tied copy are segment 0, routed experts segment 2), in segment order.
   using PartHook = std::function<void(int64_t lo, int64_t hi)>;
   // Forward of microbatch `mb` on `chunk`. tokens: the microbatch's tokens (read on the first
   // and the last stage); input: the received activation (null on the first stage). Writes the
@@ -159,8 +159,8 @@ class GptShard {
   void backward_input(int64_t chunk, int64_t mb, const Buffer* grad_output, Buffer* grad_input,
                       double loss_scale);
   void backward_weight(int64_t chunk, int64_t mb, const PartHook* ready = nullptr);
-  // Every part's range, chunk by chunk in the order of the forward pass.
-  std::vector<std::pair<int64_t, int64_t>> dense_parts() const;
+  // Every part's ranges, chunk by chunk in the order of the forward pass.
+  std::vector<std::pair<int64_t, int64_t>> part_ranges() const;
 
   // One contiguous fp32 buffer of every parameter this rank holds, and one of their gradients,
   // in the backend's memory; ParamInfo::offset and size give each parameter's typed view.

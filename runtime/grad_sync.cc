@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <iterator>
 #include <stdexcept>
+#include <utility>
 
 namespace ptdp {
 
@@ -54,12 +57,14 @@ bool DataParallelOptimizer::counts_in_norm(const ParamInfo& p) const {
 void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
   if (!shard_.layout().sequence_parallel || shard_.layout().t < 2) return;
   // Replicated parameters applied to a sequence slice: their gradients are partial sums. Those
-  // a bucket has reduced already are skipped.
+  // a bucket has reduced already are skipped (buckets never overlap, so a bucket's own call
+  // finds none of them; the final call looks each parameter up among the sorted buckets).
+  std::vector<std::pair<int64_t, int64_t>> done = buckets_;
+  std::sort(done.begin(), done.end());
   auto wanted = [&](const ParamInfo& p) {
     if (!p.sp_partial || p.offset < lo || p.offset + p.size > hi) return false;
-    for (const auto& [blo, bhi] : buckets_)
-      if (blo <= p.offset && p.offset + p.size <= bhi) return false;
-    return true;
+    auto it = std::upper_bound(done.begin(), done.end(), std::pair{p.offset, INT64_MAX});
+    return it == done.begin() || std::prev(it)->second < p.offset + p.size;
   };
   float* g = shard_.grads().data<float>();
   int64_t n = 0;
@@ -82,13 +87,20 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
     }
 }
 
-std::vector<size_t> DataParallelOptimizer::shard_counts(int64_t lo, int64_t hi) const {
-  // Each rank's shard of segment 1 is a contiguous block: the range's blocks are its
+size_t DataParallelOptimizer::segment_of(int64_t lo, int64_t hi) const {
+  const auto& segs = shard_.segments();
+  for (size_t i = 0; i < segs.size(); ++i)
+    if (segs[i].offset <= lo && hi <= segs[i].offset + segs[i].size) return i;
+  throw std::logic_error("a gradient bucket across parameter segments");
+}
+
+std::vector<size_t> DataParallelOptimizer::shard_counts(size_t seg, int64_t lo, int64_t hi) const {
+  // Each rank's shard of a segment is a contiguous block: the range's blocks are its
   // intersections with them, in rank order.
-  const Segment& s = shard_.segments()[1];
-  const int64_t d = g_.data_parallel, shard = s.size / d;
-  std::vector<size_t> counts(static_cast<size_t>(d));
-  for (int64_t r = 0; r < d; ++r) {
+  const Segment& s = shard_.segments()[seg];
+  const int64_t n = shards_of(seg), shard = s.size / n;
+  std::vector<size_t> counts(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
     const int64_t begin = s.offset + r * shard;
     counts[static_cast<size_t>(r)] = static_cast<size_t>(
         std::max<int64_t>(0, std::min(hi, begin + shard) - std::max(lo, begin)));
@@ -96,39 +108,43 @@ std::vector<size_t> DataParallelOptimizer::shard_counts(int64_t lo, int64_t hi) 
   return counts;
 }
 
-std::unique_ptr<Work> DataParallelOptimizer::start_dense_reduction(int64_t lo, int64_t hi) {
+std::unique_ptr<Work> DataParallelOptimizer::start_reduction(size_t seg, int64_t lo, int64_t hi) {
   float* g = shard_.grads().data<float>();
-  if (!dist_) return g_.data->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
-  const std::vector<size_t> counts = shard_counts(lo, hi);
-  const Segment& s = shard_.segments()[1];
-  const int64_t shard = s.size / g_.data_parallel;
-  const int64_t mine = s.offset + g_.dp_rank * shard;
+  if (!dist_)
+    return group_of(seg)->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
+  const std::vector<size_t> counts = shard_counts(seg, lo, hi);
+  const Segment& s = shard_.segments()[seg];
+  const int64_t shard = s.size / shards_of(seg);
+  const int64_t mine = s.offset + shard_rank_of(seg) * shard;
   float* out =
-      shard_grads_.data<float>() + state_offset_[1] + std::clamp(lo - mine, int64_t{0}, shard);
-  return g_.data->reduce_scatter_v_async(g + lo, out, counts, DType::kF32);
+      shard_grads_.data<float>() + state_offset_[seg] + std::clamp(lo - mine, int64_t{0}, shard);
+  return group_of(seg)->reduce_scatter_v_async(g + lo, out, counts, DType::kF32);
 }
 
 void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
-  if (g_.data_parallel < 2 || hi <= lo) return;
-  const Segment& s = shard_.segments()[1];
-  if (lo < s.offset || hi > s.offset + s.size)
-    throw std::logic_error("a gradient bucket outside the dense segment");
+  if (hi <= lo) return;
+  const size_t seg = segment_of(lo, hi);
+  if (shards_of(seg) < 2) return;  // nothing to reduce over (or to shard)
   reduce_sequence_parallel(lo, hi);
   const double queued = bucket_sink_ ? seconds() : 0.0;
-  bucket_work_.push_back(start_dense_reduction(lo, hi));
+  bucket_work_.push_back(start_reduction(seg, lo, hi));
   buckets_.emplace_back(lo, hi);
   bucket_span_.emplace_back(queued, -1.0);
 }
 
 void DataParallelOptimizer::start_param_gathers() {
   float* params = shard_.params().data<float>();
-  for (const auto& [lo, hi] : shard_.dense_parts()) {
-    const std::vector<size_t> counts = shard_counts(lo, hi);
+  for (const auto& [lo, hi] : shard_.part_ranges()) {
+    const size_t seg = segment_of(lo, hi);
+    if (shards_of(seg) < 2) continue;  // the whole segment is this rank's
+    const std::vector<size_t> counts = shard_counts(seg, lo, hi);
     size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
-    for (int64_t r = 0; r < g_.dp_rank; ++r) own += counts[static_cast<size_t>(r)];
-    Gather& gather = gathers_[{lo, hi}];
+    for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
+    Gather gather;
     gather.queued = gather_sink_ ? seconds() : 0.0;
-    gather.work = g_.data->all_gather_v_async(params + lo + own, params + lo, counts, DType::kF32);
+    gather.work =
+        group_of(seg)->all_gather_v_async(params + lo + own, params + lo, counts, DType::kF32);
+    gathers_.emplace(std::pair{lo, hi}, std::move(gather));
   }
 }
 
@@ -164,17 +180,23 @@ void DataParallelOptimizer::reduce_gradients() {
   reduce_sequence_parallel(0, g_size);
   const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
   const auto& segs = shard_.segments();
-  // What the buckets left of the dense segment, then the wait for every bucket.
-  auto finish_dense = [&] {
+  if (!buckets_.empty()) {
+    // --overlap-grad-reduce: what the buckets left of each segment, then the wait for all.
     std::vector<std::pair<int64_t, int64_t>> covered = buckets_;
     std::sort(covered.begin(), covered.end());
-    int64_t at = segs[1].offset;
-    const int64_t end = segs[1].offset + segs[1].size;
-    for (const auto& [lo, hi] : covered) {
-      if (lo > at) bucket_work_.push_back(start_dense_reduction(at, lo));
-      at = std::max(at, hi);
+    for (size_t i = 0; i < segs.size(); ++i) {
+      // One replica: nothing to reduce; the distributed optimizer still takes its (whole) shard.
+      if (shards_of(i) < 2 && !dist_) continue;
+      if (dist_ && segs[i].size / shards_of(i) == 0) continue;
+      int64_t at = segs[i].offset;
+      const int64_t end = segs[i].offset + segs[i].size;
+      for (const auto& [lo, hi] : covered) {
+        if (hi <= at || lo >= end) continue;
+        if (lo > at) bucket_work_.push_back(start_reduction(i, at, lo));
+        at = std::max(at, hi);
+      }
+      if (at < end) bucket_work_.push_back(start_reduction(i, at, end));
     }
-    if (at < end) bucket_work_.push_back(start_dense_reduction(at, end));
     for (size_t i = 0; i < bucket_work_.size(); ++i) {
       bucket_work_[i]->wait();
       if (i < bucket_span_.size() && bucket_span_[i].second < 0)
@@ -185,17 +207,18 @@ void DataParallelOptimizer::reduce_gradients() {
     bucket_work_.clear();
     buckets_.clear();
     bucket_span_.clear();
-  };
-  const bool overlapped = !buckets_.empty();
-  if (!dist_) {
-    // The dense segments at once (or what the buckets left), then the experts' over their own
-    // group.
-    const int64_t dense = segs.size() > 2 ? segs[2].offset : g_size;
-    if (d > 1 && !overlapped) g_.data->all_reduce(g, static_cast<size_t>(dense));
-    if (overlapped) {
-      g_.data->all_reduce(g + segs[0].offset, static_cast<size_t>(segs[0].size));
-      finish_dense();
+    if (d > 1) {
+      if (!dist_) be_.scale(g, g_size, inv_d);
+      for (size_t i = 0; dist_ && i < segs.size(); ++i)
+        be_.scale(shard_grads_.data<float>() + state_offset_[i], segs[i].size / shards_of(i),
+                  inv_d);
     }
+    return;
+  }
+  if (!dist_) {
+    // The dense segments at once, then the experts' over their own group.
+    const int64_t dense = segs.size() > 2 ? segs[2].offset : g_size;
+    if (d > 1) g_.data->all_reduce(g, static_cast<size_t>(dense));
     if (segs.size() > 2 && g_.expert_data_parallel > 1)
       g_.expert_data->all_reduce(g + segs[2].offset, static_cast<size_t>(segs[2].size));
     if (d > 1) be_.scale(g, g_size, inv_d);
@@ -205,10 +228,7 @@ void DataParallelOptimizer::reduce_gradients() {
     const int64_t shard = segs[i].size / shards_of(i);
     if (shard == 0) continue;
     float* out = shard_grads_.data<float>() + state_offset_[i];
-    if (i == 1 && overlapped)
-      finish_dense();
-    else
-      group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
+    group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
     if (d > 1) be_.scale(out, shard, inv_d);
   }
 }
@@ -264,15 +284,13 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
       const Segment& s = shard_.segments()[i];
       const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
-      if (i == 1 && defer_gather_) {
-        start_param_gathers();
-        continue;
-      }
+      if (defer_gather_ && shards_of(i) > 1) continue;  // start_param_gathers() below
       gathered.resize(static_cast<size_t>(s.size));
       group_of(i)->all_gather(params + s.offset + shard_rank_of(i) * shard, gathered.data(),
                               static_cast<size_t>(shard));
       be_.copy(gathered.data(), params + s.offset, s.size);
     }
+    if (defer_gather_) start_param_gathers();
   }
   return norm;
 }

@@ -51,20 +51,21 @@ class DataParallelOptimizer {
 
   // Reduces every gradient not yet reduced by a bucket, then waits for the buckets.
   void reduce_gradients();
-  // --overlap-grad-reduce: [lo, hi) of the dense segment (1) holds final gradients (the backward
+  // --overlap-grad-reduce: [lo, hi) (inside one segment) holds final gradients (the backward
   // passes of the step are done with them); their reduction starts now, asynchronously, on the
-  // data-parallel group: an all-reduce, or with the distributed optimizer an uneven
-  // reduce-scatter that hands each rank the part of the bucket in its shard. With sequence
-  // parallelism the bucket's partial gradients are first all-reduced over the tensor-parallel
-  // group (blocking; they are norms and biases). The data-parallel ranks call this for the same
-  // buckets in the same order (the same schedule runs on each). A no-op with one replica.
+  // segment's group (data-parallel, or expert-data-parallel for routed experts): an all-reduce,
+  // or with the distributed optimizer an uneven reduce-scatter that hands each rank the part of
+  // the bucket in its shard. With sequence parallelism the bucket's partial gradients are first
+  // all-reduced over the tensor-parallel group (blocking; they are norms, biases and routers).
+  // The ranks of a group call this for the same buckets in the same order (the same schedule
+  // runs on each). A no-op where the group has one rank.
   void reduce_bucket(int64_t lo, int64_t hi);
-  // --overlap-param-gather (with the distributed optimizer and more than one replica): step()
-  // leaves the dense segment to be gathered asynchronously, one uneven all-gather per part of
-  // the shard (GptShard::dense_parts) in the order the next forward passes use them.
-  // wait_params(lo, hi) waits for that part's gather (the forward pass calls it before the part
-  // runs); finish_param_gather() for every one (before a checkpoint is written).
-  void overlap_param_gather(bool on) { defer_gather_ = on && dist_ && g_.data_parallel > 1; }
+  // --overlap-param-gather (with the distributed optimizer): step() leaves the parameters to be
+  // gathered asynchronously, one uneven all-gather per range of a part of the shard
+  // (GptShard::part_ranges) in the order the next forward passes use them, on the segment's
+  // group. wait_params(lo, hi) waits for that range's gather (the forward pass calls it before
+  // the part runs); finish_param_gather() for every one (before a checkpoint is written).
+  void overlap_param_gather(bool on) { defer_gather_ = on && dist_; }
   void wait_params(int64_t lo, int64_t hi);
   void finish_param_gather();
   // Lets the buckets in flight progress (MPI moves a non-blocking collective on when it is
@@ -120,12 +121,14 @@ class DataParallelOptimizer {
   double seconds() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   }
-  // Starts the gather of every part of segment 1 from the ranks' shards.
+  // Starts the gather of every part's ranges from the ranks' shards.
   void start_param_gathers();
-  // The part of [lo, hi) of segment 1 in each data-parallel rank's shard, in rank order.
-  std::vector<size_t> shard_counts(int64_t lo, int64_t hi) const;
-  // Starts the data-parallel reduction of [lo, hi) of segment 1 (see reduce_bucket).
-  std::unique_ptr<Work> start_dense_reduction(int64_t lo, int64_t hi);
+  // The segment holding [lo, hi) (std::logic_error when none holds it whole).
+  size_t segment_of(int64_t lo, int64_t hi) const;
+  // The part of [lo, hi) of segment `seg` in each rank's shard of it, in rank order.
+  std::vector<size_t> shard_counts(size_t seg, int64_t lo, int64_t hi) const;
+  // Starts the reduction of [lo, hi) of segment `seg` over its group (see reduce_bucket).
+  std::unique_ptr<Work> start_reduction(size_t seg, int64_t lo, int64_t hi);
 
   GptShard& shard_;
   Backend& be_;

@@ -156,8 +156,8 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
                          a.chunk, p2p ? group_start : start, end});
       if (p2p && !a.batched_with_next) {
         // Every action of a batched call spans the call.
-        for (size_t i = events->size(); i-- > group_first_event;) {
-          TimelineEvent& e = (*events)[i];
+        for (size_t k = events->size(); k-- > group_first_event;) {
+          TimelineEvent& e = (*events)[k];
           if (!is_p2p(e.kind) || e.start != group_start) break;
           e.end = end;
         }

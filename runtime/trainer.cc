@@ -535,10 +535,11 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     result.steps.push_back(st);
     if (world_.rank() == 0 && on_step) on_step(st);
     const bool last = s + 1 == o_.steps;
+    const bool save =
+        !o_.save_dir.empty() && (last || (o_.save_interval > 0 && (s + 1) % o_.save_interval == 0));
     // The updated parameters whole again (--overlap-param-gather leaves them in flight).
-    if (last || !o_.save_dir.empty()) optimizer_->finish_param_gather();
-    if (!o_.save_dir.empty() && (last || (o_.save_interval > 0 && (s + 1) % o_.save_interval == 0)))
-      save_checkpoint(s + 1);
+    if (last || save) optimizer_->finish_param_gather();
+    if (save) save_checkpoint(s + 1);
   }
   if (o_.record_timeline) gather_timeline(result);
   result.peak_memory_bytes = control_.max(MemoryCounter::peak());

@@ -178,6 +178,30 @@ TEST(CommModel, TensorGroupsThatDoNotTileANodeCrossIt) {
   EXPECT_EQ(span(nvl72, 16).nodes, 2);  // 16 does not tile 72
 }
 
+// SC'21's scatter/gather of pipeline transfers across nodes: each tensor-parallel rank sends 1/t
+// and the receivers all-gather. With sequence parallelism the message is already 1/t (each rank's
+// slice of the sequence): it is sent as it is, not split again.
+TEST(CommModel, ScatterGatherSplitsOnlyWhatSequenceParallelismHasNotSplit) {
+  ClusterSpec dgx = resolve_cluster("dgx-a100-80gb");
+  dgx.resize(64);
+  const CommModel comm(dgx, resolve_profile("a100-80gb"));
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.pipeline_parallel = 8;
+  const double bytes = 48e6;
+  ASSERT_TRUE(pipeline_crosses_nodes(dgx, p));
+  const P2PSplit split = comm.p2p_split(bytes, p);
+  EXPECT_DOUBLE_EQ(split.bytes, bytes / 8);
+  EXPECT_GT(split.gather_s, 0.0);
+  p.sequence_parallel = true;
+  const P2PSplit sp = comm.p2p_split(bytes, p);
+  EXPECT_DOUBLE_EQ(sp.bytes, bytes);
+  EXPECT_EQ(sp.gather_s, 0.0);
+  p.sequence_parallel = false;
+  p.scatter_gather_p2p = false;
+  EXPECT_DOUBLE_EQ(comm.p2p_split(bytes, p).bytes, bytes);
+}
+
 TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
   Job j(64);
   j.m = resolve_model("llama3-405b");  // 126 layers
