@@ -1,5 +1,6 @@
 #include "runtime/schedule_executor.h"
 
+#include <algorithm>
 #include <stdexcept>
 
 namespace ptdp {
@@ -29,12 +30,28 @@ void ScheduleExecutor::time_ops(std::vector<TimedOp>* sink, Clock::time_point t0
 }
 
 void ScheduleExecutor::flush_p2p() {
-  pipeline_.batch(batch_);
+  const bool sends_only = std::all_of(batch_.begin(), batch_.end(),
+                                      [](const Communicator::P2P& op) { return op.send; });
+  if (async_sends_ && sends_only) {
+    // Posted, not waited for: the buffers (moved, so their memory stays where the batch points)
+    // live until the batch completes.
+    Sending s;
+    s.work = pipeline_.batch_async(batch_);
+    for (const Key& k : sent_fwd_) s.buffers.push_back(std::move(act_out_.at(k)));
+    for (const Key& k : sent_bwd_) s.buffers.push_back(std::move(grad_out_.at(k)));
+    sending_.push_back(std::move(s));
+  } else {
+    pipeline_.batch(batch_);
+  }
   batch_.clear();
   for (const Key& k : sent_fwd_) act_out_.erase(k);
   for (const Key& k : sent_bwd_) grad_out_.erase(k);
   sent_fwd_.clear();
   sent_bwd_.clear();
+}
+
+void ScheduleExecutor::test_sends() {
+  std::erase_if(sending_, [](Sending& s) { return s.work->test(); });
 }
 
 double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
@@ -165,7 +182,10 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
     }
     if (p2p && !a.batched_with_next) group_start = -1;
     if (overlap_ || gathers) optimizer_.progress();
+    if (!sending_.empty()) test_sends();
   }
+  for (Sending& sent : sending_) sent.work->wait();  // bounded, as every wait
+  sending_.clear();
   if (!batch_.empty()) throw std::logic_error("schedule ends inside a batched transfer");
   return loss_sum;
 }

@@ -60,10 +60,16 @@ class ScheduleExecutor {
   // (DataParallelOptimizer::reduce_bucket); the gradient-sync action then reduces the rest and
   // waits for them. The buckets in flight are tested after every action.
   void overlap_grad_reduce(bool on) { overlap_ = on; }
+  // Schedules whose sends do not block (zb-h1: PipelineSchedule::synchronous_p2p false): a batch
+  // of sends alone is posted and the rank goes on, its buffers kept until it completes (tested
+  // after every action, waited for at the end of the step); a batch with a receive is waited
+  // for as always.
+  void asynchronous_sends(bool on) { async_sends_ = on; }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
   void flush_p2p();
+  void test_sends();
 
   GptShard& shard_;
   Communicator& pipeline_;
@@ -74,7 +80,12 @@ class ScheduleExecutor {
   std::vector<Communicator::P2P> batch_;
   std::vector<Key> sent_fwd_, sent_bwd_;
   std::unique_ptr<OpTimer> timer_;  // null unless ops are timed
-  bool overlap_ = false;
+  bool overlap_ = false, async_sends_ = false;
+  struct Sending {  // a batch of sends in flight and the buffers it reads
+    std::unique_ptr<Work> work;
+    std::vector<Buffer> buffers;
+  };
+  std::vector<Sending> sending_;
   std::vector<int64_t> last_backward_;  // per chunk: the index of its last backward action
 };
 

@@ -320,6 +320,7 @@ void Executor::setup() {
                                                  pos_.pp, p_, dp_index_, m_);
   // Buckets only where there is a data-parallel reduction to hide.
   executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1);
+  executor_->asynchronous_sends(!schedule_.synchronous_p2p);
   optimizer_->overlap_param_gather(o_.plan.overlap_param_gather);
 }
 
