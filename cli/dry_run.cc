@@ -27,6 +27,13 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (m.flash_attention && p.context_parallel > 1)
     note += std::string(note.empty() ? "" : "; ") +
             "keeps the attention scores (the context-parallel ring runs unfused attention)";
+  // Settings plan and predict price that the runtime does not execute.
+  auto add = [&note](const char* what) { note += std::string(note.empty() ? "" : "; ") + what; };
+  if (!p.fp32_grad_reduce && p.data_parallel * p.context_parallel > 1)
+    add("reduces gradients in fp32 (--fp16-grad-reduce is priced, not run)");
+  if (p.tp_comm_overlap && p.tensor_parallel > 1)
+    add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
+        "not run)");
   return note;
 }
 

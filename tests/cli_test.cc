@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/dry_run.h"
 #include "core/presets.h"
 #include "tests/support/cli_run.h"
 
@@ -49,6 +50,26 @@ const std::vector<std::string> kPredict175B = {"predict",
                                                "16",
                                                "--micro-batch-size",
                                                "1"};
+
+// `ptdp run` says what it runs differently from what the plan prices: nothing for a plain plan,
+// one clause per setting it does not execute, and only where the setting has an effect.
+TEST(Cli, RunSaysWhichPricedSettingsItDoesNotExecute) {
+  ModelSpec m = resolve_model("gpt-1.7b");
+  m.attention_dropout = m.hidden_dropout = 0;
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.data_parallel = 2;
+  EXPECT_EQ(execution_note(m, p), "");
+  p.fp32_grad_reduce = false;
+  EXPECT_NE(execution_note(m, p).find("--fp16-grad-reduce"), std::string::npos);
+  p.data_parallel = 1;  // nothing to reduce
+  EXPECT_EQ(execution_note(m, p), "");
+  p.sequence_parallel = true;
+  p.tp_comm_overlap = true;
+  const std::string note = execution_note(m, p);
+  EXPECT_NE(note.find("--tp-comm-overlap"), std::string::npos);
+  EXPECT_EQ(note.find('\n'), std::string::npos);
+}
 
 TEST(Cli, PredictJsonHasTheDocumentedKeys) {
   auto args = kPredict175B;

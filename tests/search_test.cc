@@ -184,7 +184,8 @@ TEST(CommModel, TensorGroupsThatDoNotTileANodeCrossIt) {
 TEST(CommModel, ScatterGatherSplitsOnlyWhatSequenceParallelismHasNotSplit) {
   ClusterSpec dgx = resolve_cluster("dgx-a100-80gb");
   dgx.resize(64);
-  const CommModel comm(dgx, resolve_profile("a100-80gb"));
+  const HardwareProfile h = resolve_profile("a100-80gb");  // CommModel keeps a reference
+  const CommModel comm(dgx, h);
   ParallelPlan p;
   p.tensor_parallel = 8;
   p.pipeline_parallel = 8;
