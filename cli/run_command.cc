@@ -312,6 +312,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
     j["peak_rss_gib"] = to_gib(static_cast<double>(r.peak_rss_bytes));
     j["data_plane"] = r.data_plane;
+    j["scatter_gather_p2p"] = r.scatter_gather_p2p;
     out << j.dump(2) << "\n";
     return 0;
   }

@@ -43,11 +43,25 @@ void ScheduleExecutor::flush_p2p() {
   } else {
     pipeline_.batch(batch_);
   }
+  // Scatter/gather: each received slice joins the other tensor-parallel ranks' slices.
+  for (Buffer* b : gather_after_) {
+    const size_t slice = b->size() / static_cast<size_t>(sg_->size());
+    Buffer full(b->size());
+    sg_->all_gather(b->data() + static_cast<size_t>(sg_rank_) * slice, full.data(), slice);
+    b->swap(full);
+  }
+  gather_after_.clear();
   batch_.clear();
   for (const Key& k : sent_fwd_) act_out_.erase(k);
   for (const Key& k : sent_bwd_) grad_out_.erase(k);
   sent_fwd_.clear();
   sent_bwd_.clear();
+}
+
+std::pair<float*, size_t> ScheduleExecutor::slice_of(Buffer& b) const {
+  if (!sg_) return {b.data(), b.size()};
+  const size_t slice = b.size() / static_cast<size_t>(sg_->size());
+  return {b.data() + static_cast<size_t>(sg_rank_) * slice, slice};
 }
 
 void ScheduleExecutor::test_sends() {
@@ -118,31 +132,33 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       case ActionKind::kSendForward: {
         const int64_t rc = pp_ == p_ - 1 ? a.chunk + 1 : a.chunk;
         Buffer& b = act_out_.at(key);
-        batch_.push_back(
-            {true, b.data(), b.size(), static_cast<int>(next), tag(0, a.microbatch, rc)});
+        const auto [data, n] = slice_of(b);
+        batch_.push_back({true, data, n, static_cast<int>(next), tag(0, a.microbatch, rc)});
         sent_fwd_.push_back(key);
         break;
       }
       case ActionKind::kRecvForward: {
         Buffer& b = act_in_[key];
         b.resize(static_cast<size_t>(shard_.boundary_elements()));
-        batch_.push_back(
-            {false, b.data(), b.size(), static_cast<int>(prev), tag(0, a.microbatch, a.chunk)});
+        const auto [data, n] = slice_of(b);
+        batch_.push_back({false, data, n, static_cast<int>(prev), tag(0, a.microbatch, a.chunk)});
+        if (sg_) gather_after_.push_back(&b);
         break;
       }
       case ActionKind::kSendBackward: {
         const int64_t rc = pp_ == 0 ? a.chunk - 1 : a.chunk;
         Buffer& b = grad_out_.at(key);
-        batch_.push_back(
-            {true, b.data(), b.size(), static_cast<int>(prev), tag(1, a.microbatch, rc)});
+        const auto [data, n] = slice_of(b);
+        batch_.push_back({true, data, n, static_cast<int>(prev), tag(1, a.microbatch, rc)});
         sent_bwd_.push_back(key);
         break;
       }
       case ActionKind::kRecvBackward: {
         Buffer& b = grad_in_[key];
         b.resize(static_cast<size_t>(shard_.boundary_elements()));
-        batch_.push_back(
-            {false, b.data(), b.size(), static_cast<int>(next), tag(1, a.microbatch, a.chunk)});
+        const auto [data, n] = slice_of(b);
+        batch_.push_back({false, data, n, static_cast<int>(next), tag(1, a.microbatch, a.chunk)});
+        if (sg_) gather_after_.push_back(&b);
         break;
       }
       case ActionKind::kGradSync:

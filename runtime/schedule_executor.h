@@ -65,11 +65,21 @@ class ScheduleExecutor {
   // after every action, waited for at the end of the step); a batch with a receive is waited
   // for as always.
   void asynchronous_sends(bool on) { async_sends_ = on; }
+  // SC'21's scatter/gather of pipeline transfers: each of the t tensor-parallel ranks sends only
+  // its 1/t of the boundary activation (or its gradient), identical on every one of them
+  // without sequence parallelism, and the receivers all-gather the slices over `tensor`
+  // (t ranks, this rank's index tp) once the transfer is done. Null: whole transfers.
+  void scatter_gather(Communicator* tensor, int64_t tp) {
+    sg_ = tensor;
+    sg_rank_ = tp;
+  }
 
  private:
   using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
   void flush_p2p();
   void test_sends();
+  // What of a boundary buffer this rank sends or receives: all of it, or its slice.
+  std::pair<float*, size_t> slice_of(Buffer& b) const;
 
   GptShard& shard_;
   Communicator& pipeline_;
@@ -81,7 +91,10 @@ class ScheduleExecutor {
   std::vector<Key> sent_fwd_, sent_bwd_;
   std::unique_ptr<OpTimer> timer_;  // null unless ops are timed
   bool overlap_ = false, async_sends_ = false;
-  struct Sending {  // a batch of sends in flight and the buffers it reads
+  Communicator* sg_ = nullptr;  // scatter/gather over this tensor-parallel group
+  int64_t sg_rank_ = 0;
+  std::vector<Buffer*> gather_after_;  // received slices to all-gather after the batch
+  struct Sending {                     // a batch of sends in flight and the buffers it reads
     std::unique_ptr<Work> work;
     std::vector<Buffer> buffers;
   };

@@ -1,9 +1,12 @@
 #include "runtime/trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <fstream>
@@ -158,6 +161,17 @@ void validate_options(const TrainOptions& o) {
                      "and predict price it)");
 }
 
+// PTDP_SCATTER_GATHER_P2P: "auto" (unset: scatter/gather where the job spans hosts), "always"
+// (for tests on one host) or "never"; anything else is an InputError naming the variable.
+std::string scatter_gather_p2p_mode() {
+  const char* v = std::getenv("PTDP_SCATTER_GATHER_P2P");
+  const std::string mode = v && *v ? v : "auto";
+  if (mode != "auto" && mode != "always" && mode != "never")
+    throw InputError("PTDP_SCATTER_GATHER_P2P",
+                     "must be auto, always or never, not '" + mode + "'");
+  return mode;
+}
+
 class Executor {
  public:
   Executor(const TrainOptions& o, Communicator& world, ControlPlane& control, bool dry = false)
@@ -209,6 +223,8 @@ class Executor {
   std::vector<TimelineEvent> events_;
   std::vector<TimedOp> ops_;
   std::vector<std::pair<double, double>> norm_spans_, bucket_spans_, gather_spans_;
+  std::string scatter_gather_mode_ = "auto";  // PTDP_SCATTER_GATHER_P2P
+  bool scatter_gather_ = false;
   Clock::time_point t0_;
 };
 
@@ -262,6 +278,7 @@ void Executor::setup() {
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
+    scatter_gather_mode_ = scatter_gather_p2p_mode();
     if (m.is_moe() && !backend_->host_accessible())
       throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
   });
@@ -321,6 +338,23 @@ void Executor::setup() {
   // Buckets only where there is a data-parallel reduction to hide.
   executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1);
   executor_->asynchronous_sends(!schedule_.synchronous_p2p);
+  // SC'21's scatter/gather of pipeline transfers: where Megatron-LM applies it (t > 1, not with
+  // sequence parallelism, whose transfers are already 1/t) and the cost model prices it (the
+  // pipeline crosses nodes: here, the job spans more than one host).
+  if (plan.scatter_gather_p2p && t_ > 1 && p_ > 1 && !plan.sequence_parallel &&
+      scatter_gather_mode_ != "never") {
+    bool on = scatter_gather_mode_ == "always";
+    if (!on) {
+      char host[256] = {};
+      gethostname(host, sizeof host - 1);
+      const std::string mine(host);
+      const auto all = control_.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()));
+      for (const auto& h : all) on |= std::string(h.begin(), h.end()) != mine;
+      // Every rank sees the same hosts, so every rank decides alike.
+    }
+    if (on) executor_->scatter_gather(tp_.get(), pos_.tp);
+    scatter_gather_ = on;
+  }
   optimizer_->overlap_param_gather(o_.plan.overlap_param_gather);
 }
 
@@ -545,6 +579,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   if (o_.record_timeline) gather_timeline(result);
   result.peak_memory_bytes = control_.max(MemoryCounter::peak());
   result.peak_rss_bytes = control_.max(peak_rss_bytes());
+  result.scatter_gather_p2p = scatter_gather_;
   result.data_plane = data_plane_.empty() ? (world_.size() > 1 ? "mpi" : "self") : data_plane_;
   return result;
 }

@@ -71,6 +71,9 @@ struct TrainResult {
   // What carried the collectives and transfers: "mpi" (or "self" on one rank) for host
   // backends; "nccl" or "staged" (MPI on host copies) for a device backend (runtime/data_plane.h).
   std::string data_plane;
+  // Whether pipeline transfers were scattered and gathered over the tensor-parallel group
+  // (SC'21's optimisation; runtime/schedule_executor.h).
+  bool scatter_gather_p2p = false;
   std::vector<TimelineEvent> timeline;              // on world rank 0, every replica and stage
   std::vector<OpTimelineEvent> op_timeline;         // the same, every op of every pass
   std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce

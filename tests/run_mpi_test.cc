@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -388,6 +389,39 @@ TEST(RunMpi, ZeroBubbleDefersTheWeightGradientsAndKeepsThe1F1BLosses) {
     in_weight += w;
   }
   EXPECT_EQ(in_weight, 12 * 2 * 4);  // 2 layers on the stage, 4 GEMMs each
+}
+
+// SC'21's scatter/gather of pipeline transfers, forced on this one host: each tensor-parallel rank
+// sends 1/t of the boundary activation and the receivers all-gather the slices. The slices are
+// of identical copies, so the losses are the whole transfers' to the bit, with 1F1B,
+// interleaving and zb-h1's unwaited sends. Off where it does not apply (sequence parallelism,
+// whose transfers are 1/t already) and on one host by default; a bad setting is refused.
+TEST(RunMpi, ScatterGatherPipelineTransfersGiveTheSameLosses) {
+  std::string eight = tiny_steps(4);
+  eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");
+  for (const Layout& l : std::vector<Layout>{
+           {2, 2, 1, ""},
+           {2, 2, 1, "--pipeline-schedule zb-h1"},
+           {2, 2, 1, "--num-layers-per-virtual-pipeline-stage 2", eight},
+       }) {
+    const nlohmann::json whole = run_json(4, flags(l));
+    EXPECT_EQ(whole["scatter_gather_p2p"], false) << "one host: not by default";
+    setenv("PTDP_SCATTER_GATHER_P2P", "always", 1);
+    const nlohmann::json split = run_json(4, flags(l));
+    const nlohmann::json sp = run_json(4, flags(l) + " --sequence-parallel");
+    unsetenv("PTDP_SCATTER_GATHER_P2P");
+    EXPECT_EQ(split["scatter_gather_p2p"], true) << flags(l);
+    EXPECT_EQ(sp["scatter_gather_p2p"], false) << flags(l);
+    ASSERT_FALSE(losses(whole).empty());
+    EXPECT_EQ(losses(split), losses(whole)) << flags(l);
+  }
+  setenv("PTDP_SCATTER_GATHER_P2P", "sometimes", 1);
+  const Outcome bad = ptdp_run(4, kTiny +
+                                      " --tensor-model-parallel-size 2"
+                                      " --pipeline-model-parallel-size 2");
+  unsetenv("PTDP_SCATTER_GATHER_P2P");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("PTDP_SCATTER_GATHER_P2P"), std::string::npos) << bad.err;
 }
 
 // One line from one rank, exit status non-zero, no training step.
