@@ -1,6 +1,7 @@
 #include "cli/run_trace.h"
 
 #include <sstream>
+#include <tuple>
 
 #include "simulator/timeline_export.h"
 
@@ -40,14 +41,15 @@ std::string run_trace_text(const TrainResult& r, RunTraceInfo info, const std::s
   for (const OpTimelineEvent& e : r.op_timeline)
     x.ops.push_back({e.dp, e.pp, e.op.microbatch, e.op.chunk, std::string(op_name(e.op.id)),
                      to_string(e.op.role), picos(e.op.start), picos(e.op.end), "op", std::nullopt});
-  for (const NormReductionEvent& e : r.norm_reductions)
-    x.ops.push_back({e.dp, e.pp, -1, -1, kNormReduction, "", picos(e.start), picos(e.end),
-                     kSyncCategory, std::nullopt});
-  for (const auto& [events, name] :
-       {std::pair{&r.grad_buckets, kGradBucket}, std::pair{&r.param_gathers, kParamGather}})
-    for (const NormReductionEvent& e : *events)
-      x.ops.push_back({e.dp, e.pp, -1, -1, name, "", picos(e.start), picos(e.end), kSyncCategory,
-                       Stream::kData});
+  // The norm all-reduce on the ops track; buckets and gathers beside the passes, on the data
+  // stream's track.
+  for (const auto& [events, name, stream] :
+       {std::tuple{&r.norm_reductions, kNormReduction, std::optional<Stream>{}},
+        std::tuple{&r.grad_buckets, kGradBucket, std::optional{Stream::kData}},
+        std::tuple{&r.param_gathers, kParamGather, std::optional{Stream::kData}}})
+    for (const SyncEvent& e : *events)
+      x.ops.push_back(
+          {e.dp, e.pp, -1, -1, name, "", picos(e.start), picos(e.end), kSyncCategory, stream});
   for (const StepStats& s : r.steps)
     x.steps.push_back({s.step, s.step < r.first_step + info.warmup_steps, picos(s.start),
                        picos(s.start + s.seconds)});

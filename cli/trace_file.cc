@@ -90,8 +90,7 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
   if (r.string(meta, "format", f) != kRunTraceFormat)
     r.fail(f + ".format", std::string("not a ptdp run trace (expected \"") + kRunTraceFormat +
                               "\"; `ptdp run --trace` writes one)");
-  if (r.integer(meta, "version", f, 0, INT64_MAX) > kRunTraceVersion ||
-      r.integer(meta, "version", f, 0, INT64_MAX) < 1)
+  if (const int64_t v = r.integer(meta, "version", f, 0, INT64_MAX); v < 1 || v > kRunTraceVersion)
     r.fail(f + ".version", "this ptdp reads versions 1 to " + std::to_string(kRunTraceVersion));
   try {
     info.model = model_from_json(r.member(meta, "model", f));
@@ -179,15 +178,14 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
         static_cast<int32_t>(r.integer(args, "chunk", a, -1, p.virtual_stages - 1));
     if (cat == kSyncCategory) {
       const std::string name = r.string(e, "name", f);
-      if (name == kGradBucket)
-        out.grad_buckets.push_back({replica, stage, start, end});
-      else if (name == kParamGather)
-        out.param_gathers.push_back({replica, stage, start, end});
-      else if (name == kNormReduction)
-        out.norm_reductions.push_back({replica, stage, start, end});
-      else
+      std::vector<TraceSync>* list = name == kNormReduction ? &out.norm_reductions
+                                     : name == kGradBucket  ? &out.grad_buckets
+                                     : name == kParamGather ? &out.param_gathers
+                                                            : nullptr;
+      if (!list)
         r.fail(f + ".name", std::string("expected ") + kNormReduction + ", " + kGradBucket +
                                 " or " + kParamGather);
+      list->push_back({replica, stage, start, end});
       continue;
     }
     if (cat == "op") {

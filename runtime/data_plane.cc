@@ -17,15 +17,31 @@
 
 namespace ptdp {
 
-std::vector<std::string> gpu_of_each_rank(ControlPlane& control, const Backend& backend) {
+namespace {
+
+std::string host_name() {
   char host[256] = {};
   gethostname(host, sizeof host - 1);
-  const std::string mine = std::string(host) + "/" + std::to_string(backend.device_index());
+  return host;
+}
+
+// Every rank's string, rank-major.
+std::vector<std::string> all_gather_strings(ControlPlane& control, const std::string& mine) {
   std::vector<std::string> all;
   for (const std::vector<uint8_t>& w :
        control.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end())))
     all.emplace_back(w.begin(), w.end());
   return all;
+}
+
+}  // namespace
+
+std::vector<std::string> gpu_of_each_rank(ControlPlane& control, const Backend& backend) {
+  return all_gather_strings(control, host_name() + "/" + std::to_string(backend.device_index()));
+}
+
+std::vector<std::string> host_of_each_rank(ControlPlane& control) {
+  return all_gather_strings(control, host_name());
 }
 
 DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Backend& backend) {

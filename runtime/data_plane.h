@@ -28,5 +28,7 @@ DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Bac
 // Every rank's GPU as "host/device index", rank-major (collective over `control`): ranks with
 // equal entries share a GPU.
 std::vector<std::string> gpu_of_each_rank(ControlPlane& control, const Backend& backend);
+// Every rank's host name, rank-major (collective over `control`).
+std::vector<std::string> host_of_each_rank(ControlPlane& control);
 
 }  // namespace ptdp

@@ -58,13 +58,11 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
   if (!shard_.layout().sequence_parallel || shard_.layout().t < 2) return;
   // Replicated parameters applied to a sequence slice: their gradients are partial sums. Those
   // a bucket has reduced already are skipped (buckets never overlap, so a bucket's own call
-  // finds none of them; the final call looks each parameter up among the sorted buckets).
-  std::vector<std::pair<int64_t, int64_t>> done = buckets_;
-  std::sort(done.begin(), done.end());
+  // finds none of them; the final call looks each parameter up among the buckets).
   auto wanted = [&](const ParamInfo& p) {
     if (!p.sp_partial || p.offset < lo || p.offset + p.size > hi) return false;
-    auto it = std::upper_bound(done.begin(), done.end(), std::pair{p.offset, INT64_MAX});
-    return it == done.begin() || std::prev(it)->second < p.offset + p.size;
+    auto it = buckets_.upper_bound({p.offset, INT64_MAX});  // the first bucket after p's start
+    return it == buckets_.begin() || std::prev(it)->first.second < p.offset + p.size;
   };
   float* g = shard_.grads().data<float>();
   int64_t n = 0;
@@ -126,10 +124,8 @@ void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
   const size_t seg = segment_of(lo, hi);
   if (shards_of(seg) < 2) return;  // nothing to reduce over (or to shard)
   reduce_sequence_parallel(lo, hi);
-  const double queued = bucket_sink_ ? seconds() : 0.0;
-  bucket_work_.push_back(start_reduction(seg, lo, hi));
-  buckets_.emplace_back(lo, hi);
-  bucket_span_.emplace_back(queued, -1.0);
+  const double queued = seconds();
+  buckets_.emplace(std::pair{lo, hi}, InFlight{start_reduction(seg, lo, hi), queued});
 }
 
 void DataParallelOptimizer::start_param_gathers() {
@@ -140,37 +136,40 @@ void DataParallelOptimizer::start_param_gathers() {
     const std::vector<size_t> counts = shard_counts(seg, lo, hi);
     size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
     for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
-    Gather gather;
-    gather.queued = gather_sink_ ? seconds() : 0.0;
-    gather.work =
-        group_of(seg)->all_gather_v_async(params + lo + own, params + lo, counts, DType::kF32);
-    gathers_.emplace(std::pair{lo, hi}, std::move(gather));
+    const double queued = seconds();
+    gathers_.emplace(std::pair{lo, hi},
+                     InFlight{group_of(seg)->all_gather_v_async(params + lo + own, params + lo,
+                                                                counts, DType::kF32),
+                              queued});
   }
+}
+
+void DataParallelOptimizer::poll(InFlight& f) const {
+  if (f.done < 0 && f.work->test()) f.done = seconds();
+}
+
+void DataParallelOptimizer::complete(InFlight& f,
+                                     std::vector<std::pair<double, double>>* sink) const {
+  f.work->wait();
+  if (f.done < 0) f.done = seconds();
+  if (sink) sink->emplace_back(f.queued, f.done);
 }
 
 void DataParallelOptimizer::wait_params(int64_t lo, int64_t hi) {
   auto it = gathers_.find({lo, hi});
   if (it == gathers_.end()) return;
-  Gather& gather = it->second;
-  gather.work->wait();
-  if (gather_sink_)
-    gather_sink_->emplace_back(gather.queued, gather.done >= 0 ? gather.done : seconds());
+  complete(it->second, gather_sink_);
   gathers_.erase(it);
 }
 
 void DataParallelOptimizer::finish_param_gather() {
-  while (!gathers_.empty()) {
-    const auto range = gathers_.begin()->first;
-    wait_params(range.first, range.second);
-  }
+  for (auto& [range, gather] : gathers_) complete(gather, gather_sink_);
+  gathers_.clear();
 }
 
 void DataParallelOptimizer::progress() {
-  for (auto& [range, gather] : gathers_)
-    if (gather.done < 0 && gather.work->test()) gather.done = gather_sink_ ? seconds() : 0.0;
-  for (size_t i = 0; i < bucket_span_.size(); ++i)
-    if (bucket_span_[i].second < 0 && bucket_work_[i]->test())
-      bucket_span_[i].second = bucket_sink_ ? seconds() : 0.0;
+  for (InFlightByRange* m : {&gathers_, &buckets_})
+    for (auto& [range, f] : *m) poll(f);
 }
 
 void DataParallelOptimizer::reduce_gradients() {
@@ -182,31 +181,24 @@ void DataParallelOptimizer::reduce_gradients() {
   const auto& segs = shard_.segments();
   if (!buckets_.empty()) {
     // --overlap-grad-reduce: what the buckets left of each segment, then the wait for all.
-    std::vector<std::pair<int64_t, int64_t>> covered = buckets_;
-    std::sort(covered.begin(), covered.end());
+    std::vector<std::unique_ptr<Work>> rest;
     for (size_t i = 0; i < segs.size(); ++i) {
       // One replica: nothing to reduce; the distributed optimizer still takes its (whole) shard.
       if (shards_of(i) < 2 && !dist_) continue;
       if (dist_ && segs[i].size / shards_of(i) == 0) continue;
       int64_t at = segs[i].offset;
       const int64_t end = segs[i].offset + segs[i].size;
-      for (const auto& [lo, hi] : covered) {
+      for (const auto& [range, f] : buckets_) {
+        const auto [lo, hi] = range;
         if (hi <= at || lo >= end) continue;
-        if (lo > at) bucket_work_.push_back(start_reduction(i, at, lo));
+        if (lo > at) rest.push_back(start_reduction(i, at, lo));
         at = std::max(at, hi);
       }
-      if (at < end) bucket_work_.push_back(start_reduction(i, at, end));
+      if (at < end) rest.push_back(start_reduction(i, at, end));
     }
-    for (size_t i = 0; i < bucket_work_.size(); ++i) {
-      bucket_work_[i]->wait();
-      if (i < bucket_span_.size() && bucket_span_[i].second < 0)
-        bucket_span_[i].second = bucket_sink_ ? seconds() : 0.0;
-    }
-    if (bucket_sink_)
-      bucket_sink_->insert(bucket_sink_->end(), bucket_span_.begin(), bucket_span_.end());
-    bucket_work_.clear();
+    for (auto& w : rest) w->wait();
+    for (auto& [range, f] : buckets_) complete(f, bucket_sink_);
     buckets_.clear();
-    bucket_span_.clear();
     if (d > 1) {
       if (!dist_) be_.scale(g, g_size, inv_d);
       for (size_t i = 0; dist_ && i < segs.size(); ++i)
@@ -257,7 +249,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   float total = static_cast<float>(sq);
   auto now = [&] {
     be_.synchronize();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+    return seconds();
   };
   const double norm_start = norm_sink_ ? now() : 0.0;
   g_.norm->all_reduce(&total, 1);

@@ -73,8 +73,6 @@ class DataParallelOptimizer {
   void progress();
   // Parameter gathers not yet waited for.
   size_t gathers_pending() const { return gathers_.size(); }
-  // Buckets started since the last reduce_gradients().
-  size_t buckets_started() const { return buckets_.size(); }
   void sync_embedding();
   // Clips by the global gradient norm and applies AdamW at `lr`; step counts from 0. Returns
   // the norm before clipping.
@@ -121,6 +119,17 @@ class DataParallelOptimizer {
   double seconds() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
   }
+  // A bucket's reduction or a part's gather in flight, with when it was queued and when this
+  // rank first saw it complete (done < 0: not yet), for the timeline.
+  struct InFlight {
+    std::unique_ptr<Work> work;
+    double queued = 0, done = -1;
+  };
+  using InFlightByRange = std::map<std::pair<int64_t, int64_t>, InFlight>;  // by [lo, hi)
+  // Notes completion without blocking.
+  void poll(InFlight& f) const;
+  // Waits (bounded) and appends the span to `sink` (if any).
+  void complete(InFlight& f, std::vector<std::pair<double, double>>* sink) const;
   // Starts the gather of every part's ranges from the ranks' shards.
   void start_param_gathers();
   // The segment holding [lo, hi) (std::logic_error when none holds it whole).
@@ -136,17 +145,9 @@ class DataParallelOptimizer {
   bool dist_;
   DeviceBuffer adam_m_, adam_v_, shard_grads_;
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
-  // Buckets in flight or done this step: their ranges (ascending order of start) and Works.
-  std::vector<std::pair<int64_t, int64_t>> buckets_;
-  std::vector<std::unique_ptr<Work>> bucket_work_;
-  std::vector<std::pair<double, double>> bucket_span_;  // per bucket; end < 0 until complete
+  // Buckets started this step, and parameter gathers not yet waited for.
+  InFlightByRange buckets_, gathers_;
   std::vector<std::pair<double, double>>* bucket_sink_ = nullptr;
-  // Overlapped parameter gathers in flight, by part range, with when each was queued.
-  struct Gather {
-    std::unique_ptr<Work> work;
-    double queued = 0, done = -1;  // done: when first seen complete (< 0: not yet)
-  };
-  std::map<std::pair<int64_t, int64_t>, Gather> gathers_;
   bool defer_gather_ = false;
   std::vector<std::pair<double, double>>* gather_sink_ = nullptr;
   std::vector<std::pair<double, double>>* norm_sink_ = nullptr;

@@ -96,6 +96,10 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
     const PipelineAction& a = actions_[i];
     const double start = now();
     const Key key{a.microbatch, a.chunk};
+    // A chunk's last backward (or weight) pass of the step hands each part to a bucket.
+    const bool last_pass =
+        a.chunk >= 0 && last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
+    const GptShard::PartHook* ready = overlap_ && last_pass ? &start_bucket : nullptr;
     switch (a.kind) {
       case ActionKind::kForward: {
         const bool first = shard_.first_stage(a.chunk), last = shard_.last_stage(a.chunk);
@@ -116,14 +120,11 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         Buffer gin;
         const Buffer* gout = last ? nullptr : &grad_in_.at(key);
         if (timer_) timer_->pass(a.chunk, a.microbatch);
-        const bool last_pass =
-            last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
         const double scale = 1.0 / static_cast<double>(m_);
         if (a.kind == ActionKind::kBackwardInput)
           shard_.backward_input(a.chunk, a.microbatch, gout, &gin, scale);
         else
-          shard_.backward(a.chunk, a.microbatch, gout, &gin, scale,
-                          overlap_ && last_pass ? &start_bucket : nullptr);
+          shard_.backward(a.chunk, a.microbatch, gout, &gin, scale, ready);
         if (timer_) timer_->close();
         if (!last) grad_in_.erase(key);
         if (!first) grad_out_[key] = std::move(gin);
@@ -172,10 +173,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         break;
       case ActionKind::kBackwardWeight: {
         if (timer_) timer_->pass(a.chunk, a.microbatch);
-        const bool last_pass =
-            last_backward_[static_cast<size_t>(a.chunk)] == static_cast<int64_t>(i);
-        shard_.backward_weight(a.chunk, a.microbatch,
-                               overlap_ && last_pass ? &start_bucket : nullptr);
+        shard_.backward_weight(a.chunk, a.microbatch, ready);
         if (timer_) timer_->close();
         break;
       }

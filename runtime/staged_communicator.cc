@@ -77,52 +77,38 @@ class StagedCommunicator final : public Communicator {
   }
   std::unique_ptr<Work> start_all_gather(const void* in, void* out, size_t n, DType t,
                                          DeviceStream s) override {
-    sync();
-    Staged src = stage_in(const_cast<void*>(in), n * dtype_bytes(t));
-    Staged dst = stage_out(out, n * dtype_bytes(t) * static_cast<size_t>(size()));
-    auto w = inner_->all_gather_async(ptr(src, in), ptr(dst, out), n, t, s);
-    return done(std::move(w), both(std::move(dst), std::move(src)));
+    return copied(in, n, out, n * static_cast<size_t>(size()), t,
+                  [&](const void* i, void* o) { return inner_->all_gather_async(i, o, n, t, s); });
   }
   std::unique_ptr<Work> start_reduce_scatter(const void* in, void* out, size_t n, DType t,
                                              DeviceStream s) override {
-    sync();
-    const size_t bytes = n * dtype_bytes(t);
     if (in == out) {  // in place: the whole buffer goes down, this rank's block comes back
+      sync();
+      const size_t bytes = n * dtype_bytes(t);
       Staged io = stage_in(out, bytes * static_cast<size_t>(size()));
       void* p = ptr(io, out);
       auto w = inner_->reduce_scatter_async(p, p, n, t, s);
       if (io.device) io.host.resize(bytes);
       return done(std::move(w), one(std::move(io)));
     }
-    Staged src = stage_in(const_cast<void*>(in), bytes * static_cast<size_t>(size()));
-    Staged dst = stage_out(out, bytes);
-    auto w = inner_->reduce_scatter_async(ptr(src, in), ptr(dst, out), n, t, s);
-    return done(std::move(w), both(std::move(dst), std::move(src)));
+    return copied(in, n * static_cast<size_t>(size()), out, n, t, [&](const void* i, void* o) {
+      return inner_->reduce_scatter_async(i, o, n, t, s);
+    });
   }
   std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
                                                std::span<const size_t> counts, DType t,
                                                DeviceStream s) override {
-    sync();
-    const size_t e = dtype_bytes(t);
-    const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
-    const size_t mine = static_cast<size_t>(rank()) < counts.size() ? counts[rank()] : 0;
-    Staged src = stage_in(const_cast<void*>(in), total * e);
-    Staged dst = stage_out(out, mine * e);
-    auto w = inner_->reduce_scatter_v_async(ptr(src, in), ptr(dst, out), counts, t, s);
-    return done(std::move(w), both(std::move(dst), std::move(src)));
+    return copied(in, total(counts), out, mine(counts), t, [&](const void* i, void* o) {
+      return inner_->reduce_scatter_v_async(i, o, counts, t, s);
+    });
   }
+  // Host copies do not alias: an in-place gather becomes an ordinary one.
   std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
                                            std::span<const size_t> counts, DType t,
                                            DeviceStream s) override {
-    sync();
-    const size_t e = dtype_bytes(t);
-    const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
-    const size_t mine = static_cast<size_t>(rank()) < counts.size() ? counts[rank()] : 0;
-    // Host copies do not alias: an in-place gather becomes an ordinary one.
-    Staged src = stage_in(const_cast<void*>(in), mine * e);
-    Staged dst = stage_out(out, total * e);
-    auto w = inner_->all_gather_v_async(ptr(src, in), ptr(dst, out), counts, t, s);
-    return done(std::move(w), both(std::move(dst), std::move(src)));
+    return copied(in, mine(counts), out, total(counts), t, [&](const void* i, void* o) {
+      return inner_->all_gather_v_async(i, o, counts, t, s);
+    });
   }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
                                         DeviceStream s) override {
@@ -158,18 +144,31 @@ class StagedCommunicator final : public Communicator {
   std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send_counts,
                                            void* out, std::span<const size_t> recv_counts, DType t,
                                            DeviceStream s) override {
-    sync();
-    const size_t e = dtype_bytes(t);
-    const size_t sent = std::accumulate(send_counts.begin(), send_counts.end(), size_t{0});
-    const size_t got = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
-    Staged src = stage_in(const_cast<void*>(in), sent * e);
-    Staged dst = stage_out(out, got * e);
-    auto w =
-        inner_->all_to_all_v_async(ptr(src, in), send_counts, ptr(dst, out), recv_counts, t, s);
-    return done(std::move(w), both(std::move(dst), std::move(src)));
+    return copied(in, total(send_counts), out, total(recv_counts), t, [&](const void* i, void* o) {
+      return inner_->all_to_all_v_async(i, send_counts, o, recv_counts, t, s);
+    });
   }
 
  private:
+  static size_t total(std::span<const size_t> counts) {
+    return std::accumulate(counts.begin(), counts.end(), size_t{0});
+  }
+  size_t mine(std::span<const size_t> counts) const {
+    const auto r = static_cast<size_t>(rank());
+    return r < counts.size() ? counts[r] : 0;
+  }
+  // An operation reading n_in elements of `in` and writing n_out of `out` (separate buffers),
+  // started by `start` on their host copies.
+  template <class Start>
+  std::unique_ptr<Work> copied(const void* in, size_t n_in, void* out, size_t n_out, DType t,
+                               Start start) {
+    sync();
+    const size_t e = dtype_bytes(t);
+    Staged src = stage_in(const_cast<void*>(in), n_in * e);
+    Staged dst = stage_out(out, n_out * e);
+    auto w = start(ptr(src, in), ptr(dst, out));
+    return done(std::move(w), both(std::move(dst), std::move(src)));
+  }
   // The inner group reports timeouts under this group's name and bound.
   void sync() {
     inner_->set_name(name());

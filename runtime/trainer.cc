@@ -1,7 +1,5 @@
 #include "runtime/trainer.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -15,6 +13,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -61,7 +60,7 @@ struct PackedOp {
   int32_t pp, dp, chunk, microbatch, id, role;
   double start, end;
 };
-struct PackedNorm {
+struct PackedSpan {  // a step-level collective's span (runtime/grad_sync.h)
   int32_t pp, dp;
   double start, end;
 };
@@ -76,6 +75,18 @@ std::vector<std::vector<uint8_t>> gather_packed(ControlPlane& control, const std
     std::memcpy(mine.data() + i * sizeof(Packed), &p, sizeof p);
   }
   return control.all_gather_bytes(mine);
+}
+
+// Calls f on each record of every rank's bytes, rank by rank.
+template <class Packed, class F>
+void for_each_packed(const std::vector<std::vector<uint8_t>>& all, F f) {
+  for (const std::vector<uint8_t>& bytes : all) {
+    for (size_t at = 0; at + sizeof(Packed) <= bytes.size(); at += sizeof(Packed)) {
+      Packed p;
+      std::memcpy(&p, bytes.data() + at, sizeof p);
+      f(p);
+    }
+  }
 }
 
 int64_t peak_rss_bytes() {
@@ -343,17 +354,12 @@ void Executor::setup() {
   // pipeline crosses nodes: here, the job spans more than one host).
   if (plan.scatter_gather_p2p && t_ > 1 && p_ > 1 && !plan.sequence_parallel &&
       scatter_gather_mode_ != "never") {
-    bool on = scatter_gather_mode_ == "always";
-    if (!on) {
-      char host[256] = {};
-      gethostname(host, sizeof host - 1);
-      const std::string mine(host);
-      const auto all = control_.all_gather_bytes(std::vector<uint8_t>(mine.begin(), mine.end()));
-      for (const auto& h : all) on |= std::string(h.begin(), h.end()) != mine;
-      // Every rank sees the same hosts, so every rank decides alike.
-    }
-    if (on) executor_->scatter_gather(tp_.get(), pos_.tp);
-    scatter_gather_ = on;
+    // Every rank sees the same hosts, so every rank decides alike.
+    const auto hosts =
+        scatter_gather_mode_ == "always" ? std::vector<std::string>{} : host_of_each_rank(control_);
+    scatter_gather_ = scatter_gather_mode_ == "always" ||
+                      std::set<std::string>(hosts.begin(), hosts.end()).size() > 1;
+    if (scatter_gather_) executor_->scatter_gather(tp_.get(), pos_.tp);
   }
   optimizer_->overlap_param_gather(o_.plan.overlap_param_gather);
 }
@@ -484,49 +490,31 @@ void Executor::gather_timeline(TrainResult& r) {
                     o.start,
                     o.end};
   });
-  const auto norms =
-      gather_packed<PackedNorm>(control_, norm_spans_, [&](const std::pair<double, double>& n) {
-        return PackedNorm{pp, dp, n.first, n.second};
-      });
-  const auto buckets =
-      gather_packed<PackedNorm>(control_, bucket_spans_, [&](const std::pair<double, double>& n) {
-        return PackedNorm{pp, dp, n.first, n.second};
-      });
-  const auto gathers =
-      gather_packed<PackedNorm>(control_, gather_spans_, [&](const std::pair<double, double>& n) {
-        return PackedNorm{pp, dp, n.first, n.second};
-      });
-  if (control_.rank() != 0) return;
-  auto unpack_spans = [](const std::vector<std::vector<uint8_t>>& all,
-                         std::vector<NormReductionEvent>& out) {
-    for (const std::vector<uint8_t>& bytes : all) {
-      for (size_t at = 0; at + sizeof(PackedNorm) <= bytes.size(); at += sizeof(PackedNorm)) {
-        PackedNorm p;
-        std::memcpy(&p, bytes.data() + at, sizeof p);
-        out.push_back({p.pp, p.dp, p.start, p.end});
-      }
-    }
+  auto spans = [&](const std::vector<std::pair<double, double>>& v) {
+    return gather_packed<PackedSpan>(control_, v, [&](const std::pair<double, double>& n) {
+      return PackedSpan{pp, dp, n.first, n.second};
+    });
   };
-  unpack_spans(norms, r.norm_reductions);
-  unpack_spans(buckets, r.grad_buckets);
-  unpack_spans(gathers, r.param_gathers);
-  for (const std::vector<uint8_t>& bytes : all) {
-    for (size_t at = 0; at + sizeof(PackedEvent) <= bytes.size(); at += sizeof(PackedEvent)) {
-      PackedEvent p;
-      std::memcpy(&p, bytes.data() + at, sizeof p);
-      r.timeline.push_back(
-          {p.pp, p.dp, static_cast<ActionKind>(p.kind), p.microbatch, p.chunk, p.start, p.end});
-    }
+  const auto norms = spans(norm_spans_), buckets = spans(bucket_spans_),
+             gathers = spans(gather_spans_);
+  if (control_.rank() != 0) return;
+  for (const auto& job :
+       {std::pair{&norms, &r.norm_reductions}, std::pair{&buckets, &r.grad_buckets},
+        std::pair{&gathers, &r.param_gathers}}) {
+    std::vector<SyncEvent>* out = job.second;
+    for_each_packed<PackedSpan>(*job.first, [out](const PackedSpan& p) {
+      out->push_back({p.pp, p.dp, p.start, p.end});
+    });
   }
-  for (const std::vector<uint8_t>& bytes : ops) {
-    for (size_t at = 0; at + sizeof(PackedOp) <= bytes.size(); at += sizeof(PackedOp)) {
-      PackedOp p;
-      std::memcpy(&p, bytes.data() + at, sizeof p);
-      r.op_timeline.push_back({p.pp, p.dp,
-                               TimedOp{static_cast<OpId>(p.id), static_cast<OpRole>(p.role),
-                                       p.chunk, p.microbatch, p.start, p.end}});
-    }
-  }
+  for_each_packed<PackedEvent>(all, [&](const PackedEvent& p) {
+    r.timeline.push_back(
+        {p.pp, p.dp, static_cast<ActionKind>(p.kind), p.microbatch, p.chunk, p.start, p.end});
+  });
+  for_each_packed<PackedOp>(ops, [&](const PackedOp& p) {
+    r.op_timeline.push_back({p.pp, p.dp,
+                             TimedOp{static_cast<OpId>(p.id), static_cast<OpRole>(p.role), p.chunk,
+                                     p.microbatch, p.start, p.end}});
+  });
 }
 
 TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) {

@@ -55,9 +55,10 @@ struct OpTimelineEvent {
   TimedOp op;
 };
 
-// One step's gradient-norm all-reduce inside the optimizer step, or one overlapped gradient
-// bucket's reduction (runtime/grad_sync.h).
-struct NormReductionEvent {
+// A step-level collective's span on one rank (runtime/grad_sync.h): the gradient-norm
+// all-reduce inside the optimizer step, an overlapped gradient bucket's reduction, or an
+// overlapped parameter gather.
+struct SyncEvent {
   int32_t pp = 0, dp = 0;
   double start = 0, end = 0;
 };
@@ -74,13 +75,13 @@ struct TrainResult {
   // Whether pipeline transfers were scattered and gathered over the tensor-parallel group
   // (SC'21's optimisation; runtime/schedule_executor.h).
   bool scatter_gather_p2p = false;
-  std::vector<TimelineEvent> timeline;              // on world rank 0, every replica and stage
-  std::vector<OpTimelineEvent> op_timeline;         // the same, every op of every pass
-  std::vector<NormReductionEvent> norm_reductions;  // the same, each step's norm all-reduce
+  std::vector<TimelineEvent> timeline;       // on world rank 0, every replica and stage
+  std::vector<OpTimelineEvent> op_timeline;  // the same, every op of every pass
+  std::vector<SyncEvent> norm_reductions;    // the same, each step's norm all-reduce
   // The same, each --overlap-grad-reduce bucket (queued to seen complete; runtime/grad_sync.h).
-  std::vector<NormReductionEvent> grad_buckets;
+  std::vector<SyncEvent> grad_buckets;
   // The same, each --overlap-param-gather part's parameter gather (queued to seen complete).
-  std::vector<NormReductionEvent> param_gathers;
+  std::vector<SyncEvent> param_gathers;
 };
 
 // Thrown on the ranks that did not find a problem another rank reported (exit quietly).

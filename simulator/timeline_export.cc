@@ -29,8 +29,11 @@ const char* stream_name(Stream s) {
 
 constexpr int kStreams = 6;  // Stream's values
 
+int track(int rank, Stream stream) {
+  return rank * kStreams + static_cast<int>(stream);
+}
 int track(const Span& s) {
-  return s.rank * kStreams + static_cast<int>(s.stream);
+  return track(s.rank, s.stream);
 }
 
 // Fill colours: forward blue, backward green, input-gradient teal, weight-gradient orange,
@@ -135,7 +138,7 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
   std::set<std::pair<int, int>> op_tracks;
   for (const OpSpan& o : extras.ops) {
     if (o.stream)
-      tracks.emplace(o.replica, o.rank * kStreams + static_cast<int>(*o.stream));
+      tracks.emplace(o.replica, track(o.rank, *o.stream));
     else
       op_tracks.emplace(o.replica, o.rank);
     replicas.insert(o.replica);
@@ -183,8 +186,8 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
     sep();
     out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name) << "\",\"cat\":\"" << escape(o.category)
         << "\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
-        << ",\"pid\":" << o.replica << ",\"tid\":"
-        << (o.stream ? o.rank * kStreams + static_cast<int>(*o.stream) : kOpTrack + o.rank)
+        << ",\"pid\":" << o.replica
+        << ",\"tid\":" << (o.stream ? track(o.rank, *o.stream) : kOpTrack + o.rank)
         << ",\"args\":{\"microbatch\":" << o.microbatch << ",\"chunk\":" << o.chunk
         << ",\"stage\":" << o.rank;
     if (!o.role.empty()) out << ",\"role\":\"" << escape(o.role) << "\"";

@@ -208,14 +208,20 @@ TEST_P(Typed, ReduceScatterKeepsThisRanksBlock) {
     EXPECT_EQ(blocks.get(static_cast<size_t>(j)), n * (me + j) + n * (n - 1) / 2);
 }
 
+// Rank r's block in the uneven collectives: (r + 1) % 3 elements (rank 2's none).
+std::vector<size_t> uneven_counts(int ranks) {
+  std::vector<size_t> counts;
+  for (int r = 0; r < ranks; ++r) counts.push_back(static_cast<size_t>((r + 1) % 3));
+  return counts;
+}
+
 // Uneven blocks, one of them empty: rank r's block has (r + 1) % 3 elements (rank 2's none), and
 // element j of block b on rank q is 10 b + q + j, so rank r gets n (10 r + j) + n(n-1)/2.
 TEST_P(Typed, UnevenReduceScatterHandsEachRankItsBlock) {
   Communicator& w = world();
   const DType t = GetParam();
   const int n = w.size(), me = w.rank();
-  std::vector<size_t> counts;
-  for (int r = 0; r < n; ++r) counts.push_back(static_cast<size_t>((r + 1) % 3));
+  const std::vector<size_t> counts = uneven_counts(n);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   Buf in(t, total), out(t, std::max<size_t>(1, counts[static_cast<size_t>(me)]));
   size_t at = 0;
@@ -240,8 +246,7 @@ TEST_P(Typed, UnevenAllGatherPutsTheBlocksInRankOrder) {
   Communicator& w = world();
   const DType t = GetParam();
   const int n = w.size(), me = w.rank();
-  std::vector<size_t> counts;
-  for (int r = 0; r < n; ++r) counts.push_back(static_cast<size_t>((r + 1) % 3));
+  const std::vector<size_t> counts = uneven_counts(n);
   const size_t total = std::accumulate(counts.begin(), counts.end(), size_t{0});
   const size_t mine = counts[static_cast<size_t>(me)];
   size_t own = 0;  // where this rank's block starts

@@ -51,6 +51,15 @@ nlohmann::json run_json(int np, const std::string& args) {
 
 using test::losses;
 
+// `ptdp reconcile` of a run trace against the example CPU cluster and profile.
+Outcome reconcile_with_cpu_profile(const fs::path& trace) {
+  return test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
+                      "reconcile --trace " + trace.string() + " --cluster " + PTDP_SOURCE_DIR +
+                          "/examples/cpu-cluster.json --profile " + PTDP_SOURCE_DIR +
+                          "/examples/cpu-profile.json",
+                      "ptdp_run_mpi_test");
+}
+
 struct Layout {
   int t, p, d;
   std::string extra;
@@ -215,11 +224,7 @@ TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
   EXPECT_EQ(forward % (4 * 4), 0) << forward;
   EXPECT_EQ(backward, forward);
   // And `ptdp reconcile` reads it.
-  const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
-                                   "reconcile --trace " + trace.string() + " --cluster " +
-                                       PTDP_SOURCE_DIR + "/examples/cpu-cluster.json --profile " +
-                                       PTDP_SOURCE_DIR + "/examples/cpu-profile.json",
-                                   "ptdp_run_mpi_test");
+  const Outcome rec = reconcile_with_cpu_profile(trace);
   EXPECT_EQ(rec.status, 0) << rec.err;
 }
 
@@ -343,11 +348,7 @@ TEST(RunMpi, OverlappedBucketsRunBeforeTheGradientSync) {
       EXPECT_GE(end, start);
     }
   }
-  const Outcome rec = test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
-                                   "reconcile --trace " + trace.string() + " --cluster " +
-                                       PTDP_SOURCE_DIR + "/examples/cpu-cluster.json --profile " +
-                                       PTDP_SOURCE_DIR + "/examples/cpu-profile.json",
-                                   "ptdp_run_mpi_test");
+  const Outcome rec = reconcile_with_cpu_profile(trace);
   EXPECT_EQ(rec.status, 0) << rec.err;
 }
 

@@ -330,49 +330,30 @@ class NcclCommunicator final : public Communicator {
   std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
                                                std::span<const size_t> counts, DType t,
                                                DeviceStream s) override {
-    if (counts.size() != static_cast<size_t>(size()))
-      throw std::invalid_argument("nccl reduce-scatter: one count per rank expected");
+    const size_t all = total(counts);  // checks the counts before anything is queued
     return run("reduce-scatter", s, [&](cudaStream_t st, Staging& io) {
       const size_t eb = dtype_bytes(t);
-      size_t total = 0;
-      for (size_t c : counts) total += c;
-      const char* src = static_cast<const char*>(io.in(in, total * eb));
+      const char* src = static_cast<const char*>(io.in(in, all * eb));
       void* dst = io.out(out, counts[static_cast<size_t>(rank())] * eb);
-      ncclResult_t r = ncclGroupStart();
-      size_t at = 0;
-      for (int root = 0; root < size() && r == ncclSuccess; ++root) {
-        const size_t n = counts[static_cast<size_t>(root)];
-        if (n > 0) r = ncclReduce(src + at * eb, dst, n, nccl_type(t), ncclSum, root, c_->comm, st);
-        at += n;
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
+      return grouped_blocks(counts, [&](int root, size_t at, size_t n) {
+        return ncclReduce(src + at * eb, dst, n, nccl_type(t), ncclSum, root, c_->comm, st);
+      });
     });
   }
   // One ncclBroadcast from each rank into its block, grouped (in place where `in` is the block).
   std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,
                                            std::span<const size_t> counts, DType t,
                                            DeviceStream s) override {
-    if (counts.size() != static_cast<size_t>(size()))
-      throw std::invalid_argument("nccl all-gather: one count per rank expected");
+    const size_t all = total(counts);  // checks the counts before anything is queued
     return run("all-gather", s, [&](cudaStream_t st, Staging& io) {
       const size_t eb = dtype_bytes(t);
-      size_t total = 0;
-      for (size_t c : counts) total += c;
-      char* dst = static_cast<char*>(io.out(out, total * eb));
+      char* dst = static_cast<char*>(io.out(out, all * eb));
       // A device `in` is used as it is (in place when it is this rank's block of a device out).
       const void* src = io.in(in, counts[static_cast<size_t>(rank())] * eb);
-      ncclResult_t r = ncclGroupStart();
-      size_t at = 0;
-      for (int root = 0; root < size() && r == ncclSuccess; ++root) {
-        const size_t n = counts[static_cast<size_t>(root)];
-        if (n > 0)
-          r = ncclBroadcast(root == rank() ? src : dst + at * eb, dst + at * eb, n, nccl_type(t),
-                            root, c_->comm, st);
-        at += n;
-      }
-      const ncclResult_t end = ncclGroupEnd();
-      return r != ncclSuccess ? r : end;
+      return grouped_blocks(counts, [&](int root, size_t at, size_t n) {
+        return ncclBroadcast(root == rank() ? src : dst + at * eb, dst + at * eb, n, nccl_type(t),
+                             root, c_->comm, st);
+      });
     });
   }
   std::unique_ptr<Work> start_broadcast(void* data, size_t n, DType t, int root,
@@ -428,6 +409,24 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  size_t total(std::span<const size_t> counts) const {
+    if (counts.size() != static_cast<size_t>(size()))
+      throw std::invalid_argument("nccl: one count per rank expected in group '" + name() + "'");
+    size_t sum = 0;
+    for (size_t c : counts) sum += c;
+    return sum;
+  }
+  // f(root, offset, count) for each rank's non-empty block (blocks in rank order), inside one
+  // NCCL group; the first error, else the group's.
+  template <typename F>
+  static ncclResult_t grouped_blocks(std::span<const size_t> counts, F f) {
+    ncclResult_t r = ncclGroupStart();
+    size_t at = 0;
+    for (size_t root = 0; root < counts.size() && r == ncclSuccess; at += counts[root++])
+      if (counts[root] > 0) r = f(static_cast<int>(root), at, counts[root]);
+    const ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+  }
   // Orders the operation after the compute stream's work, enqueues it, and returns its Work.
   template <typename Enqueue>
   std::unique_ptr<Work> run(const char* op, DeviceStream s, Enqueue enqueue) {
