@@ -38,7 +38,9 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
 }
 
 RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const RankFootprint& f) {
-  constexpr double kFloat = 4.0;  // the runtime keeps everything in fp32
+  constexpr double kFloat = 4.0;  // gradients and optimizer states are fp32
+  // Weights and activations in the run's precision (fp32, or bf16 with --bf16).
+  const double element = static_cast<double>(dtype_bytes(f.precision));
   // With context parallelism a rank holds s / cp tokens of each microbatch (two of the 2 cp
   // chunks, runtime/context_parallel.h): its activations are those of a sequence s / cp long.
   ModelSpec m = as_executed(model, p);
@@ -48,17 +50,17 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
     local.context_parallel = 1;
   }
   RankMemory r;
-  r.parameters = kFloat * static_cast<double>(f.parameter_floats);
-  r.gradients = r.parameters;
+  r.parameters = element * static_cast<double>(f.parameter_floats);
+  r.gradients = kFloat * static_cast<double>(f.parameter_floats);
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
-  const ActivationMemory activations(m, local, DType::kF32);
+  const ActivationMemory activations(m, local, f.precision);
   r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
   if (f.pp == p.pipeline_parallel - 1) {  // logits of the vocabulary shard and their gradient
     const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
     r.activations +=
         tokens *
         std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
-        2.0 * kFloat;
+        2.0 * element;
   }
   return r;
 }

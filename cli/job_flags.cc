@@ -100,6 +100,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag(
       "--tp-comm-overlap", tp_comm_overlap,
       "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
+  app.add_flag("--bf16", bf16, "bf16 weights and activations (fp32 master weights and gradients)");
+  app.add_flag("--fp16", fp16, "fp16 weights and activations (priced; ptdp run refuses it)");
   app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,
                "keep and reduce gradients in 16 bits (SC'21 fp16 runs) instead of fp32");
   app.add_flag("--no-overlap-p2p-communication", no_overlap_p2p,
@@ -180,8 +182,13 @@ ClusterSpec JobFlags::resolve_cluster() const {
 }
 
 HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
-  if (profile.empty()) return default_profile_for(c);
-  return for_flag("--profile", "profile", [&] { return ptdp::resolve_profile(profile); });
+  if (bf16 && fp16) throw InputError("--fp16", "conflicts with --bf16");
+  HardwareProfile p = profile.empty() ? default_profile_for(c)
+                                      : for_flag("--profile", "profile",
+                                                 [&] { return ptdp::resolve_profile(profile); });
+  if (bf16) p.activation_dtype = DType::kBF16;
+  if (fp16) p.activation_dtype = DType::kF16;
+  return p;
 }
 
 ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) const {

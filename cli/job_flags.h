@@ -41,6 +41,10 @@ struct JobFlags {
   bool overlap_param_gather = false, tp_comm_overlap = false;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;
+  // Megatron's precision flags: weights and activations in bf16 or fp16 (fp32 master weights).
+  // plan, predict and simulate price that precision in place of the profile's; ptdp run
+  // trains in bf16 with --bf16 and in fp32 without.
+  bool bf16 = false, fp16 = false;
   std::string pipeline_schedule;
   bool json = false;
 

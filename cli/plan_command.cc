@@ -155,7 +155,8 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (!simulated.empty())
     out << "\n(the first " << simulated.size()
         << " re-ranked by simulated iteration time: ptdp simulate)\n";
-  out << "\nbest plan as Megatron-LM flags:\n  " << best.plan.megatron_flags(m) << "\n";
+  out << "\nbest plan as Megatron-LM flags:\n  "
+      << best.plan.megatron_flags(m, best.prediction.precision) << "\n";
   if (!r.rejected.empty()) {
     out << "\nrejected:\n";
     for (const auto& [why, n] : r.rejected) out << "  " << n << "  " << why << "\n";

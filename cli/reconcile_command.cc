@@ -79,6 +79,7 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
     throw InputError("--cluster", "is required: the trace " + f.trace + " records no cluster");
   job.profile = f.profile;
   job.num_gpus = trace.info.world_size;
+  job.bf16 = trace.info.precision == DType::kBF16;  // priced in the precision the run trained in
   const ClusterSpec cluster = job.resolve_cluster();
   check_machine_matches(cluster, trace.info, "--cluster " + job.cluster);
   const HardwareProfile profile = job.resolve_profile(cluster);

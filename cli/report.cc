@@ -13,7 +13,7 @@ namespace ptdp {
 nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r) {
   nlohmann::json j;
   j["configuration"] = to_json(p);
-  j["megatron_flags"] = p.megatron_flags(m);
+  j["megatron_flags"] = p.megatron_flags(m, r.precision);
   j["iteration_time_s"] = r.iteration_time_s;
   j["tokens_per_s"] = r.tokens_per_s;
   j["model_tflops_per_gpu"] = r.model_tflops_per_gpu;

@@ -202,6 +202,10 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
         throw InputError("--cluster", e.what());
       }
     }
+    // Megatron's precision flags: --bf16 trains in mixed precision; fp16 would need loss
+    // scaling, which ptdp run does not have.
+    if (f.job.fp16)
+      throw InputError("--fp16", "ptdp run has no fp16 loss scaling: train with --bf16");
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {
@@ -212,6 +216,8 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
     f.train.model = model;
+    // MoE layers route tokens in fp32: an MoE model trains in fp32, said in the header.
+    f.train.precision = f.job.bf16 && !model.is_moe() ? DType::kBF16 : DType::kF32;
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
     return 2;
@@ -238,6 +244,12 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   auto on_step = [&](const StepStats& s) {
     if (!header && !f.json) {
       out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+      if (f.train.precision == DType::kBF16)
+        out << "ptdp run: bf16 weights and activations; fp32 gradients, master weights and Adam "
+               "states\n";
+      if (f.job.bf16 && f.train.precision != DType::kBF16)
+        out << "ptdp run: trains the MoE model in fp32 (--bf16 is priced, not run: MoE layers "
+               "route tokens in fp32)\n";
       if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }
@@ -277,6 +289,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       info.cluster = f.cluster;
       info.world_size = world->size();
       info.backend = backend_label(f.train.backend);
+      info.precision = f.train.precision;
       info.steps = f.train.steps;
       write_file_atomically(f.trace, run_trace_text(r, info, title), "--trace");
     }
@@ -312,6 +325,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
     j["peak_rss_gib"] = to_gib(static_cast<double>(r.peak_rss_bytes));
     j["data_plane"] = r.data_plane;
+    j["precision"] = to_string(f.train.precision);
     j["scatter_gather_p2p"] = r.scatter_gather_p2p;
     out << j.dump(2) << "\n";
     return 0;

@@ -39,7 +39,7 @@ nlohmann::json simulation_json(const ModelSpec& m, const ParallelPlan& p,
                                const SimulationResult& sim, const Prediction& pred) {
   nlohmann::json j;
   j["configuration"] = to_json(p);
-  j["megatron_flags"] = p.megatron_flags(m);
+  j["megatron_flags"] = p.megatron_flags(m, pred.precision);
   const double it = to_seconds(sim.iteration);
   j["iteration_time_s"] = it;
   j["predicted_iteration_time_s"] = pred.iteration_time_s;

@@ -112,6 +112,13 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
                                   std::to_string(info.plan.num_gpus()));
   const json& job = r.member(meta, "job", f);
   info.backend = r.string(job, "backend", f + ".job");
+  if (job.contains("precision")) {  // written since --bf16 trains; older traces are fp32
+    const std::string p = r.string(job, "precision", f + ".job");
+    if (p == "bf16")
+      info.precision = DType::kBF16;
+    else if (p != "fp32")
+      r.fail(f + ".job.precision", "must be fp32 or bf16, got '" + p + "'");
+  }
   info.steps = r.integer(job, "steps", f + ".job", 1, INT64_MAX);
   info.first_step = r.integer(job, "first_step", f + ".job", 0, info.steps - 1);
   info.warmup_steps = r.integer(meta, "warmup_steps", f, 0, INT64_MAX);
@@ -134,7 +141,10 @@ std::string run_trace_metadata(const RunTraceInfo& info) {
   j["configuration"] = to_json(info.plan);
   j["cluster"] = info.cluster.empty() ? json() : json(info.cluster);
   j["world_size"] = info.world_size;
-  j["job"] = {{"backend", info.backend}, {"steps", info.steps}, {"first_step", info.first_step}};
+  j["job"] = {{"backend", info.backend},
+              {"precision", to_string(info.precision)},
+              {"steps", info.steps},
+              {"first_step", info.first_step}};
   j["warmup_steps"] = info.warmup_steps;
   j["time_unit"] = "ts and dur in microseconds since the first step began";
   j["measured"] = {{"peak_memory_bytes", info.peak_memory_bytes},

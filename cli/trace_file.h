@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/layer_ops.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
@@ -62,6 +63,7 @@ struct RunTraceInfo {
   std::string cluster;  // as given to `ptdp run --cluster` (empty: not recorded)
   int64_t world_size = 1;
   std::string backend = "cpu";
+  DType precision = DType::kF32;  // of weights and activations (--bf16: bf16)
   int64_t steps = 0, first_step = 0, warmup_steps = 1;
   double peak_memory_bytes = 0, peak_rss_bytes = 0;
 };

@@ -96,7 +96,7 @@ void ParallelPlan::validate(const ModelSpec& m) const {
   check_plan(m, *this);
 }
 
-std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
+std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) const {
   std::ostringstream f;
   f << "--num-layers " << m.num_layers << " --hidden-size " << m.hidden_size
     << " --num-attention-heads " << m.num_attention_heads << " --seq-length " << m.seq_length
@@ -154,6 +154,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m) const {
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
   if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
+  if (precision == DType::kBF16) f << " --bf16";
+  if (precision == DType::kF16) f << " --fp16";
   if (fp8) f << " --fp8-format hybrid";
   if (virtual_stages > 1 && !overlap_p2p_comm) f << " --no-overlap-p2p-communication";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/model_spec.h"
 
 namespace ptdp {
@@ -87,7 +88,9 @@ struct ParallelPlan {
   // rule of core/plan_rules.h it breaks (check_plan).
   void validate(const ModelSpec& m) const;
   // The Megatron-LM launch flags for this plan (parallelism, batch, recompute, ...).
-  std::string megatron_flags(const ModelSpec& m) const;
+  // Megatron-LM's flags for this plan of `m`, trained in `precision` (--bf16 or --fp16; fp32,
+  // Megatron's default, has no flag).
+  std::string megatron_flags(const ModelSpec& m, DType precision = DType::kF32) const;
 };
 
 // Megatron-LM's uneven split: --decoder-first-pipeline-num-layers and

@@ -672,6 +672,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
 
 Prediction CostModel::predict(const ParallelPlan& p) const {
   Prediction out;
+  out.precision = profile_.activation_dtype;
   const ShapeTimes& st = shape_times(p);
   out.stages = stage_times(p, st);
   const double m = static_cast<double>(p.num_microbatches());

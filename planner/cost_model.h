@@ -81,10 +81,11 @@ struct Prediction {
   double model_tflops_per_gpu = 0;     // without recomputation
   double hardware_tflops_per_gpu = 0;  // with recomputation
   double mfu = 0;
-  double model_flops = 0;     // per iteration, all GPUs
-  double hardware_flops = 0;  // per iteration, all GPUs
-  double p2p_time_s = 0;      // one activation transfer between stages
-  double dp_time_s = 0;       // one full data-parallel gradient reduction (before overlap)
+  double model_flops = 0;          // per iteration, all GPUs
+  double hardware_flops = 0;       // per iteration, all GPUs
+  double p2p_time_s = 0;           // one activation transfer between stages
+  double dp_time_s = 0;            // one full data-parallel gradient reduction (before overlap)
+  DType precision = DType::kBF16;  // of weights and activations (the profile's)
   MemoryBreakdown memory;
   TimeBreakdown breakdown;
   std::vector<StageTime> stages;  // per pipeline rank, per microbatch (all its chunks)

@@ -7,12 +7,14 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cpu/kernels.h"
+#include "runtime/float16.h"
 #include "runtime/tensor.h"
 #ifdef PTDP_HAVE_CUDA_BACKEND
 #include "runtime/cuda/cuda_backend.h"
@@ -22,6 +24,48 @@ namespace ptdp {
 namespace {
 
 namespace k = kernels;
+
+float load(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default:
+      throw std::invalid_argument("convert: " + to_string(t) + " is not a float type");
+  }
+}
+
+}  // namespace
+
+void convert_on_host(const void* from, DType from_type, void* to, DType to_type, int64_t n) {
+  if (from_type == to_type) {
+    if (n > 0) std::memmove(to, from, static_cast<size_t>(n) * dtype_bytes(from_type));
+    return;
+  }
+  for (DType t : {from_type, to_type})
+    if (t != DType::kF32 && t != DType::kBF16 && t != DType::kF16)
+      throw std::invalid_argument("convert: " + to_string(t) + " is not a float type");
+  switch (to_type) {
+    case DType::kF32:
+      for (int64_t i = 0; i < n; ++i) static_cast<float*>(to)[i] = load(from, from_type, i);
+      return;
+    case DType::kBF16:
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<uint16_t*>(to)[i] = float_to_bf16(load(from, from_type, i));
+      return;
+    case DType::kF16:
+      for (int64_t i = 0; i < n; ++i)
+        static_cast<uint16_t*>(to)[i] = float_to_fp16(load(from, from_type, i));
+      return;
+    default:
+      throw std::invalid_argument("convert: " + to_string(to_type) + " is not a float type");
+  }
+}
+
+namespace {
 
 class CpuBackend : public Backend {
  public:
@@ -196,6 +240,16 @@ class CpuBackend : public Backend {
     if (bytes > 0) std::memcpy(host, device, bytes);
   }
   bool host_accessible() const override { return true; }
+
+  void copy_bytes(const void* from, void* to, size_t bytes) override {
+    if (bytes > 0) std::memmove(to, from, bytes);
+  }
+  void zero_bytes(void* p, size_t bytes) override {
+    if (bytes > 0) std::memset(p, 0, bytes);
+  }
+  void convert(const void* from, DType from_type, void* to, DType to_type, int64_t n) override {
+    convert_on_host(from, from_type, to, to_type, n);
+  }
 
   void synchronize() override {}
 };

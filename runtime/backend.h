@@ -6,8 +6,15 @@
 // Pointers are in the backend's memory space (host memory for the CPU backend), except token
 // ids (`tokens`, `targets`), which are always host memory: the data loader's. Shapes follow
 // kernels/cpu/kernels.h and kernels/cpu/elementwise.h, whose functions are the CPU backend.
-// Element type: fp32 throughout for now (the CPU backend's activations, weights and gradients);
-// the op list states the type each op runs in (core/layer_ops.h).
+// Element types. The virtual entry points are fp32: each backend's kernels. Every kernel the
+// model runs also has a typed form (below, "Typed forms") taking Ptr/CPtr (runtime/typed_ptr.h)
+// for activations and weights, which are fp32 or, with mixed precision (--bf16), bf16. Weight
+// gradients, statistics (norm mean and rstd, log-sum-exp, cross-entropy statistics), master
+// weights and Adam states stay fp32 there. A typed call whose tensors are all fp32 is the
+// virtual call; otherwise the bf16 operands are widened to fp32 temporaries in the backend's
+// memory, the fp32 kernel runs, and bf16 outputs are rounded back (to nearest even): bf16
+// storage, fp32 arithmetic, as Megatron's mixed precision computes. A device backend may run
+// the GEMMs natively on bf16 instead (native_linear_*: cuBLAS with fp32 accumulation).
 #pragma once
 
 #include <cstddef>
@@ -15,6 +22,9 @@
 #include <memory>
 #include <string>
 #include <string_view>
+
+#include "core/dtype.h"
+#include "runtime/typed_ptr.h"
 
 namespace ptdp {
 
@@ -141,6 +151,13 @@ class Backend {
     return false;
   }
 
+  // Bytes within the backend's memory, and zero bytes (any element type).
+  virtual void copy_bytes(const void* from, void* to, size_t bytes) = 0;
+  virtual void zero_bytes(void* p, size_t bytes) = 0;
+  // n elements of type `from_type` converted to `to_type` (fp32 and bf16; rounding to nearest
+  // even into bf16).
+  virtual void convert(const void* from, DType from_type, void* to, DType to_type, int64_t n) = 0;
+
   // Waits for all work queued on this backend (a no-op where kernels run synchronously).
   virtual void synchronize() = 0;
 
@@ -150,6 +167,80 @@ class Backend {
   virtual void* native_stream() const { return nullptr; }
   // A GPU backend's device; an empty name for host backends.
   virtual DeviceInfo device_info() const { return {}; }
+
+  // --- Typed forms (runtime/mixed_precision.cc): the entry points above for fp32 or bf16
+  // activations and weights, with the same shapes. Outputs are overwritten except where the
+  // fp32 form accumulates (weight and bias gradients, fp32 only); in-place operands (Ptr of
+  // rope, add, scale, ...) are read and written.
+  void linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in, int64_t out);
+  void linear_dgrad(CPtr w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out);
+  void linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int64_t in, int64_t out);
+  void attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                        int64_t d);
+  void attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Ptr dk, int64_t b, int64_t s,
+                                 int64_t hq, int64_t hk, int64_t d);
+  void causal_softmax(Ptr scores, int64_t rows, int64_t s);
+  void causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int64_t rows, int64_t s);
+  void attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t s, int64_t hq, int64_t hk,
+                         int64_t d);
+  void attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dprobs, Ptr dv, int64_t b,
+                                  int64_t s, int64_t hq, int64_t hk, int64_t d);
+  void flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b, int64_t s,
+                               int64_t hq, int64_t hk, int64_t d);
+  void flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse, CPtr dout,
+                                Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s, int64_t hq,
+                                int64_t hk, int64_t d);
+  void norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
+                    int64_t h);
+  void norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd, CPtr dy,
+                     Ptr dx, float* dg, float* dbeta, int64_t n, int64_t h);
+  void gelu(CPtr x, Ptr y, int64_t n);
+  void gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n);
+  void swiglu(CPtr x, Ptr y, int64_t n, int64_t f);
+  void swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f);
+  void rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse);
+  // copy converts when the types differ.
+  void copy(CPtr x, Ptr y, int64_t n);
+  void fill_zero(Ptr x, int64_t n);
+  void add(Ptr y, CPtr x, int64_t n);
+  void add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width);
+  void bias_grad(CPtr dy, float* db, int64_t rows, int64_t width);
+  void scale(Ptr x, int64_t n, double f);
+  void split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b, int64_t c);
+  void concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
+                       int64_t c);
+  void sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s, int64_t width);
+  void sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s, int64_t width);
+  void vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, int64_t n, int64_t h,
+                              int64_t v0, int64_t vl);
+  void vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n, int64_t h,
+                            int64_t v0, int64_t vl);
+  void add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h, int64_t first);
+  void position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first);
+  void cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n, int64_t vl,
+                           int64_t valid, int64_t v0);
+  double cross_entropy_finish(const float* stats, int64_t ranks, Ptr logits, float* lse, int64_t n,
+                              int64_t vl, int64_t valid);
+  void cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                              double scale);
+
+ protected:
+  // A typed GEMM with a bf16 operand, offered to the backend before widening: true when it ran
+  // it natively. The default runs nothing.
+  virtual bool native_linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in,
+                                     int64_t out) {
+    (void)x, (void)w, (void)b, (void)y, (void)n, (void)in, (void)out;
+    return false;
+  }
+  virtual bool native_linear_dgrad(CPtr w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out) {
+    (void)w, (void)dy, (void)dx, (void)n, (void)in, (void)out;
+    return false;
+  }
+  virtual bool native_linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int64_t in,
+                                   int64_t out) {
+    (void)x, (void)dy, (void)dw, (void)db, (void)n, (void)in, (void)out;
+    return false;
+  }
 };
 
 // "cpu" (Eigen and the reference kernels), or "cuda" (runtime/cuda/cuda_backend.h) in a build
@@ -157,6 +248,9 @@ class Backend {
 // touch (for testing the CUDA backend's host-side paths without a GPU). Any other name, "cuda" in a
 // build without it, or "cuda" with no GPU visible: an InputError naming --backend.
 std::unique_ptr<Backend> make_backend(std::string_view name);
+
+// Backend::convert on host memory (the CPU backend's, and host staging elsewhere).
+void convert_on_host(const void* from, DType from_type, void* to, DType to_type, int64_t n);
 
 // How the CUDA backend's fp32 GEMMs compute: PTDP_CUDA_MATH, "fp32" (default), "tf32" or "bf16"
 // (the inputs rounded for the tensor cores, fp32 accumulation and storage); PTDP_CUDA_TF32=1,

@@ -32,25 +32,25 @@ void context_token_window(const int32_t* sequences, int32_t* out, int64_t b, int
                   out + bi * sl + run.local);
 }
 
-void context_rows_to_global(Backend& be, const float* local, float* full, int64_t b, int64_t s,
-                            int64_t cp, int64_t r, int64_t width) {
+void context_rows_to_global(Backend& be, CPtr local, Ptr full, int64_t b, int64_t s, int64_t cp,
+                            int64_t r, int64_t width) {
   const int64_t sl = s / cp;
   for (int64_t bi = 0; bi < b; ++bi)
     for (const PositionRun& run : context_runs(s, cp, r, 0, sl))
-      be.copy(local + (bi * sl + run.local) * width, full + (bi * s + run.global) * width,
+      be.copy(local.at((bi * sl + run.local) * width), full.at((bi * s + run.global) * width),
               run.len * width);
 }
 
-void context_rows_from_global(Backend& be, const float* full, float* local, int64_t b, int64_t s,
-                              int64_t cp, int64_t r, int64_t width) {
+void context_rows_from_global(Backend& be, CPtr full, Ptr local, int64_t b, int64_t s, int64_t cp,
+                              int64_t r, int64_t width) {
   const int64_t sl = s / cp;
   for (int64_t bi = 0; bi < b; ++bi)
     for (const PositionRun& run : context_runs(s, cp, r, 0, sl))
-      be.copy(full + (bi * s + run.global) * width, local + (bi * sl + run.local) * width,
+      be.copy(full.at((bi * s + run.global) * width), local.at((bi * sl + run.local) * width),
               run.len * width);
 }
 
-void context_positions(ShardContext& c, float* x, int64_t table, int64_t sl, int64_t first,
+void context_positions(ShardContext& c, Ptr x, int64_t table, int64_t sl, int64_t first,
                        bool grad) {
   const ShardDims& m = c.dims;
   if (m.cp == 1) {
@@ -62,7 +62,7 @@ void context_positions(ShardContext& c, float* x, int64_t table, int64_t sl, int
   }
   for (int64_t bi = 0; bi < m.b; ++bi)
     for (const PositionRun& run : context_runs(m.s_attn, m.cp, m.cpr, first, sl)) {
-      float* rows = x + (bi * sl + run.local - first) * m.h;
+      const Ptr rows = x.at((bi * sl + run.local - first) * m.h);
       if (grad)
         c.be.position_grad(rows, c.G(table), 1, run.len, m.h, run.global);
       else
@@ -75,18 +75,18 @@ void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse) {
   const int64_t width = heads * m.d;
   Buffer full;
   resize(full, m.b * m.s_attn * width);
-  c.be.fill_zero(full.data(), elems(full));
-  context_rows_to_global(c.be, x.data(), full.data(), m.b, m.s_attn, m.cp, m.cpr, width);
-  c.be.rope(full.data(), m.b, m.s_attn, heads, m.d, m.rotary_base, inverse);
-  context_rows_from_global(c.be, full.data(), x.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  c.be.fill_zero(full.ptr(), elems(full));
+  context_rows_to_global(c.be, x.ptr(), full.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
+  c.be.rope(full.ptr(), m.b, m.s_attn, heads, m.d, m.rotary_base, inverse);
+  context_rows_from_global(c.be, full.ptr(), x.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
 }
 
 void context_pad_local(ShardContext& c, Buffer& x, int64_t width) {
   const ShardDims& m = c.dims;
   Buffer full;
   resize(full, m.b * m.s_attn * width);
-  c.be.fill_zero(full.data(), elems(full));
-  context_rows_to_global(c.be, x.data(), full.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  c.be.fill_zero(full.ptr(), elems(full));
+  context_rows_to_global(c.be, x.ptr(), full.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
   x.swap(full);
 }
 
@@ -94,7 +94,7 @@ void context_keep_local(ShardContext& c, Buffer& x, int64_t width) {
   const ShardDims& m = c.dims;
   Buffer local;
   resize(local, m.b * m.s * width);
-  context_rows_from_global(c.be, x.data(), local.data(), m.b, m.s_attn, m.cp, m.cpr, width);
+  context_rows_from_global(c.be, x.ptr(), local.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
   x.swap(local);
 }
 
@@ -106,19 +106,19 @@ void context_exchange_kv(ShardContext& c, LayerActs& A) {
     throw std::logic_error("context parallelism: K and V are not the local block");
   Buffer blocks;
   resize(blocks, cp * n);
-  c.be.copy(A.k.data(), blocks.data() + r * n, kv);
-  c.be.copy(A.v.data(), blocks.data() + r * n + kv, kv);
+  c.be.copy(A.k.ptr(), blocks.ptr().at(r * n), kv);
+  c.be.copy(A.v.ptr(), blocks.ptr().at(r * n + kv), kv);
   // Ring all-gather: at step i rank r passes on block r - i and receives block r - i - 1.
   for (int64_t i = 0; i + 1 < cp; ++i) {
     const int64_t send = (r - i + cp) % cp, recv = (r - i - 1 + 2 * cp) % cp;
-    c.ring_step(OpId::kCpKvExchange, blocks.data() + send * n, blocks.data() + recv * n, n);
+    c.ring_step(OpId::kCpKvExchange, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n);
   }
   Buffer k, v;
   resize(k, m.b * m.s_attn * width);
   resize(v, m.b * m.s_attn * width);
   for (int64_t q = 0; q < cp; ++q) {
-    context_rows_to_global(c.be, blocks.data() + q * n, k.data(), m.b, m.s_attn, cp, q, width);
-    context_rows_to_global(c.be, blocks.data() + q * n + kv, v.data(), m.b, m.s_attn, cp, q, width);
+    context_rows_to_global(c.be, blocks.ptr().at(q * n), k.ptr(), m.b, m.s_attn, cp, q, width);
+    context_rows_to_global(c.be, blocks.ptr().at(q * n + kv), v.ptr(), m.b, m.s_attn, cp, q, width);
   }
   A.k.swap(k);
   A.v.swap(v);
@@ -133,21 +133,21 @@ void context_return_dkv(ShardContext& c, LayerGrads& D) {
   resize(part, cp * n);
   resize(incoming, n);
   for (int64_t q = 0; q < cp; ++q) {  // this rank's share of every block's dK and dV
-    context_rows_from_global(c.be, D.dk.data(), part.data() + q * n, m.b, m.s_attn, cp, q, width);
-    context_rows_from_global(c.be, D.dv.data(), part.data() + q * n + kv, m.b, m.s_attn, cp, q,
+    context_rows_from_global(c.be, D.dk.ptr(), part.ptr().at(q * n), m.b, m.s_attn, cp, q, width);
+    context_rows_from_global(c.be, D.dv.ptr(), part.ptr().at(q * n + kv), m.b, m.s_attn, cp, q,
                              width);
   }
   // Ring reduce-scatter: at step i rank r passes on its running sum of block r - 1 - i and adds
   // its share to the received block r - 2 - i; after cp - 1 steps block r is whole on rank r.
   for (int64_t i = 0; i + 1 < cp; ++i) {
     const int64_t send = (r - 1 - i + 2 * cp) % cp, recv = (r - 2 - i + 3 * cp) % cp;
-    c.ring_step(OpId::kCpKvExchangeBackward, part.data() + send * n, incoming.data(), n);
-    c.be.add(part.data() + recv * n, incoming.data(), n);
+    c.ring_step(OpId::kCpKvExchangeBackward, part.ptr().at(send * n), incoming.ptr(), n);
+    c.be.add(part.ptr().at(recv * n), incoming.ptr(), n);
   }
   resize(D.dk, kv);
   resize(D.dv, kv);
-  c.be.copy(part.data() + r * n, D.dk.data(), kv);
-  c.be.copy(part.data() + r * n + kv, D.dv.data(), kv);
+  c.be.copy(part.ptr().at(r * n), D.dk.ptr(), kv);
+  c.be.copy(part.ptr().at(r * n + kv), D.dv.ptr(), kv);
   context_keep_local(c, D.dq, m.hl * m.d);
 }
 

@@ -41,15 +41,14 @@ void context_token_window(const int32_t* sequences, int32_t* out, int64_t b, int
 
 // Rows of [b, s / cp, width] (rank r's tokens) to and from [b, s, width] at their global places.
 // to_global leaves the other rows of `full` as they are; from_global reads only rank r's rows.
-void context_rows_to_global(Backend& be, const float* local, float* full, int64_t b, int64_t s,
-                            int64_t cp, int64_t r, int64_t width);
-void context_rows_from_global(Backend& be, const float* full, float* local, int64_t b, int64_t s,
-                              int64_t cp, int64_t r, int64_t width);
+void context_rows_to_global(Backend& be, CPtr local, Ptr full, int64_t b, int64_t s, int64_t cp,
+                            int64_t r, int64_t width);
+void context_rows_from_global(Backend& be, CPtr full, Ptr local, int64_t b, int64_t s, int64_t cp,
+                              int64_t r, int64_t width);
 
 // Adds (grad: accumulates the gradient of) the learned position table for local tokens
 // [first, first + sl) of each sequence of x [b, sl, h] (the sequence-parallel slice).
-void context_positions(ShardContext& c, float* x, int64_t table, int64_t sl, int64_t first,
-                       bool grad);
+void context_positions(ShardContext& c, Ptr x, int64_t table, int64_t sl, int64_t first, bool grad);
 
 // Rotary embedding of x [b, s / cp, heads, d] at the local tokens' global positions.
 void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse);

@@ -41,6 +41,9 @@ class DeviceBuffer {
     check<T>();
     return static_cast<const T*>(ptr_);
   }
+  // The elements with their type (runtime/typed_ptr.h).
+  Ptr ptr() { return {ptr_, dtype_}; }
+  CPtr ptr() const { return {ptr_, dtype_}; }
   // Elements [offset, offset + n) as T, bounds-checked.
   template <typename T>
   std::span<T> view(int64_t offset, int64_t n) {

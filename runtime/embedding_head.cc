@@ -25,7 +25,7 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
   switch (op) {
     case OpId::kWordEmbeddingLookup:
       resize(A.emb, m.n_full * m.h);
-      c.be.vocab_embedding_lookup(A.inputs.data(), c.P(W.word), A.emb.data(), m.n_full, m.h, m.v0,
+      c.be.vocab_embedding_lookup(A.inputs.data(), c.P(W.word), A.emb.ptr(), m.n_full, m.h, m.v0,
                                   m.vl);
       break;
     case OpId::kEmbeddingAllReduce:
@@ -37,10 +37,10 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
     case OpId::kEmbeddingPositionDropout:
       x.swap(A.emb);
       release(A.emb);
-      if (W.pos >= 0) context_positions(c, x.data(), W.pos, sl, first_pos, false);
+      if (W.pos >= 0) context_positions(c, x.ptr(), W.pos, sl, first_pos, false);
       break;
     case OpId::kEmbeddingDropoutBackward:
-      if (W.pos >= 0) context_positions(c, dx->data(), W.pos, sl, first_pos, true);
+      if (W.pos >= 0) context_positions(c, dx->ptr(), W.pos, sl, first_pos, true);
       break;
     case OpId::kEmbeddingGradAllGather: {
       Buffer full;
@@ -49,8 +49,7 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
       break;
     }
     case OpId::kWordEmbeddingGradScatterAdd:
-      c.be.vocab_embedding_grad(A.inputs.data(), dx->data(), c.G(W.word), m.n_full, m.h, m.v0,
-                                m.vl);
+      c.be.vocab_embedding_grad(A.inputs.data(), dx->ptr(), c.G(W.word), m.n_full, m.h, m.v0, m.vl);
       c.weight_gradient_done();
       break;
     default:
@@ -66,8 +65,8 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
   // become probabilities in place.
   auto finish = [&](const float* stats, int64_t ranks) {
     resize(A.lse, m.n_full);
-    const double sum = c.be.cross_entropy_finish(stats, ranks, A.probs.data(), A.lse.data(),
-                                                 m.n_full, m.vl, valid);
+    const double sum =
+        c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(), m.n_full, m.vl, valid);
     return sum / static_cast<double>(m.n_full);
   };
   switch (op) {
@@ -79,16 +78,16 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
       break;
     case OpId::kLmHead:
       resize(A.probs, m.n_full * m.vl);  // logits until the loss is finished
-      c.linear(lnf_full.data(), W.head, -1, A.probs.data(), m.n_full, m.h, m.vl);
+      c.linear(lnf_full.ptr(), W.head, -1, A.probs.ptr(), m.n_full, m.h, m.vl);
       break;
     case OpId::kCrossEntropy:
       resize(A.stats, m.n_full * kCrossEntropyStatsPerToken);
-      c.be.cross_entropy_stats(A.probs.data(), A.targets.data(), A.stats.data(), m.n_full, m.vl,
+      c.be.cross_entropy_stats(A.probs.ptr(), A.targets.data(), A.stats.data(), m.n_full, m.vl,
                                valid, m.v0);
       if (m.t == 1) return finish(A.stats.data(), 1);
       break;
     case OpId::kCrossEntropyAllGather: {
-      Buffer all;
+      Buffer all(DType::kF32);
       resize(all, m.t * elems(A.stats));
       c.all_gather(A.stats.data(), all.data(), elems(A.stats));
       return finish(all.data(), m.t);
@@ -105,15 +104,15 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
   const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
   switch (op) {
     case OpId::kCrossEntropyBackward:
-      c.be.cross_entropy_backward(A.probs.data(), A.targets.data(), m.n_full, m.vl, m.v0,
+      c.be.cross_entropy_backward(A.probs.ptr(), A.targets.data(), m.n_full, m.vl, m.v0,
                                   loss_scale);
       break;
     case OpId::kLmHeadDgrad:
       resize(D.d_ln1_full, m.n_full * m.h);
-      c.linear_dgrad(W.head, A.probs.data(), D.d_ln1_full.data(), m.n_full, m.h, m.vl);
+      c.linear_dgrad(W.head, A.probs.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.vl);
       break;
     case OpId::kLmHeadWgrad:
-      c.linear_wgrad(lnf_full.data(), A.probs.data(), W.head, -1, m.n_full, m.h, m.vl);
+      c.linear_wgrad(lnf_full.ptr(), A.probs.ptr(), W.head, -1, m.n_full, m.h, m.vl);
       break;
     case OpId::kLmHeadGradReduceScatter:
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);

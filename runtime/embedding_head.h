@@ -22,7 +22,9 @@ struct ChunkActs {
   std::vector<int32_t> inputs, targets;  // [b, s]
   Buffer emb;                            // word embedding before the position add
   std::vector<LayerActs> layers;
-  Buffer lnf_in, lnf, lnf_mean, lnf_rstd, lnf_full, probs, stats, lse;
+  // probs: the logits, then their probabilities and gradient (the run's precision).
+  Buffer lnf_in, lnf, lnf_full, probs;
+  Buffer lnf_mean{DType::kF32}, lnf_rstd{DType::kF32}, stats{DType::kF32}, lse{DType::kF32};
 };
 
 bool is_embedding_op(OpId id);

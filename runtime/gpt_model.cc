@@ -24,6 +24,10 @@ namespace ptdp {
 
 void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   m.validate();
+  if (s.dtype != DType::kF32 && s.dtype != DType::kBF16)
+    throw InputError("--bf16", "ptdp run trains in fp32 or bf16, not " + to_string(s.dtype));
+  if (s.dtype != DType::kF32 && m.is_moe())
+    throw InputError("--bf16", "MoE layers route tokens in fp32 in ptdp run: drop --bf16");
   // The plan rules of core/plan_rules.h on the plan this layout belongs to: one data-parallel
   // replica, p microbatches (a count any interleaved plan allows), each pipeline rank's layers
   // the sum of its chunks'.
@@ -75,7 +79,7 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   s.recompute = l.recompute;
   s.fused_grad_accumulation = true;  // gradients accumulate in place
   s.main_grad_bytes = 4;
-  s.activation_dtype = DType::kF32;
+  s.activation_dtype = l.dtype;
   // Flash attention where the model asks for it (ShardDims::flash); the context-parallel ring
   // runs the unfused pieces.
   s.fused_attention = l.cp == 1;
@@ -369,17 +373,25 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     sg.size = offset - sg.offset;
     segments_.push_back(sg);
   }
-  params_ = DeviceBuffer(*backend, DType::kF32, offset);
+  params_ = DeviceBuffer(*backend, layout.dtype, offset);
   grads_ = DeviceBuffer(*backend, DType::kF32, offset);
-  J.ctx->params = params_.data<float>();
+  J.ctx->params = params_.ptr();
   J.ctx->grads = grads_.data<float>();
-  // Initial values are computed on the host and uploaded parameter by parameter.
+  // Initial values are computed on the host in fp32 (rounded to bf16 for a bf16 model, as
+  // Megatron casts its initialised fp32 weights) and uploaded parameter by parameter.
   std::vector<float> host;
+  std::vector<uint16_t> narrow;
   for (Pending& p : pending) {
     host.assign(static_cast<size_t>(p.info.size), 0.0f);
     p.init(host.data());
-    backend->upload(host.data(), params_.data<float>() + p.info.offset,
-                    host.size() * sizeof(float));
+    const void* from = host.data();
+    if (layout.dtype != DType::kF32) {
+      narrow.resize(host.size());
+      convert_on_host(host.data(), DType::kF32, narrow.data(), layout.dtype, p.info.size);
+      from = narrow.data();
+    }
+    backend->upload(from, params_.ptr().at(p.info.offset).p,
+                    host.size() * dtype_bytes(layout.dtype));
     infos_.push_back(p.info);
   }
   auto off = [&](int64_t i) { return i < 0 ? int64_t{-1} : infos_[static_cast<size_t>(i)].offset; };
@@ -501,6 +513,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   ShardContext& c = *I.ctx;
   const ShardDims& d = c.dims;
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
+  const ActivationDType precision(layout_.dtype);
   // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head.
   auto part_needed = [&](int64_t part) { call_part_hook(before, ch, part, c); };
   if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
@@ -579,6 +592,7 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   auto it = I.deferred.find({chunk, mb});
   if (it == I.deferred.end()) throw std::logic_error("weight pass before its input pass");
+  const ActivationDType precision(layout_.dtype);
   auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
   if (ch.last) part_done(ch.num_layers + 1);  // the head's gradients came in the input pass
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
@@ -604,6 +618,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   auto it = I.stash.find({chunk, mb});
   if (it == I.stash.end()) throw std::logic_error("backward before forward");
+  const ActivationDType precision(layout_.dtype);
   ChunkActs& A = it->second;
   // The parts of the chunk are 0 (embedding), 1 + l (layer l) and num_layers + 1 (head).
   auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };

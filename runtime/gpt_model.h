@@ -64,10 +64,13 @@ struct ShardLayout {
   // the distributed optimizer).
   int64_t ep = 1, ep_rank = 0, etp = 1, etp_rank = 0;
   int64_t expert_segment_multiple = 1;
+  // Weights and activations: fp32, or bf16 (--bf16, Megatron's mixed precision: weight
+  // gradients stay fp32 and the optimizer keeps fp32 master weights, runtime/grad_sync.h).
+  DType dtype = DType::kF32;
 };
 
-// The shape of the op lists this layout executes: fp32 activations (the CPU backend), weight
-// gradients accumulated in place.
+// The shape of the op lists this layout executes: activations of the layout's dtype, weight
+// gradients accumulated in place in fp32.
 LayerShape runtime_layer_shape(const ModelSpec& m, const ShardLayout& s);
 
 // Throws InputError naming the flag when the model cannot be sharded so (t must divide heads,
@@ -162,8 +165,9 @@ class GptShard {
   // Every part's ranges, chunk by chunk in the order of the forward pass.
   std::vector<std::pair<int64_t, int64_t>> part_ranges() const;
 
-  // One contiguous fp32 buffer of every parameter this rank holds, and one of their gradients,
-  // in the backend's memory; ParamInfo::offset and size give each parameter's typed view.
+  // One contiguous buffer of every parameter this rank holds (of the layout's dtype: fp32 or
+  // bf16), and one of their gradients (fp32), in the backend's memory; ParamInfo::offset and
+  // size give each parameter's view.
   DeviceBuffer& params() { return params_; }
   DeviceBuffer& grads() { return grads_; }
   const std::vector<ParamInfo>& param_infos() const { return infos_; }

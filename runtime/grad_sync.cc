@@ -22,6 +22,50 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
   adam_m_ = DeviceBuffer(be_, DType::kF32, state);
   adam_v_ = DeviceBuffer(be_, DType::kF32, state);
   if (dist_) shard_grads_ = DeviceBuffer(be_, DType::kF32, state);
+  if (shard_.params().dtype() != DType::kF32) {
+    // Mixed precision: fp32 master weights of what this rank updates, from the model's weights.
+    master_ = DeviceBuffer(be_, DType::kF32, state);
+    const CPtr params = shard_.params().ptr();
+    for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
+      be_.copy(params.at(lo), master_.data<float>() + base, hi - lo);
+    });
+  }
+}
+
+std::vector<float> DataParallelOptimizer::parameters_to_host() {
+  DeviceBuffer& params = shard_.params();
+  std::vector<float> host(static_cast<size_t>(params.size()));
+  if (master_.size() == 0) {
+    be_.download(params.data<float>(), host.data(), params.bytes());
+    return host;
+  }
+  std::vector<uint16_t> narrow(host.size());
+  be_.download(params.ptr().p, narrow.data(), params.bytes());
+  convert_on_host(narrow.data(), params.dtype(), host.data(), DType::kF32, params.size());
+  std::vector<float> master(static_cast<size_t>(master_.size()));
+  be_.download(master_.data<float>(), master.data(), master_.bytes());
+  for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
+    std::copy_n(master.begin() + base, hi - lo, host.begin() + lo);
+  });
+  return host;
+}
+
+void DataParallelOptimizer::parameters_from_host(const std::vector<float>& host) {
+  DeviceBuffer& params = shard_.params();
+  if (static_cast<int64_t>(host.size()) != params.size())
+    throw std::logic_error("parameters_from_host: the size differs from the shard's");
+  if (master_.size() == 0) {
+    be_.upload(host.data(), params.data<float>(), params.bytes());
+    return;
+  }
+  std::vector<uint16_t> narrow(host.size());
+  convert_on_host(host.data(), DType::kF32, narrow.data(), params.dtype(), params.size());
+  be_.upload(narrow.data(), params.ptr().p, params.bytes());
+  std::vector<float> master(static_cast<size_t>(master_.size()));
+  for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
+    std::copy_n(host.begin() + lo, hi - lo, master.begin() + base);
+  });
+  be_.upload(master.data(), master_.data<float>(), master_.bytes());
 }
 
 void DataParallelOptimizer::for_each_owned_range(
@@ -69,7 +113,7 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
   for (const ParamInfo& p : shard_.param_infos())
     if (wanted(p)) n += p.size;
   if (n == 0) return;
-  Buffer packed(static_cast<size_t>(n));
+  Buffer packed(static_cast<size_t>(n), DType::kF32);
   int64_t at = 0;
   for (const ParamInfo& p : shard_.param_infos())
     if (wanted(p)) {
@@ -129,7 +173,7 @@ void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
 }
 
 void DataParallelOptimizer::start_param_gathers() {
-  float* params = shard_.params().data<float>();
+  const Ptr params = shard_.params().ptr();
   for (const auto& [lo, hi] : shard_.part_ranges()) {
     const size_t seg = segment_of(lo, hi);
     if (shards_of(seg) < 2) continue;  // the whole segment is this rank's
@@ -137,10 +181,10 @@ void DataParallelOptimizer::start_param_gathers() {
     size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
     for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
     const double queued = seconds();
-    gathers_.emplace(std::pair{lo, hi},
-                     InFlight{group_of(seg)->all_gather_v_async(params + lo + own, params + lo,
-                                                                counts, DType::kF32),
-                              queued});
+    gathers_.emplace(std::pair{lo, hi}, InFlight{group_of(seg)->all_gather_v_async(
+                                                     params.at(lo + static_cast<int64_t>(own)).p,
+                                                     params.at(lo).p, counts, params.t),
+                                                 queued});
   }
 }
 
@@ -237,7 +281,7 @@ void DataParallelOptimizer::sync_embedding() {
 
 double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
   finish_param_gather();  // every forward pass has waited for its part already
-  float* params = shard_.params().data<float>();
+  const Ptr params = shard_.params().ptr();
   float* grads = dist_ ? shard_grads_.data<float>() : shard_.grads().data<float>();
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
   // tied embedding on the first stage).
@@ -267,20 +311,22 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
     if (coef != 1.0) be_.scale(gp, n, coef);
     AdamWSettings a = adam;
     a.weight_decay = p.decay ? o.weight_decay : 0.0;
-    be_.adamw(params + lo, gp, adam_m_.data<float>() + base, adam_v_.data<float>() + base, n, a,
-              step + 1);
+    // Mixed precision: AdamW on the fp32 master weights, then their bf16 copy in the model.
+    float* w = master_.size() > 0 ? master_.data<float>() + base : params.at(lo).f();
+    be_.adamw(w, gp, adam_m_.data<float>() + base, adam_v_.data<float>() + base, n, a, step + 1);
+    if (master_.size() > 0) be_.copy(CPtr(w), params.at(lo), n);
   });
   if (dist_) {
-    Buffer gathered;
+    Buffer gathered(params.t);
     for (size_t i = 0; i < shard_.segments().size(); ++i) {
       const Segment& s = shard_.segments()[i];
       const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
       if (defer_gather_ && shards_of(i) > 1) continue;  // start_param_gathers() below
       gathered.resize(static_cast<size_t>(s.size));
-      group_of(i)->all_gather(params + s.offset + shard_rank_of(i) * shard, gathered.data(),
-                              static_cast<size_t>(shard));
-      be_.copy(gathered.data(), params + s.offset, s.size);
+      group_of(i)->all_gather(params.at(s.offset + shard_rank_of(i) * shard).p, gathered.raw(),
+                              static_cast<size_t>(shard), params.t);
+      be_.copy(gathered.ptr(), params.at(s.offset), s.size);
     }
     if (defer_gather_) start_param_gathers();
   }

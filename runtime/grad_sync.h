@@ -6,6 +6,12 @@
 // embedding's gradient; then the global gradient norm (each parameter counted once), clipping
 // and AdamW on what this rank owns, and with the distributed optimizer an all-gather of the
 // updated parameters. Kernels run on the shard's backend.
+//
+// Mixed precision (a bf16 shard, --bf16): gradients stay fp32; AdamW updates fp32 master
+// weights of what this rank owns (the whole model, or its 1/d shard with the distributed
+// optimizer) and writes their bf16 rounding into the model, which the distributed optimizer
+// then all-gathers in bf16. Bytes per parameter: 2 + 4 + 4 + 8 = 18, or 6 + 12 / d with the
+// distributed optimizer (its reduced gradient shard adds 4 / d), as the memory model counts.
 #pragma once
 
 #include <chrono>
@@ -97,6 +103,12 @@ class DataParallelOptimizer {
   // Adam moments (a 1/d shard of each segment with the distributed optimizer), for checkpoints.
   DeviceBuffer& adam_m() { return adam_m_; }
   DeviceBuffer& adam_v() { return adam_v_; }
+  // The model's parameters in fp32 on the host, for checkpoints: the weights, where they are
+  // bf16 widened, with the fp32 master weights of what this rank updates in their places (so
+  // the ranks that own a range write it exactly). parameters_from_host sets the weights (rounded
+  // to bf16 where they are bf16) and the master weights from such an array.
+  std::vector<float> parameters_to_host();
+  void parameters_from_host(const std::vector<float>& host);
 
  private:
   // The group that reduces (and with the distributed optimizer shards) segment `seg`, its size
@@ -144,6 +156,7 @@ class DataParallelOptimizer {
   DataParallelGroups g_;
   bool dist_;
   DeviceBuffer adam_m_, adam_v_, shard_grads_;
+  DeviceBuffer master_;                // fp32 master weights of a bf16 model (empty for fp32)
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
   // Buckets started this step, and parameter gathers not yet waited for.
   InFlightByRange buckets_, gathers_;

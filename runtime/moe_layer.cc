@@ -141,7 +141,7 @@ float* at(Buffer& b, int64_t row, int64_t width) {
   return b.data() + row * width;
 }
 float* opt(ShardContext& c, int64_t off, bool grad) {
-  return off < 0 ? nullptr : grad ? c.G(off) : c.P(off);
+  return off < 0 ? nullptr : grad ? c.G(off) : c.P(off).f();
 }
 
 // Calls f(local expert, first row, rows) for each local expert with rows.

@@ -46,8 +46,9 @@ void ScheduleExecutor::flush_p2p() {
   // Scatter/gather: each received slice joins the other tensor-parallel ranks' slices.
   for (Buffer* b : gather_after_) {
     const size_t slice = b->size() / static_cast<size_t>(sg_->size());
-    Buffer full(b->size());
-    sg_->all_gather(b->data() + static_cast<size_t>(sg_rank_) * slice, full.data(), slice);
+    Buffer full(b->size(), b->dtype());
+    sg_->all_gather(b->ptr().at(static_cast<int64_t>(static_cast<size_t>(sg_rank_) * slice)).p,
+                    full.raw(), slice, b->dtype());
     b->swap(full);
   }
   gather_after_.clear();
@@ -58,10 +59,13 @@ void ScheduleExecutor::flush_p2p() {
   sent_bwd_.clear();
 }
 
-std::pair<float*, size_t> ScheduleExecutor::slice_of(Buffer& b) const {
-  if (!sg_) return {b.data(), b.size()};
-  const size_t slice = b.size() / static_cast<size_t>(sg_->size());
-  return {b.data() + static_cast<size_t>(sg_rank_) * slice, slice};
+Communicator::P2P ScheduleExecutor::transfer(bool send, Buffer& b, int64_t peer, int tag) const {
+  Communicator::P2P op{send, b.raw(), b.size(), static_cast<int>(peer), tag, b.dtype()};
+  if (sg_) {
+    op.n = b.size() / static_cast<size_t>(sg_->size());
+    op.data = b.ptr().at(static_cast<int64_t>(static_cast<size_t>(sg_rank_) * op.n)).p;
+  }
+  return op;
 }
 
 void ScheduleExecutor::test_sends() {
@@ -132,33 +136,27 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       }
       case ActionKind::kSendForward: {
         const int64_t rc = pp_ == p_ - 1 ? a.chunk + 1 : a.chunk;
-        Buffer& b = act_out_.at(key);
-        const auto [data, n] = slice_of(b);
-        batch_.push_back({true, data, n, static_cast<int>(next), tag(0, a.microbatch, rc)});
+        batch_.push_back(transfer(true, act_out_.at(key), next, tag(0, a.microbatch, rc)));
         sent_fwd_.push_back(key);
         break;
       }
       case ActionKind::kRecvForward: {
-        Buffer& b = act_in_[key];
+        Buffer& b = act_in_.try_emplace(key, shard_.layout().dtype).first->second;
         b.resize(static_cast<size_t>(shard_.boundary_elements()));
-        const auto [data, n] = slice_of(b);
-        batch_.push_back({false, data, n, static_cast<int>(prev), tag(0, a.microbatch, a.chunk)});
+        batch_.push_back(transfer(false, b, prev, tag(0, a.microbatch, a.chunk)));
         if (sg_) gather_after_.push_back(&b);
         break;
       }
       case ActionKind::kSendBackward: {
         const int64_t rc = pp_ == 0 ? a.chunk - 1 : a.chunk;
-        Buffer& b = grad_out_.at(key);
-        const auto [data, n] = slice_of(b);
-        batch_.push_back({true, data, n, static_cast<int>(prev), tag(1, a.microbatch, rc)});
+        batch_.push_back(transfer(true, grad_out_.at(key), prev, tag(1, a.microbatch, rc)));
         sent_bwd_.push_back(key);
         break;
       }
       case ActionKind::kRecvBackward: {
-        Buffer& b = grad_in_[key];
+        Buffer& b = grad_in_.try_emplace(key, shard_.layout().dtype).first->second;
         b.resize(static_cast<size_t>(shard_.boundary_elements()));
-        const auto [data, n] = slice_of(b);
-        batch_.push_back({false, data, n, static_cast<int>(next), tag(1, a.microbatch, a.chunk)});
+        batch_.push_back(transfer(false, b, next, tag(1, a.microbatch, a.chunk)));
         if (sg_) gather_after_.push_back(&b);
         break;
       }

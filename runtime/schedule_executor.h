@@ -78,8 +78,9 @@ class ScheduleExecutor {
   using Key = std::pair<int64_t, int64_t>;  // (microbatch, chunk)
   void flush_p2p();
   void test_sends();
-  // What of a boundary buffer this rank sends or receives: all of it, or its slice.
-  std::pair<float*, size_t> slice_of(Buffer& b) const;
+  // The transfer of a boundary buffer to or from `peer`: all of it, or with scatter/gather this
+  // rank's slice.
+  Communicator::P2P transfer(bool send, Buffer& b, int64_t peer, int tag) const;
 
   GptShard& shard_;
   Communicator& pipeline_;

@@ -1,6 +1,15 @@
 #include "runtime/shard_context.h"
 
+#include <stdexcept>
+
 namespace ptdp {
+namespace {
+
+int64_t bytes(DType t) {
+  return static_cast<int64_t>(dtype_bytes(t));
+}
+
+}  // namespace
 
 ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   ShardDims d;
@@ -79,17 +88,16 @@ void ShardContext::gather_sequence(const Buffer& local, Buffer& full, int64_t wi
   const int64_t t = dims.t, n = dims.n_local * width;
   resize(full, dims.n_full * width);
   resize(scratch_, t * n);
-  tp->all_gather(local.data(), scratch_.data(), static_cast<size_t>(n));
-  collective_done(Collective::kAllGather, static_cast<double>(t * n) * sizeof(float));
-  be.sequence_unshard(scratch_.data(), full.data(), t, dims.b, dims.s, width);
+  all_gather(local.ptr(), scratch_.ptr(), n);
+  be.sequence_unshard(scratch_.ptr(), full.ptr(), t, dims.b, dims.s, width);
 }
 
 void ShardContext::scatter_sequence(const Buffer& full, Buffer& local, int64_t width) {
   const int64_t t = dims.t, n = dims.n_local * width;
   resize(scratch_, t * n);
-  be.sequence_shard(full.data(), scratch_.data(), t, dims.b, dims.s, width);
+  be.sequence_shard(full.ptr(), scratch_.ptr(), t, dims.b, dims.s, width);
   resize(local, n);
-  reduce_scatter(scratch_.data(), local.data(), n);
+  reduce_scatter(scratch_.ptr(), local.ptr(), n);
 }
 
 void ShardContext::scatter_sequence_in_place(Buffer& x) {
@@ -99,44 +107,45 @@ void ShardContext::scatter_sequence_in_place(Buffer& x) {
 }
 
 void ShardContext::all_reduce(Buffer& x) {
-  tp->all_reduce(x.data(), x.size());
-  collective_done(Collective::kAllReduce, static_cast<double>(x.size()) * sizeof(float));
+  tp->all_reduce(x.raw(), x.size(), x.dtype());
+  collective_done(Collective::kAllReduce, static_cast<double>(x.bytes()));
 }
 
-void ShardContext::all_gather(const float* in, float* out, int64_t n) {
-  tp->all_gather(in, out, static_cast<size_t>(n));
-  collective_done(Collective::kAllGather, static_cast<double>(dims.t * n) * sizeof(float));
+void ShardContext::all_gather(CPtr in, Ptr out, int64_t n) {
+  if (in.t != out.t) throw std::logic_error("all_gather between element types");
+  tp->all_gather(in.p, out.p, static_cast<size_t>(n), in.t);
+  collective_done(Collective::kAllGather, static_cast<double>(dims.t * n * bytes(in.t)));
 }
 
-void ShardContext::reduce_scatter(const float* in, float* out, int64_t n) {
-  tp->reduce_scatter(in, out, static_cast<size_t>(n));
-  collective_done(Collective::kReduceScatter, static_cast<double>(dims.t * n) * sizeof(float));
+void ShardContext::reduce_scatter(CPtr in, Ptr out, int64_t n) {
+  if (in.t != out.t) throw std::logic_error("reduce_scatter between element types");
+  tp->reduce_scatter(in.p, out.p, static_cast<size_t>(n), in.t);
+  collective_done(Collective::kReduceScatter, static_cast<double>(dims.t * n * bytes(in.t)));
 }
 
-void ShardContext::ring_step(OpId id, const float* send, float* recv, int64_t n) {
+void ShardContext::ring_step(OpId id, CPtr send, Ptr recv, int64_t n) {
   begin(id, pass_);
   const int size = cp->size(), r = cp->rank();
   const Communicator::P2P ops[2] = {
-      {true, const_cast<float*>(send), static_cast<size_t>(n), (r + 1) % size, 0, DType::kF32},
-      {false, recv, static_cast<size_t>(n), (r + size - 1) % size, 0, DType::kF32}};
+      {true, const_cast<void*>(send.p), static_cast<size_t>(n), (r + 1) % size, 0, send.t},
+      {false, recv.p, static_cast<size_t>(n), (r + size - 1) % size, 0, recv.t}};
   cp->batch(ops);
-  collective_done(Collective::kSendRecv, static_cast<double>(n) * sizeof(float));
+  collective_done(Collective::kSendRecv, static_cast<double>(n * bytes(send.t)));
 }
 
-void ShardContext::linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,
+void ShardContext::linear(CPtr x, int64_t w, int64_t bias, Ptr y, int64_t n, int64_t in,
                           int64_t out) {
   be.linear_forward(x, P(w), bias >= 0 ? P(bias) : nullptr, y, n, in, out);
   gemm_done(n, out, in, 1);
 }
 
-void ShardContext::linear_dgrad(int64_t w, const float* dy, float* dx, int64_t n, int64_t in,
-                                int64_t out) {
+void ShardContext::linear_dgrad(int64_t w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out) {
   be.linear_dgrad(P(w), dy, dx, n, in, out);
   gemm_done(n, in, out, 1);
 }
 
-void ShardContext::linear_wgrad(const float* x, const float* dy, int64_t w, int64_t bias, int64_t n,
-                                int64_t in, int64_t out) {
+void ShardContext::linear_wgrad(CPtr x, CPtr dy, int64_t w, int64_t bias, int64_t n, int64_t in,
+                                int64_t out) {
   be.linear_wgrad(x, dy, G(w), bias >= 0 ? G(bias) : nullptr, n, in, out);
   gemm_done(in, out, n, 1);
   weight_gradient_done();
@@ -147,36 +156,36 @@ void ShardContext::norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer
   resize(y, n * dims.h);
   resize(rstd, n);
   if (beta >= 0) resize(mean, n);
-  be.norm_forward(x.data(), P(g), beta >= 0 ? P(beta) : nullptr, y.data(),
+  be.norm_forward(x.ptr(), P(g), beta >= 0 ? P(beta) : nullptr, y.ptr(),
                   beta >= 0 ? mean.data() : nullptr, rstd.data(), n, dims.h);
 }
 
 void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
                                  const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n) {
   resize(dx, n * dims.h);
-  be.norm_backward(x.data(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
-                   dy.data(), dx.data(), G(g), beta >= 0 ? G(beta) : nullptr, n, dims.h);
+  be.norm_backward(x.ptr(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
+                   dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, dims.h);
 }
 
 void ShardContext::residual_add(Buffer& out, const Buffer& residual, Buffer& partial,
                                 int64_t bias) {
   copy(residual, out);
-  be.add(out.data(), partial.data(), elems(out));
+  be.add(out.ptr(), partial.ptr(), elems(out));
   add_bias(out, bias, dims.h);
   release(partial);
 }
 
 void ShardContext::copy(const Buffer& from, Buffer& to) {
   resize(to, elems(from));
-  be.copy(from.data(), to.data(), elems(from));
+  be.copy(from.ptr(), to.ptr(), elems(from));
 }
 
 void ShardContext::add_bias(Buffer& y, int64_t bias, int64_t width) {
-  if (bias >= 0) be.add_bias(y.data(), P(bias), elems(y) / width, width);
+  if (bias >= 0) be.add_bias(y.ptr(), P(bias), elems(y) / width, width);
 }
 
 void ShardContext::bias_grad(const Buffer& dy, int64_t bias, int64_t width) {
-  if (bias >= 0) be.bias_grad(dy.data(), G(bias), elems(dy) / width, width);
+  if (bias >= 0) be.bias_grad(dy.ptr(), G(bias), elems(dy) / width, width);
 }
 
 }  // namespace ptdp

@@ -51,12 +51,12 @@ class ShardContext {
   Communicator* tp;
   Communicator* cp = nullptr;  // the context-parallel ring (cp > 1)
   ShardDims dims;
-  float* params = nullptr;
+  Ptr params;  // fp32, or bf16 with mixed precision
   float* grads = nullptr;
   std::vector<ExecutedOp>* trace = nullptr;
   OpTimer* timer = nullptr;  // times each op (runtime/op_timer.h) when set
 
-  float* P(int64_t off) const { return params + off; }
+  Ptr P(int64_t off) const { return params.at(off); }
   float* G(int64_t off) const { return grads + off; }
 
   // Starts the record of one op (when tracing).
@@ -68,18 +68,16 @@ class ShardContext {
   void scatter_sequence(const Buffer& full, Buffer& local, int64_t width);
   void scatter_sequence_in_place(Buffer& x);
   void all_reduce(Buffer& x);
-  void all_gather(const float* in, float* out, int64_t n);
-  void reduce_scatter(const float* in, float* out, int64_t n);
+  void all_gather(CPtr in, Ptr out, int64_t n);
+  void reduce_scatter(CPtr in, Ptr out, int64_t n);
   // One step of the context-parallel ring, recorded as op `id` of the current pass: sends n
-  // floats to the next cp rank and receives n from the previous one (one P2P batch).
-  void ring_step(OpId id, const float* send, float* recv, int64_t n);
+  // elements to the next cp rank and receives n from the previous one (one P2P batch).
+  void ring_step(OpId id, CPtr send, Ptr recv, int64_t n);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
-  void linear(const float* x, int64_t w, int64_t bias, float* y, int64_t n, int64_t in,
-              int64_t out);
-  void linear_dgrad(int64_t w, const float* dy, float* dx, int64_t n, int64_t in, int64_t out);
-  void linear_wgrad(const float* x, const float* dy, int64_t w, int64_t bias, int64_t n, int64_t in,
-                    int64_t out);
+  void linear(CPtr x, int64_t w, int64_t bias, Ptr y, int64_t n, int64_t in, int64_t out);
+  void linear_dgrad(int64_t w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out);
+  void linear_wgrad(CPtr x, CPtr dy, int64_t w, int64_t bias, int64_t n, int64_t in, int64_t out);
   void gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch);
   // Marks the op as computing a weight gradient (the table gradient of the embedding).
   void weight_gradient_done();

@@ -4,6 +4,8 @@
 #include <atomic>
 #include <cstring>
 #include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -14,6 +16,7 @@ namespace {
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<Backend*> g_space{nullptr};
+thread_local DType t_activation = DType::kF32;
 }  // namespace
 
 void MemoryCounter::allocated(size_t bytes) {
@@ -42,34 +45,50 @@ Backend* buffer_space() {
   return g_space.load();
 }
 
+void set_activation_dtype(DType t) {
+  if (t != DType::kF32 && t != DType::kBF16)
+    throw std::invalid_argument("activations are fp32 or bf16, not " + to_string(t));
+  t_activation = t;
+}
+DType activation_dtype() {
+  return t_activation;
+}
+
 Buffer::Buffer() : space_(buffer_space()) {}
+
+Buffer::Buffer(DType t) : space_(buffer_space()), dtype_(t), typed_(true) {}
 
 Buffer::Buffer(size_t n) : Buffer() {
   resize(n);
 }
 
-Buffer::Buffer(size_t n, float v) : Buffer() {
+Buffer::Buffer(size_t n, DType t) : Buffer(t) {
+  resize(n);
+}
+
+Buffer::Buffer(size_t n, float v) : Buffer(DType::kF32) {
   resize(n);
   if (n == 0 || v == 0.0f) return;
   if (on_host()) {
-    std::fill(p_, p_ + n, v);
+    std::fill(data(), data() + n, v);
   } else {
     const std::vector<float> host(n, v);
     space_->upload(host.data(), p_, n * sizeof(float));
   }
 }
 
-Buffer::Buffer(const Buffer& o) : space_(o.space_) {
+Buffer::Buffer(const Buffer& o) : space_(o.space_), dtype_(o.dtype_), typed_(o.typed_) {
   if (o.n_ == 0) return;
   reallocate(o.n_);
   n_ = o.n_;
   if (on_host())
-    std::memcpy(p_, o.p_, n_ * sizeof(float));
+    std::memcpy(p_, o.p_, bytes());
   else
-    space_->copy(o.p_, p_, static_cast<int64_t>(n_));
+    space_->copy_bytes(o.p_, p_, bytes());
 }
 
-Buffer::Buffer(Buffer&& o) noexcept : space_(o.space_), p_(o.p_), n_(o.n_), cap_(o.cap_) {
+Buffer::Buffer(Buffer&& o) noexcept
+    : space_(o.space_), p_(o.p_), n_(o.n_), cap_(o.cap_), dtype_(o.dtype_), typed_(o.typed_) {
   o.p_ = nullptr;
   o.n_ = o.cap_ = 0;
 }
@@ -89,6 +108,8 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     p_ = o.p_;
     n_ = o.n_;
     cap_ = o.cap_;
+    dtype_ = o.dtype_;
+    typed_ = o.typed_;
     o.p_ = nullptr;
     o.n_ = o.cap_ = 0;
   }
@@ -104,33 +125,45 @@ void Buffer::swap(Buffer& o) noexcept {
   std::swap(p_, o.p_);
   std::swap(n_, o.n_);
   std::swap(cap_, o.cap_);
+  std::swap(dtype_, o.dtype_);
+  std::swap(typed_, o.typed_);
+}
+
+void* Buffer::checked_f32() const {
+  if (dtype_ != DType::kF32)
+    throw std::logic_error("a " + to_string(dtype_) + " Buffer read as fp32");
+  return p_;
+}
+
+void Buffer::release() {
+  free_storage();
 }
 
 void Buffer::free_storage() {
   if (!p_) return;
   if (on_host()) {
-    MemoryCounter::freed(cap_ * sizeof(float));
+    MemoryCounter::freed(cap_ * element());
     ::operator delete (p_, std::align_val_t{64});
   } else {
-    space_->deallocate(p_, cap_ * sizeof(float));
+    space_->deallocate(p_, cap_ * element());
   }
   p_ = nullptr;
   n_ = cap_ = 0;
 }
 
 void Buffer::reallocate(size_t cap) {
-  float* p = nullptr;
+  void* p = nullptr;
   if (on_host()) {
-    p = static_cast<float*>(::operator new (cap * sizeof(float), std::align_val_t{64}));
-    MemoryCounter::allocated(cap * sizeof(float));
+    p = ::operator new (cap* element(), std::align_val_t{64});
+    MemoryCounter::allocated(cap * element());
   } else {
-    p = static_cast<float*>(space_->allocate(cap * sizeof(float)));
+    p = space_->allocate(cap * element());
   }
   if (n_ > 0) {
     if (on_host())
-      std::memcpy(p, p_, n_ * sizeof(float));
+      std::memcpy(p, p_, bytes());
     else
-      space_->copy(p_, p, static_cast<int64_t>(n_));
+      space_->copy_bytes(p_, p, bytes());
   }
   const size_t n = n_;
   free_storage();
@@ -143,14 +176,19 @@ void Buffer::resize(size_t n) {
   if (n > cap_) {
     // An empty Buffer takes the current space, so one made before a device backend registered
     // itself (a member of a long-lived object) still lands on the device.
-    if (!p_) space_ = buffer_space();
+    // Likewise it takes the thread's activation type unless it was made with one.
+    if (!p_) {
+      space_ = buffer_space();
+      if (!typed_) dtype_ = activation_dtype();
+    }
     reallocate(std::max(n, n_ + n_));
   }
   if (n > n_) {
+    char* from = static_cast<char*>(p_) + n_ * element();
     if (on_host())
-      std::fill(p_ + n_, p_ + n, 0.0f);
+      std::memset(from, 0, (n - n_) * element());
     else
-      space_->fill_zero(p_ + n_, static_cast<int64_t>(n - n_));
+      space_->zero_bytes(from, (n - n_) * element());
   }
   n_ = n;
 }

@@ -1,6 +1,11 @@
-// Buffer: the runtime's float array. Every byte it holds is counted, so a run can report its
-// peak memory (weights, gradients, optimizer states, activations and transfer buffers) the way
-// the memory model predicts it, independent of the allocator's own slack.
+// Buffer: the runtime's array of activations. Every byte it holds is counted, so a run can
+// report its peak memory (weights, gradients, optimizer states, activations and transfer
+// buffers) the way the memory model predicts it, independent of the allocator's own slack.
+//
+// Element type. A Buffer holds fp32 or, with mixed precision (--bf16), bf16 elements. One made
+// with a DType keeps it (statistics are fp32 whatever the run's precision). One made without
+// takes the activation type current on its thread (set_activation_dtype) when it first
+// allocates, so the model's activations follow the run's precision without each being named.
 //
 // A Buffer lives in a memory space: host memory, or the memory of the backend registered with
 // set_buffer_space() (the CUDA backend registers itself, so a rank's activations live on its
@@ -11,6 +16,9 @@
 
 #include <cstddef>
 #include <cstdint>
+
+#include "core/dtype.h"
+#include "runtime/typed_ptr.h"
 
 namespace ptdp {
 
@@ -29,11 +37,30 @@ struct MemoryCounter {
 void set_buffer_space(Backend* space);
 Backend* buffer_space();
 
+// The element type Buffers made without one take when they first allocate: fp32 (the default)
+// or bf16. Per thread (the ranks of a test may run in threads). ActivationDType sets it for a
+// scope and restores the previous one.
+void set_activation_dtype(DType t);
+DType activation_dtype();
+class ActivationDType {
+ public:
+  explicit ActivationDType(DType t) : previous_(activation_dtype()) { set_activation_dtype(t); }
+  ~ActivationDType() { set_activation_dtype(previous_); }
+  ActivationDType(const ActivationDType&) = delete;
+  ActivationDType& operator=(const ActivationDType&) = delete;
+
+ private:
+  DType previous_;
+};
+
 class Buffer {
  public:
   Buffer();
-  // n zero elements; n elements of value v.
+  // Empty, of element type t for good.
+  explicit Buffer(DType t);
+  // n zero elements; n zero elements of type t; n fp32 elements of value v.
   explicit Buffer(size_t n);
+  Buffer(size_t n, DType t);
   Buffer(size_t n, float v);
   Buffer(const Buffer& o);  // in o's space
   Buffer(Buffer&& o) noexcept;
@@ -44,8 +71,16 @@ class Buffer {
   size_t size() const { return n_; }
   size_t capacity() const { return cap_; }
   bool empty() const { return n_ == 0; }
-  float* data() { return p_; }
-  const float* data() const { return p_; }
+  DType dtype() const { return dtype_; }
+  size_t bytes() const { return n_ * dtype_bytes(dtype_); }
+  // The elements as fp32 (std::logic_error for a bf16 Buffer).
+  float* data() { return static_cast<float*>(checked_f32()); }
+  const float* data() const { return static_cast<const float*>(checked_f32()); }
+  // The elements with their type, for the Backend's typed entry points and the communicators.
+  Ptr ptr() { return {p_, dtype_}; }
+  CPtr ptr() const { return {p_, dtype_}; }
+  void* raw() { return p_; }
+  const void* raw() const { return p_; }
   // Keeps the first min(size, n) elements; new elements are zero. Grows as std::vector does
   // (at least doubling), so measured peaks do not depend on the space.
   void resize(size_t n);
@@ -54,21 +89,28 @@ class Buffer {
   Backend* space() const { return space_; }
   bool on_host() const { return space_ == nullptr; }
 
-  // Host memory only.
-  float& operator[](size_t i) { return p_[i]; }
-  const float& operator[](size_t i) const { return p_[i]; }
-  float* begin() { return p_; }
-  float* end() { return p_ + n_; }
-  const float* begin() const { return p_; }
-  const float* end() const { return p_ + n_; }
+  // Frees the memory (clear() keeps it); a Buffer made with a DType keeps it.
+  void release();
+
+  // Host memory and fp32 only.
+  float& operator[](size_t i) { return data()[i]; }
+  const float& operator[](size_t i) const { return data()[i]; }
+  float* begin() { return data(); }
+  float* end() { return data() + n_; }
+  const float* begin() const { return data(); }
+  const float* end() const { return data() + n_; }
 
  private:
+  void* checked_f32() const;
   void reallocate(size_t cap);
   void free_storage();
+  size_t element() const { return dtype_bytes(dtype_); }
 
   Backend* space_ = nullptr;
-  float* p_ = nullptr;
+  void* p_ = nullptr;
   size_t n_ = 0, cap_ = 0;
+  DType dtype_ = DType::kF32;
+  bool typed_ = false;  // made with a DType: keeps it
 };
 
 inline int64_t elems(const Buffer& b) {
@@ -80,7 +122,7 @@ inline void resize(Buffer& b, int64_t n) {
 
 // Releases a buffer's memory (clear() keeps the capacity).
 inline void release(Buffer& b) {
-  Buffer().swap(b);
+  b.release();
 }
 
 }  // namespace ptdp

@@ -272,6 +272,7 @@ void Executor::setup() {
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
     layout.recompute = plan.recompute;
+    layout.dtype = o_.precision;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
     layout.segment_multiple = dist_ ? dcp_ : 1;
@@ -376,9 +377,10 @@ void Executor::load_checkpoint() {
         c.arrays[1].size() != moments || c.arrays[2].size() != moments)
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
     if (!dry_) {
-      DeviceBuffer* into[3] = {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()};
-      for (size_t i = 0; i < 3; ++i)
-        backend_->upload(c.arrays[i].data(), into[i]->data<float>(), into[i]->bytes());
+      optimizer_->parameters_from_host(c.arrays[0]);
+      DeviceBuffer* into[2] = {&optimizer_->adam_m(), &optimizer_->adam_v()};
+      for (size_t i = 0; i < 2; ++i)
+        backend_->upload(c.arrays[i + 1].data(), into[i]->data<float>(), into[i]->bytes());
     }
     first_step_ = c.step;
     if (first_step_ >= o_.steps)
@@ -408,7 +410,10 @@ std::vector<RankFootprint> Executor::dry_run(
     f.cp = pos.dp % cp_;
     f.parameter_floats = total(sizes);
     // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
-    f.optimizer_floats = (dist_ ? 3 : 2) * moment_floats(sizes, dist_, dcp_, expert_.edp);
+    // Mixed precision adds the fp32 master weights of the same range.
+    const int64_t states = (dist_ ? 3 : 2) + (o_.precision != DType::kF32 ? 1 : 0);
+    f.optimizer_floats = states * moment_floats(sizes, dist_, dcp_, expert_.edp);
+    f.precision = o_.precision;
     all.push_back(f);
   }
   agree(control_, [&] {
@@ -420,9 +425,10 @@ std::vector<RankFootprint> Executor::dry_run(
 void Executor::save_checkpoint(int64_t completed) {
   const auto layout = checkpoint_layout(o_, shard_->params().size());
   // The arrays come to the host before they are written.
-  std::vector<std::vector<float>> host;
+  // The parameters in fp32 (the master weights with mixed precision).
+  std::vector<std::vector<float>> host{optimizer_->parameters_to_host()};
   std::vector<std::span<const float>> arrays;
-  for (DeviceBuffer* b : {&shard_->params(), &optimizer_->adam_m(), &optimizer_->adam_v()}) {
+  for (DeviceBuffer* b : {&optimizer_->adam_m(), &optimizer_->adam_v()}) {
     host.emplace_back(static_cast<size_t>(b->size()));
     backend_->download(b->data<float>(), host.back().data(), b->bytes());
   }

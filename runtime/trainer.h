@@ -40,6 +40,8 @@ struct TrainOptions {
   std::string load_dir;
   bool record_timeline = false;
   std::string backend = "cpu";  // --backend (runtime/backend.h)
+  // Weights and activations (--bf16: bf16 with fp32 master weights and gradients; else fp32).
+  DType precision = DType::kF32;
 };
 
 struct StepStats {
@@ -105,12 +107,14 @@ LearningRateSchedule schedule_of(const TrainOptions& o);
 TrainResult train(const TrainOptions& options, Communicator& world,
                   const std::function<void(const StepStats&)>& on_step = {});
 
-// What one rank of a run holds, in floats (fp32): its parameter buffer (gradients as many) and
-// its optimizer state (AdamW's two moments; with the distributed optimizer, of its 1/d shard,
-// plus that shard's reduced gradients).
+// What one rank of a run holds: its parameter buffer in elements of `precision` (gradients as
+// many, in fp32) and its optimizer state in fp32 floats (AdamW's two moments, and with mixed
+// precision the master weights, of what it updates: its 1/d shard with the distributed
+// optimizer, which also keeps that shard's reduced gradients).
 struct RankFootprint {
   int64_t rank = 0, tp = 0, pp = 0, dp = 0, cp = 0;  // cp: the context-parallel index
   int64_t parameter_floats = 0, optimizer_floats = 0;
+  DType precision = DType::kF32;
 };
 
 // `ptdp run --dry-run`: every check train() makes before its first step (options, model,

@@ -44,11 +44,11 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
     case OpId::kQkv: {
       Buffer qkv;
       resize(qkv, m.n_full * m.qkv_width());
-      c.linear(ln1_full.data(), W.qkv_w, W.qkv_b, qkv.data(), m.n_full, m.h, m.qkv_width());
+      c.linear(ln1_full.ptr(), W.qkv_w, W.qkv_b, qkv.ptr(), m.n_full, m.h, m.qkv_width());
       resize(A.q, m.n_full * m.hl * m.d);
       resize(A.k, m.n_full * m.gl * m.d);
       resize(A.v, m.n_full * m.gl * m.d);
-      be.split_columns3(qkv.data(), A.q.data(), A.k.data(), A.v.data(), m.n_full, m.hl * m.d,
+      be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
       if (cp && !m.rotary) context_exchange_kv(c, A);
       break;
@@ -60,25 +60,25 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
         context_exchange_kv(c, A);
         break;
       }
-      be.rope(A.q.data(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
-      be.rope(A.k.data(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
+      be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
+      be.rope(A.k.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
       break;
     case OpId::kAttnScores:
       if (m.flash) {  // the whole attention core, in one fused kernel
         resize(A.ctx, m.b * sa * m.hl * m.d);
         resize(A.lse, m.b * m.hl * sa);
-        be.flash_attention_forward(A.q.data(), A.k.data(), A.v.data(), A.ctx.data(), A.lse.data(),
-                                   m.b, sa, m.hl, m.gl, m.d);
+        be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
+                                   sa, m.hl, m.gl, m.d);
         c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
         break;
       }
       resize(A.probs, m.b * m.hl * sa * sa);
-      be.attention_scores(A.q.data(), A.k.data(), A.probs.data(), m.b, sa, m.hl, m.gl, m.d);
+      be.attention_scores(A.q.ptr(), A.k.ptr(), A.probs.ptr(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
     case OpId::kAttnSoftmax:
       if (m.flash) break;  // inside flash_attention_forward
-      be.causal_softmax(A.probs.data(), m.b * m.hl, sa);
+      be.causal_softmax(A.probs.ptr(), m.b * m.hl, sa);
       break;
     case OpId::kAttnDropout:  // no dropout in ptdp run (deterministic training)
       break;
@@ -88,13 +88,13 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
         break;
       }
       resize(A.ctx, m.b * sa * m.hl * m.d);
-      be.attention_context(A.probs.data(), A.v.data(), A.ctx.data(), m.b, sa, m.hl, m.gl, m.d);
+      be.attention_context(A.probs.ptr(), A.v.ptr(), A.ctx.ptr(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
       if (cp) context_keep_local(c, A.ctx, m.hl * m.d);
       break;
     case OpId::kAttnProj:
       resize(A.proj, m.n_full * m.h);
-      c.linear(A.ctx.data(), W.proj_w, -1, A.proj.data(), m.n_full, m.hl * m.d, m.h);
+      c.linear(A.ctx.ptr(), W.proj_w, -1, A.proj.ptr(), m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnAllReduce:
       c.all_reduce(A.proj);
@@ -113,20 +113,20 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kFc1:
       resize(A.fc1, m.n_full * m.fc1_width());
-      c.linear(ln2_full.data(), W.fc1_w, -1, A.fc1.data(), m.n_full, m.h, m.fc1_width());
+      c.linear(ln2_full.ptr(), W.fc1_w, -1, A.fc1.ptr(), m.n_full, m.h, m.fc1_width());
       break;
     case OpId::kBiasGelu:
       c.add_bias(A.fc1, W.fc1_b, m.ffl);
       resize(A.act, elems(A.fc1));
-      be.gelu(A.fc1.data(), A.act.data(), elems(A.fc1));
+      be.gelu(A.fc1.ptr(), A.act.ptr(), elems(A.fc1));
       break;
     case OpId::kSwiglu:
       resize(A.act, m.n_full * m.ffl);
-      be.swiglu(A.fc1.data(), A.act.data(), m.n_full, m.ffl);
+      be.swiglu(A.fc1.ptr(), A.act.ptr(), m.n_full, m.ffl);
       break;
     case OpId::kFc2:
       resize(A.fc2, m.n_full * m.h);
-      c.linear(A.act.data(), W.fc2_w, -1, A.fc2.data(), m.n_full, m.ffl, m.h);
+      c.linear(A.act.ptr(), W.fc2_w, -1, A.fc2.ptr(), m.n_full, m.ffl, m.h);
       break;
     case OpId::kMlpAllReduce:
       c.all_reduce(A.fc2);
@@ -163,29 +163,29 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kFc2Dgrad:
       resize(D.d_act, m.n_full * m.ffl);
-      c.linear_dgrad(W.fc2_w, D.d_fc2.data(), D.d_act.data(), m.n_full, m.ffl, m.h);
+      c.linear_dgrad(W.fc2_w, D.d_fc2.ptr(), D.d_act.ptr(), m.n_full, m.ffl, m.h);
       break;
     case OpId::kFc2Wgrad:
-      c.linear_wgrad(A.act.data(), D.d_fc2.data(), W.fc2_w, -1, m.n_full, m.ffl, m.h);
+      c.linear_wgrad(A.act.ptr(), D.d_fc2.ptr(), W.fc2_w, -1, m.n_full, m.ffl, m.h);
       break;
     case OpId::kBiasGeluBackward:
       resize(D.d_pre, elems(A.fc1));
-      be.gelu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), elems(A.fc1));
+      be.gelu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), elems(A.fc1));
       c.bias_grad(D.d_pre, W.fc1_b, m.ffl);
       break;
     case OpId::kSwigluBackward:
       resize(D.d_pre, elems(A.fc1));
-      be.swiglu_backward(A.fc1.data(), D.d_act.data(), D.d_pre.data(), m.n_full, m.ffl);
+      be.swiglu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), m.n_full, m.ffl);
       break;
     case OpId::kFc1Dgrad:
       resize(D.d_ln2_full, m.n_full * m.h);
-      c.linear_dgrad(W.fc1_w, D.d_pre.data(), D.d_ln2_full.data(), m.n_full, m.h, m.fc1_width());
+      c.linear_dgrad(W.fc1_w, D.d_pre.ptr(), D.d_ln2_full.ptr(), m.n_full, m.h, m.fc1_width());
       break;
     case OpId::kFc1InputGradAllReduce:
       c.all_reduce(D.d_ln2_full);
       break;
     case OpId::kFc1Wgrad:
-      c.linear_wgrad(ln2_full.data(), D.d_pre.data(), W.fc1_w, -1, m.n_full, m.h, m.fc1_width());
+      c.linear_wgrad(ln2_full.ptr(), D.d_pre.ptr(), W.fc1_w, -1, m.n_full, m.h, m.fc1_width());
       break;
     case OpId::kMlpAllGatherBackward:
       c.scatter_sequence(D.d_ln2_full, D.d_ln2, m.h);
@@ -193,7 +193,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kPostAttentionLayernormBackward:
       c.norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, m.sp ? D.d_ln2 : D.d_ln2_full,
                       D.tmp, m.n_local);
-      be.add(D.d_h1.data(), D.tmp.data(), elems(D.d_h1));
+      be.add(D.d_h1.ptr(), D.tmp.ptr(), elems(D.d_h1));
       break;
     case OpId::kAttnBiasDropoutAddBackward:
       c.bias_grad(D.d_h1, W.proj_b, m.h);
@@ -205,19 +205,19 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnProjDgrad:
       resize(D.d_ctx, m.n_full * m.hl * m.d);
-      c.linear_dgrad(W.proj_w, D.d_proj.data(), D.d_ctx.data(), m.n_full, m.hl * m.d, m.h);
+      c.linear_dgrad(W.proj_w, D.d_proj.ptr(), D.d_ctx.ptr(), m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnProjWgrad:
-      c.linear_wgrad(A.ctx.data(), D.d_proj.data(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
+      c.linear_wgrad(A.ctx.ptr(), D.d_proj.ptr(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
       resize(D.dq, elems(A.q));
       resize(D.dk, elems(A.k));
       resize(D.dv, elems(A.v));
-      be.flash_attention_backward(A.q.data(), A.k.data(), A.v.data(), A.ctx.data(), A.lse.data(),
-                                  D.d_ctx.data(), D.dq.data(), D.dk.data(), D.dv.data(), m.b, sa,
-                                  m.hl, m.gl, m.d);
+      be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
+                                  D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, m.hl,
+                                  m.gl, m.d);
       c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
       break;
     case OpId::kAttnContextDprobs:
@@ -227,7 +227,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.d_probs, elems(A.probs));
-      be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), D.d_probs.data(),
+      be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), D.d_probs.ptr(),
                                     nullptr, m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
@@ -238,16 +238,15 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize(D.dv, elems(A.v));
-      be.attention_context_backward(A.probs.data(), A.v.data(), D.d_ctx.data(), nullptr,
-                                    D.dv.data(), m.b, sa, m.hl, m.gl, m.d);
+      be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), nullptr, D.dv.ptr(),
+                                    m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
       break;
     case OpId::kAttnDropoutBackward:
       break;
     case OpId::kAttnSoftmaxBackward:
       if (m.flash) break;
-      be.causal_softmax_backward(A.probs.data(), D.d_probs.data(), D.d_probs.data(), m.b * m.hl,
-                                 sa);
+      be.causal_softmax_backward(A.probs.ptr(), D.d_probs.ptr(), D.d_probs.ptr(), m.b * m.hl, sa);
       break;
     case OpId::kAttnScoresDq:
       if (m.flash) {
@@ -255,8 +254,8 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         break;
       }
       resize(D.dq, elems(A.q));
-      be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), D.dq.data(), nullptr,
-                                   m.b, sa, m.hl, m.gl, m.d);
+      be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), D.dq.ptr(), nullptr, m.b,
+                                   sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
       break;
     case OpId::kAttnScoresDk:
@@ -265,8 +264,8 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         break;
       }
       resize(D.dk, elems(A.k));
-      be.attention_scores_backward(A.q.data(), A.k.data(), D.d_probs.data(), nullptr, D.dk.data(),
-                                   m.b, sa, m.hl, m.gl, m.d);
+      be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), nullptr, D.dk.ptr(), m.b,
+                                   sa, m.hl, m.gl, m.d);
       c.gemm_done(m.d, sa, sa, m.b * m.hl);
       if (cp) context_return_dkv(c, D);  // dQ, dK and dV become local
       break;
@@ -276,22 +275,21 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         context_rope(c, D.dk, m.gl, true);
         break;
       }
-      be.rope(D.dq.data(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
-      be.rope(D.dk.data(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
+      be.rope(D.dq.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
+      be.rope(D.dk.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
       break;
     case OpId::kQkvDgrad:
       resize(D.d_qkv, m.n_full * m.qkv_width());
-      be.concat_columns3(D.dq.data(), D.dk.data(), D.dv.data(), D.d_qkv.data(), m.n_full,
-                         m.hl * m.d, m.gl * m.d, m.gl * m.d);
+      be.concat_columns3(D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), D.d_qkv.ptr(), m.n_full, m.hl * m.d,
+                         m.gl * m.d, m.gl * m.d);
       resize(D.d_ln1_full, m.n_full * m.h);
-      c.linear_dgrad(W.qkv_w, D.d_qkv.data(), D.d_ln1_full.data(), m.n_full, m.h, m.qkv_width());
+      c.linear_dgrad(W.qkv_w, D.d_qkv.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.qkv_width());
       break;
     case OpId::kQkvInputGradAllReduce:
       c.all_reduce(D.d_ln1_full);
       break;
     case OpId::kQkvWgrad:
-      c.linear_wgrad(ln1_full.data(), D.d_qkv.data(), W.qkv_w, W.qkv_b, m.n_full, m.h,
-                     m.qkv_width());
+      c.linear_wgrad(ln1_full.ptr(), D.d_qkv.ptr(), W.qkv_w, W.qkv_b, m.n_full, m.h, m.qkv_width());
       break;
     case OpId::kAttnAllGatherBackward:
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
@@ -299,7 +297,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kInputLayernormBackward:
       c.norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, m.sp ? D.d_ln1 : D.d_ln1_full,
                       D.tmp, m.n_local);
-      be.add(D.d_x.data(), D.tmp.data(), elems(D.d_x));
+      be.add(D.d_x.ptr(), D.tmp.ptr(), elems(D.d_x));
       break;
     default:
       throw std::logic_error("not a backward op of a transformer layer");

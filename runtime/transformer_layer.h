@@ -20,9 +20,12 @@ struct LayerParams {  // offsets into the flat buffers; -1 when absent
 
 struct LayerActs {
   // probs: the s x s attention probabilities; with flash attention lse (one log-sum-exp per
-  // query row and head) instead.
-  Buffer x, ln1, ln1_mean, ln1_rstd, ln1_full, q, k, v, probs, lse, ctx, proj, h1;
-  Buffer ln2, ln2_mean, ln2_rstd, ln2_full, fc1, act, fc2, out;
+  // query row and head) instead. Activations take the run's precision (fp32 or bf16); the
+  // statistics are fp32.
+  Buffer x, ln1, ln1_full, q, k, v, probs, ctx, proj, h1;
+  Buffer ln2, ln2_full, fc1, act, fc2, out;
+  Buffer ln1_mean{DType::kF32}, ln1_rstd{DType::kF32}, ln2_mean{DType::kF32}, ln2_rstd{DType::kF32},
+      lse{DType::kF32};
 };
 
 struct LayerGrads {  // the backward pass's scratch

@@ -626,6 +626,57 @@ TEST(Cli, RunRefusesBadInputWithOneLine) {
   expect_bad(bad_steps, "--steps");
 }
 
+// Megatron's precision flags: plan prints --bf16 where it priced bf16 (the GPU presets) and not
+// on an fp32 profile; ptdp run trains --bf16, refuses --fp16 (no loss scaling) naming it, and
+// trains MoE models in fp32, saying so; the dry run counts 2 + 4 + 4 + 8 bytes per parameter in
+// bf16 (weights, gradients, master weights, Adam) where fp32 counts 4 + 4 + 8.
+TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
+  const Result plan = run(
+      {"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "64", "--json"});
+  ASSERT_EQ(plan.status, 0) << plan.err;
+  const std::string flags = nlohmann::json::parse(plan.out)["plans"][0]["megatron_flags"];
+  EXPECT_NE(flags.find(" --bf16"), std::string::npos) << flags;
+  const std::vector<std::string> predict = {"predict",  "--model",
+                                            "gpt-1.7b", "--num-gpus",
+                                            "8",        "--global-batch-size",
+                                            "64",       "--tensor-model-parallel-size",
+                                            "1",        "--pipeline-model-parallel-size",
+                                            "1",        "--micro-batch-size",
+                                            "1"};
+  auto with = [](std::vector<std::string> a, std::vector<std::string> extra) {
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result fp16 = run(with(predict, {"--fp16", "--json"}));
+  ASSERT_EQ(fp16.status, 0) << fp16.err;
+  EXPECT_NE(nlohmann::json::parse(fp16.out)["megatron_flags"].get<std::string>().find(" --fp16"),
+            std::string::npos);
+  expect_bad(tiny_run({"--fp16"}), "--fp16");
+  expect_bad(with(predict, {"--bf16", "--fp16"}), "--fp16");
+  const Result moe = run(tiny_run({"--bf16", "--num-experts", "2"}));
+  EXPECT_EQ(moe.status, 0) << moe.err;
+  EXPECT_NE(moe.out.find("trains the MoE model in fp32"), std::string::npos) << moe.out;
+  auto dry = [&](std::vector<std::string> extra) {
+    auto args = tiny_run(std::move(extra));
+    args.insert(args.end(), {"--dry-run", "--json"});
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return nlohmann::json::parse(r.out)["plans"][0]["ranks"][0];
+  };
+  const nlohmann::json f32 = dry({}), b16 = dry({"--bf16"});
+  const double params = f32["parameters"].get<double>();
+  EXPECT_EQ(b16["parameters"].get<double>(), params);
+  EXPECT_EQ(f32["parameter_bytes"].get<double>(), 4 * params);
+  EXPECT_EQ(b16["parameter_bytes"].get<double>(), 2 * params);
+  EXPECT_EQ(b16["gradient_bytes"].get<double>(), 4 * params);
+  EXPECT_EQ(f32["optimizer_bytes"].get<double>(), 8 * params);
+  EXPECT_EQ(b16["optimizer_bytes"].get<double>(), 12 * params);
+  EXPECT_LT(b16["activation_bytes"].get<double>(), f32["activation_bytes"].get<double>());
+  const Result trained = run(tiny_run({"--bf16"}));
+  ASSERT_EQ(trained.status, 0) << trained.err;
+  EXPECT_NE(trained.out.find("bf16 weights and activations"), std::string::npos) << trained.out;
+}
+
 // Found by fuzzing (tests/fuzz/, docs/reliability.md): still one line naming the field.
 TEST(CliErrors, HugeNumbersAndLineBreaksInArguments) {
   expect_bad(predict_with("--num-gpus", "1000000000000"), "num_gpus: 1000000000000 exceeds");

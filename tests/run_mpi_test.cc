@@ -178,6 +178,61 @@ TEST(RunMpi, RotaryModelShardsToTheSameLosses) {
   expect_same_losses({2, 1, 2, "--recompute-granularity full", rotary}, single);
 }
 
+// Mixed precision (--bf16): bf16 weights and activations with fp32 gradients, master weights
+// and Adam states. Its loss curve follows fp32's within bf16's precision without being fp32's
+// (the rounding really happens), every layout of it follows the single-rank bf16 curve, the
+// staged device path gives the same bits, and it holds less memory than fp32.
+TEST(RunMpi, Bf16TracksFp32AndShardsToTheSingleRankBf16Losses) {
+  const nlohmann::json fp32 = run_json(0, kTiny);
+  const nlohmann::json bf16 = run_json(0, kTiny + " --bf16");
+  EXPECT_EQ(fp32["precision"], "fp32");
+  EXPECT_EQ(bf16["precision"], "bf16");
+  const auto want = losses(fp32), got = losses(bf16);
+  ASSERT_EQ(got.size(), want.size());
+  bool differs = false;
+  for (size_t i = 0; i < want.size(); ++i) {
+    // bf16 keeps 8 significant bits: each stored activation is off by up to 2^-9 relative.
+    EXPECT_NEAR(got[i], want[i], 1e-2 * std::abs(want[i])) << "step " << i;
+    differs = differs || got[i] != want[i];
+  }
+  EXPECT_TRUE(differs) << "--bf16 gave the fp32 losses to the bit: nothing was rounded";
+  EXPECT_LT(got.back(), got.front());
+  EXPECT_LT(bf16["peak_memory_gib"].get<double>(), fp32["peak_memory_gib"].get<double>());
+  for (const Layout& l : std::vector<Layout>{
+           {2, 2, 1, "--bf16 --sequence-parallel"},
+           {1, 2, 2, "--bf16 --use-distributed-optimizer --overlap-grad-reduce"},
+           {1, 1, 2, "--bf16 --use-distributed-optimizer --overlap-param-gather"},
+           {2, 1, 1, "--bf16 --recompute-granularity full", kRotary},
+       }) {
+    const nlohmann::json single = l.model == kTiny ? bf16 : run_json(0, l.model + " --bf16");
+    const nlohmann::json j = run_json(l.ranks(), flags(l));
+    const auto a = losses(j), b = losses(single);
+    ASSERT_EQ(a.size(), b.size()) << flags(l);
+    // Sums split over ranks round to bf16 at other places than on one rank.
+    for (size_t i = 0; i < b.size(); ++i)
+      EXPECT_NEAR(a[i], b[i], 1e-2 * std::abs(b[i])) << flags(l) << " step " << i;
+  }
+  const Layout staged{2, 2, 1, "--bf16 --sequence-parallel"};
+  const nlohmann::json cpu = run_json(4, flags(staged));
+  const nlohmann::json dev = run_json(4, flags(staged) + " --backend cpu-staged");
+  EXPECT_EQ(losses(dev), losses(cpu));
+  EXPECT_EQ(dev["peak_memory_gib"], cpu["peak_memory_gib"]);
+}
+
+// A bf16 checkpoint holds the fp32 master weights: resuming continues the curve to the bit.
+TEST(RunMpi, Bf16CheckpointResumesTheCurveFromTheMasterWeights) {
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_bf16_ckpt";
+  fs::remove_all(dir);
+  const std::string f = " --bf16 --use-distributed-optimizer";
+  const nlohmann::json whole = run_json(2, tiny_steps(6) + f);
+  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + f + " --save " + dir.string()).status, 0);
+  const nlohmann::json resumed = run_json(2, tiny_steps(6) + f + " --load " + dir.string());
+  const auto all = losses(whole), tail = losses(resumed);
+  ASSERT_EQ(all.size(), 6u);
+  EXPECT_EQ(tail, std::vector<double>(all.begin() + 3, all.end()));
+  fs::remove_all(dir);
+}
+
 // Context parallelism (runtime/context_parallel.h): the sequence in 2 cp chunks, attention as a
 // ring passing K and V, gradients reduced over dp x cp.
 TEST(RunMpi, ContextParallelTrainsToTheSingleRankLosses) {

@@ -20,8 +20,10 @@
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
+#include "runtime/float16.h"
 #include "runtime/gpt_model.h"
 #include "runtime/shard_footprint.h"
+#include "runtime/tensor.h"
 #include "runtime/trainer.h"
 
 namespace ptdp {
@@ -599,6 +601,81 @@ TEST(Checkpoint, PruningKeepsTheNewestAndLeavesLaterStepsAlone) {
                                             "step_0000009"}));
   EXPECT_TRUE(prune_checkpoints(dir.string(), 5, 2).empty());
   EXPECT_EQ(prune_checkpoints(dir.string(), 5, 1), std::vector<int64_t>{4});
+}
+
+// Mixed precision's storage (runtime/tensor.h): a Buffer made without a type takes the thread's
+// activation type when it first allocates; one made with a type keeps it; fp32 reads of a bf16
+// Buffer are refused rather than misread.
+TEST(MixedPrecision, BuffersTakeTheActivationTypeUnlessTyped) {
+  Buffer plain, stats(DType::kF32);
+  {
+    const ActivationDType scope(DType::kBF16);
+    resize(plain, 10);
+    resize(stats, 10);
+    Buffer made(4);
+    EXPECT_EQ(made.dtype(), DType::kBF16);
+    EXPECT_EQ(made.bytes(), 8u);
+  }
+  EXPECT_EQ(activation_dtype(), DType::kF32);
+  EXPECT_EQ(plain.dtype(), DType::kBF16);
+  EXPECT_EQ(stats.dtype(), DType::kF32);
+  EXPECT_THROW(plain.data(), std::logic_error);
+  release(stats);
+  {
+    const ActivationDType scope(DType::kBF16);
+    resize(stats, 3);  // released, still fp32
+  }
+  EXPECT_EQ(stats.dtype(), DType::kF32);
+  const Buffer copy = plain;
+  EXPECT_EQ(copy.dtype(), DType::kBF16);
+  EXPECT_EQ(copy.size(), 10u);
+}
+
+// The Backend's typed forms (runtime/mixed_precision.cc): a call on bf16 operands is the fp32
+// kernel on their values with its outputs rounded to bf16, and a call on fp32 operands is the
+// fp32 kernel itself.
+TEST(MixedPrecision, TypedCallsAreTheFp32KernelOnBf16Values) {
+  auto be = make_backend("cpu");
+  const int64_t n = 7, in = 13, out = 5;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto bf16_values = [&](int64_t k) {
+    std::vector<uint16_t> v(static_cast<size_t>(k));
+    for (auto& e : v) e = float_to_bf16(normal(rng));
+    return v;
+  };
+  auto widen = [](const std::vector<uint16_t>& v) {
+    std::vector<float> f(v.size());
+    for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+    return f;
+  };
+  const auto x = bf16_values(n * in), w = bf16_values(out * in), b = bf16_values(out);
+  std::vector<uint16_t> y(static_cast<size_t>(n * out));
+  be->linear_forward(CPtr(x.data(), DType::kBF16), CPtr(w.data(), DType::kBF16),
+                     CPtr(b.data(), DType::kBF16), Ptr(y.data(), DType::kBF16), n, in, out);
+  const auto xf = widen(x), wf = widen(w), bf = widen(b);
+  std::vector<float> yf(static_cast<size_t>(n * out));
+  be->linear_forward(xf.data(), wf.data(), bf.data(), yf.data(), n, in, out);
+  int rounded = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    EXPECT_EQ(y[i], float_to_bf16(yf[i])) << i;
+    rounded += bf16_to_float(y[i]) != yf[i];
+  }
+  EXPECT_GT(rounded, 0);  // the outputs really are bf16
+  // Mixed operands: bf16 activations with fp32 statistics (a norm), and a conversion by copy.
+  std::vector<float> rstd(static_cast<size_t>(n)), rstd_f(rstd.size());
+  const auto g = bf16_values(in);
+  std::vector<uint16_t> z(static_cast<size_t>(n * in));
+  be->norm_forward(CPtr(x.data(), DType::kBF16), CPtr(g.data(), DType::kBF16), nullptr,
+                   Ptr(z.data(), DType::kBF16), nullptr, rstd.data(), n, in);  // RMSNorm
+  std::vector<float> zf(z.size());
+  const auto gf = widen(g);
+  be->norm_forward(xf.data(), gf.data(), nullptr, zf.data(), nullptr, rstd_f.data(), n, in);
+  for (size_t i = 0; i < z.size(); ++i) EXPECT_EQ(z[i], float_to_bf16(zf[i])) << i;
+  EXPECT_EQ(rstd, rstd_f);  // statistics stay fp32
+  std::vector<float> back(x.size());
+  be->copy(CPtr(x.data(), DType::kBF16), Ptr(back.data()), n * in);
+  EXPECT_EQ(back, xf);
 }
 
 }  // namespace

@@ -74,28 +74,33 @@ class CudaBackend final : public Backend {
   // column-major C^T = op(B)^T op(A)^T, so A and B swap places and keep their transposes.
   // Batched with fixed strides between the matrices of a batch.
   struct Mat {
-    const float* p;
+    const void* p;
     int64_t ld, stride;
     bool trans;
+    cudaDataType t = CUDA_R_32F;
   };
-  void gemm(int64_t m, int64_t n, int64_t kk, float alpha, Mat a, Mat b, float beta, float* c,
-            int64_t ldc, int64_t stride_c, int64_t batch) {
+  // C (of type ct) = alpha op(A) op(B) + beta C. fp32 operands compute as PTDP_CUDA_MATH says;
+  // bf16 ones (mixed precision) in fp32 on the tensor cores.
+  void gemm(int64_t m, int64_t n, int64_t kk, float alpha, Mat a, Mat b, float beta, void* c,
+            int64_t ldc, int64_t stride_c, int64_t batch, cudaDataType ct = CUDA_R_32F) {
     if (m <= 0 || n <= 0 || batch <= 0) return;
+    const size_t elem = ct == CUDA_R_32F ? sizeof(float) : 2;
     if (kk <= 0) {  // an empty sum: C = beta C
       if (beta == 0.0f)
         for (int64_t i = 0; i < batch; ++i)
-          PTDP_CHECK(cudaMemset2DAsync(c + i * stride_c, ldc * sizeof(float), 0, n * sizeof(float),
-                                       m, stream_));
+          PTDP_CHECK(cudaMemset2DAsync(static_cast<char*>(c) + i * stride_c * elem, ldc * elem, 0,
+                                       n * elem, m, stream_));
       return;
     }
     auto i32 = [](int64_t v) {
       if (v > 2147483647) throw std::invalid_argument("a GEMM dimension above 2^31");
       return static_cast<int>(v);
     };
+    const bool f32 = a.t == CUDA_R_32F && b.t == CUDA_R_32F && ct == CUDA_R_32F;
     PTDP_CHECK(cublasGemmStridedBatchedEx(
         blas_, b.trans ? CUBLAS_OP_T : CUBLAS_OP_N, a.trans ? CUBLAS_OP_T : CUBLAS_OP_N, i32(n),
-        i32(m), i32(kk), &alpha, b.p, CUDA_R_32F, i32(b.ld), b.stride, a.p, CUDA_R_32F, i32(a.ld),
-        a.stride, &beta, c, CUDA_R_32F, i32(ldc), stride_c, i32(batch), compute_,
+        i32(m), i32(kk), &alpha, b.p, b.t, i32(b.ld), b.stride, a.p, a.t, i32(a.ld), a.stride,
+        &beta, c, ct, i32(ldc), stride_c, i32(batch), f32 ? compute_ : CUBLAS_COMPUTE_32F,
         CUBLAS_GEMM_DEFAULT));
   }
 
@@ -112,6 +117,33 @@ class CudaBackend final : public Backend {
                     int64_t out) override {
     gemm(out, in, n, 1.0f, {dy, out, 0, true}, {x, in, 0, false}, 1.0f, dw, in, 0, 1);
     if (db) k::bias_grad(dy, db, n, out, stream_);
+  }
+
+  // Mixed precision: GEMMs whose operands are all bf16 run natively (bf16 in, fp32 accumulation,
+  // bf16 out; weight gradients accumulate into fp32). The bias add and bias gradient go through
+  // the widening typed forms.
+  static bool bf16(CPtr x) { return x.t == DType::kBF16; }
+  bool native_linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in,
+                             int64_t out) override {
+    if (!bf16(x) || !bf16(w) || !bf16(y) || (b && !bf16(b))) return false;
+    gemm(n, out, in, 1.0f, {x.p, in, 0, false, CUDA_R_16BF}, {w.p, in, 0, true, CUDA_R_16BF}, 0.0f,
+         y.p, out, 0, 1, CUDA_R_16BF);
+    if (b) Backend::add_bias(y, b, n, out);
+    return true;
+  }
+  bool native_linear_dgrad(CPtr w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out) override {
+    if (!bf16(w) || !bf16(dy) || !bf16(dx)) return false;
+    gemm(n, in, out, 1.0f, {dy.p, out, 0, false, CUDA_R_16BF}, {w.p, in, 0, false, CUDA_R_16BF},
+         0.0f, dx.p, in, 0, 1, CUDA_R_16BF);
+    return true;
+  }
+  bool native_linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int64_t in,
+                           int64_t out) override {
+    if (!bf16(x) || !bf16(dy)) return false;
+    gemm(out, in, n, 1.0f, {dy.p, out, 0, true, CUDA_R_16BF}, {x.p, in, 0, false, CUDA_R_16BF},
+         1.0f, dw, in, 0, 1);
+    if (db) Backend::bias_grad(dy, db, n, out);
+    return true;
   }
 
   // Attention: query head hi = g * per + j reads key/value head g. For each batch element and
@@ -238,6 +270,23 @@ class CudaBackend final : public Backend {
   }
   void fill_zero(float* x, int64_t n) override {
     if (n > 0) PTDP_CHECK(cudaMemsetAsync(x, 0, sizeof(float) * static_cast<size_t>(n), stream_));
+  }
+  void copy_bytes(const void* from, void* to, size_t bytes) override {
+    if (bytes > 0 && from != to)
+      PTDP_CHECK(cudaMemcpyAsync(to, from, bytes, cudaMemcpyDeviceToDevice, stream_));
+  }
+  void zero_bytes(void* p, size_t bytes) override {
+    if (bytes > 0) PTDP_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+  }
+  void convert(const void* from, DType from_type, void* to, DType to_type, int64_t n) override {
+    if (from_type == to_type)
+      return copy_bytes(from, to, static_cast<size_t>(n) * dtype_bytes(to_type));
+    if (from_type == DType::kF32 && to_type == DType::kBF16)
+      return k::to_bf16(static_cast<const float*>(from), to, n, stream_);
+    if (from_type == DType::kBF16 && to_type == DType::kF32)
+      return k::from_bf16(from, static_cast<float*>(to), n, stream_);
+    throw std::invalid_argument("the CUDA backend converts between fp32 and bf16, not " +
+                                to_string(from_type) + " and " + to_string(to_type));
   }
   void add(float* y, const float* x, int64_t n) override { k::add(y, x, n, stream_); }
   void add_bias(float* y, const float* bias, int64_t rows, int64_t width) override {

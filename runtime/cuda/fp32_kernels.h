@@ -21,6 +21,10 @@ void add(float* y, const float* x, int64_t n, cudaStream_t st);
 void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
 void scale(float* x, int64_t n, double f, cudaStream_t st);
+// Mixed precision (runtime/mixed_precision.cc): fp32 to bf16 (round to nearest even) and back;
+// y and x are n bf16 elements.
+void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st);
+void from_bf16(const void* x, float* y, int64_t n, cudaStream_t st);
 // The sum of squares of x in double, written to *out (device) as partial sums in a fixed
 // order: `partials` holds kSumSquaresBlocks doubles.
 constexpr int kSumSquaresBlocks = 256;

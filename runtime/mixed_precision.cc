@@ -1,0 +1,348 @@
+// The Backend's typed forms (runtime/backend.h): a call whose tensors are all fp32 is the fp32
+// kernel; one with bf16 operands widens them to fp32 temporaries in the backend's memory, runs
+// the fp32 kernel and rounds its bf16 outputs back, so every backend runs mixed precision with
+// the kernels it has (bf16 storage, fp32 arithmetic).
+#include <vector>
+
+#include "runtime/backend.h"
+#include "runtime/device_buffer.h"
+
+namespace ptdp {
+namespace {
+
+bool f32(std::initializer_list<CPtr> xs) {
+  for (const CPtr& x : xs)
+    if (!x.f32()) return false;
+  return true;
+}
+
+// The fp32 operands of one call: bf16 inputs widened, bf16 outputs computed in fp32 and
+// rounded back by finish().
+class Widen {
+ public:
+  explicit Widen(Backend& be) : be_(be) {}
+
+  const float* in(CPtr x, int64_t n) {
+    if (x.f32()) return x.f();
+    float* t = temp(n);
+    be_.convert(x.p, x.t, t, DType::kF32, n);
+    return t;
+  }
+  float* out(Ptr y, int64_t n) {
+    if (y.f32()) return y.f();
+    float* t = temp(n);
+    back_.push_back({t, y, n});
+    return t;
+  }
+  float* inout(Ptr y, int64_t n) {
+    if (y.f32()) return y.f();
+    float* t = const_cast<float*>(in(y, n));
+    back_.push_back({t, y, n});
+    return t;
+  }
+  void finish() {
+    for (const Back& b : back_) be_.convert(b.from, DType::kF32, b.to.p, b.to.t, b.n);
+  }
+
+ private:
+  float* temp(int64_t n) {
+    temps_.emplace_back(be_, DType::kF32, n);
+    return temps_.back().data<float>();
+  }
+  struct Back {
+    float* from;
+    Ptr to;
+    int64_t n;
+  };
+  Backend& be_;
+  std::vector<DeviceBuffer> temps_;
+  std::vector<Back> back_;
+};
+
+}  // namespace
+
+void Backend::linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in, int64_t out) {
+  if (f32({x, w, b, y})) return linear_forward(x.f(), w.f(), b.f(), y.f(), n, in, out);
+  if (native_linear_forward(x, w, b, y, n, in, out)) return;
+  Widen c(*this);
+  linear_forward(c.in(x, n * in), c.in(w, out * in), c.in(b, out), c.out(y, n * out), n, in, out);
+  c.finish();
+}
+
+void Backend::linear_dgrad(CPtr w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out) {
+  if (f32({w, dy, dx})) return linear_dgrad(w.f(), dy.f(), dx.f(), n, in, out);
+  if (native_linear_dgrad(w, dy, dx, n, in, out)) return;
+  Widen c(*this);
+  linear_dgrad(c.in(w, out * in), c.in(dy, n * out), c.out(dx, n * in), n, in, out);
+  c.finish();
+}
+
+void Backend::linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int64_t in,
+                           int64_t out) {
+  if (f32({x, dy})) return linear_wgrad(x.f(), dy.f(), dw, db, n, in, out);
+  if (native_linear_wgrad(x, dy, dw, db, n, in, out)) return;
+  Widen c(*this);
+  linear_wgrad(c.in(x, n * in), c.in(dy, n * out), dw, db, n, in, out);
+}
+
+void Backend::attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s, int64_t hq,
+                               int64_t hk, int64_t d) {
+  if (f32({q, k, scores})) return attention_scores(q.f(), k.f(), scores.f(), b, s, hq, hk, d);
+  Widen c(*this);
+  attention_scores(c.in(q, b * s * hq * d), c.in(k, b * s * hk * d), c.out(scores, b * hq * s * s),
+                   b, s, hq, hk, d);
+  c.finish();
+}
+
+void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Ptr dk, int64_t b,
+                                        int64_t s, int64_t hq, int64_t hk, int64_t d) {
+  if (f32({q, k, dscores, dq, dk}))
+    return attention_scores_backward(q.f(), k.f(), dscores.f(), dq.f(), dk.f(), b, s, hq, hk, d);
+  Widen c(*this);
+  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
+  attention_scores_backward(c.in(q, nq), c.in(k, nk), c.in(dscores, b * hq * s * s), c.out(dq, nq),
+                            c.out(dk, nk), b, s, hq, hk, d);
+  c.finish();
+}
+
+void Backend::causal_softmax(Ptr scores, int64_t rows, int64_t s) {
+  if (scores.f32()) return causal_softmax(scores.f(), rows, s);
+  Widen c(*this);
+  causal_softmax(c.inout(scores, rows * s * s), rows, s);
+  c.finish();
+}
+
+void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int64_t rows,
+                                      int64_t s) {
+  if (f32({probs, dprobs, dscores}))
+    return causal_softmax_backward(probs.f(), dprobs.f(), dscores.f(), rows, s);
+  Widen c(*this);
+  const int64_t n = rows * s * s;
+  causal_softmax_backward(c.in(probs, n), c.in(dprobs, n), c.out(dscores, n), rows, s);
+  c.finish();
+}
+
+void Backend::attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t s, int64_t hq,
+                                int64_t hk, int64_t d) {
+  if (f32({probs, v, out})) return attention_context(probs.f(), v.f(), out.f(), b, s, hq, hk, d);
+  Widen c(*this);
+  attention_context(c.in(probs, b * hq * s * s), c.in(v, b * s * hk * d),
+                    c.out(out, b * s * hq * d), b, s, hq, hk, d);
+  c.finish();
+}
+
+void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dprobs, Ptr dv,
+                                         int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+  if (f32({probs, v, dout, dprobs, dv}))
+    return attention_context_backward(probs.f(), v.f(), dout.f(), dprobs.f(), dv.f(), b, s, hq, hk,
+                                      d);
+  Widen c(*this);
+  const int64_t np = b * hq * s * s, nv = b * s * hk * d;
+  attention_context_backward(c.in(probs, np), c.in(v, nv), c.in(dout, b * s * hq * d),
+                             c.out(dprobs, np), c.out(dv, nv), b, s, hq, hk, d);
+  c.finish();
+}
+
+void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b,
+                                      int64_t s, int64_t hq, int64_t hk, int64_t d) {
+  if (f32({q, k, v, out}))
+    return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
+  Widen c(*this);
+  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
+  flash_attention_forward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.out(out, nq), lse, b, s, hq, hk,
+                          d);
+  c.finish();
+}
+
+void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse,
+                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s,
+                                       int64_t hq, int64_t hk, int64_t d) {
+  if (f32({q, k, v, out, dout, dq, dk, dv}))
+    return flash_attention_backward(q.f(), k.f(), v.f(), out.f(), lse, dout.f(), dq.f(), dk.f(),
+                                    dv.f(), b, s, hq, hk, d);
+  Widen c(*this);
+  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
+  flash_attention_backward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.in(out, nq), lse,
+                           c.in(dout, nq), c.out(dq, nq), c.out(dk, nk), c.out(dv, nk), b, s, hq,
+                           hk, d);
+  c.finish();
+}
+
+void Backend::norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
+                           int64_t h) {
+  if (f32({x, g, beta, y})) return norm_forward(x.f(), g.f(), beta.f(), y.f(), mean, rstd, n, h);
+  Widen c(*this);
+  norm_forward(c.in(x, n * h), c.in(g, h), c.in(beta, h), c.out(y, n * h), mean, rstd, n, h);
+  c.finish();
+}
+
+void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
+                            CPtr dy, Ptr dx, float* dg, float* dbeta, int64_t n, int64_t h) {
+  if (f32({x, g, dy, dx}))
+    return norm_backward(x.f(), g.f(), has_beta, mean, rstd, dy.f(), dx.f(), dg, dbeta, n, h);
+  Widen c(*this);
+  norm_backward(c.in(x, n * h), c.in(g, h), has_beta, mean, rstd, c.in(dy, n * h), c.out(dx, n * h),
+                dg, dbeta, n, h);
+  c.finish();
+}
+
+void Backend::gelu(CPtr x, Ptr y, int64_t n) {
+  if (f32({x, y})) return gelu(x.f(), y.f(), n);
+  Widen c(*this);
+  gelu(c.in(x, n), c.out(y, n), n);
+  c.finish();
+}
+
+void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
+  if (f32({x, dy, dx})) return gelu_backward(x.f(), dy.f(), dx.f(), n);
+  Widen c(*this);
+  gelu_backward(c.in(x, n), c.in(dy, n), c.out(dx, n), n);
+  c.finish();
+}
+
+void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
+  if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
+  Widen c(*this);
+  swiglu(c.in(x, 2 * n * f), c.out(y, n * f), n, f);
+  c.finish();
+}
+
+void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
+  if (f32({x, dy, dx})) return swiglu_backward(x.f(), dy.f(), dx.f(), n, f);
+  Widen c(*this);
+  swiglu_backward(c.in(x, 2 * n * f), c.in(dy, n * f), c.out(dx, 2 * n * f), n, f);
+  c.finish();
+}
+
+void Backend::rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+                   bool inverse) {
+  if (x.f32()) return rope(x.f(), b, s, heads, d, base, inverse);
+  Widen c(*this);
+  rope(c.inout(x, b * s * heads * d), b, s, heads, d, base, inverse);
+  c.finish();
+}
+
+void Backend::copy(CPtr x, Ptr y, int64_t n) {
+  if (x.t == y.t) return copy_bytes(x.p, y.p, static_cast<size_t>(n) * dtype_bytes(x.t));
+  convert(x.p, x.t, y.p, y.t, n);
+}
+
+void Backend::fill_zero(Ptr x, int64_t n) {
+  zero_bytes(x.p, static_cast<size_t>(n) * dtype_bytes(x.t));
+}
+
+void Backend::add(Ptr y, CPtr x, int64_t n) {
+  if (f32({y, x})) return add(y.f(), x.f(), n);
+  Widen c(*this);
+  add(c.inout(y, n), c.in(x, n), n);
+  c.finish();
+}
+
+void Backend::add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) {
+  if (f32({y, bias})) return add_bias(y.f(), bias.f(), rows, width);
+  Widen c(*this);
+  add_bias(c.inout(y, rows * width), c.in(bias, width), rows, width);
+  c.finish();
+}
+
+void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
+  if (dy.f32()) return bias_grad(dy.f(), db, rows, width);
+  Widen c(*this);
+  bias_grad(c.in(dy, rows * width), db, rows, width);
+}
+
+void Backend::scale(Ptr x, int64_t n, double f) {
+  if (x.f32()) return scale(x.f(), n, f);
+  Widen c(*this);
+  scale(c.inout(x, n), n, f);
+  c.finish();
+}
+
+void Backend::split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
+                             int64_t c) {
+  if (f32({x, y0, y1, y2})) return split_columns3(x.f(), y0.f(), y1.f(), y2.f(), n, a, b, c);
+  Widen w(*this);
+  split_columns3(w.in(x, n * (a + b + c)), w.out(y0, n * a), w.out(y1, n * b), w.out(y2, n * c), n,
+                 a, b, c);
+  w.finish();
+}
+
+void Backend::concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
+                              int64_t c) {
+  if (f32({x0, x1, x2, y})) return concat_columns3(x0.f(), x1.f(), x2.f(), y.f(), n, a, b, c);
+  Widen w(*this);
+  concat_columns3(w.in(x0, n * a), w.in(x1, n * b), w.in(x2, n * c), w.out(y, n * (a + b + c)), n,
+                  a, b, c);
+  w.finish();
+}
+
+void Backend::sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
+                               int64_t width) {
+  if (f32({shards, full})) return sequence_unshard(shards.f(), full.f(), t, b, s, width);
+  Widen c(*this);
+  sequence_unshard(c.in(shards, b * s * width), c.out(full, b * s * width), t, b, s, width);
+  c.finish();
+}
+
+void Backend::sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
+                             int64_t width) {
+  if (f32({full, shards})) return sequence_shard(full.f(), shards.f(), t, b, s, width);
+  Widen c(*this);
+  sequence_shard(c.in(full, b * s * width), c.out(shards, b * s * width), t, b, s, width);
+  c.finish();
+}
+
+void Backend::vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, int64_t n, int64_t h,
+                                     int64_t v0, int64_t vl) {
+  if (f32({table, y})) return vocab_embedding_lookup(tokens, table.f(), y.f(), n, h, v0, vl);
+  Widen c(*this);
+  vocab_embedding_lookup(tokens, c.in(table, vl * h), c.out(y, n * h), n, h, v0, vl);
+  c.finish();
+}
+
+void Backend::vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n,
+                                   int64_t h, int64_t v0, int64_t vl) {
+  if (dy.f32()) return vocab_embedding_grad(tokens, dy.f(), dtable, n, h, v0, vl);
+  Widen c(*this);
+  vocab_embedding_grad(tokens, c.in(dy, n * h), dtable, n, h, v0, vl);
+}
+
+void Backend::add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h, int64_t first) {
+  if (f32({x, pos})) return add_positions(x.f(), pos.f(), b, sl, h, first);
+  Widen c(*this);
+  add_positions(c.inout(x, b * sl * h), c.in(pos, (first + sl) * h), b, sl, h, first);
+  c.finish();
+}
+
+void Backend::position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first) {
+  if (dx.f32()) return position_grad(dx.f(), dpos, b, sl, h, first);
+  Widen c(*this);
+  position_grad(c.in(dx, b * sl * h), dpos, b, sl, h, first);
+}
+
+void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n,
+                                  int64_t vl, int64_t valid, int64_t v0) {
+  if (logits.f32()) return cross_entropy_stats(logits.f(), targets, stats, n, vl, valid, v0);
+  Widen c(*this);
+  cross_entropy_stats(c.in(logits, n * vl), targets, stats, n, vl, valid, v0);
+}
+
+double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logits, float* lse,
+                                     int64_t n, int64_t vl, int64_t valid) {
+  if (logits.f32()) return cross_entropy_finish(stats, ranks, logits.f(), lse, n, vl, valid);
+  Widen c(*this);
+  const double loss =
+      cross_entropy_finish(stats, ranks, c.inout(logits, n * vl), lse, n, vl, valid);
+  c.finish();
+  return loss;
+}
+
+void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl,
+                                     int64_t v0, double scale) {
+  if (probs.f32()) return cross_entropy_backward(probs.f(), targets, n, vl, v0, scale);
+  Widen c(*this);
+  cross_entropy_backward(c.inout(probs, n * vl), targets, n, vl, v0, scale);
+  c.finish();
+}
+
+}  // namespace ptdp
