@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <random>
@@ -98,6 +99,60 @@ TEST_F(CudaBackendTest, LinearLayersMatchTheCpu) {
   expect_close(down(gdx, dx.size()), dx, "linear dgrad");
   expect_close(down(gdw, dw.size()), dw, "linear wgrad (accumulated)");
   expect_close(down(gdb, db.size()), db, "bias grad (accumulated)");
+}
+
+// Mixed precision (--bf16): the typed GEMMs on bf16 operands run natively on the GPU (cuBLAS,
+// bf16 in, fp32 accumulation) and the CPU widens them to its fp32 kernels; a widened element-wise
+// call (bias add, GELU) goes through the GPU's conversion kernels. Outputs agree within bf16's
+// rounding; weight and bias gradients accumulate into fp32.
+TEST_F(CudaBackendTest, MixedPrecisionGemmsAndWideningMatchTheCpu) {
+  const int64_t n = 37, in = 70, out = 45;
+  auto narrow = [](const Host& h) {
+    std::vector<uint16_t> b(h.size());
+    convert_on_host(h.data(), DType::kF32, b.data(), DType::kBF16, static_cast<int64_t>(h.size()));
+    return b;
+  };
+  auto widen = [](const std::vector<uint16_t>& b) {
+    Host h(b.size());
+    convert_on_host(b.data(), DType::kBF16, h.data(), DType::kF32, static_cast<int64_t>(b.size()));
+    return h;
+  };
+  auto up16 = [&](const std::vector<uint16_t>& b) {
+    void* p = gpu_->allocate(b.size() * 2);
+    owned_.push_back({p, b.size() * 2});
+    gpu_->upload(b.data(), p, b.size() * 2);
+    return Ptr(p, DType::kBF16);
+  };
+  auto down16 = [&](Ptr p, size_t count) {
+    std::vector<uint16_t> b(count);
+    gpu_->download(p.p, b.data(), count * 2);
+    return widen(b);
+  };
+  auto x = narrow(random(n * in, 11)), w = narrow(random(out * in, 12)),
+       b = narrow(random(out, 13)), dy = narrow(random(n * out, 14));
+  const Host dw0 = random(out * in, 15), db0 = random(out, 16);
+  std::vector<uint16_t> y(n * out), dx(n * in), act(n * out);
+  Host dw = dw0, db = db0;
+  const Ptr cx(x.data(), DType::kBF16), cw(w.data(), DType::kBF16), cb(b.data(), DType::kBF16),
+      cdy(dy.data(), DType::kBF16);
+  cpu_->linear_forward(cx, cw, cb, Ptr(y.data(), DType::kBF16), n, in, out);
+  cpu_->linear_dgrad(cw, cdy, Ptr(dx.data(), DType::kBF16), n, in, out);
+  cpu_->linear_wgrad(cx, cdy, dw.data(), db.data(), n, in, out);
+  cpu_->gelu(Ptr(y.data(), DType::kBF16), Ptr(act.data(), DType::kBF16), n * out);
+  const Ptr gx = up16(x), gw = up16(w), gb = up16(b), gdy = up16(dy);
+  const Ptr gy = up16(std::vector<uint16_t>(n * out)), gdx = up16(std::vector<uint16_t>(n * in)),
+            gact = up16(std::vector<uint16_t>(n * out));
+  float *gdw = up(dw0), *gdb = up(db0);
+  gpu_->linear_forward(gx, gw, gb, gy, n, in, out);
+  gpu_->linear_dgrad(gw, gdy, gdx, n, in, out);
+  gpu_->linear_wgrad(gx, gdy, gdw, gdb, n, in, out);
+  gpu_->gelu(gy, gact, n * out);
+  // Two bf16 roundings apart at most (the GPU sums in another order before rounding).
+  expect_close(down16(gy, y.size()), widen(y), "bf16 linear forward", 1e-2, 1e-2);
+  expect_close(down16(gdx, dx.size()), widen(dx), "bf16 linear dgrad", 1e-2, 1e-2);
+  expect_close(down(gdw, dw.size()), dw, "bf16 linear wgrad into fp32", 1e-4, 1e-4);
+  expect_close(down(gdb, db.size()), db, "bf16 bias grad into fp32", 1e-4, 1e-4);
+  expect_close(down16(gact, act.size()), widen(act), "bf16 gelu (widened)", 2e-2, 2e-2);
 }
 
 // Scores, softmax, context and their backward, with grouped queries (4 query heads on 2 key/value
