@@ -216,8 +216,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
     f.train.model = model;
-    // MoE layers route tokens in fp32: an MoE model trains in fp32, said in the header.
-    f.train.precision = f.job.bf16 && !model.is_moe() ? DType::kBF16 : DType::kF32;
+    f.train.precision = f.job.bf16 ? DType::kBF16 : DType::kF32;
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
     return 2;
@@ -247,9 +246,9 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       if (f.train.precision == DType::kBF16)
         out << "ptdp run: bf16 weights and activations; fp32 gradients, master weights and Adam "
                "states\n";
-      if (f.job.bf16 && f.train.precision != DType::kBF16)
-        out << "ptdp run: trains the MoE model in fp32 (--bf16 is priced, not run: MoE layers "
-               "route tokens in fp32)\n";
+      if (f.train.precision == DType::kBF16 && model.is_moe())
+        out << "ptdp run: the routed experts compute in fp32 (their weights bf16): routing runs "
+               "on fp32 host kernels\n";
       if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }

@@ -26,8 +26,6 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   m.validate();
   if (s.dtype != DType::kF32 && s.dtype != DType::kBF16)
     throw InputError("--bf16", "ptdp run trains in fp32 or bf16, not " + to_string(s.dtype));
-  if (s.dtype != DType::kF32 && m.is_moe())
-    throw InputError("--bf16", "MoE layers route tokens in fp32 in ptdp run: drop --bf16");
   // The plan rules of core/plan_rules.h on the plan this layout belongs to: one data-parallel
   // replica, p microbatches (a count any interleaved plan allows), each pipeline rank's layers
   // the sum of its chunks'.

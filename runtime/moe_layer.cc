@@ -140,8 +140,35 @@ Counts expert_rows(const MoeDims& d, const MoeActs& A) {  // per local expert, w
 float* at(Buffer& b, int64_t row, int64_t width) {
   return b.data() + row * width;
 }
-float* opt(ShardContext& c, int64_t off, bool grad) {
-  return off < 0 ? nullptr : grad ? c.G(off) : c.P(off).f();
+// An optional parameter (a bias; -1 when absent) and its gradient.
+Ptr opt(ShardContext& c, int64_t off) {
+  return off < 0 ? Ptr() : c.P(off);
+}
+float* opt_grad(ShardContext& c, int64_t off) {
+  return off < 0 ? nullptr : c.G(off);
+}
+
+// The layer's input (or output gradient) in fp32, which the routing kernels read: x itself, or
+// a widened copy of a bf16 x in `widened`.
+const float* fp32_of(ShardContext& c, const Buffer& x, Buffer& widened) {
+  if (x.dtype() == DType::kF32) return x.data();
+  widened = Buffer(x.size(), DType::kF32);
+  c.be.copy(x.ptr(), widened.ptr(), elems(x));
+  return widened.data();
+}
+
+// Runs `fill` on an fp32 [n, h] array holding `y` (when `accumulate`; zeros otherwise) and
+// stores the result in y, in y's type (a fresh y takes `type`).
+template <class F>
+void into(ShardContext& c, Buffer& y, bool accumulate, int64_t count, DType type, F fill) {
+  Buffer f32(static_cast<size_t>(count), DType::kF32);
+  if (accumulate) c.be.copy(y.ptr(), f32.ptr(), count);
+  fill(f32.data());
+  if (!accumulate) {
+    y = Buffer(type);
+    resize(y, count);
+  }
+  c.be.copy(f32.ptr(), y.ptr(), count);
 }
 
 // Calls f(local expert, first row, rows) for each local expert with rows.
@@ -257,13 +284,17 @@ std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const Moe
 
 void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
                     const Buffer& x, Buffer& out, MoeActs& A) {
+  // The routed part runs in fp32 whatever the model's precision (the routing kernels are fp32
+  // host kernels); a bf16 model's expert weights are widened by the typed GEMMs.
+  const DType model_type = activation_dtype();
+  const ActivationDType fp32(DType::kF32);
   const MoeDims& d = mc.dims();
   const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk, El = d.local_experts;
   Backend& be = c.be;
   switch (op) {
     case OpId::kRouter:
       resize(A.logits, n * E);
-      c.linear(x.data(), W.router, -1, A.logits.data(), n, h, E);
+      c.linear(x.ptr(), W.router, -1, A.logits.ptr(), n, h, E);
       break;
     case OpId::kRouterTopk:
       A.chosen.resize(static_cast<size_t>(n * k));
@@ -283,7 +314,11 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       A.rows =
           kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
       resize(A.permuted, A.rows * h);
-      kernels::permute_rows(x.data(), A.slot_of_row.data(), A.rows, k, h, A.permuted.data());
+      {
+        Buffer widened;
+        kernels::permute_rows(fp32_of(c, x, widened), A.slot_of_row.data(), A.rows, k, h,
+                              A.permuted.data());
+      }
       break;
     case OpId::kMoeDispatch:
       A.recv = exchange_counts(mc.ep(), A.counts, El, false);
@@ -302,8 +337,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       const int64_t w = d.fc1_width();
       resize(A.fc1, elems(A.x) / h * w);
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
-        be.linear_forward(at(A.x, r0, h), c.P(W.fc1_w[e]), opt(c, W.fc1_b[e], false),
-                          at(A.fc1, r0, w), rows, h, w);
+        be.linear_forward(at(A.x, r0, h), c.P(W.fc1_w[e]), opt(c, W.fc1_b[e]), at(A.fc1, r0, w),
+                          rows, h, w);
       });
       c.gemm_done(elems(A.x) / h, w, h, 1);
       break;
@@ -322,8 +357,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       // The output bias is added once, by expert-tensor rank 0, before the partial sums meet.
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_forward(at(A.act, r0, d.ffe), c.P(W.fc2_w[e]),
-                          d.etp_rank == 0 ? opt(c, W.fc2_b[e], false) : nullptr, at(A.y, r0, h),
-                          rows, d.ffe, h);
+                          d.etp_rank == 0 ? opt(c, W.fc2_b[e]) : Ptr(), at(A.y, r0, h), rows, d.ffe,
+                          h);
       });
       c.gemm_done(elems(A.x) / h, h, d.ffe, 1);
       break;
@@ -339,12 +374,10 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       release(A.y);
       break;
     case OpId::kMoeUnpermute:
-      if (!d.shared) {
-        resize(out, n * h);
-        be.fill_zero(out.data(), n * h);
-      }
-      kernels::unpermute(A.combined.data(), A.prob.data(), A.slot_of_row.data(), A.rows, k, h,
-                         out.data());
+      // Added to the shared experts' output where there are shared experts.
+      into(c, out, d.shared, n * h, model_type, [&](float* y) {
+        kernels::unpermute(A.combined.data(), A.prob.data(), A.slot_of_row.data(), A.rows, k, h, y);
+      });
       break;
     default:
       throw std::logic_error("not a forward op of an MoE layer");
@@ -353,6 +386,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
 
 void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
                      const Buffer& x, const Buffer& d_out, Buffer& d_x, MoeActs& A) {
+  const DType model_type = activation_dtype();
+  const ActivationDType fp32(DType::kF32);  // as the forward pass
   const MoeDims& d = mc.dims();
   const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk;
   Backend& be = c.be;
@@ -362,8 +397,12 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       resize(A.d_y, A.rows * h);
       A.dprob.clear();
       resize(A.dprob, n * k);
-      kernels::unpermute_backward(d_out.data(), A.combined.data(), A.prob.data(),
-                                  A.slot_of_row.data(), A.rows, k, h, A.d_y.data(), A.dprob.data());
+      {
+        Buffer widened;
+        kernels::unpermute_backward(fp32_of(c, d_out, widened), A.combined.data(), A.prob.data(),
+                                    A.slot_of_row.data(), A.rows, k, h, A.d_y.data(),
+                                    A.dprob.data());
+      }
       release(A.combined);
       break;
     case OpId::kMoeCombineBackward: {
@@ -388,7 +427,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     case OpId::kExpertFc2Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.act, r0, d.ffe), at(A.d_y, r0, h), c.G(W.fc2_w[e]),
-                        opt(c, W.fc2_b[e], true), rows, d.ffe, h);
+                        opt_grad(c, W.fc2_b[e]), rows, d.ffe, h);
       });
       c.gemm_done(d.ffe, h, elems(A.x) / h, 1);
       c.weight_gradient_done();
@@ -413,7 +452,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     case OpId::kExpertFc1Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.x, r0, h), at(A.d_pre, r0, w), c.G(W.fc1_w[e]),
-                        opt(c, W.fc1_b[e], true), rows, h, w);
+                        opt_grad(c, W.fc1_b[e]), rows, h, w);
       });
       c.gemm_done(h, w, elems(A.x) / h, 1);
       c.weight_gradient_done();
@@ -431,11 +470,10 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       break;
     }
     case OpId::kMoePermuteBackward:
-      if (!d.shared) {
-        resize(d_x, n * h);
-        be.fill_zero(d_x.data(), n * h);
-      }
-      kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, d_x.data());
+      // Added to the shared experts' input gradient where there are shared experts.
+      into(c, d_x, d.shared, n * h, model_type, [&](float* y) {
+        kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, y);
+      });
       release(A.d_x);
       break;
     case OpId::kRouterTopkBackward:
@@ -446,12 +484,12 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     case OpId::kRouterDgrad: {
       Buffer dx;
       resize(dx, n * h);
-      c.linear_dgrad(W.router, A.dlogits.data(), dx.data(), n, h, E);
-      be.add(d_x.data(), dx.data(), n * h);
+      c.linear_dgrad(W.router, A.dlogits.ptr(), dx.ptr(), n, h, E);
+      be.add(d_x.ptr(), dx.ptr(), n * h);
       break;
     }
     case OpId::kRouterWgrad:
-      c.linear_wgrad(x.data(), A.dlogits.data(), W.router, -1, n, h, E);
+      c.linear_wgrad(x.ptr(), A.dlogits.ptr(), W.router, -1, n, h, E);
       break;
     default:
       throw std::logic_error("not a backward op of an MoE layer");

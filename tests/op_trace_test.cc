@@ -144,40 +144,43 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   flash.name = "trace-flash";
   flash.flash_attention = true;
   int checked = 0;
+  // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
   for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
-    for (const Variant& v : variants) {
-      ShardLayout l;
-      l.t = v.t;
-      l.micro_batch = 2;
-      l.sequence_parallel = v.sp;
-      l.recompute = v.recompute;
-      const std::vector<Op> want = listed(m, l);
-      const std::vector<ExecutedOp> got = executed(m, l);
-      const std::string where =
-          m.name + " t" + std::to_string(v.t) + (v.sp ? " sp " : " ") + to_string(v.recompute);
-      ASSERT_EQ(got.size(), want.size()) << where;
-      for (size_t i = 0; i < want.size(); ++i) {
-        const Op& w = want[i];
-        const ExecutedOp& g = got[i];
-        const std::string at = where + " op " + std::to_string(i) + " " + std::string(w.name());
-        ASSERT_EQ(op_name(g.id), w.name()) << at;
-        EXPECT_EQ(to_string(g.role), to_string(w.role)) << at;
-        ASSERT_EQ(static_cast<int>(g.kind), static_cast<int>(w.kind)) << at;
-        if (w.kind == OpKind::kCollective) {
-          EXPECT_EQ(to_string(g.collective), to_string(w.collective)) << at;
-          EXPECT_DOUBLE_EQ(g.bytes, w.bytes) << at;
+    for (const Variant& v : variants)
+      for (const DType type : {DType::kF32, DType::kBF16}) {
+        ShardLayout l;
+        l.t = v.t;
+        l.micro_batch = 2;
+        l.sequence_parallel = v.sp;
+        l.recompute = v.recompute;
+        l.dtype = type;
+        const std::vector<Op> want = listed(m, l);
+        const std::vector<ExecutedOp> got = executed(m, l);
+        const std::string where = m.name + " t" + std::to_string(v.t) + (v.sp ? " sp " : " ") +
+                                  to_string(v.recompute) + " " + to_string(type);
+        ASSERT_EQ(got.size(), want.size()) << where;
+        for (size_t i = 0; i < want.size(); ++i) {
+          const Op& w = want[i];
+          const ExecutedOp& g = got[i];
+          const std::string at = where + " op " + std::to_string(i) + " " + std::string(w.name());
+          ASSERT_EQ(op_name(g.id), w.name()) << at;
+          EXPECT_EQ(to_string(g.role), to_string(w.role)) << at;
+          ASSERT_EQ(static_cast<int>(g.kind), static_cast<int>(w.kind)) << at;
+          if (w.kind == OpKind::kCollective) {
+            EXPECT_EQ(to_string(g.collective), to_string(w.collective)) << at;
+            EXPECT_DOUBLE_EQ(g.bytes, w.bytes) << at;
+          }
+          if (w.kind == OpKind::kGemm) {
+            EXPECT_EQ(g.m, w.m) << at;
+            EXPECT_EQ(g.n, w.n) << at;
+            EXPECT_EQ(g.k, w.k) << at;
+            EXPECT_EQ(g.batch, w.batch) << at;
+          }
+          ++checked;
         }
-        if (w.kind == OpKind::kGemm) {
-          EXPECT_EQ(g.m, w.m) << at;
-          EXPECT_EQ(g.n, w.n) << at;
-          EXPECT_EQ(g.k, w.k) << at;
-          EXPECT_EQ(g.batch, w.batch) << at;
-        }
-        ++checked;
       }
-    }
   }
-  EXPECT_GT(checked, 1000);
+  EXPECT_GT(checked, 2000);
 }
 
 // The trace is not vacuous: a shard with sequence parallelism runs all-gathers where one

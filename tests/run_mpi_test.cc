@@ -527,6 +527,25 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// An MoE model in bf16 (its routed experts computing in fp32 on bf16 weights): near its fp32
+// curve, and sharded over experts and tensor ranks near its single-rank bf16 curve.
+TEST(RunMpi, Bf16MoeTracksFp32AndShardsAlike) {
+  const std::string shared = kTinyMoe + " --moe-shared-expert-intermediate-size 64";
+  const nlohmann::json fp32 = run_json(0, shared);
+  const nlohmann::json bf16 = run_json(0, shared + " --bf16");
+  EXPECT_EQ(bf16["precision"], "bf16");
+  auto near = [](const nlohmann::json& a, const nlohmann::json& b, const std::string& what) {
+    const auto x = losses(a), y = losses(b);
+    ASSERT_EQ(x.size(), y.size()) << what;
+    for (size_t i = 0; i < y.size(); ++i)
+      EXPECT_NEAR(x[i], y[i], 1e-2 * std::abs(y[i])) << what << " step " << i;
+  };
+  near(bf16, fp32, "bf16 against fp32");
+  EXPECT_NE(losses(bf16), losses(fp32));
+  const Layout l{2, 1, 2, "--bf16 --expert-model-parallel-size 2 --sequence-parallel", shared};
+  near(run_json(l.ranks(), flags(l)), bf16, flags(l));
+}
+
 TEST(RunMpi, SwiGluMoeWithASharedExpertAndMoeEveryOtherLayerShardToTheSameLosses) {
   const std::string swiglu = kTinyMoe + " --swiglu --moe-shared-expert-intermediate-size 64";
   expect_same_losses({2, 1, 2, "--expert-model-parallel-size 2 --sequence-parallel", swiglu},
