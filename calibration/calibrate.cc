@@ -172,11 +172,12 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   };
 
   // ---- compute: the op lists' kernels, a generic GEMM grid, bandwidth, optimizer ----
-  std::vector<OpSample> ops = measure_ops(be, o.model, plan.tb, sw, evict.get(),
-                                          [&](int, int) { tick("kernels of the op list"); });
+  std::vector<OpSample> ops = measure_ops(
+      be, o.model, plan.tb, sw, evict.get(), [&](int, int) { tick("kernels of the op list"); },
+      o.precision);
   std::vector<std::pair<std::array<int64_t, 3>, double>> grid;
   for (const auto& g : plan.grid) {
-    grid.push_back({g, time_linear(be, g[0], g[1], g[2], sw)});
+    grid.push_back({g, time_linear(be, g[0], g[1], g[2], sw, o.precision)});
     tick("GEMM grid");
   }
   double bandwidth = 0;  // bytes/s of the largest stream
@@ -277,8 +278,9 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     msec.push_back(s.seconds);
   }
   HardwareProfile prof;
-  prof.name = "measured-" + o.backend;
-  prof.activation_dtype = DType::kF32;
+  prof.name =
+      "measured-" + o.backend + (o.precision == DType::kF32 ? "" : "-" + to_string(o.precision));
+  prof.activation_dtype = o.precision;
   json fits;
   double gap_s = 0;
   if (!msec.empty()) {
@@ -508,7 +510,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                        {"busbw_gbps", s.busbw_gbps}});
   json machine = {{"device", gpu ? device.name : cpu_model_name()},
                   {"backend", backend_label(o.backend)},
-                  {"activations", "fp32"},
+                  {"activations", to_string(o.precision)},
                   {"ranks", n_world},
                   {"nodes", cl.num_nodes},
                   {"ranks_per_node", ranks_per_node},

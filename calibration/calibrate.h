@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/model_spec.h"
 #include "runtime/communicator.h"
 
@@ -17,6 +18,9 @@ namespace ptdp {
 
 struct CalibrateOptions {
   std::string backend = "cpu";
+  // Weights and activations of the kernels measured: fp32, or bf16 as ptdp run --bf16 runs them
+  // (--bf16). The machine file prices runs of that precision only.
+  DType precision = DType::kF32;
   ModelSpec model;     // whose op list's shapes are measured
   bool quick = false;  // fewer sizes, shorter timings (under 2 minutes on two cores)
   // Seconds the measurements may take (0: no limit): each timing's target shrinks to fit.

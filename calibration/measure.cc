@@ -143,10 +143,11 @@ double Stopwatch::max_seconds(const std::function<void()>& f, int warmup) {
   return run(f, warmup).second;
 }
 
-std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b) {
+std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type) {
   ShardLayout l;
   l.t = t;
   l.micro_batch = b;
+  l.dtype = type;
   const LayerShape s = runtime_layer_shape(m, l);
   std::vector<Op> out;
   for (const PassOps& pass : {transformer_layer_ops(m, s), embedding_ops(m, s), lm_head_ops(m, s)})
@@ -159,14 +160,14 @@ std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b) {
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
                                   CacheEvictor* evict,
-                                  const std::function<void(int, int)>& progress) {
+                                  const std::function<void(int, int)>& progress, DType type) {
   // Distinct ops per layout: the same kernel on the same shape is timed once.
   std::vector<std::vector<Op>> todo;
   int total = 0;
   for (const auto& [t, b] : tb) {
     std::vector<Op> ops;
     std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, double>, bool> seen;
-    for (const Op& op : executed_ops(m, t, b)) {
+    for (const Op& op : executed_ops(m, t, b, type)) {
       if (op.kind == OpKind::kCollective) continue;
       if (seen.emplace(
                   std::make_tuple(static_cast<int>(op.id), op.m, op.n, op.k, op.batch, op.bytes),
@@ -184,6 +185,7 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
     ShardLayout l;
     l.t = t;
     l.micro_batch = b;
+    l.dtype = type;
     ShapeOnlyGroup group(static_cast<int>(t));
     OpExecutor exec(be, &group, m, l);
     for (const Op& op : todo[i]) {
@@ -210,11 +212,18 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
   return out;
 }
 
-double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw) {
+double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw, DType type) {
   Buffer x(static_cast<size_t>(m * k), 0.01f), w(static_cast<size_t>(n * k), 0.02f),
-      y(static_cast<size_t>(m * n));
+      y(static_cast<size_t>(m * n), type);
+  if (type != DType::kF32) {  // the same values, narrowed
+    Buffer xt(x.size(), type), wt(w.size(), type);
+    be.copy(x.ptr(), xt.ptr(), elems(x));
+    be.copy(w.ptr(), wt.ptr(), elems(w));
+    x.swap(xt);
+    w.swap(wt);
+  }
   return sw.mean_seconds([&] {
-    be.linear_forward(x.data(), w.data(), nullptr, y.data(), m, k, n);
+    be.linear_forward(x.ptr(), w.ptr(), nullptr, y.ptr(), m, k, n);
     be.synchronize();
   });
 }

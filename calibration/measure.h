@@ -73,17 +73,21 @@ class CacheEvictor {
 
 // The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run
 // executes them (runtime_layer_shape), without those it does not execute.
-std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b);
+// `type`: of weights and activations (fp32, or bf16 as ptdp run --bf16 runs them).
+std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type = DType::kF32);
 
 // Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b),
 // warm, and cold too with an evictor. `progress(done, total)` after each.
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
                                   CacheEvictor* evict,
-                                  const std::function<void(int, int)>& progress);
+                                  const std::function<void(int, int)>& progress,
+                                  DType type = DType::kF32);
 
-// A generic GEMM (y = x W^T through the backend's linear kernel) of m x k by k x n.
-double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw);
+// A generic GEMM (y = x W^T through the backend's typed linear kernel) of m x k by k x n, its
+// operands of `type`.
+double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw,
+                   DType type = DType::kF32);
 
 // Streaming bandwidth of y += x over n floats (12 bytes per element), bytes/s.
 double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw);

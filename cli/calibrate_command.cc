@@ -27,6 +27,7 @@ struct CalibrateFlags {
   JobFlags job;
   std::string backend = "cpu";
   bool quick = false;
+  bool bf16 = false;
   double time_limit_s = 0;
   std::vector<int64_t> group_sizes;
   std::string out;
@@ -83,6 +84,7 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
     o.backend = f.backend;
     o.model = model_of(f.job);
     o.quick = f.quick;
+    o.precision = f.bf16 ? DType::kBF16 : DType::kF32;
     o.time_limit_s = f.time_limit_s;
     o.group_sizes = f.group_sizes;
     o.command = command_line();
@@ -135,6 +137,9 @@ Action add_calibrate_command(CLI::App& app) {
                   "collectives where each rank has a GPU of its own)")
       ->capture_default_str();
   sub->add_flag("--quick", f->quick, "fewer sizes and shorter timings");
+  sub->add_flag(
+      "--bf16", f->bf16,
+      "measure the kernels on bf16 weights and activations, as ptdp run --bf16 runs them");
   sub->add_option("--time-limit-s", f->time_limit_s,
                   "bound the measurements' time (shorter timings; 0: no bound)");
   sub->add_option("--group-sizes", f->group_sizes,

@@ -44,14 +44,20 @@ std::string line(const std::string& what, const Compared& c, double scale, const
   return buf;
 }
 
-// A machine file (ptdp calibrate) prices a run only with what it measured: the run's backend,
-// and collectives over every group size the run's plan communicates over.
+// A machine file (ptdp calibrate) prices a run only with what it measured: the run's backend and
+// precision, and collectives over every group size the run's plan communicates over.
 void check_machine_matches(const ClusterSpec& cluster, const RunTraceInfo& run,
                            const std::string& flag) {
   if (!cluster.measured_profile) return;  // a preset or a hand-written cluster file
   if (!cluster.measured_backend.empty() && cluster.measured_backend != run.backend)
     throw InputError(flag, "measured the " + cluster.measured_backend +
                                " backend, but the trace ran the " + run.backend + " backend");
+  const std::string kernels =
+      cluster.measured_activations.empty() ? "fp32" : cluster.measured_activations;
+  if (kernels != to_string(run.precision))
+    throw InputError(flag, "measured " + kernels + " kernels, but the trace trained in " +
+                               to_string(run.precision) + ": calibrate with" +
+                               (run.precision == DType::kBF16 ? " --bf16" : "out --bf16"));
   std::set<int64_t> measured;
   for (const CollectiveFit& c : cluster.measured_profile->collectives) measured.insert(c.ranks);
   const ParallelPlan& p = run.plan;

@@ -130,6 +130,9 @@ ClusterSpec machine_from_json(const json& j) {
   if (const json* m = r.member("machine")) {
     const auto backend = m->find("backend");
     if (backend != m->end() && backend->is_string()) out.measured_backend = *backend;
+    const auto activations = m->find("activations");
+    if (activations != m->end() && activations->is_string())
+      out.measured_activations = *activations;
     const auto ranks = m->find("ranks");
     if (ranks != m->end() && ranks->is_number_integer() && ranks->get<int64_t>() > 0)
       out.measured_ranks = ranks->get<int64_t>();

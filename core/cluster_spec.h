@@ -52,6 +52,8 @@ struct ClusterSpec {
   // From a machine file's "machine" object: the backend it measured and how many ranks took
   // part (its collectives were timed over groups of those ranks only). Empty / 0 otherwise.
   std::string measured_backend;
+  // The element type of the activations measured ("fp32", "bf16"); empty for older files (fp32).
+  std::string measured_activations;
   int64_t measured_ranks = 0;
 
   int64_t num_gpus() const { return gpus_per_node * num_nodes; }

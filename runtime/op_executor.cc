@@ -11,16 +11,19 @@ namespace ptdp {
 
 struct OpExecutor::State {
   ShardContext ctx;
+  DType dtype;    // of weights and activations (the layout's)
   Buffer params;  // one weight of the largest shape any op reads, and a bias
-  Buffer grads;
-  Buffer a, b, c, d, e, f;  // operands, sized per op
+  Buffer grads{DType::kF32};
+  Buffer a, b, c, d, e, f;                  // operands (of the layout's type), sized per op
+  Buffer m1{DType::kF32}, m2{DType::kF32};  // statistics: mean, rstd, lse, cross-entropy stats
   // A fused attention's own: q, k, v, out, lse, d out, dq, dk, dv; `stats_for` is the size of
   // q for which out and lse hold the forward pass of q, k, v (0: not computed).
-  Buffer fq, fk, fv, fo, flse, fdo, fdq, fdk, fdv;
+  Buffer fq, fk, fv, fo, flse{DType::kF32}, fdo, fdq, fdk, fdv;
   int64_t stats_for = 0;
   std::vector<int32_t> tokens;
 
-  State(Backend& be, Communicator* tp, const ShardDims& dims) : ctx(be, tp, dims) {}
+  State(Backend& be, Communicator* tp, const ShardDims& dims, DType type)
+      : ctx(be, tp, dims), dtype(type), params(type) {}
 
   // Sizes x to n elements of deterministic, moderate values. Filled once per size: a repeated
   // run (ptdp calibrate times many) times the op's kernel, not the making of its inputs; what
@@ -29,11 +32,16 @@ struct OpExecutor::State {
     int64_t& done = filled[&x];
     if (done == n && elems(x) == n) return;
     resize(x, n);
-    // Written in place in host memory; through a host copy into a device backend's memory.
-    std::vector<float> staged;
-    float* out = x.on_host() ? x.data() : (staged.resize(static_cast<size_t>(n)), staged.data());
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
-    if (!x.on_host()) x.space()->upload(staged.data(), x.data(), staged.size() * sizeof(float));
+    // Made in fp32 on the host, then stored in x's type (and memory).
+    std::vector<float> values(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      values[static_cast<size_t>(i)] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
+    std::vector<uint8_t> typed(x.bytes());
+    convert_on_host(values.data(), DType::kF32, typed.data(), x.dtype(), n);
+    if (x.on_host())
+      std::copy(typed.begin(), typed.end(), static_cast<uint8_t*>(x.raw()));
+    else
+      x.space()->upload(typed.data(), x.raw(), typed.size());
     done = n;
   }
   std::map<const Buffer*, int64_t> filled;
@@ -41,7 +49,7 @@ struct OpExecutor::State {
 
 OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const ModelSpec& m,
                        const ShardLayout& layout)
-    : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout))) {
+    : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout), layout.dtype)) {
   validate_shard_layout(m, layout);
   const ShardDims& d = s_->ctx.dims;
   // The largest weight: QKV, FC1 or the vocabulary shard, plus a bias of the widest output.
@@ -49,7 +57,7 @@ OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const Model
       std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h});
   s_->fill(s_->params, weight + std::max({d.qkv_width(), d.fc1_width(), d.h}));
   s_->fill(s_->grads, elems(s_->params));
-  s_->ctx.params = s_->params.data();
+  s_->ctx.params = s_->params.ptr();
   s_->ctx.grads = s_->grads.data();
   s_->tokens.resize(static_cast<size_t>(d.n_full));
   for (int64_t i = 0; i < d.n_full; ++i)
@@ -60,12 +68,13 @@ OpExecutor::~OpExecutor() = default;
 
 void OpExecutor::touch_input() const {
   if (!s_->a.on_host()) {  // a device: a kernel that reads and writes it back unchanged
-    s_->ctx.be.scale(s_->a.data(), elems(s_->a), 1.0);
+    s_->ctx.be.scale(s_->a.ptr(), elems(s_->a), 1.0);
     return;
   }
-  float sum = 0;
-  for (float v : s_->a) sum += v;
-  volatile float sink = sum;
+  uint32_t sum = 0;  // every byte read, whatever the type
+  const auto* p = static_cast<const uint8_t*>(s_->a.raw());
+  for (size_t i = 0; i < s_->a.bytes(); ++i) sum += p[i];
+  volatile uint32_t sink = sum;
   (void)sink;
 }
 
@@ -75,6 +84,7 @@ void OpExecutor::trace_ops(std::vector<ExecutedOp>* sink) {
 
 void OpExecutor::run(const Op& op) {
   State& S = *s_;
+  const ActivationDType precision(S.dtype);
   ShardContext& c = S.ctx;
   const ShardDims& d = c.dims;
   Backend& be = c.be;
@@ -86,17 +96,17 @@ void OpExecutor::run(const Op& op) {
       case 0:  // y[m, n] = x[m, k] W[n, k]^T
         S.fill(S.a, op.m * op.k);
         resize(S.b, op.m * op.n);
-        c.linear(S.a.data(), 0, -1, S.b.data(), op.m, op.k, op.n);
+        c.linear(S.a.ptr(), 0, -1, S.b.ptr(), op.m, op.k, op.n);
         break;
       case 1:  // dx[m, n] = dy[m, k] W[k, n]
         S.fill(S.a, op.m * op.k);
         resize(S.b, op.m * op.n);
-        c.linear_dgrad(0, S.a.data(), S.b.data(), op.m, op.n, op.k);
+        c.linear_dgrad(0, S.a.ptr(), S.b.ptr(), op.m, op.n, op.k);
         break;
       default:  // dW[n, m] += dy[k, n]^T x[k, m]
         S.fill(S.a, op.k * op.m);
         S.fill(S.b, op.k * op.n);
-        c.linear_wgrad(S.a.data(), S.b.data(), 0, -1, op.k, op.m, op.n);
+        c.linear_wgrad(S.a.ptr(), S.b.ptr(), 0, -1, op.k, op.m, op.n);
         break;
     }
   };
@@ -113,8 +123,8 @@ void OpExecutor::run(const Op& op) {
     S.fill(S.fq, q), S.fill(S.fk, kv), S.fill(S.fv, kv);
     auto forward = [&] {
       resize(S.fo, q), resize(S.flse, lse);
-      be.flash_attention_forward(S.fq.data(), S.fk.data(), S.fv.data(), S.fo.data(), S.flse.data(),
-                                 d.b, d.s, d.hl, d.gl, d.d);
+      be.flash_attention_forward(S.fq.ptr(), S.fk.ptr(), S.fv.ptr(), S.fo.ptr(), S.flse.data(), d.b,
+                                 d.s, d.hl, d.gl, d.d);
       S.stats_for = q;
     };
     if (op.id == OpId::kAttnScores) {
@@ -122,8 +132,8 @@ void OpExecutor::run(const Op& op) {
     } else if (op.id == OpId::kAttnScoresRecompute) {
       if (S.stats_for != q) forward();  // once: the backward needs a real forward's lse
       S.fill(S.fdo, q), resize(S.fdq, q), resize(S.fdk, kv), resize(S.fdv, kv);
-      be.flash_attention_backward(S.fq.data(), S.fk.data(), S.fv.data(), S.fo.data(), S.flse.data(),
-                                  S.fdo.data(), S.fdq.data(), S.fdk.data(), S.fdv.data(), d.b, d.s,
+      be.flash_attention_backward(S.fq.ptr(), S.fk.ptr(), S.fv.ptr(), S.fo.ptr(), S.flse.data(),
+                                  S.fdo.ptr(), S.fdq.ptr(), S.fdk.ptr(), S.fdv.ptr(), d.b, d.s,
                                   d.hl, d.gl, d.d);
     }
     if (op.kind == OpKind::kGemm) c.gemm_done(op.m, op.n, op.k, op.batch);
@@ -134,17 +144,21 @@ void OpExecutor::run(const Op& op) {
       // The op's buffer as the op list counts it: the output of an all-gather, the input of a
       // reduce-scatter, the buffer of an all-reduce.
       const int64_t n = static_cast<int64_t>(op.bytes / static_cast<double>(dtype_bytes(op.dtype)));
+      // In the op's element type: activations, or fp32 statistics (the cross-entropy's).
+      const bool stats = op.dtype != S.dtype;
+      Buffer& x = stats ? S.m1 : S.a;
+      Buffer& y = stats ? S.m2 : S.b;
       if (op.collective == Collective::kAllReduce) {
-        S.fill(S.a, n);
-        c.all_reduce(S.a);
+        S.fill(x, n);
+        c.all_reduce(x);
       } else if (op.collective == Collective::kAllGather) {
-        S.fill(S.a, n / d.t);
-        resize(S.b, n);
-        c.all_gather(S.a.data(), S.b.data(), n / d.t);
+        S.fill(x, n / d.t);
+        resize(y, n);
+        c.all_gather(x.ptr(), y.ptr(), n / d.t);
       } else {
-        S.fill(S.a, n);
-        resize(S.b, n / d.t);
-        c.reduce_scatter(S.a.data(), S.b.data(), n / d.t);
+        S.fill(x, n);
+        resize(y, n / d.t);
+        c.reduce_scatter(x.ptr(), y.ptr(), n / d.t);
       }
       return;
     }
@@ -152,21 +166,20 @@ void OpExecutor::run(const Op& op) {
       switch (op.id) {
         case OpId::kAttnScores:
           S.fill(S.a, q), S.fill(S.b, kv), resize(S.c, scores);
-          be.attention_scores(S.a.data(), S.b.data(), S.c.data(), d.b, d.s, d.hl, d.gl, d.d);
+          be.attention_scores(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.b, d.s, d.hl, d.gl, d.d);
           c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
           return;
         case OpId::kAttnContext:
           S.fill(S.a, scores), S.fill(S.b, kv), resize(S.c, q);
-          be.attention_context(S.a.data(), S.b.data(), S.c.data(), d.b, d.s, d.hl, d.gl, d.d);
+          be.attention_context(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.b, d.s, d.hl, d.gl, d.d);
           c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
           return;
         case OpId::kAttnScoresDq:
         case OpId::kAttnScoresDk:
           S.fill(S.a, q), S.fill(S.b, kv), S.fill(S.c, scores), resize(S.e, q), resize(S.f, kv);
-          be.attention_scores_backward(S.a.data(), S.b.data(), S.c.data(),
-                                       op.id == OpId::kAttnScoresDq ? S.e.data() : nullptr,
-                                       op.id == OpId::kAttnScoresDk ? S.f.data() : nullptr, d.b,
-                                       d.s, d.hl, d.gl, d.d);
+          be.attention_scores_backward(
+              S.a.ptr(), S.b.ptr(), S.c.ptr(), op.id == OpId::kAttnScoresDq ? S.e.ptr() : nullptr,
+              op.id == OpId::kAttnScoresDk ? S.f.ptr() : nullptr, d.b, d.s, d.hl, d.gl, d.d);
           if (op.id == OpId::kAttnScoresDq)
             c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
           else
@@ -176,9 +189,9 @@ void OpExecutor::run(const Op& op) {
         case OpId::kAttnContextDv:
           S.fill(S.a, scores), S.fill(S.b, kv), S.fill(S.c, q), resize(S.e, scores);
           resize(S.f, kv);
-          be.attention_context_backward(S.a.data(), S.b.data(), S.c.data(),
-                                        op.id == OpId::kAttnContextDprobs ? S.e.data() : nullptr,
-                                        op.id == OpId::kAttnContextDv ? S.f.data() : nullptr, d.b,
+          be.attention_context_backward(S.a.ptr(), S.b.ptr(), S.c.ptr(),
+                                        op.id == OpId::kAttnContextDprobs ? S.e.ptr() : nullptr,
+                                        op.id == OpId::kAttnContextDv ? S.f.ptr() : nullptr, d.b,
                                         d.s, d.hl, d.gl, d.d);
           if (op.id == OpId::kAttnContextDprobs)
             c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
@@ -199,28 +212,28 @@ void OpExecutor::run(const Op& op) {
     case OpId::kPostAttentionLayernorm:
     case OpId::kFinalLayernorm:
       S.fill(S.a, rows * d.h);
-      c.norm_forward(S.a, 0, d.biases ? bias : -1, S.b, S.c, S.d, rows);
+      c.norm_forward(S.a, 0, d.biases ? bias : -1, S.b, S.m1, S.m2, rows);
       return;
     case OpId::kInputLayernormBackward:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
-      S.fill(S.a, rows * d.h), S.fill(S.c, rows), S.fill(S.d, rows), S.fill(S.e, rows * d.h);
-      c.norm_backward(S.a, 0, d.biases ? bias : -1, S.c, S.d, S.e, S.f, rows);
+      S.fill(S.a, rows * d.h), S.fill(S.m1, rows), S.fill(S.m2, rows), S.fill(S.e, rows * d.h);
+      c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, rows);
       return;
     case OpId::kAttnSoftmax:
       S.fill(S.a, scores);
-      be.causal_softmax(S.a.data(), d.b * d.hl, d.s);
+      be.causal_softmax(S.a.ptr(), d.b * d.hl, d.s);
       return;
     case OpId::kAttnSoftmaxBackward:
       S.fill(S.a, scores), S.fill(S.b, scores);
-      be.causal_softmax_backward(S.a.data(), S.b.data(), S.b.data(), d.b * d.hl, d.s);
+      be.causal_softmax_backward(S.a.ptr(), S.b.ptr(), S.b.ptr(), d.b * d.hl, d.s);
       return;
     case OpId::kRotaryEmbedding:
     case OpId::kRotaryEmbeddingBackward: {
       const bool inverse = op.id == OpId::kRotaryEmbeddingBackward;
       S.fill(S.a, q), S.fill(S.b, kv);
-      be.rope(S.a.data(), d.b, d.s, d.hl, d.d, d.rotary_base, inverse);
-      be.rope(S.b.data(), d.b, d.s, d.gl, d.d, d.rotary_base, inverse);
+      be.rope(S.a.ptr(), d.b, d.s, d.hl, d.d, d.rotary_base, inverse);
+      be.rope(S.b.ptr(), d.b, d.s, d.gl, d.d, d.rotary_base, inverse);
       return;
     }
     case OpId::kAttnDropout:
@@ -241,51 +254,51 @@ void OpExecutor::run(const Op& op) {
     case OpId::kBiasGelu:
       S.fill(S.a, ffn), resize(S.b, ffn);
       c.add_bias(S.a, d.biases ? bias : -1, d.ffl);
-      be.gelu(S.a.data(), S.b.data(), ffn);
+      be.gelu(S.a.ptr(), S.b.ptr(), ffn);
       return;
     case OpId::kBiasGeluBackward:
       S.fill(S.a, ffn), S.fill(S.b, ffn), resize(S.c, ffn);
-      be.gelu_backward(S.a.data(), S.b.data(), S.c.data(), ffn);
+      be.gelu_backward(S.a.ptr(), S.b.ptr(), S.c.ptr(), ffn);
       c.bias_grad(S.c, d.biases ? bias : -1, d.ffl);
       return;
     case OpId::kSwiglu:
       S.fill(S.a, 2 * ffn), resize(S.b, ffn);
-      be.swiglu(S.a.data(), S.b.data(), d.n_full, d.ffl);
+      be.swiglu(S.a.ptr(), S.b.ptr(), d.n_full, d.ffl);
       return;
     case OpId::kSwigluBackward:
       S.fill(S.a, 2 * ffn), S.fill(S.b, ffn), resize(S.c, 2 * ffn);
-      be.swiglu_backward(S.a.data(), S.b.data(), S.c.data(), d.n_full, d.ffl);
+      be.swiglu_backward(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.n_full, d.ffl);
       return;
     case OpId::kWordEmbeddingLookup:
       resize(S.a, d.n_full * d.h);
-      be.vocab_embedding_lookup(S.tokens.data(), c.P(0), S.a.data(), d.n_full, d.h, d.v0, d.vl);
+      be.vocab_embedding_lookup(S.tokens.data(), c.P(0), S.a.ptr(), d.n_full, d.h, d.v0, d.vl);
       return;
     case OpId::kWordEmbeddingGradScatterAdd:
       S.fill(S.a, d.n_full * d.h);
-      be.vocab_embedding_grad(S.tokens.data(), S.a.data(), c.G(0), d.n_full, d.h, d.v0, d.vl);
+      be.vocab_embedding_grad(S.tokens.data(), S.a.ptr(), c.G(0), d.n_full, d.h, d.v0, d.vl);
       return;
     case OpId::kEmbeddingPositionDropout: {
       const int64_t sl = rows / d.b;
       S.fill(S.a, rows * d.h);
-      be.add_positions(S.a.data(), c.P(0), d.b, sl, d.h, 0);
+      be.add_positions(S.a.ptr(), c.P(0), d.b, sl, d.h, 0);
       return;
     }
     case OpId::kEmbeddingDropoutBackward: {
       const int64_t sl = rows / d.b;
       S.fill(S.a, rows * d.h);
-      be.position_grad(S.a.data(), c.G(0), d.b, sl, d.h, 0);
+      be.position_grad(S.a.ptr(), c.G(0), d.b, sl, d.h, 0);
       return;
     }
     case OpId::kCrossEntropy:
-      S.fill(S.a, logits), resize(S.b, d.n_full * kCrossEntropyStatsPerToken),
-          resize(S.c, d.n_full);
-      be.cross_entropy_stats(S.a.data(), S.tokens.data(), S.b.data(), d.n_full, d.vl, valid, d.v0);
+      S.fill(S.a, logits), resize(S.m1, d.n_full * kCrossEntropyStatsPerToken),
+          resize(S.m2, d.n_full);
+      be.cross_entropy_stats(S.a.ptr(), S.tokens.data(), S.m1.data(), d.n_full, d.vl, valid, d.v0);
       if (d.t == 1)
-        be.cross_entropy_finish(S.b.data(), 1, S.a.data(), S.c.data(), d.n_full, d.vl, valid);
+        be.cross_entropy_finish(S.m1.data(), 1, S.a.ptr(), S.m2.data(), d.n_full, d.vl, valid);
       return;
     case OpId::kCrossEntropyBackward:
       S.fill(S.a, logits);
-      be.cross_entropy_backward(S.a.data(), S.tokens.data(), d.n_full, d.vl, d.v0, 1.0);
+      be.cross_entropy_backward(S.a.ptr(), S.tokens.data(), d.n_full, d.vl, d.v0, 1.0);
       return;
     default:
       throw std::invalid_argument("ptdp run does not execute op '" + std::string(op.name()) + "'");

@@ -219,37 +219,39 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
     for (const Variant& v :
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
-          Variant{4, false, Recompute::kSelective}}) {
-      ShardLayout l;
-      l.t = v.t;
-      l.micro_batch = 2;
-      l.sequence_parallel = v.sp;
-      l.recompute = v.recompute;
-      MirrorGroup group(static_cast<int>(v.t));
-      OpExecutor exec(*backend, &group, m, l);
-      std::vector<ExecutedOp> trace;
-      exec.trace_ops(&trace);
-      for (const Op& op : listed(m, l)) {
-        trace.clear();
-        exec.run(op);
-        ASSERT_EQ(trace.size(), 1u) << op.name();
-        const ExecutedOp& g = trace[0];
-        EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << op.name();
-        if (op.kind == OpKind::kGemm) {
-          EXPECT_EQ(g.m, op.m) << op.name();
-          EXPECT_EQ(g.n, op.n) << op.name();
-          EXPECT_EQ(g.k, op.k) << op.name();
-          EXPECT_EQ(g.batch, op.batch) << op.name();
+          Variant{4, false, Recompute::kSelective}})
+      for (const DType type : {DType::kF32, DType::kBF16}) {  // ptdp calibrate --bf16's ops too
+        ShardLayout l;
+        l.t = v.t;
+        l.micro_batch = 2;
+        l.sequence_parallel = v.sp;
+        l.recompute = v.recompute;
+        l.dtype = type;
+        MirrorGroup group(static_cast<int>(v.t));
+        OpExecutor exec(*backend, &group, m, l);
+        std::vector<ExecutedOp> trace;
+        exec.trace_ops(&trace);
+        for (const Op& op : listed(m, l)) {
+          trace.clear();
+          exec.run(op);
+          ASSERT_EQ(trace.size(), 1u) << op.name();
+          const ExecutedOp& g = trace[0];
+          EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << op.name();
+          if (op.kind == OpKind::kGemm) {
+            EXPECT_EQ(g.m, op.m) << op.name();
+            EXPECT_EQ(g.n, op.n) << op.name();
+            EXPECT_EQ(g.k, op.k) << op.name();
+            EXPECT_EQ(g.batch, op.batch) << op.name();
+          }
+          if (op.kind == OpKind::kCollective) {
+            EXPECT_EQ(g.collective, op.collective) << op.name();
+            EXPECT_DOUBLE_EQ(g.bytes, op.bytes) << op.name();
+          }
+          ++ran;
         }
-        if (op.kind == OpKind::kCollective) {
-          EXPECT_EQ(g.collective, op.collective) << op.name();
-          EXPECT_DOUBLE_EQ(g.bytes, op.bytes) << op.name();
-        }
-        ++ran;
       }
-    }
   }
-  EXPECT_GT(ran, 400);
+  EXPECT_GT(ran, 800);
   // An op ptdp run does not execute is refused.
   ShardLayout l;
   MirrorGroup one(1);
