@@ -14,7 +14,8 @@
 // virtual call; otherwise the bf16 operands are widened to fp32 temporaries in the backend's
 // memory, the fp32 kernel runs, and bf16 outputs are rounded back (to nearest even): bf16
 // storage, fp32 arithmetic, as Megatron's mixed precision computes. A device backend may run
-// the GEMMs natively on bf16 instead (native_linear_*: cuBLAS with fp32 accumulation).
+// a typed call natively on bf16 instead (the native_* hooks: cuBLAS GEMMs with fp32
+// accumulation, the bf16 kernels of kernels/cuda/).
 #pragma once
 
 #include <cstddef>
@@ -241,6 +242,27 @@ class Backend {
     (void)x, (void)dy, (void)dw, (void)db, (void)n, (void)in, (void)out;
     return false;
   }
+  // The same for the fused attention, the norms and the activations (the CUDA backend's bf16
+  // kernels of kernels/cuda/), with the typed forms' arguments.
+  virtual bool native_flash_attention_forward(CPtr, CPtr, CPtr, Ptr, float*, int64_t, int64_t,
+                                              int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_flash_attention_backward(CPtr, CPtr, CPtr, CPtr, const float*, CPtr, Ptr, Ptr,
+                                               Ptr, int64_t, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_norm_forward(CPtr, CPtr, CPtr, Ptr, float*, float*, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_norm_backward(CPtr, CPtr, bool, const float*, const float*, CPtr, Ptr, float*,
+                                    float*, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_gelu(CPtr, Ptr, int64_t) { return false; }
+  virtual bool native_gelu_backward(CPtr, CPtr, Ptr, int64_t) { return false; }
+  virtual bool native_swiglu(CPtr, Ptr, int64_t, int64_t) { return false; }
+  virtual bool native_swiglu_backward(CPtr, CPtr, Ptr, int64_t, int64_t) { return false; }
 };
 
 // "cpu" (Eigen and the reference kernels), or "cuda" (runtime/cuda/cuda_backend.h) in a build

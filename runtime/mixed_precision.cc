@@ -147,6 +147,7 @@ void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* ls
                                       int64_t s, int64_t hq, int64_t hk, int64_t d) {
   if (f32({q, k, v, out}))
     return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
+  if (native_flash_attention_forward(q, k, v, out, lse, b, s, hq, hk, d)) return;
   Widen c(*this);
   const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
   flash_attention_forward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.out(out, nq), lse, b, s, hq, hk,
@@ -160,6 +161,7 @@ void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const f
   if (f32({q, k, v, out, dout, dq, dk, dv}))
     return flash_attention_backward(q.f(), k.f(), v.f(), out.f(), lse, dout.f(), dq.f(), dk.f(),
                                     dv.f(), b, s, hq, hk, d);
+  if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d)) return;
   Widen c(*this);
   const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
   flash_attention_backward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.in(out, nq), lse,
@@ -171,6 +173,7 @@ void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const f
 void Backend::norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
                            int64_t h) {
   if (f32({x, g, beta, y})) return norm_forward(x.f(), g.f(), beta.f(), y.f(), mean, rstd, n, h);
+  if (native_norm_forward(x, g, beta, y, mean, rstd, n, h)) return;
   Widen c(*this);
   norm_forward(c.in(x, n * h), c.in(g, h), c.in(beta, h), c.out(y, n * h), mean, rstd, n, h);
   c.finish();
@@ -180,6 +183,7 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
                             CPtr dy, Ptr dx, float* dg, float* dbeta, int64_t n, int64_t h) {
   if (f32({x, g, dy, dx}))
     return norm_backward(x.f(), g.f(), has_beta, mean, rstd, dy.f(), dx.f(), dg, dbeta, n, h);
+  if (native_norm_backward(x, g, has_beta, mean, rstd, dy, dx, dg, dbeta, n, h)) return;
   Widen c(*this);
   norm_backward(c.in(x, n * h), c.in(g, h), has_beta, mean, rstd, c.in(dy, n * h), c.out(dx, n * h),
                 dg, dbeta, n, h);
@@ -188,6 +192,7 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
 
 void Backend::gelu(CPtr x, Ptr y, int64_t n) {
   if (f32({x, y})) return gelu(x.f(), y.f(), n);
+  if (native_gelu(x, y, n)) return;
   Widen c(*this);
   gelu(c.in(x, n), c.out(y, n), n);
   c.finish();
@@ -195,6 +200,7 @@ void Backend::gelu(CPtr x, Ptr y, int64_t n) {
 
 void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
   if (f32({x, dy, dx})) return gelu_backward(x.f(), dy.f(), dx.f(), n);
+  if (native_gelu_backward(x, dy, dx, n)) return;
   Widen c(*this);
   gelu_backward(c.in(x, n), c.in(dy, n), c.out(dx, n), n);
   c.finish();
@@ -202,6 +208,7 @@ void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
 
 void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
   if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
+  if (native_swiglu(x, y, n, f)) return;
   Widen c(*this);
   swiglu(c.in(x, 2 * n * f), c.out(y, n * f), n, f);
   c.finish();
@@ -209,6 +216,7 @@ void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
 
 void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
   if (f32({x, dy, dx})) return swiglu_backward(x.f(), dy.f(), dx.f(), n, f);
+  if (native_swiglu_backward(x, dy, dx, n, f)) return;
   Widen c(*this);
   swiglu_backward(c.in(x, 2 * n * f), c.in(dy, n * f), c.out(dx, 2 * n * f), n, f);
   c.finish();

@@ -10,7 +10,10 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cuda/activation.h"
+#include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.h"
+#include "kernels/cuda/norm.h"
 #include "runtime/cuda/fp32_kernels.h"
 #include "runtime/tensor.h"
 
@@ -18,6 +21,19 @@ namespace ptdp {
 namespace {
 
 namespace k = cuda_fp32;
+namespace kc = kernels::cuda;  // the bf16 kernels
+
+bool all_bf16(std::initializer_list<CPtr> xs) {
+  for (const CPtr& x : xs)
+    if (x.t != DType::kBF16) return false;
+  return true;
+}
+const kc::bf16* b16(CPtr x) {
+  return static_cast<const kc::bf16*>(x.p);
+}
+kc::bf16* b16(Ptr x) {
+  return static_cast<kc::bf16*>(x.p);
+}
 
 using kernels::cuda::check;  // cudaError_t
 void check(cublasStatus_t e, const char* what) {
@@ -143,6 +159,66 @@ class CudaBackend final : public Backend {
     gemm(out, in, n, 1.0f, {dy.p, out, 0, true, CUDA_R_16BF}, {x.p, in, 0, false, CUDA_R_16BF},
          1.0f, dw, in, 0, 1);
     if (db) Backend::bias_grad(dy, db, n, out);
+    return true;
+  }
+
+  // The bf16 kernels of kernels/cuda/ where every operand is bf16 (the statistics fp32): flash
+  // attention for head dimensions 64 and 128, LayerNorm and RMSNorm (the fused kernels with no
+  // residual), GELU (with no bias) and SwiGLU. Anything else is widened.
+  bool native_flash_attention_forward(CPtr q, CPtr kk, CPtr v, Ptr out, float* lse, int64_t b,
+                                      int64_t s, int64_t hq, int64_t hk, int64_t d) override {
+    if (!all_bf16({q, kk, v, out}) || (d != 64 && d != 128)) return false;
+    kc::flash_attention_forward(b16(q), b16(kk), b16(v), b16(out), lse, b, s, hq, hk, d, stream_);
+    return true;
+  }
+  bool native_flash_attention_backward(CPtr q, CPtr kk, CPtr v, CPtr out, const float* lse,
+                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s,
+                                       int64_t hq, int64_t hk, int64_t d) override {
+    if (!all_bf16({q, kk, v, out, dout, dq, dk, dv}) || (d != 64 && d != 128)) return false;
+    kc::flash_attention_backward(b16(q), b16(kk), b16(v), b16(out), lse, b16(dout), b16(dq),
+                                 b16(dk), b16(dv), b, s, hq, hk, d, stream_);
+    return true;
+  }
+  bool native_norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
+                           int64_t h) override {
+    if (!all_bf16({x, g, y}) || (beta && !all_bf16({beta}))) return false;
+    constexpr float kEps = 1e-5f;  // the CPU kernels' default
+    if (beta)
+      kc::add_layernorm_forward(b16(x), nullptr, nullptr, b16(g), b16(beta), b16(y), mean, rstd, n,
+                                h, kEps, stream_);
+    else
+      kc::add_rmsnorm_forward(b16(x), nullptr, nullptr, b16(g), b16(y), rstd, n, h, kEps, stream_);
+    return true;
+  }
+  bool native_norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
+                            CPtr dy, Ptr dx, float* dg, float* dbeta, int64_t n,
+                            int64_t h) override {
+    if (!all_bf16({x, g, dy, dx})) return false;
+    if (has_beta)
+      kc::add_layernorm_backward(b16(x), b16(g), mean, rstd, b16(dy), nullptr, b16(dx), dg, dbeta,
+                                 n, h, stream_);
+    else
+      kc::add_rmsnorm_backward(b16(x), b16(g), rstd, b16(dy), nullptr, b16(dx), dg, n, h, stream_);
+    return true;
+  }
+  bool native_gelu(CPtr x, Ptr y, int64_t n) override {
+    if (!all_bf16({x, y})) return false;
+    kc::bias_gelu_forward(b16(x), nullptr, b16(y), 1, n, stream_);
+    return true;
+  }
+  bool native_gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) override {
+    if (!all_bf16({x, dy, dx})) return false;
+    kc::bias_gelu_backward(b16(x), nullptr, b16(dy), b16(dx), nullptr, 1, n, stream_);
+    return true;
+  }
+  bool native_swiglu(CPtr x, Ptr y, int64_t n, int64_t f) override {
+    if (!all_bf16({x, y})) return false;
+    kc::swiglu_forward(b16(x), b16(y), n, f, stream_);
+    return true;
+  }
+  bool native_swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) override {
+    if (!all_bf16({x, dy, dx})) return false;
+    kc::swiglu_backward(b16(x), b16(dy), b16(dx), n, f, stream_);
     return true;
   }
 

@@ -60,6 +60,30 @@ class CudaBackendTest : public ::testing::Test {
     gpu_->download(p, h.data(), n * sizeof(float));
     return h;
   }
+  // bf16 arrays (mixed precision): rounded from fp32, widened back, moved to and from the GPU.
+  using Bf16 = std::vector<uint16_t>;
+  static Bf16 narrow(const Host& h) {
+    Bf16 b(h.size());
+    convert_on_host(h.data(), DType::kF32, b.data(), DType::kBF16, static_cast<int64_t>(h.size()));
+    return b;
+  }
+  static Host widen(const Bf16& b) {
+    Host h(b.size());
+    convert_on_host(b.data(), DType::kBF16, h.data(), DType::kF32, static_cast<int64_t>(b.size()));
+    return h;
+  }
+  static Ptr host16(Bf16& b) { return Ptr(b.data(), DType::kBF16); }
+  Ptr up16(const Bf16& b) {
+    void* p = gpu_->allocate(b.size() * 2);
+    owned_.push_back({p, b.size() * 2});
+    gpu_->upload(b.data(), p, b.size() * 2);
+    return Ptr(p, DType::kBF16);
+  }
+  Host down16(Ptr p, size_t count) {
+    Bf16 b(count);
+    gpu_->download(p.p, b.data(), count * 2);
+    return widen(b);
+  }
   // Every element within atol + rtol * |want|; the worst one is reported.
   static void expect_close(const Host& got, const Host& want, const std::string& what,
                            double rtol = 1e-4, double atol = 1e-5) {
@@ -107,31 +131,10 @@ TEST_F(CudaBackendTest, LinearLayersMatchTheCpu) {
 // rounding; weight and bias gradients accumulate into fp32.
 TEST_F(CudaBackendTest, MixedPrecisionGemmsAndWideningMatchTheCpu) {
   const int64_t n = 37, in = 70, out = 45;
-  auto narrow = [](const Host& h) {
-    std::vector<uint16_t> b(h.size());
-    convert_on_host(h.data(), DType::kF32, b.data(), DType::kBF16, static_cast<int64_t>(h.size()));
-    return b;
-  };
-  auto widen = [](const std::vector<uint16_t>& b) {
-    Host h(b.size());
-    convert_on_host(b.data(), DType::kBF16, h.data(), DType::kF32, static_cast<int64_t>(b.size()));
-    return h;
-  };
-  auto up16 = [&](const std::vector<uint16_t>& b) {
-    void* p = gpu_->allocate(b.size() * 2);
-    owned_.push_back({p, b.size() * 2});
-    gpu_->upload(b.data(), p, b.size() * 2);
-    return Ptr(p, DType::kBF16);
-  };
-  auto down16 = [&](Ptr p, size_t count) {
-    std::vector<uint16_t> b(count);
-    gpu_->download(p.p, b.data(), count * 2);
-    return widen(b);
-  };
   auto x = narrow(random(n * in, 11)), w = narrow(random(out * in, 12)),
        b = narrow(random(out, 13)), dy = narrow(random(n * out, 14));
   const Host dw0 = random(out * in, 15), db0 = random(out, 16);
-  std::vector<uint16_t> y(n * out), dx(n * in), act(n * out);
+  Bf16 y(n * out), dx(n * in), act(n * out);
   Host dw = dw0, db = db0;
   const Ptr cx(x.data(), DType::kBF16), cw(w.data(), DType::kBF16), cb(b.data(), DType::kBF16),
       cdy(dy.data(), DType::kBF16);
@@ -153,6 +156,67 @@ TEST_F(CudaBackendTest, MixedPrecisionGemmsAndWideningMatchTheCpu) {
   expect_close(down(gdw, dw.size()), dw, "bf16 linear wgrad into fp32", 1e-4, 1e-4);
   expect_close(down(gdb, db.size()), db, "bf16 bias grad into fp32", 1e-4, 1e-4);
   expect_close(down16(gact, act.size()), widen(act), "bf16 gelu (widened)", 2e-2, 2e-2);
+}
+
+// The bf16 kernels of kernels/cuda/ behind the typed calls (flash attention at head dimension
+// 64 with grouped queries and an odd sequence, LayerNorm and RMSNorm, SwiGLU) against the CPU
+// backend's widening of the same bf16 inputs.
+TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
+  const int64_t b = 2, s = 37, hq = 4, hk = 2, d = 64, nq = b * s * hq * d, nk = b * s * hk * d;
+  Bf16 q = narrow(random(nq, 21)), kk = narrow(random(nk, 22)), v = narrow(random(nk, 23)),
+       dout = narrow(random(nq, 24));
+  Bf16 out(nq), dq(nq), dk(nk), dv(nk);
+  Host lse(b * hq * s);
+  cpu_->flash_attention_forward(host16(q), host16(kk), host16(v), host16(out), lse.data(), b, s, hq,
+                                hk, d);
+  cpu_->flash_attention_backward(host16(q), host16(kk), host16(v), host16(out), lse.data(),
+                                 host16(dout), host16(dq), host16(dk), host16(dv), b, s, hq, hk, d);
+  const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(Bf16(nq)),
+            gdq = up16(Bf16(nq)), gdk = up16(Bf16(nk)), gdv = up16(Bf16(nk));
+  float* glse = up(Host(lse.size()));
+  gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, hq, hk, d);
+  gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, hq, hk, d);
+  expect_close(down16(gout, out.size()), widen(out), "bf16 flash attention output", 2e-2, 2e-2);
+  expect_close(down(glse, lse.size()), lse, "bf16 flash attention lse", 1e-3, 1e-3);
+  expect_close(down16(gdq, dq.size()), widen(dq), "bf16 flash attention d q", 5e-2, 5e-2);
+  expect_close(down16(gdk, dk.size()), widen(dk), "bf16 flash attention d k", 5e-2, 5e-2);
+  expect_close(down16(gdv, dv.size()), widen(dv), "bf16 flash attention d v", 5e-2, 5e-2);
+
+  const int64_t n = 19, h = 301;
+  for (const bool layernorm : {true, false}) {
+    Bf16 x = narrow(random(n * h, 31)), g = narrow(random(h, 32)), beta = narrow(random(h, 33)),
+         dy = narrow(random(n * h, 34)), y(n * h), dx(n * h);
+    Host mean(n), rstd(n), dg(h), db(h);
+    const Ptr cbeta = layernorm ? host16(beta) : Ptr();
+    cpu_->norm_forward(host16(x), host16(g), cbeta, host16(y), layernorm ? mean.data() : nullptr,
+                       rstd.data(), n, h);
+    cpu_->norm_backward(host16(x), host16(g), layernorm, layernorm ? mean.data() : nullptr,
+                        rstd.data(), host16(dy), host16(dx), dg.data(),
+                        layernorm ? db.data() : nullptr, n, h);
+    const Ptr gx = up16(x), gg = up16(g), gbeta = layernorm ? up16(beta) : Ptr(), gdy = up16(dy),
+              gy = up16(Bf16(n * h)), gdx = up16(Bf16(n * h));
+    float *gmean = up(Host(n)), *grstd = up(Host(n)), *gdg = up(Host(h)), *gdb = up(Host(h));
+    gpu_->norm_forward(gx, gg, gbeta, gy, layernorm ? gmean : nullptr, grstd, n, h);
+    gpu_->norm_backward(gx, gg, layernorm, layernorm ? gmean : nullptr, grstd, gdy, gdx, gdg,
+                        layernorm ? gdb : nullptr, n, h);
+    const std::string what = layernorm ? "bf16 layernorm" : "bf16 rmsnorm";
+    expect_close(down16(gy, y.size()), widen(y), what + " forward", 2e-2, 2e-2);
+    expect_close(down(grstd, n), rstd, what + " rstd", 1e-4, 1e-5);
+    expect_close(down16(gdx, dx.size()), widen(dx), what + " dx", 2e-2, 2e-2);
+    expect_close(down(gdg, h), dg, what + " d gamma", 1e-3, 1e-3);
+  }
+
+  const int64_t rows = 23, f = 45;
+  Bf16 sx = narrow(random(rows * 2 * f, 41)), sdy = narrow(random(rows * f, 42)), sy(rows * f),
+       sdx(rows * 2 * f);
+  cpu_->swiglu(host16(sx), host16(sy), rows, f);
+  cpu_->swiglu_backward(host16(sx), host16(sdy), host16(sdx), rows, f);
+  const Ptr gsx = up16(sx), gsdy = up16(sdy), gsy = up16(Bf16(sy.size())),
+            gsdx = up16(Bf16(sdx.size()));
+  gpu_->swiglu(gsx, gsy, rows, f);
+  gpu_->swiglu_backward(gsx, gsdy, gsdx, rows, f);
+  expect_close(down16(gsy, sy.size()), widen(sy), "bf16 swiglu", 2e-2, 2e-2);
+  expect_close(down16(gsdx, sdx.size()), widen(sdx), "bf16 swiglu backward", 2e-2, 2e-2);
 }
 
 // Scores, softmax, context and their backward, with grouped queries (4 query heads on 2 key/value
