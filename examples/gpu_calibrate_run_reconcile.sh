@@ -5,9 +5,10 @@ source "$(dirname "$0")/common.sh"
 gpus=${GPUS:-2}
 model=(--model gpt-1.7b --num-layers 8)
 plan=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 2
-  --global-batch-size 16)
+  --global-batch-size 16 --bf16)  # Megatron's mixed precision, calibrated as such
 # Calibrate on the ranks the run uses, so that the collectives over them are measured.
-mpirun_np "$gpus" "$PTDP" calibrate --backend cuda --quick "${model[@]}" --out "$OUT/machine.json"
+mpirun_np "$gpus" "$PTDP" calibrate --backend cuda --quick --bf16 "${model[@]}" \
+  --out "$OUT/machine.json"
 "$PTDP" predict "${model[@]}" "${plan[@]}" --cluster "$OUT/machine.json" --num-gpus "$gpus"
 mpirun_np "$gpus" "$PTDP" run "${model[@]}" "${plan[@]}" --steps 6 --backend cuda \
   --trace "$OUT/run.trace.json" --cluster "$OUT/machine.json" --json >"$OUT/run.json"
