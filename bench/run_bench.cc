@@ -1,6 +1,7 @@
 // One training step of `ptdp run` on one CPU rank (the Eigen kernels, the op-list interpreter
 // and AdamW), for a small GPT (GPT-2-small shape cut to 4 layers: hidden 768, 12 heads,
-// sequence 128, vocabulary 8192, b = 2), by recompute mode, and for the 4-layer test model.
+// sequence 128, vocabulary 8192, b = 2), by recompute mode and in bf16 mixed precision (--bf16:
+// every kernel widened to fp32 on the CPU), and for the 4-layer test model.
 // Counters: tokens/s, and model FLOP/s (6 * parameters * tokens + attention, no recompute).
 //   build/bench/run_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
@@ -56,6 +57,11 @@ void BM_StepTinyTestModel(benchmark::State& state) {
 void BM_StepSmallGpt(benchmark::State& state) {
   step(state, options(4, 768, 12, 128, 8192, 2, static_cast<ptdp::Recompute>(state.range(0))));
 }
+void BM_StepSmallGptBf16(benchmark::State& state) {
+  ptdp::TrainOptions o = options(4, 768, 12, 128, 8192, 2, ptdp::Recompute::kNone);
+  o.precision = ptdp::DType::kBF16;
+  step(state, o);
+}
 
 }  // namespace
 
@@ -67,4 +73,5 @@ BENCHMARK(BM_StepSmallGpt)
     ->Arg(2)
     ->Iterations(2)
     ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_StepSmallGptBf16)->Iterations(2)->Unit(benchmark::kMillisecond);
 BENCHMARK_MAIN();
