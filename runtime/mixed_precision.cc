@@ -2,8 +2,10 @@
 // kernel; one with bf16 operands widens them to fp32 temporaries in the backend's memory, runs
 // the fp32 kernel and rounds its bf16 outputs back, so every backend runs mixed precision with
 // the kernels it has (bf16 storage, fp32 arithmetic).
+#include <algorithm>
 #include <vector>
 
+#include "core/layer_ops.h"
 #include "runtime/backend.h"
 #include "runtime/device_buffer.h"
 
@@ -59,6 +61,19 @@ class Widen {
   std::vector<Back> back_;
 };
 
+// Row-independent calls are widened in blocks of rows, so that their fp32 temporaries stay
+// near this many elements (1 MiB) whatever the tensor: what a bf16 run holds beyond the memory
+// model's count stays small. The same blocks on every backend, so results do not depend on it.
+constexpr int64_t kBlockElements = int64_t{1} << 18;
+
+// Calls f(first, count) for consecutive blocks of [0, rows), each row `per_row` widened
+// elements.
+template <class F>
+void in_blocks(int64_t rows, int64_t per_row, F f) {
+  const int64_t step = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(1, per_row));
+  for (int64_t r = 0; r < rows; r += step) f(r, std::min(step, rows - r));
+}
+
 }  // namespace
 
 void Backend::linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in, int64_t out) {
@@ -88,47 +103,62 @@ void Backend::linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int
 void Backend::attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s, int64_t hq,
                                int64_t hk, int64_t d) {
   if (f32({q, k, scores})) return attention_scores(q.f(), k.f(), scores.f(), b, s, hq, hk, d);
-  Widen c(*this);
-  attention_scores(c.in(q, b * s * hq * d), c.in(k, b * s * hk * d), c.out(scores, b * hq * s * s),
-                   b, s, hq, hk, d);
-  c.finish();
+  const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
+  in_blocks(b, nq + nk + ns, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    attention_scores(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
+                     w.out(scores.at(i * ns), c * ns), c, s, hq, hk, d);
+    w.finish();
+  });
 }
 
 void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Ptr dk, int64_t b,
                                         int64_t s, int64_t hq, int64_t hk, int64_t d) {
   if (f32({q, k, dscores, dq, dk}))
     return attention_scores_backward(q.f(), k.f(), dscores.f(), dq.f(), dk.f(), b, s, hq, hk, d);
-  Widen c(*this);
-  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
-  attention_scores_backward(c.in(q, nq), c.in(k, nk), c.in(dscores, b * hq * s * s), c.out(dq, nq),
-                            c.out(dk, nk), b, s, hq, hk, d);
-  c.finish();
+  const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
+  in_blocks(b, 2 * nq + 2 * nk + ns, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    attention_scores_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
+                              w.in(dscores.at(i * ns), c * ns),
+                              dq ? w.out(dq.at(i * nq), c * nq) : nullptr,
+                              dk ? w.out(dk.at(i * nk), c * nk) : nullptr, c, s, hq, hk, d);
+    w.finish();
+  });
 }
 
 void Backend::causal_softmax(Ptr scores, int64_t rows, int64_t s) {
   if (scores.f32()) return causal_softmax(scores.f(), rows, s);
-  Widen c(*this);
-  causal_softmax(c.inout(scores, rows * s * s), rows, s);
-  c.finish();
+  in_blocks(rows, s * s, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    causal_softmax(w.inout(scores.at(r * s * s), c * s * s), c, s);
+    w.finish();
+  });
 }
 
 void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int64_t rows,
                                       int64_t s) {
   if (f32({probs, dprobs, dscores}))
     return causal_softmax_backward(probs.f(), dprobs.f(), dscores.f(), rows, s);
-  Widen c(*this);
-  const int64_t n = rows * s * s;
-  causal_softmax_backward(c.in(probs, n), c.in(dprobs, n), c.out(dscores, n), rows, s);
-  c.finish();
+  const int64_t ss = s * s;
+  in_blocks(rows, 3 * ss, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    causal_softmax_backward(w.in(probs.at(r * ss), c * ss), w.in(dprobs.at(r * ss), c * ss),
+                            w.out(dscores.at(r * ss), c * ss), c, s);
+    w.finish();
+  });
 }
 
 void Backend::attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t s, int64_t hq,
                                 int64_t hk, int64_t d) {
   if (f32({probs, v, out})) return attention_context(probs.f(), v.f(), out.f(), b, s, hq, hk, d);
-  Widen c(*this);
-  attention_context(c.in(probs, b * hq * s * s), c.in(v, b * s * hk * d),
-                    c.out(out, b * s * hq * d), b, s, hq, hk, d);
-  c.finish();
+  const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
+  in_blocks(b, np + nv + no, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    attention_context(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
+                      w.out(out.at(i * no), c * no), c, s, hq, hk, d);
+    w.finish();
+  });
 }
 
 void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dprobs, Ptr dv,
@@ -136,11 +166,15 @@ void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dpro
   if (f32({probs, v, dout, dprobs, dv}))
     return attention_context_backward(probs.f(), v.f(), dout.f(), dprobs.f(), dv.f(), b, s, hq, hk,
                                       d);
-  Widen c(*this);
-  const int64_t np = b * hq * s * s, nv = b * s * hk * d;
-  attention_context_backward(c.in(probs, np), c.in(v, nv), c.in(dout, b * s * hq * d),
-                             c.out(dprobs, np), c.out(dv, nv), b, s, hq, hk, d);
-  c.finish();
+  const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
+  in_blocks(b, 2 * np + 2 * nv + no, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    attention_context_backward(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
+                               w.in(dout.at(i * no), c * no),
+                               dprobs ? w.out(dprobs.at(i * np), c * np) : nullptr,
+                               dv ? w.out(dv.at(i * nv), c * nv) : nullptr, c, s, hq, hk, d);
+    w.finish();
+  });
 }
 
 void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b,
@@ -148,11 +182,14 @@ void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* ls
   if (f32({q, k, v, out}))
     return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
   if (native_flash_attention_forward(q, k, v, out, lse, b, s, hq, hk, d)) return;
-  Widen c(*this);
-  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
-  flash_attention_forward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.out(out, nq), lse, b, s, hq, hk,
-                          d);
-  c.finish();
+  const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
+  in_blocks(b, 2 * nq + 2 * nk, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    flash_attention_forward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
+                            w.in(v.at(i * nk), c * nk), w.out(out.at(i * nq), c * nq), lse + i * nl,
+                            c, s, hq, hk, d);
+    w.finish();
+  });
 }
 
 void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse,
@@ -162,12 +199,16 @@ void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const f
     return flash_attention_backward(q.f(), k.f(), v.f(), out.f(), lse, dout.f(), dq.f(), dk.f(),
                                     dv.f(), b, s, hq, hk, d);
   if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d)) return;
-  Widen c(*this);
-  const int64_t nq = b * s * hq * d, nk = b * s * hk * d;
-  flash_attention_backward(c.in(q, nq), c.in(k, nk), c.in(v, nk), c.in(out, nq), lse,
-                           c.in(dout, nq), c.out(dq, nq), c.out(dk, nk), c.out(dv, nk), b, s, hq,
-                           hk, d);
-  c.finish();
+  const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
+  in_blocks(b, 4 * nq + 4 * nk, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    flash_attention_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
+                             w.in(v.at(i * nk), c * nk), w.in(out.at(i * nq), c * nq), lse + i * nl,
+                             w.in(dout.at(i * nq), c * nq), w.out(dq.at(i * nq), c * nq),
+                             w.out(dk.at(i * nk), c * nk), w.out(dv.at(i * nk), c * nk), c, s, hq,
+                             hk, d);
+    w.finish();
+  });
 }
 
 void Backend::norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
@@ -193,33 +234,42 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
 void Backend::gelu(CPtr x, Ptr y, int64_t n) {
   if (f32({x, y})) return gelu(x.f(), y.f(), n);
   if (native_gelu(x, y, n)) return;
-  Widen c(*this);
-  gelu(c.in(x, n), c.out(y, n), n);
-  c.finish();
+  in_blocks(n, 2, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    gelu(w.in(x.at(i), c), w.out(y.at(i), c), c);
+    w.finish();
+  });
 }
 
 void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
   if (f32({x, dy, dx})) return gelu_backward(x.f(), dy.f(), dx.f(), n);
   if (native_gelu_backward(x, dy, dx, n)) return;
-  Widen c(*this);
-  gelu_backward(c.in(x, n), c.in(dy, n), c.out(dx, n), n);
-  c.finish();
+  in_blocks(n, 3, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    gelu_backward(w.in(x.at(i), c), w.in(dy.at(i), c), w.out(dx.at(i), c), c);
+    w.finish();
+  });
 }
 
 void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
   if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
   if (native_swiglu(x, y, n, f)) return;
-  Widen c(*this);
-  swiglu(c.in(x, 2 * n * f), c.out(y, n * f), n, f);
-  c.finish();
+  in_blocks(n, 3 * f, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    swiglu(w.in(x.at(2 * r * f), 2 * c * f), w.out(y.at(r * f), c * f), c, f);
+    w.finish();
+  });
 }
 
 void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
   if (f32({x, dy, dx})) return swiglu_backward(x.f(), dy.f(), dx.f(), n, f);
   if (native_swiglu_backward(x, dy, dx, n, f)) return;
-  Widen c(*this);
-  swiglu_backward(c.in(x, 2 * n * f), c.in(dy, n * f), c.out(dx, 2 * n * f), n, f);
-  c.finish();
+  in_blocks(n, 5 * f, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    swiglu_backward(w.in(x.at(2 * r * f), 2 * c * f), w.in(dy.at(r * f), c * f),
+                    w.out(dx.at(2 * r * f), 2 * c * f), c, f);
+    w.finish();
+  });
 }
 
 void Backend::rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
@@ -241,9 +291,11 @@ void Backend::fill_zero(Ptr x, int64_t n) {
 
 void Backend::add(Ptr y, CPtr x, int64_t n) {
   if (f32({y, x})) return add(y.f(), x.f(), n);
-  Widen c(*this);
-  add(c.inout(y, n), c.in(x, n), n);
-  c.finish();
+  in_blocks(n, 2, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    add(w.inout(y.at(i), c), w.in(x.at(i), c), c);
+    w.finish();
+  });
 }
 
 void Backend::add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) {
@@ -261,9 +313,11 @@ void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
 
 void Backend::scale(Ptr x, int64_t n, double f) {
   if (x.f32()) return scale(x.f(), n, f);
-  Widen c(*this);
-  scale(c.inout(x, n), n, f);
-  c.finish();
+  in_blocks(n, 1, [&](int64_t i, int64_t c) {
+    Widen w(*this);
+    scale(w.inout(x.at(i), c), c, f);
+    w.finish();
+  });
 }
 
 void Backend::split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
@@ -331,26 +385,43 @@ void Backend::position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t
 void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n,
                                   int64_t vl, int64_t valid, int64_t v0) {
   if (logits.f32()) return cross_entropy_stats(logits.f(), targets, stats, n, vl, valid, v0);
-  Widen c(*this);
-  cross_entropy_stats(c.in(logits, n * vl), targets, stats, n, vl, valid, v0);
+  constexpr int64_t k = kCrossEntropyStatsPerToken;
+  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    cross_entropy_stats(w.in(logits.at(r * vl), c * vl), targets + r, stats + r * k, c, vl, valid,
+                        v0);
+  });
 }
 
 double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logits, float* lse,
                                      int64_t n, int64_t vl, int64_t valid) {
   if (logits.f32()) return cross_entropy_finish(stats, ranks, logits.f(), lse, n, vl, valid);
-  Widen c(*this);
-  const double loss =
-      cross_entropy_finish(stats, ranks, c.inout(logits, n * vl), lse, n, vl, valid);
-  c.finish();
+  // Each block's rows of every rank's statistics ([ranks, n, k]) side by side: [ranks, c, k].
+  constexpr int64_t k = kCrossEntropyStatsPerToken;
+  double loss = 0;
+  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+    DeviceBuffer part(*this, DType::kF32, ranks * c * k);
+    for (int64_t q = 0; q < ranks; ++q)
+      copy_bytes(stats + (q * n + r) * k, part.data<float>() + q * c * k,
+                 static_cast<size_t>(c * k) * sizeof(float));
+    Widen w(*this);
+    loss += cross_entropy_finish(part.data<float>(), ranks, w.inout(logits.at(r * vl), c * vl),
+                                 lse + r, c, vl, valid);
+    w.finish();
+  });
   return loss;
 }
 
 void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl,
                                      int64_t v0, double scale) {
   if (probs.f32()) return cross_entropy_backward(probs.f(), targets, n, vl, v0, scale);
-  Widen c(*this);
-  cross_entropy_backward(c.inout(probs, n * vl), targets, n, vl, v0, scale);
-  c.finish();
+  // The kernel divides by its row count: a block of c rows gets scale * c / n.
+  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+    Widen w(*this);
+    cross_entropy_backward(w.inout(probs.at(r * vl), c * vl), targets + r, c, vl, v0,
+                           scale * static_cast<double>(c) / static_cast<double>(n));
+    w.finish();
+  });
 }
 
 }  // namespace ptdp

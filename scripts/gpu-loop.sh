@@ -7,7 +7,8 @@
 # that build; else it builds ptdp).
 #
 # Usage: scripts/gpu-loop.sh [build-dir]   (env: STEPS, default 6; QUICK=0 for a full
-# calibration; CALIBRATE_RANKS, default 1)
+# calibration; CALIBRATE_RANKS, default 1; PRECISION, default bf16 (Megatron's mixed precision,
+# what the memory model counts: calibrate, predict and run all with --bf16), or fp32)
 # Output: <build-dir>/gpu-loop/: machine.json (commit it as examples/machines/<gpu>.json),
 # and per plan predict, run, trace and reconcile JSON.
 set -euo pipefail
@@ -29,6 +30,12 @@ mkdir -p "$out"
 steps=${STEPS:-6}
 quick=--quick
 [ "${QUICK:-1}" = 0 ] && quick=
+precision=(--bf16)
+case "${PRECISION:-bf16}" in
+  bf16) ;;
+  fp32) precision=() ;;
+  *) echo "gpu-loop: PRECISION must be bf16 or fp32" >&2; exit 2 ;;
+esac
 
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
   --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0)
@@ -54,8 +61,9 @@ start=$(date +%s)
 ranks=${CALIBRATE_RANKS:-1}
 launch=()
 [ "$ranks" -gt 1 ] && launch=(mpirun --oversubscribe -np "$ranks")
-echo "gpu-loop: calibrate --backend $backend $quick"
-"${launch[@]}" "$ptdp" calibrate --backend "$backend" $quick "${gpt2[@]}" --out "$out/machine.json" \
+echo "gpu-loop: calibrate --backend $backend $quick ${precision[*]}"
+"${launch[@]}" "$ptdp" calibrate --backend "$backend" $quick "${precision[@]}" "${gpt2[@]}" \
+  --out "$out/machine.json" \
   >"$out/calibrate.log" 2>&1 || {
   tail -20 "$out/calibrate.log" >&2
   exit 1
@@ -66,7 +74,7 @@ set +e
 for entry in "${plans[@]}"; do
   name=${entry%%|*}
   read -r -a flags <<<"${entry#*|}"
-  one=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1)
+  one=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 "${precision[@]}")
   "$ptdp" predict "${flags[@]}" "${one[@]}" --cluster "$out/machine.json" --num-gpus 1 --json \
     >"$out/$name.predict.json" 2>"$out/$name.predict.log"
   "$ptdp" run "${flags[@]}" "${one[@]}" --steps "$steps" --backend "$backend" \

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -323,6 +324,38 @@ TEST(Train, MeasuredPeakMemoryIsWithinTenPercentOfTheFp32Prediction) {
       EXPECT_NEAR(measured / predicted, 1.0, 0.10)
           << (flash ? "flash " : "") << to_string(r) << ": measured " << measured
           << " bytes, predicted " << predicted;
+    }
+  }
+}
+
+// The same in Megatron's mixed precision (--bf16): the runtime allocates what the memory model
+// counts for bf16 training (2-byte weights and activations, fp32 gradients, master weights and
+// Adam states), the CPU's widened temporaries included.
+TEST(Train, MeasuredBf16PeakMemoryIsWithinTenPercentOfTheBf16Prediction) {
+  ModelSpec m = tiny();
+  m.num_layers = 3;
+  m.hidden_size = 128;
+  m.seq_length = 256;
+  m.vocab_size = 2048;
+  m.attention_dropout = m.hidden_dropout = 0;
+  const HardwareProfile bf16 = resolve_profile("a100-80gb");
+  ASSERT_EQ(bf16.activation_dtype, DType::kBF16);
+  const ClusterSpec cluster = resolve_cluster("dgx-a100-80gb");
+  for (bool flash : {false, true}) {
+    for (Recompute r : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
+      TrainOptions o = options(flash ? with_flash(m) : m, 2);
+      o.plan.global_batch_size = 4;
+      o.plan.recompute = r;
+      o.precision = DType::kBF16;
+      const TrainResult run = train_one(o);
+      const double predicted = CostModel(o.model, cluster, bf16).memory(o.plan).peak;
+      const double measured = static_cast<double>(run.peak_memory_bytes);
+      EXPECT_NEAR(measured / predicted, 1.0, 0.10)
+          << (flash ? "flash " : "") << to_string(r) << ": measured " << measured
+          << " bytes, predicted " << predicted;
+      std::printf("[ measured ] bf16 %s%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
+                  flash ? "flash " : "", to_string(r).c_str(), measured / 1048576.0,
+                  predicted / 1048576.0, 100.0 * (measured / predicted - 1.0));
     }
   }
 }
