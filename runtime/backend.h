@@ -168,6 +168,10 @@ class Backend {
   virtual void* native_stream() const { return nullptr; }
   // A GPU backend's device; an empty name for host backends.
   virtual DeviceInfo device_info() const { return {}; }
+  // About how many fp32 elements the widened temporaries of one block of a row-independent
+  // typed call may take (runtime/mixed_precision.cc): 2^18 (1 MiB) by default; a GPU backend
+  // takes larger blocks, fewer launches.
+  virtual int64_t widen_block_elements() const { return int64_t{1} << 18; }
 
   // --- Typed forms (runtime/mixed_precision.cc): the entry points above for fp32 or bf16
   // activations and weights, with the same shapes. Outputs are overwritten except where the

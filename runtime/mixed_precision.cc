@@ -62,15 +62,13 @@ class Widen {
 };
 
 // Row-independent calls are widened in blocks of rows, so that their fp32 temporaries stay
-// near this many elements (1 MiB) whatever the tensor: what a bf16 run holds beyond the memory
-// model's count stays small. The same blocks on every backend, so results do not depend on it.
-constexpr int64_t kBlockElements = int64_t{1} << 18;
-
-// Calls f(first, count) for consecutive blocks of [0, rows), each row `per_row` widened
-// elements.
+// near Backend::widen_block_elements() whatever the tensor: what a bf16 run holds beyond the
+// memory model's count stays small. Calls f(first, count) for consecutive blocks of
+// [0, rows), each row `per_row` widened elements.
 template <class F>
-void in_blocks(int64_t rows, int64_t per_row, F f) {
-  const int64_t step = std::max<int64_t>(1, kBlockElements / std::max<int64_t>(1, per_row));
+void in_blocks(const Backend& be, int64_t rows, int64_t per_row, F f) {
+  const int64_t step =
+      std::max<int64_t>(1, be.widen_block_elements() / std::max<int64_t>(1, per_row));
   for (int64_t r = 0; r < rows; r += step) f(r, std::min(step, rows - r));
 }
 
@@ -104,7 +102,7 @@ void Backend::attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s,
                                int64_t hk, int64_t d) {
   if (f32({q, k, scores})) return attention_scores(q.f(), k.f(), scores.f(), b, s, hq, hk, d);
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
-  in_blocks(b, nq + nk + ns, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, nq + nk + ns, [&](int64_t i, int64_t c) {
     Widen w(*this);
     attention_scores(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                      w.out(scores.at(i * ns), c * ns), c, s, hq, hk, d);
@@ -117,7 +115,7 @@ void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Pt
   if (f32({q, k, dscores, dq, dk}))
     return attention_scores_backward(q.f(), k.f(), dscores.f(), dq.f(), dk.f(), b, s, hq, hk, d);
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
-  in_blocks(b, 2 * nq + 2 * nk + ns, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, 2 * nq + 2 * nk + ns, [&](int64_t i, int64_t c) {
     Widen w(*this);
     attention_scores_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                               w.in(dscores.at(i * ns), c * ns),
@@ -129,7 +127,7 @@ void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Pt
 
 void Backend::causal_softmax(Ptr scores, int64_t rows, int64_t s) {
   if (scores.f32()) return causal_softmax(scores.f(), rows, s);
-  in_blocks(rows, s * s, [&](int64_t r, int64_t c) {
+  in_blocks(*this, rows, s * s, [&](int64_t r, int64_t c) {
     Widen w(*this);
     causal_softmax(w.inout(scores.at(r * s * s), c * s * s), c, s);
     w.finish();
@@ -141,7 +139,7 @@ void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int6
   if (f32({probs, dprobs, dscores}))
     return causal_softmax_backward(probs.f(), dprobs.f(), dscores.f(), rows, s);
   const int64_t ss = s * s;
-  in_blocks(rows, 3 * ss, [&](int64_t r, int64_t c) {
+  in_blocks(*this, rows, 3 * ss, [&](int64_t r, int64_t c) {
     Widen w(*this);
     causal_softmax_backward(w.in(probs.at(r * ss), c * ss), w.in(dprobs.at(r * ss), c * ss),
                             w.out(dscores.at(r * ss), c * ss), c, s);
@@ -153,7 +151,7 @@ void Backend::attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t 
                                 int64_t hk, int64_t d) {
   if (f32({probs, v, out})) return attention_context(probs.f(), v.f(), out.f(), b, s, hq, hk, d);
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
-  in_blocks(b, np + nv + no, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, np + nv + no, [&](int64_t i, int64_t c) {
     Widen w(*this);
     attention_context(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
                       w.out(out.at(i * no), c * no), c, s, hq, hk, d);
@@ -167,7 +165,7 @@ void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dpro
     return attention_context_backward(probs.f(), v.f(), dout.f(), dprobs.f(), dv.f(), b, s, hq, hk,
                                       d);
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
-  in_blocks(b, 2 * np + 2 * nv + no, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, 2 * np + 2 * nv + no, [&](int64_t i, int64_t c) {
     Widen w(*this);
     attention_context_backward(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
                                w.in(dout.at(i * no), c * no),
@@ -183,7 +181,7 @@ void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* ls
     return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
   if (native_flash_attention_forward(q, k, v, out, lse, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
-  in_blocks(b, 2 * nq + 2 * nk, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, 2 * nq + 2 * nk, [&](int64_t i, int64_t c) {
     Widen w(*this);
     flash_attention_forward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                             w.in(v.at(i * nk), c * nk), w.out(out.at(i * nq), c * nq), lse + i * nl,
@@ -200,7 +198,7 @@ void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const f
                                     dv.f(), b, s, hq, hk, d);
   if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
-  in_blocks(b, 4 * nq + 4 * nk, [&](int64_t i, int64_t c) {
+  in_blocks(*this, b, 4 * nq + 4 * nk, [&](int64_t i, int64_t c) {
     Widen w(*this);
     flash_attention_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                              w.in(v.at(i * nk), c * nk), w.in(out.at(i * nq), c * nq), lse + i * nl,
@@ -234,7 +232,7 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
 void Backend::gelu(CPtr x, Ptr y, int64_t n) {
   if (f32({x, y})) return gelu(x.f(), y.f(), n);
   if (native_gelu(x, y, n)) return;
-  in_blocks(n, 2, [&](int64_t i, int64_t c) {
+  in_blocks(*this, n, 2, [&](int64_t i, int64_t c) {
     Widen w(*this);
     gelu(w.in(x.at(i), c), w.out(y.at(i), c), c);
     w.finish();
@@ -244,7 +242,7 @@ void Backend::gelu(CPtr x, Ptr y, int64_t n) {
 void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
   if (f32({x, dy, dx})) return gelu_backward(x.f(), dy.f(), dx.f(), n);
   if (native_gelu_backward(x, dy, dx, n)) return;
-  in_blocks(n, 3, [&](int64_t i, int64_t c) {
+  in_blocks(*this, n, 3, [&](int64_t i, int64_t c) {
     Widen w(*this);
     gelu_backward(w.in(x.at(i), c), w.in(dy.at(i), c), w.out(dx.at(i), c), c);
     w.finish();
@@ -254,7 +252,7 @@ void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
 void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
   if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
   if (native_swiglu(x, y, n, f)) return;
-  in_blocks(n, 3 * f, [&](int64_t r, int64_t c) {
+  in_blocks(*this, n, 3 * f, [&](int64_t r, int64_t c) {
     Widen w(*this);
     swiglu(w.in(x.at(2 * r * f), 2 * c * f), w.out(y.at(r * f), c * f), c, f);
     w.finish();
@@ -264,7 +262,7 @@ void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
 void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
   if (f32({x, dy, dx})) return swiglu_backward(x.f(), dy.f(), dx.f(), n, f);
   if (native_swiglu_backward(x, dy, dx, n, f)) return;
-  in_blocks(n, 5 * f, [&](int64_t r, int64_t c) {
+  in_blocks(*this, n, 5 * f, [&](int64_t r, int64_t c) {
     Widen w(*this);
     swiglu_backward(w.in(x.at(2 * r * f), 2 * c * f), w.in(dy.at(r * f), c * f),
                     w.out(dx.at(2 * r * f), 2 * c * f), c, f);
@@ -291,7 +289,7 @@ void Backend::fill_zero(Ptr x, int64_t n) {
 
 void Backend::add(Ptr y, CPtr x, int64_t n) {
   if (f32({y, x})) return add(y.f(), x.f(), n);
-  in_blocks(n, 2, [&](int64_t i, int64_t c) {
+  in_blocks(*this, n, 2, [&](int64_t i, int64_t c) {
     Widen w(*this);
     add(w.inout(y.at(i), c), w.in(x.at(i), c), c);
     w.finish();
@@ -313,7 +311,7 @@ void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
 
 void Backend::scale(Ptr x, int64_t n, double f) {
   if (x.f32()) return scale(x.f(), n, f);
-  in_blocks(n, 1, [&](int64_t i, int64_t c) {
+  in_blocks(*this, n, 1, [&](int64_t i, int64_t c) {
     Widen w(*this);
     scale(w.inout(x.at(i), c), c, f);
     w.finish();
@@ -386,7 +384,7 @@ void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* st
                                   int64_t vl, int64_t valid, int64_t v0) {
   if (logits.f32()) return cross_entropy_stats(logits.f(), targets, stats, n, vl, valid, v0);
   constexpr int64_t k = kCrossEntropyStatsPerToken;
-  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
     Widen w(*this);
     cross_entropy_stats(w.in(logits.at(r * vl), c * vl), targets + r, stats + r * k, c, vl, valid,
                         v0);
@@ -399,7 +397,7 @@ double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logi
   // Each block's rows of every rank's statistics ([ranks, n, k]) side by side: [ranks, c, k].
   constexpr int64_t k = kCrossEntropyStatsPerToken;
   double loss = 0;
-  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
     DeviceBuffer part(*this, DType::kF32, ranks * c * k);
     for (int64_t q = 0; q < ranks; ++q)
       copy_bytes(stats + (q * n + r) * k, part.data<float>() + q * c * k,
@@ -416,7 +414,7 @@ void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t 
                                      int64_t v0, double scale) {
   if (probs.f32()) return cross_entropy_backward(probs.f(), targets, n, vl, v0, scale);
   // The kernel divides by its row count: a block of c rows gets scale * c / n.
-  in_blocks(n, vl, [&](int64_t r, int64_t c) {
+  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
     Widen w(*this);
     cross_entropy_backward(w.inout(probs.at(r * vl), c * vl), targets + r, c, vl, v0,
                            scale * static_cast<double>(c) / static_cast<double>(n));
