@@ -9,6 +9,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
@@ -40,14 +41,13 @@ float load(const void* p, DType t, int64_t i) {
 
 }  // namespace
 
+// A type that is not a float type throws before anything is written: `load` for the source
+// (at the first element), the switch for the destination.
 void convert_on_host(const void* from, DType from_type, void* to, DType to_type, int64_t n) {
   if (from_type == to_type) {
     if (n > 0) std::memmove(to, from, static_cast<size_t>(n) * dtype_bytes(from_type));
     return;
   }
-  for (DType t : {from_type, to_type})
-    if (t != DType::kF32 && t != DType::kBF16 && t != DType::kF16)
-      throw std::invalid_argument("convert: " + to_string(t) + " is not a float type");
   switch (to_type) {
     case DType::kF32:
       for (int64_t i = 0; i < n; ++i) static_cast<float*>(to)[i] = load(from, from_type, i);
@@ -63,6 +63,20 @@ void convert_on_host(const void* from, DType from_type, void* to, DType to_type,
     default:
       throw std::invalid_argument("convert: " + to_string(to_type) + " is not a float type");
   }
+}
+
+void upload_floats(Backend& be, const float* host, Ptr to, int64_t n) {
+  if (to.f32()) return be.upload(host, to.p, static_cast<size_t>(n) * sizeof(float));
+  std::vector<uint8_t> typed(static_cast<size_t>(n) * dtype_bytes(to.t));
+  convert_on_host(host, DType::kF32, typed.data(), to.t, n);
+  be.upload(typed.data(), to.p, typed.size());
+}
+
+void download_floats(Backend& be, CPtr from, float* host, int64_t n) {
+  if (from.f32()) return be.download(from.p, host, static_cast<size_t>(n) * sizeof(float));
+  std::vector<uint8_t> typed(static_cast<size_t>(n) * dtype_bytes(from.t));
+  be.download(from.p, typed.data(), typed.size());
+  convert_on_host(typed.data(), from.t, host, DType::kF32, n);
 }
 
 namespace {

@@ -278,6 +278,11 @@ std::unique_ptr<Backend> make_backend(std::string_view name);
 // Backend::convert on host memory (the CPU backend's, and host staging elsewhere).
 void convert_on_host(const void* from, DType from_type, void* to, DType to_type, int64_t n);
 
+// n fp32 values on the host into `to` (the backend's memory), converted to its element type;
+// and the n elements at `from` back to fp32 values on the host.
+void upload_floats(Backend& be, const float* host, Ptr to, int64_t n);
+void download_floats(Backend& be, CPtr from, float* host, int64_t n);
+
 // How the CUDA backend's fp32 GEMMs compute: PTDP_CUDA_MATH, "fp32" (default), "tf32" or "bf16"
 // (the inputs rounded for the tensor cores, fp32 accumulation and storage); PTDP_CUDA_TF32=1,
 // the older switch, means "tf32". Any other value: an InputError naming PTDP_CUDA_MATH.

@@ -378,18 +378,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   // Initial values are computed on the host in fp32 (rounded to bf16 for a bf16 model, as
   // Megatron casts its initialised fp32 weights) and uploaded parameter by parameter.
   std::vector<float> host;
-  std::vector<uint16_t> narrow;
   for (Pending& p : pending) {
     host.assign(static_cast<size_t>(p.info.size), 0.0f);
     p.init(host.data());
-    const void* from = host.data();
-    if (layout.dtype != DType::kF32) {
-      narrow.resize(host.size());
-      convert_on_host(host.data(), DType::kF32, narrow.data(), layout.dtype, p.info.size);
-      from = narrow.data();
-    }
-    backend->upload(from, params_.ptr().at(p.info.offset).p,
-                    host.size() * dtype_bytes(layout.dtype));
+    upload_floats(*backend, host.data(), params_.ptr().at(p.info.offset), p.info.size);
     infos_.push_back(p.info);
   }
   auto off = [&](int64_t i) { return i < 0 ? int64_t{-1} : infos_[static_cast<size_t>(i)].offset; };

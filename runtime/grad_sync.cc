@@ -35,15 +35,10 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
 std::vector<float> DataParallelOptimizer::parameters_to_host() {
   DeviceBuffer& params = shard_.params();
   std::vector<float> host(static_cast<size_t>(params.size()));
-  if (master_.size() == 0) {
-    be_.download(params.data<float>(), host.data(), params.bytes());
-    return host;
-  }
-  std::vector<uint16_t> narrow(host.size());
-  be_.download(params.ptr().p, narrow.data(), params.bytes());
-  convert_on_host(narrow.data(), params.dtype(), host.data(), DType::kF32, params.size());
+  download_floats(be_, params.ptr(), host.data(), params.size());
+  if (master_.size() == 0) return host;
   std::vector<float> master(static_cast<size_t>(master_.size()));
-  be_.download(master_.data<float>(), master.data(), master_.bytes());
+  download_floats(be_, master_.ptr(), master.data(), master_.size());
   for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
     std::copy_n(master.begin() + base, hi - lo, host.begin() + lo);
   });
@@ -54,18 +49,13 @@ void DataParallelOptimizer::parameters_from_host(const std::vector<float>& host)
   DeviceBuffer& params = shard_.params();
   if (static_cast<int64_t>(host.size()) != params.size())
     throw std::logic_error("parameters_from_host: the size differs from the shard's");
-  if (master_.size() == 0) {
-    be_.upload(host.data(), params.data<float>(), params.bytes());
-    return;
-  }
-  std::vector<uint16_t> narrow(host.size());
-  convert_on_host(host.data(), DType::kF32, narrow.data(), params.dtype(), params.size());
-  be_.upload(narrow.data(), params.ptr().p, params.bytes());
+  upload_floats(be_, host.data(), params.ptr(), params.size());
+  if (master_.size() == 0) return;
   std::vector<float> master(static_cast<size_t>(master_.size()));
   for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
     std::copy_n(host.begin() + lo, hi - lo, master.begin() + base);
   });
-  be_.upload(master.data(), master_.data<float>(), master_.bytes());
+  upload_floats(be_, master.data(), master_.ptr(), master_.size());
 }
 
 void DataParallelOptimizer::for_each_owned_range(

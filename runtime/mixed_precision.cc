@@ -61,15 +61,24 @@ class Widen {
   std::vector<Back> back_;
 };
 
-// Row-independent calls are widened in blocks of rows, so that their fp32 temporaries stay
-// near Backend::widen_block_elements() whatever the tensor: what a bf16 run holds beyond the
-// memory model's count stays small. Calls f(first, count) for consecutive blocks of
-// [0, rows), each row `per_row` widened elements.
+// Runs f(w) with a Widen w, then rounds its outputs back.
 template <class F>
-void in_blocks(const Backend& be, int64_t rows, int64_t per_row, F f) {
+void widened(Backend& be, F f) {
+  Widen w(be);
+  f(w);
+  w.finish();
+}
+
+// The same for a row-independent call, in blocks of rows so that its fp32 temporaries stay near
+// Backend::widen_block_elements() whatever the tensor (what a bf16 run holds beyond the memory
+// model's count stays small): f(w, first, count) for consecutive blocks of [0, rows), each row
+// `per_row` widened elements.
+template <class F>
+void widened(Backend& be, int64_t rows, int64_t per_row, F f) {
   const int64_t step =
       std::max<int64_t>(1, be.widen_block_elements() / std::max<int64_t>(1, per_row));
-  for (int64_t r = 0; r < rows; r += step) f(r, std::min(step, rows - r));
+  for (int64_t r = 0; r < rows; r += step)
+    widened(be, [&](Widen& w) { f(w, r, std::min(step, rows - r)); });
 }
 
 }  // namespace
@@ -77,36 +86,35 @@ void in_blocks(const Backend& be, int64_t rows, int64_t per_row, F f) {
 void Backend::linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in, int64_t out) {
   if (f32({x, w, b, y})) return linear_forward(x.f(), w.f(), b.f(), y.f(), n, in, out);
   if (native_linear_forward(x, w, b, y, n, in, out)) return;
-  Widen c(*this);
-  linear_forward(c.in(x, n * in), c.in(w, out * in), c.in(b, out), c.out(y, n * out), n, in, out);
-  c.finish();
+  widened(*this, [&](Widen& wd) {  // w is the weight
+    linear_forward(wd.in(x, n * in), wd.in(w, out * in), wd.in(b, out), wd.out(y, n * out), n, in,
+                   out);
+  });
 }
 
 void Backend::linear_dgrad(CPtr w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out) {
   if (f32({w, dy, dx})) return linear_dgrad(w.f(), dy.f(), dx.f(), n, in, out);
   if (native_linear_dgrad(w, dy, dx, n, in, out)) return;
-  Widen c(*this);
-  linear_dgrad(c.in(w, out * in), c.in(dy, n * out), c.out(dx, n * in), n, in, out);
-  c.finish();
+  widened(*this, [&](Widen& wd) {  // w is the weight
+    linear_dgrad(wd.in(w, out * in), wd.in(dy, n * out), wd.out(dx, n * in), n, in, out);
+  });
 }
 
 void Backend::linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int64_t in,
                            int64_t out) {
   if (f32({x, dy})) return linear_wgrad(x.f(), dy.f(), dw, db, n, in, out);
   if (native_linear_wgrad(x, dy, dw, db, n, in, out)) return;
-  Widen c(*this);
-  linear_wgrad(c.in(x, n * in), c.in(dy, n * out), dw, db, n, in, out);
+  widened(*this,
+          [&](Widen& w) { linear_wgrad(w.in(x, n * in), w.in(dy, n * out), dw, db, n, in, out); });
 }
 
 void Backend::attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s, int64_t hq,
                                int64_t hk, int64_t d) {
   if (f32({q, k, scores})) return attention_scores(q.f(), k.f(), scores.f(), b, s, hq, hk, d);
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
-  in_blocks(*this, b, nq + nk + ns, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, nq + nk + ns, [&](Widen& w, int64_t i, int64_t c) {
     attention_scores(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                      w.out(scores.at(i * ns), c * ns), c, s, hq, hk, d);
-    w.finish();
   });
 }
 
@@ -115,22 +123,17 @@ void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Pt
   if (f32({q, k, dscores, dq, dk}))
     return attention_scores_backward(q.f(), k.f(), dscores.f(), dq.f(), dk.f(), b, s, hq, hk, d);
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
-  in_blocks(*this, b, 2 * nq + 2 * nk + ns, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, 2 * nq + 2 * nk + ns, [&](Widen& w, int64_t i, int64_t c) {
     attention_scores_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
-                              w.in(dscores.at(i * ns), c * ns),
-                              dq ? w.out(dq.at(i * nq), c * nq) : nullptr,
-                              dk ? w.out(dk.at(i * nk), c * nk) : nullptr, c, s, hq, hk, d);
-    w.finish();
+                              w.in(dscores.at(i * ns), c * ns), w.out(dq.at(i * nq), c * nq),
+                              w.out(dk.at(i * nk), c * nk), c, s, hq, hk, d);
   });
 }
 
 void Backend::causal_softmax(Ptr scores, int64_t rows, int64_t s) {
   if (scores.f32()) return causal_softmax(scores.f(), rows, s);
-  in_blocks(*this, rows, s * s, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, rows, s * s, [&](Widen& w, int64_t r, int64_t c) {
     causal_softmax(w.inout(scores.at(r * s * s), c * s * s), c, s);
-    w.finish();
   });
 }
 
@@ -139,11 +142,9 @@ void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int6
   if (f32({probs, dprobs, dscores}))
     return causal_softmax_backward(probs.f(), dprobs.f(), dscores.f(), rows, s);
   const int64_t ss = s * s;
-  in_blocks(*this, rows, 3 * ss, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, rows, 3 * ss, [&](Widen& w, int64_t r, int64_t c) {
     causal_softmax_backward(w.in(probs.at(r * ss), c * ss), w.in(dprobs.at(r * ss), c * ss),
                             w.out(dscores.at(r * ss), c * ss), c, s);
-    w.finish();
   });
 }
 
@@ -151,11 +152,9 @@ void Backend::attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t 
                                 int64_t hk, int64_t d) {
   if (f32({probs, v, out})) return attention_context(probs.f(), v.f(), out.f(), b, s, hq, hk, d);
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
-  in_blocks(*this, b, np + nv + no, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, np + nv + no, [&](Widen& w, int64_t i, int64_t c) {
     attention_context(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
                       w.out(out.at(i * no), c * no), c, s, hq, hk, d);
-    w.finish();
   });
 }
 
@@ -165,13 +164,10 @@ void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dpro
     return attention_context_backward(probs.f(), v.f(), dout.f(), dprobs.f(), dv.f(), b, s, hq, hk,
                                       d);
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
-  in_blocks(*this, b, 2 * np + 2 * nv + no, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, 2 * np + 2 * nv + no, [&](Widen& w, int64_t i, int64_t c) {
     attention_context_backward(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
-                               w.in(dout.at(i * no), c * no),
-                               dprobs ? w.out(dprobs.at(i * np), c * np) : nullptr,
-                               dv ? w.out(dv.at(i * nv), c * nv) : nullptr, c, s, hq, hk, d);
-    w.finish();
+                               w.in(dout.at(i * no), c * no), w.out(dprobs.at(i * np), c * np),
+                               w.out(dv.at(i * nv), c * nv), c, s, hq, hk, d);
   });
 }
 
@@ -181,12 +177,10 @@ void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* ls
     return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
   if (native_flash_attention_forward(q, k, v, out, lse, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
-  in_blocks(*this, b, 2 * nq + 2 * nk, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, 2 * nq + 2 * nk, [&](Widen& w, int64_t i, int64_t c) {
     flash_attention_forward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                             w.in(v.at(i * nk), c * nk), w.out(out.at(i * nq), c * nq), lse + i * nl,
                             c, s, hq, hk, d);
-    w.finish();
   });
 }
 
@@ -198,14 +192,12 @@ void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const f
                                     dv.f(), b, s, hq, hk, d);
   if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
-  in_blocks(*this, b, 4 * nq + 4 * nk, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, b, 4 * nq + 4 * nk, [&](Widen& w, int64_t i, int64_t c) {
     flash_attention_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                              w.in(v.at(i * nk), c * nk), w.in(out.at(i * nq), c * nq), lse + i * nl,
                              w.in(dout.at(i * nq), c * nq), w.out(dq.at(i * nq), c * nq),
                              w.out(dk.at(i * nk), c * nk), w.out(dv.at(i * nk), c * nk), c, s, hq,
                              hk, d);
-    w.finish();
   });
 }
 
@@ -213,9 +205,9 @@ void Backend::norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float*
                            int64_t h) {
   if (f32({x, g, beta, y})) return norm_forward(x.f(), g.f(), beta.f(), y.f(), mean, rstd, n, h);
   if (native_norm_forward(x, g, beta, y, mean, rstd, n, h)) return;
-  Widen c(*this);
-  norm_forward(c.in(x, n * h), c.in(g, h), c.in(beta, h), c.out(y, n * h), mean, rstd, n, h);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    norm_forward(w.in(x, n * h), w.in(g, h), w.in(beta, h), w.out(y, n * h), mean, rstd, n, h);
+  });
 }
 
 void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
@@ -223,59 +215,49 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
   if (f32({x, g, dy, dx}))
     return norm_backward(x.f(), g.f(), has_beta, mean, rstd, dy.f(), dx.f(), dg, dbeta, n, h);
   if (native_norm_backward(x, g, has_beta, mean, rstd, dy, dx, dg, dbeta, n, h)) return;
-  Widen c(*this);
-  norm_backward(c.in(x, n * h), c.in(g, h), has_beta, mean, rstd, c.in(dy, n * h), c.out(dx, n * h),
-                dg, dbeta, n, h);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    norm_backward(w.in(x, n * h), w.in(g, h), has_beta, mean, rstd, w.in(dy, n * h),
+                  w.out(dx, n * h), dg, dbeta, n, h);
+  });
 }
 
 void Backend::gelu(CPtr x, Ptr y, int64_t n) {
   if (f32({x, y})) return gelu(x.f(), y.f(), n);
   if (native_gelu(x, y, n)) return;
-  in_blocks(*this, n, 2, [&](int64_t i, int64_t c) {
-    Widen w(*this);
-    gelu(w.in(x.at(i), c), w.out(y.at(i), c), c);
-    w.finish();
-  });
+  widened(*this, n, 2,
+          [&](Widen& w, int64_t i, int64_t c) { gelu(w.in(x.at(i), c), w.out(y.at(i), c), c); });
 }
 
 void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
   if (f32({x, dy, dx})) return gelu_backward(x.f(), dy.f(), dx.f(), n);
   if (native_gelu_backward(x, dy, dx, n)) return;
-  in_blocks(*this, n, 3, [&](int64_t i, int64_t c) {
-    Widen w(*this);
+  widened(*this, n, 3, [&](Widen& w, int64_t i, int64_t c) {
     gelu_backward(w.in(x.at(i), c), w.in(dy.at(i), c), w.out(dx.at(i), c), c);
-    w.finish();
   });
 }
 
 void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
   if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
   if (native_swiglu(x, y, n, f)) return;
-  in_blocks(*this, n, 3 * f, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, n, 3 * f, [&](Widen& w, int64_t r, int64_t c) {
     swiglu(w.in(x.at(2 * r * f), 2 * c * f), w.out(y.at(r * f), c * f), c, f);
-    w.finish();
   });
 }
 
 void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
   if (f32({x, dy, dx})) return swiglu_backward(x.f(), dy.f(), dx.f(), n, f);
   if (native_swiglu_backward(x, dy, dx, n, f)) return;
-  in_blocks(*this, n, 5 * f, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, n, 5 * f, [&](Widen& w, int64_t r, int64_t c) {
     swiglu_backward(w.in(x.at(2 * r * f), 2 * c * f), w.in(dy.at(r * f), c * f),
                     w.out(dx.at(2 * r * f), 2 * c * f), c, f);
-    w.finish();
   });
 }
 
 void Backend::rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
                    bool inverse) {
   if (x.f32()) return rope(x.f(), b, s, heads, d, base, inverse);
-  Widen c(*this);
-  rope(c.inout(x, b * s * heads * d), b, s, heads, d, base, inverse);
-  c.finish();
+  widened(*this,
+          [&](Widen& w) { rope(w.inout(x, b * s * heads * d), b, s, heads, d, base, inverse); });
 }
 
 void Backend::copy(CPtr x, Ptr y, int64_t n) {
@@ -289,103 +271,92 @@ void Backend::fill_zero(Ptr x, int64_t n) {
 
 void Backend::add(Ptr y, CPtr x, int64_t n) {
   if (f32({y, x})) return add(y.f(), x.f(), n);
-  in_blocks(*this, n, 2, [&](int64_t i, int64_t c) {
-    Widen w(*this);
-    add(w.inout(y.at(i), c), w.in(x.at(i), c), c);
-    w.finish();
-  });
+  widened(*this, n, 2,
+          [&](Widen& w, int64_t i, int64_t c) { add(w.inout(y.at(i), c), w.in(x.at(i), c), c); });
 }
 
 void Backend::add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) {
   if (f32({y, bias})) return add_bias(y.f(), bias.f(), rows, width);
-  Widen c(*this);
-  add_bias(c.inout(y, rows * width), c.in(bias, width), rows, width);
-  c.finish();
+  widened(*this,
+          [&](Widen& w) { add_bias(w.inout(y, rows * width), w.in(bias, width), rows, width); });
 }
 
 void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
   if (dy.f32()) return bias_grad(dy.f(), db, rows, width);
-  Widen c(*this);
-  bias_grad(c.in(dy, rows * width), db, rows, width);
+  widened(*this, [&](Widen& w) { bias_grad(w.in(dy, rows * width), db, rows, width); });
 }
 
 void Backend::scale(Ptr x, int64_t n, double f) {
   if (x.f32()) return scale(x.f(), n, f);
-  in_blocks(*this, n, 1, [&](int64_t i, int64_t c) {
-    Widen w(*this);
-    scale(w.inout(x.at(i), c), c, f);
-    w.finish();
-  });
+  widened(*this, n, 1, [&](Widen& w, int64_t i, int64_t c) { scale(w.inout(x.at(i), c), c, f); });
 }
 
 void Backend::split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
                              int64_t c) {
   if (f32({x, y0, y1, y2})) return split_columns3(x.f(), y0.f(), y1.f(), y2.f(), n, a, b, c);
-  Widen w(*this);
-  split_columns3(w.in(x, n * (a + b + c)), w.out(y0, n * a), w.out(y1, n * b), w.out(y2, n * c), n,
-                 a, b, c);
-  w.finish();
+  widened(*this, [&](Widen& w) {
+    split_columns3(w.in(x, n * (a + b + c)), w.out(y0, n * a), w.out(y1, n * b), w.out(y2, n * c),
+                   n, a, b, c);
+  });
 }
 
 void Backend::concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
                               int64_t c) {
   if (f32({x0, x1, x2, y})) return concat_columns3(x0.f(), x1.f(), x2.f(), y.f(), n, a, b, c);
-  Widen w(*this);
-  concat_columns3(w.in(x0, n * a), w.in(x1, n * b), w.in(x2, n * c), w.out(y, n * (a + b + c)), n,
-                  a, b, c);
-  w.finish();
+  widened(*this, [&](Widen& w) {
+    concat_columns3(w.in(x0, n * a), w.in(x1, n * b), w.in(x2, n * c), w.out(y, n * (a + b + c)), n,
+                    a, b, c);
+  });
 }
 
 void Backend::sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
                                int64_t width) {
   if (f32({shards, full})) return sequence_unshard(shards.f(), full.f(), t, b, s, width);
-  Widen c(*this);
-  sequence_unshard(c.in(shards, b * s * width), c.out(full, b * s * width), t, b, s, width);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    sequence_unshard(w.in(shards, b * s * width), w.out(full, b * s * width), t, b, s, width);
+  });
 }
 
 void Backend::sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
                              int64_t width) {
   if (f32({full, shards})) return sequence_shard(full.f(), shards.f(), t, b, s, width);
-  Widen c(*this);
-  sequence_shard(c.in(full, b * s * width), c.out(shards, b * s * width), t, b, s, width);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    sequence_shard(w.in(full, b * s * width), w.out(shards, b * s * width), t, b, s, width);
+  });
 }
 
 void Backend::vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, int64_t n, int64_t h,
                                      int64_t v0, int64_t vl) {
   if (f32({table, y})) return vocab_embedding_lookup(tokens, table.f(), y.f(), n, h, v0, vl);
-  Widen c(*this);
-  vocab_embedding_lookup(tokens, c.in(table, vl * h), c.out(y, n * h), n, h, v0, vl);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    vocab_embedding_lookup(tokens, w.in(table, vl * h), w.out(y, n * h), n, h, v0, vl);
+  });
 }
 
 void Backend::vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n,
                                    int64_t h, int64_t v0, int64_t vl) {
   if (dy.f32()) return vocab_embedding_grad(tokens, dy.f(), dtable, n, h, v0, vl);
-  Widen c(*this);
-  vocab_embedding_grad(tokens, c.in(dy, n * h), dtable, n, h, v0, vl);
+  widened(*this,
+          [&](Widen& w) { vocab_embedding_grad(tokens, w.in(dy, n * h), dtable, n, h, v0, vl); });
 }
 
 void Backend::add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h, int64_t first) {
   if (f32({x, pos})) return add_positions(x.f(), pos.f(), b, sl, h, first);
-  Widen c(*this);
-  add_positions(c.inout(x, b * sl * h), c.in(pos, (first + sl) * h), b, sl, h, first);
-  c.finish();
+  widened(*this, [&](Widen& w) {
+    add_positions(w.inout(x, b * sl * h), w.in(pos, (first + sl) * h), b, sl, h, first);
+  });
 }
 
 void Backend::position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first) {
   if (dx.f32()) return position_grad(dx.f(), dpos, b, sl, h, first);
-  Widen c(*this);
-  position_grad(c.in(dx, b * sl * h), dpos, b, sl, h, first);
+  widened(*this, [&](Widen& w) { position_grad(w.in(dx, b * sl * h), dpos, b, sl, h, first); });
 }
 
 void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n,
                                   int64_t vl, int64_t valid, int64_t v0) {
   if (logits.f32()) return cross_entropy_stats(logits.f(), targets, stats, n, vl, valid, v0);
   constexpr int64_t k = kCrossEntropyStatsPerToken;
-  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, n, vl, [&](Widen& w, int64_t r, int64_t c) {
     cross_entropy_stats(w.in(logits.at(r * vl), c * vl), targets + r, stats + r * k, c, vl, valid,
                         v0);
   });
@@ -397,15 +368,18 @@ double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logi
   // Each block's rows of every rank's statistics ([ranks, n, k]) side by side: [ranks, c, k].
   constexpr int64_t k = kCrossEntropyStatsPerToken;
   double loss = 0;
-  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
-    DeviceBuffer part(*this, DType::kF32, ranks * c * k);
-    for (int64_t q = 0; q < ranks; ++q)
-      copy_bytes(stats + (q * n + r) * k, part.data<float>() + q * c * k,
-                 static_cast<size_t>(c * k) * sizeof(float));
-    Widen w(*this);
-    loss += cross_entropy_finish(part.data<float>(), ranks, w.inout(logits.at(r * vl), c * vl),
-                                 lse + r, c, vl, valid);
-    w.finish();
+  widened(*this, n, vl, [&](Widen& w, int64_t r, int64_t c) {
+    const float* rows = stats + r * k;  // one rank's: contiguous already
+    DeviceBuffer part;
+    if (ranks > 1) {
+      part = DeviceBuffer(*this, DType::kF32, ranks * c * k);
+      for (int64_t q = 0; q < ranks; ++q)
+        copy_bytes(stats + (q * n + r) * k, part.data<float>() + q * c * k,
+                   static_cast<size_t>(c * k) * sizeof(float));
+      rows = part.data<float>();
+    }
+    loss += cross_entropy_finish(rows, ranks, w.inout(logits.at(r * vl), c * vl), lse + r, c, vl,
+                                 valid);
   });
   return loss;
 }
@@ -414,11 +388,9 @@ void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t 
                                      int64_t v0, double scale) {
   if (probs.f32()) return cross_entropy_backward(probs.f(), targets, n, vl, v0, scale);
   // The kernel divides by its row count: a block of c rows gets scale * c / n.
-  in_blocks(*this, n, vl, [&](int64_t r, int64_t c) {
-    Widen w(*this);
+  widened(*this, n, vl, [&](Widen& w, int64_t r, int64_t c) {
     cross_entropy_backward(w.inout(probs.at(r * vl), c * vl), targets + r, c, vl, v0,
                            scale * static_cast<double>(c) / static_cast<double>(n));
-    w.finish();
   });
 }
 

@@ -32,16 +32,11 @@ struct OpExecutor::State {
     int64_t& done = filled[&x];
     if (done == n && elems(x) == n) return;
     resize(x, n);
-    // Made in fp32 on the host, then stored in x's type (and memory).
+    // Made in fp32 on the host, then stored in x's type, in the backend's memory.
     std::vector<float> values(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i)
       values[static_cast<size_t>(i)] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
-    std::vector<uint8_t> typed(x.bytes());
-    convert_on_host(values.data(), DType::kF32, typed.data(), x.dtype(), n);
-    if (x.on_host())
-      std::copy(typed.begin(), typed.end(), static_cast<uint8_t*>(x.raw()));
-    else
-      x.space()->upload(typed.data(), x.raw(), typed.size());
+    upload_floats(ctx.be, values.data(), x.ptr(), n);
     done = n;
   }
   std::map<const Buffer*, int64_t> filled;

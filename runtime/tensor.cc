@@ -103,7 +103,7 @@ Buffer& Buffer::operator=(const Buffer& o) {
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
-    free_storage();
+    release();
     space_ = o.space_;
     p_ = o.p_;
     n_ = o.n_;
@@ -117,7 +117,7 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 }
 
 Buffer::~Buffer() {
-  free_storage();
+  release();
 }
 
 void Buffer::swap(Buffer& o) noexcept {
@@ -136,10 +136,6 @@ void* Buffer::checked_f32() const {
 }
 
 void Buffer::release() {
-  free_storage();
-}
-
-void Buffer::free_storage() {
   if (!p_) return;
   if (on_host()) {
     MemoryCounter::freed(cap_ * element());
@@ -166,7 +162,7 @@ void Buffer::reallocate(size_t cap) {
       space_->copy_bytes(p_, p, bytes());
   }
   const size_t n = n_;
-  free_storage();
+  release();
   p_ = p;
   n_ = n;
   cap_ = cap;

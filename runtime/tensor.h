@@ -103,7 +103,6 @@ class Buffer {
  private:
   void* checked_f32() const;
   void reallocate(size_t cap);
-  void free_storage();
   size_t element() const { return dtype_bytes(dtype_); }
 
   Backend* space_ = nullptr;

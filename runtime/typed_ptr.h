@@ -29,8 +29,9 @@ struct Ptr {
     if (t != DType::kF32) throw std::logic_error("a " + to_string(t) + " tensor read as fp32");
     return static_cast<float*>(p);
   }
-  // The pointer `elements` further on.
+  // The pointer `elements` further on (a null pointer stays null).
   Ptr at(int64_t elements) const {
+    if (!p) return *this;
     return {static_cast<char*>(p) + elements * static_cast<int64_t>(dtype_bytes(t)), t};
   }
 };
@@ -52,6 +53,7 @@ struct CPtr {
     return static_cast<const float*>(p);
   }
   CPtr at(int64_t elements) const {
+    if (!p) return *this;
     return {static_cast<const char*>(p) + elements * static_cast<int64_t>(dtype_bytes(t)), t};
   }
 };

@@ -126,6 +126,17 @@ struct Variant {
   Recompute recompute;
 };
 
+// One rank's layout of a variant at micro-batch 2, in `type`.
+ShardLayout layout_of(const Variant& v, DType type) {
+  ShardLayout l;
+  l.t = v.t;
+  l.micro_batch = 2;
+  l.sequence_parallel = v.sp;
+  l.recompute = v.recompute;
+  l.dtype = type;
+  return l;
+}
+
 ModelSpec rotary() {
   ModelSpec m = llama_like();
   m.name = "trace-rotary";
@@ -148,12 +159,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
-        ShardLayout l;
-        l.t = v.t;
-        l.micro_batch = 2;
-        l.sequence_parallel = v.sp;
-        l.recompute = v.recompute;
-        l.dtype = type;
+        const ShardLayout l = layout_of(v, type);
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);
         const std::string where = m.name + " t" + std::to_string(v.t) + (v.sp ? " sp " : " ") +
@@ -221,12 +227,7 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
           Variant{4, false, Recompute::kSelective}})
       for (const DType type : {DType::kF32, DType::kBF16}) {  // ptdp calibrate --bf16's ops too
-        ShardLayout l;
-        l.t = v.t;
-        l.micro_batch = 2;
-        l.sequence_parallel = v.sp;
-        l.recompute = v.recompute;
-        l.dtype = type;
+        const ShardLayout l = layout_of(v, type);
         MirrorGroup group(static_cast<int>(v.t));
         OpExecutor exec(*backend, &group, m, l);
         std::vector<ExecutedOp> trace;

@@ -91,6 +91,20 @@ void expect_same_losses(const Layout& l, const nlohmann::json& single) {
   }
 }
 
+// The tiny model on 2 ranks with `flags`: 3 steps saved to a checkpoint, then resumed to 6,
+// give the last 3 losses of an uninterrupted 6-step run to the bit.
+void expect_resume_continues_the_curve(const std::string& name, const std::string& flags) {
+  const fs::path dir = fs::temp_directory_path() / ("ptdp_run_mpi_test_" + name);
+  fs::remove_all(dir);
+  const nlohmann::json whole = run_json(2, tiny_steps(6) + flags);
+  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + flags + " --save " + dir.string()).status, 0);
+  const nlohmann::json resumed = run_json(2, tiny_steps(6) + flags + " --load " + dir.string());
+  const auto all = losses(whole), tail = losses(resumed);
+  ASSERT_EQ(all.size(), 6u);
+  EXPECT_EQ(tail, std::vector<double>(all.begin() + 3, all.end()));
+  fs::remove_all(dir);
+}
+
 TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
   const nlohmann::json single = run_json(0, kTiny);
   ASSERT_EQ(losses(single).size(), 6u);
@@ -221,16 +235,7 @@ TEST(RunMpi, Bf16TracksFp32AndShardsToTheSingleRankBf16Losses) {
 
 // A bf16 checkpoint holds the fp32 master weights: resuming continues the curve to the bit.
 TEST(RunMpi, Bf16CheckpointResumesTheCurveFromTheMasterWeights) {
-  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_bf16_ckpt";
-  fs::remove_all(dir);
-  const std::string f = " --bf16 --use-distributed-optimizer";
-  const nlohmann::json whole = run_json(2, tiny_steps(6) + f);
-  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + f + " --save " + dir.string()).status, 0);
-  const nlohmann::json resumed = run_json(2, tiny_steps(6) + f + " --load " + dir.string());
-  const auto all = losses(whole), tail = losses(resumed);
-  ASSERT_EQ(all.size(), 6u);
-  EXPECT_EQ(tail, std::vector<double>(all.begin() + 3, all.end()));
-  fs::remove_all(dir);
+  expect_resume_continues_the_curve("bf16_ckpt", " --bf16 --use-distributed-optimizer");
 }
 
 // Context parallelism (runtime/context_parallel.h): the sequence in 2 cp chunks, attention as a
@@ -329,16 +334,8 @@ TEST(RunMpi, OverlappedExpertBucketsTrainToTheSameLosses) {
 // A checkpoint written while the parameters are being gathered holds them whole: resuming gives
 // the uninterrupted run's losses.
 TEST(RunMpi, OverlappedParameterGatherCheckpointResumesTheCurve) {
-  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_param_gather_ckpt";
-  fs::remove_all(dir);
-  const std::string f = " --use-distributed-optimizer --overlap-param-gather";
-  const nlohmann::json whole = run_json(2, tiny_steps(6) + f);
-  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + f + " --save " + dir.string()).status, 0);
-  const nlohmann::json resumed = run_json(2, tiny_steps(6) + f + " --load " + dir.string());
-  const auto all = losses(whole), tail = losses(resumed);
-  ASSERT_EQ(all.size(), 6u);
-  EXPECT_EQ(tail, std::vector<double>(all.begin() + 3, all.end()));
-  fs::remove_all(dir);
+  expect_resume_continues_the_curve("param_gather_ckpt",
+                                    " --use-distributed-optimizer --overlap-param-gather");
 }
 
 // The buckets and gathers are in the trace, on each stage's data-parallel track, every part of

@@ -1,7 +1,6 @@
 // Device twins of the CPU backend's fp32 kernels (runtime/cuda/fp32_kernels.h). Plain
 // grid-stride loops for element-wise work, one block per row for row reductions, one thread per
 // column (rows added in order) for column sums, so results are deterministic.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -75,11 +74,12 @@ __global__ void bias_grad_k(const float* dy, float* db, int64_t rows, int64_t wi
   for (int64_t r = 0; r < rows; ++r) acc += dy[r * width + c];
   db[c] += acc;
 }
-__global__ void to_bf16_k(const float* x, __nv_bfloat16* y, int64_t n) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = __float2bfloat16_rn(x[i]);
+// The bf16 kernels' own conversions (kernels/cuda/common.cuh).
+__global__ void to_bf16_k(const float* x, kernels::cuda::bf16* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = kernels::cuda::to_bf16(x[i]);
 }
-__global__ void from_bf16_k(const __nv_bfloat16* x, float* y, int64_t n) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = __bfloat162float(x[i]);
+__global__ void from_bf16_k(const kernels::cuda::bf16* x, float* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = kernels::cuda::to_float(x[i]);
 }
 __global__ void scale_k(float* x, int64_t n, double f) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
@@ -417,10 +417,11 @@ void scale(float* x, int64_t n, double f, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(scale_k, grid_for(n), x, n, f);
 }
 void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(to_bf16_k, grid_for(n), x, static_cast<__nv_bfloat16*>(y), n);
+  if (n > 0) PTDP_LAUNCH(to_bf16_k, grid_for(n), x, static_cast<kernels::cuda::bf16*>(y), n);
 }
 void from_bf16(const void* x, float* y, int64_t n, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(from_bf16_k, grid_for(n), static_cast<const __nv_bfloat16*>(x), y, n);
+  if (n > 0)
+    PTDP_LAUNCH(from_bf16_k, grid_for(n), static_cast<const kernels::cuda::bf16*>(x), y, n);
 }
 void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st) {
   PTDP_LAUNCH(sum_squares_partial_k, kSumSquaresBlocks, x, n, partials);
