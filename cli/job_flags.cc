@@ -37,8 +37,16 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--num-query-groups", num_query_groups);
   app.add_option("--ffn-hidden-size", ffn_hidden_size);
   app.add_option("--seq-length", seq_length);
+  app.add_option("--max-position-embeddings", max_position_embeddings,
+                 "rows of the learned position table (default and minimum: --seq-length)");
   app.add_option("--vocab-size", vocab_size);
+  app.add_flag("--group-query-attention", group_query_attention,
+               "grouped-query attention with --num-query-groups groups (Megatron's default: 1)");
   app.add_flag("--swiglu", swiglu);
+  app.add_flag("--disable-bias-linear", disable_bias_linear,
+               "no biases on linear layers (ptdp: as every --swiglu model)");
+  app.add_option("--normalization", normalization,
+                 "LayerNorm or RMSNorm (ptdp: RMSNorm exactly for --swiglu models)");
   app.add_flag("--untie-embeddings-and-output-weights", untie);
   app.add_option("--position-embedding-type", position_embedding_type, "learned_absolute or rope");
   app.add_option("--rotary-base", rotary_base, "rotary embedding base (Hugging Face rope_theta)");
@@ -54,9 +62,16 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--moe-ffn-hidden-size", moe_ffn_hidden_size, "one routed expert's FFN width");
   app.add_option("--moe-shared-expert-intermediate-size", moe_shared_expert_ffn_size,
                  "FFN width of the shared experts together");
-  app.add_option("--moe-layer-freq", moe_layer_freq, "every N-th layer is an MoE layer");
+  app.add_option("--moe-layer-freq", moe_layer_freq,
+                 "every N-th layer is an MoE layer, or a pattern like \"([0]*3+[1]*29)\"");
   app.add_option("--moe-expert-capacity-factor", moe_capacity_factor,
                  "expert capacity as a multiple of the fair share (default: dropless)");
+  app.add_option("--moe-token-dispatcher-type", moe_token_dispatcher_type,
+                 "alltoall (what ptdp prices and runs)");
+  app.add_option("--moe-token-drop-policy", moe_token_drop_policy,
+                 "probs or position: which tokens past an expert's capacity drop");
+  app.add_flag("--moe-grouped-gemm", moe_grouped_gemm,
+               "a rank's experts as one grouped GEMM (how ptdp prices them)");
 }
 
 void JobFlags::add_cluster_flags(CLI::App& app) {
@@ -92,6 +107,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
                  "layers on the last pipeline stage (the others share the rest evenly)");
   app.add_option("--recompute-granularity", recompute_granularity,
                  "full or selective (default: none)");
+  app.add_option("--recompute-method", recompute_method,
+                 "uniform (with --recompute-granularity full; ptdp's full recompute)");
+  app.add_option("--recompute-num-layers", recompute_num_layers,
+                 "layers per recomputed checkpoint: 1 (with --recompute-method uniform)");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
@@ -102,6 +121,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
       "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
   app.add_flag("--bf16", bf16, "bf16 weights and activations (fp32 master weights and gradients)");
   app.add_flag("--fp16", fp16, "fp16 weights and activations (priced; ptdp run refuses it)");
+  app.add_flag("--accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32,
+               "keep and reduce gradients in fp32 (the default)");
   app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,
                "keep and reduce gradients in 16 bits (SC'21 fp16 runs) instead of fp32");
   app.add_flag("--no-overlap-p2p-communication", no_overlap_p2p,
@@ -132,6 +153,7 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.num_query_groups, num_query_groups);
   set(m.ffn_hidden_size, ffn_hidden_size);
   set(m.seq_length, seq_length);
+  set(m.max_position_embeddings, max_position_embeddings);
   set(m.vocab_size, vocab_size);
   if (swiglu) m.swiglu = true;
   if (untie) m.untie_embeddings_and_output_weights = true;
@@ -150,8 +172,9 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.moe_router_topk, moe_router_topk);
   set(m.moe_ffn_hidden_size, moe_ffn_hidden_size);
   set(m.moe_shared_expert_ffn_size, moe_shared_expert_ffn_size);
-  set(m.moe_layer_freq, moe_layer_freq);
+  if (!moe_layer_freq.empty()) set_moe_layer_freq(m, moe_layer_freq);
   if (moe_capacity_factor) m.moe_capacity_factor = *moe_capacity_factor;
+  check_megatron_model_flags(m);
   try {
     m.validate();
   } catch (const InputError& e) {
@@ -165,13 +188,61 @@ ModelSpec JobFlags::resolve_model() const {
         (e.field() == "moe_router_topk" && moe_router_topk) ||
         (e.field() == "moe_ffn_hidden_size" && moe_ffn_hidden_size) ||
         (e.field() == "moe_shared_expert_ffn_size" && moe_shared_expert_ffn_size) ||
-        (e.field() == "moe_layer_freq" && moe_layer_freq) ||
+        (e.field() == "moe_layer_freq" && !moe_layer_freq.empty()) ||
+        (e.field() == "max_position_embeddings" && max_position_embeddings) ||
         (e.field() == "moe_capacity_factor" && moe_capacity_factor);
     if (model.empty() || from_flag)
       throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
     throw;
   }
   return m;
+}
+
+void JobFlags::check_megatron_model_flags(ModelSpec& m) const {
+  // Megatron reads --num-query-groups (default 1) only with --group-query-attention.
+  if (group_query_attention && !num_query_groups && m.query_groups() == m.num_attention_heads)
+    m.num_query_groups = 1;
+  if (disable_bias_linear && !m.swiglu)
+    throw InputError("--disable-bias-linear",
+                     "ptdp's GPT-style models (no --swiglu) keep their linear biases; gated "
+                     "(--swiglu) models have none");
+  if (!normalization.empty()) {
+    if (normalization != "LayerNorm" && normalization != "RMSNorm")
+      throw InputError("--normalization",
+                       "must be LayerNorm or RMSNorm, got '" + normalization + "'");
+    if ((normalization == "RMSNorm") != m.swiglu)
+      throw InputError("--normalization",
+                       "ptdp's models use RMSNorm exactly when gated (--swiglu), LayerNorm "
+                       "otherwise; this model wants " +
+                           std::string(m.swiglu ? "RMSNorm" : "LayerNorm"));
+  }
+  if (!moe_token_dispatcher_type.empty() && moe_token_dispatcher_type != "alltoall")
+    throw InputError("--moe-token-dispatcher-type",
+                     "ptdp prices and runs the alltoall dispatcher only, got '" +
+                         moe_token_dispatcher_type + "'");
+  if (!moe_token_drop_policy.empty() && moe_token_drop_policy != "probs" &&
+      moe_token_drop_policy != "position")
+    throw InputError("--moe-token-drop-policy",
+                     "must be probs or position, got '" + moe_token_drop_policy + "'");
+}
+
+void JobFlags::check_recompute_method(Recompute r) const {
+  if (recompute_num_layers && recompute_method.empty())
+    throw InputError("--recompute-num-layers", "needs --recompute-method uniform");
+  if (recompute_method.empty()) return;
+  if (r != Recompute::kFull)
+    throw InputError("--recompute-method", "goes with --recompute-granularity full");
+  if (recompute_method == "block")
+    throw InputError("--recompute-method",
+                     "block (recomputing only some layers of a stage) is not modelled; ptdp's "
+                     "full recompute is uniform with --recompute-num-layers 1");
+  if (recompute_method != "uniform")
+    throw InputError("--recompute-method",
+                     "must be uniform or block, got '" + recompute_method + "'");
+  if (recompute_num_layers && *recompute_num_layers != 1)
+    throw InputError("--recompute-num-layers",
+                     "ptdp's full recompute keeps one checkpoint per layer: give 1, got " +
+                         std::to_string(*recompute_num_layers));
 }
 
 ClusterSpec JobFlags::resolve_cluster() const {
@@ -264,6 +335,9 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.schedule = p.virtual_stages > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   if (!pipeline_schedule.empty()) p.schedule = schedule_from_string(pipeline_schedule);
   if (!recompute_granularity.empty()) p.recompute = recompute_from_string(recompute_granularity);
+  check_recompute_method(p.recompute);
+  if (accumulate_allreduce_grads_in_fp32 && fp16_grad_reduce)
+    throw InputError("--accumulate-allreduce-grads-in-fp32", "conflicts with --fp16-grad-reduce");
   p.sequence_parallel = sequence_parallel;
   p.distributed_optimizer = distributed_optimizer;
   p.overlap_grad_reduce = overlap_grad_reduce;

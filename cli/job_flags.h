@@ -17,15 +17,25 @@ namespace ptdp {
 struct JobFlags {
   std::string model;
   std::optional<int64_t> num_layers, hidden_size, num_attention_heads, num_query_groups,
-      ffn_hidden_size, seq_length, vocab_size;
+      ffn_hidden_size, seq_length, max_position_embeddings, vocab_size;
   bool swiglu = false, untie = false;
+  // Megatron flags that ptdp's models tie to others, accepted where they agree: grouped-query
+  // attention (the groups from --num-query-groups), no linear biases and RMSNorm (both go with
+  // --swiglu in ptdp's models).
+  bool group_query_attention = false, disable_bias_linear = false;
+  std::string normalization;            // LayerNorm or RMSNorm
   std::string position_embedding_type;  // learned_absolute or rope (Megatron's names)
   std::optional<double> rotary_base;
   std::optional<double> attention_dropout, hidden_dropout;
   bool flash_attention = false;
   std::optional<int64_t> num_experts, moe_router_topk, moe_ffn_hidden_size,
-      moe_shared_expert_ffn_size, moe_layer_freq;
+      moe_shared_expert_ffn_size;
+  std::string moe_layer_freq;  // N, or a layer pattern (core/model_spec.h set_moe_layer_freq)
   std::optional<double> moe_capacity_factor;
+  // Megatron-Core MoE settings that ptdp prices and runs one way: the all-to-all dispatcher,
+  // grouped expert GEMMs; either drop policy (only with a capacity factor).
+  std::string moe_token_dispatcher_type, moe_token_drop_policy;
+  bool moe_grouped_gemm = false;
   std::string cluster = "dgx-a100-80gb";
   std::string profile;
   std::optional<int64_t> num_gpus;
@@ -37,8 +47,13 @@ struct JobFlags {
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
+  // Megatron's --recompute-method and --recompute-num-layers for full recomputation: ptdp's
+  // full recompute is "uniform" with one layer per checkpoint.
+  std::string recompute_method;
+  std::optional<int64_t> recompute_num_layers;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
   bool overlap_param_gather = false, tp_comm_overlap = false;
+  bool accumulate_allreduce_grads_in_fp32 = false;  // Megatron's; ptdp's default
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;
   // Megatron's precision flags: weights and activations in bf16 or fp16 (fp32 master weights).
@@ -63,6 +78,10 @@ struct JobFlags {
   ParallelPlan resolve_plan(const ModelSpec& m, const ClusterSpec& c) const;
   // The same for `num_gpus` ranks; `what` names the source of that count in errors.
   ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
+  // Throw InputError naming the flag when a Megatron flag above asks for what ptdp's models do
+  // not have; the first also applies --group-query-attention's default of one group.
+  void check_megatron_model_flags(ModelSpec& m) const;
+  void check_recompute_method(Recompute r) const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
            virtual_stages_per_rank || first_stage_layers || last_stage_layers || context_parallel ||

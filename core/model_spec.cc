@@ -220,7 +220,7 @@ int64_t ModelSpec::moe_layers_in(int64_t first, int64_t count) const {
 }
 
 double ModelSpec::embedding_parameters() const {
-  const double positions = learned_position_embeddings ? static_cast<double>(seq_length) : 0.0;
+  const double positions = learned_position_embeddings ? static_cast<double>(max_positions()) : 0.0;
   return (static_cast<double>(vocab_size) + positions) * static_cast<double>(hidden_size);
 }
 
@@ -268,6 +268,12 @@ void ModelSpec::validate() const {
         {"hidden_dropout", hidden_dropout}})
     if (!(p >= 0 && p < 1))
       throw InputError(field, "must be a probability in [0, 1), got " + std::to_string(p));
+  if (max_position_embeddings < 0 || max_position_embeddings > kMaxModelSize ||
+      (max_position_embeddings > 0 && max_position_embeddings < seq_length))
+    throw InputError("max_position_embeddings", "must be at least seq_length (" +
+                                                    std::to_string(seq_length) + ") and at most " +
+                                                    std::to_string(kMaxModelSize) + ", got " +
+                                                    std::to_string(max_position_embeddings));
   validate_moe(*this);
   // Real models use 1e4 to 1e6 (Llama 3: 5e5); above 1e12 is a typo, and would not print as
   // Megatron's integer --rotary-base.
@@ -292,6 +298,7 @@ ModelSpec model_from_json(const json& j) {
     r.read("num_query_groups", m.num_query_groups);
     r.read("ffn_hidden_size", m.ffn_hidden_size);
     r.read("seq_length", m.seq_length);
+    r.read("max_position_embeddings", m.max_position_embeddings);
     r.read("vocab_size", m.vocab_size);
     r.read("swiglu", m.swiglu);
     r.read("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights);
@@ -329,6 +336,7 @@ json to_json(const ModelSpec& m) {
          {"attention_dropout", m.attention_dropout},
          {"hidden_dropout", m.hidden_dropout},
          {"flash_attention", m.flash_attention}};
+  if (m.max_position_embeddings > 0) j["max_position_embeddings"] = m.max_position_embeddings;
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;
     j["moe_router_topk"] = m.moe_router_topk;
@@ -339,6 +347,119 @@ json to_json(const ModelSpec& m) {
     j["moe_capacity_factor"] = m.moe_capacity_factor;
   }
   return j;
+}
+
+namespace {
+
+// Megatron's --moe-layer-freq pattern: "[a,b,...]" lists joined by '+', each optionally
+// repeated ("*N"), the whole optionally in parentheses. Entries are 0 or 1.
+std::vector<int> parse_layer_pattern(std::string v, int64_t num_layers) {
+  const char* flag = "--moe-layer-freq";
+  std::string s;
+  for (char ch : v)
+    if (ch != ' ' && ch != '\t') s += ch;
+  if (s.size() >= 2 && s.front() == '(' && s.back() == ')') s = s.substr(1, s.size() - 2);
+  std::vector<int> out;
+  size_t i = 0;
+  auto bad = [&](const std::string& why) -> InputError {
+    return InputError(flag, "cannot read the layer pattern '" + v + "': " + why);
+  };
+  auto number = [&](int64_t limit) {
+    const size_t start = i;
+    int64_t n = 0;
+    while (i < s.size() && s[i] >= '0' && s[i] <= '9') {
+      n = n * 10 + (s[i++] - '0');
+      if (n > limit) throw bad("a number exceeds " + std::to_string(limit));
+    }
+    if (i == start) throw bad("expected a number at position " + std::to_string(start + 1));
+    return n;
+  };
+  while (true) {
+    if (i >= s.size() || s[i] != '[')
+      throw bad("expected '[' at position " + std::to_string(i + 1));
+    ++i;
+    std::vector<int> list;
+    while (true) {
+      const int64_t e = number(1);
+      list.push_back(static_cast<int>(e));
+      if (i < s.size() && s[i] == ',') {
+        ++i;
+        continue;
+      }
+      if (i < s.size() && s[i] == ']') break;
+      throw bad("expected ',' or ']' at position " + std::to_string(i + 1));
+    }
+    ++i;
+    int64_t repeat = 1;
+    if (i < s.size() && s[i] == '*') {
+      ++i;
+      repeat = number(kMaxModelSize);
+    }
+    for (int64_t r = 0; r < repeat; ++r) {
+      if (static_cast<int64_t>(out.size() + list.size()) > num_layers)
+        throw bad("it lists more entries than the " + std::to_string(num_layers) + " layers");
+      out.insert(out.end(), list.begin(), list.end());
+    }
+    if (i == s.size()) break;
+    if (s[i] != '+') throw bad("expected '+' at position " + std::to_string(i + 1));
+    ++i;
+  }
+  if (static_cast<int64_t>(out.size()) != num_layers)
+    throw bad("it has " + std::to_string(out.size()) + " entries for " +
+              std::to_string(num_layers) + " layers");
+  return out;
+}
+
+}  // namespace
+
+void set_moe_layer_freq(ModelSpec& m, const std::string& value) {
+  const char* flag = "--moe-layer-freq";
+  if (value.find('[') == std::string::npos) {
+    size_t used = 0;
+    int64_t n = 0;
+    try {
+      n = std::stoll(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != value.size() || n < 1 || n > kMaxModelSize)
+      throw InputError(flag,
+                       "must be a positive integer or a layer pattern like "
+                       "\"([0]*3+[1]*29)\", got '" +
+                           value + "'");
+    m.moe_layer_freq = n;
+    m.moe_first_dense_layers = 0;
+    return;
+  }
+  if (m.num_layers <= 0) throw InputError(flag, "a layer pattern needs --num-layers");
+  const std::vector<int> pattern = parse_layer_pattern(value, m.num_layers);
+  std::vector<int64_t> moe;
+  for (size_t i = 0; i < pattern.size(); ++i)
+    if (pattern[i]) moe.push_back(static_cast<int64_t>(i));
+  if (moe.empty()) throw InputError(flag, "the layer pattern has no MoE layer (no 1)");
+  // ptdp's layouts: layer i is MoE when i >= K and i % N == 0. The gap between MoE layers is N
+  // (any N past the last layer when there is one MoE layer); K is the first MoE layer.
+  std::vector<int64_t> freqs;
+  if (moe.size() > 1) {
+    freqs.push_back(moe[1] - moe[0]);
+  } else {
+    freqs = {m.num_layers, moe[0]};
+  }
+  for (int64_t n : freqs) {
+    if (n < 1) continue;
+    bool same = true;  // ModelSpec::is_moe_layer with K = moe[0], N = n
+    for (int64_t i = 0; i < m.num_layers && same; ++i)
+      same = (i >= moe[0] && i % n == 0) == (pattern[static_cast<size_t>(i)] == 1);
+    if (same) {
+      m.moe_layer_freq = n;
+      m.moe_first_dense_layers = moe[0];
+      return;
+    }
+  }
+  throw InputError(flag,
+                   "ptdp models MoE layers as every N-th layer after the first K dense "
+                   "ones; the pattern '" +
+                       value + "' is not of that form");
 }
 
 }  // namespace ptdp

@@ -24,6 +24,9 @@ struct ModelSpec {
   int64_t num_query_groups = 0;  // 0: equal to num_attention_heads (no GQA)
   int64_t ffn_hidden_size = 0;   // 0: 4 * hidden_size
   int64_t seq_length = 0;
+  // --max-position-embeddings: rows of the learned position table (0: seq_length). Megatron
+  // requires at least seq_length; a longer table costs parameters, rotary models have none.
+  int64_t max_position_embeddings = 0;
   int64_t vocab_size = 0;
   bool swiglu = false;  // gated MLP (three weight matrices)
   bool untie_embeddings_and_output_weights = false;
@@ -62,6 +65,9 @@ struct ModelSpec {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;
   }
   int64_t ffn_hidden() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
+  int64_t max_positions() const {
+    return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
+  }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
   bool is_moe() const { return num_experts > 0; }
   int64_t moe_ffn_hidden() const {
@@ -93,6 +99,12 @@ struct ModelSpec {
 // vocab_size, max_position_embeddings, tie_word_embeddings, hidden_act, rope_theta; the MoE
 // fields of Mixtral, Qwen-MoE and DeepSeek configs). Validates.
 ModelSpec model_from_json(const nlohmann::json& j);
+// Megatron-LM's --moe-layer-freq: an integer N (every N-th layer) or a layer pattern, as a list
+// "[0,0,1,1,...]" or Megatron's expression "([0]*3+[1]*29)", one entry per layer. Sets
+// moe_layer_freq and moe_first_dense_layers; throws InputError("--moe-layer-freq") for a
+// pattern of the wrong length or one that is not "dense for the first K layers, then every
+// N-th", the MoE layouts ptdp models.
+void set_moe_layer_freq(ModelSpec& m, const std::string& value);
 nlohmann::json to_json(const ModelSpec& m);
 
 }  // namespace ptdp

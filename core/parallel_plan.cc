@@ -100,7 +100,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   std::ostringstream f;
   f << "--num-layers " << m.num_layers << " --hidden-size " << m.hidden_size
     << " --num-attention-heads " << m.num_attention_heads << " --seq-length " << m.seq_length
-    << " --max-position-embeddings " << m.seq_length << " --vocab-size " << m.vocab_size;
+    << " --max-position-embeddings " << m.max_positions() << " --vocab-size " << m.vocab_size;
   // Megatron's --swiglu default FFN width is not 4h, so gated models always state it.
   if (m.ffn_hidden() != 4 * m.hidden_size || m.swiglu) f << " --ffn-hidden-size " << m.ffn_hidden();
   if (m.query_groups() != m.num_attention_heads)

@@ -94,6 +94,10 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
+          // Overlaps asked for apply where there is what they overlap (and only then does
+          // Megatron take their flags).
+          plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
+          plan.overlap_param_gather = o.defaults.overlap_param_gather && plan.distributed_optimizer;
           // The rules `ptdp run` and ParallelPlan::validate apply (core/plan_rules.h).
           if (const PlanRule rule = first_violated_rule(m, plan); rule != PlanRule::kNone) {
             ++tally.rejected[rule_reason(rule)];
@@ -185,6 +189,8 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         cell.virtual_stages = 1;
         cell.schedule = Schedule::k1F1B;
         cell.sequence_parallel = m.is_moe() && t > 1;  // required there; tried either way else
+        // The overlaps apply per plan, where SP and the distributed optimizer are on (expand).
+        cell.tp_comm_overlap = cell.overlap_param_gather = false;
         if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
           ++total.considered;
           ++total.rejected[rule_reason(rule)];

@@ -263,10 +263,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     if (ch.first && m.learned_position_embeddings) {
       ParamInfo p;
       p.name = "embedding.position_embeddings.weight";
-      p.size = m.seq_length * h;
+      p.size = m.max_positions() * h;  // positions past seq_length are never looked up
       p.tp_replicated = true;
       p.sp_partial = I.sp;
-      ix.pos = add(p, normal(p.name, m.seq_length, h, std_dev,
+      ix.pos = add(p, normal(p.name, m.max_positions(), h, std_dev,
                              [=](int64_t r, int64_t c2) { return r * h + c2; }));
     }
     for (int64_t l = 0; l < ch.num_layers; ++l) {

@@ -37,7 +37,8 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
     const int64_t g = c * l.p + l.pp;
     if (g == 0) {
       word += vl * h;  // word embedding (vocabulary-parallel, padded)
-      if (m.learned_position_embeddings) rest += m.seq_length * h;  // position table (replicated)
+      if (m.learned_position_embeddings)
+        rest += m.max_positions() * h;  // position table (replicated)
       holds_word = true;
     }
     int64_t first = 0;

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "cli/dry_run.h"
@@ -676,6 +677,176 @@ TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
   const Result trained = run(tiny_run({"--bf16"}));
   ASSERT_EQ(trained.status, 0) << trained.err;
   EXPECT_NE(trained.out.find("bf16 weights and activations"), std::string::npos) << trained.out;
+}
+
+// Splits a command line as a POSIX shell does for plain words and double-quoted ones (what
+// megatron_flags prints).
+std::vector<std::string> shell_words(const std::string& line) {
+  std::vector<std::string> words;
+  std::string word;
+  bool in_word = false, quoted = false;
+  for (char ch : line) {
+    if (ch == '"') {
+      quoted = !quoted;
+      in_word = true;
+    } else if (ch == ' ' && !quoted) {
+      if (in_word) words.push_back(word);
+      word.clear();
+      in_word = false;
+    } else {
+      word += ch;
+      in_word = true;
+    }
+  }
+  if (in_word) words.push_back(word);
+  return words;
+}
+
+// The mission's promise, checked at the command line: the Megatron-LM flags `ptdp plan` prints
+// for each plan it lists, handed back verbatim to `ptdp predict` with the same cluster, are
+// read as that very plan (the same configuration, time and memory). The cases between them
+// print every kind of flag the planner chooses; the last check says they did.
+TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
+  const std::string deepseek =
+      std::string(PTDP_SOURCE_DIR) + "/examples/models/deepseek-moe-16b.config.json";
+  struct Case {
+    std::vector<std::string> plan;  // after "plan"; --cluster and --num-gpus come first
+    // ptdp's settings that are not Megatron-LM flags: given to predict again, as a user would.
+    std::vector<std::string> ptdp_only = {};
+  };
+  const std::vector<Case> cases = {
+      {{"--cluster", "dgx-a100-80gb", "--num-gpus", "1024", "--model", "gpt3-175b",
+        "--global-batch-size", "1536"}},
+      {{"--cluster", "dgx-a100-80gb", "--num-gpus", "64", "--model", "gpt3-175b",
+        "--global-batch-size", "512", "--seq-length", "8192", "--fp16", "--overlap-grad-reduce"},
+       {"--fp16-grad-reduce", "--no-scatter-gather"}},
+      {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "llama3-8b", "--global-batch-size",
+        "256", "--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"}},
+      {{"--cluster", "dgx-h100", "--num-gpus", "128", "--model", "mixtral-8x7b",
+        "--global-batch-size", "256", "--seq-length", "4096"}},
+      {{"--cluster", "dgx-a100-80gb", "--num-gpus", "64", "--model", deepseek,
+        "--global-batch-size", "256", "--moe-expert-capacity-factor", "1.5"}},
+      {{"--cluster",
+        "dgx-a100-80gb",
+        "--num-gpus",
+        "64",
+        "--num-layers",
+        "30",
+        "--hidden-size",
+        "6144",
+        "--num-attention-heads",
+        "48",
+        "--seq-length",
+        "2048",
+        "--max-position-embeddings",
+        "4096",
+        "--vocab-size",
+        "50257",
+        "--global-batch-size",
+        "256",
+        "--tp-comm-overlap",
+        "--overlap-param-gather"}},
+  };
+  std::set<std::string> seen;
+  const std::vector<std::string> kinds = {"--recompute-method uniform",
+                                          "--recompute-granularity selective",
+                                          "--moe-layer-freq",
+                                          "--decoder-first-pipeline-num-layers",
+                                          "--num-layers-per-virtual-pipeline-stage",
+                                          "--group-query-attention",
+                                          "--context-parallel-size",
+                                          "--expert-model-parallel-size",
+                                          "--expert-tensor-parallel-size",
+                                          "--sequence-parallel",
+                                          "--use-distributed-optimizer",
+                                          "--max-position-embeddings 4096",
+                                          "--fp16",
+                                          "--fp8-format",
+                                          "--overlap-grad-reduce",
+                                          "--moe-expert-capacity-factor",
+                                          "--no-gradient-accumulation-fusion",
+                                          "--tp-comm-overlap",
+                                          "--overlap-param-gather",
+                                          "--untie-embeddings-and-output-weights"};
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"plan", "--top", "25", "--json", "--no-progress"};
+    args.insert(args.end(), c.plan.begin(), c.plan.end());
+    args.insert(args.end(), c.ptdp_only.begin(), c.ptdp_only.end());
+    const Result planned = run(args);
+    ASSERT_EQ(planned.status, 0) << planned.err;
+    const nlohmann::json plans = nlohmann::json::parse(planned.out)["plans"];
+    ASSERT_GE(plans.size(), 5u) << c.plan[5];
+    for (const nlohmann::json& p : plans) {
+      const std::string flags = p["megatron_flags"].get<std::string>();
+      for (const std::string& k : kinds)
+        if (flags.find(k) != std::string::npos) seen.insert(k);
+      std::vector<std::string> again = {"predict", c.plan[0], c.plan[1],
+                                        c.plan[2], c.plan[3], "--json"};
+      for (const std::string& w : shell_words(flags)) again.push_back(w);
+      again.insert(again.end(), c.ptdp_only.begin(), c.ptdp_only.end());
+      const Result predicted = run(again);
+      ASSERT_EQ(predicted.status, 0) << flags << "\n" << predicted.err;
+      const nlohmann::json q = nlohmann::json::parse(predicted.out);
+      EXPECT_EQ(q["configuration"], p["configuration"]) << flags;
+      EXPECT_EQ(q["memory"], p["memory"]) << flags;
+      EXPECT_DOUBLE_EQ(q["iteration_time_s"].get<double>(), p["iteration_time_s"].get<double>())
+          << flags;
+      EXPECT_EQ(q["megatron_flags"], p["megatron_flags"]);
+    }
+  }
+  for (const std::string& k : kinds) EXPECT_TRUE(seen.count(k)) << "no listed plan printed " << k;
+}
+
+// Megatron's flags that ptdp's models tie to others are accepted where they agree and refused,
+// naming the flag, where they ask for what ptdp does not model.
+TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
+  const auto predict_plus = [](std::initializer_list<std::string> more) {
+    auto a = kPredict175B;
+    a.insert(a.end(), more);
+    return a;
+  };
+  expect_bad(predict_plus({"--disable-bias-linear"}), "--disable-bias-linear: ptdp's GPT-style");
+  expect_bad(predict_plus({"--normalization", "RMSNorm"}), "--normalization: ptdp's models use");
+  expect_bad(predict_plus({"--normalization", "BatchNorm"}), "--normalization: must be LayerNorm");
+  expect_bad(predict_plus({"--max-position-embeddings", "1024"}),
+             "--max-position-embeddings: must be at least seq_length (2048)");
+  expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-method", "block",
+                           "--recompute-num-layers", "2"}),
+             "--recompute-method: block");
+  expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "2"}),
+             "--recompute-num-layers: ptdp's full recompute keeps one checkpoint per layer");
+  expect_bad(predict_plus({"--recompute-method", "uniform"}),
+             "--recompute-method: goes with --recompute-granularity full");
+  expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-num-layers", "1"}),
+             "--recompute-num-layers: needs");
+  expect_bad(predict_plus({"--accumulate-allreduce-grads-in-fp32", "--fp16-grad-reduce"}),
+             "--accumulate-allreduce-grads-in-fp32: conflicts with --fp16-grad-reduce");
+  expect_bad(predict_plus({"--num-experts", "8", "--moe-token-dispatcher-type", "allgather"}),
+             "--moe-token-dispatcher-type: ptdp prices and runs the alltoall dispatcher only");
+  const auto moe = [&](const std::string& freq) {
+    return predict_plus(
+        {"--num-experts", "8", "--sequence-parallel", "--moe-layer-freq", freq, "--json"});
+  };
+  expect_bad(moe("[0,1]"),
+             "--moe-layer-freq: cannot read the layer pattern '[0,1]': it has 2 "
+             "entries for 96 layers");
+  expect_bad(moe("[0,1]*48"), "--moe-layer-freq: ptdp models MoE layers as every N-th layer");
+  expect_bad(moe("([0]*3+[2]*93)"), "--moe-layer-freq: cannot read");
+  expect_bad(moe("x"), "--moe-layer-freq: must be a positive integer or a layer pattern");
+  // What does agree is read: patterns as Megatron writes them, and GQA's default of one group.
+  const auto flags_of = [](const std::vector<std::string>& args) {
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r.status ? std::string()
+                    : nlohmann::json::parse(r.out)["megatron_flags"].get<std::string>();
+  };
+  EXPECT_NE(flags_of(moe("([0]*3+[1]*93)")).find("--moe-layer-freq \"[0,0,0,1,1,"),
+            std::string::npos);
+  EXPECT_NE(flags_of(moe("[1,0]*48")).find("--moe-layer-freq 2 "), std::string::npos);
+  auto mqa = predict_with("--tensor-model-parallel-size", "1");
+  mqa.insert(mqa.end(), {"--group-query-attention", "--json"});
+  EXPECT_NE(flags_of(mqa).find("--group-query-attention --num-query-groups 1 "), std::string::npos);
 }
 
 // Found by fuzzing (tests/fuzz/, docs/reliability.md): still one line naming the field.

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -231,6 +232,68 @@ TEST(RunMpi, Bf16TracksFp32AndShardsToTheSingleRankBf16Losses) {
   const nlohmann::json dev = run_json(4, flags(staged) + " --backend cpu-staged");
   EXPECT_EQ(losses(dev), losses(cpu));
   EXPECT_EQ(dev["peak_memory_gib"], cpu["peak_memory_gib"]);
+}
+
+// The mission's promise: every plan `ptdp plan` prints is one `ptdp run` accepts. Two tiny
+// models (GPT-style with a longer position table; gated, rotary, grouped-query MoE with a dense
+// first layer) are planned for 4 GPUs; for each kind of Megatron flag the planner chose, the
+// first listed plan printing it runs, its flag line pasted verbatim under mpirun, and every
+// layout of a model trains to the same (bf16) losses.
+TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
+  const std::string dense =
+      "--num-layers 6 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
+      " --max-position-embeddings 48 --vocab-size 128";
+  const std::string moe =
+      "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --swiglu"
+      " --ffn-hidden-size 96 --position-embedding-type rope --untie-embeddings-and-output-weights"
+      " --seq-length 32 --vocab-size 128 --num-experts 4 --moe-router-topk 2"
+      " --moe-layer-freq '([0]*1+[1]*3)'";
+  const std::vector<std::string> common = {
+      "--tensor-model-parallel-size 2",
+      "--pipeline-model-parallel-size 2",
+      "--sequence-parallel",
+      "--recompute-granularity full --recompute-method uniform",
+      "--recompute-granularity selective",
+      "--use-distributed-optimizer",
+      "--bf16"};
+  struct Case {
+    std::string model;
+    std::vector<std::string> kinds;
+  };
+  std::vector<Case> cases = {{dense, common}, {moe, common}};
+  cases[0].kinds.insert(cases[0].kinds.end(),
+                        {"--num-layers-per-virtual-pipeline-stage",
+                         "--decoder-first-pipeline-num-layers", "--max-position-embeddings 48"});
+  cases[1].kinds.insert(cases[1].kinds.end(),
+                        {"--expert-model-parallel-size", "--expert-tensor-parallel-size 1",
+                         "--moe-layer-freq \"[0,1,1,1]\"", "--group-query-attention"});
+  for (const Case& c : cases) {
+    const Outcome planned = test::launch(
+        PTDP_MPIEXEC, PTDP_BINARY, 0,
+        "plan " + c.model + " --num-gpus 4 --global-batch-size 16 --top 5000 --json --no-progress",
+        "ptdp_run_mpi_test");
+    ASSERT_EQ(planned.status, 0) << planned.err;
+    const nlohmann::json plans = nlohmann::json::parse(planned.out)["plans"];
+    std::vector<std::string> chosen = {plans.at(0)["megatron_flags"].get<std::string>()};
+    for (const std::string& kind : c.kinds) {
+      auto it = std::find_if(plans.begin(), plans.end(), [&](const nlohmann::json& p) {
+        return p["megatron_flags"].get<std::string>().find(kind) != std::string::npos;
+      });
+      ASSERT_NE(it, plans.end()) << "no plan of " << c.model << " prints " << kind;
+      const std::string flags = (*it)["megatron_flags"].get<std::string>();
+      if (std::find(chosen.begin(), chosen.end(), flags) == chosen.end()) chosen.push_back(flags);
+    }
+    std::vector<double> first;
+    for (const std::string& flags : chosen) {
+      const nlohmann::json j = run_json(4, flags + " --steps 2");
+      EXPECT_EQ(j["precision"], "bf16") << flags;
+      const std::vector<double> l = losses(j);
+      ASSERT_EQ(l.size(), 2u) << flags;
+      if (first.empty()) first = l;
+      for (size_t i = 0; i < l.size(); ++i)
+        EXPECT_NEAR(l[i], first[i], 1e-2 * std::abs(first[i])) << flags << " step " << i;
+    }
+  }
 }
 
 // A bf16 checkpoint holds the fp32 master weights: resuming continues the curve to the bit.

@@ -122,6 +122,36 @@ TEST(Search, RanksOnlyPlansEveryValidatorAccepts) {
 
 // Megatron's uneven splits: the ends lighter than (or as full as) the equal middle stages, the
 // sum always the model's layers, the even split first when there is one.
+// The overlap settings hide communication and nothing else: searching with them considers the
+// same configurations, applies each overlap only where it has something to overlap (sequence
+// parallelism, the distributed optimizer), and finds a best plan no slower. (They once ruled
+// out every t > 1 or d > 1 cell: the cell check saw the overlap without SP or the optimizer.)
+TEST(Search, OverlapSettingsApplyWhereTheyCanAndNeverShrinkTheSearch) {
+  Job j(256);
+  SearchOptions o;
+  o.global_batch_size = 512;
+  o.top_k = 50;
+  const SearchResult plain = search_plans(j.m, j.c, j.h, o);
+  o.defaults.tp_comm_overlap = true;
+  o.defaults.overlap_param_gather = true;
+  const SearchResult overlapped = search_plans(j.m, j.c, j.h, o);
+  EXPECT_EQ(overlapped.considered, plain.considered);
+  EXPECT_EQ(overlapped.evaluated, plain.evaluated);
+  ASSERT_FALSE(overlapped.top.empty());
+  EXPECT_LT(overlapped.top.front().prediction.iteration_time_s,
+            plain.top.front().prediction.iteration_time_s);
+  bool tp_overlapped = false, gather_overlapped = false;
+  for (const RankedPlan& r : overlapped.top) {
+    EXPECT_EQ(r.plan.tp_comm_overlap, r.plan.sequence_parallel) << plan_summary(r.plan);
+    EXPECT_EQ(r.plan.overlap_param_gather, r.plan.distributed_optimizer) << plan_summary(r.plan);
+    tp_overlapped = tp_overlapped || (r.plan.tp_comm_overlap && r.plan.tensor_parallel > 1);
+    gather_overlapped =
+        gather_overlapped || (r.plan.overlap_param_gather && r.plan.data_parallel > 1);
+  }
+  EXPECT_TRUE(tp_overlapped);
+  EXPECT_TRUE(gather_overlapped);
+}
+
 TEST(StageSplits, MegatronStyleFirstAndLastStages) {
   for (const auto& [layers, p] : std::vector<std::pair<int64_t, int64_t>>{
            {126, 16}, {96, 8}, {80, 6}, {32, 3}, {30, 4}, {61, 2}, {7, 7}}) {
