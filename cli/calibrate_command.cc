@@ -27,7 +27,7 @@ struct CalibrateFlags {
   JobFlags job;
   std::string backend = "cpu";
   bool quick = false;
-  bool bf16 = false;
+  bool bf16 = false, fp16 = false;
   double time_limit_s = 0;
   std::vector<int64_t> group_sizes;
   std::string out;
@@ -84,7 +84,8 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
     o.backend = f.backend;
     o.model = model_of(f.job);
     o.quick = f.quick;
-    o.precision = f.bf16 ? DType::kBF16 : DType::kF32;
+    if (f.bf16 && f.fp16) throw InputError("--fp16", "conflicts with --bf16");
+    o.precision = f.bf16 ? DType::kBF16 : f.fp16 ? DType::kF16 : DType::kF32;
     o.time_limit_s = f.time_limit_s;
     o.group_sizes = f.group_sizes;
     o.command = command_line();
@@ -140,6 +141,9 @@ Action add_calibrate_command(CLI::App& app) {
   sub->add_flag(
       "--bf16", f->bf16,
       "measure the kernels on bf16 weights and activations, as ptdp run --bf16 runs them");
+  sub->add_flag(
+      "--fp16", f->fp16,
+      "measure the kernels on fp16 weights and activations, as ptdp run --fp16 runs them");
   sub->add_option("--time-limit-s", f->time_limit_s,
                   "bound the measurements' time (shorter timings; 0: no bound)");
   sub->add_option("--group-sizes", f->group_sizes,

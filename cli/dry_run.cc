@@ -31,6 +31,9 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   auto add = [&note](const char* what) { note += std::string(note.empty() ? "" : "; ") + what; };
   if (!p.fp32_grad_reduce && p.data_parallel * p.context_parallel > 1)
     add("reduces gradients in fp32 (--fp16-grad-reduce is priced, not run)");
+  if (p.fp8)
+    add("runs its GEMMs in the run's precision (--fp8-format is priced, not run; Transformer "
+        "Engine's FP8 GEMMs are not in ptdp's kernels)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

@@ -120,7 +120,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
       "--tp-comm-overlap", tp_comm_overlap,
       "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
   app.add_flag("--bf16", bf16, "bf16 weights and activations (fp32 master weights and gradients)");
-  app.add_flag("--fp16", fp16, "fp16 weights and activations (priced; ptdp run refuses it)");
+  app.add_flag("--fp16", fp16,
+               "fp16 weights and activations (fp32 master weights and gradients; loss scaling)");
   app.add_flag("--accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32,
                "keep and reduce gradients in fp32 (the default)");
   app.add_flag("--fp16-grad-reduce", fp16_grad_reduce,

@@ -57,7 +57,8 @@ void check_machine_matches(const ClusterSpec& cluster, const RunTraceInfo& run,
   if (kernels != to_string(run.precision))
     throw InputError(flag, "measured " + kernels + " kernels, but the trace trained in " +
                                to_string(run.precision) + ": calibrate with" +
-                               (run.precision == DType::kBF16 ? " --bf16" : "out --bf16"));
+                               (run.precision == DType::kF32 ? "out --bf16 or --fp16"
+                                                             : " --" + to_string(run.precision)));
   std::set<int64_t> measured;
   for (const CollectiveFit& c : cluster.measured_profile->collectives) measured.insert(c.ranks);
   const ParallelPlan& p = run.plan;
@@ -86,6 +87,7 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
   job.profile = f.profile;
   job.num_gpus = trace.info.world_size;
   job.bf16 = trace.info.precision == DType::kBF16;  // priced in the precision the run trained in
+  job.fp16 = trace.info.precision == DType::kF16;
   const ClusterSpec cluster = job.resolve_cluster();
   check_machine_matches(cluster, trace.info, "--cluster " + job.cluster);
   const HardwareProfile profile = job.resolve_profile(cluster);

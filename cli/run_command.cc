@@ -43,6 +43,13 @@ struct RunFlags {
   bool dry_run = false;
   std::optional<double> memory_limit_gib;
   std::optional<int64_t> keep_checkpoints;
+  std::vector<CLI::Option*> loss_scale_opts;  // --loss-scale, --initial-loss-scale, ...
+  // The first fp16 loss-scaling flag given ("" when none).
+  std::string loss_scale_flag_given() const {
+    for (const CLI::Option* o : loss_scale_opts)
+      if (o->count() > 0) return o->get_name();
+    return "";
+  }
 };
 
 std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
@@ -202,10 +209,11 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
         throw InputError("--cluster", e.what());
       }
     }
-    // Megatron's precision flags: --bf16 trains in mixed precision; fp16 would need loss
-    // scaling, which ptdp run does not have.
-    if (f.job.fp16)
-      throw InputError("--fp16", "ptdp run has no fp16 loss scaling: train with --bf16");
+    // Megatron's precision flags: --bf16 and --fp16 train in mixed precision, fp16 with loss
+    // scaling (runtime/loss_scaler.h).
+    if (f.job.bf16 && f.job.fp16) throw InputError("--fp16", "conflicts with --bf16");
+    if (const std::string flag = f.loss_scale_flag_given(); !f.job.fp16 && !flag.empty())
+      throw InputError(flag, "needs --fp16");
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     if (!f.plan_file.empty()) {
@@ -216,7 +224,8 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
     f.train.model = model;
-    f.train.precision = f.job.bf16 ? DType::kBF16 : DType::kF32;
+    f.train.precision = f.job.bf16 ? DType::kBF16 : f.job.fp16 ? DType::kF16 : DType::kF32;
+    if (f.job.fp16) f.train.loss_scale.validate();
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
     return 2;
@@ -243,23 +252,42 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   auto on_step = [&](const StepStats& s) {
     if (!header && !f.json) {
       out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
-      if (f.train.precision == DType::kBF16)
-        out << "ptdp run: bf16 weights and activations; fp32 gradients, master weights and Adam "
-               "states\n";
-      if (f.train.precision == DType::kBF16 && model.is_moe())
-        out << "ptdp run: the routed experts compute in fp32 (their weights bf16): routing runs "
-               "on fp32 host kernels\n";
+      const std::string half = to_string(f.train.precision);
+      if (f.train.precision != DType::kF32)
+        out << "ptdp run: " << half
+            << " weights and activations; fp32 gradients, master weights and Adam states\n";
+      if (f.train.precision == DType::kF16) {
+        const LossScaleSettings& ls = f.train.loss_scale;
+        char line[160];
+        if (ls.static_scale > 0)
+          std::snprintf(line, sizeof line, "ptdp run: static loss scale %g\n", ls.static_scale);
+        else
+          std::snprintf(line, sizeof line,
+                        "ptdp run: dynamic loss scale from %g (window %lld, hysteresis %lld, "
+                        "min %g)\n",
+                        ls.initial_scale, static_cast<long long>(ls.window),
+                        static_cast<long long>(ls.hysteresis), ls.min_scale);
+        out << line;
+      }
+      if (f.train.precision != DType::kF32 && model.is_moe())
+        out << "ptdp run: the routed experts compute in fp32 (their weights " << half
+            << "): routing runs on fp32 host kernels\n";
       if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }
     header = true;
-    char buf[256];
-    std::snprintf(
-        buf, sizeof buf,
-        "step %5lld/%lld  loss %.4f  grad norm %.3f  lr %.2e  %8.1f ms  %10.0f tokens/s\n",
-        static_cast<long long>(s.step + 1), static_cast<long long>(f.train.steps), s.loss,
-        s.grad_norm, s.lr, s.seconds * 1e3, static_cast<double>(s.tokens) / s.seconds);
-    lines << buf << std::flush;
+    char buf[256], norm[64];
+    if (s.skipped)
+      std::snprintf(norm, sizeof norm, "skipped (overflow)");
+    else
+      std::snprintf(norm, sizeof norm, "grad norm %.3f", s.grad_norm);
+    std::snprintf(buf, sizeof buf,
+                  "step %5lld/%lld  loss %.4f  %s  lr %.2e  %8.1f ms  %10.0f tokens/s",
+                  static_cast<long long>(s.step + 1), static_cast<long long>(f.train.steps), s.loss,
+                  norm, s.lr, s.seconds * 1e3, static_cast<double>(s.tokens) / s.seconds);
+    lines << buf;
+    if (s.loss_scale > 0) lines << "  loss scale " << s.loss_scale;
+    lines << "\n" << std::flush;
   };
   TrainResult r;
   try {
@@ -315,10 +343,17 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     j["losses"] = nlohmann::json::array();
     j["step_time_s"] = nlohmann::json::array();
     j["grad_norms"] = nlohmann::json::array();
+    int64_t skipped = 0;
     for (const StepStats& s : r.steps) {
       j["losses"].push_back(s.loss);
       j["step_time_s"].push_back(s.seconds);
-      j["grad_norms"].push_back(s.grad_norm);
+      j["grad_norms"].push_back(s.grad_norm);  // null for a skipped fp16 step
+      skipped += s.skipped;
+    }
+    if (f.train.precision == DType::kF16) {
+      j["loss_scales"] = nlohmann::json::array();
+      for (const StepStats& s : r.steps) j["loss_scales"].push_back(s.loss_scale);
+      j["skipped_steps"] = skipped;
     }
     j["tokens_per_s"] = tokens_per_s;
     j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
@@ -376,6 +411,19 @@ Action add_run_command(CLI::App& app) {
   sub->add_option("--adam-beta1", t.beta1)->capture_default_str();
   sub->add_option("--adam-beta2", t.beta2)->capture_default_str();
   sub->add_option("--adam-eps", t.eps)->capture_default_str();
+  auto* ls = sub->add_option_group("fp16 loss scaling (Megatron-LM's flags; with --fp16)");
+  f->loss_scale_opts = {
+      ls->add_option("--loss-scale", t.loss_scale.static_scale, "a static loss scale"),
+      ls->add_option("--initial-loss-scale", t.loss_scale.initial_scale,
+                     "the dynamic loss scale's start")
+          ->capture_default_str(),
+      ls->add_option("--min-loss-scale", t.loss_scale.min_scale)->capture_default_str(),
+      ls->add_option("--loss-scale-window", t.loss_scale.window,
+                     "overflow-free steps before the scale doubles")
+          ->capture_default_str(),
+      ls->add_option("--hysteresis", t.loss_scale.hysteresis,
+                     "overflows tolerated before the scale halves")
+          ->capture_default_str()};
   sub->add_option("--clip-grad", t.clip_grad, "gradient clipping by global norm (0: off)")
       ->capture_default_str();
   sub->add_option("--save", t.save_dir, "checkpoint directory");

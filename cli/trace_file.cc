@@ -116,8 +116,10 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
     const std::string p = r.string(job, "precision", f + ".job");
     if (p == "bf16")
       info.precision = DType::kBF16;
+    else if (p == "fp16")
+      info.precision = DType::kF16;
     else if (p != "fp32")
-      r.fail(f + ".job.precision", "must be fp32 or bf16, got '" + p + "'");
+      r.fail(f + ".job.precision", "must be fp32, bf16 or fp16, got '" + p + "'");
   }
   info.steps = r.integer(job, "steps", f + ".job", 1, INT64_MAX);
   info.first_step = r.integer(job, "first_step", f + ".job", 0, info.steps - 1);

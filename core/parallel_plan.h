@@ -63,7 +63,8 @@ struct ParallelPlan {
   // chunk's compute (on by default there; --no-overlap-p2p-communication turns it off). Off in
   // a plan built by hand, as in SC'21's Megatron; the command line turns it on.
   bool overlap_p2p_comm = false;
-  // FP8 GEMMs (--fp8-format hybrid, Transformer Engine): priced only; ptdp run refuses it.
+  // FP8 GEMMs (--fp8-format hybrid, Transformer Engine): priced only; ptdp run accepts the plan
+  // and runs its GEMMs in the run's precision, saying so.
   bool fp8 = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
   std::vector<int64_t> layers_per_stage;

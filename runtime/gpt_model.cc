@@ -24,8 +24,8 @@ namespace ptdp {
 
 void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   m.validate();
-  if (s.dtype != DType::kF32 && s.dtype != DType::kBF16)
-    throw InputError("--bf16", "ptdp run trains in fp32 or bf16, not " + to_string(s.dtype));
+  if (s.dtype != DType::kF32 && s.dtype != DType::kBF16 && s.dtype != DType::kF16)
+    throw InputError("--bf16", "ptdp run trains in fp32, bf16 or fp16, not " + to_string(s.dtype));
   // The plan rules of core/plan_rules.h on the plan this layout belongs to: one data-parallel
   // replica, p microbatches (a count any interleaved plan allows), each pipeline rank's layers
   // the sum of its chunks'.

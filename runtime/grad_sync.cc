@@ -288,8 +288,13 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   const double norm_start = norm_sink_ ? now() : 0.0;
   g_.norm->all_reduce(&total, 1);
   if (norm_sink_) norm_sink_->emplace_back(norm_start, now());
-  const double norm = std::sqrt(static_cast<double>(total));
-  const double coef = o.clip_grad > 0 && norm > o.clip_grad ? o.clip_grad / (norm + 1e-6) : 1.0;
+  const double scaled_norm = std::sqrt(static_cast<double>(total));
+  skipped_ = o.skip_overflow && !std::isfinite(scaled_norm);
+  if (skipped_) return scaled_norm;  // fp16 overflow: the parameters stay as they are
+  const double norm = scaled_norm / o.grad_scale;
+  // Unscaling and clipping in one pass over the gradients.
+  const double coef =
+      (o.clip_grad > 0 && norm > o.clip_grad ? o.clip_grad / (norm + 1e-6) : 1.0) / o.grad_scale;
   AdamWSettings adam;
   adam.lr = lr;
   adam.beta1 = o.beta1;

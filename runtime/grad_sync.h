@@ -32,6 +32,10 @@ namespace ptdp {
 struct OptimizerSettings {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
   double clip_grad = 1.0;  // 0: no clipping
+  // fp16 loss scaling (runtime/loss_scaler.h): the gradients carry this factor, divided out
+  // before clipping and AdamW; with skip_overflow a non-finite global norm skips the update.
+  double grad_scale = 1.0;
+  bool skip_overflow = false;
 };
 
 struct DataParallelGroups {
@@ -80,9 +84,12 @@ class DataParallelOptimizer {
   // Parameter gathers not yet waited for.
   size_t gathers_pending() const { return gathers_.size(); }
   void sync_embedding();
-  // Clips by the global gradient norm and applies AdamW at `lr`; step counts from 0. Returns
-  // the norm before clipping.
+  // Clips by the global gradient norm and applies AdamW at `lr`; step counts the updates
+  // applied before this one (AdamW's bias correction). Returns the norm before clipping (of the
+  // gradients without o.grad_scale). With o.skip_overflow and a non-finite norm it changes
+  // nothing, returns the norm and skipped() says so.
   double step(int64_t step, double lr, const OptimizerSettings& o);
+  bool skipped() const { return skipped_; }
 
   // With a sink, appends when each step's gradient-norm all-reduce began and ended (seconds
   // since t0): besides its one float it waits for every rank of the group to finish its
@@ -162,6 +169,7 @@ class DataParallelOptimizer {
   InFlightByRange buckets_, gathers_;
   std::vector<std::pair<double, double>>* bucket_sink_ = nullptr;
   bool defer_gather_ = false;
+  bool skipped_ = false;  // the last step() skipped its update (fp16 overflow)
   std::vector<std::pair<double, double>>* gather_sink_ = nullptr;
   std::vector<std::pair<double, double>>* norm_sink_ = nullptr;
   std::chrono::steady_clock::time_point t0_;

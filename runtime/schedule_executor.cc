@@ -124,7 +124,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         Buffer gin;
         const Buffer* gout = last ? nullptr : &grad_in_.at(key);
         if (timer_) timer_->pass(a.chunk, a.microbatch);
-        const double scale = 1.0 / static_cast<double>(m_);
+        const double scale = step.loss_scale / static_cast<double>(m_);
         if (a.kind == ActionKind::kBackwardInput)
           shard_.backward_input(a.chunk, a.microbatch, gout, &gin, scale);
         else

@@ -34,6 +34,8 @@ struct StepContext {
   int64_t step = 0;
   double lr = 0;
   OptimizerSettings optimizer;
+  // The factor on the loss whose gradient the backward passes take (fp16 loss scaling).
+  double loss_scale = 1.0;
   // The microbatch's token sequences ([b, s + 1]) for the first and the last stage.
   std::function<void(int64_t microbatch, std::vector<int32_t>&)> tokens;
 };

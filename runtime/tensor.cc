@@ -46,8 +46,8 @@ Backend* buffer_space() {
 }
 
 void set_activation_dtype(DType t) {
-  if (t != DType::kF32 && t != DType::kBF16)
-    throw std::invalid_argument("activations are fp32 or bf16, not " + to_string(t));
+  if (t != DType::kF32 && t != DType::kBF16 && t != DType::kF16)
+    throw std::invalid_argument("activations are fp32, bf16 or fp16, not " + to_string(t));
   t_activation = t;
 }
 DType activation_dtype() {

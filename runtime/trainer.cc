@@ -148,6 +148,7 @@ int64_t moment_floats(const std::vector<int64_t>& segments, bool distributed, in
 
 void validate_options(const TrainOptions& o) {
   if (o.steps <= 0) throw InputError("--steps", "must be positive");
+  if (o.precision == DType::kF16) o.loss_scale.validate();
   schedule_of(o).validate();
   if (o.clip_grad < 0) throw InputError("--clip-grad", "must not be negative");
   if (o.weight_decay < 0) throw InputError("--weight-decay", "must not be negative");
@@ -160,10 +161,6 @@ void validate_options(const TrainOptions& o) {
   if (o.plan.schedule == Schedule::kZeroBubbleH1 && o.model.is_moe())
     throw InputError("--pipeline-schedule",
                      "ptdp run executes zb-h1 for dense models only (plan and predict price MoE)");
-  if (o.plan.fp8)
-    throw InputError(
-        "--fp8-format",
-        "FP8 GEMMs are priced by plan and predict only; ptdp run trains in 16/32 bits");
   // MoE layers run on the expert grid of a stage's t * d ranks; with context parallelism that
   // grid would also span the cp ranks, which ptdp run does not build yet.
   if (o.model.is_moe() && o.plan.context_parallel > 1)
@@ -231,6 +228,11 @@ class Executor {
   std::unique_ptr<Communicator> cp_group_;
   GridPosition pos_;
   bool dist_ = false;
+  // Updates applied so far (AdamW's and the learning rate's step): every step but the ones
+  // skipped for an fp16 overflow. Checkpoints keep it with the loss scaler's state.
+  int64_t applied_ = 0;
+  LossScaler scaler_{o_.loss_scale};
+  bool skipped_ = false;  // the last step's update was skipped
   std::vector<TimelineEvent> events_;
   std::vector<TimedOp> ops_;
   std::vector<std::pair<double, double>> norm_spans_, bucket_spans_, gather_spans_;
@@ -373,9 +375,19 @@ void Executor::load_checkpoint() {
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
     const auto moments =
         static_cast<size_t>(moment_floats(segment_sizes_, dist_, dcp_, expert_.edp));
-    if (c.arrays.size() != 3 || c.arrays[0].size() != static_cast<size_t>(params) ||
-        c.arrays[1].size() != moments || c.arrays[2].size() != moments)
+    // A fourth array (since fp16 runs) holds the updates applied and the loss scaler's state;
+    // without it every step was applied.
+    if (c.arrays.size() < 3 || c.arrays.size() > 4 ||
+        c.arrays[0].size() != static_cast<size_t>(params) || c.arrays[1].size() != moments ||
+        c.arrays[2].size() != moments || (c.arrays.size() == 4 && c.arrays[3].size() != 4))
       throw InputError("--load", "the checkpoint's arrays do not fit this run");
+    applied_ = c.step;
+    if (c.arrays.size() == 4) {
+      applied_ = static_cast<int64_t>(c.arrays[3][0]);
+      if (applied_ < 0 || applied_ > c.step)
+        throw InputError("--load", "the checkpoint's count of applied updates is malformed");
+      scaler_.restore({c.arrays[3].begin() + 1, c.arrays[3].end()});
+    }
     if (!dry_) {
       optimizer_->parameters_from_host(c.arrays[0]);
       DeviceBuffer* into[2] = {&optimizer_->adam_m(), &optimizer_->adam_v()};
@@ -432,6 +444,9 @@ void Executor::save_checkpoint(int64_t completed) {
     host.emplace_back(static_cast<size_t>(b->size()));
     backend_->download(b->data<float>(), host.back().data(), b->bytes());
   }
+  // The updates applied and the loss scaler's state (runtime/loss_scaler.h).
+  host.push_back({static_cast<float>(applied_)});
+  for (float v : scaler_.state()) host.back().push_back(v);
   for (const auto& h : host) arrays.emplace_back(h.data(), h.size());
   // Agreed on, so that a failed write (a full disk) stops every rank, and `latest` moves only
   // once every shard is in place.
@@ -459,9 +474,13 @@ void Executor::tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) co
 }
 
 double Executor::step(int64_t step, double* grad_norm) {
+  const bool fp16 = o_.precision == DType::kF16;
   StepContext ctx;
-  ctx.step = step;
-  ctx.lr = learning_rate(o_, step);
+  ctx.step = applied_;
+  ctx.lr = learning_rate(o_, applied_);
+  ctx.loss_scale = fp16 ? scaler_.scale() : 1.0;
+  ctx.optimizer.grad_scale = ctx.loss_scale;
+  ctx.optimizer.skip_overflow = fp16;
   ctx.optimizer.beta1 = o_.beta1;
   ctx.optimizer.beta2 = o_.beta2;
   ctx.optimizer.eps = o_.eps;
@@ -476,7 +495,12 @@ double Executor::step(int64_t step, double* grad_norm) {
   // A non-finite gradient norm on any rank (its weights are now bad) makes the sum NaN too.
   double loss = 0;
   if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * dcp_);
-  if (!std::isfinite(*grad_norm)) loss = std::numeric_limits<double>::quiet_NaN();
+  // fp16: an overflow (a non-finite norm, the same on every rank) skipped the update; the
+  // scaler backs off and the step is not a failure.
+  skipped_ = fp16 && control_.max(int64_t{optimizer_->skipped()}) > 0;
+  if (fp16 && scaler_.update(skipped_)) ++applied_;
+  if (!fp16) ++applied_;
+  if (!std::isfinite(*grad_norm) && !skipped_) loss = std::numeric_limits<double>::quiet_NaN();
   return control_.sum(loss);
 }
 
@@ -554,8 +578,10 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     const auto begin = Clock::now();
     StepStats st;
     st.step = s;
-    st.lr = learning_rate(o_, s);
+    st.lr = learning_rate(o_, applied_);
+    if (o_.precision == DType::kF16) st.loss_scale = scaler_.scale();
     st.loss = step(s, &st.grad_norm);
+    st.skipped = skipped_;
     // The same sum on every rank: every rank stops here, before anything is saved.
     if (!std::isfinite(st.loss)) throw NonFiniteLoss(s, st.loss, st.grad_norm);
     st.seconds = std::chrono::duration<double>(Clock::now() - begin).count();

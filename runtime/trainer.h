@@ -18,6 +18,7 @@
 #include "core/parallel_plan.h"
 #include "core/schedule.h"
 #include "runtime/communicator.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/schedule_executor.h"
 
@@ -40,8 +41,10 @@ struct TrainOptions {
   std::string load_dir;
   bool record_timeline = false;
   std::string backend = "cpu";  // --backend (runtime/backend.h)
-  // Weights and activations (--bf16: bf16 with fp32 master weights and gradients; else fp32).
+  // Weights and activations (--bf16 or --fp16: 16-bit, with fp32 master weights and gradients;
+  // else fp32). fp16 scales the loss (runtime/loss_scaler.h).
   DType precision = DType::kF32;
+  LossScaleSettings loss_scale;
 };
 
 struct StepStats {
@@ -49,6 +52,10 @@ struct StepStats {
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
   double start = 0;  // seconds since the first step began (world rank 0's clock)
   int64_t tokens = 0;
+  // fp16: the loss scale the step ran with, and whether its gradients overflowed (the update,
+  // the optimizer step and the learning-rate step skipped; grad_norm is then not finite).
+  double loss_scale = 0;
+  bool skipped = false;
 };
 
 // One timed op of a pass on pipeline rank pp of replica dp (tensor-parallel rank 0).

@@ -291,7 +291,7 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   expect_bad({"plan", "--model", path, "--global-batch-size", "8"}, "moe_expert_capacity");
 }
 
-TEST(Cli, Fp8IsPricedFasterOnH100AndRunRefusesIt) {
+TEST(Cli, Fp8IsPricedFasterOnH100AndRunSaysItRunsTheGemmsInItsPrecision) {
   auto args = kPredictMixtral;
   args.insert(args.end(), {"--expert-model-parallel-size", "8", "--json"});
   const Result bf16 = run(args);
@@ -306,9 +306,12 @@ TEST(Cli, Fp8IsPricedFasterOnH100AndRunRefusesIt) {
   const Result run_fp8 =
       run({"run", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
            "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "2", "--steps", "1",
-           "--fp8-format", "hybrid"});
-  EXPECT_EQ(run_fp8.status, 2);
-  EXPECT_NE(run_fp8.err.find("--fp8-format"), std::string::npos) << run_fp8.err;
+           "--fp8-format", "hybrid", "--bf16"});
+  EXPECT_EQ(run_fp8.status, 0) << run_fp8.err;
+  EXPECT_NE(run_fp8.out.find("runs its GEMMs in the run's precision (--fp8-format is priced, not "
+                             "run"),
+            std::string::npos)
+      << run_fp8.out;
 }
 
 TEST(CliErrors, UnknownPresetAndCluster) {
@@ -629,8 +632,9 @@ TEST(Cli, RunRefusesBadInputWithOneLine) {
 
 // Megatron's precision flags: plan prints --bf16 where it priced bf16 (the GPU presets) and not
 // on an fp32 profile; ptdp run trains --bf16 (MoE models too, their routed experts computing in
-// fp32, as it says) and refuses --fp16 (no loss scaling) naming it; the dry run counts 2 + 4 + 4 +
-// 8 bytes per parameter in bf16 (weights, gradients, master weights, Adam) where fp32 counts 4 + 4
+// fp32, as it says) and --fp16 with loss scaling (whose flags need --fp16); the dry run counts 2 +
+// 4 + 4 + 8 bytes per parameter in bf16 (weights, gradients, master weights, Adam) where fp32
+// counts 4 + 4
 // + 8.
 TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
   const Result plan = run(
@@ -653,7 +657,16 @@ TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
   ASSERT_EQ(fp16.status, 0) << fp16.err;
   EXPECT_NE(nlohmann::json::parse(fp16.out)["megatron_flags"].get<std::string>().find(" --fp16"),
             std::string::npos);
-  expect_bad(tiny_run({"--fp16"}), "--fp16");
+  const Result half = run(tiny_run({"--fp16", "--loss-scale", "512"}));
+  ASSERT_EQ(half.status, 0) << half.err;
+  EXPECT_NE(half.out.find("fp16 weights and activations"), std::string::npos) << half.out;
+  EXPECT_NE(half.out.find("static loss scale 512"), std::string::npos) << half.out;
+  EXPECT_NE(half.out.find("loss scale 512\n"), std::string::npos) << half.out;
+  expect_bad(tiny_run({"--bf16", "--fp16"}), "--fp16: conflicts with --bf16");
+  expect_bad(tiny_run({"--loss-scale", "512"}), "--loss-scale: needs --fp16");
+  expect_bad(tiny_run({"--fp16", "--hysteresis", "0"}), "--hysteresis: must be at least 1");
+  expect_bad(tiny_run({"--fp16", "--initial-loss-scale", "-1"}), "--initial-loss-scale");
+  expect_bad(tiny_run({"--fp16", "--min-loss-scale", "1e20"}), "--min-loss-scale");
   expect_bad(with(predict, {"--bf16", "--fp16"}), "--fp16");
   const Result moe = run(tiny_run({"--bf16", "--num-experts", "2"}));
   EXPECT_EQ(moe.status, 0) << moe.err;

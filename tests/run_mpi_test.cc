@@ -296,6 +296,62 @@ TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
   }
 }
 
+// fp16 as Megatron trains it: with a static loss scale the curve tracks fp32 (fp16 keeps 11
+// significant bits); with the default dynamic scale (2^32) the first steps overflow and are
+// skipped, the scale backing off until the gradients fit, and then the loss falls. Sharded, every
+// rank agrees on which steps overflowed (the same skips and scales as one rank), and a checkpoint
+// taken mid-back-off resumes the curve to the bit (the scaler's state and the count of applied
+// updates are in it).
+TEST(RunMpi, Fp16LossScalingSkipsOverflowsAlikeOnEveryLayoutAndResumes) {
+  const nlohmann::json fp32 = run_json(0, kTiny);
+  const nlohmann::json fixed = run_json(0, kTiny + " --fp16 --loss-scale 1024");
+  EXPECT_EQ(fixed["precision"], "fp16");
+  EXPECT_EQ(fixed["skipped_steps"], 0);
+  const auto want = losses(fp32), got = losses(fixed);
+  ASSERT_EQ(got.size(), want.size());
+  bool differs = false;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], 2e-3 * std::abs(want[i])) << "step " << i;
+    differs = differs || got[i] != want[i];
+  }
+  EXPECT_TRUE(differs) << "--fp16 gave the fp32 losses to the bit: nothing was rounded";
+
+  const std::string dynamic = tiny_steps(20) + " --fp16";
+  const nlohmann::json single = run_json(0, dynamic);
+  const int64_t skipped = single["skipped_steps"].get<int64_t>();
+  EXPECT_GT(skipped, 3);
+  EXPECT_LT(skipped, 16);
+  const auto scales = single["loss_scales"].get<std::vector<double>>();
+  EXPECT_EQ(scales.front(), 4294967296.0);
+  EXPECT_LT(scales.back(), scales.front());
+  EXPECT_TRUE(single["grad_norms"][0].is_null()) << "the first step should overflow at 2^32";
+  const auto curve = losses(single);
+  EXPECT_LT(curve.back(), curve.front() - 0.1);
+  // Layouts with one replica run the single rank's m microbatches, so their gradients carry the
+  // same scale and overflow at the same steps. (With d replicas each runs m / d microbatches,
+  // each scaled by 1 / (m / d) as Megatron scales them: larger gradients, earlier overflows.)
+  for (const Layout& l : std::vector<Layout>{
+           {2, 2, 1, "--fp16 --sequence-parallel"},
+           {1, 2, 1, "--fp16 --num-layers-per-virtual-pipeline-stage 1"},
+       }) {
+    Layout at = l;
+    at.model = tiny_steps(20);
+    const nlohmann::json j = run_json(at.ranks(), flags(at));
+    EXPECT_EQ(j["loss_scales"], single["loss_scales"]) << flags(at);
+    EXPECT_EQ(j["skipped_steps"], single["skipped_steps"]) << flags(at);
+    const auto a = losses(j);
+    ASSERT_EQ(a.size(), curve.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(a[i], curve[i], 1e-2 * std::abs(curve[i])) << flags(at) << " step " << i;
+  }
+  Layout replicas{1, 2, 2, "--fp16 --use-distributed-optimizer --overlap-grad-reduce"};
+  replicas.model = tiny_steps(20);
+  const nlohmann::json r = run_json(replicas.ranks(), flags(replicas));
+  EXPECT_GT(r["skipped_steps"].get<int64_t>(), 3);
+  EXPECT_LT(losses(r).back(), losses(r).front() - 0.1);
+  expect_resume_continues_the_curve("fp16_ckpt", " --fp16 --initial-loss-scale 16777216");
+}
+
 // A bf16 checkpoint holds the fp32 master weights: resuming continues the curve to the bit.
 TEST(RunMpi, Bf16CheckpointResumesTheCurveFromTheMasterWeights) {
   expect_resume_continues_the_curve("bf16_ckpt", " --bf16 --use-distributed-optimizer");

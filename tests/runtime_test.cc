@@ -23,6 +23,7 @@
 #include "runtime/data.h"
 #include "runtime/float16.h"
 #include "runtime/gpt_model.h"
+#include "runtime/loss_scaler.h"
 #include "runtime/shard_footprint.h"
 #include "runtime/tensor.h"
 #include "runtime/trainer.h"
@@ -85,6 +86,50 @@ std::filesystem::path temp_dir(const std::string& name) {
   std::filesystem::remove_all(d);
   std::filesystem::create_directories(d);
   return d;
+}
+
+// Megatron's dynamic loss scaling: each overflow spends one unit of hysteresis, then halves the
+// scale (not below the minimum); a window of clean steps doubles it and restores the
+// hysteresis. A static scale never moves. The state survives a checkpoint.
+TEST(LossScaler, BacksOffAfterTheHysteresisAndGrowsAfterAWindow) {
+  LossScaleSettings s;
+  s.initial_scale = 1024;
+  s.min_scale = 256;
+  s.window = 3;
+  s.hysteresis = 2;
+  LossScaler ls(s);
+  EXPECT_FALSE(ls.update(true));  // one unit of hysteresis spent: still 1024
+  EXPECT_EQ(ls.scale(), 1024);
+  EXPECT_FALSE(ls.update(true));
+  EXPECT_EQ(ls.scale(), 512);
+  EXPECT_FALSE(ls.update(true));  // hysteresis stays spent: every overflow halves now
+  EXPECT_EQ(ls.scale(), 256);
+  EXPECT_FALSE(ls.update(true));  // the floor
+  EXPECT_EQ(ls.scale(), 256);
+  EXPECT_TRUE(ls.update(false));
+  EXPECT_TRUE(ls.update(false));
+  const std::vector<float> mid = ls.state();
+  EXPECT_TRUE(ls.update(false));  // three clean steps in a row
+  EXPECT_EQ(ls.scale(), 512);
+  EXPECT_FALSE(ls.update(true));  // hysteresis restored: the first overflow keeps the scale
+  EXPECT_EQ(ls.scale(), 512);
+  LossScaler resumed(s);
+  resumed.restore(mid);
+  EXPECT_TRUE(resumed.update(false));
+  EXPECT_EQ(resumed.scale(), 512);
+  EXPECT_THROW(resumed.restore({0.0f, 0.0f, 0.0f}), InputError);
+
+  LossScaleSettings fixed;
+  fixed.static_scale = 128;
+  LossScaler st(fixed);
+  EXPECT_FALSE(st.update(true));
+  EXPECT_TRUE(st.update(false));
+  EXPECT_EQ(st.scale(), 128);
+  for (auto bad : {&LossScaleSettings::window, &LossScaleSettings::hysteresis}) {
+    LossScaleSettings b;
+    b.*bad = 0;
+    EXPECT_THROW(b.validate(), InputError);
+  }
 }
 
 TEST(GptShard, ParameterCountEqualsTheModelSpec) {

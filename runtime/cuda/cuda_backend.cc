@@ -361,7 +361,11 @@ class CudaBackend final : public Backend {
       return k::to_bf16(static_cast<const float*>(from), to, n, stream_);
     if (from_type == DType::kBF16 && to_type == DType::kF32)
       return k::from_bf16(from, static_cast<float*>(to), n, stream_);
-    throw std::invalid_argument("the CUDA backend converts between fp32 and bf16, not " +
+    if (from_type == DType::kF32 && to_type == DType::kF16)
+      return k::to_fp16(static_cast<const float*>(from), to, n, stream_);
+    if (from_type == DType::kF16 && to_type == DType::kF32)
+      return k::from_fp16(from, static_cast<float*>(to), n, stream_);
+    throw std::invalid_argument("the CUDA backend converts between fp32 and bf16 or fp16, not " +
                                 to_string(from_type) + " and " + to_string(to_type));
   }
   void add(float* y, const float* x, int64_t n) override { k::add(y, x, n, stream_); }

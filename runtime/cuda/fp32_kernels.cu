@@ -1,6 +1,7 @@
 // Device twins of the CPU backend's fp32 kernels (runtime/cuda/fp32_kernels.h). Plain
 // grid-stride loops for element-wise work, one block per row for row reductions, one thread per
 // column (rows added in order) for column sums, so results are deterministic.
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -80,6 +81,13 @@ __global__ void to_bf16_k(const float* x, kernels::cuda::bf16* y, int64_t n) {
 }
 __global__ void from_bf16_k(const kernels::cuda::bf16* x, float* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = kernels::cuda::to_float(x[i]);
+}
+// fp16 (--fp16 runs): round to nearest even, overflow to infinity, as the host's conversion.
+__global__ void to_fp16_k(const float* x, __half* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = __float2half_rn(x[i]);
+}
+__global__ void from_fp16_k(const __half* x, float* y, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = __half2float(x[i]);
 }
 __global__ void scale_k(float* x, int64_t n, double f) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
@@ -422,6 +430,12 @@ void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st) {
 void from_bf16(const void* x, float* y, int64_t n, cudaStream_t st) {
   if (n > 0)
     PTDP_LAUNCH(from_bf16_k, grid_for(n), static_cast<const kernels::cuda::bf16*>(x), y, n);
+}
+void to_fp16(const float* x, void* y, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(to_fp16_k, grid_for(n), x, static_cast<__half*>(y), n);
+}
+void from_fp16(const void* x, float* y, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(from_fp16_k, grid_for(n), static_cast<const __half*>(x), y, n);
 }
 void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st) {
   PTDP_LAUNCH(sum_squares_partial_k, kSumSquaresBlocks, x, n, partials);

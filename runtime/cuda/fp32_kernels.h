@@ -25,6 +25,8 @@ void scale(float* x, int64_t n, double f, cudaStream_t st);
 // y and x are n bf16 elements.
 void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st);
 void from_bf16(const void* x, float* y, int64_t n, cudaStream_t st);
+void to_fp16(const float* x, void* y, int64_t n, cudaStream_t st);
+void from_fp16(const void* x, float* y, int64_t n, cudaStream_t st);
 // The sum of squares of x in double, written to *out (device) as partial sums in a fixed
 // order: `partials` holds kSumSquaresBlocks doubles.
 constexpr int kSumSquaresBlocks = 256;

@@ -18,6 +18,7 @@
 
 #include "core/model_spec.h"
 #include "runtime/communicator.h"
+#include "runtime/float16.h"
 #include "runtime/tensor.h"
 #include "runtime/trainer.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -156,6 +157,59 @@ TEST_F(CudaBackendTest, MixedPrecisionGemmsAndWideningMatchTheCpu) {
   expect_close(down(gdw, dw.size()), dw, "bf16 linear wgrad into fp32", 1e-4, 1e-4);
   expect_close(down(gdb, db.size()), db, "bf16 bias grad into fp32", 1e-4, 1e-4);
   expect_close(down16(gact, act.size()), widen(act), "bf16 gelu (widened)", 2e-2, 2e-2);
+}
+
+// --fp16 runs widen every call on the GPU: its fp32 <-> fp16 conversion kernels round as the
+// host's conversions do (to nearest even; past 65504 to infinity; subnormals kept), and a
+// widened GEMM on fp16 operands matches the CPU's within fp16 rounding.
+TEST_F(CudaBackendTest, Fp16ConversionsAndWideningMatchTheHost) {
+  Host x = random(4099, 41);
+  for (size_t i = 0; i < x.size(); i += 7) x[i] *= 1e5f;    // overflows
+  for (size_t i = 3; i < x.size(); i += 11) x[i] *= 1e-6f;  // subnormals
+  float* gx = up(x);
+  void* g16 = gpu_->allocate(x.size() * 2);
+  owned_.emplace_back(g16, x.size() * 2);
+  gpu_->convert(gx, DType::kF32, g16, DType::kF16, static_cast<int64_t>(x.size()));
+  std::vector<uint16_t> got(x.size());
+  gpu_->download(g16, got.data(), got.size() * 2);
+  for (size_t i = 0; i < x.size(); ++i)
+    ASSERT_EQ(got[i], float_to_fp16(x[i])) << "element " << i << " = " << x[i];
+  float* back = up(Host(x.size()));
+  gpu_->convert(g16, DType::kF16, back, DType::kF32, static_cast<int64_t>(x.size()));
+  const Host wide = down(back, x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float want = fp16_to_float(got[i]);
+    if (std::isinf(want))
+      EXPECT_EQ(wide[i], want) << i;
+    else
+      ASSERT_EQ(wide[i], want) << i;
+  }
+
+  const int64_t n = 37, in = 70, out = 45;
+  auto half = [](const Host& h) {
+    std::vector<uint16_t> o(h.size());
+    for (size_t i = 0; i < h.size(); ++i) o[i] = float_to_fp16(h[i]);
+    return o;
+  };
+  std::vector<uint16_t> hx = half(random(n * in, 42)), hw = half(random(out * in, 43)), hy(n * out);
+  cpu_->linear_forward(Ptr(hx.data(), DType::kF16), Ptr(hw.data(), DType::kF16), Ptr(),
+                       Ptr(hy.data(), DType::kF16), n, in, out);
+  auto up_half = [&](const std::vector<uint16_t>& h) {
+    void* p = gpu_->allocate(h.size() * 2);
+    owned_.emplace_back(p, h.size() * 2);
+    gpu_->upload(h.data(), p, h.size() * 2);
+    return Ptr(p, DType::kF16);
+  };
+  const Ptr gy = up_half(std::vector<uint16_t>(hy.size()));
+  gpu_->linear_forward(up_half(hx), up_half(hw), Ptr(), gy, n, in, out);
+  std::vector<uint16_t> ry(hy.size());
+  gpu_->download(gy.p, ry.data(), ry.size() * 2);
+  Host a(hy.size()), b(hy.size());
+  for (size_t i = 0; i < hy.size(); ++i) {
+    a[i] = fp16_to_float(ry[i]);
+    b[i] = fp16_to_float(hy[i]);
+  }
+  expect_close(a, b, "fp16 linear forward (widened)", 2e-3, 2e-3);
 }
 
 // The bf16 kernels of kernels/cuda/ behind the typed calls (flash attention at head dimension
