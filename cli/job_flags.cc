@@ -108,9 +108,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--recompute-granularity", recompute_granularity,
                  "full or selective (default: none)");
   app.add_option("--recompute-method", recompute_method,
-                 "uniform (with --recompute-granularity full; ptdp's full recompute)");
+                 "with --recompute-granularity full: uniform (every layer) or block (the first "
+                 "--recompute-num-layers of each model chunk)");
   app.add_option("--recompute-num-layers", recompute_num_layers,
-                 "layers per recomputed checkpoint: 1 (with --recompute-method uniform)");
+                 "uniform: layers per checkpoint (1); block: layers recomputed per model chunk");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
@@ -233,16 +234,20 @@ void JobFlags::check_recompute_method(Recompute r) const {
   if (recompute_method.empty()) return;
   if (r != Recompute::kFull)
     throw InputError("--recompute-method", "goes with --recompute-granularity full");
-  if (recompute_method == "block")
-    throw InputError("--recompute-method",
-                     "block (recomputing only some layers of a stage) is not modelled; ptdp's "
-                     "full recompute is uniform with --recompute-num-layers 1");
+  if (recompute_method == "block") {
+    if (!recompute_num_layers || *recompute_num_layers < 1)
+      throw InputError("--recompute-num-layers",
+                       "block recompute needs the number of layers of each model chunk to "
+                       "recompute (at least 1)");
+    return;
+  }
   if (recompute_method != "uniform")
     throw InputError("--recompute-method",
                      "must be uniform or block, got '" + recompute_method + "'");
   if (recompute_num_layers && *recompute_num_layers != 1)
     throw InputError("--recompute-num-layers",
-                     "ptdp's full recompute keeps one checkpoint per layer: give 1, got " +
+                     "uniform recompute with more than one layer per checkpoint is not "
+                     "modelled: give 1 (each layer its own checkpoint), got " +
                          std::to_string(*recompute_num_layers));
 }
 
@@ -337,6 +342,7 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   if (!pipeline_schedule.empty()) p.schedule = schedule_from_string(pipeline_schedule);
   if (!recompute_granularity.empty()) p.recompute = recompute_from_string(recompute_granularity);
   check_recompute_method(p.recompute);
+  if (recompute_method == "block") p.recompute_layers = *recompute_num_layers;
   if (accumulate_allreduce_grads_in_fp32 && fp16_grad_reduce)
     throw InputError("--accumulate-allreduce-grads-in-fp32", "conflicts with --fp16-grad-reduce");
   p.sequence_parallel = sequence_parallel;

@@ -47,8 +47,8 @@ struct JobFlags {
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
-  // Megatron's --recompute-method and --recompute-num-layers for full recomputation: ptdp's
-  // full recompute is "uniform" with one layer per checkpoint.
+  // Megatron's --recompute-method and --recompute-num-layers for full recomputation: uniform
+  // with one layer per checkpoint (every layer), or block N (the first N of each model chunk).
   std::string recompute_method;
   std::optional<int64_t> recompute_num_layers;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;

@@ -76,7 +76,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
       static_cast<long long>(p.tensor_parallel), static_cast<long long>(p.pipeline_parallel),
       static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
       static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
-      to_string(p.schedule).c_str(), to_string(p.recompute).c_str(),
+      to_string(p.schedule).c_str(), recompute_label(p).c_str(),
       p.sequence_parallel ? ", sequence parallel" : "",
       p.distributed_optimizer ? ", distributed optimizer" : "");
   out << buf;

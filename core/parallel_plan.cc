@@ -40,6 +40,12 @@ std::string to_string(Schedule s) {
   return "?";
 }
 
+std::string recompute_label(const ParallelPlan& p) {
+  if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
+    return "block" + std::to_string(p.recompute_layers);
+  return to_string(p.recompute);
+}
+
 namespace {
 
 template <typename E>
@@ -72,6 +78,13 @@ int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
     throw std::out_of_range("layers_on_stage: no pipeline rank " + std::to_string(r));
   if (!layers_per_stage.empty()) return layers_per_stage.at(static_cast<size_t>(r));
   return m.num_layers / pipeline_parallel;
+}
+
+int64_t ParallelPlan::first_layer_of_chunk(const ModelSpec& m, int64_t r, int64_t c) const {
+  int64_t first = 0;
+  for (int64_t g = 0; g < c * pipeline_parallel + r; ++g)
+    first += layers_on_stage(m, g % pipeline_parallel) / virtual_stages;
+  return first;
 }
 
 namespace {
@@ -146,7 +159,10 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
       f << " --num-layers-per-virtual-pipeline-stage " << m.num_layers / (p * virtual_stages);
   }
   f << " --micro-batch-size " << micro_batch_size << " --global-batch-size " << global_batch_size;
-  if (recompute == Recompute::kFull)
+  if (recompute == Recompute::kFull && recompute_layers > 0)
+    f << " --recompute-granularity full --recompute-method block --recompute-num-layers "
+      << recompute_layers;
+  else if (recompute == Recompute::kFull)
     f << " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
   if (recompute == Recompute::kSelective) f << " --recompute-granularity selective";
   if (sequence_parallel) f << " --sequence-parallel";
@@ -210,6 +226,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("recompute", recompute);
   p.schedule = enum_from_string(schedule, kSchedules, r.field("schedule"));
   p.recompute = enum_from_string(recompute, kRecomputes, r.field("recompute"));
+  r.read("recompute_layers", p.recompute_layers);
   r.read("sequence_parallel", p.sequence_parallel);
   r.read("distributed_optimizer", p.distributed_optimizer);
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
@@ -237,6 +254,7 @@ json to_json(const ParallelPlan& p) {
               {"virtual_stages", p.virtual_stages},
               {"schedule", to_string(p.schedule)},
               {"recompute", to_string(p.recompute)},
+              {"recompute_layers", p.recompute_layers},
               {"sequence_parallel", p.sequence_parallel},
               {"distributed_optimizer", p.distributed_optimizer},
               {"overlap_grad_reduce", p.overlap_grad_reduce},

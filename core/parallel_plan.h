@@ -23,6 +23,9 @@ enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
+struct ParallelPlan;
+// "none", "selective", "full", or "block N" for block recompute of N layers per chunk.
+std::string recompute_label(const ParallelPlan& p);
 Recompute recompute_from_string(const std::string& s);  // none|selective|full
 Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
 
@@ -43,6 +46,11 @@ struct ParallelPlan {
   int64_t virtual_stages = 1;
   Schedule schedule = Schedule::k1F1B;  // kInterleaved1F1B whenever virtual_stages > 1
   Recompute recompute = Recompute::kNone;
+  // With full recompute: 0 recomputes every layer, each its own checkpoint (Megatron's
+  // --recompute-method uniform --recompute-num-layers 1); N > 0 only the first N layers of each
+  // model chunk, the others keeping their activations (--recompute-method block
+  // --recompute-num-layers N), trading memory for less recomputation.
+  int64_t recompute_layers = 0;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce
@@ -84,6 +92,14 @@ struct ParallelPlan {
   }
   // Layers held by pipeline rank r (all its virtual chunks together).
   int64_t layers_on_stage(const ModelSpec& m, int64_t r) const;
+  // Of a model chunk of `chunk_layers` layers, how many are fully recomputed (the first ones).
+  int64_t recomputed_layers(int64_t chunk_layers) const {
+    if (recompute != Recompute::kFull) return 0;
+    return recompute_layers > 0 && recompute_layers < chunk_layers ? recompute_layers
+                                                                   : chunk_layers;
+  }
+  // The first layer (from 0) of chunk c of pipeline rank r (global stage c * p + r).
+  int64_t first_layer_of_chunk(const ModelSpec& m, int64_t r, int64_t c) const;
 
   // Throws InputError naming the Megatron flag when the plan cannot run this model: the first
   // rule of core/plan_rules.h it breaks (check_plan).

@@ -205,6 +205,13 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   if (plan.overlap_param_gather && d > 1 && !plan.distributed_optimizer)
     return broken(PlanRule::kParamGatherNeedsDistributedOptimizer, report, "--overlap-param-gather",
                   [] { return std::string("needs --use-distributed-optimizer"); });
+  if (plan.recompute_layers < 0 || plan.recompute_layers > kMaxModelSize ||
+      (plan.recompute_layers > 0 && plan.recompute != Recompute::kFull))
+    return broken(PlanRule::kRecomputeLayers, report, "--recompute-num-layers", [&] {
+      return plan.recompute_layers > 0 && plan.recompute != Recompute::kFull
+                 ? std::string("with --recompute-method block needs --recompute-granularity full")
+                 : "must be positive, got " + std::to_string(plan.recompute_layers);
+    });
   return PlanRule::kNone;
 }
 
@@ -264,6 +271,8 @@ const char* rule_reason(PlanRule r) {
       return "tp-comm-overlap needs sequence parallelism";
     case PlanRule::kParamGatherNeedsDistributedOptimizer:
       return "overlap-param-gather needs the distributed optimizer";
+    case PlanRule::kRecomputeLayers:
+      return "block recompute needs full recompute";
   }
   return "?";
 }

@@ -55,6 +55,7 @@ enum class PlanRule {
   kMoeNeedsSequenceParallel,              // an MoE model with t > 1 needs SP
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
+  kRecomputeLayers,                       // recompute_layers >= 0, and > 0 only with full
 };
 
 // The first rule the plan breaks, in the order listed above (kNone when it breaks none).

@@ -110,6 +110,26 @@ double expert_shards(const ParallelPlan& p) {
 
 }  // namespace
 
+RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r,
+                                     int64_t c) {
+  const int64_t layers = p.layers_on_stage(m, r) / p.virtual_stages;
+  const int64_t first = p.first_layer_of_chunk(m, r, c);
+  if (p.recompute != Recompute::kFull || p.recompute_layers == 0)
+    return {layers, m.moe_layers_in(first, layers)};
+  const int64_t n = p.recomputed_layers(layers);
+  return {n, m.moe_layers_in(first, n)};
+}
+
+RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r) {
+  RecomputedLayers total;
+  for (int64_t c = 0; c < p.virtual_stages; ++c) {
+    const RecomputedLayers one = recomputed_in_chunk(m, p, r, c);
+    total.layers += one.layers;
+    total.moe += one.moe;
+  }
+  return total;
+}
+
 double expert_load(const ModelSpec& m) {
   if (m.moe_capacity_factor > 0) return std::min(m.moe_capacity_factor, kDroplessExpertLoad);
   return kDroplessExpertLoad;
@@ -145,6 +165,10 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
   working_layer_ = p.recompute == Recompute::kNone ? 0.0
                    : m.is_moe()                    ? moe_layer_activation_bytes(m, full)
                                                    : layer_activation_bytes(m, full);
+  if (p.recompute == Recompute::kFull && p.recompute_layers > 0) {
+    kept_layer_ = layer_activation_bytes(m, full);
+    kept_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, full) : kept_layer_;
+  }
   // While a layer's backward pass runs, the unfused attention's gradient of the scores.
   backward_workspace_ = attention_backward_workspace_bytes(m, shape);
   // One activation crossing a stage boundary ([b, s/cp, h], 1/t of it with sequence
@@ -159,11 +183,23 @@ double ActivationMemory::on_stage(int64_t r) const {
   const double inflight = inflight_layer_activations(p_, r, layers);
   // Per layer: the stage's mix of dense and MoE layers.
   const double moe = static_cast<double>(moe_layers_of_stage(moe_chunks_, p_, r));
-  const double per_layer =
+  double per_layer =
       layers > 0 ? ((static_cast<double>(layers) - moe) * per_layer_ + moe * per_moe_layer_) /
                        static_cast<double>(layers)
                  : per_layer_;
-  double bytes = inflight * per_layer + working_layer_ + (layers > 0 ? backward_workspace_ : 0.0);
+  double working = working_layer_;
+  if (p_.recompute == Recompute::kFull && p_.recompute_layers > 0 && layers > 0) {
+    // Block recompute: each chunk's first N layers keep their inputs, the rest everything.
+    const RecomputedLayers rec = recomputed_on_stage(m_, p_, r);
+    const double rd = static_cast<double>(rec.layers - rec.moe), rm = static_cast<double>(rec.moe);
+    const double kd = static_cast<double>(layers) - moe - rd, km = moe - rm;
+    per_layer = (rd * per_layer_ + rm * per_moe_layer_ + kd * kept_layer_ + km * kept_moe_layer_) /
+                static_cast<double>(layers);
+    // A chunk recomputes its first layers after the backward pass has freed its kept ones, so
+    // the layer being recomputed adds to the peak only where a chunk keeps none.
+    if (rec.layers < layers) working = 0;
+  }
+  double bytes = inflight * per_layer + working + (layers > 0 ? backward_workspace_ : 0.0);
   if (r == 0 && layers > 0)
     bytes +=
         inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
@@ -429,7 +465,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   double fwd_flops = 0, bwd_flops = 0;
   st.layer_f = price(layer.forward, p, hit, &fwd_flops);
   st.layer_b = price(layer.backward, p, hit, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
-  st.layer_r = price(layer.recompute, p, hit, &st.layer_recompute_flops);
+  st.layer_r = price(layer.recompute, p, hit, &st.layer_list_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
   double ef = 0, hf = 0;
   st.embed_f = price(embed.forward, p, hit, &ef);
@@ -448,26 +484,28 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
     LayerShape balanced = shape;
     balanced.expert_load = 1.0;
     const PassOps even = moe_layer_ops(model_, balanced);
-    for (const auto* list : {&even.forward, &even.backward, &even.recompute})
+    for (const auto* list : {&even.forward, &even.backward})
       for (const Op& op : *list)
         (op.role == OpRole::kRecompute ? st.moe_recompute_flops : st.moe_flops) += op.flops();
+    for (const Op& op : even.recompute) st.moe_list_recompute_flops += op.flops();
   }
   return cache_.emplace(key, st).first->second;
 }
 
 ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
-                                     bool embedding, bool head) {
+                                     int64_t recomputed, int64_t recomputed_moe, bool embedding,
+                                     bool head) {
   ChunkTime c;
   c.layers = layers;
   const double l = static_cast<double>(layers - moe), e = static_cast<double>(moe);
   add(c.forward, st.layer_f, l);
   add(c.backward, st.layer_b, l);
-  add(c.recompute, st.layer_r, l);
+  add(c.recompute, st.layer_r, static_cast<double>(recomputed - recomputed_moe));
   add(c.weight_grad, st.layer_w, l);
   if (moe > 0) {
     add(c.forward, st.moe_f, e);
     add(c.backward, st.moe_b, e);
-    add(c.recompute, st.moe_r, e);
+    add(c.recompute, st.moe_r, static_cast<double>(recomputed_moe));
     add(c.weight_grad, st.moe_w, e);
   }
   if (embedding) {
@@ -486,8 +524,11 @@ ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, int64
 std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const ShapeTimes& st) const {
   std::vector<StageTime> stages;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
-    stages.push_back({layer_span_time(st, p.layers_on_stage(model_, r), moe_layers_on_stage(p, r),
-                                      r == 0, r == p.pipeline_parallel - 1)});
+    const int64_t layers = p.layers_on_stage(model_, r), moe = moe_layers_on_stage(p, r);
+    const RecomputedLayers rec =
+        p.recompute_layers > 0 ? recomputed_on_stage(model_, p, r) : RecomputedLayers{layers, moe};
+    stages.push_back({layer_span_time(st, layers, moe, rec.layers, rec.moe, r == 0,
+                                      r == p.pipeline_parallel - 1)});
   }
   return stages;
 }
@@ -561,8 +602,11 @@ double CostModel::optimizer_time(const ParallelPlan& p, double params, double ex
 }
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
-  return layer_span_time(shape_times(p), p.layers_on_stage(model_, rank) / p.virtual_stages,
-                         moe_layers_in_chunk(p, rank, chunk), rank == 0 && chunk == 0,
+  const int64_t layers = p.layers_on_stage(model_, rank) / p.virtual_stages;
+  const int64_t moe = moe_layers_in_chunk(p, rank, chunk);
+  const RecomputedLayers rec = p.recompute_layers > 0 ? recomputed_in_chunk(model_, p, rank, chunk)
+                                                      : RecomputedLayers{layers, moe};
+  return layer_span_time(shape_times(p), layers, moe, rec.layers, rec.moe, rank == 0 && chunk == 0,
                          rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
 }
 
@@ -740,8 +784,21 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   const double dense_layers = static_cast<double>(model_.num_layers) - moe_layers;
   const double per_mb_model =
       dense_layers * st.layer_flops + moe_layers * st.moe_flops + st.embed_flops + st.head_flops;
+  // The layers whose recompute list runs: all, but with block recompute each chunk's first N.
+  double rec_moe = moe_layers, rec_dense = dense_layers;
+  if (p.recompute_layers > 0) {
+    int64_t layers = 0, moe = 0;
+    for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+      const RecomputedLayers rec = recomputed_on_stage(model_, p, r);
+      layers += rec.layers;
+      moe += rec.moe;
+    }
+    rec_moe = static_cast<double>(moe);
+    rec_dense = static_cast<double>(layers - moe);
+  }
   const double per_mb_recompute =
-      dense_layers * st.layer_recompute_flops + moe_layers * st.moe_recompute_flops;
+      dense_layers * st.layer_recompute_flops + rec_dense * st.layer_list_recompute_flops +
+      moe_layers * st.moe_recompute_flops + rec_moe * st.moe_list_recompute_flops;
   const double replicas = static_cast<double>(p.tensor_parallel * p.context_parallel) * m *
                           static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;

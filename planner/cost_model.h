@@ -159,12 +159,18 @@ class CostModel {
     PassTime moe_f, moe_b, moe_r, moe_w;  // one MoE layer
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
     double moe_flops = 0, moe_recompute_flops = 0;  // at balanced routing
+    // Of the recompute FLOPs, the recompute lists' (what block recompute runs on some layers
+    // only); the rest is the backward lists' own (flash attention's scores).
+    double layer_list_recompute_flops = 0, moe_list_recompute_flops = 0;
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
   // One microbatch through `layers` transformer layers (`moe` of them MoE layers), plus the
   // embedding and/or the LM head: a model chunk (chunk_time) or a whole stage (stage_times).
+  // `recomputed` of the span's layers (`recomputed_moe` of them MoE layers) run the recompute
+  // list (all of them but with block recompute, RecomputedLayers).
   static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
-                                   bool embedding, bool head);
+                                   int64_t recomputed, int64_t recomputed_moe, bool embedding,
+                                   bool head);
   // op_time and exposed_times at a given cache_hit(p); warm_op_time: as the profile measured
   // (or estimated) the op, its operands in cache.
   double op_time(const Op& op, const ParallelPlan& p, double hit) const;
@@ -223,6 +229,16 @@ double expert_load(const ModelSpec& m);
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);
 
+// The layers of a model chunk (or of a pipeline rank's chunks together) whose recompute list
+// runs before their backward pass, and how many of those are MoE layers: every layer, but with
+// block recompute (ParallelPlan::recompute_layers) the first N of each chunk.
+struct RecomputedLayers {
+  int64_t layers = 0, moe = 0;
+};
+RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r,
+                                     int64_t c);
+RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r);
+
 // Activation memory of a plan's pipeline stages, for activations of one element type (16-bit
 // on GPUs as the memory model prices them, fp32 in ptdp run on CPU ranks). It keeps references:
 // the model and the plan must outlive it.
@@ -240,6 +256,8 @@ class ActivationMemory {
   const ModelSpec& m_;
   const ParallelPlan& p_;
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
+  // Block recompute: a layer that is not recomputed keeps its whole activations.
+  double kept_layer_ = 0, kept_moe_layer_ = 0;
   double backward_workspace_ = 0;    // attention_backward_workspace_bytes, held during a backward
   std::vector<int64_t> moe_chunks_;  // MoE layers per model chunk (empty: dense)
 };

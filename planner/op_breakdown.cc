@@ -154,13 +154,16 @@ double FamilyTimes::total() const {
 
 namespace {
 
+// `times` passes of the forward and backward lists, `recomputed` of the recompute list (fewer
+// with block recompute).
 void add_ops(const CostModel& cost, const ParallelPlan& p, const PassOps& ops, double times,
-             FamilyTimes& out) {
+             double recomputed, FamilyTimes& out) {
   // Priced as CostModel::predict prices them: each op's exposed time (tp-comm-overlap).
   for (const auto* list : {&ops.forward, &ops.backward, &ops.recompute}) {
     const std::vector<double> t = cost.exposed_times(*list, p);
+    const double n = list == &ops.recompute ? recomputed : times;
     for (size_t i = 0; i < list->size(); ++i)
-      out.at(op_family((*list)[i].id), (*list)[i].role) += t[i] * times;
+      out.at(op_family((*list)[i].id), (*list)[i].role) += t[i] * n;
   }
 }
 
@@ -187,10 +190,17 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     st.stage = r;
     FamilyTimes& f = st.families;
     const int64_t moe_layers = cost.moe_layers_on_stage(p, r);
-    add_ops(cost, p, layer, mb * static_cast<double>(p.layers_on_stage(m, r) - moe_layers), f);
-    if (moe_layers > 0) add_ops(cost, p, moe, mb * static_cast<double>(moe_layers), f);
-    if (r == 0) add_ops(cost, p, embed, mb, f);
-    if (r == p.pipeline_parallel - 1) add_ops(cost, p, head, mb, f);
+    const int64_t dense_layers = p.layers_on_stage(m, r) - moe_layers;
+    const RecomputedLayers rec = p.recompute_layers > 0
+                                     ? recomputed_on_stage(m, p, r)
+                                     : RecomputedLayers{dense_layers + moe_layers, moe_layers};
+    add_ops(cost, p, layer, mb * static_cast<double>(dense_layers),
+            mb * static_cast<double>(rec.layers - rec.moe), f);
+    if (moe_layers > 0)
+      add_ops(cost, p, moe, mb * static_cast<double>(moe_layers), mb * static_cast<double>(rec.moe),
+              f);
+    if (r == 0) add_ops(cost, p, embed, mb, mb, f);
+    if (r == p.pipeline_parallel - 1) add_ops(cost, p, head, mb, mb, f);
     for (const PipelineAction& a : schedule.ranks[static_cast<size_t>(r)])
       if (is_p2p(a.kind) && !a.batched_with_next) ++st.p2p_calls;
     f.at(OpFamily::kPipelineP2p, OpRole::kForward) = static_cast<double>(st.p2p_calls) * p2p;

@@ -30,8 +30,8 @@ std::vector<int64_t> divisors(int64_t n) {
 auto plan_key(const ParallelPlan& p) {
   return std::make_tuple(p.tensor_parallel, p.context_parallel, p.pipeline_parallel,
                          p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
-                         p.virtual_stages, static_cast<int>(p.recompute), p.sequence_parallel,
-                         p.distributed_optimizer, p.layers_per_stage);
+                         p.virtual_stages, static_cast<int>(p.recompute), p.recompute_layers,
+                         p.sequence_parallel, p.distributed_optimizer, p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -65,6 +65,34 @@ struct Tally {
     considered += o.considered;
   }
 };
+
+// Block recompute for a fitting full-recompute plan: the smallest N (layers recomputed per
+// model chunk) that still fits, found by bisection (memory falls as N grows; N at the largest
+// chunk is the full plan). Nothing when the plan fits without recomputation.
+void try_block_recompute(const ParallelPlan& full, const ModelSpec& m, const CostModel& cost,
+                         Tally& tally, size_t k) {
+  int64_t most = 0;
+  for (int64_t r = 0; r < full.pipeline_parallel; ++r)
+    most = std::max(most, full.layers_on_stage(m, r) / full.virtual_stages);
+  if (most < 2) return;
+  ParallelPlan block = full;
+  block.recompute = Recompute::kNone;
+  if (cost.memory(block).fits) return;
+  block.recompute = Recompute::kFull;
+  int64_t lo = 1, hi = most;
+  while (lo < hi) {
+    block.recompute_layers = lo + (hi - lo) / 2;
+    if (cost.memory(block).fits)
+      hi = block.recompute_layers;
+    else
+      lo = block.recompute_layers + 1;
+  }
+  if (lo == most) return;
+  block.recompute_layers = lo;
+  ++tally.considered;
+  ++tally.evaluated;
+  tally.keep(RankedPlan{block, cost.predict(block)}, k);
+}
 
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
@@ -110,6 +138,8 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           }
           ++tally.evaluated;
           tally.keep(RankedPlan{plan, cost.predict(plan)}, k);
+          if (rc == Recompute::kFull && o.try_block_recompute)
+            try_block_recompute(plan, m, cost, tally, k);
         }
       }
     }
@@ -291,7 +321,7 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("b", num(a.micro_batch_size), num(b.micro_batch_size));
   field("v", num(a.virtual_stages), num(b.virtual_stages));
   field("layers per stage", stage_split_summary(a), stage_split_summary(b));
-  field("recompute", to_string(a.recompute), to_string(b.recompute));
+  field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
   return out.empty() ? "same configuration" : out;
@@ -323,7 +353,7 @@ std::string plan_summary(const ParallelPlan& p) {
     s += " etp" + std::to_string(p.expert_tensor_parallel);
   if (!p.layers_per_stage.empty()) s += " L" + stage_split_summary(p);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
-  s += " " + to_string(p.recompute);
+  s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer) s += " dopt";
   return s;

@@ -33,6 +33,10 @@ struct SearchOptions {
   // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
   // p that does not divide the layers (planner/search.cc stage_splits).
   bool try_uneven_stages = true;
+  // With full recompute, also Megatron's block recompute with the fewest layers per chunk that
+  // fit in memory (when not recomputing at all does not fit): less recomputation for the same
+  // memory budget.
+  bool try_block_recompute = true;
   int64_t max_tensor_parallel = 0;  // 0: no limit beyond the heads
   // Context parallelism (cp dividing the GPUs, 2 cp the sequence) up to max_context_parallel
   // (0: no limit), and for MoE models expert parallelism (ep dividing the experts) with the

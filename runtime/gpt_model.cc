@@ -39,6 +39,7 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.schedule = s.v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   plan.sequence_parallel = s.sequence_parallel;
   plan.recompute = s.recompute;
+  plan.recompute_layers = s.recompute_layers;
   if (m.is_moe()) {
     plan.expert_parallel = s.ep;
     plan.expert_tensor_parallel = s.etp;
@@ -549,7 +550,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     }
     x.swap(L.out);
     release(L.out);
-    drop_recomputed(L, layout_.recompute);
+    drop_recomputed(L, layout_.recompute_of(l));
   }
   if (!ch.last) {
     *output = std::move(x);
@@ -631,7 +632,9 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     SharedExpertWidth width(c, I.moe.get(), moe);
     MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
     const MoeLayerParams& MW = ch.moe[static_cast<size_t>(l)];
-    for (OpId op : moe ? I.moe_recompute : I.layer_recompute) {
+    const std::vector<OpId> none;
+    const bool recomputed = layout_.recompute_of(l) != Recompute::kNone;
+    for (OpId op : !recomputed ? none : moe ? I.moe_recompute : I.layer_recompute) {
       c.begin(op, PassKind::kRecompute);
       if (is_moe_op(op))
         moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);

@@ -54,6 +54,13 @@ struct ShardLayout {
   int64_t micro_batch = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
+  int64_t recompute_layers = 0;  // full recompute of each chunk's first N layers only (0: all)
+  // The recompute mode of layer l (from 0) of a model chunk.
+  Recompute recompute_of(int64_t l) const {
+    return recompute == Recompute::kFull && recompute_layers > 0 && l >= recompute_layers
+               ? Recompute::kNone
+               : recompute;
+  }
   // Layers of each global stage (size p * v); empty: even split.
   std::vector<int64_t> layers_per_stage;
   // Parameters are laid out so that each segment's length is a multiple of this (the

@@ -274,6 +274,7 @@ void Executor::setup() {
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
     layout.recompute = plan.recompute;
+    layout.recompute_layers = plan.recompute_layers;
     layout.dtype = o_.precision;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;

@@ -762,6 +762,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
   };
   std::set<std::string> seen;
   const std::vector<std::string> kinds = {"--recompute-method uniform",
+                                          "--recompute-method block",
                                           "--recompute-granularity selective",
                                           "--moe-layer-freq",
                                           "--decoder-first-pipeline-num-layers",
@@ -782,7 +783,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--overlap-param-gather",
                                           "--untie-embeddings-and-output-weights"};
   for (const Case& c : cases) {
-    std::vector<std::string> args = {"plan", "--top", "25", "--json", "--no-progress"};
+    std::vector<std::string> args = {"plan", "--top", "40", "--json", "--no-progress"};
     args.insert(args.end(), c.plan.begin(), c.plan.end());
     args.insert(args.end(), c.ptdp_only.begin(), c.ptdp_only.end());
     const Result planned = run(args);
@@ -823,12 +824,11 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
   expect_bad(predict_plus({"--normalization", "BatchNorm"}), "--normalization: must be LayerNorm");
   expect_bad(predict_plus({"--max-position-embeddings", "1024"}),
              "--max-position-embeddings: must be at least seq_length (2048)");
-  expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-method", "block",
-                           "--recompute-num-layers", "2"}),
-             "--recompute-method: block");
+  expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-method", "block"}),
+             "--recompute-num-layers: block recompute needs the number of layers");
   expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-method", "uniform",
                            "--recompute-num-layers", "2"}),
-             "--recompute-num-layers: ptdp's full recompute keeps one checkpoint per layer");
+             "--recompute-num-layers: uniform recompute with more than one layer per checkpoint");
   expect_bad(predict_plus({"--recompute-method", "uniform"}),
              "--recompute-method: goes with --recompute-granularity full");
   expect_bad(predict_plus({"--recompute-granularity", "full", "--recompute-num-layers", "1"}),

@@ -121,6 +121,11 @@ TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
            {2, 2, 2, "--sequence-parallel --use-distributed-optimizer"},
            {2, 2, 1, "--recompute-granularity selective"},
            {2, 2, 1, "--recompute-granularity full --sequence-parallel"},
+           {1, 1, 2,
+            "--recompute-granularity full --recompute-method block --recompute-num-layers 3"},
+           {1, 2, 1,
+            "--recompute-granularity full --recompute-method block --recompute-num-layers 1 "
+            "--num-layers-per-virtual-pipeline-stage 1"},
            {1, 2, 1, "--pipeline-schedule zb-h1"},
            {2, 2, 2,
             "--pipeline-schedule zb-h1 --sequence-parallel --use-distributed-optimizer "

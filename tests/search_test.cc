@@ -152,6 +152,50 @@ TEST(Search, OverlapSettingsApplyWhereTheyCanAndNeverShrinkTheSearch) {
   EXPECT_TRUE(gather_overlapped);
 }
 
+// Megatron's block recompute: where no recomputation does not fit but full recomputation does,
+// the search adds the plan recomputing the fewest layers per chunk that fit. It is faster than
+// full recomputation (recompute time in proportion to the layers recomputed), it fits, and one
+// layer fewer would not.
+TEST(Search, BlockRecomputeTakesTheFewestLayersThatFit) {
+  Job j(64);
+  j.m.seq_length = 8192;
+  SearchOptions o;
+  o.global_batch_size = 512;
+  o.top_k = 30;
+  const SearchResult r = search_plans(j.m, j.c, j.h, o);
+  const CostModel cost(j.m, j.c, j.h);
+  int blocks = 0;
+  for (const RankedPlan& rp : r.top) {
+    const ParallelPlan& p = rp.plan;
+    if (p.recompute_layers == 0) continue;
+    ++blocks;
+    ASSERT_EQ(p.recompute, Recompute::kFull) << plan_summary(p);
+    EXPECT_TRUE(cost.memory(p).fits) << plan_summary(p);
+    ParallelPlan fewer = p, full = p, none = p;
+    fewer.recompute_layers -= 1;
+    if (fewer.recompute_layers > 0) {
+      EXPECT_FALSE(cost.memory(fewer).fits) << plan_summary(p);
+    }
+    full.recompute_layers = 0;
+    none.recompute = Recompute::kNone;
+    none.recompute_layers = 0;
+    EXPECT_FALSE(cost.memory(none).fits) << plan_summary(p);
+    const Prediction a = cost.predict(p), b = cost.predict(full);
+    EXPECT_LT(a.iteration_time_s, b.iteration_time_s) << plan_summary(p);
+    EXPECT_GT(a.memory.peak, b.memory.peak) << plan_summary(p);
+    // An even split without interleaving: each stage recomputes N of its layers.
+    if (p.layers_per_stage.empty() && p.virtual_stages == 1) {
+      const double share = static_cast<double>(p.recompute_layers) /
+                           static_cast<double>(j.m.num_layers / p.pipeline_parallel);
+      EXPECT_NEAR(a.breakdown.recompute, share * b.breakdown.recompute,
+                  1e-9 * b.breakdown.recompute)
+          << plan_summary(p);
+    }
+  }
+  EXPECT_GT(blocks, 0) << "no block-recompute plan among the top " << r.top.size();
+  EXPECT_GT(r.top.front().plan.recompute_layers, 0) << plan_summary(r.top.front().plan);
+}
+
 TEST(StageSplits, MegatronStyleFirstAndLastStages) {
   for (const auto& [layers, p] : std::vector<std::pair<int64_t, int64_t>>{
            {126, 16}, {96, 8}, {80, 6}, {32, 3}, {30, 4}, {61, 2}, {7, 7}}) {
