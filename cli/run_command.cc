@@ -411,18 +411,19 @@ Action add_run_command(CLI::App& app) {
   sub->add_option("--adam-beta1", t.beta1)->capture_default_str();
   sub->add_option("--adam-beta2", t.beta2)->capture_default_str();
   sub->add_option("--adam-eps", t.eps)->capture_default_str();
-  auto* ls = sub->add_option_group("fp16 loss scaling (Megatron-LM's flags; with --fp16)");
+  // fp16 loss scaling (Megatron-LM's flags; with --fp16). Plain options of the subcommand: a
+  // CLI11 option group loops forever on empty positional arguments (found by fuzzing).
   f->loss_scale_opts = {
-      ls->add_option("--loss-scale", t.loss_scale.static_scale, "a static loss scale"),
-      ls->add_option("--initial-loss-scale", t.loss_scale.initial_scale,
-                     "the dynamic loss scale's start")
+      sub->add_option("--loss-scale", t.loss_scale.static_scale, "a static loss scale"),
+      sub->add_option("--initial-loss-scale", t.loss_scale.initial_scale,
+                      "the dynamic loss scale's start")
           ->capture_default_str(),
-      ls->add_option("--min-loss-scale", t.loss_scale.min_scale)->capture_default_str(),
-      ls->add_option("--loss-scale-window", t.loss_scale.window,
-                     "overflow-free steps before the scale doubles")
+      sub->add_option("--min-loss-scale", t.loss_scale.min_scale)->capture_default_str(),
+      sub->add_option("--loss-scale-window", t.loss_scale.window,
+                      "overflow-free steps before the scale doubles")
           ->capture_default_str(),
-      ls->add_option("--hysteresis", t.loss_scale.hysteresis,
-                     "overflows tolerated before the scale halves")
+      sub->add_option("--hysteresis", t.loss_scale.hysteresis,
+                      "overflows tolerated before the scale halves")
           ->capture_default_str()};
   sub->add_option("--clip-grad", t.clip_grad, "gradient clipping by global norm (0: off)")
       ->capture_default_str();

@@ -867,6 +867,8 @@ TEST(CliErrors, HugeNumbersAndLineBreaksInArguments) {
   expect_bad(predict_with("--num-gpus", "1000000000000"), "num_gpus: 1000000000000 exceeds");
   expect_bad(predict_with("--hidden-size", "4611686018427387904"), "--hidden-size");
   expect_bad({"pl\nan"}, "unknown subcommand 'pl?an'");
+  // Empty arguments once sent CLI11 into an endless loop through an option group.
+  expect_bad({"run", "--plan", "x", "", "", "--json", ""}, "not expected");
   const std::string plans = temp_file("one_plan.json", R"({"tensor_parallel": 1})");
   expect_bad({"run", "--plan", plans, "--plan-index", "1\n2", "--model", "gpt-1.7b"},
              "--plan-index: must be a plan's rank (1 = the best) or all, got '1\\n2'");
