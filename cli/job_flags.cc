@@ -176,7 +176,7 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.moe_shared_expert_ffn_size, moe_shared_expert_ffn_size);
   if (!moe_layer_freq.empty()) set_moe_layer_freq(m, moe_layer_freq);
   if (moe_capacity_factor) m.moe_capacity_factor = *moe_capacity_factor;
-  check_megatron_model_flags(m);
+  apply_megatron_model_flags(m);
   try {
     m.validate();
   } catch (const InputError& e) {
@@ -200,7 +200,7 @@ ModelSpec JobFlags::resolve_model() const {
   return m;
 }
 
-void JobFlags::check_megatron_model_flags(ModelSpec& m) const {
+void JobFlags::apply_megatron_model_flags(ModelSpec& m) const {
   // Megatron reads --num-query-groups (default 1) only with --group-query-attention.
   if (group_query_attention && !num_query_groups && m.query_groups() == m.num_attention_heads)
     m.num_query_groups = 1;

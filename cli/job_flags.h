@@ -79,8 +79,9 @@ struct JobFlags {
   // The same for `num_gpus` ranks; `what` names the source of that count in errors.
   ParallelPlan resolve_plan(const ModelSpec& m, int64_t num_gpus, const std::string& what) const;
   // Throw InputError naming the flag when a Megatron flag above asks for what ptdp's models do
-  // not have; the first also applies --group-query-attention's default of one group.
-  void check_megatron_model_flags(ModelSpec& m) const;
+  // not have; apply_megatron_model_flags also sets --group-query-attention's default of one
+  // group.
+  void apply_megatron_model_flags(ModelSpec& m) const;
   void check_recompute_method(Recompute r) const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||

@@ -437,24 +437,18 @@ void set_moe_layer_freq(ModelSpec& m, const std::string& value) {
   for (size_t i = 0; i < pattern.size(); ++i)
     if (pattern[i]) moe.push_back(static_cast<int64_t>(i));
   if (moe.empty()) throw InputError(flag, "the layer pattern has no MoE layer (no 1)");
-  // ptdp's layouts: layer i is MoE when i >= K and i % N == 0. The gap between MoE layers is N
-  // (any N past the last layer when there is one MoE layer); K is the first MoE layer.
-  std::vector<int64_t> freqs;
-  if (moe.size() > 1) {
-    freqs.push_back(moe[1] - moe[0]);
-  } else {
-    freqs = {m.num_layers, moe[0]};
-  }
-  for (int64_t n : freqs) {
-    if (n < 1) continue;
-    bool same = true;  // ModelSpec::is_moe_layer with K = moe[0], N = n
-    for (int64_t i = 0; i < m.num_layers && same; ++i)
-      same = (i >= moe[0] && i % n == 0) == (pattern[static_cast<size_t>(i)] == 1);
-    if (same) {
-      m.moe_layer_freq = n;
-      m.moe_first_dense_layers = moe[0];
-      return;
-    }
+  // ptdp's layouts: layer i is MoE when i >= K and i % N == 0, K the first MoE layer. N is the
+  // gap between MoE layers; with one MoE layer, the only N that can leave it alone (K itself,
+  // or the layer count when K is 0).
+  const int64_t k = moe[0];
+  const int64_t n = moe.size() > 1 ? moe[1] - k : k > 0 ? k : m.num_layers;
+  bool same = true;  // ModelSpec::is_moe_layer with these K and N
+  for (int64_t i = 0; i < m.num_layers && same; ++i)
+    same = (i >= k && i % n == 0) == (pattern[static_cast<size_t>(i)] == 1);
+  if (same) {
+    m.moe_layer_freq = n;
+    m.moe_first_dense_layers = k;
+    return;
   }
   throw InputError(flag,
                    "ptdp models MoE layers as every N-th layer after the first K dense "

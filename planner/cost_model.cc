@@ -113,11 +113,9 @@ double expert_shards(const ParallelPlan& p) {
 RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r,
                                      int64_t c) {
   const int64_t layers = p.layers_on_stage(m, r) / p.virtual_stages;
-  const int64_t first = p.first_layer_of_chunk(m, r, c);
-  if (p.recompute != Recompute::kFull || p.recompute_layers == 0)
-    return {layers, m.moe_layers_in(first, layers)};
-  const int64_t n = p.recomputed_layers(layers);
-  return {n, m.moe_layers_in(first, n)};
+  const int64_t n = p.recompute == Recompute::kFull ? p.recomputed_layers(layers) : layers;
+  if (!m.is_moe()) return {n, 0};
+  return {n, m.moe_layers_in(p.first_layer_of_chunk(m, r, c), n)};
 }
 
 RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r) {

@@ -632,14 +632,14 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     SharedExpertWidth width(c, I.moe.get(), moe);
     MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
     const MoeLayerParams& MW = ch.moe[static_cast<size_t>(l)];
-    const std::vector<OpId> none;
-    const bool recomputed = layout_.recompute_of(l) != Recompute::kNone;
-    for (OpId op : !recomputed ? none : moe ? I.moe_recompute : I.layer_recompute) {
-      c.begin(op, PassKind::kRecompute);
-      if (is_moe_op(op))
-        moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);
-      else
-        layer_forward_op(c, op, W, L);
+    if (layout_.recompute_of(l) != Recompute::kNone) {
+      for (OpId op : moe ? I.moe_recompute : I.layer_recompute) {
+        c.begin(op, PassKind::kRecompute);
+        if (is_moe_op(op))
+          moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);
+        else
+          layer_forward_op(c, op, W, L);
+      }
     }
     release(L.out);
     D.d_x.clear();

@@ -499,8 +499,7 @@ double Executor::step(int64_t step, double* grad_norm) {
   // fp16: an overflow (a non-finite norm, the same on every rank) skipped the update; the
   // scaler backs off and the step is not a failure.
   skipped_ = fp16 && control_.max(int64_t{optimizer_->skipped()}) > 0;
-  if (fp16 && scaler_.update(skipped_)) ++applied_;
-  if (!fp16) ++applied_;
+  if (!fp16 || scaler_.update(skipped_)) ++applied_;
   if (!std::isfinite(*grad_norm) && !skipped_) loss = std::numeric_limits<double>::quiet_NaN();
   return control_.sum(loss);
 }
