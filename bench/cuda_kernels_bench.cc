@@ -91,20 +91,30 @@ BENCHMARK(BM_Gemm)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
+// Argument 0: the tensor-core kernels; 1: the CUDA-core ones (kernels/cuda/attention.h).
+kc::FlashKernel flash_kernel(benchmark::State& state) {
+  const bool simt = state.range(0) == 1;
+  state.SetLabel(simt ? "CUDA cores" : "tensor cores");
+  return simt ? kc::FlashKernel::kSimt : kc::FlashKernel::kTensorCore;
+}
+
 void BM_FlashAttentionForward(benchmark::State& state) {
   if (!have_gpu(state)) return;
+  const kc::FlashKernel kernel = flash_kernel(state);
   const int64_t qkv = kBatch * kSeq * kHeads * kHeadDim;
   Buf q(qkv * 2), k(qkv * 2), v(qkv * 2), o(qkv * 2), lse(kBatch * kHeads * kSeq * 4);
   const double flops = 4.0 * kBatch * kHeads * kSeq * kSeq * kHeadDim / 2;  // causal half
   run(state, 0, flops, [&] {
     kc::flash_attention_forward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
-                                lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+                                lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr,
+                                kernel);
   });
 }
-BENCHMARK(BM_FlashAttentionForward)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlashAttentionForward)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
 
 void BM_FlashAttentionBackward(benchmark::State& state) {
   if (!have_gpu(state)) return;
+  const kc::FlashKernel kernel = flash_kernel(state);
   const int64_t qkv = kBatch * kSeq * kHeads * kHeadDim;
   Buf q(qkv * 2), k(qkv * 2), v(qkv * 2), o(qkv * 2), dout(qkv * 2), dq(qkv * 2), dk(qkv * 2),
       dv(qkv * 2), lse(kBatch * kHeads * kSeq * 4);
@@ -114,10 +124,15 @@ void BM_FlashAttentionBackward(benchmark::State& state) {
   run(state, 0, flops, [&] {
     kc::flash_attention_backward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
                                  lse.as<float>(), dout.as<bf16>(), dq.as<bf16>(), dk.as<bf16>(),
-                                 dv.as<bf16>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+                                 dv.as<bf16>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr,
+                                 kernel);
   });
 }
-BENCHMARK(BM_FlashAttentionBackward)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_FlashAttentionBackward)
+    ->Arg(0)
+    ->Arg(1)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
 
 void BM_AddLayerNormForward(benchmark::State& state) {
   if (!have_gpu(state)) return;

@@ -9,18 +9,26 @@
 
 namespace ptdp::kernels::cuda {
 
+// Which implementation runs. kTensorCore (attention_mma.cu): bf16 mma.sync tiles on the tensor
+// cores, FlashAttention-2's work split, sm_80 and later, every pointer 16-byte aligned.
+// kSimt (attention_forward.cu, attention_backward.cu): fp32 arithmetic on CUDA cores, the first
+// and simplest kernel, kept as a cross-check. kDefault: PTDP_FLASH_KERNEL=mma|simt where set
+// (another value: std::invalid_argument naming the variable), else the tensor cores where the
+// device and the pointers allow them, else the CUDA cores.
+enum class FlashKernel { kDefault, kTensorCore, kSimt };
+
 // q, out [b, s, hq, d]; k, v [b, s, hk, d] (bf16); lse [b, hq, s] (fp32): the natural log of
 // each row's softmax denominator over the scores q.k / sqrt(d). d is 64 or 128; hq a multiple
 // of hk (else std::invalid_argument).
 void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
-                             cudaStream_t stream);
+                             cudaStream_t stream, FlashKernel kernel = FlashKernel::kDefault);
 // dq [b, s, hq, d], dk and dv [b, s, hk, d] are overwritten (summed over the query heads of a
 // group). Deterministic: no atomics (dq and dk/dv come from two kernels that each own their
 // output rows).
 void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
                               int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
-                              cudaStream_t stream);
+                              cudaStream_t stream, FlashKernel kernel = FlashKernel::kDefault);
 
 }  // namespace ptdp::kernels::cuda

@@ -1,4 +1,5 @@
-// Flash-attention backward (kernels/cuda/attention.h), in three kernels:
+// Flash-attention backward on CUDA cores (kernels/cuda/attention.h, FlashKernel::kSimt), in
+// three kernels:
 //   delta:  delta[row] = sum(dout * out) over the row (the softmax backward's correction term);
 //   dk/dv:  one block per (32-key tile, key/value head, sequence) walks every query head of its
 //           group and every query tile at or below the diagonal, recomputing p = exp(s - lse),
@@ -178,12 +179,9 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
               int64_t hk, cudaStream_t stream) {
   const float scale = 1.0f / sqrtf(static_cast<float>(D));
   const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);
-  const int64_t rows = b * s * hq;
   float* delta = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * rows, stream));
-  flash_delta_kernel<D>
-      <<<blocks_for(rows * 32, 256), 256, 0, stream>>>(out, dout, delta, rows, si, hqi);
-  check_launch("flash_delta_kernel");
+  PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * b * s * hq, stream));
+  attention::launch_delta(out, dout, delta, b, s, hq, D, stream);
   const unsigned tiles = blocks_for(s, kTile), ub = static_cast<unsigned>(b);
   flash_backward_kv_kernel<D><<<dim3(tiles, static_cast<unsigned>(hk), ub), kThreads, 0, stream>>>(
       q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
@@ -196,12 +194,23 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
 
 }  // namespace
 
-void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+void attention::launch_delta(const bf16* out, const bf16* dout, float* delta, int64_t b, int64_t s,
+                             int64_t hq, int64_t d, cudaStream_t stream) {
+  const int64_t rows = b * s * hq;
+  const int si = static_cast<int>(s), hqi = static_cast<int>(hq);
+  if (d == 64)
+    flash_delta_kernel<64>
+        <<<blocks_for(rows * 32, 256), 256, 0, stream>>>(out, dout, delta, rows, si, hqi);
+  else
+    flash_delta_kernel<128>
+        <<<blocks_for(rows * 32, 256), 256, 0, stream>>>(out, dout, delta, rows, si, hqi);
+  check_launch("flash_delta_kernel");
+}
+
+void attention::simt_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
                               int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
                               cudaStream_t stream) {
-  attention::check_shape(s, hq, hk, d);
-  if (b <= 0 || s <= 0 || hq <= 0) return;
   if (d == 64)
     backward<64>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
   else

@@ -1,9 +1,10 @@
-// Flash-attention forward (kernels/cuda/attention.h). One block per (32-query tile, query head,
-// sequence). The query tile stays in shared memory; each 32-key tile of K and V up to the
-// diagonal is staged in turn. Thread t owns query row t / 4: it computes 8 of that row's 32
-// scores, the 4 threads of the row combine their maxima and sums by warp shuffles, and the
-// thread keeps D / 4 columns of the output row in registers, rescaled whenever the running max
-// grows (online softmax). Memory: O(tile) per block; lse is the only per-row state saved.
+// Flash-attention forward on CUDA cores (kernels/cuda/attention.h, FlashKernel::kSimt). One block
+// per (32-query tile, query head, sequence). The query tile stays in shared memory; each 32-key
+// tile of K and V up to the diagonal is staged in turn. Thread t owns query row t / 4: it computes
+// 8 of that row's 32 scores, the 4 threads of the row combine their maxima and sums by warp
+// shuffles, and the thread keeps D / 4 columns of the output row in registers, rescaled whenever
+// the running max grows (online softmax). Memory: O(tile) per block; lse is the only per-row state
+// saved.
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_tile.cuh"
 
@@ -95,11 +96,9 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
+void attention::simt_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t stream) {
-  attention::check_shape(s, hq, hk, d);
-  if (b <= 0 || s <= 0 || hq <= 0) return;
   const dim3 grid(blocks_for(s, kTile), static_cast<unsigned>(hq), static_cast<unsigned>(b));
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);

@@ -1,4 +1,5 @@
-// kernels/cuda/attention.h against causal_attention_* (kernels/cpu/fused.h).
+// kernels/cuda/attention.h against causal_attention_* (kernels/cpu/fused.h): both
+// implementations, the tensor-core one (FlashKernel::kTensorCore) and the CUDA-core one.
 #include "kernels/cuda/attention.h"
 
 #include <algorithm>
@@ -14,7 +15,8 @@ struct Shape {
   int64_t b, s, hq, hk, d;
 };
 
-void check_attention(const Shape& sh) {
+void check_one(const Shape& sh, kernels::cuda::FlashKernel kernel) {
+  SCOPED_TRACE(kernel == kernels::cuda::FlashKernel::kSimt ? "CUDA cores" : "tensor cores");
   const auto [b, s, hq, hk, d] = sh;
   const auto q = random_bf16(b * s * hq * d, 1, 1), k = random_bf16(b * s * hk * d, 1, 2),
              v = random_bf16(b * s * hk * d, 1, 3), dout = random_bf16(b * s * hq * d, 1, 4);
@@ -23,7 +25,7 @@ void check_attention(const Shape& sh) {
   DeviceBuffer<bf16> out(q.size());
   DeviceBuffer<float> lse(b * hq * s);
   kernels::cuda::flash_attention_forward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(), b,
-                                         s, hq, hk, d, nullptr);
+                                         s, hq, hk, d, nullptr, kernel);
   std::vector<float> out_want(q.size()), lse_want(b * hq * s);
   kernels::causal_attention_forward(q.data(), k.data(), v.data(), out_want.data(), lse_want.data(),
                                     b, s, hq, hk, d);
@@ -35,7 +37,7 @@ void check_attention(const Shape& sh) {
   DeviceBuffer<bf16> dq(q.size()), dk(k.size()), dv(v.size());
   kernels::cuda::flash_attention_backward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(),
                                           ddo.get(), dq.get(), dk.get(), dv.get(), b, s, hq, hk, d,
-                                          nullptr);
+                                          nullptr, kernel);
   std::vector<float> dq_want(q.size()), dk_want(k.size()), dv_want(v.size());
   kernels::causal_attention_backward(q.data(), k.data(), v.data(), out_dev.data(), lse_dev.data(),
                                      dout.data(), dq_want.data(), dk_want.data(), dv_want.data(), b,
@@ -48,10 +50,15 @@ void check_attention(const Shape& sh) {
   DeviceBuffer<bf16> dq2(q.size()), dk2(k.size()), dv2(v.size());
   kernels::cuda::flash_attention_backward(dq_.get(), dk_.get(), dv_.get(), out.get(), lse.get(),
                                           ddo.get(), dq2.get(), dk2.get(), dv2.get(), b, s, hq, hk,
-                                          d, nullptr);
+                                          d, nullptr, kernel);
   EXPECT_EQ(dq2.download<uint16_t>(), dq.download<uint16_t>());
   EXPECT_EQ(dk2.download<uint16_t>(), dk.download<uint16_t>());
   EXPECT_EQ(dv2.download<uint16_t>(), dv.download<uint16_t>());
+}
+
+void check_attention(const Shape& sh) {
+  check_one(sh, kernels::cuda::FlashKernel::kTensorCore);
+  check_one(sh, kernels::cuda::FlashKernel::kSimt);
 }
 
 TEST(CudaFlashAttention, GroupedQueriesHeadDim64MatchCpu) {
@@ -67,6 +74,11 @@ TEST(CudaFlashAttention, MultiHeadHeadDim128MatchCpu) {
 TEST(CudaFlashAttention, MultiQueryShortSequenceMatchCpu) {
   PTDP_REQUIRE_GPU();
   check_attention({3, 5, 4, 1, 64});  // shorter than one tile
+}
+
+TEST(CudaFlashAttention, SequenceOfSeveralTensorCoreTilesMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_attention({1, 200, 2, 1, 128});  // four 64-row tiles, the last partial; multi-query
 }
 
 TEST(CudaFlashAttention, LongSequenceKeepsNoScoreMatrix) {

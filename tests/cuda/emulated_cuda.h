@@ -1,0 +1,230 @@
+// Just enough of CUDA to run kernel source on the host, for testing kernels on a machine with no
+// GPU (tests/cuda/attention_mma_emulation_test.cc). Every thread of a block is a fiber
+// (ucontext) on the calling thread, switched only at barriers, so a block runs
+// deterministically: __syncthreads waits for the block's live threads, __syncwarp and the warp
+// shuffles for the warp's. mma.sync.m16n8k16 (bf16 in, fp32 accumulate) is computed from the
+// fragment layout of the PTX ISA ("Matrix Fragments for mma.m16n8k16"), written here as the
+// inverse map: which lane and register hold element (row, col) of A, B and C. __shared__
+// variables become static storage (one block runs at a time); dynamic shared memory is a
+// per-block buffer. Blocks are one-dimensional in threads.
+//
+// A barrier that some live thread never reaches (a divergent __syncthreads or shuffle) stops the
+// run with an exception instead of hanging.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <ucontext.h>
+#include <vector_functions.h>
+#include <vector_types.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <vector>
+
+#undef __global__
+#undef __device__
+#undef __forceinline__
+#undef __shared__
+#undef __launch_bounds__
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define threadIdx (::emu::thread_index())
+#define blockIdx (::emu::block_index())
+#define blockDim (::emu::block_dim())
+#define __syncthreads() ::emu::sync_block()
+#define __syncwarp() ::emu::sync_warp()
+#define __shfl_xor_sync(mask, v, lane_mask) ::emu::shfl_xor((v), (lane_mask))
+
+using std::max;
+using std::min;
+
+namespace ptdp::kernels::cuda {
+using bf16 = __nv_bfloat16;
+}
+
+namespace emu {
+
+struct Dim {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+enum class Wait { kRunnable, kWarp, kBlock, kDone };
+
+struct Fiber {
+  ucontext_t ctx{};
+  std::vector<char> stack;
+  Wait wait = Wait::kRunnable;
+};
+
+struct Block {
+  Dim idx, dim;
+  std::vector<Fiber> fibers;
+  ucontext_t main{};
+  int cur = 0;
+  std::vector<unsigned char> smem;
+  std::vector<float> shfl;
+  std::vector<uint32_t> frag_a, frag_b;
+  const std::function<void()>* body = nullptr;
+};
+
+inline Block*& current() {
+  static Block* block = nullptr;
+  return block;
+}
+inline Dim thread_index() {
+  return {static_cast<unsigned>(current()->cur), 0, 0};
+}
+inline Dim block_index() {
+  return current()->idx;
+}
+inline Dim block_dim() {
+  return current()->dim;
+}
+inline unsigned char* dynamic_smem() {
+  return current()->smem.data();
+}
+
+inline void wait(Wait kind) {
+  Block* b = current();
+  Fiber& f = b->fibers[b->cur];
+  f.wait = kind;
+  swapcontext(&f.ctx, &b->main);
+}
+inline void sync_block() {
+  wait(Wait::kBlock);
+}
+inline void sync_warp() {
+  wait(Wait::kWarp);
+}
+
+inline float shfl_xor(float v, int lane_mask) {
+  Block* b = current();
+  const int t = b->cur;
+  b->shfl[t] = v;
+  sync_warp();
+  const float r = b->shfl[(t & ~31) | ((t & 31) ^ lane_mask)];
+  sync_warp();
+  return r;
+}
+
+inline float bf16_bits(uint32_t word, int high) {
+  const uint32_t bits = (high ? word >> 16 : word & 0xffffu) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// c += A B for the warp, each lane giving its fragments (layout: kernels/cuda/attention_mma.cu).
+inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  Block* bl = current();
+  const int t = bl->cur, base = t & ~31, lane = t & 31;
+  for (int i = 0; i < 4; ++i) bl->frag_a[t * 4 + i] = a[i];
+  bl->frag_b[t * 2] = b0;
+  bl->frag_b[t * 2 + 1] = b1;
+  sync_warp();
+  // A (row r, col k) is held by lane 4 (r % 8) + (k % 8) / 2, register (r >= 8) + 2 (k >= 8),
+  // the high half for odd k; B (k, n) by lane 4 n + (k % 8) / 2, register (k >= 8).
+  auto A = [&](int r, int k) {
+    const int owner = base + 4 * (r % 8) + (k % 8) / 2, reg = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+    return bf16_bits(bl->frag_a[owner * 4 + reg], k % 2);
+  };
+  auto B = [&](int k, int n) {
+    const int owner = base + 4 * n + (k % 8) / 2, reg = k >= 8 ? 1 : 0;
+    return bf16_bits(bl->frag_b[owner * 2 + reg], k % 2);
+  };
+  const int g = lane / 4, tt = lane % 4;
+  float out[4];
+  for (int e = 0; e < 4; ++e) {  // C (row g or g + 8, col 2 tt or 2 tt + 1)
+    const int row = g + (e >= 2 ? 8 : 0), col = 2 * tt + (e & 1);
+    float acc = c[e];
+    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);
+    out[e] = acc;
+  }
+  sync_warp();  // every lane has read the fragments before any lane writes new ones
+  for (int e = 0; e < 4; ++e) c[e] = out[e];
+}
+
+inline void fiber_main() {
+  Block* b = current();
+  (*b->body)();
+  b->fibers[b->cur].wait = Wait::kDone;  // uc_link returns to the scheduler
+}
+
+// Runs `body` as every thread of block `idx` (`threads` threads, a multiple of 32).
+inline void run_block(Dim idx, int threads, size_t dynamic_smem_bytes,
+                      const std::function<void()>& body) {
+  constexpr size_t kStack = 256 * 1024;
+  Block b;
+  b.idx = idx;
+  b.dim = {static_cast<unsigned>(threads), 1, 1};
+  b.fibers.resize(static_cast<size_t>(threads));
+  b.smem.assign(dynamic_smem_bytes + 16, 0);
+  b.shfl.assign(static_cast<size_t>(threads), 0.0f);
+  b.frag_a.assign(static_cast<size_t>(threads) * 4, 0u);
+  b.frag_b.assign(static_cast<size_t>(threads) * 2, 0u);
+  b.body = &body;
+  for (Fiber& f : b.fibers) {
+    f.stack.resize(kStack);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &b.main;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  Block* saved = current();
+  current() = &b;
+  for (;;) {
+    for (int i = 0; i < threads; ++i)
+      if (b.fibers[i].wait == Wait::kRunnable) {
+        b.cur = i;
+        swapcontext(&b.main, &b.fibers[i].ctx);
+      }
+    // Everyone is now waiting or done: release the barriers that every live thread reached.
+    bool all_done = true, block_ready = true, released = false;
+    for (const Fiber& f : b.fibers) {
+      all_done = all_done && f.wait == Wait::kDone;
+      block_ready = block_ready && (f.wait == Wait::kBlock || f.wait == Wait::kDone);
+    }
+    if (all_done) break;
+    if (block_ready) {
+      for (Fiber& f : b.fibers)
+        if (f.wait == Wait::kBlock) f.wait = Wait::kRunnable;
+      continue;
+    }
+    for (int w = 0; w < threads / 32; ++w) {
+      bool ready = true, any = false;
+      for (int l = 0; l < 32; ++l) {
+        const Wait s = b.fibers[w * 32 + l].wait;
+        ready = ready && (s == Wait::kWarp || s == Wait::kDone);
+        any = any || s == Wait::kWarp;
+      }
+      if (ready && any) {
+        for (int l = 0; l < 32; ++l)
+          if (b.fibers[w * 32 + l].wait == Wait::kWarp) b.fibers[w * 32 + l].wait = Wait::kRunnable;
+        released = true;
+      }
+    }
+    if (!released) {
+      current() = saved;
+      throw std::logic_error("emulated kernel: threads wait at different barriers");
+    }
+  }
+  current() = saved;
+}
+
+// Every block of a grid in order.
+inline void launch(Dim grid, int threads, size_t dynamic_smem_bytes,
+                   const std::function<void()>& body) {
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) run_block({x, y, z}, threads, dynamic_smem_bytes, body);
+}
+
+}  // namespace emu
