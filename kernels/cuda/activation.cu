@@ -79,7 +79,8 @@ void bias_gelu_forward(const bf16* x, const bf16* bias, bf16* y, int64_t rows, i
                        cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n <= 0) return;
-  bias_gelu_forward_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bias, y, n, cols);
+  PTDP_KERNEL_LAUNCH(bias_gelu_forward_kernel, grid_for(n), kThreads, 0, stream)
+  (x, bias, y, n, cols);
   check_launch("bias_gelu_forward_kernel");
 }
 
@@ -89,20 +90,21 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
   if (n <= 0) return;
   // The bias gradient reads dy, so it runs before dx (which may alias dy) is written.
   if (dbias) column_sum(BiasGeluGrad{x, bias, dy, cols}, dbias, rows, cols, stream);
-  bias_gelu_backward_kernel<<<grid_for(n), kThreads, 0, stream>>>(x, bias, dy, dx, n, cols);
+  PTDP_KERNEL_LAUNCH(bias_gelu_backward_kernel, grid_for(n), kThreads, 0, stream)
+  (x, bias, dy, dx, n, cols);
   check_launch("bias_gelu_backward_kernel");
 }
 
 void swiglu_forward(const bf16* x, bf16* y, int64_t n, int64_t f, cudaStream_t stream) {
   if (n * f <= 0) return;
-  swiglu_forward_kernel<<<grid_for(n * f), kThreads, 0, stream>>>(x, y, n, f);
+  PTDP_KERNEL_LAUNCH(swiglu_forward_kernel, grid_for(n * f), kThreads, 0, stream)(x, y, n, f);
   check_launch("swiglu_forward_kernel");
 }
 
 void swiglu_backward(const bf16* x, const bf16* dy, bf16* dx, int64_t n, int64_t f,
                      cudaStream_t stream) {
   if (n * f <= 0) return;
-  swiglu_backward_kernel<<<grid_for(n * f), kThreads, 0, stream>>>(x, dy, dx, n, f);
+  PTDP_KERNEL_LAUNCH(swiglu_backward_kernel, grid_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
   check_launch("swiglu_backward_kernel");
 }
 

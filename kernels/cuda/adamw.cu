@@ -43,8 +43,9 @@ void adamw_step(float* param, const float* grad, float* m, float* v, bf16* param
                       static_cast<float>(1.0 - std::pow(o.beta2, static_cast<double>(step))),
                       static_cast<float>(grad_scale)};
   const int64_t blocks = (n + 255) / 256;
-  adamw_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(
-      param, grad, m, v, param_bf16, n, c);
+  PTDP_KERNEL_LAUNCH(adamw_kernel, static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0,
+                     stream)
+  (param, grad, m, v, param_bf16, n, c);
   check_launch("adamw_kernel");
 }
 

@@ -183,11 +183,13 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * b * s * hq, stream));
   attention::launch_delta(out, dout, delta, b, s, hq, D, stream);
   const unsigned tiles = blocks_for(s, kTile), ub = static_cast<unsigned>(b);
-  flash_backward_kv_kernel<D><<<dim3(tiles, static_cast<unsigned>(hk), ub), kThreads, 0, stream>>>(
-      q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(flash_backward_kv_kernel<D>, dim3(tiles, static_cast<unsigned>(hk), ub),
+                     kThreads, 0, stream)
+  (q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
   check_launch("flash_backward_kv_kernel");
-  flash_backward_q_kernel<D><<<dim3(tiles, static_cast<unsigned>(hq), ub), kThreads, 0, stream>>>(
-      q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(flash_backward_q_kernel<D>, dim3(tiles, static_cast<unsigned>(hq), ub),
+                     kThreads, 0, stream)
+  (q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
   check_launch("flash_backward_q_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(delta, stream));
 }
@@ -199,11 +201,11 @@ void attention::launch_delta(const bf16* out, const bf16* dout, float* delta, in
   const int64_t rows = b * s * hq;
   const int si = static_cast<int>(s), hqi = static_cast<int>(hq);
   if (d == 64)
-    flash_delta_kernel<64>
-        <<<blocks_for(rows * 32, 256), 256, 0, stream>>>(out, dout, delta, rows, si, hqi);
+    PTDP_KERNEL_LAUNCH(flash_delta_kernel<64>, blocks_for(rows * 32, 256), 256, 0, stream)
+    (out, dout, delta, rows, si, hqi);
   else
-    flash_delta_kernel<128>
-        <<<blocks_for(rows * 32, 256), 256, 0, stream>>>(out, dout, delta, rows, si, hqi);
+    PTDP_KERNEL_LAUNCH(flash_delta_kernel<128>, blocks_for(rows * 32, 256), 256, 0, stream)
+    (out, dout, delta, rows, si, hqi);
   check_launch("flash_delta_kernel");
 }
 

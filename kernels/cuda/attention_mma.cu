@@ -24,17 +24,17 @@
 //             diagonal.
 // Every output row has one writer: deterministic, no atomics (as the CUDA-core kernels).
 //
-// tests/cuda/attention_mma_emulation_test.cc compiles the kernels of this file on the host
-// (PTDP_MMA_EMULATION), every CUDA thread a fiber and mma.sync emulated from the layout above,
-// and checks them against the CPU twin on a machine without a GPU.
+// Under tests/cuda/emulated_cuda.h (PTDP_CUDA_EMULATION) these kernels run on the host, every
+// CUDA thread a fiber and mma.sync computed from the layout above, so the GPU tests check them
+// on a machine without a GPU too (docs/gpu.md).
 #include <cstdint>
 
-#ifdef PTDP_MMA_EMULATION
-#include "tests/cuda/emulated_cuda.h"
-#define PTDP_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
-#else
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/attention_tile.cuh"
+
+#ifdef PTDP_CUDA_EMULATION
+#define PTDP_DYNAMIC_SMEM(name) unsigned char* name = ::emu::dynamic_smem()
+#else
 #define PTDP_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -56,7 +56,7 @@ constexpr int kMmaPitch = D + 8;
 
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
-#if defined(PTDP_MMA_EMULATION)
+#if defined(PTDP_CUDA_EMULATION)
   ::emu::mma16816(c, a, b0, b1);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile(
@@ -489,11 +489,6 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
-}  // namespace
-
-#ifndef PTDP_MMA_EMULATION  // the launchers
-namespace {
-
 // Dynamic shared memory of the two backward kernels, in bytes.
 template <int D>
 constexpr int kKvSmem = (2 * kRowTile + 2 * kBwdCols) * kMmaPitch<D> * 2 + 2 * kBwdCols * 4;
@@ -505,9 +500,8 @@ void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
              int64_t s, int64_t hq, int64_t hk, cudaStream_t stream) {
   const dim3 grid(blocks_for(s, kRowTile), static_cast<unsigned>(hq), static_cast<unsigned>(b));
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(D));
-  mma_forward_kernel<D><<<grid, kMmaThreads, 0, stream>>>(q, k, v, out, lse, static_cast<int>(s),
-                                                          static_cast<int>(hq),
-                                                          static_cast<int>(hk), scale_log2);
+  PTDP_KERNEL_LAUNCH(mma_forward_kernel<D>, grid, kMmaThreads, 0, stream)
+  (q, k, v, out, lse, static_cast<int>(s), static_cast<int>(hq), static_cast<int>(hk), scale_log2);
   check_launch("mma_forward_kernel");
 }
 
@@ -526,13 +520,13 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   PTDP_CUDA_CHECK(cudaFuncSetAttribute(mma_backward_q_kernel<D>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kQSmem<D>));
   const unsigned tiles = blocks_for(s, kRowTile), ub = static_cast<unsigned>(b);
-  mma_backward_kv_kernel<D>
-      <<<dim3(tiles, static_cast<unsigned>(hk), ub), kMmaThreads, kKvSmem<D>, stream>>>(
-          q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(mma_backward_kv_kernel<D>, dim3(tiles, static_cast<unsigned>(hk), ub),
+                     kMmaThreads, kKvSmem<D>, stream)
+  (q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
   check_launch("mma_backward_kv_kernel");
-  mma_backward_q_kernel<D>
-      <<<dim3(tiles, static_cast<unsigned>(hq), ub), kMmaThreads, kQSmem<D>, stream>>>(
-          q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(mma_backward_q_kernel<D>, dim3(tiles, static_cast<unsigned>(hq), ub),
+                     kMmaThreads, kQSmem<D>, stream)
+  (q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
   check_launch("mma_backward_q_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(delta, stream));
 }
@@ -555,6 +549,5 @@ void mma_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, 
   else
     backward<128>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
 }
-#endif  // PTDP_MMA_EMULATION
 
 }  // namespace ptdp::kernels::cuda::attention

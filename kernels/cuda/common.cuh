@@ -7,6 +7,18 @@
 
 #include "kernels/cuda/common.h"
 
+// Kernel launches are written PTDP_KERNEL_LAUNCH(kernel, grid, block, shared bytes, stream)(args),
+// CUDA's kernel<<<grid, block, shared bytes, stream>>>(args), so that the same source also runs
+// on the host under tests/cuda/emulated_cuda.h (PTDP_CUDA_EMULATION), where every kernel can be
+// tested without a GPU.
+#ifdef PTDP_CUDA_EMULATION
+#include "tests/cuda/emulated_cuda.h"
+#define PTDP_KERNEL_LAUNCH(kernel, ...) \
+  ::emu::launcher(__VA_ARGS__, [&](auto&&... args) { kernel(args...); })
+#else
+#define PTDP_KERNEL_LAUNCH(kernel, ...) kernel<<<__VA_ARGS__>>>
+#endif
+
 namespace ptdp::kernels::cuda {
 
 __device__ __forceinline__ float to_float(bf16 x) {
@@ -84,11 +96,12 @@ void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream
   const int chunks = static_cast<int>((rows + per - 1) / per);
   float* partial = nullptr;
   PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * chunks * cols, stream));
-  column_partials_kernel<<<dim3(blocks_for(cols, 32), chunks), dim3(32, 8), 0, stream>>>(
-      f, partial, rows, cols, per);
+  PTDP_KERNEL_LAUNCH(column_partials_kernel, dim3(blocks_for(cols, 32), chunks), dim3(32, 8), 0,
+                     stream)
+  (f, partial, rows, cols, per);
   check_launch("column_partials_kernel");
-  column_finish_kernel<float>
-      <<<blocks_for(cols, 256), 256, 0, stream>>>(partial, out, chunks, cols);
+  PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
+  (partial, out, chunks, cols);
   check_launch("column_finish_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }

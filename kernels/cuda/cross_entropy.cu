@@ -77,15 +77,16 @@ __global__ void ce_backward_kernel(bf16* logits, const int32_t* targets, const f
 void cross_entropy_stats(const bf16* logits, const int32_t* targets, float* stats, int64_t n,
                          int64_t vl, int64_t valid, int64_t v0, cudaStream_t stream) {
   if (n <= 0) return;
-  ce_stats_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(logits, targets, stats, vl,
-                                                                     valid, v0);
+  PTDP_KERNEL_LAUNCH(ce_stats_kernel, static_cast<unsigned>(n), kThreads, 0, stream)
+  (logits, targets, stats, vl, valid, v0);
   check_launch("ce_stats_kernel");
 }
 
 void cross_entropy_finish(const float* stats, int64_t ranks, float* lse, float* loss, int64_t n,
                           cudaStream_t stream) {
   if (n <= 0) return;
-  ce_finish_kernel<<<blocks_for(n, 256), 256, 0, stream>>>(stats, ranks, lse, loss, n);
+  PTDP_KERNEL_LAUNCH(ce_finish_kernel, blocks_for(n, 256), 256, 0, stream)
+  (stats, ranks, lse, loss, n);
   check_launch("ce_finish_kernel");
 }
 
@@ -95,8 +96,9 @@ void cross_entropy_backward(bf16* logits, const int32_t* targets, const float* l
   if (n <= 0 || vl <= 0) return;
   const float f = static_cast<float>(scale / static_cast<double>(n));
   const int64_t blocks = (n * vl + 255) / 256;
-  ce_backward_kernel<<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream>>>(
-      logits, targets, lse, n, vl, valid, v0, f);
+  PTDP_KERNEL_LAUNCH(ce_backward_kernel, static_cast<unsigned>(blocks < 65536 ? blocks : 65536),
+                     256, 0, stream)
+  (logits, targets, lse, n, vl, valid, v0, f);
   check_launch("ce_backward_kernel");
 }
 

@@ -50,8 +50,8 @@ void embedding_forward(const int32_t* tokens, const bf16* table, const bf16* pos
                        cudaStream_t stream) {
   const int64_t n = b * sl;
   if (n <= 0 || h <= 0) return;
-  embedding_forward_kernel<<<static_cast<unsigned>(n), 128, 0, stream>>>(tokens, table, pos, y, sl,
-                                                                         h, v0, vl, first);
+  PTDP_KERNEL_LAUNCH(embedding_forward_kernel, static_cast<unsigned>(n), 128, 0, stream)
+  (tokens, table, pos, y, sl, h, v0, vl, first);
   check_launch("embedding_forward_kernel");
 }
 
@@ -61,13 +61,14 @@ void embedding_backward(const int32_t* tokens, const bf16* dy, float* dtable, fl
   const int64_t n = b * sl;
   if (n <= 0 || h <= 0) return;
   if (dtable && vl > 0) {
-    embedding_table_grad_kernel<<<dim3(blocks_for(h, 128), kVocabSlices), 128, 0, stream>>>(
-        tokens, dy, dtable, n, h, v0, vl);
+    PTDP_KERNEL_LAUNCH(embedding_table_grad_kernel, dim3(blocks_for(h, 128), kVocabSlices), 128, 0,
+                       stream)
+    (tokens, dy, dtable, n, h, v0, vl);
     check_launch("embedding_table_grad_kernel");
   }
   if (dpos) {
-    embedding_pos_grad_kernel<<<blocks_for(sl * h, 256), 256, 0, stream>>>(dy, dpos, b, sl, h,
-                                                                           first);
+    PTDP_KERNEL_LAUNCH(embedding_pos_grad_kernel, blocks_for(sl * h, 256), 256, 0, stream)
+    (dy, dpos, b, sl, h, first);
     check_launch("embedding_pos_grad_kernel");
   }
 }

@@ -43,9 +43,9 @@ void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
   if (n <= 0) return;
   double* partial = nullptr;
   PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(double) * kBlocks, stream));
-  sum_squares_partial_kernel<<<kBlocks, kThreads, 0, stream>>>(x, n, partial);
+  PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, kBlocks, kThreads, 0, stream)(x, n, partial);
   check_launch("sum_squares_partial_kernel");
-  sum_partials_kernel<<<1, kThreads, 0, stream>>>(partial, acc);
+  PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, acc);
   check_launch("sum_partials_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }

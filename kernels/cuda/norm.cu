@@ -96,8 +96,8 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
              bf16* y, float* mean, float* rstd, int64_t n, int64_t h, float eps,
              cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  norm_forward_kernel<kRms><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-      x, residual, r_out, g, b, y, mean, rstd, h, eps);
+  PTDP_KERNEL_LAUNCH(norm_forward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
+  (x, residual, r_out, g, b, y, mean, rstd, h, eps);
   check_launch("norm_forward_kernel");
 }
 
@@ -106,8 +106,8 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
               const bf16* dresid, bf16* dx, float* dg, float* db, int64_t n, int64_t h,
               cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  norm_backward_kernel<kRms>
-      <<<static_cast<unsigned>(n), kThreads, 0, stream>>>(r, g, mean, rstd, dy, dresid, dx, h);
+  PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
+  (r, g, mean, rstd, dy, dresid, dx, h);
   check_launch("norm_backward_kernel");
   if (dg) column_sum(GammaGrad{r, dy, mean, rstd, h}, dg, n, h, stream);
   if (db) column_sum(BetaGrad{dy, h}, db, n, h, stream);

@@ -35,7 +35,8 @@ void rope(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, 
           cudaStream_t stream) {
   if (d <= 0 || d % 2 != 0) throw std::invalid_argument("rope: head dimension d must be even");
   if (b <= 0 || s <= 0 || heads <= 0) return;
-  rope_kernel<<<blocks_for(s * (d / 2), 256), 256, 0, stream>>>(x, b, s, heads, d, base, inverse);
+  PTDP_KERNEL_LAUNCH(rope_kernel, blocks_for(s * (d / 2), 256), 256, 0, stream)
+  (x, b, s, heads, d, base, inverse);
   check_launch("rope_kernel");
 }
 

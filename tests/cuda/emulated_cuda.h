@@ -1,18 +1,25 @@
-// Just enough of CUDA to run kernel source on the host, for testing kernels on a machine with no
-// GPU (tests/cuda/attention_mma_emulation_test.cc). Every thread of a block is a fiber
-// (ucontext) on the calling thread, switched only at barriers, so a block runs
-// deterministically: __syncthreads waits for the block's live threads, __syncwarp and the warp
-// shuffles for the warp's. mma.sync.m16n8k16 (bf16 in, fp32 accumulate) is computed from the
-// fragment layout of the PTX ISA ("Matrix Fragments for mma.m16n8k16"), written here as the
-// inverse map: which lane and register hold element (row, col) of A, B and C. __shared__
-// variables become static storage (one block runs at a time); dynamic shared memory is a
-// per-block buffer. Blocks are one-dimensional in threads.
+// Just enough of CUDA to run the project's kernel source on the host (PTDP_CUDA_EMULATION), so
+// that the GPU tests check the kernels on a machine with no GPU (the *_emulated test programs,
+// tests/cuda/CMakeLists.txt; docs/gpu.md). Device memory is host memory
+// (tests/cuda/emulated_cuda_runtime.cc gives the runtime calls the kernels and tests make), a
+// stream runs its work at once, and a launch (PTDP_KERNEL_LAUNCH, kernels/cuda/common.cuh) runs
+// the grid's blocks in order. Every thread of a block is a fiber (ucontext) on the calling
+// thread, switched only at barriers, so a block runs deterministically: __syncthreads waits for
+// the block's live threads, __syncwarp and the warp shuffles for the warp's (warps: 32
+// consecutive linear thread indices). mma.sync.m16n8k16 (bf16 in, fp32 accumulate) is computed
+// from the fragment layout of the PTX ISA ("Matrix Fragments for mma.m16n8k16"), written here
+// as the inverse map: which lane and register hold element (row, col) of A, B and C.
+// __shared__ variables become static storage (one block runs at a time); dynamic shared memory
+// is a per-block buffer. Threads run in index order between barriers, or in reverse order
+// (PTDP_EMULATION_ORDER=reverse; the tests run both), which exposes most missing barriers.
 //
 // A barrier that some live thread never reaches (a divergent __syncthreads or shuffle) stops the
 // run with an exception instead of hanging.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
 #include <ucontext.h>
 #include <vector_functions.h>
 #include <vector_types.h>
@@ -20,8 +27,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -30,6 +39,7 @@
 #undef __forceinline__
 #undef __shared__
 #undef __launch_bounds__
+#undef __trap
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -40,10 +50,22 @@
 #define blockDim (::emu::block_dim())
 #define __syncthreads() ::emu::sync_block()
 #define __syncwarp() ::emu::sync_warp()
+#define gridDim (::emu::grid_dim())
 #define __shfl_xor_sync(mask, v, lane_mask) ::emu::shfl_xor((v), (lane_mask))
+#define __trap() std::abort()
+#define __expf(x) std::exp(x)
 
 using std::max;
 using std::min;
+// cuda_runtime.h's C++ forms that it declares for nvcc only.
+template <typename T>
+cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int value) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
+}
+// Device math functions the host library lacks.
+inline float rsqrtf(float x) {
+  return 1.0f / std::sqrt(x);
+}
 
 namespace ptdp::kernels::cuda {
 using bf16 = __nv_bfloat16;
@@ -53,18 +75,21 @@ namespace emu {
 
 struct Dim {
   unsigned x = 1, y = 1, z = 1;
+  Dim() = default;
+  Dim(unsigned a, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}  // NOLINT: as dim3
+  Dim(dim3 d) : x(d.x), y(d.y), z(d.z) {}                                // NOLINT
 };
 
 enum class Wait { kRunnable, kWarp, kBlock, kDone };
+constexpr size_t kStackBytes = 64 * 1024;
 
 struct Fiber {
   ucontext_t ctx{};
-  std::vector<char> stack;
   Wait wait = Wait::kRunnable;
 };
 
 struct Block {
-  Dim idx, dim;
+  Dim idx, dim, grid;
   std::vector<Fiber> fibers;
   ucontext_t main{};
   int cur = 0;
@@ -79,7 +104,12 @@ inline Block*& current() {
   return block;
 }
 inline Dim thread_index() {
-  return {static_cast<unsigned>(current()->cur), 0, 0};
+  const Block* b = current();
+  const unsigned t = static_cast<unsigned>(b->cur);
+  return {t % b->dim.x, t / b->dim.x % b->dim.y, t / (b->dim.x * b->dim.y)};
+}
+inline Dim grid_dim() {
+  return current()->grid;
 }
 inline Dim block_index() {
   return current()->idx;
@@ -157,35 +187,62 @@ inline void fiber_main() {
   b->fibers[b->cur].wait = Wait::kDone;  // uc_link returns to the scheduler
 }
 
-// Runs `body` as every thread of block `idx` (`threads` threads, a multiple of 32).
-inline void run_block(Dim idx, int threads, size_t dynamic_smem_bytes,
+// Between two barriers the threads of a block run one after the other, in index order or, with
+// PTDP_EMULATION_ORDER=reverse, the other way round: a kernel that reads what another thread
+// writes without a barrier between them gives different results in the two orders.
+inline bool reverse_order() {
+  static const bool reverse = [] {
+    const char* v = std::getenv("PTDP_EMULATION_ORDER");
+    return v && std::strcmp(v, "reverse") == 0;
+  }();
+  return reverse;
+}
+
+// Fiber stacks, reused by every block: at most 1024 threads of 64 KiB.
+inline char* stacks() {
+  static std::unique_ptr<char[]> pool(new char[size_t{1024} * kStackBytes]);
+  return pool.get();
+}
+
+// A fiber that starts in fiber_main on `stack` and returns to `link`. Out of line: getcontext
+// returns twice, which would make the caller's loop variables suspect.
+[[gnu::noinline]] inline void init_fiber(Fiber& f, char* stack, ucontext_t* link) {
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = stack;
+  f.ctx.uc_stack.ss_size = kStackBytes;
+  f.ctx.uc_link = link;
+  makecontext(&f.ctx, fiber_main, 0);
+}
+
+// Runs `body` as every thread of block `idx` of a `grid` of blocks of `dim` threads.
+inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
                       const std::function<void()>& body) {
-  constexpr size_t kStack = 256 * 1024;
+  const int threads = static_cast<int>(dim.x * dim.y * dim.z);
+  if (threads <= 0 || threads > 1024) throw std::invalid_argument("emulated launch: block size");
   Block b;
   b.idx = idx;
-  b.dim = {static_cast<unsigned>(threads), 1, 1};
+  b.dim = dim;
+  b.grid = grid;
   b.fibers.resize(static_cast<size_t>(threads));
   b.smem.assign(dynamic_smem_bytes + 16, 0);
   b.shfl.assign(static_cast<size_t>(threads), 0.0f);
   b.frag_a.assign(static_cast<size_t>(threads) * 4, 0u);
   b.frag_b.assign(static_cast<size_t>(threads) * 2, 0u);
   b.body = &body;
-  for (Fiber& f : b.fibers) {
-    f.stack.resize(kStack);
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = &b.main;
-    makecontext(&f.ctx, fiber_main, 0);
-  }
+  for (int i = 0; i < threads; ++i)
+    init_fiber(b.fibers[i], stacks() + static_cast<size_t>(i) * kStackBytes, &b.main);
   Block* saved = current();
   current() = &b;
+  const int warps = (threads + 31) / 32;
+  const bool reverse = reverse_order();
   for (;;) {
-    for (int i = 0; i < threads; ++i)
+    for (int k = 0; k < threads; ++k) {
+      const int i = reverse ? threads - 1 - k : k;
       if (b.fibers[i].wait == Wait::kRunnable) {
         b.cur = i;
         swapcontext(&b.main, &b.fibers[i].ctx);
       }
+    }
     // Everyone is now waiting or done: release the barriers that every live thread reached.
     bool all_done = true, block_ready = true, released = false;
     for (const Fiber& f : b.fibers) {
@@ -198,16 +255,17 @@ inline void run_block(Dim idx, int threads, size_t dynamic_smem_bytes,
         if (f.wait == Wait::kBlock) f.wait = Wait::kRunnable;
       continue;
     }
-    for (int w = 0; w < threads / 32; ++w) {
+    for (int w = 0; w < warps; ++w) {
+      const int first = w * 32, last = std::min(threads, first + 32);
       bool ready = true, any = false;
-      for (int l = 0; l < 32; ++l) {
-        const Wait s = b.fibers[w * 32 + l].wait;
+      for (int l = first; l < last; ++l) {
+        const Wait s = b.fibers[l].wait;
         ready = ready && (s == Wait::kWarp || s == Wait::kDone);
         any = any || s == Wait::kWarp;
       }
       if (ready && any) {
-        for (int l = 0; l < 32; ++l)
-          if (b.fibers[w * 32 + l].wait == Wait::kWarp) b.fibers[w * 32 + l].wait = Wait::kRunnable;
+        for (int l = first; l < last; ++l)
+          if (b.fibers[l].wait == Wait::kWarp) b.fibers[l].wait = Wait::kRunnable;
         released = true;
       }
     }
@@ -220,11 +278,29 @@ inline void run_block(Dim idx, int threads, size_t dynamic_smem_bytes,
 }
 
 // Every block of a grid in order.
-inline void launch(Dim grid, int threads, size_t dynamic_smem_bytes,
+inline void launch(Dim grid, Dim block, size_t dynamic_smem_bytes,
                    const std::function<void()>& body) {
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) run_block({x, y, z}, threads, dynamic_smem_bytes, body);
+      for (unsigned x = 0; x < grid.x; ++x)
+        run_block(grid, {x, y, z}, block, dynamic_smem_bytes, body);
+}
+
+// PTDP_KERNEL_LAUNCH(kernel, grid, block, shared bytes, stream)(args): the launch's arguments
+// kept, the kernel called with `args` by every thread.
+template <typename F>
+struct Launcher {
+  Dim grid, block;
+  size_t smem;
+  F call;
+  template <typename... A>
+  void operator()(A&&... args) {
+    launch(grid, block, smem, [&] { call(args...); });
+  }
+};
+template <typename F>
+Launcher<F> launcher(Dim grid, Dim block, size_t smem, cudaStream_t, F call) {
+  return {grid, block, smem, call};
 }
 
 }  // namespace emu
