@@ -14,8 +14,12 @@
 // virtual call; otherwise the bf16 operands are widened to fp32 temporaries in the backend's
 // memory, the fp32 kernel runs, and bf16 outputs are rounded back (to nearest even): bf16
 // storage, fp32 arithmetic, as Megatron's mixed precision computes. A device backend may run
-// a typed call natively on bf16 instead (the native_* hooks: cuBLAS GEMMs with fp32
-// accumulation, the bf16 kernels of kernels/cuda/).
+// a typed call natively on bf16 instead (the native_* hooks, offered every typed call but copy
+// and fill_zero, which move bytes). The CUDA backend runs each natively where every activation
+// operand is bf16 (flash attention: head dimensions 64 and 128): cuBLAS GEMMs with fp32
+// accumulation, the bf16 kernels of kernels/cuda/, and its own kernels loading bf16 and storing
+// it rounded, fp32 in between, which compute what the widening computes without the fp32 round
+// trip.
 #pragma once
 
 #include <cstddef>
@@ -267,6 +271,69 @@ class Backend {
   virtual bool native_gelu_backward(CPtr, CPtr, Ptr, int64_t) { return false; }
   virtual bool native_swiglu(CPtr, Ptr, int64_t, int64_t) { return false; }
   virtual bool native_swiglu_backward(CPtr, CPtr, Ptr, int64_t, int64_t) { return false; }
+  // The same for the unfused attention pieces, the rotary embedding, the element-wise glue, the
+  // embedding and the cross-entropy (the CUDA backend's kernels on bf16 storage, fp32 inside).
+  // cross_entropy_finish returns its loss through the last argument.
+  virtual bool native_attention_scores(CPtr, CPtr, Ptr, int64_t, int64_t, int64_t, int64_t,
+                                       int64_t) {
+    return false;
+  }
+  virtual bool native_attention_scores_backward(CPtr, CPtr, CPtr, Ptr, Ptr, int64_t, int64_t,
+                                                int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_causal_softmax(Ptr, int64_t, int64_t) { return false; }
+  virtual bool native_causal_softmax_backward(CPtr, CPtr, Ptr, int64_t, int64_t) { return false; }
+  virtual bool native_attention_context(CPtr, CPtr, Ptr, int64_t, int64_t, int64_t, int64_t,
+                                        int64_t) {
+    return false;
+  }
+  virtual bool native_attention_context_backward(CPtr, CPtr, CPtr, Ptr, Ptr, int64_t, int64_t,
+                                                 int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_rope(Ptr, int64_t, int64_t, int64_t, int64_t, double, bool) { return false; }
+  virtual bool native_add(Ptr, CPtr, int64_t) { return false; }
+  virtual bool native_add_bias(Ptr, CPtr, int64_t, int64_t) { return false; }
+  virtual bool native_bias_grad(CPtr, float*, int64_t, int64_t) { return false; }
+  virtual bool native_scale(Ptr, int64_t, double) { return false; }
+  virtual bool native_split_columns3(CPtr, Ptr, Ptr, Ptr, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_concat_columns3(CPtr, CPtr, CPtr, Ptr, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_sequence_unshard(CPtr, Ptr, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_sequence_shard(CPtr, Ptr, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_vocab_embedding_lookup(const int32_t*, CPtr, Ptr, int64_t, int64_t, int64_t,
+                                             int64_t) {
+    return false;
+  }
+  virtual bool native_vocab_embedding_grad(const int32_t*, CPtr, float*, int64_t, int64_t, int64_t,
+                                           int64_t) {
+    return false;
+  }
+  virtual bool native_add_positions(Ptr, CPtr, int64_t, int64_t, int64_t, int64_t) { return false; }
+  virtual bool native_position_grad(CPtr, float*, int64_t, int64_t, int64_t, int64_t) {
+    return false;
+  }
+  virtual bool native_cross_entropy_stats(CPtr, const int32_t*, float*, int64_t, int64_t, int64_t,
+                                          int64_t) {
+    return false;
+  }
+  virtual bool native_cross_entropy_finish(const float*, int64_t, Ptr, float*, int64_t, int64_t,
+                                           int64_t, double& loss) {
+    (void)loss;
+    return false;
+  }
+  virtual bool native_cross_entropy_backward(Ptr, const int32_t*, int64_t, int64_t, int64_t,
+                                             double) {
+    return false;
+  }
 };
 
 // "cpu" (Eigen and the reference kernels), or "cuda" (runtime/cuda/cuda_backend.h) in a build

@@ -1,7 +1,8 @@
 // The Backend's typed forms (runtime/backend.h): a call whose tensors are all fp32 is the fp32
-// kernel; one with bf16 operands widens them to fp32 temporaries in the backend's memory, runs
-// the fp32 kernel and rounds its bf16 outputs back, so every backend runs mixed precision with
-// the kernels it has (bf16 storage, fp32 arithmetic).
+// kernel; one with bf16 operands is first offered to the backend's native_* hook (the CUDA
+// backend runs it on bf16 storage), else widens them to fp32 temporaries in the backend's
+// memory, runs the fp32 kernel and rounds its bf16 outputs back, so every backend runs mixed
+// precision with the kernels it has (bf16 storage, fp32 arithmetic).
 #include <algorithm>
 #include <vector>
 
@@ -111,6 +112,7 @@ void Backend::linear_wgrad(CPtr x, CPtr dy, float* dw, float* db, int64_t n, int
 void Backend::attention_scores(CPtr q, CPtr k, Ptr scores, int64_t b, int64_t s, int64_t hq,
                                int64_t hk, int64_t d) {
   if (f32({q, k, scores})) return attention_scores(q.f(), k.f(), scores.f(), b, s, hq, hk, d);
+  if (native_attention_scores(q, k, scores, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
   widened(*this, b, nq + nk + ns, [&](Widen& w, int64_t i, int64_t c) {
     attention_scores(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
@@ -122,6 +124,7 @@ void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Pt
                                         int64_t s, int64_t hq, int64_t hk, int64_t d) {
   if (f32({q, k, dscores, dq, dk}))
     return attention_scores_backward(q.f(), k.f(), dscores.f(), dq.f(), dk.f(), b, s, hq, hk, d);
+  if (native_attention_scores_backward(q, k, dscores, dq, dk, b, s, hq, hk, d)) return;
   const int64_t nq = s * hq * d, nk = s * hk * d, ns = hq * s * s;  // per sequence
   widened(*this, b, 2 * nq + 2 * nk + ns, [&](Widen& w, int64_t i, int64_t c) {
     attention_scores_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
@@ -132,6 +135,7 @@ void Backend::attention_scores_backward(CPtr q, CPtr k, CPtr dscores, Ptr dq, Pt
 
 void Backend::causal_softmax(Ptr scores, int64_t rows, int64_t s) {
   if (scores.f32()) return causal_softmax(scores.f(), rows, s);
+  if (native_causal_softmax(scores, rows, s)) return;
   widened(*this, rows, s * s, [&](Widen& w, int64_t r, int64_t c) {
     causal_softmax(w.inout(scores.at(r * s * s), c * s * s), c, s);
   });
@@ -141,6 +145,7 @@ void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int6
                                       int64_t s) {
   if (f32({probs, dprobs, dscores}))
     return causal_softmax_backward(probs.f(), dprobs.f(), dscores.f(), rows, s);
+  if (native_causal_softmax_backward(probs, dprobs, dscores, rows, s)) return;
   const int64_t ss = s * s;
   widened(*this, rows, 3 * ss, [&](Widen& w, int64_t r, int64_t c) {
     causal_softmax_backward(w.in(probs.at(r * ss), c * ss), w.in(dprobs.at(r * ss), c * ss),
@@ -151,6 +156,7 @@ void Backend::causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int6
 void Backend::attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t s, int64_t hq,
                                 int64_t hk, int64_t d) {
   if (f32({probs, v, out})) return attention_context(probs.f(), v.f(), out.f(), b, s, hq, hk, d);
+  if (native_attention_context(probs, v, out, b, s, hq, hk, d)) return;
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
   widened(*this, b, np + nv + no, [&](Widen& w, int64_t i, int64_t c) {
     attention_context(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
@@ -163,6 +169,7 @@ void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dpro
   if (f32({probs, v, dout, dprobs, dv}))
     return attention_context_backward(probs.f(), v.f(), dout.f(), dprobs.f(), dv.f(), b, s, hq, hk,
                                       d);
+  if (native_attention_context_backward(probs, v, dout, dprobs, dv, b, s, hq, hk, d)) return;
   const int64_t np = hq * s * s, nv = s * hk * d, no = s * hq * d;  // per sequence
   widened(*this, b, 2 * np + 2 * nv + no, [&](Widen& w, int64_t i, int64_t c) {
     attention_context_backward(w.in(probs.at(i * np), c * np), w.in(v.at(i * nv), c * nv),
@@ -256,6 +263,7 @@ void Backend::swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f) {
 void Backend::rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
                    bool inverse) {
   if (x.f32()) return rope(x.f(), b, s, heads, d, base, inverse);
+  if (native_rope(x, b, s, heads, d, base, inverse)) return;
   widened(*this,
           [&](Widen& w) { rope(w.inout(x, b * s * heads * d), b, s, heads, d, base, inverse); });
 }
@@ -271,29 +279,34 @@ void Backend::fill_zero(Ptr x, int64_t n) {
 
 void Backend::add(Ptr y, CPtr x, int64_t n) {
   if (f32({y, x})) return add(y.f(), x.f(), n);
+  if (native_add(y, x, n)) return;
   widened(*this, n, 2,
           [&](Widen& w, int64_t i, int64_t c) { add(w.inout(y.at(i), c), w.in(x.at(i), c), c); });
 }
 
 void Backend::add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) {
   if (f32({y, bias})) return add_bias(y.f(), bias.f(), rows, width);
+  if (native_add_bias(y, bias, rows, width)) return;
   widened(*this,
           [&](Widen& w) { add_bias(w.inout(y, rows * width), w.in(bias, width), rows, width); });
 }
 
 void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
   if (dy.f32()) return bias_grad(dy.f(), db, rows, width);
+  if (native_bias_grad(dy, db, rows, width)) return;
   widened(*this, [&](Widen& w) { bias_grad(w.in(dy, rows * width), db, rows, width); });
 }
 
 void Backend::scale(Ptr x, int64_t n, double f) {
   if (x.f32()) return scale(x.f(), n, f);
+  if (native_scale(x, n, f)) return;
   widened(*this, n, 1, [&](Widen& w, int64_t i, int64_t c) { scale(w.inout(x.at(i), c), c, f); });
 }
 
 void Backend::split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
                              int64_t c) {
   if (f32({x, y0, y1, y2})) return split_columns3(x.f(), y0.f(), y1.f(), y2.f(), n, a, b, c);
+  if (native_split_columns3(x, y0, y1, y2, n, a, b, c)) return;
   widened(*this, [&](Widen& w) {
     split_columns3(w.in(x, n * (a + b + c)), w.out(y0, n * a), w.out(y1, n * b), w.out(y2, n * c),
                    n, a, b, c);
@@ -303,6 +316,7 @@ void Backend::split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t 
 void Backend::concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
                               int64_t c) {
   if (f32({x0, x1, x2, y})) return concat_columns3(x0.f(), x1.f(), x2.f(), y.f(), n, a, b, c);
+  if (native_concat_columns3(x0, x1, x2, y, n, a, b, c)) return;
   widened(*this, [&](Widen& w) {
     concat_columns3(w.in(x0, n * a), w.in(x1, n * b), w.in(x2, n * c), w.out(y, n * (a + b + c)), n,
                     a, b, c);
@@ -312,6 +326,7 @@ void Backend::concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64
 void Backend::sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
                                int64_t width) {
   if (f32({shards, full})) return sequence_unshard(shards.f(), full.f(), t, b, s, width);
+  if (native_sequence_unshard(shards, full, t, b, s, width)) return;
   widened(*this, [&](Widen& w) {
     sequence_unshard(w.in(shards, b * s * width), w.out(full, b * s * width), t, b, s, width);
   });
@@ -320,6 +335,7 @@ void Backend::sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int6
 void Backend::sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
                              int64_t width) {
   if (f32({full, shards})) return sequence_shard(full.f(), shards.f(), t, b, s, width);
+  if (native_sequence_shard(full, shards, t, b, s, width)) return;
   widened(*this, [&](Widen& w) {
     sequence_shard(w.in(full, b * s * width), w.out(shards, b * s * width), t, b, s, width);
   });
@@ -328,6 +344,7 @@ void Backend::sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_
 void Backend::vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, int64_t n, int64_t h,
                                      int64_t v0, int64_t vl) {
   if (f32({table, y})) return vocab_embedding_lookup(tokens, table.f(), y.f(), n, h, v0, vl);
+  if (native_vocab_embedding_lookup(tokens, table, y, n, h, v0, vl)) return;
   widened(*this, [&](Widen& w) {
     vocab_embedding_lookup(tokens, w.in(table, vl * h), w.out(y, n * h), n, h, v0, vl);
   });
@@ -336,12 +353,14 @@ void Backend::vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, i
 void Backend::vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n,
                                    int64_t h, int64_t v0, int64_t vl) {
   if (dy.f32()) return vocab_embedding_grad(tokens, dy.f(), dtable, n, h, v0, vl);
+  if (native_vocab_embedding_grad(tokens, dy, dtable, n, h, v0, vl)) return;
   widened(*this,
           [&](Widen& w) { vocab_embedding_grad(tokens, w.in(dy, n * h), dtable, n, h, v0, vl); });
 }
 
 void Backend::add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h, int64_t first) {
   if (f32({x, pos})) return add_positions(x.f(), pos.f(), b, sl, h, first);
+  if (native_add_positions(x, pos, b, sl, h, first)) return;
   widened(*this, [&](Widen& w) {
     add_positions(w.inout(x, b * sl * h), w.in(pos, (first + sl) * h), b, sl, h, first);
   });
@@ -349,12 +368,14 @@ void Backend::add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h, i
 
 void Backend::position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first) {
   if (dx.f32()) return position_grad(dx.f(), dpos, b, sl, h, first);
+  if (native_position_grad(dx, dpos, b, sl, h, first)) return;
   widened(*this, [&](Widen& w) { position_grad(w.in(dx, b * sl * h), dpos, b, sl, h, first); });
 }
 
 void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n,
                                   int64_t vl, int64_t valid, int64_t v0) {
   if (logits.f32()) return cross_entropy_stats(logits.f(), targets, stats, n, vl, valid, v0);
+  if (native_cross_entropy_stats(logits, targets, stats, n, vl, valid, v0)) return;
   constexpr int64_t k = kCrossEntropyStatsPerToken;
   widened(*this, n, vl, [&](Widen& w, int64_t r, int64_t c) {
     cross_entropy_stats(w.in(logits.at(r * vl), c * vl), targets + r, stats + r * k, c, vl, valid,
@@ -365,6 +386,8 @@ void Backend::cross_entropy_stats(CPtr logits, const int32_t* targets, float* st
 double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logits, float* lse,
                                      int64_t n, int64_t vl, int64_t valid) {
   if (logits.f32()) return cross_entropy_finish(stats, ranks, logits.f(), lse, n, vl, valid);
+  if (double loss = 0; native_cross_entropy_finish(stats, ranks, logits, lse, n, vl, valid, loss))
+    return loss;
   // Each block's rows of every rank's statistics ([ranks, n, k]) side by side: [ranks, c, k].
   constexpr int64_t k = kCrossEntropyStatsPerToken;
   double loss = 0;
@@ -387,6 +410,7 @@ double Backend::cross_entropy_finish(const float* stats, int64_t ranks, Ptr logi
 void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl,
                                      int64_t v0, double scale) {
   if (probs.f32()) return cross_entropy_backward(probs.f(), targets, n, vl, v0, scale);
+  if (native_cross_entropy_backward(probs, targets, n, vl, v0, scale)) return;
   // The kernel divides by its row count: a block of c rows gets scale * c / n.
   widened(*this, n, vl, [&](Widen& w, int64_t r, int64_t c) {
     cross_entropy_backward(w.inout(probs.at(r * vl), c * vl), targets + r, c, vl, v0,

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/error.h"
@@ -33,6 +34,16 @@ const kc::bf16* b16(CPtr x) {
 }
 kc::bf16* b16(Ptr x) {
   return static_cast<kc::bf16*>(x.p);
+}
+// An optional operand (a null dq, dk, dprobs or dv) that is bf16 where it is given.
+bool bf16_or_null(CPtr x) {
+  return !x || x.t == DType::kBF16;
+}
+
+// cuBLAS's name for a storage type: float or bf16.
+template <class T>
+constexpr cudaDataType cuda_type() {
+  return std::is_same_v<T, float> ? CUDA_R_32F : CUDA_R_16BF;
 }
 
 using kernels::cuda::check;  // cudaError_t
@@ -137,7 +148,7 @@ class CudaBackend final : public Backend {
 
   // Mixed precision: GEMMs whose operands are all bf16 run natively (bf16 in, fp32 accumulation,
   // bf16 out; weight gradients accumulate into fp32). The bias add and bias gradient go through
-  // the widening typed forms.
+  // the typed forms, which run them natively too (native_add_bias, native_bias_grad).
   static bool bf16(CPtr x) { return x.t == DType::kBF16; }
   bool native_linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in,
                              int64_t out) override {
@@ -164,7 +175,8 @@ class CudaBackend final : public Backend {
 
   // The bf16 kernels of kernels/cuda/ where every operand is bf16 (the statistics fp32): flash
   // attention for head dimensions 64 and 128, LayerNorm and RMSNorm (the fused kernels with no
-  // residual), GELU (with no bias) and SwiGLU. Anything else is widened.
+  // residual), GELU (with no bias) and SwiGLU. Flash attention at other head dimensions, and any
+  // call with an fp32 operand beside bf16 ones, is widened.
   bool native_flash_attention_forward(CPtr q, CPtr kk, CPtr v, Ptr out, float* lse, int64_t b,
                                       int64_t s, int64_t hq, int64_t hk, int64_t d) override {
     if (!all_bf16({q, kk, v, out}) || (d != 64 && d != 128)) return false;
@@ -224,34 +236,16 @@ class CudaBackend final : public Backend {
 
   // Attention: query head hi = g * per + j reads key/value head g. For each batch element and
   // each j, one batched call covers the hk heads g (strides: per heads of q, one of k and v).
+  // T is the storage of every operand and output: float, or bf16 with mixed precision (cuBLAS
+  // computes in fp32 and rounds the outputs once).
   void attention_scores(const float* q, const float* kk, float* scores, int64_t b, int64_t s,
                         int64_t hq, int64_t hk, int64_t d) override {
-    const int64_t per = hq / hk;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t j = 0; j < per; ++j)
-        gemm(s, s, d, scale, {q + (bi * s * hq + j) * d, hq * d, per * d, false},
-             {kk + bi * s * hk * d, hk * d, d, true}, 0.0f, scores + (bi * hq + j) * s * s, s,
-             per * s * s, hk);
-    k::zero_upper(scores, b * hq, s, stream_);
+    run_attention_scores(q, kk, scores, b, s, hq, hk, d);
   }
   void attention_scores_backward(const float* q, const float* kk, const float* dscores, float* dq,
                                  float* dk, int64_t b, int64_t s, int64_t hq, int64_t hk,
                                  int64_t d) override {
-    const int64_t per = hq / hk;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    if (dk) fill_zero(dk, b * s * hk * d);
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t j = 0; j < per; ++j) {
-        const Mat ds{dscores + (bi * hq + j) * s * s, s, per * s * s, false};
-        if (dq)
-          gemm(s, d, s, scale, ds, {kk + bi * s * hk * d, hk * d, d, false}, 0.0f,
-               dq + (bi * s * hq + j) * d, hq * d, per * d, hk);
-        if (dk)
-          gemm(s, d, s, scale, {ds.p, s, per * s * s, true},
-               {q + (bi * s * hq + j) * d, hq * d, per * d, false}, 1.0f, dk + bi * s * hk * d,
-               hk * d, d, hk);
-      }
+    run_attention_scores_backward(q, kk, dscores, dq, dk, b, s, hq, hk, d);
   }
   void causal_softmax(float* scores, int64_t rows, int64_t s) override {
     k::causal_softmax(scores, rows, s, stream_);
@@ -262,29 +256,153 @@ class CudaBackend final : public Backend {
   }
   void attention_context(const float* probs, const float* v, float* out, int64_t b, int64_t s,
                          int64_t hq, int64_t hk, int64_t d) override {
-    const int64_t per = hq / hk;
-    for (int64_t bi = 0; bi < b; ++bi)
-      for (int64_t j = 0; j < per; ++j)
-        gemm(s, d, s, 1.0f, {probs + (bi * hq + j) * s * s, s, per * s * s, false},
-             {v + bi * s * hk * d, hk * d, d, false}, 0.0f, out + (bi * s * hq + j) * d, hq * d,
-             per * d, hk);
+    run_attention_context(probs, v, out, b, s, hq, hk, d);
   }
   void attention_context_backward(const float* probs, const float* v, const float* dout,
                                   float* dprobs, float* dv, int64_t b, int64_t s, int64_t hq,
                                   int64_t hk, int64_t d) override {
+    run_attention_context_backward(probs, v, dout, dprobs, dv, b, s, hq, hk, d);
+  }
+
+  // dk and dv sum over the per query heads of a group (GEMMs with beta = 1). fp32: in place,
+  // zeroed first. bf16: written directly (beta = 0) when per is 1; else summed in a counted fp32
+  // temporary and rounded once by finish(), as the widening path rounds its fp32 sum once.
+  template <class T>
+  class GroupSum {
+   public:
+    GroupSum(CudaBackend& be, T* out, int64_t n, int64_t per) : be_(be), out_(out), n_(n) {
+      if (!out) return;
+      if constexpr (std::is_same_v<T, float>)
+        be.fill_zero(out, n);
+      else if (per > 1)
+        temp_ = static_cast<float*>(be.allocate(bytes()));  // zero-filled
+    }
+    ~GroupSum() {
+      if (temp_) be_.deallocate(temp_, bytes());
+    }
+    GroupSum(const GroupSum&) = delete;
+    GroupSum& operator=(const GroupSum&) = delete;
+
+    // Where element e of the sum goes, in which type, and the GEMMs' beta.
+    void* at(int64_t e) const {
+      return temp_ ? static_cast<void*>(temp_ + e) : static_cast<void*>(out_ + e);
+    }
+    cudaDataType type() const { return temp_ ? CUDA_R_32F : cuda_type<T>(); }
+    float beta() const { return std::is_same_v<T, float> || temp_ ? 1.0f : 0.0f; }
+    void finish() {
+      if constexpr (!std::is_same_v<T, float>)
+        if (temp_) k::to_bf16(temp_, out_, n_, be_.stream_);
+    }
+
+   private:
+    size_t bytes() const { return sizeof(float) * static_cast<size_t>(n_); }
+    CudaBackend& be_;
+    T* out_;
+    int64_t n_;
+    float* temp_ = nullptr;
+  };
+
+  template <class T>
+  void run_attention_scores(const T* q, const T* kk, T* scores, int64_t b, int64_t s, int64_t hq,
+                            int64_t hk, int64_t d) {
+    constexpr cudaDataType t = cuda_type<T>();
     const int64_t per = hq / hk;
-    if (dv) fill_zero(dv, b * s * hk * d);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t j = 0; j < per; ++j)
+        gemm(s, s, d, scale, {q + (bi * s * hq + j) * d, hq * d, per * d, false, t},
+             {kk + bi * s * hk * d, hk * d, d, true, t}, 0.0f, scores + (bi * hq + j) * s * s, s,
+             per * s * s, hk, t);
+    k::zero_upper(scores, b * hq, s, stream_);
+  }
+  template <class T>
+  void run_attention_scores_backward(const T* q, const T* kk, const T* dscores, T* dq, T* dk,
+                                     int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+    constexpr cudaDataType t = cuda_type<T>();
+    const int64_t per = hq / hk;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    GroupSum<T> sum_dk(*this, dk, b * s * hk * d, per);
     for (int64_t bi = 0; bi < b; ++bi)
       for (int64_t j = 0; j < per; ++j) {
-        const Mat dO{dout + (bi * s * hq + j) * d, hq * d, per * d, false};
-        if (dprobs)
-          gemm(s, s, d, 1.0f, dO, {v + bi * s * hk * d, hk * d, d, true}, 0.0f,
-               dprobs + (bi * hq + j) * s * s, s, per * s * s, hk);
-        if (dv)
-          gemm(s, d, s, 1.0f, {probs + (bi * hq + j) * s * s, s, per * s * s, true}, dO, 1.0f,
-               dv + bi * s * hk * d, hk * d, d, hk);
+        const Mat ds{dscores + (bi * hq + j) * s * s, s, per * s * s, false, t};
+        if (dq)
+          gemm(s, d, s, scale, ds, {kk + bi * s * hk * d, hk * d, d, false, t}, 0.0f,
+               dq + (bi * s * hq + j) * d, hq * d, per * d, hk, t);
+        if (dk)
+          gemm(s, d, s, scale, {ds.p, s, per * s * s, true, t},
+               {q + (bi * s * hq + j) * d, hq * d, per * d, false, t}, sum_dk.beta(),
+               sum_dk.at(bi * s * hk * d), hk * d, d, hk, sum_dk.type());
       }
+    sum_dk.finish();
+  }
+  template <class T>
+  void run_attention_context(const T* probs, const T* v, T* out, int64_t b, int64_t s, int64_t hq,
+                             int64_t hk, int64_t d) {
+    constexpr cudaDataType t = cuda_type<T>();
+    const int64_t per = hq / hk;
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t j = 0; j < per; ++j)
+        gemm(s, d, s, 1.0f, {probs + (bi * hq + j) * s * s, s, per * s * s, false, t},
+             {v + bi * s * hk * d, hk * d, d, false, t}, 0.0f, out + (bi * s * hq + j) * d, hq * d,
+             per * d, hk, t);
+  }
+  template <class T>
+  void run_attention_context_backward(const T* probs, const T* v, const T* dout, T* dprobs, T* dv,
+                                      int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+    constexpr cudaDataType t = cuda_type<T>();
+    const int64_t per = hq / hk;
+    GroupSum<T> sum_dv(*this, dv, b * s * hk * d, per);
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t j = 0; j < per; ++j) {
+        const Mat dO{dout + (bi * s * hq + j) * d, hq * d, per * d, false, t};
+        if (dprobs)
+          gemm(s, s, d, 1.0f, dO, {v + bi * s * hk * d, hk * d, d, true, t}, 0.0f,
+               dprobs + (bi * hq + j) * s * s, s, per * s * s, hk, t);
+        if (dv)
+          gemm(s, d, s, 1.0f, {probs + (bi * hq + j) * s * s, s, per * s * s, true, t}, dO,
+               sum_dv.beta(), sum_dv.at(bi * s * hk * d), hk * d, d, hk, sum_dv.type());
+      }
+    sum_dv.finish();
     if (dprobs) k::zero_upper(dprobs, b * hq, s, stream_);
+  }
+
+  // Mixed precision: the unfused attention pieces where every operand is bf16.
+  bool native_attention_scores(CPtr q, CPtr kk, Ptr scores, int64_t b, int64_t s, int64_t hq,
+                               int64_t hk, int64_t d) override {
+    if (!all_bf16({q, kk, scores})) return false;
+    run_attention_scores(b16(q), b16(kk), b16(scores), b, s, hq, hk, d);
+    return true;
+  }
+  bool native_attention_scores_backward(CPtr q, CPtr kk, CPtr dscores, Ptr dq, Ptr dk, int64_t b,
+                                        int64_t s, int64_t hq, int64_t hk, int64_t d) override {
+    if (!all_bf16({q, kk, dscores}) || !bf16_or_null(dq) || !bf16_or_null(dk)) return false;
+    run_attention_scores_backward(b16(q), b16(kk), b16(dscores), b16(dq), b16(dk), b, s, hq, hk, d);
+    return true;
+  }
+  bool native_causal_softmax(Ptr scores, int64_t rows, int64_t s) override {
+    if (!bf16(scores)) return false;
+    k::causal_softmax(b16(scores), rows, s, stream_);
+    return true;
+  }
+  bool native_causal_softmax_backward(CPtr probs, CPtr dprobs, Ptr dscores, int64_t rows,
+                                      int64_t s) override {
+    if (!all_bf16({probs, dprobs, dscores})) return false;
+    k::causal_softmax_backward(b16(probs), b16(dprobs), b16(dscores), rows, s, stream_);
+    return true;
+  }
+  bool native_attention_context(CPtr probs, CPtr v, Ptr out, int64_t b, int64_t s, int64_t hq,
+                                int64_t hk, int64_t d) override {
+    if (!all_bf16({probs, v, out})) return false;
+    run_attention_context(b16(probs), b16(v), b16(out), b, s, hq, hk, d);
+    return true;
+  }
+  bool native_attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dprobs, Ptr dv,
+                                         int64_t b, int64_t s, int64_t hq, int64_t hk,
+                                         int64_t d) override {
+    if (!all_bf16({probs, v, dout}) || !bf16_or_null(dprobs) || !bf16_or_null(dv)) return false;
+    run_attention_context_backward(b16(probs), b16(v), b16(dout), b16(dprobs), b16(dv), b, s, hq,
+                                   hk, d);
+    return true;
   }
 
   void flash_attention_forward(const float* q, const float* kk, const float* v, float* out,
@@ -414,6 +532,12 @@ class CudaBackend final : public Backend {
   }
   double cross_entropy_finish(const float* stats, int64_t ranks, float* logits, float* lse,
                               int64_t n, int64_t vl, int64_t valid) override {
+    return run_cross_entropy_finish(stats, ranks, logits, lse, n, vl, valid);
+  }
+  // The loss: each row's, computed on the device, downloaded and added in row order.
+  template <class T>
+  double run_cross_entropy_finish(const float* stats, int64_t ranks, T* logits, float* lse,
+                                  int64_t n, int64_t vl, int64_t valid) {
     if (n <= 0) return 0.0;
     auto* row_loss = static_cast<float*>(allocate(sizeof(float) * static_cast<size_t>(n)));
     k::cross_entropy_finish(stats, ranks, logits, lse, row_loss, n, vl, valid, stream_);
@@ -427,6 +551,104 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl,
                               int64_t v0, double scale) override {
     k::cross_entropy_backward(probs, device_tokens(targets, n), n, vl, v0, scale, stream_);
+  }
+
+  // Mixed precision: the rotary embedding, the glue, the embedding and the cross-entropy on bf16
+  // activations, the kernels above loading bf16 and storing it rounded (fp32 arithmetic in
+  // between, as the widening computes); gradients of biases, tables and positions, and the
+  // statistics, stay fp32.
+  bool native_rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+                   bool inverse) override {
+    if (!bf16(x)) return false;
+    k::rope(b16(x), b, s, heads, d, base, inverse, stream_);
+    return true;
+  }
+  bool native_add(Ptr y, CPtr x, int64_t n) override {
+    if (!all_bf16({y, x})) return false;
+    k::add(b16(y), b16(x), n, stream_);
+    return true;
+  }
+  bool native_add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) override {
+    if (!all_bf16({y, bias})) return false;
+    k::add_bias(b16(y), b16(bias), rows, width, stream_);
+    return true;
+  }
+  bool native_bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) override {
+    if (!bf16(dy)) return false;
+    k::bias_grad(b16(dy), db, rows, width, stream_);
+    return true;
+  }
+  bool native_scale(Ptr x, int64_t n, double f) override {
+    if (!bf16(x)) return false;
+    k::scale(b16(x), n, f, stream_);
+    return true;
+  }
+  bool native_split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
+                             int64_t c) override {
+    if (!all_bf16({x, y0, y1, y2})) return false;
+    k::split_columns3(b16(x), b16(y0), b16(y1), b16(y2), n, a, b, c, stream_);
+    return true;
+  }
+  bool native_concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
+                              int64_t c) override {
+    if (!all_bf16({x0, x1, x2, y})) return false;
+    k::concat_columns3(b16(x0), b16(x1), b16(x2), b16(y), n, a, b, c, stream_);
+    return true;
+  }
+  bool native_sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
+                               int64_t width) override {
+    if (!all_bf16({shards, full})) return false;
+    k::sequence_unshard(b16(shards), b16(full), t, b, s, width, stream_);
+    return true;
+  }
+  bool native_sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
+                             int64_t width) override {
+    if (!all_bf16({full, shards})) return false;
+    k::sequence_shard(b16(full), b16(shards), t, b, s, width, stream_);
+    return true;
+  }
+  bool native_vocab_embedding_lookup(const int32_t* tokens, CPtr table, Ptr y, int64_t n, int64_t h,
+                                     int64_t v0, int64_t vl) override {
+    if (!all_bf16({table, y})) return false;
+    k::vocab_embedding_lookup(device_tokens(tokens, n), b16(table), b16(y), n, h, v0, vl, stream_);
+    return true;
+  }
+  bool native_vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n,
+                                   int64_t h, int64_t v0, int64_t vl) override {
+    if (!bf16(dy)) return false;
+    k::vocab_embedding_grad(device_tokens(tokens, n), b16(dy), dtable, n, h, v0, vl, stream_);
+    return true;
+  }
+  bool native_add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h,
+                            int64_t first) override {
+    if (!all_bf16({x, pos})) return false;
+    k::add_positions(b16(x), b16(pos), b, sl, h, first, stream_);
+    return true;
+  }
+  bool native_position_grad(CPtr dx, float* dpos, int64_t b, int64_t sl, int64_t h,
+                            int64_t first) override {
+    if (!bf16(dx)) return false;
+    k::position_grad(b16(dx), dpos, b, sl, h, first, stream_);
+    return true;
+  }
+  bool native_cross_entropy_stats(CPtr logits, const int32_t* targets, float* stats, int64_t n,
+                                  int64_t vl, int64_t valid, int64_t v0) override {
+    if (!bf16(logits)) return false;
+    k::cross_entropy_stats(b16(logits), device_tokens(targets, n), stats, n, vl, valid, v0,
+                           stream_);
+    return true;
+  }
+  bool native_cross_entropy_finish(const float* stats, int64_t ranks, Ptr logits, float* lse,
+                                   int64_t n, int64_t vl, int64_t valid, double& loss) override {
+    if (!bf16(logits)) return false;
+    loss = run_cross_entropy_finish(stats, ranks, b16(logits), lse, n, vl, valid);
+    return true;
+  }
+  bool native_cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl,
+                                     int64_t v0, double scale) override {
+    if (!bf16(probs)) return false;
+    k::cross_entropy_backward(b16(probs), device_tokens(targets, n), n, vl, v0, scale, stream_);
+    return true;
   }
 
   double sum_squares(const float* x, int64_t n, double acc) override {

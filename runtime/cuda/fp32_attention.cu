@@ -192,7 +192,8 @@ void flash_attention_forward(const float* q, const float* k, const float* v, flo
                              cudaStream_t st) {
   const Shape sh = shape_of(b, s, hq, hk, d);
   if (b * s == 0) return;
-  flash_forward_k<<<grid_of(sh, hq), kRowsPerBlock * kWarp, 0, st>>>(q, k, v, out, lse, sh);
+  PTDP_KERNEL_LAUNCH(flash_forward_k, grid_of(sh, hq), kRowsPerBlock * kWarp, 0, st)
+  (q, k, v, out, lse, sh);
   kernels::cuda::check_launch("flash_forward_k");
 }
 
@@ -203,11 +204,13 @@ void flash_attention_backward(const float* q, const float* k, const float* v, co
   const Shape sh = shape_of(b, s, hq, hk, d);
   if (b * s == 0) return;
   constexpr int threads = kRowsPerBlock * kWarp;
-  flash_delta_k<<<grid_of(sh, hq), threads, 0, st>>>(out, dout, delta, sh);
+  PTDP_KERNEL_LAUNCH(flash_delta_k, grid_of(sh, hq), threads, 0, st)(out, dout, delta, sh);
   kernels::cuda::check_launch("flash_delta_k");
-  flash_dq_k<<<grid_of(sh, hq), threads, 0, st>>>(q, k, v, lse, delta, dout, dq, sh);
+  PTDP_KERNEL_LAUNCH(flash_dq_k, grid_of(sh, hq), threads, 0, st)
+  (q, k, v, lse, delta, dout, dq, sh);
   kernels::cuda::check_launch("flash_dq_k");
-  flash_dkdv_k<<<grid_of(sh, hk), threads, 0, st>>>(q, k, v, lse, delta, dout, dk, dv, sh);
+  PTDP_KERNEL_LAUNCH(flash_dkdv_k, grid_of(sh, hk), threads, 0, st)
+  (q, k, v, lse, delta, dout, dk, dv, sh);
   kernels::cuda::check_launch("flash_dkdv_k");
 }
 

@@ -1,10 +1,14 @@
 // Device twins of the CPU backend's fp32 kernels (runtime/cuda/fp32_kernels.h). Plain
 // grid-stride loops for element-wise work, one block per row for row reductions, one thread per
-// column (rows added in order) for column sums, so results are deterministic.
+// column (rows added in order) for column sums, so results are deterministic. The kernels of
+// the typed calls that mixed precision runs natively are templates on the storage type T of
+// their activations (float, or bf16 loaded as fp32 and stored rounded to nearest even), with
+// the same fp32 arithmetic for both.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
+#include <type_traits>
 
 #include "kernels/cuda/common.cuh"
 #include "runtime/cuda/fp32_kernels.h"
@@ -60,19 +64,41 @@ __device__ double block_sum_double(double v) {
   return block_reduce(v, Sum{});
 }
 
+// Storage: fp32 as it is; bf16 widened on load and rounded to nearest even on store, which is
+// what widening to fp32, running the fp32 kernel and rounding back computes.
+__device__ __forceinline__ float load(float x) {
+  return x;
+}
+__device__ __forceinline__ float load(bf16 x) {
+  return kernels::cuda::to_float(x);
+}
+template <typename T>
+__device__ __forceinline__ T store(float x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x;
+  else
+    return kernels::cuda::to_bf16(x);
+}
+
 // ---- element-wise ----
-__global__ void add_k(float* y, const float* x, int64_t n) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] += x[i];
+// Sums are written x + y, the operand order nvcc gave `y += x`: the fp32 kernels compile as before.
+template <typename T>
+__global__ void add_k(T* y, const T* x, int64_t n) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    y[i] = store<T>(load(x[i]) + load(y[i]));
 }
-__global__ void add_bias_k(float* y, const float* bias, int64_t n, int64_t width) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] += bias[i % width];
+template <typename T>
+__global__ void add_bias_k(T* y, const T* bias, int64_t n, int64_t width) {
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    y[i] = store<T>(load(bias[i % width]) + load(y[i]));
 }
-// db[c] += sum over rows of dy[r, c], rows in order.
-__global__ void bias_grad_k(const float* dy, float* db, int64_t rows, int64_t width) {
+// db[c] += sum over rows of dy[r, c], rows in order (db fp32 whatever dy's type).
+template <typename T>
+__global__ void bias_grad_k(const T* dy, float* db, int64_t rows, int64_t width) {
   const int64_t c = first_index();
   if (c >= width) return;
   float acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += dy[r * width + c];
+  for (int64_t r = 0; r < rows; ++r) acc += load(dy[r * width + c]);
   db[c] += acc;
 }
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
@@ -89,9 +115,10 @@ __global__ void to_fp16_k(const float* x, __half* y, int64_t n) {
 __global__ void from_fp16_k(const __half* x, float* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = __half2float(x[i]);
 }
-__global__ void scale_k(float* x, int64_t n, double f) {
+template <typename T>
+__global__ void scale_k(T* x, int64_t n, double f) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
-    x[i] = static_cast<float>(static_cast<double>(x[i]) * f);
+    x[i] = store<T>(static_cast<float>(static_cast<double>(load(x[i])) * f));
 }
 __global__ void sum_squares_partial_k(const float* x, int64_t n, double* partials) {
   double acc = 0;
@@ -109,8 +136,10 @@ __global__ void sum_partials_k(const double* partials, int count, double* out) {
   if (threadIdx.x == 0) *out = s;
 }
 
-__global__ void split3_k(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
-                         int64_t b, int64_t c) {
+// Copies (split, concatenation, sequence shards): T moves as it is.
+template <typename T>
+__global__ void split3_k(const T* x, T* y0, T* y1, T* y2, int64_t n, int64_t a, int64_t b,
+                         int64_t c) {
   const int64_t w = a + b + c, total = n * w;
   for (int64_t i = first_index(); i < total; i += grid_stride()) {
     const int64_t r = i / w, col = i % w;
@@ -122,8 +151,9 @@ __global__ void split3_k(const float* x, float* y0, float* y1, float* y2, int64_
       y2[r * c + col - a - b] = x[i];
   }
 }
-__global__ void concat3_k(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
-                          int64_t a, int64_t b, int64_t c) {
+template <typename T>
+__global__ void concat3_k(const T* x0, const T* x1, const T* x2, T* y, int64_t n, int64_t a,
+                          int64_t b, int64_t c) {
   const int64_t w = a + b + c, total = n * w;
   for (int64_t i = first_index(); i < total; i += grid_stride()) {
     const int64_t r = i / w, col = i % w;
@@ -131,8 +161,9 @@ __global__ void concat3_k(const float* x0, const float* x1, const float* x2, flo
   }
 }
 // full [b, s, width] <-> shards [t][b, s/t, width]; `to_full` picks the direction.
-__global__ void sequence_k(const float* src, float* dst, int64_t t, int64_t b, int64_t s,
-                           int64_t width, bool to_full) {
+template <typename T>
+__global__ void sequence_k(const T* src, T* dst, int64_t t, int64_t b, int64_t s, int64_t width,
+                           bool to_full) {
   const int64_t sl = s / t, total = b * s * width;
   for (int64_t i = first_index(); i < total; i += grid_stride()) {
     const int64_t bi = i / (s * width), pos = (i / width) % s, e = i % width;
@@ -144,57 +175,63 @@ __global__ void sequence_k(const float* src, float* dst, int64_t t, int64_t b, i
   }
 }
 
-__global__ void embedding_lookup_k(const int32_t* tokens, const float* table, float* y, int64_t n,
+template <typename T>
+__global__ void embedding_lookup_k(const int32_t* tokens, const T* table, T* y, int64_t n,
                                    int64_t h, int64_t v0, int64_t vl) {
   for (int64_t i = first_index(); i < n * h; i += grid_stride()) {
     const int64_t row = i / h, tok = tokens[row] - v0;
-    y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : 0.0f;
+    y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : store<T>(0.0f);
   }
 }
-// One thread per column, tokens in order: deterministic, no atomics.
-__global__ void embedding_grad_k(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
+// One thread per column, tokens in order: deterministic, no atomics. dtable is fp32.
+template <typename T>
+__global__ void embedding_grad_k(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
                                  int64_t h, int64_t v0, int64_t vl) {
   const int64_t e = first_index();
   if (e >= h) return;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t tok = tokens[i] - v0;
-    if (tok >= 0 && tok < vl) dtable[tok * h + e] += dy[i * h + e];
+    if (tok >= 0 && tok < vl) dtable[tok * h + e] += load(dy[i * h + e]);
   }
 }
-__global__ void add_positions_k(float* x, const float* pos, int64_t b, int64_t sl, int64_t h,
+template <typename T>
+__global__ void add_positions_k(T* x, const T* pos, int64_t b, int64_t sl, int64_t h,
                                 int64_t first) {
   const int64_t total = b * sl * h;
   for (int64_t i = first_index(); i < total; i += grid_stride()) {
     const int64_t j = (i / h) % sl, e = i % h;
-    x[i] += pos[(first + j) * h + e];
+    x[i] = store<T>(load(pos[(first + j) * h + e]) + load(x[i]));
   }
 }
-__global__ void position_grad_k(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h,
+// dpos is fp32.
+template <typename T>
+__global__ void position_grad_k(const T* dx, float* dpos, int64_t b, int64_t sl, int64_t h,
                                 int64_t first) {
   for (int64_t i = first_index(); i < sl * h; i += grid_stride()) {
     const int64_t j = i / h, e = i % h;
     float acc = dpos[(first + j) * h + e];
-    for (int64_t bi = 0; bi < b; ++bi) acc += dx[(bi * sl + j) * h + e];
+    for (int64_t bi = 0; bi < b; ++bi) acc += load(dx[(bi * sl + j) * h + e]);
     dpos[(first + j) * h + e] = acc;
   }
 }
 
-// ---- cross-entropy ----
-__global__ void ce_stats_k(const float* logits, const int32_t* targets, float* stats, int64_t vl,
+// ---- cross-entropy (logits T; statistics, lse and row losses fp32) ----
+template <typename T>
+__global__ void ce_stats_k(const T* logits, const int32_t* targets, float* stats, int64_t vl,
                            int64_t valid, int64_t v0) {
   const int64_t i = blockIdx.x;
-  const float* row = logits + i * vl;
+  const T* row = logits + i * vl;
   float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, row[j]);
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, load(row[j]));
   mx = block_max(mx);
   float sum = 0;
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(row[j] - mx);
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(load(row[j]) - mx);
   sum = block_sum(sum);
   if (threadIdx.x == 0) {
     const int64_t tgt = targets[i] - v0;
     stats[i * 3] = valid > 0 ? mx : -INFINITY;
     stats[i * 3 + 1] = sum;
-    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? row[tgt] : 0.0f;
+    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? load(row[tgt]) : 0.0f;
   }
 }
 __global__ void ce_lse_k(const float* stats, int64_t ranks, float* lse, float* row_loss,
@@ -212,19 +249,21 @@ __global__ void ce_lse_k(const float* stats, int64_t ranks, float* lse, float* r
     row_loss[i] = lse[i] - target;
   }
 }
-__global__ void ce_probs_k(float* logits, const float* lse, int64_t n, int64_t vl, int64_t valid) {
+template <typename T>
+__global__ void ce_probs_k(T* logits, const float* lse, int64_t n, int64_t vl, int64_t valid) {
   for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
     const int64_t j = i % vl;
-    logits[i] = j < valid ? expf(logits[i] - lse[i / vl]) : 0.0f;
+    logits[i] = store<T>(j < valid ? expf(load(logits[i]) - lse[i / vl]) : 0.0f);
   }
 }
-__global__ void ce_backward_k(float* probs, const int32_t* targets, int64_t n, int64_t vl,
-                              int64_t v0, float f) {
+template <typename T>
+__global__ void ce_backward_k(T* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                              float f) {
   for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
     const int64_t row = i / vl, j = i % vl;
-    float v = probs[i] * f;
+    float v = load(probs[i]) * f;
     if (targets[row] - v0 == j) v -= f;
-    probs[i] = v;
+    probs[i] = store<T>(v);
   }
 }
 
@@ -341,7 +380,8 @@ __global__ void swiglu_backward_k(const float* x, const float* dy, float* dx, in
     dx[r * 2 * f + f + j] = dy[i] * g * sig;
   }
 }
-__global__ void rope_k(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
+template <typename T>
+__global__ void rope_k(T* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
                        bool inverse) {
   const int64_t half = d / 2, total = b * s * heads * half;
   for (int64_t idx = first_index(); idx < total; idx += grid_stride()) {
@@ -351,39 +391,42 @@ __global__ void rope_k(float* x, int64_t b, int64_t s, int64_t heads, int64_t d,
         static_cast<double>(j) * pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(d));
     const float c = static_cast<float>(cos(angle));
     const float sn = static_cast<float>(inverse ? -sin(angle) : sin(angle));
-    float* v = x + vec * d;
-    const float x1 = v[i], x2 = v[i + half];
-    v[i] = x1 * c - x2 * sn;
-    v[i + half] = x2 * c + x1 * sn;
+    T* v = x + vec * d;
+    const float x1 = load(v[i]), x2 = load(v[i + half]);
+    v[i] = store<T>(x1 * c - x2 * sn);
+    v[i + half] = store<T>(x2 * c + x1 * sn);
   }
 }
 
 // ---- attention pieces ----
-__global__ void causal_softmax_k(float* scores, int64_t s) {
+template <typename T>
+__global__ void causal_softmax_k(T* scores, int64_t s) {
   const int64_t row = blockIdx.x, i = row % s;
-  float* p = scores + row * s;
+  T* p = scores + row * s;
   float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, p[j]);
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, load(p[j]));
   mx = block_max(mx);
   float sum = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(p[j] - mx);
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(load(p[j]) - mx);
   sum = block_sum(sum);
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) p[j] = expf(p[j] - mx) / sum;
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x)
+    p[j] = store<T>(expf(load(p[j]) - mx) / sum);
 }
-__global__ void causal_softmax_backward_k(const float* probs, const float* dprobs, float* dscores,
-                                          int64_t s) {
+template <typename T>
+__global__ void causal_softmax_backward_k(const T* probs, const T* dprobs, T* dscores, int64_t s) {
   const int64_t row = blockIdx.x, i = row % s;
-  const float* p = probs + row * s;
-  const float* dp = dprobs + row * s;
+  const T* p = probs + row * s;
+  const T* dp = dprobs + row * s;
   float dot = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += p[j] * dp[j];
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += load(p[j]) * load(dp[j]);
   dot = block_sum(dot);
   for (int64_t j = threadIdx.x; j < s; j += blockDim.x)
-    dscores[row * s + j] = j <= i ? p[j] * (dp[j] - dot) : 0.0f;
+    dscores[row * s + j] = store<T>(j <= i ? load(p[j]) * (load(dp[j]) - dot) : 0.0f);
 }
-__global__ void zero_upper_k(float* m, int64_t total, int64_t s) {
+template <typename T>
+__global__ void zero_upper_k(T* m, int64_t total, int64_t s) {
   for (int64_t idx = first_index(); idx < total; idx += grid_stride())
-    if (idx % s > (idx / s) % s) m[idx] = 0.0f;
+    if (idx % s > (idx / s) % s) m[idx] = store<T>(0.0f);
 }
 
 __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int64_t n,
@@ -405,24 +448,127 @@ unsigned rows_grid(int64_t rows) {
 
 }  // namespace
 
-#define PTDP_LAUNCH(kernel, grid, ...)                                \
-  do {                                                                \
-    if ((grid) > 0) kernel<<<(grid), kThreads, 0, st>>>(__VA_ARGS__); \
-    kernels::cuda::check_launch(#kernel);                             \
+#define PTDP_LAUNCH(kernel, grid, ...)                                                \
+  do {                                                                                \
+    if ((grid) > 0) PTDP_KERNEL_LAUNCH(kernel, (grid), kThreads, 0, st)(__VA_ARGS__); \
+    kernels::cuda::check_launch(#kernel);                                             \
   } while (0)
 
+// The launchers of the templated kernels, for either storage type; the fp32 and bf16 entry
+// points below forward to them.
+namespace {
+
+template <typename T>
+void add_t(T* y, const T* x, int64_t n, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(add_k<T>, grid_for(n), y, x, n);
+}
+template <typename T>
+void add_bias_t(T* y, const T* bias, int64_t rows, int64_t width, cudaStream_t st) {
+  if (rows * width > 0)
+    PTDP_LAUNCH(add_bias_k<T>, grid_for(rows * width), y, bias, rows * width, width);
+}
+template <typename T>
+void bias_grad_t(const T* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
+  if (width > 0) PTDP_LAUNCH(bias_grad_k<T>, grid_for(width), dy, db, rows, width);
+}
+template <typename T>
+void scale_t(T* x, int64_t n, double f, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(scale_k<T>, grid_for(n), x, n, f);
+}
+template <typename T>
+void split_columns3_t(const T* x, T* y0, T* y1, T* y2, int64_t n, int64_t a, int64_t b, int64_t c,
+                      cudaStream_t st) {
+  if (n * (a + b + c) > 0)
+    PTDP_LAUNCH(split3_k<T>, grid_for(n * (a + b + c)), x, y0, y1, y2, n, a, b, c);
+}
+template <typename T>
+void concat_columns3_t(const T* x0, const T* x1, const T* x2, T* y, int64_t n, int64_t a, int64_t b,
+                       int64_t c, cudaStream_t st) {
+  if (n * (a + b + c) > 0)
+    PTDP_LAUNCH(concat3_k<T>, grid_for(n * (a + b + c)), x0, x1, x2, y, n, a, b, c);
+}
+template <typename T>
+void sequence_t(const T* src, T* dst, int64_t t, int64_t b, int64_t s, int64_t width, bool to_full,
+                cudaStream_t st) {
+  if (b * s * width > 0)
+    PTDP_LAUNCH(sequence_k<T>, grid_for(b * s * width), src, dst, t, b, s, width, to_full);
+}
+template <typename T>
+void vocab_embedding_lookup_t(const int32_t* tokens, const T* table, T* y, int64_t n, int64_t h,
+                              int64_t v0, int64_t vl, cudaStream_t st) {
+  if (n * h > 0)
+    PTDP_LAUNCH(embedding_lookup_k<T>, grid_for(n * h), tokens, table, y, n, h, v0, vl);
+}
+template <typename T>
+void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
+                            int64_t v0, int64_t vl, cudaStream_t st) {
+  if (h > 0) PTDP_LAUNCH(embedding_grad_k<T>, grid_for(h), tokens, dy, dtable, n, h, v0, vl);
+}
+template <typename T>
+void add_positions_t(T* x, const T* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                     cudaStream_t st) {
+  if (b * sl * h > 0)
+    PTDP_LAUNCH(add_positions_k<T>, grid_for(b * sl * h), x, pos, b, sl, h, first);
+}
+template <typename T>
+void position_grad_t(const T* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                     cudaStream_t st) {
+  if (sl * h > 0) PTDP_LAUNCH(position_grad_k<T>, grid_for(sl * h), dx, dpos, b, sl, h, first);
+}
+template <typename T>
+void cross_entropy_stats_t(const T* logits, const int32_t* targets, float* stats, int64_t n,
+                           int64_t vl, int64_t valid, int64_t v0, cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(ce_stats_k<T>, rows_grid(n), logits, targets, stats, vl, valid, v0);
+}
+template <typename T>
+void cross_entropy_finish_t(const float* stats, int64_t ranks, T* logits, float* lse,
+                            float* row_loss, int64_t n, int64_t vl, int64_t valid,
+                            cudaStream_t st) {
+  if (n <= 0) return;
+  PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
+  if (vl > 0) PTDP_LAUNCH(ce_probs_k<T>, grid_for(n * vl), logits, lse, n, vl, valid);
+}
+template <typename T>
+void cross_entropy_backward_t(T* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                              double scale, cudaStream_t st) {
+  if (n * vl <= 0) return;
+  const float f = static_cast<float>(scale / static_cast<double>(n));
+  PTDP_LAUNCH(ce_backward_k<T>, grid_for(n * vl), probs, targets, n, vl, v0, f);
+}
+template <typename T>
+void rope_t(T* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
+            cudaStream_t st) {
+  if (b * s * heads * (d / 2) > 0)
+    PTDP_LAUNCH(rope_k<T>, grid_for(b * s * heads * (d / 2)), x, b, s, heads, d, base, inverse);
+}
+template <typename T>
+void causal_softmax_t(T* scores, int64_t rows, int64_t s, cudaStream_t st) {
+  if (rows * s > 0) PTDP_LAUNCH(causal_softmax_k<T>, rows_grid(rows * s), scores, s);
+}
+template <typename T>
+void causal_softmax_backward_t(const T* probs, const T* dprobs, T* dscores, int64_t rows, int64_t s,
+                               cudaStream_t st) {
+  if (rows * s > 0)
+    PTDP_LAUNCH(causal_softmax_backward_k<T>, rows_grid(rows * s), probs, dprobs, dscores, s);
+}
+template <typename T>
+void zero_upper_t(T* m, int64_t count, int64_t s, cudaStream_t st) {
+  if (count * s * s > 0) PTDP_LAUNCH(zero_upper_k<T>, grid_for(count * s * s), m, count * s * s, s);
+}
+
+}  // namespace
+
 void add(float* y, const float* x, int64_t n, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(add_k, grid_for(n), y, x, n);
+  add_t(y, x, n, st);
 }
 void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st) {
-  if (rows * width > 0)
-    PTDP_LAUNCH(add_bias_k, grid_for(rows * width), y, bias, rows * width, width);
+  add_bias_t(y, bias, rows, width, st);
 }
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
-  if (width > 0) PTDP_LAUNCH(bias_grad_k, grid_for(width), dy, db, rows, width);
+  bias_grad_t(dy, db, rows, width, st);
 }
 void scale(float* x, int64_t n, double f, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(scale_k, grid_for(n), x, n, f);
+  scale_t(x, n, f, st);
 }
 void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(to_bf16_k, grid_for(n), x, static_cast<kernels::cuda::bf16*>(y), n);
@@ -443,55 +589,47 @@ void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaS
 }
 void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
                     int64_t b, int64_t c, cudaStream_t st) {
-  if (n * (a + b + c) > 0)
-    PTDP_LAUNCH(split3_k, grid_for(n * (a + b + c)), x, y0, y1, y2, n, a, b, c);
+  split_columns3_t(x, y0, y1, y2, n, a, b, c, st);
 }
 void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
                      int64_t a, int64_t b, int64_t c, cudaStream_t st) {
-  if (n * (a + b + c) > 0)
-    PTDP_LAUNCH(concat3_k, grid_for(n * (a + b + c)), x0, x1, x2, y, n, a, b, c);
+  concat_columns3_t(x0, x1, x2, y, n, a, b, c, st);
 }
 void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
                       int64_t width, cudaStream_t st) {
-  if (b * s * width > 0)
-    PTDP_LAUNCH(sequence_k, grid_for(b * s * width), shards, full, t, b, s, width, true);
+  sequence_t(shards, full, t, b, s, width, true, st);
 }
 void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
                     int64_t width, cudaStream_t st) {
-  if (b * s * width > 0)
-    PTDP_LAUNCH(sequence_k, grid_for(b * s * width), full, shards, t, b, s, width, false);
+  sequence_t(full, shards, t, b, s, width, false, st);
 }
 void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
                             int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
-  if (n * h > 0) PTDP_LAUNCH(embedding_lookup_k, grid_for(n * h), tokens, table, y, n, h, v0, vl);
+  vocab_embedding_lookup_t(tokens, table, y, n, h, v0, vl, st);
 }
 void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
                           int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
-  if (h > 0) PTDP_LAUNCH(embedding_grad_k, grid_for(h), tokens, dy, dtable, n, h, v0, vl);
+  vocab_embedding_grad_t(tokens, dy, dtable, n, h, v0, vl, st);
 }
 void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st) {
-  if (b * sl * h > 0) PTDP_LAUNCH(add_positions_k, grid_for(b * sl * h), x, pos, b, sl, h, first);
+  add_positions_t(x, pos, b, sl, h, first, st);
 }
 void position_grad(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st) {
-  if (sl * h > 0) PTDP_LAUNCH(position_grad_k, grid_for(sl * h), dx, dpos, b, sl, h, first);
+  position_grad_t(dx, dpos, b, sl, h, first, st);
 }
 void cross_entropy_stats(const float* logits, const int32_t* targets, float* stats, int64_t n,
                          int64_t vl, int64_t valid, int64_t v0, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(ce_stats_k, rows_grid(n), logits, targets, stats, vl, valid, v0);
+  cross_entropy_stats_t(logits, targets, stats, n, vl, valid, v0, st);
 }
 void cross_entropy_finish(const float* stats, int64_t ranks, float* logits, float* lse,
                           float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st) {
-  if (n <= 0) return;
-  PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
-  if (vl > 0) PTDP_LAUNCH(ce_probs_k, grid_for(n * vl), logits, lse, n, vl, valid);
+  cross_entropy_finish_t(stats, ranks, logits, lse, row_loss, n, vl, valid, st);
 }
 void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st) {
-  if (n * vl <= 0) return;
-  const float f = static_cast<float>(scale / static_cast<double>(n));
-  PTDP_LAUNCH(ce_backward_k, grid_for(n * vl), probs, targets, n, vl, v0, f);
+  cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
 }
 void layernorm_forward(const float* x, const float* g, const float* b, float* y, float* mean,
                        float* rstd, int64_t n, int64_t h, cudaStream_t st) {
@@ -529,23 +667,93 @@ void swiglu_backward(const float* x, const float* dy, float* dx, int64_t n, int6
 }
 void rope(float* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
           cudaStream_t st) {
-  if (b * s * heads * (d / 2) > 0)
-    PTDP_LAUNCH(rope_k, grid_for(b * s * heads * (d / 2)), x, b, s, heads, d, base, inverse);
+  rope_t(x, b, s, heads, d, base, inverse, st);
 }
 void causal_softmax(float* scores, int64_t rows, int64_t s, cudaStream_t st) {
-  if (rows * s > 0) PTDP_LAUNCH(causal_softmax_k, rows_grid(rows * s), scores, s);
+  causal_softmax_t(scores, rows, s, st);
 }
 void causal_softmax_backward(const float* probs, const float* dprobs, float* dscores, int64_t rows,
                              int64_t s, cudaStream_t st) {
-  if (rows * s > 0)
-    PTDP_LAUNCH(causal_softmax_backward_k, rows_grid(rows * s), probs, dprobs, dscores, s);
+  causal_softmax_backward_t(probs, dprobs, dscores, rows, s, st);
 }
 void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st) {
-  if (count * s * s > 0) PTDP_LAUNCH(zero_upper_k, grid_for(count * s * s), m, count * s * s, s);
+  zero_upper_t(m, count, s, st);
 }
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(adamw_k, grid_for(n), param, grad, m, v, n, a);
+}
+
+// ---- bf16 storage: the templated kernels above on bf16 activations ----
+void add(bf16* y, const bf16* x, int64_t n, cudaStream_t st) {
+  add_t(y, x, n, st);
+}
+void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream_t st) {
+  add_bias_t(y, bias, rows, width, st);
+}
+void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
+  bias_grad_t(dy, db, rows, width, st);
+}
+void scale(bf16* x, int64_t n, double f, cudaStream_t st) {
+  scale_t(x, n, f, st);
+}
+void split_columns3(const bf16* x, bf16* y0, bf16* y1, bf16* y2, int64_t n, int64_t a, int64_t b,
+                    int64_t c, cudaStream_t st) {
+  split_columns3_t(x, y0, y1, y2, n, a, b, c, st);
+}
+void concat_columns3(const bf16* x0, const bf16* x1, const bf16* x2, bf16* y, int64_t n, int64_t a,
+                     int64_t b, int64_t c, cudaStream_t st) {
+  concat_columns3_t(x0, x1, x2, y, n, a, b, c, st);
+}
+void sequence_unshard(const bf16* shards, bf16* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, cudaStream_t st) {
+  sequence_t(shards, full, t, b, s, width, true, st);
+}
+void sequence_shard(const bf16* full, bf16* shards, int64_t t, int64_t b, int64_t s, int64_t width,
+                    cudaStream_t st) {
+  sequence_t(full, shards, t, b, s, width, false, st);
+}
+void vocab_embedding_lookup(const int32_t* tokens, const bf16* table, bf16* y, int64_t n, int64_t h,
+                            int64_t v0, int64_t vl, cudaStream_t st) {
+  vocab_embedding_lookup_t(tokens, table, y, n, h, v0, vl, st);
+}
+void vocab_embedding_grad(const int32_t* tokens, const bf16* dy, float* dtable, int64_t n,
+                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
+  vocab_embedding_grad_t(tokens, dy, dtable, n, h, v0, vl, st);
+}
+void add_positions(bf16* x, const bf16* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st) {
+  add_positions_t(x, pos, b, sl, h, first, st);
+}
+void position_grad(const bf16* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st) {
+  position_grad_t(dx, dpos, b, sl, h, first, st);
+}
+void cross_entropy_stats(const bf16* logits, const int32_t* targets, float* stats, int64_t n,
+                         int64_t vl, int64_t valid, int64_t v0, cudaStream_t st) {
+  cross_entropy_stats_t(logits, targets, stats, n, vl, valid, v0, st);
+}
+void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float* lse,
+                          float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st) {
+  cross_entropy_finish_t(stats, ranks, logits, lse, row_loss, n, vl, valid, st);
+}
+void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                            double scale, cudaStream_t st) {
+  cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
+}
+void rope(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
+          cudaStream_t st) {
+  rope_t(x, b, s, heads, d, base, inverse, st);
+}
+void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st) {
+  causal_softmax_t(scores, rows, s, st);
+}
+void causal_softmax_backward(const bf16* probs, const bf16* dprobs, bf16* dscores, int64_t rows,
+                             int64_t s, cudaStream_t st) {
+  causal_softmax_backward_t(probs, dprobs, dscores, rows, s, st);
+}
+void zero_upper(bf16* m, int64_t count, int64_t s, cudaStream_t st) {
+  zero_upper_t(m, count, s, st);
 }
 
 }  // namespace ptdp::cuda_fp32

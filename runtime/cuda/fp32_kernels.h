@@ -9,13 +9,23 @@
 // These run the runtime's fp32 training on a GPU so that it can be checked against the CPU
 // backend step by step. The bf16 kernels of kernels/cuda/ (fused, flash attention, cuBLASLt)
 // are the fast path; docs/gpu.md says how far the backend uses them.
+//
+// Mixed precision (--bf16): the glue, embedding, cross-entropy, rotary and attention-piece
+// kernels also take bf16 activations (the overloads at the end), loaded as fp32 and stored
+// rounded to nearest even, with the fp32 arithmetic inside: what widening to fp32, the fp32
+// kernel and rounding back compute, without the fp32 round trip. Gradients of weights, biases,
+// positions and tables, and the statistics, stay fp32.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
+#include "kernels/cuda/common.h"
+
 namespace ptdp::cuda_fp32 {
+
+using bf16 = kernels::cuda::bf16;
 
 void add(float* y, const float* x, int64_t n, cudaStream_t st);
 void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st);
@@ -104,5 +114,39 @@ struct AdamWArgs {
 };
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st);
+
+// ---- bf16 activations (mixed precision): the calls above of the same names and shapes ----
+void add(bf16* y, const bf16* x, int64_t n, cudaStream_t st);
+void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream_t st);
+void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
+void scale(bf16* x, int64_t n, double f, cudaStream_t st);
+void split_columns3(const bf16* x, bf16* y0, bf16* y1, bf16* y2, int64_t n, int64_t a, int64_t b,
+                    int64_t c, cudaStream_t st);
+void concat_columns3(const bf16* x0, const bf16* x1, const bf16* x2, bf16* y, int64_t n, int64_t a,
+                     int64_t b, int64_t c, cudaStream_t st);
+void sequence_unshard(const bf16* shards, bf16* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, cudaStream_t st);
+void sequence_shard(const bf16* full, bf16* shards, int64_t t, int64_t b, int64_t s, int64_t width,
+                    cudaStream_t st);
+void vocab_embedding_lookup(const int32_t* tokens, const bf16* table, bf16* y, int64_t n, int64_t h,
+                            int64_t v0, int64_t vl, cudaStream_t st);
+void vocab_embedding_grad(const int32_t* tokens, const bf16* dy, float* dtable, int64_t n,
+                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
+void add_positions(bf16* x, const bf16* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st);
+void position_grad(const bf16* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
+                   cudaStream_t st);
+void cross_entropy_stats(const bf16* logits, const int32_t* targets, float* stats, int64_t n,
+                         int64_t vl, int64_t valid, int64_t v0, cudaStream_t st);
+void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float* lse,
+                          float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st);
+void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
+                            double scale, cudaStream_t st);
+void rope(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
+          cudaStream_t st);
+void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st);
+void causal_softmax_backward(const bf16* probs, const bf16* dprobs, bf16* dscores, int64_t rows,
+                             int64_t s, cudaStream_t st);
+void zero_upper(bf16* m, int64_t count, int64_t s, cudaStream_t st);
 
 }  // namespace ptdp::cuda_fp32

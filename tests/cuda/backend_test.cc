@@ -103,6 +103,17 @@ class CudaBackendTest : public ::testing::Test {
                                  << ", the CPU backend gives " << want[worst];
   }
 
+  // Runs `call` (GPU work) and checks that it ran natively: no widened fp32 temporaries, at most
+  // `bytes` of counted memory (the native call's own workspace) while it ran, none kept.
+  static void expect_native(const std::function<void()>& call, const std::string& what,
+                            int64_t bytes = 0) {
+    MemoryCounter::reset_peak();
+    const int64_t before = MemoryCounter::current();
+    call();
+    EXPECT_LE(MemoryCounter::peak() - before, bytes) << what << " was widened";
+    EXPECT_EQ(MemoryCounter::current(), before) << what << " kept memory";
+  }
+
   std::unique_ptr<Backend> cpu_, gpu_;
   std::vector<std::pair<void*, size_t>> owned_;
 };
@@ -271,6 +282,214 @@ TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
   gpu_->swiglu_backward(gsx, gsdy, gsdx, rows, f);
   expect_close(down16(gsy, sy.size()), widen(sy), "bf16 swiglu", 2e-2, 2e-2);
   expect_close(down16(gsdx, sdx.size()), widen(sdx), "bf16 swiglu backward", 2e-2, 2e-2);
+}
+
+// Mixed precision (--bf16): the glue, the rotary embedding, the vocabulary-parallel embedding and
+// the cross-entropy run natively on bf16 storage on the GPU (no counted fp32 temporaries) and
+// give what the CPU backend's widening of the same bf16 inputs gives: bf16 outputs within bf16
+// rounding, fp32 gradients and statistics within fp32 summation order, copies exactly.
+TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
+  constexpr double kBf16 = 2e-2, kF32 = 1e-3;  // relative tolerances
+  // Element-wise: add, bias add and its gradient into fp32, scale.
+  const int64_t rows = 25, width = 41, m = rows * width;
+  Bf16 y = narrow(random(m, 70)), x = narrow(random(m, 71)), bias = narrow(random(width, 72));
+  const Host db0 = random(width, 73);
+  Host db = db0;
+  const Ptr gy = up16(y), gx = up16(x), gbias = up16(bias);
+  float* gdb = up(db0);
+  cpu_->add(host16(y), host16(x), m);
+  expect_native([&] { gpu_->add(gy, gx, m); }, "bf16 add");
+  expect_close(down16(gy, y.size()), widen(y), "bf16 add", kBf16, 1e-3);
+  cpu_->add_bias(host16(y), host16(bias), rows, width);
+  expect_native([&] { gpu_->add_bias(gy, gbias, rows, width); }, "bf16 add_bias");
+  expect_close(down16(gy, y.size()), widen(y), "bf16 add_bias", kBf16, 1e-3);
+  cpu_->bias_grad(host16(y), db.data(), rows, width);
+  expect_native([&] { gpu_->bias_grad(gy, gdb, rows, width); }, "bf16 bias_grad");
+  expect_close(down(gdb, db.size()), db, "bf16 bias_grad into fp32", kF32, 1e-5);
+  cpu_->scale(host16(y), m, 0.37);
+  expect_native([&] { gpu_->scale(gy, m, 0.37); }, "bf16 scale");
+  expect_close(down16(gy, y.size()), widen(y), "bf16 scale", kBf16, 1e-3);
+
+  // Copies: column split and concatenation, sequence shards (t = 3).
+  const int64_t n = 21, a = 5, bw = 7, c = 9;
+  Bf16 cols = narrow(random(n * (a + bw + c), 74)), y0(n * a), y1(n * bw), y2(n * c),
+       back(cols.size());
+  cpu_->split_columns3(host16(cols), host16(y0), host16(y1), host16(y2), n, a, bw, c);
+  cpu_->concat_columns3(host16(y0), host16(y1), host16(y2), host16(back), n, a, bw, c);
+  const Ptr gcols = up16(cols), g0 = up16(Bf16(y0.size())), g1 = up16(Bf16(y1.size())),
+            g2 = up16(Bf16(y2.size())), gback = up16(Bf16(back.size()));
+  expect_native([&] { gpu_->split_columns3(gcols, g0, g1, g2, n, a, bw, c); }, "bf16 split");
+  expect_native([&] { gpu_->concat_columns3(g0, g1, g2, gback, n, a, bw, c); }, "bf16 concat");
+  expect_close(down16(g0, y0.size()), widen(y0), "bf16 split_columns3 (a)", 0, 0);
+  expect_close(down16(g2, y2.size()), widen(y2), "bf16 split_columns3 (c)", 0, 0);
+  expect_close(down16(gback, back.size()), widen(cols), "bf16 concat_columns3", 0, 0);
+  const int64_t t = 3, b = 2, s = 12, sw = 11;
+  Bf16 full = narrow(random(b * s * sw, 75)), shards(full.size());
+  cpu_->sequence_shard(host16(full), host16(shards), t, b, s, sw);
+  const Ptr gfull = up16(full), gsh = up16(Bf16(full.size())), gun = up16(Bf16(full.size()));
+  expect_native([&] { gpu_->sequence_shard(gfull, gsh, t, b, s, sw); }, "bf16 sequence_shard");
+  expect_native([&] { gpu_->sequence_unshard(gsh, gun, t, b, s, sw); }, "bf16 sequence_unshard");
+  expect_close(down16(gsh, shards.size()), widen(shards), "bf16 sequence_shard", 0, 0);
+  expect_close(down16(gun, full.size()), widen(full), "bf16 sequence_unshard", 0, 0);
+
+  // The rotary embedding in place, both directions.
+  const int64_t heads = 3, d = 10, sr = 23;
+  for (const bool inverse : {false, true}) {
+    Bf16 r = narrow(random(b * sr * heads * d, 76));
+    const Ptr gr = up16(r);
+    cpu_->rope(host16(r), b, sr, heads, d, 10000.0, inverse);
+    expect_native([&] { gpu_->rope(gr, b, sr, heads, d, 10000.0, inverse); }, "bf16 rope");
+    expect_close(down16(gr, r.size()), widen(r), inverse ? "bf16 rope inverse" : "bf16 rope", kBf16,
+                 1e-3);
+  }
+
+  // The embedding on the shard [67, 67 + 64) of a 131-token vocabulary (70 rows: 6 of padding),
+  // token ids inside and outside it, from host memory; positions from 7 on.
+  const int64_t tokens_n = 30, h = 13, v0 = 67, vl = 70, valid = 64, pb = 3, sl = 10, first = 7;
+  std::vector<int32_t> tokens(tokens_n);
+  std::mt19937 g(77);
+  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  Bf16 table = narrow(random(vl * h, 78)), dy = narrow(random(tokens_n * h, 79)),
+       pos = narrow(random((first + sl) * h, 80)), emb(tokens_n * h);
+  const Host dtable0 = random(vl * h, 81), dpos0 = random((first + sl) * h, 82);
+  Host dtable = dtable0, dpos = dpos0;
+  cpu_->vocab_embedding_lookup(tokens.data(), host16(table), host16(emb), tokens_n, h, v0, vl);
+  const Ptr gtable = up16(table), gdy = up16(dy), gpos = up16(pos), gemb = up16(Bf16(emb.size()));
+  float *gdtable = up(dtable0), *gdpos = up(dpos0);
+  expect_native(
+      [&] { gpu_->vocab_embedding_lookup(tokens.data(), gtable, gemb, tokens_n, h, v0, vl); },
+      "bf16 embedding lookup");
+  expect_close(down16(gemb, emb.size()), widen(emb), "bf16 embedding lookup", 0, 0);
+  cpu_->add_positions(host16(emb), host16(pos), pb, sl, h, first);
+  expect_native([&] { gpu_->add_positions(gemb, gpos, pb, sl, h, first); }, "bf16 add_positions");
+  expect_close(down16(gemb, emb.size()), widen(emb), "bf16 add_positions", kBf16, 1e-3);
+  cpu_->vocab_embedding_grad(tokens.data(), host16(dy), dtable.data(), tokens_n, h, v0, vl);
+  expect_native(
+      [&] { gpu_->vocab_embedding_grad(tokens.data(), gdy, gdtable, tokens_n, h, v0, vl); },
+      "bf16 embedding gradient");
+  expect_close(down(gdtable, dtable.size()), dtable, "bf16 embedding gradient into fp32", kF32,
+               1e-5);
+  cpu_->position_grad(host16(dy), dpos.data(), pb, sl, h, first);
+  expect_native([&] { gpu_->position_grad(gdy, gdpos, pb, sl, h, first); }, "bf16 position_grad");
+  expect_close(down(gdpos, dpos.size()), dpos, "bf16 position gradient into fp32", kF32, 1e-5);
+
+  // The cross-entropy on the same shard: statistics, then the finish with this rank's statistics
+  // alone and beside two other tensor-parallel ranks' ([3, n, 3]), then the backward pass.
+  constexpr int64_t k = 3;  // statistics per token
+  const Bf16 logits0 = narrow(random(tokens_n * vl, 83, -5, 5));
+  Bf16 logits = logits0;
+  Host stats(tokens_n * k);
+  cpu_->cross_entropy_stats(host16(logits), tokens.data(), stats.data(), tokens_n, vl, valid, v0);
+  const Ptr glogits = up16(logits);
+  float* gstats = up(Host(stats.size()));
+  expect_native(
+      [&] { gpu_->cross_entropy_stats(glogits, tokens.data(), gstats, tokens_n, vl, valid, v0); },
+      "bf16 cross-entropy statistics");
+  expect_close(down(gstats, stats.size()), stats, "bf16 cross-entropy statistics", kF32, 1e-5);
+  Host others = stats;  // this rank's, then two more ranks' (max, sum of exp, target logit)
+  for (const uint32_t seed : {84u, 85u}) {
+    const Host mx = random(tokens_n, seed, -5, 5), sum = random(tokens_n, seed + 10, 0.5f, 60.0f),
+               tgt = random(tokens_n, seed + 20, -5, 5);
+    for (int64_t i = 0; i < tokens_n; ++i) others.insert(others.end(), {mx[i], sum[i], tgt[i]});
+  }
+  for (const int64_t ranks : {int64_t{1}, int64_t{3}}) {
+    const std::string at = " (" + std::to_string(ranks) + " ranks)";
+    Bf16 probs = logits0;
+    Host lse(tokens_n);
+    const double loss = cpu_->cross_entropy_finish(others.data(), ranks, host16(probs), lse.data(),
+                                                   tokens_n, vl, valid);
+    const Ptr gprobs = up16(logits0);
+    float *gothers = up(others), *glse = up(Host(tokens_n));
+    double gloss = 0;
+    expect_native(
+        [&] {
+          gloss = gpu_->cross_entropy_finish(gothers, ranks, gprobs, glse, tokens_n, vl, valid);
+        },
+        "bf16 cross-entropy finish" + at,
+        static_cast<int64_t>(sizeof(float)) * tokens_n);  // the rows' losses
+    EXPECT_NEAR(gloss, loss, 1e-5 * tokens_n + 1e-4 * std::abs(loss)) << at;
+    expect_close(down(glse, lse.size()), lse, "bf16 cross-entropy log-sum-exp" + at, 1e-4, 1e-5);
+    expect_close(down16(gprobs, probs.size()), widen(probs), "bf16 probabilities" + at, kBf16,
+                 1e-5);
+    // The backward pass from the CPU's probabilities on both sides.
+    const Ptr gp = up16(probs);
+    cpu_->cross_entropy_backward(host16(probs), tokens.data(), tokens_n, vl, v0, 0.5);
+    expect_native([&] { gpu_->cross_entropy_backward(gp, tokens.data(), tokens_n, vl, v0, 0.5); },
+                  "bf16 cross-entropy backward" + at);
+    expect_close(down16(gp, probs.size()), widen(probs), "bf16 logit gradient" + at, kBf16, 1e-6);
+  }
+}
+
+// Mixed precision: the unfused attention pieces (scores, causal softmax, context and their
+// backward) on bf16 operands run natively on the GPU (cuBLAS with bf16 in and out, fp32
+// accumulation; the softmax kernels on bf16 storage) with grouped queries (4 query heads on 2
+// key/value heads: dk and dv summed over a group in an fp32 workspace, rounded once) and without
+// (3 on 3: written directly), at a sequence length that is no multiple of 32. Each GPU call gets
+// the CPU's bf16 inputs, so every step is compared on its own; outputs start non-zero, so they
+// must be overwritten, not added to.
+TEST_F(CudaBackendTest, MixedPrecisionAttentionPiecesRunNatively) {
+  constexpr double kBf16 = 2e-2;
+  for (const auto& heads : {std::pair<int64_t, int64_t>{4, 2}, {3, 3}}) {
+    const int64_t hq = heads.first, hk = heads.second;  // named, for the lambdas to capture
+    const int64_t b = 2, s = 19, d = 16, rows = b * hq, nq = b * s * hq * d, nk = b * s * hk * d,
+                  np = rows * s * s;
+    const std::string at = " (hq " + std::to_string(hq) + ", hk " + std::to_string(hk) + ")";
+    const Bf16 q = narrow(random(nq, 90)), kk = narrow(random(nk, 91)), v = narrow(random(nk, 92)),
+               dout = narrow(random(nq, 93));
+    Bf16 scores(np), probs(np), ctx(nq), dprobs(np), dv(nk), dscores(np), dq(nq), dk(nk);
+    cpu_->attention_scores(CPtr(q.data(), DType::kBF16), CPtr(kk.data(), DType::kBF16),
+                           host16(scores), b, s, hq, hk, d);
+    probs = scores;
+    cpu_->causal_softmax(host16(probs), rows, s);
+    cpu_->attention_context(host16(probs), CPtr(v.data(), DType::kBF16), host16(ctx), b, s, hq, hk,
+                            d);
+    cpu_->attention_context_backward(host16(probs), CPtr(v.data(), DType::kBF16),
+                                     CPtr(dout.data(), DType::kBF16), host16(dprobs), host16(dv), b,
+                                     s, hq, hk, d);
+    cpu_->causal_softmax_backward(host16(probs), host16(dprobs), host16(dscores), rows, s);
+    cpu_->attention_scores_backward(CPtr(q.data(), DType::kBF16), CPtr(kk.data(), DType::kBF16),
+                                    host16(dscores), host16(dq), host16(dk), b, s, hq, hk, d);
+
+    const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdout = up16(dout);
+    const Bf16 sevens = narrow(Host(np, 7.0f)), threes = narrow(Host(std::max(nq, nk), 3.0f));
+    const Ptr gs = up16(sevens);
+    expect_native([&] { gpu_->attention_scores(gq, gk, gs, b, s, hq, hk, d); },
+                  "bf16 attention scores" + at);
+    expect_close(down16(gs, scores.size()), widen(scores), "bf16 attention scores" + at, kBf16,
+                 1e-3);
+    const Ptr gp = up16(scores);
+    expect_native([&] { gpu_->causal_softmax(gp, rows, s); }, "bf16 causal softmax" + at);
+    expect_close(down16(gp, probs.size()), widen(probs), "bf16 causal softmax" + at, kBf16, 1e-3);
+    const Ptr gprobs = up16(probs), gctx = up16(Bf16(threes.begin(), threes.begin() + nq));
+    expect_native([&] { gpu_->attention_context(gprobs, gv, gctx, b, s, hq, hk, d); },
+                  "bf16 attention context" + at);
+    expect_close(down16(gctx, ctx.size()), widen(ctx), "bf16 attention context" + at, kBf16, 1e-3);
+    // dk and dv: an fp32 workspace of their size when query heads share them.
+    const int64_t sum_bytes = hq > hk ? static_cast<int64_t>(sizeof(float)) * nk : 0;
+    const Ptr gdp = up16(sevens), gdv = up16(Bf16(threes.begin(), threes.begin() + nk));
+    expect_native(
+        [&] { gpu_->attention_context_backward(gprobs, gv, gdout, gdp, gdv, b, s, hq, hk, d); },
+        "bf16 attention context backward" + at, sum_bytes);
+    expect_close(down16(gdp, dprobs.size()), widen(dprobs), "bf16 d probs" + at, kBf16, 1e-3);
+    expect_close(down16(gdv, dv.size()), widen(dv), "bf16 d v" + at, kBf16, 1e-3);
+    const Ptr gdprobs = up16(dprobs), gds = up16(sevens);
+    expect_native([&] { gpu_->causal_softmax_backward(gprobs, gdprobs, gds, rows, s); },
+                  "bf16 causal softmax backward" + at);
+    expect_close(down16(gds, dscores.size()), widen(dscores), "bf16 d scores" + at, kBf16, 1e-3);
+    const Ptr gdscores = up16(dscores), gdq = up16(Bf16(threes.begin(), threes.begin() + nq)),
+              gdk = up16(Bf16(threes.begin(), threes.begin() + nk));
+    expect_native(
+        [&] { gpu_->attention_scores_backward(gq, gk, gdscores, gdq, gdk, b, s, hq, hk, d); },
+        "bf16 attention scores backward" + at, sum_bytes);
+    expect_close(down16(gdq, dq.size()), widen(dq), "bf16 d q" + at, kBf16, 1e-3);
+    expect_close(down16(gdk, dk.size()), widen(dk), "bf16 d k" + at, kBf16, 1e-3);
+    // Either gradient alone (the other null), as the typed forms allow.
+    const Ptr gdk2 = up16(Bf16(threes.begin(), threes.begin() + nk));
+    expect_native(
+        [&] { gpu_->attention_scores_backward(gq, gk, gdscores, Ptr(), gdk2, b, s, hq, hk, d); },
+        "bf16 attention scores backward, dk alone" + at, sum_bytes);
+    expect_close(down16(gdk2, dk.size()), widen(dk), "bf16 d k alone" + at, kBf16, 1e-3);
+  }
 }
 
 // Scores, softmax, context and their backward, with grouped queries (4 query heads on 2 key/value
@@ -554,13 +773,53 @@ TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
       o.model = m;
       o.plan.global_batch_size = 6;
       o.plan.micro_batch_size = 3;
-      o.steps = 20;
+      o.steps = cuda_test::kTrainingSteps;
       o.backend = be;
       runs.push_back(cuda_test::losses_of_one_rank(o));
     }
     ASSERT_EQ(runs[1].size(), runs[0].size());
     for (size_t i = 0; i < runs[0].size(); ++i)
       EXPECT_NEAR(runs[1][i], runs[0][i], 1e-3 * std::abs(runs[0][i])) << "step " << i;
+    EXPECT_LT(runs[1].back(), runs[1].front());
+  }
+}
+
+// The same in mixed precision (--bf16): the GPU runs every typed call natively on bf16 (GEMMs,
+// attention pieces, norms, activations, glue, embedding, cross-entropy), the CPU backend widens
+// them to its fp32 kernels; the losses agree within bf16's precision. The GPT shape covers the
+// biases and learned positions, the Llama shape grouped queries, rotary, SwiGLU and RMSNorm with
+// the unfused attention, and a Llama shape with head dimension 64 the bf16 flash attention.
+TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
+  PTDP_REQUIRE_GPU();
+  const ModelSpec gpt = cuda_test::tiny_gpt();
+  ModelSpec llama = gpt;
+  llama.num_query_groups = 2;
+  llama.swiglu = true;
+  llama.untie_embeddings_and_output_weights = true;
+  llama.learned_position_embeddings = false;
+  llama.rotary_base = 10000;
+  llama.ffn_hidden_size = 96;
+  ModelSpec flash = llama;  // head dimension 64: the bf16 kernels of kernels/cuda/attention.h
+  flash.hidden_size = 128;
+  flash.num_attention_heads = 2;
+  flash.num_query_groups = 1;
+  flash.ffn_hidden_size = 192;
+  flash.flash_attention = true;
+  for (const ModelSpec& m : {gpt, llama, flash}) {
+    std::vector<std::vector<double>> runs;
+    for (const char* be : {"cpu", "cuda"}) {
+      TrainOptions o;
+      o.model = m;
+      o.plan.global_batch_size = 6;
+      o.plan.micro_batch_size = 3;
+      o.steps = cuda_test::kTrainingSteps;
+      o.backend = be;
+      o.precision = DType::kBF16;
+      runs.push_back(cuda_test::losses_of_one_rank(o));
+    }
+    ASSERT_EQ(runs[1].size(), runs[0].size());
+    for (size_t i = 0; i < runs[0].size(); ++i)
+      EXPECT_NEAR(runs[1][i], runs[0][i], 2e-2 * std::abs(runs[0][i])) << "step " << i;
     EXPECT_LT(runs[1].back(), runs[1].front());
   }
 }

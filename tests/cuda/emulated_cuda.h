@@ -3,7 +3,7 @@
 // tests/cuda/CMakeLists.txt; docs/gpu.md). Device memory is host memory
 // (tests/cuda/emulated_cuda_runtime.cc gives the runtime calls the kernels and tests make), a
 // stream runs its work at once, and a launch (PTDP_KERNEL_LAUNCH, kernels/cuda/common.cuh) runs
-// the grid's blocks in order. Every thread of a block is a fiber (ucontext) on the calling
+// the grid's blocks in order. Every thread of a block is a fiber on the calling
 // thread, switched only at barriers, so a block runs deterministically: __syncthreads waits for
 // the block's live threads, __syncwarp and the warp shuffles for the warp's (warps: 32
 // consecutive linear thread indices). mma.sync.m16n8k16 (bf16 in, fp32 accumulate) is computed
@@ -83,15 +83,51 @@ struct Dim {
 enum class Wait { kRunnable, kWarp, kBlock, kDone };
 constexpr size_t kStackBytes = 64 * 1024;
 
+// A fiber's saved state. On x86-64 its stack pointer, with the callee-saved registers pushed
+// on that stack (ptdp_emu_switch, tests/cuda/emulated_cuda_runtime.cc: no system call per
+// switch, unlike swapcontext's signal mask); elsewhere a ucontext.
+#if defined(__x86_64__)
+extern "C" void ptdp_emu_switch(void** save_sp, void* load_sp);
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_to(Context& from, Context& to) {
+  ptdp_emu_switch(&from.sp, to.sp);
+}
+inline void init_context(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  const auto top = reinterpret_cast<std::uintptr_t>(stack + bytes) & ~std::uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;                              // entry's return address: it never returns
+  *--sp = reinterpret_cast<void*>(entry);       // where the first switch's ret goes
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc{};
+};
+inline void switch_to(Context& from, Context& to) {
+  swapcontext(&from.uc, &to.uc);
+}
+// Out of line: getcontext returns twice, which would make the caller's variables suspect.
+[[gnu::noinline]] inline void init_context(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-  ucontext_t ctx{};
+  Context ctx;
   Wait wait = Wait::kRunnable;
 };
 
 struct Block {
   Dim idx, dim, grid;
   std::vector<Fiber> fibers;
-  ucontext_t main{};
+  Context main;
   int cur = 0;
   std::vector<unsigned char> smem;
   std::vector<float> shfl;
@@ -125,7 +161,7 @@ inline void wait(Wait kind) {
   Block* b = current();
   Fiber& f = b->fibers[b->cur];
   f.wait = kind;
-  swapcontext(&f.ctx, &b->main);
+  switch_to(f.ctx, b->main);
 }
 inline void sync_block() {
   wait(Wait::kBlock);
@@ -181,10 +217,21 @@ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   for (int e = 0; e < 4; ++e) c[e] = out[e];
 }
 
+// Fiber stacks, reused by every block: at most 1024 threads of 64 KiB.
+inline char* stacks() {
+  static std::unique_ptr<char[]> pool(new char[size_t{1024} * kStackBytes]);
+  return pool.get();
+}
+
 inline void fiber_main() {
   Block* b = current();
   (*b->body)();
-  b->fibers[b->cur].wait = Wait::kDone;  // uc_link returns to the scheduler
+  Fiber& f = b->fibers[b->cur];
+  f.wait = Wait::kDone;
+  switch_to(f.ctx, b->main);  // never resumed
+}
+inline void init_fiber(Fiber& f, int index) {
+  init_context(f.ctx, stacks() + static_cast<size_t>(index) * kStackBytes, kStackBytes, fiber_main);
 }
 
 // Between two barriers the threads of a block run one after the other, in index order or, with
@@ -196,22 +243,6 @@ inline bool reverse_order() {
     return v && std::strcmp(v, "reverse") == 0;
   }();
   return reverse;
-}
-
-// Fiber stacks, reused by every block: at most 1024 threads of 64 KiB.
-inline char* stacks() {
-  static std::unique_ptr<char[]> pool(new char[size_t{1024} * kStackBytes]);
-  return pool.get();
-}
-
-// A fiber that starts in fiber_main on `stack` and returns to `link`. Out of line: getcontext
-// returns twice, which would make the caller's loop variables suspect.
-[[gnu::noinline]] inline void init_fiber(Fiber& f, char* stack, ucontext_t* link) {
-  getcontext(&f.ctx);
-  f.ctx.uc_stack.ss_sp = stack;
-  f.ctx.uc_stack.ss_size = kStackBytes;
-  f.ctx.uc_link = link;
-  makecontext(&f.ctx, fiber_main, 0);
 }
 
 // Runs `body` as every thread of block `idx` of a `grid` of blocks of `dim` threads.
@@ -229,18 +260,17 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
   b.frag_a.assign(static_cast<size_t>(threads) * 4, 0u);
   b.frag_b.assign(static_cast<size_t>(threads) * 2, 0u);
   b.body = &body;
-  for (int i = 0; i < threads; ++i)
-    init_fiber(b.fibers[i], stacks() + static_cast<size_t>(i) * kStackBytes, &b.main);
   Block* saved = current();
   current() = &b;
-  const int warps = (threads + 31) / 32;
   const bool reverse = reverse_order();
+  for (int i = 0; i < threads; ++i) init_fiber(b.fibers[i], i);
+  const int warps = (threads + 31) / 32;
   for (;;) {
     for (int k = 0; k < threads; ++k) {
       const int i = reverse ? threads - 1 - k : k;
       if (b.fibers[i].wait == Wait::kRunnable) {
         b.cur = i;
-        swapcontext(&b.main, &b.fibers[i].ctx);
+        switch_to(b.main, b.fibers[i].ctx);
       }
     }
     // Everyone is now waiting or done: release the barriers that every live thread reached.

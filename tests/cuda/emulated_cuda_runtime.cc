@@ -4,8 +4,60 @@
 // for bad arguments. Linked instead of libcudart.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+
+namespace {
+
+// The live allocations (start -> bytes), so cudaPointerGetAttributes can tell device memory from
+// host memory as the CUDA backend and its data plane need.
+std::map<std::uintptr_t, size_t>& allocations() {
+  static std::map<std::uintptr_t, size_t> live;
+  return live;
+}
+std::mutex& allocations_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+struct FakeStream {};
+struct FakeEvent {};
+
+}  // namespace
+
+// The fiber switch of tests/cuda/emulated_cuda.h on x86-64: push the callee-saved registers,
+// save the stack pointer, load the other fiber's, pop its registers and return into it.
+#if defined(__x86_64__)
+asm(R"(
+  .pushsection .text
+  .globl ptdp_emu_switch
+  .type ptdp_emu_switch, @function
+ptdp_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ptdp_emu_switch, .-ptdp_emu_switch
+  .popsection
+)");
+#endif
+
+struct CUstream_st : FakeStream {};
+struct CUevent_st : FakeEvent {};
 
 extern "C" {
 
@@ -51,10 +103,91 @@ const char* cudaGetErrorString(cudaError_t e) {
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
-  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+  if (!*p) return cudaErrorMemoryAllocation;
+  std::lock_guard<std::mutex> lock(allocations_mutex());
+  allocations()[reinterpret_cast<std::uintptr_t>(*p)] = bytes;
+  return cudaSuccess;
 }
 cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(allocations_mutex());
+    allocations().erase(reinterpret_cast<std::uintptr_t>(p));
+  }
   std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
+  *a = cudaPointerAttributes{};
+  a->type = cudaMemoryTypeUnregistered;
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  std::lock_guard<std::mutex> lock(allocations_mutex());
+  auto it = allocations().upper_bound(at);
+  if (it != allocations().begin()) {
+    --it;
+    if (at < it->first + it->second || at == it->first) {
+      a->type = cudaMemoryTypeDevice;
+      a->devicePointer = const_cast<void*>(p);
+    }
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaMemset2DAsync(void* p, size_t pitch, int value, size_t width, size_t height,
+                              cudaStream_t) {
+  for (size_t r = 0; r < height; ++r) std::memset(static_cast<char*>(p) + r * pitch, value, width);
+  return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t* s) {
+  *s = new CUstream_st;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned int) {
+  return cudaStreamCreate(s);
+}
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete s;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned int) {
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) {
+  *e = new CUevent_st;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned int) {
+  return cudaEventCreate(e);
+}
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t) {
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t) {
+  return cudaSuccess;  // every stream has run its work already
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int) {
+  *prop = cudaDeviceProp{};
+  std::strncpy(prop->name, "host emulation", sizeof prop->name - 1);
+  prop->totalGlobalMem = size_t{80} << 30;
+  prop->l2CacheSize = 50 << 20;
+  prop->multiProcessorCount = 132;
+  prop->major = 9;
+  return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = 0;
   return cudaSuccess;
 }
 cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) {

@@ -22,6 +22,14 @@ inline ModelSpec tiny_gpt() {
   return m;
 }
 
+// Steps of the training tests: 20 on a GPU; 6 under the host emulation (tests/cuda/
+// emulated_cuda.h), which runs every kernel thread as a fiber and is some thousand times slower.
+#ifdef PTDP_CUDA_EMULATION
+inline constexpr int kTrainingSteps = 6;
+#else
+inline constexpr int kTrainingSteps = 20;
+#endif
+
 // Each step's loss of `o` trained on one rank.
 inline std::vector<double> losses_of_one_rank(const TrainOptions& o) {
   auto self = make_self_communicator();
