@@ -243,6 +243,15 @@ class CpuBackend : public Backend {
     MemoryCounter::allocated(bytes);
     return p;
   }
+  void* allocate_for_overwrite(size_t bytes) override {
+    void* p = ::operator new (bytes, std::align_val_t{64});
+    std::memset(p, 0xFF, bytes);
+    MemoryCounter::allocated(bytes);
+    return p;
+  }
+  void poison_bytes(void* p, size_t bytes) override {
+    if (bytes > 0) std::memset(p, 0xFF, bytes);
+  }
   void deallocate(void* p, size_t bytes) override {
     MemoryCounter::freed(bytes);
     ::operator delete (p, std::align_val_t{64});
@@ -280,11 +289,9 @@ class StagedCpuBackend final : public CpuBackend {
     if (buffer_space() == this) set_buffer_space(nullptr);
   }
   std::string_view name() const override { return "cpu-staged"; }
-  void* allocate(size_t bytes) override {
-    void* p = CpuBackend::allocate(bytes);
-    std::lock_guard<std::mutex> lock(mu_);
-    ranges_[reinterpret_cast<uintptr_t>(p)] = bytes;
-    return p;
+  void* allocate(size_t bytes) override { return track(CpuBackend::allocate(bytes), bytes); }
+  void* allocate_for_overwrite(size_t bytes) override {
+    return track(CpuBackend::allocate_for_overwrite(bytes), bytes);
   }
   void deallocate(void* p, size_t bytes) override {
     {
@@ -304,6 +311,11 @@ class StagedCpuBackend final : public CpuBackend {
   }
 
  private:
+  void* track(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ranges_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    return p;
+  }
   mutable std::mutex mu_;
   std::map<uintptr_t, size_t> ranges_;  // start -> bytes
 };

@@ -144,6 +144,12 @@ class Backend {
   // (runtime/tensor.h's MemoryCounter), 64-byte aligned.
   virtual void* allocate(size_t bytes) = 0;
   virtual void deallocate(void* p, size_t bytes) = 0;
+  // Memory (or bytes of it) that the caller writes in full before reading
+  // (Buffer::resize_for_overwrite): counted like allocate's, but not zeroed. A GPU backend skips
+  // the memset; the host backends fill it with 0xFF bytes, a NaN in fp32, bf16 and fp16, so a
+  // read before the write turns a CPU test's losses into NaN.
+  virtual void* allocate_for_overwrite(size_t bytes) { return allocate(bytes); }
+  virtual void poison_bytes(void* p, size_t bytes) { (void)p, (void)bytes; }
   // Copies between host memory and the backend's.
   virtual void upload(const void* host, void* device, size_t bytes) = 0;
   virtual void download(const void* device, void* host, size_t bytes) = 0;

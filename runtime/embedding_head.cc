@@ -24,7 +24,7 @@ void embedding_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs& A, 
   const int64_t first_pos = m.sp ? m.tp * sl : 0;
   switch (op) {
     case OpId::kWordEmbeddingLookup:
-      resize(A.emb, m.n_full * m.h);
+      resize_for_overwrite(A.emb, m.n_full * m.h);
       c.be.vocab_embedding_lookup(A.inputs.data(), c.P(W.word), A.emb.ptr(), m.n_full, m.h, m.v0,
                                   m.vl);
       break;
@@ -64,7 +64,7 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
   // The loss: log-sum-exp over the whole vocabulary from every rank's stats; the logits
   // become probabilities in place.
   auto finish = [&](const float* stats, int64_t ranks) {
-    resize(A.lse, m.n_full);
+    resize_for_overwrite(A.lse, m.n_full);
     const double sum =
         c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(), m.n_full, m.vl, valid);
     return sum / static_cast<double>(m.n_full);
@@ -77,18 +77,18 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
       c.gather_sequence(A.lnf, A.lnf_full, m.h);
       break;
     case OpId::kLmHead:
-      resize(A.probs, m.n_full * m.vl);  // logits until the loss is finished
+      resize_for_overwrite(A.probs, m.n_full * m.vl);  // logits until the loss is finished
       c.linear(lnf_full.ptr(), W.head, -1, A.probs.ptr(), m.n_full, m.h, m.vl);
       break;
     case OpId::kCrossEntropy:
-      resize(A.stats, m.n_full * kCrossEntropyStatsPerToken);
+      resize_for_overwrite(A.stats, m.n_full * kCrossEntropyStatsPerToken);
       c.be.cross_entropy_stats(A.probs.ptr(), A.targets.data(), A.stats.data(), m.n_full, m.vl,
                                valid, m.v0);
       if (m.t == 1) return finish(A.stats.data(), 1);
       break;
     case OpId::kCrossEntropyAllGather: {
       Buffer all(DType::kF32);
-      resize(all, m.t * elems(A.stats));
+      resize_for_overwrite(all, m.t * elems(A.stats));
       c.all_gather(A.stats.data(), all.data(), elems(A.stats));
       return finish(all.data(), m.t);
     }
@@ -108,7 +108,7 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
                                   loss_scale);
       break;
     case OpId::kLmHeadDgrad:
-      resize(D.d_ln1_full, m.n_full * m.h);
+      resize_for_overwrite(D.d_ln1_full, m.n_full * m.h);
       c.linear_dgrad(W.head, A.probs.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.vl);
       break;
     case OpId::kLmHeadWgrad:

@@ -79,7 +79,7 @@ Buffer::Buffer(size_t n, float v) : Buffer(DType::kF32) {
 
 Buffer::Buffer(const Buffer& o) : space_(o.space_), dtype_(o.dtype_), typed_(o.typed_) {
   if (o.n_ == 0) return;
-  reallocate(o.n_);
+  reallocate(o.n_, false);  // every element is copied
   n_ = o.n_;
   if (on_host())
     std::memcpy(p_, o.p_, bytes());
@@ -147,13 +147,14 @@ void Buffer::release() {
   n_ = cap_ = 0;
 }
 
-void Buffer::reallocate(size_t cap) {
+void Buffer::reallocate(size_t cap, bool zeroed) {
   void* p = nullptr;
   if (on_host()) {
     p = ::operator new (cap* element(), std::align_val_t{64});
     MemoryCounter::allocated(cap * element());
   } else {
-    p = space_->allocate(cap * element());
+    p = zeroed ? space_->allocate(cap * element())
+               : space_->allocate_for_overwrite(cap * element());
   }
   if (n_ > 0) {
     if (on_host())
@@ -169,6 +170,15 @@ void Buffer::reallocate(size_t cap) {
 }
 
 void Buffer::resize(size_t n) {
+  grow(n, true);
+}
+
+void Buffer::resize_for_overwrite(size_t n) {
+  grow(n, false);
+}
+
+// New elements zeroed, or (for overwrite) left as the space leaves them: 0xFF bytes on the host.
+void Buffer::grow(size_t n, bool zero) {
   if (n > cap_) {
     // An empty Buffer takes the current space, so one made before a device backend registered
     // itself (a member of a long-lived object) still lands on the device.
@@ -177,14 +187,17 @@ void Buffer::resize(size_t n) {
       space_ = buffer_space();
       if (!typed_) dtype_ = activation_dtype();
     }
-    reallocate(std::max(n, n_ + n_));
+    reallocate(std::max(n, n_ + n_), zero);
   }
   if (n > n_) {
     char* from = static_cast<char*>(p_) + n_ * element();
+    const size_t bytes = (n - n_) * element();
     if (on_host())
-      std::memset(from, 0, (n - n_) * element());
+      std::memset(from, zero ? 0 : 0xFF, bytes);
+    else if (zero)
+      space_->zero_bytes(from, bytes);
     else
-      space_->zero_bytes(from, (n - n_) * element());
+      space_->poison_bytes(from, bytes);
   }
   n_ = n;
 }

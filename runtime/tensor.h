@@ -84,6 +84,9 @@ class Buffer {
   // Keeps the first min(size, n) elements; new elements are zero. Grows as std::vector does
   // (at least doubling), so measured peaks do not depend on the space.
   void resize(size_t n);
+  // The same, but new elements are left for the caller to write before anything reads them: no
+  // memset on a GPU; 0xFF bytes (NaN) on the host backends, so a read before the write shows.
+  void resize_for_overwrite(size_t n);
   void clear() { n_ = 0; }  // keeps the capacity
   void swap(Buffer& o) noexcept;
   Backend* space() const { return space_; }
@@ -102,7 +105,8 @@ class Buffer {
 
  private:
   void* checked_f32() const;
-  void reallocate(size_t cap);
+  void reallocate(size_t cap, bool zeroed);
+  void grow(size_t n, bool zero);
   size_t element() const { return dtype_bytes(dtype_); }
 
   Backend* space_ = nullptr;
@@ -117,6 +121,9 @@ inline int64_t elems(const Buffer& b) {
 }
 inline void resize(Buffer& b, int64_t n) {
   b.resize(static_cast<size_t>(n));
+}
+inline void resize_for_overwrite(Buffer& b, int64_t n) {
+  b.resize_for_overwrite(static_cast<size_t>(n));
 }
 
 // Releases a buffer's memory (clear() keeps the capacity).

@@ -43,11 +43,11 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kQkv: {
       Buffer qkv;
-      resize(qkv, m.n_full * m.qkv_width());
+      resize_for_overwrite(qkv, m.n_full * m.qkv_width());
       c.linear(ln1_full.ptr(), W.qkv_w, W.qkv_b, qkv.ptr(), m.n_full, m.h, m.qkv_width());
-      resize(A.q, m.n_full * m.hl * m.d);
-      resize(A.k, m.n_full * m.gl * m.d);
-      resize(A.v, m.n_full * m.gl * m.d);
+      resize_for_overwrite(A.q, m.n_full * m.hl * m.d);
+      resize_for_overwrite(A.k, m.n_full * m.gl * m.d);
+      resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
       if (cp && !m.rotary) context_exchange_kv(c, A);
@@ -65,14 +65,14 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kAttnScores:
       if (m.flash) {  // the whole attention core, in one fused kernel
-        resize(A.ctx, m.b * sa * m.hl * m.d);
-        resize(A.lse, m.b * m.hl * sa);
+        resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
+        resize_for_overwrite(A.lse, m.b * m.hl * sa);
         be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
                                    sa, m.hl, m.gl, m.d);
         c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
         break;
       }
-      resize(A.probs, m.b * m.hl * sa * sa);
+      resize_for_overwrite(A.probs, m.b * m.hl * sa * sa);
       be.attention_scores(A.q.ptr(), A.k.ptr(), A.probs.ptr(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
       break;
@@ -87,13 +87,13 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
         c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
         break;
       }
-      resize(A.ctx, m.b * sa * m.hl * m.d);
+      resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
       be.attention_context(A.probs.ptr(), A.v.ptr(), A.ctx.ptr(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
       if (cp) context_keep_local(c, A.ctx, m.hl * m.d);
       break;
     case OpId::kAttnProj:
-      resize(A.proj, m.n_full * m.h);
+      resize_for_overwrite(A.proj, m.n_full * m.h);
       c.linear(A.ctx.ptr(), W.proj_w, -1, A.proj.ptr(), m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnAllReduce:
@@ -112,20 +112,20 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       c.gather_sequence(A.ln2, A.ln2_full, m.h);
       break;
     case OpId::kFc1:
-      resize(A.fc1, m.n_full * m.fc1_width());
+      resize_for_overwrite(A.fc1, m.n_full * m.fc1_width());
       c.linear(ln2_full.ptr(), W.fc1_w, -1, A.fc1.ptr(), m.n_full, m.h, m.fc1_width());
       break;
     case OpId::kBiasGelu:
       c.add_bias(A.fc1, W.fc1_b, m.ffl);
-      resize(A.act, elems(A.fc1));
+      resize_for_overwrite(A.act, elems(A.fc1));
       be.gelu(A.fc1.ptr(), A.act.ptr(), elems(A.fc1));
       break;
     case OpId::kSwiglu:
-      resize(A.act, m.n_full * m.ffl);
+      resize_for_overwrite(A.act, m.n_full * m.ffl);
       be.swiglu(A.fc1.ptr(), A.act.ptr(), m.n_full, m.ffl);
       break;
     case OpId::kFc2:
-      resize(A.fc2, m.n_full * m.h);
+      resize_for_overwrite(A.fc2, m.n_full * m.h);
       c.linear(A.act.ptr(), W.fc2_w, -1, A.fc2.ptr(), m.n_full, m.ffl, m.h);
       break;
     case OpId::kMlpAllReduce:
@@ -162,23 +162,23 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.gather_sequence(D.d_out, D.d_fc2, m.h);
       break;
     case OpId::kFc2Dgrad:
-      resize(D.d_act, m.n_full * m.ffl);
+      resize_for_overwrite(D.d_act, m.n_full * m.ffl);
       c.linear_dgrad(W.fc2_w, D.d_fc2.ptr(), D.d_act.ptr(), m.n_full, m.ffl, m.h);
       break;
     case OpId::kFc2Wgrad:
       c.linear_wgrad(A.act.ptr(), D.d_fc2.ptr(), W.fc2_w, -1, m.n_full, m.ffl, m.h);
       break;
     case OpId::kBiasGeluBackward:
-      resize(D.d_pre, elems(A.fc1));
+      resize_for_overwrite(D.d_pre, elems(A.fc1));
       be.gelu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), elems(A.fc1));
       c.bias_grad(D.d_pre, W.fc1_b, m.ffl);
       break;
     case OpId::kSwigluBackward:
-      resize(D.d_pre, elems(A.fc1));
+      resize_for_overwrite(D.d_pre, elems(A.fc1));
       be.swiglu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), m.n_full, m.ffl);
       break;
     case OpId::kFc1Dgrad:
-      resize(D.d_ln2_full, m.n_full * m.h);
+      resize_for_overwrite(D.d_ln2_full, m.n_full * m.h);
       c.linear_dgrad(W.fc1_w, D.d_pre.ptr(), D.d_ln2_full.ptr(), m.n_full, m.h, m.fc1_width());
       break;
     case OpId::kFc1InputGradAllReduce:
@@ -204,7 +204,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.gather_sequence(D.d_h1, D.d_proj, m.h);
       break;
     case OpId::kAttnProjDgrad:
-      resize(D.d_ctx, m.n_full * m.hl * m.d);
+      resize_for_overwrite(D.d_ctx, m.n_full * m.hl * m.d);
       c.linear_dgrad(W.proj_w, D.d_proj.ptr(), D.d_ctx.ptr(), m.n_full, m.hl * m.d, m.h);
       break;
     case OpId::kAttnProjWgrad:
@@ -212,9 +212,9 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
-      resize(D.dq, elems(A.q));
-      resize(D.dk, elems(A.k));
-      resize(D.dv, elems(A.v));
+      resize_for_overwrite(D.dq, elems(A.q));
+      resize_for_overwrite(D.dk, elems(A.k));
+      resize_for_overwrite(D.dv, elems(A.v));
       be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
                                   D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, m.hl,
                                   m.gl, m.d);
@@ -226,7 +226,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         break;
       }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
-      resize(D.d_probs, elems(A.probs));
+      resize_for_overwrite(D.d_probs, elems(A.probs));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), D.d_probs.ptr(),
                                     nullptr, m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, sa, m.d, m.b * m.hl);
@@ -237,7 +237,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         break;
       }
       if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
-      resize(D.dv, elems(A.v));
+      resize_for_overwrite(D.dv, elems(A.v));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), nullptr, D.dv.ptr(),
                                     m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
@@ -253,7 +253,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
         break;
       }
-      resize(D.dq, elems(A.q));
+      resize_for_overwrite(D.dq, elems(A.q));
       be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), D.dq.ptr(), nullptr, m.b,
                                    sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
@@ -263,7 +263,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         c.gemm_done(m.d, fused_keys(m), sa, m.b * m.hl);
         break;
       }
-      resize(D.dk, elems(A.k));
+      resize_for_overwrite(D.dk, elems(A.k));
       be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), nullptr, D.dk.ptr(), m.b,
                                    sa, m.hl, m.gl, m.d);
       c.gemm_done(m.d, sa, sa, m.b * m.hl);
@@ -279,10 +279,10 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       be.rope(D.dk.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
       break;
     case OpId::kQkvDgrad:
-      resize(D.d_qkv, m.n_full * m.qkv_width());
+      resize_for_overwrite(D.d_qkv, m.n_full * m.qkv_width());
       be.concat_columns3(D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), D.d_qkv.ptr(), m.n_full, m.hl * m.d,
                          m.gl * m.d, m.gl * m.d);
-      resize(D.d_ln1_full, m.n_full * m.h);
+      resize_for_overwrite(D.d_ln1_full, m.n_full * m.h);
       c.linear_dgrad(W.qkv_w, D.d_qkv.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.qkv_width());
       break;
     case OpId::kQkvInputGradAllReduce:

@@ -11,7 +11,10 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/layer_ops.h"
@@ -710,6 +713,43 @@ TEST(MixedPrecision, BuffersTakeTheActivationTypeUnlessTyped) {
   const Buffer copy = plain;
   EXPECT_EQ(copy.dtype(), DType::kBF16);
   EXPECT_EQ(copy.size(), 10u);
+}
+
+// resize keeps the old elements and zeroes the new ones; resize_for_overwrite keeps the old and
+// leaves the new ones to be written, as NaN on the host backends (so a layer that reads one
+// before writing it fails the training tests), in host Buffers and in a device space alike.
+TEST(Buffers, ResizeForOverwriteLeavesNaNWhereResizeLeavesZero) {
+  for (const char* space : {"host", "cpu-staged"}) {
+    SCOPED_TRACE(space);
+    std::unique_ptr<Backend> staged;
+    if (std::string(space) == "cpu-staged") staged = make_backend("cpu-staged");
+    Buffer b;
+    resize(b, 3);
+    const float ones[3] = {1.0f, 1.0f, 1.0f};
+    if (staged)
+      staged->upload(ones, b.raw(), sizeof ones);
+    else
+      std::copy(ones, ones + 3, b.begin());
+    resize_for_overwrite(b, 1000);  // grows: a new allocation
+    resize_for_overwrite(b, 1001);  // within the capacity
+    std::vector<float> host(b.size());
+    if (staged)
+      staged->download(b.raw(), host.data(), b.bytes());
+    else
+      std::copy(b.begin(), b.end(), host.begin());
+    EXPECT_EQ(host[0], 1.0f);
+    EXPECT_EQ(host[2], 1.0f);
+    EXPECT_TRUE(std::isnan(host[3]));
+    EXPECT_TRUE(std::isnan(host[1000]));
+    b.clear();
+    resize(b, 1001);
+    if (staged)
+      staged->download(b.raw(), host.data(), b.bytes());
+    else
+      std::copy(b.begin(), b.end(), host.begin());
+    EXPECT_EQ(host[0], 0.0f);
+    EXPECT_EQ(host[1000], 0.0f);
+  }
 }
 
 // The Backend's typed forms (runtime/mixed_precision.cc): a call on bf16 operands is the fp32

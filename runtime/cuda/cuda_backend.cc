@@ -696,6 +696,12 @@ class CudaBackend final : public Backend {
   int64_t widen_block_elements() const override { return int64_t{1} << 24; }
 
   void* allocate(size_t bytes) override {
+    void* p = allocate_for_overwrite(bytes);
+    if (bytes > 0) PTDP_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
+    return p;
+  }
+  // No memset: the caller writes every byte first (Buffer::resize_for_overwrite).
+  void* allocate_for_overwrite(size_t bytes) override {
     void* p = nullptr;
     if (bytes > 0) {
       const cudaError_t e = cudaMallocAsync(&p, bytes, stream_);
@@ -704,7 +710,6 @@ class CudaBackend final : public Backend {
                                  " bytes on device " + std::to_string(device_) + " (" +
                                  cudaGetErrorString(e) + "; " +
                                  std::to_string(MemoryCounter::current()) + " bytes in use)");
-      PTDP_CHECK(cudaMemsetAsync(p, 0, bytes, stream_));
     }
     MemoryCounter::allocated(bytes);
     return p;
