@@ -200,12 +200,13 @@ void attention::launch_delta(const bf16* out, const bf16* dout, float* delta, in
                              int64_t hq, int64_t d, cudaStream_t stream) {
   const int64_t rows = b * s * hq;
   const int si = static_cast<int>(s), hqi = static_cast<int>(hq);
-  if (d == 64)
+  if (d == 64) {
     PTDP_KERNEL_LAUNCH(flash_delta_kernel<64>, blocks_for(rows * 32, 256), 256, 0, stream)
     (out, dout, delta, rows, si, hqi);
-  else
+  } else {
     PTDP_KERNEL_LAUNCH(flash_delta_kernel<128>, blocks_for(rows * 32, 256), 256, 0, stream)
     (out, dout, delta, rows, si, hqi);
+  }
   check_launch("flash_delta_kernel");
 }
 

@@ -102,12 +102,13 @@ void attention::simt_forward(const bf16* q, const bf16* k, const bf16* v, bf16* 
   const dim3 grid(blocks_for(s, kTile), static_cast<unsigned>(hq), static_cast<unsigned>(b));
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
   const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);
-  if (d == 64)
+  if (d == 64) {
     PTDP_KERNEL_LAUNCH(flash_forward_kernel<64>, grid, kThreads, 0, stream)
     (q, k, v, out, lse, si, hqi, hki, scale);
-  else
+  } else {
     PTDP_KERNEL_LAUNCH(flash_forward_kernel<128>, grid, kThreads, 0, stream)
     (q, k, v, out, lse, si, hqi, hki, scale);
+  }
   check_launch("flash_forward_kernel");
 }
 

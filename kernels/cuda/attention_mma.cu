@@ -278,13 +278,40 @@ __device__ __forceinline__ float prob(float acc, float scale_log2, float lse2, b
   return valid ? exp2f(acc * scale_log2 - lse2) : 0.0f;
 }
 
+// The backward pass's two products for this warp's 16 rows against an inner tile of kCols
+// columns: x = A1 T1^T and y = A2 T2^T, A1 and A2 the warp's rows of two staged tiles (keys and
+// values, or queries and output gradients), T1 and T2 the inner tile's rows of two others.
+template <int D, int kCols>
+__device__ __forceinline__ void two_products(float (&x)[kCols / 8][4], float (&y)[kCols / 8][4],
+                                             const bf16* a1, const bf16* a2, const bf16* t1,
+                                             const bf16* t2) {
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[n][e] = y[n][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t fa1[4], fa2[4];
+    load_a<D>(fa1, a1, 16 * warp, 16 * kk);
+    load_a<D>(fa2, a2, 16 * warp, 16 * kk);
+#pragma unroll
+    for (int n = 0; n < kCols / 8; ++n) {
+      uint32_t b0, b1;
+      load_bt<D>(b0, b1, t1, 8 * n, 16 * kk);
+      mma16816(x[n], fa1, b0, b1);
+      load_bt<D>(b0, b1, t2, 8 * n, 16 * kk);
+      mma16816(y[n], fa2, b0, b1);
+    }
+  }
+}
+
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_backward_kv_kernel(const bf16* q, const bf16* k, const bf16* v, const float* lse,
                            const float* delta, const bf16* dout, bf16* dk, bf16* dv, int s, int hq,
                            int hk, float scale) {
   constexpr int P = kMmaPitch<D>;
-  constexpr int kSteps = D / 16;
   constexpr int kDTiles = D / 8;
   constexpr int kQTiles = kBwdCols / 8;  // n-tiles of queries per inner tile
   PTDP_DYNAMIC_SMEM(smem);
@@ -330,24 +357,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 
       // s^T = k q^T and dp^T = v do^T: rows are this warp's 16 keys, columns the tile's queries.
       float st[kQTiles][4], dpt[kQTiles][4];
-#pragma unroll
-      for (int n = 0; n < kQTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
-#pragma unroll
-      for (int kk = 0; kk < kSteps; ++kk) {
-        uint32_t ka[4], va[4];
-        load_a<D>(ka, sk, 16 * warp, 16 * kk);
-        load_a<D>(va, sv, 16 * warp, 16 * kk);
-#pragma unroll
-        for (int n = 0; n < kQTiles; ++n) {
-          uint32_t b0, b1;
-          load_bt<D>(b0, b1, sq, 8 * n, 16 * kk);
-          mma16816(st[n], ka, b0, b1);
-          load_bt<D>(b0, b1, sdo, 8 * n, 16 * kk);
-          mma16816(dpt[n], va, b0, b1);
-        }
-      }
+      two_products<D, kBwdCols>(st, dpt, sk, sv, sq, sdo);
       // p^T and ds^T = p^T (dp^T - delta), in place.
 #pragma unroll
       for (int n = 0; n < kQTiles; ++n)
@@ -398,7 +408,6 @@ __global__ void __launch_bounds__(kMmaThreads)
                           const float* delta, const bf16* dout, bf16* dq, int s, int hq, int hk,
                           float scale) {
   constexpr int P = kMmaPitch<D>;
-  constexpr int kSteps = D / 16;
   constexpr int kDTiles = D / 8;
   constexpr int kKeyTiles = kBwdCols / 8;
   PTDP_DYNAMIC_SMEM(smem);
@@ -437,24 +446,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 
     // s = q k^T and dp = do v^T for this warp's 16 queries against the tile's keys.
     float sc[kKeyTiles][4], dp[kKeyTiles][4];
-#pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sc[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-      uint32_t qa[4], da[4];
-      load_a<D>(qa, sq, 16 * warp, 16 * kk);
-      load_a<D>(da, sdo, 16 * warp, 16 * kk);
-#pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n) {
-        uint32_t b0, b1;
-        load_bt<D>(b0, b1, sk, 8 * n, 16 * kk);
-        mma16816(sc[n], qa, b0, b1);
-        load_bt<D>(b0, b1, sv, 8 * n, 16 * kk);
-        mma16816(dp[n], da, b0, b1);
-      }
-    }
+    two_products<D, kBwdCols>(sc, dp, sq, sdo, sk, sv);
     // ds = p (dp - delta), in place of dp.
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n)
