@@ -9,7 +9,8 @@
 # without the long-sequence test.
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
-# SANITIZE=0 to skip compute-sanitizer.
+# SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
+# TORCH=0 to skip the PyTorch baseline, CURVE_CPU (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -52,12 +53,16 @@ ninja -C "$build" -j"$jobs" "${targets[@]}"
 echo "gpu-check: built in $(($(date +%s) - start)) s"
 mkdir -p "$out"
 
+# Every program below runs under a bound: a hang in one is reported (timeout's status 124) and
+# the rest still run.
+stage() { timeout --kill-after=10 "${STAGE_TIMEOUT:-300}" "$@"; }
+
 set +e
-"$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
-"$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
-"$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_tests.json" >"$out/backend_tests.log" 2>&1
+stage "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
+stage "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
+stage "$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_tests.json" >"$out/backend_tests.log" 2>&1
 if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
-  "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
+  stage "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
     >"$out/nccl_tests.log" 2>&1
 fi
 # GPT-2-124M's shape (docs/gpu.md) on one GPU on the CUDA backend: fp32 with flash attention
@@ -68,39 +73,57 @@ fi
 gpt2_model=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
   --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4})
 gpt2=("${gpt2_model[@]}" --use-flash-attn)
-"$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
+stage "$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
   >"$out/gpt2_run.json" 2>"$out/gpt2_run.log"
-PTDP_CUDA_MATH=bf16 "$build/cli/ptdp" run "${gpt2_model[@]}" --bf16 --steps ${GPT2_STEPS:-10} \
+PTDP_CUDA_MATH=bf16 stage "$build/cli/ptdp" run "${gpt2_model[@]}" --bf16 --steps ${GPT2_STEPS:-10} \
   --backend cuda --json >"$out/gpt2_run_bf16.json" 2>"$out/gpt2_run_bf16.log"
 # The fast path: --bf16 with flash attention, whose bf16 kernel (kernels/cuda/attention.h) runs
 # natively behind the typed call, as do the norms and GELU.
-"$build/cli/ptdp" run "${gpt2[@]}" --bf16 --steps ${GPT2_STEPS:-10} --backend cuda --json \
+stage "$build/cli/ptdp" run "${gpt2[@]}" --bf16 --steps ${GPT2_STEPS:-10} --backend cuda --json \
   >"$out/gpt2_run_bf16_flash.json" 2>"$out/gpt2_run_bf16_flash.log"
 for config in unfused flash; do
   if [ $config = flash ]; then args=("${gpt2[@]}"); else args=("${gpt2_model[@]}"); fi
-  "$build/cli/ptdp" predict "${args[@]}" --bf16 --tensor-model-parallel-size 1 \
+  stage "$build/cli/ptdp" predict "${args[@]}" --bf16 --tensor-model-parallel-size 1 \
     --pipeline-model-parallel-size 1 --attention-dropout 0 --hidden-dropout 0 \
     --cluster "${GPT2_CLUSTER:-dgx-h100}" --num-gpus 1 --json >"$out/gpt2_predict_$config.json" \
     2>"$out/gpt2_predict_$config.log"
 done
+# The loss curve: a smaller GPT (vocabulary 50304 kept, so the cross-entropy and the embedding
+# see GPT-2's row count) for 50 steps from one seed on the CPU backend, on the CUDA backend in
+# fp32 and in --bf16 with flash attention; the summary compares each CUDA curve with the CPU's.
+# CURVE_CPU=<file> takes the CPU curve from a run made elsewhere (the same command's --json
+# output; the CPU backend is deterministic), sparing the GPU machine's time.
+curve=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128
+  --vocab-size 50304 --global-batch-size 4 --micro-batch-size 2 --use-flash-attn
+  --steps ${CURVE_STEPS:-50} --seed 7 --json)
+if [ -n "${CURVE_CPU:-}" ]; then
+  cp "$CURVE_CPU" "$out/curve_cpu.json"
+else
+  stage "$build/cli/ptdp" run "${curve[@]}" --backend cpu >"$out/curve_cpu.json" \
+    2>"$out/curve_cpu.log"
+fi
+stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda >"$out/curve_cuda.json" \
+  2>"$out/curve_cuda.log"
+stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda --bf16 >"$out/curve_cuda_bf16.json" \
+  2>"$out/curve_cuda_bf16.log"
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 rm -f "$out"/sanitizer-*.rc
 if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
   for tool in memcheck racecheck; do
-    "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/tests/cuda/cuda_kernels_test" \
+    stage "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/tests/cuda/cuda_kernels_test" \
       --gtest_filter='-*LongSequence*' >"$out/sanitizer-$tool.log" 2>&1
     echo $? >"$out/sanitizer-$tool.rc"
   done
 fi
-"$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
+stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
   --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
   --benchmark_out_format=json >"$out/bench.log" 2>&1
 # The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs and
 # in bf16 autocast (Megatron's arithmetic, the speed target).
-if python3 -c "import torch" 2>/dev/null; then
+if [ "${TORCH:-1}" != 0 ] && python3 -c "import torch" 2>/dev/null; then
   rm -f "$out/torch_gpt2.jsonl"
   for dtype in fp32 bf16; do
-    python3 scripts/torch_gpt2_baseline.py --dtype $dtype --batch ${GPT2_BATCH:-8} \
+    stage python3 scripts/torch_gpt2_baseline.py --dtype $dtype --batch ${GPT2_BATCH:-8} \
       --micro ${GPT2_MICRO:-4} --steps ${GPT2_STEPS:-10} >>"$out/torch_gpt2.jsonl" \
       2>>"$out/torch_gpt2.log"
   done
@@ -183,6 +206,25 @@ for config in ("unfused", "flash"):
                   pred["tokens_per_s"], json.dumps(pred["memory"])[:300]))
     except Exception as e:  # noqa: BLE001
         print("ptdp predict (%s): NO RESULT (%s; see gpt2_predict_%s.log)" % (config, e, config))
+try:
+    cpu = json.load(open(os.path.join(out, "curve_cpu.json")))["losses"]
+    for name, tol in (("curve_cuda", 1e-3), ("curve_cuda_bf16", 3e-2)):
+        try:
+            gpu = json.load(open(os.path.join(out, name + ".json")))["losses"]
+        except Exception as e:  # noqa: BLE001
+            print("loss curve %s: NO RESULT (%s)" % (name, e))
+            fail += 1
+            continue
+        worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
+        ok = len(gpu) == len(cpu) and worst <= tol
+        fail += 0 if ok else 1
+        print("loss curve, %d steps, %s against the CPU backend: largest relative difference %.2e "
+              "(bound %.0e) %s; first/last loss cpu %.4f/%.4f gpu %.4f/%.4f" % (
+                  len(gpu), name, worst, tol, "passed" if ok else "FAILED", cpu[0], cpu[-1],
+                  gpu[0], gpu[-1]))
+except Exception as e:  # noqa: BLE001
+    print("loss curve: NO CPU RESULT (%s; see curve_cpu.log)" % e)
+    fail += 1
 torch_path = os.path.join(out, "torch_gpt2.jsonl")
 if os.path.exists(torch_path):
     for line in open(torch_path):
