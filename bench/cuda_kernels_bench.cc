@@ -76,6 +76,17 @@ bool have_gpu(benchmark::State& state) {
   return false;
 }
 
+// The memory-bandwidth ceiling of this run: a 1 GiB device-to-device copy, counting the bytes
+// read and written (2 GiB per copy), as the memory-bound kernels' bytes/s count theirs.
+void BM_DeviceCopy(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const size_t bytes = size_t{1} << 30;
+  Buf a(bytes), b(bytes);
+  run(state, 2.0 * static_cast<double>(bytes), 0,
+      [&] { PTDP_CUDA_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice)); });
+}
+BENCHMARK(BM_DeviceCopy)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 void BM_Gemm(benchmark::State& state) {
   if (!have_gpu(state)) return;
   const int64_t m = state.range(0), n = state.range(1), k = state.range(2);

@@ -57,6 +57,10 @@ DataPlane make_device_data_plane(Communicator& world, ControlPlane& control, Bac
 #ifdef PTDP_HAVE_NCCL_COMM
     if (backend.name() != "cuda") {
       why_not = "the " + std::string(backend.name()) + " backend is not a GPU";
+    } else if (want == "auto" && control.size() == 1) {
+      // A world of one rank exchanges nothing between devices; NCCL would only add its
+      // bootstrap, which needs a usable network interface even for one rank.
+      why_not = "one rank";
     } else if (const auto gpus = gpu_of_each_rank(control, backend);
                std::set<std::string>(gpus.begin(), gpus.end()).size() != gpus.size()) {
       why_not = "ranks share a GPU, which NCCL refuses";

@@ -46,7 +46,9 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${args[@]}" >"$build
 }
 targets=(cpu_twins_test cuda_kernels_test cuda_kernels_bench cuda_backend_test ptdp)
 # The NCCL data plane's tests, where CMake found NCCL beside CUDA.
-if ninja -C "$build" -t targets all | grep -q '^nccl_communicator_test:'; then
+# (Through a file: with pipefail, grep -q closing the pipe early can fail the whole test.)
+ninja -C "$build" -t targets all >"$build/targets.txt"
+if grep -q '^nccl_communicator_test:' "$build/targets.txt"; then
   targets+=(nccl_communicator_test)
 fi
 ninja -C "$build" -j"$jobs" "${targets[@]}"
@@ -106,6 +108,24 @@ stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda >"$out/curve_cuda.json"
   2>"$out/curve_cuda.log"
 stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda --bf16 >"$out/curve_cuda_bf16.json" \
   2>"$out/curve_cuda_bf16.log"
+# t = 2, p = 2 on this one GPU: four ranks under mpirun share it, so the data plane is MPI on
+# host copies of device buffers (runtime/data_plane.h); the CUDA runs' losses are compared with
+# the CPU backend's at the same layout. Needs mpirun and a ptdp built with MPI.
+tp2pp2=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 128
+  --vocab-size 50304 --global-batch-size 8 --micro-batch-size 2 --use-flash-attn
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+  --steps ${TP2PP2_STEPS:-10} --seed 7 --json)
+rm -f "$out"/tp2pp2_*.json
+if command -v mpirun >/dev/null && ldd "$build/cli/ptdp" | grep -q libmpi; then
+  mpi=(mpirun --oversubscribe -np 4)
+  for be in cpu cuda cuda_bf16; do
+    extra=(--backend "${be%_bf16}")
+    [ "$be" = cuda_bf16 ] && extra+=(--bf16)
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 stage "${mpi[@]}" \
+      "$build/cli/ptdp" run "${tp2pp2[@]}" "${extra[@]}" >"$out/tp2pp2_$be.json" \
+      2>"$out/tp2pp2_$be.log"
+  done
+fi
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 rm -f "$out"/sanitizer-*.rc
 if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
@@ -225,6 +245,29 @@ try:
 except Exception as e:  # noqa: BLE001
     print("loss curve: NO CPU RESULT (%s; see curve_cpu.log)" % e)
     fail += 1
+if os.path.exists(os.path.join(out, "tp2pp2_cpu.json")):
+    try:
+        cpu = json.load(open(os.path.join(out, "tp2pp2_cpu.json")))["losses"]
+        for name, tol in (("tp2pp2_cuda", 1e-3), ("tp2pp2_cuda_bf16", 3e-2)):
+            try:
+                run = json.load(open(os.path.join(out, name + ".json")))
+            except Exception as e:  # noqa: BLE001
+                print("t=2 p=2 on one GPU, %s: NO RESULT (%s; see %s.log)" % (name, e, name))
+                fail += 1
+                continue
+            gpu = run["losses"]
+            worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
+            ok = len(gpu) == len(cpu) and worst <= tol
+            fail += 0 if ok else 1
+            print("t=2 p=2 on one GPU (data plane %s), %s against the CPU backend: largest relative "
+                  "loss difference %.2e over %d steps (bound %.0e) %s" % (
+                      run.get("data_plane"), name, worst, len(gpu), tol,
+                      "passed" if ok else "FAILED"))
+    except Exception as e:  # noqa: BLE001
+        print("t=2 p=2: NO CPU RESULT (%s; see tp2pp2_cpu.log)" % e)
+        fail += 1
+else:
+    print("t=2 p=2 on one GPU: not run (no mpirun, or ptdp built without MPI)")
 torch_path = os.path.join(out, "torch_gpt2.jsonl")
 if os.path.exists(torch_path):
     for line in open(torch_path):

@@ -53,7 +53,7 @@ class Gpt(torch.nn.Module):
         for blk in self.blocks:
             x = blk(x)
         logits = self.lnf(x) @ self.wte.weight.t()
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def run(mode, a):

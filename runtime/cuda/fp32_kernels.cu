@@ -1,6 +1,7 @@
 // Device twins of the CPU backend's fp32 kernels (runtime/cuda/fp32_kernels.h). Plain
-// grid-stride loops for element-wise work, one block per row for row reductions, one thread per
-// column (rows added in order) for column sums, so results are deterministic. The kernels of
+// grid-stride loops for element-wise work, one block per row for row reductions, and for column
+// sums the two-pass column_sum of kernels/cuda/common.cuh (fixed row chunks, each added in
+// order), so results are deterministic. The kernels of
 // the typed calls that mixed precision runs natively are templates on the storage type T of
 // their activations (float, or bf16 loaded as fp32 and stored rounded to nearest even), with
 // the same fp32 arithmetic for both.
@@ -92,15 +93,15 @@ __global__ void add_bias_k(T* y, const T* bias, int64_t n, int64_t width) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
     y[i] = store<T>(load(bias[i % width]) + load(y[i]));
 }
-// db[c] += sum over rows of dy[r, c], rows in order (db fp32 whatever dy's type).
+// db[c] += sum over rows of dy[r, c] (db fp32 whatever dy's type), through column_sum: one
+// thread per column with rows in order left 4096-row column sums latency-bound (a quarter of a
+// millisecond each on an H100, docs/gpu.md).
 template <typename T>
-__global__ void bias_grad_k(const T* dy, float* db, int64_t rows, int64_t width) {
-  const int64_t c = first_index();
-  if (c >= width) return;
-  float acc = 0;
-  for (int64_t r = 0; r < rows; ++r) acc += load(dy[r * width + c]);
-  db[c] += acc;
-}
+struct ColumnOf {
+  const T* dy;
+  int64_t width;
+  __device__ float operator()(int64_t r, int64_t c) const { return load(dy[r * width + c]); }
+};
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
 __global__ void to_bf16_k(const float* x, kernels::cuda::bf16* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = kernels::cuda::to_bf16(x[i]);
@@ -183,15 +184,32 @@ __global__ void embedding_lookup_k(const int32_t* tokens, const T* table, T* y, 
     y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : store<T>(0.0f);
   }
 }
-// One thread per column, tokens in order: deterministic, no atomics. dtable is fp32.
+// One block per tile of kVocabTile table rows: the block scans the tokens in order, a chunk of
+// kThreads at a time, and adds the dy row of each token in its tile to that table row, so every
+// table row sums its tokens in order (as the CPU does): deterministic, no atomics. dtable is
+// fp32. Chunks with no token in the tile cost one block sum.
+constexpr int64_t kVocabTile = 64;
 template <typename T>
 __global__ void embedding_grad_k(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
                                  int64_t h, int64_t v0, int64_t vl) {
-  const int64_t e = first_index();
-  if (e >= h) return;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t tok = tokens[i] - v0;
-    if (tok >= 0 && tok < vl) dtable[tok * h + e] += load(dy[i * h + e]);
+  __shared__ int64_t hit[kThreads];
+  __shared__ float scratch[32];
+  const int64_t lo = static_cast<int64_t>(blockIdx.x) * kVocabTile;
+  const int64_t hi = lo + kVocabTile < vl ? lo + kVocabTile : vl;
+  for (int64_t base = 0; base < n; base += kThreads) {
+    const int64_t i = base + threadIdx.x;
+    const int64_t tok = i < n ? tokens[i] - v0 : -1;
+    const bool mine = tok >= lo && tok < hi;
+    hit[threadIdx.x] = mine ? i : -1;
+    // block_sum synchronizes the block, so `hit` is complete after it.
+    if (kernels::cuda::block_sum(mine ? 1.0f : 0.0f, scratch) == 0.0f) continue;
+    for (int j = 0; j < kThreads; ++j) {
+      const int64_t row = hit[j];
+      if (row < 0) continue;
+      float* out = dtable + (tokens[row] - v0) * h;
+      for (int64_t e = threadIdx.x; e < h; e += blockDim.x) out[e] += load(dy[row * h + e]);
+    }
+    __syncthreads();  // `hit` is rewritten by the next chunk
   }
 }
 template <typename T>
@@ -306,22 +324,17 @@ __global__ void layernorm_dx_k(const float* x, const float* g, const float* mean
     dx[i * h + j] = r * (dxhat - inv_h * s1 - xhat * inv_h * s2);
   }
 }
-// dg[j] += sum_i dy * xhat, db[j] += sum_i dy (db may be null); xhat from mean (may be null:
-// RMSNorm, xhat = x * rstd).
-__global__ void norm_params_k(const float* x, const float* mean, const float* rstd, const float* dy,
-                              float* dg, float* db, int64_t n, int64_t h) {
-  const int64_t j = first_index();
-  if (j >= h) return;
-  float ag = 0, ab = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const float xv = x[i * h + j], d = dy[i * h + j];
+// dg[j] += sum_i dy * xhat (through column_sum), and db[j] += sum_i dy (ColumnOf); xhat from
+// mean (may be null: RMSNorm, xhat = x * rstd).
+struct NormGammaOf {
+  const float *x, *mean, *rstd, *dy;
+  int64_t h;
+  __device__ float operator()(int64_t i, int64_t j) const {
+    const float xv = x[i * h + j];
     const float xhat = mean ? (xv - mean[i]) * rstd[i] : xv * rstd[i];
-    ag += d * xhat;
-    ab += d;
+    return dy[i * h + j] * xhat;
   }
-  dg[j] += ag;
-  if (db) db[j] += ab;
-}
+};
 __global__ void rmsnorm_forward_k(const float* x, const float* g, float* y, float* rstd,
                                   int64_t h) {
   const int64_t i = blockIdx.x;
@@ -469,7 +482,7 @@ void add_bias_t(T* y, const T* bias, int64_t rows, int64_t width, cudaStream_t s
 }
 template <typename T>
 void bias_grad_t(const T* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
-  if (width > 0) PTDP_LAUNCH(bias_grad_k<T>, grid_for(width), dy, db, rows, width);
+  kernels::cuda::column_sum(ColumnOf<T>{dy, width}, db, rows, width, st);
 }
 template <typename T>
 void scale_t(T* x, int64_t n, double f, cudaStream_t st) {
@@ -502,7 +515,9 @@ void vocab_embedding_lookup_t(const int32_t* tokens, const T* table, T* y, int64
 template <typename T>
 void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
                             int64_t v0, int64_t vl, cudaStream_t st) {
-  if (h > 0) PTDP_LAUNCH(embedding_grad_k<T>, grid_for(h), tokens, dy, dtable, n, h, v0, vl);
+  if (h > 0 && vl > 0 && n > 0)
+    PTDP_LAUNCH(embedding_grad_k<T>, static_cast<unsigned>((vl + kVocabTile - 1) / kVocabTile),
+                tokens, dy, dtable, n, h, v0, vl);
 }
 template <typename T>
 void add_positions_t(T* x, const T* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
@@ -640,7 +655,8 @@ void layernorm_backward(const float* x, const float* g, const float* mean, const
                         cudaStream_t st) {
   if (n <= 0) return;
   PTDP_LAUNCH(layernorm_dx_k, rows_grid(n), x, g, mean, rstd, dy, dx, h);
-  PTDP_LAUNCH(norm_params_k, grid_for(h), x, mean, rstd, dy, dg, db, n, h);
+  kernels::cuda::column_sum(NormGammaOf{x, mean, rstd, dy, h}, dg, n, h, st);
+  if (db) kernels::cuda::column_sum(ColumnOf<float>{dy, h}, db, n, h, st);
 }
 void rmsnorm_forward(const float* x, const float* g, float* y, float* rstd, int64_t n, int64_t h,
                      cudaStream_t st) {
@@ -650,7 +666,7 @@ void rmsnorm_backward(const float* x, const float* g, const float* rstd, const f
                       float* dg, int64_t n, int64_t h, cudaStream_t st) {
   if (n <= 0) return;
   PTDP_LAUNCH(rmsnorm_dx_k, rows_grid(n), x, g, rstd, dy, dx, h);
-  PTDP_LAUNCH(norm_params_k, grid_for(h), x, nullptr, rstd, dy, dg, nullptr, n, h);
+  kernels::cuda::column_sum(NormGammaOf{x, nullptr, rstd, dy, h}, dg, n, h, st);
 }
 void gelu(const float* x, float* y, int64_t n, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(gelu_k, grid_for(n), x, y, n);
