@@ -275,11 +275,24 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   float* grads = dist_ ? shard_grads_.data<float>() : shard_.grads().data<float>();
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
   // tied embedding on the first stage).
+  // Adjacent ranges are summed as one: on a GPU each sum_squares is a device-to-host copy,
+  // and one per parameter tensor cost milliseconds a step (docs/gpu.md).
   double sq = 0;
+  int64_t run_lo = 0, run_hi = 0;
+  auto flush = [&] {
+    if (run_hi > run_lo) sq = be_.sum_squares(grads + run_lo, run_hi - run_lo, sq);
+  };
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
     if (!counts_in_norm(p)) return;
-    sq = be_.sum_squares(grads + (dist_ ? base : lo), hi - lo, sq);
+    const int64_t first = dist_ ? base : lo;
+    if (first != run_hi || run_hi == run_lo) {
+      flush();
+      run_lo = first;
+      run_hi = first;
+    }
+    run_hi += hi - lo;
   });
+  flush();
   float total = static_cast<float>(sq);
   auto now = [&] {
     be_.synchronize();

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
+#include <memory>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -14,6 +15,7 @@
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.h"
+#include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
 #include "runtime/cuda/fp32_kernels.h"
 #include "runtime/tensor.h"
@@ -81,8 +83,15 @@ class CudaBackend final : public Backend {
     PTDP_CHECK(cudaSetDevice(device_));
     // A blocking stream: it also orders against the legacy default stream.
     PTDP_CHECK(cudaStreamCreate(&stream_));
+    // Keep what the stream-ordered allocator has mapped: by default it returns memory to the
+    // device at every synchronisation, and the next step's cudaMallocAsync calls map it again.
+    cudaMemPool_t pool = nullptr;
+    PTDP_CHECK(cudaDeviceGetDefaultMemPool(&pool, device_));
+    uint64_t keep = UINT64_MAX;
+    PTDP_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep));
     PTDP_CHECK(cublasCreate(&blas_));
     PTDP_CHECK(cublasSetStream(blas_, stream_));
+    lt_ = std::make_unique<kc::Gemm>();  // after cudaSetDevice: its workspace is on this device
     PTDP_CHECK(cudaMalloc(&scratch_, kScratchBytes));
     set_buffer_space(this);
   }
@@ -153,6 +162,14 @@ class CudaBackend final : public Backend {
   bool native_linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in,
                              int64_t out) override {
     if (!bf16(x) || !bf16(w) || !bf16(y) || (b && !bf16(b))) return false;
+    if (b && n > 0 && in > 0 && out > 0) {
+      // The bias in cuBLASLt's epilogue: no second pass over y (kernels/cuda/gemm.h).
+      kc::GemmArgs g;
+      g.m = n, g.n = out, g.k = in, g.a = b16(x), g.b = b16(w), g.trans_b = true, g.c = y.p;
+      g.epilogue = kc::Epilogue::kBias, g.bias = b16(b);
+      lt_->run(g, stream_);
+      return true;
+    }
     gemm(n, out, in, 1.0f, {x.p, in, 0, false, CUDA_R_16BF}, {w.p, in, 0, true, CUDA_R_16BF}, 0.0f,
          y.p, out, 0, 1, CUDA_R_16BF);
     if (b) Backend::add_bias(y, b, n, out);
@@ -762,6 +779,7 @@ class CudaBackend final : public Backend {
   cublasComputeType_t compute_ = CUBLAS_COMPUTE_32F;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
+  std::unique_ptr<kc::Gemm> lt_;  // cuBLASLt, for the GEMMs with a fused epilogue
   void* scratch_ = nullptr;
   void* tokens_ = nullptr;
   size_t tokens_bytes_ = 0;

@@ -93,6 +93,25 @@ __global__ void add_bias_k(T* y, const T* bias, int64_t n, int64_t width) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
     y[i] = store<T>(load(bias[i % width]) + load(y[i]));
 }
+// bf16 add and bias add, 8 elements at a time (kernels/cuda/common.cuh's vectorizable).
+using kernels::cuda::Bf16x8;
+using kernels::cuda::kVec;
+__global__ void add_vec_k(Bf16x8* y, const Bf16x8* x, int64_t nvec) {
+  for (int64_t i = first_index(); i < nvec; i += grid_stride()) {
+    const Bf16x8 a = x[i];
+    Bf16x8 b = y[i];
+    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(load(a.v[j]) + load(b.v[j]));
+    y[i] = b;
+  }
+}
+__global__ void add_bias_vec_k(Bf16x8* y, const bf16* bias, int64_t nvec, int64_t width) {
+  for (int64_t i = first_index(); i < nvec; i += grid_stride()) {
+    const int64_t c = i * kVec % width;
+    Bf16x8 b = y[i];
+    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(load(bias[c + j]) + load(b.v[j]));
+    y[i] = b;
+  }
+}
 // db[c] += sum over rows of dy[r, c] (db fp32 whatever dy's type), through column_sum: one
 // thread per column with rows in order left 4096-row column sums latency-bound (a quarter of a
 // millisecond each on an H100, docs/gpu.md).
@@ -473,12 +492,27 @@ namespace {
 
 template <typename T>
 void add_t(T* y, const T* x, int64_t n, cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(add_k<T>, grid_for(n), y, x, n);
+  if (n <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (kernels::cuda::vectorizable(n, {y, x})) {
+      PTDP_LAUNCH(add_vec_k, grid_for(n / kVec), reinterpret_cast<Bf16x8*>(y),
+                  reinterpret_cast<const Bf16x8*>(x), n / kVec);
+      return;
+    }
+  }
+  PTDP_LAUNCH(add_k<T>, grid_for(n), y, x, n);
 }
 template <typename T>
 void add_bias_t(T* y, const T* bias, int64_t rows, int64_t width, cudaStream_t st) {
-  if (rows * width > 0)
-    PTDP_LAUNCH(add_bias_k<T>, grid_for(rows * width), y, bias, rows * width, width);
+  if (rows * width <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (kernels::cuda::vectorizable(width, {y, bias})) {
+      PTDP_LAUNCH(add_bias_vec_k, grid_for(rows * width / kVec), reinterpret_cast<Bf16x8*>(y),
+                  bias, rows * width / kVec, width);
+      return;
+    }
+  }
+  PTDP_LAUNCH(add_bias_k<T>, grid_for(rows * width), y, bias, rows * width, width);
 }
 template <typename T>
 void bias_grad_t(const T* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {

@@ -75,3 +75,45 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t, cublasOperation_t tran
 }
 
 }  // extern "C"
+
+// The cuBLASLt wrapper of kernels/cuda/gemm.h on the host, as its header specifies it: row-major
+// C = alpha op(A) op(B) + beta C, then the bias (and GELU's tanh approximation), sums in double.
+#include <cmath>
+#include <stdexcept>
+
+#include "kernels/cuda/gemm.h"
+
+namespace ptdp::kernels::cuda {
+
+struct Gemm::Impl {
+  size_t plans = 0;
+};
+Gemm::Gemm(size_t) : impl_(std::make_unique<Impl>()) {}
+Gemm::~Gemm() = default;
+size_t Gemm::cached_plans() const {
+  return impl_->plans;
+}
+void Gemm::run(const GemmArgs& g, cudaStream_t) {
+  if (g.m <= 0 || g.n <= 0 || g.k <= 0 || !g.a || !g.b || !g.c)
+    throw std::invalid_argument("Gemm::run: empty shape or null operand");
+  if (g.epilogue != Epilogue::kNone && !g.bias)
+    throw std::invalid_argument("Gemm::run: the epilogue needs a bias");
+  ++impl_->plans;
+  const cudaDataType ct = g.c_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+  for (int64_t i = 0; i < g.m; ++i)
+    for (int64_t j = 0; j < g.n; ++j) {
+      double s = 0;
+      for (int64_t p = 0; p < g.k; ++p) {
+        const double a = load(g.a, CUDA_R_16BF, g.trans_a ? p * g.m + i : i * g.k + p);
+        const double b = load(g.b, CUDA_R_16BF, g.trans_b ? j * g.k + p : p * g.n + j);
+        s += a * b;
+      }
+      double v = g.alpha * s + (g.beta != 0.0f ? g.beta * load(g.c, ct, i * g.n + j) : 0.0);
+      if (g.epilogue != Epilogue::kNone) v += load(g.bias, CUDA_R_16BF, j);
+      if (g.epilogue == Epilogue::kBiasGelu)
+        v = 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+      store(g.c, ct, i * g.n + j, v);
+    }
+}
+
+}  // namespace ptdp::kernels::cuda

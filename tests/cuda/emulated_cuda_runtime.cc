@@ -196,6 +196,14 @@ cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) {
 cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
   return cudaFree(p);
 }
+// One pool, whose attributes the emulation accepts and ignores.
+cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int) {
+  *pool = nullptr;
+  return cudaSuccess;
+}
+cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void*) {
+  return cudaSuccess;
+}
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   std::memset(p, value, bytes);
   return cudaSuccess;
