@@ -16,6 +16,7 @@ ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   ModelSpec run = m;
   run.attention_dropout = 0;
   run.hidden_dropout = 0;
+  run.cross_entropy_fusion = true;  // the runtime's loss runs in place on the logits
   if (p.context_parallel > 1) run.flash_attention = false;
   return run;
 }

@@ -57,6 +57,9 @@ void JobFlags::add_model_flags(CLI::App& app) {
                  "dropout after attention and MLP (default: the model's)");
   app.add_flag("--use-flash-attn", flash_attention,
                "flash attention: no s x s attention scores kept for the backward pass");
+  app.add_flag("--cross-entropy-loss-fusion", cross_entropy_fusion,
+               "the loss computed in place on the 16-bit logits, no fp32 softmax kept (ptdp run "
+               "always runs it so)");
   app.add_option("--num-experts", num_experts, "routed experts per MoE layer (0: dense)");
   app.add_option("--moe-router-topk", moe_router_topk, "experts each token is routed to");
   app.add_option("--moe-ffn-hidden-size", moe_ffn_hidden_size, "one routed expert's FFN width");
@@ -170,6 +173,7 @@ ModelSpec JobFlags::resolve_model() const {
   if (attention_dropout) m.attention_dropout = *attention_dropout;
   if (hidden_dropout) m.hidden_dropout = *hidden_dropout;
   if (flash_attention) m.flash_attention = true;
+  if (cross_entropy_fusion) m.cross_entropy_fusion = true;
   set(m.num_experts, num_experts);
   set(m.moe_router_topk, moe_router_topk);
   set(m.moe_ffn_hidden_size, moe_ffn_hidden_size);

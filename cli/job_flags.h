@@ -28,6 +28,7 @@ struct JobFlags {
   std::optional<double> rotary_base;
   std::optional<double> attention_dropout, hidden_dropout;
   bool flash_attention = false;
+  bool cross_entropy_fusion = false;
   std::optional<int64_t> num_experts, moe_router_topk, moe_ffn_hidden_size,
       moe_shared_expert_ffn_size;
   std::string moe_layer_freq;  // N, or a layer pattern (core/model_spec.h set_moe_layer_freq)

@@ -311,7 +311,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     const std::string title = "ptdp run: " + plan_line(model, f.train.plan);
     if (!f.trace.empty()) {
       RunTraceInfo info;
-      info.model = model;
+      info.model = as_executed(model, f.train.plan);  // what ran, for reconcile to price
       info.plan = f.train.plan;
       info.cluster = f.cluster;
       info.world_size = world->size();

@@ -307,6 +307,7 @@ ModelSpec model_from_json(const json& j) {
     r.read("attention_dropout", m.attention_dropout);
     r.read("hidden_dropout", m.hidden_dropout);
     r.read("flash_attention", m.flash_attention);
+    r.read("cross_entropy_fusion", m.cross_entropy_fusion);
     r.read("num_experts", m.num_experts);
     r.read("moe_router_topk", m.moe_router_topk);
     r.read("moe_ffn_hidden_size", m.moe_ffn_hidden_size);
@@ -335,7 +336,8 @@ json to_json(const ModelSpec& m) {
          {"rotary_base", m.rotary_base},
          {"attention_dropout", m.attention_dropout},
          {"hidden_dropout", m.hidden_dropout},
-         {"flash_attention", m.flash_attention}};
+         {"flash_attention", m.flash_attention},
+         {"cross_entropy_fusion", m.cross_entropy_fusion}};
   if (m.max_position_embeddings > 0) j["max_position_embeddings"] = m.max_position_embeddings;
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;

@@ -40,6 +40,10 @@ struct ModelSpec {
   double attention_dropout = 0.1;
   double hidden_dropout = 0.1;
   bool flash_attention = false;
+  // The loss over the vocabulary shard computed in place on the logits, as Megatron-Core's
+  // --cross-entropy-loss-fusion and ptdp run do: no fp32 softmax kept beside the 16-bit logits.
+  // Unfused, Megatron upcasts the logits and keeps their fp32 softmax for the backward pass.
+  bool cross_entropy_fusion = false;
 
   // Mixture of experts, in Megatron-Core's terms; num_experts 0 is a dense model.
   //   num_experts           --num-experts (routed experts per MoE layer)

@@ -182,6 +182,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (m.attention_dropout != 0.1) f << " --attention-dropout " << m.attention_dropout;
   if (m.hidden_dropout != 0.1) f << " --hidden-dropout " << m.hidden_dropout;
   if (m.flash_attention) f << " --use-flash-attn";
+  if (m.cross_entropy_fusion) f << " --cross-entropy-loss-fusion";
   return f.str();
 }
 

@@ -698,10 +698,10 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
         (params - experts) * optimizer_state_bytes() / dense_shards(p) + mb.expert_optimizer;
     mb.activations = activations.on_stage(r);
     if (r == p.pipeline_parallel - 1) {
-      // The vocabulary shard's logits (16-bit; fp32 in fp32 training) and their fp32 softmax,
-      // one microbatch.
+      // The vocabulary shard's logits (16-bit; fp32 in fp32 training), one microbatch, and
+      // unless the loss is fused (computed in place on them), their fp32 softmax.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
-      mb.buffers += tokens * vocab_local * (element + 4.0);
+      mb.buffers += tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;

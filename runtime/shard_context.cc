@@ -167,12 +167,11 @@ void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const
                    dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, dims.h);
 }
 
-void ShardContext::residual_add(Buffer& out, const Buffer& residual, Buffer& partial,
+void ShardContext::residual_add(Buffer& out, const Buffer& residual, const Buffer& partial,
                                 int64_t bias) {
   copy(residual, out);
   be.add(out.ptr(), partial.ptr(), elems(out));
   add_bias(out, bias, dims.h);
-  release(partial);
 }
 
 void ShardContext::copy(const Buffer& from, Buffer& to) {

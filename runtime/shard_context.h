@@ -90,7 +90,7 @@ class ShardContext {
   void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
                      const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n);
   // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
-  void residual_add(Buffer& out, const Buffer& residual, Buffer& partial, int64_t bias);
+  void residual_add(Buffer& out, const Buffer& residual, const Buffer& partial, int64_t bias);
   void copy(const Buffer& from, Buffer& to);
   void add_bias(Buffer& y, int64_t bias, int64_t width);
   void bias_grad(const Buffer& dy, int64_t bias, int64_t width);

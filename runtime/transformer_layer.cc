@@ -104,6 +104,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kAttnBiasDropoutAdd:
       c.residual_add(A.h1, A.x, A.proj, W.proj_b);
+      release(A.proj);
       break;
     case OpId::kPostAttentionLayernorm:
       c.norm_forward(A.h1, W.ln2_g, W.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd, m.n_local);
@@ -136,6 +137,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kMlpBiasDropoutAdd:
       c.residual_add(A.out, A.h1, A.fc2, W.fc2_b);
+      release(A.fc2);
       break;
     default:
       throw std::logic_error("not a forward op of a transformer layer");

@@ -73,7 +73,8 @@ fi
 # master weights; attention unfused, its batched GEMMs on bf16 tensor cores through
 # PTDP_CUDA_MATH=bf16), which is what predict prices; and predict for that configuration.
 gpt2_model=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
-  --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4})
+  --vocab-size 50304 --global-batch-size ${GPT2_BATCH:-8} --micro-batch-size ${GPT2_MICRO:-4}
+  --cross-entropy-loss-fusion)
 gpt2=("${gpt2_model[@]}" --use-flash-attn)
 stage "$build/cli/ptdp" run "${gpt2[@]}" --steps ${GPT2_STEPS:-10} --backend cuda --json \
   >"$out/gpt2_run.json" 2>"$out/gpt2_run.log"

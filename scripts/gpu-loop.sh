@@ -38,13 +38,13 @@ case "${PRECISION:-bf16}" in
 esac
 
 gpt2=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
-  --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0)
+  --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0 --cross-entropy-loss-fusion)
 # Three shapes: GPT-2 124M at b = 4; GPT-2 350M's (24 x 1024) at b = 2 with selective
 # recompute; GPT-2 124M at s = 2048, b = 1, full recompute.
 plans=(
   "gpt2-124m|${gpt2[*]} --global-batch-size 8 --micro-batch-size 4"
-  "gpt2-350m|--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0 --global-batch-size 4 --micro-batch-size 2 --recompute-granularity selective"
-  "gpt2-124m-s2048|--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0 --global-batch-size 4 --micro-batch-size 1 --recompute-granularity full"
+  "gpt2-350m|--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0 --cross-entropy-loss-fusion --global-batch-size 4 --micro-batch-size 2 --recompute-granularity selective"
+  "gpt2-124m-s2048|--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048 --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0 --cross-entropy-loss-fusion --global-batch-size 4 --micro-batch-size 1 --recompute-granularity full"
 )
 
 # BACKEND=cpu TINY=1: the same loop on CPU with small shapes, to check the script anywhere.
