@@ -243,21 +243,18 @@ double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw, 
   }
   const int reps = repeats(be);
   return sw.mean_seconds([&] {
-           for (int r = 0; r < reps; ++r)
-             be.linear_forward(x.ptr(), w.ptr(), nullptr, y.ptr(), m, k, n);
-           be.synchronize();
-         }) /
-         reps;
+    for (int r = 0; r < reps; ++r) be.linear_forward(x.ptr(), w.ptr(), nullptr, y.ptr(), m, k, n);
+    be.synchronize();
+  }) / reps;
 }
 
 double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw) {
   Buffer x(static_cast<size_t>(n), 1e-3f), y(static_cast<size_t>(n), 0.f);
   const int reps = repeats(be);
   const double s = sw.mean_seconds([&] {
-                     for (int r = 0; r < reps; ++r) be.add(y.data(), x.data(), n);
-                     be.synchronize();
-                   }) /
-                   reps;
+    for (int r = 0; r < reps; ++r) be.add(y.data(), x.data(), n);
+    be.synchronize();
+  }) / reps;
   return 12.0 * static_cast<double>(n) / s;
 }
 

@@ -23,8 +23,9 @@ struct RankMemory {
 };
 
 // The model as ptdp run executes it under plan `p`: without dropout (the runtime has none), with
-// the loss fused (computed in place on the logits), and with the attention scores kept (no flash attention) under context parallelism, whose ring runs
-// the unfused attention pieces; its memory is priced on this.
+// the loss fused (computed in place on the logits), and with the attention scores kept (no flash
+// attention) under context parallelism, whose ring runs the unfused attention pieces; its memory is
+// priced on this.
 ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p);
 // "" when the runtime runs `m` as given, else a note saying what it runs instead.
 std::string execution_note(const ModelSpec& m, const ParallelPlan& p);

@@ -3,10 +3,11 @@
 //
 // NCCL is used when this build has it (PTDP_HAVE_NCCL), the backend is "cuda", there are at least
 // two ranks (one rank has nothing to exchange, and NCCL's bootstrap wants a network interface even
-// then; "nccl" still forces it), and no two ranks use the same GPU (NCCL refuses that; every rank's host name and device index are compared over
-// the control plane). PTDP_DATA_PLANE overrides the choice: "staged" always stages through the
-// host, "nccl" refuses (InputError naming PTDP_DATA_PLANE) where NCCL cannot run; "auto" or unset
-// choose as above. Collective over `control`: every rank must call it.
+// then; "nccl" still forces it), and no two ranks use the same GPU (NCCL refuses that; every rank's
+// host name and device index are compared over the control plane). PTDP_DATA_PLANE overrides the
+// choice: "staged" always stages through the host, "nccl" refuses (InputError naming
+// PTDP_DATA_PLANE) where NCCL cannot run; "auto" or unset choose as above. Collective over
+// `control`: every rank must call it.
 #pragma once
 
 #include <memory>

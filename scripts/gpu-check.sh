@@ -10,7 +10,8 @@
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
-# TORCH=0 to skip the PyTorch baseline, CURVE_CPU (below).
+# SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline, CURVE_CPU
+# (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -130,7 +131,7 @@ fi
 sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 rm -f "$out"/sanitizer-*.rc
 if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     stage "$sanitizer" --tool "$tool" --error-exitcode 1 "$build/tests/cuda/cuda_kernels_test" \
       --gtest_filter='-*LongSequence*' >"$out/sanitizer-$tool.log" 2>&1
     echo $? >"$out/sanitizer-$tool.rc"

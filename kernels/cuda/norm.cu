@@ -1,6 +1,9 @@
-// LayerNorm / RMSNorm fused with the residual add (kernels/cuda/norm.h). One block per row; the
-// row is read from global memory (L1/L2-resident) once per pass rather than held in registers,
-// which keeps the kernel independent of h.
+// LayerNorm / RMSNorm fused with the residual add (kernels/cuda/norm.h). Rows of at most
+// kWarpRowColumns columns (a multiple of 8, 16-byte aligned pointers) go one warp per row, the
+// row held in registers and read as 16-byte vectors, reductions by warp shuffles: one pass over
+// global memory and no block barriers. Other rows go one block per row, the row re-read from
+// global memory (L1/L2-resident) once per pass, which keeps that kernel independent of h; on an
+// H100 it is latency-bound (about 60 us for 4096 rows of 768, 200 GB/s).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/norm.h"
 
@@ -75,6 +78,121 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- one warp per row ----
+constexpr int kRowVecs = 4;  // 16-byte vectors per lane: rows up to 32 * 4 * 8 = 1024 columns
+constexpr int64_t kWarpRowColumns = 32 * kRowVecs * kVec;
+constexpr int kRowsPerBlock = kThreads / 32;
+
+__device__ __forceinline__ const Bf16x8* vec_row(const bf16* p, int64_t base) {
+  return reinterpret_cast<const Bf16x8*>(p + base);
+}
+
+template <bool kRms>
+__global__ void __launch_bounds__(kThreads)
+    norm_forward_warp_kernel(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g,
+                             const bf16* b, bf16* y, float* mean_out, float* rstd_out, int64_t n,
+                             int64_t h, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= n) return;  // the whole warp: no block barrier below
+  const int64_t base = row * h;
+  const int vecs = static_cast<int>(h / kVec);
+  float v[kRowVecs][kVec];
+  float s = 0;
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int idx = lane + 32 * k;
+    if (idx >= vecs) break;
+    const Bf16x8 xv = vec_row(x, base)[idx];
+    Bf16x8 rv = xv;
+    if (residual) rv = vec_row(residual, base)[idx];
+    Bf16x8 out;
+    for (int j = 0; j < kVec; ++j) {
+      // r = x + residual rounded to bf16, exactly as stored in r_out (residual_at above).
+      const float r =
+          residual ? to_float(to_bf16(to_float(xv.v[j]) + to_float(rv.v[j]))) : to_float(xv.v[j]);
+      v[k][j] = r;
+      s += r;
+      out.v[j] = to_bf16(r);
+    }
+    if (r_out) reinterpret_cast<Bf16x8*>(r_out + base)[idx] = out;
+  }
+  const float mean = kRms ? 0.0f : warp_sum(s) / static_cast<float>(h);
+  float ss = 0;
+  for (int k = 0; k < kRowVecs; ++k) {
+    if (lane + 32 * k >= vecs) break;
+    for (int j = 0; j < kVec; ++j) ss += (v[k][j] - mean) * (v[k][j] - mean);
+  }
+  const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(h) + eps);
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int idx = lane + 32 * k;
+    if (idx >= vecs) break;
+    const Bf16x8 gv = vec_row(g, 0)[idx];
+    Bf16x8 bv = gv;
+    if (!kRms) bv = vec_row(b, 0)[idx];
+    Bf16x8 out;
+    for (int j = 0; j < kVec; ++j) {
+      float o = (v[k][j] - mean) * rstd * to_float(gv.v[j]);
+      if (!kRms) o += to_float(bv.v[j]);
+      out.v[j] = to_bf16(o);
+    }
+    reinterpret_cast<Bf16x8*>(y + base)[idx] = out;
+  }
+  if (lane == 0) {
+    if (!kRms) mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+template <bool kRms>
+__global__ void __launch_bounds__(kThreads)
+    norm_backward_warp_kernel(const bf16* r, const bf16* g, const float* mean_in,
+                              const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
+                              int64_t n, int64_t h) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  if (row >= n) return;
+  const int64_t base = row * h;
+  const int vecs = static_cast<int>(h / kVec);
+  const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
+  float dxhat[kRowVecs][kVec], val[kRowVecs][kVec];
+  float a = 0, c = 0;
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int idx = lane + 32 * k;
+    if (idx >= vecs) break;
+    const Bf16x8 dv = vec_row(dy, base)[idx], gv = vec_row(g, 0)[idx], rv = vec_row(r, base)[idx];
+    for (int j = 0; j < kVec; ++j) {
+      dxhat[k][j] = to_float(dv.v[j]) * to_float(gv.v[j]);
+      val[k][j] = to_float(rv.v[j]);
+      a += dxhat[k][j];
+      c += dxhat[k][j] * (kRms ? val[k][j] : (val[k][j] - mean) * rstd);
+    }
+  }
+  const float inv_h = 1.0f / static_cast<float>(h);
+  const float sum_a = kRms ? 0.0f : warp_sum(a) * inv_h;
+  const float sum_c = warp_sum(c) * inv_h;
+  for (int k = 0; k < kRowVecs; ++k) {
+    const int idx = lane + 32 * k;
+    if (idx >= vecs) break;
+    Bf16x8 res;
+    if (dresid) res = vec_row(dresid, base)[idx];
+    Bf16x8 out;
+    for (int j = 0; j < kVec; ++j) {
+      float d = kRms ? dxhat[k][j] * rstd - val[k][j] * rstd * rstd * rstd * sum_c
+                     : rstd * (dxhat[k][j] - sum_a - (val[k][j] - mean) * rstd * sum_c);
+      if (dresid) d += to_float(res.v[j]);
+      out.v[j] = to_bf16(d);
+    }
+    reinterpret_cast<Bf16x8*>(dx + base)[idx] = out;
+  }
+}
+
+bool warp_rows(int64_t h, std::initializer_list<const void*> pointers) {
+  return h <= kWarpRowColumns && vectorizable(h, pointers);
+}
+unsigned warp_row_blocks(int64_t n) {
+  return static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
+}
+
 // dg: dy * xhat (LayerNorm) or dy * r * rstd (RMSNorm); db: dy.
 struct GammaGrad {
   const bf16 *r, *dy;
@@ -96,6 +214,12 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
              bf16* y, float* mean, float* rstd, int64_t n, int64_t h, float eps,
              cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
+  if (warp_rows(h, {x, residual, r_out, g, b, y})) {
+    PTDP_KERNEL_LAUNCH(norm_forward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
+    (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
+    check_launch("norm_forward_warp_kernel");
+    return;
+  }
   PTDP_KERNEL_LAUNCH(norm_forward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
   (x, residual, r_out, g, b, y, mean, rstd, h, eps);
   check_launch("norm_forward_kernel");
@@ -106,9 +230,15 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
               const bf16* dresid, bf16* dx, float* dg, float* db, int64_t n, int64_t h,
               cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
-  (r, g, mean, rstd, dy, dresid, dx, h);
-  check_launch("norm_backward_kernel");
+  if (warp_rows(h, {r, g, dy, dresid, dx})) {
+    PTDP_KERNEL_LAUNCH(norm_backward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
+    (r, g, mean, rstd, dy, dresid, dx, n, h);
+    check_launch("norm_backward_warp_kernel");
+  } else {
+    PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
+    (r, g, mean, rstd, dy, dresid, dx, h);
+    check_launch("norm_backward_kernel");
+  }
   if (dg) column_sum(GammaGrad{r, dy, mean, rstd, h}, dg, n, h, stream);
   if (db) column_sum(BetaGrad{dy, h}, db, n, h, stream);
 }

@@ -4,8 +4,8 @@
 #include <cuda_runtime_api.h>
 
 #include <cmath>
-#include <memory>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <type_traits>

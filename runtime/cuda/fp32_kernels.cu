@@ -8,6 +8,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <stdexcept>
 #include <type_traits>
 
@@ -507,8 +508,8 @@ void add_bias_t(T* y, const T* bias, int64_t rows, int64_t width, cudaStream_t s
   if (rows * width <= 0) return;
   if constexpr (std::is_same_v<T, bf16>) {
     if (kernels::cuda::vectorizable(width, {y, bias})) {
-      PTDP_LAUNCH(add_bias_vec_k, grid_for(rows * width / kVec), reinterpret_cast<Bf16x8*>(y),
-                  bias, rows * width / kVec, width);
+      PTDP_LAUNCH(add_bias_vec_k, grid_for(rows * width / kVec), reinterpret_cast<Bf16x8*>(y), bias,
+                  rows * width / kVec, width);
       return;
     }
   }
@@ -522,17 +523,38 @@ template <typename T>
 void scale_t(T* x, int64_t n, double f, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(scale_k<T>, grid_for(n), x, n, f);
 }
+// Column blocks that are whole 16-byte vectors of bf16 move as Bf16x8: the same kernels on a
+// vector element type, every width divided by kVec.
+template <typename T>
+bool as_vectors(int64_t a, int64_t b, int64_t c, std::initializer_list<const void*> pointers) {
+  return std::is_same_v<T, bf16> && a % kVec == 0 && b % kVec == 0 && c % kVec == 0 &&
+         kernels::cuda::vectorizable(kVec, pointers);
+}
 template <typename T>
 void split_columns3_t(const T* x, T* y0, T* y1, T* y2, int64_t n, int64_t a, int64_t b, int64_t c,
                       cudaStream_t st) {
-  if (n * (a + b + c) > 0)
-    PTDP_LAUNCH(split3_k<T>, grid_for(n * (a + b + c)), x, y0, y1, y2, n, a, b, c);
+  if (n * (a + b + c) <= 0) return;
+  if (as_vectors<T>(a, b, c, {x, y0, y1, y2})) {
+    using V = Bf16x8;
+    PTDP_LAUNCH(split3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x),
+                reinterpret_cast<V*>(y0), reinterpret_cast<V*>(y1), reinterpret_cast<V*>(y2), n,
+                a / kVec, b / kVec, c / kVec);
+    return;
+  }
+  PTDP_LAUNCH(split3_k<T>, grid_for(n * (a + b + c)), x, y0, y1, y2, n, a, b, c);
 }
 template <typename T>
 void concat_columns3_t(const T* x0, const T* x1, const T* x2, T* y, int64_t n, int64_t a, int64_t b,
                        int64_t c, cudaStream_t st) {
-  if (n * (a + b + c) > 0)
-    PTDP_LAUNCH(concat3_k<T>, grid_for(n * (a + b + c)), x0, x1, x2, y, n, a, b, c);
+  if (n * (a + b + c) <= 0) return;
+  if (as_vectors<T>(a, b, c, {x0, x1, x2, y})) {
+    using V = Bf16x8;
+    PTDP_LAUNCH(concat3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x0),
+                reinterpret_cast<const V*>(x1), reinterpret_cast<const V*>(x2),
+                reinterpret_cast<V*>(y), n, a / kVec, b / kVec, c / kVec);
+    return;
+  }
+  PTDP_LAUNCH(concat3_k<T>, grid_for(n * (a + b + c)), x0, x1, x2, y, n, a, b, c);
 }
 template <typename T>
 void sequence_t(const T* src, T* dst, int64_t t, int64_t b, int64_t s, int64_t width, bool to_full,

@@ -7,18 +7,24 @@
 namespace ptdp::cuda_test {
 namespace {
 
-constexpr int64_t kN = 37, kH = 300;  // h not a multiple of the block size
+constexpr int64_t kN = 37;
+// Row widths: 300 and 1032 take the block-per-row kernels (not a multiple of 8; above the 1024
+// columns a warp holds), 768 and 1000 the warp-per-row ones (whole and partial last vectors).
+constexpr int64_t kWidths[] = {300, 768, 1000, 1032};
 
 struct NormCase {
+  explicit NormCase(int64_t width) : kH(width) {}
+  int64_t kH;
   std::vector<float> x = random_bf16(kN * kH, 1, 1), res = random_bf16(kN * kH, 1, 2);
   std::vector<float> g = random_bf16(kH, 1, 3), b = random_bf16(kH, 1, 4);
   std::vector<float> dy = random_bf16(kN * kH, 1, 5), dresid = random_bf16(kN * kH, 1, 6);
   std::vector<float> dg0 = random_f32(kH, 1, 7), db0 = random_f32(kH, 1, 8);
 };
 
-TEST(CudaNorm, ResidualLayerNormMatchesCpu) {
-  PTDP_REQUIRE_GPU();
-  NormCase c;
+void check_layernorm(int64_t width) {
+  SCOPED_TRACE("h = " + std::to_string(width));
+  NormCase c(width);
+  const int64_t kH = width;
   auto dx_ = to_device_bf16(c.x), dres = to_device_bf16(c.res), dg_ = to_device_bf16(c.g),
        db_ = to_device_bf16(c.b);
   DeviceBuffer<bf16> r(kN * kH), y(kN * kH);
@@ -51,9 +57,15 @@ TEST(CudaNorm, ResidualLayerNormMatchesCpu) {
   expect_close(db.download(), db_want, 1e-3, 1e-4, "layernorm dbeta");
 }
 
-TEST(CudaNorm, ResidualRmsNormMatchesCpuAndPlainNormSkipsTheResidual) {
+TEST(CudaNorm, ResidualLayerNormMatchesCpu) {
   PTDP_REQUIRE_GPU();
-  NormCase c;
+  for (int64_t h : kWidths) check_layernorm(h);
+}
+
+void check_rmsnorm(int64_t width) {
+  SCOPED_TRACE("h = " + std::to_string(width));
+  NormCase c(width);
+  const int64_t kH = width;
   auto dx_ = to_device_bf16(c.x), dg_ = to_device_bf16(c.g);
   DeviceBuffer<bf16> y(kN * kH);
   DeviceBuffer<float> rstd(kN);
@@ -80,9 +92,15 @@ TEST(CudaNorm, ResidualRmsNormMatchesCpuAndPlainNormSkipsTheResidual) {
   expect_close(dg.download(), dg_want, 1e-3, 1e-4, "rmsnorm dgamma");
 }
 
+TEST(CudaNorm, ResidualRmsNormMatchesCpuAndPlainNormSkipsTheResidual) {
+  PTDP_REQUIRE_GPU();
+  for (int64_t h : kWidths) check_rmsnorm(h);
+}
+
 TEST(CudaNorm, GammaGradientIsBitwiseReproducible) {
   PTDP_REQUIRE_GPU();
-  NormCase c;
+  const int64_t kH = 768;
+  NormCase c(kH);
   auto r = to_device_bf16(c.x), g = to_device_bf16(c.g), dy = to_device_bf16(c.dy);
   DeviceBuffer<float> mean(std::vector<float>(kN, 0.1f)), rstd(std::vector<float>(kN, 0.9f));
   std::vector<std::vector<float>> runs;
