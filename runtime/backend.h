@@ -172,6 +172,15 @@ class Backend {
   // Waits for all work queued on this backend (a no-op where kernels run synchronously).
   virtual void synchronize() = 0;
 
+  // Timestamps in the backend's own queue, for timing ops without synchronising after each
+  // (runtime/op_timer.h): record_mark() queues a marker after the work queued so far and returns
+  // it; once synchronize() has returned, mark_seconds(a, b) is the time between two markers.
+  // release_mark frees one. Backends whose kernels run as they are called return null markers,
+  // and callers read a host clock instead.
+  virtual void* record_mark() { return nullptr; }
+  virtual double mark_seconds(void* /*from*/, void* /*to*/) { return 0.0; }
+  virtual void release_mark(void* /*mark*/) {}
+
   // A GPU backend's device index and the stream its work is queued on (a cudaStream_t), which a
   // device data plane orders its operations after (runtime/data_plane.h); -1 and null elsewhere.
   virtual int device_index() const { return -1; }

@@ -709,6 +709,19 @@ class CudaBackend final : public Backend {
     return d;
   }
   void* native_stream() const override { return stream_; }
+  void* record_mark() override {
+    cudaEvent_t e = nullptr;
+    PTDP_CHECK(cudaEventCreate(&e));
+    PTDP_CHECK(cudaEventRecord(e, stream_));
+    return e;
+  }
+  double mark_seconds(void* from, void* to) override {
+    float ms = 0;
+    PTDP_CHECK(
+        cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)));
+    return ms * 1e-3;
+  }
+  void release_mark(void* mark) override { cudaEventDestroy(static_cast<cudaEvent_t>(mark)); }
   // Widened blocks of 64 MiB of fp32: a GPT-2 cross-entropy in a dozen launches, not hundreds.
   int64_t widen_block_elements() const override { return int64_t{1} << 24; }
 

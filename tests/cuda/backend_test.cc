@@ -824,5 +824,43 @@ TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
   }
 }
 
+// Traced, the CUDA backend's ops are timed with device markers (runtime/op_timer.h): every op
+// of every pass gets a span inside its pass's span, the spans of a pass follow one another in
+// order, and they cover most of the pass (the gaps between markers are the only part left out).
+TEST(CudaBackendTraining, OpSpansFromDeviceMarkersTileEachPass) {
+  PTDP_REQUIRE_GPU();
+  TrainOptions o;
+  o.model = cuda_test::tiny_gpt();
+  o.plan.global_batch_size = 6;
+  o.plan.micro_batch_size = 3;
+  o.steps = 2;
+  o.backend = "cuda";
+  o.record_timeline = true;
+  auto self = make_self_communicator();
+  const TrainResult r = train(o, *self);
+  ASSERT_FALSE(r.op_timeline.empty());
+  ASSERT_FALSE(r.timeline.empty());
+  int passes = 0;
+  for (const TimelineEvent& pass : r.timeline) {
+    if (pass.kind != ActionKind::kForward && pass.kind != ActionKind::kBackward) continue;
+    ++passes;
+    double covered = 0, last_end = pass.start;
+    int ops = 0;
+    for (const OpTimelineEvent& e : r.op_timeline) {
+      if (e.op.chunk != pass.chunk || e.op.microbatch != pass.microbatch ||
+          e.op.start < pass.start - 1e-6 || e.op.end > pass.end + 1e-6)
+        continue;
+      EXPECT_LE(e.op.start, e.op.end);
+      EXPECT_GE(e.op.start, last_end - 1e-6) << "spans of a pass overlap";
+      last_end = e.op.end;
+      covered += e.op.end - e.op.start;
+      ++ops;
+    }
+    EXPECT_GT(ops, 0) << "a pass with no op inside its span";
+    EXPECT_GT(covered, 0.5 * (pass.end - pass.start));
+  }
+  EXPECT_EQ(passes, 2 * 2 * 2);  // two steps of two microbatches, forward and backward
+}
+
 }  // namespace
 }  // namespace ptdp
