@@ -80,6 +80,9 @@ void JobFlags::add_model_flags(CLI::App& app) {
 void JobFlags::add_cluster_flags(CLI::App& app) {
   app.add_option("--cluster", cluster, "cluster preset or JSON file")->capture_default_str();
   app.add_option("--profile", profile, "hardware profile preset or JSON (default: by GPU)");
+  app.add_option("--gemm-from", gemm_from,
+                 "a machine file (ptdp calibrate): its measured GEMM table and curve replace the "
+                 "profile's, the rest of the profile kept");
   app.add_option("--num-gpus", num_gpus, "GPUs to use (whole nodes)");
 }
 
@@ -269,6 +272,22 @@ HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
                                                  [&] { return ptdp::resolve_profile(profile); });
   if (bf16) p.activation_dtype = DType::kBF16;
   if (fp16) p.activation_dtype = DType::kF16;
+  if (!gemm_from.empty()) {
+    // cuBLAS GEMMs are what ptdp run and Megatron-LM share, so a measured GEMM table carries
+    // over to a job whose other kernels (attention, fused elementwise) are not ptdp's own. Its
+    // efficiencies are relative to the measured device's peak: rescaled to this cluster's.
+    const auto [measured, device] = for_flag("--gemm-from", "machine file", [&] {
+      return std::make_pair(ptdp::resolve_profile(gemm_from), ptdp::resolve_cluster(gemm_from));
+    });
+    if (measured.gemm_table.empty())
+      throw InputError("--gemm-from", "'" + gemm_from + "' holds no measured GEMM table");
+    const double scale = device.gpu.peak_tflops_16bit / c.gpu.peak_tflops_16bit;
+    p.gemm = measured.gemm;
+    p.gemm.max_efficiency *= scale;
+    p.gemm_table = measured.gemm_table;
+    for (GemmMeasurement& g : p.gemm_table) g.efficiency *= scale;
+    p.sources.push_back("GEMMs measured: " + gemm_from);
+  }
   return p;
 }
 

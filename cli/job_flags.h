@@ -39,6 +39,7 @@ struct JobFlags {
   bool moe_grouped_gemm = false;
   std::string cluster = "dgx-a100-80gb";
   std::string profile;
+  std::string gemm_from;  // a machine file whose measured GEMMs replace the profile's
   std::optional<int64_t> num_gpus;
   std::optional<int64_t> global_batch_size;
   std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,

@@ -4,7 +4,9 @@
 # was measured, train it for real on the same 2 ranks (pipeline-parallel, p=2) with a trace, and
 # reconcile the prediction with the measurement per op family, stage, bubble and memory.
 source "$(dirname "$0")/common.sh"
-model=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256)
+# The model as ptdp run executes it (no dropout, the loss fused), so that predict prices what runs.
+model=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --vocab-size 256
+  --attention-dropout 0 --hidden-dropout 0 --cross-entropy-loss-fusion)
 plan=(--tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 --micro-batch-size 2
   --global-batch-size 8)
 echo "== calibrate (2 CPU ranks, --quick)"

@@ -5,8 +5,10 @@
 # the precision is the flag's), and print the measured step next to the plan's prediction.
 # NEEDS ptdp built with its CUDA backend and one GPU. Script only: CI does not run it.
 source "$(dirname "$0")/common.sh"
+# The model as ptdp run executes it (no dropout, the loss fused), so that predict prices what runs.
 model=(--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
-  --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0)
+  --vocab-size 50304 --use-flash-attn --attention-dropout 0 --hidden-dropout 0
+  --cross-entropy-loss-fusion)
 echo "== calibrate (this GPU, --quick)"
 "$PTDP" calibrate --backend cuda --quick --bf16 "${model[@]}" --out "$OUT/machine.json"
 echo "== plan (1 GPU, global batch 8)"

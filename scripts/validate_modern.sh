@@ -25,7 +25,12 @@ row() {  # name cluster gpus metric(tflops|tokens) measured predict-flags...
   local name=$1 cluster=$2 gpus=$3 metric=$4 measured=$5
   shift 5
   local out
-  if ! out=$("$P" predict --cluster "$cluster" --num-gpus "$gpus" "$@" --json 2>&1); then
+  local profile=()
+  # H100_PROFILE=<machine file or profile>: the H100 rows priced with it (e.g. the measured
+  # examples/machines/h100-sxm-80gb.json) instead of the estimated h100-sxm profile.
+  [ "$cluster" = dgx-h100 ] && [ -n "${H100_PROFILE:-}" ] && profile=(--profile "$H100_PROFILE")
+  [ "$cluster" = dgx-h100 ] && [ -n "${H100_GEMM:-}" ] && profile+=(--gemm-from "$H100_GEMM")
+  if ! out=$("$P" predict --cluster "$cluster" --num-gpus "$gpus" "$@" "${profile[@]}" --json 2>&1); then
     printf '%-40s %s\n' "$name" "$out"
     return
   fi

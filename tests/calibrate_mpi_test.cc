@@ -194,8 +194,12 @@ std::vector<double> calibrate_predict_run_reconcile(const fs::path& dir,
   for (const std::string layout :
        {" --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2",
         " --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1"}) {
-    const std::string job =
-        model + layout + " --micro-batch-size 1 --global-batch-size 8" + precision;
+    // The job as ptdp run executes it (no dropout, the loss fused), which its trace records:
+    // predict is then given what runs.
+    const std::string job = model + layout +
+                            " --micro-batch-size 1 --global-batch-size 8 --attention-dropout 0"
+                            " --hidden-dropout 0 --cross-entropy-loss-fusion" +
+                            precision;
     const test::Outcome p =
         test::launch(PTDP_MPIEXEC, PTDP_BINARY, 0,
                      "predict" + job + " --cluster " + machine + " --num-gpus 2 --json",

@@ -333,6 +333,27 @@ TEST(CliErrors, BadJsonFiles) {
   }
   expect_bad({"plan", "--model", negative, "--global-batch-size", "8"}, "num_layers");
 }
+// --gemm-from: a machine file's measured GEMMs (examples/machines/, an H100) replace the profile's
+// and move the prediction, the rest of the profile kept; a file without a GEMM table, or none,
+// is refused naming the flag.
+TEST(Cli, GemmFromAMachineFileRepricesTheGemms) {
+  const std::string machine =
+      std::string(PTDP_SOURCE_DIR) + "/examples/machines/h100-sxm-80gb.json";
+  auto args = predict_with("--cluster", "dgx-h100");
+  args.push_back("--json");
+  const auto base = run(args);
+  ASSERT_EQ(base.status, 0) << base.err;
+  args.push_back("--gemm-from");
+  args.push_back(machine);
+  const auto measured = run(args);
+  ASSERT_EQ(measured.status, 0) << measured.err;
+  const auto a = nlohmann::json::parse(base.out), b = nlohmann::json::parse(measured.out);
+  EXPECT_NE(a["iteration_time_s"].get<double>(), b["iteration_time_s"].get<double>());
+  EXPECT_EQ(a["memory"]["peak_gib"].get<double>(), b["memory"]["peak_gib"].get<double>());
+  expect_bad(predict_with("--gemm-from", "/nonexistent/machine.json"), "--gemm-from");
+  const std::string no_table = std::string(PTDP_SOURCE_DIR) + "/examples/cpu-profile.json";
+  expect_bad(predict_with("--gemm-from", no_table), "--gemm-from");
+}
 TEST(CliErrors, MissingFile) {
   expect_bad({"plan", "--model", "/nonexistent/x.json", "--global-batch-size", "8"}, "model");
 }

@@ -112,7 +112,7 @@ void bias_gelu_forward(const bf16* x, const bf16* bias, bf16* y, int64_t rows, i
   if (vectorizable(cols, {x, bias, y})) {
     PTDP_KERNEL_LAUNCH(bias_gelu_forward_vec_kernel, grid_for(n / kVec), kThreads, 0, stream)
     (reinterpret_cast<const Bf16x8*>(x), bias, reinterpret_cast<Bf16x8*>(y), n / kVec, cols);
-    check_launch("bias_gelu_forward_vec_kernel");
+    check_launch("bias_gelu_forward_kernel (8-element vectors)");
     return;
   }
   PTDP_KERNEL_LAUNCH(bias_gelu_forward_kernel, grid_for(n), kThreads, 0, stream)
@@ -130,7 +130,7 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
     PTDP_KERNEL_LAUNCH(bias_gelu_backward_vec_kernel, grid_for(n / kVec), kThreads, 0, stream)
     (reinterpret_cast<const Bf16x8*>(x), bias, reinterpret_cast<const Bf16x8*>(dy),
      reinterpret_cast<Bf16x8*>(dx), n / kVec, cols);
-    check_launch("bias_gelu_backward_vec_kernel");
+    check_launch("bias_gelu_backward_kernel (8-element vectors)");
     return;
   }
   PTDP_KERNEL_LAUNCH(bias_gelu_backward_kernel, grid_for(n), kThreads, 0, stream)

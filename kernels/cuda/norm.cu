@@ -217,7 +217,7 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
   if (warp_rows(h, {x, residual, r_out, g, b, y})) {
     PTDP_KERNEL_LAUNCH(norm_forward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
     (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
-    check_launch("norm_forward_warp_kernel");
+    check_launch("norm_forward_kernel (one warp per row)");
     return;
   }
   PTDP_KERNEL_LAUNCH(norm_forward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
@@ -233,7 +233,7 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
   if (warp_rows(h, {r, g, dy, dresid, dx})) {
     PTDP_KERNEL_LAUNCH(norm_backward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
     (r, g, mean, rstd, dy, dresid, dx, n, h);
-    check_launch("norm_backward_warp_kernel");
+    check_launch("norm_backward_kernel (one warp per row)");
   } else {
     PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
     (r, g, mean, rstd, dy, dresid, dx, h);
