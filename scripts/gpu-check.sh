@@ -65,7 +65,8 @@ stage "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.jso
 stage "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
 stage "$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_tests.json" >"$out/backend_tests.log" 2>&1
 if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
-  stage "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
+  # NCCL says in its log what it tried (network, transports, version) before any failure.
+  NCCL_DEBUG=${NCCL_DEBUG:-INFO} stage "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
     >"$out/nccl_tests.log" 2>&1
 fi
 # GPT-2-124M's shape (docs/gpu.md) on one GPU on the CUDA backend: fp32 with flash attention

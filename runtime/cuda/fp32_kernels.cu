@@ -254,17 +254,36 @@ __global__ void position_grad_k(const T* dx, float* dpos, int64_t b, int64_t sl,
 }
 
 // ---- cross-entropy (logits T; statistics, lse and row losses fp32) ----
+// A running (max, sum of exp(x - max)) pair, combined as the online softmax combines them: one
+// pass over the logits instead of a max pass and a sum pass.
+struct MaxSum {
+  float m = -INFINITY, s = 0;
+};
+struct CombineMaxSum {
+  __device__ MaxSum operator()(MaxSum a, MaxSum b) const {
+    if (a.m == -INFINITY) return b;
+    if (b.m == -INFINITY) return a;
+    const float m = fmaxf(a.m, b.m);
+    return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+  }
+};
 template <typename T>
 __global__ void ce_stats_k(const T* logits, const int32_t* targets, float* stats, int64_t vl,
                            int64_t valid, int64_t v0) {
   const int64_t i = blockIdx.x;
   const T* row = logits + i * vl;
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) mx = fmaxf(mx, load(row[j]));
-  mx = block_max(mx);
-  float sum = 0;
-  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) sum += expf(load(row[j]) - mx);
-  sum = block_sum(sum);
+  MaxSum acc;
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) {
+    const float x = load(row[j]);
+    if (x > acc.m) {
+      acc.s = acc.s * expf(acc.m - x) + 1.0f;  // expf(-inf) = 0 on the first element
+      acc.m = x;
+    } else if (x > -INFINITY) {  // -inf adds nothing (and -inf - -inf would be NaN)
+      acc.s += expf(x - acc.m);
+    }
+  }
+  acc = block_reduce(acc, CombineMaxSum{});
+  const float mx = acc.m, sum = acc.s;
   if (threadIdx.x == 0) {
     const int64_t tgt = targets[i] - v0;
     stats[i * 3] = valid > 0 ? mx : -INFINITY;

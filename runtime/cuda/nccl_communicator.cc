@@ -447,6 +447,15 @@ class NcclCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_nccl_communicator(ControlPlane& control, int device,
                                                      void* compute_stream, CommDuration timeout) {
+  // A libnccl older than the nccl.h compiled against may lack what the header declares (seen
+  // on an H100 machine: a crash at address 0 inside NCCL's initialisation; the cause is not
+  // established). Refuse that pairing, naming both versions.
+  int runtime_version = 0;
+  if (ncclGetVersion(&runtime_version) == ncclSuccess && runtime_version < NCCL_VERSION_CODE)
+    throw std::runtime_error("nccl: the library loaded is version " + nccl_version() +
+                             ", older than the nccl.h ptdp was built with (" +
+                             std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+                             std::to_string(NCCL_PATCH) + "); PTDP_DATA_PLANE=staged avoids NCCL");
   auto c = std::make_shared<Comm>(device, static_cast<cudaStream_t>(compute_stream), timeout);
   c->rank = control.rank();
   c->size = control.size();
