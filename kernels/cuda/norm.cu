@@ -1,9 +1,9 @@
-// LayerNorm / RMSNorm fused with the residual add (kernels/cuda/norm.h). Rows of at most
-// kWarpRowColumns columns (a multiple of 8, 16-byte aligned pointers) go one warp per row, the
-// row held in registers and read as 16-byte vectors, reductions by warp shuffles: one pass over
-// global memory and no block barriers. Other rows go one block per row, the row re-read from
-// global memory (L1/L2-resident) once per pass, which keeps that kernel independent of h; on an
-// H100 it is latency-bound (about 60 us for 4096 rows of 768, 200 GB/s).
+// LayerNorm / RMSNorm fused with the residual add (kernels/cuda/norm.h). A row of h columns, h a
+// multiple of 8 and the pointers 16-byte aligned, is held in registers and read once as 16-byte
+// vectors: one warp per row up to 1024 columns (warp-shuffle sums, no block barrier), one block
+// per row up to 8192. Other rows go one block per row, re-read from global memory (L1/L2-
+// resident) once per pass, which keeps that kernel independent of h; on an H100 it is
+// latency-bound (about 60 us for 4096 rows of 768, 200 GB/s; 1.6 TB/s at 4096 columns).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/norm.h"
 
@@ -78,29 +78,47 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- one warp per row ----
-constexpr int kRowVecs = 4;  // 16-byte vectors per lane: rows up to 32 * 4 * 8 = 1024 columns
+// ---- the row in registers, read as 16-byte vectors: one warp per row (rows up to 1024
+// columns, kRowsPerBlock rows a block) or one block per row (up to 8192 columns) ----
+constexpr int kRowVecs = 4;  // 16-byte vectors per thread
 constexpr int64_t kWarpRowColumns = 32 * kRowVecs * kVec;
+constexpr int64_t kBlockRowColumns = kThreads * kRowVecs * kVec;
 constexpr int kRowsPerBlock = kThreads / 32;
 
 __device__ __forceinline__ const Bf16x8* vec_row(const bf16* p, int64_t base) {
   return reinterpret_cast<const Bf16x8*>(p + base);
 }
 
-template <bool kRms>
+// Who holds which part of a row: kWarp, the 32 lanes of one warp per row; else the whole block.
+template <bool kWarp>
+struct RowTeam {
+  int lane, stride;
+  int64_t row;
+  __device__ RowTeam()
+      : lane(kWarp ? static_cast<int>(threadIdx.x % 32) : static_cast<int>(threadIdx.x)),
+        stride(kWarp ? 32 : static_cast<int>(blockDim.x)),
+        row(kWarp ? static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32
+                  : static_cast<int64_t>(blockIdx.x)) {}
+  // The sum over the team, returned to every member; every member must call it.
+  __device__ float sum(float v, float* scratch) const {
+    return kWarp ? warp_sum(v) : block_sum(v, scratch);
+  }
+};
+
+template <bool kRms, bool kWarp>
 __global__ void __launch_bounds__(kThreads)
-    norm_forward_warp_kernel(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g,
-                             const bf16* b, bf16* y, float* mean_out, float* rstd_out, int64_t n,
-                             int64_t h, float eps) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= n) return;  // the whole warp: no block barrier below
-  const int64_t base = row * h;
+    norm_forward_row_kernel(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g,
+                            const bf16* b, bf16* y, float* mean_out, float* rstd_out, int64_t n,
+                            int64_t h, float eps) {
+  __shared__ float scratch[32];
+  const RowTeam<kWarp> team;
+  if (team.row >= n) return;  // a whole warp (one row per block never returns here)
+  const int64_t base = team.row * h;
   const int vecs = static_cast<int>(h / kVec);
   float v[kRowVecs][kVec];
   float s = 0;
   for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = lane + 32 * k;
+    const int idx = team.lane + team.stride * k;
     if (idx >= vecs) break;
     const Bf16x8 xv = vec_row(x, base)[idx];
     Bf16x8 rv = xv;
@@ -116,15 +134,15 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (r_out) reinterpret_cast<Bf16x8*>(r_out + base)[idx] = out;
   }
-  const float mean = kRms ? 0.0f : warp_sum(s) / static_cast<float>(h);
+  const float mean = kRms ? 0.0f : team.sum(s, scratch) / static_cast<float>(h);
   float ss = 0;
   for (int k = 0; k < kRowVecs; ++k) {
-    if (lane + 32 * k >= vecs) break;
+    if (team.lane + team.stride * k >= vecs) break;
     for (int j = 0; j < kVec; ++j) ss += (v[k][j] - mean) * (v[k][j] - mean);
   }
-  const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(h) + eps);
+  const float rstd = rsqrtf(team.sum(ss, scratch) / static_cast<float>(h) + eps);
   for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = lane + 32 * k;
+    const int idx = team.lane + team.stride * k;
     if (idx >= vecs) break;
     const Bf16x8 gv = vec_row(g, 0)[idx];
     Bf16x8 bv = gv;
@@ -137,27 +155,27 @@ __global__ void __launch_bounds__(kThreads)
     }
     reinterpret_cast<Bf16x8*>(y + base)[idx] = out;
   }
-  if (lane == 0) {
-    if (!kRms) mean_out[row] = mean;
-    rstd_out[row] = rstd;
+  if (team.lane == 0) {
+    if (!kRms) mean_out[team.row] = mean;
+    rstd_out[team.row] = rstd;
   }
 }
 
-template <bool kRms>
+template <bool kRms, bool kWarp>
 __global__ void __launch_bounds__(kThreads)
-    norm_backward_warp_kernel(const bf16* r, const bf16* g, const float* mean_in,
-                              const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
-                              int64_t n, int64_t h) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  if (row >= n) return;
-  const int64_t base = row * h;
+    norm_backward_row_kernel(const bf16* r, const bf16* g, const float* mean_in,
+                             const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
+                             int64_t n, int64_t h) {
+  __shared__ float scratch[32];
+  const RowTeam<kWarp> team;
+  if (team.row >= n) return;
+  const int64_t base = team.row * h;
   const int vecs = static_cast<int>(h / kVec);
-  const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
+  const float mean = kRms ? 0.0f : mean_in[team.row], rstd = rstd_in[team.row];
   float dxhat[kRowVecs][kVec], val[kRowVecs][kVec];
   float a = 0, c = 0;
   for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = lane + 32 * k;
+    const int idx = team.lane + team.stride * k;
     if (idx >= vecs) break;
     const Bf16x8 dv = vec_row(dy, base)[idx], gv = vec_row(g, 0)[idx], rv = vec_row(r, base)[idx];
     for (int j = 0; j < kVec; ++j) {
@@ -168,12 +186,12 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   const float inv_h = 1.0f / static_cast<float>(h);
-  const float sum_a = kRms ? 0.0f : warp_sum(a) * inv_h;
-  const float sum_c = warp_sum(c) * inv_h;
+  const float sum_a = kRms ? 0.0f : team.sum(a, scratch) * inv_h;
+  const float sum_c = team.sum(c, scratch) * inv_h;
   for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = lane + 32 * k;
+    const int idx = team.lane + team.stride * k;
     if (idx >= vecs) break;
-    Bf16x8 res;
+    Bf16x8 res{};
     if (dresid) res = vec_row(dresid, base)[idx];
     Bf16x8 out;
     for (int j = 0; j < kVec; ++j) {
@@ -186,8 +204,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool warp_rows(int64_t h, std::initializer_list<const void*> pointers) {
-  return h <= kWarpRowColumns && vectorizable(h, pointers);
+// How a row of h columns is normalised: 0 the block-per-row kernels above (re-reading the row),
+// 1 a warp per row in registers, 2 a block per row in registers.
+int row_kernel(int64_t h, std::initializer_list<const void*> pointers) {
+  if (!vectorizable(h, pointers) || h > kBlockRowColumns) return 0;
+  return h <= kWarpRowColumns ? 1 : 2;
 }
 unsigned warp_row_blocks(int64_t n) {
   return static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
@@ -214,10 +235,17 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
              bf16* y, float* mean, float* rstd, int64_t n, int64_t h, float eps,
              cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  if (warp_rows(h, {x, residual, r_out, g, b, y})) {
-    PTDP_KERNEL_LAUNCH(norm_forward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
+  if (const int kind = row_kernel(h, {x, residual, r_out, g, b, y}); kind == 1) {
+    PTDP_KERNEL_LAUNCH((norm_forward_row_kernel<kRms, true>), warp_row_blocks(n), kThreads, 0,
+                       stream)
     (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
     check_launch("norm_forward_kernel (one warp per row)");
+    return;
+  } else if (kind == 2) {
+    PTDP_KERNEL_LAUNCH((norm_forward_row_kernel<kRms, false>), static_cast<unsigned>(n), kThreads,
+                       0, stream)
+    (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
+    check_launch("norm_forward_kernel (row in registers)");
     return;
   }
   PTDP_KERNEL_LAUNCH(norm_forward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
@@ -230,10 +258,16 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
               const bf16* dresid, bf16* dx, float* dg, float* db, int64_t n, int64_t h,
               cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  if (warp_rows(h, {r, g, dy, dresid, dx})) {
-    PTDP_KERNEL_LAUNCH(norm_backward_warp_kernel<kRms>, warp_row_blocks(n), kThreads, 0, stream)
+  if (const int kind = row_kernel(h, {r, g, dy, dresid, dx}); kind == 1) {
+    PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, true>), warp_row_blocks(n), kThreads, 0,
+                       stream)
     (r, g, mean, rstd, dy, dresid, dx, n, h);
     check_launch("norm_backward_kernel (one warp per row)");
+  } else if (kind == 2) {
+    PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, false>), static_cast<unsigned>(n), kThreads,
+                       0, stream)
+    (r, g, mean, rstd, dy, dresid, dx, n, h);
+    check_launch("norm_backward_kernel (row in registers)");
   } else {
     PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
     (r, g, mean, rstd, dy, dresid, dx, h);

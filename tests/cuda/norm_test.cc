@@ -8,9 +8,10 @@ namespace ptdp::cuda_test {
 namespace {
 
 constexpr int64_t kN = 37;
-// Row widths: 300 and 1032 take the block-per-row kernels (not a multiple of 8; above the 1024
-// columns a warp holds), 768 and 1000 the warp-per-row ones (whole and partial last vectors).
-constexpr int64_t kWidths[] = {300, 768, 1000, 1032};
+// Row widths, one per kernel and edge: 300 (not a multiple of 8) and 8200 (above the 8192 columns
+// a block holds in registers) re-read the row; 768 and 1000 go a warp per row (whole and partial
+// last vectors), 1032 and 4096 a block per row in registers.
+constexpr int64_t kWidths[] = {300, 768, 1000, 1032, 4096, 8200};
 
 struct NormCase {
   explicit NormCase(int64_t width) : kH(width) {}
