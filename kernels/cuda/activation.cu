@@ -1,5 +1,6 @@
 // Bias + GELU and SwiGLU kernels (kernels/cuda/activation.h): elementwise, grid-stride loops;
-// bias + GELU 8 bf16 at a time where rows and pointers allow (vectorizable, common.cuh).
+// bias + GELU and SwiGLU 8 bf16 at a time where rows and pointers allow (vectorizable,
+// common.cuh).
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/common.cuh"
 
@@ -103,6 +104,44 @@ __global__ void swiglu_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, 
   }
 }
 
+// SwiGLU 8 columns at a time (f a multiple of 8, pointers 16-byte aligned): the gate and up
+// vectors of a row sit f columns apart.
+__global__ void swiglu_forward_vec_kernel(const bf16* x, bf16* y, int64_t n, int64_t f) {
+  const int64_t fv = f / kVec;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * fv;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / fv, j = i % fv * kVec;
+    const Bf16x8 gv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + j);
+    const Bf16x8 uv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + f + j);
+    Bf16x8 o;
+    for (int e = 0; e < kVec; ++e) {
+      const float g = to_float(gv.v[e]), u = to_float(uv.v[e]);
+      o.v[e] = to_bf16(g / (1.0f + __expf(-g)) * u);
+    }
+    reinterpret_cast<Bf16x8*>(y)[i] = o;
+  }
+}
+__global__ void swiglu_backward_vec_kernel(const bf16* x, const bf16* dy, bf16* dx, int64_t n,
+                                           int64_t f) {
+  const int64_t fv = f / kVec;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * fv;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / fv, j = i % fv * kVec;
+    const Bf16x8 gv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + j);
+    const Bf16x8 uv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + f + j);
+    const Bf16x8 dv = reinterpret_cast<const Bf16x8*>(dy)[i];
+    Bf16x8 dg, du;
+    for (int e = 0; e < kVec; ++e) {
+      const float g = to_float(gv.v[e]), u = to_float(uv.v[e]);
+      const float sig = 1.0f / (1.0f + __expf(-g)), d = to_float(dv.v[e]);
+      dg.v[e] = to_bf16(d * u * sig * (1.0f + g * (1.0f - sig)));
+      du.v[e] = to_bf16(d * g * sig);
+    }
+    *reinterpret_cast<Bf16x8*>(dx + row * 2 * f + j) = dg;
+    *reinterpret_cast<Bf16x8*>(dx + row * 2 * f + f + j) = du;
+  }
+}
+
 }  // namespace
 
 void bias_gelu_forward(const bf16* x, const bf16* bias, bf16* y, int64_t rows, int64_t cols,
@@ -140,6 +179,12 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
 
 void swiglu_forward(const bf16* x, bf16* y, int64_t n, int64_t f, cudaStream_t stream) {
   if (n * f <= 0) return;
+  if (vectorizable(f, {x, y})) {
+    PTDP_KERNEL_LAUNCH(swiglu_forward_vec_kernel, grid_for(n * f / kVec), kThreads, 0, stream)
+    (x, y, n, f);
+    check_launch("swiglu_forward_kernel (8-element vectors)");
+    return;
+  }
   PTDP_KERNEL_LAUNCH(swiglu_forward_kernel, grid_for(n * f), kThreads, 0, stream)(x, y, n, f);
   check_launch("swiglu_forward_kernel");
 }
@@ -147,6 +192,12 @@ void swiglu_forward(const bf16* x, bf16* y, int64_t n, int64_t f, cudaStream_t s
 void swiglu_backward(const bf16* x, const bf16* dy, bf16* dx, int64_t n, int64_t f,
                      cudaStream_t stream) {
   if (n * f <= 0) return;
+  if (vectorizable(f, {x, dy, dx})) {
+    PTDP_KERNEL_LAUNCH(swiglu_backward_vec_kernel, grid_for(n * f / kVec), kThreads, 0, stream)
+    (x, dy, dx, n, f);
+    check_launch("swiglu_backward_kernel (8-element vectors)");
+    return;
+  }
   PTDP_KERNEL_LAUNCH(swiglu_backward_kernel, grid_for(n * f), kThreads, 0, stream)(x, dy, dx, n, f);
   check_launch("swiglu_backward_kernel");
 }

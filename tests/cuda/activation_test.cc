@@ -8,9 +8,11 @@
 namespace ptdp::cuda_test {
 namespace {
 
-TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
-  PTDP_REQUIRE_GPU();
-  const int64_t rows = 33, cols = 257;
+// Widths of 257 and 130 take the element-wise kernels, 264 and 136 (multiples of 8) the
+// 16-byte-vector ones.
+void check_bias_gelu(int64_t cols) {
+  SCOPED_TRACE("cols = " + std::to_string(cols));
+  const int64_t rows = 33;
   const auto x = random_bf16(rows * cols, 2, 1), bias = random_bf16(cols, 1, 2),
              dy = random_bf16(rows * cols, 1, 3);
   const auto dbias0 = random_f32(cols, 1, 4);
@@ -36,9 +38,14 @@ TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
   expect_close(bf16_values(d_dy), dx_want, 1e-3, 8e-3, "gelu dx in place");
 }
 
-TEST(CudaActivation, SwigluForwardAndBackwardMatchCpu) {
+TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
   PTDP_REQUIRE_GPU();
-  const int64_t n = 19, f = 130;
+  for (int64_t cols : {257, 264}) check_bias_gelu(cols);
+}
+
+void check_swiglu(int64_t f) {
+  SCOPED_TRACE("f = " + std::to_string(f));
+  const int64_t n = 19;
   const auto x = random_bf16(n * 2 * f, 2, 5), dy = random_bf16(n * f, 1, 6);
   auto d_x = to_device_bf16(x), d_dy = to_device_bf16(dy);
   DeviceBuffer<bf16> y(n * f), dx(n * 2 * f);
@@ -49,6 +56,11 @@ TEST(CudaActivation, SwigluForwardAndBackwardMatchCpu) {
   kernels::swiglu_backward(x.data(), dy.data(), dx_want.data(), n, f);
   expect_close(bf16_values(y), y_want, 1e-3, 8e-3, "swiglu forward");
   expect_close(bf16_values(dx), dx_want, 1e-3, 8e-3, "swiglu backward");
+}
+
+TEST(CudaActivation, SwigluForwardAndBackwardMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  for (int64_t f : {130, 136}) check_swiglu(f);
 }
 
 }  // namespace
