@@ -67,6 +67,46 @@ inline bool vectorizable(int64_t cols, std::initializer_list<const void*> pointe
   return true;
 }
 
+// ---- the embedding table's gradient, deterministic and without atomics ----
+// Block b owns table rows [b kVocabTile, (b + 1) kVocabTile) of the vocabulary shard [v0, v0 +
+// vl). It scans the n tokens in order, kBlock at a time, and adds the dy row of each token in
+// its tile to that row, so every table row sums its tokens in order, as the CPU does. A chunk
+// with no token in the tile costs one block sum. dtable is fp32; dy is T (fp32 or bf16).
+// blockDim.x must be kBlock.
+constexpr int64_t kVocabTile = 64;
+__device__ __forceinline__ float as_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float as_float(bf16 x) {
+  return to_float(x);
+}
+template <int kBlock, typename T>
+__device__ void add_token_rows_of_tile(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
+                                       int64_t h, int64_t v0, int64_t vl) {
+  __shared__ int64_t hit[kBlock];
+  __shared__ float scratch[32];
+  const int64_t lo = static_cast<int64_t>(blockIdx.x) * kVocabTile;
+  const int64_t hi = lo + kVocabTile < vl ? lo + kVocabTile : vl;
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t i = base + threadIdx.x;
+    const int64_t tok = i < n ? tokens[i] - v0 : -1;
+    const bool mine = tok >= lo && tok < hi;
+    hit[threadIdx.x] = mine ? i : -1;
+    // block_sum synchronizes the block, so `hit` is complete after it.
+    if (block_sum(mine ? 1.0f : 0.0f, scratch) == 0.0f) continue;
+    for (int j = 0; j < kBlock; ++j) {
+      const int64_t row = hit[j];
+      if (row < 0) continue;
+      float* out = dtable + (tokens[row] - v0) * h;
+      for (int64_t e = threadIdx.x; e < h; e += blockDim.x) out[e] += as_float(dy[row * h + e]);
+    }
+    __syncthreads();  // `hit` is rewritten by the next chunk
+  }
+}
+inline unsigned vocab_tiles(int64_t vl) {
+  return static_cast<unsigned>((vl + kVocabTile - 1) / kVocabTile);
+}
+
 inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }

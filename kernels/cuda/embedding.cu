@@ -19,18 +19,11 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const bf16* tabl
   }
 }
 
-// Thread (column e, vocabulary slice y) adds every token row whose table row falls in its slice.
-constexpr int kVocabSlices = 16;
+// The table gradient by vocabulary tiles (common.cuh): every table row sums its tokens in order.
+constexpr int kGradThreads = 256;
 __global__ void embedding_table_grad_kernel(const int32_t* tokens, const bf16* dy, float* dtable,
                                             int64_t n, int64_t h, int64_t v0, int64_t vl) {
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= h) return;
-  const int64_t per = (vl + kVocabSlices - 1) / kVocabSlices;
-  const int64_t lo = blockIdx.y * per, hi = lo + per < vl ? lo + per : vl;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t tok = tokens[i] - v0;
-    if (tok >= lo && tok < hi) dtable[tok * h + e] += to_float(dy[i * h + e]);
-  }
+  add_token_rows_of_tile<kGradThreads>(tokens, dy, dtable, n, h, v0, vl);
 }
 
 __global__ void embedding_pos_grad_kernel(const bf16* dy, float* dpos, int64_t b, int64_t sl,
@@ -61,8 +54,7 @@ void embedding_backward(const int32_t* tokens, const bf16* dy, float* dtable, fl
   const int64_t n = b * sl;
   if (n <= 0 || h <= 0) return;
   if (dtable && vl > 0) {
-    PTDP_KERNEL_LAUNCH(embedding_table_grad_kernel, dim3(blocks_for(h, 128), kVocabSlices), 128, 0,
-                       stream)
+    PTDP_KERNEL_LAUNCH(embedding_table_grad_kernel, vocab_tiles(vl), kGradThreads, 0, stream)
     (tokens, dy, dtable, n, h, v0, vl);
     check_launch("embedding_table_grad_kernel");
   }

@@ -204,33 +204,12 @@ __global__ void embedding_lookup_k(const int32_t* tokens, const T* table, T* y, 
     y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : store<T>(0.0f);
   }
 }
-// One block per tile of kVocabTile table rows: the block scans the tokens in order, a chunk of
-// kThreads at a time, and adds the dy row of each token in its tile to that table row, so every
-// table row sums its tokens in order (as the CPU does): deterministic, no atomics. dtable is
-// fp32. Chunks with no token in the tile cost one block sum.
-constexpr int64_t kVocabTile = 64;
+// The table gradient by vocabulary tiles (kernels/cuda/common.cuh): deterministic, tokens in
+// order per row as on the CPU, no atomics. dtable is fp32.
 template <typename T>
 __global__ void embedding_grad_k(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
                                  int64_t h, int64_t v0, int64_t vl) {
-  __shared__ int64_t hit[kThreads];
-  __shared__ float scratch[32];
-  const int64_t lo = static_cast<int64_t>(blockIdx.x) * kVocabTile;
-  const int64_t hi = lo + kVocabTile < vl ? lo + kVocabTile : vl;
-  for (int64_t base = 0; base < n; base += kThreads) {
-    const int64_t i = base + threadIdx.x;
-    const int64_t tok = i < n ? tokens[i] - v0 : -1;
-    const bool mine = tok >= lo && tok < hi;
-    hit[threadIdx.x] = mine ? i : -1;
-    // block_sum synchronizes the block, so `hit` is complete after it.
-    if (kernels::cuda::block_sum(mine ? 1.0f : 0.0f, scratch) == 0.0f) continue;
-    for (int j = 0; j < kThreads; ++j) {
-      const int64_t row = hit[j];
-      if (row < 0) continue;
-      float* out = dtable + (tokens[row] - v0) * h;
-      for (int64_t e = threadIdx.x; e < h; e += blockDim.x) out[e] += load(dy[row * h + e]);
-    }
-    __syncthreads();  // `hit` is rewritten by the next chunk
-  }
+  kernels::cuda::add_token_rows_of_tile<kThreads>(tokens, dy, dtable, n, h, v0, vl);
 }
 template <typename T>
 __global__ void add_positions_k(T* x, const T* pos, int64_t b, int64_t sl, int64_t h,
@@ -591,8 +570,8 @@ template <typename T>
 void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
                             int64_t v0, int64_t vl, cudaStream_t st) {
   if (h > 0 && vl > 0 && n > 0)
-    PTDP_LAUNCH(embedding_grad_k<T>, static_cast<unsigned>((vl + kVocabTile - 1) / kVocabTile),
-                tokens, dy, dtable, n, h, v0, vl);
+    PTDP_LAUNCH(embedding_grad_k<T>, kernels::cuda::vocab_tiles(vl), tokens, dy, dtable, n, h, v0,
+                vl);
 }
 template <typename T>
 void add_positions_t(T* x, const T* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
