@@ -302,6 +302,35 @@ __global__ void ce_backward_k(T* probs, const int32_t* targets, int64_t n, int64
     probs[i] = store<T>(v);
   }
 }
+// The same two for bf16 rows of a multiple of 8 (the vocabulary shard's width), 8 elements a
+// vector: a division per 8 logits rather than per logit.
+__global__ void ce_probs_vec_k(Bf16x8* logits, const float* lse, int64_t n, int64_t vl,
+                               int64_t valid) {
+  const int64_t per_row = vl / kVec;
+  for (int64_t i = first_index(); i < n * per_row; i += grid_stride()) {
+    const int64_t row = i / per_row, j0 = i % per_row * kVec;
+    const float m = lse[row];
+    Bf16x8 v = logits[i];
+    for (int e = 0; e < kVec; ++e)
+      v.v[e] = store<bf16>(j0 + e < valid ? expf(load(v.v[e]) - m) : 0.0f);
+    logits[i] = v;
+  }
+}
+__global__ void ce_backward_vec_k(Bf16x8* probs, const int32_t* targets, int64_t n, int64_t vl,
+                                  int64_t v0, float f) {
+  const int64_t per_row = vl / kVec;
+  for (int64_t i = first_index(); i < n * per_row; i += grid_stride()) {
+    const int64_t row = i / per_row, j0 = i % per_row * kVec;
+    const int64_t target = targets[row] - v0;
+    Bf16x8 v = probs[i];
+    for (int e = 0; e < kVec; ++e) {
+      float x = load(v.v[e]) * f;
+      if (target == j0 + e) x -= f;
+      v.v[e] = store<bf16>(x);
+    }
+    probs[i] = v;
+  }
+}
 
 // ---- norms ----
 __global__ void layernorm_forward_k(const float* x, const float* g, const float* b, float* y,
@@ -595,13 +624,28 @@ void cross_entropy_finish_t(const float* stats, int64_t ranks, T* logits, float*
                             cudaStream_t st) {
   if (n <= 0) return;
   PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
-  if (vl > 0) PTDP_LAUNCH(ce_probs_k<T>, grid_for(n * vl), logits, lse, n, vl, valid);
+  if (vl <= 0) return;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (kernels::cuda::vectorizable(vl, {logits})) {
+      PTDP_LAUNCH(ce_probs_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(logits), lse,
+                  n, vl, valid);
+      return;
+    }
+  }
+  PTDP_LAUNCH(ce_probs_k<T>, grid_for(n * vl), logits, lse, n, vl, valid);
 }
 template <typename T>
 void cross_entropy_backward_t(T* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                               double scale, cudaStream_t st) {
   if (n * vl <= 0) return;
   const float f = static_cast<float>(scale / static_cast<double>(n));
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (kernels::cuda::vectorizable(vl, {probs})) {
+      PTDP_LAUNCH(ce_backward_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(probs),
+                  targets, n, vl, v0, f);
+      return;
+    }
+  }
   PTDP_LAUNCH(ce_backward_k<T>, grid_for(n * vl), probs, targets, n, vl, v0, f);
 }
 template <typename T>
