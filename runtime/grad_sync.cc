@@ -285,10 +285,9 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
     if (!counts_in_norm(p)) return;
     const int64_t first = dist_ ? base : lo;
-    if (first != run_hi || run_hi == run_lo) {
+    if (first != run_hi) {  // not adjacent: a new range
       flush();
-      run_lo = first;
-      run_hi = first;
+      run_lo = run_hi = first;
     }
     run_hi += hi - lo;
   });

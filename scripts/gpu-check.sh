@@ -118,7 +118,7 @@ tp2pp2=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 12
   --vocab-size 50304 --global-batch-size 8 --micro-batch-size 2 --use-flash-attn
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
   --steps ${TP2PP2_STEPS:-10} --seed 7 --json)
-rm -f "$out"/tp2pp2_*.json
+rm -f "$out"/tp2pp2_*
 if command -v mpirun >/dev/null && ldd "$build/cli/ptdp" | grep -q libmpi; then
   mpi=(mpirun --oversubscribe -np 4)
   for be in cpu cuda cuda_bf16; do
@@ -229,46 +229,34 @@ for config in ("unfused", "flash"):
                   pred["tokens_per_s"], json.dumps(pred["memory"])[:300]))
     except Exception as e:  # noqa: BLE001
         print("ptdp predict (%s): NO RESULT (%s; see gpt2_predict_%s.log)" % (config, e, config))
-try:
-    cpu = json.load(open(os.path.join(out, "curve_cpu.json")))["losses"]
-    for name, tol in (("curve_cuda", 1e-3), ("curve_cuda_bf16", 3e-2)):
+def against_cpu(prefix, label):
+    """The CUDA runs <prefix>_cuda and <prefix>_cuda_bf16 against <prefix>_cpu's losses, step by
+    step: fp32 within 1e-3, bf16 within 3e-2 (relative). Returns the number of problems."""
+    try:
+        cpu = json.load(open(os.path.join(out, prefix + "_cpu.json")))["losses"]
+    except Exception as e:  # noqa: BLE001
+        print("%s: NO CPU RESULT (%s; see %s_cpu.log)" % (label, e, prefix))
+        return 1
+    problems = 0
+    for name, tol in ((prefix + "_cuda", 1e-3), (prefix + "_cuda_bf16", 3e-2)):
         try:
-            gpu = json.load(open(os.path.join(out, name + ".json")))["losses"]
+            run = json.load(open(os.path.join(out, name + ".json")))
         except Exception as e:  # noqa: BLE001
-            print("loss curve %s: NO RESULT (%s)" % (name, e))
-            fail += 1
+            print("%s, %s: NO RESULT (%s; see %s.log)" % (label, name, e, name))
+            problems += 1
             continue
+        gpu = run["losses"]
         worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
         ok = len(gpu) == len(cpu) and worst <= tol
-        fail += 0 if ok else 1
-        print("loss curve, %d steps, %s against the CPU backend: largest relative difference %.2e "
-              "(bound %.0e) %s; first/last loss cpu %.4f/%.4f gpu %.4f/%.4f" % (
-                  len(gpu), name, worst, tol, "passed" if ok else "FAILED", cpu[0], cpu[-1],
-                  gpu[0], gpu[-1]))
-except Exception as e:  # noqa: BLE001
-    print("loss curve: NO CPU RESULT (%s; see curve_cpu.log)" % e)
-    fail += 1
-if os.path.exists(os.path.join(out, "tp2pp2_cpu.json")):
-    try:
-        cpu = json.load(open(os.path.join(out, "tp2pp2_cpu.json")))["losses"]
-        for name, tol in (("tp2pp2_cuda", 1e-3), ("tp2pp2_cuda_bf16", 3e-2)):
-            try:
-                run = json.load(open(os.path.join(out, name + ".json")))
-            except Exception as e:  # noqa: BLE001
-                print("t=2 p=2 on one GPU, %s: NO RESULT (%s; see %s.log)" % (name, e, name))
-                fail += 1
-                continue
-            gpu = run["losses"]
-            worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
-            ok = len(gpu) == len(cpu) and worst <= tol
-            fail += 0 if ok else 1
-            print("t=2 p=2 on one GPU (data plane %s), %s against the CPU backend: largest relative "
-                  "loss difference %.2e over %d steps (bound %.0e) %s" % (
-                      run.get("data_plane"), name, worst, len(gpu), tol,
-                      "passed" if ok else "FAILED"))
-    except Exception as e:  # noqa: BLE001
-        print("t=2 p=2: NO CPU RESULT (%s; see tp2pp2_cpu.log)" % e)
-        fail += 1
+        problems += 0 if ok else 1
+        print("%s (data plane %s), %s against the CPU backend: largest relative loss difference "
+              "%.2e over %d steps (bound %.0e) %s; first/last loss cpu %.4f/%.4f gpu %.4f/%.4f" % (
+                  label, run.get("data_plane"), name, worst, len(gpu), tol,
+                  "passed" if ok else "FAILED", cpu[0], cpu[-1], gpu[0], gpu[-1]))
+    return problems
+fail += against_cpu("curve", "loss curve")
+if os.path.exists(os.path.join(out, "tp2pp2_cpu.log")):
+    fail += against_cpu("tp2pp2", "t=2 p=2 on one GPU")
 else:
     print("t=2 p=2 on one GPU: not run (no mpirun, or ptdp built without MPI)")
 torch_path = os.path.join(out, "torch_gpt2.jsonl")

@@ -730,23 +730,24 @@ TEST(Buffers, ResizeForOverwriteLeavesNaNWhereResizeLeavesZero) {
       staged->upload(ones, b.raw(), sizeof ones);
     else
       std::copy(ones, ones + 3, b.begin());
+    auto read_back = [&] {
+      std::vector<float> host(b.size());
+      if (staged)
+        staged->download(b.raw(), host.data(), b.bytes());
+      else
+        std::copy(b.begin(), b.end(), host.begin());
+      return host;
+    };
     resize_for_overwrite(b, 1000);  // grows: a new allocation
     resize_for_overwrite(b, 1001);  // within the capacity
-    std::vector<float> host(b.size());
-    if (staged)
-      staged->download(b.raw(), host.data(), b.bytes());
-    else
-      std::copy(b.begin(), b.end(), host.begin());
+    std::vector<float> host = read_back();
     EXPECT_EQ(host[0], 1.0f);
     EXPECT_EQ(host[2], 1.0f);
     EXPECT_TRUE(std::isnan(host[3]));
     EXPECT_TRUE(std::isnan(host[1000]));
     b.clear();
     resize(b, 1001);
-    if (staged)
-      staged->download(b.raw(), host.data(), b.bytes());
-    else
-      std::copy(b.begin(), b.end(), host.begin());
+    host = read_back();
     EXPECT_EQ(host[0], 0.0f);
     EXPECT_EQ(host[1000], 0.0f);
   }

@@ -104,18 +104,25 @@ __global__ void swiglu_backward_kernel(const bf16* x, const bf16* dy, bf16* dx, 
   }
 }
 
-// SwiGLU 8 columns at a time (f a multiple of 8, pointers 16-byte aligned): the gate and up
-// vectors of a row sit f columns apart.
+// SwiGLU 8 columns at a time (f a multiple of 8, pointers 16-byte aligned). Output vector i's
+// gate and up vectors in x ([n, 2f]: gate columns [0, f), up [f, 2f)); `at` is the gate vector's
+// offset, the up one's at + f, in x and dx alike.
+struct GateUp {
+  int64_t at;
+  Bf16x8 g, u;
+};
+__device__ __forceinline__ GateUp gate_up(const bf16* x, int64_t i, int64_t f) {
+  const int64_t fv = f / kVec, at = i / fv * 2 * f + i % fv * kVec;
+  return {at, *reinterpret_cast<const Bf16x8*>(x + at),
+          *reinterpret_cast<const Bf16x8*>(x + at + f)};
+}
 __global__ void swiglu_forward_vec_kernel(const bf16* x, bf16* y, int64_t n, int64_t f) {
-  const int64_t fv = f / kVec;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * fv;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * f / kVec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / fv, j = i % fv * kVec;
-    const Bf16x8 gv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + j);
-    const Bf16x8 uv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + f + j);
+    const GateUp in = gate_up(x, i, f);
     Bf16x8 o;
     for (int e = 0; e < kVec; ++e) {
-      const float g = to_float(gv.v[e]), u = to_float(uv.v[e]);
+      const float g = to_float(in.g.v[e]), u = to_float(in.u.v[e]);
       o.v[e] = to_bf16(g / (1.0f + __expf(-g)) * u);
     }
     reinterpret_cast<Bf16x8*>(y)[i] = o;
@@ -123,22 +130,19 @@ __global__ void swiglu_forward_vec_kernel(const bf16* x, bf16* y, int64_t n, int
 }
 __global__ void swiglu_backward_vec_kernel(const bf16* x, const bf16* dy, bf16* dx, int64_t n,
                                            int64_t f) {
-  const int64_t fv = f / kVec;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * fv;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n * f / kVec;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = i / fv, j = i % fv * kVec;
-    const Bf16x8 gv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + j);
-    const Bf16x8 uv = *reinterpret_cast<const Bf16x8*>(x + row * 2 * f + f + j);
+    const GateUp in = gate_up(x, i, f);
     const Bf16x8 dv = reinterpret_cast<const Bf16x8*>(dy)[i];
     Bf16x8 dg, du;
     for (int e = 0; e < kVec; ++e) {
-      const float g = to_float(gv.v[e]), u = to_float(uv.v[e]);
+      const float g = to_float(in.g.v[e]), u = to_float(in.u.v[e]);
       const float sig = 1.0f / (1.0f + __expf(-g)), d = to_float(dv.v[e]);
       dg.v[e] = to_bf16(d * u * sig * (1.0f + g * (1.0f - sig)));
       du.v[e] = to_bf16(d * g * sig);
     }
-    *reinterpret_cast<Bf16x8*>(dx + row * 2 * f + j) = dg;
-    *reinterpret_cast<Bf16x8*>(dx + row * 2 * f + f + j) = du;
+    *reinterpret_cast<Bf16x8*>(dx + in.at) = dg;
+    *reinterpret_cast<Bf16x8*>(dx + in.at + f) = du;
   }
 }
 

@@ -29,6 +29,13 @@ __device__ __forceinline__ float to_float(bf16 x) {
 __device__ __forceinline__ bf16 to_bf16(float x) {
   return __float2bfloat16_rn(x);
 }
+// Either storage type widened to fp32 (kernels templated on fp32 or bf16 operands).
+__device__ __forceinline__ float as_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float as_float(bf16 x) {
+  return to_float(x);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -74,12 +81,6 @@ inline bool vectorizable(int64_t cols, std::initializer_list<const void*> pointe
 // with no token in the tile costs one block sum. dtable is fp32; dy is T (fp32 or bf16).
 // blockDim.x must be kBlock.
 constexpr int64_t kVocabTile = 64;
-__device__ __forceinline__ float as_float(float x) {
-  return x;
-}
-__device__ __forceinline__ float as_float(bf16 x) {
-  return to_float(x);
-}
 template <int kBlock, typename T>
 __device__ void add_token_rows_of_tile(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
                                        int64_t h, int64_t v0, int64_t vl) {

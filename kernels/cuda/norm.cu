@@ -204,11 +204,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// How a row of h columns is normalised: 0 the block-per-row kernels above (re-reading the row),
-// 1 a warp per row in registers, 2 a block per row in registers.
-int row_kernel(int64_t h, std::initializer_list<const void*> pointers) {
-  if (!vectorizable(h, pointers) || h > kBlockRowColumns) return 0;
-  return h <= kWarpRowColumns ? 1 : 2;
+// How a row of h columns is normalised: the block-per-row kernels above re-reading it, or in
+// registers by a warp or by a block.
+enum class RowKernel { kReread, kWarp, kBlock };
+RowKernel row_kernel(int64_t h, std::initializer_list<const void*> pointers) {
+  if (!vectorizable(h, pointers) || h > kBlockRowColumns) return RowKernel::kReread;
+  return h <= kWarpRowColumns ? RowKernel::kWarp : RowKernel::kBlock;
 }
 unsigned warp_row_blocks(int64_t n) {
   return static_cast<unsigned>((n + kRowsPerBlock - 1) / kRowsPerBlock);
@@ -235,13 +236,14 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
              bf16* y, float* mean, float* rstd, int64_t n, int64_t h, float eps,
              cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  if (const int kind = row_kernel(h, {x, residual, r_out, g, b, y}); kind == 1) {
+  if (const RowKernel kind = row_kernel(h, {x, residual, r_out, g, b, y});
+      kind == RowKernel::kWarp) {
     PTDP_KERNEL_LAUNCH((norm_forward_row_kernel<kRms, true>), warp_row_blocks(n), kThreads, 0,
                        stream)
     (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
     check_launch("norm_forward_kernel (one warp per row)");
     return;
-  } else if (kind == 2) {
+  } else if (kind == RowKernel::kBlock) {
     PTDP_KERNEL_LAUNCH((norm_forward_row_kernel<kRms, false>), static_cast<unsigned>(n), kThreads,
                        0, stream)
     (x, residual, r_out, g, b, y, mean, rstd, n, h, eps);
@@ -258,12 +260,12 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
               const bf16* dresid, bf16* dx, float* dg, float* db, int64_t n, int64_t h,
               cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
-  if (const int kind = row_kernel(h, {r, g, dy, dresid, dx}); kind == 1) {
+  if (const RowKernel kind = row_kernel(h, {r, g, dy, dresid, dx}); kind == RowKernel::kWarp) {
     PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, true>), warp_row_blocks(n), kThreads, 0,
                        stream)
     (r, g, mean, rstd, dy, dresid, dx, n, h);
     check_launch("norm_backward_kernel (one warp per row)");
-  } else if (kind == 2) {
+  } else if (kind == RowKernel::kBlock) {
     PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, false>), static_cast<unsigned>(n), kThreads,
                        0, stream)
     (r, g, mean, rstd, dy, dresid, dx, n, h);

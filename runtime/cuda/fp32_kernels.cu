@@ -66,14 +66,10 @@ __device__ double block_sum_double(double v) {
   return block_reduce(v, Sum{});
 }
 
-// Storage: fp32 as it is; bf16 widened on load and rounded to nearest even on store, which is
-// what widening to fp32, running the fp32 kernel and rounding back computes.
-__device__ __forceinline__ float load(float x) {
-  return x;
-}
-__device__ __forceinline__ float load(bf16 x) {
-  return kernels::cuda::to_float(x);
-}
+// Storage: fp32 as it is; bf16 widened on load (as_float, kernels/cuda/common.cuh) and rounded to
+// nearest even on store, which is what widening to fp32, running the fp32 kernel and rounding
+// back computes.
+using kernels::cuda::as_float;
 template <typename T>
 __device__ __forceinline__ T store(float x) {
   if constexpr (std::is_same_v<T, float>)
@@ -87,12 +83,12 @@ __device__ __forceinline__ T store(float x) {
 template <typename T>
 __global__ void add_k(T* y, const T* x, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
-    y[i] = store<T>(load(x[i]) + load(y[i]));
+    y[i] = store<T>(as_float(x[i]) + as_float(y[i]));
 }
 template <typename T>
 __global__ void add_bias_k(T* y, const T* bias, int64_t n, int64_t width) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
-    y[i] = store<T>(load(bias[i % width]) + load(y[i]));
+    y[i] = store<T>(as_float(bias[i % width]) + as_float(y[i]));
 }
 // bf16 add and bias add, 8 elements at a time (kernels/cuda/common.cuh's vectorizable).
 using kernels::cuda::Bf16x8;
@@ -101,7 +97,7 @@ __global__ void add_vec_k(Bf16x8* y, const Bf16x8* x, int64_t nvec) {
   for (int64_t i = first_index(); i < nvec; i += grid_stride()) {
     const Bf16x8 a = x[i];
     Bf16x8 b = y[i];
-    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(load(a.v[j]) + load(b.v[j]));
+    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(as_float(a.v[j]) + as_float(b.v[j]));
     y[i] = b;
   }
 }
@@ -109,7 +105,7 @@ __global__ void add_bias_vec_k(Bf16x8* y, const bf16* bias, int64_t nvec, int64_
   for (int64_t i = first_index(); i < nvec; i += grid_stride()) {
     const int64_t c = i * kVec % width;
     Bf16x8 b = y[i];
-    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(load(bias[c + j]) + load(b.v[j]));
+    for (int j = 0; j < kVec; ++j) b.v[j] = store<bf16>(as_float(bias[c + j]) + as_float(b.v[j]));
     y[i] = b;
   }
 }
@@ -120,7 +116,7 @@ template <typename T>
 struct ColumnOf {
   const T* dy;
   int64_t width;
-  __device__ float operator()(int64_t r, int64_t c) const { return load(dy[r * width + c]); }
+  __device__ float operator()(int64_t r, int64_t c) const { return as_float(dy[r * width + c]); }
 };
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
 __global__ void to_bf16_k(const float* x, kernels::cuda::bf16* y, int64_t n) {
@@ -139,7 +135,7 @@ __global__ void from_fp16_k(const __half* x, float* y, int64_t n) {
 template <typename T>
 __global__ void scale_k(T* x, int64_t n, double f) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
-    x[i] = store<T>(static_cast<float>(static_cast<double>(load(x[i])) * f));
+    x[i] = store<T>(static_cast<float>(static_cast<double>(as_float(x[i])) * f));
 }
 __global__ void sum_squares_partial_k(const float* x, int64_t n, double* partials) {
   double acc = 0;
@@ -217,7 +213,7 @@ __global__ void add_positions_k(T* x, const T* pos, int64_t b, int64_t sl, int64
   const int64_t total = b * sl * h;
   for (int64_t i = first_index(); i < total; i += grid_stride()) {
     const int64_t j = (i / h) % sl, e = i % h;
-    x[i] = store<T>(load(pos[(first + j) * h + e]) + load(x[i]));
+    x[i] = store<T>(as_float(pos[(first + j) * h + e]) + as_float(x[i]));
   }
 }
 // dpos is fp32.
@@ -227,7 +223,7 @@ __global__ void position_grad_k(const T* dx, float* dpos, int64_t b, int64_t sl,
   for (int64_t i = first_index(); i < sl * h; i += grid_stride()) {
     const int64_t j = i / h, e = i % h;
     float acc = dpos[(first + j) * h + e];
-    for (int64_t bi = 0; bi < b; ++bi) acc += load(dx[(bi * sl + j) * h + e]);
+    for (int64_t bi = 0; bi < b; ++bi) acc += as_float(dx[(bi * sl + j) * h + e]);
     dpos[(first + j) * h + e] = acc;
   }
 }
@@ -253,7 +249,7 @@ __global__ void ce_stats_k(const T* logits, const int32_t* targets, float* stats
   const T* row = logits + i * vl;
   MaxSum acc;
   for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) {
-    const float x = load(row[j]);
+    const float x = as_float(row[j]);
     if (x > acc.m) {
       acc.s = acc.s * expf(acc.m - x) + 1.0f;  // expf(-inf) = 0 on the first element
       acc.m = x;
@@ -267,7 +263,7 @@ __global__ void ce_stats_k(const T* logits, const int32_t* targets, float* stats
     const int64_t tgt = targets[i] - v0;
     stats[i * 3] = valid > 0 ? mx : -INFINITY;
     stats[i * 3 + 1] = sum;
-    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? load(row[tgt]) : 0.0f;
+    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? as_float(row[tgt]) : 0.0f;
   }
 }
 __global__ void ce_lse_k(const float* stats, int64_t ranks, float* lse, float* row_loss,
@@ -289,7 +285,7 @@ template <typename T>
 __global__ void ce_probs_k(T* logits, const float* lse, int64_t n, int64_t vl, int64_t valid) {
   for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
     const int64_t j = i % vl;
-    logits[i] = store<T>(j < valid ? expf(load(logits[i]) - lse[i / vl]) : 0.0f);
+    logits[i] = store<T>(j < valid ? expf(as_float(logits[i]) - lse[i / vl]) : 0.0f);
   }
 }
 template <typename T>
@@ -297,7 +293,7 @@ __global__ void ce_backward_k(T* probs, const int32_t* targets, int64_t n, int64
                               float f) {
   for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
     const int64_t row = i / vl, j = i % vl;
-    float v = load(probs[i]) * f;
+    float v = as_float(probs[i]) * f;
     if (targets[row] - v0 == j) v -= f;
     probs[i] = store<T>(v);
   }
@@ -312,7 +308,7 @@ __global__ void ce_probs_vec_k(Bf16x8* logits, const float* lse, int64_t n, int6
     const float m = lse[row];
     Bf16x8 v = logits[i];
     for (int e = 0; e < kVec; ++e)
-      v.v[e] = store<bf16>(j0 + e < valid ? expf(load(v.v[e]) - m) : 0.0f);
+      v.v[e] = store<bf16>(j0 + e < valid ? expf(as_float(v.v[e]) - m) : 0.0f);
     logits[i] = v;
   }
 }
@@ -324,7 +320,7 @@ __global__ void ce_backward_vec_k(Bf16x8* probs, const int32_t* targets, int64_t
     const int64_t target = targets[row] - v0;
     Bf16x8 v = probs[i];
     for (int e = 0; e < kVec; ++e) {
-      float x = load(v.v[e]) * f;
+      float x = as_float(v.v[e]) * f;
       if (target == j0 + e) x -= f;
       v.v[e] = store<bf16>(x);
     }
@@ -452,7 +448,7 @@ __global__ void rope_k(T* x, int64_t b, int64_t s, int64_t heads, int64_t d, dou
     const float c = static_cast<float>(cos(angle));
     const float sn = static_cast<float>(inverse ? -sin(angle) : sin(angle));
     T* v = x + vec * d;
-    const float x1 = load(v[i]), x2 = load(v[i + half]);
+    const float x1 = as_float(v[i]), x2 = as_float(v[i + half]);
     v[i] = store<T>(x1 * c - x2 * sn);
     v[i + half] = store<T>(x2 * c + x1 * sn);
   }
@@ -464,13 +460,13 @@ __global__ void causal_softmax_k(T* scores, int64_t s) {
   const int64_t row = blockIdx.x, i = row % s;
   T* p = scores + row * s;
   float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, load(p[j]));
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) mx = fmaxf(mx, as_float(p[j]));
   mx = block_max(mx);
   float sum = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(load(p[j]) - mx);
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) sum += expf(as_float(p[j]) - mx);
   sum = block_sum(sum);
   for (int64_t j = threadIdx.x; j <= i; j += blockDim.x)
-    p[j] = store<T>(expf(load(p[j]) - mx) / sum);
+    p[j] = store<T>(expf(as_float(p[j]) - mx) / sum);
 }
 template <typename T>
 __global__ void causal_softmax_backward_k(const T* probs, const T* dprobs, T* dscores, int64_t s) {
@@ -478,10 +474,10 @@ __global__ void causal_softmax_backward_k(const T* probs, const T* dprobs, T* ds
   const T* p = probs + row * s;
   const T* dp = dprobs + row * s;
   float dot = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += load(p[j]) * load(dp[j]);
+  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) dot += as_float(p[j]) * as_float(dp[j]);
   dot = block_sum(dot);
   for (int64_t j = threadIdx.x; j < s; j += blockDim.x)
-    dscores[row * s + j] = store<T>(j <= i ? load(p[j]) * (load(dp[j]) - dot) : 0.0f);
+    dscores[row * s + j] = store<T>(j <= i ? as_float(p[j]) * (as_float(dp[j]) - dot) : 0.0f);
 }
 template <typename T>
 __global__ void zero_upper_k(T* m, int64_t total, int64_t s) {
@@ -518,27 +514,35 @@ unsigned rows_grid(int64_t rows) {
 // points below forward to them.
 namespace {
 
+// Whether a storage type T's rows of `cols` (a multiple of kVec) at these pointers go through
+// the 16-byte-vector kernels: bf16 only, rows and pointers as kernels/cuda/common.cuh's
+// vectorizable wants. The split and concat run their kernels on Bf16x8 elements, every width
+// divided by kVec.
+template <typename T>
+bool bf16_vectors(int64_t cols, std::initializer_list<const void*> pointers) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return kernels::cuda::vectorizable(cols, pointers);
+  else
+    return false;
+}
+
 template <typename T>
 void add_t(T* y, const T* x, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (kernels::cuda::vectorizable(n, {y, x})) {
-      PTDP_LAUNCH(add_vec_k, grid_for(n / kVec), reinterpret_cast<Bf16x8*>(y),
-                  reinterpret_cast<const Bf16x8*>(x), n / kVec);
-      return;
-    }
+  if (bf16_vectors<T>(n, {y, x})) {
+    PTDP_LAUNCH(add_vec_k, grid_for(n / kVec), reinterpret_cast<Bf16x8*>(y),
+                reinterpret_cast<const Bf16x8*>(x), n / kVec);
+    return;
   }
   PTDP_LAUNCH(add_k<T>, grid_for(n), y, x, n);
 }
 template <typename T>
 void add_bias_t(T* y, const T* bias, int64_t rows, int64_t width, cudaStream_t st) {
   if (rows * width <= 0) return;
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (kernels::cuda::vectorizable(width, {y, bias})) {
-      PTDP_LAUNCH(add_bias_vec_k, grid_for(rows * width / kVec), reinterpret_cast<Bf16x8*>(y), bias,
-                  rows * width / kVec, width);
-      return;
-    }
+  if (bf16_vectors<T>(width, {y, bias})) {
+    PTDP_LAUNCH(add_bias_vec_k, grid_for(rows * width / kVec), reinterpret_cast<Bf16x8*>(y),
+                reinterpret_cast<const bf16*>(bias), rows * width / kVec, width);  // T is bf16
+    return;
   }
   PTDP_LAUNCH(add_bias_k<T>, grid_for(rows * width), y, bias, rows * width, width);
 }
@@ -550,18 +554,11 @@ template <typename T>
 void scale_t(T* x, int64_t n, double f, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(scale_k<T>, grid_for(n), x, n, f);
 }
-// Column blocks that are whole 16-byte vectors of bf16 move as Bf16x8: the same kernels on a
-// vector element type, every width divided by kVec.
-template <typename T>
-bool as_vectors(int64_t a, int64_t b, int64_t c, std::initializer_list<const void*> pointers) {
-  return std::is_same_v<T, bf16> && a % kVec == 0 && b % kVec == 0 && c % kVec == 0 &&
-         kernels::cuda::vectorizable(kVec, pointers);
-}
 template <typename T>
 void split_columns3_t(const T* x, T* y0, T* y1, T* y2, int64_t n, int64_t a, int64_t b, int64_t c,
                       cudaStream_t st) {
   if (n * (a + b + c) <= 0) return;
-  if (as_vectors<T>(a, b, c, {x, y0, y1, y2})) {
+  if (bf16_vectors<T>(a, {x, y0, y1, y2}) && b % kVec == 0 && c % kVec == 0) {
     using V = Bf16x8;
     PTDP_LAUNCH(split3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x),
                 reinterpret_cast<V*>(y0), reinterpret_cast<V*>(y1), reinterpret_cast<V*>(y2), n,
@@ -574,7 +571,7 @@ template <typename T>
 void concat_columns3_t(const T* x0, const T* x1, const T* x2, T* y, int64_t n, int64_t a, int64_t b,
                        int64_t c, cudaStream_t st) {
   if (n * (a + b + c) <= 0) return;
-  if (as_vectors<T>(a, b, c, {x0, x1, x2, y})) {
+  if (bf16_vectors<T>(a, {x0, x1, x2, y}) && b % kVec == 0 && c % kVec == 0) {
     using V = Bf16x8;
     PTDP_LAUNCH(concat3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x0),
                 reinterpret_cast<const V*>(x1), reinterpret_cast<const V*>(x2),
@@ -625,12 +622,10 @@ void cross_entropy_finish_t(const float* stats, int64_t ranks, T* logits, float*
   if (n <= 0) return;
   PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
   if (vl <= 0) return;
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (kernels::cuda::vectorizable(vl, {logits})) {
-      PTDP_LAUNCH(ce_probs_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(logits), lse,
-                  n, vl, valid);
-      return;
-    }
+  if (bf16_vectors<T>(vl, {logits})) {
+    PTDP_LAUNCH(ce_probs_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(logits), lse, n,
+                vl, valid);
+    return;
   }
   PTDP_LAUNCH(ce_probs_k<T>, grid_for(n * vl), logits, lse, n, vl, valid);
 }
@@ -639,12 +634,10 @@ void cross_entropy_backward_t(T* probs, const int32_t* targets, int64_t n, int64
                               double scale, cudaStream_t st) {
   if (n * vl <= 0) return;
   const float f = static_cast<float>(scale / static_cast<double>(n));
-  if constexpr (std::is_same_v<T, bf16>) {
-    if (kernels::cuda::vectorizable(vl, {probs})) {
-      PTDP_LAUNCH(ce_backward_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(probs),
-                  targets, n, vl, v0, f);
-      return;
-    }
+  if (bf16_vectors<T>(vl, {probs})) {
+    PTDP_LAUNCH(ce_backward_vec_k, grid_for(n * vl / kVec), reinterpret_cast<Bf16x8*>(probs),
+                targets, n, vl, v0, f);
+    return;
   }
   PTDP_LAUNCH(ce_backward_k<T>, grid_for(n * vl), probs, targets, n, vl, v0, f);
 }

@@ -771,13 +771,8 @@ TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
   for (const ModelSpec& m : {gpt, llama, flash}) {
     std::vector<std::vector<double>> runs;
     for (const char* be : {"cpu", "cuda"}) {
-      TrainOptions o;
-      o.model = m;
-      o.plan.global_batch_size = 6;
-      o.plan.micro_batch_size = 3;
-      o.steps = cuda_test::kTrainingSteps;
-      o.backend = be;
-      runs.push_back(cuda_test::losses_of_one_rank(o));
+      runs.push_back(cuda_test::losses_of_one_rank(
+          cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps)));
     }
     ASSERT_EQ(runs[1].size(), runs[0].size());
     for (size_t i = 0; i < runs[0].size(); ++i)
@@ -810,12 +805,7 @@ TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
   for (const ModelSpec& m : {gpt, llama, flash}) {
     std::vector<std::vector<double>> runs;
     for (const char* be : {"cpu", "cuda"}) {
-      TrainOptions o;
-      o.model = m;
-      o.plan.global_batch_size = 6;
-      o.plan.micro_batch_size = 3;
-      o.steps = cuda_test::kTrainingSteps;
-      o.backend = be;
+      TrainOptions o = cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps);
       o.precision = DType::kBF16;
       runs.push_back(cuda_test::losses_of_one_rank(o));
     }
@@ -831,12 +821,7 @@ TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
 // order, and they cover most of the pass (the gaps between markers are the only part left out).
 TEST(CudaBackendTraining, OpSpansFromDeviceMarkersTileEachPass) {
   PTDP_REQUIRE_GPU();
-  TrainOptions o;
-  o.model = cuda_test::tiny_gpt();
-  o.plan.global_batch_size = 6;
-  o.plan.micro_batch_size = 3;
-  o.steps = 2;
-  o.backend = "cuda";
+  TrainOptions o = cuda_test::tiny_training(cuda_test::tiny_gpt(), "cuda", 2);
   o.record_timeline = true;
   auto self = make_self_communicator();
   const TrainResult r = train(o, *self);

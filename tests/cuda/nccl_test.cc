@@ -84,13 +84,8 @@ TEST(NcclCommunicator, TrainingOnTheNcclDataPlaneGivesTheStagedLosses) {
   std::vector<std::vector<double>> runs;
   for (const char* plane : {"staged", "nccl"}) {
     setenv("PTDP_DATA_PLANE", plane, 1);
-    TrainOptions o;
-    o.model = cuda_test::tiny_gpt();
-    o.plan.global_batch_size = 6;
-    o.plan.micro_batch_size = 3;
-    o.steps = 5;
-    o.backend = "cuda";
-    runs.push_back(cuda_test::losses_of_one_rank(o));
+    runs.push_back(
+        cuda_test::losses_of_one_rank(cuda_test::tiny_training(cuda_test::tiny_gpt(), "cuda", 5)));
   }
   unsetenv("PTDP_DATA_PLANE");
   EXPECT_EQ(runs[1], runs[0]);

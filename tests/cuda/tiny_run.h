@@ -30,6 +30,17 @@ inline constexpr int kTrainingSteps = 6;
 inline constexpr int kTrainingSteps = 20;
 #endif
 
+// `m` trained on `backend` for `steps` steps at global batch 6, micro-batch 3 (two microbatches).
+inline TrainOptions tiny_training(const ModelSpec& m, const char* backend, int64_t steps) {
+  TrainOptions o;
+  o.model = m;
+  o.plan.global_batch_size = 6;
+  o.plan.micro_batch_size = 3;
+  o.steps = steps;
+  o.backend = backend;
+  return o;
+}
+
 // Each step's loss of `o` trained on one rank.
 inline std::vector<double> losses_of_one_rank(const TrainOptions& o) {
   auto self = make_self_communicator();
