@@ -54,7 +54,7 @@ struct OpSample {
 };
 
 // Evicts the CPU caches by reading a buffer twice the node's last-level cache (every rank at
-// once, as the ranks share it); with a device backend, the device's cache by writing a device
+// once, as the ranks share it); with a device backend, the device's cache by reading a device
 // buffer twice its size (then waiting for the device).
 class CacheEvictor {
  public:

@@ -2,6 +2,7 @@
 #include "runtime/backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -289,6 +290,18 @@ class StagedCpuBackend final : public CpuBackend {
     if (buffer_space() == this) set_buffer_space(nullptr);
   }
   std::string_view name() const override { return "cpu-staged"; }
+  // Markers are the host clock when queued (each kernel here has run by the time it returns),
+  // so that traced runs take the device timing path of runtime/op_timer.h as a GPU does.
+  void* record_mark() override {
+    return new std::chrono::steady_clock::time_point(std::chrono::steady_clock::now());
+  }
+  double mark_seconds(void* from, void* to) override {
+    using P = const std::chrono::steady_clock::time_point*;
+    return std::chrono::duration<double>(*static_cast<P>(to) - *static_cast<P>(from)).count();
+  }
+  void release_mark(void* mark) override {
+    delete static_cast<std::chrono::steady_clock::time_point*>(mark);
+  }
   void* allocate(size_t bytes) override { return track(CpuBackend::allocate(bytes), bytes); }
   void* allocate_for_overwrite(size_t bytes) override {
     return track(CpuBackend::allocate_for_overwrite(bytes), bytes);

@@ -1,12 +1,19 @@
 #include "runtime/op_timer.h"
 
 namespace ptdp {
+namespace {
 
+// Markers held before they are read mid-step anyway (a synchronisation): bounds the events a
+// very long step keeps alive. A GPT-3-sized stage queues some 40 a layer and microbatch.
+constexpr size_t kMaxPendingMarks = size_t{1} << 16;
+
+}  // namespace
+
+// Markers not read by a flush() (a step that failed) are released unread: the sink they would
+// be written to may be gone already.
 OpTimer::~OpTimer() {
-  try {
-    resolve();
-  } catch (...) {  // a failing backend: the spans are lost, the error is reported elsewhere
-  }
+  for (void* m : marks_) be_.release_mark(m);
+  if (ref_) be_.release_mark(ref_);
 }
 
 double OpTimer::now() {
@@ -26,16 +33,23 @@ size_t OpTimer::new_mark() {
 void OpTimer::resolve() {
   if (!ref_) return;
   be_.synchronize();
+  auto at = [&](size_t mark) { return ref_seconds_ + be_.mark_seconds(ref_, marks_[mark]); };
   for (const Pending& p : pending_) {
     TimedOp& op = (*sink_)[p.op];
-    op.start = ref_seconds_ + be_.mark_seconds(ref_, marks_[p.start]);
-    op.end = ref_seconds_ + be_.mark_seconds(ref_, marks_[p.end]);
+    op.start = at(p.start);
+    op.end = at(p.end);
   }
+  for (const PendingPass& p : pending_passes_) pass_spans_[p.pass] = {at(p.start), at(p.end)};
   for (void* m : marks_) be_.release_mark(m);
   be_.release_mark(ref_);
   marks_.clear();
   pending_.clear();
+  pending_passes_.clear();
   ref_ = nullptr;
+}
+
+void OpTimer::flush() {
+  resolve();
 }
 
 void OpTimer::pass(int64_t chunk, int64_t microbatch) {
@@ -46,8 +60,11 @@ void OpTimer::pass(int64_t chunk, int64_t microbatch) {
 
 void OpTimer::begin(OpId id, OpRole role) {
   if (device_) {
+    // A pass that began before a flush() keeps its markers: resolve only between passes.
+    if (marks_.size() >= kMaxPendingMarks && !open_) resolve();
     const size_t m = new_mark();
     if (open_) pending_.back().end = m;
+    if (pass_first_mark_ == kNoPass) pass_first_mark_ = m;
     sink_->push_back({id, role, chunk_, microbatch_, 0.0, 0.0});
     pending_.push_back({sink_->size() - 1, m, m});
     open_ = true;
@@ -63,16 +80,23 @@ void OpTimer::weight_gradient() {
   if (open_) sink_->back().role = OpRole::kWeightGrad;
 }
 
-void OpTimer::close() {
+size_t OpTimer::close() {
   if (device_) {
-    if (open_) pending_.back().end = new_mark();
+    size_t pass = kNoPass;
+    if (open_) {
+      const size_t end = new_mark();
+      pending_.back().end = end;
+      pass = pass_spans_.size();
+      pass_spans_.emplace_back(0.0, 0.0);
+      pending_passes_.push_back({pass, pass_first_mark_, end});
+    }
     open_ = false;
-    resolve();
-    return;
+    pass_first_mark_ = kNoPass;
+    return pass;
   }
-  if (!open_) return;
-  sink_->back().end = now();
+  if (open_) sink_->back().end = now();
   open_ = false;
+  return kNoPass;
 }
 
 }  // namespace ptdp

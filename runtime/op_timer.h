@@ -3,14 +3,20 @@
 // executor names the pass (chunk, microbatch) before it runs and closes the last op after it.
 // Only attached when a trace is asked for: without one, the shard makes no clock reading.
 // On a backend that runs kernels asynchronously the timer queues one of the backend's markers
-// (CUDA events) at each op boundary and reads them when a pass closes: one synchronisation per
-// pass rather than per op, so that tracing leaves the kernels' back-to-back execution as it is
-// (synchronising at every boundary added the launch latency to every op: on an H100 a third of
-// a GPT-2-124M step). Host backends read a host clock at each boundary.
+// (CUDA events) at each op boundary and reads them all in flush(), which the trainer calls once
+// a step has ended, outside its timed span: tracing then leaves the kernels' back-to-back
+// execution as it is, across passes too. (Synchronising at every boundary added the launch
+// latency to every op, a third of a GPT-2-124M step on an H100; reading the markers when each
+// pass closed drained the device at every pass and put the reading, some 2 us a marker, inside
+// the pass: 0.6-1.9 ms a pass of `pass_overhead` there.) A device pass's span is then the device
+// time from its first op's start to its last op's end (pass_span). Host backends read a host
+// clock at each boundary.
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/layer_ops.h"
@@ -40,13 +46,21 @@ class OpTimer {
   void begin(OpId id, OpRole role);
   // The open op computes a weight gradient (ShardContext::weight_gradient_done).
   void weight_gradient();
-  // Closes the open op (end of a pass).
-  void close();
+  // Closes the open op (end of a pass). With device timing, returns an index for pass_span()
+  // (kNoPass for host timing or a pass without ops).
+  static constexpr size_t kNoPass = static_cast<size_t>(-1);
+  size_t close();
+  // Reads every marker queued so far (one synchronisation); the ops' spans and pass_span() are
+  // final after it. Nothing to do with host timing.
+  void flush();
+  // The device time of a pass that close() returned `pass` for, as (start, end) since t0; valid
+  // after the flush() that follows the close().
+  std::pair<double, double> pass_span(size_t pass) const { return pass_spans_.at(pass); }
 
  private:
   double now();       // seconds since t0, the backend synchronised
   size_t new_mark();  // a device marker queued now; its index in marks_
-  void resolve();     // synchronises and turns the pending ops' markers into times
+  void resolve();     // synchronises and turns the pending markers into times
 
   Backend& be_;
   Clock::time_point t0_;
@@ -59,8 +73,14 @@ class OpTimer {
   struct Pending {
     size_t op, start, end;
   };
+  struct PendingPass {
+    size_t pass, start, end;
+  };
   std::vector<void*> marks_;
   std::vector<Pending> pending_;
+  std::vector<PendingPass> pending_passes_;
+  std::vector<std::pair<double, double>> pass_spans_;  // every device pass's, once resolved
+  size_t pass_first_mark_ = kNoPass;                   // the open pass's first marker
   void* ref_ = nullptr;
   double ref_seconds_ = 0;
 };

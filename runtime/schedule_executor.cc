@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <tuple>
 
 namespace ptdp {
 
@@ -27,6 +28,15 @@ ScheduleExecutor::ScheduleExecutor(GptShard& shard, Communicator& pipeline,
 void ScheduleExecutor::time_ops(std::vector<TimedOp>* sink, Clock::time_point t0) {
   timer_ = sink ? std::make_unique<OpTimer>(shard_.backend(), t0, sink) : nullptr;
   shard_.time_ops(timer_.get());
+}
+
+void ScheduleExecutor::flush_timing(std::vector<TimelineEvent>* events) {
+  if (!timer_) return;
+  timer_->flush();
+  if (events)
+    for (const auto& [event, pass] : device_passes_)
+      std::tie((*events)[event].start, (*events)[event].end) = timer_->pass_span(pass);
+  device_passes_.clear();
 }
 
 void ScheduleExecutor::flush_p2p() {
@@ -99,6 +109,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
   for (size_t i = 0; i < actions_.size(); ++i) {
     const PipelineAction& a = actions_[i];
     const double start = now();
+    size_t device_pass = OpTimer::kNoPass;  // a pass timed on the device (OpTimer::close)
     const Key key{a.microbatch, a.chunk};
     // A chunk's last backward (or weight) pass of the step hands each part to a bucket.
     const bool last_pass =
@@ -113,7 +124,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         if (timer_) timer_->pass(a.chunk, a.microbatch);
         loss_sum += shard_.forward(a.chunk, a.microbatch, tokens.data(), in, &out,
                                    gathers ? &wait_params : nullptr);
-        if (timer_) timer_->close();
+        if (timer_) device_pass = timer_->close();
         if (!first) act_in_.erase(key);
         if (!last) act_out_[key] = std::move(out);
         break;
@@ -129,7 +140,7 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
           shard_.backward_input(a.chunk, a.microbatch, gout, &gin, scale);
         else
           shard_.backward(a.chunk, a.microbatch, gout, &gin, scale, ready);
-        if (timer_) timer_->close();
+        if (timer_) device_pass = timer_->close();
         if (!last) grad_in_.erase(key);
         if (!first) grad_out_[key] = std::move(gin);
         break;
@@ -168,11 +179,13 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
         break;
       case ActionKind::kOptimizerStep:
         *grad_norm = optimizer_.step(step.step, step.lr, step.optimizer);
+        // Traced, the action ends when its kernels (AdamW's, queued after the norm) have run.
+        if (events) shard_.backend().synchronize();
         break;
       case ActionKind::kBackwardWeight: {
         if (timer_) timer_->pass(a.chunk, a.microbatch);
         shard_.backward_weight(a.chunk, a.microbatch, ready);
-        if (timer_) timer_->close();
+        if (timer_) device_pass = timer_->close();
         break;
       }
     }
@@ -183,6 +196,8 @@ double ScheduleExecutor::run(const StepContext& step, double* grad_norm,
       const double end = now();
       events->push_back({static_cast<int32_t>(pp_), static_cast<int32_t>(dp_), a.kind, a.microbatch,
                          a.chunk, p2p ? group_start : start, end});
+      if (device_pass != OpTimer::kNoPass)
+        device_passes_.push_back({events->size() - 1, device_pass});
       if (p2p && !a.batched_with_next) {
         // Every action of a batched call spans the call.
         for (size_t k = events->size(); k-- > group_first_event;) {

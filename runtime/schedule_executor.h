@@ -57,6 +57,10 @@ class ScheduleExecutor {
   // From now on, appends every op the shard executes to `sink` with its start and end (times
   // since t0), tagged with the pass's chunk and microbatch (runtime/op_timer.h).
   void time_ops(std::vector<TimedOp>* sink, Clock::time_point t0);
+  // Makes the timed ops' spans final (OpTimer::flush: one synchronisation on a device) and gives
+  // the pass events run() appended to `events` since the last call their device spans. Called
+  // between steps, outside their timed spans.
+  void flush_timing(std::vector<TimelineEvent>* events);
   // --overlap-grad-reduce: in each chunk's last backward pass of the step, each part's
   // gradients start their data-parallel reduction as soon as the part is done
   // (DataParallelOptimizer::reduce_bucket); the gradient-sync action then reduces the rest and
@@ -93,6 +97,8 @@ class ScheduleExecutor {
   std::vector<Communicator::P2P> batch_;
   std::vector<Key> sent_fwd_, sent_bwd_;
   std::unique_ptr<OpTimer> timer_;  // null unless ops are timed
+  // Pass events (index into run()'s events) timed on the device, and their OpTimer pass index.
+  std::vector<std::pair<size_t, size_t>> device_passes_;
   bool overlap_ = false, async_sends_ = false;
   Communicator* sg_ = nullptr;  // scatter/gather over this tensor-parallel group
   int64_t sg_rank_ = 0;

@@ -581,6 +581,9 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     st.lr = learning_rate(o_, applied_);
     if (o_.precision == DType::kF16) st.loss_scale = scaler_.scale();
     st.loss = step(s, &st.grad_norm);
+    // The step ends when its last kernel (the optimizer's) has run, not when the host has
+    // queued it: otherwise its time would spill into the next step's first pass.
+    backend_->synchronize();
     st.skipped = skipped_;
     // The same sum on every rank: every rank stops here, before anything is saved.
     if (!std::isfinite(st.loss)) throw NonFiniteLoss(s, st.loss, st.grad_norm);
@@ -588,6 +591,8 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     st.start = std::chrono::duration<double>(begin - t0_).count();
     st.tokens = tokens_per_step;
     result.steps.push_back(st);
+    // A device's op markers are read here, between steps (runtime/op_timer.h).
+    if (o_.record_timeline && timeline_rank()) executor_->flush_timing(&events_);
     if (world_.rank() == 0 && on_step) on_step(st);
     const bool last = s + 1 == o_.steps;
     const bool save =

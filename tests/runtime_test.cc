@@ -603,6 +603,39 @@ TEST(Train, TimelineHasEveryActionInOrder) {
   EXPECT_EQ(r.timeline.back().kind, ActionKind::kOptimizerStep);
 }
 
+// A device backend's passes are timed by its markers (runtime/op_timer.h), read between steps:
+// each forward and backward pass spans exactly its ops, from the first's start to the last's
+// end, the ops follow one another without gaps, and every op lies in a pass of its microbatch.
+// cpu-staged takes that path with markers read off the host clock.
+TEST(Train, DeviceTimedPassesSpanExactlyTheirOps) {
+  TrainOptions o = options(tiny(), 2);
+  o.backend = "cpu-staged";
+  o.record_timeline = true;
+  const TrainResult r = train_one(o);
+  ASSERT_EQ(r.timeline.size(), 2u * 10u);
+  size_t matched = 0;
+  for (const TimelineEvent& pass : r.timeline) {
+    if (pass.kind != ActionKind::kForward && pass.kind != ActionKind::kBackward) continue;
+    std::vector<const TimedOp*> in;
+    for (const OpTimelineEvent& e : r.op_timeline)
+      if (e.op.start >= pass.start && e.op.end <= pass.end) in.push_back(&e.op);
+    ASSERT_FALSE(in.empty()) << "a pass with no op inside its span";
+    EXPECT_EQ(in.front()->start, pass.start);
+    EXPECT_EQ(in.back()->end, pass.end);
+    for (size_t i = 0; i < in.size(); ++i) {
+      EXPECT_EQ(in[i]->microbatch, pass.microbatch);
+      EXPECT_EQ(in[i]->chunk, pass.chunk);
+      if (i > 0) {
+        EXPECT_EQ(in[i]->start, in[i - 1]->end);
+      }
+    }
+    matched += in.size();
+  }
+  EXPECT_EQ(matched, r.op_timeline.size());
+  for (size_t i = 1; i < r.timeline.size(); ++i)
+    EXPECT_GE(r.timeline[i].start, r.timeline[i - 1].end);
+}
+
 // ---- checkpoint files damaged on purpose (found by tests/fuzz/checkpoint.cc) ----
 
 // A shard file with this header line and body, under a correct checksum, at step 0 rank 0.

@@ -98,6 +98,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     if (buffer_space() == this) set_buffer_space(nullptr);
     cudaStreamSynchronize(stream_);
+    for (cudaEvent_t e : free_marks_) cudaEventDestroy(e);
     cudaFree(scratch_);
     cudaFree(tokens_);
     cublasDestroy(blas_);
@@ -709,9 +710,16 @@ class CudaBackend final : public Backend {
     return d;
   }
   void* native_stream() const override { return stream_; }
+  // Events come from a pool: a traced step queues one per op, and creating each would add a
+  // driver call to every op's launch.
   void* record_mark() override {
     cudaEvent_t e = nullptr;
-    PTDP_CHECK(cudaEventCreate(&e));
+    if (free_marks_.empty()) {
+      PTDP_CHECK(cudaEventCreate(&e));
+    } else {
+      e = free_marks_.back();
+      free_marks_.pop_back();
+    }
     PTDP_CHECK(cudaEventRecord(e, stream_));
     return e;
   }
@@ -721,7 +729,7 @@ class CudaBackend final : public Backend {
         cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(from), static_cast<cudaEvent_t>(to)));
     return ms * 1e-3;
   }
-  void release_mark(void* mark) override { cudaEventDestroy(static_cast<cudaEvent_t>(mark)); }
+  void release_mark(void* mark) override { free_marks_.push_back(static_cast<cudaEvent_t>(mark)); }
   // Widened blocks of 64 MiB of fp32: a GPT-2 cross-entropy in a dozen launches, not hundreds.
   int64_t widen_block_elements() const override { return int64_t{1} << 24; }
 
@@ -792,7 +800,8 @@ class CudaBackend final : public Backend {
   cublasComputeType_t compute_ = CUBLAS_COMPUTE_32F;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  std::unique_ptr<kc::Gemm> lt_;  // cuBLASLt, for the GEMMs with a fused epilogue
+  std::unique_ptr<kc::Gemm> lt_;         // cuBLASLt, for the GEMMs with a fused epilogue
+  std::vector<cudaEvent_t> free_marks_;  // released markers (record_mark), for reuse
   void* scratch_ = nullptr;
   void* tokens_ = nullptr;
   size_t tokens_bytes_ = 0;
