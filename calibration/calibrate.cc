@@ -28,8 +28,10 @@ namespace {
 // know the total.
 struct Plan {
   std::vector<std::pair<int64_t, int64_t>> tb;  // (t, b) of the op lists
-  std::vector<std::array<int64_t, 3>> grid;     // generic GEMMs (m, n, k)
-  std::vector<int64_t> stream_sizes;            // floats
+  // Further sequence lengths at which the fused ops (flash attention) are timed, at tb's first.
+  std::vector<int64_t> fused_seqs;
+  std::vector<std::array<int64_t, 3>> grid;  // generic GEMMs (m, n, k)
+  std::vector<int64_t> stream_sizes;         // floats
   int64_t optimizer_params = 0;
   std::vector<int64_t> groups;  // group sizes of the collectives
   std::vector<double> message_bytes;
@@ -49,6 +51,12 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node, bool gpu
     if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) continue;
     for (int64_t b : bs) p.tb.push_back({t, b});
   }
+  // A causal attention's time per FLOP moves with the sequence (its longest query tile does s
+  // of work): half and twice the model's are timed too, as plans with context parallelism or
+  // another sequence length price them.
+  if (m.flash_attention)
+    for (int64_t seq : {m.seq_length / 2, 2 * m.seq_length})
+      if (seq >= 16) p.fused_seqs.push_back(seq);
   const std::vector<int64_t> edge =
       gpu ? (o.quick ? std::vector<int64_t>{512, 4096} : std::vector<int64_t>{256, 1024, 4096})
           : (o.quick ? std::vector<int64_t>{128, 512} : std::vector<int64_t>{64, 256, 1024});
@@ -81,6 +89,13 @@ int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
     n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (cold ? 2 : 1);
+  for (int64_t seq : p.fused_seqs) {
+    ModelSpec longer = m;
+    longer.seq_length = seq;
+    longer.max_position_embeddings = 0;
+    for (const Op& op : executed_ops(longer, p.tb.front().first, p.tb.front().second))
+      n += op.fused ? 1 : 0;
+  }
   n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
   return n;
 }
@@ -179,6 +194,16 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   std::vector<OpSample> ops = measure_ops(
       be, o.model, plan.tb, sw, evict.get(), [&](int, int) { tick("kernels of the op list"); },
       o.precision);
+  for (int64_t seq : plan.fused_seqs) {
+    ModelSpec other = o.model;
+    other.seq_length = seq;
+    other.max_position_embeddings = 0;  // a learned table as long as the sequence
+    for (OpSample& s : measure_ops(
+             be, other, {plan.tb.front()}, sw, nullptr,
+             [&](int, int) { tick("fused attention at sequence " + std::to_string(seq)); },
+             o.precision, [](const Op& op) { return op.fused; }))
+      ops.push_back(std::move(s));
+  }
   std::vector<std::pair<std::array<int64_t, 3>, double>> grid;
   for (const auto& g : plan.grid) {
     grid.push_back({g, time_linear(be, g[0], g[1], g[2], sw, o.precision)});
@@ -378,7 +403,9 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   for (const OpSample& s : ops) {
     if (!s.op.fused) continue;
     const double size = s.op.kind == OpKind::kGemm ? s.op.flops() : s.op.bytes;
-    if (size > 0) prof.fused_ops.push_back({std::string(s.op.name()), size, s.seconds});
+    if (size > 0)
+      prof.fused_ops.push_back({std::string(s.op.name()), size, s.seconds,
+                                s.op.kind == OpKind::kGemm ? static_cast<double>(s.op.m) : 0.0});
   }
   if (!prof.fused_ops.empty()) fits["fused_ops"] = prof.fused_ops.size();
   // The cache model: the node's last-level cache shared by its ranks, and cold over warm per

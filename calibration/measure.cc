@@ -175,7 +175,8 @@ std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType typ
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
                                   CacheEvictor* evict,
-                                  const std::function<void(int, int)>& progress, DType type) {
+                                  const std::function<void(int, int)>& progress, DType type,
+                                  const std::function<bool(const Op&)>& which) {
   // Distinct ops per layout: the same kernel on the same shape is timed once.
   std::vector<std::vector<Op>> todo;
   int total = 0;
@@ -183,7 +184,7 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
     std::vector<Op> ops;
     std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, double>, bool> seen;
     for (const Op& op : executed_ops(m, t, b, type)) {
-      if (op.kind == OpKind::kCollective) continue;
+      if (op.kind == OpKind::kCollective || (which && !which(op))) continue;
       if (seen.emplace(
                   std::make_tuple(static_cast<int>(op.id), op.m, op.n, op.k, op.batch, op.bytes),
                   true)

@@ -76,13 +76,15 @@ class CacheEvictor {
 // `type`: of weights and activations (fp32, or bf16 as ptdp run --bf16 runs them).
 std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type = DType::kF32);
 
-// Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b),
-// warm, and cold too with an evictor. `progress(done, total)` after each.
+// Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b) (those
+// `which` accepts, when given), warm, and cold too with an evictor. `progress(done, total)`
+// after each.
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
                                   CacheEvictor* evict,
                                   const std::function<void(int, int)>& progress,
-                                  DType type = DType::kF32);
+                                  DType type = DType::kF32,
+                                  const std::function<bool(const Op&)>& which = {});
 
 // A generic GEMM (y = x W^T through the backend's typed linear kernel) of m x k by k x n, its
 // operands of `type`.

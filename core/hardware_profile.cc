@@ -94,13 +94,20 @@ double HardwareProfile::gemm_cold_factor(double m, double n, double k, double ba
                          [](const GemmMeasurement& e) { return e.cold_factor; });
 }
 
-double HardwareProfile::fused_op_seconds(std::string_view op, double size) const {
+double HardwareProfile::fused_op_seconds(std::string_view op, double size, double rows) const {
+  // Log distance; 0 for an unrecorded side, so that files without rows price by size alone.
+  auto apart = [](double a, double b) { return a > 0 && b > 0 ? std::abs(std::log(a / b)) : 0.0; };
   const FusedOpMeasurement* best = nullptr;
-  double distance = 0;
   for (const FusedOpMeasurement& e : fused_ops) {
     if (e.op != op) continue;
-    const double d = std::abs(std::log(std::max(size, 1.0) / e.size));
-    if (!best || d < distance) best = &e, distance = d;
+    if (!best) {
+      best = &e;
+      continue;
+    }
+    const double dr = apart(rows, e.rows), best_dr = apart(rows, best->rows);
+    if (dr < best_dr - 1e-9 || (dr <= best_dr + 1e-9 && apart(std::max(size, 1.0), e.size) <
+                                                            apart(std::max(size, 1.0), best->size)))
+      best = &e;
   }
   if (!best) return -1;
   return best->seconds * std::max(size, 1.0) / best->size;
@@ -331,7 +338,8 @@ json table_to_json(const std::vector<GemmMeasurement>& table) {
 }
 
 std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
-  if (!j.is_array()) throw InputError("fused_ops", "must be an array of {op, size, seconds}");
+  if (!j.is_array())
+    throw InputError("fused_ops", "must be an array of {op, size, seconds[, rows]}");
   std::vector<FusedOpMeasurement> ops;
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string name = "fused_ops[" + std::to_string(i) + "]";
@@ -340,6 +348,11 @@ std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
     r.read("op", e.op);
     r.read("size", e.size);
     r.read("seconds", e.seconds);
+    if (r.member("rows")) {
+      r.read("rows", e.rows);
+      if (!(e.rows >= 1 && e.rows <= 1e9))
+        throw InputError(name + ".rows", "must be in [1, 1e9], got " + str(e.rows));
+    }
     r.reject_unknown_keys();
     if (e.op.empty()) throw InputError(name + ".op", "must name an op of the layer op list");
     if (!(e.size > 0 && e.size <= 1e21))
@@ -510,8 +523,11 @@ json to_json(const HardwareProfile& p) {
   if (!p.gemm_table.empty()) j["gemm"]["table"] = table_to_json(p.gemm_table);
   if (!p.fused_ops.empty()) {
     j["fused_ops"] = json::array();
-    for (const FusedOpMeasurement& e : p.fused_ops)
-      j["fused_ops"].push_back({{"op", e.op}, {"size", e.size}, {"seconds", e.seconds}});
+    for (const FusedOpMeasurement& e : p.fused_ops) {
+      json f = {{"op", e.op}, {"size", e.size}, {"seconds", e.seconds}};
+      if (e.rows > 0) f["rows"] = e.rows;
+      j["fused_ops"].push_back(f);
+    }
   }
   if (!p.collectives.empty()) j["collectives"] = collectives_to_json(p.collectives);
   if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;

@@ -63,12 +63,16 @@ struct GemmMeasurement {
 // backward pass on `attn_scores_recompute`, the other ops of the attention core inside them
 // (measured at what an empty op costs). A GEMM efficiency table cannot hold these, so the time
 // is kept per op: `size` is the op's FLOPs (GEMMs) or bytes (memory-bound ops) at the measured
-// shape, and another size of the same op is priced at seconds * its size / size, from the
-// measurement nearest in size.
+// shape, `rows` its m (an attention's queries per sequence; 0: not recorded). Another shape of
+// the same op is priced from the measurement nearest in rows, then nearest in size, at
+// seconds * its size / size: a causal attention's time is not linear in FLOPs across sequence
+// lengths (its longest query tile's work grows with them), so calibrate measures sequences
+// around the model's.
 struct FusedOpMeasurement {
   std::string op;  // op_name(): "attn_scores"
   double size = 0;
   double seconds = 0;
+  double rows = 0;
 };
 
 // What the last-level cache does to measured times (CPU ranks, measured by ptdp calibrate).
@@ -145,7 +149,7 @@ struct HardwareProfile {
   double gemm_efficiency(double m, double n, double k, double batch = 1) const;
   // The measured time of op `op` (op_name) at `size` FLOPs or bytes, from fused_ops; a negative
   // value when the op has no measurement.
-  double fused_op_seconds(std::string_view op, double size) const;
+  double fused_op_seconds(std::string_view op, double size, double rows = 0) const;
   // The fit for `kind` over `ranks` ranks on `nodes` nodes, or null.
   const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.

@@ -308,7 +308,8 @@ double CostModel::op_time(const Op& op, const ParallelPlan& p, double hit) const
 
 double CostModel::fused_op_time(const Op& op) const {
   if (!op.fused || profile_.fused_ops.empty() || op.kind == OpKind::kCollective) return -1;
-  return profile_.fused_op_seconds(op.name(), op.kind == OpKind::kGemm ? op.flops() : op.bytes);
+  return profile_.fused_op_seconds(op.name(), op.kind == OpKind::kGemm ? op.flops() : op.bytes,
+                                   static_cast<double>(op.m));
 }
 
 double CostModel::warm_op_time(const Op& op, const ParallelPlan& p) const {

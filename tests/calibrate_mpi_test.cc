@@ -127,20 +127,27 @@ TEST(CalibrateMpi, DeviceMemoryPathsCalibrateOnTheStagedCpuBackend) {
   const fs::path dir = test::scratch_dir("ptdp_calibrate_mpi_staged");
   const std::string file = (dir / "machine.json").string();
   fs::remove(file);
-  const test::Outcome c = test::launch(
-      PTDP_MPIEXEC, PTDP_BINARY, 2,
-      "calibrate --backend cpu-staged --quick --time-limit-s 8" + kModel + " --out " + file,
-      "ptdp_calibrate_mpi_staged");
+  const test::Outcome c =
+      test::launch(PTDP_MPIEXEC, PTDP_BINARY, 2,
+                   "calibrate --backend cpu-staged --quick --time-limit-s 8 --use-flash-attn" +
+                       kModel + " --out " + file,
+                   "ptdp_calibrate_mpi_staged");
   ASSERT_EQ(c.status, 0) << c.err;
   const json m = json::parse(test::read_file(file));
   EXPECT_EQ(m["machine"]["backend"], "cpu-staged");
   EXPECT_FALSE(m["profile"]["gemm"]["table"].empty());
   for (const json& op : m["measurements"]["ops"]) {
     EXPECT_GT(op["seconds"].get<double>(), 0) << op.dump();
-    if (m["fits"].contains("cache")) {
+    // Cold too, but for the fused attention's further sequences (priced as measured, warm).
+    if (m["fits"].contains("cache") && !op.value("fused", false)) {
       EXPECT_GT(op.value("cold_seconds", 0.0), 0) << op.dump();
     }
   }
+  // The fused attention at half and twice the model's sequence of 32 as well.
+  std::set<double> rows;
+  for (const json& f : m["profile"]["fused_ops"])
+    if (f["op"] == "attn_scores") rows.insert(f["rows"].get<double>());
+  EXPECT_EQ(rows, (std::set<double>{16, 32, 64}));
   std::set<std::string> kinds;
   for (const json& f : m["fits"]["collectives"]) {
     kinds.insert(f["collective"].get<std::string>());

@@ -283,6 +283,62 @@ TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
   }
 }
 
+// Measured at several sequence lengths, a fused attention is priced from the sequence nearest
+// the op's (its m) before the size: 4 sequences of 1024 and 1 of 2048 have the same FLOPs, and
+// the longer one runs slower per FLOP (its longest query tile's work is twice as long). Rows
+// survive the JSON; a file without them prices by size alone.
+TEST(MachineFile, FusedAttentionIsPricedFromTheNearestSequence) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile h = *c.measured_profile;
+  Op op;
+  op.kind = OpKind::kGemm;
+  op.id = OpId::kAttnScores;
+  op.fused = true;
+  op.k = 64;
+  auto shape = [&](int64_t s, int64_t heads) {  // causal: half the keys on average
+    op.m = s, op.n = s / 2, op.batch = heads;
+    return op.flops();
+  };
+  const double f1024x4 = shape(1024, 48), f2048x1 = shape(2048, 12), f512x4 = shape(512, 48);
+  ASSERT_DOUBLE_EQ(f1024x4, f2048x1);
+  h.fused_ops = {{"attn_scores", f1024x4, 1.0e-3, 1024},
+                 {"attn_scores", f2048x1, 1.3e-3, 2048},
+                 {"attn_scores", f512x4, 0.3e-3, 512}};
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 768, m.num_attention_heads = 12, m.seq_length = 2048,
+  m.vocab_size = 1024;
+  const CostModel cm(m, c, h);
+  shape(2048, 12);
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 1.3e-3);
+  shape(2048, 24);  // the same sequence, twice the heads: scaled from it
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 2.6e-3);
+  shape(1024, 48);
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 1.0e-3);
+  shape(4096, 12);  // beyond the longest measured: from it, in proportion to FLOPs
+  EXPECT_DOUBLE_EQ(cm.op_time(op, ParallelPlan{}), 4 * 1.3e-3);
+  shape(700, 48);  // nearer 512 than 1024 in ratio
+  EXPECT_NEAR(cm.op_time(op, ParallelPlan{}), 0.3e-3 * shape(700, 48) / f512x4, 1e-15);
+  const HardwareProfile back = profile_from_json(to_json(h));
+  ASSERT_EQ(back.fused_ops.size(), 3u);
+  EXPECT_DOUBLE_EQ(back.fused_ops[1].rows, 2048);
+  h.fused_ops[0].rows = 0;  // unrecorded: not written, read back as 0
+  EXPECT_FALSE(to_json(h)["fused_ops"][0].contains("rows"));
+  json j = to_json(h);
+  j["fused_ops"][1]["rows"] = 0.5;
+  try {
+    profile_from_json(j);
+    ADD_FAILURE() << "rows 0.5 accepted";
+  } catch (const InputError& e) {
+    EXPECT_EQ(e.field(), "fused_ops[1].rows") << e.what();
+  }
+  // Without rows on either side the nearest size decides, as before: 2048 x 1 and 1024 x 4
+  // tie in size, and the first listed wins.
+  for (FusedOpMeasurement& e : h.fused_ops) e.rows = 0;
+  const CostModel by_size(m, c, h);
+  shape(2048, 12);
+  EXPECT_DOUBLE_EQ(by_size.op_time(op, ParallelPlan{}), 1.0e-3);
+}
+
 // What calibrate measured cold prices an op by how much of its stage's working set the
 // last-level cache holds: warm when all of it, cold when none, linearly between.
 TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
