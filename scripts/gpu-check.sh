@@ -50,7 +50,7 @@ targets=(cpu_twins_test cuda_kernels_test cuda_kernels_bench cuda_backend_test p
 # (Through a file: with pipefail, grep -q closing the pipe early can fail the whole test.)
 ninja -C "$build" -t targets all >"$build/targets.txt"
 if grep -q '^nccl_communicator_test:' "$build/targets.txt"; then
-  targets+=(nccl_communicator_test)
+  targets+=(nccl_communicator_test nccl_smoke)
 fi
 ninja -C "$build" -j"$jobs" "${targets[@]}"
 echo "gpu-check: built in $(($(date +%s) - start)) s"
@@ -60,6 +60,48 @@ mkdir -p "$out"
 # the rest still run.
 stage() { timeout --kill-after=10 "${STAGE_TIMEOUT:-300}" "$@"; }
 
+# When the NCCL tests fail: each test in a process of its own (a crash ends only its own), then
+# NCCL alone (tests/cuda/nccl_smoke.cc, no ptdp code) blocking and not, with and without a
+# split, under the settings that turn off the NCCL paths a virtual machine may lack (cuMem,
+# NVLink SHARP, peer-to-peer and shared memory); a backtrace of every thread at a crash.
+# One line per run in nccl_diagnosis.txt, each run's output beside it.
+nccl_diagnose() {
+  local d="$out/nccl_diagnosis" report="$out/nccl_diagnosis.txt" rc name env
+  mkdir -p "$d"
+  : >"$report"
+  for name in $("$build/tests/cuda/nccl_communicator_test" --gtest_list_tests |
+    awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
+    NCCL_DEBUG=INFO stage "$build/tests/cuda/nccl_communicator_test" --gtest_filter="$name" \
+      >"$d/$name.log" 2>&1
+    rc=$?
+    echo "nccl_communicator_test $name: exit $rc" >>"$report"
+  done
+  local envs=("" "NCCL_CUMEM_ENABLE=0" "NCCL_NVLS_ENABLE=0" "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+    "NCCL_CUMEM_ENABLE=0 NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1")
+  local i=0 mode
+  for env in "${envs[@]}"; do
+    for mode in "blocking" "nonblocking" "blocking split" "nonblocking split"; do
+      i=$((i + 1))
+      # shellcheck disable=SC2086 # env and mode are word lists on purpose
+      env NCCL_DEBUG=INFO $env timeout --kill-after=5 15 "$build/tests/cuda/nccl_smoke" $mode \
+        >"$d/smoke-$i.log" 2>&1
+      rc=$?
+      echo "${env:-(defaults)} nccl_smoke $mode: exit $rc ($(grep -h 'nccl_smoke: ' "$d/smoke-$i.log" | tail -1))" >>"$report"
+    done
+  done
+  # PTDP_NCCL_BLOCKING=1: ptdp's communicator with NCCL's blocking calls.
+  PTDP_NCCL_BLOCKING=1 NCCL_DEBUG=INFO stage "$build/tests/cuda/nccl_communicator_test" \
+    >"$d/ptdp-blocking.log" 2>&1
+  echo "PTDP_NCCL_BLOCKING=1 nccl_communicator_test: exit $?" >>"$report"
+  if command -v cuda-gdb >/dev/null; then
+    timeout --kill-after=5 120 cuda-gdb -batch -ex run -ex "thread apply all bt" \
+      --args "$build/tests/cuda/nccl_smoke" nonblocking >"$d/smoke-gdb.log" 2>&1
+    timeout --kill-after=5 120 cuda-gdb -batch -ex run -ex "thread apply all bt" \
+      --args "$build/tests/cuda/nccl_communicator_test" >"$d/test-gdb.log" 2>&1
+    echo "backtraces: nccl_diagnosis/smoke-gdb.log, nccl_diagnosis/test-gdb.log" >>"$report"
+  fi
+}
+
 set +e
 stage "$build/tests/cuda/cpu_twins_test" --gtest_output="json:$out/cpu_twins.json" >"$out/cpu_twins.log" 2>&1
 stage "$build/tests/cuda/cuda_kernels_test" --gtest_output="json:$out/gpu_tests.json" >"$out/gpu_tests.log" 2>&1
@@ -67,7 +109,7 @@ stage "$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_te
 if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
   # NCCL says in its log what it tried (network, transports, version) before any failure.
   NCCL_DEBUG=${NCCL_DEBUG:-INFO} stage "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
-    >"$out/nccl_tests.log" 2>&1
+    >"$out/nccl_tests.log" 2>&1 || nccl_diagnose
 fi
 # GPT-2-124M's shape (docs/gpu.md) on one GPU on the CUDA backend: fp32 with flash attention
 # (no s x s scores kept, as PyTorch's scaled_dot_product_attention), the correctness baseline;
@@ -183,6 +225,10 @@ for tool in ("memcheck", "racecheck"):
 print("\n%-72s %-8s %s" % ("test", "result", "time"))
 for r in rows:
     print("%-72s %-8s %s" % r)
+diagnosis = os.path.join(out, "nccl_diagnosis.txt")
+if os.path.exists(diagnosis):
+    print("\nNCCL diagnosis (exit 139: a segmentation fault; logs in nccl_diagnosis/):")
+    print(open(diagnosis).read().rstrip())
 
 path = os.path.join(out, "bench.json")
 print("\n%-44s %12s %14s %14s" % ("kernel (bench/cuda_kernels_bench.cc)", "time", "bytes/s", "FLOP/s"))

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/error.h"
 #include "runtime/watchdog.h"
 
 namespace ptdp {
@@ -138,9 +139,16 @@ struct Comm {
   }
 };
 
+// Non-blocking, so that every wait is bounded here. PTDP_NCCL_BLOCKING=1 makes NCCL's calls
+// blocking instead (their waits are then NCCL's, unbounded): a diagnosis of NCCL's
+// non-blocking paths (scripts/gpu-check.sh), not for training.
 ncclConfig_t non_blocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  const char* b = std::getenv("PTDP_NCCL_BLOCKING");
+  const std::string blocking = b ? b : "0";
+  if (blocking != "0" && blocking != "1")
+    throw InputError("PTDP_NCCL_BLOCKING", "must be 0 or 1, not '" + blocking + "'");
+  config.blocking = blocking == "1" ? 1 : 0;
   return config;
 }
 

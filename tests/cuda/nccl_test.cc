@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -41,40 +42,64 @@ struct Device {
   }
 };
 
+// Each collective gives what a sum over one rank gives, on device and host pointers.
+void check_collectives(Communicator& c) {
+  const std::vector<float> x = iota(1000, 1.0f);
+  Device a(x), b(std::vector<float>(1000, -1.0f));
+  c.all_reduce(a.p, x.size(), DType::kF32);  // the sum over one rank
+  EXPECT_EQ(a.host(), x) << c.name();
+  c.all_gather(a.p, b.p, x.size(), DType::kF32);
+  EXPECT_EQ(b.host(), x) << c.name();
+  c.reduce_scatter(a.p, a.p, x.size(), DType::kF32);  // in place: the block at the start
+  EXPECT_EQ(a.host(), x) << c.name();
+  c.broadcast(a.p, x.size(), DType::kF32, 0);
+  EXPECT_EQ(a.host(), x) << c.name();
+  const size_t all[] = {x.size()};  // the uneven forms with one block
+  c.reduce_scatter_v(a.p, b.p, all, DType::kF32);
+  EXPECT_EQ(b.host(), x) << c.name();
+  c.all_gather_v(a.p, a.p, all, DType::kF32);  // in place
+  EXPECT_EQ(a.host(), x) << c.name();
+  std::vector<float> gathered(x.size(), 0.0f);  // to host memory, staged
+  c.all_gather_v(a.p, gathered.data(), all, DType::kF32);
+  EXPECT_EQ(gathered, x) << c.name();
+  double host = 2.5;  // host memory is staged through the device
+  c.all_reduce(&host, 1, DType::kF64);
+  EXPECT_EQ(host, 2.5) << c.name();
+  c.barrier();
+  auto work = c.all_reduce_async(a.p, x.size(), DType::kF32);
+  work->wait();
+  EXPECT_TRUE(work->test());
+}
+
+std::unique_ptr<Communicator> group_of_one() {
+  auto control = make_self_control_plane();
+  return make_nccl_communicator(*control, 0, nullptr, CommDuration(60));
+}
+
+// The steps separately, so that a crash inside NCCL (scripts/gpu-check.sh runs each test in a
+// process of its own) says which step it was: set up and torn down; the collectives; a split.
+TEST(NcclCommunicator, AGroupOfOneIsSetUpAndTornDown) {
+  PTDP_REQUIRE_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto world = group_of_one();
+  EXPECT_EQ(world->size(), 1);
+  EXPECT_EQ(world->rank(), 0);
+}
+
 TEST(NcclCommunicator, AGroupOfOneGivesWhatEachCollectiveMust) {
   PTDP_REQUIRE_GPU();
   ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
-  auto control = make_self_control_plane();
-  auto world = make_nccl_communicator(*control, 0, nullptr, CommDuration(60));
-  ASSERT_EQ(world->size(), 1);
-  ASSERT_EQ(world->rank(), 0);
-  for (Communicator* c : {world.get(), world->split(3, 0, "child").get()}) {
-    const std::vector<float> x = iota(1000, 1.0f);
-    Device a(x), b(std::vector<float>(1000, -1.0f));
-    c->all_reduce(a.p, x.size(), DType::kF32);  // the sum over one rank
-    EXPECT_EQ(a.host(), x) << c->name();
-    c->all_gather(a.p, b.p, x.size(), DType::kF32);
-    EXPECT_EQ(b.host(), x) << c->name();
-    c->reduce_scatter(a.p, a.p, x.size(), DType::kF32);  // in place: the block at the start
-    EXPECT_EQ(a.host(), x) << c->name();
-    c->broadcast(a.p, x.size(), DType::kF32, 0);
-    EXPECT_EQ(a.host(), x) << c->name();
-    const size_t all[] = {x.size()};  // the uneven forms with one block
-    c->reduce_scatter_v(a.p, b.p, all, DType::kF32);
-    EXPECT_EQ(b.host(), x) << c->name();
-    c->all_gather_v(a.p, a.p, all, DType::kF32);  // in place
-    EXPECT_EQ(a.host(), x) << c->name();
-    std::vector<float> gathered(x.size(), 0.0f);  // to host memory, staged
-    c->all_gather_v(a.p, gathered.data(), all, DType::kF32);
-    EXPECT_EQ(gathered, x) << c->name();
-    double host = 2.5;  // host memory is staged through the device
-    c->all_reduce(&host, 1, DType::kF64);
-    EXPECT_EQ(host, 2.5) << c->name();
-    c->barrier();
-    auto work = c->all_reduce_async(a.p, x.size(), DType::kF32);
-    work->wait();
-    EXPECT_TRUE(work->test());
-  }
+  auto world = group_of_one();
+  check_collectives(*world);
+}
+
+TEST(NcclCommunicator, ASplitGroupGivesWhatEachCollectiveMust) {
+  PTDP_REQUIRE_GPU();
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  auto world = group_of_one();
+  auto child = world->split(3, 0, "child");
+  ASSERT_EQ(child->size(), 1);
+  check_collectives(*child);
 }
 
 // ptdp run on one GPU: the NCCL data plane (a group of one) gives the staged plane's losses to
