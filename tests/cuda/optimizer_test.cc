@@ -52,11 +52,15 @@ TEST(CudaGradNorm, MatchesCpuAndIsBitwiseReproducible) {
   const std::vector<std::pair<const float*, int64_t>> tensors = {
       {da.get(), static_cast<int64_t>(a.size())},
       {db.get(), static_cast<int64_t>(b.size())},
-      {dc.get(), static_cast<int64_t>(c.size())}};
+      {dc.get(), static_cast<int64_t>(c.size())},
+      {da.get() + 1, 6},  // off the 16-byte boundary: a head of 3 elements and a tail
+      {dc.get() + 3, 2}};
   const double got = kernels::cuda::global_norm(tensors, nullptr);
   double want = kernels::sum_squares(a.data(), static_cast<int64_t>(a.size()));
   want = kernels::sum_squares(b.data(), static_cast<int64_t>(b.size()), want);
   want = kernels::sum_squares(c.data(), static_cast<int64_t>(c.size()), want);
+  want = kernels::sum_squares(a.data() + 1, 6, want);
+  want = kernels::sum_squares(c.data() + 3, 2, want);
   EXPECT_NEAR(got, std::sqrt(want), 1e-9 * std::sqrt(want));
   for (int i = 0; i < 3; ++i) EXPECT_EQ(kernels::cuda::global_norm(tensors, nullptr), got);
 }

@@ -2,6 +2,7 @@
 #include "kernels/cuda/rope.h"
 
 #include <stdexcept>
+#include <string>
 
 #include "kernels/cpu/kernels.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -9,9 +10,11 @@
 namespace ptdp::cuda_test {
 namespace {
 
-TEST(CudaRope, ForwardAndInverseMatchCpu) {
-  PTDP_REQUIRE_GPU();
-  const int64_t b = 2, s = 300, heads = 3, d = 64;
+// Both kernels: the 16-byte vector one (d = 64: halves of 32) and the scalar one (d = 36: halves
+// of 18, not a multiple of 8); b x heads = 6 rows is not a multiple of the vector kernel's 4.
+void check_rope(int64_t d) {
+  SCOPED_TRACE("d = " + std::to_string(d));
+  const int64_t b = 2, s = 300, heads = 3;
   const double base = 10000;
   const auto x = random_bf16(b * s * heads * d, 1, 1);
   auto dx = to_device_bf16(x);
@@ -26,6 +29,12 @@ TEST(CudaRope, ForwardAndInverseMatchCpu) {
   kernels::rope(back.data(), b, s, heads, d, base, true);
   expect_close(bf16_values(dx), back, 1e-2, 1e-2, "inverse rope");
   expect_close(bf16_values(dx), x, 3e-2, 3e-2, "rope then inverse");  // two bf16 roundings
+}
+
+TEST(CudaRope, ForwardAndInverseMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_rope(64);
+  check_rope(36);
 }
 
 TEST(CudaRope, RejectsOddHeadDimension) {
