@@ -104,6 +104,38 @@ __device__ void add_token_rows_of_tile(const int32_t* tokens, const T* dy, float
     __syncthreads();  // `hit` is rewritten by the next chunk
   }
 }
+// ---- sum of squares, deterministic: this thread's share of sum x[i]^2 over n floats ----
+// float4 vectors 4 at a time, their loads issued together, grid-stride (one scalar load per
+// thread in flight kept 256 KiB moving and reached half an H100's copy bandwidth). The
+// elements before the first 16-byte boundary and after the last whole vector go to the first
+// threads. The split depends only on n, x's alignment and the grid, so a fixed grid sums in a
+// fixed order.
+__device__ inline double sum_squares_share(const float* x, int64_t n) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(x) % 16 / 4);
+  const int64_t head = misaligned == 0 ? 0 : (4 - misaligned < n ? 4 - misaligned : n);
+  const int64_t vecs = (n - head) / 4, tail = n - head - 4 * vecs;
+  double acc = 0;
+  if (tid < head) acc += static_cast<double>(x[tid]) * x[tid];
+  if (tid < tail) {
+    const float t = x[head + 4 * vecs + tid];
+    acc += static_cast<double>(t) * t;
+  }
+  const float4* v = reinterpret_cast<const float4*>(x + head);
+  auto add = [&](const float4 q) {
+    acc += static_cast<double>(q.x) * q.x + static_cast<double>(q.y) * q.y +
+           static_cast<double>(q.z) * q.z + static_cast<double>(q.w) * q.w;
+  };
+  int64_t i = tid;
+  for (; i + 3 * stride < vecs; i += 4 * stride) {
+    const float4 q0 = v[i], q1 = v[i + stride], q2 = v[i + 2 * stride], q3 = v[i + 3 * stride];
+    add(q0), add(q1), add(q2), add(q3);
+  }
+  for (; i < vecs; i += stride) add(v[i]);
+  return acc;
+}
+
 inline unsigned vocab_tiles(int64_t vl) {
   return static_cast<unsigned>((vl + kVocabTile - 1) / kVocabTile);
 }

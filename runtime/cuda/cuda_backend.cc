@@ -17,6 +17,7 @@
 #include "kernels/cuda/common.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/norm.h"
+#include "kernels/cuda/rope.h"
 #include "runtime/cuda/fp32_kernels.h"
 #include "runtime/tensor.h"
 
@@ -578,7 +579,7 @@ class CudaBackend final : public Backend {
   bool native_rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base,
                    bool inverse) override {
     if (!bf16(x)) return false;
-    k::rope(b16(x), b, s, heads, d, base, inverse, stream_);
+    kc::rope(b16(x), b, s, heads, d, base, inverse, stream_);  // 16-byte vectors where it can
     return true;
   }
   bool native_add(Ptr y, CPtr x, int64_t n) override {

@@ -138,12 +138,7 @@ __global__ void scale_k(T* x, int64_t n, double f) {
     x[i] = store<T>(static_cast<float>(static_cast<double>(as_float(x[i])) * f));
 }
 __global__ void sum_squares_partial_k(const float* x, int64_t n, double* partials) {
-  double acc = 0;
-  for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const double v = x[i];
-    acc += v * v;
-  }
-  const double s = block_sum_double(acc);
+  const double s = block_sum_double(kernels::cuda::sum_squares_share(x, n));
   if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 __global__ void sum_partials_k(const double* partials, int count, double* out) {
@@ -847,10 +842,6 @@ void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float
 void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st) {
   cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
-}
-void rope(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
-          cudaStream_t st) {
-  rope_t(x, b, s, heads, d, base, inverse, st);
 }
 void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st) {
   causal_softmax_t(scores, rows, s, st);

@@ -10,7 +10,7 @@
 // backend step by step. The bf16 kernels of kernels/cuda/ (fused, flash attention, cuBLASLt)
 // are the fast path; docs/gpu.md says how far the backend uses them.
 //
-// Mixed precision (--bf16): the glue, embedding, cross-entropy, rotary and attention-piece
+// Mixed precision (--bf16): the glue, embedding, cross-entropy and attention-piece
 // kernels also take bf16 activations (the overloads at the end), loaded as fp32 and stored
 // rounded to nearest even, with the fp32 arithmetic inside: what widening to fp32, the fp32
 // kernel and rounding back compute, without the fp32 round trip. Gradients of weights, biases,
@@ -142,8 +142,6 @@ void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float
                           float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st);
 void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st);
-void rope(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse,
-          cudaStream_t st);
 void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st);
 void causal_softmax_backward(const bf16* probs, const bf16* dprobs, bf16* dscores, int64_t rows,
                              int64_t s, cudaStream_t st);
