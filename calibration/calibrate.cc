@@ -408,6 +408,23 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                 s.op.kind == OpKind::kGemm ? static_cast<double>(s.op.m) : 0.0});
   }
   if (!prof.fused_ops.empty()) fits["fused_ops"] = prof.fused_ops.size();
+  // The host's issue time per op (a device's asynchronous kernels): the mean over the layouts
+  // measured, in microseconds (CostModel::stretch_to_host).
+  {
+    std::map<std::string, std::pair<double, int>> host;
+    for (const OpSample& s : ops) {
+      if (!(s.host_seconds > 0)) continue;
+      auto& h = host[std::string(s.op.name())];
+      h.first += s.host_seconds * 1e6;
+      h.second += 1;
+    }
+    for (const auto& [name, h] : host) prof.host_op_us[name] = h.first / h.second;
+    if (!host.empty()) {
+      double mean = 0;
+      for (const auto& [name, us] : prof.host_op_us) mean += us;
+      fits["host_op_us_mean"] = mean / static_cast<double>(prof.host_op_us.size());
+    }
+  }
   // The cache model: the node's last-level cache shared by its ranks, and cold over warm per
   // memory-bound family (GEMMs: per table entry, above).
   if (evict) {
@@ -510,6 +527,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
               {"micro_batch", s.b},
               {"seconds", s.seconds}};
     if (s.cold_seconds > 0) j["cold_seconds"] = s.cold_seconds;
+    if (s.host_seconds > 0) j["host_seconds"] = s.host_seconds;
     if (s.op.fused) j["fused"] = true;
     if (s.op.kind == OpKind::kGemm) {
       j["m"] = s.op.m, j["n"] = s.op.n, j["k"] = s.op.k, j["batch"] = s.op.batch;

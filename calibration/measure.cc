@@ -219,6 +219,14 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
         be.synchronize();
       };
       s.seconds = sw.mean_seconds(calls) / reps;
+      if (reps > 1) {  // the issue alone, the device drained before each call (untimed)
+        s.host_seconds = sw.mean_seconds(
+                             [&] {
+                               for (int r = 0; r < reps; ++r) exec.run(op);
+                             },
+                             [&] { be.synchronize(); }) /
+                         reps;
+      }
       if (progress) progress(++done, total);
       if (evict) {
         // One call after the eviction, synchronised; the synchronisation's own cost (a warm

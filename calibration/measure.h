@@ -51,6 +51,9 @@ struct OpSample {
   int64_t t = 1, b = 1;
   double seconds = 0;
   double cold_seconds = 0;
+  // On a device whose kernels run asynchronously: the host's time to issue the op (launches,
+  // allocations, the runtime's own work), the device idle; 0 where not measured.
+  double host_seconds = 0;
 };
 
 // Evicts the CPU caches by reading a buffer twice the node's last-level cache (every rank at

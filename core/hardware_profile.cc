@@ -475,6 +475,21 @@ HardwareProfile profile_from_json(const json& j) {
   if (const json* me = r.member("memory_efficiency"))
     p.memory_efficiency = family_values_from_json(*me, "memory_efficiency");
   if (const json* c = r.member("cache")) p.cache = cache_from_json(*c);
+  if (const json* h = r.member("host_op_us")) {
+    if (!h->is_object())
+      throw InputError("host_op_us", "must be an object of op name: microseconds");
+    for (int i = 0; i < kNumOpIds; ++i) {
+      const std::string name(op_name(static_cast<OpId>(i)));
+      if (!h->contains(name)) continue;
+      const json& v = (*h)[name];
+      if (!v.is_number() || !(v.get<double>() >= 0 && v.get<double>() <= 1e6))
+        throw InputError("host_op_us." + name, "must be a number in [0, 1e6], got " + v.dump());
+      p.host_op_us[name] = v.get<double>();
+    }
+    for (const auto& [name, v] : h->items())
+      if (!p.host_op_us.count(name))
+        throw InputError("host_op_us." + name, "is not an op of the layer op list");
+  }
   r.read("arrival_skew", p.arrival_skew);
   if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))
     throw InputError("arrival_skew", "must be in [0, 10], got " + str(p.arrival_skew));
@@ -533,6 +548,7 @@ json to_json(const HardwareProfile& p) {
   if (!p.memory_efficiency.empty()) j["memory_efficiency"] = p.memory_efficiency;
   if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);
   if (p.arrival_skew > 0) j["arrival_skew"] = p.arrival_skew;
+  if (!p.host_op_us.empty()) j["host_op_us"] = p.host_op_us;
   if (p.cache.bytes_per_rank > 0 || !p.cache.memory_cold_factor.empty()) {
     j["cache"] = {{"bytes_per_rank", p.cache.bytes_per_rank}};
     if (!p.cache.memory_cold_factor.empty())

@@ -133,6 +133,12 @@ struct HardwareProfile {
   std::vector<FusedOpMeasurement> fused_ops;        // JSON: "fused_ops": [...]
   std::vector<CollectiveFit> collectives;           // per collective and group span
   std::map<std::string, double> memory_efficiency;  // per kernel family, of the HBM bandwidth
+  // Host time to issue one op (op_name() -> microseconds), measured by `ptdp calibrate` on a
+  // device whose kernels run asynchronously: launches, allocations and the runtime's own work
+  // on the host. A pass cannot run faster than the host issues it: where a layer's ops take the
+  // host longer than the device, CostModel::exposed_times stretches them to the host's time
+  // (docs/calibration.md). Empty: not measured (CPU ranks, whose ops run as they are issued).
+  std::map<std::string, double> host_op_us;
   // Element type of activations on this device (fp32 on CPU ranks); 16-bit when not given.
   DType activation_dtype = DType::kBF16;
   // Arrival skew: what a tensor-parallel collective waits for its last rank, as a fraction of

@@ -370,6 +370,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
                                              double hit) const {
   std::vector<double> time(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p, hit);
+  stretch_to_host(ops, time);
   if (p.context_parallel > 1) hide_ring_exchanges(ops, p.context_parallel, time);
   const int64_t t = p.tensor_parallel;
   if (t == 1) return time;
@@ -420,6 +421,28 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
     time[i] = std::max(0.0, comm - gemm) + std::min(comm, gemm) / chunks;
   }
   return time;
+}
+
+void CostModel::stretch_to_host(const std::vector<Op>& ops, std::vector<double>& time) const {
+  const auto& host = profile_.host_op_us;
+  if (host.empty()) return;
+  double mean = 0;  // for an op calibrate did not time
+  for (const auto& [name, us] : host) mean += us;
+  mean /= static_cast<double>(host.size());
+  double device = 0, issue = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].kind == OpKind::kCollective) continue;
+    device += time[i];
+    const auto it = host.find(std::string(ops[i].name()));
+    issue += (it != host.end() ? it->second : mean) * kMicrosecond;
+  }
+  // The list repeats (layer after layer, microbatch after microbatch) and the device queue
+  // carries over between repeats: where the device is the slower, the host gets ahead and the
+  // queue hides its gaps; where the host is, every op waits for it, in proportion.
+  if (!(issue > device) || !(device > 0)) return;
+  const double stretch = issue / device;
+  for (size_t i = 0; i < ops.size(); ++i)
+    if (ops[i].kind != OpKind::kCollective) time[i] *= stretch;
 }
 
 PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, double hit,

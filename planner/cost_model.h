@@ -105,7 +105,8 @@ class CostModel {
   // touches between two uses of them: its weights, gradients, stored activations and transfer
   // buffers (not the optimizer state, which only the step touches). 1 without a cache model.
   double cache_hit(const ParallelPlan& p) const;
-  // Each op's time on the critical path of its pass: op_time, except that with
+  // Each op's time on the critical path of its pass: op_time, except that a list the host
+  // issues slower than the device runs it takes the host's time (stretch_to_host), and with
   // --tp-comm-overlap a sequence-parallel collective shows only what its GEMM cannot hide and
   // that GEMM runs in t chunks.
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p) const;
@@ -185,6 +186,10 @@ class CostModel {
   double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;
+  // With measured host issue times (HardwareProfile::host_op_us): where the host takes longer
+  // to issue the list's ops than the device to run them, each op's device time stretched by
+  // that ratio (the device waits for the host in proportion).
+  void stretch_to_host(const std::vector<Op>& ops, std::vector<double>& time) const;
   // Prices a pass; FLOPs of kRecompute ops go to `recompute_flops` when given.
   PassTime price(const std::vector<Op>& ops, const ParallelPlan& p, double hit, double* flops,
                  PassTime* weight_grad = nullptr, double* recompute_flops = nullptr) const;

@@ -74,6 +74,7 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
             (std::set<std::string>{"all_gather", "all_reduce", "reduce_scatter", "send_recv"}));
   EXPECT_TRUE(m["fits"]["gemm"].contains("residuals"));
   EXPECT_TRUE(m["fits"]["memory"]["all"].contains("rms_relative"));
+  EXPECT_FALSE(m["profile"].contains("host_op_us"));  // ops run as they are issued
   // Where Linux reports the last-level cache, every op was also timed cold, and the profile
   // shares the cache between the node's two ranks.
   if (m["fits"].contains("cache")) {
@@ -143,6 +144,12 @@ TEST(CalibrateMpi, DeviceMemoryPathsCalibrateOnTheStagedCpuBackend) {
       EXPECT_GT(op.value("cold_seconds", 0.0), 0) << op.dump();
     }
   }
+  // Its kernels "run asynchronously" (a device backend): the host's issue time of each op was
+  // measured too; the plain CPU backend's are not (above).
+  ASSERT_TRUE(m["profile"].contains("host_op_us"));
+  EXPECT_TRUE(m["profile"]["host_op_us"].contains("qkv"));
+  for (const auto& [name, us] : m["profile"]["host_op_us"].items())
+    EXPECT_GT(us.get<double>(), 0) << name;
   // The fused attention at half and twice the model's sequence of 32 as well.
   std::set<double> rows;
   for (const json& f : m["profile"]["fused_ops"])

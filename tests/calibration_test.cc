@@ -339,6 +339,59 @@ TEST(MachineFile, FusedAttentionIsPricedFromTheNearestSequence) {
   EXPECT_DOUBLE_EQ(by_size.op_time(op, ParallelPlan{}), 1.0e-3);
 }
 
+// Where calibrate measured the host's time to issue each op (a GPU: kernels run asynchronously),
+// a list the host issues slower than the device runs it takes the host's time, its ops
+// stretched in proportion; a list the device is the slower for keeps its device times. Ops
+// calibrate did not time get the mean issue time. The map survives the JSON; a bad value or an
+// unknown op is a one-line error naming it.
+TEST(MachineFile, HostBoundListsTakeTheHostsIssueTime) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile h = *c.measured_profile;
+  h.cache = {};
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  ParallelPlan p;
+  p.global_batch_size = 4;
+  std::vector<Op> ops(3);
+  ops[0].kind = OpKind::kMemory, ops[0].id = OpId::kInputLayernorm, ops[0].bytes = 1e6;
+  ops[1].kind = OpKind::kGemm, ops[1].id = OpId::kQkv, ops[1].m = 128, ops[1].n = 768,
+  ops[1].k = 256;
+  ops[2].kind = OpKind::kCollective, ops[2].id = OpId::kAttnAllReduce,
+  ops[2].collective = Collective::kAllReduce, ops[2].group = CommGroup::kTensor, ops[2].bytes = 1e5;
+  const std::vector<double> device = CostModel(m, c, h).exposed_times(ops, p);
+  const double busy = device[0] + device[1];
+  // Issue slower than the device: stretched to the host's total, the collective untouched.
+  h.host_op_us = {{"input_layernorm", 0.6e6 * busy}, {"qkv", 1.4e6 * busy}};
+  std::vector<double> t = CostModel(m, c, h).exposed_times(ops, p);
+  EXPECT_NEAR(t[0] + t[1], 2 * busy, 1e-12 * busy);
+  EXPECT_NEAR(t[0] / t[1], device[0] / device[1], 1e-9);
+  EXPECT_DOUBLE_EQ(t[2], device[2]);
+  // Issue faster than the device: the device's times.
+  h.host_op_us = {{"input_layernorm", 0.1e6 * busy}, {"qkv", 0.2e6 * busy}};
+  EXPECT_EQ(CostModel(m, c, h).exposed_times(ops, p), device);
+  // qkv not timed: the mean of the timed ops, 0.9 busy, so 1.8 busy in all.
+  h.host_op_us = {{"input_layernorm", 0.9e6 * busy}, {"fc1", 0.9e6 * busy}};
+  t = CostModel(m, c, h).exposed_times(ops, p);
+  EXPECT_NEAR(t[0] + t[1], 1.8 * busy, 1e-12 * busy);
+
+  const HardwareProfile back = profile_from_json(to_json(h));
+  EXPECT_EQ(back.host_op_us, h.host_op_us);
+  for (const auto& [key, value, field] :
+       {std::tuple<const char*, json, const char*>{"qkv", -1.0, "host_op_us.qkv"},
+        {"qkv", "fast", "host_op_us.qkv"},
+        {"no_such_op", 1.0, "host_op_us.no_such_op"}}) {
+    json j = to_json(h);
+    j["host_op_us"][key] = value;
+    try {
+      profile_from_json(j);
+      ADD_FAILURE() << key << " accepted";
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), field) << e.what();
+    }
+  }
+}
+
 // What calibrate measured cold prices an op by how much of its stage's working set the
 // last-level cache holds: warm when all of it, cold when none, linearly between.
 TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
