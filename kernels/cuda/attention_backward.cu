@@ -126,7 +126,9 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ __align__(16) bf16 sv[kTile * P];
   __shared__ float sds[kTile][kTile + 1];  // [query][key]
 
-  const int bi = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kTile;
+  // Query tiles longest first: a causal tile's work grows with q0, and blocks start in index
+  // order, so the longest ones ending the grid would leave the GPU a long tail.
+  const int bi = blockIdx.z, h = blockIdx.y, q0 = (gridDim.x - 1 - blockIdx.x) * kTile;
   const int kh = h / (hq / hk);
   const int r = threadIdx.x / 4, quad = threadIdx.x % 4, row = q0 + r;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;

@@ -152,7 +152,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ __align__(16) bf16 sk[kFwdKeys * P];  // also stages the query tile first
   __shared__ __align__(16) bf16 sv[kFwdKeys * P];
 
-  const int bi = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kRowTile;
+  // Query tiles longest first: a causal tile's work grows with q0, and blocks start in index
+  // order, so the longest ones ending the grid would leave the GPU a long tail.
+  const int bi = blockIdx.z, h = blockIdx.y, q0 = (gridDim.x - 1 - blockIdx.x) * kRowTile;
   const int kh = h / (hq / hk);
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
   const int row0 = q0 + 16 * warp + g, row1 = row0 + 8;
@@ -416,7 +418,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   bf16* sk = sdo + kRowTile * P;             // [kBwdCols][P] keys
   bf16* sv = sk + kBwdCols * P;              // [kBwdCols][P] values
 
-  const int bi = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * kRowTile;
+  // Query tiles longest first: a causal tile's work grows with q0, and blocks start in index
+  // order, so the longest ones ending the grid would leave the GPU a long tail.
+  const int bi = blockIdx.z, h = blockIdx.y, q0 = (gridDim.x - 1 - blockIdx.x) * kRowTile;
   const int kh = h / (hq / hk);
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
   const int row0 = q0 + 16 * warp + g, row1 = row0 + 8;
