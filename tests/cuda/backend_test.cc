@@ -343,11 +343,12 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
                  1e-3);
   }
 
-  // The embedding on the shard [67, 67 + 64) of a 131-token vocabulary (72 rows: 8 of padding;
-  // a multiple of 8, so the bf16 cross-entropy takes its 16-byte-vector kernels, while the
-  // training tests' vocabulary of 131 takes the element-wise ones), token ids inside and outside
-  // it, from host memory; positions from 7 on.
-  const int64_t tokens_n = 30, h = 13, v0 = 67, vl = 72, valid = 64, pb = 3, sl = 10, first = 7;
+  // The embedding on a vocabulary shard from row 67 of 72 rows, the last 11 padding (72 is a
+  // multiple of 8, so the bf16 cross-entropy takes its 16-byte-vector kernels, while the
+  // training tests' vocabulary of 131 takes the element-wise ones; 61 valid, so one vector holds
+  // both logits and padding), token ids of a 131-token vocabulary inside and outside it, from
+  // host memory; positions from 7 on.
+  const int64_t tokens_n = 30, h = 13, v0 = 67, vl = 72, valid = 61, pb = 3, sl = 10, first = 7;
   std::vector<int32_t> tokens(tokens_n);
   std::mt19937 g(77);
   for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
