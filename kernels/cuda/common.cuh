@@ -104,6 +104,41 @@ __device__ void add_token_rows_of_tile(const int32_t* tokens, const T* dy, float
     __syncthreads();  // `hit` is rewritten by the next chunk
   }
 }
+// ---- a row's softmax statistics: this thread's running maximum m and sum s of exp(x - m) over
+// the logits [0, valid) of `row`, the block's threads taking turns; with `vectors` (the row
+// 16-byte aligned) 8 logits a 16-byte load, their maximum first, so that the sum is rescaled
+// at most once a vector (2-byte loads left the pass far below the copy bandwidth). The caller
+// merges the threads' pairs (as the online softmax merges them). ----
+__device__ inline void logit_stats_share(const bf16* row, int64_t valid, bool vectors, float& m,
+                                         float& s) {
+  m = -INFINITY;
+  s = 0.0f;
+  auto add = [&](const float* x, int count) {
+    float mx = -INFINITY;
+    for (int e = 0; e < count; ++e) mx = fmaxf(mx, x[e]);
+    if (mx == -INFINITY) return;  // nothing but -inf adds nothing (and -inf - -inf is NaN)
+    if (mx > m) {
+      s *= expf(m - mx);  // expf(-inf) = 0 the first time
+      m = mx;
+    }
+    for (int e = 0; e < count; ++e) s += expf(x[e] - m);
+  };
+  if (vectors) {
+    const Bf16x8* v = reinterpret_cast<const Bf16x8*>(row);
+    for (int64_t q = threadIdx.x; q * kVec < valid; q += blockDim.x) {
+      const Bf16x8 a = v[q];
+      float x[kVec];
+      for (int e = 0; e < kVec; ++e) x[e] = q * kVec + e < valid ? as_float(a.v[e]) : -INFINITY;
+      add(x, kVec);
+    }
+    return;
+  }
+  for (int64_t j = threadIdx.x; j < valid; j += blockDim.x) {
+    const float x = as_float(row[j]);
+    add(&x, 1);
+  }
+}
+
 // ---- sum of squares, deterministic: this thread's share of sum x[i]^2 over n floats ----
 // float4 vectors 4 at a time, their loads issued together, grid-stride (one scalar load per
 // thread in flight kept 256 KiB moving and reached half an H100's copy bandwidth). The

@@ -261,34 +261,20 @@ __global__ void ce_stats_k(const T* logits, const int32_t* targets, float* stats
     stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? as_float(row[tgt]) : 0.0f;
   }
 }
-// The statistics of bf16 rows of a multiple of 8 logits, 8 a vector: one 16-byte load, their
-// maximum, then at most one rescale of the running sum, where the scalar kernel's 2-byte loads
-// left the pass far below the copy bandwidth.
-__global__ void ce_stats_vec_k(const Bf16x8* logits, const int32_t* targets, float* stats,
-                               int64_t vl, int64_t valid, int64_t v0) {
-  const int64_t i = blockIdx.x, per_row = vl / kVec;
-  const Bf16x8* row = logits + i * per_row;
+// The statistics of bf16 rows of a multiple of 8 logits, 8 a vector
+// (kernels::cuda::logit_stats_share).
+__global__ void ce_stats_vec_k(const bf16* logits, const int32_t* targets, float* stats, int64_t vl,
+                               int64_t valid, int64_t v0) {
+  const int64_t i = blockIdx.x;
+  const bf16* row = logits + i * vl;
   MaxSum acc;
-  for (int64_t q = threadIdx.x; q * kVec < valid; q += blockDim.x) {
-    const Bf16x8 v = row[q];
-    float x[kVec], m = -INFINITY;
-    for (int e = 0; e < kVec; ++e) {
-      x[e] = q * kVec + e < valid ? as_float(v.v[e]) : -INFINITY;
-      m = fmaxf(m, x[e]);
-    }
-    if (m == -INFINITY) continue;  // nothing but -inf: adds nothing
-    if (m > acc.m) {
-      acc.s *= expf(acc.m - m);  // expf(-inf) = 0 on the first vector
-      acc.m = m;
-    }
-    for (int e = 0; e < kVec; ++e) acc.s += expf(x[e] - acc.m);  // -inf: 0
-  }
+  kernels::cuda::logit_stats_share(row, valid, true, acc.m, acc.s);
   acc = block_reduce(acc, CombineMaxSum{});
   if (threadIdx.x == 0) {
     const int64_t tgt = targets[i] - v0;
     stats[i * 3] = valid > 0 ? acc.m : -INFINITY;
     stats[i * 3 + 1] = acc.s;
-    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? as_float(row[tgt / kVec].v[tgt % kVec]) : 0.0f;
+    stats[i * 3 + 2] = tgt >= 0 && tgt < valid ? as_float(row[tgt]) : 0.0f;
   }
 }
 __global__ void ce_lse_k(const float* stats, int64_t ranks, float* lse, float* row_loss,
@@ -640,8 +626,8 @@ void cross_entropy_stats_t(const T* logits, const int32_t* targets, float* stats
                            int64_t vl, int64_t valid, int64_t v0, cudaStream_t st) {
   if (n <= 0) return;
   if (bf16_vectors<T>(vl, {logits})) {
-    PTDP_LAUNCH(ce_stats_vec_k, rows_grid(n), reinterpret_cast<const Bf16x8*>(logits), targets,
-                stats, vl, valid, v0);
+    PTDP_LAUNCH(ce_stats_vec_k, rows_grid(n), reinterpret_cast<const bf16*>(logits), targets, stats,
+                vl, valid, v0);
     return;
   }
   PTDP_LAUNCH(ce_stats_k<T>, rows_grid(n), logits, targets, stats, vl, valid, v0);

@@ -2,6 +2,8 @@
 // (kernels/cpu/elementwise.h) and the unsharded cross_entropy (kernels/cpu/kernels.h).
 #include "kernels/cuda/cross_entropy.h"
 
+#include <string>
+
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/kernels.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -9,17 +11,19 @@
 namespace ptdp::cuda_test {
 namespace {
 
-TEST(CudaCrossEntropy, VocabParallelLossAndGradientMatchCpu) {
-  PTDP_REQUIRE_GPU();
-  // Vocabulary 1001 over t = 2 ranks: 501 columns each, the last rank's final column padding.
-  const int64_t n = 13, v = 1001, t = 2, vl = 501;
+// Vocabulary 1001 over t = 2 ranks of vl columns each, the last rank's final ones padding.
+void check_vocab_parallel(int64_t vl) {
+  SCOPED_TRACE("vl = " + std::to_string(vl));
+  const int64_t n = 13, v = 1001, t = 2;
   const auto full = random_bf16(n * v, 3, 1);
   std::vector<int32_t> targets(n);
   for (int64_t i = 0; i < n; ++i) targets[i] = static_cast<int32_t>((i * 389 + 7) % v);
-  targets[0] = 500;  // the last column of rank 0
-  targets[1] = 501;  // the first column of rank 1
+  targets[0] = static_cast<int32_t>(vl - 1);  // the last column of rank 0
+  targets[1] = static_cast<int32_t>(vl);      // the first column of rank 1
   DeviceBuffer<int32_t> d_targets(targets);
-  const double scale = 0.5;
+  // f = scale / n = 64: gradients near 0.06 a logit, so that a padding column given exp(-lse) f
+  // instead of 0 stands out from the bf16 rounding.
+  const double scale = 64.0 * static_cast<double>(n);
 
   std::vector<std::vector<float>> shards(t);
   std::vector<float> all_stats;  // [t, n, 3]
@@ -61,6 +65,14 @@ TEST(CudaCrossEntropy, VocabParallelLossAndGradientMatchCpu) {
     kernels::cross_entropy_backward(probs.data(), targets.data(), n, vl, v0, scale);
     expect_close(bf16_values(d_logits[r]), probs, 1e-6, 1e-2, "logit gradient");
   }
+}
+
+// 501 columns take the element-wise kernels; 504 (a multiple of 8) the 16-byte-vector ones,
+// whose last rank has 497 valid columns, so one vector holds logits and padding.
+TEST(CudaCrossEntropy, VocabParallelLossAndGradientMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  check_vocab_parallel(501);
+  check_vocab_parallel(504);
 }
 
 }  // namespace
