@@ -47,6 +47,26 @@ struct BiasGeluGrad {
   }
 };
 
+// dx of 8 columns of a row in one pass with their share of the bias gradient
+// (column_sum_vec): x and dy read once, where a column sum and then dx read them twice.
+struct BiasGeluGradVec {
+  const bf16 *x, *bias, *dy;
+  bf16* dx;
+  int64_t cols;
+  __device__ void operator()(int64_t r, int64_t c0, float (&v)[kVec]) const {
+    const int64_t i = r * cols + c0;
+    const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(x + i);
+    const Bf16x8 d = *reinterpret_cast<const Bf16x8*>(dy + i);
+    Bf16x8 o;
+    for (int j = 0; j < kVec; ++j) {
+      const float pre = to_float(a.v[j]) + (bias ? to_float(bias[c0 + j]) : 0.0f);
+      v[j] = to_float(d.v[j]) * gelu_grad(pre);
+      o.v[j] = to_bf16(v[j]);
+    }
+    *reinterpret_cast<Bf16x8*>(dx + i) = o;  // after dy's load: dx may be dy
+  }
+};
+
 __global__ void bias_gelu_backward_kernel(const bf16* x, const bf16* bias, const bf16* dy, bf16* dx,
                                           int64_t n, int64_t cols) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -167,6 +187,10 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
                         int64_t rows, int64_t cols, cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n <= 0) return;
+  if (dbias && vectorizable(cols, {x, bias, dy, dx})) {  // dx and the bias gradient in one pass
+    column_sum_vec(BiasGeluGradVec{x, bias, dy, dx, cols}, dbias, rows, cols, stream);
+    return;
+  }
   // The bias gradient reads dy, so it runs before dx (which may alias dy) is written.
   if (dbias) column_sum(BiasGeluGrad{x, bias, dy, cols}, dbias, rows, cols, stream);
   if (vectorizable(cols, {x, bias, dy, dx})) {

@@ -306,6 +306,13 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
   cpu_->bias_grad(host16(y), db.data(), rows, width);
   expect_native([&] { gpu_->bias_grad(gy, gdb, rows, width); }, "bf16 bias_grad");
   expect_close(down(gdb, db.size()), db, "bf16 bias_grad into fp32", kF32, 1e-5);
+  {  // 40 columns: 8 a thread from 16-byte loads (column_sum_vec)
+    Host db40(db0.begin(), db0.begin() + 40);
+    float* gdb40 = up(db40);
+    cpu_->bias_grad(host16(y), db40.data(), rows, 40);
+    expect_native([&] { gpu_->bias_grad(gy, gdb40, rows, 40); }, "bf16 bias_grad, 40 columns");
+    expect_close(down(gdb40, 40), db40, "bf16 bias_grad of 40 columns into fp32", kF32, 1e-5);
+  }
   cpu_->scale(host16(y), m, 0.37);
   expect_native([&] { gpu_->scale(gy, m, 0.37); }, "bf16 scale");
   expect_close(down16(gy, y.size()), widen(y), "bf16 scale", kBf16, 1e-3);
