@@ -50,10 +50,12 @@ struct BiasGeluGrad {
 // dx of 8 columns of a row in one pass with their share of the bias gradient
 // (column_sum_vec): x and dy read once, where a column sum and then dx read them twice.
 struct BiasGeluGradVec {
+  static constexpr int kOutputs = 1;
   const bf16 *x, *bias, *dy;
   bf16* dx;
   int64_t cols;
-  __device__ void operator()(int64_t r, int64_t c0, float (&v)[kVec]) const {
+  __device__ void operator()(int64_t r, int64_t c0, float (&out)[1][kVec]) const {
+    float* v = out[0];
     const int64_t i = r * cols + c0;
     const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(x + i);
     const Bf16x8 d = *reinterpret_cast<const Bf16x8*>(dy + i);
@@ -188,7 +190,7 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
   const int64_t n = rows * cols;
   if (n <= 0) return;
   if (dbias && vectorizable(cols, {x, bias, dy, dx})) {  // dx and the bias gradient in one pass
-    column_sum_vec(BiasGeluGradVec{x, bias, dy, dx, cols}, dbias, rows, cols, stream);
+    column_sum_vec(BiasGeluGradVec{x, bias, dy, dx, cols}, {dbias}, rows, cols, stream);
     return;
   }
   // The bias gradient reads dy, so it runs before dx (which may alias dy) is written.

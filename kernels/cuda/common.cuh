@@ -3,6 +3,7 @@
 // gradients (fixed row chunks summed in a fixed order, so results do not depend on scheduling).
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -232,48 +233,55 @@ void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }
 
-// The same sums 8 columns a thread (cols a multiple of kVec): f(r, c0, v) gives row r's values
-// of columns [c0, c0 + 8) in v, and may write what it computed (a fused kernel's output) with
-// one 16-byte store. Each column sums the same rows in the same order as column_sum, so the two
-// agree to the bit.
+// The same sums 8 columns a thread (cols a multiple of kVec), for F::kOutputs sums at once:
+// f(r, c0, v) gives row r's values of columns [c0, c0 + 8) of each output k in v[k], and may
+// write what it computed (a fused kernel's output) with one 16-byte store. Each column sums the
+// same rows in the same order as column_sum, so the two agree to the bit.
 template <typename F>
 __global__ void column_partials_vec_kernel(F f, float* partial, int64_t rows, int64_t cols,
                                            int64_t rows_per_chunk) {
-  __shared__ float sh[8][32 * kVec];
+  constexpr int K = F::kOutputs;
+  __shared__ float sh[8][K * 32 * kVec];
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x) * kVec;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-  float acc[kVec] = {};
+  float acc[K][kVec] = {};
   if (c0 < cols)
     for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      float v[kVec];
+      float v[K][kVec];
       f(r, c0, v);
-      for (int e = 0; e < kVec; ++e) acc[e] += v[e];
+      for (int k = 0; k < K; ++k)
+        for (int e = 0; e < kVec; ++e) acc[k][e] += v[k][e];
     }
-  for (int e = 0; e < kVec; ++e) sh[threadIdx.y][threadIdx.x * kVec + e] = acc[e];
+  for (int k = 0; k < K; ++k)
+    for (int e = 0; e < kVec; ++e) sh[threadIdx.y][(k * 32 + threadIdx.x) * kVec + e] = acc[k][e];
   __syncthreads();
   if (threadIdx.y == 0 && c0 < cols)
-    for (int e = 0; e < kVec; ++e) {
-      float s = 0;
-      for (int i = 0; i < 8; ++i) s += sh[i][threadIdx.x * kVec + e];
-      partial[blockIdx.y * cols + c0 + e] = s;
-    }
+    for (int k = 0; k < K; ++k)
+      for (int e = 0; e < kVec; ++e) {
+        float s = 0;
+        for (int i = 0; i < 8; ++i) s += sh[i][(k * 32 + threadIdx.x) * kVec + e];
+        partial[(static_cast<int64_t>(k) * gridDim.y + blockIdx.y) * cols + c0 + e] = s;
+      }
 }
 
 template <typename F>
-void column_sum_vec(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream) {
+void column_sum_vec(F f, const std::array<float*, F::kOutputs>& out, int64_t rows, int64_t cols,
+                    cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   const int64_t per = (rows + kColumnChunks - 1) / kColumnChunks;
   const int chunks = static_cast<int>((rows + per - 1) / per);
   float* partial = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * chunks * cols, stream));
+  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * F::kOutputs * chunks * cols, stream));
   PTDP_KERNEL_LAUNCH(column_partials_vec_kernel, dim3(blocks_for(cols / kVec, 32), chunks),
                      dim3(32, 8), 0, stream)
   (f, partial, rows, cols, per);
   check_launch("column_partials_vec_kernel");
-  PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
-  (partial, out, chunks, cols);
-  check_launch("column_finish_kernel");
+  for (int k = 0; k < F::kOutputs; ++k) {
+    PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
+    (partial + static_cast<int64_t>(k) * chunks * cols, out[k], chunks, cols);
+    check_launch("column_finish_kernel");
+  }
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }
 

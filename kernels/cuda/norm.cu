@@ -231,6 +231,25 @@ struct BetaGrad {
   __device__ float operator()(int64_t row, int64_t c) const { return to_float(dy[row * h + c]); }
 };
 
+// dg (and db: kOutputs 2) 8 columns a thread from 16-byte loads of r and dy, in one pass.
+template <int K>
+struct GammaBetaGradVec {
+  static constexpr int kOutputs = K;
+  const bf16 *r, *dy;
+  const float *mean, *rstd;
+  int64_t h;
+  __device__ void operator()(int64_t row, int64_t c0, float (&v)[K][kVec]) const {
+    const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(r + row * h + c0);
+    const Bf16x8 d = *reinterpret_cast<const Bf16x8*>(dy + row * h + c0);
+    const float m = mean ? mean[row] : 0.0f, s = rstd[row];
+    for (int e = 0; e < kVec; ++e) {
+      const float g = to_float(d.v[e]);
+      v[0][e] = g * (to_float(a.v[e]) - m) * s;
+      if constexpr (K == 2) v[1][e] = g;
+    }
+  }
+};
+
 template <bool kRms>
 void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, const bf16* b,
              bf16* y, float* mean, float* rstd, int64_t n, int64_t h, float eps,
@@ -274,6 +293,13 @@ void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd
     PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
     (r, g, mean, rstd, dy, dresid, dx, h);
     check_launch("norm_backward_kernel");
+  }
+  if (dg && vectorizable(h, {r, dy})) {  // one pass over r and dy for both sums
+    if (db)
+      column_sum_vec(GammaBetaGradVec<2>{r, dy, mean, rstd, h}, {dg, db}, n, h, stream);
+    else
+      column_sum_vec(GammaBetaGradVec<1>{r, dy, mean, rstd, h}, {dg}, n, h, stream);
+    return;
   }
   if (dg) column_sum(GammaGrad{r, dy, mean, rstd, h}, dg, n, h, stream);
   if (db) column_sum(BetaGrad{dy, h}, db, n, h, stream);

@@ -121,11 +121,12 @@ struct ColumnOf {
 // The same for bf16 rows of a multiple of 8 columns, 8 a thread from one 16-byte load
 // (kernels::cuda::column_sum_vec; the same sums to the bit).
 struct ColumnsOfBf16 {
+  static constexpr int kOutputs = 1;
   const bf16* dy;
   int64_t width;
-  __device__ void operator()(int64_t r, int64_t c0, float (&v)[kVec]) const {
+  __device__ void operator()(int64_t r, int64_t c0, float (&v)[1][kVec]) const {
     const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(dy + r * width + c0);
-    for (int e = 0; e < kVec; ++e) v[e] = as_float(a.v[e]);
+    for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
   }
 };
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
@@ -571,7 +572,7 @@ template <typename T>
 void bias_grad_t(const T* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
   if constexpr (std::is_same_v<T, bf16>) {
     if (bf16_vectors<T>(width, {dy})) {
-      kernels::cuda::column_sum_vec(ColumnsOfBf16{dy, width}, db, rows, width, st);
+      kernels::cuda::column_sum_vec(ColumnsOfBf16{dy, width}, {db}, rows, width, st);
       return;
     }
   }
