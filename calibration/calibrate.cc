@@ -85,10 +85,11 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node, bool gpu
   return p;
 }
 
-int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold) {
+// `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend).
+int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, bool issue) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
-    n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (cold ? 2 : 1);
+    n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (1 + cold + issue);
   for (int64_t seq : p.fused_seqs) {
     ModelSpec longer = m;
     longer.seq_length = seq;
@@ -172,12 +173,13 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
 
   double target = o.quick ? 0.05 : 0.15;
   // Ops are timed warm and, where the last-level cache is known, cold (docs/calibration.md).
-  // On a GPU that is its L2 cache, evicted by writing device memory.
+  // On a GPU that is its L2 cache.
   const double llc_bytes = gpu ? device.cache_bytes : last_level_cache_bytes();
   std::unique_ptr<CacheEvictor> evict;
-  if (llc_bytes > 0)
-    evict = std::make_unique<CacheEvictor>(llc_bytes, be.host_accessible() ? nullptr : &be);
-  const int64_t timings = count_timings(plan, o.model, evict != nullptr);
+  // A GPU's L2 by a kernel reading device memory; the host's caches (cpu-staged's too, whose
+  // "device" is the CPU) by reading host memory a line at a time.
+  if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr, !be.host_accessible());
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));

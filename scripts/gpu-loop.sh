@@ -90,9 +90,15 @@ set -e
 python3 - "$out" "${plans[@]}" <<'PY'
 import json, os, sys
 out, plans = sys.argv[1], [p.split("|")[0] for p in sys.argv[2:]]
-m = json.load(open(os.path.join(out, "machine.json")))["machine"]
+machine_file = json.load(open(os.path.join(out, "machine.json")))
+m, fits = machine_file["machine"], machine_file.get("fits", {})
 print(f"machine: {m.get('device')}, driver {m.get('cuda_driver')}, runtime {m.get('cuda_runtime')}, "
       f"data plane {m.get('data_plane')}, {m.get('date')}")
+cache = fits.get("cache", {})
+if "host_op_us_mean" in fits or cache:
+    print(f"host issue {fits.get('host_op_us_mean', float('nan')):.2f} us an op (mean); cold factors: "
+          f"GEMMs {cache.get('gemm_cold_factor_mean', float('nan')):.3f}, memory-bound "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(cache.get("memory_cold_factor", {}).items())))
 print(f"{'plan':18} {'pred step s':>11} {'meas step s':>11} {'err':>7} {'pred GiB':>9} {'meas GiB':>9} {'err':>7}  largest contributor")
 fail = 0
 for name in plans:

@@ -121,9 +121,10 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
   fs::remove_all(dir);
 }
 
-// The device paths of calibrate (operands uploaded to the backend's memory, the cache evicted
-// by a device kernel, collectives on the host-staged data plane of runtime/data_plane.h) on the
-// CPU backend acting as a device: what calibrate --backend cuda runs, minus the GPU.
+// The device paths of calibrate (operands uploaded to the backend's memory, each op's host
+// issue timed apart from its run, collectives on the host-staged data plane of
+// runtime/data_plane.h) on the CPU backend acting as a device: what calibrate --backend cuda
+// runs, minus the GPU (whose L2 a device kernel evicts; here the host's caches are the ones).
 TEST(CalibrateMpi, DeviceMemoryPathsCalibrateOnTheStagedCpuBackend) {
   const fs::path dir = test::scratch_dir("ptdp_calibrate_mpi_staged");
   const std::string file = (dir / "machine.json").string();
