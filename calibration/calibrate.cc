@@ -85,18 +85,23 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node, bool gpu
   return p;
 }
 
+// The model at another sequence length (with a learned position table as long).
+ModelSpec with_sequence(const ModelSpec& m, int64_t seq) {
+  ModelSpec out = m;
+  out.seq_length = seq;
+  out.max_position_embeddings = 0;
+  return out;
+}
+
 // `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend).
 int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, bool issue) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
     n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (1 + cold + issue);
-  for (int64_t seq : p.fused_seqs) {
-    ModelSpec longer = m;
-    longer.seq_length = seq;
-    longer.max_position_embeddings = 0;
-    for (const Op& op : executed_ops(longer, p.tb.front().first, p.tb.front().second))
+  for (int64_t seq : p.fused_seqs)
+    for (const Op& op :
+         executed_ops(with_sequence(m, seq), p.tb.front().first, p.tb.front().second))
       n += op.fused ? 1 : 0;
-  }
   n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
   return n;
 }
@@ -197,11 +202,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
       be, o.model, plan.tb, sw, evict.get(), [&](int, int) { tick("kernels of the op list"); },
       o.precision);
   for (int64_t seq : plan.fused_seqs) {
-    ModelSpec other = o.model;
-    other.seq_length = seq;
-    other.max_position_embeddings = 0;  // a learned table as long as the sequence
     for (OpSample& s : measure_ops(
-             be, other, {plan.tb.front()}, sw, nullptr,
+             be, with_sequence(o.model, seq), {plan.tb.front()}, sw, nullptr,
              [&](int, int) { tick("fused attention at sequence " + std::to_string(seq)); },
              o.precision, [](const Op& op) { return op.fused; }))
       ops.push_back(std::move(s));

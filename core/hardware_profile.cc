@@ -97,20 +97,22 @@ double HardwareProfile::gemm_cold_factor(double m, double n, double k, double ba
 double HardwareProfile::fused_op_seconds(std::string_view op, double size, double rows) const {
   // Log distance; 0 for an unrecorded side, so that files without rows price by size alone.
   auto apart = [](double a, double b) { return a > 0 && b > 0 ? std::abs(std::log(a / b)) : 0.0; };
+  auto distance = [&](const FusedOpMeasurement& e) {  // nearest in rows, then in size
+    return std::pair(apart(rows, e.rows), apart(std::max(size, 1.0), e.size));
+  };
   const FusedOpMeasurement* best = nullptr;
-  for (const FusedOpMeasurement& e : fused_ops) {
-    if (e.op != op) continue;
-    if (!best) {
-      best = &e;
-      continue;
-    }
-    const double dr = apart(rows, e.rows), best_dr = apart(rows, best->rows);
-    if (dr < best_dr - 1e-9 || (dr <= best_dr + 1e-9 && apart(std::max(size, 1.0), e.size) <
-                                                            apart(std::max(size, 1.0), best->size)))
-      best = &e;
-  }
+  for (const FusedOpMeasurement& e : fused_ops)
+    if (e.op == op && (!best || distance(e) < distance(*best))) best = &e;
   if (!best) return -1;
   return best->seconds * std::max(size, 1.0) / best->size;
+}
+
+double HardwareProfile::host_issue_us(std::string_view op) const {
+  if (host_op_us.empty()) return 0;
+  if (auto it = host_op_us.find(op); it != host_op_us.end()) return it->second;
+  double mean = 0;
+  for (const auto& [name, us] : host_op_us) mean += us;
+  return mean / static_cast<double>(host_op_us.size());
 }
 
 double HardwareProfile::memory_cold_factor_of(const std::string& family) const {

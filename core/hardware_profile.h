@@ -138,7 +138,7 @@ struct HardwareProfile {
   // on the host. A pass cannot run faster than the host issues it: where a layer's ops take the
   // host longer than the device, CostModel::exposed_times stretches them to the host's time
   // (docs/calibration.md). Empty: not measured (CPU ranks, whose ops run as they are issued).
-  std::map<std::string, double> host_op_us;
+  std::map<std::string, double, std::less<>> host_op_us;
   // Element type of activations on this device (fp32 on CPU ranks); 16-bit when not given.
   DType activation_dtype = DType::kBF16;
   // Arrival skew: what a tensor-parallel collective waits for its last rank, as a fraction of
@@ -156,6 +156,9 @@ struct HardwareProfile {
   // The measured time of op `op` (op_name) at `size` FLOPs or bytes, from fused_ops; a negative
   // value when the op has no measurement.
   double fused_op_seconds(std::string_view op, double size, double rows = 0) const;
+  // The host's time to issue op `op` (op_name) in microseconds: its measurement, else the mean
+  // of those measured; 0 without any.
+  double host_issue_us(std::string_view op) const;
   // The fit for `kind` over `ranks` ranks on `nodes` nodes, or null.
   const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.

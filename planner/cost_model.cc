@@ -424,17 +424,12 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
 }
 
 void CostModel::stretch_to_host(const std::vector<Op>& ops, std::vector<double>& time) const {
-  const auto& host = profile_.host_op_us;
-  if (host.empty()) return;
-  double mean = 0;  // for an op calibrate did not time
-  for (const auto& [name, us] : host) mean += us;
-  mean /= static_cast<double>(host.size());
+  if (profile_.host_op_us.empty()) return;
   double device = 0, issue = 0;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].kind == OpKind::kCollective) continue;
     device += time[i];
-    const auto it = host.find(std::string(ops[i].name()));
-    issue += (it != host.end() ? it->second : mean) * kMicrosecond;
+    issue += profile_.host_issue_us(ops[i].name()) * kMicrosecond;
   }
   // The list repeats (layer after layer, microbatch after microbatch) and the device queue
   // carries over between repeats: where the device is the slower, the host gets ahead and the

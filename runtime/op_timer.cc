@@ -30,7 +30,7 @@ size_t OpTimer::new_mark() {
   return marks_.size() - 1;
 }
 
-void OpTimer::resolve() {
+void OpTimer::flush() {
   if (!ref_) return;
   be_.synchronize();
   auto at = [&](size_t mark) { return ref_seconds_ + be_.mark_seconds(ref_, marks_[mark]); };
@@ -48,10 +48,6 @@ void OpTimer::resolve() {
   ref_ = nullptr;
 }
 
-void OpTimer::flush() {
-  resolve();
-}
-
 void OpTimer::pass(int64_t chunk, int64_t microbatch) {
   close();
   chunk_ = static_cast<int32_t>(chunk);
@@ -60,8 +56,8 @@ void OpTimer::pass(int64_t chunk, int64_t microbatch) {
 
 void OpTimer::begin(OpId id, OpRole role) {
   if (device_) {
-    // A pass that began before a flush() keeps its markers: resolve only between passes.
-    if (marks_.size() >= kMaxPendingMarks && !open_) resolve();
+    // Past kMaxPendingMarks, read early, but only between passes (a pass's markers go together).
+    if (marks_.size() >= kMaxPendingMarks && !open_) flush();
     const size_t m = new_mark();
     if (open_) pending_.back().end = m;
     if (pass_first_mark_ == kNoPass) pass_first_mark_ = m;

@@ -60,7 +60,6 @@ class OpTimer {
  private:
   double now();       // seconds since t0, the backend synchronised
   size_t new_mark();  // a device marker queued now; its index in marks_
-  void resolve();     // synchronises and turns the pending markers into times
 
   Backend& be_;
   Clock::time_point t0_;
@@ -68,7 +67,7 @@ class OpTimer {
   int32_t chunk_ = -1, microbatch_ = -1;
   bool open_ = false;
   bool device_ = false;
-  // Device timing: markers since the last resolve, the reference marker and its host time, and
+  // Device timing: markers since the last flush(), the reference marker and its host time, and
   // for each pending op (an index into sink_) the markers of its start and end.
   struct Pending {
     size_t op, start, end;

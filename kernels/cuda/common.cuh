@@ -216,21 +216,41 @@ __global__ void column_finish_kernel(const T* partial, T* out, int chunks, int64
   out[c] += s;
 }
 
+// The row chunks of a column sum over `rows` (each chunk's partial sums, then their sum per
+// column in chunk order), and the second pass: out[k][c] += the partials of output k.
+struct ColumnChunks {
+  int64_t per = 0;  // rows per chunk
+  int chunks = 0;
+  explicit ColumnChunks(int64_t rows)
+      : per((rows + kColumnChunks - 1) / kColumnChunks),
+        chunks(static_cast<int>((rows + per - 1) / per)) {}
+};
+// Allocates `outputs` x chunks x cols partial sums, lets `partials(p)` fill them, adds them to
+// out[0..outputs), and frees them.
+template <typename Partials>
+void column_sums(const ColumnChunks& cc, float* const* out, int outputs, int64_t cols,
+                 cudaStream_t stream, Partials partials) {
+  float* partial = nullptr;
+  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * outputs * cc.chunks * cols, stream));
+  partials(partial);
+  for (int k = 0; k < outputs; ++k) {
+    PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
+    (partial + static_cast<int64_t>(k) * cc.chunks * cols, out[k], cc.chunks, cols);
+    check_launch("column_finish_kernel");
+  }
+  PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
 template <typename F>
 void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  const int64_t per = (rows + kColumnChunks - 1) / kColumnChunks;
-  const int chunks = static_cast<int>((rows + per - 1) / per);
-  float* partial = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * chunks * cols, stream));
-  PTDP_KERNEL_LAUNCH(column_partials_kernel, dim3(blocks_for(cols, 32), chunks), dim3(32, 8), 0,
-                     stream)
-  (f, partial, rows, cols, per);
-  check_launch("column_partials_kernel");
-  PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
-  (partial, out, chunks, cols);
-  check_launch("column_finish_kernel");
-  PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+  const ColumnChunks cc(rows);
+  column_sums(cc, &out, 1, cols, stream, [&](float* partial) {
+    PTDP_KERNEL_LAUNCH(column_partials_kernel, dim3(blocks_for(cols, 32), cc.chunks), dim3(32, 8),
+                       0, stream)
+    (f, partial, rows, cols, cc.per);
+    check_launch("column_partials_kernel");
+  });
 }
 
 // The same sums 8 columns a thread (cols a multiple of kVec), for F::kOutputs sums at once:
@@ -269,20 +289,13 @@ template <typename F>
 void column_sum_vec(F f, const std::array<float*, F::kOutputs>& out, int64_t rows, int64_t cols,
                     cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  const int64_t per = (rows + kColumnChunks - 1) / kColumnChunks;
-  const int chunks = static_cast<int>((rows + per - 1) / per);
-  float* partial = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * F::kOutputs * chunks * cols, stream));
-  PTDP_KERNEL_LAUNCH(column_partials_vec_kernel, dim3(blocks_for(cols / kVec, 32), chunks),
-                     dim3(32, 8), 0, stream)
-  (f, partial, rows, cols, per);
-  check_launch("column_partials_vec_kernel");
-  for (int k = 0; k < F::kOutputs; ++k) {
-    PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 256), 256, 0, stream)
-    (partial + static_cast<int64_t>(k) * chunks * cols, out[k], chunks, cols);
-    check_launch("column_finish_kernel");
-  }
-  PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+  const ColumnChunks cc(rows);
+  column_sums(cc, out.data(), F::kOutputs, cols, stream, [&](float* partial) {
+    PTDP_KERNEL_LAUNCH(column_partials_vec_kernel, dim3(blocks_for(cols / kVec, 32), cc.chunks),
+                       dim3(32, 8), 0, stream)
+    (f, partial, rows, cols, cc.per);
+    check_launch("column_partials_vec_kernel");
+  });
 }
 
 }  // namespace ptdp::kernels::cuda
