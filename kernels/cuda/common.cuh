@@ -218,12 +218,12 @@ __global__ void column_finish_kernel(const T* partial, T* out, int chunks, int64
 
 // The row chunks of a column sum over `rows` (each chunk's partial sums, then their sum per
 // column in chunk order), and the second pass: out[k][c] += the partials of output k.
+// `most` chunks at most (a fixed number, so that the order of the sums depends only on rows).
 struct ColumnChunks {
   int64_t per = 0;  // rows per chunk
   int chunks = 0;
-  explicit ColumnChunks(int64_t rows)
-      : per((rows + kColumnChunks - 1) / kColumnChunks),
-        chunks(static_cast<int>((rows + per - 1) / per)) {}
+  explicit ColumnChunks(int64_t rows, int most = kColumnChunks)
+      : per((rows + most - 1) / most), chunks(static_cast<int>((rows + per - 1) / per)) {}
 };
 // Allocates `outputs` x chunks x cols partial sums, lets `partials(p)` fill them, adds them to
 // out[0..outputs), and frees them.

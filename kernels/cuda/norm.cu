@@ -3,7 +3,9 @@
 // vectors: one warp per row up to 1024 columns (warp-shuffle sums, no block barrier), one block
 // per row up to 8192. Other rows go one block per row, re-read from global memory (L1/L2-
 // resident) once per pass, which keeps that kernel independent of h; on an H100 it is
-// latency-bound (about 60 us for 4096 rows of 768, 200 GB/s; 1.6 TB/s at 4096 columns).
+// latency-bound (about 60 us for 4096 rows of 768, 200 GB/s; 1.6 TB/s at 4096 columns). The
+// backward pass of a row held in registers also sums the weight gradients in the same read
+// (norm_backward_fused_kernel).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/norm.h"
 
@@ -161,46 +163,115 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <bool kRms, bool kWarp>
+// ---- the backward pass reading each row once: dx, and the partial sums of the gamma (and
+// beta) gradients per chunk of rows, which column_sums then adds up chunk by chunk. A block per
+// chunk; a row to a warp (kWarp) or to the whole block, as in the forward pass. A thread holds
+// its part of the row as the bf16 it read (kVecs 16-byte vectors each of r, dy and dresid) until
+// it writes dx, and its columns' gradient sums in registers across the chunk's rows. A block's
+// warps add theirs into shared memory in warp order. The chunks depend on n alone (at most
+// kBackwardChunks), so the order of every sum does too. Two passes (dx, then the column sums
+// re-reading r and dy) move 6 bytes an element where 4 are needed, at most 2/3 of the copy
+// bandwidth by construction. ----
+constexpr int kBackwardChunks = 256;
+
+// LayerNorm: dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * g,
+// xhat = (r - mean) * rstd. RMSNorm is the same with mean 0 and without the mean(dxhat) term.
+template <bool kRms, bool kWarp, int kVecs>
 __global__ void __launch_bounds__(kThreads)
-    norm_backward_row_kernel(const bf16* r, const bf16* g, const float* mean_in,
-                             const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
-                             int64_t n, int64_t h) {
+    norm_backward_fused_kernel(const bf16* r, const bf16* g, const float* mean_in,
+                               const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
+                               float* partial, int outputs, int chunks, int64_t n, int64_t h,
+                               int64_t rows_per_chunk) {
   __shared__ float scratch[32];
-  const RowTeam<kWarp> team;
-  if (team.row >= n) return;
-  const int64_t base = team.row * h;
+  __shared__ float warp_sums[kWarp ? 2 * kWarpRowColumns : 1];
+  const int lane = kWarp ? static_cast<int>(threadIdx.x % 32) : static_cast<int>(threadIdx.x);
+  const int stride = kWarp ? 32 : static_cast<int>(blockDim.x);
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_chunk;
+  const int64_t end = first + rows_per_chunk < n ? first + rows_per_chunk : n;
   const int vecs = static_cast<int>(h / kVec);
-  const float mean = kRms ? 0.0f : mean_in[team.row], rstd = rstd_in[team.row];
-  float dxhat[kRowVecs][kVec], val[kRowVecs][kVec];
-  float a = 0, c = 0;
-  for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = team.lane + team.stride * k;
-    if (idx >= vecs) break;
-    const Bf16x8 dv = vec_row(dy, base)[idx], gv = vec_row(g, 0)[idx], rv = vec_row(r, base)[idx];
-    for (int j = 0; j < kVec; ++j) {
-      dxhat[k][j] = to_float(dv.v[j]) * to_float(gv.v[j]);
-      val[k][j] = to_float(rv.v[j]);
-      a += dxhat[k][j];
-      c += dxhat[k][j] * (kRms ? val[k][j] : (val[k][j] - mean) * rstd);
+  const float inv_h = 1.0f / static_cast<float>(h);
+  auto team_sum = [&](float v) { return kWarp ? warp_sum(v) : block_sum(v, scratch); };
+  Bf16x8 gv[kVecs]{};
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k)
+    if (lane + stride * k < vecs) gv[k] = vec_row(g, 0)[lane + stride * k];
+  float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
+  // Uniform over the team (a warp, or the block whose block_sum every thread must reach).
+  for (int64_t row = first + (kWarp ? warp : 0); row < end; row += kWarp ? kRowsPerBlock : 1) {
+    const int64_t base = row * h;
+    const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
+    Bf16x8 dv[kVecs]{}, rv[kVecs]{}, res[kVecs]{};  // zeros: the host compilers ask
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int idx = lane + stride * k;
+      if (idx >= vecs) continue;
+      dv[k] = vec_row(dy, base)[idx];
+      rv[k] = vec_row(r, base)[idx];
+      if (dresid) res[k] = vec_row(dresid, base)[idx];
+    }
+    float a = 0, c = 0;  // sums of dxhat and dxhat * xhat
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (lane + stride * k >= vecs) continue;
+      for (int j = 0; j < kVec; ++j) {
+        const float d = to_float(dv[k].v[j]), xhat = (to_float(rv[k].v[j]) - mean) * rstd;
+        const float dxhat = d * to_float(gv[k].v[j]);
+        a += dxhat;
+        c += dxhat * xhat;
+        dg[k][j] += d * xhat;
+        if (!kRms) db[k][j] += d;
+      }
+    }
+    const float mean_a = kRms ? 0.0f : team_sum(a) * inv_h;
+    const float mean_c = team_sum(c) * inv_h;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int idx = lane + stride * k;
+      if (idx >= vecs) continue;
+      Bf16x8 out;
+      for (int j = 0; j < kVec; ++j) {
+        const float xhat = (to_float(rv[k].v[j]) - mean) * rstd;
+        float d = rstd * (to_float(dv[k].v[j]) * to_float(gv[k].v[j]) - mean_a - xhat * mean_c);
+        if (dresid) d += to_float(res[k].v[j]);
+        out.v[j] = to_bf16(d);
+      }
+      reinterpret_cast<Bf16x8*>(dx + base)[idx] = out;  // after the row's loads: dx may be dy
     }
   }
-  const float inv_h = 1.0f / static_cast<float>(h);
-  const float sum_a = kRms ? 0.0f : team.sum(a, scratch) * inv_h;
-  const float sum_c = team.sum(c, scratch) * inv_h;
-  for (int k = 0; k < kRowVecs; ++k) {
-    const int idx = team.lane + team.stride * k;
-    if (idx >= vecs) break;
-    Bf16x8 res{};
-    if (dresid) res = vec_row(dresid, base)[idx];
-    Bf16x8 out;
-    for (int j = 0; j < kVec; ++j) {
-      float d = kRms ? dxhat[k][j] * rstd - val[k][j] * rstd * rstd * rstd * sum_c
-                     : rstd * (dxhat[k][j] - sum_a - (val[k][j] - mean) * rstd * sum_c);
-      if (dresid) d += to_float(res.v[j]);
-      out.v[j] = to_bf16(d);
+  if (!partial) return;  // no weight gradients (uniform over the block)
+  float* out0 = partial + static_cast<int64_t>(blockIdx.x) * h;  // output k at + k chunks h
+  const int64_t next = static_cast<int64_t>(chunks) * h;
+  if constexpr (!kWarp) {  // a thread's columns are its own
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int idx = lane + stride * k;
+      if (idx >= vecs) continue;
+      for (int j = 0; j < kVec; ++j) {
+        out0[idx * kVec + j] = dg[k][j];
+        if (outputs == 2) out0[next + idx * kVec + j] = db[k][j];
+      }
     }
-    reinterpret_cast<Bf16x8*>(dx + base)[idx] = out;
+  } else {
+    for (int w = 0; w < kRowsPerBlock; ++w) {  // the warps' sums, in warp order
+      if (warp == w) {
+#pragma unroll
+        for (int k = 0; k < kVecs; ++k) {
+          const int idx = lane + stride * k;
+          if (idx >= vecs) continue;
+          for (int j = 0; j < kVec; ++j) {
+            float* s = warp_sums + idx * kVec + j;
+            s[0] = (w == 0 ? 0.0f : s[0]) + dg[k][j];
+            s[kWarpRowColumns] = (w == 0 ? 0.0f : s[kWarpRowColumns]) + db[k][j];
+          }
+        }
+      }
+      __syncthreads();
+    }
+    for (int64_t col = threadIdx.x; col < h; col += blockDim.x) {
+      out0[col] = warp_sums[col];
+      if (outputs == 2) out0[next + col] = warp_sums[kWarpRowColumns + col];
+    }
   }
 }
 
@@ -274,35 +345,57 @@ void forward(const bf16* x, const bf16* residual, bf16* r_out, const bf16* g, co
   check_launch("norm_forward_kernel");
 }
 
+// The fused backward kernel for a team of kWarp ? 32 : kThreads threads a row: dx, and dg (and
+// db) through the chunks' partial sums.
+template <bool kRms, bool kWarp>
+void backward_in_one_read(const bf16* r, const bf16* g, const float* mean, const float* rstd,
+                          const bf16* dy, const bf16* dresid, bf16* dx, float* dg, float* db,
+                          int64_t n, int64_t h, cudaStream_t stream) {
+  const int64_t lanes = kWarp ? 32 : kThreads;
+  const int64_t per_thread = (h / kVec + lanes - 1) / lanes;  // 1 to kRowVecs vectors
+  auto kernel = norm_backward_fused_kernel<kRms, kWarp, kRowVecs>;
+  if (per_thread == 1) kernel = norm_backward_fused_kernel<kRms, kWarp, 1>;
+  if (per_thread == 2) kernel = norm_backward_fused_kernel<kRms, kWarp, 2>;
+  if (per_thread == 3) kernel = norm_backward_fused_kernel<kRms, kWarp, 3>;
+  if (!dg && db) column_sum(BetaGrad{dy, h}, db, n, h, stream);  // before dx (may be dy) is written
+  const int outputs = dg ? (db ? 2 : 1) : 0;
+  const ColumnChunks cc(n, kBackwardChunks);
+  auto launch = [&](float* partial) {
+    PTDP_KERNEL_LAUNCH(kernel, static_cast<unsigned>(cc.chunks), kThreads, 0, stream)
+    (r, g, mean, rstd, dy, dresid, dx, partial, outputs, cc.chunks, n, h, cc.per);
+    check_launch(kWarp ? "norm_backward_kernel (one warp per row)"
+                       : "norm_backward_kernel (row in registers)");
+  };
+  if (outputs == 0) return launch(nullptr);
+  float* const out[2] = {dg, db};
+  column_sums(cc, out, outputs, h, stream, launch);
+}
+
 template <bool kRms>
 void backward(const bf16* r, const bf16* g, const float* mean, const float* rstd, const bf16* dy,
               const bf16* dresid, bf16* dx, float* dg, float* db, int64_t n, int64_t h,
               cudaStream_t stream) {
   if (n <= 0 || h <= 0) return;
   if (const RowKernel kind = row_kernel(h, {r, g, dy, dresid, dx}); kind == RowKernel::kWarp) {
-    PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, true>), warp_row_blocks(n), kThreads, 0,
-                       stream)
-    (r, g, mean, rstd, dy, dresid, dx, n, h);
-    check_launch("norm_backward_kernel (one warp per row)");
+    backward_in_one_read<kRms, true>(r, g, mean, rstd, dy, dresid, dx, dg, db, n, h, stream);
+    return;
   } else if (kind == RowKernel::kBlock) {
-    PTDP_KERNEL_LAUNCH((norm_backward_row_kernel<kRms, false>), static_cast<unsigned>(n), kThreads,
-                       0, stream)
-    (r, g, mean, rstd, dy, dresid, dx, n, h);
-    check_launch("norm_backward_kernel (row in registers)");
-  } else {
-    PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
-    (r, g, mean, rstd, dy, dresid, dx, h);
-    check_launch("norm_backward_kernel");
+    backward_in_one_read<kRms, false>(r, g, mean, rstd, dy, dresid, dx, dg, db, n, h, stream);
+    return;
   }
+  // Rows re-read from memory: the column sums first, since they read dy, which dx may alias.
   if (dg && vectorizable(h, {r, dy})) {  // one pass over r and dy for both sums
     if (db)
       column_sum_vec(GammaBetaGradVec<2>{r, dy, mean, rstd, h}, {dg, db}, n, h, stream);
     else
       column_sum_vec(GammaBetaGradVec<1>{r, dy, mean, rstd, h}, {dg}, n, h, stream);
-    return;
+  } else {
+    if (dg) column_sum(GammaGrad{r, dy, mean, rstd, h}, dg, n, h, stream);
+    if (db) column_sum(BetaGrad{dy, h}, db, n, h, stream);
   }
-  if (dg) column_sum(GammaGrad{r, dy, mean, rstd, h}, dg, n, h, stream);
-  if (db) column_sum(BetaGrad{dy, h}, db, n, h, stream);
+  PTDP_KERNEL_LAUNCH(norm_backward_kernel<kRms>, static_cast<unsigned>(n), kThreads, 0, stream)
+  (r, g, mean, rstd, dy, dresid, dx, h);
+  check_launch("norm_backward_kernel");
 }
 
 }  // namespace

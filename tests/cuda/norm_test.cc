@@ -7,24 +7,24 @@
 namespace ptdp::cuda_test {
 namespace {
 
-constexpr int64_t kN = 37;
+constexpr int64_t kRows = 37;
 // Row widths, one per kernel and edge: 300 (not a multiple of 8) and 8200 (above the 8192 columns
 // a block holds in registers) re-read the row; 768 and 1000 go a warp per row (whole and partial
 // last vectors), 1032 and 4096 a block per row in registers.
 constexpr int64_t kWidths[] = {300, 768, 1000, 1032, 4096, 8200};
 
 struct NormCase {
-  explicit NormCase(int64_t width) : kH(width) {}
-  int64_t kH;
+  NormCase(int64_t width, int64_t rows) : kN(rows), kH(width) {}
+  int64_t kN, kH;
   std::vector<float> x = random_bf16(kN * kH, 1, 1), res = random_bf16(kN * kH, 1, 2);
   std::vector<float> g = random_bf16(kH, 1, 3), b = random_bf16(kH, 1, 4);
   std::vector<float> dy = random_bf16(kN * kH, 1, 5), dresid = random_bf16(kN * kH, 1, 6);
   std::vector<float> dg0 = random_f32(kH, 1, 7), db0 = random_f32(kH, 1, 8);
 };
 
-void check_layernorm(int64_t width) {
-  SCOPED_TRACE("h = " + std::to_string(width));
-  NormCase c(width);
+void check_layernorm(int64_t width, int64_t kN = kRows) {
+  SCOPED_TRACE("h = " + std::to_string(width) + ", rows = " + std::to_string(kN));
+  NormCase c(width, kN);
   const int64_t kH = width;
   auto dx_ = to_device_bf16(c.x), dres = to_device_bf16(c.res), dg_ = to_device_bf16(c.g),
        db_ = to_device_bf16(c.b);
@@ -63,9 +63,9 @@ TEST(CudaNorm, ResidualLayerNormMatchesCpu) {
   for (int64_t h : kWidths) check_layernorm(h);
 }
 
-void check_rmsnorm(int64_t width) {
-  SCOPED_TRACE("h = " + std::to_string(width));
-  NormCase c(width);
+void check_rmsnorm(int64_t width, int64_t kN = kRows) {
+  SCOPED_TRACE("h = " + std::to_string(width) + ", rows = " + std::to_string(kN));
+  NormCase c(width, kN);
   const int64_t kH = width;
   auto dx_ = to_device_bf16(c.x), dg_ = to_device_bf16(c.g);
   DeviceBuffer<bf16> y(kN * kH);
@@ -98,10 +98,19 @@ TEST(CudaNorm, ResidualRmsNormMatchesCpuAndPlainNormSkipsTheResidual) {
   for (int64_t h : kWidths) check_rmsnorm(h);
 }
 
+// The backward pass of a row in registers sums the weight gradients per chunk of rows (at most
+// 256 chunks): 2100 rows give chunks of 9, so a warp of the warp-per-row kernel takes two rows of
+// a chunk and a block of the block-per-row kernel nine.
+TEST(CudaNorm, ChunksOfSeveralRowsMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  for (int64_t h : {768, 1032}) check_layernorm(h, 2100);
+  check_rmsnorm(1000, 2100);
+}
+
 TEST(CudaNorm, GammaGradientIsBitwiseReproducible) {
   PTDP_REQUIRE_GPU();
-  const int64_t kH = 768;
-  NormCase c(kH);
+  const int64_t kH = 768, kN = kRows;
+  NormCase c(kH, kN);
   auto r = to_device_bf16(c.x), g = to_device_bf16(c.g), dy = to_device_bf16(c.dy);
   DeviceBuffer<float> mean(std::vector<float>(kN, 0.1f)), rstd(std::vector<float>(kN, 0.9f));
   std::vector<std::vector<float>> runs;
