@@ -98,10 +98,10 @@ int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, bool issue) 
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
     n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (1 + cold + issue);
-  for (int64_t seq : p.fused_seqs)
+  for (int64_t seq : p.fused_seqs)  // timed warm only, and issued
     for (const Op& op :
          executed_ops(with_sequence(m, seq), p.tb.front().first, p.tb.front().second))
-      n += op.fused ? 1 : 0;
+      n += op.fused ? 1 + issue : 0;
   n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
   return n;
 }
@@ -191,20 +191,24 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   Stopwatch sw(control, target);
   const bool root = world.rank() == 0;
   int64_t done = 0;
-  auto tick = [&](const std::string& what) {
-    ++done;
+  auto tick = [&](const std::string& what, int64_t timed = 1) {  // `timed` timings done
+    done += timed;
     if (root && o.progress)
       o.progress(std::min(1.0, static_cast<double>(done) / static_cast<double>(timings)), what);
   };
 
   // ---- compute: the op lists' kernels, a generic GEMM grid, bandwidth, optimizer ----
+  const int64_t issue = be.host_accessible() ? 0 : 1;
   std::vector<OpSample> ops = measure_ops(
-      be, o.model, plan.tb, sw, evict.get(), [&](int, int) { tick("kernels of the op list"); },
+      be, o.model, plan.tb, sw, evict.get(),
+      [&](int, int) { tick("kernels of the op list", 1 + (evict != nullptr) + issue); },
       o.precision);
   for (int64_t seq : plan.fused_seqs) {
     for (OpSample& s : measure_ops(
              be, with_sequence(o.model, seq), {plan.tb.front()}, sw, nullptr,
-             [&](int, int) { tick("fused attention at sequence " + std::to_string(seq)); },
+             [&](int, int) {
+               tick("fused attention at sequence " + std::to_string(seq), 1 + issue);
+             },
              o.precision, [](const Op& op) { return op.fused; }))
       ops.push_back(std::move(s));
   }

@@ -11,7 +11,8 @@
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
 # SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline, CURVE_CPU
-# (below).
+# (below), NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
+# 2 minutes after a crash, at most about 10 after hangs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -64,16 +65,19 @@ stage() { timeout --kill-after=10 "${STAGE_TIMEOUT:-300}" "$@"; }
 # NCCL alone (tests/cuda/nccl_smoke.cc, no ptdp code) blocking and not, with and without a
 # split, under the settings that turn off the NCCL paths a virtual machine may lack (cuMem,
 # NVLink SHARP, peer-to-peer and shared memory); a backtrace of every thread at a crash.
-# One line per run in nccl_diagnosis.txt, each run's output beside it.
+# One line per run in nccl_diagnosis.txt, each run's output beside it. Each run has 60 s (ptdp's
+# own waits give up after 60 s; the smoke program after 15), and the backtraces are taken only
+# after a crash (under a hang, cuda-gdb's run would never return).
 nccl_diagnose() {
-  local d="$out/nccl_diagnosis" report="$out/nccl_diagnosis.txt" rc name env
+  local d="$out/nccl_diagnosis" report="$out/nccl_diagnosis.txt" rc name env crashed=0
   mkdir -p "$d"
   : >"$report"
   for name in $("$build/tests/cuda/nccl_communicator_test" --gtest_list_tests |
     awk '/^[^ ]/ {suite=$1} /^  / {print suite $1}'); do
-    NCCL_DEBUG=INFO stage "$build/tests/cuda/nccl_communicator_test" --gtest_filter="$name" \
-      >"$d/$name.log" 2>&1
+    NCCL_DEBUG=INFO STAGE_TIMEOUT=70 stage "$build/tests/cuda/nccl_communicator_test" \
+      --gtest_filter="$name" >"$d/$name.log" 2>&1
     rc=$?
+    case $rc in 134 | 136 | 139) crashed=1 ;; esac
     echo "nccl_communicator_test $name: exit $rc" >>"$report"
   done
   local envs=("" "NCCL_CUMEM_ENABLE=0" "NCCL_NVLS_ENABLE=0" "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
@@ -86,14 +90,15 @@ nccl_diagnose() {
       env NCCL_DEBUG=INFO $env timeout --kill-after=5 15 "$build/tests/cuda/nccl_smoke" $mode \
         >"$d/smoke-$i.log" 2>&1
       rc=$?
+      case $rc in 134 | 136 | 139) crashed=1 ;; esac
       echo "${env:-(defaults)} nccl_smoke $mode: exit $rc ($(grep -h 'nccl_smoke: ' "$d/smoke-$i.log" | tail -1))" >>"$report"
     done
   done
   # PTDP_NCCL_BLOCKING=1: ptdp's communicator with NCCL's blocking calls.
-  PTDP_NCCL_BLOCKING=1 NCCL_DEBUG=INFO stage "$build/tests/cuda/nccl_communicator_test" \
-    >"$d/ptdp-blocking.log" 2>&1
+  PTDP_NCCL_BLOCKING=1 NCCL_DEBUG=INFO STAGE_TIMEOUT=70 stage \
+    "$build/tests/cuda/nccl_communicator_test" >"$d/ptdp-blocking.log" 2>&1
   echo "PTDP_NCCL_BLOCKING=1 nccl_communicator_test: exit $?" >>"$report"
-  if command -v cuda-gdb >/dev/null; then
+  if [ "$crashed" = 1 ] && command -v cuda-gdb >/dev/null; then
     timeout --kill-after=5 120 cuda-gdb -batch -ex run -ex "thread apply all bt" \
       --args "$build/tests/cuda/nccl_smoke" nonblocking >"$d/smoke-gdb.log" 2>&1
     timeout --kill-after=5 120 cuda-gdb -batch -ex run -ex "thread apply all bt" \
@@ -109,7 +114,7 @@ stage "$build/tests/cuda/cuda_backend_test" --gtest_output="json:$out/backend_te
 if [ -x "$build/tests/cuda/nccl_communicator_test" ]; then
   # NCCL says in its log what it tried (network, transports, version) before any failure.
   NCCL_DEBUG=${NCCL_DEBUG:-INFO} stage "$build/tests/cuda/nccl_communicator_test" --gtest_output="json:$out/nccl_tests.json" \
-    >"$out/nccl_tests.log" 2>&1 || nccl_diagnose
+    >"$out/nccl_tests.log" 2>&1 || [ "${NCCL_DIAGNOSE:-1}" = 0 ] || nccl_diagnose
 fi
 # GPT-2-124M's shape (docs/gpu.md) on one GPU on the CUDA backend: fp32 with flash attention
 # (no s x s scores kept, as PyTorch's scaled_dot_product_attention), the correctness baseline;
@@ -287,12 +292,12 @@ def against_cpu(prefix, label):
     for name, tol in ((prefix + "_cuda", 1e-3), (prefix + "_cuda_bf16", 3e-2)):
         try:
             run = json.load(open(os.path.join(out, name + ".json")))
-        except Exception as e:  # noqa: BLE001
+            gpu = run["losses"]
+            worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
+        except Exception as e:  # noqa: BLE001 (no file, no losses, or none in common)
             print("%s, %s: NO RESULT (%s; see %s.log)" % (label, name, e, name))
             problems += 1
             continue
-        gpu = run["losses"]
-        worst = max(abs(g - c) / abs(c) for g, c in zip(gpu, cpu))
         ok = len(gpu) == len(cpu) and worst <= tol
         problems += 0 if ok else 1
         print("%s (data plane %s), %s against the CPU backend: largest relative loss difference "

@@ -455,11 +455,12 @@ class NcclCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_nccl_communicator(ControlPlane& control, int device,
                                                      void* compute_stream, CommDuration timeout) {
-  // A libnccl older than the nccl.h compiled against may lack what the header declares (seen
-  // on an H100 machine: a crash at address 0 inside NCCL's initialisation; the cause is not
-  // established). Refuse that pairing, naming both versions.
+  // A libnccl of an older minor release than the nccl.h compiled against may lack what the
+  // header declares; refuse that pairing, naming both versions. (Codes are major * 10000 +
+  // minor * 100 + patch; an older patch release has the same interface.)
   int runtime_version = 0;
-  if (ncclGetVersion(&runtime_version) == ncclSuccess && runtime_version < NCCL_VERSION_CODE)
+  if (ncclGetVersion(&runtime_version) == ncclSuccess &&
+      runtime_version / 100 < NCCL_VERSION_CODE / 100)
     throw std::runtime_error("nccl: the library loaded is version " + nccl_version() +
                              ", older than the nccl.h ptdp was built with (" +
                              std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
