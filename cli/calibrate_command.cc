@@ -74,7 +74,7 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
     // cpu-staged: the CPU kernels on memory treated as a device's (runtime/backend.h), which
     // runs calibrate's device paths on any machine (tests).
     if (f.backend != "cpu" && f.backend != "cuda" && f.backend != "cpu-staged")
-      throw InputError("--backend", "must be cpu or cuda, not '" + f.backend + "'");
+      throw InputError("--backend", "must be cpu, cuda or cpu-staged, not '" + f.backend + "'");
     if (f.out.empty()) throw InputError("--out", "is required");
     const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();
     std::error_code ec;

@@ -1,6 +1,9 @@
 #include "cli/job_flags.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <initializer_list>
+#include <iterator>
 
 #include "core/error.h"
 #include "core/presets.h"
@@ -140,7 +143,73 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag("--no-gradient-accumulation-fusion", no_grad_accumulation_fusion,
                "accumulate weight gradients in a separate pass (Megatron-LM before 2022)");
   app.add_option("--pipeline-schedule", pipeline_schedule,
-                 "gpipe, 1f1b, interleaved or zb-h1 (zero bubble)");
+                 "gpipe, 1f1b, interleaved or zb-h1 (zero bubble); interleaved needs v > 1, the "
+                 "others v = 1 (ptdp plan: only this schedule is searched)");
+}
+
+namespace {
+
+// The first name whose flag was given.
+std::string first_given(std::initializer_list<std::pair<const char*, bool>> flags) {
+  for (const auto& [name, given] : flags)
+    if (given) return name;
+  return "";
+}
+
+}  // namespace
+
+std::string JobFlags::first_model_flag() const {
+  return first_given({
+      {"--model", !model.empty()},
+      {"--num-layers", num_layers.has_value()},
+      {"--hidden-size", hidden_size.has_value()},
+      {"--num-attention-heads", num_attention_heads.has_value()},
+      {"--num-query-groups", num_query_groups.has_value()},
+      {"--ffn-hidden-size", ffn_hidden_size.has_value()},
+      {"--seq-length", seq_length.has_value()},
+      {"--max-position-embeddings", max_position_embeddings.has_value()},
+      {"--vocab-size", vocab_size.has_value()},
+      {"--swiglu", swiglu},
+      {"--untie-embeddings-and-output-weights", untie},
+      {"--group-query-attention", group_query_attention},
+      {"--disable-bias-linear", disable_bias_linear},
+      {"--normalization", !normalization.empty()},
+      {"--position-embedding-type", !position_embedding_type.empty()},
+      {"--rotary-base", rotary_base.has_value()},
+      {"--attention-dropout", attention_dropout.has_value()},
+      {"--hidden-dropout", hidden_dropout.has_value()},
+      {"--use-flash-attn", flash_attention},
+      {"--cross-entropy-loss-fusion", cross_entropy_fusion},
+      {"--num-experts", num_experts.has_value()},
+      {"--moe-router-topk", moe_router_topk.has_value()},
+      {"--moe-ffn-hidden-size", moe_ffn_hidden_size.has_value()},
+      {"--moe-shared-expert-intermediate-size", moe_shared_expert_ffn_size.has_value()},
+      {"--moe-layer-freq", !moe_layer_freq.empty()},
+      {"--moe-expert-capacity-factor", moe_capacity_factor.has_value()},
+      {"--moe-token-dispatcher-type", !moe_token_dispatcher_type.empty()},
+      {"--moe-token-drop-policy", !moe_token_drop_policy.empty()},
+      {"--moe-grouped-gemm", moe_grouped_gemm},
+  });
+}
+
+std::string JobFlags::first_plan_setting_flag() const {
+  return first_given({
+      {"--recompute-granularity", !recompute_granularity.empty()},
+      {"--recompute-method", !recompute_method.empty()},
+      {"--recompute-num-layers", recompute_num_layers.has_value()},
+      {"--sequence-parallel", sequence_parallel},
+      {"--use-distributed-optimizer", distributed_optimizer},
+      {"--overlap-grad-reduce", overlap_grad_reduce},
+      {"--overlap-param-gather", overlap_param_gather},
+      {"--tp-comm-overlap", tp_comm_overlap},
+      {"--accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32},
+      {"--fp16-grad-reduce", fp16_grad_reduce},
+      {"--no-scatter-gather", no_scatter_gather},
+      {"--no-gradient-accumulation-fusion", no_grad_accumulation_fusion},
+      {"--no-overlap-p2p-communication", no_overlap_p2p},
+      {"--pipeline-schedule", !pipeline_schedule.empty()},
+      {"--fp8-format", !fp8_format.empty()},
+  });
 }
 
 ModelSpec JobFlags::resolve_model() const {
@@ -192,14 +261,28 @@ ModelSpec JobFlags::resolve_model() const {
     for (char& ch : flag) ch = ch == '_' ? '-' : ch;
     if (e.field() == "moe_shared_expert_ffn_size") flag = "--moe-shared-expert-intermediate-size";
     if (e.field() == "moe_capacity_factor") flag = "--moe-expert-capacity-factor";
-    const bool from_flag =
-        (e.field() == "num_experts" && num_experts) ||
-        (e.field() == "moe_router_topk" && moe_router_topk) ||
-        (e.field() == "moe_ffn_hidden_size" && moe_ffn_hidden_size) ||
-        (e.field() == "moe_shared_expert_ffn_size" && moe_shared_expert_ffn_size) ||
-        (e.field() == "moe_layer_freq" && !moe_layer_freq.empty()) ||
-        (e.field() == "max_position_embeddings" && max_position_embeddings) ||
-        (e.field() == "moe_capacity_factor" && moe_capacity_factor);
+    const std::pair<const char*, bool> given[] = {
+        {"num_layers", num_layers.has_value()},
+        {"hidden_size", hidden_size.has_value()},
+        {"num_attention_heads", num_attention_heads.has_value()},
+        {"num_query_groups", num_query_groups.has_value()},
+        {"ffn_hidden_size", ffn_hidden_size.has_value()},
+        {"seq_length", seq_length.has_value()},
+        {"vocab_size", vocab_size.has_value()},
+        {"rotary_base", rotary_base.has_value()},
+        {"attention_dropout", attention_dropout.has_value()},
+        {"hidden_dropout", hidden_dropout.has_value()},
+        {"num_experts", num_experts.has_value()},
+        {"moe_router_topk", moe_router_topk.has_value()},
+        {"moe_ffn_hidden_size", moe_ffn_hidden_size.has_value()},
+        {"moe_shared_expert_ffn_size", moe_shared_expert_ffn_size.has_value()},
+        {"moe_layer_freq", !moe_layer_freq.empty()},
+        {"max_position_embeddings", max_position_embeddings.has_value()},
+        {"moe_capacity_factor", moe_capacity_factor.has_value()},
+    };
+    const bool from_flag = std::any_of(std::begin(given), std::end(given), [&](const auto& g) {
+      return g.second && e.field() == g.first;
+    });
     if (model.empty() || from_flag)
       throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
     throw;
@@ -260,7 +343,7 @@ void JobFlags::check_recompute_method(Recompute r) const {
 
 ClusterSpec JobFlags::resolve_cluster() const {
   ClusterSpec c = for_flag("--cluster", "cluster", [&] { return ptdp::resolve_cluster(cluster); });
-  if (num_gpus) c.resize(*num_gpus);
+  if (num_gpus) for_flag("--num-gpus", "num_gpus", [&] { c.resize(*num_gpus); });
   c.validate();
   return c;
 }
@@ -347,6 +430,9 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   if (virtual_stages_per_rank) {
     if (*virtual_stages_per_rank <= 0)
       throw InputError("--num-virtual-stages-per-pipeline-rank", "must be positive");
+    if (*virtual_stages_per_rank > 1 && p.pipeline_parallel < 2)  // named as given
+      throw InputError("--num-virtual-stages-per-pipeline-rank",
+                       "interleaving needs pipeline-model-parallel-size >= 2");
     p.virtual_stages = *virtual_stages_per_rank;  // each stage's layers: checked by validate
   } else if (layers_per_virtual_stage && !p.layers_per_stage.empty()) {
     throw InputError("--num-layers-per-virtual-pipeline-stage",

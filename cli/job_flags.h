@@ -85,6 +85,12 @@ struct JobFlags {
   // group.
   void apply_megatron_model_flags(ModelSpec& m) const;
   void check_recompute_method(Recompute r) const;
+  // The first model flag given ("" when none): a --plan file with a model gives them all.
+  std::string first_model_flag() const;
+  // The first flag given that sets the plan beyond its sizes (recompute, sequence parallelism,
+  // the optimizer, overlaps, gradient reduction, schedule, FP8; "" when none): a --plan file
+  // gives those too.
+  std::string first_plan_setting_flag() const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
            virtual_stages_per_rank || first_stage_layers || last_stage_layers || context_parallel ||

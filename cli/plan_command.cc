@@ -12,6 +12,7 @@
 #include "cli/report.h"
 #include "cli/simulation.h"
 #include "core/error.h"
+#include "core/plan_rules.h"
 #include "core/units.h"
 #include "planner/search.h"
 
@@ -45,10 +46,16 @@ void print_table(std::ostream& out, const SearchResult& r, const std::vector<dou
     const Prediction& p = rp.prediction;
     std::string why = "-";
     if (i > 0) {
+      // Simulated rows against #1's simulated time (they are ranked by it); the rest
+      // analytically. A row the analytic model puts ahead of #1 lost in the simulated schedule.
+      const bool sim_row = i < simulated.size();
+      const double mine = sim_row ? simulated[i] : p.iteration_time_s;
+      const double best = sim_row ? simulated[0] : r.top[0].prediction.iteration_time_s;
       char slower[32];
-      std::snprintf(slower, sizeof slower, "+%.1f%%: ",
-                    100 * (p.iteration_time_s / r.top[0].prediction.iteration_time_s - 1));
-      why = slower + loses_because(r.top[0].prediction, p);
+      std::snprintf(slower, sizeof slower, "%+.1f%%: ", 100 * (mine / best - 1));
+      why = slower + (sim_row && p.iteration_time_s <= r.top[0].prediction.iteration_time_s
+                          ? std::string("the simulated schedule")
+                          : loses_because(r.top[0].prediction, p));
     }
     char sim[16] = "";
     if (i < simulated.size()) std::snprintf(sim, sizeof sim, "%9.3f", simulated[i]);
@@ -64,12 +71,23 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   const ClusterSpec c = f.job.resolve_cluster();
   const HardwareProfile h = f.job.resolve_profile(c);
   if (f.top <= 0) throw InputError("--top", "must be positive");
-  if (f.train_tokens < 0) throw InputError("--train-tokens", "must not be negative");
+  if (!(f.train_tokens >= 0 && f.train_tokens <= 1e18))  // nan and inf too
+    throw InputError("--train-tokens", "must be in [0, 1e18]");
+  if (f.threads < 0) throw InputError("--threads", "must not be negative (0: every core)");
+  if (f.job.global_batch_size.value_or(0) > kMaxBatch)  // as predict and run refuse it
+    throw InputError("--global-batch-size", std::to_string(*f.job.global_batch_size) + " exceeds " +
+                                                std::to_string(kMaxBatch));
   if (f.simulate_top < 0) throw InputError("--simulate-top", "must not be negative");
   const ParallelPlan base = f.job.resolve_plan(m, c);
   if (f.job.has_parallel_flags()) base.validate(m);
 
   SearchOptions o;
+  if (!f.job.pipeline_schedule.empty()) {
+    o.schedule = base.schedule;  // as the flag gave it (JobFlags::resolve_plan)
+    if (*o.schedule == Schedule::kZeroBubbleH1 && m.is_moe())
+      throw InputError("--pipeline-schedule",
+                       "ptdp run executes zb-h1 for dense models only (predict prices MoE)");
+  }
   o.global_batch_size = base.global_batch_size;
   o.top_k = std::max(f.top, f.simulate_top);
   o.threads = f.threads;
@@ -157,6 +175,9 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
         << " re-ranked by simulated iteration time: ptdp simulate)\n";
   out << "\nbest plan as Megatron-LM flags:\n  "
       << best.plan.megatron_flags(m, best.prediction.precision) << "\n";
+  if (const std::string own = best.plan.ptdp_flags(); !own.empty())
+    out << "and ptdp's own flags (no Megatron-LM equivalent; give them with the line above):\n  "
+        << own << "\n";
   if (!r.rejected.empty()) {
     out << "\nrejected:\n";
     for (const auto& [why, n] : r.rejected) out << "  " << n << "  " << why << "\n";

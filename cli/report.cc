@@ -1,5 +1,7 @@
 #include "cli/report.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,7 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
   nlohmann::json j;
   j["configuration"] = to_json(p);
   j["megatron_flags"] = p.megatron_flags(m, r.precision);
+  j["ptdp_flags"] = p.ptdp_flags();  // give them with megatron_flags (empty: none)
   j["iteration_time_s"] = r.iteration_time_s;
   j["tokens_per_s"] = r.tokens_per_s;
   j["model_tflops_per_gpu"] = r.model_tflops_per_gpu;
@@ -139,6 +142,16 @@ void write_file_atomically(const std::string& path, const std::string& text,
     std::filesystem::remove(tmp, ec);
     throw InputError(flag, "cannot write '" + path + "'");
   }
+}
+
+void check_writable(const std::string& path, const std::string& flag) {
+  const std::string probe = path + ".probe." + std::to_string(::getpid());
+  {
+    std::ofstream f(probe, std::ios::binary | std::ios::trunc);
+    if (!f) throw InputError(flag, "cannot write '" + path + "'");
+  }
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
 }
 
 }  // namespace ptdp

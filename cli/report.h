@@ -20,5 +20,8 @@ std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t globa
 // Writes text to path atomically (temporary file, then rename); InputError(flag) on failure.
 void write_file_atomically(const std::string& path, const std::string& text,
                            const std::string& flag);
+// InputError(flag) unless a file can be created beside `path` (a probe, removed again): for
+// outputs written at the end of long work, checked before it starts.
+void check_writable(const std::string& path, const std::string& flag);
 
 }  // namespace ptdp

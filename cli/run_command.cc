@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -216,10 +217,25 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       throw InputError(flag, "needs --fp16");
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
+    // Outputs written after training (or at its first checkpoint) are checked before it.
+    if (!f.trace.empty()) check_writable(f.trace, "--trace");
+    if (!f.svg.empty()) check_writable(f.svg, "--svg");
+    if (!f.train.save_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(f.train.save_dir, ec);
+      if (ec || !std::filesystem::is_directory(f.train.save_dir, ec))
+        throw InputError("--save", "cannot create the directory '" + f.train.save_dir + "'");
+      check_writable((std::filesystem::path(f.train.save_dir) / "latest").string(), "--save");
+    }
     if (!f.plan_file.empty()) {
       if (f.job.has_parallel_flags() || f.job.global_batch_size)
         throw InputError("--plan", "gives the parallel configuration; drop the parallel flags");
+      // What the plan file sets is not overridden: a flag for it is refused, not ignored.
+      if (const std::string flag = f.job.first_plan_setting_flag(); !flag.empty())
+        throw InputError(flag, "the --plan file sets this; drop the flag");
       plans = read_plan_file(f.plan_file, f.plan_index, &model, &have_model);
+      if (const std::string flag = f.job.first_model_flag(); have_model && !flag.empty())
+        throw InputError(flag, "the --plan file gives the model; drop the model flags");
     }
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
@@ -399,6 +415,7 @@ Action add_run_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--steps", t.steps, "training steps")->capture_default_str();
   sub->add_option("--seed", t.seed, "initialisation and synthetic-data seed")
+      ->check(CLI::NonNegativeNumber)  // unchecked, -1 would wrap to 2^64 - 1
       ->capture_default_str();
   sub->add_option("--data", t.data, "synthetic, or a token file from `ptdp tokenize`")
       ->capture_default_str();

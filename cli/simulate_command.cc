@@ -38,8 +38,10 @@ std::map<int64_t, double> parse_slow_ranks(const std::vector<std::string>& specs
     } catch (const std::exception&) {
       throw InputError("--slow-rank", "'" + s + "' is not RANK:FACTOR (e.g. 3:1.5)");
     }
-    if (used_rank != colon || used_factor != s.size() - colon - 1 || rank < 0 || !(factor > 0))
-      throw InputError("--slow-rank", "'" + s + "' is not RANK:FACTOR with RANK >= 0, FACTOR > 0");
+    if (used_rank != colon || used_factor != s.size() - colon - 1 || rank < 0 ||
+        !(factor > 0 && factor <= 1000))
+      throw InputError("--slow-rank",
+                       "'" + s + "' is not RANK:FACTOR with RANK >= 0 and FACTOR in (0, 1000]");
     out[rank] = factor;
   }
   return out;

@@ -40,6 +40,7 @@ nlohmann::json simulation_json(const ModelSpec& m, const ParallelPlan& p,
   nlohmann::json j;
   j["configuration"] = to_json(p);
   j["megatron_flags"] = p.megatron_flags(m, pred.precision);
+  j["ptdp_flags"] = p.ptdp_flags();  // give them with megatron_flags (empty: none)
   const double it = to_seconds(sim.iteration);
   j["iteration_time_s"] = it;
   j["predicted_iteration_time_s"] = pred.iteration_time_s;

@@ -24,12 +24,11 @@ void require_positive(const std::string& field, int64_t value) {
   if (value <= 0) throw InputError(field, "must be positive, got " + std::to_string(value));
 }
 
-void require_positive(const std::string& field, double value) {
-  if (!(value > 0)) throw InputError(field, "must be positive, got " + str(value));
-}
-
-void require_non_negative(const std::string& field, double value) {
-  if (!(value >= 0)) throw InputError(field, "must not be negative, got " + str(value));
+// A rate or size in [lo, hi]: beyond what any machine has, times overflow the simulator's
+// picosecond clock or print as hundreds of digits.
+void require_in(const std::string& field, double value, double lo, double hi) {
+  if (!(value >= lo && value <= hi))
+    throw InputError(field, "must be in [" + str(lo) + ", " + str(hi) + "], got " + str(value));
 }
 
 }  // namespace
@@ -52,10 +51,10 @@ void ClusterSpec::resize(int64_t n) {
 }
 
 void ClusterSpec::validate() const {
-  require_positive("gpu.peak_tflops_16bit", gpu.peak_tflops_16bit);
-  require_non_negative("gpu.peak_tflops_fp8", gpu.peak_tflops_fp8);
-  require_positive("gpu.memory_gib", gpu.memory_gib);
-  require_positive("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps);
+  require_in("gpu.peak_tflops_16bit", gpu.peak_tflops_16bit, 1e-3, 1e6);
+  if (gpu.peak_tflops_fp8 != 0) require_in("gpu.peak_tflops_fp8", gpu.peak_tflops_fp8, 1e-3, 1e6);
+  require_in("gpu.memory_gib", gpu.memory_gib, 1e-3, 1e6);
+  require_in("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps, 1e-3, 1e7);
   require_positive("gpus_per_node", gpus_per_node);
   require_positive("num_nodes", num_nodes);
   if (gpus_per_node > kMaxGpus)
@@ -65,11 +64,11 @@ void ClusterSpec::validate() const {
     throw InputError("num_nodes", std::to_string(num_nodes) + " nodes of " +
                                       std::to_string(gpus_per_node) + " GPUs exceed the " +
                                       std::to_string(kMaxGpus) + " GPUs ptdp handles");
-  require_positive("nvlink_bandwidth_gbps", nvlink_bandwidth_gbps);
-  require_non_negative("nvlink_latency_us", nvlink_latency_us);
+  require_in("nvlink_bandwidth_gbps", nvlink_bandwidth_gbps, 1e-3, 1e7);
+  require_in("nvlink_latency_us", nvlink_latency_us, 0, 1e6);
   require_positive("nics_per_node", nics_per_node);
-  require_positive("nic_bandwidth_gbps", nic_bandwidth_gbps);
-  require_non_negative("nic_latency_us", nic_latency_us);
+  require_in("nic_bandwidth_gbps", nic_bandwidth_gbps, 1e-3, 1e7);
+  require_in("nic_latency_us", nic_latency_us, 0, 1e6);
   int64_t below = 1;  // nodes reached by the tier below
   for (size_t i = 0; i < tiers.size(); ++i) {
     const std::string prefix = "tiers[" + std::to_string(i) + "].";
@@ -79,10 +78,8 @@ void ClusterSpec::validate() const {
       throw InputError(prefix + "nodes_per_switch", std::to_string(t.nodes_per_switch) +
                                                         " must exceed the tier below it (" +
                                                         std::to_string(below) + ")");
-    if (!(t.oversubscription >= 1))
-      throw InputError(prefix + "oversubscription",
-                       "must be at least 1, got " + str(t.oversubscription));
-    require_non_negative(prefix + "latency_us", t.latency_us);
+    require_in(prefix + "oversubscription", t.oversubscription, 1, 1e6);
+    require_in(prefix + "latency_us", t.latency_us, 0, 1e6);
     below = t.nodes_per_switch;
   }
 }

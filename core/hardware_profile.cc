@@ -13,6 +13,7 @@
 #include "core/cluster_spec.h"
 #include "core/error.h"
 #include "core/json_reader.h"
+#include "core/layer_ops.h"
 
 namespace ptdp {
 
@@ -231,9 +232,10 @@ std::string str(double v) {
   return s.str();
 }
 
-// A fraction of a peak: in (0, 1].
+// A fraction of a peak: in [1e-6, 1] (smaller ones price an iteration at ages, beyond what
+// the simulator's clock and the reports' columns hold).
 void require_fraction(const std::string& field, double v) {
-  if (!(v > 0 && v <= 1)) throw InputError(field, "must be in (0, 1], got " + str(v));
+  if (!(v >= 1e-6 && v <= 1)) throw InputError(field, "must be in [1e-6, 1], got " + str(v));
 }
 
 void require_non_negative(const std::string& field, double v) {
@@ -356,7 +358,12 @@ std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
         throw InputError(name + ".rows", "must be in [1, 1e9], got " + str(e.rows));
     }
     r.reject_unknown_keys();
-    if (e.op.empty()) throw InputError(name + ".op", "must name an op of the layer op list");
+    bool known = false;
+    for (int id = 0; id < kNumOpIds && !known; ++id) known = op_name(static_cast<OpId>(id)) == e.op;
+    if (!known)
+      throw InputError(
+          name + ".op",
+          "must name an op of the layer op list (core/layer_ops.h), got '" + e.op + "'");
     if (!(e.size > 0 && e.size <= 1e21))
       throw InputError(name + ".size", "must be in (0, 1e21], got " + str(e.size));
     if (!(e.seconds >= 0 && e.seconds <= 1e4))
@@ -514,7 +521,8 @@ HardwareProfile profile_from_json(const json& j) {
   if (p.gemm.sm_count < 0)
     throw InputError("gemm.sm_count", "must not be negative, got " + str(p.gemm.sm_count));
   require_fraction("hbm_efficiency", p.hbm_efficiency);
-  require_non_negative("kernel_gap_us", p.kernel_gap_us);
+  if (!(p.kernel_gap_us >= 0 && p.kernel_gap_us <= 1e6))
+    throw InputError("kernel_gap_us", "must be in [0, 1e6], got " + str(p.kernel_gap_us));
   if (!(p.optimizer_bytes_per_param > 0))
     throw InputError("optimizer_bytes_per_param",
                      "must be positive, got " + str(p.optimizer_bytes_per_param));

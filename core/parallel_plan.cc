@@ -186,6 +186,15 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   return f.str();
 }
 
+std::string ParallelPlan::ptdp_flags() const {
+  std::string f;
+  if (!fp32_grad_reduce) f += " --fp16-grad-reduce";
+  if (!scatter_gather_p2p) f += " --no-scatter-gather";
+  const Schedule implied = virtual_stages > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
+  if (schedule != implied) f += " --pipeline-schedule " + to_string(schedule);
+  return f.empty() ? f : f.substr(1);
+}
+
 std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t first,
                                           int64_t last) {
   const char* first_flag = "--decoder-first-pipeline-num-layers";

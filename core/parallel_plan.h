@@ -108,6 +108,10 @@ struct ParallelPlan {
   // Megatron-LM's flags for this plan of `m`, trained in `precision` (--bf16 or --fp16; fp32,
   // Megatron's default, has no flag).
   std::string megatron_flags(const ModelSpec& m, DType precision = DType::kF32) const;
+  // ptdp's own flags for what the Megatron-LM line cannot say (16-bit gradient reduction, no
+  // scatter/gather of pipeline transfers, a schedule other than the one v implies), empty when
+  // the plan has none; with the line, the job commands read back this very plan.
+  std::string ptdp_flags() const;
 };
 
 // Megatron-LM's uneven split: --decoder-first-pipeline-num-layers and

@@ -153,6 +153,11 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   // Megatron states v per rank when the stages are uneven, and layers per chunk otherwise.
   const char* vp = split.empty() ? "--num-layers-per-virtual-pipeline-stage"
                                  : "--num-virtual-stages-per-pipeline-rank";
+  if (v == 1 && plan.schedule == Schedule::kInterleaved1F1B)
+    return broken(PlanRule::kInterleavedNeedsVirtual, report, "--pipeline-schedule", [&] {
+      return std::string("interleaved needs more than one model chunk per pipeline rank (") + vp +
+             "); with one it is 1f1b";
+    });
   if (v > 1) {
     if (plan.schedule != Schedule::kInterleaved1F1B)
       return broken(PlanRule::kVirtualNeedsInterleaved, report, vp, [&] {
@@ -255,6 +260,8 @@ const char* rule_reason(PlanRule r) {
       return "global batch not divisible by d * b";
     case PlanRule::kVirtualNeedsInterleaved:
       return "virtual stages need the interleaved schedule";
+    case PlanRule::kInterleavedNeedsVirtual:
+      return "the interleaved schedule needs v > 1";
     case PlanRule::kVirtualNeedsPipeline:
       return "virtual stages need p >= 2";
     case PlanRule::kVirtualDividesStage:

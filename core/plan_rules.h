@@ -12,8 +12,9 @@
 // about (thrown as InputError, core/error.h).
 //
 // Not plan rules, and so not here: what `ptdp run` does not execute whatever the plan, i.e.
-// the zb-h1 schedule for MoE models (checked by the trainer). The search never proposes zb-h1
-// (it picks 1f1b or interleaved itself), so every plan it ranks is one `ptdp run` accepts. Whether
+// the zb-h1 schedule for MoE models (checked by the trainer). The search proposes zb-h1 only when
+// asked (--pipeline-schedule), and `ptdp plan` refuses that for MoE models, so every plan it ranks
+// is one `ptdp run` accepts. Whether
 // the world has t * p * d ranks is a property of the launch, checked where the world is known.
 #pragma once
 
@@ -47,6 +48,7 @@ enum class PlanRule {
   kLayersPerStage,                        // layers_per_stage: p entries, each >= 1, summing to L
   kBatchDivisible,                        // d * b | B
   kVirtualNeedsInterleaved,               // v > 1 only with the interleaved schedule
+  kInterleavedNeedsVirtual,               // the interleaved schedule only with v > 1
   kVirtualNeedsPipeline,                  // v > 1 only with p >= 2
   kVirtualDividesStage,                   // v | layers of every pipeline rank
   kVirtualMicrobatches,                   // v > 1: p | number of microbatches

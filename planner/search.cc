@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -101,6 +102,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
   for (int64_t n : c.split) fewest_layers = std::min(fewest_layers, n);
   for (int64_t v : divisors(fewest_layers)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
+    if (o.schedule && (*o.schedule == Schedule::kInterleaved1F1B) != (v > 1)) continue;
     for (Recompute rc : o.recompute_modes) {
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
@@ -118,7 +120,8 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.micro_batch_size = c.b;
           plan.global_batch_size = o.global_batch_size;
           plan.virtual_stages = v;
-          plan.schedule = v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
+          plan.schedule =
+              o.schedule ? *o.schedule : (v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B);
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
@@ -254,23 +257,31 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
   std::atomic<size_t> next{0};
   std::atomic<int64_t> done{0};
   std::mutex merge_mutex;
+  std::exception_ptr failure;  // the first error of any worker, rethrown here after the join
   auto worker = [&] {
-    CostModel cost(m, c, h);
-    Tally local;
-    for (size_t i = next++; i < cells.size(); i = next++) {
-      expand(cells[i], m, o, cost, local, k);
-      const int64_t d = ++done;
-      if (o.progress && (d % 64 == 0 || d == static_cast<int64_t>(cells.size()))) {
-        o.progress(d, static_cast<int64_t>(cells.size()));
+    try {
+      CostModel cost(m, c, h);
+      Tally local;
+      for (size_t i = next++; i < cells.size(); i = next++) {
+        expand(cells[i], m, o, cost, local, k);
+        const int64_t d = ++done;
+        if (o.progress && (d % 64 == 0 || d == static_cast<int64_t>(cells.size()))) {
+          o.progress(d, static_cast<int64_t>(cells.size()));
+        }
       }
+      std::lock_guard<std::mutex> lock(merge_mutex);
+      total.merge(std::move(local), k);
+    } catch (...) {         // an exception leaving a std::thread would terminate the process
+      next = cells.size();  // the other workers stop at their next cell
+      std::lock_guard<std::mutex> lock(merge_mutex);
+      if (!failure) failure = std::current_exception();
     }
-    std::lock_guard<std::mutex> lock(merge_mutex);
-    total.merge(std::move(local), k);
   };
   std::vector<std::thread> pool;
   for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
   worker();
   for (auto& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
 
   SearchResult r;
   r.top = std::move(total.top);

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,9 @@ struct SearchOptions {
   int64_t max_context_parallel = 0;
   int64_t min_context_tokens = 2048;
   bool try_expert_parallel = true;
+  // Only this pipeline schedule (--pipeline-schedule): interleaved with v > 1 only, the others
+  // with v = 1. Unset: 1f1b, or interleaved where v > 1.
+  std::optional<Schedule> schedule;
   // Settings every candidate shares (taken from the user's flags).
   ParallelPlan defaults;
   // Called now and then from the searching threads with (done, total) units of work.

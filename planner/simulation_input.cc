@@ -1,5 +1,9 @@
 #include "planner/simulation_input.h"
 
+#include <algorithm>
+#include <string>
+
+#include "core/error.h"
 #include "core/units.h"
 
 namespace ptdp {
@@ -82,6 +86,19 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
 
 SimulationResult simulate_plan(const CostModel& cm, const ParallelPlan& p, bool full,
                                const std::map<int64_t, double>& slowdown, bool timeline) {
+  // The simulator's clock counts int64 picoseconds (about 106 days); an iteration beyond
+  // kMaxSimulatedSeconds, slowest rank included, is refused rather than overflowing it.
+  double slowest = 1;
+  for (const auto& [rank, factor] : slowdown) slowest = std::max(slowest, factor);
+  const double predicted = cm.predict(p).iteration_time_s;
+  if (!(predicted * slowest <= kMaxSimulatedSeconds))
+    throw InputError(slowest > 1 && predicted <= kMaxSimulatedSeconds ? "--slow-rank" : "--profile",
+                     "the iteration is predicted at " + std::to_string(predicted) + " s" +
+                         (slowest > 1 ? " (x" + std::to_string(slowest) + " on the slowest rank)"
+                                      : std::string()) +
+                         ", beyond the " +
+                         std::to_string(static_cast<int64_t>(kMaxSimulatedSeconds)) +
+                         " s the simulator covers; check the cluster's and profile's rates");
   SimulationInput in = simulation_input(cm, p);
   in.full = full;
   in.slowdown = slowdown;

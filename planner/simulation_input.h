@@ -17,7 +17,11 @@ namespace ptdp {
 
 SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p);
 
+// The longest iteration simulate_plan takes on (slowed ranks included), in seconds.
+inline constexpr double kMaxSimulatedSeconds = 1e6;
+
 // Simulates `p` (valid for the model) and returns the result; `timeline` asks for spans.
+// Throws InputError when the predicted iteration is beyond kMaxSimulatedSeconds.
 SimulationResult simulate_plan(const CostModel& cm, const ParallelPlan& p, bool full = false,
                                const std::map<int64_t, double>& slowdown = {},
                                bool timeline = false);

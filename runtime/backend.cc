@@ -355,12 +355,13 @@ std::unique_ptr<Backend> make_backend(std::string_view name) {
   if (name == "cpu-staged") return std::make_unique<StagedCpuBackend>();
 #ifdef PTDP_HAVE_CUDA_BACKEND
   if (name == "cuda") return make_cuda_backend();
-  throw InputError("--backend",
-                   "unknown backend '" + std::string(name) + "' (expected cpu or cuda)");
+  throw InputError("--backend", "unknown backend '" + std::string(name) +
+                                    "' (expected cpu, cuda or cpu-staged)");
 #else
   if (name == "cuda")
     throw InputError("--backend", "cuda is not available in this build (built without nvcc)");
-  throw InputError("--backend", "unknown backend '" + std::string(name) + "' (expected cpu)");
+  throw InputError("--backend",
+                   "unknown backend '" + std::string(name) + "' (expected cpu or cpu-staged)");
 #endif
 }
 

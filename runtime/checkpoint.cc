@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -48,6 +49,32 @@ void write_atomically(const std::string& path, const std::string& bytes) {
 }
 
 // A short description of a layout for error messages; "?" for what a damaged file lacks.
+// The fields of two layouts that differ, as "key: checkpoint's value, this run's value" (one
+// level into objects such as the model), at most four of them.
+std::string differences(const nlohmann::json& saved, const nlohmann::json& now) {
+  std::vector<std::string> out;
+  auto walk = [&](const auto& self, const nlohmann::json& a, const nlohmann::json& b,
+                  const std::string& prefix, int depth) -> void {
+    if (a == b) return;
+    if (a.is_object() && b.is_object() && depth < 2) {
+      std::set<std::string> keys;
+      for (const auto& [k, v] : a.items()) keys.insert(k);
+      for (const auto& [k, v] : b.items()) keys.insert(k);
+      for (const std::string& k : keys)
+        self(self, a.value(k, nlohmann::json()), b.value(k, nlohmann::json()), prefix + k + ".",
+             depth + 1);
+      return;
+    }
+    const std::string name = prefix.empty() ? "layout" : prefix.substr(0, prefix.size() - 1);
+    out.push_back(name + " " + a.dump() + " in the checkpoint, " + b.dump() + " here");
+  };
+  walk(walk, saved, now, "", 0);
+  std::string text;
+  for (size_t i = 0; i < out.size() && i < 4; ++i) text += (i ? "; " : "") + out[i];
+  if (out.size() > 4) text += "; and " + std::to_string(out.size() - 4) + " more";
+  return text;
+}
+
 std::string describe(const nlohmann::json& l) {
   auto get = [&](const char* key) {
     return l.is_object() && l.contains(key) ? l[key].dump() : std::string("?");
@@ -158,11 +185,9 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
   c.step = header["step"].get<int64_t>();
   c.layout = header["layout"];
   if (c.layout != expected)
-    throw InputError(
-        "--load",
-        "the checkpoint in " + dir + " was written by another layout (" + describe(c.layout) +
-            ") than this run (" + describe(expected) + ")" +
-            (describe(c.layout) == describe(expected) ? ": the model or batch differs" : ""));
+    throw InputError("--load", "the checkpoint in " + dir + " was written by another layout (" +
+                                   describe(c.layout) + ") than this run (" + describe(expected) +
+                                   "): " + differences(c.layout, expected));
   size_t pos = eol + 1;
   for (const auto& n : header["arrays"]) {
     // Sizes are compared with what the file holds before anything is allocated.

@@ -150,8 +150,13 @@ void validate_options(const TrainOptions& o) {
   if (o.steps <= 0) throw InputError("--steps", "must be positive");
   if (o.precision == DType::kF16) o.loss_scale.validate();
   schedule_of(o).validate();
-  if (o.clip_grad < 0) throw InputError("--clip-grad", "must not be negative");
-  if (o.weight_decay < 0) throw InputError("--weight-decay", "must not be negative");
+  if (!(o.clip_grad >= 0 && std::isfinite(o.clip_grad)))
+    throw InputError("--clip-grad", "must be finite and not negative");
+  if (!(o.weight_decay >= 0 && std::isfinite(o.weight_decay)))
+    throw InputError("--weight-decay", "must be finite and not negative");
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) throw InputError("--adam-beta1", "must be in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) throw InputError("--adam-beta2", "must be in [0, 1)");
+  if (!(o.eps > 0 && std::isfinite(o.eps))) throw InputError("--adam-eps", "must be positive");
   if (o.save_interval < 0) throw InputError("--save-interval", "must not be negative");
   if (o.save_interval > 0 && o.save_dir.empty())
     throw InputError("--save-interval", "needs --save DIR");

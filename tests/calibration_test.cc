@@ -281,6 +281,7 @@ TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
        {std::tuple<const char*, json, const char*>{"size", 0.0, "fused_ops[0].size"},
         {"seconds", -1.0, "fused_ops[0].seconds"},
         {"op", "", "fused_ops[0].op"},
+        {"op", "nope", "fused_ops[0].op"},  // not an op of the layer op list
         {"flops", 1.0, "fused_ops[0].flops"}}) {
     json j = to_json(h);
     j["fused_ops"][0][key] = value;

@@ -374,7 +374,7 @@ TEST(CliErrors, NonRegularInputFilesAreRefusedNamingTheFlag) {
 }
 TEST(CliErrors, BadRecomputeAndNumGpus) {
   expect_bad(predict_with("--recompute-granularity", "some"), "--recompute-granularity");
-  expect_bad(predict_with("--num-gpus", "1001"), "num_gpus");
+  expect_bad(predict_with("--num-gpus", "1001"), "--num-gpus");
 }
 
 TEST(Cli, PlanOutFileIsWrittenWholeOrNotAtAll) {
@@ -523,6 +523,77 @@ TEST(Cli, PlanSimulateTopReranksBySimulation) {
   }
 }
 
+// Found by exploratory testing (2026-11-25): inputs that crashed, overflowed or misprinted.
+TEST(CliErrors, PlanRefusesWhatWouldCrashOrMisprint) {
+  const std::vector<std::string> plan = {
+      "plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "64"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = plan;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  // An error inside the search's threads (no FP8 on an A100) is one line, not an abort.
+  expect_bad(with({"--fp8-format", "hybrid", "--threads", "2"}), "--fp8-format");
+  expect_bad(with({"--train-tokens", "nan"}), "--train-tokens");
+  expect_bad(with({"--train-tokens", "1e300"}), "--train-tokens");
+  expect_bad(with({"--threads", "-3"}), "--threads");
+  expect_bad(
+      {"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "99999999999"},
+      "--global-batch-size");  // as predict and run refuse it: exit 2, not 1
+  expect_bad({"plan", "--model", "mixtral-8x7b", "--num-gpus", "64", "--global-batch-size", "256",
+              "--pipeline-schedule", "zb-h1"},
+             "--pipeline-schedule");  // ptdp run executes zb-h1 for dense models only
+  // Beyond what any machine has, a price overflows the simulator's clock: refused, not wrapped.
+  const std::string slow = temp_file("slow_cluster.json", R"({"name": "slow", "gpu": {
+      "name": "slow", "peak_tflops_16bit": 1e-300, "memory_gib": 80, "hbm_bandwidth_gbps": 2000},
+      "gpus_per_node": 8, "num_nodes": 1, "nvlink_bandwidth_gbps": 300, "nvlink_latency_us": 1,
+      "nics_per_node": 1, "nic_bandwidth_gbps": 25, "nic_latency_us": 2, "tiers": []})");
+  expect_bad(simulate_small({"--cluster", slow}), "gpu.peak_tflops_16bit");
+  expect_bad(simulate_small({"--full", "--slow-rank", "0:1e10"}), "--slow-rank");
+}
+
+TEST(Cli, PlanSearchesOnlyTheScheduleAskedAndPrintsItsOwnFlags) {
+  for (const std::string schedule : {"gpipe", "zb-h1", "interleaved"}) {
+    SCOPED_TRACE(schedule);
+    const Result r = run({"plan", "--model", "gpt-7.5b", "--num-gpus", "128", "--global-batch-size",
+                          "512", "--json", "--top", "5", "--pipeline-schedule", schedule});
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = nlohmann::json::parse(r.out);
+    ASSERT_FALSE(j["plans"].empty());
+    for (const auto& e : j["plans"]) {
+      EXPECT_EQ(e["configuration"]["schedule"], schedule);
+      EXPECT_EQ(e["configuration"]["virtual_stages"].get<int>() > 1, schedule == "interleaved");
+      const std::string own = e["ptdp_flags"];
+      EXPECT_EQ(own.find("--pipeline-schedule " + schedule) != std::string::npos,
+                schedule != "interleaved")
+          << own;
+    }
+  }
+  // The two lines together read back as the plan: 16-bit gradient reduction has no Megatron flag
+  // under --bf16, so it is among ptdp's own.
+  const Result r =
+      run({"plan", "--model", "gpt-7.5b", "--num-gpus", "128", "--global-batch-size", "512",
+           "--json", "--top", "1", "--fp16-grad-reduce", "--no-scatter-gather"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto best = nlohmann::json::parse(r.out)["plans"][0];
+  EXPECT_EQ(best["ptdp_flags"], "--fp16-grad-reduce --no-scatter-gather");
+  std::vector<std::string> args = {"predict", "--num-gpus", "128", "--json"};
+  std::istringstream words(best["megatron_flags"].get<std::string>() + " " +
+                           best["ptdp_flags"].get<std::string>());
+  for (std::string w; words >> w;) args.push_back(w);
+  const Result p = run(args);
+  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(nlohmann::json::parse(p.out)["iteration_time_s"], best["iteration_time_s"]);
+}
+
+TEST(Cli, PlanTableComparesSimulatedRowsBySimulatedTime) {
+  const Result r = run({"plan", "--model", "gpt3-175b", "--num-gpus", "1024", "--global-batch-size",
+                        "1536", "--top", "5", "--simulate-top", "5"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find("+-"), std::string::npos) << r.out;  // was "+-1.3%" before
+  EXPECT_EQ(r.out.find("ties with the best"), std::string::npos) << r.out;
+}
+
 TEST(Cli, TokenizeWritesTwoBytesPerByte) {
   const std::string in = temp_file("tokenize_in.txt", "hello world\n");
   const std::string out =
@@ -626,6 +697,38 @@ TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
   const Result r = run({"run", "--plan", plans, "--steps", "1", "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["losses"].size(), 1u);
+}
+
+// Outputs written after training are checked before it; optimizer settings out of range and
+// flags that a --plan file already sets are refused by name.
+TEST(Cli, RunRefusesBeforeTrainingWhatItWouldFailOrIgnoreLater) {
+  for (const std::string flag : {"--trace", "--svg", "--save"}) {
+    const Result r = run(tiny_run({flag, "/proc/ptdp-no-such-dir/out"}));
+    EXPECT_EQ(r.status, 2) << flag;
+    EXPECT_EQ(r.out.find("step"), std::string::npos) << flag << ": trained first\n" << r.out;
+    EXPECT_NE(r.err.find(flag), std::string::npos) << r.err;
+  }
+  expect_bad(tiny_run({"--seed", "-1"}), "--seed");
+  expect_bad(tiny_run({"--adam-beta1", "1.5"}), "--adam-beta1");
+  expect_bad(tiny_run({"--adam-beta2", "-3"}), "--adam-beta2");
+  expect_bad(tiny_run({"--adam-eps", "-1"}), "--adam-eps");
+  const std::string plans =
+      (std::filesystem::temp_directory_path() / "ptdp_cli_test_conflict_plans.json").string();
+  const Result p = run({"plan", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                        "4", "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "4",
+                        "--num-gpus", "1", "--out", plans});
+  ASSERT_EQ(p.status, 0) << p.err;
+  for (const std::vector<std::string>& extra :
+       std::vector<std::vector<std::string>>{{"--sequence-parallel"},
+                                             {"--pipeline-schedule", "gpipe"},
+                                             {"--recompute-granularity", "full"},
+                                             {"--model", "gpt-1.7b"},
+                                             {"--num-layers", "8"},
+                                             {"--swiglu"}}) {
+    std::vector<std::string> args = {"run", "--plan", plans, "--dry-run"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    expect_bad(args, extra.front());
+  }
 }
 
 TEST(Cli, RunRefusesBadInputWithOneLine) {
@@ -885,7 +988,7 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
 
 // Found by fuzzing (tests/fuzz/, docs/reliability.md): still one line naming the field.
 TEST(CliErrors, HugeNumbersAndLineBreaksInArguments) {
-  expect_bad(predict_with("--num-gpus", "1000000000000"), "num_gpus: 1000000000000 exceeds");
+  expect_bad(predict_with("--num-gpus", "1000000000000"), "--num-gpus: 1000000000000 exceeds");
   expect_bad(predict_with("--hidden-size", "4611686018427387904"), "--hidden-size");
   expect_bad({"pl\nan"}, "unknown subcommand 'pl?an'");
   // Empty arguments once sent CLI11 into an endless loop through an option group.

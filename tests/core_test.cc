@@ -553,6 +553,49 @@ TEST(PlanRules, OneRuleOneMessage) {
                rule_reason(PlanRule::kSequenceParallelDividesSequence));
 }
 
+// The interleaved schedule is only a schedule of several chunks a rank: with one it would be
+// priced as 1F1B in time and otherwise in memory, so it is refused, naming the schedule flag.
+// ptdp_flags gives back what the Megatron-LM line cannot say, and nothing for a plain plan.
+TEST(PlanRules, InterleavedNeedsVirtualStagesAndPtdpFlagsSayWhatMegatronCannot) {
+  ModelSpec m;
+  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
+  m.vocab_size = 128;
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.global_batch_size = 4;
+  EXPECT_EQ(p.ptdp_flags(), "");
+  p.schedule = Schedule::kInterleaved1F1B;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kInterleavedNeedsVirtual);
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--pipeline-schedule");
+  p.virtual_stages = 2;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.ptdp_flags(), "");  // interleaved is what v = 2 implies
+  p.virtual_stages = 1;
+  p.schedule = Schedule::kZeroBubbleH1;
+  p.fp32_grad_reduce = false;
+  p.scatter_gather_p2p = false;
+  EXPECT_EQ(p.ptdp_flags(), "--fp16-grad-reduce --no-scatter-gather --pipeline-schedule zb-h1");
+}
+
+// Rates beyond any machine (the simulator's picosecond clock would overflow on them, the
+// reports would print hundreds of digits) are refused naming the field.
+TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {
+  for (const auto& [key, value] : {std::pair<const char*, double>{"peak_tflops_16bit", 1e-300},
+                                   {"peak_tflops_16bit", 1e300},
+                                   {"hbm_bandwidth_gbps", 1e-9},
+                                   {"memory_gib", 1e12}}) {
+    json c = to_json(resolve_cluster("dgx-h100"));
+    c["gpu"][key] = value;
+    EXPECT_EQ(field_of([&] { cluster_from_json(c).validate(); }), std::string("gpu.") + key);
+  }
+  json c = to_json(resolve_cluster("dgx-h100"));
+  c["nic_latency_us"] = 1e300;
+  EXPECT_EQ(field_of([&] { cluster_from_json(c).validate(); }), "nic_latency_us");
+  c = to_json(resolve_cluster("dgx-h100"));
+  c["gpu"]["peak_tflops_fp8"] = 0;  // no FP8: allowed
+  EXPECT_NO_THROW(cluster_from_json(c).validate());
+}
+
 TEST(PlanRules, ChunksOfAnUnevenInterleavedPlan) {
   ModelSpec m;
   m.num_layers = 6;
