@@ -210,8 +210,8 @@ __global__ void embedding_lookup_k(const int32_t* tokens, const T* table, T* y, 
 // order per row as on the CPU, no atomics. dtable is fp32.
 template <typename T>
 __global__ void embedding_grad_k(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
-                                 int64_t h, int64_t v0, int64_t vl) {
-  kernels::cuda::add_token_rows_of_tile<kThreads>(tokens, dy, dtable, n, h, v0, vl);
+                                 int64_t h, int64_t v0, int64_t vl, bool vectors) {
+  kernels::cuda::add_token_rows_of_tile<kThreads>(tokens, dy, dtable, n, h, v0, vl, vectors);
 }
 template <typename T>
 __global__ void add_positions_k(T* x, const T* pos, int64_t b, int64_t sl, int64_t h,
@@ -625,7 +625,7 @@ void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, i
                             int64_t v0, int64_t vl, cudaStream_t st) {
   if (h > 0 && vl > 0 && n > 0)
     PTDP_LAUNCH(embedding_grad_k<T>, kernels::cuda::vocab_tiles(vl), tokens, dy, dtable, n, h, v0,
-                vl);
+                vl, kernels::cuda::vectorizable(h, {dy, dtable}));
 }
 template <typename T>
 void add_positions_t(T* x, const T* pos, int64_t b, int64_t sl, int64_t h, int64_t first,

@@ -7,9 +7,10 @@
 namespace ptdp::cuda_test {
 namespace {
 
-TEST(CudaEmbedding, VocabParallelForwardAndBackwardMatchCpu) {
-  PTDP_REQUIRE_GPU();
-  const int64_t b = 3, sl = 7, h = 200, v = 50, t = 2, vl = v / t, first = 5, positions = 16;
+// h 200 takes the 8-column vector kernels (common.cuh load8/add8), h 36 the element-wise ones.
+void check_embedding(int64_t h) {
+  SCOPED_TRACE("h = " + std::to_string(h));
+  const int64_t b = 3, sl = 7, v = 50, t = 2, vl = v / t, first = 5, positions = 16;
   std::vector<int32_t> tokens(b * sl);
   for (size_t i = 0; i < tokens.size(); ++i)  // repeats, and tokens on both ranks
     tokens[i] = static_cast<int32_t>((i * 17 + 3) % v);
@@ -41,6 +42,11 @@ TEST(CudaEmbedding, VocabParallelForwardAndBackwardMatchCpu) {
     expect_close(d_dtable.download(), dtable, 1e-5, 1e-5, "embedding table gradient");
     expect_close(d_dpos.download(), dpos, 1e-5, 1e-5, "position gradient");
   }
+}
+
+TEST(CudaEmbedding, VocabParallelForwardAndBackwardMatchCpu) {
+  PTDP_REQUIRE_GPU();
+  for (int64_t h : {200, 36}) check_embedding(h);
 }
 
 }  // namespace
