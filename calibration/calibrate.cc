@@ -94,7 +94,7 @@ ModelSpec with_sequence(const ModelSpec& m, int64_t seq) {
 }
 
 // `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend).
-int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, bool issue) {
+int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
     n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (1 + cold + issue);
@@ -184,7 +184,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // A GPU's L2 by a kernel reading device memory; the host's caches (cpu-staged's too, whose
   // "device" is the CPU) by reading host memory a line at a time.
   if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
-  const int64_t timings = count_timings(plan, o.model, evict != nullptr, !be.host_accessible());
+  const int64_t issue = be.host_accessible() ? 0 : 1;  // a device's ops are also timed issued
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
@@ -198,7 +199,6 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   };
 
   // ---- compute: the op lists' kernels, a generic GEMM grid, bandwidth, optimizer ----
-  const int64_t issue = be.host_accessible() ? 0 : 1;
   std::vector<OpSample> ops = measure_ops(
       be, o.model, plan.tb, sw, evict.get(),
       [&](int, int) { tick("kernels of the op list", 1 + (evict != nullptr) + issue); },

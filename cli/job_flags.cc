@@ -1,9 +1,8 @@
 #include "cli/job_flags.h"
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <initializer_list>
-#include <iterator>
+#include <vector>
 
 #include "core/error.h"
 #include "core/presets.h"
@@ -149,47 +148,67 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
 
 namespace {
 
-// The first name whose flag was given.
-std::string first_given(std::initializer_list<std::pair<const char*, bool>> flags) {
-  for (const auto& [name, given] : flags)
-    if (given) return name;
+struct GivenFlag {
+  const char* flag;
+  bool given;
+};
+
+// The first of `flags` that was given ("" when none).
+std::string first_given(std::initializer_list<GivenFlag> flags) {
+  for (const GivenFlag& f : flags)
+    if (f.given) return f.flag;
   return "";
+}
+
+// A model flag, the ModelSpec field it sets ("" for none of its own), and whether it was given.
+struct ModelFlag {
+  const char* flag;
+  const char* field;
+  bool given;
+};
+
+std::vector<ModelFlag> model_flags(const JobFlags& j) {
+  return {
+      {"--model", "", !j.model.empty()},
+      {"--num-layers", "num_layers", j.num_layers.has_value()},
+      {"--hidden-size", "hidden_size", j.hidden_size.has_value()},
+      {"--num-attention-heads", "num_attention_heads", j.num_attention_heads.has_value()},
+      {"--num-query-groups", "num_query_groups", j.num_query_groups.has_value()},
+      {"--ffn-hidden-size", "ffn_hidden_size", j.ffn_hidden_size.has_value()},
+      {"--seq-length", "seq_length", j.seq_length.has_value()},
+      {"--max-position-embeddings", "max_position_embeddings",
+       j.max_position_embeddings.has_value()},
+      {"--vocab-size", "vocab_size", j.vocab_size.has_value()},
+      {"--swiglu", "", j.swiglu},
+      {"--untie-embeddings-and-output-weights", "", j.untie},
+      {"--group-query-attention", "", j.group_query_attention},
+      {"--disable-bias-linear", "", j.disable_bias_linear},
+      {"--normalization", "", !j.normalization.empty()},
+      {"--position-embedding-type", "", !j.position_embedding_type.empty()},
+      {"--rotary-base", "rotary_base", j.rotary_base.has_value()},
+      {"--attention-dropout", "attention_dropout", j.attention_dropout.has_value()},
+      {"--hidden-dropout", "hidden_dropout", j.hidden_dropout.has_value()},
+      {"--use-flash-attn", "", j.flash_attention},
+      {"--cross-entropy-loss-fusion", "", j.cross_entropy_fusion},
+      {"--num-experts", "num_experts", j.num_experts.has_value()},
+      {"--moe-router-topk", "moe_router_topk", j.moe_router_topk.has_value()},
+      {"--moe-ffn-hidden-size", "moe_ffn_hidden_size", j.moe_ffn_hidden_size.has_value()},
+      {"--moe-shared-expert-intermediate-size", "moe_shared_expert_ffn_size",
+       j.moe_shared_expert_ffn_size.has_value()},
+      {"--moe-layer-freq", "moe_layer_freq", !j.moe_layer_freq.empty()},
+      {"--moe-expert-capacity-factor", "moe_capacity_factor", j.moe_capacity_factor.has_value()},
+      {"--moe-token-dispatcher-type", "", !j.moe_token_dispatcher_type.empty()},
+      {"--moe-token-drop-policy", "", !j.moe_token_drop_policy.empty()},
+      {"--moe-grouped-gemm", "", j.moe_grouped_gemm},
+  };
 }
 
 }  // namespace
 
 std::string JobFlags::first_model_flag() const {
-  return first_given({
-      {"--model", !model.empty()},
-      {"--num-layers", num_layers.has_value()},
-      {"--hidden-size", hidden_size.has_value()},
-      {"--num-attention-heads", num_attention_heads.has_value()},
-      {"--num-query-groups", num_query_groups.has_value()},
-      {"--ffn-hidden-size", ffn_hidden_size.has_value()},
-      {"--seq-length", seq_length.has_value()},
-      {"--max-position-embeddings", max_position_embeddings.has_value()},
-      {"--vocab-size", vocab_size.has_value()},
-      {"--swiglu", swiglu},
-      {"--untie-embeddings-and-output-weights", untie},
-      {"--group-query-attention", group_query_attention},
-      {"--disable-bias-linear", disable_bias_linear},
-      {"--normalization", !normalization.empty()},
-      {"--position-embedding-type", !position_embedding_type.empty()},
-      {"--rotary-base", rotary_base.has_value()},
-      {"--attention-dropout", attention_dropout.has_value()},
-      {"--hidden-dropout", hidden_dropout.has_value()},
-      {"--use-flash-attn", flash_attention},
-      {"--cross-entropy-loss-fusion", cross_entropy_fusion},
-      {"--num-experts", num_experts.has_value()},
-      {"--moe-router-topk", moe_router_topk.has_value()},
-      {"--moe-ffn-hidden-size", moe_ffn_hidden_size.has_value()},
-      {"--moe-shared-expert-intermediate-size", moe_shared_expert_ffn_size.has_value()},
-      {"--moe-layer-freq", !moe_layer_freq.empty()},
-      {"--moe-expert-capacity-factor", moe_capacity_factor.has_value()},
-      {"--moe-token-dispatcher-type", !moe_token_dispatcher_type.empty()},
-      {"--moe-token-drop-policy", !moe_token_drop_policy.empty()},
-      {"--moe-grouped-gemm", moe_grouped_gemm},
-  });
+  for (const ModelFlag& f : model_flags(*this))
+    if (f.given) return f.flag;
+  return "";
 }
 
 std::string JobFlags::first_plan_setting_flag() const {
@@ -256,33 +275,16 @@ ModelSpec JobFlags::resolve_model() const {
   try {
     m.validate();
   } catch (const InputError& e) {
-    // Name the flag the user typed rather than the JSON field.
+    // Name the flag the user typed rather than the JSON field: the field's flag where one was
+    // given, or, for a model made of flags alone, its flag whether given or defaulted.
     std::string flag = "--" + e.field();
     for (char& ch : flag) ch = ch == '_' ? '-' : ch;
-    if (e.field() == "moe_shared_expert_ffn_size") flag = "--moe-shared-expert-intermediate-size";
-    if (e.field() == "moe_capacity_factor") flag = "--moe-expert-capacity-factor";
-    const std::pair<const char*, bool> given[] = {
-        {"num_layers", num_layers.has_value()},
-        {"hidden_size", hidden_size.has_value()},
-        {"num_attention_heads", num_attention_heads.has_value()},
-        {"num_query_groups", num_query_groups.has_value()},
-        {"ffn_hidden_size", ffn_hidden_size.has_value()},
-        {"seq_length", seq_length.has_value()},
-        {"vocab_size", vocab_size.has_value()},
-        {"rotary_base", rotary_base.has_value()},
-        {"attention_dropout", attention_dropout.has_value()},
-        {"hidden_dropout", hidden_dropout.has_value()},
-        {"num_experts", num_experts.has_value()},
-        {"moe_router_topk", moe_router_topk.has_value()},
-        {"moe_ffn_hidden_size", moe_ffn_hidden_size.has_value()},
-        {"moe_shared_expert_ffn_size", moe_shared_expert_ffn_size.has_value()},
-        {"moe_layer_freq", !moe_layer_freq.empty()},
-        {"max_position_embeddings", max_position_embeddings.has_value()},
-        {"moe_capacity_factor", moe_capacity_factor.has_value()},
-    };
-    const bool from_flag = std::any_of(std::begin(given), std::end(given), [&](const auto& g) {
-      return g.second && e.field() == g.first;
-    });
+    bool from_flag = false;
+    for (const ModelFlag& f : model_flags(*this)) {
+      if (e.field() != f.field) continue;
+      flag = f.flag;
+      from_flag = f.given;
+    }
     if (model.empty() || from_flag)
       throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
     throw;

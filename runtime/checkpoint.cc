@@ -48,9 +48,8 @@ void write_atomically(const std::string& path, const std::string& bytes) {
   }
 }
 
-// A short description of a layout for error messages; "?" for what a damaged file lacks.
-// The fields of two layouts that differ, as "key: checkpoint's value, this run's value" (one
-// level into objects such as the model), at most four of them.
+// The fields of two layouts that differ, as "key <checkpoint's value> in the checkpoint,
+// <this run's value> here" (one level into objects such as the model), at most four of them.
 std::string differences(const nlohmann::json& saved, const nlohmann::json& now) {
   std::vector<std::string> out;
   auto walk = [&](const auto& self, const nlohmann::json& a, const nlohmann::json& b,
@@ -75,6 +74,7 @@ std::string differences(const nlohmann::json& saved, const nlohmann::json& now) 
   return text;
 }
 
+// A short description of a layout for error messages; "?" for what a damaged file lacks.
 std::string describe(const nlohmann::json& l) {
   auto get = [&](const char* key) {
     return l.is_object() && l.contains(key) ? l[key].dump() : std::string("?");

@@ -687,13 +687,18 @@ TEST(Cli, RunWritesItsMeasuredTimelineAsAChromeTrace) {
   EXPECT_GT(ops, 4 * 2);  // every op of every pass (tests/reconcile_test.cc checks them)
 }
 
-TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
-  const std::string plans =
-      (std::filesystem::temp_directory_path() / "ptdp_cli_test_run_plans.json").string();
+// `ptdp plan --out` for a tiny model on one rank, into a temporary file named `name`.
+std::string tiny_plan_file(const std::string& name) {
+  const std::string plans = (std::filesystem::temp_directory_path() / name).string();
   const Result p = run({"plan", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
                         "4", "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "4",
                         "--num-gpus", "1", "--out", plans});
-  ASSERT_EQ(p.status, 0) << p.err;
+  EXPECT_EQ(p.status, 0) << p.err;
+  return plans;
+}
+
+TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
+  const std::string plans = tiny_plan_file("ptdp_cli_test_run_plans.json");
   const Result r = run({"run", "--plan", plans, "--steps", "1", "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["losses"].size(), 1u);
@@ -712,12 +717,7 @@ TEST(Cli, RunRefusesBeforeTrainingWhatItWouldFailOrIgnoreLater) {
   expect_bad(tiny_run({"--adam-beta1", "1.5"}), "--adam-beta1");
   expect_bad(tiny_run({"--adam-beta2", "-3"}), "--adam-beta2");
   expect_bad(tiny_run({"--adam-eps", "-1"}), "--adam-eps");
-  const std::string plans =
-      (std::filesystem::temp_directory_path() / "ptdp_cli_test_conflict_plans.json").string();
-  const Result p = run({"plan", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
-                        "4", "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "4",
-                        "--num-gpus", "1", "--out", plans});
-  ASSERT_EQ(p.status, 0) << p.err;
+  const std::string plans = tiny_plan_file("ptdp_cli_test_conflict_plans.json");
   for (const std::vector<std::string>& extra :
        std::vector<std::vector<std::string>>{{"--sequence-parallel"},
                                              {"--pipeline-schedule", "gpipe"},
