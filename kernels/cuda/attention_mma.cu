@@ -23,6 +23,8 @@
 //   dq:       a block per (64-query tile, query head, sequence) over the 32-key tiles up to the
 //             diagonal.
 // Every output row has one writer: deterministic, no atomics (as the CUDA-core kernels).
+// Fragments come from shared memory by ldmatrix.x4 (.trans for operands stored k-major), and
+// tiles reach shared memory by cp.async, overlapped with the math (see each kernel).
 //
 // Under tests/cuda/emulated_cuda.h (PTDP_CUDA_EMULATION) these kernels run on the host, every
 // CUDA thread a fiber and mma.sync computed from the layout above, so the GPU tests check them
@@ -70,10 +72,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
-// Two consecutive bf16 of a row (the lower column in the low half).
-__device__ __forceinline__ uint32_t ld2(const bf16* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
 // Two bf16 from anywhere, lo in the low half.
 __device__ __forceinline__ uint32_t pack(bf16 lo, bf16 hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
@@ -83,52 +81,101 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   return pack(__float2bfloat16_rn(lo), __float2bfloat16_rn(hi));
 }
 
-// dst[r][0..D) = row (first + r) of src for r < rows, zeros past s; 16-byte loads.
+#if !defined(PTDP_CUDA_EMULATION)
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+#endif
+
+// ldmatrix.x4 (sm_75 and later): lanes 8 i .. 8 i + 7 give the row addresses of 8 x 8 bf16
+// matrix i, and register i of lane 4 g + t gets its elements (g, 2 t) and (g, 2 t + 1), or with
+// Trans (2 t, g) and (2 t + 1, g): one instruction for what took four (eight transposed) shared
+// loads of 32 (16) bits.
+template <bool Trans>
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const bf16* row) {
+#if defined(PTDP_CUDA_EMULATION)
+  ::emu::ldmatrix_x4(r, row, Trans);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (Trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row)));
+#else
+  (void)r, (void)row;
+  __trap();
+#endif
+}
+
+// cp.async of 16 bytes from global to shared memory (sm_80 and later), zeros where `valid` is
+// false; copies are committed in groups and waited for with cp_async_wait<n>: at most the n
+// newest groups still in flight. The data is visible to the block after the wait and a barrier.
+__device__ __forceinline__ void cp_async16(bf16* dst, const bf16* src, bool valid) {
+#if defined(PTDP_CUDA_EMULATION)
+  ::emu::cp_async16(dst, src, valid ? 16 : 0);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#else
+  (void)dst, (void)src, (void)valid;
+  __trap();
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(PTDP_CUDA_EMULATION)
+  ::emu::cp_async_commit();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(PTDP_CUDA_EMULATION)
+  ::emu::cp_async_wait(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Starts copying dst[r][0..D) = row (first + r) of src for r < rows, zeros past s (the source
+// address of a zero row stays inside the tensor); the caller commits and waits.
 template <int D>
-__device__ __forceinline__ void stage(bf16* dst, const bf16* src, int64_t stride, int first,
-                                      int rows, int s) {
+__device__ __forceinline__ void stage_async(bf16* dst, const bf16* src, int64_t stride, int first,
+                                            int rows, int s) {
   constexpr int kChunks = D / 8;
   for (int idx = threadIdx.x; idx < rows * kChunks; idx += blockDim.x) {
     const int r = idx / kChunks, c = idx % kChunks;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (first + r < s)
-      val = *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(first + r) * stride + c * 8);
-    *reinterpret_cast<uint4*>(dst + r * kMmaPitch<D> + c * 8) = val;
+    const bool valid = first + r < s;
+    cp_async16(dst + r * kMmaPitch<D> + c * 8,
+               src + static_cast<int64_t>(valid ? first + r : 0) * stride + c * 8, valid);
   }
 }
 
-// The A fragment of rows [row0, row0 + 16) and columns [col0, col0 + 16) of a staged tile.
+// The A fragment of rows [row0, row0 + 16) and columns [col0, col0 + 16) of a staged tile:
+// a0..a3 are the 8 x 8 blocks (rows 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15).
 template <int D>
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], const bf16* tile, int row0, int col0) {
-  constexpr int P = kMmaPitch<D>;
-  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-  const bf16* p = tile + (row0 + g) * P + col0 + 2 * t;
-  a[0] = ld2(p);
-  a[1] = ld2(p + 8 * P);
-  a[2] = ld2(p + 8);
-  a[3] = ld2(p + 8 * P + 8);
+  const int lane = threadIdx.x % 32, i = lane / 8;
+  ldsm4<false>(a, tile + (row0 + lane % 8 + 8 * (i & 1)) * kMmaPitch<D> + col0 + 8 * (i >> 1));
 }
-// The B fragment for a product with a staged tile's transpose: B[k][n] = tile[n0 + n][k0 + k]
-// (scores against keys or queries stored row by row).
+// The B fragments of n-tiles n0 (b[0], b[1]) and n0 + 8 (b[2], b[3]) at k-step k0 for a product
+// with a staged tile's transpose, B[k][n] = tile[n0 + n][k0 + k] (scores against keys or
+// queries stored row by row): b0 of an n-tile is the block (its 8 rows, cols k0..k0 + 7).
 template <int D>
-__device__ __forceinline__ void load_bt(uint32_t& b0, uint32_t& b1, const bf16* tile, int n0,
-                                        int k0) {
-  constexpr int P = kMmaPitch<D>;
-  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-  const bf16* p = tile + (n0 + g) * P + k0 + 2 * t;
-  b0 = ld2(p);
-  b1 = ld2(p + 8);
+__device__ __forceinline__ void load_bt2(uint32_t (&b)[4], const bf16* tile, int n0, int k0) {
+  const int lane = threadIdx.x % 32, i = lane / 8;
+  ldsm4<false>(b, tile + (n0 + lane % 8 + 8 * (i >> 1)) * kMmaPitch<D> + k0 + 8 * (i & 1));
 }
-// The B fragment for a product with a staged tile itself: B[k][n] = tile[k0 + k][n0 + n]
-// (probabilities times V, score gradients times Q or K): two rows per register.
+// The same for a product with a staged tile itself, B[k][n] = tile[k0 + k][n0 + n]
+// (probabilities times V, score gradients times Q or K): transposed 8 x 8 blocks.
 template <int D>
-__device__ __forceinline__ void load_b(uint32_t& b0, uint32_t& b1, const bf16* tile, int k0,
-                                       int n0) {
-  constexpr int P = kMmaPitch<D>;
-  const int g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
-  const bf16* p = tile + (k0 + 2 * t) * P + n0 + g;
-  b0 = pack(p[0], p[P]);
-  b1 = pack(p[8 * P], p[9 * P]);
+__device__ __forceinline__ void load_b2(uint32_t (&b)[4], const bf16* tile, int k0, int n0) {
+  const int lane = threadIdx.x % 32, i = lane / 8;
+  ldsm4<true>(b, tile + (k0 + lane % 8 + 8 * (i & 1)) * kMmaPitch<D> + n0 + 8 * (i >> 1));
 }
 
 // The A fragment of k-step j from the C fragments of n-tiles 2j and 2j + 1.
@@ -164,35 +211,48 @@ __global__ void __launch_bounds__(kMmaThreads)
   const bf16* vb = v + static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
 
   uint32_t qa[kSteps][4];
-  stage<D>(sk, qb, qstride, q0, kRowTile, s);
+  stage_async<D>(sk, qb, qstride, q0, kRowTile, s);
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) load_a<D>(qa[kk], sk, 16 * warp, 16 * kk);
+  __syncthreads();  // every warp holds its query fragments before sk takes the first keys
+  stage_async<D>(sk, kb, kstride, 0, kFwdKeys, s);
+  cp_async_commit();
 
   float o[kDTiles][4];
 #pragma unroll
   for (int n = 0; n < kDTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // this thread's part of the sums
 
+  // Software pipeline, one group of copies in flight behind the math: the values of a tile load
+  // while its scores are computed, and the next tile's keys while its probabilities multiply V.
   const int last = min(q0 + kRowTile, s) - 1;
   for (int k0 = 0; k0 <= last; k0 += kFwdKeys) {
-    __syncthreads();  // every warp is done with the previous tile (and the query tile)
-    stage<D>(sk, kb, kstride, k0, kFwdKeys, s);
-    stage<D>(sv, vb, kstride, k0, kFwdKeys, s);
+    __syncthreads();  // every warp is done with sv (the previous tile's p v)
+    stage_async<D>(sv, vb, kstride, k0, kFwdKeys, s);
+    cp_async_commit();
+    cp_async_wait<1>();  // this tile's keys have landed; its values may still be in flight
     __syncthreads();
-    if (k0 > q0 + 16 * warp + 15) continue;  // every key after this warp's rows
-
+    // Every warp has work in every tile: keys start at multiples of 64 <= q0 (kRowTile ==
+    // kFwdKeys), so the diagonal tile holds a key at or before each warp's first row.
     float sc[kKeyTiles][4];
 #pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) {
-      sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+    for (int n = 0; n < kKeyTiles; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; n += 2)
 #pragma unroll
       for (int kk = 0; kk < kSteps; ++kk) {
-        uint32_t b0, b1;
-        load_bt<D>(b0, b1, sk, 8 * n, 16 * kk);
-        mma16816(sc[n], qa[kk], b0, b1);
+        uint32_t b[4];
+        load_bt2<D>(b, sk, 8 * n, 16 * kk);
+        mma16816(sc[n], qa[kk], b[0], b[1]);
+        mma16816(sc[n + 1], qa[kk], b[2], b[3]);
       }
-    }
+    __syncthreads();  // every warp is done with sk
+    if (k0 + kFwdKeys <= last) stage_async<D>(sk, kb, kstride, k0 + kFwdKeys, kFwdKeys, s);
+    cp_async_commit();  // perhaps empty: every tile commits two groups, so the waits stay right
+
     // Scale to base 2, mask (causal, and keys past s), and take the row maxima.
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -240,16 +300,19 @@ __global__ void __launch_bounds__(kMmaThreads)
       o[n][2] *= alpha1;
       o[n][3] *= alpha1;
     }
+    cp_async_wait<1>();  // this tile's values have landed (the softmax overlapped them)
+    __syncthreads();
     // o += p v, 16 keys per k-step.
 #pragma unroll
     for (int j = 0; j < kKeyTiles / 2; ++j) {
       uint32_t pa[4];
       c_to_a(pa, sc[2 * j], sc[2 * j + 1]);
 #pragma unroll
-      for (int n = 0; n < kDTiles; ++n) {
-        uint32_t b0, b1;
-        load_b<D>(b0, b1, sv, 16 * j, 8 * n);
-        mma16816(o[n], pa, b0, b1);
+      for (int n = 0; n < kDTiles; n += 2) {
+        uint32_t b[4];
+        load_b2<D>(b, sv, 16 * j, 8 * n);
+        mma16816(o[n], pa, b[0], b[1]);
+        mma16816(o[n + 1], pa, b[2], b[3]);
       }
     }
   }
@@ -298,15 +361,23 @@ __device__ __forceinline__ void two_products(float (&x)[kCols / 8][4], float (&y
     load_a<D>(fa1, a1, 16 * warp, 16 * kk);
     load_a<D>(fa2, a2, 16 * warp, 16 * kk);
 #pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-      uint32_t b0, b1;
-      load_bt<D>(b0, b1, t1, 8 * n, 16 * kk);
-      mma16816(x[n], fa1, b0, b1);
-      load_bt<D>(b0, b1, t2, 8 * n, 16 * kk);
-      mma16816(y[n], fa2, b0, b1);
+    for (int n = 0; n < kCols / 8; n += 2) {
+      uint32_t b[4];
+      load_bt2<D>(b, t1, 8 * n, 16 * kk);
+      mma16816(x[n], fa1, b[0], b[1]);
+      mma16816(x[n + 1], fa1, b[2], b[3]);
+      load_bt2<D>(b, t2, 8 * n, 16 * kk);
+      mma16816(y[n], fa2, b[0], b[1]);
+      mma16816(y[n + 1], fa2, b[2], b[3]);
     }
   }
 }
+
+// Both backward kernels walk inner tiles of kBwdCols rows double-buffered: while the block
+// computes with tile i, cp.async brings tile i + 1 into the other buffer, and one barrier per
+// tile (after the copies are waited for) hands it over.
+template <int D>
+constexpr int kInnerTile = kBwdCols* kMmaPitch<D>;  // one staged inner tile, in bf16
 
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads)
@@ -317,12 +388,12 @@ __global__ void __launch_bounds__(kMmaThreads)
   constexpr int kDTiles = D / 8;
   constexpr int kQTiles = kBwdCols / 8;  // n-tiles of queries per inner tile
   PTDP_DYNAMIC_SMEM(smem);
-  bf16* sk = reinterpret_cast<bf16*>(smem);                    // [kRowTile][P] keys
-  bf16* sv = sk + kRowTile * P;                                // [kRowTile][P] values
-  bf16* sq = sv + kRowTile * P;                                // [kBwdCols][P] queries
-  bf16* sdo = sq + kBwdCols * P;                               // [kBwdCols][P] output gradients
-  float* slse = reinterpret_cast<float*>(sdo + kBwdCols * P);  // [kBwdCols], base 2
-  float* sdelta = slse + kBwdCols;                             // [kBwdCols]
+  bf16* sk = reinterpret_cast<bf16*>(smem);                         // [kRowTile][P] keys
+  bf16* sv = sk + kRowTile * P;                                     // [kRowTile][P] values
+  bf16* sq = sv + kRowTile * P;                                     // [2][kBwdCols][P] queries
+  bf16* sdo = sq + 2 * kInnerTile<D>;                               // [2][kBwdCols][P] dO
+  float* slse = reinterpret_cast<float*>(sdo + 2 * kInnerTile<D>);  // [2][kBwdCols], base 2
+  float* sdelta = slse + 2 * kBwdCols;                              // [2][kBwdCols]
 
   const int bi = blockIdx.z, kh = blockIdx.y, k0 = blockIdx.x * kRowTile;
   const int warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, t = threadIdx.x % 4;
@@ -331,8 +402,37 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale_log2 = scale * kLog2e;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
-  stage<D>(sk, k + koff, kstride, k0, kRowTile, s);
-  stage<D>(sv, v + koff, kstride, k0, kRowTile, s);
+
+  // Inner tile i: query head kh * group + i / per_head, queries from k0 + (i % per_head) *
+  // kBwdCols (the tiles at or below the diagonal). Its lse and delta travel through registers
+  // of the first kBwdCols threads: loaded when the copy starts, stored before the barrier.
+  const int per_head = (s - k0 + kBwdCols - 1) / kBwdCols, tiles = group * per_head;
+  float next_lse = 0.0f, next_delta = 0.0f;
+  auto start_tile = [&](int i) {
+    const int h = kh * group + i / per_head, q0 = k0 + (i % per_head) * kBwdCols;
+    const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
+    stage_async<D>(sq + (i & 1) * kInnerTile<D>, q + qoff, qstride, q0, kBwdCols, s);
+    stage_async<D>(sdo + (i & 1) * kInnerTile<D>, dout + qoff, qstride, q0, kBwdCols, s);
+    cp_async_commit();
+    if (threadIdx.x < kBwdCols) {
+      const int row = q0 + threadIdx.x;
+      const int64_t stat = (static_cast<int64_t>(bi) * hq + h) * s + row;
+      next_lse = row < s ? lse[stat] * kLog2e : 0.0f;
+      next_delta = row < s ? delta[stat] : 0.0f;
+    }
+  };
+  auto finish_tile = [&](int i) {
+    if (threadIdx.x < kBwdCols) {
+      slse[(i & 1) * kBwdCols + threadIdx.x] = next_lse;
+      sdelta[(i & 1) * kBwdCols + threadIdx.x] = next_delta;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+  };
+  stage_async<D>(sk, k + koff, kstride, k0, kRowTile, s);
+  stage_async<D>(sv, v + koff, kstride, k0, kRowTile, s);
+  start_tile(0);  // commits the keys and values with it
+  finish_tile(0);
 
   float dka[kDTiles][4], dva[kDTiles][4];
 #pragma unroll
@@ -340,26 +440,17 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
 
-  for (int hg = 0; hg < group; ++hg) {
-    const int h = kh * group + hg;
-    const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
-    const float* lse_h = lse + (static_cast<int64_t>(bi) * hq + h) * s;
-    const float* delta_h = delta + (static_cast<int64_t>(bi) * hq + h) * s;
-    for (int q0 = k0; q0 < s; q0 += kBwdCols) {  // query tiles at or below the diagonal
-      __syncthreads();
-      stage<D>(sq, q + qoff, qstride, q0, kBwdCols, s);
-      stage<D>(sdo, dout + qoff, qstride, q0, kBwdCols, s);
-      if (threadIdx.x < kBwdCols) {
-        const int row = q0 + threadIdx.x;
-        slse[threadIdx.x] = row < s ? lse_h[row] * kLog2e : 0.0f;
-        sdelta[threadIdx.x] = row < s ? delta_h[row] : 0.0f;
-      }
-      __syncthreads();
-      if (q0 + kBwdCols - 1 < k0 + 16 * warp) continue;  // every query before this warp's keys
-
+  for (int i = 0; i < tiles; ++i) {
+    if (i + 1 < tiles) start_tile(i + 1);  // its buffer was last read before the barrier
+    const int q0 = k0 + (i % per_head) * kBwdCols, buf = i & 1;
+    const bf16* tq = sq + buf * kInnerTile<D>;
+    const bf16* tdo = sdo + buf * kInnerTile<D>;
+    const float* tlse = slse + buf * kBwdCols;
+    const float* tdelta = sdelta + buf * kBwdCols;
+    if (q0 + kBwdCols - 1 >= k0 + 16 * warp) {  // else every query is before this warp's keys
       // s^T = k q^T and dp^T = v do^T: rows are this warp's 16 keys, columns the tile's queries.
       float st[kQTiles][4], dpt[kQTiles][4];
-      two_products<D, kBwdCols>(st, dpt, sk, sv, sq, sdo);
+      two_products<D, kBwdCols>(st, dpt, sk, sv, tq, tdo);
       // p^T and ds^T = p^T (dp^T - delta), in place.
 #pragma unroll
       for (int n = 0; n < kQTiles; ++n)
@@ -367,9 +458,9 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * n + 2 * t + (e & 1), query = q0 + col;
           const int key = e < 2 ? key0 : key1;
-          const float p = prob(st[n][e], scale_log2, slse[col], key <= query && query < s);
+          const float p = prob(st[n][e], scale_log2, tlse[col], key <= query && query < s);
           st[n][e] = p;
-          dpt[n][e] = p * (dpt[n][e] - sdelta[col]);
+          dpt[n][e] = p * (dpt[n][e] - tdelta[col]);
         }
         // dv += p^T do and dk += ds^T q, 16 queries per k-step.
 #pragma unroll
@@ -378,15 +469,18 @@ __global__ void __launch_bounds__(kMmaThreads)
         c_to_a(pa, st[2 * j], st[2 * j + 1]);
         c_to_a(dsa, dpt[2 * j], dpt[2 * j + 1]);
 #pragma unroll
-        for (int n = 0; n < kDTiles; ++n) {
-          uint32_t b0, b1;
-          load_b<D>(b0, b1, sdo, 16 * j, 8 * n);
-          mma16816(dva[n], pa, b0, b1);
-          load_b<D>(b0, b1, sq, 16 * j, 8 * n);
-          mma16816(dka[n], dsa, b0, b1);
+        for (int n = 0; n < kDTiles; n += 2) {
+          uint32_t b[4];
+          load_b2<D>(b, tdo, 16 * j, 8 * n);
+          mma16816(dva[n], pa, b[0], b[1]);
+          mma16816(dva[n + 1], pa, b[2], b[3]);
+          load_b2<D>(b, tq, 16 * j, 8 * n);
+          mma16816(dka[n], dsa, b[0], b[1]);
+          mma16816(dka[n + 1], dsa, b[2], b[3]);
         }
       }
     }
+    if (i + 1 < tiles) finish_tile(i + 1);
   }
 
   for (int half = 0; half < 2; ++half) {
@@ -415,8 +509,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   PTDP_DYNAMIC_SMEM(smem);
   bf16* sq = reinterpret_cast<bf16*>(smem);  // [kRowTile][P] queries
   bf16* sdo = sq + kRowTile * P;             // [kRowTile][P] output gradients
-  bf16* sk = sdo + kRowTile * P;             // [kBwdCols][P] keys
-  bf16* sv = sk + kBwdCols * P;              // [kBwdCols][P] values
+  bf16* sk = sdo + kRowTile * P;             // [2][kBwdCols][P] keys
+  bf16* sv = sk + 2 * kInnerTile<D>;         // [2][kBwdCols][P] values
 
   // Query tiles longest first: a causal tile's work grows with q0, and blocks start in index
   // order, so the longest ones ending the grid would leave the GPU a long tail.
@@ -428,49 +522,64 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
   const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
-  stage<D>(sq, q + qoff, qstride, q0, kRowTile, s);
-  stage<D>(sdo, dout + qoff, qstride, q0, kRowTile, s);
   const int64_t stat = (static_cast<int64_t>(bi) * hq + h) * s;
   const float lse0 = row0 < s ? lse[stat + row0] * kLog2e : 0.0f;
   const float lse1 = row1 < s ? lse[stat + row1] * kLog2e : 0.0f;
   const float delta0 = row0 < s ? delta[stat + row0] : 0.0f;
   const float delta1 = row1 < s ? delta[stat + row1] : 0.0f;
 
+  // Inner tile i: keys from i * kBwdCols, up to the block's last row.
+  const int tiles = (min(q0 + kRowTile, s) + kBwdCols - 1) / kBwdCols;
+  auto start_tile = [&](int i) {
+    stage_async<D>(sk + (i & 1) * kInnerTile<D>, k + koff, kstride, i * kBwdCols, kBwdCols, s);
+    stage_async<D>(sv + (i & 1) * kInnerTile<D>, v + koff, kstride, i * kBwdCols, kBwdCols, s);
+    cp_async_commit();
+  };
+  stage_async<D>(sq, q + qoff, qstride, q0, kRowTile, s);
+  stage_async<D>(sdo, dout + qoff, qstride, q0, kRowTile, s);
+  start_tile(0);  // commits the queries and output gradients with it
+  cp_async_wait<0>();
+  __syncthreads();
+
   float dqa[kDTiles][4];
 #pragma unroll
   for (int n = 0; n < kDTiles; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.0f;
 
-  const int last = min(q0 + kRowTile, s) - 1;
-  for (int k0 = 0; k0 <= last; k0 += kBwdCols) {
-    __syncthreads();
-    stage<D>(sk, k + koff, kstride, k0, kBwdCols, s);
-    stage<D>(sv, v + koff, kstride, k0, kBwdCols, s);
-    __syncthreads();
-    if (k0 > q0 + 16 * warp + 15) continue;  // every key after this warp's rows
-
-    // s = q k^T and dp = do v^T for this warp's 16 queries against the tile's keys.
-    float sc[kKeyTiles][4], dp[kKeyTiles][4];
-    two_products<D, kBwdCols>(sc, dp, sq, sdo, sk, sv);
-    // ds = p (dp - delta), in place of dp.
+  for (int i = 0; i < tiles; ++i) {
+    if (i + 1 < tiles) start_tile(i + 1);  // its buffer was last read before the barrier
+    const int k0 = i * kBwdCols;
+    const bf16* tk = sk + (i & 1) * kInnerTile<D>;
+    const bf16* tv = sv + (i & 1) * kInnerTile<D>;
+    if (k0 <= q0 + 16 * warp + 15) {  // else every key is after this warp's rows
+      // s = q k^T and dp = do v^T for this warp's 16 queries against the tile's keys.
+      float sc[kKeyTiles][4], dp[kKeyTiles][4];
+      two_products<D, kBwdCols>(sc, dp, sq, sdo, tk, tv);
+      // ds = p (dp - delta), in place of dp.
 #pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n)
+      for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + 8 * n + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-        const float p = prob(sc[n][e], scale_log2, e < 2 ? lse0 : lse1, key <= row && key < s);
-        dp[n][e] = p * (dp[n][e] - (e < 2 ? delta0 : delta1));
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + 8 * n + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
+          const float p = prob(sc[n][e], scale_log2, e < 2 ? lse0 : lse1, key <= row && key < s);
+          dp[n][e] = p * (dp[n][e] - (e < 2 ? delta0 : delta1));
+        }
+        // dq += ds k, 16 keys per k-step.
+#pragma unroll
+      for (int j = 0; j < kKeyTiles / 2; ++j) {
+        uint32_t dsa[4];
+        c_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
+#pragma unroll
+        for (int n = 0; n < kDTiles; n += 2) {
+          uint32_t b[4];
+          load_b2<D>(b, tk, 16 * j, 8 * n);
+          mma16816(dqa[n], dsa, b[0], b[1]);
+          mma16816(dqa[n + 1], dsa, b[2], b[3]);
+        }
       }
-      // dq += ds k, 16 keys per k-step.
-#pragma unroll
-    for (int j = 0; j < kKeyTiles / 2; ++j) {
-      uint32_t dsa[4];
-      c_to_a(dsa, dp[2 * j], dp[2 * j + 1]);
-#pragma unroll
-      for (int n = 0; n < kDTiles; ++n) {
-        uint32_t b0, b1;
-        load_b<D>(b0, b1, sk, 16 * j, 8 * n);
-        mma16816(dqa[n], dsa, b0, b1);
-      }
+    }
+    if (i + 1 < tiles) {
+      cp_async_wait<0>();
+      __syncthreads();
     }
   }
 
@@ -487,9 +596,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 
 // Dynamic shared memory of the two backward kernels, in bytes.
 template <int D>
-constexpr int kKvSmem = (2 * kRowTile + 2 * kBwdCols) * kMmaPitch<D> * 2 + 2 * kBwdCols * 4;
+constexpr int kKvSmem = (2 * kRowTile * kMmaPitch<D> + 4 * kInnerTile<D>)*2 + 4 * kBwdCols * 4;
 template <int D>
-constexpr int kQSmem = (2 * kRowTile + 2 * kBwdCols) * kMmaPitch<D> * 2;
+constexpr int kQSmem = (2 * kRowTile * kMmaPitch<D> + 4 * kInnerTile<D>)*2;
 
 template <int D>
 void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int64_t b,

@@ -8,10 +8,14 @@
 // the block's live threads, __syncwarp and the warp shuffles for the warp's (warps: 32
 // consecutive linear thread indices). mma.sync.m16n8k16 (bf16 in, fp32 accumulate) is computed
 // from the fragment layout of the PTX ISA ("Matrix Fragments for mma.m16n8k16"), written here
-// as the inverse map: which lane and register hold element (row, col) of A, B and C.
+// as the inverse map: which lane and register hold element (row, col) of A, B and C;
+// ldmatrix.x4 (plain and .trans) from its fragment layout, and cp.async with its groups (a copy
+// lands at the wait, or at once in reverse order: the two extremes of a GPU's timing).
 // __shared__ variables become static storage (one block runs at a time); dynamic shared memory
 // is a per-block buffer. Threads run in index order between barriers, or in reverse order
-// (PTDP_EMULATION_ORDER=reverse; the tests run both), which exposes most missing barriers.
+// (PTDP_EMULATION_ORDER=reverse; the tests run both), which exposes most missing barriers. After
+// a warp barrier one warp at a time runs on to its next block barrier, so warps that race
+// through shared memory without a block barrier are caught too.
 //
 // A barrier that some live thread never reaches (a divergent __syncthreads or shuffle) stops the
 // run with an exception instead of hanging.
@@ -27,8 +31,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -124,6 +130,20 @@ struct Fiber {
   Wait wait = Wait::kRunnable;
 };
 
+// One cp.async of 16 bytes: `src_bytes` of them copied, the rest of the 16 zeroed.
+struct AsyncCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  int src_bytes;
+};
+// A thread's cp.async copies: those not yet committed, then the committed groups, oldest first.
+// They land only when the thread waits for them, so a kernel that reads what it staged before
+// cp.async.wait_group (and a barrier) reads stale shared memory, as a GPU may.
+struct AsyncCopies {
+  std::vector<AsyncCopy> open;
+  std::deque<std::vector<AsyncCopy>> committed;
+};
+
 struct Block {
   Dim idx, dim, grid;
   std::vector<Fiber> fibers;
@@ -132,6 +152,9 @@ struct Block {
   std::vector<unsigned char> smem;
   std::vector<float> shfl;
   std::vector<uint32_t> frag_a, frag_b;
+  std::vector<const unsigned char*> rows;  // ldmatrix row addresses, a lane each
+  std::vector<AsyncCopies> async;          // cp.async copies, a thread each
+  bool copies_left = false;                // a thread ended with copies it never waited for
   const std::function<void()>* body = nullptr;
 };
 
@@ -217,23 +240,6 @@ inline void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   for (int e = 0; e < 4; ++e) c[e] = out[e];
 }
 
-// Fiber stacks, reused by every block: at most 1024 threads of 64 KiB.
-inline char* stacks() {
-  static std::unique_ptr<char[]> pool(new char[size_t{1024} * kStackBytes]);
-  return pool.get();
-}
-
-inline void fiber_main() {
-  Block* b = current();
-  (*b->body)();
-  Fiber& f = b->fibers[b->cur];
-  f.wait = Wait::kDone;
-  switch_to(f.ctx, b->main);  // never resumed
-}
-inline void init_fiber(Fiber& f, int index) {
-  init_context(f.ctx, stacks() + static_cast<size_t>(index) * kStackBytes, kStackBytes, fiber_main);
-}
-
 // Between two barriers the threads of a block run one after the other, in index order or, with
 // PTDP_EMULATION_ORDER=reverse, the other way round: a kernel that reads what another thread
 // writes without a barrier between them gives different results in the two orders.
@@ -243,6 +249,89 @@ inline bool reverse_order() {
     return v && std::strcmp(v, "reverse") == 0;
   }();
   return reverse;
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8 i .. 8 i + 7 give the addresses of
+// rows 0..7 of 8 x 8 matrix i (16 bytes each, 16-byte aligned), and lane 4 g + t receives in
+// register i the elements (g, 2 t) and (g, 2 t + 1) of matrix i, or with trans (2 t, g) and
+// (2 t + 1, g), the lower column (row) in the low half (PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix").
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
+  Block* bl = current();
+  const int t = bl->cur, base = t & ~31, lane = t & 31;
+  if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0) {
+    std::fprintf(stderr, "emulated ldmatrix: row address not 16-byte aligned\n");
+    std::abort();
+  }
+  bl->rows[t] = static_cast<const unsigned char*>(row);
+  sync_warp();
+  const int g = lane / 4, tt = lane % 4;
+  auto elem = [&](int matrix, int rr, int cc) {
+    uint16_t v;
+    std::memcpy(&v, bl->rows[base + 8 * matrix + rr] + 2 * cc, sizeof v);
+    return static_cast<uint32_t>(v);
+  };
+  for (int i = 0; i < 4; ++i)
+    r[i] = trans ? elem(i, 2 * tt, g) | (elem(i, 2 * tt + 1, g) << 16)
+                 : elem(i, g, 2 * tt) | (elem(i, g, 2 * tt + 1) << 16);
+  sync_warp();  // every lane has read the addresses before any lane gives new ones
+}
+
+// cp.async.cg.shared.global [dst], [src], 16, src_bytes; cp.async.commit_group;
+// cp.async.wait_group n (at most n committed groups, the newest, still pending). On a GPU a copy
+// lands at some time between the two; the emulation takes the two extremes: in index order it
+// lands at the wait (a read before the wait sees stale data), in reverse order at once (a copy
+// into a buffer that other threads still read, with no barrier between, corrupts their reads).
+inline void land(const AsyncCopy& c) {
+  std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
+  std::memset(c.dst + c.src_bytes, 0, static_cast<size_t>(16 - c.src_bytes));
+}
+inline void cp_async16(void* dst, const void* src, int src_bytes) {
+  if (reinterpret_cast<std::uintptr_t>(dst) % 16 != 0 ||
+      (src_bytes > 0 && reinterpret_cast<std::uintptr_t>(src) % 16 != 0)) {
+    std::fprintf(stderr, "emulated cp.async: address not 16-byte aligned\n");
+    std::abort();
+  }
+  if (reverse_order()) {
+    land({static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), src_bytes});
+    return;
+  }
+  Block* bl = current();
+  bl->async[bl->cur].open.push_back(
+      {static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), src_bytes});
+}
+inline void cp_async_commit() {
+  AsyncCopies& a = current()->async[current()->cur];
+  a.committed.push_back(std::move(a.open));
+  a.open.clear();
+}
+inline void cp_async_wait(int pending) {
+  AsyncCopies& a = current()->async[current()->cur];
+  while (static_cast<int>(a.committed.size()) > pending) {
+    for (const AsyncCopy& c : a.committed.front()) land(c);
+    a.committed.pop_front();
+  }
+}
+
+// Fiber stacks, reused by every block: at most 1024 threads of 64 KiB.
+inline char* stacks() {
+  static std::unique_ptr<char[]> pool(new char[size_t{1024} * kStackBytes]);
+  return pool.get();
+}
+
+inline void fiber_main() {
+  Block* b = current();
+  (*b->body)();
+  const AsyncCopies& a = b->async[b->cur];
+  bool left = !a.open.empty();
+  for (const auto& group : a.committed) left = left || !group.empty();
+  b->copies_left = b->copies_left || left;
+  Fiber& f = b->fibers[b->cur];
+  f.wait = Wait::kDone;
+  switch_to(f.ctx, b->main);  // never resumed
+}
+inline void init_fiber(Fiber& f, int index) {
+  init_context(f.ctx, stacks() + static_cast<size_t>(index) * kStackBytes, kStackBytes, fiber_main);
 }
 
 // Runs `body` as every thread of block `idx` of a `grid` of blocks of `dim` threads.
@@ -259,6 +348,8 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
   b.shfl.assign(static_cast<size_t>(threads), 0.0f);
   b.frag_a.assign(static_cast<size_t>(threads) * 4, 0u);
   b.frag_b.assign(static_cast<size_t>(threads) * 2, 0u);
+  b.rows.assign(static_cast<size_t>(threads), nullptr);
+  b.async.assign(static_cast<size_t>(threads), AsyncCopies{});
   b.body = &body;
   Block* saved = current();
   current() = &b;
@@ -279,13 +370,24 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
       all_done = all_done && f.wait == Wait::kDone;
       block_ready = block_ready && (f.wait == Wait::kBlock || f.wait == Wait::kDone);
     }
-    if (all_done) break;
+    if (all_done) {
+      if (b.copies_left) {
+        current() = saved;
+        throw std::logic_error(
+            "emulated kernel: a thread ended with cp.async copies never waited for");
+      }
+      break;
+    }
     if (block_ready) {
       for (Fiber& f : b.fibers)
         if (f.wait == Wait::kBlock) f.wait = Wait::kRunnable;
       continue;
     }
-    for (int w = 0; w < warps; ++w) {
+    // One warp at a time (the first in the run order whose lanes all wait at a warp barrier):
+    // it runs on to its next block barrier before another warp moves, so warps that race on
+    // shared memory without a block barrier between them are caught in one order or the other.
+    for (int k = 0; k < warps && !released; ++k) {
+      const int w = reverse ? warps - 1 - k : k;
       const int first = w * 32, last = std::min(threads, first + 32);
       bool ready = true, any = false;
       for (int l = first; l < last; ++l) {
