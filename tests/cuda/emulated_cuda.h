@@ -356,9 +356,10 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
   const bool reverse = reverse_order();
   for (int i = 0; i < threads; ++i) init_fiber(b.fibers[i], i);
   const int warps = (threads + 31) / 32;
+  int run_first = 0, run_count = threads;  // the threads a release made runnable
   for (;;) {
-    for (int k = 0; k < threads; ++k) {
-      const int i = reverse ? threads - 1 - k : k;
+    for (int k = 0; k < run_count; ++k) {
+      const int i = run_first + (reverse ? run_count - 1 - k : k);
       if (b.fibers[i].wait == Wait::kRunnable) {
         b.cur = i;
         switch_to(b.main, b.fibers[i].ctx);
@@ -381,6 +382,8 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
     if (block_ready) {
       for (Fiber& f : b.fibers)
         if (f.wait == Wait::kBlock) f.wait = Wait::kRunnable;
+      run_first = 0;
+      run_count = threads;
       continue;
     }
     // One warp at a time (the first in the run order whose lanes all wait at a warp barrier):
@@ -399,6 +402,8 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
         for (int l = first; l < last; ++l)
           if (b.fibers[l].wait == Wait::kWarp) b.fibers[l].wait = Wait::kRunnable;
         released = true;
+        run_first = first;
+        run_count = last - first;
       }
     }
     if (!released) {
