@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -76,11 +77,9 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
     if (f.backend != "cpu" && f.backend != "cuda" && f.backend != "cpu-staged")
       throw InputError("--backend", "must be cpu, cuda or cpu-staged, not '" + f.backend + "'");
     if (f.out.empty()) throw InputError("--out", "is required");
-    const std::filesystem::path dir = std::filesystem::absolute(f.out).parent_path();
-    std::error_code ec;
-    if (!std::filesystem::is_directory(dir, ec))
-      throw InputError("--out", "directory '" + dir.string() + "' does not exist");
-    if (!(f.time_limit_s >= 0)) throw InputError("--time-limit-s", "must not be negative");
+    check_writable(f.out, "--out");  // before minutes of measuring, on every rank alike
+    if (!(f.time_limit_s >= 0 && std::isfinite(f.time_limit_s)))
+      throw InputError("--time-limit-s", "must be a finite number of seconds, 0 or more");
     o.backend = f.backend;
     o.model = model_of(f.job);
     o.quick = f.quick;

@@ -122,36 +122,4 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
   }
 }
 
-void write_file_atomically(const std::string& path, const std::string& text,
-                           const std::string& flag) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw InputError(flag, "cannot write '" + path + "'");
-    f << text;
-    f.flush();
-    if (!f) {
-      f.close();
-      std::filesystem::remove(tmp);
-      throw InputError(flag, "cannot write '" + path + "'");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw InputError(flag, "cannot write '" + path + "'");
-  }
-}
-
-void check_writable(const std::string& path, const std::string& flag) {
-  const std::string probe = path + ".probe." + std::to_string(::getpid());
-  {
-    std::ofstream f(probe, std::ios::binary | std::ios::trunc);
-    if (!f) throw InputError(flag, "cannot write '" + path + "'");
-  }
-  std::error_code ec;
-  std::filesystem::remove(probe, ec);
-}
-
 }  // namespace ptdp

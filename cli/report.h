@@ -7,6 +7,7 @@
 
 #include "core/cluster_spec.h"
 #include "core/model_spec.h"
+#include "core/output_file.h"  // write_file_atomically, check_writable
 #include "core/parallel_plan.h"
 #include "planner/cost_model.h"
 
@@ -17,11 +18,4 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
 void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& c,
                       const ParallelPlan& p, const Prediction& r);
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
-// Writes text to path atomically (temporary file, then rename); InputError(flag) on failure.
-void write_file_atomically(const std::string& path, const std::string& text,
-                           const std::string& flag);
-// InputError(flag) unless a file can be created beside `path` (a probe, removed again): for
-// outputs written at the end of long work, checked before it starts.
-void check_writable(const std::string& path, const std::string& flag);
-
 }  // namespace ptdp

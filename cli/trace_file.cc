@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/presets.h"
 
 namespace ptdp {
 namespace {
@@ -228,11 +229,7 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
 }
 
 RunTrace read_run_trace(const std::string& path, const std::string& flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(flag, "cannot read " + path);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_run_trace(text.str(), flag + " " + path);
+  return parse_run_trace(read_input_file(path, flag), flag + " " + path);
 }
 
 }  // namespace ptdp

@@ -123,8 +123,7 @@ void JsonObjectReader::reject_unknown_keys() const {
 
 // ---- files and presets ----
 
-json read_json_file(const std::string& path, const std::string& field) {
-  // Only regular files: a device (/dev/zero), a FIFO or a directory would hang or fail late.
+std::string read_input_file(const std::string& path, const std::string& field) {
   std::error_code ec;
   if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
     throw InputError(field, "'" + path + "' is not a regular file");
@@ -132,8 +131,13 @@ json read_json_file(const std::string& path, const std::string& field) {
   if (!in) throw InputError(field, "cannot open '" + path + "'");
   std::stringstream text;
   text << in.rdbuf();
+  return text.str();
+}
+
+json read_json_file(const std::string& path, const std::string& field) {
+  const std::string text = read_input_file(path, field);
   try {
-    return json::parse(text.str());
+    return json::parse(text);
   } catch (const json::parse_error& e) {
     throw InputError(field, path + ": invalid JSON at byte " + std::to_string(e.byte));
   } catch (const json::exception& e) {  // e.g. out_of_range for a number past a double's range

@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "core/error.h"
+#include "core/output_file.h"
 #include "kernels/cpu/hash.h"
 
 namespace ptdp {
@@ -24,28 +25,6 @@ constexpr char kMagic[] = "PTDPCKPT1\n";
 // reason (a full disk, a file-size limit, permissions).
 InputError save_error(const std::string& what, const std::string& path, int err) {
   return InputError("--save", "cannot " + what + " " + path + ": " + std::strerror(err));
-}
-
-// Writes `bytes` to path via path.tmp, flushed to disk, then renamed. On failure the temporary
-// file is removed and `path` keeps what it held.
-void write_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  FILE* f = std::fopen(tmp.c_str(), "wb");
-  if (!f) throw save_error("write", tmp, errno);
-  int err = 0;
-  if (std::fwrite(bytes.data(), 1, bytes.size(), f) != bytes.size() || std::fflush(f) != 0 ||
-      ::fsync(fileno(f)) != 0)
-    err = errno ? errno : EIO;
-  if (std::fclose(f) != 0 && err == 0) err = errno ? errno : EIO;
-  if (err != 0) {
-    std::remove(tmp.c_str());
-    throw save_error("write", tmp, err);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    err = errno;
-    std::remove(tmp.c_str());
-    throw save_error("rename", tmp, err);
-  }
 }
 
 // The fields of two layouts that differ, as "key <checkpoint's value> in the checkpoint,
@@ -116,11 +95,12 @@ void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
     bytes.append(reinterpret_cast<const char*>(a.data()), a.size() * sizeof(float));
   const uint64_t sum = fnv1a(bytes);
   bytes.append(reinterpret_cast<const char*>(&sum), sizeof sum);
-  write_atomically(checkpoint_file(dir, step, rank), bytes);
+  write_file_atomically(checkpoint_file(dir, step, rank), bytes, "--save");
 }
 
 void write_latest(const std::string& dir, int64_t step) {
-  write_atomically((std::filesystem::path(dir) / "latest").string(), std::to_string(step) + "\n");
+  write_file_atomically((std::filesystem::path(dir) / "latest").string(),
+                        std::to_string(step) + "\n", "--save");
 }
 
 std::vector<int64_t> prune_checkpoints(const std::string& dir, int64_t latest, int64_t keep) {

@@ -1,11 +1,13 @@
 #include "runtime/data.h"
 
+#include <bit>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/output_file.h"
 #include "kernels/cpu/hash.h"
 
 namespace ptdp {
@@ -17,37 +19,33 @@ uint64_t mix(uint64_t x) {
 
 }  // namespace
 
-std::vector<uint16_t> tokenize_bytes(const std::string& text) {
-  std::vector<uint16_t> out(text.size());
-  for (size_t i = 0; i < text.size(); ++i) out[i] = static_cast<unsigned char>(text[i]);
-  return out;
-}
-
 int64_t tokenize_file(const std::string& input, const std::string& output) {
   std::error_code ec;
   if (std::filesystem::exists(input, ec) && !std::filesystem::is_regular_file(input, ec))
-    throw InputError(input, "is not a regular file");
+    throw InputError("input", "'" + input + "' is not a regular file");
   std::ifstream in(input, std::ios::binary);
-  if (!in) throw InputError(input, "cannot be read");
-  std::stringstream text;
-  text << in.rdbuf();
-  const std::vector<uint16_t> tokens = tokenize_bytes(text.str());
-  if (tokens.empty()) throw InputError(input, "is empty");
-  const std::string tmp = output + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw InputError(output, "cannot be written");
-    for (uint16_t t : tokens) {
-      const char le[2] = {static_cast<char>(t & 0xff), static_cast<char>(t >> 8)};
-      out.write(le, 2);
-    }
-    if (!out.flush()) {
-      std::filesystem::remove(tmp);
-      throw InputError(output, "could not be written completely");
+  if (!in) throw InputError("input", "'" + input + "' cannot be read");
+  const std::string target = resolve_output(output, "output");
+  if (std::filesystem::exists(target, ec) && std::filesystem::equivalent(input, target, ec))
+    throw InputError("output", "'" + output + "' is the input file; give another name");
+  // Tokens straight from fixed-size reads: the text is never held whole, and the output (two
+  // bytes a token) is written in one piece at the end, so an interrupted run leaves nothing.
+  std::string bytes;
+  std::vector<char> chunk(size_t{1} << 20);
+  while (in) {
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    const size_t got = static_cast<size_t>(in.gcount());
+    const size_t at = bytes.size();
+    bytes.resize(at + 2 * got);
+    for (size_t i = 0; i < got; ++i) {  // little-endian uint16: the byte, then 0
+      bytes[at + 2 * i] = chunk[i];
+      bytes[at + 2 * i + 1] = 0;
     }
   }
-  std::filesystem::rename(tmp, output);
-  return static_cast<int64_t>(tokens.size());
+  if (in.bad()) throw InputError("input", "'" + input + "' could not be read completely");
+  if (bytes.empty()) throw InputError("input", "'" + input + "' is empty");
+  write_file_atomically(output, bytes, "output");
+  return static_cast<int64_t>(bytes.size() / 2);
 }
 
 TokenSource TokenSource::synthetic(int64_t vocab, uint64_t seed) {
@@ -62,19 +60,21 @@ TokenSource TokenSource::file(const std::string& path, int64_t vocab, int64_t se
   std::error_code ec;
   if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
     throw InputError("--data", path + " is not a regular file");
-  std::ifstream in(path, std::ios::binary);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw InputError("--data", path + " cannot be read");
-  std::stringstream bytes;
-  bytes << in.rdbuf();
-  const std::string b = bytes.str();
-  if (b.size() % 2 != 0)
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw InputError("--data", path + " cannot be read");
+  if (size % 2 != 0)
     throw InputError("--data", path + " is not a file of uint16 tokens (odd size)");
   TokenSource s;
   s.vocab_ = vocab;
-  s.tokens_.resize(b.size() / 2);
+  s.tokens_.resize(static_cast<size_t>(size / 2));  // read in place: one copy of the data
+  in.seekg(0);
+  if (!in.read(reinterpret_cast<char*>(s.tokens_.data()), size))
+    throw InputError("--data", path + " could not be read completely");
   for (size_t i = 0; i < s.tokens_.size(); ++i) {
-    s.tokens_[i] = static_cast<uint16_t>(static_cast<unsigned char>(b[2 * i]) |
-                                         (static_cast<unsigned char>(b[2 * i + 1]) << 8));
+    if constexpr (std::endian::native == std::endian::big)
+      s.tokens_[i] = static_cast<uint16_t>((s.tokens_[i] >> 8) | (s.tokens_[i] << 8));
     if (s.tokens_[i] >= vocab)
       throw InputError("--data", path + " holds token " + std::to_string(s.tokens_[i]) +
                                      " at position " + std::to_string(i) +

@@ -9,9 +9,8 @@
 
 namespace ptdp {
 
-// Byte-level tokens (0..255) of any file's contents; token 256 is reserved for padding.
-std::vector<uint16_t> tokenize_bytes(const std::string& text);
-// Reads `input`, writes its tokens to `output` atomically; InputError naming the path.
+// Reads `input` and writes its byte-level tokens (0..255, each a little-endian uint16) to
+// `output` atomically; InputError("input" or "output", ...) naming the path.
 int64_t tokenize_file(const std::string& input, const std::string& output);
 
 class TokenSource {

@@ -2,6 +2,7 @@
 #include "cli/cli.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -370,7 +371,36 @@ TEST(CliErrors, NonRegularInputFilesAreRefusedNamingTheFlag) {
          "--seq-length", "16", "--vocab-size", "256", "--global-batch-size", "2", "--data", path},
         "--data");
     expect_bad({"tokenize", path, dir + "/ptdp_cli_test_tokens.bin"}, path);
+    expect_bad({"reconcile", "--trace", path}, "--trace");
   }
+}
+
+// Outputs that are not regular files are refused before anything is written (renaming over a
+// FIFO or a device replaced it with a plain file), a link is followed, and tokenize will not
+// overwrite its own input.
+TEST(CliErrors, OutputsThatAreNotRegularFilesAreRefused) {
+  namespace fs = std::filesystem;
+  const fs::path d = fs::temp_directory_path() / "ptdp_cli_outputs";
+  fs::remove_all(d);
+  fs::create_directories(d / "sub");
+  const std::string fifo = (d / "fifo").string(), text = temp_file("outputs.txt", "hello\n");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_bad({"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "16",
+              "--out", fifo},
+             "--out");
+  expect_bad({"tokenize", text, fifo}, "output");
+  expect_bad({"tokenize", text, (d / "sub").string()}, "output");
+  expect_bad({"tokenize", text, ""}, "output");
+  expect_bad({"tokenize", text, text}, "output");
+  expect_bad({"calibrate", "--quick", "--out", (d / "sub").string()}, "--out");
+  EXPECT_TRUE(fs::is_fifo(fs::symlink_status(fifo)));
+  EXPECT_EQ(std::distance(fs::directory_iterator(d), fs::directory_iterator()), 2);
+  std::ifstream in(text);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "hello\n");
+  fs::create_symlink(d / "tokens.bin", d / "link.bin");
+  ASSERT_EQ(run({"tokenize", text, (d / "link.bin").string()}).status, 0);
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(d / "link.bin")));
+  EXPECT_EQ(fs::file_size(d / "tokens.bin"), 12u);
 }
 TEST(CliErrors, BadRecomputeAndNumGpus) {
   expect_bad(predict_with("--recompute-granularity", "some"), "--recompute-granularity");

@@ -2,6 +2,7 @@
 // config.json parsing, ParallelPlan validation and Megatron flags, and that every kind of bad
 // input throws an InputError naming the right field.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <filesystem>
@@ -14,6 +15,7 @@
 #include "core/error.h"
 #include "core/hardware_profile.h"
 #include "core/model_spec.h"
+#include "core/output_file.h"
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
@@ -722,6 +724,75 @@ TEST(FuzzFindings, HugeModelsAndPlansAreRefusedBeforeAnyProductOverflows) {
   EXPECT_EQ(message_of([&] { u.validate(m); }),
             "layers_per_stage: sums to more than num_layers (96)");
 }
+
+namespace output_file {
+namespace fs = std::filesystem;
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("ptdp_output_file_" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+std::string read(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+size_t entries(const fs::path& d) {
+  return static_cast<size_t>(std::distance(fs::directory_iterator(d), fs::directory_iterator()));
+}
+
+// A link is followed: its target gets the new contents and the link stays a link.
+TEST(OutputFile, ALinkIsFollowedAndKept) {
+  const fs::path d = fresh_dir("link");
+  std::ofstream(d / "target.json") << "old";
+  fs::create_symlink("target.json", d / "link.json");  // relative, as users make them
+  write_file_atomically((d / "link.json").string(), "new", "--out");
+  EXPECT_TRUE(fs::is_symlink(fs::symlink_status(d / "link.json")));
+  EXPECT_EQ(read(d / "target.json"), "new");
+  EXPECT_EQ(entries(d), 2u);  // no temporary file left
+}
+
+// A FIFO, a directory or an empty name is refused naming the flag, and left as it was.
+TEST(OutputFile, NonRegularTargetsAreRefusedAndKept) {
+  const fs::path d = fresh_dir("special");
+  const fs::path fifo = d / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_EQ(test::field_of([&] { write_file_atomically(fifo.string(), "x", "--trace"); }),
+            "--trace");
+  EXPECT_EQ(test::field_of([&] { check_writable(fifo.string(), "--svg"); }), "--svg");
+  EXPECT_TRUE(fs::is_fifo(fs::symlink_status(fifo)));
+  fs::create_symlink(fifo, d / "to_fifo");
+  EXPECT_EQ(test::field_of([&] { write_file_atomically((d / "to_fifo").string(), "x", "--out"); }),
+            "--out");
+  EXPECT_EQ(test::field_of([&] { write_file_atomically(d.string(), "x", "--out"); }), "--out");
+  EXPECT_EQ(test::field_of([&] { write_file_atomically("", "x", "output"); }), "output");
+  EXPECT_EQ(test::field_of([&] { write_file_atomically((d / "no" / "f").string(), "x", "--out"); }),
+            "--out");
+  EXPECT_EQ(entries(d), 2u);  // the FIFO and the link, nothing else
+}
+
+// Contents reach the file only at commit(); an output dropped before it leaves nothing behind.
+TEST(OutputFile, OnlyACommittedFileAppears) {
+  const fs::path d = fresh_dir("commit");
+  const fs::path f = d / "out.bin";
+  std::ofstream(f) << "previous";
+  {
+    AtomicOutputFile out(f.string(), "--out");
+    out.stream() << std::string(200000, 'z');  // past the stream's buffer
+    EXPECT_EQ(read(f), "previous");
+    EXPECT_TRUE(fs::exists(out.temporary_path()));
+  }
+  EXPECT_EQ(read(f), "previous");
+  EXPECT_EQ(entries(d), 1u);
+  AtomicOutputFile out(f.string(), "--out");
+  out.stream() << std::string(200000, 'z');
+  out.commit();
+  EXPECT_EQ(read(f), std::string(200000, 'z'));
+  EXPECT_EQ(entries(d), 1u);
+}
+
+}  // namespace output_file
 
 }  // namespace
 }  // namespace ptdp

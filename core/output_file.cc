@@ -1,0 +1,127 @@
+#include "core/output_file.h"
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "core/error.h"
+
+namespace ptdp {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string reason(int err) {
+  return std::strerror(err != 0 ? err : EIO);
+}
+
+// A std::streambuf over a FILE*, so that commit() can fsync what the stream wrote.
+class FileBuf : public std::streambuf {
+ public:
+  explicit FileBuf(FILE* f) : f_(f) { setp(buf_, buf_ + sizeof buf_); }
+  bool drain() {
+    const std::ptrdiff_t n = pptr() - pbase();
+    if (n > 0 && std::fwrite(pbase(), 1, static_cast<size_t>(n), f_) != static_cast<size_t>(n)) {
+      err_ = errno ? errno : EIO;
+      return false;
+    }
+    setp(buf_, buf_ + sizeof buf_);
+    return true;
+  }
+  int error() const { return err_; }
+
+ protected:
+  int overflow(int c) override {
+    if (!drain()) return traits_type::eof();
+    if (c != traits_type::eof()) {
+      *pptr() = static_cast<char>(c);
+      pbump(1);
+    }
+    return traits_type::not_eof(c);
+  }
+  int sync() override { return drain() ? 0 : -1; }
+
+ private:
+  FILE* f_;
+  char buf_[1 << 16];
+  int err_ = 0;
+};
+
+}  // namespace
+
+struct AtomicOutputFile::Impl {
+  FILE* f = nullptr;
+  FileBuf buf;
+  std::ostream out;
+  explicit Impl(FILE* file) : f(file), buf(file), out(&buf) {}
+};
+
+std::string resolve_output(const std::string& path, const std::string& flag) {
+  if (path.empty()) throw InputError(flag, "needs a file name");
+  std::error_code ec;
+  fs::path target = path;
+  // Follow a chain of links (a bounded number, as the system does) to the file they name.
+  for (int hops = 0; fs::is_symlink(fs::symlink_status(target, ec)); ++hops) {
+    if (hops == 40) throw InputError(flag, "'" + path + "': too many levels of symbolic links");
+    const fs::path next = fs::read_symlink(target, ec);
+    if (ec) throw InputError(flag, "'" + path + "': " + ec.message());
+    target = next.is_absolute() ? next : target.parent_path() / next;
+  }
+  const fs::file_status st = fs::status(target, ec);
+  if (fs::exists(st) && !fs::is_regular_file(st))
+    throw InputError(flag, "'" + path + "' is " +
+                               (fs::is_directory(st) ? "a directory" : "not a regular file") +
+                               "; give a file name");
+  return target.string();
+}
+
+void check_writable(const std::string& path, const std::string& flag) {
+  AtomicOutputFile probe(path, flag);  // creates the temporary file, removed when it goes
+}
+
+AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& flag)
+    : path_(path), target_(resolve_output(path, flag)), flag_(flag), impl_(nullptr) {
+  tmp_ = target_ + "." + std::to_string(::getpid()) + ".tmp";
+  FILE* f = std::fopen(tmp_.c_str(), "wb");
+  if (!f) throw InputError(flag_, "cannot write '" + path_ + "': " + reason(errno));
+  impl_ = new Impl(f);
+}
+
+AtomicOutputFile::~AtomicOutputFile() {
+  if (!impl_) return;
+  std::fclose(impl_->f);
+  delete impl_;
+  std::remove(tmp_.c_str());
+}
+
+std::ostream& AtomicOutputFile::stream() {
+  return impl_->out;
+}
+
+void AtomicOutputFile::commit() {
+  int err = 0;
+  impl_->out.flush();
+  if (!impl_->buf.drain() || !impl_->out) err = impl_->buf.error() ? impl_->buf.error() : EIO;
+  if (err == 0 && (std::fflush(impl_->f) != 0 || ::fsync(fileno(impl_->f)) != 0))
+    err = errno ? errno : EIO;
+  if (std::fclose(impl_->f) != 0 && err == 0) err = errno ? errno : EIO;
+  delete impl_;
+  impl_ = nullptr;
+  if (err == 0 && std::rename(tmp_.c_str(), target_.c_str()) != 0) err = errno ? errno : EIO;
+  if (err != 0) {
+    std::remove(tmp_.c_str());
+    throw InputError(flag_, "cannot write '" + path_ + "': " + reason(err));
+  }
+}
+
+void write_file_atomically(const std::string& path, const std::string& bytes,
+                           const std::string& flag) {
+  AtomicOutputFile out(path, flag);
+  out.stream().write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.commit();
+}
+
+}  // namespace ptdp
