@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <tuple>
 
@@ -79,7 +80,9 @@ const char* chrome_colour(const Span& s) {
   }
 }
 
-std::string escape(const std::string& s) {
+// Text inside SVG (XML): markup characters as entities, and the control characters XML 1.0
+// does not allow (all below 0x20 but tab, line feed and carriage return) as '?'.
+std::string xml_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     if (c == '&')
@@ -90,10 +93,18 @@ std::string escape(const std::string& s) {
       out += "&gt;";
     else if (c == '"')
       out += "&quot;";
+    else if (static_cast<unsigned char>(c) < 0x20 && c != '\t' && c != '\n' && c != '\r')
+      out += '?';
     else
       out += c;
   }
   return out;
+}
+
+// A JSON string literal, quotes included: backslashes, quotes and control characters escaped,
+// bytes that are not UTF-8 replaced (a model name comes from the user's file).
+std::string json_string(const std::string& s) {
+  return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
 std::string micros(Picos t) {
@@ -126,7 +137,7 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans,
 
 void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const std::string& title,
                         const TraceExtras& extras) {
-  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"title\":\"" << escape(title) << "\"";
+  out << "{\"displayTimeUnit\":\"ms\",\"otherData\":{\"title\":" << json_string(title);
   if (!extras.other_data.empty()) out << "," << extras.other_data;
   out << "},\"traceEvents\":[\n";
   std::set<std::pair<int, int>> tracks;
@@ -184,13 +195,13 @@ void write_chrome_trace(std::ostream& out, const std::vector<Span>& spans, const
   }
   for (const OpSpan& o : extras.ops) {
     sep();
-    out << "{\"ph\":\"X\",\"name\":\"" << escape(o.name) << "\",\"cat\":\"" << escape(o.category)
-        << "\",\"ts\":" << micros(o.start) << ",\"dur\":" << micros(o.end - o.start)
-        << ",\"pid\":" << o.replica
+    out << "{\"ph\":\"X\",\"name\":" << json_string(o.name)
+        << ",\"cat\":" << json_string(o.category) << ",\"ts\":" << micros(o.start)
+        << ",\"dur\":" << micros(o.end - o.start) << ",\"pid\":" << o.replica
         << ",\"tid\":" << (o.stream ? track(o.rank, *o.stream) : kOpTrack + o.rank)
         << ",\"args\":{\"microbatch\":" << o.microbatch << ",\"chunk\":" << o.chunk
         << ",\"stage\":" << o.rank;
-    if (!o.role.empty()) out << ",\"role\":\"" << escape(o.role) << "\"";
+    if (!o.role.empty()) out << ",\"role\":" << json_string(o.role);
     out << "}}";
   }
   for (const StepSpan& st : extras.steps) {
@@ -224,7 +235,7 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
                 width, height);
   out << buf;
   out << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  out << "<text x=\"10\" y=\"18\" font-size=\"14\">" << escape(title) << "</text>\n";
+  out << "<text x=\"10\" y=\"18\" font-size=\"14\">" << xml_escape(title) << "</text>\n";
   // Legend.
   const std::pair<const char*, const char*> legend[] = {
       {"#6baed6", "forward"},         {"#74c476", "backward"},       {"#66c2a4", "input grad (B)"},
@@ -269,7 +280,7 @@ void write_svg(std::ostream& out, const std::vector<Span>& spans, Picos end,
     std::snprintf(buf, sizeof buf,
                   "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" "
                   "stroke=\"white\" stroke-width=\"0.3\"><title>%s %.3f-%.3f ms</title></rect>\n",
-                  x, y + 1, w, row_h - 2, colour(s).c_str(), escape(name).c_str(),
+                  x, y + 1, w, row_h - 2, colour(s).c_str(), xml_escape(name).c_str(),
                   static_cast<double>(s.start) / 1e9, static_cast<double>(s.end) / 1e9);
     out << buf;
     if (w > 14 && s.microbatch >= 0 && s.stream == Stream::kCompute) {

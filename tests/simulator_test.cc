@@ -423,5 +423,29 @@ TEST(Timeline, TraceParsesAndTracksNeverOverlap) {
   EXPECT_GT(rects, r.timeline.size());
 }
 
+// Names come from the user (a model file's "name" is in every run trace's title): the trace
+// stays JSON that reads back the same text, and the SVG holds no character XML forbids.
+TEST(Timeline, UserTextIsEscapedForJsonAndForXml) {
+  const std::string title =
+      "a<b>&c\"d\\e\x01"
+      "f\n";
+  TraceExtras extras;
+  OpSpan op;
+  op.name = "op \\ \"x\"\t";
+  op.end = 1000;
+  extras.ops.push_back(op);
+  std::ostringstream trace;
+  write_chrome_trace(trace, {}, title, extras);
+  const nlohmann::json j = nlohmann::json::parse(trace.str());
+  EXPECT_EQ(j.at("otherData").at("title"), title);
+  int named = 0;
+  for (const auto& e : j.at("traceEvents")) named += e.at("name") == op.name;
+  EXPECT_EQ(named, 1);
+  std::ostringstream svg;
+  write_svg(svg, {}, 1000, title);
+  EXPECT_EQ(svg.str().find('\x01'), std::string::npos);
+  EXPECT_NE(svg.str().find("a&lt;b&gt;&amp;c&quot;d\\e?f"), std::string::npos) << svg.str();
+}
+
 }  // namespace
 }  // namespace ptdp
