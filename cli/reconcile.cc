@@ -80,6 +80,29 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
   const double samples = static_cast<double>(out.measured_steps * plan.data_parallel);
   out.iteration.measured = step_seconds / static_cast<double>(out.measured_steps);
 
+  // Every layer of a stage starts with its input norm, once a microbatch in the forward pass:
+  // a trace whose events disagree with its own model or plan (layers, microbatches) is refused
+  // rather than set against the wrong prediction.
+  std::map<RankKey, int64_t> layer_passes;
+  for (const TraceOp& o : trace.ops)
+    if (o.id == OpId::kInputLayernorm && o.role == OpRole::kForward)
+      ++layer_passes[{o.replica, o.stage}];
+  for (int32_t d = 0; d < plan.data_parallel; ++d)
+    for (int32_t r = 0; r < plan.pipeline_parallel; ++r) {
+      const int64_t layers = plan.layers_on_stage(cost.model(), r);
+      const int64_t want = layers * plan.num_microbatches() * static_cast<int64_t>(steps.size());
+      const int64_t got = layer_passes[{d, r}];
+      if (got != want)
+        throw InputError(what, "replica " + std::to_string(d) + " stage " + std::to_string(r) +
+                                   " ran " + std::to_string(got) +
+                                   " layer forward passes (input_layernorm ops), but its model "
+                                   "and plan make " +
+                                   std::to_string(want) + " (" + std::to_string(layers) +
+                                   " layers x " + std::to_string(plan.num_microbatches()) +
+                                   " microbatches x " + std::to_string(steps.size()) +
+                                   " steps): the events do not match the trace's model or plan");
+    }
+
   // Each rank runs the same action list every step: its k-th event of n belongs to step
   // k / (n / steps).
   std::vector<Measured> stage(static_cast<size_t>(plan.pipeline_parallel));

@@ -88,7 +88,15 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
   job.num_gpus = trace.info.world_size;
   job.bf16 = trace.info.precision == DType::kBF16;  // priced in the precision the run trained in
   job.fp16 = trace.info.precision == DType::kF16;
-  const ClusterSpec cluster = job.resolve_cluster();
+  ClusterSpec cluster;
+  try {
+    cluster = job.resolve_cluster();
+  } catch (const InputError& e) {
+    if (!f.cluster.empty()) throw;
+    throw InputError("--trace " + f.trace, "its cluster (otherData.cluster '" + job.cluster +
+                                               "') cannot be loaded; give --cluster (" + e.what() +
+                                               ")");
+  }
   check_machine_matches(cluster, trace.info, "--cluster " + job.cluster);
   const HardwareProfile profile = job.resolve_profile(cluster);
   const CostModel cost(trace.info.model, cluster, profile);

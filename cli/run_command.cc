@@ -329,7 +329,11 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       RunTraceInfo info;
       info.model = as_executed(model, f.train.plan);  // what ran, for reconcile to price
       info.plan = f.train.plan;
-      info.cluster = f.cluster;
+      // A machine file by its absolute path, so that reconcile finds it from any directory.
+      std::error_code ec;
+      info.cluster = std::filesystem::is_regular_file(f.cluster, ec)
+                         ? std::filesystem::absolute(f.cluster, ec).string()
+                         : f.cluster;
       info.world_size = world->size();
       info.backend = backend_label(f.train.backend);
       info.precision = f.train.precision;

@@ -1,6 +1,7 @@
 // Reading and checking `ptdp run --trace` files (cli/trace_file.h).
 #include "cli/trace_file.h"
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -14,6 +15,11 @@ namespace ptdp {
 namespace {
 
 using nlohmann::json;
+
+// Bounds on what a run can have measured: a rank's peak memory, and the end of any event
+// (1e13 us, 116 days of training).
+constexpr double kMaxPeakBytes = 1125899906842624.0;
+constexpr double kMaxTraceMicros = 1e13;
 
 class Reader {
  public:
@@ -88,19 +94,24 @@ bool parse_role(const std::string& name, OpRole* role) {
 RunTraceInfo read_info(const Reader& r, const json& meta) {
   const std::string f = "otherData";
   RunTraceInfo info;
+  if (!meta.is_object() || !meta.contains("format"))
+    r.fail(f + ".format", std::string("missing: not a ptdp run trace (`ptdp run --trace` writes "
+                                      "one; `ptdp simulate --trace` writes a timeline to view)"));
   if (r.string(meta, "format", f) != kRunTraceFormat)
     r.fail(f + ".format", std::string("not a ptdp run trace (expected \"") + kRunTraceFormat +
                               "\"; `ptdp run --trace` writes one)");
   if (const int64_t v = r.integer(meta, "version", f, 0, INT64_MAX); v < 1 || v > kRunTraceVersion)
     r.fail(f + ".version", "this ptdp reads versions 1 to " + std::to_string(kRunTraceVersion));
+  const json& model = r.member(meta, "model", f);
+  const json& configuration = r.member(meta, "configuration", f);
   try {
-    info.model = model_from_json(r.member(meta, "model", f));
+    info.model = model_from_json(model);
     info.model.validate();
   } catch (const InputError& e) {
     r.fail(f + ".model", e.what());
   }
   try {
-    info.plan = plan_from_json(r.member(meta, "configuration", f));
+    info.plan = plan_from_json(configuration);
     info.plan.validate(info.model);
   } catch (const InputError& e) {
     r.fail(f + ".configuration", e.what());
@@ -128,8 +139,9 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
   const json& measured = r.member(meta, "measured", f);
   info.peak_memory_bytes = r.number(measured, "peak_memory_bytes", f + ".measured");
   info.peak_rss_bytes = r.number(measured, "peak_rss_bytes", f + ".measured");
-  if (info.peak_memory_bytes < 0 || info.peak_rss_bytes < 0)
-    r.fail(f + ".measured", "peaks must not be negative");
+  if (!(info.peak_memory_bytes >= 0 && info.peak_memory_bytes <= kMaxPeakBytes) ||
+      !(info.peak_rss_bytes >= 0 && info.peak_rss_bytes <= kMaxPeakBytes))
+    r.fail(f + ".measured", "peaks must be between 0 and 2^50 bytes (1 PiB) a rank");
   return info;
 }
 
@@ -171,11 +183,14 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
     if (r.string(e, "ph", f) != "X") continue;  // metadata records
     const double ts = r.number(e, "ts", f), dur = r.number(e, "dur", f);
     if (ts < 0 || dur < 0) r.fail(f, "negative ts or dur");
+    if (ts + dur > kMaxTraceMicros)
+      r.fail(f, "ends after 1e13 us (116 days): not a time this run measured");
     const double start = ts * 1e-6, end = (ts + dur) * 1e-6;
     const std::string cat = r.string(e, "cat", f);
     const json& args = r.member(e, "args", f);
     const std::string a = f + ".args";
     if (cat == "step") {
+      if (!(dur > 0)) r.fail(f + ".dur", "a step takes time (0 given)");
       out.steps.push_back(
           {r.integer(args, "step", a, 0, out.info.steps - 1),
            r.member(args, "warmup", a).is_boolean() && r.member(args, "warmup", a).get<bool>(),
@@ -213,6 +228,27 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
     if (!parse_kind(r.string(args, "action", a), &act.kind))
       r.fail(a + ".action", "unknown action code");
     out.actions.push_back(act);
+  }
+  // Every span lies within the steps (with 1 ms, or 1% of their time, to spare): a span
+  // outside them was not measured by this run's clock.
+  if (!out.steps.empty()) {
+    double first = out.steps.front().start, last = out.steps.front().end;
+    for (const TraceStep& st : out.steps) {
+      first = std::min(first, st.start);
+      last = std::max(last, st.end);
+    }
+    const double spare = std::max(1e-3, 0.01 * (last - first));
+    auto inside = [&](double start, double end, const char* kind) {
+      if (start < first - spare || end > last + spare)
+        r.fail("traceEvents", std::string("a ") + kind + " span lies outside the steps (" +
+                                  std::to_string(start) + " s to " + std::to_string(end) +
+                                  " s; the steps run from " + std::to_string(first) + " s to " +
+                                  std::to_string(last) + " s)");
+    };
+    for (const TraceOp& o : out.ops) inside(o.start, o.end, "op");
+    for (const TraceAction& a : out.actions) inside(a.start, a.end, "schedule action");
+    for (const auto* list : {&out.norm_reductions, &out.grad_buckets, &out.param_gathers})
+      for (const TraceSync& x : *list) inside(x.start, x.end, "sync");
   }
   // Every rank of the plan ran the schedule: a trace missing one (a file merged from fewer
   // ranks, or from another plan's run) cannot be set against the plan.

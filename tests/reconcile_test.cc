@@ -424,6 +424,76 @@ TEST(ReconcileCli, BadInputs) {
            },
            "nostage1.json")},
       "no action of replica 0 stage 1");
+  // Events that cannot be this run's measurement, and metadata its events contradict.
+  auto each_x = [&](const std::function<void(nlohmann::json&)>& f) {
+    return [f](nlohmann::json& j) {
+      for (auto& e : j["traceEvents"])
+        if (e["ph"] == "X") f(e);
+    };
+  };
+  expect_refused({"reconcile", "--trace",
+                  edited(each_x([](nlohmann::json& e) {
+                           if (e["cat"] == "step") e["dur"] = 1e308;
+                         }),
+                         "inf.json")},
+                 "1e13 us");
+  expect_refused({"reconcile", "--trace",
+                  edited(each_x([](nlohmann::json& e) {
+                           if (e["cat"] == "step") e["dur"] = 0;
+                         }),
+                         "zero.json")},
+                 "a step takes time");
+  expect_refused({"reconcile", "--trace",
+                  edited(each_x([](nlohmann::json& e) {
+                           if (e["cat"] == "op") e["dur"] = 1e9;
+                         }),
+                         "longop.json")},
+                 "outside the steps");
+  expect_refused(
+      {"reconcile", "--trace",
+       edited([](nlohmann::json& j) { j["otherData"]["measured"]["peak_memory_bytes"] = 1e308; },
+              "peak.json")},
+      "otherData.measured");
+  expect_refused({"reconcile", "--trace",
+                  edited(
+                      [](nlohmann::json& j) {
+                        nlohmann::json kept = nlohmann::json::array();
+                        for (auto& e : j["traceEvents"])
+                          if (e.value("cat", "") != "op") kept.push_back(e);
+                        j["traceEvents"] = kept;
+                      },
+                      "noops.json")},
+                 "layer forward passes");
+  expect_refused({"reconcile", "--trace",
+                  edited(
+                      [](nlohmann::json& j) {
+                        j["otherData"]["model"]["num_layers"] =
+                            2 * j["otherData"]["model"]["num_layers"].get<int>();
+                      },
+                      "layers.json")},
+                 "layer forward passes");
+  expect_refused({"reconcile", "--trace",
+                  edited(
+                      [](nlohmann::json& j) {
+                        auto& c = j["otherData"]["configuration"];
+                        c["micro_batch_size"] = c["micro_batch_size"].get<int>() / 2;
+                      },
+                      "microbatch.json")},
+                 "layer forward passes");
+  // A missing model is named once; a cluster that the trace names and that cannot be found is
+  // the trace's, since no --cluster was given.
+  {
+    const Result r =
+        cli({"reconcile", "--trace",
+             edited([](nlohmann::json& j) { j["otherData"].erase("model"); }, "m.json")});
+    EXPECT_EQ(r.err.find("otherData.model", r.err.find("otherData.model") + 1), std::string::npos)
+        << r.err;
+  }
+  expect_refused(
+      {"reconcile", "--trace",
+       edited([](nlohmann::json& j) { j["otherData"]["cluster"] = "/nonexistent/machine.json"; },
+              "lostcluster.json")},
+      "otherData.cluster");
   // ptdp run checks the cluster it records at once.
   expect_refused({"run", "--global-batch-size", "1", "--trace", temp_file("unused.json", ""),
                   "--cluster", "no-such-cluster"},
