@@ -632,11 +632,18 @@ void print_calibration(std::ostream& out, const json& f) {
     std::snprintf(buf, sizeof buf,
                   "kernel gap %.2f us; memory-bound kernels: ", mm["kernel_gap_us"].get<double>());
     out << buf << res(mm["all"]) << "\n";
+    bool above = false, idle = false;
     for (const auto& [name, fam] : mm["families"].items()) {
-      std::snprintf(buf, sizeof buf, "  %-14s efficiency %8.3f (%7.2f GB/s); ", name.c_str(),
-                    fam["efficiency"].get<double>(), fam["bytes_per_s"].get<double>() / 1e9);
+      const double eff = fam["efficiency"].get<double>();
+      above = above || (eff > 1 && eff < 1000);
+      idle = idle || eff >= 1000;
+      std::snprintf(buf, sizeof buf, "  %-14s efficiency %8.3f (%7.2f GB/s); ", name.c_str(), eff,
+                    fam["bytes_per_s"].get<double>() / 1e9);
       out << buf << res(fam["residuals"]) << "\n";
     }
+    out << "  (efficiency: bytes moved against the measured memory bandwidth"
+        << (above ? "; above 1, the kernel's data stayed in cache at the sizes timed" : "")
+        << (idle ? "; 1000, no time beyond the kernel gap: the op does no work here" : "") << ")\n";
   }
   if (fits.contains("optimizer")) {
     std::snprintf(buf, sizeof buf,

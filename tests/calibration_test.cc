@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "calibration/fit.h"
+#include "calibration/measure.h"
 #include "cli/cli.h"
 #include "core/cluster_spec.h"
 #include "core/error.h"
@@ -21,6 +22,7 @@
 #include "planner/comm_model.h"
 #include "planner/cost_model.h"
 #include "runtime/backend.h"
+#include "runtime/communicator.h"
 #include "tests/support/cli_run.h"
 
 namespace ptdp {
@@ -571,6 +573,43 @@ TEST(Calibrate, UnusableBackendsAndBadFlagsAreRefusedBeforeMeasuring) {
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err.rfind("ptdp: --out:", 0), 0u) << r.err;
   EXPECT_FALSE(std::filesystem::exists(out));
+}
+
+// An MoE model's ops at t = 2 are timed in the layout that runs them (sequence parallel): the
+// calibration of every MoE model under mpirun stopped on "MoE layers with tensor parallelism
+// need sequence parallelism".
+TEST(Calibrate, MoeOpsAtTensorParallelTwoAreTimed) {
+  ModelSpec m;
+  m.name = "tiny-moe";
+  m.num_layers = 2;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  m.num_experts = 4;
+  m.moe_router_topk = 2;
+  m.moe_ffn_hidden_size = 128;
+  m.validate();
+  const auto be = make_backend("cpu");
+  const auto control = make_self_control_plane();
+  Stopwatch sw(*control, 1e-4);
+  std::vector<OpSample> s;
+  EXPECT_NO_THROW(s = measure_ops(*be, m, {{2, 1}}, sw, nullptr, {}));
+  EXPECT_GT(s.size(), 10u);
+}
+
+// The CPU share counts the timed calls only: an untimed step before each call (the cache
+// eviction) used to count its CPU time but not its wall time, giving 172% of a CPU.
+TEST(Calibrate, CpuShareLeavesOutTheUntimedStep) {
+  const auto control = make_self_control_plane();
+  Stopwatch sw(*control, 0.02);
+  volatile double sink = 0;
+  auto spin = [&](int n) {
+    for (int i = 0; i < n; ++i) sink = sink + std::sqrt(static_cast<double>(i));
+  };
+  sw.mean_seconds([&] { spin(2000); }, [&] { spin(200000); });
+  EXPECT_LE(sw.cpu_share(), 1.05);
+  EXPECT_GT(sw.cpu_share(), 0.0);
 }
 
 }  // namespace
