@@ -17,6 +17,7 @@
 #include "core/hardware_profile.h"
 #include "planner/comm_model.h"
 #include "runtime/data_plane.h"
+#include "runtime/shard_context.h"
 
 namespace ptdp {
 
@@ -119,6 +120,69 @@ double gemm_flops(double m, double n, double k, double batch) {
   return 2.0 * m * n * k * batch;
 }
 
+// The memory one rank needs to time the op lists of `p`, in bytes: the executor's largest
+// weight and its gradient (runtime/op_executor.cc), and the largest op's operands, at 4 bytes
+// an element (fp32 master values; bf16 runs need less).
+double op_memory_bytes(const Plan& p, const ModelSpec& m, DType type) {
+  double most = 0;
+  for (const auto& [t, b] : p.tb) {
+    ShardLayout l;
+    l.t = t;
+    l.micro_batch = b;
+    l.sequence_parallel = m.is_moe() && t > 1;
+    const ShardDims d = shard_dims(m, l);
+    const double weight = static_cast<double>(
+        std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h}));
+    double operands = 0;
+    for (const Op& op : executed_ops(m, t, b, type))
+      operands =
+          std::max(operands, op.kind == OpKind::kGemm
+                                 ? 4.0 * static_cast<double>(op.batch) *
+                                       static_cast<double>(op.m * op.k + op.m * op.n + op.k * op.n)
+                                 : op.bytes);
+    most = std::max(most, 2 * 4.0 * weight + operands);
+  }
+  return most;
+}
+
+// Refuses, before any op is timed, a model whose op lists this machine cannot time: their
+// operands would not fit in a rank's share of memory (a 405B model's layer on a workstation
+// ran out after a minute), or their GEMMs alone, each called at least `calls` times at the
+// rate of one GEMM timed here, would overrun --time-limit-s by more than twice.
+void check_feasible(const CalibrateOptions& o, const Plan& p, Backend& be, bool gpu,
+                    double memory_bytes, int ranks_per_node, int64_t calls, Stopwatch& sw) {
+  auto gib = [](double b) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f GiB", b / (1024.0 * 1024 * 1024));
+    return std::string(buf);
+  };
+  const double need = op_memory_bytes(p, o.model, o.precision);
+  const double share = 0.8 * memory_bytes / std::max(1, ranks_per_node);
+  if (memory_bytes > 0 && need > share)
+    throw InputError("--model", "timing " + o.model.name + "'s ops needs about " + gib(need) +
+                                    " a rank, more than the " + gib(share) +
+                                    " this machine gives each of its " +
+                                    std::to_string(ranks_per_node) +
+                                    " rank(s); calibrate a smaller model of the same family");
+  if (o.time_limit_s <= 0) return;
+  const int64_t e = gpu ? 4096 : 256;
+  const double rate =
+      gemm_flops(static_cast<double>(e), static_cast<double>(e), static_cast<double>(e), 1) /
+      time_linear(be, e, e, e, sw, o.precision);
+  double flops = 0;
+  for (const auto& [t, b] : p.tb)
+    for (const Op& op : executed_ops(o.model, t, b, o.precision)) flops += op.flops();
+  const double seconds = static_cast<double>(calls) * flops / rate;
+  if (seconds > 2 * o.time_limit_s) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "timing %s's GEMMs needs at least %.0f s (%lld calls each at the %.1f GFLOP/s "
+                  "measured here); raise it or calibrate a smaller model",
+                  o.model.name.c_str(), seconds, static_cast<long long>(calls), rate / 1e9);
+    throw InputError("--time-limit-s", buf);
+  }
+}
+
 // Cold over warm time per key, the geometric mean over the ops of `kind` timed both ways that
 // `key_of` gives a key (std::nullopt: left out), in [1e-3, 1000].
 template <class KeyOf>
@@ -190,6 +254,9 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
   Stopwatch sw(control, target);
+  // A timing calls its op at least 7 times (warm-up, sizing, 5 chunks), cold as often again.
+  check_feasible(o, plan, be, gpu, gpu ? device.memory_bytes : host_memory_bytes(), ranks_per_node,
+                 7 * (1 + (evict != nullptr)), sw);
   const bool root = world.rank() == 0;
   int64_t done = 0;
   auto tick = [&](const std::string& what, int64_t timed = 1) {  // `timed` timings done

@@ -569,6 +569,13 @@ TEST(Calibrate, UnusableBackendsAndBadFlagsAreRefusedBeforeMeasuring) {
     EXPECT_EQ(r.err.rfind("ptdp: --backend:", 0), 0u) << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   }
+  // A model this machine cannot time: refused before measuring, naming what to change (the
+  // memory a 405B layer's ops need, or, on a machine with that much, the time they take).
+  r = cli({"calibrate", "--quick", "--model", "llama3-405b", "--time-limit-s", "10", "--out", out});
+  EXPECT_EQ(r.status, 2) << r.err;
+  EXPECT_TRUE(r.err.rfind("ptdp: --model:", 0) == 0 || r.err.rfind("ptdp: --time-limit-s:", 0) == 0)
+      << r.err;
+  EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
   r = cli({"calibrate", "--out", "/no/such/dir/m.json"});
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err.rfind("ptdp: --out:", 0), 0u) << r.err;
