@@ -133,8 +133,9 @@ Action add_calibrate_command(CLI::App& app) {
   auto f = std::make_shared<CalibrateFlags>();
   f->job.add_model_flags(*sub);
   sub->add_option("--backend", f->backend,
-                  "cpu (Eigen kernels, MPI collectives) or cuda (the CUDA backend's kernels, NCCL "
-                  "collectives where each rank has a GPU of its own)")
+                  "cpu (Eigen kernels, MPI collectives), cuda (the CUDA backend's kernels, NCCL "
+                  "collectives where each rank has a GPU of its own) or cpu-staged (the CPU "
+                  "kernels through the device paths, for tests)")
       ->capture_default_str();
   sub->add_flag("--quick", f->quick, "fewer sizes and shorter timings");
   sub->add_flag(

@@ -229,18 +229,19 @@ RunTrace parse_run_trace(const std::string& text, const std::string& what) {
       r.fail(a + ".action", "unknown action code");
     out.actions.push_back(act);
   }
-  // Every span lies within the steps (with 1 ms, or 1% of their time, to spare): a span
-  // outside them was not measured by this run's clock.
+  // Every span lies near the steps: within their whole length (at least 10 ms) either side.
+  // The steps are rank 0's, and another rank may finish its last action a little later; a span
+  // further out was not measured by this run.
   if (!out.steps.empty()) {
     double first = out.steps.front().start, last = out.steps.front().end;
     for (const TraceStep& st : out.steps) {
       first = std::min(first, st.start);
       last = std::max(last, st.end);
     }
-    const double spare = std::max(1e-3, 0.01 * (last - first));
+    const double spare = std::max(1e-2, last - first);
     auto inside = [&](double start, double end, const char* kind) {
       if (start < first - spare || end > last + spare)
-        r.fail("traceEvents", std::string("a ") + kind + " span lies outside the steps (" +
+        r.fail("traceEvents", std::string("a ") + kind + " span lies far outside the steps (" +
                                   std::to_string(start) + " s to " + std::to_string(end) +
                                   " s; the steps run from " + std::to_string(first) + " s to " +
                                   std::to_string(last) + " s)");

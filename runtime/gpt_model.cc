@@ -548,6 +548,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
       else
         layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
     }
+    c.end_op();
     x.swap(L.out);
     release(L.out);
     drop_recomputed(L, layout_.recompute_of(l));
@@ -593,6 +594,7 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
       c.begin(I.layer_bwd[k], PassKind::kBackward);
       layer_backward_op(c, I.layer_bwd[k], ch.layers[static_cast<size_t>(l)], w.A, w.D);
     }
+    c.end_op();
     w = Impl::Deferred();
     part_done(l + 1);
   }
@@ -656,6 +658,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
       else
         layer_backward_op(c, op, W, L, D);
     }
+    c.end_op();
     if (defer) {  // what the weight-gradient GEMMs read, kept for the W pass
       std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
       kept.resize(static_cast<size_t>(ch.num_layers));
@@ -688,6 +691,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   } else {
     *grad_input = std::move(D.d_out);
   }
+  c.end_op();
   I.stash.erase(it);
 }
 

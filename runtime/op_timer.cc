@@ -76,6 +76,12 @@ void OpTimer::weight_gradient() {
   if (open_) sink_->back().role = OpRole::kWeightGrad;
 }
 
+void OpTimer::end_op() {
+  if (device_ || !open_) return;
+  sink_->back().end = now();
+  open_ = false;
+}
+
 size_t OpTimer::close() {
   if (device_) {
     size_t pass = kNoPass;

@@ -46,6 +46,10 @@ class OpTimer {
   void begin(OpId id, OpRole role);
   // The open op computes a weight gradient (ShardContext::weight_gradient_done).
   void weight_gradient();
+  // Host timing: ends the open op now, the pass staying open (what follows until the next op is
+  // the pass's own time). Device timing: nothing (an op ends at the next marker; host-side
+  // bookkeeping between kernels does not lengthen them).
+  void end_op();
   // Closes the open op (end of a pass). With device timing, returns an index for pass_span()
   // (kNoPass for host timing or a pass without ops).
   static constexpr size_t kNoPass = static_cast<size_t>(-1);

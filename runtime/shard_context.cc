@@ -59,6 +59,10 @@ void ShardContext::begin(OpId id, PassKind pass) {
   trace->push_back(e);
 }
 
+void ShardContext::end_op() {
+  if (timer) timer->end_op();
+}
+
 void ShardContext::collective_done(Collective c, double bytes, CommGroup group) {
   if (ExecutedOp* e = current()) {
     e->kind = OpKind::kCollective;

@@ -61,6 +61,9 @@ class ShardContext {
 
   // Starts the record of one op (when tracing).
   void begin(OpId id, PassKind pass);
+  // Ends the timed op before bookkeeping between ops (freeing a layer's or a microbatch's
+  // activations), so that it counts as the pass's overhead, not as the last op's time.
+  void end_op();
 
   // Tensor-parallel collectives (recorded). Sequence-parallel movement between [b, s/t, width]
   // slices and the full [b, s, width].
