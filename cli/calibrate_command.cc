@@ -100,6 +100,17 @@ int calibrate_main(const CalibrateFlags& f, std::ostream& out, std::ostream& err
   const bool root = world->rank() == 0;
   const bool bar = root && isatty(STDERR_FILENO);
   if (bar) o.progress = draw_bar;
+  // Under mpirun the ranks' stderr reaches the terminal through the launcher, never as a
+  // terminal itself: rank 0 reports each tenth done as a line instead of a bar.
+  int tenths = 0;
+  if (root && !bar && lrank >= 0)
+    o.progress = [&tenths](double fraction, const std::string& what) {
+      const int now = static_cast<int>(fraction * 10 + 1e-9);
+      if (now <= tenths) return;
+      tenths = now;
+      std::fprintf(stderr, "ptdp calibrate: %d%% (%s)\n", 10 * now, what.c_str());
+      std::fflush(stderr);
+    };
   nlohmann::json machine;
   try {
     machine = calibrate(o, *world, *control);

@@ -3,6 +3,7 @@
 // fit reports its residuals, and the prediction prices with the measurements.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -47,6 +48,10 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
   ASSERT_EQ(c.status, 0) << c.err;
   EXPECT_NE(c.out.find("residuals"), std::string::npos) << c.out;
   EXPECT_EQ(c.err.find('\r'), std::string::npos) << "a progress bar without a terminal";
+  // Progress through the launcher: rank 0's lines, one a tenth at most, in order.
+  EXPECT_NE(c.err.find("ptdp calibrate: 10% ("), std::string::npos) << c.err;
+  EXPECT_LT(c.err.find("ptdp calibrate: 10% ("), c.err.find("ptdp calibrate: 50% (")) << c.err;
+  EXPECT_LE(std::count(c.err.begin(), c.err.end(), '\n'), 10) << c.err;
   ASSERT_TRUE(fs::exists(file));
   const json m = json::parse(test::read_file(file));
   EXPECT_EQ(m["format"], "ptdp-machine");
