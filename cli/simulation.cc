@@ -10,6 +10,11 @@
 #include "simulator/timeline_export.h"
 
 namespace ptdp {
+namespace {
+
+constexpr size_t kLargeSvgBytes = size_t{50} << 20;
+
+}  // namespace
 
 void TimelineFlags::add_to(CLI::App& app) {
   app.add_option("--trace", trace_path,
@@ -31,7 +36,15 @@ void TimelineFlags::write(const SimulationResult& sim, const ParallelPlan& p,
   if (!svg_path.empty()) {
     std::ostringstream s;
     write_svg(s, sim.timeline, sim.iteration, title);
-    write_file_atomically(svg_path, s.str(), "--svg");
+    const std::string svg = s.str();
+    write_file_atomically(svg_path, svg, "--svg");
+    // A browser renders an SVG of some 50 MB at most: say so rather than leave a file that
+    // will not open (a --full simulation of 3072 GPUs draws 2.4 M spans, 318 MB).
+    if (svg.size() > kLargeSvgBytes)
+      std::fprintf(stderr,
+                   "ptdp: note: %s holds %zu spans (%.0f MB), more than a browser draws; the "
+                   "trace (--trace, ui.perfetto.dev) or a simulation without --full shows it\n",
+                   svg_path.c_str(), sim.timeline.size(), static_cast<double>(svg.size()) / 1e6);
   }
 }
 
