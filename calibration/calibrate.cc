@@ -50,6 +50,8 @@ Plan plan_for(const CalibrateOptions& o, int world, int ranks_per_node, bool gpu
       o.quick && !gpu ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{1, 2, 4};
   for (int64_t t = 1; t <= std::max(1, ranks_per_node); ++t) {
     if (m.num_attention_heads % t != 0 || m.query_groups() % t != 0) continue;
+    // MoE layers at t > 1 run sequence parallel, which needs t to divide the sequence.
+    if (m.is_moe() && t > 1 && m.seq_length % t != 0) continue;
     for (int64_t b : bs) p.tb.push_back({t, b});
   }
   // A causal attention's time per FLOP moves with the sequence (its longest query tile does s
@@ -94,16 +96,21 @@ ModelSpec with_sequence(const ModelSpec& m, int64_t seq) {
   return out;
 }
 
-// `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend).
-int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue) {
+// `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend). As
+// calibrate() ticks them: each distinct op, the grid, streams and optimizer, each collective
+// of each group (send/recv in pairs only), and per group 2 late-arrival and 13 skew timings.
+int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue, DType type) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
-    n += static_cast<int64_t>(executed_ops(m, t, b).size()) * (1 + cold + issue);
+    n += static_cast<int64_t>(timed_ops(m, t, b, type).size()) * (1 + cold + issue);
   for (int64_t seq : p.fused_seqs)  // timed warm only, and issued
-    for (const Op& op :
-         executed_ops(with_sequence(m, seq), p.tb.front().first, p.tb.front().second))
-      n += op.fused ? 1 + issue : 0;
-  n += static_cast<int64_t>(p.groups.size() * (4 * p.message_bytes.size() + 14));
+    n += static_cast<int64_t>(timed_ops(with_sequence(m, seq), p.tb.front().first,
+                                        p.tb.front().second, type,
+                                        [](const Op& op) { return op.fused; })
+                                  .size()) *
+         (1 + issue);
+  for (int64_t g : p.groups)
+    n += (g == 2 ? 4 : 3) * static_cast<int64_t>(p.message_bytes.size()) + 2 + 13;
   return n;
 }
 
@@ -156,14 +163,18 @@ void check_feasible(const CalibrateOptions& o, const Plan& p, Backend& be, bool 
     std::snprintf(buf, sizeof buf, "%.1f GiB", b / (1024.0 * 1024 * 1024));
     return std::string(buf);
   };
+  // Host memory is shared by the node's ranks; a GPU rank has a device of its own.
+  const int sharing = gpu ? 1 : std::max(1, ranks_per_node);
   const double need = op_memory_bytes(p, o.model, o.precision);
-  const double share = 0.8 * memory_bytes / std::max(1, ranks_per_node);
-  if (memory_bytes > 0 && need > share)
+  const double share = 0.8 * memory_bytes / sharing;
+  // Decided alike on every rank (nodes may differ): all stop, or none.
+  const double over = sw.control().max(memory_bytes > 0 ? need / share : 0.0);
+  if (over > 1)
     throw InputError("--model", "timing " + o.model.name + "'s ops needs about " + gib(need) +
-                                    " a rank, more than the " + gib(share) +
-                                    " this machine gives each of its " +
-                                    std::to_string(ranks_per_node) +
-                                    " rank(s); calibrate a smaller model of the same family");
+                                    " a rank, more than the " + gib(share) + " a rank has here (" +
+                                    std::to_string(sharing) + " rank(s) sharing " +
+                                    (gpu ? "a GPU" : "the host") +
+                                    "'s); calibrate a smaller model of the same family");
   if (o.time_limit_s <= 0) return;
   const int64_t e = gpu ? 4096 : 256;
   const double rate =
@@ -249,7 +260,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // "device" is the CPU) by reading host memory a line at a time.
   if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
   const int64_t issue = be.host_accessible() ? 0 : 1;  // a device's ops are also timed issued
-  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue);
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue, o.precision);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <ctime>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <tuple>
 
@@ -183,25 +184,28 @@ std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType typ
   return out;
 }
 
+std::vector<Op> timed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type,
+                          const std::function<bool(const Op&)>& which) {
+  // The same kernel on the same shape is timed once.
+  std::vector<Op> ops;
+  std::set<std::tuple<int, int64_t, int64_t, int64_t, int64_t, double>> seen;
+  for (const Op& op : executed_ops(m, t, b, type)) {
+    if (op.kind == OpKind::kCollective || (which && !which(op))) continue;
+    if (seen.emplace(static_cast<int>(op.id), op.m, op.n, op.k, op.batch, op.bytes).second)
+      ops.push_back(op);
+  }
+  return ops;
+}
+
 std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
                                   const std::vector<std::pair<int64_t, int64_t>>& tb, Stopwatch& sw,
                                   CacheEvictor* evict,
                                   const std::function<void(int, int)>& progress, DType type,
                                   const std::function<bool(const Op&)>& which) {
-  // Distinct ops per layout: the same kernel on the same shape is timed once.
   std::vector<std::vector<Op>> todo;
   int total = 0;
   for (const auto& [t, b] : tb) {
-    std::vector<Op> ops;
-    std::map<std::tuple<int, int64_t, int64_t, int64_t, int64_t, double>, bool> seen;
-    for (const Op& op : executed_ops(m, t, b, type)) {
-      if (op.kind == OpKind::kCollective || (which && !which(op))) continue;
-      if (seen.emplace(
-                  std::make_tuple(static_cast<int>(op.id), op.m, op.n, op.k, op.batch, op.bytes),
-                  true)
-              .second)
-        ops.push_back(op);
-    }
+    std::vector<Op> ops = timed_ops(m, t, b, type, which);
     total += static_cast<int>(ops.size()) * (evict ? 2 : 1);
     todo.push_back(std::move(ops));
   }

@@ -79,6 +79,11 @@ class CacheEvictor {
 // `type`: of weights and activations (fp32, or bf16 as ptdp run --bf16 runs them).
 std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type = DType::kF32);
 
+// The distinct GEMMs and memory-bound ops of executed_ops(m, t, b) (those `which` accepts,
+// when given): what measure_ops times for (t, b).
+std::vector<Op> timed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type,
+                          const std::function<bool(const Op&)>& which = {});
+
 // Times every distinct GEMM and memory-bound op of executed_ops(m, t, b) for each (t, b) (those
 // `which` accepts, when given), warm, and cold too with an evictor. `progress(done, total)`
 // after each.

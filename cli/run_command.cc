@@ -6,6 +6,7 @@
 // trains nothing; with --plan-index all it does so for every plan of a `ptdp plan --out` file
 // in one launch.
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -331,7 +332,9 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       info.plan = f.train.plan;
       // A machine file by its absolute path, so that reconcile finds it from any directory.
       std::error_code ec;
-      info.cluster = std::filesystem::is_regular_file(f.cluster, ec)
+      const std::vector<std::string> presets = cluster_preset_names();
+      const bool preset = std::find(presets.begin(), presets.end(), f.cluster) != presets.end();
+      info.cluster = !preset && std::filesystem::is_regular_file(f.cluster, ec)
                          ? std::filesystem::absolute(f.cluster, ec).string()
                          : f.cluster;
       info.world_size = world->size();

@@ -1,5 +1,6 @@
 #include "core/output_file.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -63,9 +64,19 @@ std::string resolve_output(const std::string& path, const std::string& flag) {
   if (path.empty()) throw InputError(flag, "needs a file name");
   std::error_code ec;
   fs::path target = path;
+  // A process's open descriptors (/dev/stdout, /dev/fd/N, /proc/self/fd/N) are links whose
+  // targets are a pipe, a socket or a file opened for appending: renaming over the file would
+  // drop what it held, so they are refused as the streams they are.
+  auto descriptor = [](const fs::path& p) {
+    const std::string s = p.lexically_normal().string();
+    return s.rfind("/proc/", 0) == 0 || s.rfind("/dev/fd/", 0) == 0 ||
+           s.rfind("/dev/std", 0) == 0 || s.find(":[") != std::string::npos;
+  };
   // Follow a chain of links (a bounded number, as the system does) to the file they name.
   for (int hops = 0; fs::is_symlink(fs::symlink_status(target, ec)); ++hops) {
     if (hops == 40) throw InputError(flag, "'" + path + "': too many levels of symbolic links");
+    if (descriptor(target))
+      throw InputError(flag, "'" + path + "' is a stream, not a regular file; give a file name");
     const fs::path next = fs::read_symlink(target, ec);
     if (ec) throw InputError(flag, "'" + path + "': " + ec.message());
     target = next.is_absolute() ? next : target.parent_path() / next;
@@ -87,6 +98,13 @@ AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& f
   tmp_ = target_ + "." + std::to_string(::getpid()) + ".tmp";
   FILE* f = std::fopen(tmp_.c_str(), "wb");
   if (!f) throw InputError(flag_, "cannot write '" + path_ + "': " + reason(errno));
+  // A file replaced keeps its permissions (a private machine file or checkpoint stays private)
+  // and, where the process may give it, its owner.
+  struct stat st {};
+  if (::stat(target_.c_str(), &st) == 0) {
+    (void)::fchmod(fileno(f), st.st_mode & 07777);
+    (void)!::fchown(fileno(f), st.st_uid, st.st_gid);
+  }
   impl_ = new Impl(f);
 }
 

@@ -642,6 +642,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
         else
           layer_forward_op(c, op, W, L);
       }
+      c.end_op();
     }
     release(L.out);
     D.d_x.clear();

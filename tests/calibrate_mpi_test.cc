@@ -49,8 +49,10 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
   EXPECT_NE(c.out.find("residuals"), std::string::npos) << c.out;
   EXPECT_EQ(c.err.find('\r'), std::string::npos) << "a progress bar without a terminal";
   // Progress through the launcher: rank 0's lines, one a tenth at most, in order.
-  EXPECT_NE(c.err.find("ptdp calibrate: 10% ("), std::string::npos) << c.err;
-  EXPECT_LT(c.err.find("ptdp calibrate: 10% ("), c.err.find("ptdp calibrate: 50% (")) << c.err;
+  const size_t tenth = c.err.find("ptdp calibrate: 10% ("),
+               half = c.err.find("ptdp calibrate: 50% (");
+  ASSERT_NE(half, std::string::npos) << c.err;
+  EXPECT_LT(tenth, half) << c.err;
   EXPECT_LE(std::count(c.err.begin(), c.err.end(), '\n'), 10) << c.err;
   ASSERT_TRUE(fs::exists(file));
   const json m = json::parse(test::read_file(file));

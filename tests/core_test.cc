@@ -772,6 +772,25 @@ TEST(OutputFile, NonRegularTargetsAreRefusedAndKept) {
   EXPECT_EQ(entries(d), 2u);  // the FIFO and the link, nothing else
 }
 
+// Standard streams and descriptors are links into /proc: renaming over what they name would
+// drop an appended log (`tokenize in.txt /dev/stdout >> log`), so they are refused.
+TEST(OutputFile, StreamsAreRefused) {
+  for (const char* p : {"/dev/stdout", "/dev/stderr", "/proc/self/fd/1"})
+    EXPECT_EQ(test::field_of([&] { check_writable(p, "--out"); }), "--out") << p;
+}
+
+// A replaced file keeps its permissions.
+TEST(OutputFile, AReplacedFileKeepsItsMode) {
+  const fs::path d = fresh_dir("mode");
+  const fs::path f = d / "private.json";
+  std::ofstream(f) << "old";
+  fs::permissions(f, fs::perms::owner_read | fs::perms::owner_write);
+  write_file_atomically(f.string(), "new", "--out");
+  EXPECT_EQ(fs::status(f).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(read(f), "new");
+}
+
 // Contents reach the file only at commit(); an output dropped before it leaves nothing behind.
 TEST(OutputFile, OnlyACommittedFileAppears) {
   const fs::path d = fresh_dir("commit");

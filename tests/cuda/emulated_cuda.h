@@ -155,6 +155,7 @@ struct Block {
   std::vector<const unsigned char*> rows;  // ldmatrix row addresses, a lane each
   std::vector<AsyncCopies> async;          // cp.async copies, a thread each
   bool copies_left = false;                // a thread ended with copies it never waited for
+  std::vector<AsyncCopy> landing;          // waited for, visible at the next block barrier
   const std::function<void()>* body = nullptr;
 };
 
@@ -280,8 +281,10 @@ inline void ldmatrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
 // cp.async.cg.shared.global [dst], [src], 16, src_bytes; cp.async.commit_group;
 // cp.async.wait_group n (at most n committed groups, the newest, still pending). On a GPU a copy
 // lands at some time between the two; the emulation takes the two extremes: in index order it
-// lands at the wait (a read before the wait sees stale data), in reverse order at once (a copy
-// into a buffer that other threads still read, with no barrier between, corrupts their reads).
+// lands at the first block barrier after the wait (a read before the wait, or a read by other
+// threads with no barrier after it, sees stale data; stricter than PTX, where the waiting
+// thread itself sees its copies at once), in reverse order at once (a copy into a buffer that
+// other threads still read, with no barrier between, corrupts their reads).
 inline void land(const AsyncCopy& c) {
   std::memcpy(c.dst, c.src, static_cast<size_t>(c.src_bytes));
   std::memset(c.dst + c.src_bytes, 0, static_cast<size_t>(16 - c.src_bytes));
@@ -306,9 +309,10 @@ inline void cp_async_commit() {
   a.open.clear();
 }
 inline void cp_async_wait(int pending) {
-  AsyncCopies& a = current()->async[current()->cur];
+  Block* bl = current();
+  AsyncCopies& a = bl->async[bl->cur];
   while (static_cast<int>(a.committed.size()) > pending) {
-    for (const AsyncCopy& c : a.committed.front()) land(c);
+    for (const AsyncCopy& c : a.committed.front()) bl->landing.push_back(c);
     a.committed.pop_front();
   }
 }
@@ -380,6 +384,8 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
       break;
     }
     if (block_ready) {
+      for (const AsyncCopy& c : b.landing) land(c);
+      b.landing.clear();
       for (Fiber& f : b.fibers)
         if (f.wait == Wait::kBlock) f.wait = Wait::kRunnable;
       run_first = 0;
