@@ -72,6 +72,13 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 #endif
 }
 
+// Two adjacent n-tiles from one A fragment and the four B registers of load_bt2 / load_b2.
+__device__ __forceinline__ void mma_pair(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  mma16816(c0, a, b[0], b[1]);
+  mma16816(c1, a, b[2], b[3]);
+}
+
 // Two bf16 from anywhere, lo in the low half.
 __device__ __forceinline__ uint32_t pack(bf16 lo, bf16 hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) |
@@ -246,8 +253,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int kk = 0; kk < kSteps; ++kk) {
         uint32_t b[4];
         load_bt2<D>(b, sk, 8 * n, 16 * kk);
-        mma16816(sc[n], qa[kk], b[0], b[1]);
-        mma16816(sc[n + 1], qa[kk], b[2], b[3]);
+        mma_pair(sc[n], sc[n + 1], qa[kk], b);
       }
     __syncthreads();  // every warp is done with sk
     if (k0 + kFwdKeys <= last) stage_async<D>(sk, kb, kstride, k0 + kFwdKeys, kFwdKeys, s);
@@ -311,8 +317,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int n = 0; n < kDTiles; n += 2) {
         uint32_t b[4];
         load_b2<D>(b, sv, 16 * j, 8 * n);
-        mma16816(o[n], pa, b[0], b[1]);
-        mma16816(o[n + 1], pa, b[2], b[3]);
+        mma_pair(o[n], o[n + 1], pa, b);
       }
     }
   }
@@ -364,11 +369,9 @@ __device__ __forceinline__ void two_products(float (&x)[kCols / 8][4], float (&y
     for (int n = 0; n < kCols / 8; n += 2) {
       uint32_t b[4];
       load_bt2<D>(b, t1, 8 * n, 16 * kk);
-      mma16816(x[n], fa1, b[0], b[1]);
-      mma16816(x[n + 1], fa1, b[2], b[3]);
+      mma_pair(x[n], x[n + 1], fa1, b);
       load_bt2<D>(b, t2, 8 * n, 16 * kk);
-      mma16816(y[n], fa2, b[0], b[1]);
-      mma16816(y[n + 1], fa2, b[2], b[3]);
+      mma_pair(y[n], y[n + 1], fa2, b);
     }
   }
 }
@@ -472,11 +475,9 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int n = 0; n < kDTiles; n += 2) {
           uint32_t b[4];
           load_b2<D>(b, tdo, 16 * j, 8 * n);
-          mma16816(dva[n], pa, b[0], b[1]);
-          mma16816(dva[n + 1], pa, b[2], b[3]);
+          mma_pair(dva[n], dva[n + 1], pa, b);
           load_b2<D>(b, tq, 16 * j, 8 * n);
-          mma16816(dka[n], dsa, b[0], b[1]);
-          mma16816(dka[n + 1], dsa, b[2], b[3]);
+          mma_pair(dka[n], dka[n + 1], dsa, b);
         }
       }
     }
@@ -572,8 +573,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int n = 0; n < kDTiles; n += 2) {
           uint32_t b[4];
           load_b2<D>(b, tk, 16 * j, 8 * n);
-          mma16816(dqa[n], dsa, b[0], b[1]);
-          mma16816(dqa[n + 1], dsa, b[2], b[3]);
+          mma_pair(dqa[n], dqa[n + 1], dsa, b);
         }
       }
     }
