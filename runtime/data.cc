@@ -31,6 +31,8 @@ int64_t tokenize_file(const std::string& input, const std::string& output) {
   // Tokens straight from fixed-size reads: the text is never held whole, and the output (two
   // bytes a token) is written in one piece at the end, so an interrupted run leaves nothing.
   std::string bytes;
+  const auto size = std::filesystem::file_size(input, ec);
+  if (!ec) bytes.reserve(2 * static_cast<size_t>(size));  // no regrowth: twice the input at most
   std::vector<char> chunk(size_t{1} << 20);
   while (in) {
     in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
