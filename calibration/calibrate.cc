@@ -17,7 +17,7 @@
 #include "core/hardware_profile.h"
 #include "planner/comm_model.h"
 #include "runtime/data_plane.h"
-#include "runtime/shard_context.h"
+#include "runtime/op_executor.h"
 
 namespace ptdp {
 
@@ -127,19 +127,14 @@ double gemm_flops(double m, double n, double k, double batch) {
   return 2.0 * m * n * k * batch;
 }
 
-// The memory one rank needs to time the op lists of `p`, in bytes: the executor's largest
-// weight and its gradient (runtime/op_executor.cc), and the largest op's operands, at 4 bytes
-// an element (fp32 master values; bf16 runs need less).
+// The memory one rank needs to time the op lists of `p`, in bytes: the executor's parameter
+// buffer and its gradient, and the largest op's operands, at 4 bytes an element (fp32 master
+// values; bf16 runs need less).
 double op_memory_bytes(const Plan& p, const ModelSpec& m, DType type) {
   double most = 0;
   for (const auto& [t, b] : p.tb) {
-    ShardLayout l;
-    l.t = t;
-    l.micro_batch = b;
-    l.sequence_parallel = m.is_moe() && t > 1;
-    const ShardDims d = shard_dims(m, l);
-    const double weight = static_cast<double>(
-        std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h}));
+    const double weight =
+        static_cast<double>(OpExecutor::parameter_elements(m, op_layout(m, t, b, type)));
     double operands = 0;
     for (const Op& op : executed_ops(m, t, b, type))
       operands =

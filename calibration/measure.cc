@@ -158,8 +158,7 @@ double Stopwatch::max_seconds(const std::function<void()>& f, int warmup) {
 // call there queues the work kDeviceRepeats times and synchronises once; the mean per repeat is
 // the kernel and the gap before the next. Host backends run each call as it is issued.
 constexpr int kDeviceRepeats = 8;
-// The layout a model's ops are timed in: MoE layers with t > 1 run only with sequence
-// parallelism (as in Megatron-Core, and in ptdp run), so their shapes are taken with it.
+
 ShardLayout op_layout(const ModelSpec& m, int64_t t, int64_t b, DType type) {
   ShardLayout l;
   l.t = t;

@@ -15,6 +15,7 @@
 #include "core/model_spec.h"
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
+#include "runtime/gpt_model.h"  // ShardLayout
 
 namespace ptdp {
 
@@ -78,6 +79,10 @@ class CacheEvictor {
 // executes them (runtime_layer_shape), without those it does not execute.
 // `type`: of weights and activations (fp32, or bf16 as ptdp run --bf16 runs them).
 std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType type = DType::kF32);
+
+// The layout a model's ops are timed in at (t, b): MoE layers with t > 1 run only with
+// sequence parallelism (as in Megatron-Core, and in ptdp run), so their shapes are taken with it.
+ShardLayout op_layout(const ModelSpec& m, int64_t t, int64_t b, DType type);
 
 // The distinct GEMMs and memory-bound ops of executed_ops(m, t, b) (those `which` accepts,
 // when given): what measure_ops times for (t, b).

@@ -123,10 +123,14 @@ void JsonObjectReader::reject_unknown_keys() const {
 
 // ---- files and presets ----
 
-std::string read_input_file(const std::string& path, const std::string& field) {
+void check_regular_input(const std::string& path, const std::string& field) {
   std::error_code ec;
   if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
     throw InputError(field, "'" + path + "' is not a regular file");
+}
+
+std::string read_input_file(const std::string& path, const std::string& field) {
+  check_regular_input(path, field);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InputError(field, "cannot open '" + path + "'");
   std::stringstream text;

@@ -25,8 +25,10 @@ HardwareProfile default_profile_for(const ClusterSpec& c);
 
 // Reads a JSON file; InputError(field, ...) on missing file or malformed JSON.
 nlohmann::json read_json_file(const std::string& path, const std::string& field);
-// The contents of an input file. Only a regular file: a device (/dev/zero), a FIFO or a
-// directory is refused at once with InputError(field), where reading would hang or never end.
+// Refuses an input that exists and is not a regular file: a device (/dev/zero), a FIFO or a
+// directory, where reading would hang or never end (InputError(field)).
+void check_regular_input(const std::string& path, const std::string& field);
+// The contents of an input file, after check_regular_input.
 std::string read_input_file(const std::string& path, const std::string& field);
 
 }  // namespace ptdp

@@ -1,9 +1,6 @@
 #include "runtime/checkpoint.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/output_file.h"
+#include "core/presets.h"
 #include "kernels/cpu/hash.h"
 
 namespace ptdp {
@@ -135,9 +133,7 @@ int64_t read_latest(const std::string& dir) {
 CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
                                       const nlohmann::json& expected) {
   const std::string path = checkpoint_file(dir, step, rank);
-  std::error_code ec;
-  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
-    throw InputError("--load", path + " is not a regular file");
+  check_regular_input(path, "--load");
   std::ifstream in(path, std::ios::binary);
   if (!in)
     throw InputError("--load", "no shard for rank " + std::to_string(rank) + " at " + path +

@@ -1,13 +1,12 @@
 #include "runtime/data.h"
 
 #include <bit>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
 #include "core/error.h"
 #include "core/output_file.h"
+#include "core/presets.h"
 #include "kernels/cpu/hash.h"
 
 namespace ptdp {
@@ -20,9 +19,8 @@ uint64_t mix(uint64_t x) {
 }  // namespace
 
 int64_t tokenize_file(const std::string& input, const std::string& output) {
+  check_regular_input(input, "input");
   std::error_code ec;
-  if (std::filesystem::exists(input, ec) && !std::filesystem::is_regular_file(input, ec))
-    throw InputError("input", "'" + input + "' is not a regular file");
   std::ifstream in(input, std::ios::binary);
   if (!in) throw InputError("input", "'" + input + "' cannot be read");
   const std::string target = resolve_output(output, "output");
@@ -59,9 +57,7 @@ TokenSource TokenSource::synthetic(int64_t vocab, uint64_t seed) {
 }
 
 TokenSource TokenSource::file(const std::string& path, int64_t vocab, int64_t seq_length) {
-  std::error_code ec;
-  if (std::filesystem::exists(path, ec) && !std::filesystem::is_regular_file(path, ec))
-    throw InputError("--data", path + " is not a regular file");
+  check_regular_input(path, "--data");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw InputError("--data", path + " cannot be read");
   const std::streamoff size = in.tellg();

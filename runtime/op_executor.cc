@@ -8,6 +8,23 @@
 #include "runtime/shard_context.h"
 
 namespace ptdp {
+namespace {
+
+// The widest bias any op reads, and the parameter buffer: the largest weight (QKV, FC1, the
+// vocabulary shard or the position table) followed by that bias.
+int64_t widest_bias(const ShardDims& d) {
+  return std::max({d.qkv_width(), d.fc1_width(), d.h});
+}
+int64_t parameter_elements_of(const ShardDims& d) {
+  return std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h}) +
+         widest_bias(d);
+}
+
+}  // namespace
+
+int64_t OpExecutor::parameter_elements(const ModelSpec& m, const ShardLayout& layout) {
+  return parameter_elements_of(shard_dims(m, layout));
+}
 
 struct OpExecutor::State {
   ShardContext ctx;
@@ -47,10 +64,7 @@ OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const Model
     : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout), layout.dtype)) {
   validate_shard_layout(m, layout);
   const ShardDims& d = s_->ctx.dims;
-  // The largest weight: QKV, FC1 or the vocabulary shard, plus a bias of the widest output.
-  const int64_t weight =
-      std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h});
-  s_->fill(s_->params, weight + std::max({d.qkv_width(), d.fc1_width(), d.h}));
+  s_->fill(s_->params, parameter_elements_of(d));
   s_->fill(s_->grads, elems(s_->params));
   s_->ctx.params = s_->params.ptr();
   s_->ctx.grads = s_->grads.data();
@@ -83,7 +97,7 @@ void OpExecutor::run(const Op& op) {
   ShardContext& c = S.ctx;
   const ShardDims& d = c.dims;
   Backend& be = c.be;
-  const int64_t bias = elems(S.params) - std::max({d.qkv_width(), d.fc1_width(), d.h});
+  const int64_t bias = elems(S.params) - widest_bias(d);
   auto gemm = [&] {
     switch (op.role == OpRole::kForward || op.role == OpRole::kRecompute ? 0
             : op.role == OpRole::kWeightGrad                             ? 2

@@ -25,6 +25,10 @@ class OpExecutor {
   OpExecutor(const OpExecutor&) = delete;
   OpExecutor& operator=(const OpExecutor&) = delete;
 
+  // Elements of the executor's parameter buffer (and of its fp32 gradient) for a model and
+  // layout: what it holds besides the operands of the op it runs.
+  static int64_t parameter_elements(const ModelSpec& m, const ShardLayout& layout);
+
   // Runs `op` once. Throws std::invalid_argument for an op ptdp run does not execute (the
   // separate gradient-accumulation passes).
   void run(const Op& op);
