@@ -64,6 +64,19 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
     if (launcher_rank() <= 0) err << "ptdp: " << msg << "\n";
     return 2;
   }
+  // An empty value (`--save ''`, `--tensor-model-parallel-size ''`, as an unset shell variable
+  // gives) is refused: CLI11 takes it as the option left out, so a script whose $CKPT is unset
+  // trained without checkpoints and exited 0.
+  for (const CLI::App* sub : app.get_subcommands())
+    for (const CLI::Option* o : sub->get_options()) {
+      if (o->count() == 0 || o->get_expected_min() == 0) continue;  // absent, or a flag
+      for (const std::string& v : o->results())
+        if (v.empty()) {
+          if (launcher_rank() <= 0)
+            err << "ptdp: " << o->get_name() << ": needs a value, got an empty one\n";
+          return 2;
+        }
+    }
   if (!run_command) return 0;
   try {
     for (const auto& [name, action] : actions) {

@@ -87,7 +87,8 @@ double mem_available() {
 
 double memory_limit_bytes(std::optional<double> limit_gib, int world_size, std::string* source) {
   if (limit_gib) {
-    if (!(*limit_gib > 0)) throw InputError("--memory-limit-gib", "must be positive");
+    if (!(*limit_gib > 0 && std::isfinite(*limit_gib)))
+      throw InputError("--memory-limit-gib", "must be positive and finite");
     *source = "--memory-limit-gib";
     return *limit_gib * kGiB;
   }

@@ -198,7 +198,7 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
       {"--moe-layer-freq", "moe_layer_freq", !j.moe_layer_freq.empty()},
       {"--moe-expert-capacity-factor", "moe_capacity_factor", j.moe_capacity_factor.has_value()},
       {"--moe-token-dispatcher-type", "", !j.moe_token_dispatcher_type.empty()},
-      {"--moe-token-drop-policy", "", !j.moe_token_drop_policy.empty()},
+      {"--moe-token-drop-policy", "moe_token_drop_policy", !j.moe_token_drop_policy.empty()},
       {"--moe-grouped-gemm", "", j.moe_grouped_gemm},
   };
 }
@@ -271,6 +271,7 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.moe_shared_expert_ffn_size, moe_shared_expert_ffn_size);
   if (!moe_layer_freq.empty()) set_moe_layer_freq(m, moe_layer_freq);
   if (moe_capacity_factor) m.moe_capacity_factor = *moe_capacity_factor;
+  if (!moe_token_drop_policy.empty()) m.moe_drop_by_position = moe_token_drop_policy == "position";
   apply_megatron_model_flags(m);
   try {
     m.validate();

@@ -101,8 +101,18 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   SearchResult r = search_plans(m, c, h, o);
   if (show_progress) err << "\r                    \r" << std::flush;
   if (r.top.empty()) {
-    err << "ptdp plan: no configuration fits (" << r.considered << " considered)\n";
-    return 1;
+    // The job as given cannot run (an input error, status 2): say why the search rejected
+    // what it enumerated, the most common reasons first.
+    std::vector<std::pair<int64_t, std::string>> why;
+    for (const auto& [reason, n] : r.rejected) why.emplace_back(n, reason);
+    std::sort(why.rbegin(), why.rend());
+    std::string reasons;
+    for (size_t i = 0; i < why.size() && i < 3; ++i)
+      reasons += (i ? ", " : "; rejected: ") + std::to_string(why[i].first) + " " + why[i].second;
+    err << "ptdp: --num-gpus: no configuration of " << m.name << " fits on " << c.num_gpus()
+        << " GPUs with --global-batch-size " << base.global_batch_size << " (" << r.considered
+        << " considered" << reasons << ")\n";
+    return 2;
   }
   // Re-rank the analytic top K by simulated iteration time.
   std::vector<double> simulated;

@@ -421,8 +421,16 @@ Action add_run_command(CLI::App& app) {
                   "kernels on memory treated as a device's: tests the GPU's host side)")
       ->capture_default_str();
   sub->add_option("--steps", t.steps, "training steps")->capture_default_str();
+  // Checked as text: CLI11 would wrap -1 to 2^64 - 1 and saturate what is past 2^64 - 1.
   sub->add_option("--seed", t.seed, "initialisation and synthetic-data seed")
-      ->check(CLI::NonNegativeNumber)  // unchecked, -1 would wrap to 2^64 - 1
+      ->check(
+          [](const std::string& v) -> std::string {
+            const bool digits = !v.empty() && v.size() <= 20 &&
+                                v.find_first_not_of("0123456789") == std::string::npos;
+            if (digits && (v.size() < 20 || v <= "18446744073709551615")) return "";
+            return "must be an integer in [0, 2^64 - 1], got '" + v + "'";
+          },
+          "SEED")
       ->capture_default_str();
   sub->add_option("--data", t.data, "synthetic, or a token file from `ptdp tokenize`")
       ->capture_default_str();

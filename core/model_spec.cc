@@ -8,6 +8,8 @@
 #include "core/model_spec.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -89,9 +91,10 @@ void read_hf_moe_fields(JsonObjectReader& r, const json& j, const std::string& m
                      "multi-head latent attention (DeepSeek-V2/V3) is not modelled by ptdp");
   const bool mixtral = model_type == "mixtral" || j.contains("num_local_experts");
   r.read("num_local_experts", m.num_experts);
-  r.read("num_experts", m.num_experts);
+  // null: a dense model (as some dense configs state it).
+  if (!(j.contains("num_experts") && j.at("num_experts").is_null()))
+    r.read("num_experts", m.num_experts);
   r.read("n_routed_experts", m.num_experts);
-  if (j.contains("num_experts") && j.at("num_experts").is_null()) m.num_experts = 0;
   if (m.num_experts <= 0) return;
   r.read("num_experts_per_tok", m.moe_router_topk);
   if (mixtral) m.moe_ffn_hidden_size = m.ffn_hidden_size;
@@ -99,6 +102,9 @@ void read_hf_moe_fields(JsonObjectReader& r, const json& j, const std::string& m
   r.read("shared_expert_intermediate_size", m.moe_shared_expert_ffn_size);
   int64_t shared_experts = 0;
   r.read("n_shared_experts", shared_experts);
+  if (shared_experts < 0)
+    throw InputError("n_shared_experts",
+                     "must not be negative, got " + std::to_string(shared_experts));
   if (shared_experts > 0) {
     // Bounded before multiplying (a config may hold any integer).
     if (shared_experts > kMaxModelSize || m.moe_ffn_hidden_size > kMaxModelSize ||
@@ -145,7 +151,18 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("tie_word_embeddings", tied);
   m.untie_embeddings_and_output_weights = !tied;
   r.read("hidden_act", hidden_act);
+  // SiLU configs are gated (SwiGLU, no biases); GELU ones are GPT's MLP (biases, ungated), as
+  // GPT-NeoX and GPT-J. A gated GELU (Gemma's GeGLU) and other activations are refused: they
+  // would be priced with the wrong weights.
   m.swiglu = is_one_of(hidden_act, {"silu", "swiglu"});
+  if (is_one_of(model_type, {"gemma", "gemma2", "gemma3", "gemma3_text"}) ||
+      j.contains("hidden_activation"))
+    throw InputError(j.contains("hidden_activation") ? "hidden_activation" : "model_type",
+                     "gated GELU MLPs (GeGLU, as Gemma's) are not modelled by ptdp");
+  if (!hidden_act.empty() && !m.swiglu &&
+      !is_one_of(hidden_act, {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"}))
+    throw InputError("hidden_act",
+                     "'" + hidden_act + "' is not modelled: ptdp's MLPs are SwiGLU (silu) or GELU");
   m.learned_position_embeddings =
       !(is_one_of(model_type, {"llama", "mistral", "qwen2"}) || j.contains("rope_theta"));
   r.read("rope_theta", m.rotary_base);
@@ -156,6 +173,17 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("attention_dropout", m.attention_dropout);
   r.read("resid_pdrop", m.hidden_dropout);
   r.read("hidden_dropout", m.hidden_dropout);
+  // A head width other than hidden_size / num_attention_heads (Qwen3, Mistral-Nemo, Gemma set
+  // head_dim) changes the attention's weights and work; ptdp's layers do not model it.
+  if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
+    int64_t head_dim = 0;
+    r.read("head_dim", head_dim);
+    if (m.num_attention_heads > 0 && head_dim * m.num_attention_heads != m.hidden_size)
+      throw InputError("head_dim", std::to_string(head_dim) + " is not hidden_size / " +
+                                       "num_attention_heads (" +
+                                       std::to_string(m.hidden_size / m.num_attention_heads) +
+                                       "); ptdp models heads of that width only");
+  }
   read_hf_moe_fields(r, j, model_type, m);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
@@ -285,10 +313,57 @@ void ModelSpec::validate() const {
                      "num_attention_heads)");
 }
 
+namespace {
+
+// An error in a model read from a Hugging Face config, named by the config's keys rather than
+// ptdp's fields (num_key_value_heads, not num_query_groups).
+InputError in_hf_terms(const InputError& e) {
+  static const std::pair<const char*, const char*> kKeys[] = {
+      {"num_layers", "num_hidden_layers"},
+      {"num_query_groups", "num_key_value_heads"},
+      {"ffn_hidden_size", "intermediate_size"},
+      {"seq_length", "max_position_embeddings"},
+      {"rotary_base", "rope_theta"},
+      {"moe_router_topk", "num_experts_per_tok"},
+      {"moe_ffn_hidden_size", "moe_intermediate_size"},
+      {"moe_first_dense_layers", "first_k_dense_replace"},
+      {"moe_shared_expert_ffn_size", "shared_expert_intermediate_size"},
+  };
+  auto rename = [](std::string text) {
+    for (const auto& [ours, theirs] : kKeys)
+      for (size_t at = text.find(ours); at != std::string::npos; at = text.find(ours, at)) {
+        const size_t end = at + std::strlen(ours);
+        const bool word =
+            (at == 0 ||
+             !(std::isalnum(static_cast<unsigned char>(text[at - 1])) || text[at - 1] == '_')) &&
+            (end == text.size() ||
+             !(std::isalnum(static_cast<unsigned char>(text[end])) || text[end] == '_'));
+        if (word) {
+          text.replace(at, std::strlen(ours), theirs);
+          at += std::strlen(theirs);
+        } else {
+          at = end;
+        }
+      }
+    return text;
+  };
+  const std::string what = e.what();
+  const std::string problem = what.substr(std::min(what.size(), e.field().size() + 2));
+  return InputError(rename(e.field()), rename(problem));
+}
+
+}  // namespace
+
 ModelSpec model_from_json(const json& j) {
   ModelSpec m;
   if (j.is_object() && j.contains("num_hidden_layers")) {
     m = model_from_hf_config(j);
+    try {
+      m.validate();
+    } catch (const InputError& e) {
+      throw in_hf_terms(e);
+    }
+    return m;
   } else {
     JsonObjectReader r(j, "model");
     r.read("name", m.name);
@@ -315,6 +390,11 @@ ModelSpec model_from_json(const json& j) {
     r.read("moe_layer_freq", m.moe_layer_freq);
     r.read("moe_first_dense_layers", m.moe_first_dense_layers);
     r.read("moe_capacity_factor", m.moe_capacity_factor);
+    std::string policy = m.moe_drop_by_position ? "position" : "probs";
+    r.read("moe_token_drop_policy", policy);
+    if (policy != "probs" && policy != "position")
+      throw InputError("moe_token_drop_policy", "must be probs or position, got '" + policy + "'");
+    m.moe_drop_by_position = policy == "position";
     r.reject_unknown_keys();
   }
   m.validate();
@@ -347,6 +427,7 @@ json to_json(const ModelSpec& m) {
     j["moe_layer_freq"] = m.moe_layer_freq;
     j["moe_first_dense_layers"] = m.moe_first_dense_layers;
     j["moe_capacity_factor"] = m.moe_capacity_factor;
+    if (m.moe_drop_by_position) j["moe_token_drop_policy"] = "position";
   }
   return j;
 }

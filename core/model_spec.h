@@ -56,6 +56,9 @@ struct ModelSpec {
   //                         Megatron states it as a --moe-layer-freq pattern)
   //   moe_capacity_factor   --moe-expert-capacity-factor (tokens an expert takes, as a multiple
   //                         of its fair share; 0: dropless)
+  //   moe_drop_by_position  --moe-token-drop-policy position: an expert over its capacity keeps
+  //                         its first tokens in sequence order (default probs: the tokens of
+  //                         highest routing probability)
   // Dense layers use ffn_hidden().
   int64_t num_experts = 0;
   int64_t moe_router_topk = 2;
@@ -64,6 +67,7 @@ struct ModelSpec {
   int64_t moe_layer_freq = 1;
   int64_t moe_first_dense_layers = 0;
   double moe_capacity_factor = 0;
+  bool moe_drop_by_position = false;
 
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;

@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -51,12 +53,62 @@ class FileBuf : public std::streambuf {
   int err_ = 0;
 };
 
+// The temporary files being written, so that SIGINT, SIGTERM or SIGHUP (Ctrl-C, mpirun passing
+// on a stop, a closed terminal) removes them before the process ends as the signal says: a
+// checkpoint shard of hundreds of MB is otherwise left under a name no later run reuses. The
+// handler only reads the slots and calls unlink(), both safe in a signal handler.
+constexpr int kSignals[] = {SIGINT, SIGTERM, SIGHUP};
+std::atomic<const char*> g_temporaries[64];
+
+extern "C" void remove_temporaries_and_stop(int sig) {
+  for (auto& slot : g_temporaries)
+    if (const char* path = slot.load()) ::unlink(path);
+  std::signal(sig, SIG_DFL);
+  std::raise(sig);
+}
+
+// Installs the handler for the signals whose disposition is the default (one ignored, as under
+// nohup, or handled by someone else, is left so), once.
+void install_handler() {
+  static const bool installed = [] {
+    for (int sig : kSignals) {
+      struct sigaction old {};
+      if (::sigaction(sig, nullptr, &old) != 0 || old.sa_handler != SIG_DFL ||
+          (old.sa_flags & SA_SIGINFO))
+        continue;
+      struct sigaction sa {};
+      sa.sa_handler = remove_temporaries_and_stop;
+      sigemptyset(&sa.sa_mask);
+      for (int other : kSignals) sigaddset(&sa.sa_mask, other);
+      ::sigaction(sig, &sa, nullptr);
+    }
+    return true;
+  }();
+  (void)installed;
+}
+
+// The slot holding `path`, or -1 when all are taken (the file is then only removed by the
+// destructor, as before).
+int register_temporary(const char* path) {
+  install_handler();
+  for (int i = 0; i < static_cast<int>(std::size(g_temporaries)); ++i) {
+    const char* empty = nullptr;
+    if (g_temporaries[i].compare_exchange_strong(empty, path)) return i;
+  }
+  return -1;
+}
+
+void unregister_temporary(int slot) {
+  if (slot >= 0) g_temporaries[slot].store(nullptr);
+}
+
 }  // namespace
 
 struct AtomicOutputFile::Impl {
   FILE* f = nullptr;
   FileBuf buf;
   std::ostream out;
+  int slot = -1;  // in g_temporaries
   explicit Impl(FILE* file) : f(file), buf(file), out(&buf) {}
 };
 
@@ -96,7 +148,10 @@ void check_writable(const std::string& path, const std::string& flag) {
 AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& flag)
     : path_(path), target_(resolve_output(path, flag)), flag_(flag), impl_(nullptr) {
   tmp_ = target_ + "." + std::to_string(::getpid()) + ".tmp";
+  // Registered before it exists, so that no moment leaves it unknown to the signal handler.
+  const int slot = register_temporary(tmp_.c_str());
   FILE* f = std::fopen(tmp_.c_str(), "wb");
+  if (!f) unregister_temporary(slot);
   if (!f) throw InputError(flag_, "cannot write '" + path_ + "': " + reason(errno));
   // A file replaced keeps its permissions (a private machine file or checkpoint stays private)
   // and, where the process may give it, its owner.
@@ -106,13 +161,15 @@ AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& f
     (void)!::fchown(fileno(f), st.st_uid, st.st_gid);
   }
   impl_ = new Impl(f);
+  impl_->slot = slot;
 }
 
 AtomicOutputFile::~AtomicOutputFile() {
   if (!impl_) return;
   std::fclose(impl_->f);
-  delete impl_;
   std::remove(tmp_.c_str());
+  unregister_temporary(impl_->slot);
+  delete impl_;
 }
 
 std::ostream& AtomicOutputFile::stream() {
@@ -126,13 +183,13 @@ void AtomicOutputFile::commit() {
   if (err == 0 && (std::fflush(impl_->f) != 0 || ::fsync(fileno(impl_->f)) != 0))
     err = errno ? errno : EIO;
   if (std::fclose(impl_->f) != 0 && err == 0) err = errno ? errno : EIO;
+  const int slot = impl_->slot;
   delete impl_;
   impl_ = nullptr;
   if (err == 0 && std::rename(tmp_.c_str(), target_.c_str()) != 0) err = errno ? errno : EIO;
-  if (err != 0) {
-    std::remove(tmp_.c_str());
-    throw InputError(flag_, "cannot write '" + path_ + "': " + reason(err));
-  }
+  if (err != 0) std::remove(tmp_.c_str());
+  unregister_temporary(slot);
+  if (err != 0) throw InputError(flag_, "cannot write '" + path_ + "': " + reason(err));
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes,

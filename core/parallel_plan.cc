@@ -135,8 +135,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
       f << " --moe-layer-freq " << m.moe_layer_freq;
     }
     if (m.moe_capacity_factor > 0)
-      f << " --moe-expert-capacity-factor " << m.moe_capacity_factor
-        << " --moe-token-drop-policy probs";
+      f << " --moe-expert-capacity-factor " << m.moe_capacity_factor << " --moe-token-drop-policy "
+        << (m.moe_drop_by_position ? "position" : "probs");
     f << " --moe-token-dispatcher-type alltoall --moe-grouped-gemm";
   }
   f << " --tensor-model-parallel-size " << tensor_parallel << " --pipeline-model-parallel-size "

@@ -42,7 +42,10 @@ std::string differences(const nlohmann::json& saved, const nlohmann::json& now) 
       return;
     }
     const std::string name = prefix.empty() ? "layout" : prefix.substr(0, prefix.size() - 1);
-    out.push_back(name + " " + a.dump() + " in the checkpoint, " + b.dump() + " here");
+    auto value = [](const nlohmann::json& j) {
+      return j.is_null() ? std::string("absent") : j.dump();
+    };
+    out.push_back(name + " " + value(a) + " in the checkpoint, " + value(b) + " here");
   };
   walk(walk, saved, now, "", 0);
   std::string text;
@@ -85,7 +88,10 @@ void write_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
   std::error_code ec;
   std::filesystem::create_directories(checkpoint_step_dir(dir, step), ec);
   if (ec) throw save_error("create", checkpoint_step_dir(dir, step), ec.value());
-  nlohmann::json header = {{"step", step}, {"layout", layout}, {"arrays", nlohmann::json::array()}};
+  // The rank is recorded so that shards swapped or renamed between ranks are refused on load
+  // (ranks of one layout can hold arrays of the same sizes, e.g. tensor-parallel halves).
+  nlohmann::json header = {
+      {"step", step}, {"rank", rank}, {"layout", layout}, {"arrays", nlohmann::json::array()}};
   for (const auto& a : arrays) header["arrays"].push_back(a.size());
   std::string bytes = kMagic;
   bytes += header.dump() + "\n";
@@ -124,10 +130,14 @@ std::vector<int64_t> prune_checkpoints(const std::string& dir, int64_t latest, i
 
 int64_t read_latest(const std::string& dir) {
   std::ifstream in(std::filesystem::path(dir) / "latest");
-  int64_t step = -1;
-  if (!in || !(in >> step) || step < 0)
+  std::string text;
+  if (in) std::getline(in, text, '\0');
+  // Exactly what write_latest writes: decimal digits and one newline.
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!in || text.empty() || text.size() > 18 ||
+      text.find_first_not_of("0123456789") != std::string::npos)
     throw InputError("--load", "no checkpoint in " + dir + " (no readable 'latest' file)");
-  return step;
+  return std::stoll(text);
 }
 
 CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int64_t step,
@@ -160,10 +170,23 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
   CheckpointShard c;
   c.step = header["step"].get<int64_t>();
   c.layout = header["layout"];
-  if (c.layout != expected)
-    throw InputError("--load", "the checkpoint in " + dir + " was written by another layout (" +
-                                   describe(c.layout) + ") than this run (" + describe(expected) +
-                                   "): " + differences(c.layout, expected));
+  if (c.step != step)
+    throw InputError("--load", path + " holds step " + std::to_string(c.step) + ", not step " +
+                                   std::to_string(step) + " as its directory and 'latest' say");
+  if (!header.contains("rank") || !header["rank"].is_number_integer() ||
+      header["rank"].get<int64_t>() != rank)
+    throw InputError("--load", path + " holds the shard of rank " +
+                                   (header.contains("rank") ? header["rank"].dump() : "?") +
+                                   ", not of rank " + std::to_string(rank) +
+                                   " (shards swapped or renamed?)");
+  if (c.layout != expected) {
+    const std::string was = describe(c.layout), now = describe(expected);
+    throw InputError("--load",
+                     "the checkpoint in " + dir + " was written by " +
+                         (was == now ? "another model or batch (same layout, " + was + ")"
+                                     : "another layout (" + was + ") than this run (" + now + ")") +
+                         ": " + differences(c.layout, expected));
+  }
   size_t pos = eol + 1;
   for (const auto& n : header["arrays"]) {
     // Sizes are compared with what the file holds before anything is allocated.

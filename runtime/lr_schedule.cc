@@ -17,8 +17,8 @@ double LearningRateSchedule::at(int64_t step) const {
 }
 
 void LearningRateSchedule::validate() const {
-  if (!(lr > 0)) throw InputError("--lr", "must be positive");
-  if (min_lr < 0 || min_lr > lr) throw InputError("--min-lr", "must be in [0, --lr]");
+  if (!(lr > 0 && std::isfinite(lr))) throw InputError("--lr", "must be positive and finite");
+  if (!(min_lr >= 0 && min_lr <= lr)) throw InputError("--min-lr", "must be in [0, --lr]");
   if (warmup_steps < 0) throw InputError("--lr-warmup-steps", "must not be negative");
   if (decay != "constant" && decay != "cosine")
     throw InputError("--lr-decay-style", "must be constant or cosine, got '" + decay + "'");

@@ -200,6 +200,7 @@ MoeDims moe_dims(const ModelSpec& m, int64_t t, int64_t ep, int64_t ep_rank, int
   d.etp = etp;
   d.etp_rank = etp_rank;
   d.capacity_factor = m.moe_capacity_factor;
+  d.drop_by_position = m.moe_drop_by_position;
   d.shared = m.moe_shared_expert_ffn_size > 0;
   d.shared_ffl = m.moe_shared_expert_ffn_size / t;
   return d;
@@ -304,7 +305,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       if (d.capacity_factor > 0) {
         const auto capacity = static_cast<int64_t>(
             std::ceil(d.capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
-        kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity);
+        kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity,
+                                    d.drop_by_position);
       }
       release(A.logits);
       break;

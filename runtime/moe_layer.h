@@ -48,11 +48,12 @@ struct MoeDims {
   int64_t experts = 0, local_experts = 0, topk = 1;
   int64_t ffe = 0;  // one expert's FFN width on this rank (moe_ffn_hidden / etp)
   int64_t ep = 1, ep_rank = 0, etp = 1, etp_rank = 0;
-  double capacity_factor = 0;  // 0: dropless
-  bool fc1_gated = false;      // SwiGLU experts: FC1 rows [gate | up]
-  bool shared = false;         // shared experts run as the layer's dense MLP ops
-  int64_t shared_ffl = 0;      // their width on this rank (moe_shared_expert_ffn_size / t)
-  int64_t fc1_width() const;   // rows of one expert's FC1 weight on this rank
+  double capacity_factor = 0;     // 0: dropless
+  bool drop_by_position = false;  // over capacity, keep the first tokens (else the most probable)
+  bool fc1_gated = false;         // SwiGLU experts: FC1 rows [gate | up]
+  bool shared = false;            // shared experts run as the layer's dense MLP ops
+  int64_t shared_ffl = 0;         // their width on this rank (moe_shared_expert_ffn_size / t)
+  int64_t fc1_width() const;      // rows of one expert's FC1 weight on this rank
 };
 
 // What one MoE layer keeps between its forward and backward pass (and its backward scratch).

@@ -645,6 +645,31 @@ std::vector<std::string> tiny_run(std::vector<std::string> extra) {
   return args;
 }
 
+// Found by exploratory testing: an empty value (an unset shell variable) was taken as the flag
+// left out (`--save ''` trained without checkpoints and exited 0), non-finite numbers passed
+// checks written as `x > 0`, a seed past 2^64 - 1 saturated, and a job that fits no
+// configuration exited 1 (an internal error's status) without naming a flag.
+TEST(CliErrors, EmptyValuesNonFiniteNumbersAndJobsThatFitNothing) {
+  expect_bad(predict_with("--tensor-model-parallel-size", ""), "--tensor-model-parallel-size");
+  expect_bad(predict_with("--pipeline-schedule", ""), "--pipeline-schedule");
+  expect_bad(tiny_run({"--save", ""}), "--save: needs a value");
+  expect_bad(tiny_run({"--load", ""}), "--load");
+  expect_bad(tiny_run({"--svg", ""}), "--svg");
+  expect_bad(tiny_run({"--seed", "-1"}), "--seed");
+  expect_bad(tiny_run({"--seed", "18446744073709551616"}), "--seed");
+  expect_bad(tiny_run({"--seed", "0x10"}), "--seed");
+  expect_bad(tiny_run({"--lr", "inf"}), "--lr");
+  expect_bad(tiny_run({"--dry-run", "--memory-limit-gib", "inf"}), "--memory-limit-gib");
+  expect_bad(
+      {"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "8", "--out", ""},
+      "--out");
+  expect_bad({"plan", "--model", "gpt-1t", "--num-gpus", "8", "--global-batch-size", "512",
+              "--no-progress", "--json"},
+             "--num-gpus: no configuration of gpt-1t fits on 8 GPUs");
+  const Result seed = run(tiny_run({"--seed", "18446744073709551615"}));
+  EXPECT_EQ(seed.status, 0) << seed.err;
+}
+
 TEST(Cli, RunPrintsAStepLineEachAndJsonWithLossesAndTimes) {
   const Result text = run(kTinyRun);
   ASSERT_EQ(text.status, 0) << text.err;

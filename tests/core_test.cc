@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -286,6 +287,48 @@ TEST(HuggingFace, DefaultsForOtherModels) {
   json bad = j;
   bad["num_key_value_heads"] = "8";
   EXPECT_EQ(field_of([&] { model_from_json(bad); }), "num_key_value_heads");
+}
+
+// What ptdp would price wrongly is refused naming the config's key, and errors found after
+// reading name the config's keys, not ptdp's fields (found by exploratory testing: Qwen3's
+// head_dim was ignored, pricing 3.7B parameters for a 4.0B model).
+TEST(HuggingFace, UnmodelledFieldsAreRefusedInTheConfigsTerms) {
+  const json llama = {
+      {"model_type", "llama"},     {"hidden_act", "silu"},      {"hidden_size", 2560},
+      {"num_hidden_layers", 4},    {"num_attention_heads", 32}, {"num_key_value_heads", 8},
+      {"intermediate_size", 9728}, {"vocab_size", 1024},        {"max_position_embeddings", 4096},
+      {"rope_theta", 1e6}};
+  EXPECT_EQ(model_from_json(llama).num_layers, 4);
+  json j = llama;
+  j["head_dim"] = 80;  // hidden_size / num_attention_heads: as modelled
+  EXPECT_EQ(model_from_json(j).kv_channels(), 80);
+  j["head_dim"] = 128;  // Qwen3-4B's
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "head_dim");
+  j = llama;
+  j["model_type"] = "gemma";
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "model_type");
+  j = llama;
+  j["hidden_activation"] = "gelu_pytorch_tanh";
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "hidden_activation");
+  j = llama;
+  j["hidden_act"] = "relu";
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "hidden_act");
+  j = llama;
+  j["num_key_value_heads"] = 3;
+  EXPECT_EQ(message_of([&] { model_from_json(j); }),
+            "num_key_value_heads: 3 does not divide num_attention_heads (32)");
+  j = llama;
+  j.erase("max_position_embeddings");
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "max_position_embeddings");
+  j = llama;
+  j["rope_theta"] = 0.5;
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "rope_theta");
+  j = llama;
+  j["num_experts"] = nullptr;  // dense, as stated
+  EXPECT_EQ(model_from_json(j).num_experts, 0);
+  j["num_experts"] = 4;
+  j["n_shared_experts"] = -1;
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "n_shared_experts");
 }
 
 // ---- bad input ----
@@ -809,6 +852,31 @@ TEST(OutputFile, OnlyACommittedFileAppears) {
   out.commit();
   EXPECT_EQ(read(f), std::string(200000, 'z'));
   EXPECT_EQ(entries(d), 1u);
+}
+
+// A process stopped by SIGINT, SIGTERM or SIGHUP while writing (Ctrl-C during a checkpoint
+// save) removes its temporary files and still ends by that signal (found by exploratory
+// testing: a 113 MB shard's temporary file stayed under a name no run reuses).
+TEST(OutputFile, AStopSignalRemovesTheTemporaryFile) {
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    const fs::path d = fresh_dir("signal" + std::to_string(sig));
+    const fs::path f = d / "shard.bin";
+    std::ofstream(f) << "previous";
+    EXPECT_EXIT(
+        {
+          AtomicOutputFile first(f.string(), "--save");
+          first.stream() << std::string(200000, 'z');
+          AtomicOutputFile second((d / "other.bin").string(), "--save");
+          second.stream() << "partial";
+          second.stream().flush();
+          if (fs::exists(first.temporary_path()) && fs::exists(second.temporary_path()))
+            std::raise(sig);
+          std::exit(0);  // the files were not created: the test fails
+        },
+        ::testing::KilledBySignal(sig), "");
+    EXPECT_EQ(read(f), "previous");
+    EXPECT_EQ(entries(d), 1u) << "signal " << sig;
+  }
 }
 
 }  // namespace output_file

@@ -13,6 +13,7 @@
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "runtime/moe_layer.h"
 #include "tests/support/input_error.h"
 
 namespace ptdp {
@@ -89,7 +90,7 @@ TEST(MoeModel, HuggingFaceMoeFields) {
   EXPECT_EQ(field_of([&] { model_from_json(shared); }), "n_shared_experts");
   json topk = mixtral;
   topk["num_experts_per_tok"] = 9;
-  EXPECT_EQ(field_of([&] { model_from_json(topk); }), "moe_router_topk");
+  EXPECT_EQ(field_of([&] { model_from_json(topk); }), "num_experts_per_tok");  // the config's key
 }
 
 TEST(MoeModel, WhichLayersAreMoe) {
@@ -126,6 +127,23 @@ TEST(MoeModel, BadFieldsNameThemselves) {
   EXPECT_EQ(with("moe_capacity_factor", 0.5), "moe_capacity_factor");
   EXPECT_EQ(with("num_experts", int64_t{1} << 40), "num_experts");
   EXPECT_EQ(with("moe_expert_count", 8), "moe_expert_count");  // unknown MoE field
+  EXPECT_EQ(with("moe_token_drop_policy", "random"), "moe_token_drop_policy");
+}
+
+// --moe-token-drop-policy position was accepted and ignored (found by exploratory testing): it
+// is now a model field that reaches the JSON, the printed Megatron flags and the runtime.
+TEST(MoeModel, TokenDropPolicyIsKept) {
+  ModelSpec m = resolve_model("mixtral-8x7b");
+  m.moe_capacity_factor = 1.25;
+  EXPECT_NE(ParallelPlan{}.megatron_flags(m).find("--moe-token-drop-policy probs"),
+            std::string::npos);
+  m.moe_drop_by_position = true;
+  const json j = to_json(m);
+  EXPECT_EQ(j.at("moe_token_drop_policy"), "position");
+  EXPECT_TRUE(model_from_json(j).moe_drop_by_position);
+  EXPECT_NE(ParallelPlan{}.megatron_flags(m).find("--moe-token-drop-policy position"),
+            std::string::npos);
+  EXPECT_TRUE(moe_dims(m, 1, 1, 0, 1, 0).drop_by_position);
 }
 
 TEST(ContextAndExpertParallel, PlanRulesNameTheFlag) {

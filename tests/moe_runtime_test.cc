@@ -81,6 +81,15 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
   }
   EXPECT_EQ(dropped, naive_dropped);
   EXPECT_GT(dropped, 0);
+  // The position policy keeps each expert's first `cap` assignments in token order.
+  std::vector<int32_t> first = expert;
+  EXPECT_EQ(kernels::drop_over_capacity(first.data(), prob.data(), n, k, E, cap, true), dropped);
+  std::vector<int64_t> seen(static_cast<size_t>(E), 0);
+  for (int64_t s = 0; s < n * k; ++s) {
+    const int32_t e = expert[static_cast<size_t>(s)];
+    EXPECT_EQ(first[static_cast<size_t>(s)], seen[static_cast<size_t>(e)]++ < cap ? e : -1) << s;
+  }
+  EXPECT_NE(first, kept);  // the two policies differ on these logits
   // Permutation: rows grouped by expert, tokens ascending; unpermute is the weighted sum.
   std::vector<int64_t> slot_of_row(static_cast<size_t>(n * k)), counts(static_cast<size_t>(E));
   const int64_t rows =

@@ -520,7 +520,7 @@ TEST(Train, CheckpointsAreVerifiedBeforeTraining) {
   expect_load_error(other, "another layout");
   other = o;
   other.model.hidden_size = 32;
-  expect_load_error(other, "another layout");
+  expect_load_error(other, "another model or batch (same layout, t=1 p=1 d=1 v=1)");
   // A flipped byte fails the checksum.
   const std::string file = checkpoint_file(dir.string(), 2, 0);
   {
@@ -664,10 +664,10 @@ TEST(Checkpoint, DamagedHeadersAreInputErrors) {
   const nlohmann::json layout = {{"t", 1}};
   const std::string four_floats(16, '\0');
   // An array size whose byte count wraps around: was a multi-exabyte allocation.
-  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[4611686018427387905]})",
+  write_raw_shard(dir, R"({"step":0,"rank":0,"layout":{"t":1},"arrays":[4611686018427387905]})",
                   four_floats);
   EXPECT_NE(load_error(dir.string(), layout).find("is truncated"), std::string::npos);
-  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[-1]})", four_floats);
+  write_raw_shard(dir, R"({"step":0,"rank":0,"layout":{"t":1},"arrays":[-1]})", four_floats);
   EXPECT_NE(load_error(dir.string(), layout).find("is truncated"), std::string::npos);
   // Headers that are not the object ptdp writes: were nlohmann::json type errors.
   for (const char* header : {"7", R"({"step":"x","layout":{"t":1},"arrays":[]})",
@@ -677,19 +677,64 @@ TEST(Checkpoint, DamagedHeadersAreInputErrors) {
         << header;
   }
   // Another layout that is not an object: its description was a type error.
-  write_raw_shard(dir, R"({"step":0,"layout":5,"arrays":[]})", "");
+  write_raw_shard(dir, R"({"step":0,"rank":0,"layout":5,"arrays":[]})", "");
   EXPECT_NE(load_error(dir.string(), layout).find("another layout (t=? p=? d=? v=?)"),
             std::string::npos);
   // Bytes the header does not account for.
-  write_raw_shard(dir, R"({"step":0,"layout":{"t":1},"arrays":[2]})", four_floats);
+  write_raw_shard(dir, R"({"step":0,"rank":0,"layout":{"t":1},"arrays":[2]})", four_floats);
   EXPECT_NE(load_error(dir.string(), layout).find("bytes after its arrays"), std::string::npos);
   // An empty array reads back empty (its copy had a null destination).
-  write_raw_shard(dir, R"({"step":4,"layout":{"t":1},"arrays":[0,4]})", four_floats);
+  write_raw_shard(dir, R"({"step":0,"rank":0,"layout":{"t":1},"arrays":[0,4]})", four_floats);
   const CheckpointShard c = read_checkpoint_shard(dir.string(), 0, 0, layout);
-  EXPECT_EQ(c.step, 4);
+  EXPECT_EQ(c.step, 0);
   ASSERT_EQ(c.arrays.size(), 2u);
   EXPECT_TRUE(c.arrays[0].empty());
   EXPECT_EQ(c.arrays[1], std::vector<float>(4, 0.0f));
+}
+
+// A shard holds its rank and step: shards swapped between ranks (which can hold arrays of the
+// same sizes, as tensor-parallel halves do) or a step directory whose file says another step
+// were loaded as they were (found by exploratory testing).
+TEST(Checkpoint, ShardsOfAnotherRankOrStepAreRefused) {
+  const auto dir = temp_dir("swapped");
+  const nlohmann::json layout = {{"t", 2}};
+  const std::vector<float> a(4, 1.0f);
+  write_checkpoint_shard(dir.string(), 0, 0, layout, {a});
+  write_checkpoint_shard(dir.string(), 1, 0, layout, {a});
+  EXPECT_EQ(read_checkpoint_shard(dir.string(), 1, 0, layout).arrays.size(), 1u);
+  const std::string zero = checkpoint_file(dir.string(), 0, 0);
+  const std::string one = checkpoint_file(dir.string(), 0, 1);
+  std::filesystem::rename(zero, zero + ".x");
+  std::filesystem::rename(one, zero);
+  std::filesystem::rename(zero + ".x", one);
+  for (int rank : {0, 1}) {
+    try {
+      read_checkpoint_shard(dir.string(), rank, 0, layout);
+      ADD_FAILURE() << "rank " << rank << " loaded the other rank's shard";
+    } catch (const InputError& e) {
+      EXPECT_EQ(e.field(), "--load");
+      EXPECT_NE(std::string(e.what()).find("holds the shard of rank " + std::to_string(1 - rank) +
+                                           ", not of rank " + std::to_string(rank)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  // Step 3's shard under step 0's directory.
+  write_checkpoint_shard(dir.string(), 0, 3, layout, {a});
+  std::filesystem::rename(checkpoint_file(dir.string(), 3, 0), zero);
+  EXPECT_NE(load_error(dir.string(), layout).find("holds step 3, not step 0"), std::string::npos);
+  // Two layouts that describe alike (only the model differs) are not called different layouts.
+  write_checkpoint_shard(dir.string(), 0, 0, {{"t", 2}, {"model", {{"hidden", 64}}}}, {a});
+  const std::string same = load_error(dir.string(), {{"t", 2}, {"model", {{"hidden", 128}}}});
+  EXPECT_NE(same.find("another model or batch"), std::string::npos) << same;
+  EXPECT_NE(same.find("model.hidden 64 in the checkpoint, 128 here"), std::string::npos) << same;
+  // 'latest' holds exactly a step number.
+  for (const char* text : {"3.5\n", "3\n\n99\n", " 3\n", "0x3\n", "-1\n", ""}) {
+    std::ofstream(dir / "latest") << text;
+    EXPECT_THROW(read_latest(dir.string()), InputError) << text;
+  }
+  std::ofstream(dir / "latest") << "12\n";
+  EXPECT_EQ(read_latest(dir.string()), 12);
 }
 
 // A shard that is not a regular file (here /dev/zero, which used to be read for ever).

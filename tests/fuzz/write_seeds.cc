@@ -50,13 +50,13 @@ int main(int argc, char** argv) {
   const nlohmann::json layout = nlohmann::json::parse(fuzz::kCheckpointLayout);
   const std::vector<float> a = {1.5f, -2.0f, 0.25f}, b = {}, c = {3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
   write_checkpoint_shard(tmp.string(), 0, 0, layout, {a, b, c});
-  write_checkpoint_shard(tmp.string(), 1, 0, layout, {});
+  write_checkpoint_shard((tmp / "empty").string(), 0, 0, layout, {});  // rank 0's, as read
   const std::string whole = read_file(checkpoint_file(tmp.string(), 0, 0));
   const std::string body = whole.substr(0, whole.size() - sizeof(uint64_t));
   write_file(corpus / "checkpoint/shard_as_written", std::string(1, '\0') + whole);
   write_file(corpus / "checkpoint/shard_checksum_appended", std::string(1, '\1') + body);
   write_file(corpus / "checkpoint/shard_and_latest", std::string(1, '\x23') + "0\n" + body);
-  const std::string empty = read_file(checkpoint_file(tmp.string(), 0, 1));
+  const std::string empty = read_file(checkpoint_file((tmp / "empty").string(), 0, 0));
   write_file(corpus / "checkpoint/no_arrays",
              std::string(1, '\x01') + empty.substr(0, empty.size() - sizeof(uint64_t)));
 
