@@ -766,14 +766,18 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // boundary and direction for every microbatch, plus the fill and drain of the pipeline.
   if (p.pipeline_parallel > 1) {
     out.p2p_time_s = comm_.p2p_time(activation_message_bytes(p), p);
-    double steady = out.p2p_time_s;
+    double steady = out.p2p_time_s, ring = 0;
     if (p.overlap_p2p_comm && p.virtual_stages > 1) {
       // Megatron-Core's interleaved schedule posts each steady-state transfer before the next
       // chunk's pass and waits after it: only what outlasts one chunk's forward pass shows.
       const double chunk_forward = s.forward.total() / v;
       steady = std::max(0.0, out.p2p_time_s - chunk_forward);
+      // Except in the warm-up's first (v-1) p forwards and the cool-down's last (v-1) p
+      // backwards: a group of p microbatches goes round the p stages chunk after chunk, each
+      // pass waiting for the one before it on the previous stage, so no pass hides a transfer.
+      ring = 2.0 * (v - 1.0) * pp;
     }
-    b.pp_comm = 2.0 * m * v * steady + 2.0 * (pp - 1.0) * out.p2p_time_s;
+    b.pp_comm = (2.0 * m * v - ring) * steady + (ring + 2.0 * (pp - 1.0)) * out.p2p_time_s;
   }
 
   // Data-parallel gradient reduction of the most loaded stage, and the tied-embedding

@@ -80,6 +80,7 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     in.p2p_latency = to_picos(split.latency_s);
     in.p2p_bytes = split.bytes;
     in.p2p_gather = to_picos(split.gather_s);
+    in.overlap_p2p = p.overlap_p2p_comm && v > 1;
   }
   return in;
 }

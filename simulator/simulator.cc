@@ -31,6 +31,43 @@ enum EventType : int32_t { kResume, kFlowBytesDone, kTransferDone, kGroupPhase, 
 
 void summarise(SimulationResult& out);
 
+bool forward_data(ActionKind k) {
+  return k == K::kSendForward || k == K::kRecvForward;
+}
+
+// Megatron-Core's interleaved schedule with overlapped p2p posts, in its steady state, the
+// forward direction's transfers (send this output, receive the next input) right after the
+// forward pass and the backward direction's right after the backward pass. The schedule lists
+// the non-overlapped order (one batched call after both passes); this moves the forward
+// direction's ops of such a call between the two passes. Elsewhere the order is the same.
+std::vector<PipelineAction> overlapped_order(const std::vector<PipelineAction>& list) {
+  std::vector<PipelineAction> out;
+  out.reserve(list.size());
+  for (size_t i = 0; i < list.size();) {
+    if (!is_p2p(list[i].kind)) {
+      out.push_back(list[i++]);
+      continue;
+    }
+    size_t end = i;
+    while (list[end].batched_with_next) ++end;
+    std::vector<PipelineAction> fwd, bwd;
+    for (size_t j = i; j <= end; ++j) {
+      PipelineAction a = list[j];
+      a.batched_with_next = true;
+      (forward_data(a.kind) ? fwd : bwd).push_back(a);
+    }
+    for (auto* part : {&fwd, &bwd})
+      if (!part->empty()) part->back().batched_with_next = false;
+    const size_t n = out.size();
+    const bool after_both =
+        n >= 2 && out[n - 2].kind == K::kForward && out[n - 1].kind == K::kBackward;
+    out.insert(after_both ? out.end() - 1 : out.end(), fwd.begin(), fwd.end());
+    out.insert(out.end(), bwd.begin(), bwd.end());
+    i = end + 1;
+  }
+  return out;
+}
+
 // Everything one iteration of the schedule needs, for one fixed number of microbatches.
 class Engine {
  public:
@@ -40,7 +77,10 @@ class Engine {
         p_(s_.p()),
         replicas_(in.full ? in.data_parallel : 1),
         topo_(topo),
-        net_(topo.links()) {
+        net_(topo.links()),
+        overlap_(in.overlap_p2p && s.spec.kind == Schedule::kInterleaved1F1B && s.v() > 1) {
+    if (overlap_)
+      for (const auto& list : s_.ranks) reordered_.push_back(overlapped_order(list));
     const int64_t entities = replicas_ * p_;
     ranks_.resize(static_cast<size_t>(entities));
     pending_group_.resize(static_cast<size_t>(entities));
@@ -57,7 +97,7 @@ class Engine {
     for (int64_t r = 0; r < p_; ++r) {
       auto& last = last_grad_action_[static_cast<size_t>(r)];
       last.assign(static_cast<size_t>(s_.v()), -1);
-      const auto& list = s_.ranks[static_cast<size_t>(r)];
+      const auto& list = actions(r);
       for (size_t i = 0; i < list.size(); ++i)
         if (list[i].kind == K::kBackward || list[i].kind == K::kBackwardWeight)
           last[static_cast<size_t>(list[i].chunk)] = static_cast<int64_t>(i);
@@ -109,6 +149,10 @@ class Engine {
     int waiting = 0;  // ops of the current p2p group or collective still outstanding
     Picos posted = 0;
     Picos longest = 0;  // longest transfer this rank waited on in its current group
+    // Overlapped p2p: sends posted and not yet through, and what the rank waits for (-1:
+    // nothing, -2: its sends, else the transfer bringing the input of its next pass).
+    int sends = 0;
+    int32_t awaiting = -1;
     double factor = 1;
     Picos dp_free = 0;  // the data-parallel stream is busy until then
     Picos finish = -1;
@@ -126,7 +170,9 @@ class Engine {
     int32_t src = -1, dst = -1;
     Picos start = 0;
     bool sender_waits = false;
-    Picos tail = 0;  // fixed latency after the bytes are through
+    bool done = false;
+    uint64_t key = 0;  // transfer_key
+    Picos tail = 0;    // fixed latency after the bytes are through
   };
   struct Rendezvous {
     std::vector<std::pair<int32_t, Picos>> arrived;
@@ -156,14 +202,57 @@ class Engine {
     }
   }
 
+  // Rank r's actions: the schedule's, or with overlapped p2p in Megatron-Core's order.
+  const std::vector<PipelineAction>& actions(int64_t r) const {
+    return overlap_ ? reordered_[static_cast<size_t>(r)] : s_.ranks[static_cast<size_t>(r)];
+  }
+
+  // A transfer's identity: who receives it, activation or gradient, the receiver's chunk and
+  // the microbatch.
+  static uint64_t transfer_key(int32_t receiver, bool data_forward, int64_t chunk,
+                               int32_t microbatch) {
+    return (static_cast<uint64_t>(receiver) << 40) ^ (static_cast<uint64_t>(data_forward) << 39) ^
+           (static_cast<uint64_t>(chunk) << 32) ^
+           static_cast<uint64_t>(static_cast<uint32_t>(microbatch));
+  }
+
+  // Overlapped p2p: whether rank e must wait before action `a`: a pass for the transfer that
+  // brings its input, the end of the iteration for the rank's sends.
+  bool must_wait(int32_t e, const PipelineAction& a) {
+    if (!overlap_) return false;
+    RankState& st = ranks_[static_cast<size_t>(e)];
+    PipelineAction wait = a;
+    if (is_compute(a.kind)) {
+      const bool forward = a.kind == K::kForward;
+      auto it = inputs_.find(transfer_key(e, forward, a.chunk, a.microbatch));
+      if (it == inputs_.end()) return false;  // the first or last stage: no input to wait for
+      const int32_t id = it->second;
+      if (transfers_[static_cast<size_t>(id)].done) {
+        inputs_.erase(it);
+        return false;
+      }
+      st.awaiting = id;
+      wait.kind = forward ? K::kRecvForward : K::kRecvBackward;
+    } else {
+      if (st.sends == 0) return false;
+      st.awaiting = -2;
+    }
+    st.posted = now_;
+    st.longest = 0;
+    pending_group_[static_cast<size_t>(e)] = wait;
+    return true;
+  }
+
   // Runs rank e's actions from its program counter until it has to wait.
   void advance(int32_t e) {
     RankState& st = ranks_[static_cast<size_t>(e)];
     const int64_t r = e % p_;
-    const auto& list = s_.ranks[static_cast<size_t>(r)];
+    const auto& list = actions(r);
     while (st.pc < list.size()) {
       const PipelineAction& a = list[st.pc];
       if (is_compute(a.kind)) {
+        // With overlap, a pass waits here for the transfer that brings its input.
+        if (must_wait(e, a)) return;
         const PassCost& c = pass(r, a);
         const Picos compute =
             static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
@@ -200,12 +289,13 @@ class Engine {
           if (!list[i].batched_with_next) break;
         }
         st.pc = i + 1;
-        if (st.waiting > 0) {
+        if (!overlap_ && st.waiting > 0) {
           pending_group_[static_cast<size_t>(e)] = list[i];
           return;
         }
         continue;
       }
+      if (must_wait(e, a)) return;
       ++st.pc;
       if (!collective(e, a)) return;
     }
@@ -223,17 +313,24 @@ class Engine {
     const bool data_forward = a.kind == K::kSendForward || a.kind == K::kRecvForward;
     const int32_t receiver = is_send(a.kind) ? other : e;
     const int64_t recv_chunk = is_send(a.kind) ? other_stage / p_ : a.chunk;
-    const uint64_t key = (static_cast<uint64_t>(receiver) << 40) ^
-                         (static_cast<uint64_t>(data_forward) << 39) ^
-                         (static_cast<uint64_t>(recv_chunk) << 32) ^
-                         static_cast<uint64_t>(static_cast<uint32_t>(a.microbatch));
+    const uint64_t key = transfer_key(receiver, data_forward, recv_chunk, a.microbatch);
     auto [it, fresh] = open_.try_emplace(key, -1);
     if (fresh) {
       it->second = static_cast<int32_t>(transfers_.size());
       transfers_.emplace_back();
     }
     Transfer& tr = transfers_[static_cast<size_t>(it->second)];
-    if (is_send(a.kind)) {
+    tr.key = key;
+    if (overlap_) {  // nothing to wait for now: the receiver's pass waits for its input
+      if (is_send(a.kind)) {
+        tr.src = e;
+        tr.sender_waits = true;
+        ++st.sends;
+      } else {
+        tr.dst = e;
+        inputs_.emplace(key, it->second);
+      }
+    } else if (is_send(a.kind)) {
       tr.src = e;
       tr.sender_waits = s_.synchronous_p2p;
       if (s_.synchronous_p2p) ++st.waiting;
@@ -266,12 +363,21 @@ class Engine {
 
   void transfer_done(int32_t id) {
     // Copied: releasing a rank lets it post new transfers, which may grow transfers_.
+    transfers_[static_cast<size_t>(id)].done = true;
     const Transfer tr = transfers_[static_cast<size_t>(id)];
-    const Picos took = now_ - tr.start;
     auto release = [&](int32_t e) {
       RankState& st = ranks_[static_cast<size_t>(e)];
-      st.longest = std::max(st.longest, took);
-      if (--st.waiting > 0) return;
+      if (overlap_) {
+        if (e == tr.src) --st.sends;
+        const bool waited = e == tr.src ? st.awaiting == -2 && st.sends == 0 : st.awaiting == id;
+        if (!waited) return;
+        if (e == tr.dst) inputs_.erase(tr.key);
+        st.awaiting = -1;
+      }
+      // The part of the transfer in flight while the rank waited (an overlapped one may have
+      // started earlier, under a pass).
+      st.longest = std::max(st.longest, now_ - std::max(tr.start, st.posted));
+      if (!overlap_ && --st.waiting > 0) return;
       const Picos wait = now_ - st.posted;
       const Picos comm = std::min(wait, st.longest);
       st.stats.pp_comm += comm;
@@ -482,9 +588,12 @@ class Engine {
   const int64_t p_, replicas_;
   Topology& topo_;
   FlowNetwork net_;
+  const bool overlap_;
+  std::vector<std::vector<PipelineAction>> reordered_;  // [rank], with overlap
   std::vector<RankState> ranks_;
   std::vector<std::vector<int64_t>> last_grad_action_;
-  std::unordered_map<uint64_t, int32_t> open_;  // transfers posted by one side only
+  std::unordered_map<uint64_t, int32_t> open_;    // transfers posted by one side only
+  std::unordered_map<uint64_t, int32_t> inputs_;  // overlapped: receives posted, not yet used
   std::vector<Transfer> transfers_;
   std::unordered_map<int64_t, Rendezvous> rendezvous_;
   std::vector<PipelineAction> pending_group_;

@@ -73,6 +73,11 @@ struct SimulationInput {
   double p2p_bytes = 0;
   Picos p2p_latency = 0;
   Picos p2p_gather = 0;
+  // Megatron-Core's overlapped interleaved schedule (ParallelPlan::overlap_p2p_comm, used when
+  // v > 1): a rank posts each steady-state forward transfer after its forward pass and each
+  // backward transfer after its backward pass without waiting; a pass waits only for the
+  // transfer that brings its input, and the end of the iteration for the rank's sends.
+  bool overlap_p2p = false;
   // End of the iteration, per pipeline rank.
   std::vector<Picos> dp_sync;         // the whole data-parallel gradient reduction
   std::vector<Picos> dp_last_bucket;  // with overlap: the part that cannot start early
