@@ -20,6 +20,24 @@ int launcher_rank() {
 
 namespace {
 
+// An error that names one of two flags stating the same thing (the plan rules name the one
+// Megatron uses for the layout) named by the one the user gave.
+std::string as_given(const CLI::App& app, const InputError& e) {
+  static const std::pair<const char*, const char*> kSame[] = {
+      {"--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"},
+      {"--num-virtual-stages-per-pipeline-rank", "--num-layers-per-virtual-pipeline-stage"},
+  };
+  for (const CLI::App* sub : app.get_subcommands())
+    for (const auto& [named, other] : kSame) {
+      if (e.field() != named) continue;
+      const CLI::Option* given = sub->get_option_no_throw(other);
+      const CLI::Option* stated = sub->get_option_no_throw(named);
+      if (given && given->count() > 0 && !(stated && stated->count() > 0))
+        return std::string(other) + ": " + std::string(e.what()).substr(e.field().size() + 2);
+    }
+  return e.what();
+}
+
 // run_cli, or with run_command false parse_cli.
 int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err, bool run_command) {
   CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
@@ -83,7 +101,7 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
       if (app.got_subcommand(name)) return action(out, err);
     }
   } catch (const InputError& e) {
-    err << "ptdp: " << e.what() << "\n";
+    err << "ptdp: " << as_given(app, e) << "\n";
     return 2;
   } catch (const nlohmann::json::exception& e) {
     err << "ptdp: " << e.what() << "\n";

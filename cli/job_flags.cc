@@ -288,7 +288,13 @@ ModelSpec JobFlags::resolve_model() const {
     }
     if (model.empty() || from_flag)
       throw InputError(flag, std::string(e.what()).substr(e.field().size() + 2));
-    throw;
+    // A field of the --model that a given flag conflicts with (--model llama3-8b
+    // --num-attention-heads 4: 8 query groups do not divide 4 heads): name that flag.
+    const std::string problem = std::string(e.what()).substr(e.field().size() + 2);
+    for (const ModelFlag& f : model_flags(*this))
+      if (f.given && *f.field && problem.find(f.field) != std::string::npos)
+        throw InputError(f.flag, "conflicts with --model " + model + ": " + e.what());
+    throw InputError("--model", e.what());
   }
   return m;
 }

@@ -75,15 +75,18 @@ InputError world_mismatch(const ParallelPlan& p, int world) {
                                   " ranks, not " + std::to_string(world));
 }
 
-// One rank's line of the dry-run table.
-std::string memory_row(const RankFootprint& r, const RankMemory& mem) {
+// One rank's line of the dry-run table; its cp coordinate too when there is context parallelism
+// (`with_cp`), or the ranks of one cp group print alike.
+std::string memory_row(const RankFootprint& r, const RankMemory& mem, bool with_cp) {
   char buf[200];
+  char cp[16] = "";
+  if (with_cp) std::snprintf(cp, sizeof cp, " %4lld", static_cast<long long>(r.cp));
   std::snprintf(
-      buf, sizeof buf, "%5lld %4lld %4lld %4lld %14lld %11.2f %10.2f %10.2f %10.2f %10.2f\n",
-      static_cast<long long>(r.rank), static_cast<long long>(r.tp), static_cast<long long>(r.pp),
-      static_cast<long long>(r.dp), static_cast<long long>(r.parameter_floats),
-      to_mib(mem.parameters), to_mib(mem.gradients), to_mib(mem.optimizer), to_mib(mem.activations),
-      to_mib(mem.peak()));
+      buf, sizeof buf, "%5lld %4lld%s %4lld %4lld %14lld %11.2f %10.2f %10.2f %10.2f %10.2f\n",
+      static_cast<long long>(r.rank), static_cast<long long>(r.tp), cp,
+      static_cast<long long>(r.pp), static_cast<long long>(r.dp),
+      static_cast<long long>(r.parameter_floats), to_mib(mem.parameters), to_mib(mem.gradients),
+      to_mib(mem.optimizer), to_mib(mem.activations), to_mib(mem.peak()));
   return buf;
 }
 
@@ -110,11 +113,12 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
       if (need > limit) {
         char buf[200];
         std::snprintf(buf, sizeof buf,
-                      "rank %lld (tp %lld, pp %lld, dp %lld) would need %.1f MiB, more than the "
-                      "%.1f MiB it has (%s)",
+                      "rank %lld (tp %lld, cp %lld, pp %lld, dp %lld) would need %.1f MiB, more "
+                      "than the %.1f MiB it has (%s)",
                       static_cast<long long>(r.rank), static_cast<long long>(r.tp),
-                      static_cast<long long>(r.pp), static_cast<long long>(r.dp), to_mib(need),
-                      to_mib(limit), limit_source.c_str());
+                      static_cast<long long>(r.cp), static_cast<long long>(r.pp),
+                      static_cast<long long>(r.dp), to_mib(need), to_mib(limit),
+                      limit_source.c_str());
         throw InputError(f.memory_limit_gib ? "--memory-limit-gib" : "memory", buf);
       }
     };
@@ -166,11 +170,12 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     if (f.json) continue;
     out << "ptdp run --dry-run: " << which << ": " << plan_line(model, np.plan) << "\n";
     char buf[200];
-    std::snprintf(buf, sizeof buf, "%5s %4s %4s %4s %14s %11s %10s %10s %10s %10s\n", "rank", "tp",
-                  "pp", "dp", "parameters", "params MiB", "grads MiB", "optim MiB", "activ MiB",
-                  "peak MiB");
+    const bool with_cp = np.plan.context_parallel > 1;
+    std::snprintf(buf, sizeof buf, "%5s %4s%s %4s %4s %14s %11s %10s %10s %10s %10s\n", "rank",
+                  "tp", with_cp ? "   cp" : "", "pp", "dp", "parameters", "params MiB", "grads MiB",
+                  "optim MiB", "activ MiB", "peak MiB");
     out << buf;
-    for (size_t i = 0; i < ranks.size(); ++i) out << memory_row(ranks[i], mem[i]);
+    for (size_t i = 0; i < ranks.size(); ++i) out << memory_row(ranks[i], mem[i], with_cp);
     std::snprintf(buf, sizeof buf, "ok: %zu ranks; largest predicted peak %.2f MiB (rank %zu); ",
                   ranks.size(), to_mib(mem[worst].peak()), worst);
     out << buf;

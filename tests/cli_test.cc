@@ -668,6 +668,15 @@ TEST(CliErrors, EmptyValuesNonFiniteNumbersAndJobsThatFitNothing) {
              "--num-gpus: no configuration of gpt-1t fits on 8 GPUs");
   const Result seed = run(tiny_run({"--seed", "18446744073709551615"}));
   EXPECT_EQ(seed.status, 0) << seed.err;
+  // The flag given is named: of two that state the interleaving, and of a --model's fields
+  // that a flag on top of it breaks.
+  auto v12 = predict_with("--pipeline-model-parallel-size", "16");
+  v12.insert(v12.end(), {"--num-virtual-stages-per-pipeline-rank", "12"});
+  expect_bad(v12, "--num-virtual-stages-per-pipeline-rank: 12 virtual stages");
+  expect_bad({"predict", "--model", "llama3-8b", "--num-attention-heads", "4", "--num-gpus", "8",
+              "--global-batch-size", "8", "--tensor-model-parallel-size", "1",
+              "--pipeline-model-parallel-size", "1", "--micro-batch-size", "1"},
+             "--num-attention-heads: conflicts with --model llama3-8b");
 }
 
 TEST(Cli, RunPrintsAStepLineEachAndJsonWithLossesAndTimes) {
