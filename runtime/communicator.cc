@@ -136,7 +136,7 @@ class SelfCommunicator final : public Communicator {
                                                std::span<const size_t> counts, DType t,
                                                DeviceStream) override {
     if (counts.size() != 1) throw std::invalid_argument("reduce-scatter counts of a group of one");
-    if (counts[0] > 0) std::memmove(out, in, counts[0] * dtype_bytes(t));
+    if (counts[0] > 0 && in != out) std::memmove(out, in, counts[0] * dtype_bytes(t));
     return done();
   }
   std::unique_ptr<Work> start_all_gather_v(const void* in, void* out,

@@ -122,8 +122,10 @@ class Communicator {
   }
   // Uneven blocks (MPI_Reduce_scatter): in holds the sum of `counts` elements on every rank, the
   // blocks in rank order; out gets counts[rank()] elements, this rank's block of the element-wise
-  // sum. in and out do not overlap. The overlapped gradient reduction hands each rank the part of
-  // a bucket that falls in its distributed-optimizer shard with it (runtime/grad_sync.h).
+  // sum. With in == out (in place) the block's sum lands where the block is, after the blocks
+  // of the ranks before it, and the other blocks are left undefined; otherwise in and out do not
+  // overlap. The distributed optimizer reduces each rank's shard of the gradients so, in the
+  // gradient buffer itself, as Megatron-Core does (runtime/grad_sync.h).
   std::unique_ptr<Work> reduce_scatter_v_async(const void* in, void* out,
                                                std::span<const size_t> counts, DType t,
                                                DeviceStream s = {}) {

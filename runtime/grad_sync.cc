@@ -21,7 +21,6 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
   }
   adam_m_ = DeviceBuffer(be_, DType::kF32, state);
   adam_v_ = DeviceBuffer(be_, DType::kF32, state);
-  if (dist_) shard_grads_ = DeviceBuffer(be_, DType::kF32, state);
   if (shard_.params().dtype() != DType::kF32) {
     // Mixed precision: fp32 master weights of what this rank updates, from the model's weights.
     master_ = DeviceBuffer(be_, DType::kF32, state);
@@ -119,6 +118,11 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
     }
 }
 
+int64_t DataParallelOptimizer::own_shard(size_t seg) const {
+  const Segment& s = shard_.segments()[seg];
+  return s.offset + shard_rank_of(seg) * (s.size / shards_of(seg));
+}
+
 size_t DataParallelOptimizer::segment_of(int64_t lo, int64_t hi) const {
   const auto& segs = shard_.segments();
   for (size_t i = 0; i < segs.size(); ++i)
@@ -144,13 +148,9 @@ std::unique_ptr<Work> DataParallelOptimizer::start_reduction(size_t seg, int64_t
   float* g = shard_.grads().data<float>();
   if (!dist_)
     return group_of(seg)->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
-  const std::vector<size_t> counts = shard_counts(seg, lo, hi);
-  const Segment& s = shard_.segments()[seg];
-  const int64_t shard = s.size / shards_of(seg);
-  const int64_t mine = s.offset + shard_rank_of(seg) * shard;
-  float* out =
-      shard_grads_.data<float>() + state_offset_[seg] + std::clamp(lo - mine, int64_t{0}, shard);
-  return group_of(seg)->reduce_scatter_v_async(g + lo, out, counts, DType::kF32);
+  // In place: the part of this rank's shard in [lo, hi) is summed where it is.
+  return group_of(seg)->reduce_scatter_v_async(g + lo, g + lo, shard_counts(seg, lo, hi),
+                                               DType::kF32);
 }
 
 void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
@@ -236,8 +236,7 @@ void DataParallelOptimizer::reduce_gradients() {
     if (d > 1) {
       if (!dist_) be_.scale(g, g_size, inv_d);
       for (size_t i = 0; dist_ && i < segs.size(); ++i)
-        be_.scale(shard_grads_.data<float>() + state_offset_[i], segs[i].size / shards_of(i),
-                  inv_d);
+        be_.scale(g + own_shard(i), segs[i].size / shards_of(i), inv_d);
     }
     return;
   }
@@ -253,9 +252,10 @@ void DataParallelOptimizer::reduce_gradients() {
   for (size_t i = 0; i < segs.size(); ++i) {
     const int64_t shard = segs[i].size / shards_of(i);
     if (shard == 0) continue;
-    float* out = shard_grads_.data<float>() + state_offset_[i];
-    group_of(i)->reduce_scatter(g + segs[i].offset, out, static_cast<size_t>(shard));
-    if (d > 1) be_.scale(out, shard, inv_d);
+    // In place, as Megatron-Core reduces into its gradient buffer: no second buffer.
+    const std::vector<size_t> counts(static_cast<size_t>(shards_of(i)), static_cast<size_t>(shard));
+    group_of(i)->reduce_scatter_v(g + segs[i].offset, g + segs[i].offset, counts, DType::kF32);
+    if (d > 1) be_.scale(g + own_shard(i), shard, inv_d);
   }
 }
 
@@ -263,7 +263,7 @@ void DataParallelOptimizer::sync_embedding() {
   if (g_.embedding->size() < 2) return;
   const Segment& s = shard_.segments()[0];
   if (dist_)
-    g_.embedding->all_reduce(shard_grads_.data<float>() + state_offset_[0],
+    g_.embedding->all_reduce(shard_.grads().data<float>() + own_shard(0),
                              static_cast<size_t>(s.size / g_.data_parallel));
   else
     g_.embedding->all_reduce(shard_.grads().data<float>() + s.offset, static_cast<size_t>(s.size));
@@ -272,7 +272,7 @@ void DataParallelOptimizer::sync_embedding() {
 double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
   finish_param_gather();  // every forward pass has waited for its part already
   const Ptr params = shard_.params().ptr();
-  float* grads = dist_ ? shard_grads_.data<float>() : shard_.grads().data<float>();
+  float* grads = shard_.grads().data<float>();  // reduced in place, shard or whole
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
   // tied embedding on the first stage).
   // Adjacent ranges are summed as one: on a GPU each sum_squares is a device-to-host copy,
@@ -282,9 +282,9 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   auto flush = [&] {
     if (run_hi > run_lo) sq = be_.sum_squares(grads + run_lo, run_hi - run_lo, sq);
   };
-  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
+  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t) {
     if (!counts_in_norm(p)) return;
-    const int64_t first = dist_ ? base : lo;
+    const int64_t first = lo;
     if (first != run_hi) {  // not adjacent: a new range
       flush();
       run_lo = run_hi = first;
@@ -313,7 +313,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   adam.beta2 = o.beta2;
   adam.eps = o.eps;
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    float* gp = grads + (dist_ ? base : lo);
+    float* gp = grads + lo;
     const int64_t n = hi - lo;
     if (coef != 1.0) be_.scale(gp, n, coef);
     AdamWSettings a = adam;

@@ -11,7 +11,8 @@
 // weights of what this rank owns (the whole model, or its 1/d shard with the distributed
 // optimizer) and writes their bf16 rounding into the model, which the distributed optimizer
 // then all-gathers in bf16. Bytes per parameter: 2 + 4 + 4 + 8 = 18, or 6 + 12 / d with the
-// distributed optimizer (its reduced gradient shard adds 4 / d), as the memory model counts.
+// distributed optimizer, whose reduce-scatter sums each rank's shard in place in the gradient
+// buffer (as Megatron-Core's), as the memory model counts.
 #pragma once
 
 #include <chrono>
@@ -153,6 +154,9 @@ class DataParallelOptimizer {
   void start_param_gathers();
   // The segment holding [lo, hi) (std::logic_error when none holds it whole).
   size_t segment_of(int64_t lo, int64_t hi) const;
+  // With the distributed optimizer: where this rank's shard of segment `seg` starts in the
+  // parameter (and gradient) buffer.
+  int64_t own_shard(size_t seg) const;
   // The part of [lo, hi) of segment `seg` in each rank's shard of it, in rank order.
   std::vector<size_t> shard_counts(size_t seg, int64_t lo, int64_t hi) const;
   // Starts the reduction of [lo, hi) of segment `seg` over its group (see reduce_bucket).
@@ -162,7 +166,7 @@ class DataParallelOptimizer {
   Backend& be_;
   DataParallelGroups g_;
   bool dist_;
-  DeviceBuffer adam_m_, adam_v_, shard_grads_;
+  DeviceBuffer adam_m_, adam_v_;
   DeviceBuffer master_;                // fp32 master weights of a bf16 model (empty for fp32)
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
   // Buckets started this step, and parameter gathers not yet waited for.

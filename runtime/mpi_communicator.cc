@@ -361,6 +361,20 @@ class MpiCommunicator final : public Communicator {
     }
     auto w = work(describe("reduce-scatter", total, t));
     w->keep(v);
+    if (in == out) {
+      // In place, each block's sum where the block is: one reduce to each block's rank
+      // (MPI_IN_PLACE's reduce-scatter would put this rank's block at the buffer's start).
+      char* base = static_cast<char*>(out);
+      size_t at = 0;
+      for (int r = 0; r < size_; ++r) {
+        void* block = base + at * dtype_bytes(t);
+        check(MPI_Ireduce(r == rank_ ? MPI_IN_PLACE : block, block, (*v)[static_cast<size_t>(r)],
+                          mpi_type(t), sum_op(t), r, g_.comm, w->add()),
+              "reduce-scatter");
+        at += counts[static_cast<size_t>(r)];
+      }
+      return w;
+    }
     check(MPI_Ireduce_scatter(in, out, v->data(), mpi_type(t), sum_op(t), g_.comm, w->add()),
           "reduce-scatter");
     return w;

@@ -98,6 +98,13 @@ class StagedCommunicator final : public Communicator {
   std::unique_ptr<Work> start_reduce_scatter_v(const void* in, void* out,
                                                std::span<const size_t> counts, DType t,
                                                DeviceStream s) override {
+    if (in == out) {  // in place: the whole buffer goes down and comes back, its block summed
+      sync();
+      Staged io = stage_in(out, total(counts) * dtype_bytes(t));
+      void* p = ptr(io, out);
+      auto w = inner_->reduce_scatter_v_async(p, p, counts, t, s);
+      return done(std::move(w), one(std::move(io)));
+    }
     return copied(in, total(counts), out, mine(counts), t, [&](const void* i, void* o) {
       return inner_->reduce_scatter_v_async(i, o, counts, t, s);
     });

@@ -427,9 +427,9 @@ std::vector<RankFootprint> Executor::dry_run(
     f.dp = pos.dp / cp_;
     f.cp = pos.dp % cp_;
     f.parameter_floats = total(sizes);
-    // AdamW's two moments, and with the distributed optimizer the reduced gradient shard.
+    // AdamW's two moments (the distributed optimizer reduces its gradient shard in place).
     // Mixed precision adds the fp32 master weights of the same range.
-    const int64_t states = (dist_ ? 3 : 2) + (o_.precision != DType::kF32 ? 1 : 0);
+    const int64_t states = 2 + (o_.precision != DType::kF32 ? 1 : 0);
     f.optimizer_floats = states * moment_floats(sizes, dist_, dcp_, expert_.edp);
     f.precision = o_.precision;
     all.push_back(f);

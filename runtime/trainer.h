@@ -117,7 +117,7 @@ TrainResult train(const TrainOptions& options, Communicator& world,
 // What one rank of a run holds: its parameter buffer in elements of `precision` (gradients as
 // many, in fp32) and its optimizer state in fp32 floats (AdamW's two moments, and with mixed
 // precision the master weights, of what it updates: its 1/d shard with the distributed
-// optimizer, which also keeps that shard's reduced gradients).
+// optimizer, whose gradients are reduced in place in the gradient buffer).
 struct RankFootprint {
   int64_t rank = 0, tp = 0, pp = 0, dp = 0, cp = 0;  // cp: the context-parallel index
   int64_t parameter_floats = 0, optimizer_floats = 0;

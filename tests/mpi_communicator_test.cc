@@ -235,6 +235,14 @@ TEST_P(Typed, UnevenReduceScatterHandsEachRankItsBlock) {
   if (counts[static_cast<size_t>(me)] == 0) {
     EXPECT_EQ(out.get(0), -7);  // an empty block: untouched
   }
+  // In place (the distributed optimizer's gradient shards): the block's sum lands where the
+  // block is, after the blocks of the ranks before it.
+  size_t own = 0;
+  for (int b = 0; b < me; ++b) own += counts[static_cast<size_t>(b)];
+  w.reduce_scatter_v(in.data(), in.data(), counts, t);
+  for (size_t j = 0; j < counts[static_cast<size_t>(me)]; ++j)
+    EXPECT_EQ(in.get(own + j), n * (10.0 * me + static_cast<double>(j)) + n * (n - 1) / 2)
+        << "in place, " << j;
   // Wrong number of counts: refused, not sent.
   const std::vector<size_t> short_counts(static_cast<size_t>(n) + 1, 0);
   EXPECT_THROW(w.reduce_scatter_v(in.data(), out.data(), short_counts, t), std::invalid_argument);

@@ -342,6 +342,16 @@ class NcclCommunicator final : public Communicator {
     const size_t all = total(counts);  // checks the counts before anything is queued
     return run("reduce-scatter", s, [&](cudaStream_t st, Staging& io) {
       const size_t eb = dtype_bytes(t);
+      if (in == out) {
+        // In place: each block's reduce writes only its root's own block, where it is.
+        char* whole = static_cast<char*>(io.in_out(out, all * eb));
+        size_t own = 0;
+        for (int r = 0; r < rank(); ++r) own += counts[static_cast<size_t>(r)];
+        return grouped_blocks(counts, [&](int root, size_t at, size_t n) {
+          return ncclReduce(whole + at * eb, whole + own * eb, n, nccl_type(t), ncclSum, root,
+                            c_->comm, st);
+        });
+      }
       const char* src = static_cast<const char*>(io.in(in, all * eb));
       void* dst = io.out(out, counts[static_cast<size_t>(rank())] * eb);
       return grouped_blocks(counts, [&](int root, size_t at, size_t n) {
