@@ -324,16 +324,16 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
     if (master_.size() > 0) be_.copy(CPtr(w), params.at(lo), n);
   });
   if (dist_) {
-    Buffer gathered(params.t);
     for (size_t i = 0; i < shard_.segments().size(); ++i) {
       const Segment& s = shard_.segments()[i];
       const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
       if (defer_gather_ && shards_of(i) > 1) continue;  // start_param_gathers() below
-      gathered.resize(static_cast<size_t>(s.size));
-      group_of(i)->all_gather(params.at(s.offset + shard_rank_of(i) * shard).p, gathered.raw(),
-                              static_cast<size_t>(shard), params.t);
-      be_.copy(gathered.ptr(), params.at(s.offset), s.size);
+      // In place: this rank's updated shard is its own block of the segment (no copy of the
+      // segment beside the parameters, as Megatron-Core gathers into its parameter buffer).
+      const std::vector<size_t> counts(static_cast<size_t>(shards_of(i)),
+                                       static_cast<size_t>(shard));
+      group_of(i)->all_gather_v(params.at(own_shard(i)).p, params.at(s.offset).p, counts, params.t);
     }
     if (defer_gather_) start_param_gathers();
   }
