@@ -247,6 +247,18 @@ int64_t ModelSpec::moe_layers_in(int64_t first, int64_t count) const {
   return multiples_below(hi) - multiples_below(lo);
 }
 
+double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
+  const bool fc2 = !moe_layer || moe_shared_expert_ffn_size > 0;
+  const double biases = has_biases(*this) ? (fc2 ? 2.0 : 1.0) : 0.0;
+  return 2 * norm_parameters(*this) + biases * static_cast<double>(hidden_size);
+}
+
+double ModelSpec::position_embedding_parameters() const {
+  return learned_position_embeddings
+             ? static_cast<double>(max_positions()) * static_cast<double>(hidden_size)
+             : 0.0;
+}
+
 double ModelSpec::embedding_parameters() const {
   const double positions = learned_position_embeddings ? static_cast<double>(max_positions()) : 0.0;
   return (static_cast<double>(vocab_size) + positions) * static_cast<double>(hidden_size);

@@ -93,10 +93,15 @@ struct ModelSpec {
   double parameters_per_layer() const;
   double moe_layer_parameters() const;
   double expert_parameters_per_layer() const;
-  double expert_parameters() const;     // all routed experts of all MoE layers
-  double embedding_parameters() const;  // word (+ position) embeddings
-  double output_parameters() const;     // untied LM head, 0 when tied
-  double parameters() const;            // everything; final layernorm included
+  double expert_parameters() const;  // all routed experts of all MoE layers
+  // What every tensor-parallel rank holds whole of a layer: its two norms and, with biases, the
+  // attention projection's and the (dense or shared-expert) FC2's bias, which row-parallel
+  // layers add after their reduction. An MoE layer's router is replicated too (not counted).
+  double replicated_parameters_per_layer(bool moe_layer = false) const;
+  double position_embedding_parameters() const;  // learned positions (replicated), else 0
+  double embedding_parameters() const;           // word (+ position) embeddings
+  double output_parameters() const;              // untied LM head, 0 when tied
+  double parameters() const;                     // everything; final layernorm included
 
   // Throws InputError naming the field when a size is missing, zero or inconsistent.
   void validate() const;

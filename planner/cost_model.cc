@@ -662,16 +662,24 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const double t = static_cast<double>(p.tensor_parallel);
   const int64_t moe = moe_layers_on_stage(p, r);
   const double dense_layers = static_cast<double>(p.layers_on_stage(model_, r) - moe);
-  double params = dense_layers * model_.parameters_per_layer() / t;
+  // Norms and the biases added after row-parallel reductions are whole on every tensor-parallel
+  // rank; the rest of a layer is split t ways.
+  const double kept = model_.replicated_parameters_per_layer();
+  double params = dense_layers * ((model_.parameters_per_layer() - kept) / t + kept);
   if (moe > 0) {
     // An MoE layer's attention and shared experts are sharded by t, its router replicated.
     const double router = static_cast<double>(model_.hidden_size * model_.num_experts);
+    const double kept_moe = model_.replicated_parameters_per_layer(true);
     const double dense =
         model_.moe_layer_parameters() - model_.expert_parameters_per_layer() - router;
-    params += static_cast<double>(moe) * (dense / t + router) + expert_parameters_on_stage(p, r);
+    params += static_cast<double>(moe) * ((dense - kept_moe) / t + kept_moe + router) +
+              expert_parameters_on_stage(p, r);
   }
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
-  if (first) params += model_.embedding_parameters() / t;
+  // The word embedding is vocabulary-parallel; learned position embeddings are whole.
+  if (first)
+    params += (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
+              model_.position_embedding_parameters();
   if (last) {
     params += 2.0 * static_cast<double>(model_.hidden_size);  // final layernorm
     if (model_.untie_embeddings_and_output_weights) {
