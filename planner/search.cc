@@ -326,7 +326,9 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("t", num(a.tensor_parallel), num(b.tensor_parallel));
   field("cp", num(a.context_parallel), num(b.context_parallel));
   field("ep", num(a.expert_parallel), num(b.expert_parallel));
-  field("etp", num(a.expert_tp()), num(b.expert_tp()));
+  // etp only where it is not t's (it follows t by default, and a dense model has no experts).
+  if (a.expert_tp() != a.tensor_parallel || b.expert_tp() != b.tensor_parallel)
+    field("etp", num(a.expert_tp()), num(b.expert_tp()));
   field("p", num(a.pipeline_parallel), num(b.pipeline_parallel));
   field("d", num(a.data_parallel), num(b.data_parallel));
   field("b", num(a.micro_batch_size), num(b.micro_batch_size));
