@@ -5,6 +5,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -88,12 +89,26 @@ int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err,
   for (const CLI::App* sub : app.get_subcommands())
     for (const CLI::Option* o : sub->get_options()) {
       if (o->count() == 0 || o->get_expected_min() == 0) continue;  // absent, or a flag
-      for (const std::string& v : o->results())
+      // Integers in decimal only: CLI11 reads them with base 0, so `--seed 010` was seed 8
+      // and `--steps 0x10` 16 steps.
+      const std::string type = o->get_type_name();
+      const bool integer = type.rfind("INT", 0) == 0 || type.rfind("UINT", 0) == 0;
+      for (const std::string& v : o->results()) {
+        std::string problem;
         if (v.empty()) {
-          if (launcher_rank() <= 0)
-            err << "ptdp: " << o->get_name() << ": needs a value, got an empty one\n";
+          problem = "needs a value, got an empty one";
+        } else if (integer) {
+          const std::string_view digits = std::string_view(v).substr(v[0] == '-' ? 1 : 0);
+          if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos ||
+              (digits.size() > 1 && digits[0] == '0'))
+            problem = "'" + v + "' is not a decimal integer";
+        }
+        if (!problem.empty()) {
+          if (launcher_rank() <= 0)  // one line, whatever the value holds
+            err << "ptdp: " << InputError(o->get_name(), problem).what() << "\n";
           return 2;
         }
+      }
     }
   if (!run_command) return 0;
   try {

@@ -103,13 +103,18 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (r.top.empty()) {
     // The job as given cannot run (an input error, status 2): say why the search rejected
     // what it enumerated, the most common reasons first.
+    // Memory first (what more GPUs would change), then the other rules by count.
     std::vector<std::pair<int64_t, std::string>> why;
     for (const auto& [reason, n] : r.rejected) why.emplace_back(n, reason);
-    std::sort(why.rbegin(), why.rend());
+    const std::string memory = "does not fit in GPU memory";
+    std::sort(why.begin(), why.end(), [&](const auto& a, const auto& b) {
+      return std::pair(a.second != memory, -a.first) < std::pair(b.second != memory, -b.first);
+    });
     std::string reasons;
     for (size_t i = 0; i < why.size() && i < 3; ++i)
       reasons += (i ? ", " : "; rejected: ") + std::to_string(why[i].first) + " " + why[i].second;
-    err << "ptdp: --num-gpus: no configuration of " << m.name << " fits on " << c.num_gpus()
+    err << "ptdp: " << (f.job.num_gpus ? "--num-gpus" : "--cluster") << ": no configuration of "
+        << m.name << " fits on " << c.num_gpus()
         << " GPUs with --global-batch-size " << base.global_batch_size << " (" << r.considered
         << " considered" << reasons << ")\n";
     return 2;

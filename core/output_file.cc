@@ -160,7 +160,14 @@ AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& f
     (void)::fchmod(fileno(f), st.st_mode & 07777);
     (void)!::fchown(fileno(f), st.st_uid, st.st_gid);
   }
-  impl_ = new Impl(f);
+  try {
+    impl_ = new Impl(f);
+  } catch (...) {  // out of memory: nothing of the file may outlive the failed constructor
+    std::fclose(f);
+    std::remove(tmp_.c_str());
+    unregister_temporary(slot);
+    throw;
+  }
   impl_->slot = slot;
 }
 

@@ -173,10 +173,11 @@ CheckpointShard read_checkpoint_shard(const std::string& dir, int64_t rank, int6
   if (c.step != step)
     throw InputError("--load", path + " holds step " + std::to_string(c.step) + ", not step " +
                                    std::to_string(step) + " as its directory and 'latest' say");
-  if (!header.contains("rank") || !header["rank"].is_number_integer() ||
-      header["rank"].get<int64_t>() != rank)
-    throw InputError("--load", path + " holds the shard of rank " +
-                                   (header.contains("rank") ? header["rank"].dump() : "?") +
+  if (!header.contains("rank"))
+    throw InputError("--load", path + " was written by a ptdp older than 2026-11-25, whose " +
+                                   "shards do not record their rank; save the run again");
+  if (!header["rank"].is_number_integer() || header["rank"].get<int64_t>() != rank)
+    throw InputError("--load", path + " holds the shard of rank " + header["rank"].dump() +
                                    ", not of rank " + std::to_string(rank) +
                                    " (shards swapped or renamed?)");
   if (c.layout != expected) {

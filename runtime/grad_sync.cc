@@ -252,9 +252,12 @@ void DataParallelOptimizer::reduce_gradients() {
   for (size_t i = 0; i < segs.size(); ++i) {
     const int64_t shard = segs[i].size / shards_of(i);
     if (shard == 0) continue;
-    // In place, as Megatron-Core reduces into its gradient buffer: no second buffer.
-    const std::vector<size_t> counts(static_cast<size_t>(shards_of(i)), static_cast<size_t>(shard));
-    group_of(i)->reduce_scatter_v(g + segs[i].offset, g + segs[i].offset, counts, DType::kF32);
+    // In place, as Megatron-Core reduces into its gradient buffer: no second buffer. One
+    // reduce-scatter (its in-place form leaves this rank's sum at the segment's start), then
+    // the sum moves to where the shard lies (the blocks do not overlap).
+    float* seg = g + segs[i].offset;
+    group_of(i)->reduce_scatter(seg, seg, static_cast<size_t>(shard));
+    if (own_shard(i) != segs[i].offset) be_.copy(seg, g + own_shard(i), shard);
     if (d > 1) be_.scale(g + own_shard(i), shard, inv_d);
   }
 }

@@ -306,7 +306,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         const auto capacity = static_cast<int64_t>(
             std::ceil(d.capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
         kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity,
-                                    d.drop_by_position);
+                                    d.drop_by_position, c.dims.b);
       }
       release(A.logits);
       break;

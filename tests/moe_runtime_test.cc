@@ -90,6 +90,22 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
     EXPECT_EQ(first[static_cast<size_t>(s)], seen[static_cast<size_t>(e)]++ < cap ? e : -1) << s;
   }
   EXPECT_NE(first, kept);  // the two policies differ on these logits
+  // With several sequences, position j of every sequence before position j + 1 of any (the
+  // [s, b] order of Megatron's tokens): 12 tokens as 3 sequences of 4.
+  const int64_t seqs = 3, per = 12 / seqs;
+  std::vector<int32_t> by_seq(expert.begin(), expert.begin() + 12 * k);
+  const std::vector<int32_t> routed = by_seq;
+  kernels::drop_over_capacity(by_seq.data(), prob.data(), 12, k, E, cap, true, seqs);
+  std::vector<int64_t> order;  // slots in (position, sequence) order
+  for (int64_t j = 0; j < per; ++j)
+    for (int64_t q = 0; q < seqs; ++q)
+      for (int64_t slot = 0; slot < k; ++slot) order.push_back((q * per + j) * k + slot);
+  std::vector<int64_t> taken(static_cast<size_t>(E), 0);
+  for (int64_t s : order) {
+    const int32_t e = routed[static_cast<size_t>(s)];
+    EXPECT_EQ(by_seq[static_cast<size_t>(s)], taken[static_cast<size_t>(e)]++ < cap ? e : -1)
+        << s;
+  }
   // Permutation: rows grouped by expert, tokens ascending; unpermute is the weighted sum.
   std::vector<int64_t> slot_of_row(static_cast<size_t>(n * k)), counts(static_cast<size_t>(E));
   const int64_t rows =

@@ -141,7 +141,7 @@ TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
 TEST(RunMpi, StagedDeviceMemoryTrainsToTheCpuBackendsLosses) {
   for (const Layout& l : std::vector<Layout>{
            {2, 2, 1, "--sequence-parallel"},
-           {1, 2, 2, "--use-distributed-optimizer"},
+           {1, 2, 2, "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"},
            {2, 1, 1, "", kTiny + " --untie-embeddings-and-output-weights"},
        }) {
     const nlohmann::json cpu = run_json(l.ranks(), flags(l));

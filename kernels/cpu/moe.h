@@ -18,10 +18,13 @@ void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, in
 void topk_softmax_backward(const float* prob, const float* dprob, const int32_t* chosen, int64_t n,
                            int64_t experts, int64_t k, float* dlogits);
 // Each expert keeps at most `capacity` of its assignments, those of the highest probability
-// (ties: the earlier token), or with `by_position` those of the earliest tokens (Megatron's
-// --moe-token-drop-policy position); the others' expert becomes -1. Returns the number dropped.
+// (ties: the earlier token), or with `by_position` those of the earliest positions in the
+// sequence (Megatron's --moe-token-drop-policy position): the n tokens are `sequences` sequences
+// of n / sequences, and position j of every sequence comes before position j + 1 of any, as in
+// Megatron's [s, b] token order. The others' expert becomes -1. Returns the number dropped.
 int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_t k,
-                           int64_t experts, int64_t capacity, bool by_position = false);
+                           int64_t experts, int64_t capacity, bool by_position = false,
+                           int64_t sequences = 1);
 // The permuted order: rows grouped by expert (ascending), tokens ascending within an expert.
 // slot_of_row[r] = token * k + slot of row r; counts[e] = rows of expert e. Returns the rows.
 int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts,

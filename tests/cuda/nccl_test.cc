@@ -57,6 +57,8 @@ void check_collectives(Communicator& c) {
   const size_t all[] = {x.size()};  // the uneven forms with one block
   c.reduce_scatter_v(a.p, b.p, all, DType::kF32);
   EXPECT_EQ(b.host(), x) << c.name();
+  c.reduce_scatter_v(a.p, a.p, all, DType::kF32);  // in place (the distributed optimizer's)
+  EXPECT_EQ(a.host(), x) << c.name();
   c.all_gather_v(a.p, a.p, all, DType::kF32);  // in place
   EXPECT_EQ(a.host(), x) << c.name();
   std::vector<float> gathered(x.size(), 0.0f);  // to host memory, staged
