@@ -484,6 +484,18 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   st.layer_b = price(layer.backward, p, hit, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
   st.layer_r = price(layer.recompute, p, hit, &st.layer_list_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
+  // Model FLOPs are counted on the unfused attention (all pairs), so that MFU does not depend
+  // on the kernel that runs it (flash attention and context parallelism skip the masked half).
+  LayerShape all_pairs = shape;
+  all_pairs.fused_attention = false;
+  auto model_flops = [](const PassOps& ops) {
+    double f = 0;
+    for (const auto* list : {&ops.forward, &ops.backward})
+      for (const Op& op : *list)
+        if (op.role != OpRole::kRecompute) f += op.flops();
+    return f;
+  };
+  st.layer_model_flops = model_flops(transformer_layer_ops(model_, all_pairs));
   double ef = 0, hf = 0;
   st.embed_f = price(embed.forward, p, hit, &ef);
   st.embed_b = price(embed.backward, p, hit, &ef, &st.embed_w);
@@ -505,6 +517,8 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
       for (const Op& op : *list)
         (op.role == OpRole::kRecompute ? st.moe_recompute_flops : st.moe_flops) += op.flops();
     for (const Op& op : even.recompute) st.moe_list_recompute_flops += op.flops();
+    balanced.fused_attention = false;
+    st.moe_model_flops = model_flops(moe_layer_ops(model_, balanced));
   }
   return cache_.emplace(key, st).first->second;
 }
@@ -811,7 +825,10 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // by t cp; all microbatches, all replicas.
   const auto moe_layers = static_cast<double>(model_.num_moe_layers());
   const double dense_layers = static_cast<double>(model_.num_layers) - moe_layers;
-  const double per_mb_model =
+  const double per_mb_model = dense_layers * st.layer_model_flops +
+                              moe_layers * st.moe_model_flops + st.embed_flops + st.head_flops;
+  // What the kernels execute: a fused attention's causal half only, plus what is recomputed.
+  const double per_mb_executed =
       dense_layers * st.layer_flops + moe_layers * st.moe_flops + st.embed_flops + st.head_flops;
   // The layers whose recompute list runs: all, but with block recompute each chunk's first N.
   double rec_moe = moe_layers, rec_dense = dense_layers;
@@ -831,7 +848,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   const double replicas = static_cast<double>(p.tensor_parallel * p.context_parallel) * m *
                           static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;
-  out.hardware_flops = (per_mb_model + per_mb_recompute) * replicas;
+  out.hardware_flops = (per_mb_executed + per_mb_recompute) * replicas;
   out.model_tflops_per_gpu = tflops_per_gpu(out.model_flops, out.iteration_time_s, p.num_gpus());
   out.hardware_tflops_per_gpu =
       tflops_per_gpu(out.hardware_flops, out.iteration_time_s, p.num_gpus());

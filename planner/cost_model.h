@@ -163,6 +163,9 @@ class CostModel {
     // Of the recompute FLOPs, the recompute lists' (what block recompute runs on some layers
     // only); the rest is the backward lists' own (flash attention's scores).
     double layer_list_recompute_flops = 0, moe_list_recompute_flops = 0;
+    // Model FLOPs (SC'21 eq. 3's convention: attention over all s x s pairs, whatever kernel
+    // runs it), where a fused attention executes only the causal half (layer_flops, moe_flops).
+    double layer_model_flops = 0, moe_model_flops = 0;
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
   // One microbatch through `layers` transformer layers (`moe` of them MoE layers), plus the
