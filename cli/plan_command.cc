@@ -58,10 +58,16 @@ void print_table(std::ostream& out, const SearchResult& r, const std::vector<dou
                           : loses_because(r.top[0].prediction, p));
     }
     char sim[16] = "";
-    if (i < simulated.size()) std::snprintf(sim, sizeof sim, "%9.3f", simulated[i]);
+    // A simulated row's throughput is the simulated time's, as its rank is.
+    double rate = 1.0;
+    if (i < simulated.size()) {
+      std::snprintf(sim, sizeof sim, "%9.3f", simulated[i]);
+      rate = p.iteration_time_s / simulated[i];
+    }
     std::snprintf(buf, sizeof buf, "%-4zu %-*s %9.3f %9s %8.1f %5.1f%% %8.1f  %s\n", i + 1, width,
-                  plan_summary(rp.plan).c_str(), p.iteration_time_s, sim, p.model_tflops_per_gpu,
-                  100 * p.mfu, to_gib(p.memory.peak), why.c_str());
+                  plan_summary(rp.plan).c_str(), p.iteration_time_s, sim,
+                  p.model_tflops_per_gpu * rate, 100 * p.mfu * rate, to_gib(p.memory.peak),
+                  why.c_str());
     out << buf;
   }
 }
@@ -114,9 +120,8 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     for (size_t i = 0; i < why.size() && i < 3; ++i)
       reasons += (i ? ", " : "; rejected: ") + std::to_string(why[i].first) + " " + why[i].second;
     err << "ptdp: " << (f.job.num_gpus ? "--num-gpus" : "--cluster") << ": no configuration of "
-        << m.name << " fits on " << c.num_gpus()
-        << " GPUs with --global-batch-size " << base.global_batch_size << " (" << r.considered
-        << " considered" << reasons << ")\n";
+        << m.name << " fits on " << c.num_gpus() << " GPUs with --global-batch-size "
+        << base.global_batch_size << " (" << r.considered << " considered" << reasons << ")\n";
     return 2;
   }
   // Re-rank the analytic top K by simulated iteration time.
@@ -142,10 +147,19 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     f.timeline.write(best_sim, r.top[0].plan, m);
   }
   std::optional<Prediction> baseline;
-  if (f.job.has_parallel_flags()) baseline = CostModel(m, c, h).predict(base);
+  double baseline_time = 0;  // simulated too when the best plan's is
+  if (f.job.has_parallel_flags()) {
+    baseline = CostModel(m, c, h).predict(base);
+    baseline_time = simulated.empty() ? baseline->iteration_time_s
+                                      : to_seconds(simulate_plan(cm, base).iteration);
+  }
   const RankedPlan& best = r.top[0];
+  // Re-ranked by simulation, the best plan's time (and so its days) is its simulated one.
+  const double best_time = simulated.empty() ? best.prediction.iteration_time_s : simulated[0];
   const double tokens = f.train_tokens;
-  const double days = tokens > 0 ? tokens / best.prediction.tokens_per_s / 86400.0 : 0.0;
+  const double best_tokens_per_s =
+      best.prediction.tokens_per_s * best.prediction.iteration_time_s / best_time;
+  const double days = tokens > 0 ? tokens / best_tokens_per_s / 86400.0 : 0.0;
 
   if (f.job.json || !f.out_path.empty()) {
     nlohmann::json j;
@@ -169,6 +183,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     if (baseline) {
       j["baseline"] = prediction_json(m, base, *baseline);
       j["baseline"]["difference"] = plan_difference(base, best.plan);
+      if (!simulated.empty()) j["baseline"]["simulated_iteration_time_s"] = baseline_time;
     }
     if (!f.out_path.empty()) write_file_atomically(f.out_path, j.dump(2) + "\n", "--out");
     if (f.job.json) {
@@ -201,10 +216,9 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     std::snprintf(
         buf, sizeof buf,
         "\nyour configuration (%s): %.3f s/iteration%s; the best plan is %.1f%% faster: %s\n",
-        plan_summary(base).c_str(), baseline->iteration_time_s,
+        plan_summary(base).c_str(), baseline_time,
         baseline->memory.fits ? "" : ", does NOT fit in memory",
-        100 * (baseline->iteration_time_s / best.prediction.iteration_time_s - 1),
-        plan_difference(base, best.plan).c_str());
+        100 * (baseline_time / best_time - 1), plan_difference(base, best.plan).c_str());
     out << buf;
   }
   if (tokens > 0) {

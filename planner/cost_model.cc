@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "core/error.h"
 #include "core/units.h"
@@ -606,9 +607,27 @@ double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double param
   const double whole = gradient_sync_time(p, dense) + expert_gradient_sync_time(p, expert_params);
   double exposed = whole - hidden_param_gather(p, dense, s.layers, s.forward.total());
   if (p.overlap_grad_reduce && whole > 0) {
-    // Buckets are reduced while the last microbatch's backward pass runs, all but the last.
-    const double hidden = s.backward.total() + s.recompute.total();
-    exposed = std::max(last_gradient_bucket_time(exposed, s.layers), exposed - hidden);
+    // Each model chunk's buckets are reduced while its last backward pass runs, all but the
+    // last bucket, which goes once that pass is over; the chunks' reductions queue on the
+    // data-parallel links. With interleaving, chunk c's last backward pass comes c p chunk
+    // passes before the end of the cool-down (Megatron's order: chunks v-1 ... 0 for the last p
+    // microbatches), so the earlier chunks hide behind the later ones' passes; ZB-H1 defers the
+    // weight-gradient passes to the drain, so a chunk's gradients are complete only after its
+    // last W pass. Times are relative to the end of the stage's last backward pass.
+    const double v = static_cast<double>(p.virtual_stages);
+    const double pp = static_cast<double>(p.pipeline_parallel);
+    const double pass =
+        (p.schedule == Schedule::kZeroBubbleH1 ? s.weight_grad.total()
+                                               : s.backward.total() + s.recompute.total()) /
+        v;
+    const double share = exposed / v, last = last_gradient_bucket_time(exposed, s.layers);
+    double free = -std::numeric_limits<double>::infinity(), finish = 0;
+    for (int64_t c = p.virtual_stages - 1; c >= 0; --c) {
+      const double begin = -(static_cast<double>(c) * pp + 1.0) * pass;
+      finish = std::max(std::max(free, begin) + share, begin + pass + last);
+      free = finish;
+    }
+    exposed = std::max(0.0, finish);
   }
   return exposed;
 }

@@ -107,6 +107,20 @@ TEST(Cli, PlanPrintsTableFlagsAndTrainingTime) {
   EXPECT_NE(r.out.find("rejected"), std::string::npos);
 }
 
+// Re-ranked by simulation, the days to train are the simulated winner's (they were its analytic
+// time's while the ranking was the simulated one's: found by exploratory testing).
+TEST(Cli, SimulatedRankingPricesTheTrainingDaysWithTheSimulatedTime) {
+  const Result r = run({"plan", "--model", "gpt-7.5b", "--num-gpus", "128", "--global-batch-size",
+                        "512", "--json", "--top", "3", "--simulate-top", "5", "--train-tokens",
+                        "1e11", "--overlap-grad-reduce"});
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  const double sim = j["plans"][0]["simulated_iteration_time_s"].get<double>();
+  const double tokens_per_iteration = 512.0 * 2048.0;
+  EXPECT_NEAR(j["train_days"].get<double>(), 1e11 / tokens_per_iteration * sim / 86400.0,
+              1e-9 * j["train_days"].get<double>());
+}
+
 TEST(Cli, PlanJsonListsPlansBestFirst) {
   const Result r = run({"plan", "--model", "gpt-7.5b", "--num-gpus", "128", "--global-batch-size",
                         "512", "--json", "--top", "4"});

@@ -283,8 +283,6 @@ TEST(Simulator, OverlappedP2PHidesTransfersBehindTheNextChunk) {
       std::printf("%-14s blocking %.4f s  overlapped %.4f s  predicted %.4f s\n", label.c_str(),
                   to_seconds(blocking.iteration), to_seconds(overlapped.iteration), predicted);
       EXPECT_NEAR(to_seconds(overlapped.iteration) / predicted, 1, 0.01) << label;
-      for (size_t r = 0; r < overlapped.stages.size(); ++r)
-        EXPECT_GT(overlapped.stages[r].pp_comm, 0) << label << ": inputs are still waited for";
     }
   }
 }
@@ -345,6 +343,45 @@ std::vector<GroupCase> group_cases() {
     out.push_back({"llama3-8b s16k t1 cp16 p2 d2", m, x});
   }
   return out;
+}
+
+// --overlap-grad-reduce: each chunk's buckets go while its last backward pass runs. With
+// interleaving the earlier chunks finish c p passes before the end and hide behind the later
+// ones; ZB-H1's deferred W passes finish the gradients late. Predict prices both as the
+// simulator replays them (found by exploratory testing: predict was 13.8% slower than simulate
+// at v = 5, and 3.5% faster with ZB-H1, so plan ranked interleaved plans by the wrong time).
+TEST(Simulator, OverlappedGradientReductionAgreesWithPredict) {
+  const ModelSpec m = resolve_model("llama2-70b");
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(1024);
+  const CostModel cm(m, c, resolve_profile("h100-sxm"));
+  for (const auto& [schedule, v] :
+       {std::pair{Schedule::k1F1B, int64_t{1}}, std::pair{Schedule::kInterleaved1F1B, int64_t{5}},
+        std::pair{Schedule::kZeroBubbleH1, int64_t{1}}}) {
+    for (bool distributed : {false, true}) {
+      ParallelPlan plan;
+      plan.tensor_parallel = 8;
+      plan.pipeline_parallel = 4;
+      plan.data_parallel = 32;
+      plan.global_batch_size = 256;
+      plan.sequence_parallel = true;
+      plan.recompute = Recompute::kSelective;
+      plan.schedule = schedule;
+      plan.virtual_stages = v;
+      plan.overlap_p2p_comm = true;
+      plan.distributed_optimizer = distributed;
+      plan.validate(m);
+      const std::string label = to_string(schedule) + (distributed ? " dopt" : "");
+      const Prediction blocking = cm.predict(plan);
+      plan.overlap_grad_reduce = true;
+      const Prediction overlapped = cm.predict(plan);
+      const double simulated = to_seconds(simulate_plan(cm, plan).iteration);
+      std::printf("%-16s predicted %.4f s (%.4f without overlap), simulated %.4f s\n",
+                  label.c_str(), overlapped.iteration_time_s, blocking.iteration_time_s, simulated);
+      EXPECT_NEAR(simulated / overlapped.iteration_time_s, 1, 0.01) << label;
+      EXPECT_LT(overlapped.breakdown.dp_comm, blocking.breakdown.dp_comm) << label;
+    }
+  }
 }
 
 TEST(Simulator, ContextAndExpertTransfersAgreeWithPredict) {
