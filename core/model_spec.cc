@@ -145,6 +145,8 @@ ModelSpec model_from_hf_config(const json& j) {
   m.num_query_groups = kv_heads == m.num_attention_heads ? 0 : kv_heads;
   r.read("intermediate_size", m.ffn_hidden_size);
   r.read("vocab_size", m.vocab_size);
+  if (!j.contains("max_position_embeddings"))
+    throw InputError("max_position_embeddings", "missing: ptdp takes the sequence length from it");
   r.read("max_position_embeddings", m.seq_length);
   bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "deepseek",
                                       "deepseek_v2", "deepseek_v3"});
@@ -154,7 +156,7 @@ ModelSpec model_from_hf_config(const json& j) {
   // SiLU configs are gated (SwiGLU, no biases); GELU ones are GPT's MLP (biases, ungated), as
   // GPT-NeoX and GPT-J. A gated GELU (Gemma's GeGLU) and other activations are refused: they
   // would be priced with the wrong weights.
-  m.swiglu = is_one_of(hidden_act, {"silu", "swiglu"});
+  m.swiglu = is_one_of(hidden_act, {"silu", "swish", "swiglu"});
   if (is_one_of(model_type, {"gemma", "gemma2", "gemma3", "gemma3_text"}) ||
       j.contains("hidden_activation"))
     throw InputError(j.contains("hidden_activation") ? "hidden_activation" : "model_type",

@@ -311,6 +311,8 @@ TEST(HuggingFace, UnmodelledFieldsAreRefusedInTheConfigsTerms) {
   j["hidden_activation"] = "gelu_pytorch_tanh";
   EXPECT_EQ(field_of([&] { model_from_json(j); }), "hidden_activation");
   j = llama;
+  j["hidden_act"] = "swish";  // SiLU by its other name
+  EXPECT_TRUE(model_from_json(j).swiglu);
   j["hidden_act"] = "relu";
   EXPECT_EQ(field_of([&] { model_from_json(j); }), "hidden_act");
   j = llama;
@@ -319,7 +321,8 @@ TEST(HuggingFace, UnmodelledFieldsAreRefusedInTheConfigsTerms) {
             "num_key_value_heads: 3 does not divide num_attention_heads (32)");
   j = llama;
   j.erase("max_position_embeddings");
-  EXPECT_EQ(field_of([&] { model_from_json(j); }), "max_position_embeddings");
+  EXPECT_EQ(message_of([&] { model_from_json(j); }),
+            "max_position_embeddings: missing: ptdp takes the sequence length from it");
   j = llama;
   j["rope_theta"] = 0.5;
   EXPECT_EQ(field_of([&] { model_from_json(j); }), "rope_theta");
