@@ -44,7 +44,10 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   in.context_parallel = p.context_parallel;
   in.expert_parallel = p.expert_parallel;
   in.expert_tensor_parallel = p.expert_tp();
-  in.overlap_grad_reduce = p.overlap_grad_reduce && in.data_parallel > 1;
+  // Expert gradients overlap too when only the experts have data-parallel replicas (d cp = 1,
+  // expert-data-parallel > 1), as the analytic model and Megatron-Core do.
+  in.overlap_grad_reduce =
+      p.overlap_grad_reduce && (in.data_parallel > 1 || p.expert_data_parallel() > 1);
   const int64_t pp = p.pipeline_parallel, v = p.virtual_stages;
   for (int64_t r = 0; r < pp; ++r) {
     std::vector<ChunkCost> chunks;

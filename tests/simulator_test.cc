@@ -382,6 +382,24 @@ TEST(Simulator, OverlappedGradientReductionAgreesWithPredict) {
       EXPECT_LT(overlapped.breakdown.dp_comm, blocking.breakdown.dp_comm) << label;
     }
   }
+  // Only the experts have data-parallel replicas (d = 1, etp 1 under t 2): their reduction
+  // overlaps in both models (the simulator left it exposed: found on review).
+  const ModelSpec moe = resolve_model("mixtral-8x7b");
+  ClusterSpec eight = resolve_cluster("dgx-h100");
+  eight.resize(8);
+  const CostModel mcm(moe, eight, resolve_profile("h100-sxm"));
+  ParallelPlan plan;
+  plan.tensor_parallel = 2;
+  plan.pipeline_parallel = 4;
+  plan.expert_parallel = 1;
+  plan.expert_tensor_parallel = 1;
+  plan.global_batch_size = 16;
+  plan.sequence_parallel = true;
+  plan.overlap_grad_reduce = true;
+  plan.validate(moe);
+  ASSERT_EQ(plan.expert_data_parallel(), 2);
+  EXPECT_NEAR(to_seconds(simulate_plan(mcm, plan).iteration) / mcm.predict(plan).iteration_time_s,
+              1, 0.002);
 }
 
 TEST(Simulator, ContextAndExpertTransfersAgreeWithPredict) {
