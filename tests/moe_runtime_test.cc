@@ -103,8 +103,7 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
   std::vector<int64_t> taken(static_cast<size_t>(E), 0);
   for (int64_t s : order) {
     const int32_t e = routed[static_cast<size_t>(s)];
-    EXPECT_EQ(by_seq[static_cast<size_t>(s)], taken[static_cast<size_t>(e)]++ < cap ? e : -1)
-        << s;
+    EXPECT_EQ(by_seq[static_cast<size_t>(s)], taken[static_cast<size_t>(e)]++ < cap ? e : -1) << s;
   }
   // Permutation: rows grouped by expert, tokens ascending; unpermute is the weighted sum.
   std::vector<int64_t> slot_of_row(static_cast<size_t>(n * k)), counts(static_cast<size_t>(E));

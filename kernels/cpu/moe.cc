@@ -38,8 +38,7 @@ void topk_softmax_backward(const float* prob, const float* dprob, const int32_t*
 }
 
 int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_t k,
-                           int64_t experts, int64_t capacity, bool by_position,
-                           int64_t sequences) {
+                           int64_t experts, int64_t capacity, bool by_position, int64_t sequences) {
   std::vector<std::vector<int64_t>> of(static_cast<size_t>(experts));
   for (int64_t s = 0; s < n * k; ++s)
     if (expert[s] >= 0) of[static_cast<size_t>(expert[s])].push_back(s);
@@ -49,9 +48,8 @@ int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_
     if (by_position) {
       // Slots are listed in [sequence, position] order; Megatron's is [position, sequence].
       const int64_t per = n / std::max<int64_t>(sequences, 1);
-      std::stable_sort(slots.begin(), slots.end(), [k, per](int64_t a, int64_t b) {
-        return (a / k) % per < (b / k) % per;
-      });
+      std::stable_sort(slots.begin(), slots.end(),
+                       [k, per](int64_t a, int64_t b) { return (a / k) % per < (b / k) % per; });
     } else {
       std::stable_sort(slots.begin(), slots.end(),
                        [prob](int64_t a, int64_t b) { return prob[a] > prob[b]; });
