@@ -1,7 +1,6 @@
 #include "cli/job_flags.h"
 
 #include <CLI/CLI.hpp>
-#include <cctype>
 #include <initializer_list>
 #include <vector>
 
@@ -292,18 +291,8 @@ ModelSpec JobFlags::resolve_model() const {
     // A field of the --model that a given flag conflicts with (--model llama3-8b
     // --num-attention-heads 4: 8 query groups do not divide 4 heads): name that flag.
     const std::string problem = std::string(e.what()).substr(e.field().size() + 2);
-    auto names = [&](const std::string& field) {  // as a whole word: not hidden_size in ffn_...
-      auto part = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; };
-      for (size_t at = problem.find(field); at != std::string::npos;
-           at = problem.find(field, at + 1)) {
-        const size_t end = at + field.size();
-        if ((at == 0 || !part(problem[at - 1])) && (end == problem.size() || !part(problem[end])))
-          return true;
-      }
-      return false;
-    };
     for (const ModelFlag& f : model_flags(*this))
-      if (f.given && *f.field && names(f.field))
+      if (f.given && *f.field && find_identifier(problem, f.field) != std::string::npos)
         throw InputError(f.flag, "conflicts with --model " + model + ": " + e.what());
     throw InputError("--model", e.what());
   }

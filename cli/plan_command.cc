@@ -108,8 +108,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (show_progress) err << "\r                    \r" << std::flush;
   if (r.top.empty()) {
     // The job as given cannot run (an input error, status 2): say why the search rejected
-    // what it enumerated, the most common reasons first.
-    // Memory first (what more GPUs would change), then the other rules by count.
+    // what it enumerated, memory first (what more GPUs would change), then the rules by count.
     std::vector<std::pair<int64_t, std::string>> why;
     for (const auto& [reason, n] : r.rejected) why.emplace_back(n, reason);
     const std::string memory = "does not fit in GPU memory";

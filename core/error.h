@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace ptdp {
 
@@ -39,5 +40,20 @@ class InputError : public std::runtime_error {
   }
   std::string field_;
 };
+
+// Where `word` stands in `text` as a whole identifier (letters, digits and '_' on neither side:
+// not hidden_size inside ffn_hidden_size), at or after `from`; npos if nowhere. Error messages
+// name fields so, and the CLI renames them by it.
+inline size_t find_identifier(std::string_view text, std::string_view word, size_t from = 0) {
+  auto part = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+  };
+  for (size_t at = text.find(word, from); at != std::string_view::npos;
+       at = text.find(word, at + 1)) {
+    const size_t end = at + word.size();
+    if ((at == 0 || !part(text[at - 1])) && (end == text.size() || !part(text[end]))) return at;
+  }
+  return std::string_view::npos;
+}
 
 }  // namespace ptdp

@@ -8,8 +8,6 @@
 #include "core/model_spec.h"
 
 #include <algorithm>
-#include <cctype>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -24,10 +22,6 @@ namespace {
 
 bool has_biases(const ModelSpec& m) {
   return !m.swiglu;
-}
-
-double norm_parameters(const ModelSpec& m) {
-  return (has_biases(m) ? 2.0 : 1.0) * static_cast<double>(m.hidden_size);
 }
 
 void require_positive(const std::string& field, int64_t value) {
@@ -202,7 +196,7 @@ double attention_and_norm_parameters(const ModelSpec& m) {
   const double bias = has_biases(m) ? 1.0 : 0.0;
   const double qkv = h * (h + 2 * kv) + bias * (h + 2 * kv);
   const double proj = h * h + bias * h;
-  return qkv + proj + 2 * norm_parameters(m);
+  return qkv + proj + 2 * m.norm_parameters();
 }
 
 // One MLP of FFN width `width`.
@@ -252,7 +246,7 @@ int64_t ModelSpec::moe_layers_in(int64_t first, int64_t count) const {
 double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
   const bool fc2 = !moe_layer || moe_shared_expert_ffn_size > 0;
   const double biases = has_biases(*this) ? (fc2 ? 2.0 : 1.0) : 0.0;
-  return 2 * norm_parameters(*this) + biases * static_cast<double>(hidden_size);
+  return 2 * norm_parameters() + biases * static_cast<double>(hidden_size);
 }
 
 double ModelSpec::position_embedding_parameters() const {
@@ -261,9 +255,13 @@ double ModelSpec::position_embedding_parameters() const {
              : 0.0;
 }
 
+double ModelSpec::norm_parameters() const {
+  return (has_biases(*this) ? 2.0 : 1.0) * static_cast<double>(hidden_size);
+}
+
 double ModelSpec::embedding_parameters() const {
-  const double positions = learned_position_embeddings ? static_cast<double>(max_positions()) : 0.0;
-  return (static_cast<double>(vocab_size) + positions) * static_cast<double>(hidden_size);
+  return static_cast<double>(vocab_size) * static_cast<double>(hidden_size) +
+         position_embedding_parameters();
 }
 
 double ModelSpec::output_parameters() const {
@@ -275,7 +273,7 @@ double ModelSpec::parameters() const {
   const auto moe_layers = static_cast<double>(num_moe_layers());
   const double layers = (static_cast<double>(num_layers) - moe_layers) * parameters_per_layer() +
                         (moe_layers > 0 ? moe_layers * moe_layer_parameters() : 0.0);
-  return layers + embedding_parameters() + output_parameters() + norm_parameters(*this);
+  return layers + embedding_parameters() + output_parameters() + norm_parameters();
 }
 
 void ModelSpec::validate() const {
@@ -344,21 +342,12 @@ InputError in_hf_terms(const InputError& e) {
       {"moe_shared_expert_ffn_size", "shared_expert_intermediate_size"},
   };
   auto rename = [](std::string text) {
-    for (const auto& [ours, theirs] : kKeys)
-      for (size_t at = text.find(ours); at != std::string::npos; at = text.find(ours, at)) {
-        const size_t end = at + std::strlen(ours);
-        const bool word =
-            (at == 0 ||
-             !(std::isalnum(static_cast<unsigned char>(text[at - 1])) || text[at - 1] == '_')) &&
-            (end == text.size() ||
-             !(std::isalnum(static_cast<unsigned char>(text[end])) || text[end] == '_'));
-        if (word) {
-          text.replace(at, std::strlen(ours), theirs);
-          at += std::strlen(theirs);
-        } else {
-          at = end;
-        }
-      }
+    for (const auto& [ours, theirs] : kKeys) {
+      const std::string_view from = ours, to = theirs;
+      for (size_t at = find_identifier(text, from); at != std::string::npos;
+           at = find_identifier(text, from, at + to.size()))
+        text.replace(at, from.size(), to);
+    }
     return text;
   };
   const std::string what = e.what();

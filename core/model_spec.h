@@ -99,9 +99,10 @@ struct ModelSpec {
   // layers add after their reduction. An MoE layer's router is replicated too (not counted).
   double replicated_parameters_per_layer(bool moe_layer = false) const;
   double position_embedding_parameters() const;  // learned positions (replicated), else 0
-  double embedding_parameters() const;           // word (+ position) embeddings
-  double output_parameters() const;              // untied LM head, 0 when tied
-  double parameters() const;                     // everything; final layernorm included
+  double norm_parameters() const;       // one LayerNorm (weight and bias) or RMSNorm (weight)
+  double embedding_parameters() const;  // word (+ position) embeddings
+  double output_parameters() const;     // untied LM head, 0 when tied
+  double parameters() const;            // everything; final layernorm included
 
   // Throws InputError naming the field when a size is missing, zero or inconsistent.
   void validate() const;

@@ -151,8 +151,11 @@ AtomicOutputFile::AtomicOutputFile(const std::string& path, const std::string& f
   // Registered before it exists, so that no moment leaves it unknown to the signal handler.
   const int slot = register_temporary(tmp_.c_str());
   FILE* f = std::fopen(tmp_.c_str(), "wb");
-  if (!f) unregister_temporary(slot);
-  if (!f) throw InputError(flag_, "cannot write '" + path_ + "': " + reason(errno));
+  if (!f) {
+    const int err = errno;
+    unregister_temporary(slot);
+    throw InputError(flag_, "cannot write '" + path_ + "': " + reason(err));
+  }
   // A file replaced keeps its permissions (a private machine file or checkpoint stays private)
   // and, where the process may give it, its owner.
   struct stat st {};

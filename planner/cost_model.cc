@@ -714,8 +714,7 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
     params += (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
               model_.position_embedding_parameters();
   if (last) {
-    // The final norm: RMSNorm (gated models) has no bias.
-    params += (model_.swiglu ? 1.0 : 2.0) * static_cast<double>(model_.hidden_size);
+    params += model_.norm_parameters();  // the final norm
     if (model_.untie_embeddings_and_output_weights) {
       params += model_.output_parameters() / t;
     } else if (!first) {

@@ -287,10 +287,9 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   };
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t) {
     if (!counts_in_norm(p)) return;
-    const int64_t first = lo;
-    if (first != run_hi) {  // not adjacent: a new range
+    if (lo != run_hi) {  // not adjacent: a new range
       flush();
-      run_lo = run_hi = first;
+      run_lo = run_hi = lo;
     }
     run_hi += hi - lo;
   });
