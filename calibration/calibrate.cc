@@ -109,8 +109,10 @@ int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issu
                                         [](const Op& op) { return op.fused; })
                                   .size()) *
          (1 + issue);
+  // A 16-bit calibration times all-reduce, all-gather and reduce-scatter on its type as well.
+  const int64_t typed = type == DType::kF32 ? 0 : 3;
   for (int64_t g : p.groups)
-    n += (g == 2 ? 4 : 3) * static_cast<int64_t>(p.message_bytes.size()) + 2 + 13;
+    n += ((g == 2 ? 4 : 3) + typed) * static_cast<int64_t>(p.message_bytes.size()) + 2 + 13;
   return n;
 }
 
@@ -316,21 +318,30 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     // Spans may differ between groups on uneven hosts: the most nodes any group spans.
     const int64_t nodes =
         static_cast<int64_t>(control.max(static_cast<int64_t>(group_hosts.size())));
-    for (Collective kind : {Collective::kAllReduce, Collective::kAllGather,
-                            Collective::kReduceScatter, Collective::kSendRecv}) {
-      if (kind == Collective::kSendRecv && g != 2) continue;
-      for (double bytes : plan.message_bytes) {
-        CommSample s;
-        s.kind = kind;
-        s.ranks = g;
-        s.nodes = nodes;
-        // Whole elements, divisible by the group (nccl-tests rounds the same way).
-        s.bytes = std::floor(bytes / (4.0 * static_cast<double>(g))) * 4.0 * static_cast<double>(g);
-        s.seconds = time_collective(kind, *group, s.bytes, sw, plan.warmup);
-        s.algbw_gbps = s.bytes / s.seconds / 1e9;
-        s.busbw_gbps = s.algbw_gbps * collective_algorithm_factor(kind, g);
-        comm.push_back(s);
-        tick(to_string(kind) + " over " + std::to_string(g) + " ranks");
+    // fp32 (gradients, and everything of an fp32 run), and a 16-bit run's activations and
+    // weights in their own type: a reduction sums them with another kernel. A send moves bytes.
+    std::vector<DType> types{DType::kF32};
+    if (o.precision != DType::kF32) types.push_back(o.precision);
+    for (DType type : types) {
+      for (Collective kind : {Collective::kAllReduce, Collective::kAllGather,
+                              Collective::kReduceScatter, Collective::kSendRecv}) {
+        if (kind == Collective::kSendRecv && (g != 2 || type != DType::kF32)) continue;
+        for (double bytes : plan.message_bytes) {
+          CommSample s;
+          s.kind = kind;
+          s.ranks = g;
+          s.nodes = nodes;
+          s.dtype = type;
+          // Whole elements, divisible by the group (nccl-tests rounds the same way).
+          const double unit = static_cast<double>(dtype_bytes(type) * g);
+          s.bytes = std::floor(bytes / unit) * unit;
+          s.seconds = time_collective(kind, *group, s.bytes, sw, plan.warmup, type);
+          s.algbw_gbps = s.bytes / s.seconds / 1e9;
+          s.busbw_gbps = s.algbw_gbps * collective_algorithm_factor(kind, g);
+          comm.push_back(s);
+          tick(to_string(kind) + (type == DType::kF32 ? "" : " (" + to_string(type) + ")") +
+               " over " + std::to_string(g) + " ranks");
+        }
       }
     }
   }
@@ -528,10 +539,11 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                      {"memory_cold_factor", prof.cache.memory_cold_factor}};
   }
   // Collectives: latency and bus bandwidth per (collective, group size, nodes).
-  std::map<std::tuple<int, int64_t, int64_t>, std::pair<std::vector<double>, std::vector<double>>>
+  std::map<std::tuple<int, int64_t, int64_t, int>,
+           std::pair<std::vector<double>, std::vector<double>>>
       series;
   for (const CommSample& s : comm) {
-    auto& xy = series[{static_cast<int>(s.kind), s.ranks, s.nodes}];
+    auto& xy = series[{static_cast<int>(s.kind), s.ranks, s.nodes, static_cast<int>(s.dtype)}];
     xy.first.push_back(collective_algorithm_factor(s.kind, s.ranks) * s.bytes);
     xy.second.push_back(s.seconds);
   }
@@ -543,16 +555,20 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     c.kind = static_cast<Collective>(std::get<0>(key));
     c.ranks = std::get<1>(key);
     c.nodes = std::get<2>(key);
+    c.dtype = static_cast<DType>(std::get<3>(key));
     c.latency_us = lf.latency_s * 1e6;
     c.busbw_gbps = std::min(1e8, 1.0 / lf.seconds_per_unit / 1e9);
     prof.collectives.push_back(c);
-    (c.nodes > 1 ? inter_busbw : intra_busbw) =
-        std::max(c.nodes > 1 ? inter_busbw : intra_busbw, c.busbw_gbps);
-    if (c.nodes == 1 && c.kind == Collective::kAllReduce && intra_latency_us < 0)
-      intra_latency_us = c.latency_us;
+    if (c.dtype == DType::kF32) {  // the link model's figures: fp32, as nccl-tests measure
+      (c.nodes > 1 ? inter_busbw : intra_busbw) =
+          std::max(c.nodes > 1 ? inter_busbw : intra_busbw, c.busbw_gbps);
+      if (c.nodes == 1 && c.kind == Collective::kAllReduce && intra_latency_us < 0)
+        intra_latency_us = c.latency_us;
+    }
     fits["collectives"].push_back({{"collective", collective_key(c.kind)},
                                    {"ranks", c.ranks},
                                    {"nodes", c.nodes},
+                                   {"dtype", to_string(c.dtype)},
                                    {"latency_us", c.latency_us},
                                    {"busbw_gbps", c.busbw_gbps},
                                    {"residuals", to_json(lf.residuals)}});
@@ -638,6 +654,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     measured["collectives"].push_back({{"collective", collective_key(s.kind)},
                                        {"ranks", s.ranks},
                                        {"nodes", s.nodes},
+                                       {"dtype", to_string(s.dtype)},
                                        {"bytes", s.bytes},
                                        {"seconds", s.seconds},
                                        {"algbw_gbps", s.algbw_gbps},
@@ -753,10 +770,12 @@ void print_calibration(std::ostream& out, const json& f) {
       out << buf;
     }
   for (const json& cf : fits["collectives"]) {
+    const std::string type = cf.value("dtype", "fp32");
+    const std::string name =
+        cf["collective"].get<std::string>() + (type == "fp32" ? "" : " " + type);
     std::snprintf(buf, sizeof buf,
-                  "%-14s %3lld ranks %2lld nodes: latency %8.2f us, busbw %8.3f GB/s; ",
-                  cf["collective"].get<std::string>().c_str(),
-                  static_cast<long long>(cf["ranks"].get<int64_t>()),
+                  "%-19s %3lld ranks %2lld nodes: latency %8.2f us, busbw %8.3f GB/s; ",
+                  name.c_str(), static_cast<long long>(cf["ranks"].get<int64_t>()),
                   static_cast<long long>(cf["nodes"].get<int64_t>()),
                   cf["latency_us"].get<double>(), cf["busbw_gbps"].get<double>());
     out << buf << res(cf["residuals"]) << "\n";

@@ -118,7 +118,7 @@ CacheEvictor::CacheEvictor(double last_level_cache_bytes, Backend* device) : dev
   const size_t n =
       static_cast<size_t>(std::clamp(2 * last_level_cache_bytes, 1e6, 4e9) / sizeof(float));
   if (!device_) {
-    junk_.assign(n, 1.0f);
+    junk_size_ = n;  // allocated on first use: a host backend that flushes never needs it
     return;
   }
   device_bytes_ = n * sizeof(float);
@@ -141,6 +141,7 @@ void CacheEvictor::operator()() {
     device_->synchronize();
     return;
   }
+  if (junk_.empty()) junk_.assign(junk_size_, 1.0f);
   // One float per 64-byte line brings every line in.
   float sum = 0;
   for (size_t i = 0; i < junk_.size(); i += 16) sum += junk_[i];
@@ -246,7 +247,7 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
         // queued asynchronously, and without the synchronisation the cold time counted it too
         // (on an H100 some 7 us on every op, 30 times the time of the smallest).
         const double cold_once = sw.mean_seconds(call, [&] {
-          (*evict)();
+          if (!exec.flush_from_caches()) (*evict)();
           exec.touch_input();
           be.synchronize();
         });
@@ -302,31 +303,33 @@ double time_optimizer(Backend& be, int64_t n, Stopwatch& sw) {
 }
 
 double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
-                       int warmup) {
-  return time_collective_late(kind, group, bytes, 0.0, sw, warmup);
+                       int warmup, DType type) {
+  return time_collective_late(kind, group, bytes, 0.0, sw, warmup, type);
 }
 
 double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
-                            Stopwatch& sw, int warmup) {
-  const size_t n = static_cast<size_t>(std::max(1.0, bytes / 4));
+                            Stopwatch& sw, int warmup, DType type) {
+  const size_t element = dtype_bytes(type);
+  const size_t n = static_cast<size_t>(std::max(1.0, bytes / static_cast<double>(element)));
   const size_t g = static_cast<size_t>(group.size());
-  Buffer a(n, 1.0f), b(n, 0.0f);
+  // Zeros: a sum's cost does not depend on the values (and zeros are no denormals).
+  Buffer a(n, type), b(n, type);
   std::function<void()> f;
   switch (kind) {
     case Collective::kAllReduce:
-      f = [&] { group.all_reduce(a.data(), n); };
+      f = [&] { group.all_reduce(a.raw(), n, type); };
       break;
     case Collective::kAllGather:
-      f = [&] { group.all_gather(a.data(), b.data(), n / g); };
+      f = [&] { group.all_gather(a.raw(), b.raw(), n / g, type); };
       break;
     case Collective::kReduceScatter:
-      f = [&] { group.reduce_scatter(a.data(), b.data(), n / g); };
+      f = [&] { group.reduce_scatter(a.raw(), b.raw(), n / g, type); };
       break;
     case Collective::kSendRecv: {
       const int peer = group.rank() ^ 1;
       f = [&, peer] {
-        const Communicator::P2P ops[2] = {{true, a.data(), n, peer, 7, DType::kF32},
-                                          {false, b.data(), n, peer, 7, DType::kF32}};
+        const Communicator::P2P ops[2] = {{true, a.raw(), n, peer, 7, type},
+                                          {false, b.raw(), n, peer, 7, type}};
         group.batch(ops);
       };
       break;
@@ -338,10 +341,9 @@ double time_collective_late(Collective kind, Communicator& group, double bytes, 
         std::vector<Communicator::P2P> ops;
         for (int r = 0; r < group.size(); ++r) {
           if (r == group.rank()) continue;
-          ops.push_back(
-              {true, a.data() + block * static_cast<size_t>(r) % n, block, r, 8, DType::kF32});
-          ops.push_back(
-              {false, b.data() + block * static_cast<size_t>(r) % n, block, r, 8, DType::kF32});
+          const size_t at = element * (block * static_cast<size_t>(r) % n);
+          ops.push_back({true, static_cast<char*>(a.raw()) + at, block, r, 8, type});
+          ops.push_back({false, static_cast<char*>(b.raw()) + at, block, r, 8, type});
         }
         group.batch(ops);
       };

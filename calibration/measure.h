@@ -59,7 +59,10 @@ struct OpSample {
 
 // Evicts the CPU caches by reading a buffer twice the node's last-level cache (every rank at
 // once, as the ranks share it); with a device backend, the device's cache by reading a device
-// buffer twice its size (then waiting for the device).
+// buffer twice its size (then waiting for the device). measure_ops uses it only where the
+// backend cannot flush the op's own buffers (Backend::flush_from_caches): on the CPU the
+// buffer costs its size in reads every time, a minute of a quick calibration on a machine
+// that reports a 300 MiB L3.
 class CacheEvictor {
  public:
   explicit CacheEvictor(double last_level_cache_bytes, Backend* device = nullptr);
@@ -69,7 +72,8 @@ class CacheEvictor {
   void operator()();
 
  private:
-  std::vector<float> junk_;    // host caches
+  std::vector<float> junk_;  // host caches
+  size_t junk_size_ = 0;
   Backend* device_ = nullptr;  // or the device's
   void* device_junk_ = nullptr;
   size_t device_bytes_ = 0;
@@ -118,16 +122,19 @@ double time_optimizer(Backend& be, int64_t n, Stopwatch& sw);
 struct CommSample {
   Collective kind = Collective::kAllReduce;
   int64_t ranks = 2, nodes = 1;
+  DType dtype = DType::kF32;  // the elements on the wire (and summed)
   double bytes = 0, seconds = 0;
   double algbw_gbps = 0, busbw_gbps = 0;
 };
+// A collective of `bytes` over `group`, on elements of `type`: a 16-bit sum is another kernel
+// (MPI sums bf16 and fp16 with user-defined ops, several times slower than its fp32 sum).
 double time_collective(Collective kind, Communicator& group, double bytes, Stopwatch& sw,
-                       int warmup);
+                       int warmup, DType type = DType::kF32);
 // The same collective when the group's rank 0 arrives `delay_s` after the others (as in a run,
 // where ranks finish their compute apart): seconds from the last arrival to completion on the
 // slowest rank. Recorded beside the fits, not priced (docs/calibration.md).
 double time_collective_late(Collective kind, Communicator& group, double bytes, double delay_s,
-                            Stopwatch& sw, int warmup);
+                            Stopwatch& sw, int warmup, DType type = DType::kF32);
 
 // Arrival skew over `group`: a layer-sized GEMM (the FC1 of `m` at t = the group size, one
 // sequence) and then the all-reduce of its output, as tensor-parallel ranks alternate them.

@@ -212,11 +212,15 @@ const std::vector<std::string>& memory_families() {
   return f;
 }
 
-const CollectiveFit* HardwareProfile::find_collective(Collective kind, int64_t ranks,
-                                                      int64_t nodes) const {
-  for (const CollectiveFit& f : collectives)
-    if (f.kind == kind && f.ranks == ranks && f.nodes == nodes) return &f;
-  return nullptr;
+const CollectiveFit* HardwareProfile::find_collective(Collective kind, int64_t ranks, int64_t nodes,
+                                                      DType element) const {
+  const CollectiveFit* fp32 = nullptr;
+  for (const CollectiveFit& f : collectives) {
+    if (f.kind != kind || f.ranks != ranks || f.nodes != nodes) continue;
+    if (f.dtype == element) return &f;
+    if (f.dtype == DType::kF32) fp32 = &f;
+  }
+  return fp32;
 }
 
 double HardwareProfile::memory_efficiency_of(const std::string& family) const {
@@ -395,11 +399,18 @@ Collective collective_from_key(const std::string& field, const std::string& key)
       "must be all_reduce, all_gather, reduce_scatter, send_recv or all_to_all, got '" + key + "'");
 }
 
+// "fp32", "bf16" or "fp16".
+DType float_dtype_from_json(const std::string& field, const json& a) {
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF16})
+    if (a == to_string(t)) return t;
+  throw InputError(field, "must be fp32, bf16 or fp16, got " + a.dump());
+}
+
 std::vector<CollectiveFit> collectives_from_json(const json& j) {
   if (!j.is_array())
     throw InputError("collectives",
                      "must be an array of {collective, ranks, nodes, latency_us, "
-                     "busbw_gbps}");
+                     "busbw_gbps[, dtype]}");
   std::vector<CollectiveFit> out;
   for (size_t i = 0; i < j.size(); ++i) {
     const std::string name = "collectives[" + std::to_string(i) + "]";
@@ -412,6 +423,7 @@ std::vector<CollectiveFit> collectives_from_json(const json& j) {
     r.read("nodes", f.nodes);
     r.read("latency_us", f.latency_us);
     r.read("busbw_gbps", f.busbw_gbps);
+    if (const json* d = r.member("dtype")) f.dtype = float_dtype_from_json(name + ".dtype", *d);
     r.reject_unknown_keys();
     if (f.ranks < 2 || f.ranks > (int64_t{1} << 20))
       throw InputError(name + ".ranks", "must be in [2, 2^20], got " + std::to_string(f.ranks));
@@ -427,12 +439,15 @@ std::vector<CollectiveFit> collectives_from_json(const json& j) {
 
 json collectives_to_json(const std::vector<CollectiveFit>& fits) {
   json a = json::array();
-  for (const CollectiveFit& f : fits)
-    a.push_back({{"collective", collective_key(f.kind)},
-                 {"ranks", f.ranks},
-                 {"nodes", f.nodes},
-                 {"latency_us", f.latency_us},
-                 {"busbw_gbps", f.busbw_gbps}});
+  for (const CollectiveFit& f : fits) {
+    json c = {{"collective", collective_key(f.kind)},
+              {"ranks", f.ranks},
+              {"nodes", f.nodes},
+              {"latency_us", f.latency_us},
+              {"busbw_gbps", f.busbw_gbps}};
+    if (f.dtype != DType::kF32) c["dtype"] = to_string(f.dtype);
+    a.push_back(c);
+  }
   return a;
 }
 
@@ -502,16 +517,8 @@ HardwareProfile profile_from_json(const json& j) {
   r.read("arrival_skew", p.arrival_skew);
   if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))
     throw InputError("arrival_skew", "must be in [0, 10], got " + str(p.arrival_skew));
-  if (const json* a = r.member("activation_dtype")) {
-    if (*a == "fp32")
-      p.activation_dtype = DType::kF32;
-    else if (*a == "bf16")
-      p.activation_dtype = DType::kBF16;
-    else if (*a == "fp16")
-      p.activation_dtype = DType::kF16;
-    else
-      throw InputError("activation_dtype", "must be fp32, bf16 or fp16, got " + a->dump());
-  }
+  if (const json* a = r.member("activation_dtype"))
+    p.activation_dtype = float_dtype_from_json("activation_dtype", *a);
   r.reject_unknown_keys();
 
   require_fraction("gemm.max_efficiency", p.gemm.max_efficiency);

@@ -105,6 +105,9 @@ struct CollectiveFit {
   int64_t nodes = 1;
   double latency_us = 0;
   double busbw_gbps = 1;
+  // The elements it was timed on (JSON "dtype", absent: fp32). A reduction of 16-bit values is
+  // another kernel: MPI sums bf16 with a user-defined op, several times its fp32 time a byte.
+  DType dtype = DType::kF32;
 };
 
 // "all_reduce", "all_gather", "reduce_scatter", "send_recv": the names the files use.
@@ -159,8 +162,10 @@ struct HardwareProfile {
   // The host's time to issue op `op` (op_name) in microseconds: its measurement, else the mean
   // of those measured; 0 without any.
   double host_issue_us(std::string_view op) const;
-  // The fit for `kind` over `ranks` ranks on `nodes` nodes, or null.
-  const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes) const;
+  // The fit for `kind` over `ranks` ranks on `nodes` nodes timed on `element`s, else the one
+  // timed on fp32, else null.
+  const CollectiveFit* find_collective(Collective kind, int64_t ranks, int64_t nodes,
+                                       DType element) const;
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.
   double memory_efficiency_of(const std::string& family) const;
   // Fraction of its operands an op finds in cache when a rank touches `working_set_bytes`

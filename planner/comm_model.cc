@@ -119,10 +119,11 @@ double CommModel::software_latency_us(Collective kind, int64_t n, bool inter_nod
   return link.latency_us + link.per_step_latency_us * ring_steps(kind, n);
 }
 
-double CommModel::collective_time(Collective kind, double bytes, const GroupSpan& span) const {
+double CommModel::collective_time(Collective kind, double bytes, const GroupSpan& span,
+                                  DType element) const {
   if (span.size <= 1 || bytes <= 0) return 0.0;
   // Measured on this machine (ptdp calibrate): its own latency and bus bandwidth.
-  if (const CollectiveFit* f = profile_.find_collective(kind, span.size, span.nodes))
+  if (const CollectiveFit* f = profile_.find_collective(kind, span.size, span.nodes, element))
     return f->latency_us * kMicrosecond +
            algorithm_factor(kind, span.size) * bytes / (f->busbw_gbps * kGB);
   const bool inter = span.nodes > 1;
@@ -168,7 +169,8 @@ P2PSplit CommModel::p2p_split(double bytes, const ParallelPlan& p) const {
     // Each tensor-parallel rank sends a 1/t slice on its own rail, then the slices are
     // all-gathered inside the receiving node.
     s.bytes = bytes / static_cast<double>(t);
-    s.gather_s = collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p));
+    s.gather_s = collective_time(Collective::kAllGather, bytes, tensor_group_span(cluster_, p),
+                                 profile_.activation_dtype);
   }
   return s;
 }
@@ -177,13 +179,15 @@ double CommModel::p2p_time(double bytes, const ParallelPlan& p) const {
   const P2PSplit s = p2p_split(bytes, p);
   GroupSpan pair;
   pair.size = 2;
-  if (!s.inter_node) return collective_time(Collective::kSendRecv, s.bytes, pair);
+  if (!s.inter_node)
+    return collective_time(Collective::kSendRecv, s.bytes, pair, profile_.activation_dtype);
   // Across nodes: each sender has its own rail with scatter/gather; without it the t ranks
   // that each send the full tensor share the node's rails.
   pair.nodes = 2;
   pair.ranks_per_node = 1;
   pair.concurrent_per_node = cluster_.gpus_per_node;
-  return collective_time(Collective::kSendRecv, s.bytes, pair) + s.gather_s;
+  return collective_time(Collective::kSendRecv, s.bytes, pair, profile_.activation_dtype) +
+         s.gather_s;
 }
 
 }  // namespace ptdp

@@ -60,8 +60,10 @@ class CommModel {
  public:
   CommModel(const ClusterSpec& c, const HardwareProfile& h) : cluster_(c), profile_(h) {}
 
-  // Time of a collective of `bytes` (nccl-tests' size) over `span`, seconds.
-  double collective_time(Collective kind, double bytes, const GroupSpan& span) const;
+  // Time of a collective of `bytes` (nccl-tests' size) of `element`s over `span`, seconds. The
+  // element type picks a calibrated fit timed on it (a 16-bit sum is another kernel); the link
+  // model prices bytes alike.
+  double collective_time(Collective kind, double bytes, const GroupSpan& span, DType element) const;
   // Bus bandwidth a collective over `span` achieves on large messages, bytes/s.
   double bus_bandwidth(const GroupSpan& span) const;
   // One activation (or gradient) transfer between adjacent pipeline stages of `bytes` per

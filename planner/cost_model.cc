@@ -356,7 +356,7 @@ double CostModel::warm_op_time(const Op& op, const ParallelPlan& p) const {
           break;
       }
       if (op.collective == Collective::kSendRecv) span = ring_neighbour_span(span, cluster_);
-      return comm_.collective_time(op.collective, op.bytes, span);
+      return comm_.collective_time(op.collective, op.bytes, span, op.dtype);
     }
   }
   return 0.0;
@@ -576,9 +576,10 @@ double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const
   const GroupSpan dp = data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
   if (p.distributed_optimizer)
-    return comm_.collective_time(Collective::kReduceScatter, gbytes, dp) +
-           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp);
-  return comm_.collective_time(Collective::kAllReduce, gbytes, dp);
+    return comm_.collective_time(Collective::kReduceScatter, gbytes, dp, gradient_dtype(p)) +
+           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp,
+                                 weight_dtype());
+  return comm_.collective_time(Collective::kAllReduce, gbytes, dp, gradient_dtype(p));
 }
 
 double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params) const {
@@ -586,9 +587,10 @@ double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params
   const GroupSpan edp = expert_data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
   if (p.distributed_optimizer)
-    return comm_.collective_time(Collective::kReduceScatter, gbytes, edp) +
-           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp);
-  return comm_.collective_time(Collective::kAllReduce, gbytes, edp);
+    return comm_.collective_time(Collective::kReduceScatter, gbytes, edp, gradient_dtype(p)) +
+           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
+                                 weight_dtype());
+  return comm_.collective_time(Collective::kAllReduce, gbytes, edp, gradient_dtype(p));
 }
 
 double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int64_t layers,
@@ -597,7 +599,7 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
       p.data_parallel * p.context_parallel == 1)
     return 0.0;
   const double gather = comm_.collective_time(Collective::kAllGather, params * weight_bytes(),
-                                              data_group_span(cluster_, p));
+                                              data_group_span(cluster_, p), weight_dtype());
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
 
@@ -640,7 +642,7 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   pair.concurrent_per_node = cluster_.gpus_per_node;
   const double emb = static_cast<double>(model_.vocab_size * model_.hidden_size) /
                      static_cast<double>(p.tensor_parallel) * gradient_bytes_per_parameter(p);
-  return comm_.collective_time(Collective::kAllReduce, emb, pair);
+  return comm_.collective_time(Collective::kAllReduce, emb, pair, gradient_dtype(p));
 }
 
 double CostModel::optimizer_time(const ParallelPlan& p, double params, double expert_params) const {
@@ -727,6 +729,13 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
 
 double CostModel::weight_bytes() const {
   return fp32_training() ? kFp32WeightBytes : kWeightBytes;
+}
+DType CostModel::weight_dtype() const {
+  return fp32_training() ? DType::kF32 : profile_.activation_dtype;
+}
+DType CostModel::gradient_dtype(const ParallelPlan& p) const {
+  if (gradient_bytes_per_parameter(p) == 4) return DType::kF32;
+  return fp32_training() ? DType::kBF16 : profile_.activation_dtype;
 }
 double CostModel::optimizer_state_bytes() const {
   return fp32_training() ? kFp32OptimizerBytes : kOptimizerBytes;

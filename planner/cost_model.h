@@ -185,7 +185,11 @@ class CostModel {
   // fp32 training (a profile whose activations are fp32: ptdp run's precision, as calibrate
   // measures it): fp32 weights that are their own master copy, fp32 activations and logits.
   bool fp32_training() const { return profile_.activation_dtype == DType::kF32; }
-  double weight_bytes() const;           // per parameter: 2 (bf16), or 4
+  double weight_bytes() const;  // per parameter: 2 (bf16), or 4
+  // The elements the data-parallel collectives carry: weights (the distributed optimizer's
+  // all-gather) and gradients (fp32 main gradients, or 16-bit ones without --fp32-grad-reduce).
+  DType weight_dtype() const;
+  DType gradient_dtype(const ParallelPlan& p) const;
   double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;

@@ -161,6 +161,13 @@ class Backend {
     (void)p;
     return false;
   }
+  // Writes [p, p + bytes) of memory the backend's kernels read back to memory and drops it from
+  // every cache level, as other data passing through would (calibration's cold timings). False
+  // where the backend cannot; the caller then streams other data through the caches instead.
+  virtual bool flush_from_caches(const void* p, size_t bytes) {
+    (void)p, (void)bytes;
+    return false;
+  }
 
   // Bytes within the backend's memory, and zero bytes (any element type).
   virtual void copy_bytes(const void* from, void* to, size_t bytes) = 0;

@@ -38,6 +38,9 @@ class OpExecutor {
   // before it in a pass leaves it in cache (calibration's cold timings); on a device backend a
   // kernel reads and rewrites it (a scale by 1) so that it sits in the device's cache.
   void touch_input() const;
+  // Drops every buffer the executor runs ops on from the caches (Backend::flush_from_caches):
+  // the op's own data cold, at the cost of its size. False where the backend cannot.
+  bool flush_from_caches() const;
 
   struct State;
 

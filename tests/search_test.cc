@@ -243,8 +243,8 @@ TEST(CommModel, TensorGroupsThatDoNotTileANodeCrossIt) {
   EXPECT_EQ(span(dgx, 16).ranks_per_node, 8);
   const CommModel comm(dgx, h);
   const double bytes = 64e6;
-  EXPECT_GT(comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 3)),
-            2 * comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 4)));
+  EXPECT_GT(comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 3), DType::kBF16),
+            2 * comm.collective_time(Collective::kAllReduce, bytes, span(dgx, 4), DType::kBF16));
   ClusterSpec nvl72 = resolve_cluster("gb200-nvl72");
   nvl72.resize(144);
   EXPECT_EQ(span(nvl72, 3).nodes, 1);
