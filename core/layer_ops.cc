@@ -549,7 +549,8 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   add_tp_input_grad_allreduces(p.backward, s, d);
   if (!s.fused_grad_accumulation) {
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
-    b.memory(OpId::kWeightGradAccumulate, accumulate_bytes(m.parameters_per_layer() / d.t, s, d),
+    b.memory(OpId::kWeightGradAccumulate,
+             accumulate_bytes(m.layer_parameters_per_rank(s.tensor_parallel), s, d),
              OpRole::kWeightGrad);
   }
   if (s.recompute == Recompute::kFull) {
@@ -569,9 +570,9 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.backward = backward_of(p.forward, s.activation_dtype);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
   if (!s.fused_grad_accumulation) {
-    const double dense = (m.moe_layer_parameters() - m.expert_parameters_per_layer()) / d.t;
-    const double experts = m.expert_parameters_per_layer() /
-                           static_cast<double>(s.expert_parallel * s.expert_tensor_parallel);
+    const double dense = m.layer_parameters_per_rank(s.tensor_parallel, true);
+    const double experts =
+        m.expert_parameters_per_rank(s.expert_parallel, s.expert_tensor_parallel);
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
     b.memory(OpId::kWeightGradAccumulate, accumulate_bytes(dense + experts, s, d),
              OpRole::kWeightGrad);

@@ -249,6 +249,21 @@ double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
   return 2 * norm_parameters() + biases * static_cast<double>(hidden_size);
 }
 
+double ModelSpec::layer_parameters_per_rank(int64_t t, bool moe_layer) const {
+  const double kept = replicated_parameters_per_layer(moe_layer);
+  if (!moe_layer) return (parameters_per_layer() - kept) / static_cast<double>(t) + kept;
+  const double router = static_cast<double>(hidden_size) * static_cast<double>(num_experts);
+  const double dense = moe_layer_parameters() - expert_parameters_per_layer() - router;
+  return (dense - kept) / static_cast<double>(t) + kept + router;
+}
+
+double ModelSpec::expert_parameters_per_rank(int64_t ep, int64_t etp) const {
+  const double fc2_bias = has_biases(*this) ? static_cast<double>(hidden_size) : 0.0;
+  const double expert = mlp_parameters(*this, moe_ffn_hidden());
+  return static_cast<double>(num_experts) / static_cast<double>(ep) *
+         ((expert - fc2_bias) / static_cast<double>(etp) + fc2_bias);
+}
+
 double ModelSpec::position_embedding_parameters() const {
   return learned_position_embeddings
              ? static_cast<double>(max_positions()) * static_cast<double>(hidden_size)

@@ -98,6 +98,13 @@ struct ModelSpec {
   // attention projection's and the (dense or shared-expert) FC2's bias, which row-parallel
   // layers add after their reduction. An MoE layer's router is replicated too (not counted).
   double replicated_parameters_per_layer(bool moe_layer = false) const;
+  // One layer's parameters on a rank of t-way tensor parallelism, an MoE layer's routed experts
+  // left out: the replicated ones above (and an MoE layer's router) whole, the rest split t ways.
+  double layer_parameters_per_rank(int64_t t, bool moe_layer = false) const;
+  // One MoE layer's routed experts on a rank of ep-way expert and etp-way expert-tensor
+  // parallelism: each local expert split etp ways but for its FC2 bias, which the row-parallel
+  // FC2 adds whole after its reduction (runtime/moe_params.cc).
+  double expert_parameters_per_rank(int64_t ep, int64_t etp) const;
   double position_embedding_parameters() const;  // learned positions (replicated), else 0
   double norm_parameters() const;       // one LayerNorm (weight and bias) or RMSNorm (weight)
   double embedding_parameters() const;  // word (+ position) embeddings

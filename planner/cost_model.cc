@@ -645,6 +645,19 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   return comm_.collective_time(Collective::kAllReduce, emb, pair, gradient_dtype(p));
 }
 
+double CostModel::sequence_parallel_grad_sync_time(const ParallelPlan& p, int64_t r) const {
+  if (!p.sequence_parallel || p.tensor_parallel == 1) return 0.0;
+  const int64_t moe = moe_layers_on_stage(p, r);
+  const double router = static_cast<double>(model_.hidden_size * model_.num_experts);
+  double whole = static_cast<double>(p.layers_on_stage(model_, r) - moe) *
+                     model_.replicated_parameters_per_layer() +
+                 static_cast<double>(moe) * (model_.replicated_parameters_per_layer(true) + router);
+  if (r == 0) whole += model_.position_embedding_parameters();
+  if (r == p.pipeline_parallel - 1) whole += model_.norm_parameters();
+  return comm_.collective_time(Collective::kAllReduce, whole * gradient_bytes_per_parameter(p),
+                               tensor_group_span(cluster_, p), gradient_dtype(p));
+}
+
 double CostModel::optimizer_time(const ParallelPlan& p, double params, double expert_params) const {
   const double local = params / dense_shards(p) + expert_params / expert_shards(p);
   const double eff = profile_.memory_efficiency_of("optimizer");
@@ -689,8 +702,8 @@ int64_t CostModel::moe_layers_on_stage(const ParallelPlan& p, int64_t r) const {
 
 double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   if (!model_.is_moe()) return 0.0;
-  return static_cast<double>(moe_layers_on_stage(p, r)) * model_.expert_parameters_per_layer() /
-         static_cast<double>(p.expert_parallel * p.expert_tp());
+  return static_cast<double>(moe_layers_on_stage(p, r)) *
+         model_.expert_parameters_per_rank(p.expert_parallel, p.expert_tp());
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
@@ -699,17 +712,10 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const double dense_layers = static_cast<double>(p.layers_on_stage(model_, r) - moe);
   // Norms and the biases added after row-parallel reductions are whole on every tensor-parallel
   // rank; the rest of a layer is split t ways.
-  const double kept = model_.replicated_parameters_per_layer();
-  double params = dense_layers * ((model_.parameters_per_layer() - kept) / t + kept);
-  if (moe > 0) {
-    // An MoE layer's attention and shared experts are sharded by t, its router replicated.
-    const double router = static_cast<double>(model_.hidden_size * model_.num_experts);
-    const double kept_moe = model_.replicated_parameters_per_layer(true);
-    const double dense =
-        model_.moe_layer_parameters() - model_.expert_parameters_per_layer() - router;
-    params += static_cast<double>(moe) * ((dense - kept_moe) / t + kept_moe + router) +
+  double params = dense_layers * model_.layer_parameters_per_rank(p.tensor_parallel);
+  if (moe > 0)
+    params += static_cast<double>(moe) * model_.layer_parameters_per_rank(p.tensor_parallel, true) +
               expert_parameters_on_stage(p, r);
-  }
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
   // The word embedding is vocabulary-parallel; learned position embeddings are whole.
   if (first)
@@ -833,16 +839,19 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // Data-parallel gradient reduction of the most loaded stage, and the tied-embedding
   // all-reduce between the first and last stage.
   double params_max = 0, experts_max = 0;
+  int64_t loaded = 0;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
     const double params = parameters_on_stage(p, r);
     if (params > params_max) {
       params_max = params;
       experts_max = expert_parameters_on_stage(p, r);
+      loaded = r;
     }
   }
   const double dense_max = params_max - experts_max;
   out.dp_time_s = gradient_sync_time(p, dense_max) + expert_gradient_sync_time(p, experts_max);
-  b.dp_comm = exposed_gradient_sync_time(p, params_max, experts_max, s) + embedding_sync_time(p);
+  b.dp_comm = exposed_gradient_sync_time(p, params_max, experts_max, s) + embedding_sync_time(p) +
+              sequence_parallel_grad_sync_time(p, loaded);
 
   b.optimizer = optimizer_time(p, dense_max, experts_max);
 

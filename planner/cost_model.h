@@ -138,6 +138,11 @@ class CostModel {
                                     const StageTime& s) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
+  // With sequence parallelism, the gradients of the parameters every tensor-parallel rank holds
+  // whole (norms, row-parallel biases, routers, learned positions) are partial sums over the
+  // rank's slice of the sequence: one all-reduce over the tensor-parallel group on stage r
+  // before the step (Megatron's allreduce of the layernorm gradients; runtime/grad_sync.cc).
+  double sequence_parallel_grad_sync_time(const ParallelPlan& p, int64_t r) const;
   // Optimizer step over `params` dense and `expert_params` expert parameters (1/(d cp) and
   // 1/edp shards with the distributed optimizer).
   double optimizer_time(const ParallelPlan& p, double params, double expert_params = 0) const;
@@ -152,6 +157,10 @@ class CostModel {
   const ClusterSpec& cluster() const { return cluster_; }
   const HardwareProfile& profile() const { return profile_; }
   const CommModel& comm() const { return comm_; }
+  // The elements the data-parallel collectives carry: weights (the distributed optimizer's
+  // all-gather) and gradients (fp32 main gradients, or 16-bit ones without --fp32-grad-reduce).
+  DType weight_dtype() const;
+  DType gradient_dtype(const ParallelPlan& p) const;
 
  private:
   struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
@@ -185,11 +194,7 @@ class CostModel {
   // fp32 training (a profile whose activations are fp32: ptdp run's precision, as calibrate
   // measures it): fp32 weights that are their own master copy, fp32 activations and logits.
   bool fp32_training() const { return profile_.activation_dtype == DType::kF32; }
-  double weight_bytes() const;  // per parameter: 2 (bf16), or 4
-  // The elements the data-parallel collectives carry: weights (the distributed optimizer's
-  // all-gather) and gradients (fp32 main gradients, or 16-bit ones without --fp32-grad-reduce).
-  DType weight_dtype() const;
-  DType gradient_dtype(const ParallelPlan& p) const;
+  double weight_bytes() const;           // per parameter: 2 (bf16), or 4
   double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,
                                     double hit) const;

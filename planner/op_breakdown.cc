@@ -211,6 +211,7 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     double dp = cost.exposed_gradient_sync_time(p, dense + experts, experts,
                                                 pred.stages[static_cast<size_t>(r)]);
     if (r == 0 || r == p.pipeline_parallel - 1) dp += cost.embedding_sync_time(p);
+    dp += cost.sequence_parallel_grad_sync_time(p, r);
     f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;
     f.at(OpFamily::kOptimizer, OpRole::kForward) = cost.optimizer_time(p, dense, experts);
     st.bubble = out.iteration - f.total();

@@ -69,9 +69,11 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     const double dp_time = cm.gradient_sync_time(p, params) +
                            cm.expert_gradient_sync_time(p, experts) -
                            cm.hidden_param_gather(p, params, p.layers_on_stage(m, r), forward);
-    in.dp_sync.push_back(to_picos(dp_time));
+    // The sequence-parallel all-reduce follows the last bucket, as predict adds it.
+    const double sp_sync = cm.sequence_parallel_grad_sync_time(p, r);
+    in.dp_sync.push_back(to_picos(dp_time + sp_sync));
     in.dp_last_bucket.push_back(
-        to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r))));
+        to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r)) + sp_sync));
     in.optimizer.push_back(to_picos(cm.optimizer_time(p, params, experts)));
   }
   in.embedding_sync = to_picos(cm.embedding_sync_time(p));

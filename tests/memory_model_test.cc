@@ -79,15 +79,21 @@ ClusterSpec a100(int64_t gpus) {
   return c;
 }
 
-TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
-  const ModelSpec m = gpt175();
-  const ClusterSpec c = a100(1024);
-  CostModel cost(m, c, resolve_profile("a100-80gb"));
+// GPT-3 175B at t = 8, p = 16, d = 8 (SC'21's 1024-GPU layout, batch 1024).
+ParallelPlan gpt175_on_1024() {
   ParallelPlan p;
   p.tensor_parallel = 8;
   p.pipeline_parallel = 16;
   p.data_parallel = 8;
   p.global_batch_size = 1024;
+  return p;
+}
+
+TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
+  const ModelSpec m = gpt175();
+  const ClusterSpec c = a100(1024);
+  CostModel cost(m, c, resolve_profile("a100-80gb"));
+  ParallelPlan p = gpt175_on_1024();
   p.recompute = Recompute::kFull;
   const MemoryBreakdown plain = cost.memory(p);
   const double params = plain.weights / 2.0;
@@ -105,6 +111,37 @@ TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
   const double expect = 6 * ((m.parameters_per_layer() - kept) / 8 + kept) +
                         (m.embedding_parameters() - positions) / 8 + positions;
   EXPECT_DOUBLE_EQ(params, expect);
+}
+
+// Sequence parallelism leaves the gradients of what every tensor-parallel rank holds whole as
+// partial sums over its slice of the sequence: predict adds their all-reduce over the
+// tensor-parallel group (as ptdp run does it, runtime/grad_sync.cc), and only then.
+TEST(StateMemory, SequenceParallelAllReducesTheReplicatedGradients) {
+  const ModelSpec m = gpt175();
+  const ClusterSpec c = a100(1024);
+  CostModel cost(m, c, resolve_profile("a100-80gb"));
+  ParallelPlan p = gpt175_on_1024();
+  for (int64_t r : {0, 7, 15}) EXPECT_EQ(cost.sequence_parallel_grad_sync_time(p, r), 0.0) << r;
+  const Prediction plain = cost.predict(p);
+  p.sequence_parallel = true;
+  // Six layers a stage, each with two LayerNorms (weight and bias) and two row-parallel biases;
+  // the first stage also the learned positions, the last the final LayerNorm.
+  const double h = 12288.0, layer = 6 * (2 * 2 + 2) * h;
+  const double expect[3] = {layer + 2048 * h, layer, layer + 2 * h};
+  const int64_t stages[3] = {0, 7, 15};
+  for (int i = 0; i < 3; ++i) {
+    const double bytes = expect[i] * gradient_bytes_per_parameter(p);
+    EXPECT_DOUBLE_EQ(cost.sequence_parallel_grad_sync_time(p, stages[i]),
+                     cost.comm().collective_time(Collective::kAllReduce, bytes,
+                                                 tensor_group_span(c, p), cost.gradient_dtype(p)))
+        << stages[i];
+  }
+  // On the most loaded stage (the first: the word embedding's shard and the positions), after
+  // the data-parallel reduction, which sequence parallelism leaves as it was.
+  const Prediction sp = cost.predict(p);
+  EXPECT_NEAR(sp.breakdown.dp_comm,
+              plain.breakdown.dp_comm + cost.sequence_parallel_grad_sync_time(p, 0),
+              1e-12 * sp.breakdown.dp_comm);
 }
 
 TEST(StateMemory, ActivationsFollowTheScheduleInFlightCounts) {

@@ -9,7 +9,9 @@
 #include <numeric>
 #include <random>
 
+#include "core/presets.h"
 #include "kernels/cpu/moe.h"
+#include "planner/cost_model.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
@@ -34,6 +36,20 @@ ModelSpec tiny_moe(bool swiglu, int64_t shared, int64_t freq) {
   m.moe_shared_expert_ffn_size = shared;
   m.moe_layer_freq = freq;
   return m;
+}
+
+// The layout of the last rank of each group (t-way sequence-parallel tensor parallelism, ep-way
+// expert and etp-way expert-tensor parallelism).
+ShardLayout last_ranks(int64_t t, int64_t ep, int64_t etp) {
+  ShardLayout l;
+  l.t = t;
+  l.tp = t - 1;
+  l.sequence_parallel = t > 1;
+  l.ep = ep;
+  l.ep_rank = ep - 1;
+  l.etp = etp;
+  l.etp_rank = etp - 1;
+  return l;
 }
 
 std::vector<float> random_floats(size_t n, unsigned seed) {
@@ -167,14 +183,7 @@ TEST(MoeShard, ParameterCountAndSegmentSizes) {
     for (int64_t t : {1, 2})
       for (int64_t ep : {1, 2, 4})
         for (int64_t etp : {int64_t{1}, t}) {
-          ShardLayout l;
-          l.t = t;
-          l.tp = t - 1;
-          l.sequence_parallel = t > 1;
-          l.ep = ep;
-          l.ep_rank = ep - 1;
-          l.etp = etp;
-          l.etp_rank = etp - 1;
+          ShardLayout l = last_ranks(t, ep, etp);
           l.segment_multiple = 3;
           l.expert_segment_multiple = 5;
           GptShard shard(m, l, self.get(), 1);
@@ -183,6 +192,34 @@ TEST(MoeShard, ParameterCountAndSegmentSizes) {
           EXPECT_EQ(shard_segment_sizes(m, l), built) << t << " " << ep << " " << etp;
           ASSERT_EQ(built.size(), 3u);
           EXPECT_EQ(built[2] % 5, 0);
+        }
+  }
+}
+
+// What the cost model counts on a rank (its memory and gradient-sync terms) is what the runtime
+// builds there: the router, norms and row-parallel biases whole on every tensor-parallel rank,
+// and each expert's FC2 bias whole on every expert-tensor rank (once divided by etp: 4 x 16
+// parameters short per MoE layer at etp = 2).
+TEST(MoeShard, CostModelCountsTheParametersTheShardHolds) {
+  auto self = make_self_communicator();
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  for (bool swiglu : {false, true}) {
+    const ModelSpec m = tiny_moe(swiglu, swiglu ? 8 : 0, swiglu ? 2 : 1);
+    const CostModel cost(m, c, resolve_profile("a100-80gb"));
+    for (int64_t t : {1, 2})
+      for (int64_t ep : {1, 2, 4})
+        for (int64_t etp : {int64_t{1}, t}) {
+          const ShardLayout l = last_ranks(t, ep, etp);
+          GptShard shard(m, l, self.get(), 1);
+          ParallelPlan p;
+          p.tensor_parallel = t;
+          p.sequence_parallel = t > 1;
+          p.expert_parallel = ep;
+          p.expert_tensor_parallel = etp;
+          p.data_parallel = ep * etp;  // ep etp divides t d
+          EXPECT_DOUBLE_EQ(cost.parameters_on_stage(p, 0),
+                           static_cast<double>(shard.real_parameters()))
+              << swiglu << " t " << t << " ep " << ep << " etp " << etp;
         }
   }
 }
