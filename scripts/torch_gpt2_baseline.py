@@ -4,6 +4,9 @@ hidden 768, 12 heads, sequence 1024, vocabulary 50304; learned positions, LayerN
 head, no dropout, as `ptdp run` trains it) timed in eager mode and with torch.compile on the
 same GPU. Prints one JSON line per mode: tokens/s, median step time, peak memory and MFU
 (6 * parameters * tokens + attention FLOPs, over the GPU's bf16 dense peak given by --peak-tflops).
+The attention FLOPs count every s x s pair, as `ptdp run` and SC'21's eq. 3 count model FLOPs,
+though the causal kernel computes half of them (until 2026-11-27 this script counted the half,
+so its MFU was not comparable with ptdp's).
 
   python3 scripts/torch_gpt2_baseline.py --dtype fp32 --batch 8 --micro 4 --steps 10
 
@@ -86,7 +89,8 @@ def run(mode, a):
             losses.append(float(total))
     t = statistics.median(times)
     tokens = a.batch * a.seq
-    flops = 6 * params * tokens + 12 * a.layers * a.hidden * a.seq * tokens / 2  # causal half
+    # Model FLOPs: attention's QK^T and AV over all s x s pairs, forward and backward.
+    flops = 6 * params * tokens + 12 * a.layers * a.hidden * a.seq * tokens
     return {"mode": mode, "dtype": a.dtype, "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "parameters": params, "median_step_s": t,
             "tokens_per_s": tokens / t, "mfu": flops / t / (a.peak_tflops * 1e12),
