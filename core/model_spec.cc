@@ -246,15 +246,16 @@ int64_t ModelSpec::moe_layers_in(int64_t first, int64_t count) const {
 double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
   const bool fc2 = !moe_layer || moe_shared_expert_ffn_size > 0;
   const double biases = has_biases(*this) ? (fc2 ? 2.0 : 1.0) : 0.0;
-  return 2 * norm_parameters() + biases * static_cast<double>(hidden_size);
+  const double router =
+      moe_layer ? static_cast<double>(hidden_size) * static_cast<double>(num_experts) : 0.0;
+  return 2 * norm_parameters() + biases * static_cast<double>(hidden_size) + router;
 }
 
 double ModelSpec::layer_parameters_per_rank(int64_t t, bool moe_layer) const {
   const double kept = replicated_parameters_per_layer(moe_layer);
-  if (!moe_layer) return (parameters_per_layer() - kept) / static_cast<double>(t) + kept;
-  const double router = static_cast<double>(hidden_size) * static_cast<double>(num_experts);
-  const double dense = moe_layer_parameters() - expert_parameters_per_layer() - router;
-  return (dense - kept) / static_cast<double>(t) + kept + router;
+  const double layer =
+      moe_layer ? moe_layer_parameters() - expert_parameters_per_layer() : parameters_per_layer();
+  return (layer - kept) / static_cast<double>(t) + kept;
 }
 
 double ModelSpec::expert_parameters_per_rank(int64_t ep, int64_t etp) const {

@@ -96,10 +96,10 @@ struct ModelSpec {
   double expert_parameters() const;  // all routed experts of all MoE layers
   // What every tensor-parallel rank holds whole of a layer: its two norms and, with biases, the
   // attention projection's and the (dense or shared-expert) FC2's bias, which row-parallel
-  // layers add after their reduction. An MoE layer's router is replicated too (not counted).
+  // layers add after their reduction; and an MoE layer's router.
   double replicated_parameters_per_layer(bool moe_layer = false) const;
   // One layer's parameters on a rank of t-way tensor parallelism, an MoE layer's routed experts
-  // left out: the replicated ones above (and an MoE layer's router) whole, the rest split t ways.
+  // left out: the replicated ones above whole, the rest split t ways.
   double layer_parameters_per_rank(int64_t t, bool moe_layer = false) const;
   // One MoE layer's routed experts on a rank of ep-way expert and etp-way expert-tensor
   // parallelism: each local expert split etp ways but for its FC2 bias, which the row-parallel

@@ -648,10 +648,9 @@ double CostModel::embedding_sync_time(const ParallelPlan& p) const {
 double CostModel::sequence_parallel_grad_sync_time(const ParallelPlan& p, int64_t r) const {
   if (!p.sequence_parallel || p.tensor_parallel == 1) return 0.0;
   const int64_t moe = moe_layers_on_stage(p, r);
-  const double router = static_cast<double>(model_.hidden_size * model_.num_experts);
   double whole = static_cast<double>(p.layers_on_stage(model_, r) - moe) *
                      model_.replicated_parameters_per_layer() +
-                 static_cast<double>(moe) * (model_.replicated_parameters_per_layer(true) + router);
+                 static_cast<double>(moe) * model_.replicated_parameters_per_layer(true);
   if (r == 0) whole += model_.position_embedding_parameters();
   if (r == p.pipeline_parallel - 1) whole += model_.norm_parameters();
   return comm_.collective_time(Collective::kAllReduce, whole * gradient_bytes_per_parameter(p),

@@ -5,10 +5,11 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
-#include <numbers>
 #include <stdexcept>
 #include <vector>
 
+#include "kernels/cpu/hash.h"
+#include "kernels/cpu/init.h"
 #include "runtime/shard_context.h"
 
 namespace ptdp {
@@ -65,30 +66,17 @@ struct OpExecutor::State {
     const auto spread = static_cast<float>(0.02 * std::sqrt(static_cast<double>(ctx.dims.h)));
     const std::array<float, kNormals>& normal = standard_normals();
     for (int64_t i = 0; i < n; ++i)
-      values[static_cast<size_t>(i)] = spread * normal[mix(static_cast<uint64_t>(i)) >> 48];
+      values[static_cast<size_t>(i)] = spread * normal[splitmix64(static_cast<uint64_t>(i)) >> 48];
     upload_floats(ctx.be, values.data(), x.ptr(), n);
     done = n;
   }
-  // splitmix64's output function: consecutive i to unrelated 64-bit values.
-  static uint64_t mix(uint64_t z) {
-    z += 0x9e3779b97f4a7c15ULL;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  // 2^16 standard normal values (Box-Muller), drawn from by a hash of the element's index: 3 ns
-  // an element where drawing each afresh took 47 (10 s for the logits of GPT-2 at b = 4).
+  // 2^16 standard normal values, drawn from by a hash of the element's index: 3 ns an element
+  // where drawing each afresh took 47 (10 s for the logits of GPT-2 at b = 4).
   static constexpr size_t kNormals = size_t{1} << 16;
   static const std::array<float, kNormals>& standard_normals() {
     static const std::array<float, kNormals> table = [] {
       std::array<float, kNormals> t{};
-      for (size_t i = 0; i < kNormals; ++i) {
-        const uint64_t z = mix(i);
-        const double u1 = (static_cast<double>(z >> 11) + 0.5) * 0x1.0p-53;
-        const double u2 = static_cast<double>(mix(z) >> 11) * 0x1.0p-53;
-        t[i] = static_cast<float>(std::sqrt(-2.0 * std::log(u1)) *
-                                  std::cos(2.0 * std::numbers::pi * u2));
-      }
+      for (size_t i = 0; i < kNormals; ++i) t[i] = kernels::hashed_normal(0, 0, i, 1.0);
       return t;
     }();
     return table;
