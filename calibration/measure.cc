@@ -177,7 +177,12 @@ std::vector<Op> executed_ops(const ModelSpec& m, int64_t t, int64_t b, DType typ
   const ShardLayout l = op_layout(m, t, b, type);
   const LayerShape s = runtime_layer_shape(m, l);
   std::vector<Op> out;
-  for (const PassOps& pass : {transformer_layer_ops(m, s), embedding_ops(m, s), lm_head_ops(m, s)})
+  std::vector<PassOps> passes;
+  if (m.num_moe_layers() < m.num_layers) passes.push_back(transformer_layer_ops(m, s));
+  if (m.is_moe()) passes.push_back(moe_layer_ops(m, s));  // router, experts, (un)permutation
+  passes.push_back(embedding_ops(m, s));
+  passes.push_back(lm_head_ops(m, s));
+  for (const PassOps& pass : passes)
     for (const std::vector<Op>* ops : {&pass.forward, &pass.backward})
       for (const Op& op : *ops)
         if (executed(op.id)) out.push_back(op);

@@ -160,10 +160,22 @@ std::string memory_family(OpId id) {
       return "dropout";
     case OpId::kBiasGelu:
     case OpId::kSwiglu:
+    case OpId::kExpertActivation:
       return "activation";
     case OpId::kBiasGeluBackward:
     case OpId::kSwigluBackward:
+    case OpId::kExpertActivationBackward:
       return "activation_backward";
+    case OpId::kRouterTopk:
+      return "routing";
+    case OpId::kRouterTopkBackward:
+      return "routing_backward";
+    case OpId::kMoePermute:
+    case OpId::kMoeUnpermute:
+      return "permute";
+    case OpId::kMoePermuteBackward:
+    case OpId::kMoeUnpermuteBackward:
+      return "permute_backward";
     case OpId::kRotaryEmbedding:
       return "rotary";
     case OpId::kRotaryEmbeddingBackward:
@@ -208,6 +220,10 @@ const std::vector<std::string>& memory_families() {
                                              "cross_entropy_backward",
                                              "elementwise",
                                              "elementwise_backward",
+                                             "routing",
+                                             "routing_backward",
+                                             "permute",
+                                             "permute_backward",
                                              "optimizer"};
   return f;
 }

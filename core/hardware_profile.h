@@ -115,8 +115,10 @@ std::string collective_key(Collective c);
 
 // The memory-bound kernel family an op belongs to, for per-family efficiencies: "norm",
 // "softmax", "activation" (GeLU, SwiGLU), "rotary", "embedding", "cross_entropy",
-// "elementwise" (bias-dropout-add, gradient accumulation), each with a "_backward" twin (a
-// backward kernel is another kernel), and "dropout"; "" for GEMMs and collectives.
+// "elementwise" (bias-dropout-add, gradient accumulation), an MoE layer's "routing" (softmax
+// and top-k over the experts) and "permute" (tokens to and from expert order), each with a
+// "_backward" twin (a backward kernel is another kernel), and "dropout"; "" for GEMMs and
+// collectives. The experts' activations are "activation".
 std::string memory_family(OpId id);
 // The families a profile's memory_efficiency may name, and "optimizer" (the AdamW step).
 const std::vector<std::string>& memory_families();

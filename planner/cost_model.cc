@@ -129,9 +129,12 @@ RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, 
   return total;
 }
 
-double expert_load(const ModelSpec& m) {
-  if (m.moe_capacity_factor > 0) return std::min(m.moe_capacity_factor, kDroplessExpertLoad);
-  return kDroplessExpertLoad;
+double expert_load(const ModelSpec& m, int64_t expert_parallel) {
+  if (!m.is_moe()) return 1.0;
+  // One rank computes every kept token: all of them, or each expert's capacity at most.
+  const double busiest = expert_parallel > 1 ? kDroplessExpertLoad : 1.0;
+  if (m.moe_capacity_factor > 0) return std::min(m.moe_capacity_factor, busiest);
+  return busiest;
 }
 
 double gradient_bytes_per_parameter(const ParallelPlan& p) {
@@ -154,7 +157,7 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
     : m_(m), p_(p), element_(static_cast<double>(dtype_bytes(element))) {
   LayerShape shape = layer_shape(p);
   shape.activation_dtype = element;
-  shape.expert_load = m.is_moe() ? expert_load(m) : 1.0;
+  shape.expert_load = expert_load(m, p.expert_parallel);
   per_layer_ = layer_activation_bytes(m, shape);
   per_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, shape) : per_layer_;
   moe_chunks_ = moe_layers_per_chunk(m, p);
@@ -257,7 +260,7 @@ double CostModel::memory_time(const Op& op) const {
 LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {
   LayerShape s = layer_shape(p);
   s.activation_dtype = profile_.activation_dtype;
-  s.expert_load = model_.is_moe() ? expert_load(model_) : 1.0;
+  s.expert_load = expert_load(model_, p.expert_parallel);
   return s;
 }
 

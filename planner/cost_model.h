@@ -239,8 +239,10 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
 // The token load of the busiest expert-parallel rank, as a multiple of its fair share, that
 // MoE layers are priced at: dropless routing with Megatron-Core's load balancing is assumed to
 // leave the busiest rank 10% over the mean (kDroplessExpertLoad); a capacity factor caps it.
+// Without expert parallelism (ep = 1) a rank holds every expert and computes every routed
+// token, whichever experts they chose: its load is the mean, 1 (less a capacity factor's drops).
 inline constexpr double kDroplessExpertLoad = 1.1;
-double expert_load(const ModelSpec& m);
+double expert_load(const ModelSpec& m, int64_t expert_parallel);
 
 // In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
+#include <utility>
 
 #include "core/error.h"
 #include "kernels/cpu/moe.h"
@@ -137,6 +138,18 @@ Counts expert_rows(const MoeDims& d, const MoeActs& A) {  // per local expert, w
   return d.etp > 1 ? col_sums(A.gathered, d.etp, d.local_experts) : local_rows(d, A);
 }
 
+// An op's input that no later op reads: freed, unless the caller keeps the inputs.
+void consumed(const MoeActs& A, Buffer& b) {
+  if (!A.keep_inputs) release(b);
+}
+
+// A grouped GEMM's rows per expert as the op list records it (core/layer_ops.cc): the rank's
+// `rows` over its experts, rounded up (the op list's at a balanced routing); the trace records
+// the grouped GEMM as that many GEMMs of the mean row count, in the batch.
+int64_t mean_rows(int64_t rows, int64_t experts) {
+  return (rows + experts - 1) / experts;
+}
+
 float* at(Buffer& b, int64_t row, int64_t width) {
   return b.data() + row * width;
 }
@@ -263,23 +276,44 @@ std::vector<OpId> substitute(const std::vector<OpId>& dense, bool keep_mlp, bool
 
 std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeDims& d) {
   using I = OpId;
-  std::vector<OpId> routed = {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kMoeDispatch};
-  if (d.etp > 1) routed.push_back(I::kMoeDispatchAllGather);
-  routed.insert(routed.end(), {I::kExpertFc1, I::kExpertActivation, I::kExpertFc2});
-  if (d.etp > 1) routed.push_back(I::kMoeCombineReduceScatter);
-  routed.insert(routed.end(), {I::kMoeCombine, I::kMoeUnpermute});
+  // Without expert parallelism the permuted rows are the experts' rows already: no all-to-all
+  // (nor one in the op list, core/layer_ops.cc).
+  std::vector<OpId> routed;
+  for (const auto& [op, runs] : std::initializer_list<std::pair<OpId, bool>>{
+           {I::kRouter, true},
+           {I::kRouterTopk, true},
+           {I::kMoePermute, true},
+           {I::kMoeDispatch, d.ep > 1},
+           {I::kMoeDispatchAllGather, d.etp > 1},
+           {I::kExpertFc1, true},
+           {I::kExpertActivation, true},
+           {I::kExpertFc2, true},
+           {I::kMoeCombineReduceScatter, d.etp > 1},
+           {I::kMoeCombine, d.ep > 1},
+           {I::kMoeUnpermute, true}})
+    if (runs) routed.push_back(op);
   return substitute(dense, d.shared, is_mlp_forward, I::kMlpBiasDropoutAdd, routed);
 }
 
 std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const MoeDims& d) {
   using I = OpId;
-  std::vector<OpId> routed = {I::kMoeUnpermuteBackward, I::kMoeCombineBackward};
-  if (d.etp > 1) routed.push_back(I::kMoeCombineReduceScatterBackward);
-  routed.insert(routed.end(), {I::kExpertFc2Dgrad, I::kExpertFc2Wgrad, I::kExpertActivationBackward,
-                               I::kExpertFc1Dgrad, I::kExpertFc1Wgrad});
-  if (d.etp > 1) routed.push_back(I::kMoeDispatchAllGatherBackward);
-  routed.insert(routed.end(), {I::kMoeDispatchBackward, I::kMoePermuteBackward,
-                               I::kRouterTopkBackward, I::kRouterDgrad, I::kRouterWgrad});
+  std::vector<OpId> routed;
+  for (const auto& [op, runs] : std::initializer_list<std::pair<OpId, bool>>{
+           {I::kMoeUnpermuteBackward, true},
+           {I::kMoeCombineBackward, d.ep > 1},
+           {I::kMoeCombineReduceScatterBackward, d.etp > 1},
+           {I::kExpertFc2Dgrad, true},
+           {I::kExpertFc2Wgrad, true},
+           {I::kExpertActivationBackward, true},
+           {I::kExpertFc1Dgrad, true},
+           {I::kExpertFc1Wgrad, true},
+           {I::kMoeDispatchAllGatherBackward, d.etp > 1},
+           {I::kMoeDispatchBackward, d.ep > 1},
+           {I::kMoePermuteBackward, true},
+           {I::kRouterTopkBackward, true},
+           {I::kRouterDgrad, true},
+           {I::kRouterWgrad, true}})
+    if (runs) routed.push_back(op);
   return substitute(dense, d.shared, is_mlp_backward, I::kPostAttentionLayernormBackward, routed);
 }
 
@@ -308,24 +342,27 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         kernels::drop_over_capacity(A.expert.data(), A.prob.data(), n, k, E, capacity,
                                     d.drop_by_position, c.dims.b);
       }
-      release(A.logits);
+      consumed(A, A.logits);
       break;
     case OpId::kMoePermute:
       A.slot_of_row.resize(static_cast<size_t>(n * k));
       A.counts.resize(static_cast<size_t>(E));
       A.rows =
           kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
-      resize(A.permuted, A.rows * h);
       {
+        // Without expert parallelism, straight into the experts' rows (no dispatch runs).
+        Buffer& rows = d.ep > 1 ? A.permuted : A.x;
+        resize(rows, A.rows * h);
         Buffer widened;
         kernels::permute_rows(fp32_of(c, x, widened), A.slot_of_row.data(), A.rows, k, h,
-                              A.permuted.data());
+                              rows.data());
+        if (d.ep == 1) A.recv = A.counts;  // [1 source][local expert]
       }
       break;
     case OpId::kMoeDispatch:
       A.recv = exchange_counts(mc.ep(), A.counts, El, false);
       to_experts(c, mc, A.permuted, A, A.x);
-      release(A.permuted);
+      consumed(A, A.permuted);
       break;
     case OpId::kMoeDispatchAllGather: {
       const Counts mine = local_rows(d, A);
@@ -342,7 +379,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         be.linear_forward(at(A.x, r0, h), c.P(W.fc1_w[e]), opt(c, W.fc1_b[e]), at(A.fc1, r0, w),
                           rows, h, w);
       });
-      c.gemm_done(elems(A.x) / h, w, h, 1);
+      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), w, h, d.local_experts);
       break;
     }
     case OpId::kExpertActivation: {
@@ -362,7 +399,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
                           d.etp_rank == 0 ? opt(c, W.fc2_b[e]) : Ptr(), at(A.y, r0, h), rows, d.ffe,
                           h);
       });
-      c.gemm_done(elems(A.x) / h, h, d.ffe, 1);
+      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), h, d.ffe, d.local_experts);
       break;
     }
     case OpId::kMoeCombineReduceScatter: {
@@ -373,12 +410,13 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
     }
     case OpId::kMoeCombine:
       from_experts(c, mc, A.y, A, A.combined);
-      release(A.y);
+      consumed(A, A.y);
       break;
     case OpId::kMoeUnpermute:
       // Added to the shared experts' output where there are shared experts.
       into(c, out, d.shared, n * h, model_type, [&](float* y) {
-        kernels::unpermute(A.combined.data(), A.prob.data(), A.slot_of_row.data(), A.rows, k, h, y);
+        kernels::unpermute(combined_rows(d, A).data(), A.prob.data(), A.slot_of_row.data(), A.rows,
+                           k, h, y);
       });
       break;
     default:
@@ -401,11 +439,11 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       resize(A.dprob, n * k);
       {
         Buffer widened;
-        kernels::unpermute_backward(fp32_of(c, d_out, widened), A.combined.data(), A.prob.data(),
-                                    A.slot_of_row.data(), A.rows, k, h, A.d_y.data(),
-                                    A.dprob.data());
+        kernels::unpermute_backward(fp32_of(c, d_out, widened), combined_rows(d, A).data(),
+                                    A.prob.data(), A.slot_of_row.data(), A.rows, k, h,
+                                    A.d_y.data(), A.dprob.data());
       }
-      release(A.combined);
+      consumed(A, combined_rows(d, A));
       break;
     case OpId::kMoeCombineBackward: {
       Buffer permuted;
@@ -424,14 +462,14 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_dgrad(c.P(W.fc2_w[e]), at(A.d_y, r0, h), at(A.d_act, r0, d.ffe), rows, d.ffe, h);
       });
-      c.gemm_done(elems(A.x) / h, d.ffe, h, 1);
+      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), d.ffe, h, d.local_experts);
       break;
     case OpId::kExpertFc2Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.act, r0, d.ffe), at(A.d_y, r0, h), c.G(W.fc2_w[e]),
                         opt_grad(c, W.fc2_b[e]), rows, d.ffe, h);
       });
-      c.gemm_done(d.ffe, h, elems(A.x) / h, 1);
+      c.gemm_done(d.ffe, h, mean_rows(elems(A.x) / h, d.local_experts), d.local_experts);
       c.weight_gradient_done();
       break;
     case OpId::kExpertActivationBackward: {
@@ -441,7 +479,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
         be.swiglu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows, d.ffe);
       else
         be.gelu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows * d.ffe);
-      release(A.d_act);
+      consumed(A, A.d_act);
       break;
     }
     case OpId::kExpertFc1Dgrad:
@@ -449,14 +487,14 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_dgrad(c.P(W.fc1_w[e]), at(A.d_pre, r0, w), at(A.d_x, r0, h), rows, h, w);
       });
-      c.gemm_done(elems(A.x) / h, h, w, 1);
+      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), h, w, d.local_experts);
       break;
     case OpId::kExpertFc1Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.x, r0, h), at(A.d_pre, r0, w), c.G(W.fc1_w[e]),
                         opt_grad(c, W.fc1_b[e]), rows, h, w);
       });
-      c.gemm_done(h, w, elems(A.x) / h, 1);
+      c.gemm_done(h, w, mean_rows(elems(A.x) / h, d.local_experts), d.local_experts);
       c.weight_gradient_done();
       break;
     case OpId::kMoeDispatchAllGatherBackward: {
@@ -476,7 +514,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       into(c, d_x, d.shared, n * h, model_type, [&](float* y) {
         kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, y);
       });
-      release(A.d_x);
+      consumed(A, A.d_x);
       break;
     case OpId::kRouterTopkBackward:
       resize(A.dlogits, n * E);

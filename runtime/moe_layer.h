@@ -9,7 +9,9 @@
 //                  highest-probability assignments of this rank's tokens, the rest are dropped
 //   kMoePermute    each (token, expert) assignment as one row, grouped by expert
 //   kMoeDispatch   counts, then rows, all-to-all over the expert-parallel group (variable sizes);
-//                  the received blocks sorted by local expert
+//                  the received blocks sorted by local expert (ep > 1: without expert
+//                  parallelism the permuted rows are the experts' rows, and neither this nor
+//                  kMoeCombine runs, as the op list has neither)
 //   kMoeDispatchAllGather  etp > 1: every expert-tensor rank's rows gathered (all-to-all of
 //                  the same block to every peer), sorted by local expert again
 //   kExpertFc1, kExpertActivation, kExpertFc2  each of the E / ep local experts, an MLP of the
@@ -67,6 +69,9 @@ struct MoeActs {
   int64_t rows = 0;                     // this rank's routed rows
   Buffer permuted, x, fc1, act, y, combined;
   Buffer d_y, d_act, d_pre, d_x, dprob, dlogits;
+  // An op frees the inputs no later op reads (a run's memory); the op executor, which runs one
+  // op many times on the same inputs (runtime/op_executor.h), keeps them.
+  bool keep_inputs = false;
 };
 
 // Registers an MoE layer's parameters on this rank (runtime/moe_params.cc): the router [E, h]
@@ -105,6 +110,12 @@ bool is_moe_op(OpId id);
 // (forward, recomputation) and before the post-attention layernorm's backward.
 std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeDims& d);
 std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const MoeDims& d);
+
+// The experts' outputs in this rank's permuted order, which kMoeUnpermute reads: after the
+// combine, or the experts' own rows without expert parallelism (no all-to-all runs then).
+inline Buffer& combined_rows(const MoeDims& d, MoeActs& A) {
+  return d.ep > 1 ? A.combined : A.y;
+}
 
 // x: the post-attention layernorm's output [n_local, h]; out: the MLP output [n_local, h]
 // (the shared experts' when they ran first, added to).

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/hash.h"
 #include "kernels/cpu/init.h"
+#include "runtime/moe_layer.h"
 #include "runtime/shard_context.h"
 
 namespace ptdp {
@@ -20,16 +21,57 @@ namespace {
 int64_t widest_bias(const ShardDims& d) {
   return std::max({d.qkv_width(), d.fc1_width(), d.h});
 }
-int64_t parameter_elements_of(const ShardDims& d) {
-  return std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h}) +
-         widest_bias(d);
+int64_t dense_parameter_elements(const ShardDims& d) {
+  return std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h});
+}
+
+// An MoE layer's parameters on this rank (runtime/moe_params.cc), laid out from offset 0 as
+// the runtime lays them out; `total` gets their elements. Empty for a dense model.
+MoeLayerParams moe_parameters(const ModelSpec& m, const ShardLayout& l, int64_t* total) {
+  *total = 0;
+  if (!m.is_moe()) return {};
+  int64_t next = 0;
+  return add_moe_parameters(m, l, l.sequence_parallel && l.t > 1, 0, "moe.",
+                            [&](const ParamInfo& p, const std::function<void(float*)>&) {
+                              const int64_t at = next;
+                              next += p.size;
+                              *total = next;
+                              return at;
+                            });
+}
+
+// The parameter buffer: the largest dense weight (QKV, FC1, the vocabulary shard or the
+// position table) or an MoE layer's weights, whichever is longer, followed by the widest bias.
+int64_t parameter_elements_of(const ModelSpec& m, const ShardLayout& l, const ShardDims& d) {
+  int64_t moe = 0;
+  moe_parameters(m, l, &moe);
+  return std::max(dense_parameter_elements(d), moe) + widest_bias(d);
 }
 
 }  // namespace
 
 int64_t OpExecutor::parameter_elements(const ModelSpec& m, const ShardLayout& layout) {
-  return parameter_elements_of(shard_dims(m, layout));
+  return parameter_elements_of(m, layout, shard_dims(m, layout));
 }
+
+// An MoE layer's ops run alone: the runtime's own code (runtime/moe_layer.cc) on inputs made
+// once, which it keeps (MoeActs::keep_inputs) so that an op runs many times on the same inputs.
+struct MoeRun {
+  MoeContext ctx;
+  MoeLayerParams W;
+  MoeActs A;
+  Buffer x, out, d_out, d_x;  // the layer's MLP input and output and their gradients
+  int64_t expert_rows = -1;   // rows per local expert the expert buffers hold
+  bool routed = false;        // A holds a routing of x (top-k, permutation)
+  MoeRun(const ModelSpec& m, const MoeDims& d, DType type)
+      : ctx(m, d), x(type), out(type), d_out(type), d_x(type) {
+    A.keep_inputs = true;
+    // The routed part runs in fp32 whatever the model's type (runtime/moe_layer.cc).
+    for (Buffer* b : {&A.logits, &A.prob, &A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined,
+                      &A.d_y, &A.d_act, &A.d_pre, &A.d_x, &A.dprob, &A.dlogits})
+      *b = Buffer(DType::kF32);
+  }
+};
 
 struct OpExecutor::State {
   ShardContext ctx;
@@ -43,6 +85,8 @@ struct OpExecutor::State {
   Buffer fq, fk, fv, fo, flse{DType::kF32}, fdo, fdq, fdk, fdv;
   int64_t stats_for = 0;
   std::vector<int32_t> tokens;
+  std::unique_ptr<MoeRun> moe;  // made on an MoE op's first run
+  const Buffer* input = &a;     // the first operand of the op run last (touch_input)
 
   State(Backend& be, Communicator* tp, const ShardDims& dims, DType type)
       : ctx(be, tp, dims), dtype(type), params(type) {}
@@ -86,10 +130,12 @@ struct OpExecutor::State {
 
 OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const ModelSpec& m,
                        const ShardLayout& layout)
-    : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout), layout.dtype)) {
+    : s_(std::make_unique<State>(backend, tensor_group, shard_dims(m, layout), layout.dtype)),
+      model_(m),
+      layout_(layout) {
   validate_shard_layout(m, layout);
   const ShardDims& d = s_->ctx.dims;
-  s_->fill(s_->params, parameter_elements_of(d));
+  s_->fill(s_->params, parameter_elements_of(m, layout, d));
   s_->fill(s_->grads, elems(s_->params));
   s_->ctx.params = s_->params.ptr();
   s_->ctx.grads = s_->grads.data();
@@ -101,13 +147,14 @@ OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const Model
 OpExecutor::~OpExecutor() = default;
 
 void OpExecutor::touch_input() const {
-  if (!s_->a.on_host()) {  // a device: a kernel that reads and writes it back unchanged
-    s_->ctx.be.scale(s_->a.ptr(), elems(s_->a), 1.0);
+  const Buffer& x = *s_->input;
+  if (!x.on_host()) {  // a device: a kernel that reads and writes it back unchanged
+    s_->ctx.be.scale(const_cast<Buffer&>(x).ptr(), elems(x), 1.0);
     return;
   }
   uint32_t sum = 0;  // every byte read, whatever the type
-  const auto* p = static_cast<const uint8_t*>(s_->a.raw());
-  for (size_t i = 0; i < s_->a.bytes(); ++i) sum += p[i];
+  const auto* p = static_cast<const uint8_t*>(x.raw());
+  for (size_t i = 0; i < x.bytes(); ++i) sum += p[i];
   volatile uint32_t sink = sum;
   (void)sink;
 }
@@ -118,6 +165,14 @@ bool OpExecutor::flush_from_caches() const {
   for (const Buffer* x : {&S.params, &S.grads, &S.a, &S.b, &S.c, &S.d, &S.e, &S.f, &S.m1, &S.m2,
                           &S.fq, &S.fk, &S.fv, &S.fo, &S.flse, &S.fdo, &S.fdq, &S.fdk, &S.fdv})
     if (!be.flush_from_caches(x->raw(), x->bytes())) return false;
+  if (S.moe) {
+    MoeRun& M = *S.moe;
+    MoeActs& A = M.A;
+    for (const Buffer* x : {&M.x, &M.out, &M.d_out, &M.d_x, &A.logits, &A.prob, &A.permuted, &A.x,
+                            &A.fc1, &A.act, &A.y, &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x,
+                            &A.dprob, &A.dlogits})
+      if (!be.flush_from_caches(x->raw(), x->bytes())) return false;
+  }
   return be.flush_from_caches(S.tokens.data(), S.tokens.size() * sizeof(int32_t));
 }
 
@@ -128,6 +183,11 @@ void OpExecutor::trace_ops(std::vector<ExecutedOp>* sink) {
 void OpExecutor::run(const Op& op) {
   State& S = *s_;
   const ActivationDType precision(S.dtype);
+  S.input = &S.a;
+  if (is_moe_op(op.id)) {
+    run_moe(op);
+    return;
+  }
   ShardContext& c = S.ctx;
   const ShardDims& d = c.dims;
   Backend& be = c.be;
@@ -346,6 +406,119 @@ void OpExecutor::run(const Op& op) {
     default:
       throw std::invalid_argument("ptdp run does not execute op '" + std::string(op.name()) + "'");
   }
+}
+
+}  // namespace ptdp
+
+namespace ptdp {
+
+void OpExecutor::run_moe(const Op& op) {
+  State& S = *s_;
+  ShardContext& c = S.ctx;
+  const std::string name(op.name());
+  if (op.kind == OpKind::kCollective)
+    throw std::invalid_argument("op '" + name +
+                                "' runs over the expert groups: ptdp calibrate times its "
+                                "all-to-all as a collective, not alone");
+  if (!c.be.host_accessible())
+    throw std::invalid_argument("op '" + name +
+                                "' routes tokens in host memory: MoE layers run on the cpu backend");
+  if (!S.moe) {
+    const ShardLayout& l = layout_;
+    S.moe = std::make_unique<MoeRun>(
+        model_, moe_dims(model_, l.t, l.ep, l.ep_rank, l.etp, l.etp_rank), S.dtype);
+    int64_t elements = 0;
+    S.moe->W = moe_parameters(model_, l, &elements);
+  }
+  MoeRun& M = *S.moe;
+  MoeActs& A = M.A;
+  const MoeDims& md = M.ctx.dims();
+  const int64_t n = c.dims.n_local, h = c.dims.h, E = md.experts, El = md.local_experts;
+  if (!M.routed) {  // a routing of the layer's input, made once and not recorded
+    std::vector<ExecutedOp>* trace = c.trace;
+    c.trace = nullptr;
+    S.fill(M.x, n * h);
+    S.fill(A.logits, n * E);
+    moe_forward_op(c, M.ctx, OpId::kRouterTopk, M.W, M.x, M.out, A);
+    moe_forward_op(c, M.ctx, OpId::kMoePermute, M.W, M.x, M.out, A);
+    c.trace = trace;
+    M.routed = true;
+  }
+  // The experts' buffers at `rows` rows per local expert, as a balanced routing gives them
+  // (the op list's shapes): GEMMs take the count from the op, activations from the layer.
+  auto experts = [&](int64_t rows) {
+    A.recv.assign(static_cast<size_t>(md.ep * El), 0);
+    std::fill_n(A.recv.begin(), El, rows);
+    if (md.etp > 1) {
+      A.gathered.assign(static_cast<size_t>(md.etp * El), 0);
+      std::fill_n(A.gathered.begin(), El, rows);
+    }
+    const int64_t r = El * rows;
+    for (auto [x, width] : {std::pair{&A.x, h}, {&A.fc1, md.fc1_width()}, {&A.act, md.ffe},
+                            {&A.d_y, h}, {&A.d_act, md.ffe}, {&A.d_pre, md.fc1_width()}})
+      S.fill(*x, r * width);
+  };
+  const int64_t balanced = (n * md.topk * md.etp + El - 1) / El;
+  const int64_t gemm_rows = op.role == OpRole::kWeightGrad ? op.k : op.m;
+  switch (op.id) {
+    case OpId::kRouter:
+    case OpId::kMoePermute:
+    case OpId::kRouterWgrad:
+      S.input = &M.x;
+      if (op.id == OpId::kRouterWgrad) S.fill(A.dlogits, n * E);
+      break;
+    case OpId::kRouterTopk:
+      S.input = &A.logits;
+      break;
+    case OpId::kExpertFc1:
+    case OpId::kExpertFc2:
+    case OpId::kExpertFc2Dgrad:
+    case OpId::kExpertFc2Wgrad:
+    case OpId::kExpertFc1Dgrad:
+    case OpId::kExpertFc1Wgrad:
+      experts(gemm_rows);
+      S.input = op.id == OpId::kExpertFc1 ? &A.x : op.id == OpId::kExpertFc2 ? &A.act : &A.d_y;
+      break;
+    case OpId::kExpertActivation:
+    case OpId::kExpertActivationBackward:
+      experts(balanced);
+      S.input = &A.fc1;
+      break;
+    case OpId::kMoeUnpermute:
+      S.fill(combined_rows(md, A), A.rows * h);
+      if (md.shared) S.fill(M.out, n * h);
+      S.input = &combined_rows(md, A);
+      break;
+    case OpId::kMoeUnpermuteBackward:
+      S.fill(M.d_out, n * h);
+      S.fill(combined_rows(md, A), A.rows * h);
+      S.input = &M.d_out;
+      break;
+    case OpId::kMoePermuteBackward:
+      S.fill(A.d_x, A.rows * h);
+      if (md.shared) S.fill(M.d_x, n * h);
+      S.input = &A.d_x;
+      break;
+    case OpId::kRouterTopkBackward:
+      S.fill(A.dprob, n * md.topk);
+      S.input = &A.dprob;
+      break;
+    case OpId::kRouterDgrad:
+      S.fill(A.dlogits, n * E);
+      S.fill(M.d_x, n * h);
+      S.input = &A.dlogits;
+      break;
+    default:
+      throw std::logic_error("op '" + name + "' of an MoE layer has no inputs made");
+  }
+  const bool forward = op.role == OpRole::kForward || op.role == OpRole::kRecompute;
+  c.begin(op.id, op.role == OpRole::kForward     ? PassKind::kForward
+                 : op.role == OpRole::kRecompute ? PassKind::kRecompute
+                                                 : PassKind::kBackward);
+  if (forward)
+    moe_forward_op(c, M.ctx, op.id, M.W, M.x, M.out, A);
+  else
+    moe_backward_op(c, M.ctx, op.id, M.W, M.x, M.d_out, M.d_x, A);
 }
 
 }  // namespace ptdp

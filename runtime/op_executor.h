@@ -30,7 +30,10 @@ class OpExecutor {
   static int64_t parameter_elements(const ModelSpec& m, const ShardLayout& layout);
 
   // Runs `op` once. Throws std::invalid_argument for an op ptdp run does not execute (the
-  // separate gradient-accumulation passes).
+  // separate gradient-accumulation passes), and for an MoE layer's collectives (all-to-alls
+  // over the expert groups) and its ops on a backend whose memory the host cannot address.
+  // An MoE layer's compute ops run the runtime's code on one routing of the layer's input,
+  // the experts' GEMMs at the op's rows per expert.
   void run(const Op& op);
   // Records what each run executes (as GptShard::trace_ops does).
   void trace_ops(std::vector<ExecutedOp>* sink);
@@ -45,7 +48,11 @@ class OpExecutor {
   struct State;
 
  private:
+  void run_moe(const Op& op);  // an op of an MoE layer (runtime/moe_layer.h)
+
   std::unique_ptr<State> s_;
+  ModelSpec model_;
+  ShardLayout layout_;
 };
 
 }  // namespace ptdp

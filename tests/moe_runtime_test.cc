@@ -6,8 +6,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
+#include <span>
+#include <stdexcept>
 
 #include "core/presets.h"
 #include "kernels/cpu/moe.h"
@@ -274,38 +278,127 @@ TEST(MoeShard, GradientsMatchFiniteDifferences) {
   }
 }
 
-// Each MoE layer's dispatch and combine (and their backward) run as all-to-alls over the
-// expert-parallel group carrying the rank's routed tokens x h x 4 bytes; dense layers route
-// nothing.
+// Rank 0 of an expert-parallel group of two whose other rank is its mirror image (rank 1 with
+// the roles of the two ranks swapped): what the peer sends this rank is what this rank sends
+// the peer, so an all-to-all leaves every block where it is. Enough to run the dispatch and
+// combine in one process and see what they move (the values are not a real group's).
+class MirrorExperts final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+
+ protected:
+  struct Done final : Work {
+    bool test() override { return true; }
+    void wait() override {}
+    void wait(CommDuration) override {}
+  };
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send,
+                                           void* out, std::span<const size_t> recv, DType t,
+                                           DeviceStream) override {
+    if (!std::equal(send.begin(), send.end(), recv.begin(), recv.end()))
+      throw std::logic_error("a mirror receives the blocks it sends");
+    const size_t n = std::accumulate(send.begin(), send.end(), size_t{0});
+    std::memcpy(out, in, n * dtype_bytes(t));
+    return std::make_unique<Done>();
+  }
+  [[noreturn]] static void refuse() { throw std::logic_error("not an expert-group call"); }
+  std::unique_ptr<Work> start_all_reduce(void*, size_t, DType, DeviceStream) override { refuse(); }
+  std::unique_ptr<Work> start_all_gather(const void*, void*, size_t, DType, DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_reduce_scatter(const void*, void*, size_t, DType,
+                                             DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_broadcast(void*, size_t, DType, int, DeviceStream) override {
+    refuse();
+  }
+  std::unique_ptr<Work> start_batch(std::span<const P2P>, DeviceStream) override { refuse(); }
+  std::unique_ptr<Work> start_barrier() override { refuse(); }
+  std::unique_ptr<Communicator> make_split(int, int) override { refuse(); }
+};
+
+// With expert parallelism each MoE layer's dispatch and combine (and their backward) run as
+// all-to-alls over the expert-parallel group carrying the rank's routed tokens x h x 4 bytes;
+// without it no all-to-all runs, as the op list has none (the permuted rows are the experts'
+// rows). Dense layers route nothing. The experts' GEMMs are recorded as the op list gives
+// them: the local experts as the batch, each at the routed rows' mean (dropless: every
+// assignment is kept, so the mean is the op list's rows per expert at an even load).
 TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
   const ModelSpec m = tiny_moe(true, 8, 2);
-  auto self = make_self_communicator();
-  GptShard shard(m, ShardLayout{}, self.get(), 7);
-  std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
-  TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
-  std::vector<ExecutedOp> trace;
-  shard.trace_ops(&trace);
-  shard.forward(0, 0, tokens.data(), nullptr, nullptr);
-  shard.backward(0, 0, nullptr, nullptr, 1.0);
-  const double routed_bytes =
-      static_cast<double>(m.seq_length * m.moe_router_topk * m.hidden_size) *
-      sizeof(float);  // b = 1, dropless
-  int all_to_alls = 0, routers = 0;
-  for (const ExecutedOp& op : trace) {
-    routers += op.id == OpId::kRouter;
-    const bool a2a = op.id == OpId::kMoeDispatch || op.id == OpId::kMoeCombine ||
-                     op.id == OpId::kMoeDispatchBackward || op.id == OpId::kMoeCombineBackward;
-    if (!a2a) continue;
-    ++all_to_alls;
-    EXPECT_EQ(op.kind, OpKind::kCollective) << op_name(op.id);
-    EXPECT_EQ(op.collective, Collective::kAllToAll) << op_name(op.id);
-    EXPECT_EQ(op.group, CommGroup::kExpert) << op_name(op.id);
-    EXPECT_EQ(op.bytes, routed_bytes) << op_name(op.id);
+  ASSERT_EQ(m.num_moe_layers(), 1);
+  for (const int64_t ep : {1, 2}) {
+    auto self = make_self_communicator();
+    MirrorExperts mirror;
+    ShardLayout l;
+    l.ep = ep;
+    GptShard shard(m, l, self.get(), 7);
+    if (ep > 1) shard.set_expert_groups(&mirror, nullptr);
+    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    std::vector<ExecutedOp> trace;
+    shard.trace_ops(&trace);
+    const double loss = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    shard.trace_ops(nullptr);
+    EXPECT_TRUE(std::isfinite(loss)) << ep;
+    LayerShape shape = runtime_layer_shape(m, l);
+    shape.expert_parallel = ep;
+    const PassOps listed = moe_layer_ops(m, shape);
+    int expert_gemms = 0;
+    for (const ExecutedOp& op : trace)
+      for (const std::vector<Op>* pass : {&listed.forward, &listed.backward})
+        for (const Op& want : *pass)
+          if (want.id == op.id && want.kind == OpKind::kGemm &&
+              op_name(op.id).find("expert") != std::string_view::npos) {
+            EXPECT_EQ(op.m, want.m) << op_name(op.id) << " ep " << ep;
+            EXPECT_EQ(op.n, want.n) << op_name(op.id);
+            EXPECT_EQ(op.k, want.k) << op_name(op.id);
+            EXPECT_EQ(op.batch, m.num_experts / ep) << op_name(op.id);
+            ++expert_gemms;
+          }
+    EXPECT_EQ(expert_gemms, 6);
+    // b = 1, dropless: each of the rank's tokens goes to k experts.
+    const double routed_bytes =
+        static_cast<double>(m.seq_length * m.moe_router_topk * m.hidden_size) * sizeof(float);
+    int all_to_alls = 0, listed_all_to_alls = 0, routers = 0;
+    for (const std::vector<Op>* pass : {&listed.forward, &listed.backward})
+      for (const Op& op : *pass) listed_all_to_alls += op.collective == Collective::kAllToAll;
+    for (const ExecutedOp& op : trace) {
+      routers += op.id == OpId::kRouter;
+      const bool a2a = op.id == OpId::kMoeDispatch || op.id == OpId::kMoeCombine ||
+                       op.id == OpId::kMoeDispatchBackward || op.id == OpId::kMoeCombineBackward;
+      if (!a2a) continue;
+      ++all_to_alls;
+      EXPECT_EQ(op.kind, OpKind::kCollective) << op_name(op.id);
+      EXPECT_EQ(op.collective, Collective::kAllToAll) << op_name(op.id);
+      EXPECT_EQ(op.group, CommGroup::kExpert) << op_name(op.id);
+      EXPECT_EQ(op.bytes, routed_bytes) << op_name(op.id);
+    }
+    EXPECT_EQ(routers, 1);
+    EXPECT_EQ(all_to_alls, ep > 1 ? 4 : 0) << ep;
+    EXPECT_EQ(all_to_alls, listed_all_to_alls) << ep;
   }
-  EXPECT_EQ(routers, m.num_moe_layers());
-  EXPECT_EQ(all_to_alls, 4 * m.num_moe_layers());
-  EXPECT_EQ(m.num_moe_layers(), 1);
-  shard.trace_ops(nullptr);
+}
+
+// The load MoE layers are priced at: the busiest expert-parallel rank's share of the routed
+// tokens over the mean. A rank that holds every expert (ep = 1) computes every kept token
+// whatever the routing, so its load is 1 (the runtime's expert GEMMs above, at exactly the op
+// list's rows); with ep > 1 the assumed imbalance, capped by a capacity factor.
+TEST(MoeShard, ExpertLoadIsTheMeanWithoutExpertParallelism) {
+  ModelSpec m = tiny_moe(false, 0, 1);
+  EXPECT_EQ(expert_load(m, 1), 1.0);
+  EXPECT_EQ(expert_load(m, 2), kDroplessExpertLoad);
+  m.moe_capacity_factor = 0.5;  // each expert keeps half its fair share at most
+  EXPECT_EQ(expert_load(m, 1), 0.5);
+  EXPECT_EQ(expert_load(m, 4), 0.5);
+  m.moe_capacity_factor = 2.0;
+  EXPECT_EQ(expert_load(m, 1), 1.0);
+  EXPECT_EQ(expert_load(m, 4), kDroplessExpertLoad);
+  ModelSpec dense = m;
+  dense.num_experts = 0;
+  EXPECT_EQ(expert_load(dense, 4), 1.0);
 }
 
 }  // namespace

@@ -95,17 +95,19 @@ ModelSpec llama_like() {
 
 std::vector<Op> listed(const ModelSpec& m, const ShardLayout& l) {
   const LayerShape s = runtime_layer_shape(m, l);
-  const PassOps emb = embedding_ops(m, s), layer = transformer_layer_ops(m, s),
+  const PassOps emb = embedding_ops(m, s), dense = transformer_layer_ops(m, s),
                 head = lm_head_ops(m, s);
+  const PassOps moe = m.is_moe() ? moe_layer_ops(m, s) : PassOps{};
+  auto layer = [&](int64_t i) -> const PassOps& { return m.is_moe_layer(i) ? moe : dense; };
   std::vector<Op> ops;
   auto append = [&](const std::vector<Op>& v) { ops.insert(ops.end(), v.begin(), v.end()); };
   append(emb.forward);
-  for (int64_t i = 0; i < m.num_layers; ++i) append(layer.forward);
+  for (int64_t i = 0; i < m.num_layers; ++i) append(layer(i).forward);
   append(head.forward);
   append(head.backward);
-  for (int64_t i = 0; i < m.num_layers; ++i) {
-    append(layer.recompute);
-    append(layer.backward);
+  for (int64_t i = m.num_layers - 1; i >= 0; --i) {
+    append(layer(i).recompute);
+    append(layer(i).backward);
   }
   append(emb.backward);
   return ops;
@@ -157,11 +159,21 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";
   flash.flash_attention = true;
+  // An MoE layer after a dense one, without expert parallelism: router, top-k, permutation,
+  // the experts and the unpermutation, no all-to-all.
+  ModelSpec moe = llama_like();
+  moe.name = "trace-moe";
+  moe.num_experts = 4;
+  moe.moe_router_topk = 2;
+  moe.moe_ffn_hidden_size = 48;
+  moe.moe_first_dense_layers = 1;
   int checked = 0;
   // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
+        // MoE layers with tensor parallelism need sequence parallelism.
+        if (m.is_moe() && v.t > 1 && !v.sp) continue;
         const ShardLayout l = layout_of(v, type);
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);
@@ -264,6 +276,70 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   accumulate.id = OpId::kWeightGradAccumulate;
   accumulate.kind = OpKind::kMemory;
   EXPECT_THROW(exec.run(accumulate), std::invalid_argument);
+}
+
+// An MoE layer's compute ops (router, top-k, permutation, the experts' grouped GEMMs and
+// activations, and their backward) run alone through the runtime's own code, each GEMM at the
+// op list's rows per expert with the local experts as its batch; its all-to-alls are refused
+// (calibrate times all-to-all as a collective).
+TEST(OpExecutor, RunsAnMoeLayersComputeOpsAlone) {
+  auto backend = make_backend("cpu");
+  int ran = 0, gemms = 0, refused = 0;
+  for (const bool swiglu : {false, true}) {
+    ModelSpec m = gpt();
+    m.name = swiglu ? "trace-moe-swiglu" : "trace-moe";
+    m.swiglu = swiglu;
+    m.num_experts = 4;
+    m.moe_router_topk = 2;
+    m.moe_ffn_hidden_size = 48;
+    m.moe_shared_expert_ffn_size = swiglu ? 32 : 0;  // the shared experts' output is added to
+    m.moe_capacity_factor = swiglu ? 1.0 : 0.0;      // tokens over capacity are dropped
+    for (const int64_t t : {1, 2})
+      for (const int64_t ep : {1, 2})
+        for (const DType type : {DType::kF32, DType::kBF16}) {
+          ShardLayout l = layout_of({t, t > 1, Recompute::kNone}, type);
+          l.ep = ep;
+          LayerShape shape = runtime_layer_shape(m, l);
+          shape.expert_parallel = ep;
+          const PassOps moe = moe_layer_ops(m, shape);
+          MirrorGroup group(static_cast<int>(t));
+          OpExecutor exec(*backend, &group, m, l);
+          std::vector<ExecutedOp> trace;
+          exec.trace_ops(&trace);
+          const std::string where = m.name + " t" + std::to_string(t) + " ep" +
+                                    std::to_string(ep) + " " + to_string(type);
+          for (const std::vector<Op>* pass : {&moe.forward, &moe.backward})
+            for (const Op& op : *pass) {
+              const std::string at = where + " " + std::string(op.name());
+              if (op.kind == OpKind::kCollective &&
+                  (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor)) {
+                EXPECT_THROW(exec.run(op), std::invalid_argument) << at;
+                ++refused;
+                continue;
+              }
+              trace.clear();
+              exec.run(op);
+              // Twice, as calibrate times it: the first run may not consume its inputs.
+              trace.clear();
+              exec.run(op);
+              ASSERT_EQ(trace.size(), 1u) << at;
+              const ExecutedOp& g = trace[0];
+              EXPECT_EQ(g.id, op.id) << at;
+              EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << at;
+              if (op.kind == OpKind::kGemm) {
+                EXPECT_EQ(g.m, op.m) << at;
+                EXPECT_EQ(g.n, op.n) << at;
+                EXPECT_EQ(g.k, op.k) << at;
+                EXPECT_EQ(g.batch, op.batch) << at;
+                ++gemms;
+              }
+              ++ran;
+            }
+        }
+  }
+  EXPECT_GT(ran, 250);
+  EXPECT_GT(gemms, 100);
+  EXPECT_EQ(refused, 2 * 2 * 2 * 4);  // dispatch and combine, forward and backward, at ep = 2
 }
 
 // Host timing: an op ended by end_op() does not take in what the pass does before its next op
