@@ -175,6 +175,8 @@ Reconciliation reconcile(const RunTrace& trace, const CostModel& cost, const std
   const PredictedBreakdown pred = predict_breakdown(cost, plan);
   out.iteration.predicted = pred.iteration;
   out.peak_memory = {cost.memory(plan).peak, trace.info.peak_memory_bytes};
+  if (trace.info.model.is_moe())
+    out.expert_load = {expert_load(trace.info.model, plan.expert_parallel), trace.info.expert_load};
   double worst = -1;
   for (int64_t r = 0; r < plan.pipeline_parallel; ++r) {
     const StagePrediction& ps = pred.stages[static_cast<size_t>(r)];

@@ -42,6 +42,10 @@ struct Reconciliation {
   int64_t measured_steps = 0, warmup_steps = 0;
   Compared iteration;
   Compared peak_memory;  // bytes: CostModel::memory's most loaded GPU, the run's tensor peak
+  // MoE models: the busiest expert-parallel rank's routed rows over the mean, as priced
+  // (expert_load) and as the run measured it (0: the trace does not say). The all-to-alls
+  // wait for the busiest rank, so a measured load above the priced one shows as ep_comm.
+  Compared expert_load;
   std::vector<StageReconciliation> stages;
   // The stage with the most measured busy time (it sets the pace).
   int64_t critical_stage = 0;

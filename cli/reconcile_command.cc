@@ -120,6 +120,8 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
     j["warmup_steps"] = r.warmup_steps;
     j["iteration"] = compared_json(r.iteration, "s");
     j["peak_memory"] = compared_json(r.peak_memory, "bytes");
+    if (trace.info.model.is_moe() && r.expert_load.measured > 0)
+      j["expert_load"] = compared_json(r.expert_load, "load");
     j["stages"] = nlohmann::json::array();
     for (const StageReconciliation& s : r.stages) {
       nlohmann::json js;
@@ -164,6 +166,8 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
     for (const ReconcileRow& row : s.rows) out << line("  " + row.name, row.time, 1e3, "ms");
   }
   out << line("peak memory", r.peak_memory, 1.0 / kMiB, "MiB");
+  if (trace.info.model.is_moe() && r.expert_load.measured > 0)
+    out << line("expert load (busiest / mean)", r.expert_load, 1.0, "x");
   char buf[300];
   std::snprintf(buf, sizeof buf,
                 "\nlargest contributor: stage %lld %s, %+.3f ms (%.0f%% of the iteration's "

@@ -386,6 +386,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     j["tokens_per_s"] = tokens_per_s;
     j["peak_memory_gib"] = to_gib(static_cast<double>(r.peak_memory_bytes));
     j["peak_rss_gib"] = to_gib(static_cast<double>(r.peak_rss_bytes));
+    if (r.expert_load > 0) j["expert_load"] = r.expert_load;
     j["data_plane"] = r.data_plane;
     j["precision"] = to_string(f.train.precision);
     j["scatter_gather_p2p"] = r.scatter_gather_p2p;

@@ -34,6 +34,7 @@ std::string run_trace_text(const TrainResult& r, RunTraceInfo info, const std::s
   info.first_step = r.first_step;
   info.peak_memory_bytes = static_cast<double>(r.peak_memory_bytes);
   info.peak_rss_bytes = static_cast<double>(r.peak_rss_bytes);
+  info.expert_load = r.expert_load;
   std::vector<Span> spans;
   for (const TimelineEvent& e : r.timeline) spans.push_back(to_span(e));
   TraceExtras x;

@@ -140,6 +140,16 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
   if (!(info.peak_memory_bytes >= 0 && info.peak_memory_bytes <= kMaxPeakBytes) ||
       !(info.peak_rss_bytes >= 0 && info.peak_rss_bytes <= kMaxPeakBytes))
     r.fail(f + ".measured", "peaks must be between 0 and 2^50 bytes (1 PiB) a rank");
+  if (measured.contains("expert_load")) {
+    info.expert_load = r.number(measured, "expert_load", f + ".measured");
+    // The busiest rank's share over the mean: at least 1, at most ep (one rank takes all).
+    const int64_t ep = std::max<int64_t>(1, info.plan.expert_parallel);
+    if (!info.model.is_moe() || !(info.expert_load >= 1 && info.expert_load <= ep * (1 + 1e-9)))
+      r.fail(f + ".measured.expert_load",
+             info.model.is_moe() ? "must be between 1 and the plan's expert parallelism, " +
+                                       std::to_string(ep)
+                                 : std::string("given for a model without experts"));
+  }
   return info;
 }
 
@@ -162,6 +172,7 @@ std::string run_trace_metadata(const RunTraceInfo& info) {
   j["time_unit"] = "ts and dur in microseconds since the first step began";
   j["measured"] = {{"peak_memory_bytes", info.peak_memory_bytes},
                    {"peak_rss_bytes", info.peak_rss_bytes}};
+  if (info.expert_load > 0) j["measured"]["expert_load"] = info.expert_load;
   const std::string text = j.dump();
   return text.substr(1, text.size() - 2);  // the members, without the braces
 }

@@ -66,6 +66,9 @@ struct RunTraceInfo {
   DType precision = DType::kF32;  // of weights and activations (--bf16: bf16)
   int64_t steps = 0, first_step = 0, warmup_steps = 1;
   double peak_memory_bytes = 0, peak_rss_bytes = 0;
+  // MoE models: the busiest expert-parallel rank's routed rows over the mean
+  // (TrainResult::expert_load; "measured.expert_load", absent before 2026-11-27); 0: none.
+  double expert_load = 0;
 };
 
 struct RunTrace {

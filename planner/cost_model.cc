@@ -377,21 +377,23 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   stretch_to_host(ops, time);
   if (p.context_parallel > 1) hide_ring_exchanges(ops, p.context_parallel, time);
   const int64_t t = p.tensor_parallel;
-  if (t == 1) return time;
-  // Arrival skew (measured by ptdp calibrate): each tensor-parallel collective also waits for
-  // its last rank, a fraction of the compute since the previous one.
-  if (profile_.arrival_skew > 0) {
+  // Arrival skew (measured by ptdp calibrate): each collective inside a layer, over the
+  // tensor-parallel group or an MoE layer's expert groups, also waits for its last rank, a
+  // fraction of the compute since the previous one. (An all-to-all waits as an all-reduce
+  // does: it cannot finish before every rank has sent.)
+  if (profile_.arrival_skew > 0 && (t > 1 || p.expert_parallel > 1 || p.expert_tp() > 1)) {
     double since = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
       if (ops[i].kind != OpKind::kCollective) {
         since += time[i];
-      } else if (ops[i].group == CommGroup::kTensor) {
+      } else if (ops[i].group == CommGroup::kTensor || ops[i].group == CommGroup::kExpert ||
+                 ops[i].group == CommGroup::kExpertTensor) {
         time[i] += profile_.arrival_skew * since;
         since = 0;
       }
     }
   }
-  if (!p.tp_comm_overlap || !p.sequence_parallel) return time;
+  if (t == 1 || !p.tp_comm_overlap || !p.sequence_parallel) return time;
   // --tp-comm-overlap (Transformer Engine's userbuffers): a sequence-parallel all-gather is
   // pipelined with the GEMM that consumes it, a reduce-scatter with the GEMM that produces it,
   // each cut into t chunks along the tokens. What it hides: the smaller of the two, but for

@@ -491,6 +491,10 @@ void GptShard::set_expert_groups(Communicator* ep, Communicator* etp) {
   if (impl_->moe) impl_->moe->set_groups(ep, etp);
 }
 
+double GptShard::expert_load() const {
+  return impl_->moe ? impl_->moe->measured_load() : 0.0;
+}
+
 int64_t GptShard::real_parameters() const {
   int64_t n = 0;
   for (const ParamInfo& p : infos_)

@@ -187,6 +187,10 @@ class GptShard {
   // MoE models: the expert-parallel and expert-tensor-parallel groups of this rank (null: a
   // group of one; required where that size is above 1, before the first pass).
   void set_expert_groups(Communicator* ep, Communicator* etp);
+  // MoE models: the busiest expert-parallel rank's routed rows over the group's mean, over the
+  // routings dispatched so far (MoeContext::measured_load; 1 at ep = 1); 0 for a dense model or
+  // before a dispatch.
+  double expert_load() const;
   // Appends every op executed from now on to `sink` (null: stop recording).
   void trace_ops(std::vector<ExecutedOp>* sink);
   // Times every op executed from now on (runtime/op_timer.h; null: stop timing).

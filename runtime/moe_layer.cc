@@ -244,6 +244,34 @@ void MoeContext::set_groups(Communicator* ep, Communicator* etp) {
   etp_ = etp ? etp : own_etp_.get();
 }
 
+ExpertLoad expert_load_of(const std::vector<int64_t>& counts, int64_t ep, int64_t experts) {
+  if (ep < 1 || experts % ep != 0 || static_cast<int64_t>(counts.size()) != ep * experts)
+    throw std::logic_error("expert counts of the wrong shape");
+  const int64_t per_rank = experts / ep;
+  ExpertLoad l;
+  double total = 0;
+  for (int64_t r = 0; r < ep; ++r) {
+    double rows = 0;
+    for (int64_t src = 0; src < ep; ++src)
+      for (int64_t e = r * per_rank; e < (r + 1) * per_rank; ++e)
+        rows += static_cast<double>(counts[static_cast<size_t>(src * experts + e)]);
+    l.busiest = std::max(l.busiest, rows);
+    total += rows;
+  }
+  l.mean = total / static_cast<double>(ep);
+  return l;
+}
+
+void MoeContext::add_load(const ExpertLoad& l) {
+  load_sum_.busiest += l.busiest;
+  load_sum_.mean += l.mean;
+}
+
+double MoeContext::measured_load() const {
+  if (dims_.ep == 1) return 1.0;
+  return load_sum_.mean > 0 ? load_sum_.busiest / load_sum_.mean : 0.0;
+}
+
 bool is_moe_op(OpId id) {
   return id >= OpId::kRouter && id <= OpId::kRouterWgrad;
 }
@@ -359,11 +387,20 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         if (d.ep == 1) A.recv = A.counts;  // [1 source][local expert]
       }
       break;
-    case OpId::kMoeDispatch:
-      A.recv = exchange_counts(mc.ep(), A.counts, El, false);
+    case OpId::kMoeDispatch: {
+      // Every rank's counts for every expert: this rank's experts' columns are what it
+      // receives, and the sums per rank the group's load.
+      const Counts all = exchange_counts(mc.ep(), A.counts, E, true);
+      A.recv.assign(static_cast<size_t>(d.ep * El), 0);
+      for (int64_t src = 0; src < d.ep; ++src)
+        for (int64_t e = 0; e < El; ++e)
+          A.recv[static_cast<size_t>(src * El + e)] =
+              all[static_cast<size_t>(src * E + d.ep_rank * El + e)];
+      mc.add_load(expert_load_of(all, d.ep, E));
       to_experts(c, mc, A.permuted, A, A.x);
       consumed(A, A.permuted);
       break;
+    }
     case OpId::kMoeDispatchAllGather: {
       const Counts mine = local_rows(d, A);
       A.gathered = exchange_counts(mc.etp(), mine, El, true);

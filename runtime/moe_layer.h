@@ -8,7 +8,8 @@
 //                  with a capacity factor c each expert keeps its ceil(c * n_local * k / E)
 //                  highest-probability assignments of this rank's tokens, the rest are dropped
 //   kMoePermute    each (token, expert) assignment as one row, grouped by expert
-//   kMoeDispatch   counts, then rows, all-to-all over the expert-parallel group (variable sizes);
+//   kMoeDispatch   counts (each rank's for every expert, which also give the group's load),
+//                  then rows, all-to-all over the expert-parallel group (variable sizes);
 //                  the received blocks sorted by local expert (ep > 1: without expert
 //                  parallelism the permuted rows are the experts' rows, and neither this nor
 //                  kMoeCombine runs, as the op list has neither)
@@ -84,6 +85,15 @@ using AddParameter = std::function<int64_t(ParamInfo, std::function<void(float*)
 MoeLayerParams add_moe_parameters(const ModelSpec& m, const ShardLayout& l, bool sp, uint64_t seed,
                                   const std::string& prefix, const AddParameter& add);
 
+// What an expert-parallel group's ranks compute in one MoE layer: the routed rows of its
+// busiest rank's experts and the mean over its ranks.
+struct ExpertLoad {
+  double busiest = 0, mean = 0;
+};
+// From every rank's routed rows per expert, `counts` [ep source][experts] (rank r holds experts
+// r E/ep .. (r+1) E/ep - 1).
+ExpertLoad expert_load_of(const std::vector<int64_t>& counts, int64_t ep, int64_t experts);
+
 // The MoE layer's communicators and dimensions on this rank.
 class MoeContext {
  public:
@@ -94,9 +104,15 @@ class MoeContext {
   const MoeDims& dims() const { return dims_; }
   Communicator& ep();
   Communicator& etp();
+  // The load of the routings this rank dispatched (each dispatch adds one): the busiest
+  // expert-parallel rank's rows over the mean, summed over them; 1 without expert parallelism
+  // (one rank computes every routed row), 0 before any dispatch.
+  void add_load(const ExpertLoad& l);
+  double measured_load() const;
 
  private:
   MoeDims dims_;
+  ExpertLoad load_sum_;
   std::unique_ptr<Communicator> own_ep_, own_etp_;
   Communicator *ep_ = nullptr, *etp_ = nullptr;
 };

@@ -609,6 +609,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
   if (o_.record_timeline) gather_timeline(result);
   result.peak_memory_bytes = control_.max(MemoryCounter::peak());
   result.peak_rss_bytes = control_.max(peak_rss_bytes());
+  result.expert_load = control_.max(shard_->expert_load());
   result.scatter_gather_p2p = scatter_gather_;
   result.data_plane = data_plane_.empty() ? (world_.size() > 1 ? "mpi" : "self") : data_plane_;
   return result;

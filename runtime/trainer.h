@@ -78,6 +78,9 @@ struct TrainResult {
   int64_t parameters = 0;         // of the whole model
   int64_t peak_memory_bytes = 0;  // the most-loaded rank's tensors (params, grads, ...)
   int64_t peak_rss_bytes = 0;     // the most-loaded rank's resident set (VmHWM)
+  // MoE models: the busiest expert-parallel rank's routed rows over its group's mean, summed
+  // over the run's routings (the most unequal group's; GptShard::expert_load); 0 when dense.
+  double expert_load = 0;
   // What carried the collectives and transfers: "mpi" (or "self" on one rank) for host
   // backends; "nccl" or "staged" (MPI on host copies) for a device backend (runtime/data_plane.h).
   std::string data_plane;

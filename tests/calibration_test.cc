@@ -251,6 +251,52 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
 }
 
+// Arrival skew: every collective inside a layer that waits for its group's ranks (the
+// tensor-parallel group's, and an MoE layer's all-to-alls and expert-tensor collectives) also
+// waits for the last rank, the measured fraction of the compute since the group's previous
+// collective; nothing else changes, and a layout without such collectives is priced as before.
+TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile skewed = *c.measured_profile;
+  skewed.arrival_skew = 0.2;
+  HardwareProfile lockstep = skewed;
+  lockstep.arrival_skew = 0;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024, m.num_experts = 4, m.moe_router_topk = 2;
+  const CostModel a(m, c, skewed), b(m, c, lockstep);
+  struct Layout {
+    int64_t t, d, ep;
+    int waiting;  // collectives of a layer's forward that wait for their group (t = 2: the
+                  // sequence-parallel gather and scatter, and the experts' over etp = 2)
+  };
+  for (const Layout& l : {Layout{1, 1, 1, 0}, Layout{2, 1, 1, 4}, Layout{1, 2, 2, 2}}) {
+    ParallelPlan p;
+    p.tensor_parallel = l.t;
+    p.data_parallel = l.d;
+    p.expert_parallel = l.ep;
+    p.sequence_parallel = l.t > 1;
+    p.global_batch_size = 4;
+    const std::vector<Op> ops = moe_layer_ops(m, a.priced_layer_shape(p)).forward;
+    const std::vector<double> with = a.exposed_times(ops, p), without = b.exposed_times(ops, p);
+    double since = 0;
+    int waited = 0;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const std::string at = std::string(ops[i].name()) + " t" + std::to_string(l.t) + " ep" +
+                             std::to_string(l.ep);
+      if (ops[i].kind != OpKind::kCollective) {
+        EXPECT_DOUBLE_EQ(with[i], without[i]) << at;
+        since += without[i];
+        continue;
+      }
+      EXPECT_NEAR(with[i], without[i] + 0.2 * since, 1e-12) << at;
+      waited += with[i] > without[i];
+      since = 0;
+    }
+    EXPECT_EQ(waited, l.waiting) << l.t << " " << l.ep;
+  }
+}
+
 // A fused (flash) attention's kernels are priced as calibrate measured them, per op: the
 // measured size at its time, other sizes in proportion from the nearest measurement; only the
 // ops of a fused list (Op::fused), so the unfused attention keeps its GEMM pricing. The table

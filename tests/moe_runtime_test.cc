@@ -19,6 +19,7 @@
 #include "runtime/communicator.h"
 #include "runtime/data.h"
 #include "runtime/gpt_model.h"
+#include "runtime/moe_layer.h"
 #include "runtime/shard_footprint.h"
 
 namespace ptdp {
@@ -278,10 +279,11 @@ TEST(MoeShard, GradientsMatchFiniteDifferences) {
   }
 }
 
-// Rank 0 of an expert-parallel group of two whose other rank is its mirror image (rank 1 with
-// the roles of the two ranks swapped): what the peer sends this rank is what this rank sends
-// the peer, so an all-to-all leaves every block where it is. Enough to run the dispatch and
-// combine in one process and see what they move (the values are not a real group's).
+// Rank 0 of an expert-parallel group of two whose other rank routes as this one does: it sends
+// this rank what this rank sends it, cut or padded with zeros to the count the call expects
+// (the counts' exchange is then exact: both ranks chose alike; the rows' values are not a real
+// group's, their sizes are). Enough to run the dispatch and combine in one process and see
+// what they move.
 class MirrorExperts final : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -296,10 +298,16 @@ class MirrorExperts final : public Communicator {
   std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send,
                                            void* out, std::span<const size_t> recv, DType t,
                                            DeviceStream) override {
-    if (!std::equal(send.begin(), send.end(), recv.begin(), recv.end()))
-      throw std::logic_error("a mirror receives the blocks it sends");
-    const size_t n = std::accumulate(send.begin(), send.end(), size_t{0});
-    std::memcpy(out, in, n * dtype_bytes(t));
+    const size_t e = dtype_bytes(t);
+    size_t from = 0, to = 0;
+    for (size_t r = 0; r < recv.size(); ++r) {
+      const size_t n = std::min(send[r], recv[r]);
+      std::memcpy(static_cast<char*>(out) + to * e, static_cast<const char*>(in) + from * e,
+                  n * e);
+      std::memset(static_cast<char*>(out) + (to + n) * e, 0, (recv[r] - n) * e);
+      from += send[r];
+      to += recv[r];
+    }
     return std::make_unique<Done>();
   }
   [[noreturn]] static void refuse() { throw std::logic_error("not an expert-group call"); }
@@ -323,8 +331,8 @@ class MirrorExperts final : public Communicator {
 // all-to-alls over the expert-parallel group carrying the rank's routed tokens x h x 4 bytes;
 // without it no all-to-all runs, as the op list has none (the permuted rows are the experts'
 // rows). Dense layers route nothing. The experts' GEMMs are recorded as the op list gives
-// them: the local experts as the batch, each at the routed rows' mean (dropless: every
-// assignment is kept, so the mean is the op list's rows per expert at an even load).
+// them: the local experts as the batch, each at the routed rows' mean (at ep = 1, dropless,
+// every assignment is computed here, so the mean is the op list's rows per expert).
 TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
   const ModelSpec m = tiny_moe(true, 8, 2);
   ASSERT_EQ(m.num_moe_layers(), 1);
@@ -352,9 +360,16 @@ TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
         for (const Op& want : *pass)
           if (want.id == op.id && want.kind == OpKind::kGemm &&
               op_name(op.id).find("expert") != std::string_view::npos) {
-            EXPECT_EQ(op.m, want.m) << op_name(op.id) << " ep " << ep;
+            // The rows per expert (k of a weight gradient, else m) are the list's exactly at
+            // ep = 1; with ep = 2 they are what this group's routing sent each rank.
+            const bool rows_in_k = want.role == OpRole::kWeightGrad;
+            if (ep == 1 || rows_in_k) {
+              EXPECT_EQ(op.m, want.m) << op_name(op.id) << " ep " << ep;
+            }
             EXPECT_EQ(op.n, want.n) << op_name(op.id);
-            EXPECT_EQ(op.k, want.k) << op_name(op.id);
+            if (ep == 1 || !rows_in_k) {
+              EXPECT_EQ(op.k, want.k) << op_name(op.id) << " ep " << ep;
+            }
             EXPECT_EQ(op.batch, m.num_experts / ep) << op_name(op.id);
             ++expert_gemms;
           }
@@ -399,6 +414,47 @@ TEST(MoeShard, ExpertLoadIsTheMeanWithoutExpertParallelism) {
   ModelSpec dense = m;
   dense.num_experts = 0;
   EXPECT_EQ(expert_load(dense, 4), 1.0);
+}
+
+// The load of one routing over an expert-parallel group, from every rank's rows per expert:
+// rank r holds experts r E/ep .. (r+1) E/ep - 1 and computes what every rank sent them.
+TEST(MoeShard, ExpertLoadOfARouting) {
+  // ep = 2, E = 4: rank 0 holds experts 0, 1; rank 1 experts 2, 3.
+  const std::vector<int64_t> counts = {5, 1, 0, 2,   // from rank 0
+                                       3, 3, 1, 1};  // from rank 1
+  const ExpertLoad l = expert_load_of(counts, 2, 4);
+  EXPECT_DOUBLE_EQ(l.busiest, 12);  // rank 0: 5 + 1 + 3 + 3; rank 1: 0 + 2 + 1 + 1 = 4
+  EXPECT_DOUBLE_EQ(l.mean, 8);
+  const ExpertLoad even = expert_load_of({2, 2, 2, 2, 2, 2, 2, 2}, 2, 4);
+  EXPECT_DOUBLE_EQ(even.busiest, even.mean);
+  EXPECT_THROW(expert_load_of(counts, 3, 4), std::logic_error);  // 4 experts over 3 ranks
+  // Over the routings a shard dispatched: 1 without expert parallelism (one rank computes
+  // every row), the busiest share with it (here the group of the trace test above, whose two
+  // ranks route alike: between 1 and 2).
+  const ModelSpec m = tiny_moe(false, 0, 1);
+  for (const int64_t ep : {1, 2}) {
+    auto self = make_self_communicator();
+    MirrorExperts mirror;
+    ShardLayout sl;
+    sl.ep = ep;
+    GptShard shard(m, sl, self.get(), 7);
+    if (ep > 1) shard.set_expert_groups(&mirror, nullptr);
+    EXPECT_EQ(shard.expert_load(), ep > 1 ? 0.0 : 1.0);  // nothing dispatched yet
+    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    if (ep == 1) {
+      EXPECT_EQ(shard.expert_load(), 1.0);
+    } else {
+      EXPECT_GE(shard.expert_load(), 1.0);
+      EXPECT_LE(shard.expert_load(), 2.0);
+    }
+  }
+  ModelSpec dense = m;
+  dense.num_experts = 0;
+  auto self = make_self_communicator();
+  EXPECT_EQ(GptShard(dense, ShardLayout{}, self.get(), 7).expert_load(), 0.0);
 }
 
 }  // namespace

@@ -501,6 +501,56 @@ TEST(ReconcileCli, BadInputs) {
   expect_refused({"run", "--global-batch-size", "1", "--cluster", "dgx-a100-80gb"}, "--trace");
 }
 
+// An MoE run's trace carries the expert load it measured (the busiest expert-parallel rank's
+// routed rows over the mean); reconcile sets it against the load the cost model prices, as a
+// row of the table and in --json. A load outside [1, ep], or one given for a dense model, is
+// refused naming the field.
+TEST(ReconcileCli, MoeRunsShowTheMeasuredExpertLoad) {
+  ModelSpec m = tiny_model();
+  m.num_experts = 4;
+  m.moe_router_topk = 2;
+  ParallelPlan p = plan_of(1, 2, 1);
+  p.expert_parallel = 2;
+  TrainResult r = predicted_run(cost_for(m, p), p, 3, 1.0);
+  r.expert_load = 1.37;
+  const std::string text = run_trace_text(r, info_of(m, p, 3), "moe");
+  const RunTrace t = parse_run_trace(text, "test");
+  EXPECT_DOUBLE_EQ(t.info.expert_load, 1.37);
+  const Reconciliation rec = reconcile(t, cost_for(m, p), "test");
+  EXPECT_DOUBLE_EQ(rec.expert_load.predicted, kDroplessExpertLoad);
+  EXPECT_DOUBLE_EQ(rec.expert_load.measured, 1.37);
+  const std::string path = temp_file("moe.json", text);
+  const Result table = cli({"reconcile", "--trace", path});
+  ASSERT_EQ(table.status, 0) << table.err;
+  const size_t row = table.out.find("expert load (busiest / mean)");
+  ASSERT_NE(row, std::string::npos) << table.out;
+  const std::string line = table.out.substr(row, table.out.find('\n', row) - row);
+  EXPECT_NE(line.find("1.100"), std::string::npos) << line;
+  EXPECT_NE(line.find("1.370"), std::string::npos) << line;
+  EXPECT_NE(line.find("+24.5%"), std::string::npos) << line;
+  const Result json = cli({"reconcile", "--trace", path, "--json"});
+  ASSERT_EQ(json.status, 0) << json.err;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_DOUBLE_EQ(j["expert_load"]["measured_load"].get<double>(), 1.37);
+  EXPECT_DOUBLE_EQ(j["expert_load"]["predicted_load"].get<double>(), kDroplessExpertLoad);
+  // A dense run's table has no such row.
+  const std::string dense = temp_file("dense.json", good_trace_text());
+  const Result plain = cli({"reconcile", "--trace", dense});
+  EXPECT_EQ(plain.out.find("expert load"), std::string::npos) << plain.out;
+  auto with_load = [&](const std::string& trace, double load, const std::string& name) {
+    nlohmann::json x = nlohmann::json::parse(trace);
+    x["otherData"]["measured"]["expert_load"] = load;
+    return temp_file(name, x.dump());
+  };
+  expect_refused({"reconcile", "--trace", with_load(text, 2.5, "over.json")},
+                 "otherData.measured.expert_load");  // above ep = 2
+  expect_refused({"reconcile", "--trace", with_load(text, 0.9, "under.json")},
+                 "otherData.measured.expert_load");
+  expect_refused({"reconcile", "--trace", with_load(good_trace_text(), 1.2, "densel.json")},
+                 "otherData.measured.expert_load");
+  for (const std::string& f : {path, dense}) std::filesystem::remove(f);
+}
+
 // A machine file (ptdp calibrate) sets a run against what it measured only: the trace's plan
 // communicates over groups of 2 (p=2's send/recv pairs), which a one-rank calibration never
 // timed; a calibration of another backend measured other kernels.

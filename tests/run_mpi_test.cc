@@ -292,6 +292,20 @@ TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
     for (const std::string& flags : chosen) {
       const nlohmann::json j = run_json(4, flags + " --steps 2");
       EXPECT_EQ(j["precision"], "bf16") << flags;
+      // An MoE run reports its routing's load: the busiest expert-parallel rank's rows over
+      // the mean, 1 without expert parallelism, at most the 4 ranks' worth with it.
+      if (&c == &cases[1]) {
+        ASSERT_TRUE(j.contains("expert_load")) << flags;
+        const double load = j["expert_load"].get<double>();
+        if (flags.find("--expert-model-parallel-size") == std::string::npos) {
+          EXPECT_EQ(load, 1.0) << flags;
+        } else {
+          EXPECT_GE(load, 1.0) << flags;
+          EXPECT_LE(load, 4.0) << flags;
+        }
+      } else {
+        EXPECT_FALSE(j.contains("expert_load")) << flags;
+      }
       const std::vector<double> l = losses(j);
       ASSERT_EQ(l.size(), 2u) << flags;
       if (first.empty()) first = l;
