@@ -71,6 +71,9 @@ void JobFlags::add_model_flags(CLI::App& app) {
                  "every N-th layer is an MoE layer, or a pattern like \"([0]*3+[1]*29)\"");
   app.add_option("--moe-expert-capacity-factor", moe_capacity_factor,
                  "expert capacity as a multiple of the fair share (default: dropless)");
+  app.add_option("--moe-expert-load", moe_expert_load,
+                 "ptdp's: the busiest expert-parallel rank's routed tokens over the mean to price "
+                 "MoE layers at, as ptdp reconcile measures it (default: 1.1)");
   app.add_option("--moe-token-dispatcher-type", moe_token_dispatcher_type,
                  "alltoall (what ptdp prices and runs)");
   app.add_option("--moe-token-drop-policy", moe_token_drop_policy,
@@ -197,6 +200,7 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
        j.moe_shared_expert_ffn_size.has_value()},
       {"--moe-layer-freq", "moe_layer_freq", !j.moe_layer_freq.empty()},
       {"--moe-expert-capacity-factor", "moe_capacity_factor", j.moe_capacity_factor.has_value()},
+      {"--moe-expert-load", "moe_expert_load", j.moe_expert_load.has_value()},
       {"--moe-token-dispatcher-type", "", !j.moe_token_dispatcher_type.empty()},
       {"--moe-token-drop-policy", "moe_token_drop_policy", !j.moe_token_drop_policy.empty()},
       {"--moe-grouped-gemm", "", j.moe_grouped_gemm},
@@ -271,6 +275,7 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.moe_shared_expert_ffn_size, moe_shared_expert_ffn_size);
   if (!moe_layer_freq.empty()) set_moe_layer_freq(m, moe_layer_freq);
   if (moe_capacity_factor) m.moe_capacity_factor = *moe_capacity_factor;
+  if (moe_expert_load) m.moe_expert_load = *moe_expert_load;
   if (!moe_token_drop_policy.empty()) m.moe_drop_by_position = moe_token_drop_policy == "position";
   apply_megatron_model_flags(m);
   try {

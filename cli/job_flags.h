@@ -33,6 +33,7 @@ struct JobFlags {
       moe_shared_expert_ffn_size;
   std::string moe_layer_freq;  // N, or a layer pattern (core/model_spec.h set_moe_layer_freq)
   std::optional<double> moe_capacity_factor;
+  std::optional<double> moe_expert_load;
   // Megatron-Core MoE settings that ptdp prices and runs one way: the all-to-all dispatcher,
   // grouped expert GEMMs; either drop policy (only with a capacity factor).
   std::string moe_token_dispatcher_type, moe_token_drop_policy;

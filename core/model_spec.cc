@@ -69,6 +69,10 @@ void validate_moe(const ModelSpec& m) {
   if (!(m.moe_capacity_factor == 0 || (m.moe_capacity_factor >= 1 && m.moe_capacity_factor <= 64)))
     throw InputError("moe_capacity_factor", "must be 0 (dropless) or between 1 and 64, got " +
                                                 std::to_string(m.moe_capacity_factor));
+  // The busiest of ep ranks takes at most all the tokens, ep times the mean; 1024 bounds ep.
+  if (!(m.moe_expert_load == 0 || (m.moe_expert_load >= 1 && m.moe_expert_load <= 1024)))
+    throw InputError("moe_expert_load", "must be 0 (assumed) or between 1 and 1024, got " +
+                                            std::to_string(m.moe_expert_load));
 }
 
 // The MoE fields of a Hugging Face config: Mixtral (num_local_experts, every layer MoE with
@@ -409,6 +413,7 @@ ModelSpec model_from_json(const json& j) {
     r.read("moe_layer_freq", m.moe_layer_freq);
     r.read("moe_first_dense_layers", m.moe_first_dense_layers);
     r.read("moe_capacity_factor", m.moe_capacity_factor);
+    r.read("moe_expert_load", m.moe_expert_load);
     std::string policy = m.moe_drop_by_position ? "position" : "probs";
     r.read("moe_token_drop_policy", policy);
     if (policy != "probs" && policy != "position")
@@ -447,6 +452,7 @@ json to_json(const ModelSpec& m) {
     j["moe_first_dense_layers"] = m.moe_first_dense_layers;
     j["moe_capacity_factor"] = m.moe_capacity_factor;
     if (m.moe_drop_by_position) j["moe_token_drop_policy"] = "position";
+    if (m.moe_expert_load > 0) j["moe_expert_load"] = m.moe_expert_load;
   }
   return j;
 }

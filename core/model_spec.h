@@ -59,6 +59,10 @@ struct ModelSpec {
   //   moe_drop_by_position  --moe-token-drop-policy position: an expert over its capacity keeps
   //                         its first tokens in sequence order (default probs: the tokens of
   //                         highest routing probability)
+  //   moe_expert_load       --moe-expert-load (ptdp's, not Megatron's): the busiest
+  //                         expert-parallel rank's routed tokens over the mean that MoE layers
+  //                         are priced at, as `ptdp reconcile` measures it (0: the assumed 1.1,
+  //                         planner/cost_model.h)
   // Dense layers use ffn_hidden().
   int64_t num_experts = 0;
   int64_t moe_router_topk = 2;
@@ -68,6 +72,7 @@ struct ModelSpec {
   int64_t moe_first_dense_layers = 0;
   double moe_capacity_factor = 0;
   bool moe_drop_by_position = false;
+  double moe_expert_load = 0;
 
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;

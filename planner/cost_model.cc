@@ -131,8 +131,12 @@ RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, 
 
 double expert_load(const ModelSpec& m, int64_t expert_parallel) {
   if (!m.is_moe()) return 1.0;
-  // One rank computes every kept token: all of them, or each expert's capacity at most.
-  const double busiest = expert_parallel > 1 ? kDroplessExpertLoad : 1.0;
+  // One rank computes every kept token: all of them, or each expert's capacity at most. With
+  // several, the load the model states (measured by a run), else the assumed one; the busiest
+  // of ep ranks takes ep times the mean at most.
+  const double stated = m.moe_expert_load > 0 ? m.moe_expert_load : kDroplessExpertLoad;
+  const double busiest =
+      expert_parallel > 1 ? std::min(stated, static_cast<double>(expert_parallel)) : 1.0;
   if (m.moe_capacity_factor > 0) return std::min(m.moe_capacity_factor, busiest);
   return busiest;
 }

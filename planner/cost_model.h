@@ -241,6 +241,8 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
 // leave the busiest rank 10% over the mean (kDroplessExpertLoad); a capacity factor caps it.
 // Without expert parallelism (ep = 1) a rank holds every expert and computes every routed
 // token, whichever experts they chose: its load is the mean, 1 (less a capacity factor's drops).
+// ModelSpec::moe_expert_load (--moe-expert-load, what `ptdp reconcile` measured) replaces the
+// assumption, at most ep.
 inline constexpr double kDroplessExpertLoad = 1.1;
 double expert_load(const ModelSpec& m, int64_t expert_parallel);
 

@@ -243,6 +243,21 @@ TEST(Cli, PredictReportsDenseAndExpertMemoryAndExpertParallelismShrinksIt) {
   EXPECT_EQ(b["configuration"]["expert_parallel"], 8);
   EXPECT_NE(b["megatron_flags"].get<std::string>().find("--expert-model-parallel-size 8"),
             std::string::npos);
+  // The load measured by a run (ptdp reconcile) prices the experts in place of the assumed
+  // 1.1: a busier rank, a longer step; ptdp's own setting, not a Megatron flag.
+  args.insert(args.end(), {"--moe-expert-load", "1.6"});
+  const Result loaded = run(args);
+  ASSERT_EQ(loaded.status, 0) << loaded.err;
+  const auto c = nlohmann::json::parse(loaded.out);
+  EXPECT_GT(c["iteration_time_s"].get<double>(), 1.05 * b["iteration_time_s"].get<double>());
+  EXPECT_EQ(c["megatron_flags"].get<std::string>().find("expert-load"), std::string::npos);
+  // Without expert parallelism one rank computes every token: the load does not apply.
+  auto unsharded = kPredictMixtral;
+  unsharded.insert(unsharded.end(), {"--json", "--moe-expert-load", "1.6"});
+  const Result same = run(unsharded);
+  ASSERT_EQ(same.status, 0) << same.err;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(same.out)["iteration_time_s"].get<double>(),
+                   a["iteration_time_s"].get<double>());
 }
 
 TEST(Cli, ContextParallelismSplitsTheSequencesActivations) {
@@ -294,6 +309,9 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   auto topk = kPredictMixtral;
   topk.insert(topk.end(), {"--moe-router-topk", "9"});
   expect_bad(topk, "--moe-router-topk");
+  auto load = kPredictMixtral;
+  load.insert(load.end(), {"--moe-expert-load", "0.8"});  // the busiest rank is at least the mean
+  expect_bad(load, "--moe-expert-load");
   auto fp8 = predict_with("--fp8-format", "e5m2");
   expect_bad(fp8, "--fp8-format");
   fp8 = predict_with("--fp8-format", "hybrid");  // the A100 preset has no FP8 tensor cores

@@ -128,6 +128,14 @@ TEST(MoeModel, BadFieldsNameThemselves) {
   EXPECT_EQ(with("num_experts", int64_t{1} << 40), "num_experts");
   EXPECT_EQ(with("moe_expert_count", 8), "moe_expert_count");  // unknown MoE field
   EXPECT_EQ(with("moe_token_drop_policy", "random"), "moe_token_drop_policy");
+  EXPECT_EQ(with("moe_expert_load", 0.9), "moe_expert_load");  // below the mean
+  EXPECT_EQ(with("moe_expert_load", 2000), "moe_expert_load");
+  // A measured load (ptdp reconcile) travels with the model, in its files and run traces.
+  json loaded = j;
+  loaded["moe_expert_load"] = 1.3;
+  EXPECT_EQ(model_from_json(loaded).moe_expert_load, 1.3);
+  EXPECT_EQ(to_json(model_from_json(loaded)), loaded);
+  EXPECT_FALSE(j.contains("moe_expert_load"));  // not written when assumed
 }
 
 // --moe-token-drop-policy position was accepted and ignored (found by exploratory testing): it

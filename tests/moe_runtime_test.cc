@@ -414,6 +414,17 @@ TEST(MoeShard, ExpertLoadIsTheMeanWithoutExpertParallelism) {
   ModelSpec dense = m;
   dense.num_experts = 0;
   EXPECT_EQ(expert_load(dense, 4), 1.0);
+  // A load the model states (--moe-expert-load, as a run measured it) replaces the assumed one,
+  // still capped by the capacity and by ep (the busiest of ep ranks takes all at most).
+  m.moe_capacity_factor = 0;
+  m.moe_expert_load = 1.4;
+  EXPECT_EQ(expert_load(m, 1), 1.0);
+  EXPECT_EQ(expert_load(m, 2), 1.4);
+  m.moe_expert_load = 3;
+  EXPECT_EQ(expert_load(m, 2), 2.0);
+  EXPECT_EQ(expert_load(m, 4), 3.0);
+  m.moe_capacity_factor = 1.25;
+  EXPECT_EQ(expert_load(m, 4), 1.25);
 }
 
 // The load of one routing over an expert-parallel group, from every rank's rows per expert:
