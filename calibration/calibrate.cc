@@ -265,8 +265,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // device backend they are not timed (ptdp run refuses the model there too).
   std::function<bool(const Op&)> runs;
   if (!be.host_accessible()) runs = [](const Op& op) { return !is_moe_op(op.id); };
-  const int64_t timings =
-      count_timings(plan, o.model, evict != nullptr, issue, o.precision, runs);
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue, o.precision, runs);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
@@ -332,9 +331,9 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     std::vector<DType> types{DType::kF32};
     if (o.precision != DType::kF32) types.push_back(o.precision);
     for (DType type : types) {
-      for (Collective kind : {Collective::kAllReduce, Collective::kAllGather,
-                              Collective::kReduceScatter, Collective::kSendRecv,
-                              Collective::kAllToAll}) {
+      for (Collective kind :
+           {Collective::kAllReduce, Collective::kAllGather, Collective::kReduceScatter,
+            Collective::kSendRecv, Collective::kAllToAll}) {
         if (kind == Collective::kSendRecv && (g != 2 || type != DType::kF32)) continue;
         // An MoE model's all-to-all (its routed rows move in fp32 on CPU ranks).
         if (kind == Collective::kAllToAll && (!o.model.is_moe() || type != DType::kF32)) continue;

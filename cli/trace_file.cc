@@ -146,9 +146,9 @@ RunTraceInfo read_info(const Reader& r, const json& meta) {
     const int64_t ep = std::max<int64_t>(1, info.plan.expert_parallel);
     if (!info.model.is_moe() || !(info.expert_load >= 1 && info.expert_load <= ep * (1 + 1e-9)))
       r.fail(f + ".measured.expert_load",
-             info.model.is_moe() ? "must be between 1 and the plan's expert parallelism, " +
-                                       std::to_string(ep)
-                                 : std::string("given for a model without experts"));
+             info.model.is_moe()
+                 ? "must be between 1 and the plan's expert parallelism, " + std::to_string(ep)
+                 : std::string("given for a model without experts"));
   }
   return info;
 }

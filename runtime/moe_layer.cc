@@ -307,18 +307,18 @@ std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeD
   // Without expert parallelism the permuted rows are the experts' rows already: no all-to-all
   // (nor one in the op list, core/layer_ops.cc).
   std::vector<OpId> routed;
-  for (const auto& [op, runs] : std::initializer_list<std::pair<OpId, bool>>{
-           {I::kRouter, true},
-           {I::kRouterTopk, true},
-           {I::kMoePermute, true},
-           {I::kMoeDispatch, d.ep > 1},
-           {I::kMoeDispatchAllGather, d.etp > 1},
-           {I::kExpertFc1, true},
-           {I::kExpertActivation, true},
-           {I::kExpertFc2, true},
-           {I::kMoeCombineReduceScatter, d.etp > 1},
-           {I::kMoeCombine, d.ep > 1},
-           {I::kMoeUnpermute, true}})
+  for (const auto& [op, runs] :
+       std::initializer_list<std::pair<OpId, bool>>{{I::kRouter, true},
+                                                    {I::kRouterTopk, true},
+                                                    {I::kMoePermute, true},
+                                                    {I::kMoeDispatch, d.ep > 1},
+                                                    {I::kMoeDispatchAllGather, d.etp > 1},
+                                                    {I::kExpertFc1, true},
+                                                    {I::kExpertActivation, true},
+                                                    {I::kExpertFc2, true},
+                                                    {I::kMoeCombineReduceScatter, d.etp > 1},
+                                                    {I::kMoeCombine, d.ep > 1},
+                                                    {I::kMoeUnpermute, true}})
     if (runs) routed.push_back(op);
   return substitute(dense, d.shared, is_mlp_forward, I::kMlpBiasDropoutAdd, routed);
 }
@@ -477,8 +477,8 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       {
         Buffer widened;
         kernels::unpermute_backward(fp32_of(c, d_out, widened), combined_rows(d, A).data(),
-                                    A.prob.data(), A.slot_of_row.data(), A.rows, k, h,
-                                    A.d_y.data(), A.dprob.data());
+                                    A.prob.data(), A.slot_of_row.data(), A.rows, k, h, A.d_y.data(),
+                                    A.dprob.data());
       }
       consumed(A, combined_rows(d, A));
       break;

@@ -168,9 +168,9 @@ bool OpExecutor::flush_from_caches() const {
   if (S.moe) {
     MoeRun& M = *S.moe;
     MoeActs& A = M.A;
-    for (const Buffer* x : {&M.x, &M.out, &M.d_out, &M.d_x, &A.logits, &A.prob, &A.permuted, &A.x,
-                            &A.fc1, &A.act, &A.y, &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x,
-                            &A.dprob, &A.dlogits})
+    for (const Buffer* x :
+         {&M.x, &M.out, &M.d_out, &M.d_x, &A.logits, &A.prob, &A.permuted, &A.x, &A.fc1, &A.act,
+          &A.y, &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x, &A.dprob, &A.dlogits})
       if (!be.flush_from_caches(x->raw(), x->bytes())) return false;
   }
   return be.flush_from_caches(S.tokens.data(), S.tokens.size() * sizeof(int32_t));
@@ -421,8 +421,8 @@ void OpExecutor::run_moe(const Op& op) {
                                 "' runs over the expert groups: ptdp calibrate times its "
                                 "all-to-all as a collective, not alone");
   if (!c.be.host_accessible())
-    throw std::invalid_argument("op '" + name +
-                                "' routes tokens in host memory: MoE layers run on the cpu backend");
+    throw std::invalid_argument(
+        "op '" + name + "' routes tokens in host memory: MoE layers run on the cpu backend");
   if (!S.moe) {
     const ShardLayout& l = layout_;
     S.moe = std::make_unique<MoeRun>(
@@ -454,8 +454,12 @@ void OpExecutor::run_moe(const Op& op) {
       std::fill_n(A.gathered.begin(), El, rows);
     }
     const int64_t r = El * rows;
-    for (auto [x, width] : {std::pair{&A.x, h}, {&A.fc1, md.fc1_width()}, {&A.act, md.ffe},
-                            {&A.d_y, h}, {&A.d_act, md.ffe}, {&A.d_pre, md.fc1_width()}})
+    for (auto [x, width] : {std::pair{&A.x, h},
+                            {&A.fc1, md.fc1_width()},
+                            {&A.act, md.ffe},
+                            {&A.d_y, h},
+                            {&A.d_act, md.ffe},
+                            {&A.d_pre, md.fc1_width()}})
       S.fill(*x, r * width);
   };
   const int64_t balanced = (n * md.topk * md.etp + El - 1) / El;

@@ -282,8 +282,8 @@ TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
     double since = 0;
     int waited = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
-      const std::string at = std::string(ops[i].name()) + " t" + std::to_string(l.t) + " ep" +
-                             std::to_string(l.ep);
+      const std::string at =
+          std::string(ops[i].name()) + " t" + std::to_string(l.t) + " ep" + std::to_string(l.ep);
       if (ops[i].kind != OpKind::kCollective) {
         EXPECT_DOUBLE_EQ(with[i], without[i]) << at;
         since += without[i];
@@ -666,12 +666,10 @@ TEST(Calibrate, MoeOpsAtTensorParallelTwoAreTimed) {
     for (const OpId id :
          {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kExpertFc1, I::kExpertActivation,
           I::kExpertFc2, I::kMoeUnpermute, I::kMoeUnpermuteBackward, I::kExpertFc2Dgrad,
-          I::kExpertFc2Wgrad, I::kExpertActivationBackward, I::kExpertFc1Dgrad,
-          I::kExpertFc1Wgrad, I::kMoePermuteBackward, I::kRouterTopkBackward, I::kRouterDgrad,
-          I::kRouterWgrad}) {
-      const auto it = std::find_if(s.begin(), s.end(), [&](const OpSample& x) {
-        return x.op.id == id && x.t == t;
-      });
+          I::kExpertFc2Wgrad, I::kExpertActivationBackward, I::kExpertFc1Dgrad, I::kExpertFc1Wgrad,
+          I::kMoePermuteBackward, I::kRouterTopkBackward, I::kRouterDgrad, I::kRouterWgrad}) {
+      const auto it = std::find_if(s.begin(), s.end(),
+                                   [&](const OpSample& x) { return x.op.id == id && x.t == t; });
       ASSERT_NE(it, s.end()) << op_name(id) << " t" << t;
       EXPECT_GT(it->seconds, 0) << op_name(id);
       if (it->op.kind == OpKind::kGemm && id != I::kRouter && id != I::kRouterDgrad &&

@@ -295,15 +295,14 @@ class MirrorExperts final : public Communicator {
     void wait() override {}
     void wait(CommDuration) override {}
   };
-  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send,
-                                           void* out, std::span<const size_t> recv, DType t,
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send, void* out,
+                                           std::span<const size_t> recv, DType t,
                                            DeviceStream) override {
     const size_t e = dtype_bytes(t);
     size_t from = 0, to = 0;
     for (size_t r = 0; r < recv.size(); ++r) {
       const size_t n = std::min(send[r], recv[r]);
-      std::memcpy(static_cast<char*>(out) + to * e, static_cast<const char*>(in) + from * e,
-                  n * e);
+      std::memcpy(static_cast<char*>(out) + to * e, static_cast<const char*>(in) + from * e, n * e);
       std::memset(static_cast<char*>(out) + (to + n) * e, 0, (recv[r] - n) * e);
       from += send[r];
       to += recv[r];

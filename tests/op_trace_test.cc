@@ -306,8 +306,8 @@ TEST(OpExecutor, RunsAnMoeLayersComputeOpsAlone) {
           OpExecutor exec(*backend, &group, m, l);
           std::vector<ExecutedOp> trace;
           exec.trace_ops(&trace);
-          const std::string where = m.name + " t" + std::to_string(t) + " ep" +
-                                    std::to_string(ep) + " " + to_string(type);
+          const std::string where = m.name + " t" + std::to_string(t) + " ep" + std::to_string(ep) +
+                                    " " + to_string(type);
           for (const std::vector<Op>* pass : {&moe.forward, &moe.backward})
             for (const Op& op : *pass) {
               const std::string at = where + " " + std::string(op.name());
