@@ -61,7 +61,6 @@ struct MoeRun {
   MoeLayerParams W;
   MoeActs A;
   Buffer x, out, d_out, d_x;  // the layer's MLP input and output and their gradients
-  int64_t expert_rows = -1;   // rows per local expert the expert buffers hold
   bool routed = false;        // A holds a routing of x (top-k, permutation)
   MoeRun(const ModelSpec& m, const MoeDims& d, DType type)
       : ctx(m, d), x(type), out(type), d_out(type), d_x(type) {
