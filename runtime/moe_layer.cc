@@ -143,11 +143,11 @@ void consumed(const MoeActs& A, Buffer& b) {
   if (!A.keep_inputs) release(b);
 }
 
-// A grouped GEMM's rows per expert as the op list records it (core/layer_ops.cc): the rank's
-// `rows` over its experts, rounded up (the op list's at a balanced routing); the trace records
-// the grouped GEMM as that many GEMMs of the mean row count, in the batch.
-int64_t mean_rows(int64_t rows, int64_t experts) {
-  return (rows + experts - 1) / experts;
+// A grouped GEMM's rows per expert as the op list records it (core/layer_ops.cc): the rows the
+// rank's experts compute over its experts, rounded up (the op list's at a balanced routing);
+// the trace records the grouped GEMM as that many GEMMs of the mean row count, in the batch.
+int64_t mean_rows(const MoeDims& d, const MoeActs& A, int64_t h) {
+  return (elems(A.x) / h + d.local_experts - 1) / d.local_experts;
 }
 
 float* at(Buffer& b, int64_t row, int64_t width) {
@@ -290,6 +290,14 @@ bool is_mlp_backward(OpId id) {
          id == OpId::kMlpAllGatherBackward;
 }
 
+// The ops of `listed` whose flag is set, in order.
+std::vector<OpId> those_that_run(std::initializer_list<std::pair<OpId, bool>> listed) {
+  std::vector<OpId> out;
+  for (const auto& [op, runs] : listed)
+    if (runs) out.push_back(op);
+  return out;
+}
+
 std::vector<OpId> substitute(const std::vector<OpId>& dense, bool keep_mlp, bool (*mlp)(OpId),
                              OpId before, const std::vector<OpId>& routed) {
   std::vector<OpId> out;
@@ -306,42 +314,36 @@ std::vector<OpId> moe_forward_program(const std::vector<OpId>& dense, const MoeD
   using I = OpId;
   // Without expert parallelism the permuted rows are the experts' rows already: no all-to-all
   // (nor one in the op list, core/layer_ops.cc).
-  std::vector<OpId> routed;
-  for (const auto& [op, runs] :
-       std::initializer_list<std::pair<OpId, bool>>{{I::kRouter, true},
-                                                    {I::kRouterTopk, true},
-                                                    {I::kMoePermute, true},
-                                                    {I::kMoeDispatch, d.ep > 1},
-                                                    {I::kMoeDispatchAllGather, d.etp > 1},
-                                                    {I::kExpertFc1, true},
-                                                    {I::kExpertActivation, true},
-                                                    {I::kExpertFc2, true},
-                                                    {I::kMoeCombineReduceScatter, d.etp > 1},
-                                                    {I::kMoeCombine, d.ep > 1},
-                                                    {I::kMoeUnpermute, true}})
-    if (runs) routed.push_back(op);
+  const std::vector<OpId> routed = those_that_run({{I::kRouter, true},
+                                                   {I::kRouterTopk, true},
+                                                   {I::kMoePermute, true},
+                                                   {I::kMoeDispatch, d.ep > 1},
+                                                   {I::kMoeDispatchAllGather, d.etp > 1},
+                                                   {I::kExpertFc1, true},
+                                                   {I::kExpertActivation, true},
+                                                   {I::kExpertFc2, true},
+                                                   {I::kMoeCombineReduceScatter, d.etp > 1},
+                                                   {I::kMoeCombine, d.ep > 1},
+                                                   {I::kMoeUnpermute, true}});
   return substitute(dense, d.shared, is_mlp_forward, I::kMlpBiasDropoutAdd, routed);
 }
 
 std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const MoeDims& d) {
   using I = OpId;
-  std::vector<OpId> routed;
-  for (const auto& [op, runs] : std::initializer_list<std::pair<OpId, bool>>{
-           {I::kMoeUnpermuteBackward, true},
-           {I::kMoeCombineBackward, d.ep > 1},
-           {I::kMoeCombineReduceScatterBackward, d.etp > 1},
-           {I::kExpertFc2Dgrad, true},
-           {I::kExpertFc2Wgrad, true},
-           {I::kExpertActivationBackward, true},
-           {I::kExpertFc1Dgrad, true},
-           {I::kExpertFc1Wgrad, true},
-           {I::kMoeDispatchAllGatherBackward, d.etp > 1},
-           {I::kMoeDispatchBackward, d.ep > 1},
-           {I::kMoePermuteBackward, true},
-           {I::kRouterTopkBackward, true},
-           {I::kRouterDgrad, true},
-           {I::kRouterWgrad, true}})
-    if (runs) routed.push_back(op);
+  const std::vector<OpId> routed = those_that_run({{I::kMoeUnpermuteBackward, true},
+                                                   {I::kMoeCombineBackward, d.ep > 1},
+                                                   {I::kMoeCombineReduceScatterBackward, d.etp > 1},
+                                                   {I::kExpertFc2Dgrad, true},
+                                                   {I::kExpertFc2Wgrad, true},
+                                                   {I::kExpertActivationBackward, true},
+                                                   {I::kExpertFc1Dgrad, true},
+                                                   {I::kExpertFc1Wgrad, true},
+                                                   {I::kMoeDispatchAllGatherBackward, d.etp > 1},
+                                                   {I::kMoeDispatchBackward, d.ep > 1},
+                                                   {I::kMoePermuteBackward, true},
+                                                   {I::kRouterTopkBackward, true},
+                                                   {I::kRouterDgrad, true},
+                                                   {I::kRouterWgrad, true}});
   return substitute(dense, d.shared, is_mlp_backward, I::kPostAttentionLayernormBackward, routed);
 }
 
@@ -416,7 +418,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         be.linear_forward(at(A.x, r0, h), c.P(W.fc1_w[e]), opt(c, W.fc1_b[e]), at(A.fc1, r0, w),
                           rows, h, w);
       });
-      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), w, h, d.local_experts);
+      c.gemm_done(mean_rows(d, A, h), w, h, d.local_experts);
       break;
     }
     case OpId::kExpertActivation: {
@@ -436,7 +438,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
                           d.etp_rank == 0 ? opt(c, W.fc2_b[e]) : Ptr(), at(A.y, r0, h), rows, d.ffe,
                           h);
       });
-      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), h, d.ffe, d.local_experts);
+      c.gemm_done(mean_rows(d, A, h), h, d.ffe, d.local_experts);
       break;
     }
     case OpId::kMoeCombineReduceScatter: {
@@ -499,14 +501,14 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_dgrad(c.P(W.fc2_w[e]), at(A.d_y, r0, h), at(A.d_act, r0, d.ffe), rows, d.ffe, h);
       });
-      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), d.ffe, h, d.local_experts);
+      c.gemm_done(mean_rows(d, A, h), d.ffe, h, d.local_experts);
       break;
     case OpId::kExpertFc2Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.act, r0, d.ffe), at(A.d_y, r0, h), c.G(W.fc2_w[e]),
                         opt_grad(c, W.fc2_b[e]), rows, d.ffe, h);
       });
-      c.gemm_done(d.ffe, h, mean_rows(elems(A.x) / h, d.local_experts), d.local_experts);
+      c.gemm_done(d.ffe, h, mean_rows(d, A, h), d.local_experts);
       c.weight_gradient_done();
       break;
     case OpId::kExpertActivationBackward: {
@@ -524,14 +526,14 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_dgrad(c.P(W.fc1_w[e]), at(A.d_pre, r0, w), at(A.d_x, r0, h), rows, h, w);
       });
-      c.gemm_done(mean_rows(elems(A.x) / h, d.local_experts), h, w, d.local_experts);
+      c.gemm_done(mean_rows(d, A, h), h, w, d.local_experts);
       break;
     case OpId::kExpertFc1Wgrad:
       per_expert(expert_rows(d, A), [&](size_t e, int64_t r0, int64_t rows) {
         be.linear_wgrad(at(A.x, r0, h), at(A.d_pre, r0, w), c.G(W.fc1_w[e]),
                         opt_grad(c, W.fc1_b[e]), rows, h, w);
       });
-      c.gemm_done(h, w, mean_rows(elems(A.x) / h, d.local_experts), d.local_experts);
+      c.gemm_done(h, w, mean_rows(d, A, h), d.local_experts);
       c.weight_gradient_done();
       break;
     case OpId::kMoeDispatchAllGatherBackward: {

@@ -27,17 +27,25 @@ int64_t dense_parameter_elements(const ShardDims& d) {
 
 // An MoE layer's parameters on this rank (runtime/moe_params.cc), laid out from offset 0 as
 // the runtime lays them out; `total` gets their elements. Empty for a dense model.
-MoeLayerParams moe_parameters(const ModelSpec& m, const ShardLayout& l, int64_t* total) {
-  *total = 0;
-  if (!m.is_moe()) return {};
+MoeLayerParams moe_parameters(const ModelSpec& m, const ShardLayout& l, int64_t* total = nullptr) {
   int64_t next = 0;
-  return add_moe_parameters(m, l, l.sequence_parallel && l.t > 1, 0, "moe.",
-                            [&](const ParamInfo& p, const std::function<void(float*)>&) {
-                              const int64_t at = next;
-                              next += p.size;
-                              *total = next;
-                              return at;
-                            });
+  MoeLayerParams out;
+  if (m.is_moe())
+    out = add_moe_parameters(m, l, l.sequence_parallel && l.t > 1, 0, "moe.",
+                             [&](const ParamInfo& p, const std::function<void(float*)>&) {
+                               const int64_t at = next;
+                               next += p.size;
+                               return at;
+                             });
+  if (total) *total = next;
+  return out;
+}
+
+// The pass an op of the lists runs in, as ShardContext::begin records it.
+PassKind pass_of(OpRole role) {
+  return role == OpRole::kForward     ? PassKind::kForward
+         : role == OpRole::kRecompute ? PassKind::kRecompute
+                                      : PassKind::kBackward;
 }
 
 // The parameter buffer: the largest dense weight (QKV, FC1, the vocabulary shard or the
@@ -212,9 +220,7 @@ void OpExecutor::run(const Op& op) {
         break;
     }
   };
-  c.begin(op.id, op.role == OpRole::kForward     ? PassKind::kForward
-                 : op.role == OpRole::kRecompute ? PassKind::kRecompute
-                                                 : PassKind::kBackward);
+  c.begin(op.id, pass_of(op.role));
   const int64_t q = d.n_full * d.hl * d.d, kv = d.n_full * d.gl * d.d;
   const int64_t scores = d.b * d.hl * d.s * d.s;
   if (op.fused) {
@@ -407,10 +413,6 @@ void OpExecutor::run(const Op& op) {
   }
 }
 
-}  // namespace ptdp
-
-namespace ptdp {
-
 void OpExecutor::run_moe(const Op& op) {
   State& S = *s_;
   ShardContext& c = S.ctx;
@@ -426,8 +428,7 @@ void OpExecutor::run_moe(const Op& op) {
     const ShardLayout& l = layout_;
     S.moe = std::make_unique<MoeRun>(
         model_, moe_dims(model_, l.t, l.ep, l.ep_rank, l.etp, l.etp_rank), S.dtype);
-    int64_t elements = 0;
-    S.moe->W = moe_parameters(model_, l, &elements);
+    S.moe->W = moe_parameters(model_, l);
   }
   MoeRun& M = *S.moe;
   MoeActs& A = M.A;
@@ -514,11 +515,8 @@ void OpExecutor::run_moe(const Op& op) {
     default:
       throw std::logic_error("op '" + name + "' of an MoE layer has no inputs made");
   }
-  const bool forward = op.role == OpRole::kForward || op.role == OpRole::kRecompute;
-  c.begin(op.id, op.role == OpRole::kForward     ? PassKind::kForward
-                 : op.role == OpRole::kRecompute ? PassKind::kRecompute
-                                                 : PassKind::kBackward);
-  if (forward)
+  c.begin(op.id, pass_of(op.role));
+  if (pass_of(op.role) != PassKind::kBackward)
     moe_forward_op(c, M.ctx, op.id, M.W, M.x, M.out, A);
   else
     moe_backward_op(c, M.ctx, op.id, M.W, M.x, M.d_out, M.d_x, A);

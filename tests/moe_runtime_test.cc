@@ -326,6 +326,15 @@ class MirrorExperts final : public Communicator {
   std::unique_ptr<Communicator> make_split(int, int) override { refuse(); }
 };
 
+// One microbatch of the synthetic tokens through `shard`, forward and backward; the loss.
+double one_microbatch(GptShard& shard, const ModelSpec& m) {
+  std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
+  TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+  const double loss = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
+  shard.backward(0, 0, nullptr, nullptr, 1.0);
+  return loss;
+}
+
 // With expert parallelism each MoE layer's dispatch and combine (and their backward) run as
 // all-to-alls over the expert-parallel group carrying the rank's routed tokens x h x 4 bytes;
 // without it no all-to-all runs, as the op list has none (the permuted rows are the experts'
@@ -342,12 +351,9 @@ TEST(MoeShard, TraceShowsTheAllToAllsWithTheRoutedBytes) {
     l.ep = ep;
     GptShard shard(m, l, self.get(), 7);
     if (ep > 1) shard.set_expert_groups(&mirror, nullptr);
-    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
-    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
     std::vector<ExecutedOp> trace;
     shard.trace_ops(&trace);
-    const double loss = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
-    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    const double loss = one_microbatch(shard, m);
     shard.trace_ops(nullptr);
     EXPECT_TRUE(std::isfinite(loss)) << ep;
     LayerShape shape = runtime_layer_shape(m, l);
@@ -450,10 +456,7 @@ TEST(MoeShard, ExpertLoadOfARouting) {
     GptShard shard(m, sl, self.get(), 7);
     if (ep > 1) shard.set_expert_groups(&mirror, nullptr);
     EXPECT_EQ(shard.expert_load(), ep > 1 ? 0.0 : 1.0);  // nothing dispatched yet
-    std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
-    TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
-    shard.forward(0, 0, tokens.data(), nullptr, nullptr);
-    shard.backward(0, 0, nullptr, nullptr, 1.0);
+    one_microbatch(shard, m);
     if (ep == 1) {
       EXPECT_EQ(shard.expert_load(), 1.0);
     } else {

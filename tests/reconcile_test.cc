@@ -533,8 +533,8 @@ TEST(ReconcileCli, MoeRunsShowTheMeasuredExpertLoad) {
   // A dense run has no load to compare (the table and --json leave it out).
   const ModelSpec dense = tiny_model();
   const ParallelPlan dp = plan_of(2, 1, 1);
-  const Reconciliation plain = reconcile(parse_run_trace(good_trace_text(), "dense"),
-                                         cost_for(dense, dp), "dense");
+  const Reconciliation plain =
+      reconcile(parse_run_trace(good_trace_text(), "dense"), cost_for(dense, dp), "dense");
   EXPECT_EQ(plain.expert_load.predicted, 0.0);
   EXPECT_EQ(plain.expert_load.measured, 0.0);
   // Refused when read (as the CLI refuses it: exit 2 naming the field): a load outside
