@@ -1,0 +1,1 @@
+// Empty: the target exists to build the tests' precompiled header (tests/CMakeLists.txt).
