@@ -37,10 +37,10 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
                            {"gradients_gib", to_gib(mb.expert_gradients)},
                            {"optimizer_gib", to_gib(mb.expert_optimizer)}};
   const TimeBreakdown& b = r.breakdown;
-  j["breakdown"] = {{"compute_s", b.compute},    {"recompute_s", b.recompute},
-                    {"tp_comm_s", b.tp_comm},    {"pp_comm_s", b.pp_comm},
-                    {"dp_comm_s", b.dp_comm},    {"bubble_s", b.bubble},
-                    {"optimizer_s", b.optimizer}};
+  j["breakdown"] = {
+      {"compute_s", b.compute}, {"recompute_s", b.recompute}, {"tp_comm_s", b.tp_comm},
+      {"cp_comm_s", b.cp_comm}, {"ep_comm_s", b.ep_comm},     {"pp_comm_s", b.pp_comm},
+      {"dp_comm_s", b.dp_comm}, {"bubble_s", b.bubble},       {"optimizer_s", b.optimizer}};
   return j;
 }
 
@@ -87,15 +87,24 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                 r.hardware_tflops_per_gpu);
   out << buf;
   const TimeBreakdown& b = r.breakdown;
-  const std::pair<const char*, double> parts[] = {{"compute", b.compute},
-                                                  {"recompute", b.recompute},
-                                                  {"tensor-parallel comm", b.tp_comm},
-                                                  {"pipeline bubble", b.bubble},
-                                                  {"pipeline comm", b.pp_comm},
-                                                  {"data-parallel comm", b.dp_comm},
-                                                  {"optimizer step", b.optimizer}};
+  // Context- and expert-parallel rows only where the plan has them (optional, and zero).
+  struct Part {
+    const char* name;
+    double s;
+    bool optional = false;
+  };
+  const Part parts[] = {{"compute", b.compute},
+                        {"recompute", b.recompute},
+                        {"tensor-parallel comm", b.tp_comm},
+                        {"context-parallel comm", b.cp_comm, true},
+                        {"expert-parallel comm", b.ep_comm, true},
+                        {"pipeline bubble", b.bubble},
+                        {"pipeline comm", b.pp_comm},
+                        {"data-parallel comm", b.dp_comm},
+                        {"optimizer step", b.optimizer}};
   out << "time breakdown (exposed)\n";
-  for (const auto& [name, s] : parts) {
+  for (const auto& [name, s, optional] : parts) {
+    if (optional && s == 0) continue;
     std::snprintf(buf, sizeof buf, "  %-22s %9.3f s  %5.1f%%\n", name, s,
                   100 * s / r.iteration_time_s);
     out << buf;

@@ -821,8 +821,10 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   TimeBreakdown& b = out.breakdown;
   b.compute = m * (s.forward.compute + s.backward.compute);
   b.recompute = m * s.recompute.compute;
-  // All the collectives inside passes (tensor, context and expert groups) count here.
-  b.tp_comm = m * (s.forward.comm() + s.backward.comm() + s.recompute.comm());
+  // The collectives inside passes, by group (tensor, context, expert).
+  b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
+  b.cp_comm = m * (s.forward.cp_comm + s.backward.cp_comm + s.recompute.cp_comm);
+  b.ep_comm = m * (s.forward.ep_comm + s.backward.ep_comm + s.recompute.ep_comm);
   const double fill = (sum_stage - fill_of(s)) / v;
   b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 
@@ -863,8 +865,8 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
 
   b.optimizer = optimizer_time(p, dense_max, experts_max);
 
-  out.iteration_time_s =
-      b.compute + b.recompute + b.tp_comm + b.pp_comm + b.dp_comm + b.bubble + b.optimizer;
+  out.iteration_time_s = b.compute + b.recompute + b.tp_comm + b.cp_comm + b.ep_comm + b.pp_comm +
+                         b.dp_comm + b.bubble + b.optimizer;
 
   // FLOPs: the op lists count per-GPU shards (1/t of the work, s/cp of the tokens), so multiply
   // by t cp; all microbatches, all replicas.

@@ -42,6 +42,8 @@ struct TimeBreakdown {
   double compute = 0;    // forward and backward math on the slowest stage
   double recompute = 0;  // forward math redone for activation recomputation
   double tp_comm = 0;    // exposed tensor-/sequence-parallel collectives
+  double cp_comm = 0;    // exposed context-parallel ring steps (what attention does not hide)
+  double ep_comm = 0;    // MoE all-to-alls and expert-tensor-parallel gathers/scatters
   double pp_comm = 0;    // exposed pipeline point-to-point transfers
   double dp_comm = 0;    // exposed data-parallel gradient (and parameter) collectives
   double bubble = 0;     // pipeline fill and drain

@@ -198,9 +198,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
   for (int64_t t : divisors(n)) {
     if (o.max_tensor_parallel > 0 && t > o.max_tensor_parallel) continue;
     for (int64_t cp : divisors(n / t)) {
-      // MoE models are searched without cp: ptdp run does not combine the two yet, and every
-      // plan the search prints must run (predict prices cp with MoE all the same).
-      if (cp > 1 && (!o.try_context_parallel || m.is_moe() || m.seq_length % (2 * cp) != 0 ||
+      if (cp > 1 && (!o.try_context_parallel || m.seq_length % (2 * cp) != 0 ||
                      m.seq_length / cp < o.min_context_tokens ||
                      (o.max_context_parallel > 0 && cp > o.max_context_parallel)))
         continue;
@@ -299,6 +297,8 @@ std::string loses_because(const Prediction& w, const Prediction& l) {
       {"compute (GEMM shapes)", b.compute - a.compute},
       {"recomputation", b.recompute - a.recompute},
       {"tensor-parallel communication", b.tp_comm - a.tp_comm},
+      {"context-parallel communication", b.cp_comm - a.cp_comm},
+      {"expert-parallel communication", b.ep_comm - a.ep_comm},
       {"pipeline bubble", b.bubble - a.bubble},
       {"pipeline communication", b.pp_comm - a.pp_comm},
       {"data-parallel communication", b.dp_comm - a.dp_comm},

@@ -13,7 +13,7 @@ ExpertPosition expert_position(int64_t t, int64_t d, int64_t etp, int64_t ep, in
     throw InputError("--expert-model-parallel-size",
                      "expert-tensor-parallel-size * expert-model-parallel-size (" +
                          std::to_string(etp) + " * " + std::to_string(ep) +
-                         ") must divide t * d (" + std::to_string(stage) + ")");
+                         ") must divide t * cp * d (" + std::to_string(stage) + ")");
   ExpertPosition e;
   e.etp = etp;
   e.ep = ep;

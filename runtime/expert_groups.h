@@ -1,7 +1,9 @@
 // Expert parallelism's process groups (Megatron-Core's expert grid): the t * d ranks of one
 // pipeline stage, in the dense order (tensor-parallel innermost, global rank
 // tp + t * (dp + d * pp)), regroup for the routed experts of MoE layers as etp (innermost) x
-// ep x expert-data-parallel, edp = t * d / (etp * ep). An MoE layer's tokens are exchanged
+// ep x expert-data-parallel, edp = t * d / (etp * ep). With context parallelism d is the
+// runtime's d * cp (the cp ranks of one data-parallel replica are consecutive in dp), so the
+// grid spans t * cp * d ranks, as Megatron-Core's does. An MoE layer's tokens are exchanged
 // (all-to-all) among the ep ranks of an expert-parallel group; each expert's weights are split
 // over the etp ranks of an expert-tensor group; the edp ranks of an expert-data-parallel group
 // hold the same expert shard and reduce its gradients.

@@ -166,12 +166,6 @@ void validate_options(const TrainOptions& o) {
   if (o.plan.schedule == Schedule::kZeroBubbleH1 && o.model.is_moe())
     throw InputError("--pipeline-schedule",
                      "ptdp run executes zb-h1 for dense models only (plan and predict price MoE)");
-  // MoE layers run on the expert grid of a stage's t * d ranks; with context parallelism that
-  // grid would also span the cp ranks, which ptdp run does not build yet.
-  if (o.model.is_moe() && o.plan.context_parallel > 1)
-    throw InputError("--context-parallel-size",
-                     "ptdp run does not combine context parallelism with MoE layers yet (plan "
-                     "and predict price it)");
 }
 
 // PTDP_SCATTER_GATHER_P2P: "auto" (unset: scatter/gather where the job spans hosts), "always"
@@ -284,7 +278,9 @@ void Executor::setup() {
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
     layout.segment_multiple = dist_ ? dcp_ : 1;
-    expert_ = expert_position(t_, d_, m.is_moe() ? plan.expert_tp() : 1, plan.expert_parallel,
+    // The expert grid spans a stage's t * cp * d ranks (Megatron-Core's): an MoE layer routes
+    // each rank's own tokens, its sequence chunks under context parallelism included.
+    expert_ = expert_position(t_, dcp_, m.is_moe() ? plan.expert_tp() : 1, plan.expert_parallel,
                               pos_.tp, pos_.dp, pos_.pp);
     layout.ep = expert_.ep;
     layout.ep_rank = expert_.ep_rank;

@@ -87,8 +87,8 @@ TEST(Cli, PredictJsonHasTheDocumentedKeys) {
        {"weights_gib", "gradients_gib", "optimizer_gib", "activations_gib", "peak_gib"}) {
     EXPECT_TRUE(j["memory"].contains(key)) << key;
   }
-  for (const char* key : {"compute_s", "recompute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s",
-                          "bubble_s", "optimizer_s"}) {
+  for (const char* key : {"compute_s", "recompute_s", "tp_comm_s", "cp_comm_s", "ep_comm_s",
+                          "pp_comm_s", "dp_comm_s", "bubble_s", "optimizer_s"}) {
     EXPECT_TRUE(j["breakdown"].contains(key)) << key;
   }
   double sum = 0;
@@ -243,6 +243,13 @@ TEST(Cli, PredictReportsDenseAndExpertMemoryAndExpertParallelismShrinksIt) {
   EXPECT_EQ(b["configuration"]["expert_parallel"], 8);
   EXPECT_NE(b["megatron_flags"].get<std::string>().find("--expert-model-parallel-size 8"),
             std::string::npos);
+  // The all-to-alls are expert-parallel communication in the breakdown, not tensor-parallel:
+  // none without expert parallelism, and neither plan has t > 1 collectives.
+  EXPECT_EQ(a["breakdown"]["ep_comm_s"].get<double>(), 0);
+  EXPECT_GT(b["breakdown"]["ep_comm_s"].get<double>(), 0);
+  EXPECT_EQ(a["configuration"]["tensor_parallel"], 1);
+  EXPECT_EQ(b["breakdown"]["tp_comm_s"].get<double>(), 0);
+  EXPECT_EQ(b["breakdown"]["cp_comm_s"].get<double>(), 0);
   // The load measured by a run (ptdp reconcile) prices the experts in place of the assumed
   // 1.1: a busier rank, a longer step; ptdp's own setting, not a Megatron flag.
   args.insert(args.end(), {"--moe-expert-load", "1.6"});
@@ -289,6 +296,11 @@ TEST(Cli, ContextParallelismSplitsTheSequencesActivations) {
   const auto a = nlohmann::json::parse(one.out), b = nlohmann::json::parse(two.out);
   EXPECT_EQ(b["configuration"]["context_parallel"], 2);
   EXPECT_EQ(b["configuration"]["data_parallel"], 1);
+  // The ring's exposed steps are context-parallel communication, apart from the tensor
+  // group's (none without cp).
+  EXPECT_EQ(a["breakdown"]["cp_comm_s"].get<double>(), 0);
+  EXPECT_GE(b["breakdown"]["cp_comm_s"].get<double>(), 0);
+  EXPECT_GT(b["breakdown"]["tp_comm_s"].get<double>(), 0);
   EXPECT_LT(b["memory"]["activations_gib"].get<double>(),
             0.6 * a["memory"]["activations_gib"].get<double>());
 }
@@ -955,8 +967,11 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
        {"--fp16-grad-reduce", "--no-scatter-gather"}},
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "llama3-8b", "--global-batch-size",
         "256", "--fp8-format", "hybrid", "--no-gradient-accumulation-fusion"}},
+      // At s = 4096 the best MoE plans split the sequence (cp 2), at 2048 the experts.
       {{"--cluster", "dgx-h100", "--num-gpus", "128", "--model", "mixtral-8x7b",
         "--global-batch-size", "256", "--seq-length", "4096"}},
+      {{"--cluster", "dgx-h100", "--num-gpus", "128", "--model", "mixtral-8x7b",
+        "--global-batch-size", "256", "--seq-length", "2048"}},
       {{"--cluster", "dgx-a100-80gb", "--num-gpus", "64", "--model", deepseek,
         "--global-batch-size", "256", "--moe-expert-capacity-factor", "1.5"}},
       {{"--cluster",

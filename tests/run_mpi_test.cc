@@ -662,6 +662,22 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// Context parallelism with MoE layers: the expert grid spans the t * cp * d ranks of a stage, so
+// an expert-parallel group may be the cp ranks of one ring (each routing its own sequence
+// chunks), and the experts' gradients are reduced over the cp ranks holding the same experts.
+TEST(RunMpi, ContextParallelMoeLayoutsTrainToTheSingleRankLosses) {
+  const nlohmann::json single = run_json(0, kTinyMoe);
+  const std::string ep = "--expert-model-parallel-size ";
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 1, "", kTinyMoe, 2},        // edp = cp: the experts' gradients over the ring
+           {1, 1, 1, ep + "2", kTinyMoe, 2},  // ep = cp: tokens exchanged along the ring
+           {2, 1, 1, ep + "2 --sequence-parallel", kTinyMoe, 2},          // etp = t, ep over cp
+           {1, 1, 2, ep + "4 --use-distributed-optimizer", kTinyMoe, 2},  // ep over dp and cp
+           {1, 2, 1, ep + "2", kTinyMoe, 2},
+       })
+    expect_same_losses(l, single);
+}
+
 // An MoE model in bf16 (its routed experts computing in fp32 on bf16 weights): near its fp32
 // curve, and sharded over experts and tensor ranks near its single-rank bf16 curve.
 TEST(RunMpi, Bf16MoeTracksFp32AndShardsAlike) {

@@ -332,8 +332,9 @@ TEST(Search, LongContextNeedsContextParallelism) {
   }
 }
 
-// An MoE model plans with expert parallelism among the candidates, each a valid plan whose
-// expert groups tile the stage's ranks.
+// An MoE model plans with expert and context parallelism among the candidates, each a valid
+// plan whose expert groups tile the stage's t * cp * d ranks (ptdp run executes MoE with cp
+// since 2026-11-27; the search left cp out for MoE models before).
 TEST(Search, MoeModelsPlanWithExpertParallelism) {
   Job j(64);
   j.m = resolve_model("mixtral-8x7b");
@@ -343,16 +344,28 @@ TEST(Search, MoeModelsPlanWithExpertParallelism) {
   j.h = resolve_profile("h100-sxm");
   SearchOptions o;
   o.global_batch_size = 256;
-  o.top_k = 20;
+  o.top_k = 200;
   const SearchResult r = search_plans(j.m, j.c, j.h, o);
   ASSERT_FALSE(r.top.empty());
-  bool any_ep = false;
+  bool any_ep = false, any_cp = false, both = false;
   for (const RankedPlan& x : r.top) {
     EXPECT_NO_THROW(x.plan.validate(j.m));
-    EXPECT_EQ(x.plan.context_parallel, 1);  // run does not combine cp with MoE yet
-    any_ep = any_ep || x.plan.expert_parallel > 1;
+    const ParallelPlan& p = x.plan;
+    any_ep = any_ep || p.expert_parallel > 1;
+    any_cp = any_cp || p.context_parallel > 1;
+    both = both || (p.expert_parallel > 1 && p.context_parallel > 1);
+    EXPECT_EQ(p.tensor_parallel * p.context_parallel * p.data_parallel %
+                  (p.expert_tp() * p.expert_parallel),
+              0);
+    // A runner-up that loses on its all-to-alls says so, not "tensor-parallel" at t = 1.
+    const std::string why = loses_because(r.top[0].prediction, x.prediction);
+    if (p.tensor_parallel == 1) {
+      EXPECT_EQ(why.find("tensor-parallel"), std::string::npos) << why;
+    }
   }
   EXPECT_TRUE(any_ep);
+  EXPECT_TRUE(any_cp);
+  EXPECT_TRUE(both);
   // Expert parallelism lowers the expert memory of a rank: the best ep > 1 plan holds less
   // expert state than the same plan with ep = 1.
   for (const RankedPlan& x : r.top) {
