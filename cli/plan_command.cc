@@ -88,12 +88,8 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (f.job.has_parallel_flags()) base.validate(m);
 
   SearchOptions o;
-  if (!f.job.pipeline_schedule.empty()) {
+  if (!f.job.pipeline_schedule.empty())
     o.schedule = base.schedule;  // as the flag gave it (JobFlags::resolve_plan)
-    if (*o.schedule == Schedule::kZeroBubbleH1 && m.is_moe())
-      throw InputError("--pipeline-schedule",
-                       "ptdp run executes zb-h1 for dense models only (predict prices MoE)");
-  }
   o.global_batch_size = base.global_batch_size;
   o.top_k = std::max(f.top, f.simulate_top);
   o.threads = f.threads;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <set>
 #include <stdexcept>
 
 #include "core/error.h"
@@ -135,9 +136,9 @@ struct GptShard::Impl {
   std::unique_ptr<MoeContext> moe;
   std::vector<OpId> moe_fwd, moe_bwd, moe_recompute;
   std::map<std::array<int64_t, 3>, MoeActs> moe_stash;  // (chunk, microbatch, layer)
-  // Per op of layer_bwd: whether it is a weight-gradient op (role kWeightGrad), which a
-  // zero-bubble schedule defers to the W pass.
-  std::vector<bool> layer_bwd_weight;
+  // Per op of layer_bwd (and moe_bwd): whether it is a weight-gradient op (role kWeightGrad),
+  // which a zero-bubble schedule defers to the W pass.
+  std::vector<bool> layer_bwd_weight, moe_bwd_weight;
   // Zero-bubble W passes still to run: per (chunk, microbatch), per layer, the activations and
   // output gradients the layer's weight-gradient GEMMs read.
   struct Deferred {
@@ -180,6 +181,14 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
     J.moe_recompute = moe_forward_program(J.layer_recompute, md);
+    // The MoE program mixes the dense list's ops with the MoE list's: an op defers by its role
+    // in either list (router and expert weight gradients, the dense ones of attention and the
+    // shared experts).
+    std::set<OpId> weight_ops;
+    for (const PassOps& list : {layer, moe_layer_ops(m, shape)})
+      for (const ptdp::Op& op : list.backward)
+        if (op.role == OpRole::kWeightGrad) weight_ops.insert(op.id);
+    for (OpId op : J.moe_bwd) J.moe_bwd_weight.push_back(weight_ops.count(op) > 0);
   }
 
   // Parameters, in two segments (word embedding, the rest), each padded to segment_multiple.
@@ -578,7 +587,6 @@ void GptShard::backward(int64_t chunk, int64_t mb, const Buffer* grad_output, Bu
 
 void GptShard::backward_input(int64_t chunk, int64_t mb, const Buffer* grad_output,
                               Buffer* grad_input, double loss_scale) {
-  if (impl_->moe) throw std::logic_error("zero-bubble passes of an MoE model");
   backward_pass(chunk, mb, grad_output, grad_input, loss_scale, nullptr, true);
 }
 
@@ -593,13 +601,26 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
   if (ch.last) part_done(ch.num_layers + 1);  // the head's gradients came in the input pass
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     Impl::Deferred& w = it->second[static_cast<size_t>(l)];
-    for (size_t k = 0; k < I.layer_bwd.size(); ++k) {
-      if (!I.layer_bwd_weight[k]) continue;
-      c.begin(I.layer_bwd[k], PassKind::kBackward);
-      layer_backward_op(c, I.layer_bwd[k], ch.layers[static_cast<size_t>(l)], w.A, w.D);
+    const bool moe = ch.is_moe[static_cast<size_t>(l)];
+    SharedExpertWidth width(c, I.moe.get(), moe);
+    const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
+    const std::vector<bool>& weight = moe ? I.moe_bwd_weight : I.layer_bwd_weight;
+    for (size_t k = 0; k < program.size(); ++k) {
+      if (!weight[k]) continue;
+      c.begin(program[k], PassKind::kBackward);
+      if (is_moe_op(program[k])) {
+        // The router's and experts' weight gradients read what the input pass left in the
+        // layer's MoE stash, and the router's input (the post-attention norm's output).
+        Buffer unused;
+        moe_backward_op(c, *I.moe, program[k], ch.moe[static_cast<size_t>(l)], w.A.ln2, unused,
+                        unused, I.moe_stash.at({chunk, mb, l}));
+      } else {
+        layer_backward_op(c, program[k], ch.layers[static_cast<size_t>(l)], w.A, w.D);
+      }
     }
     c.end_op();
     w = Impl::Deferred();
+    if (moe) I.moe_stash.erase({chunk, mb, l});
     part_done(l + 1);
   }
   if (ch.first) part_done(0);
@@ -653,9 +674,10 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
     Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
     const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
+    const std::vector<bool>& weight = moe ? I.moe_bwd_weight : I.layer_bwd_weight;
     for (size_t k = 0; k < program.size(); ++k) {
       const OpId op = program[k];
-      if (defer && I.layer_bwd_weight[k]) continue;  // the W pass's
+      if (defer && weight[k]) continue;  // the W pass's
       // The fused attention's recomputation of the scores is the backward list's one recompute.
       c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
       if (is_moe_op(op))
@@ -680,10 +702,13 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
                               {&D.d_proj, &w.D.d_proj},
                               {&D.d_qkv, &w.D.d_qkv}})
         to->swap(*from);
+      // An MoE layer's router reads the norm's output on this rank's tokens (the sequence-
+      // parallel slice), kept in w.A.ln2 (above, without sequence parallelism).
+      if (moe && d.sp) w.A.ln2.swap(L.ln2);
     }
     D.d_out.swap(D.d_x);
     L = LayerActs();
-    if (M) I.moe_stash.erase({chunk, mb, l});
+    if (M && !defer) I.moe_stash.erase({chunk, mb, l});  // else the W pass's
     part_done(l + 1);
   }
   if (ch.first) {

@@ -163,9 +163,6 @@ void validate_options(const TrainOptions& o) {
   if (o.keep_checkpoints < 0) throw InputError("--keep-checkpoints", "must be at least 1");
   if (o.keep_checkpoints > 0 && o.save_dir.empty())
     throw InputError("--keep-checkpoints", "needs --save DIR");
-  if (o.plan.schedule == Schedule::kZeroBubbleH1 && o.model.is_moe())
-    throw InputError("--pipeline-schedule",
-                     "ptdp run executes zb-h1 for dense models only (plan and predict price MoE)");
 }
 
 // PTDP_SCATTER_GATHER_P2P: "auto" (unset: scatter/gather where the job spans hosts), "always"

@@ -614,9 +614,6 @@ TEST(CliErrors, PlanRefusesWhatWouldCrashOrMisprint) {
   expect_bad(
       {"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "99999999999"},
       "--global-batch-size");  // as predict and run refuse it: exit 2, not 1
-  expect_bad({"plan", "--model", "mixtral-8x7b", "--num-gpus", "64", "--global-batch-size", "256",
-              "--pipeline-schedule", "zb-h1"},
-             "--pipeline-schedule");  // ptdp run executes zb-h1 for dense models only
   // Beyond what any machine has, a price overflows the simulator's clock: refused, not wrapped.
   const std::string slow = temp_file("slow_cluster.json", R"({"name": "slow", "gpu": {
       "name": "slow", "peak_tflops_16bit": 1e-300, "memory_gib": 80, "hbm_bandwidth_gbps": 2000},

@@ -662,6 +662,53 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// zb-h1 with MoE layers: the W pass also runs the router's and the experts' weight gradients
+// (from the layer's MoE stash, kept until then), so the losses stay 1F1B's to the bit, with
+// expert parallelism and with sequence parallelism and shared experts.
+TEST(RunMpi, ZeroBubbleDefersTheExpertWeightGradientsAndKeepsThe1F1BLosses) {
+  const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_zb_moe_trace.json";
+  fs::remove(trace);
+  const std::string shared = " --moe-shared-expert-intermediate-size 64 --moe-layer-freq 2";
+  for (const auto& [np, f] : std::vector<std::pair<int, std::string>>{
+           {2, " --pipeline-model-parallel-size 2"},
+           {4, " --pipeline-model-parallel-size 2 --expert-model-parallel-size 2"},
+           {4,
+            " --pipeline-model-parallel-size 2 --tensor-model-parallel-size 2"
+            " --sequence-parallel" +
+                shared},
+       }) {
+    const std::string job = kTinyMoe + f;
+    const nlohmann::json one = run_json(np, job);
+    const nlohmann::json zb =
+        run_json(np, job + " --pipeline-schedule zb-h1 --trace " + trace.string());
+    EXPECT_EQ(losses(zb), losses(one)) << f;
+    ASSERT_EQ(losses(one).size(), 6u) << f;
+  }
+  // The last job's trace: the experts' and router's weight gradients run in W passes only.
+  const auto j = nlohmann::json::parse(read_file(trace.string()));
+  std::vector<std::pair<double, double>> weight_passes;
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X" || e["pid"] != 0) continue;
+    const std::string name = e["name"];
+    const double ts = e["ts"].get<double>();
+    if (e["cat"] == "op") ops.emplace_back(ts, name);
+    if (e["cat"] == "compute" && name.rfind("W", 0) == 0)
+      weight_passes.emplace_back(ts, ts + e["dur"].get<double>());
+  }
+  ASSERT_FALSE(weight_passes.empty());
+  int moe_weight_ops = 0;
+  for (const auto& [ts, name] : ops) {
+    if (name != "router_wgrad" && name != "expert_fc1_wgrad" && name != "expert_fc2_wgrad")
+      continue;
+    ++moe_weight_ops;
+    bool inside = false;
+    for (const auto& [a, b] : weight_passes) inside = inside || (ts >= a && ts <= b);
+    EXPECT_TRUE(inside) << name << " at " << ts;
+  }
+  EXPECT_GT(moe_weight_ops, 0);
+}
+
 // Context parallelism with MoE layers: the expert grid spans the t * cp * d ranks of a stage, so
 // an expert-parallel group may be the cp ranks of one ring (each routing its own sequence
 // chunks), and the experts' gradients are reduced over the cp ranks holding the same experts.

@@ -599,11 +599,6 @@ TEST(Train, BadPlansFailBeforeTraining) {
   o.data = "/nonexistent/tokens.bin";
   expect_error(o, "--data");
   o = options(tiny());
-  o.plan.schedule = Schedule::kZeroBubbleH1;  // runs for dense models, not MoE ones
-  o.model.num_experts = 4;
-  o.model.moe_router_topk = 2;
-  expect_error(o, "--pipeline-schedule");
-  o = options(tiny());
   o.steps = 0;
   expect_error(o, "--steps");
   // t not dividing the heads, checked by the shard layout with one rank per shard.
