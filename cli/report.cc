@@ -87,24 +87,25 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                 r.hardware_tflops_per_gpu);
   out << buf;
   const TimeBreakdown& b = r.breakdown;
-  // Context- and expert-parallel rows only where the plan has them (optional, and zero).
+  // Context- and expert-parallel rows only where the plan has that parallelism (a ring hidden
+  // behind attention shows as 0).
   struct Part {
     const char* name;
     double s;
-    bool optional = false;
+    bool shown = true;
   };
   const Part parts[] = {{"compute", b.compute},
                         {"recompute", b.recompute},
                         {"tensor-parallel comm", b.tp_comm},
-                        {"context-parallel comm", b.cp_comm, true},
-                        {"expert-parallel comm", b.ep_comm, true},
+                        {"context-parallel comm", b.cp_comm, p.context_parallel > 1},
+                        {"expert-parallel comm", b.ep_comm, p.expert_parallel > 1},
                         {"pipeline bubble", b.bubble},
                         {"pipeline comm", b.pp_comm},
                         {"data-parallel comm", b.dp_comm},
                         {"optimizer step", b.optimizer}};
   out << "time breakdown (exposed)\n";
-  for (const auto& [name, s, optional] : parts) {
-    if (optional && s == 0) continue;
+  for (const auto& [name, s, shown] : parts) {
+    if (!shown) continue;
     std::snprintf(buf, sizeof buf, "  %-22s %9.3f s  %5.1f%%\n", name, s,
                   100 * s / r.iteration_time_s);
     out << buf;
