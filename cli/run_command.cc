@@ -389,6 +389,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (r.expert_load > 0) j["expert_load"] = r.expert_load;
     j["data_plane"] = r.data_plane;
     j["precision"] = to_string(f.train.precision);
+    j["schedule"] = to_string(f.train.plan.schedule);
     j["scatter_gather_p2p"] = r.scatter_gather_p2p;
     out << j.dump(2) << "\n";
     return 0;
