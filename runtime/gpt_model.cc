@@ -7,7 +7,6 @@
 #include <functional>
 #include <limits>
 #include <numeric>
-#include <set>
 #include <stdexcept>
 
 #include "core/error.h"
@@ -136,9 +135,9 @@ struct GptShard::Impl {
   std::unique_ptr<MoeContext> moe;
   std::vector<OpId> moe_fwd, moe_bwd, moe_recompute;
   std::map<std::array<int64_t, 3>, MoeActs> moe_stash;  // (chunk, microbatch, layer)
-  // Per op of layer_bwd (and moe_bwd): whether it is a weight-gradient op (role kWeightGrad),
-  // which a zero-bubble schedule defers to the W pass.
-  std::vector<bool> layer_bwd_weight, moe_bwd_weight;
+  // Per op id: whether it computes a weight gradient (role kWeightGrad in the dense or the MoE
+  // layer's backward list), which a zero-bubble schedule defers to the W pass.
+  std::array<bool, kNumOpIds> weight_grad{};
   // Zero-bubble W passes still to run: per (chunk, microbatch), per layer, the activations and
   // output gradients the layer's weight-gradient GEMMs read.
   struct Deferred {
@@ -165,8 +164,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   const PassOps emb = embedding_ops(m, shape), head = lm_head_ops(m, shape);
   J.layer_fwd = compile(layer.forward, is_layer_forward_op);
   J.layer_bwd = compile(layer.backward, is_layer_backward_op);
-  for (const ptdp::Op& op : layer.backward)
-    J.layer_bwd_weight.push_back(op.role == OpRole::kWeightGrad);
+  auto mark_weight_grads = [&J](const PassOps& list) {
+    for (const ptdp::Op& op : list.backward)
+      if (op.role == OpRole::kWeightGrad) J.weight_grad[static_cast<size_t>(op.id)] = true;
+  };
+  mark_weight_grads(layer);
   J.layer_recompute = compile(layer.recompute, is_layer_forward_op);
   J.emb_fwd = compile(emb.forward, is_embedding_op);
   J.emb_bwd = compile(emb.backward, is_embedding_op);
@@ -181,14 +183,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
     J.moe_recompute = moe_forward_program(J.layer_recompute, md);
-    // The MoE program mixes the dense list's ops with the MoE list's: an op defers by its role
-    // in either list (router and expert weight gradients, the dense ones of attention and the
-    // shared experts).
-    std::set<OpId> weight_ops;
-    for (const PassOps& list : {layer, moe_layer_ops(m, shape)})
-      for (const ptdp::Op& op : list.backward)
-        if (op.role == OpRole::kWeightGrad) weight_ops.insert(op.id);
-    for (OpId op : J.moe_bwd) J.moe_bwd_weight.push_back(weight_ops.count(op) > 0);
+    mark_weight_grads(moe_layer_ops(m, shape));  // the router's and experts'
   }
 
   // Parameters, in two segments (word embedding, the rest), each padded to segment_multiple.
@@ -604,18 +599,17 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
     const bool moe = ch.is_moe[static_cast<size_t>(l)];
     SharedExpertWidth width(c, I.moe.get(), moe);
     const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
-    const std::vector<bool>& weight = moe ? I.moe_bwd_weight : I.layer_bwd_weight;
-    for (size_t k = 0; k < program.size(); ++k) {
-      if (!weight[k]) continue;
-      c.begin(program[k], PassKind::kBackward);
-      if (is_moe_op(program[k])) {
+    for (OpId op : program) {
+      if (!I.weight_grad[static_cast<size_t>(op)]) continue;
+      c.begin(op, PassKind::kBackward);
+      if (is_moe_op(op)) {
         // The router's and experts' weight gradients read what the input pass left in the
         // layer's MoE stash, and the router's input (the post-attention norm's output).
         Buffer unused;
-        moe_backward_op(c, *I.moe, program[k], ch.moe[static_cast<size_t>(l)], w.A.ln2, unused,
-                        unused, I.moe_stash.at({chunk, mb, l}));
+        moe_backward_op(c, *I.moe, op, ch.moe[static_cast<size_t>(l)], w.A.ln2, unused, unused,
+                        I.moe_stash.at({chunk, mb, l}));
       } else {
-        layer_backward_op(c, program[k], ch.layers[static_cast<size_t>(l)], w.A, w.D);
+        layer_backward_op(c, op, ch.layers[static_cast<size_t>(l)], w.A, w.D);
       }
     }
     c.end_op();
@@ -674,10 +668,8 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
     Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
     const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
-    const std::vector<bool>& weight = moe ? I.moe_bwd_weight : I.layer_bwd_weight;
-    for (size_t k = 0; k < program.size(); ++k) {
-      const OpId op = program[k];
-      if (defer && weight[k]) continue;  // the W pass's
+    for (OpId op : program) {
+      if (defer && I.weight_grad[static_cast<size_t>(op)]) continue;  // the W pass's
       // The fused attention's recomputation of the scores is the backward list's one recompute.
       c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
       if (is_moe_op(op))
