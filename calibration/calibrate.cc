@@ -17,7 +17,6 @@
 #include "core/hardware_profile.h"
 #include "planner/comm_model.h"
 #include "runtime/data_plane.h"
-#include "runtime/moe_layer.h"
 #include "runtime/op_executor.h"
 
 namespace ptdp {
@@ -100,11 +99,10 @@ ModelSpec with_sequence(const ModelSpec& m, int64_t seq) {
 // `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend). As
 // calibrate() ticks them: each distinct op, the grid, streams and optimizer, each collective
 // of each group (send/recv in pairs only), and per group 2 late-arrival and 13 skew timings.
-int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue, DType type,
-                      const std::function<bool(const Op&)>& runs) {
+int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue, DType type) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
   for (const auto& [t, b] : p.tb)
-    n += static_cast<int64_t>(timed_ops(m, t, b, type, runs).size()) * (1 + cold + issue);
+    n += static_cast<int64_t>(timed_ops(m, t, b, type).size()) * (1 + cold + issue);
   for (int64_t seq : p.fused_seqs)  // timed warm only, and issued
     n += static_cast<int64_t>(timed_ops(with_sequence(m, seq), p.tb.front().first,
                                         p.tb.front().second, type,
@@ -261,11 +259,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // "device" is the CPU) by reading host memory a line at a time.
   if (llc_bytes > 0) evict = std::make_unique<CacheEvictor>(llc_bytes, gpu ? &be : nullptr);
   const int64_t issue = be.host_accessible() ? 0 : 1;  // a device's ops are also timed issued
-  // An MoE layer's ops run where the host addresses the memory (runtime/moe_layer.h): on a
-  // device backend they are not timed (ptdp run refuses the model there too).
-  std::function<bool(const Op&)> runs;
-  if (!be.host_accessible()) runs = [](const Op& op) { return !is_moe_op(op.id); };
-  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue, o.precision, runs);
+  const int64_t timings = count_timings(plan, o.model, evict != nullptr, issue, o.precision);
   // Each timing runs about twice its target (the warm-up and the sizing call around it).
   if (o.time_limit_s > 0)
     target = std::min(target, 0.5 * o.time_limit_s / static_cast<double>(timings));
@@ -289,7 +283,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
         tick("kernels of the op list",
              static_cast<double>(1 + (evict != nullptr) + issue) / (evict != nullptr ? 2 : 1));
       },
-      o.precision, runs);
+      o.precision);
   for (int64_t seq : plan.fused_seqs) {
     for (OpSample& s : measure_ops(
              be, with_sequence(o.model, seq), {plan.tb.front()}, sw, nullptr,

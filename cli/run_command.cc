@@ -293,7 +293,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       }
       if (f.train.precision != DType::kF32 && model.is_moe())
         out << "ptdp run: the routed experts compute in fp32 (their weights " << half
-            << "): routing runs on fp32 host kernels\n";
+            << "): the routed rows are moved and computed in fp32\n";
       if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }

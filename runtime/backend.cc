@@ -22,6 +22,7 @@
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cpu/kernels.h"
+#include "kernels/cpu/moe.h"
 #include "runtime/float16.h"
 #include "runtime/tensor.h"
 #ifdef PTDP_HAVE_CUDA_BACKEND
@@ -228,6 +229,19 @@ class CpuBackend : public Backend {
   void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl,
                               int64_t v0, double scale) override {
     k::cross_entropy_backward(probs, targets, n, vl, v0, scale);
+  }
+
+  void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
+                   int64_t rows, int64_t h) override {
+    k::gather_rows(x, index, weight, rows, h, y);
+  }
+  void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
+                       int64_t n, int64_t slots, int64_t h) override {
+    k::gather_add_rows(y, index, weight, n, slots, h, out);
+  }
+  void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+                int64_t h) override {
+    k::row_dots(a, index, b, rows, h, dot);
   }
 
   double sum_squares(const float* x, int64_t n, double acc) override {

@@ -4,7 +4,8 @@
 // (the CUDA issue) implements exactly this list and nothing else of the model changes.
 //
 // Pointers are in the backend's memory space (host memory for the CPU backend), except token
-// ids (`tokens`, `targets`), which are always host memory: the data loader's. Shapes follow
+// ids (`tokens`, `targets`), which are always host memory (the data loader's), and the MoE
+// row moves' index and weight arrays, which the host computes from the routing. Shapes follow
 // kernels/cpu/kernels.h and kernels/cpu/elementwise.h, whose functions are the CPU backend.
 // Element types. The virtual entry points are fp32: each backend's kernels. Every kernel the
 // model runs also has a typed form (below, "Typed forms") taking Ptr/CPtr (runtime/typed_ptr.h)
@@ -132,6 +133,18 @@ class Backend {
                                       int64_t n, int64_t vl, int64_t valid) = 0;
   virtual void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl,
                                       int64_t v0, double scale) = 0;
+
+  // The MoE layer's row moves (runtime/moe_layer.h; the CPU forms in kernels/cpu/moe.h): fp32
+  // rows of width h, driven by `index` and `weight` arrays the host computes from the routing,
+  // in host memory like token ids (weight null: 1; index -1: skipped). gather_rows: y[r] =
+  // weight[r] x[index[r]]; gather_add_rows: out[i] += weight[i k + j] y[index[i k + j]] for j =
+  // 0 .. k - 1 in order; row_dots: dot[r] = <a[index[r]], b[r]>.
+  virtual void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
+                           int64_t rows, int64_t h) = 0;
+  virtual void gather_add_rows(const float* y, const int64_t* index, const float* weight,
+                               float* out, int64_t n, int64_t k, int64_t h) = 0;
+  virtual void row_dots(const float* a, const int64_t* index, const float* b, float* dot,
+                        int64_t rows, int64_t h) = 0;
 
   // Optimizer and gradient norm.
   // acc + the sum of squares of x, accumulated in double in index order.

@@ -175,8 +175,6 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   J.head_fwd = compile(head.forward, is_head_forward_op);
   J.head_bwd = compile(head.backward, is_head_backward_op);
   if (m.is_moe()) {
-    if (!backend->host_accessible())
-      throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
     const MoeDims md =
         moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank);
     J.moe = std::make_unique<MoeContext>(m, md);

@@ -66,9 +66,13 @@ void exchange_rows(Communicator& comm, const float* in, const Counts& send_rows,
   comm.all_to_all_v(in, elements(send_rows, h), out.data(), elements(recv_rows, h), DType::kF32);
 }
 
-Buffer transpose(const Buffer& in, const Counts& rows, int64_t A, int64_t B, int64_t h) {
+// Rows held as blocks (a, b) a-major, `rows` each, in b-major order.
+Buffer transpose(Backend& be, const Buffer& in, const Counts& rows, int64_t A, int64_t B,
+                 int64_t h) {
   Buffer out(in.size());
-  kernels::transpose_blocks(in.data(), rows.data(), A, B, h, out.data());
+  std::vector<int64_t> index(static_cast<size_t>(total(rows)));
+  kernels::transpose_blocks_index(rows.data(), A, B, index.data());
+  be.gather_rows(in.data(), index.data(), nullptr, out.data(), total(rows), h);
   return out;
 }
 
@@ -79,11 +83,11 @@ void etp_gather(ShardContext& c, MoeContext& mc, const Buffer& in, const Counts&
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h, n = total(mine);
   Buffer repeated(static_cast<size_t>(d.etp * n * h));
-  for (int64_t r = 0; r < d.etp; ++r) std::copy(in.begin(), in.end(), repeated.begin() + r * n * h);
+  for (int64_t r = 0; r < d.etp; ++r) c.be.copy(in.data(), repeated.data() + r * n * h, n * h);
   Buffer got;
   exchange_rows(mc.etp(), repeated.data(), Counts(static_cast<size_t>(d.etp), n), got,
                 row_sums(gathered, d.etp, d.local_experts), h);
-  out = transpose(got, gathered, d.etp, d.local_experts, h);
+  out = transpose(c.be, got, gathered, d.etp, d.local_experts, h);
   c.collective_done(Collective::kAllGather, static_cast<double>(elems(out)) * sizeof(float),
                     CommGroup::kExpertTensor);
 }
@@ -94,7 +98,7 @@ void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h, n = total(mine);
   const Buffer by_source =
-      transpose(in, transposed(gathered, d.etp, d.local_experts), d.local_experts, d.etp, h);
+      transpose(c.be, in, transposed(gathered, d.etp, d.local_experts), d.local_experts, d.etp, h);
   Buffer got;
   exchange_rows(mc.etp(), by_source.data(), row_sums(gathered, d.etp, d.local_experts), got,
                 Counts(static_cast<size_t>(d.etp), n), h);
@@ -113,7 +117,7 @@ void to_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs
   Buffer got;
   exchange_rows(mc.ep(), in.data(), row_sums(A.counts, d.ep, d.local_experts), got,
                 row_sums(A.recv, d.ep, d.local_experts), h);
-  out = transpose(got, A.recv, d.ep, d.local_experts, h);
+  out = transpose(c.be, got, A.recv, d.ep, d.local_experts, h);
   c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
                     CommGroup::kExpert);
 }
@@ -124,7 +128,7 @@ void from_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeAc
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h;
   const Buffer by_source =
-      transpose(in, transposed(A.recv, d.ep, d.local_experts), d.local_experts, d.ep, h);
+      transpose(c.be, in, transposed(A.recv, d.ep, d.local_experts), d.local_experts, d.ep, h);
   exchange_rows(mc.ep(), by_source.data(), row_sums(A.recv, d.ep, d.local_experts), out,
                 row_sums(A.counts, d.ep, d.local_experts), h);
   c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
@@ -349,8 +353,8 @@ std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const Moe
 
 void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
                     const Buffer& x, Buffer& out, MoeActs& A) {
-  // The routed part runs in fp32 whatever the model's precision (the routing kernels are fp32
-  // host kernels); a bf16 model's expert weights are widened by the typed GEMMs.
+  // The routed part runs in fp32 whatever the model's precision (the row moves are fp32); a
+  // bf16 model's expert weights are widened by the typed GEMMs.
   const DType model_type = activation_dtype();
   const ActivationDType fp32(DType::kF32);
   const MoeDims& d = mc.dims();
@@ -361,10 +365,13 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       resize(A.logits, n * E);
       c.linear(x.ptr(), W.router, -1, A.logits.ptr(), n, h, E);
       break;
-    case OpId::kRouterTopk:
+    case OpId::kRouterTopk: {
+      // On the host, from the downloaded logits (n x E: small beside the rows they route).
+      std::vector<float> logits(static_cast<size_t>(n * E));
+      download_floats(be, A.logits.ptr(), logits.data(), n * E);
       A.chosen.resize(static_cast<size_t>(n * k));
-      resize(A.prob, n * k);
-      kernels::topk_softmax(A.logits.data(), n, E, k, A.chosen.data(), A.prob.data());
+      A.prob.resize(static_cast<size_t>(n * k));
+      kernels::topk_softmax(logits.data(), n, E, k, A.chosen.data(), A.prob.data());
       A.expert = A.chosen;
       if (d.capacity_factor > 0) {
         const auto capacity = static_cast<int64_t>(
@@ -374,18 +381,21 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       }
       consumed(A, A.logits);
       break;
+    }
     case OpId::kMoePermute:
       A.slot_of_row.resize(static_cast<size_t>(n * k));
       A.counts.resize(static_cast<size_t>(E));
       A.rows =
           kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
+      A.token_of_row.resize(static_cast<size_t>(A.rows));
+      kernels::token_of_rows(A.slot_of_row.data(), A.rows, k, A.token_of_row.data());
       {
         // Without expert parallelism, straight into the experts' rows (no dispatch runs).
         Buffer& rows = d.ep > 1 ? A.permuted : A.x;
         resize(rows, A.rows * h);
         Buffer widened;
-        kernels::permute_rows(fp32_of(c, x, widened), A.slot_of_row.data(), A.rows, k, h,
-                              rows.data());
+        be.gather_rows(fp32_of(c, x, widened), A.token_of_row.data(), nullptr, rows.data(), A.rows,
+                       h);
         if (d.ep == 1) A.recv = A.counts;  // [1 source][local expert]
       }
       break;
@@ -453,10 +463,15 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       break;
     case OpId::kMoeUnpermute:
       // Added to the shared experts' output where there are shared experts.
-      into(c, out, d.shared, n * h, model_type, [&](float* y) {
-        kernels::unpermute(combined_rows(d, A).data(), A.prob.data(), A.slot_of_row.data(), A.rows,
-                           k, h, y);
-      });
+      {
+        std::vector<int64_t> row_of(static_cast<size_t>(n * k));
+        std::vector<float> weight(static_cast<size_t>(n * k));
+        kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, A.prob.data(), row_of.data(),
+                                weight.data());
+        into(c, out, d.shared, n * h, model_type, [&](float* y) {
+          be.gather_add_rows(combined_rows(d, A).data(), row_of.data(), weight.data(), y, n, k, h);
+        });
+      }
       break;
     default:
       throw std::logic_error("not a forward op of an MoE layer");
@@ -472,18 +487,24 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
   Backend& be = c.be;
   const int64_t w = d.fc1_width();
   switch (op) {
-    case OpId::kMoeUnpermuteBackward:
+    case OpId::kMoeUnpermuteBackward: {
+      // d y[r] = prob[slot] d out[token]; d prob[slot] = <d out[token], y[r]>.
       resize(A.d_y, A.rows * h);
-      A.dprob.clear();
-      resize(A.dprob, n * k);
-      {
-        Buffer widened;
-        kernels::unpermute_backward(fp32_of(c, d_out, widened), combined_rows(d, A).data(),
-                                    A.prob.data(), A.slot_of_row.data(), A.rows, k, h, A.d_y.data(),
-                                    A.dprob.data());
-      }
+      Buffer widened, dots;
+      const float* g = fp32_of(c, d_out, widened);
+      std::vector<float> weight(static_cast<size_t>(A.rows)), dot(static_cast<size_t>(A.rows));
+      for (size_t r = 0; r < weight.size(); ++r)
+        weight[r] = A.prob[static_cast<size_t>(A.slot_of_row[r])];
+      be.gather_rows(g, A.token_of_row.data(), weight.data(), A.d_y.data(), A.rows, h);
+      resize(dots, A.rows);
+      be.row_dots(g, A.token_of_row.data(), combined_rows(d, A).data(), dots.data(), A.rows, h);
+      download_floats(be, dots.ptr(), dot.data(), A.rows);
+      A.dprob.assign(static_cast<size_t>(n * k), 0.0f);
+      for (size_t r = 0; r < dot.size(); ++r)
+        A.dprob[static_cast<size_t>(A.slot_of_row[r])] = dot[r];
       consumed(A, combined_rows(d, A));
       break;
+    }
     case OpId::kMoeCombineBackward: {
       Buffer permuted;
       permuted.swap(A.d_y);
@@ -550,16 +571,24 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     }
     case OpId::kMoePermuteBackward:
       // Added to the shared experts' input gradient where there are shared experts.
-      into(c, d_x, d.shared, n * h, model_type, [&](float* y) {
-        kernels::permute_rows_backward(A.d_x.data(), A.slot_of_row.data(), A.rows, k, h, y);
-      });
+      {
+        std::vector<int64_t> row_of(static_cast<size_t>(n * k));
+        kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, nullptr, row_of.data(),
+                                nullptr);
+        into(c, d_x, d.shared, n * h, model_type, [&](float* y) {
+          be.gather_add_rows(A.d_x.data(), row_of.data(), nullptr, y, n, k, h);
+        });
+      }
       consumed(A, A.d_x);
       break;
-    case OpId::kRouterTopkBackward:
-      resize(A.dlogits, n * E);
+    case OpId::kRouterTopkBackward: {
+      std::vector<float> dlogits(static_cast<size_t>(n * E));
       kernels::topk_softmax_backward(A.prob.data(), A.dprob.data(), A.chosen.data(), n, E, k,
-                                     A.dlogits.data());
+                                     dlogits.data());
+      resize(A.dlogits, n * E);
+      upload_floats(be, dlogits.data(), A.dlogits.ptr(), n * E);
       break;
+    }
     case OpId::kRouterDgrad: {
       Buffer dx;
       resize(dx, n * h);

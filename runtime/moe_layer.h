@@ -24,8 +24,11 @@
 // on every token; the routed output is added to theirs. No auxiliary load-balancing loss (as
 // Megatron's default --moe-aux-loss-coeff 0). The backward ops mirror these in reverse.
 //
-// Routing runs on host memory: MoE layers need a backend whose memory the host can address
-// (the CPU backend).
+// Where it runs: the router's and the experts' GEMMs, the activations and the row moves
+// (Backend::gather_rows, gather_add_rows, row_dots) on the backend; the routing decisions (top-k
+// and its softmax, capacity, the permutation, the all-to-alls' counts) on the host, from the
+// router's logits (n_local x E, downloaded) and the probabilities' gradients (n_local x k,
+// downloaded). The routed rows are fp32 whatever the model's precision.
 #pragma once
 
 #include <cstdint>
@@ -61,15 +64,18 @@ struct MoeDims {
 
 // What one MoE layer keeps between its forward and backward pass (and its backward scratch).
 struct MoeActs {
+  // The routing, in host memory (the row moves' index arrays come from it).
   std::vector<int32_t> chosen, expert;  // [n_local * k]: the top-k; expert -1 when dropped
-  Buffer logits, prob;                  // prob [n_local * k]
+  std::vector<float> prob, dprob;       // [n_local * k]
   std::vector<int64_t> slot_of_row;     // permuted row -> token * k + slot
+  std::vector<int64_t> token_of_row;    // permuted row -> token
   std::vector<int64_t> counts;          // rows per expert (all E), this rank's tokens
   std::vector<int64_t> recv;            // [ep source][local expert] rows received
   std::vector<int64_t> gathered;        // [etp source][local expert] rows after the gather
   int64_t rows = 0;                     // this rank's routed rows
-  Buffer permuted, x, fc1, act, y, combined;
-  Buffer d_y, d_act, d_pre, d_x, dprob, dlogits;
+  // In the backend's memory.
+  Buffer logits, permuted, x, fc1, act, y, combined;
+  Buffer d_y, d_act, d_pre, d_x, dlogits;
   // An op frees the inputs no later op reads (a run's memory); the op executor, which runs one
   // op many times on the same inputs (runtime/op_executor.h), keeps them.
   bool keep_inputs = false;

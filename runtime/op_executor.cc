@@ -69,13 +69,14 @@ struct MoeRun {
   MoeLayerParams W;
   MoeActs A;
   Buffer x, out, d_out, d_x;  // the layer's MLP input and output and their gradients
+  Buffer dprob;               // values for A.dprob (host memory), made like the other inputs
   bool routed = false;        // A holds a routing of x (top-k, permutation)
   MoeRun(const ModelSpec& m, const MoeDims& d, DType type)
       : ctx(m, d), x(type), out(type), d_out(type), d_x(type) {
     A.keep_inputs = true;
     // The routed part runs in fp32 whatever the model's type (runtime/moe_layer.cc).
-    for (Buffer* b : {&A.logits, &A.prob, &A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined,
-                      &A.d_y, &A.d_act, &A.d_pre, &A.d_x, &A.dprob, &A.dlogits})
+    for (Buffer* b : {&A.logits, &A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined, &A.d_y,
+                      &A.d_act, &A.d_pre, &A.d_x, &A.dlogits, &dprob})
       *b = Buffer(DType::kF32);
   }
 };
@@ -176,8 +177,8 @@ bool OpExecutor::flush_from_caches() const {
     MoeRun& M = *S.moe;
     MoeActs& A = M.A;
     for (const Buffer* x :
-         {&M.x, &M.out, &M.d_out, &M.d_x, &A.logits, &A.prob, &A.permuted, &A.x, &A.fc1, &A.act,
-          &A.y, &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x, &A.dprob, &A.dlogits})
+         {&M.x, &M.out, &M.d_out, &M.d_x, &A.logits, &A.permuted, &A.x, &A.fc1, &A.act, &A.y,
+          &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x, &A.dlogits})
       if (!be.flush_from_caches(x->raw(), x->bytes())) return false;
   }
   return be.flush_from_caches(S.tokens.data(), S.tokens.size() * sizeof(int32_t));
@@ -421,9 +422,6 @@ void OpExecutor::run_moe(const Op& op) {
     throw std::invalid_argument("op '" + name +
                                 "' runs over the expert groups: ptdp calibrate times its "
                                 "all-to-all as a collective, not alone");
-  if (!c.be.host_accessible())
-    throw std::invalid_argument(
-        "op '" + name + "' routes tokens in host memory: MoE layers run on the cpu backend");
   if (!S.moe) {
     const ShardLayout& l = layout_;
     S.moe = std::make_unique<MoeRun>(
@@ -504,8 +502,11 @@ void OpExecutor::run_moe(const Op& op) {
       S.input = &A.d_x;
       break;
     case OpId::kRouterTopkBackward:
-      S.fill(A.dprob, n * md.topk);
-      S.input = &A.dprob;
+      // The probabilities' gradients are host memory (runtime/moe_layer.h).
+      S.fill(M.dprob, n * md.topk);
+      A.dprob.resize(static_cast<size_t>(n * md.topk));
+      download_floats(c.be, M.dprob.ptr(), A.dprob.data(), n * md.topk);
+      S.input = &M.dprob;
       break;
     case OpId::kRouterDgrad:
       S.fill(A.dlogits, n * E);

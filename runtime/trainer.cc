@@ -292,8 +292,6 @@ void Executor::setup() {
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
     scatter_gather_mode_ = scatter_gather_p2p_mode();
-    if (m.is_moe() && !backend_->host_accessible())
-      throw InputError("--backend", "MoE layers route tokens on the host: use the cpu backend");
   });
   if (dry_) return;
   data_world_ = &world_;

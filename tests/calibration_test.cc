@@ -640,7 +640,7 @@ TEST(Calibrate, UnusableBackendsAndBadFlagsAreRefusedBeforeMeasuring) {
 
 // An MoE model's ops at t = 2 are timed in the layout that runs them (sequence parallel): the
 // calibration of every MoE model under mpirun stopped on "MoE layers with tensor parallelism
-// need sequence parallelism".
+// need sequence parallelism". A device backend times them too.
 TEST(Calibrate, MoeOpsAtTensorParallelTwoAreTimed) {
   ModelSpec m;
   m.name = "tiny-moe";
@@ -653,34 +653,40 @@ TEST(Calibrate, MoeOpsAtTensorParallelTwoAreTimed) {
   m.moe_router_topk = 2;
   m.moe_ffn_hidden_size = 128;
   m.validate();
-  const auto be = make_backend("cpu");
-  const auto control = make_self_control_plane();
-  Stopwatch sw(*control, 1e-4);
-  std::vector<OpSample> s;
-  EXPECT_NO_THROW(s = measure_ops(*be, m, {{1, 1}, {2, 1}}, sw, nullptr, {}));
-  EXPECT_GT(s.size(), 10u);
-  // The MoE layer's own compute ops are timed too (calibrate priced them from the generic GEMM
-  // curve and the default bandwidth before), at both t, its collectives not.
-  using I = OpId;
-  for (const int64_t t : {1, 2})
-    for (const OpId id :
-         {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kExpertFc1, I::kExpertActivation,
-          I::kExpertFc2, I::kMoeUnpermute, I::kMoeUnpermuteBackward, I::kExpertFc2Dgrad,
-          I::kExpertFc2Wgrad, I::kExpertActivationBackward, I::kExpertFc1Dgrad, I::kExpertFc1Wgrad,
-          I::kMoePermuteBackward, I::kRouterTopkBackward, I::kRouterDgrad, I::kRouterWgrad}) {
-      const auto it = std::find_if(s.begin(), s.end(),
-                                   [&](const OpSample& x) { return x.op.id == id && x.t == t; });
-      ASSERT_NE(it, s.end()) << op_name(id) << " t" << t;
-      EXPECT_GT(it->seconds, 0) << op_name(id);
-      if (it->op.kind == OpKind::kGemm && id != I::kRouter && id != I::kRouterDgrad &&
-          id != I::kRouterWgrad) {
-        EXPECT_EQ(it->op.batch, m.num_experts) << op_name(id);  // one GEMM per local expert
+  // On the CPU and on memory treated as a device's (what a GPU calibration runs: the routing
+  // on the host from downloaded logits, the row moves on the device).
+  for (const char* backend : {"cpu", "cpu-staged"}) {
+    SCOPED_TRACE(backend);
+    const auto be = make_backend(backend);
+    const auto control = make_self_control_plane();
+    Stopwatch sw(*control, 1e-4);
+    std::vector<OpSample> s;
+    EXPECT_NO_THROW(s = measure_ops(*be, m, {{1, 1}, {2, 1}}, sw, nullptr, {}));
+    EXPECT_GT(s.size(), 10u);
+    // The MoE layer's own compute ops are timed too (calibrate priced them from the generic GEMM
+    // curve and the default bandwidth before), at both t, its collectives not.
+    using I = OpId;
+    for (const int64_t t : {1, 2})
+      for (const OpId id :
+           {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kExpertFc1, I::kExpertActivation,
+            I::kExpertFc2, I::kMoeUnpermute, I::kMoeUnpermuteBackward, I::kExpertFc2Dgrad,
+            I::kExpertFc2Wgrad, I::kExpertActivationBackward, I::kExpertFc1Dgrad,
+            I::kExpertFc1Wgrad, I::kMoePermuteBackward, I::kRouterTopkBackward, I::kRouterDgrad,
+            I::kRouterWgrad}) {
+        const auto it = std::find_if(s.begin(), s.end(),
+                                     [&](const OpSample& x) { return x.op.id == id && x.t == t; });
+        ASSERT_NE(it, s.end()) << op_name(id) << " t" << t;
+        EXPECT_GT(it->seconds, 0) << op_name(id);
+        if (it->op.kind == OpKind::kGemm && id != I::kRouter && id != I::kRouterDgrad &&
+            id != I::kRouterWgrad) {
+          EXPECT_EQ(it->op.batch, m.num_experts) << op_name(id);  // one GEMM per local expert
+        }
+        if (it->op.kind == OpKind::kMemory) {
+          EXPECT_FALSE(memory_family(id).empty()) << op_name(id);  // fitted per family
+        }
       }
-      if (it->op.kind == OpKind::kMemory) {
-        EXPECT_FALSE(memory_family(id).empty()) << op_name(id);  // fitted per family
-      }
-    }
-  for (const OpSample& x : s) EXPECT_NE(x.op.kind, OpKind::kCollective) << x.op.name();
+    for (const OpSample& x : s) EXPECT_NE(x.op.kind, OpKind::kCollective) << x.op.name();
+  }
 }
 
 // The CPU share counts the timed calls only: an untimed step before each call (the cache

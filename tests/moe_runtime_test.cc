@@ -137,11 +137,34 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
   ASSERT_EQ(rows, static_cast<int64_t>(naive.size()));
   EXPECT_EQ(std::vector<int64_t>(slot_of_row.begin(), slot_of_row.begin() + rows), naive);
   EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), int64_t{0}), rows);
+  // The row moves: permute gathers each row's token, unpermute adds each token's rows weighted
+  // by their probabilities (in ascending row order), its backward the rows' dot products.
   const int64_t h = 3;
   const std::vector<float> x = random_floats(static_cast<size_t>(n * h), 2);
+  std::vector<int64_t> token(static_cast<size_t>(rows)), row_of(static_cast<size_t>(n * k));
+  std::vector<float> weight(static_cast<size_t>(n * k));
+  kernels::token_of_rows(slot_of_row.data(), rows, k, token.data());
+  kernels::rows_of_tokens(slot_of_row.data(), rows, n, k, prob.data(), row_of.data(),
+                          weight.data());
+  for (int64_t i = 0; i < n; ++i) {
+    std::vector<int64_t> want;
+    for (int64_t r = 0; r < rows; ++r)
+      if (token[static_cast<size_t>(r)] == i) want.push_back(r);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t got = row_of[static_cast<size_t>(i * k + j)];
+      if (j < static_cast<int64_t>(want.size())) {
+        EXPECT_EQ(got, want[static_cast<size_t>(j)]) << i;
+        EXPECT_EQ(weight[static_cast<size_t>(i * k + j)],
+                  prob[static_cast<size_t>(slot_of_row[static_cast<size_t>(got)])]);
+      } else {
+        EXPECT_EQ(got, -1) << i;  // a dropped slot
+        EXPECT_EQ(weight[static_cast<size_t>(i * k + j)], 0.0f);
+      }
+    }
+  }
   std::vector<float> permuted(static_cast<size_t>(rows * h)), out(static_cast<size_t>(n * h), 0);
-  kernels::permute_rows(x.data(), slot_of_row.data(), rows, k, h, permuted.data());
-  kernels::unpermute(permuted.data(), prob.data(), slot_of_row.data(), rows, k, h, out.data());
+  kernels::gather_rows(x.data(), token.data(), nullptr, rows, h, permuted.data());
+  kernels::gather_add_rows(permuted.data(), row_of.data(), weight.data(), n, k, h, out.data());
   for (int64_t i = 0; i < n; ++i)
     for (int64_t c = 0; c < h; ++c) {
       double want = 0;
@@ -150,6 +173,46 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
           want += prob[static_cast<size_t>(i * k + j)] * x[static_cast<size_t>(i * h + c)];
       EXPECT_NEAR(out[static_cast<size_t>(i * h + c)], want, 1e-5);
     }
+  std::vector<float> dot(static_cast<size_t>(rows)), scaled(static_cast<size_t>(rows * h));
+  kernels::row_dots(x.data(), token.data(), permuted.data(), rows, h, dot.data());
+  kernels::gather_rows(x.data(), token.data(), dot.data(), rows, h, scaled.data());
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = token[static_cast<size_t>(r)];
+    double want = 0;
+    for (int64_t c = 0; c < h; ++c)
+      want += static_cast<double>(x[static_cast<size_t>(i * h + c)]) *
+              x[static_cast<size_t>(i * h + c)];
+    EXPECT_NEAR(dot[static_cast<size_t>(r)], want, 1e-6);
+    for (int64_t c = 0; c < h; ++c)
+      EXPECT_EQ(scaled[static_cast<size_t>(r * h + c)],
+                dot[static_cast<size_t>(r)] * x[static_cast<size_t>(i * h + c)]);
+  }
+}
+
+// The chunk sort around an all-to-all: blocks (a, b) held a-major, read back b-major; the
+// counts transposed give the inverse.
+TEST(MoeRouting, BlockTransposeIndexReordersAndInverts) {
+  const int64_t A = 3, B = 2;
+  const std::vector<int64_t> rows = {2, 0, 1, 3, 0, 1};  // (a, b) a-major
+  std::vector<int64_t> index(7), back(7);
+  kernels::transpose_blocks_index(rows.data(), A, B, index.data());
+  // a-major starts: (0,0) 0, (0,1) 2, (1,0) 2, (1,1) 3, (2,0) 6, (2,1) 6.
+  EXPECT_EQ(index, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+  const std::vector<int64_t> t = {2, 1, 0, 0, 3, 1};  // the counts transposed: (b, a) b-major
+  kernels::transpose_blocks_index(t.data(), B, A, back.data());
+  EXPECT_EQ(back, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6}));
+  const std::vector<int64_t> uneven = {1, 2, 2, 1};  // A = B = 2
+  std::vector<int64_t> u(6);
+  kernels::transpose_blocks_index(uneven.data(), 2, 2, u.data());
+  // starts: (0,0) 0, (0,1) 1, (1,0) 3, (1,1) 5; b-major: (0,0) (1,0) (0,1) (1,1).
+  EXPECT_EQ(u, (std::vector<int64_t>{0, 3, 4, 1, 2, 5}));
+  std::vector<float> x = {10, 11, 12, 13, 14, 15}, y(6), z(6);
+  kernels::gather_rows(x.data(), u.data(), nullptr, 6, 1, y.data());
+  const std::vector<int64_t> ut = {1, 2, 2, 1};  // transposed counts of `uneven`
+  std::vector<int64_t> inv(6);
+  kernels::transpose_blocks_index(ut.data(), 2, 2, inv.data());
+  kernels::gather_rows(y.data(), inv.data(), nullptr, 6, 1, z.data());
+  EXPECT_EQ(z, x);
 }
 
 TEST(MoeRouting, TopkSoftmaxBackwardMatchesFiniteDifferences) {

@@ -282,64 +282,66 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
 // activations, and their backward) run alone through the runtime's own code, each GEMM at the
 // op list's rows per expert with the local experts as its batch; its all-to-alls are refused
 // (calibrate times all-to-all as a collective).
+// On the CPU backend and on memory treated as a device's (cpu-staged: the GPU's path).
 TEST(OpExecutor, RunsAnMoeLayersComputeOpsAlone) {
-  auto backend = make_backend("cpu");
   int ran = 0, gemms = 0, refused = 0;
-  for (const bool swiglu : {false, true}) {
-    ModelSpec m = gpt();
-    m.name = swiglu ? "trace-moe-swiglu" : "trace-moe";
-    m.swiglu = swiglu;
-    m.num_experts = 4;
-    m.moe_router_topk = 2;
-    m.moe_ffn_hidden_size = 48;
-    m.moe_shared_expert_ffn_size = swiglu ? 32 : 0;  // the shared experts' output is added to
-    m.moe_capacity_factor = swiglu ? 1.0 : 0.0;      // tokens over capacity are dropped
-    for (const int64_t t : {1, 2})
-      for (const int64_t ep : {1, 2})
-        for (const DType type : {DType::kF32, DType::kBF16}) {
-          ShardLayout l = layout_of({t, t > 1, Recompute::kNone}, type);
-          l.ep = ep;
-          LayerShape shape = runtime_layer_shape(m, l);
-          shape.expert_parallel = ep;
-          const PassOps moe = moe_layer_ops(m, shape);
-          MirrorGroup group(static_cast<int>(t));
-          OpExecutor exec(*backend, &group, m, l);
-          std::vector<ExecutedOp> trace;
-          exec.trace_ops(&trace);
-          const std::string where = m.name + " t" + std::to_string(t) + " ep" + std::to_string(ep) +
-                                    " " + to_string(type);
-          for (const std::vector<Op>* pass : {&moe.forward, &moe.backward})
-            for (const Op& op : *pass) {
-              const std::string at = where + " " + std::string(op.name());
-              if (op.kind == OpKind::kCollective &&
-                  (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor)) {
-                EXPECT_THROW(exec.run(op), std::invalid_argument) << at;
-                ++refused;
-                continue;
+  for (const char* name : {"cpu", "cpu-staged"})
+    for (const bool swiglu : {false, true}) {
+      auto backend = make_backend(name);
+      ModelSpec m = gpt();
+      m.name = swiglu ? "trace-moe-swiglu" : "trace-moe";
+      m.swiglu = swiglu;
+      m.num_experts = 4;
+      m.moe_router_topk = 2;
+      m.moe_ffn_hidden_size = 48;
+      m.moe_shared_expert_ffn_size = swiglu ? 32 : 0;  // the shared experts' output is added to
+      m.moe_capacity_factor = swiglu ? 1.0 : 0.0;      // tokens over capacity are dropped
+      for (const int64_t t : {1, 2})
+        for (const int64_t ep : {1, 2})
+          for (const DType type : {DType::kF32, DType::kBF16}) {
+            ShardLayout l = layout_of({t, t > 1, Recompute::kNone}, type);
+            l.ep = ep;
+            LayerShape shape = runtime_layer_shape(m, l);
+            shape.expert_parallel = ep;
+            const PassOps moe = moe_layer_ops(m, shape);
+            MirrorGroup group(static_cast<int>(t));
+            OpExecutor exec(*backend, &group, m, l);
+            std::vector<ExecutedOp> trace;
+            exec.trace_ops(&trace);
+            const std::string where = std::string(name) + " " + m.name + " t" + std::to_string(t) +
+                                      " ep" + std::to_string(ep) + " " + to_string(type);
+            for (const std::vector<Op>* pass : {&moe.forward, &moe.backward})
+              for (const Op& op : *pass) {
+                const std::string at = where + " " + std::string(op.name());
+                if (op.kind == OpKind::kCollective &&
+                    (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor)) {
+                  EXPECT_THROW(exec.run(op), std::invalid_argument) << at;
+                  ++refused;
+                  continue;
+                }
+                trace.clear();
+                exec.run(op);
+                // Twice, as calibrate times it: the first run may not consume its inputs.
+                trace.clear();
+                exec.run(op);
+                ASSERT_EQ(trace.size(), 1u) << at;
+                const ExecutedOp& g = trace[0];
+                EXPECT_EQ(g.id, op.id) << at;
+                EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << at;
+                if (op.kind == OpKind::kGemm) {
+                  EXPECT_EQ(g.m, op.m) << at;
+                  EXPECT_EQ(g.n, op.n) << at;
+                  EXPECT_EQ(g.k, op.k) << at;
+                  EXPECT_EQ(g.batch, op.batch) << at;
+                  ++gemms;
+                }
+                ++ran;
               }
-              trace.clear();
-              exec.run(op);
-              // Twice, as calibrate times it: the first run may not consume its inputs.
-              trace.clear();
-              exec.run(op);
-              ASSERT_EQ(trace.size(), 1u) << at;
-              const ExecutedOp& g = trace[0];
-              EXPECT_EQ(g.id, op.id) << at;
-              EXPECT_EQ(static_cast<int>(g.kind), static_cast<int>(op.kind)) << at;
-              if (op.kind == OpKind::kGemm) {
-                EXPECT_EQ(g.m, op.m) << at;
-                EXPECT_EQ(g.n, op.n) << at;
-                EXPECT_EQ(g.k, op.k) << at;
-                EXPECT_EQ(g.batch, op.batch) << at;
-                ++gemms;
-              }
-              ++ran;
-            }
-        }
-  }
-  EXPECT_GT(ran, 250);
-  EXPECT_GT(gemms, 100);
-  EXPECT_EQ(refused, 2 * 2 * 2 * 4);  // dispatch and combine, forward and backward, at ep = 2
+          }
+    }
+  EXPECT_GT(ran, 500);
+  EXPECT_GT(gemms, 200);
+  EXPECT_EQ(refused, 2 * 2 * 2 * 2 * 4);  // dispatch and combine, forward and backward, at ep = 2
 }
 
 // Host timing: an op ended by end_op() does not take in what the pass does before its next op

@@ -674,6 +674,32 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// MoE layers in device memory (the CUDA backend's path without a GPU): cpu-staged routes on the
+// host from downloaded logits, moves rows with the backend's gathers, and exchanges them through
+// the staged all-to-alls, so the losses and the peak memory are the CPU backend's to the bit,
+// with expert parallelism, expert-tensor parallelism (sequence-parallel, shared experts,
+// capacity dropping), context parallelism, and in bf16.
+TEST(RunMpi, StagedDeviceMemoryTrainsMoeLayoutsToTheCpuBackendsLosses) {
+  const std::string ep = "--expert-model-parallel-size 2 ";
+  const std::string dropping = kTinyMoe +
+                               " --moe-shared-expert-intermediate-size 64"
+                               " --moe-expert-capacity-factor 1.0";
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 1, "", kTinyMoe},
+           {1, 1, 2, ep, kTinyMoe},
+           {2, 1, 2, ep + "--sequence-parallel", dropping},  // etp = t
+           {1, 1, 1, ep + "--bf16", kTinyMoe, 2},            // ep = cp
+       }) {
+    const nlohmann::json cpu = run_json(l.ranks() > 1 ? l.ranks() : 0, flags(l));
+    const nlohmann::json staged =
+        run_json(l.ranks() > 1 ? l.ranks() : 0, flags(l) + " --backend cpu-staged");
+    ASSERT_EQ(losses(cpu).size(), 6u) << flags(l);
+    EXPECT_EQ(losses(staged), losses(cpu)) << flags(l);
+    EXPECT_EQ(staged["peak_memory_gib"], cpu["peak_memory_gib"]) << flags(l);
+    EXPECT_EQ(staged["expert_load"], cpu["expert_load"]) << flags(l);
+  }
+}
+
 // zb-h1 with MoE layers: the W pass also runs the router's and the experts' weight gradients
 // (from the layer's MoE stash, kept until then), so the losses stay 1F1B's to the bit, with
 // expert parallelism and with sequence parallelism and shared experts.

@@ -79,49 +79,67 @@ int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts
   return rows;
 }
 
-void permute_rows(const float* x, const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h,
-                  float* y) {
-  for (int64_t r = 0; r < rows; ++r) std::copy_n(x + (slot_of_row[r] / k) * h, h, y + r * h);
-}
-
-void permute_rows_backward(const float* dy, const int64_t* slot_of_row, int64_t rows, int64_t k,
-                           int64_t h, float* dx) {
+void gather_rows(const float* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
+                 float* y) {
   for (int64_t r = 0; r < rows; ++r) {
-    float* d = dx + (slot_of_row[r] / k) * h;
-    const float* g = dy + r * h;
-    for (int64_t c = 0; c < h; ++c) d[c] += g[c];
-  }
-}
-
-void unpermute(const float* y, const float* prob, const int64_t* slot_of_row, int64_t rows,
-               int64_t k, int64_t h, float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t s = slot_of_row[r];
-    float* o = out + (s / k) * h;
-    const float* v = y + r * h;
-    for (int64_t c = 0; c < h; ++c) o[c] += prob[s] * v[c];
-  }
-}
-
-void unpermute_backward(const float* dout, const float* y, const float* prob,
-                        const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h, float* dy,
-                        float* dprob) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t s = slot_of_row[r];
-    const float* g = dout + (s / k) * h;
-    const float* v = y + r * h;
-    float* d = dy + r * h;
-    double dot = 0;
-    for (int64_t c = 0; c < h; ++c) {
-      d[c] = prob[s] * g[c];
-      dot += static_cast<double>(g[c]) * v[c];
+    const float* from = x + index[r] * h;
+    float* to = y + r * h;
+    if (weight) {
+      const float w = weight[r];
+      for (int64_t c = 0; c < h; ++c) to[c] = w * from[c];
+    } else {
+      std::copy_n(from, h, to);
     }
-    dprob[s] = static_cast<float>(dot);
   }
 }
 
-void transpose_blocks(const float* in, const int64_t* rows, int64_t A, int64_t B, int64_t h,
-                      float* out) {
+void gather_add_rows(const float* y, const int64_t* index, const float* weight, int64_t n,
+                     int64_t k, int64_t h, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out + i * h;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = index[i * k + j];
+      if (r < 0) continue;
+      const float* v = y + r * h;
+      if (weight) {
+        const float w = weight[i * k + j];
+        for (int64_t c = 0; c < h; ++c) o[c] += w * v[c];
+      } else {
+        for (int64_t c = 0; c < h; ++c) o[c] += v[c];
+      }
+    }
+  }
+}
+
+void row_dots(const float* a, const int64_t* index, const float* b, int64_t rows, int64_t h,
+              float* dot) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* u = a + index[r] * h;
+    const float* v = b + r * h;
+    double sum = 0;
+    for (int64_t c = 0; c < h; ++c) sum += static_cast<double>(u[c]) * v[c];
+    dot[r] = static_cast<float>(sum);
+  }
+}
+
+void token_of_rows(const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t* token_of_row) {
+  for (int64_t r = 0; r < rows; ++r) token_of_row[r] = slot_of_row[r] / k;
+}
+
+void rows_of_tokens(const int64_t* slot_of_row, int64_t rows, int64_t n, int64_t k,
+                    const float* weight, int64_t* row_of, float* row_weight) {
+  std::vector<int64_t> filled(static_cast<size_t>(n), 0);
+  std::fill(row_of, row_of + n * k, int64_t{-1});
+  if (row_weight) std::fill(row_weight, row_weight + n * k, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {  // rows ascend, so each token's entries do too
+    const int64_t s = slot_of_row[r], i = s / k;
+    const int64_t at = i * k + filled[static_cast<size_t>(i)]++;
+    row_of[at] = r;
+    if (row_weight) row_weight[at] = weight[s];
+  }
+}
+
+void transpose_blocks_index(const int64_t* rows, int64_t A, int64_t B, int64_t* index) {
   std::vector<int64_t> start(static_cast<size_t>(A * B));
   int64_t at = 0;
   for (int64_t i = 0; i < A * B; ++i) {
@@ -130,11 +148,9 @@ void transpose_blocks(const float* in, const int64_t* rows, int64_t A, int64_t B
   }
   int64_t o = 0;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t a = 0; a < A; ++a) {
-      const int64_t n = rows[a * B + b] * h;
-      std::copy_n(in + start[static_cast<size_t>(a * B + b)] * h, n, out + o);
-      o += n;
-    }
+    for (int64_t a = 0; a < A; ++a)
+      for (int64_t r = 0; r < rows[a * B + b]; ++r)
+        index[o++] = start[static_cast<size_t>(a * B + b)] + r;
 }
 
 }  // namespace ptdp::kernels

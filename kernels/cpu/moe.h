@@ -1,7 +1,9 @@
 // The MoE layer's routing loops (runtime/moe_layer.cc): top-k over router logits with a softmax
 // over the k chosen (Megatron-Core's default order), capacity dropping, the permutation of tokens
-// into expert order and its inverse, and the block reorders around the all-to-alls. Plain loops on
-// host arrays; an expert index of -1 marks a dropped (token, slot) assignment.
+// into expert order and its inverse, and the block reorders around the all-to-alls. The routing
+// decisions are host loops on host arrays (an expert index of -1 marks a dropped (token, slot)
+// assignment); the row moves are index-driven gathers, the CPU backend's form of
+// Backend::gather_rows, gather_add_rows and row_dots.
 #pragma once
 
 #include <cstdint>
@@ -29,24 +31,32 @@ int64_t drop_over_capacity(int32_t* expert, const float* prob, int64_t n, int64_
 // slot_of_row[r] = token * k + slot of row r; counts[e] = rows of expert e. Returns the rows.
 int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts,
                     int64_t* slot_of_row, int64_t* counts);
-// y[r] = x[slot_of_row[r] / k] for each row r (width h).
-void permute_rows(const float* x, const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h,
-                  float* y);
-// dx[slot_of_row[r] / k] += dy[r] (dx is not cleared).
-void permute_rows_backward(const float* dy, const int64_t* slot_of_row, int64_t rows, int64_t k,
-                           int64_t h, float* dx);
-// out[token] += prob[slot] * y[r] for each row r of (token, slot) (out is not cleared).
-void unpermute(const float* y, const float* prob, const int64_t* slot_of_row, int64_t rows,
-               int64_t k, int64_t h, float* out);
-// dy[r] = prob[slot] * dout[token]; dprob[slot] = <dout[token], y[r]> (dprob of slots without
-// a row is left as it was: zero it first).
-void unpermute_backward(const float* dout, const float* y, const float* prob,
-                        const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t h, float* dy,
-                        float* dprob);
+// The row moves of the layer, driven by index arrays the host computes from the routing (so that
+// a device backend runs them as plain gathers: Backend::gather_rows and friends). Rows have
+// width h; an index of -1 is skipped.
+//
+// y[r] = x[index[r]], times weight[r] when weight is not null.
+void gather_rows(const float* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
+                 float* y);
+// out[i] += weight[i * k + j] * y[index[i * k + j]] (weight 1 when null) for j = 0 .. k - 1 in
+// that order, skipping index -1 (out is not cleared).
+void gather_add_rows(const float* y, const int64_t* index, const float* weight, int64_t n,
+                     int64_t k, int64_t h, float* out);
+// dot[r] = <a[index[r]], b[r]>, summed in double in column order.
+void row_dots(const float* a, const int64_t* index, const float* b, int64_t rows, int64_t h,
+              float* dot);
+
+// Index arrays for those calls, from the permutation (slot_of_row, rows of it).
+// The token of each row: token_of_row[r] = slot_of_row[r] / k (permute: gather_rows of x).
+void token_of_rows(const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t* token_of_row);
+// For each of n tokens its k entries: the rows holding its slots in ascending row order, then
+// -1 (dropped slots); with `weight` (prob[n * k]) not null, `row_weight` gets prob of each
+// entry's slot (0 for -1). gather_add_rows over these sums a token's rows in row order.
+void rows_of_tokens(const int64_t* slot_of_row, int64_t rows, int64_t n, int64_t k,
+                    const float* weight, int64_t* row_of, float* row_weight);
 // Rows held as blocks (a, b) in a-major order, rows[a * B + b] rows each, rewritten in b-major
-// order (the chunk sort around an all-to-all). Its inverse is the same call with the counts
-// transposed.
-void transpose_blocks(const float* in, const int64_t* rows, int64_t A, int64_t B, int64_t h,
-                      float* out);
+// order (the chunk sort around an all-to-all): out row i is in row index[i]. Its inverse is the
+// same call with the counts transposed.
+void transpose_blocks_index(const int64_t* rows, int64_t A, int64_t B, int64_t* index);
 
 }  // namespace ptdp::kernels

@@ -3,6 +3,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -101,7 +102,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : free_marks_) cudaEventDestroy(e);
     cudaFree(scratch_);
-    cudaFree(tokens_);
+    for (Staging* st : {&tokens_, &index_, &weight_}) cudaFree(st->p);
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
   }
@@ -670,6 +671,23 @@ class CudaBackend final : public Backend {
     return true;
   }
 
+  void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
+                   int64_t rows, int64_t h) override {
+    if (rows <= 0) return;
+    k::gather_rows(x, device_index(index, rows), device_weight(weight, rows), y, rows, h, stream_);
+  }
+  void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
+                       int64_t n, int64_t slots, int64_t h) override {
+    if (n * slots <= 0) return;
+    k::gather_add_rows(y, device_index(index, n * slots), device_weight(weight, n * slots), out, n,
+                       slots, h, stream_);
+  }
+  void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+                int64_t h) override {
+    if (rows <= 0) return;
+    k::row_dots(a, device_index(index, rows), b, dot, rows, h, stream_);
+  }
+
   double sum_squares(const float* x, int64_t n, double acc) override {
     if (n <= 0) return acc;
     auto* partials = static_cast<double*>(scratch_);
@@ -782,19 +800,36 @@ class CudaBackend final : public Backend {
  private:
   static constexpr size_t kScratchBytes = sizeof(double) * (k::kSumSquaresBlocks + 8);
 
-  // Token ids arrive in host memory (the data loader's); they go up through one reused buffer.
-  // Each call uses them before the next upload, as the stream runs in order.
-  const int32_t* device_tokens(const int32_t* host, int64_t n) {
-    const size_t bytes = sizeof(int32_t) * static_cast<size_t>(n > 0 ? n : 1);
-    if (bytes > tokens_bytes_) {
+  // Host arrays that kernels read (token ids from the data loader, the MoE layer's index and
+  // weight arrays) go up through reused buffers, one per argument. Each call uses its arrays
+  // before the next upload, as the stream runs in order (and upload waits for it).
+  struct Staging {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+  const void* staged(Staging& s, const void* host, size_t bytes) {
+    if (bytes > s.bytes) {
       synchronize();
-      cudaFree(tokens_);
-      tokens_ = nullptr;
-      PTDP_CHECK(cudaMalloc(&tokens_, bytes));
-      tokens_bytes_ = bytes;
+      cudaFree(s.p);
+      s.p = nullptr;
+      PTDP_CHECK(cudaMalloc(&s.p, bytes));
+      s.bytes = bytes;
     }
-    if (n > 0) upload(host, tokens_, sizeof(int32_t) * static_cast<size_t>(n));
-    return static_cast<const int32_t*>(tokens_);
+    if (bytes > 0) upload(host, s.p, bytes);
+    return s.p;
+  }
+  const int32_t* device_tokens(const int32_t* host, int64_t n) {
+    return static_cast<const int32_t*>(
+        staged(tokens_, host, sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(n, 0))));
+  }
+  const int64_t* device_index(const int64_t* host, int64_t n) {
+    return static_cast<const int64_t*>(
+        staged(index_, host, sizeof(int64_t) * static_cast<size_t>(std::max<int64_t>(n, 0))));
+  }
+  const float* device_weight(const float* host, int64_t n) {
+    if (!host) return nullptr;
+    return static_cast<const float*>(
+        staged(weight_, host, sizeof(float) * static_cast<size_t>(std::max<int64_t>(n, 0))));
   }
 
   int device_ = 0;
@@ -804,8 +839,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<kc::Gemm> lt_;         // cuBLASLt, for the GEMMs with a fused epilogue
   std::vector<cudaEvent_t> free_marks_;  // released markers (record_mark), for reuse
   void* scratch_ = nullptr;
-  void* tokens_ = nullptr;
-  size_t tokens_bytes_ = 0;
+  Staging tokens_, index_, weight_;
 };
 
 }  // namespace

@@ -519,6 +519,46 @@ __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int
   }
 }
 
+// The MoE row moves, one block per output row, the columns over its threads: a gather of rows
+// (scaled), a token's rows added in its index order, and a row's dot product (double, as the CPU
+// twin sums).
+__global__ void gather_rows_k(const float* x, const int64_t* index, const float* weight, float* y,
+                              int64_t h) {
+  const int64_t r = blockIdx.x;
+  const float* from = x + index[r] * h;
+  float* to = y + r * h;
+  if (weight) {
+    const float w = weight[r];
+    for (int64_t c = threadIdx.x; c < h; c += blockDim.x) to[c] = w * from[c];
+  } else {
+    for (int64_t c = threadIdx.x; c < h; c += blockDim.x) to[c] = from[c];
+  }
+}
+__global__ void gather_add_rows_k(const float* y, const int64_t* index, const float* weight,
+                                  float* out, int64_t slots, int64_t h) {
+  const int64_t i = blockIdx.x;
+  const int64_t* rows = index + i * slots;
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
+    float o = out[i * h + c];
+    for (int64_t j = 0; j < slots; ++j) {
+      if (rows[j] < 0) continue;
+      const float v = y[rows[j] * h + c];
+      o += weight ? weight[i * slots + j] * v : v;
+    }
+    out[i * h + c] = o;
+  }
+}
+__global__ void row_dots_k(const float* a, const int64_t* index, const float* b, float* dot,
+                           int64_t h) {
+  const int64_t r = blockIdx.x;
+  const float* u = a + index[r] * h;
+  const float* v = b + r * h;
+  double s = 0;
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) s += static_cast<double>(u[c]) * v[c];
+  s = block_reduce(s, Sum{});
+  if (threadIdx.x == 0) dot[r] = static_cast<float>(s);
+}
+
 unsigned rows_grid(int64_t rows) {
   if (rows > 2147483647) throw std::invalid_argument("too many rows for one launch");
   return static_cast<unsigned>(rows);
@@ -770,6 +810,19 @@ void cross_entropy_finish(const float* stats, int64_t ranks, float* logits, floa
 void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st) {
   cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
+}
+void gather_rows(const float* x, const int64_t* index, const float* weight, float* y, int64_t rows,
+                 int64_t h, cudaStream_t st) {
+  if (rows > 0 && h > 0) PTDP_LAUNCH(gather_rows_k, rows_grid(rows), x, index, weight, y, h);
+}
+void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
+                     int64_t n, int64_t slots, int64_t h, cudaStream_t st) {
+  if (n > 0 && h > 0 && slots > 0)
+    PTDP_LAUNCH(gather_add_rows_k, rows_grid(n), y, index, weight, out, slots, h);
+}
+void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+              int64_t h, cudaStream_t st) {
+  if (rows > 0) PTDP_LAUNCH(row_dots_k, rows_grid(rows), a, index, b, dot, h);
 }
 void layernorm_forward(const float* x, const float* g, const float* b, float* y, float* mean,
                        float* rstd, int64_t n, int64_t h, cudaStream_t st) {

@@ -28,6 +28,14 @@ namespace ptdp::cuda_fp32 {
 using bf16 = kernels::cuda::bf16;
 
 void add(float* y, const float* x, int64_t n, cudaStream_t st);
+// The MoE row moves (Backend::gather_rows, gather_add_rows, row_dots), index and weight arrays
+// in device memory.
+void gather_rows(const float* x, const int64_t* index, const float* weight, float* y, int64_t rows,
+                 int64_t h, cudaStream_t st);
+void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
+                     int64_t n, int64_t slots, int64_t h, cudaStream_t st);
+void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+              int64_t h, cudaStream_t st);
 void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
 void scale(float* x, int64_t n, double f, cudaStream_t st);

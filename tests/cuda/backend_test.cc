@@ -18,7 +18,9 @@
 
 #include "core/model_spec.h"
 #include "runtime/communicator.h"
+#include "runtime/data.h"
 #include "runtime/float16.h"
+#include "runtime/gpt_model.h"
 #include "runtime/tensor.h"
 #include "runtime/trainer.h"
 #include "tests/cuda/cuda_test_util.h"
@@ -689,6 +691,41 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
               1e-12 * cpu_->sum_squares(r.data(), m, 2.5));
 }
 
+// The MoE layer's row moves (runtime/moe_layer.h) with index and weight arrays in host memory:
+// a gather of rows (plain and scaled, rows repeated and some skipped), each token's rows added
+// with their weights (-1 entries skipped, into an output that is not zero), and the rows' dot
+// products, at a width that is no multiple of the block.
+TEST_F(CudaBackendTest, MoeRowMovesMatchTheCpu) {
+  const int64_t n = 19, k = 3, h = 37, rows = 41;
+  const Host x = random(n * h, 60), y = random(rows * h, 61), base = random(n * h, 62);
+  std::mt19937 g(63);
+  std::vector<int64_t> token(rows), row_of(n * k);
+  for (auto& t : token) t = static_cast<int64_t>(g() % n);
+  for (auto& r : row_of) r = g() % 4 == 0 ? -1 : static_cast<int64_t>(g() % rows);
+  const Host w_row = random(rows, 64), w_slot = random(n * k, 65);
+  float *gx = up(x), *gy = up(y);
+  for (const float* w : {static_cast<const float*>(nullptr), w_row.data()}) {
+    Host want(rows * h);
+    cpu_->gather_rows(x.data(), token.data(), w, want.data(), rows, h);
+    float* got = up(Host(rows * h));
+    gpu_->gather_rows(gx, token.data(), w, got, rows, h);
+    expect_close(down(got, want.size()), want, w ? "gather_rows, scaled" : "gather_rows", 0, 0);
+  }
+  for (const float* w : {static_cast<const float*>(nullptr), w_slot.data()}) {
+    Host want = base;
+    cpu_->gather_add_rows(y.data(), row_of.data(), w, want.data(), n, k, h);
+    float* got = up(base);
+    gpu_->gather_add_rows(gy, row_of.data(), w, got, n, k, h);
+    expect_close(down(got, want.size()), want, w ? "gather_add_rows, weighted" : "gather_add_rows");
+  }
+  Host want(rows);
+  cpu_->row_dots(x.data(), token.data(), y.data(), want.data(), rows, h);
+  float* got = up(Host(rows));
+  gpu_->row_dots(gx, token.data(), gy, got, rows, h);
+  expect_close(down(got, rows), want, "row_dots", 1e-6, 1e-6);
+  gpu_->gather_rows(gx, token.data(), nullptr, got, 0, h);  // no rows: nothing runs
+}
+
 // Vocabulary-parallel embedding and cross-entropy on a shard [67, 67 + 64) of a 131-token
 // vocabulary, with targets inside and outside it; token ids come from host memory.
 TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
@@ -822,6 +859,92 @@ TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
       EXPECT_NEAR(runs[1][i], runs[0][i], 2e-2 * std::abs(runs[0][i])) << "step " << i;
     EXPECT_LT(runs[1].back(), runs[1].front());
   }
+}
+
+// An MoE model's one-microbatch loss and every parameter's gradient on the GPU against the CPU
+// backend's (the shard's own code on both: runtime/moe_layer.h, routing on the host from the
+// downloaded logits, the row moves and GEMMs on the device), for GELU experts with biases and
+// for SwiGLU experts with a shared expert and a capacity that drops tokens. The routers are
+// scaled up so that no token's top-k is a near tie the two backends' roundings could break
+// differently. Each gradient within 1e-3 of its parameter's largest.
+TEST(CudaBackendMoe, ShardGradientsMatchTheCpu) {
+  PTDP_REQUIRE_GPU();
+  ModelSpec gelu = cuda_test::tiny_gpt();
+  gelu.num_experts = 4;
+  gelu.moe_router_topk = 2;
+  gelu.moe_ffn_hidden_size = 48;
+  ModelSpec swiglu = gelu;
+  swiglu.swiglu = true;
+  swiglu.ffn_hidden_size = 96;
+  swiglu.moe_shared_expert_ffn_size = 32;
+  swiglu.moe_capacity_factor = 1.0;
+  for (const ModelSpec& m : {gelu, swiglu}) {
+    std::vector<int32_t> tokens;
+    std::vector<std::vector<float>> grads;  // per backend
+    std::vector<double> loss;
+    std::vector<ParamInfo> infos;
+    for (const char* name : {"cpu", "cuda"}) {
+      // The CPU run ends before the GPU backend exists: a CUDA backend makes new Buffers its own.
+      std::unique_ptr<Backend> be = make_backend(name);
+      auto self = make_self_communicator();
+      GptShard shard(m, ShardLayout{}, self.get(), 11, be.get());
+      tokens.resize(static_cast<size_t>(shard.tokens_per_microbatch()));
+      TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+      std::vector<float> params(static_cast<size_t>(shard.params().size()));
+      be->download(shard.params().ptr().p, params.data(), params.size() * sizeof(float));
+      for (const ParamInfo& p : shard.param_infos())
+        if (p.name.find("router") != std::string::npos)
+          for (int64_t i = p.offset; i < p.offset + p.size; ++i)
+            params[static_cast<size_t>(i)] *= 40;
+      be->upload(params.data(), shard.params().ptr().p, params.size() * sizeof(float));
+      loss.push_back(shard.forward(0, 0, tokens.data(), nullptr, nullptr));
+      shard.backward(0, 0, nullptr, nullptr, 1.0);
+      grads.emplace_back(static_cast<size_t>(shard.grads().size()));
+      be->download(shard.grads().ptr().p, grads.back().data(), grads.back().size() * sizeof(float));
+      infos = shard.param_infos();
+    }
+    EXPECT_NEAR(loss[1], loss[0], 1e-5 * std::abs(loss[0])) << m.swiglu;
+    int routers = 0, experts = 0;
+    for (const ParamInfo& p : infos) {
+      routers += p.name.find("router") != std::string::npos;
+      experts += p.expert;
+      float largest = 0;
+      for (int64_t i = p.offset; i < p.offset + p.real_size; ++i)
+        largest = std::max(largest, std::abs(grads[0][static_cast<size_t>(i)]));
+      EXPECT_GT(largest, 0.0f) << p.name;
+      for (int64_t i = p.offset; i < p.offset + p.real_size; ++i) {
+        const auto at = static_cast<size_t>(i);
+        ASSERT_NEAR(grads[1][at], grads[0][at], 1e-3 * largest + 1e-7)
+            << m.swiglu << " " << p.name << " [" << i - p.offset << "]";
+      }
+    }
+    EXPECT_EQ(routers, 2);
+    EXPECT_GT(experts, 0);
+  }
+}
+
+// Training with MoE layers on the GPU follows the CPU backend, in mixed precision (the routed
+// rows fp32 on bf16 weights): SwiGLU experts, a shared expert, a capacity that drops tokens.
+TEST(CudaBackendMoe, Bf16LossesTrackTheCpuBackend) {
+  PTDP_REQUIRE_GPU();
+  ModelSpec m = cuda_test::tiny_gpt();
+  m.num_experts = 4;
+  m.moe_router_topk = 2;
+  m.moe_ffn_hidden_size = 48;
+  m.swiglu = true;
+  m.ffn_hidden_size = 96;
+  m.moe_shared_expert_ffn_size = 32;
+  m.moe_capacity_factor = 1.0;
+  std::vector<std::vector<double>> runs;
+  for (const char* be : {"cpu", "cuda"}) {
+    TrainOptions o = cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps);
+    o.precision = DType::kBF16;
+    runs.push_back(cuda_test::losses_of_one_rank(o));
+  }
+  ASSERT_EQ(runs[1].size(), runs[0].size());
+  for (size_t i = 0; i < runs[0].size(); ++i)
+    EXPECT_NEAR(runs[1][i], runs[0][i], 2e-2 * std::abs(runs[0][i])) << "step " << i;
+  EXPECT_LT(runs[1].back(), runs[1].front());
 }
 
 // Traced, the CUDA backend's ops are timed with device markers (runtime/op_timer.h): every op
