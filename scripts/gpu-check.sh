@@ -3,7 +3,8 @@
 # configures ptdp with CUDA on (against .deps/ when scripts/prepare-deps.sh carried the packages
 # there), builds the GPU tests, the kernel benchmark and ptdp, runs every GPU test, times each
 # kernel and a GEMM, trains a GPT-2-124M-shaped model with `ptdp run --backend cuda` beside its
-# `ptdp predict`, and prints one summary table. Exits non-zero if a test fails or is skipped (a skip there means the GPU was
+# `ptdp predict`, trains a small MoE model there against the CPU backend's losses, and prints
+# one summary table. Exits non-zero if a test fails or is skipped (a skip there means the GPU was
 # not visible) or a benchmark reports an error.
 # The GPU tests also run under compute-sanitizer's memcheck and racecheck (shared-memory races),
 # without the long-sequence test.
@@ -11,7 +12,7 @@
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
 # SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline, CURVE_CPU
-# (below), NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
+# (below), MOE=0 to skip the MoE runs, NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
 # 2 minutes after a crash, at most about 10 after hangs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -158,6 +159,24 @@ stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda >"$out/curve_cuda.json"
   2>"$out/curve_cuda.log"
 stage "$build/cli/ptdp" run "${curve[@]}" --backend cuda --bf16 >"$out/curve_cuda_bf16.json" \
   2>"$out/curve_cuda_bf16.log"
+# MoE layers on the GPU (runtime/moe_layer.h: routing on the host from the downloaded logits,
+# the row moves and expert GEMMs on the device): a small Mixtral-like model (8 experts, top-2,
+# SwiGLU, grouped queries, rotary) on the CPU backend and on the CUDA backend in fp32 and --bf16;
+# the summary compares the losses step by step. MOE=0 skips it.
+moe=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups 2 --swiglu
+  --ffn-hidden-size 512 --num-experts 8 --moe-router-topk 2 --position-embedding-type rope
+  --normalization RMSNorm --untie-embeddings-and-output-weights --seq-length 128
+  --vocab-size 32000 --global-batch-size 4 --micro-batch-size 2 --use-flash-attn
+  --steps ${MOE_STEPS:-10} --seed 7 --json)
+rm -f "$out"/moe_*
+if [ "${MOE:-1}" != 0 ]; then
+  for be in cpu cuda cuda_bf16; do
+    extra=(--backend "${be%_bf16}")
+    [ "$be" = cuda_bf16 ] && extra+=(--bf16)
+    stage "$build/cli/ptdp" run "${moe[@]}" "${extra[@]}" >"$out/moe_$be.json" \
+      2>"$out/moe_$be.log"
+  done
+fi
 # t = 2, p = 2 on this one GPU: four ranks under mpirun share it, so the data plane is MPI on
 # host copies of device buffers (runtime/data_plane.h); the CUDA runs' losses are compared with
 # the CPU backend's at the same layout. Needs mpirun and a ptdp built with MPI.
@@ -306,6 +325,15 @@ def against_cpu(prefix, label):
                   "passed" if ok else "FAILED", cpu[0], cpu[-1], gpu[0], gpu[-1]))
     return problems
 fail += against_cpu("curve", "loss curve")
+if os.path.exists(os.path.join(out, "moe_cpu.log")):
+    fail += against_cpu("moe", "MoE model (8 experts, top-2)")
+    try:
+        run = json.load(open(os.path.join(out, "moe_cuda_bf16.json")))
+        times = run["step_time_s"][1:] or run["step_time_s"]
+        print("MoE model, --bf16 on the GPU: median step %.4f s, peak memory %.3f GiB" % (
+            sorted(times)[len(times) // 2], run["peak_memory_gib"]))
+    except Exception as e:  # noqa: BLE001
+        print("MoE model, --bf16 on the GPU: NO RESULT (%s; see moe_cuda_bf16.log)" % e)
 if os.path.exists(os.path.join(out, "tp2pp2_cpu.log")):
     fail += against_cpu("tp2pp2", "t=2 p=2 on one GPU")
 else:
