@@ -329,7 +329,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
            {Collective::kAllReduce, Collective::kAllGather, Collective::kReduceScatter,
             Collective::kSendRecv, Collective::kAllToAll}) {
         if (kind == Collective::kSendRecv && (g != 2 || type != DType::kF32)) continue;
-        // An MoE model's all-to-all (its routed rows move in fp32 on CPU ranks).
+        // An MoE model's all-to-all, once: it moves bytes (a bf16 model's routed rows are bf16).
         if (kind == Collective::kAllToAll && (!o.model.is_moe() || type != DType::kF32)) continue;
         for (double bytes : plan.message_bytes) {
           CommSample s;

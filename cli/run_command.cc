@@ -291,9 +291,9 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
                         static_cast<long long>(ls.hysteresis), ls.min_scale);
         out << line;
       }
-      if (f.train.precision != DType::kF32 && model.is_moe())
-        out << "ptdp run: the routed experts compute in fp32 (their weights " << half
-            << "): the routed rows are moved and computed in fp32\n";
+      if (f.train.precision == DType::kF16 && model.is_moe())
+        out << "ptdp run: the routed experts compute in fp32 (their weights fp16): an MoE "
+               "layer's routed rows are bf16 or fp32\n";
       if (const std::string note = execution_note(model, f.train.plan); !note.empty())
         out << "ptdp run: " << note << "\n";
     }

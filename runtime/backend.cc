@@ -34,6 +34,14 @@ namespace {
 
 namespace k = kernels;
 
+// bf16 elements as their bit patterns (kernels/cpu/moe.h's row moves).
+const uint16_t* bits(CPtr x) {
+  return static_cast<const uint16_t*>(x.p);
+}
+uint16_t* bits(Ptr x) {
+  return static_cast<uint16_t*>(x.p);
+}
+
 float load(const void* p, DType t, int64_t i) {
   switch (t) {
     case DType::kF32:
@@ -231,17 +239,26 @@ class CpuBackend : public Backend {
     k::cross_entropy_backward(probs, targets, n, vl, v0, scale);
   }
 
-  void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
-                   int64_t rows, int64_t h) override {
-    k::gather_rows(x, index, weight, rows, h, y);
+  void gather_rows(CPtr x, const int64_t* index, const float* weight, Ptr y, int64_t rows,
+                   int64_t h) override {
+    if (row_moves_bf16({x.t, y.t}))
+      k::gather_rows(bits(x), index, weight, rows, h, bits(y));
+    else
+      k::gather_rows(x.f(), index, weight, rows, h, y.f());
   }
-  void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
-                       int64_t n, int64_t slots, int64_t h) override {
-    k::gather_add_rows(y, index, weight, n, slots, h, out);
+  void gather_add_rows(CPtr y, const int64_t* index, const float* weight, Ptr out, int64_t n,
+                       int64_t slots, int64_t h) override {
+    if (row_moves_bf16({y.t, out.t}))
+      k::gather_add_rows(bits(y), index, weight, n, slots, h, bits(out));
+    else
+      k::gather_add_rows(y.f(), index, weight, n, slots, h, out.f());
   }
-  void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+  void row_dots(CPtr a, const int64_t* index, CPtr b, float* dot, int64_t rows,
                 int64_t h) override {
-    k::row_dots(a, index, b, rows, h, dot);
+    if (row_moves_bf16({a.t, b.t}))
+      k::row_dots(bits(a), index, bits(b), rows, h, dot);
+    else
+      k::row_dots(a.f(), index, b.f(), rows, h, dot);
   }
 
   double sum_squares(const float* x, int64_t n, double acc) override {
@@ -381,6 +398,15 @@ class StagedCpuBackend final : public CpuBackend {
 };
 
 }  // namespace
+
+bool row_moves_bf16(std::initializer_list<DType> types) {
+  const DType t = *types.begin();
+  for (DType u : types)
+    if (u != t) throw std::logic_error("the MoE row moves take rows of one type");
+  if (t != DType::kF32 && t != DType::kBF16)
+    throw std::logic_error("the MoE row moves take fp32 or bf16 rows, not " + to_string(t));
+  return t == DType::kBF16;
+}
 
 std::string cuda_math() {
   const char* math = std::getenv("PTDP_CUDA_MATH");

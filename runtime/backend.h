@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -134,17 +135,18 @@ class Backend {
   virtual void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int64_t vl,
                                       int64_t v0, double scale) = 0;
 
-  // The MoE layer's row moves (runtime/moe_layer.h; the CPU forms in kernels/cpu/moe.h): fp32
-  // rows of width h, driven by `index` and `weight` arrays the host computes from the routing,
-  // in host memory like token ids (weight null: 1; index -1: skipped). gather_rows: y[r] =
-  // weight[r] x[index[r]]; gather_add_rows: out[i] += weight[i k + j] y[index[i k + j]] for j =
-  // 0 .. k - 1 in order; row_dots: dot[r] = <a[index[r]], b[r]>.
-  virtual void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
-                           int64_t rows, int64_t h) = 0;
-  virtual void gather_add_rows(const float* y, const int64_t* index, const float* weight,
-                               float* out, int64_t n, int64_t k, int64_t h) = 0;
-  virtual void row_dots(const float* a, const int64_t* index, const float* b, float* dot,
-                        int64_t rows, int64_t h) = 0;
+  // The MoE layer's row moves (runtime/moe_layer.h; the CPU forms in kernels/cpu/moe.h): rows
+  // of width h, all of one type, fp32 or bf16 (loaded as fp32, stored rounded), driven by
+  // `index` and `weight` arrays the host computes from the routing, in host memory like token
+  // ids (weight null: 1; index -1: skipped). gather_rows: y[r] = weight[r] x[index[r]];
+  // gather_add_rows: out[i] += weight[i k + j] y[index[i k + j]] for j = 0 .. k - 1 in order,
+  // summed in fp32 and rounded once; row_dots: dot[r] = <a[index[r]], b[r]> (fp32).
+  virtual void gather_rows(CPtr x, const int64_t* index, const float* weight, Ptr y, int64_t rows,
+                           int64_t h) = 0;
+  virtual void gather_add_rows(CPtr y, const int64_t* index, const float* weight, Ptr out,
+                               int64_t n, int64_t k, int64_t h) = 0;
+  virtual void row_dots(CPtr a, const int64_t* index, CPtr b, float* dot, int64_t rows,
+                        int64_t h) = 0;
 
   // Optimizer and gradient norm.
   // acc + the sum of squares of x, accumulated in double in index order.
@@ -376,6 +378,10 @@ class Backend {
 // touch (for testing the CUDA backend's host-side paths without a GPU). Any other name, "cuda" in a
 // build without it, or "cuda" with no GPU visible: an InputError naming --backend.
 std::unique_ptr<Backend> make_backend(std::string_view name);
+
+// The element type of a row move's operands (Backend::gather_rows and friends): true for bf16,
+// false for fp32; a std::logic_error for operands of different types or of another type.
+bool row_moves_bf16(std::initializer_list<DType> types);
 
 // Backend::convert on host memory (the CPU backend's, and host staging elsewhere).
 void convert_on_host(const void* from, DType from_type, void* to, DType to_type, int64_t n);

@@ -60,19 +60,21 @@ Counts exchange_counts(Communicator& comm, const Counts& mine, int64_t per_peer,
 }
 
 // Rows of width h: send_rows[r] consecutive rows of `in` to rank r; out gets recv_rows[r] from r.
-void exchange_rows(Communicator& comm, const float* in, const Counts& send_rows, Buffer& out,
+// Of the routed type, as `out` is.
+void exchange_rows(Communicator& comm, CPtr in, const Counts& send_rows, Buffer& out,
                    const Counts& recv_rows, int64_t h) {
   resize(out, total(recv_rows) * h);
-  comm.all_to_all_v(in, elements(send_rows, h), out.data(), elements(recv_rows, h), DType::kF32);
+  if (out.dtype() != in.t) throw std::logic_error("MoE rows exchanged into another type");
+  comm.all_to_all_v(in.p, elements(send_rows, h), out.raw(), elements(recv_rows, h), in.t);
 }
 
 // Rows held as blocks (a, b) a-major, `rows` each, in b-major order.
 Buffer transpose(Backend& be, const Buffer& in, const Counts& rows, int64_t A, int64_t B,
                  int64_t h) {
-  Buffer out(in.size());
+  Buffer out(in.size(), in.dtype());
   std::vector<int64_t> index(static_cast<size_t>(total(rows)));
   kernels::transpose_blocks_index(rows.data(), A, B, index.data());
-  be.gather_rows(in.data(), index.data(), nullptr, out.data(), total(rows), h);
+  be.gather_rows(in.ptr(), index.data(), nullptr, out.ptr(), total(rows), h);
   return out;
 }
 
@@ -82,13 +84,13 @@ void etp_gather(ShardContext& c, MoeContext& mc, const Buffer& in, const Counts&
                 const Counts& gathered, Buffer& out) {
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h, n = total(mine);
-  Buffer repeated(static_cast<size_t>(d.etp * n * h));
-  for (int64_t r = 0; r < d.etp; ++r) c.be.copy(in.data(), repeated.data() + r * n * h, n * h);
-  Buffer got;
-  exchange_rows(mc.etp(), repeated.data(), Counts(static_cast<size_t>(d.etp), n), got,
+  Buffer repeated(static_cast<size_t>(d.etp * n * h), in.dtype());
+  for (int64_t r = 0; r < d.etp; ++r) c.be.copy(in.ptr(), repeated.ptr().at(r * n * h), n * h);
+  Buffer got(in.dtype());
+  exchange_rows(mc.etp(), repeated.ptr(), Counts(static_cast<size_t>(d.etp), n), got,
                 row_sums(gathered, d.etp, d.local_experts), h);
   out = transpose(c.be, got, gathered, d.etp, d.local_experts, h);
-  c.collective_done(Collective::kAllGather, static_cast<double>(elems(out)) * sizeof(float),
+  c.collective_done(Collective::kAllGather, static_cast<double>(out.bytes()),
                     CommGroup::kExpertTensor);
 }
 
@@ -99,13 +101,13 @@ void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const
   const int64_t h = c.dims.h, n = total(mine);
   const Buffer by_source =
       transpose(c.be, in, transposed(gathered, d.etp, d.local_experts), d.local_experts, d.etp, h);
-  Buffer got;
-  exchange_rows(mc.etp(), by_source.data(), row_sums(gathered, d.etp, d.local_experts), got,
+  Buffer got(in.dtype());
+  exchange_rows(mc.etp(), by_source.ptr(), row_sums(gathered, d.etp, d.local_experts), got,
                 Counts(static_cast<size_t>(d.etp), n), h);
   resize(out, n * h);
-  c.be.copy(got.data(), out.data(), n * h);
-  for (int64_t r = 1; r < d.etp; ++r) c.be.add(out.data(), got.data() + r * n * h, n * h);
-  c.collective_done(Collective::kReduceScatter, static_cast<double>(elems(in)) * sizeof(float),
+  c.be.copy(got.ptr(), out.ptr(), n * h);
+  for (int64_t r = 1; r < d.etp; ++r) c.be.add(out.ptr(), got.ptr().at(r * n * h), n * h);
+  c.collective_done(Collective::kReduceScatter, static_cast<double>(in.bytes()),
                     CommGroup::kExpertTensor);
 }
 
@@ -114,11 +116,12 @@ void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const
 void to_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs& A, Buffer& out) {
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h;
-  Buffer got;
-  exchange_rows(mc.ep(), in.data(), row_sums(A.counts, d.ep, d.local_experts), got,
+  Buffer got(in.dtype());
+  exchange_rows(mc.ep(), in.ptr(), row_sums(A.counts, d.ep, d.local_experts), got,
                 row_sums(A.recv, d.ep, d.local_experts), h);
   out = transpose(c.be, got, A.recv, d.ep, d.local_experts, h);
-  c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
+  c.collective_done(Collective::kAllToAll,
+                    static_cast<double>(A.rows * h * static_cast<int64_t>(dtype_bytes(in.dtype()))),
                     CommGroup::kExpert);
 }
 
@@ -129,9 +132,10 @@ void from_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeAc
   const int64_t h = c.dims.h;
   const Buffer by_source =
       transpose(c.be, in, transposed(A.recv, d.ep, d.local_experts), d.local_experts, d.ep, h);
-  exchange_rows(mc.ep(), by_source.data(), row_sums(A.recv, d.ep, d.local_experts), out,
+  exchange_rows(mc.ep(), by_source.ptr(), row_sums(A.recv, d.ep, d.local_experts), out,
                 row_sums(A.counts, d.ep, d.local_experts), h);
-  c.collective_done(Collective::kAllToAll, static_cast<double>(A.rows * h) * sizeof(float),
+  c.collective_done(Collective::kAllToAll,
+                    static_cast<double>(A.rows * h * static_cast<int64_t>(dtype_bytes(in.dtype()))),
                     CommGroup::kExpert);
 }
 
@@ -154,8 +158,8 @@ int64_t mean_rows(const MoeDims& d, const MoeActs& A, int64_t h) {
   return (elems(A.x) / h + d.local_experts - 1) / d.local_experts;
 }
 
-float* at(Buffer& b, int64_t row, int64_t width) {
-  return b.data() + row * width;
+Ptr at(Buffer& b, int64_t row, int64_t width) {
+  return b.ptr().at(row * width);
 }
 // An optional parameter (a bias; -1 when absent) and its gradient.
 Ptr opt(ShardContext& c, int64_t off) {
@@ -165,27 +169,33 @@ float* opt_grad(ShardContext& c, int64_t off) {
   return off < 0 ? nullptr : c.G(off);
 }
 
-// The layer's input (or output gradient) in fp32, which the routing kernels read: x itself, or
-// a widened copy of a bf16 x in `widened`.
-const float* fp32_of(ShardContext& c, const Buffer& x, Buffer& widened) {
-  if (x.dtype() == DType::kF32) return x.data();
-  widened = Buffer(x.size(), DType::kF32);
-  c.be.copy(x.ptr(), widened.ptr(), elems(x));
-  return widened.data();
+// The layer's input (or output gradient) in the routed type t: x itself, or a converted copy in
+// `converted`.
+CPtr as_type(ShardContext& c, const Buffer& x, DType t, Buffer& converted) {
+  if (x.dtype() == t) return x.ptr();
+  converted = Buffer(x.size(), t);
+  c.be.copy(x.ptr(), converted.ptr(), elems(x));
+  return converted.ptr();
 }
 
-// Runs `fill` on an fp32 [n, h] array holding `y` (when `accumulate`; zeros otherwise) and
-// stores the result in y, in y's type (a fresh y takes `type`).
+// Runs `fill` on [count] elements of the routed type `routed` holding y (when `accumulate`;
+// zeros otherwise): y itself when it has that type, else a converted copy stored back. A fresh
+// y takes `type`.
 template <class F>
-void into(ShardContext& c, Buffer& y, bool accumulate, int64_t count, DType type, F fill) {
-  Buffer f32(static_cast<size_t>(count), DType::kF32);
-  if (accumulate) c.be.copy(y.ptr(), f32.ptr(), count);
-  fill(f32.data());
+void into(ShardContext& c, Buffer& y, bool accumulate, int64_t count, DType type, DType routed,
+          F fill) {
   if (!accumulate) {
     y = Buffer(type);
     resize(y, count);
   }
-  c.be.copy(f32.ptr(), y.ptr(), count);
+  if (y.dtype() == routed) {
+    fill(y.ptr());
+    return;
+  }
+  Buffer rows(static_cast<size_t>(count), routed);
+  if (accumulate) c.be.copy(y.ptr(), rows.ptr(), count);
+  fill(rows.ptr());
+  c.be.copy(rows.ptr(), y.ptr(), count);
 }
 
 // Calls f(local expert, first row, rows) for each local expert with rows.
@@ -199,6 +209,10 @@ void per_expert(const Counts& rows, F f) {
 }
 
 }  // namespace
+
+DType moe_routed_type(DType model) {
+  return model == DType::kBF16 ? DType::kBF16 : DType::kF32;
+}
 
 int64_t MoeDims::fc1_width() const {
   return ffe * (fc1_gated ? 2 : 1);
@@ -353,10 +367,10 @@ std::vector<OpId> moe_backward_program(const std::vector<OpId>& dense, const Moe
 
 void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
                     const Buffer& x, Buffer& out, MoeActs& A) {
-  // The routed part runs in fp32 whatever the model's precision (the row moves are fp32); a
-  // bf16 model's expert weights are widened by the typed GEMMs.
-  const DType model_type = activation_dtype();
-  const ActivationDType fp32(DType::kF32);
+  // The routed rows take the routed type (fp32, or bf16 in a bf16 model); the router's logits
+  // are fp32 (MoeActs).
+  const DType model_type = activation_dtype(), R = moe_routed_type(model_type);
+  const ActivationDType routed(R);
   const MoeDims& d = mc.dims();
   const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk, El = d.local_experts;
   Backend& be = c.be;
@@ -393,9 +407,9 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         // Without expert parallelism, straight into the experts' rows (no dispatch runs).
         Buffer& rows = d.ep > 1 ? A.permuted : A.x;
         resize(rows, A.rows * h);
-        Buffer widened;
-        be.gather_rows(fp32_of(c, x, widened), A.token_of_row.data(), nullptr, rows.data(), A.rows,
-                       h);
+        Buffer converted;
+        be.gather_rows(as_type(c, x, R, converted), A.token_of_row.data(), nullptr, rows.ptr(),
+                       A.rows, h);
         if (d.ep == 1) A.recv = A.counts;  // [1 source][local expert]
       }
       break;
@@ -435,9 +449,9 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       const int64_t rows = elems(A.x) / h;
       resize(A.act, rows * d.ffe);
       if (d.fc1_gated)
-        be.swiglu(A.fc1.data(), A.act.data(), rows, d.ffe);
+        be.swiglu(A.fc1.ptr(), A.act.ptr(), rows, d.ffe);
       else
-        be.gelu(A.fc1.data(), A.act.data(), rows * d.ffe);
+        be.gelu(A.fc1.ptr(), A.act.ptr(), rows * d.ffe);
       break;
     }
     case OpId::kExpertFc2: {
@@ -468,8 +482,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         std::vector<float> weight(static_cast<size_t>(n * k));
         kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, A.prob.data(), row_of.data(),
                                 weight.data());
-        into(c, out, d.shared, n * h, model_type, [&](float* y) {
-          be.gather_add_rows(combined_rows(d, A).data(), row_of.data(), weight.data(), y, n, k, h);
+        into(c, out, d.shared, n * h, model_type, R, [&](Ptr y) {
+          be.gather_add_rows(combined_rows(d, A).ptr(), row_of.data(), weight.data(), y, n, k, h);
         });
       }
       break;
@@ -480,8 +494,8 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
 
 void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerParams& W,
                      const Buffer& x, const Buffer& d_out, Buffer& d_x, MoeActs& A) {
-  const DType model_type = activation_dtype();
-  const ActivationDType fp32(DType::kF32);  // as the forward pass
+  const DType model_type = activation_dtype(), R = moe_routed_type(model_type);
+  const ActivationDType routed(R);  // as the forward pass
   const MoeDims& d = mc.dims();
   const int64_t n = c.dims.n_local, h = c.dims.h, E = d.experts, k = d.topk;
   Backend& be = c.be;
@@ -490,14 +504,14 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     case OpId::kMoeUnpermuteBackward: {
       // d y[r] = prob[slot] d out[token]; d prob[slot] = <d out[token], y[r]>.
       resize(A.d_y, A.rows * h);
-      Buffer widened, dots;
-      const float* g = fp32_of(c, d_out, widened);
+      Buffer converted, dots(DType::kF32);
+      const CPtr g = as_type(c, d_out, R, converted);
       std::vector<float> weight(static_cast<size_t>(A.rows)), dot(static_cast<size_t>(A.rows));
       for (size_t r = 0; r < weight.size(); ++r)
         weight[r] = A.prob[static_cast<size_t>(A.slot_of_row[r])];
-      be.gather_rows(g, A.token_of_row.data(), weight.data(), A.d_y.data(), A.rows, h);
+      be.gather_rows(g, A.token_of_row.data(), weight.data(), A.d_y.ptr(), A.rows, h);
       resize(dots, A.rows);
-      be.row_dots(g, A.token_of_row.data(), combined_rows(d, A).data(), dots.data(), A.rows, h);
+      be.row_dots(g, A.token_of_row.data(), combined_rows(d, A).ptr(), dots.data(), A.rows, h);
       download_floats(be, dots.ptr(), dot.data(), A.rows);
       A.dprob.assign(static_cast<size_t>(n * k), 0.0f);
       for (size_t r = 0; r < dot.size(); ++r)
@@ -536,9 +550,9 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       const int64_t rows = elems(A.x) / h;
       resize(A.d_pre, rows * w);
       if (d.fc1_gated)
-        be.swiglu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows, d.ffe);
+        be.swiglu_backward(A.fc1.ptr(), A.d_act.ptr(), A.d_pre.ptr(), rows, d.ffe);
       else
-        be.gelu_backward(A.fc1.data(), A.d_act.data(), A.d_pre.data(), rows * d.ffe);
+        be.gelu_backward(A.fc1.ptr(), A.d_act.ptr(), A.d_pre.ptr(), rows * d.ffe);
       consumed(A, A.d_act);
       break;
     }
@@ -575,9 +589,8 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
         std::vector<int64_t> row_of(static_cast<size_t>(n * k));
         kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, nullptr, row_of.data(),
                                 nullptr);
-        into(c, d_x, d.shared, n * h, model_type, [&](float* y) {
-          be.gather_add_rows(A.d_x.data(), row_of.data(), nullptr, y, n, k, h);
-        });
+        into(c, d_x, d.shared, n * h, model_type, R,
+             [&](Ptr y) { be.gather_add_rows(A.d_x.ptr(), row_of.data(), nullptr, y, n, k, h); });
       }
       consumed(A, A.d_x);
       break;
@@ -590,7 +603,7 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
       break;
     }
     case OpId::kRouterDgrad: {
-      Buffer dx;
+      Buffer dx(DType::kF32);  // added to d x in fp32, rounded once
       resize(dx, n * h);
       c.linear_dgrad(W.router, A.dlogits.ptr(), dx.ptr(), n, h, E);
       be.add(d_x.ptr(), dx.ptr(), n * h);

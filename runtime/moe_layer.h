@@ -28,7 +28,8 @@
 // (Backend::gather_rows, gather_add_rows, row_dots) on the backend; the routing decisions (top-k
 // and its softmax, capacity, the permutation, the all-to-alls' counts) on the host, from the
 // router's logits (n_local x E, downloaded) and the probabilities' gradients (n_local x k,
-// downloaded). The routed rows are fp32 whatever the model's precision.
+// downloaded). The routed rows are bf16 in a bf16 model (moved, exchanged and computed as
+// Megatron-Core's are: bf16 storage, fp32 arithmetic inside each kernel), else fp32.
 #pragma once
 
 #include <cstdint>
@@ -73,9 +74,11 @@ struct MoeActs {
   std::vector<int64_t> recv;            // [ep source][local expert] rows received
   std::vector<int64_t> gathered;        // [etp source][local expert] rows after the gather
   int64_t rows = 0;                     // this rank's routed rows
-  // In the backend's memory.
-  Buffer logits, permuted, x, fc1, act, y, combined;
-  Buffer d_y, d_act, d_pre, d_x, dlogits;
+  // In the backend's memory: the router's logits and their gradients in fp32, the rows in the
+  // routed type (bf16 in a bf16 model, else fp32).
+  Buffer logits{DType::kF32}, dlogits{DType::kF32};
+  Buffer permuted, x, fc1, act, y, combined;
+  Buffer d_y, d_act, d_pre, d_x;
   // An op frees the inputs no later op reads (a run's memory); the op executor, which runs one
   // op many times on the same inputs (runtime/op_executor.h), keeps them.
   bool keep_inputs = false;
@@ -122,6 +125,11 @@ class MoeContext {
   std::unique_ptr<Communicator> own_ep_, own_etp_;
   Communicator *ep_ = nullptr, *etp_ = nullptr;
 };
+
+// The routed rows' element type in a model of type `model`: bf16 in a bf16 model (as
+// Megatron-Core moves and computes them), else fp32 (an fp16 model's are widened, as its other
+// calls are).
+DType moe_routed_type(DType model);
 
 MoeDims moe_dims(const ModelSpec& m, int64_t t, int64_t ep, int64_t ep_rank, int64_t etp,
                  int64_t etp_rank);

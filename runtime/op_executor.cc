@@ -74,10 +74,13 @@ struct MoeRun {
   MoeRun(const ModelSpec& m, const MoeDims& d, DType type)
       : ctx(m, d), x(type), out(type), d_out(type), d_x(type) {
     A.keep_inputs = true;
-    // The routed part runs in fp32 whatever the model's type (runtime/moe_layer.cc).
-    for (Buffer* b : {&A.logits, &A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined, &A.d_y,
-                      &A.d_act, &A.d_pre, &A.d_x, &A.dlogits, &dprob})
-      *b = Buffer(DType::kF32);
+    // The routed rows take bf16 in a bf16 model, else fp32 (runtime/moe_layer.h); the logits,
+    // their gradients and the probabilities' are fp32.
+    const DType routed = moe_routed_type(type);
+    for (Buffer* b :
+         {&A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined, &A.d_y, &A.d_act, &A.d_pre, &A.d_x})
+      *b = Buffer(routed);
+    for (Buffer* b : {&A.logits, &A.dlogits, &dprob}) *b = Buffer(DType::kF32);
   }
 };
 

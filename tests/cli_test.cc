@@ -897,9 +897,13 @@ TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
   expect_bad(tiny_run({"--fp16", "--initial-loss-scale", "-1"}), "--initial-loss-scale");
   expect_bad(tiny_run({"--fp16", "--min-loss-scale", "1e20"}), "--min-loss-scale");
   expect_bad(with(predict, {"--bf16", "--fp16"}), "--fp16");
+  // A bf16 model's routed rows are bf16; an fp16 model's are widened to fp32, and run says so.
   const Result moe = run(tiny_run({"--bf16", "--num-experts", "2"}));
   EXPECT_EQ(moe.status, 0) << moe.err;
-  EXPECT_NE(moe.out.find("routed experts compute in fp32"), std::string::npos) << moe.out;
+  EXPECT_EQ(moe.out.find("routed experts compute in fp32"), std::string::npos) << moe.out;
+  const Result moe16 = run(tiny_run({"--fp16", "--num-experts", "2"}));
+  EXPECT_EQ(moe16.status, 0) << moe16.err;
+  EXPECT_NE(moe16.out.find("routed experts compute in fp32"), std::string::npos) << moe16.out;
   auto dry = [&](std::vector<std::string> extra) {
     auto args = tiny_run(std::move(extra));
     args.insert(args.end(), {"--dry-run", "--json"});

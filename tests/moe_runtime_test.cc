@@ -18,6 +18,7 @@
 #include "planner/cost_model.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
+#include "runtime/float16.h"
 #include "runtime/gpt_model.h"
 #include "runtime/moe_layer.h"
 #include "runtime/shard_footprint.h"
@@ -187,6 +188,50 @@ TEST(MoeRouting, TopkSoftmaxAndPermutationMatchNaiveLoops) {
       EXPECT_EQ(scaled[static_cast<size_t>(r * h + c)],
                 dot[static_cast<size_t>(r)] * x[static_cast<size_t>(i * h + c)]);
   }
+}
+
+// bf16 rows (a bf16 model's routed rows): loaded as fp32, the arithmetic in fp32, stored rounded
+// to nearest even once: a token's weighted rows summed in fp32 onto its row, then rounded.
+TEST(MoeRouting, Bf16RowMovesComputeInFp32AndRoundOnce) {
+  const int64_t n = 3, k = 2, h = 5, rows = 4;
+  const std::vector<float> xf = random_floats(static_cast<size_t>(rows * h), 8);
+  std::vector<uint16_t> x(xf.size()), base(static_cast<size_t>(n * h));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = float_to_bf16(xf[i]);
+  for (size_t i = 0; i < base.size(); ++i) base[i] = float_to_bf16(0.1f * static_cast<float>(i));
+  const std::vector<int64_t> index = {2, 0, -1, 3, 1, 1};  // token 1 has one row, token 2 a repeat
+  const std::vector<float> w = {0.7f, 0.3f, 0.9f, 0.6f, 0.25f, 0.5f};
+  std::vector<uint16_t> out = base;
+  kernels::gather_add_rows(x.data(), index.data(), w.data(), n, k, h, out.data());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < h; ++c) {
+      float sum = bf16_to_float(base[static_cast<size_t>(i * h + c)]);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t r = index[static_cast<size_t>(i * k + j)];
+        if (r >= 0)
+          sum +=
+              w[static_cast<size_t>(i * k + j)] * bf16_to_float(x[static_cast<size_t>(r * h + c)]);
+      }
+      EXPECT_EQ(out[static_cast<size_t>(i * h + c)], float_to_bf16(sum)) << i << " " << c;
+    }
+  const std::vector<int64_t> gather = {3, 3, 0};
+  const std::vector<float> scale = {2.0f, -0.3f, 1.1f};
+  std::vector<uint16_t> y(static_cast<size_t>(3 * h));
+  kernels::gather_rows(x.data(), gather.data(), scale.data(), 3, h, y.data());
+  for (int64_t r = 0; r < 3; ++r)
+    for (int64_t c = 0; c < h; ++c)
+      EXPECT_EQ(y[static_cast<size_t>(r * h + c)],
+                float_to_bf16(
+                    scale[static_cast<size_t>(r)] *
+                    bf16_to_float(x[static_cast<size_t>(gather[static_cast<size_t>(r)] * h + c)])));
+  kernels::gather_rows(x.data(), gather.data(), nullptr, 3, h, y.data());  // unscaled: a copy
+  EXPECT_TRUE(std::equal(y.begin(), y.begin() + h, x.begin() + 3 * h));
+  std::vector<float> dot(3);
+  kernels::row_dots(x.data(), gather.data(), y.data(), 3, h, dot.data());
+  double want = 0;
+  for (int64_t c = 0; c < h; ++c)
+    want += static_cast<double>(bf16_to_float(x[static_cast<size_t>(3 * h + c)])) *
+            bf16_to_float(y[static_cast<size_t>(c)]);
+  EXPECT_FLOAT_EQ(dot[0], static_cast<float>(want));
 }
 
 // The chunk sort around an all-to-all: blocks (a, b) held a-major, read back b-major; the

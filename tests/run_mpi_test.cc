@@ -763,8 +763,8 @@ TEST(RunMpi, ContextParallelMoeLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
-// An MoE model in bf16 (its routed experts computing in fp32 on bf16 weights): near its fp32
-// curve, and sharded over experts and tensor ranks near its single-rank bf16 curve.
+// An MoE model in bf16 (its routed rows bf16 too): near its fp32 curve, and sharded over experts
+// and tensor ranks near its single-rank bf16 curve.
 TEST(RunMpi, Bf16MoeTracksFp32AndShardsAlike) {
   const std::string shared = kTinyMoe + " --moe-shared-expert-intermediate-size 64";
   const nlohmann::json fp32 = run_json(0, shared);

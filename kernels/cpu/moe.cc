@@ -5,6 +5,8 @@
 #include <numeric>
 #include <vector>
 
+#include "runtime/float16.h"
+
 namespace ptdp::kernels {
 
 void topk_softmax(const float* logits, int64_t n, int64_t experts, int64_t k, int32_t* expert,
@@ -79,48 +81,77 @@ int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts
   return rows;
 }
 
-void gather_rows(const float* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
-                 float* y) {
+namespace {
+
+// Rows of T as fp32: float itself, or bf16 bit patterns.
+inline float load(float x) {
+  return x;
+}
+inline float load(uint16_t x) {
+  return bf16_to_float(x);
+}
+inline void store(float v, float* to) {
+  *to = v;
+}
+inline void store(float v, uint16_t* to) {
+  *to = float_to_bf16(v);
+}
+
+}  // namespace
+
+template <class T>
+void gather_rows(const T* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
+                 T* y) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* from = x + index[r] * h;
-    float* to = y + r * h;
+    const T* from = x + index[r] * h;
+    T* to = y + r * h;
     if (weight) {
       const float w = weight[r];
-      for (int64_t c = 0; c < h; ++c) to[c] = w * from[c];
+      for (int64_t c = 0; c < h; ++c) store(w * load(from[c]), to + c);
     } else {
       std::copy_n(from, h, to);
     }
   }
 }
 
-void gather_add_rows(const float* y, const int64_t* index, const float* weight, int64_t n,
-                     int64_t k, int64_t h, float* out) {
+template <class T>
+void gather_add_rows(const T* y, const int64_t* index, const float* weight, int64_t n, int64_t k,
+                     int64_t h, T* out) {
+  std::vector<float> sum(static_cast<size_t>(h));
   for (int64_t i = 0; i < n; ++i) {
-    float* o = out + i * h;
+    T* o = out + i * h;
+    for (int64_t c = 0; c < h; ++c) sum[static_cast<size_t>(c)] = load(o[c]);
     for (int64_t j = 0; j < k; ++j) {
       const int64_t r = index[i * k + j];
       if (r < 0) continue;
-      const float* v = y + r * h;
-      if (weight) {
-        const float w = weight[i * k + j];
-        for (int64_t c = 0; c < h; ++c) o[c] += w * v[c];
-      } else {
-        for (int64_t c = 0; c < h; ++c) o[c] += v[c];
-      }
+      const T* v = y + r * h;
+      const float w = weight ? weight[i * k + j] : 1.0f;
+      for (int64_t c = 0; c < h; ++c)
+        sum[static_cast<size_t>(c)] += weight ? w * load(v[c]) : load(v[c]);
     }
+    for (int64_t c = 0; c < h; ++c) store(sum[static_cast<size_t>(c)], o + c);
   }
 }
 
-void row_dots(const float* a, const int64_t* index, const float* b, int64_t rows, int64_t h,
-              float* dot) {
+template <class T>
+void row_dots(const T* a, const int64_t* index, const T* b, int64_t rows, int64_t h, float* dot) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* u = a + index[r] * h;
-    const float* v = b + r * h;
-    double sum = 0;
-    for (int64_t c = 0; c < h; ++c) sum += static_cast<double>(u[c]) * v[c];
-    dot[r] = static_cast<float>(sum);
+    const T* u = a + index[r] * h;
+    const T* v = b + r * h;
+    double s = 0;
+    for (int64_t c = 0; c < h; ++c) s += static_cast<double>(load(u[c])) * load(v[c]);
+    dot[r] = static_cast<float>(s);
   }
 }
+
+#define PTDP_ROW_MOVES(T)                                                                     \
+  template void gather_rows<T>(const T*, const int64_t*, const float*, int64_t, int64_t, T*); \
+  template void gather_add_rows<T>(const T*, const int64_t*, const float*, int64_t, int64_t,  \
+                                   int64_t, T*);                                              \
+  template void row_dots<T>(const T*, const int64_t*, const T*, int64_t, int64_t, float*);
+PTDP_ROW_MOVES(float)
+PTDP_ROW_MOVES(uint16_t)
+#undef PTDP_ROW_MOVES
 
 void token_of_rows(const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t* token_of_row) {
   for (int64_t r = 0; r < rows; ++r) token_of_row[r] = slot_of_row[r] / k;

@@ -33,18 +33,21 @@ int64_t permutation(const int32_t* expert, int64_t n, int64_t k, int64_t experts
                     int64_t* slot_of_row, int64_t* counts);
 // The row moves of the layer, driven by index arrays the host computes from the routing (so that
 // a device backend runs them as plain gathers: Backend::gather_rows and friends). Rows have
-// width h; an index of -1 is skipped.
+// width h and are stored as T: float, or uint16_t holding bf16 bit patterns (a bf16 model's
+// routed rows), loaded as fp32 and stored rounded to nearest even; an index of -1 is skipped.
 //
 // y[r] = x[index[r]], times weight[r] when weight is not null.
-void gather_rows(const float* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
-                 float* y);
+template <class T>
+void gather_rows(const T* x, const int64_t* index, const float* weight, int64_t rows, int64_t h,
+                 T* y);
 // out[i] += weight[i * k + j] * y[index[i * k + j]] (weight 1 when null) for j = 0 .. k - 1 in
-// that order, skipping index -1 (out is not cleared).
-void gather_add_rows(const float* y, const int64_t* index, const float* weight, int64_t n,
-                     int64_t k, int64_t h, float* out);
+// that order, skipping index -1 (out is not cleared), in fp32: out rounded once.
+template <class T>
+void gather_add_rows(const T* y, const int64_t* index, const float* weight, int64_t n, int64_t k,
+                     int64_t h, T* out);
 // dot[r] = <a[index[r]], b[r]>, summed in double in column order.
-void row_dots(const float* a, const int64_t* index, const float* b, int64_t rows, int64_t h,
-              float* dot);
+template <class T>
+void row_dots(const T* a, const int64_t* index, const T* b, int64_t rows, int64_t h, float* dot);
 
 // Index arrays for those calls, from the permutation (slot_of_row, rows of it).
 // The token of each row: token_of_row[r] = slot_of_row[r] / k (permute: gather_rows of x).

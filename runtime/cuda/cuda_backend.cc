@@ -671,21 +671,37 @@ class CudaBackend final : public Backend {
     return true;
   }
 
-  void gather_rows(const float* x, const int64_t* index, const float* weight, float* y,
-                   int64_t rows, int64_t h) override {
+  void gather_rows(CPtr x, const int64_t* index, const float* weight, Ptr y, int64_t rows,
+                   int64_t h) override {
+    const bool b = row_moves_bf16({x.t, y.t});
     if (rows <= 0) return;
-    k::gather_rows(x, device_index(index, rows), device_weight(weight, rows), y, rows, h, stream_);
+    const int64_t* i = device_index(index, rows);
+    const float* w = device_weight(weight, rows);
+    if (b)
+      k::gather_rows(b16(x), i, w, b16(y), rows, h, stream_);
+    else
+      k::gather_rows(x.f(), i, w, y.f(), rows, h, stream_);
   }
-  void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
-                       int64_t n, int64_t slots, int64_t h) override {
+  void gather_add_rows(CPtr y, const int64_t* index, const float* weight, Ptr out, int64_t n,
+                       int64_t slots, int64_t h) override {
+    const bool b = row_moves_bf16({y.t, out.t});
     if (n * slots <= 0) return;
-    k::gather_add_rows(y, device_index(index, n * slots), device_weight(weight, n * slots), out, n,
-                       slots, h, stream_);
+    const int64_t* i = device_index(index, n * slots);
+    const float* w = device_weight(weight, n * slots);
+    if (b)
+      k::gather_add_rows(b16(y), i, w, b16(out), n, slots, h, stream_);
+    else
+      k::gather_add_rows(y.f(), i, w, out.f(), n, slots, h, stream_);
   }
-  void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
+  void row_dots(CPtr a, const int64_t* index, CPtr b, float* dot, int64_t rows,
                 int64_t h) override {
+    const bool bf = row_moves_bf16({a.t, b.t});
     if (rows <= 0) return;
-    k::row_dots(a, device_index(index, rows), b, dot, rows, h, stream_);
+    const int64_t* i = device_index(index, rows);
+    if (bf)
+      k::row_dots(b16(a), i, b16(b), dot, rows, h, stream_);
+    else
+      k::row_dots(a.f(), i, b.f(), dot, rows, h, stream_);
   }
 
   double sum_squares(const float* x, int64_t n, double acc) override {

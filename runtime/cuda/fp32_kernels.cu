@@ -520,41 +520,45 @@ __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int
 }
 
 // The MoE row moves, one block per output row, the columns over its threads: a gather of rows
-// (scaled), a token's rows added in its index order, and a row's dot product (double, as the CPU
-// twin sums).
-__global__ void gather_rows_k(const float* x, const int64_t* index, const float* weight, float* y,
+// (scaled), a token's rows added in its index order (fp32, rounded once), and a row's dot
+// product (double, as the CPU twin sums). Rows of T: fp32, or bf16 loaded as fp32 and stored
+// rounded.
+template <typename T>
+__global__ void gather_rows_k(const T* x, const int64_t* index, const float* weight, T* y,
                               int64_t h) {
   const int64_t r = blockIdx.x;
-  const float* from = x + index[r] * h;
-  float* to = y + r * h;
+  const T* from = x + index[r] * h;
+  T* to = y + r * h;
   if (weight) {
     const float w = weight[r];
-    for (int64_t c = threadIdx.x; c < h; c += blockDim.x) to[c] = w * from[c];
+    for (int64_t c = threadIdx.x; c < h; c += blockDim.x) to[c] = store<T>(w * as_float(from[c]));
   } else {
     for (int64_t c = threadIdx.x; c < h; c += blockDim.x) to[c] = from[c];
   }
 }
-__global__ void gather_add_rows_k(const float* y, const int64_t* index, const float* weight,
-                                  float* out, int64_t slots, int64_t h) {
+template <typename T>
+__global__ void gather_add_rows_k(const T* y, const int64_t* index, const float* weight, T* out,
+                                  int64_t slots, int64_t h) {
   const int64_t i = blockIdx.x;
   const int64_t* rows = index + i * slots;
   for (int64_t c = threadIdx.x; c < h; c += blockDim.x) {
-    float o = out[i * h + c];
+    float o = as_float(out[i * h + c]);
     for (int64_t j = 0; j < slots; ++j) {
       if (rows[j] < 0) continue;
-      const float v = y[rows[j] * h + c];
+      const float v = as_float(y[rows[j] * h + c]);
       o += weight ? weight[i * slots + j] * v : v;
     }
-    out[i * h + c] = o;
+    out[i * h + c] = store<T>(o);
   }
 }
-__global__ void row_dots_k(const float* a, const int64_t* index, const float* b, float* dot,
-                           int64_t h) {
+template <typename T>
+__global__ void row_dots_k(const T* a, const int64_t* index, const T* b, float* dot, int64_t h) {
   const int64_t r = blockIdx.x;
-  const float* u = a + index[r] * h;
-  const float* v = b + r * h;
+  const T* u = a + index[r] * h;
+  const T* v = b + r * h;
   double s = 0;
-  for (int64_t c = threadIdx.x; c < h; c += blockDim.x) s += static_cast<double>(u[c]) * v[c];
+  for (int64_t c = threadIdx.x; c < h; c += blockDim.x)
+    s += static_cast<double>(as_float(u[c])) * as_float(v[c]);
   s = block_reduce(s, Sum{});
   if (threadIdx.x == 0) dot[r] = static_cast<float>(s);
 }
@@ -811,18 +815,45 @@ void cross_entropy_backward(float* probs, const int32_t* targets, int64_t n, int
                             double scale, cudaStream_t st) {
   cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
 }
+template <typename T>
+void gather_rows_t(const T* x, const int64_t* index, const float* weight, T* y, int64_t rows,
+                   int64_t h, cudaStream_t st) {
+  if (rows > 0 && h > 0) PTDP_LAUNCH(gather_rows_k<T>, rows_grid(rows), x, index, weight, y, h);
+}
+template <typename T>
+void gather_add_rows_t(const T* y, const int64_t* index, const float* weight, T* out, int64_t n,
+                       int64_t slots, int64_t h, cudaStream_t st) {
+  if (n > 0 && h > 0 && slots > 0)
+    PTDP_LAUNCH(gather_add_rows_k<T>, rows_grid(n), y, index, weight, out, slots, h);
+}
+template <typename T>
+void row_dots_t(const T* a, const int64_t* index, const T* b, float* dot, int64_t rows, int64_t h,
+                cudaStream_t st) {
+  if (rows > 0) PTDP_LAUNCH(row_dots_k<T>, rows_grid(rows), a, index, b, dot, h);
+}
 void gather_rows(const float* x, const int64_t* index, const float* weight, float* y, int64_t rows,
                  int64_t h, cudaStream_t st) {
-  if (rows > 0 && h > 0) PTDP_LAUNCH(gather_rows_k, rows_grid(rows), x, index, weight, y, h);
+  gather_rows_t(x, index, weight, y, rows, h, st);
 }
 void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
                      int64_t n, int64_t slots, int64_t h, cudaStream_t st) {
-  if (n > 0 && h > 0 && slots > 0)
-    PTDP_LAUNCH(gather_add_rows_k, rows_grid(n), y, index, weight, out, slots, h);
+  gather_add_rows_t(y, index, weight, out, n, slots, h, st);
 }
 void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
               int64_t h, cudaStream_t st) {
-  if (rows > 0) PTDP_LAUNCH(row_dots_k, rows_grid(rows), a, index, b, dot, h);
+  row_dots_t(a, index, b, dot, rows, h, st);
+}
+void gather_rows(const bf16* x, const int64_t* index, const float* weight, bf16* y, int64_t rows,
+                 int64_t h, cudaStream_t st) {
+  gather_rows_t(x, index, weight, y, rows, h, st);
+}
+void gather_add_rows(const bf16* y, const int64_t* index, const float* weight, bf16* out, int64_t n,
+                     int64_t slots, int64_t h, cudaStream_t st) {
+  gather_add_rows_t(y, index, weight, out, n, slots, h, st);
+}
+void row_dots(const bf16* a, const int64_t* index, const bf16* b, float* dot, int64_t rows,
+              int64_t h, cudaStream_t st) {
+  row_dots_t(a, index, b, dot, rows, h, st);
 }
 void layernorm_forward(const float* x, const float* g, const float* b, float* y, float* mean,
                        float* rstd, int64_t n, int64_t h, cudaStream_t st) {

@@ -29,7 +29,7 @@ using bf16 = kernels::cuda::bf16;
 
 void add(float* y, const float* x, int64_t n, cudaStream_t st);
 // The MoE row moves (Backend::gather_rows, gather_add_rows, row_dots), index and weight arrays
-// in device memory.
+// in device memory; the bf16 forms are below.
 void gather_rows(const float* x, const int64_t* index, const float* weight, float* y, int64_t rows,
                  int64_t h, cudaStream_t st);
 void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,
@@ -125,6 +125,12 @@ void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const
 
 // ---- bf16 activations (mixed precision): the calls above of the same names and shapes ----
 void add(bf16* y, const bf16* x, int64_t n, cudaStream_t st);
+void gather_rows(const bf16* x, const int64_t* index, const float* weight, bf16* y, int64_t rows,
+                 int64_t h, cudaStream_t st);
+void gather_add_rows(const bf16* y, const int64_t* index, const float* weight, bf16* out, int64_t n,
+                     int64_t slots, int64_t h, cudaStream_t st);
+void row_dots(const bf16* a, const int64_t* index, const bf16* b, float* dot, int64_t rows,
+              int64_t h, cudaStream_t st);
 void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
 void scale(bf16* x, int64_t n, double f, cudaStream_t st);

@@ -724,6 +724,33 @@ TEST_F(CudaBackendTest, MoeRowMovesMatchTheCpu) {
   gpu_->row_dots(gx, token.data(), gy, got, rows, h);
   expect_close(down(got, rows), want, "row_dots", 1e-6, 1e-6);
   gpu_->gather_rows(gx, token.data(), nullptr, got, 0, h);  // no rows: nothing runs
+
+  // bf16 rows (a bf16 model's): loaded as fp32, stored rounded; the same inputs on both sides.
+  Bf16 x16 = narrow(x), y16 = narrow(y), base16 = narrow(base);
+  const Ptr gx16 = up16(x16), gy16 = up16(y16);
+  for (const float* w : {static_cast<const float*>(nullptr), w_row.data()}) {
+    Bf16 want16(rows * h);
+    cpu_->gather_rows(host16(x16), token.data(), w, host16(want16), rows, h);
+    const Ptr got16 = up16(Bf16(rows * h));
+    gpu_->gather_rows(gx16, token.data(), w, got16, rows, h);
+    expect_close(down16(got16, rows * h), widen(want16), w ? "bf16 gather, scaled" : "bf16 gather",
+                 0, 0);
+  }
+  for (const float* w : {static_cast<const float*>(nullptr), w_slot.data()}) {
+    Bf16 want16 = base16;
+    cpu_->gather_add_rows(host16(y16), row_of.data(), w, host16(want16), n, k, h);
+    const Ptr got16 = up16(base16);
+    gpu_->gather_add_rows(gy16, row_of.data(), w, got16, n, k, h);
+    // Sums of the same fp32 values in the same order, rounded once: at most one bf16 step apart.
+    expect_close(down16(got16, n * h), widen(want16),
+                 w ? "bf16 gather_add_rows, weighted" : "bf16 gather_add_rows", 8e-3, 1e-6);
+  }
+  Host want16(rows);
+  cpu_->row_dots(host16(x16), token.data(), host16(y16), want16.data(), rows, h);
+  gpu_->row_dots(gx16, token.data(), gy16, got, rows, h);
+  expect_close(down(got, rows), want16, "bf16 row_dots", 1e-6, 1e-6);
+  // Rows of one type, fp32 or bf16: anything else is the caller's mistake.
+  EXPECT_THROW(gpu_->gather_rows(gx, token.data(), nullptr, gx16, rows, h), std::logic_error);
 }
 
 // Vocabulary-parallel embedding and cross-entropy on a shard [67, 67 + 64) of a 131-token
@@ -924,7 +951,7 @@ TEST(CudaBackendMoe, ShardGradientsMatchTheCpu) {
 }
 
 // Training with MoE layers on the GPU follows the CPU backend, in mixed precision (the routed
-// rows fp32 on bf16 weights): SwiGLU experts, a shared expert, a capacity that drops tokens.
+// rows bf16, the expert GEMMs native): SwiGLU experts, a shared expert, capacity dropping.
 TEST(CudaBackendMoe, Bf16LossesTrackTheCpuBackend) {
   PTDP_REQUIRE_GPU();
   ModelSpec m = cuda_test::tiny_gpt();
