@@ -210,6 +210,39 @@ class CpuBackend : public Backend {
                       int64_t width) override {
     k::sequence_shard(full, shards, t, b, s, width);
   }
+
+  // The typed glue that only moves elements runs on any one element type as it is, with no
+  // widened copies (a bf16 run's split of q, k and v, their gradients' concatenation, and the
+  // sequence-parallel reorders).
+  static bool one_type(std::initializer_list<CPtr> xs) {
+    for (const CPtr& x : xs)
+      if (x.t != xs.begin()->t) return false;
+    return true;
+  }
+  bool native_split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
+                             int64_t c) override {
+    if (!one_type({x, y0, y1, y2})) return false;
+    k::split_columns3(x.p, y0.p, y1.p, y2.p, n, a, b, c, dtype_bytes(x.t));
+    return true;
+  }
+  bool native_concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
+                              int64_t c) override {
+    if (!one_type({x0, x1, x2, y})) return false;
+    k::concat_columns3(x0.p, x1.p, x2.p, y.p, n, a, b, c, dtype_bytes(y.t));
+    return true;
+  }
+  bool native_sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
+                               int64_t width) override {
+    if (!one_type({shards, full})) return false;
+    k::sequence_unshard(shards.p, full.p, t, b, s, width, dtype_bytes(full.t));
+    return true;
+  }
+  bool native_sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
+                             int64_t width) override {
+    if (!one_type({full, shards})) return false;
+    k::sequence_shard(full.p, shards.p, t, b, s, width, dtype_bytes(full.t));
+    return true;
+  }
   void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
                               int64_t h, int64_t v0, int64_t vl) override {
     k::vocab_embedding_lookup(tokens, table, y, n, h, v0, vl);

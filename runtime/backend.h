@@ -20,7 +20,8 @@
 // operand is bf16 (flash attention: head dimensions 64 and 128): cuBLAS GEMMs with fp32
 // accumulation, the bf16 kernels of kernels/cuda/, and its own kernels loading bf16 and storing
 // it rounded, fp32 in between, which compute what the widening computes without the fp32 round
-// trip.
+// trip. The CPU backend runs natively the glue that only moves elements (split_columns3,
+// concat_columns3, sequence_shard, sequence_unshard: bytes moved as they are).
 #pragma once
 
 #include <cstddef>

@@ -237,8 +237,13 @@ void Backend::norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float*
                            int64_t h) {
   if (f32({x, g, beta, y})) return norm_forward(x.f(), g.f(), beta.f(), y.f(), mean, rstd, n, h);
   if (native_norm_forward(x, g, beta, y, mean, rstd, n, h)) return;
-  widened(*this, [&](Widen& w) {
-    norm_forward(w.in(x, n * h), w.in(g, h), w.in(beta, h), w.out(y, n * h), mean, rstd, n, h);
+  // Rows normalise alone, and the backward pass adds into the gain and bias gradients: both go
+  // in blocks of rows, the gain and bias widened once.
+  Widen weights(*this);
+  const float *gf = weights.in(g, h), *bf = weights.in(beta, h);
+  widened(*this, n, 2 * h, [&](Widen& w, int64_t r0, int64_t rows) {
+    norm_forward(w.in(x.at(r0 * h), rows * h), gf, bf, w.out(y.at(r0 * h), rows * h),
+                 mean ? mean + r0 : nullptr, rstd ? rstd + r0 : nullptr, rows, h);
   });
 }
 
@@ -247,9 +252,12 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
   if (f32({x, g, dy, dx}))
     return norm_backward(x.f(), g.f(), has_beta, mean, rstd, dy.f(), dx.f(), dg, dbeta, n, h);
   if (native_norm_backward(x, g, has_beta, mean, rstd, dy, dx, dg, dbeta, n, h)) return;
-  widened(*this, [&](Widen& w) {
-    norm_backward(w.in(x, n * h), w.in(g, h), has_beta, mean, rstd, w.in(dy, n * h),
-                  w.out(dx, n * h), dg, dbeta, n, h);
+  Widen weights(*this);
+  const float* gf = weights.in(g, h);
+  widened(*this, n, 3 * h, [&](Widen& w, int64_t r0, int64_t rows) {
+    norm_backward(w.in(x.at(r0 * h), rows * h), gf, has_beta, mean ? mean + r0 : nullptr,
+                  rstd ? rstd + r0 : nullptr, w.in(dy.at(r0 * h), rows * h),
+                  w.out(dx.at(r0 * h), rows * h), dg, dbeta, rows, h);
   });
 }
 

@@ -30,44 +30,53 @@ double sum_squares(const float* x, int64_t n, double acc) {
   return s;
 }
 
-void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
-                    int64_t b, int64_t c) {
-  const int64_t w = a + b + c;
+void split_columns3(const void* x, void* y0, void* y1, void* y2, int64_t n, int64_t a, int64_t b,
+                    int64_t c, size_t element) {
+  const auto e = static_cast<int64_t>(element), w = a + b + c;
+  const auto* from = static_cast<const char*>(x);
+  auto *to0 = static_cast<char*>(y0), *to1 = static_cast<char*>(y1), *to2 = static_cast<char*>(y2);
   for (int64_t i = 0; i < n; ++i) {
-    const float* row = x + i * w;
-    std::memcpy(y0 + i * a, row, sizeof(float) * a);
-    std::memcpy(y1 + i * b, row + a, sizeof(float) * b);
-    std::memcpy(y2 + i * c, row + a + b, sizeof(float) * c);
+    const char* row = from + i * w * e;
+    std::memcpy(to0 + i * a * e, row, static_cast<size_t>(a * e));
+    std::memcpy(to1 + i * b * e, row + a * e, static_cast<size_t>(b * e));
+    std::memcpy(to2 + i * c * e, row + (a + b) * e, static_cast<size_t>(c * e));
   }
 }
 
-void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
-                     int64_t a, int64_t b, int64_t c) {
-  const int64_t w = a + b + c;
+void concat_columns3(const void* x0, const void* x1, const void* x2, void* y, int64_t n, int64_t a,
+                     int64_t b, int64_t c, size_t element) {
+  const auto e = static_cast<int64_t>(element), w = a + b + c;
+  const auto *from0 = static_cast<const char*>(x0), *from1 = static_cast<const char*>(x1),
+             *from2 = static_cast<const char*>(x2);
+  auto* to = static_cast<char*>(y);
   for (int64_t i = 0; i < n; ++i) {
-    float* row = y + i * w;
-    std::memcpy(row, x0 + i * a, sizeof(float) * a);
-    std::memcpy(row + a, x1 + i * b, sizeof(float) * b);
-    std::memcpy(row + a + b, x2 + i * c, sizeof(float) * c);
+    char* row = to + i * w * e;
+    std::memcpy(row, from0 + i * a * e, static_cast<size_t>(a * e));
+    std::memcpy(row + a * e, from1 + i * b * e, static_cast<size_t>(b * e));
+    std::memcpy(row + (a + b) * e, from2 + i * c * e, static_cast<size_t>(c * e));
   }
 }
 
-void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
-                      int64_t width) {
-  const int64_t sl = s / t, block = sl * width;
+void sequence_unshard(const void* shards, void* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, size_t element) {
+  const auto e = static_cast<int64_t>(element);
+  const int64_t sl = s / t, block = sl * width * e;
   for (int64_t r = 0; r < t; ++r)
     for (int64_t bi = 0; bi < b; ++bi)
-      std::memcpy(full + (bi * s + r * sl) * width, shards + (r * b + bi) * block,
-                  sizeof(float) * block);
+      std::memcpy(static_cast<char*>(full) + (bi * s + r * sl) * width * e,
+                  static_cast<const char*>(shards) + (r * b + bi) * block,
+                  static_cast<size_t>(block));
 }
 
-void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
-                    int64_t width) {
-  const int64_t sl = s / t, block = sl * width;
+void sequence_shard(const void* full, void* shards, int64_t t, int64_t b, int64_t s, int64_t width,
+                    size_t element) {
+  const auto e = static_cast<int64_t>(element);
+  const int64_t sl = s / t, block = sl * width * e;
   for (int64_t r = 0; r < t; ++r)
     for (int64_t bi = 0; bi < b; ++bi)
-      std::memcpy(shards + (r * b + bi) * block, full + (bi * s + r * sl) * width,
-                  sizeof(float) * block);
+      std::memcpy(static_cast<char*>(shards) + (r * b + bi) * block,
+                  static_cast<const char*>(full) + (bi * s + r * sl) * width * e,
+                  static_cast<size_t>(block));
 }
 
 void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,

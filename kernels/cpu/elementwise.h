@@ -5,6 +5,7 @@
 // backend replaces exactly this list. All arrays are dense row-major fp32.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace ptdp::kernels {
@@ -19,18 +20,20 @@ void scale(float* x, int64_t n, double f);
 // acc + the sum of squares, accumulated in double in index order.
 double sum_squares(const float* x, int64_t n, double acc = 0);
 
+// These four move elements of `element` bytes (fp32 by default; bf16's 2 as they are, with no
+// widening: a bf16 run's glue).
 // Rows of x [n, a + b + c] split into y0 [n, a], y1 [n, b], y2 [n, c], and back.
-void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
-                    int64_t b, int64_t c);
-void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
-                     int64_t a, int64_t b, int64_t c);
+void split_columns3(const void* x, void* y0, void* y1, void* y2, int64_t n, int64_t a, int64_t b,
+                    int64_t c, size_t element = sizeof(float));
+void concat_columns3(const void* x0, const void* x1, const void* x2, void* y, int64_t n, int64_t a,
+                     int64_t b, int64_t c, size_t element = sizeof(float));
 
 // Sequence parallelism. `shards` is t blocks, rank-major, each [b, s/t, width] (what an
 // all-gather returns and a reduce-scatter takes); `full` is [b, s, width].
-void sequence_unshard(const float* shards, float* full, int64_t t, int64_t b, int64_t s,
-                      int64_t width);
-void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int64_t s,
-                    int64_t width);
+void sequence_unshard(const void* shards, void* full, int64_t t, int64_t b, int64_t s,
+                      int64_t width, size_t element = sizeof(float));
+void sequence_shard(const void* full, void* shards, int64_t t, int64_t b, int64_t s, int64_t width,
+                    size_t element = sizeof(float));
 
 // Vocabulary-parallel embedding: this rank holds rows [v0, v0 + vl) of the table. Rows of y for
 // tokens outside the shard are zero; the gradient adds only rows inside it.
