@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
@@ -911,6 +912,104 @@ TEST(MixedPrecision, TypedCallsAreTheFp32KernelOnBf16Values) {
   std::vector<float> back(x.size());
   be->copy(CPtr(x.data(), DType::kBF16), Ptr(back.data()), n * in);
   EXPECT_EQ(back, xf);
+}
+
+// The CPU backend's widening keeps its fp32 temporaries near one block of rows
+// (Backend::widen_block_elements, 2^18 floats, GEMMs at least 128 rows) plus a weight: a GEMM
+// whose widened operands and output would take 17 MiB whole, a norm's backward, and the glue
+// that only moves elements (no temporaries at all). Results stay the fp32 kernel's on the bf16
+// values: rows computed alone are unchanged, and a weight gradient accumulated block by block
+// differs only in its summation order.
+TEST(MixedPrecision, WidenedTemporariesStayWithinABlockOfRows) {
+  auto be = make_backend("cpu");
+  const int64_t n = 4096, in = 64, out = 1024;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto bf16_values = [&](int64_t k) {
+    std::vector<uint16_t> v(static_cast<size_t>(k));
+    for (auto& e : v) e = float_to_bf16(normal(rng));
+    return v;
+  };
+  auto widen = [](const std::vector<uint16_t>& v) {
+    std::vector<float> f(v.size());
+    for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+    return f;
+  };
+  auto bf = [](std::vector<uint16_t>& v) { return Ptr(v.data(), DType::kBF16); };
+  auto extra = [](const std::function<void()>& call) {  // bytes allocated beyond the start
+    MemoryCounter::reset_peak();
+    const int64_t before = MemoryCounter::current();
+    call();
+    EXPECT_EQ(MemoryCounter::current(), before);
+    return MemoryCounter::peak() - before;
+  };
+  auto x = bf16_values(n * in), w = bf16_values(out * in), dy = bf16_values(n * out);
+  std::vector<uint16_t> y(static_cast<size_t>(n * out)), dx(static_cast<size_t>(n * in));
+  const int64_t block = std::max<int64_t>(128, (int64_t{1} << 18) / (in + out)) * (in + out) * 4;
+  const int64_t weight = out * in * 4;
+  EXPECT_LE(extra([&] { be->linear_forward(bf(x), bf(w), nullptr, bf(y), n, in, out); }),
+            weight + block);
+  EXPECT_LE(extra([&] { be->linear_dgrad(bf(w), bf(dy), bf(dx), n, in, out); }), weight + block);
+  std::vector<float> dw(static_cast<size_t>(out * in)), dw_whole(dw.size());
+  EXPECT_LE(extra([&] { be->linear_wgrad(bf(x), bf(dy), dw.data(), nullptr, n, in, out); }), block);
+  const auto xf = widen(x), wf = widen(w), dyf = widen(dy);
+  std::vector<float> yf(y.size()), dxf(dx.size());
+  be->linear_forward(xf.data(), wf.data(), nullptr, yf.data(), n, in, out);
+  be->linear_dgrad(wf.data(), dyf.data(), dxf.data(), n, in, out);
+  be->linear_wgrad(xf.data(), dyf.data(), dw_whole.data(), nullptr, n, in, out);
+  for (size_t i = 0; i < y.size(); i += 97) EXPECT_EQ(y[i], float_to_bf16(yf[i])) << i;
+  for (size_t i = 0; i < dx.size(); i += 31) EXPECT_EQ(dx[i], float_to_bf16(dxf[i])) << i;
+  for (size_t i = 0; i < dw.size(); i += 13)
+    EXPECT_NEAR(dw[i], dw_whole[i], 1e-4 * (1 + std::abs(dw_whole[i]))) << i;
+
+  // A LayerNorm's backward over [n, h]: dx row by row as the whole call gives it, the gain and
+  // bias gradients summed block by block.
+  const int64_t h = 512;
+  auto xn = bf16_values(n * h), g = bf16_values(h), beta = bf16_values(h), dyn = bf16_values(n * h);
+  std::vector<uint16_t> yn(xn.size()), dxn(xn.size());
+  std::vector<float> mean(static_cast<size_t>(n)), rstd(mean.size()), dg(h), db(h);
+  const int64_t norm_block = (int64_t{1} << 18) * 4 + 2 * h * 4;
+  EXPECT_LE(extra([&] {
+              be->norm_forward(bf(xn), bf(g), bf(beta), bf(yn), mean.data(), rstd.data(), n, h);
+            }),
+            norm_block);
+  EXPECT_LE(extra([&] {
+              be->norm_backward(bf(xn), bf(g), true, mean.data(), rstd.data(), bf(dyn), bf(dxn),
+                                dg.data(), db.data(), n, h);
+            }),
+            norm_block);
+  const auto xnf = widen(xn), gf = widen(g), betaf = widen(beta), dynf = widen(dyn);
+  std::vector<float> ynf(xnf.size()), dxnf(xnf.size()), meanf(mean.size()), rstdf(mean.size()),
+      dgf(h), dbf(h);
+  be->norm_forward(xnf.data(), gf.data(), betaf.data(), ynf.data(), meanf.data(), rstdf.data(), n,
+                   h);
+  be->norm_backward(xnf.data(), gf.data(), true, meanf.data(), rstdf.data(), dynf.data(),
+                    dxnf.data(), dgf.data(), dbf.data(), n, h);
+  EXPECT_EQ(mean, meanf);
+  EXPECT_EQ(rstd, rstdf);
+  for (size_t i = 0; i < yn.size(); i += 37) EXPECT_EQ(yn[i], float_to_bf16(ynf[i])) << i;
+  for (size_t i = 0; i < dxn.size(); i += 37) EXPECT_EQ(dxn[i], float_to_bf16(dxnf[i])) << i;
+  for (int64_t j = 0; j < h; ++j) {
+    EXPECT_NEAR(dg[static_cast<size_t>(j)], dgf[static_cast<size_t>(j)],
+                1e-3 * (1 + std::abs(dgf[static_cast<size_t>(j)])));
+    EXPECT_NEAR(db[static_cast<size_t>(j)], dbf[static_cast<size_t>(j)],
+                1e-3 * (1 + std::abs(dbf[static_cast<size_t>(j)])));
+  }
+
+  // Moves: no temporaries, the bytes themselves.
+  const int64_t a = 40, bw = 16, c = 8;
+  auto packed = bf16_values(n * (a + bw + c));
+  std::vector<uint16_t> p0(static_cast<size_t>(n * a)), p1(static_cast<size_t>(n * bw)),
+      p2(static_cast<size_t>(n * c)), back(packed.size()), shards(packed.size());
+  EXPECT_EQ(extra([&] { be->split_columns3(bf(packed), bf(p0), bf(p1), bf(p2), n, a, bw, c); }), 0);
+  EXPECT_EQ(extra([&] { be->concat_columns3(bf(p0), bf(p1), bf(p2), bf(back), n, a, bw, c); }), 0);
+  EXPECT_EQ(back, packed);
+  EXPECT_EQ(p1[static_cast<size_t>(3 * bw + 2)],
+            packed[static_cast<size_t>(3 * (a + bw + c) + a + 2)]);
+  EXPECT_EQ(extra([&] { be->sequence_shard(bf(packed), bf(shards), 4, 2, n / 2, a + bw + c); }), 0);
+  EXPECT_EQ(extra([&] { be->sequence_unshard(bf(shards), bf(back), 4, 2, n / 2, a + bw + c); }), 0);
+  EXPECT_EQ(back, packed);
+  EXPECT_NE(shards, packed);
 }
 
 }  // namespace
