@@ -1,4 +1,5 @@
-// Google Benchmark timings of the CUDA kernels (kernels/cuda/) and a cuBLASLt GEMM, timed with
+// Google Benchmark timings of the CUDA kernels (kernels/cuda/, and the MoE row moves of
+// runtime/cuda/fp32_kernels.h) and a cuBLASLt GEMM, timed with
 // CUDA events around each call (manual time), at the shapes of a GPT-3-like layer: hidden 4096,
 // 32 heads of 128, sequence 2048, micro-batch 4, vocabulary 50304 split over t = 2 ranks.
 // Counters: bytes/s for the memory-bound kernels (bytes the kernel must move at least), FLOP/s
@@ -18,6 +19,7 @@
 #include "kernels/cuda/grad_norm.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
+#include "runtime/cuda/fp32_kernels.h"
 
 namespace {
 
@@ -261,6 +263,38 @@ void BM_GradNorm(benchmark::State& state) {  // 100M fp32 gradients
   run(state, n * 4.0, 0, [&] { kc::sum_squares(g.as<float>(), n, acc.as<double>(), nullptr); });
 }
 BENCHMARK(BM_GradNorm)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// An MoE layer's row moves (runtime/cuda/fp32_kernels.h) on bf16 rows of width kHidden: the
+// permutation (each of the tokens' top-2 rows gathered) and the unpermutation (each token's two
+// rows weighted and added onto its output), with a routing that sends token i to experts
+// spread over the rows. Bytes: the rows read and written, the tokens' outputs read and written.
+void BM_MoePermute(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, k = 2, rows = n * k, h = kHidden;
+  Buf x(n * h * 2), y(rows * h * 2), index(rows * 8);
+  std::vector<int64_t> token(rows);
+  for (int64_t r = 0; r < rows; ++r) token[r] = (r * 7919) % n;
+  PTDP_CUDA_CHECK(cudaMemcpy(index.p, token.data(), rows * 8, cudaMemcpyHostToDevice));
+  run(state, 2.0 * rows * h * 2, 0, [&] {
+    ptdp::cuda_fp32::gather_rows(x.as<bf16>(), index.as<int64_t>(), nullptr, y.as<bf16>(), rows, h,
+                                 nullptr);
+  });
+}
+BENCHMARK(BM_MoePermute)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_MoeUnpermute(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, k = 2, rows = n * k, h = kHidden;
+  Buf y(rows * h * 2), out(n * h * 2), index(rows * 8), weight(rows * 4);
+  std::vector<int64_t> row_of(rows);
+  for (int64_t r = 0; r < rows; ++r) row_of[r] = (r * 7919) % rows;
+  PTDP_CUDA_CHECK(cudaMemcpy(index.p, row_of.data(), rows * 8, cudaMemcpyHostToDevice));
+  run(state, (rows + 2.0 * n) * h * 2, 0, [&] {
+    ptdp::cuda_fp32::gather_add_rows(y.as<bf16>(), index.as<int64_t>(), weight.as<float>(),
+                                     out.as<bf16>(), n, k, h, nullptr);
+  });
+}
+BENCHMARK(BM_MoeUnpermute)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 
