@@ -34,6 +34,13 @@ namespace {
 
 namespace k = kernels;
 
+// Whether every operand has the first one's element type.
+bool one_type(std::initializer_list<DType> types) {
+  for (DType t : types)
+    if (t != *types.begin()) return false;
+  return true;
+}
+
 // bf16 elements as their bit patterns (kernels/cpu/moe.h's row moves).
 const uint16_t* bits(CPtr x) {
   return static_cast<const uint16_t*>(x.p);
@@ -214,32 +221,27 @@ class CpuBackend : public Backend {
   // The typed glue that only moves elements runs on any one element type as it is, with no
   // widened copies (a bf16 run's split of q, k and v, their gradients' concatenation, and the
   // sequence-parallel reorders).
-  static bool one_type(std::initializer_list<CPtr> xs) {
-    for (const CPtr& x : xs)
-      if (x.t != xs.begin()->t) return false;
-    return true;
-  }
   bool native_split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b,
                              int64_t c) override {
-    if (!one_type({x, y0, y1, y2})) return false;
+    if (!one_type({x.t, y0.t, y1.t, y2.t})) return false;
     k::split_columns3(x.p, y0.p, y1.p, y2.p, n, a, b, c, dtype_bytes(x.t));
     return true;
   }
   bool native_concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
                               int64_t c) override {
-    if (!one_type({x0, x1, x2, y})) return false;
+    if (!one_type({x0.t, x1.t, x2.t, y.t})) return false;
     k::concat_columns3(x0.p, x1.p, x2.p, y.p, n, a, b, c, dtype_bytes(y.t));
     return true;
   }
   bool native_sequence_unshard(CPtr shards, Ptr full, int64_t t, int64_t b, int64_t s,
                                int64_t width) override {
-    if (!one_type({shards, full})) return false;
+    if (!one_type({shards.t, full.t})) return false;
     k::sequence_unshard(shards.p, full.p, t, b, s, width, dtype_bytes(full.t));
     return true;
   }
   bool native_sequence_shard(CPtr full, Ptr shards, int64_t t, int64_t b, int64_t s,
                              int64_t width) override {
-    if (!one_type({full, shards})) return false;
+    if (!one_type({full.t, shards.t})) return false;
     k::sequence_shard(full.p, shards.p, t, b, s, width, dtype_bytes(full.t));
     return true;
   }
@@ -433,9 +435,8 @@ class StagedCpuBackend final : public CpuBackend {
 }  // namespace
 
 bool row_moves_bf16(std::initializer_list<DType> types) {
+  if (!one_type(types)) throw std::logic_error("the MoE row moves take rows of one type");
   const DType t = *types.begin();
-  for (DType u : types)
-    if (u != t) throw std::logic_error("the MoE row moves take rows of one type");
   if (t != DType::kF32 && t != DType::kBF16)
     throw std::logic_error("the MoE row moves take fp32 or bf16 rows, not " + to_string(t));
   return t == DType::kBF16;

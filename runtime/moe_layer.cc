@@ -63,7 +63,7 @@ Counts exchange_counts(Communicator& comm, const Counts& mine, int64_t per_peer,
 // Of the routed type, as `out` is.
 void exchange_rows(Communicator& comm, CPtr in, const Counts& send_rows, Buffer& out,
                    const Counts& recv_rows, int64_t h) {
-  resize(out, total(recv_rows) * h);
+  resize_for_overwrite(out, total(recv_rows) * h);  // every row arrives
   if (out.dtype() != in.t) throw std::logic_error("MoE rows exchanged into another type");
   comm.all_to_all_v(in.p, elements(send_rows, h), out.raw(), elements(recv_rows, h), in.t);
 }
@@ -71,7 +71,8 @@ void exchange_rows(Communicator& comm, CPtr in, const Counts& send_rows, Buffer&
 // Rows held as blocks (a, b) a-major, `rows` each, in b-major order.
 Buffer transpose(Backend& be, const Buffer& in, const Counts& rows, int64_t A, int64_t B,
                  int64_t h) {
-  Buffer out(in.size(), in.dtype());
+  Buffer out(in.dtype());
+  resize_for_overwrite(out, total(rows) * h);  // every row gathered
   std::vector<int64_t> index(static_cast<size_t>(total(rows)));
   kernels::transpose_blocks_index(rows.data(), A, B, index.data());
   be.gather_rows(in.ptr(), index.data(), nullptr, out.ptr(), total(rows), h);
@@ -84,7 +85,8 @@ void etp_gather(ShardContext& c, MoeContext& mc, const Buffer& in, const Counts&
                 const Counts& gathered, Buffer& out) {
   const MoeDims& d = mc.dims();
   const int64_t h = c.dims.h, n = total(mine);
-  Buffer repeated(static_cast<size_t>(d.etp * n * h), in.dtype());
+  Buffer repeated(in.dtype());
+  resize_for_overwrite(repeated, d.etp * n * h);
   for (int64_t r = 0; r < d.etp; ++r) c.be.copy(in.ptr(), repeated.ptr().at(r * n * h), n * h);
   Buffer got(in.dtype());
   exchange_rows(mc.etp(), repeated.ptr(), Counts(static_cast<size_t>(d.etp), n), got,
@@ -111,6 +113,11 @@ void etp_reduce_scatter(ShardContext& c, MoeContext& mc, const Buffer& in, const
                     CommGroup::kExpertTensor);
 }
 
+// Bytes of `rows` routed rows of width h in `b`'s type (what an all-to-all moves).
+double row_bytes(const Buffer& b, int64_t rows, int64_t h) {
+  return static_cast<double>(rows * h * static_cast<int64_t>(dtype_bytes(b.dtype())));
+}
+
 // Rows in permuted order (this rank's tokens, grouped by expert) to the experts' ranks; arrive
 // expert-major ([local expert][ep source]).
 void to_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs& A, Buffer& out) {
@@ -120,9 +127,7 @@ void to_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeActs
   exchange_rows(mc.ep(), in.ptr(), row_sums(A.counts, d.ep, d.local_experts), got,
                 row_sums(A.recv, d.ep, d.local_experts), h);
   out = transpose(c.be, got, A.recv, d.ep, d.local_experts, h);
-  c.collective_done(Collective::kAllToAll,
-                    static_cast<double>(A.rows * h * static_cast<int64_t>(dtype_bytes(in.dtype()))),
-                    CommGroup::kExpert);
+  c.collective_done(Collective::kAllToAll, row_bytes(in, A.rows, h), CommGroup::kExpert);
 }
 
 // The inverse: expert-major rows back to the ranks of their tokens, in permuted order.
@@ -134,9 +139,7 @@ void from_experts(ShardContext& c, MoeContext& mc, const Buffer& in, const MoeAc
       transpose(c.be, in, transposed(A.recv, d.ep, d.local_experts), d.local_experts, d.ep, h);
   exchange_rows(mc.ep(), by_source.ptr(), row_sums(A.recv, d.ep, d.local_experts), out,
                 row_sums(A.counts, d.ep, d.local_experts), h);
-  c.collective_done(Collective::kAllToAll,
-                    static_cast<double>(A.rows * h * static_cast<int64_t>(dtype_bytes(in.dtype()))),
-                    CommGroup::kExpert);
+  c.collective_done(Collective::kAllToAll, row_bytes(in, A.rows, h), CommGroup::kExpert);
 }
 
 Counts local_rows(const MoeDims& d, const MoeActs& A) {  // per local expert, after the dispatch
@@ -173,7 +176,8 @@ float* opt_grad(ShardContext& c, int64_t off) {
 // `converted`.
 CPtr as_type(ShardContext& c, const Buffer& x, DType t, Buffer& converted) {
   if (x.dtype() == t) return x.ptr();
-  converted = Buffer(x.size(), t);
+  converted = Buffer(t);
+  resize_for_overwrite(converted, elems(x));
   c.be.copy(x.ptr(), converted.ptr(), elems(x));
   return converted.ptr();
 }
@@ -403,6 +407,10 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
           kernels::permutation(A.expert.data(), n, k, E, A.slot_of_row.data(), A.counts.data());
       A.token_of_row.resize(static_cast<size_t>(A.rows));
       kernels::token_of_rows(A.slot_of_row.data(), A.rows, k, A.token_of_row.data());
+      A.row_of.resize(static_cast<size_t>(n * k));
+      A.row_prob.resize(static_cast<size_t>(n * k));
+      kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, A.prob.data(), A.row_of.data(),
+                              A.row_prob.data());
       {
         // Without expert parallelism, straight into the experts' rows (no dispatch runs).
         Buffer& rows = d.ep > 1 ? A.permuted : A.x;
@@ -477,15 +485,10 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
       break;
     case OpId::kMoeUnpermute:
       // Added to the shared experts' output where there are shared experts.
-      {
-        std::vector<int64_t> row_of(static_cast<size_t>(n * k));
-        std::vector<float> weight(static_cast<size_t>(n * k));
-        kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, A.prob.data(), row_of.data(),
-                                weight.data());
-        into(c, out, d.shared, n * h, model_type, R, [&](Ptr y) {
-          be.gather_add_rows(combined_rows(d, A).ptr(), row_of.data(), weight.data(), y, n, k, h);
-        });
-      }
+      into(c, out, d.shared, n * h, model_type, R, [&](Ptr y) {
+        be.gather_add_rows(combined_rows(d, A).ptr(), A.row_of.data(), A.row_prob.data(), y, n, k,
+                           h);
+      });
       break;
     default:
       throw std::logic_error("not a forward op of an MoE layer");
@@ -585,13 +588,8 @@ void moe_backward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPar
     }
     case OpId::kMoePermuteBackward:
       // Added to the shared experts' input gradient where there are shared experts.
-      {
-        std::vector<int64_t> row_of(static_cast<size_t>(n * k));
-        kernels::rows_of_tokens(A.slot_of_row.data(), A.rows, n, k, nullptr, row_of.data(),
-                                nullptr);
-        into(c, d_x, d.shared, n * h, model_type, R,
-             [&](Ptr y) { be.gather_add_rows(A.d_x.ptr(), row_of.data(), nullptr, y, n, k, h); });
-      }
+      into(c, d_x, d.shared, n * h, model_type, R,
+           [&](Ptr y) { be.gather_add_rows(A.d_x.ptr(), A.row_of.data(), nullptr, y, n, k, h); });
       consumed(A, A.d_x);
       break;
     case OpId::kRouterTopkBackward: {

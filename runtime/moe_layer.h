@@ -70,6 +70,8 @@ struct MoeActs {
   std::vector<float> prob, dprob;       // [n_local * k]
   std::vector<int64_t> slot_of_row;     // permuted row -> token * k + slot
   std::vector<int64_t> token_of_row;    // permuted row -> token
+  std::vector<int64_t> row_of;          // [n_local * k]: each token's rows, ascending, then -1
+  std::vector<float> row_prob;          // [n_local * k]: their probabilities (0 for -1)
   std::vector<int64_t> counts;          // rows per expert (all E), this rank's tokens
   std::vector<int64_t> recv;            // [ep source][local expert] rows received
   std::vector<int64_t> gathered;        // [etp source][local expert] rows after the gather

@@ -867,24 +867,31 @@ TEST(Buffers, ResizeForOverwriteLeavesNaNWhereResizeLeavesZero) {
   }
 }
 
+// Normal random values rounded to bf16 (raw bits), drawn in order from one seed; and bf16 bits
+// widened back to fp32.
+struct Bf16Values {
+  explicit Bf16Values(uint32_t seed) : rng(seed) {}
+  std::vector<uint16_t> operator()(int64_t k) {
+    std::vector<uint16_t> v(static_cast<size_t>(k));
+    for (auto& e : v) e = float_to_bf16(normal(rng));
+    return v;
+  }
+  std::mt19937 rng;
+  std::normal_distribution<float> normal{0.0f, 1.0f};
+};
+std::vector<float> widen(const std::vector<uint16_t>& v) {
+  std::vector<float> f(v.size());
+  for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
+  return f;
+}
+
 // The Backend's typed forms (runtime/mixed_precision.cc): a call on bf16 operands is the fp32
 // kernel on their values with its outputs rounded to bf16, and a call on fp32 operands is the
 // fp32 kernel itself.
 TEST(MixedPrecision, TypedCallsAreTheFp32KernelOnBf16Values) {
   auto be = make_backend("cpu");
   const int64_t n = 7, in = 13, out = 5;
-  std::mt19937 rng(3);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto bf16_values = [&](int64_t k) {
-    std::vector<uint16_t> v(static_cast<size_t>(k));
-    for (auto& e : v) e = float_to_bf16(normal(rng));
-    return v;
-  };
-  auto widen = [](const std::vector<uint16_t>& v) {
-    std::vector<float> f(v.size());
-    for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
-    return f;
-  };
+  Bf16Values bf16_values(3);
   const auto x = bf16_values(n * in), w = bf16_values(out * in), b = bf16_values(out);
   std::vector<uint16_t> y(static_cast<size_t>(n * out));
   be->linear_forward(CPtr(x.data(), DType::kBF16), CPtr(w.data(), DType::kBF16),
@@ -923,18 +930,7 @@ TEST(MixedPrecision, TypedCallsAreTheFp32KernelOnBf16Values) {
 TEST(MixedPrecision, WidenedTemporariesStayWithinABlockOfRows) {
   auto be = make_backend("cpu");
   const int64_t n = 4096, in = 64, out = 1024;
-  std::mt19937 rng(5);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  auto bf16_values = [&](int64_t k) {
-    std::vector<uint16_t> v(static_cast<size_t>(k));
-    for (auto& e : v) e = float_to_bf16(normal(rng));
-    return v;
-  };
-  auto widen = [](const std::vector<uint16_t>& v) {
-    std::vector<float> f(v.size());
-    for (size_t i = 0; i < v.size(); ++i) f[i] = bf16_to_float(v[i]);
-    return f;
-  };
+  Bf16Values bf16_values(5);
   auto bf = [](std::vector<uint16_t>& v) { return Ptr(v.data(), DType::kBF16); };
   auto extra = [](const std::function<void()>& call) {  // bytes allocated beyond the start
     MemoryCounter::reset_peak();

@@ -125,9 +125,8 @@ void gather_add_rows(const T* y, const int64_t* index, const float* weight, int6
       const int64_t r = index[i * k + j];
       if (r < 0) continue;
       const T* v = y + r * h;
-      const float w = weight ? weight[i * k + j] : 1.0f;
-      for (int64_t c = 0; c < h; ++c)
-        sum[static_cast<size_t>(c)] += weight ? w * load(v[c]) : load(v[c]);
+      const float w = weight ? weight[i * k + j] : 1.0f;  // 1 * x is x exactly
+      for (int64_t c = 0; c < h; ++c) sum[static_cast<size_t>(c)] += w * load(v[c]);
     }
     for (int64_t c = 0; c < h; ++c) store(sum[static_cast<size_t>(c)], o + c);
   }
@@ -158,15 +157,15 @@ void token_of_rows(const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t*
 }
 
 void rows_of_tokens(const int64_t* slot_of_row, int64_t rows, int64_t n, int64_t k,
-                    const float* weight, int64_t* row_of, float* row_weight) {
+                    const float* prob, int64_t* row_of, float* row_prob) {
   std::vector<int64_t> filled(static_cast<size_t>(n), 0);
   std::fill(row_of, row_of + n * k, int64_t{-1});
-  if (row_weight) std::fill(row_weight, row_weight + n * k, 0.0f);
+  std::fill(row_prob, row_prob + n * k, 0.0f);
   for (int64_t r = 0; r < rows; ++r) {  // rows ascend, so each token's entries do too
     const int64_t s = slot_of_row[r], i = s / k;
     const int64_t at = i * k + filled[static_cast<size_t>(i)]++;
     row_of[at] = r;
-    if (row_weight) row_weight[at] = weight[s];
+    row_prob[at] = prob[s];
   }
 }
 

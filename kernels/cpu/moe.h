@@ -53,10 +53,10 @@ void row_dots(const T* a, const int64_t* index, const T* b, int64_t rows, int64_
 // The token of each row: token_of_row[r] = slot_of_row[r] / k (permute: gather_rows of x).
 void token_of_rows(const int64_t* slot_of_row, int64_t rows, int64_t k, int64_t* token_of_row);
 // For each of n tokens its k entries: the rows holding its slots in ascending row order, then
-// -1 (dropped slots); with `weight` (prob[n * k]) not null, `row_weight` gets prob of each
-// entry's slot (0 for -1). gather_add_rows over these sums a token's rows in row order.
+// -1 (dropped slots), and in `row_prob` the probability (prob[n * k]) of each entry's slot (0 for
+// -1). gather_add_rows over these sums a token's rows in row order.
 void rows_of_tokens(const int64_t* slot_of_row, int64_t rows, int64_t n, int64_t k,
-                    const float* weight, int64_t* row_of, float* row_weight);
+                    const float* prob, int64_t* row_of, float* row_prob);
 // Rows held as blocks (a, b) in a-major order, rows[a * B + b] rows each, rewritten in b-major
 // order (the chunk sort around an all-to-all): out row i is in row index[i]. Its inverse is the
 // same call with the counts transposed.

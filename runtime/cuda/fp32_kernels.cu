@@ -545,8 +545,8 @@ __global__ void gather_add_rows_k(const T* y, const int64_t* index, const float*
     float o = as_float(out[i * h + c]);
     for (int64_t j = 0; j < slots; ++j) {
       if (rows[j] < 0) continue;
-      const float v = as_float(y[rows[j] * h + c]);
-      o += weight ? weight[i * slots + j] * v : v;
+      const float w = weight ? weight[i * slots + j] : 1.0f;  // 1 * x is x exactly
+      o += w * as_float(y[rows[j] * h + c]);
     }
     out[i * h + c] = store<T>(o);
   }

@@ -824,6 +824,21 @@ TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
   gpu_->deallocate(p, 4096);
 }
 
+// `m` trained on one rank in `precision` on the CPU backend and on the GPU: each step's loss
+// within `rel` (relative) of the CPU's, and the GPU's falling.
+void expect_gpu_losses_track_the_cpu(const ModelSpec& m, DType precision, double rel) {
+  std::vector<std::vector<double>> runs;
+  for (const char* be : {"cpu", "cuda"}) {
+    TrainOptions o = cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps);
+    o.precision = precision;
+    runs.push_back(cuda_test::losses_of_one_rank(o));
+  }
+  ASSERT_EQ(runs[1].size(), runs[0].size()) << m.name;
+  for (size_t i = 0; i < runs[0].size(); ++i)
+    EXPECT_NEAR(runs[1][i], runs[0][i], rel * std::abs(runs[0][i])) << m.name << " step " << i;
+  EXPECT_LT(runs[1].back(), runs[1].front()) << m.name;
+}
+
 // Whole runs on one rank: the GPU's losses follow the CPU backend's from the same seed (fp32 on
 // both; the sums are added in other orders, so not to the bit), for the GPT shape and the
 // Llama shape (grouped queries, SwiGLU with RMSNorm and no biases, rotary, untied head), that
@@ -841,15 +856,7 @@ TEST(CudaBackendTraining, LossesTrackTheCpuBackend) {
   ModelSpec flash = llama;  // --use-flash-attn: the fused attention kernels
   flash.flash_attention = true;
   for (const ModelSpec& m : {gpt, llama, flash}) {
-    std::vector<std::vector<double>> runs;
-    for (const char* be : {"cpu", "cuda"}) {
-      runs.push_back(cuda_test::losses_of_one_rank(
-          cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps)));
-    }
-    ASSERT_EQ(runs[1].size(), runs[0].size());
-    for (size_t i = 0; i < runs[0].size(); ++i)
-      EXPECT_NEAR(runs[1][i], runs[0][i], 1e-3 * std::abs(runs[0][i])) << "step " << i;
-    EXPECT_LT(runs[1].back(), runs[1].front());
+    expect_gpu_losses_track_the_cpu(m, DType::kF32, 1e-3);
   }
 }
 
@@ -875,16 +882,7 @@ TEST(CudaBackendTraining, Bf16LossesTrackTheCpuBackend) {
   flash.ffn_hidden_size = 192;
   flash.flash_attention = true;
   for (const ModelSpec& m : {gpt, llama, flash}) {
-    std::vector<std::vector<double>> runs;
-    for (const char* be : {"cpu", "cuda"}) {
-      TrainOptions o = cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps);
-      o.precision = DType::kBF16;
-      runs.push_back(cuda_test::losses_of_one_rank(o));
-    }
-    ASSERT_EQ(runs[1].size(), runs[0].size());
-    for (size_t i = 0; i < runs[0].size(); ++i)
-      EXPECT_NEAR(runs[1][i], runs[0][i], 2e-2 * std::abs(runs[0][i])) << "step " << i;
-    EXPECT_LT(runs[1].back(), runs[1].front());
+    expect_gpu_losses_track_the_cpu(m, DType::kBF16, 2e-2);
   }
 }
 
@@ -962,16 +960,7 @@ TEST(CudaBackendMoe, Bf16LossesTrackTheCpuBackend) {
   m.ffn_hidden_size = 96;
   m.moe_shared_expert_ffn_size = 32;
   m.moe_capacity_factor = 1.0;
-  std::vector<std::vector<double>> runs;
-  for (const char* be : {"cpu", "cuda"}) {
-    TrainOptions o = cuda_test::tiny_training(m, be, cuda_test::kTrainingSteps);
-    o.precision = DType::kBF16;
-    runs.push_back(cuda_test::losses_of_one_rank(o));
-  }
-  ASSERT_EQ(runs[1].size(), runs[0].size());
-  for (size_t i = 0; i < runs[0].size(); ++i)
-    EXPECT_NEAR(runs[1][i], runs[0][i], 2e-2 * std::abs(runs[0][i])) << "step " << i;
-  EXPECT_LT(runs[1].back(), runs[1].front());
+  expect_gpu_losses_track_the_cpu(m, DType::kBF16, 2e-2);
 }
 
 // Traced, the CUDA backend's ops are timed with device markers (runtime/op_timer.h): every op
