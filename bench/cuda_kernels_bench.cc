@@ -119,8 +119,8 @@ void BM_FlashAttentionForward(benchmark::State& state) {
   const double flops = 4.0 * kBatch * kHeads * kSeq * kSeq * kHeadDim / 2;  // causal half
   run(state, 0, flops, [&] {
     kc::flash_attention_forward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
-                                lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr,
-                                kernel);
+                                lse.as<float>(), kBatch, kSeq, kSeq, kHeads, kHeads, kHeadDim,
+                                nullptr, kernel);
   });
 }
 BENCHMARK(BM_FlashAttentionForward)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMillisecond);
@@ -132,13 +132,14 @@ void BM_FlashAttentionBackward(benchmark::State& state) {
   Buf q(qkv * 2), k(qkv * 2), v(qkv * 2), o(qkv * 2), dout(qkv * 2), dq(qkv * 2), dk(qkv * 2),
       dv(qkv * 2), lse(kBatch * kHeads * kSeq * 4);
   kc::flash_attention_forward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
-                              lse.as<float>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr);
+                              lse.as<float>(), kBatch, kSeq, kSeq, kHeads, kHeads, kHeadDim,
+                              nullptr);
   const double flops = 10.0 * kBatch * kHeads * kSeq * kSeq * kHeadDim / 2;  // 5 matmuls, causal
   run(state, 0, flops, [&] {
     kc::flash_attention_backward(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), o.as<bf16>(),
                                  lse.as<float>(), dout.as<bf16>(), dq.as<bf16>(), dk.as<bf16>(),
-                                 dv.as<bf16>(), kBatch, kSeq, kHeads, kHeads, kHeadDim, nullptr,
-                                 kernel);
+                                 dv.as<bf16>(), kBatch, kSeq, kSeq, kHeads, kHeads, kHeadDim,
+                                 nullptr, kernel);
   });
 }
 BENCHMARK(BM_FlashAttentionBackward)

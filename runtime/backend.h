@@ -79,17 +79,20 @@ class Backend {
                                           float* dprobs, float* dv, int64_t b, int64_t s,
                                           int64_t hq, int64_t hk, int64_t d) = 0;
 
-  // Causal attention fused the flash-attention way (--use-flash-attn): q, out [b, s, hq, d], k,
-  // v [b, s, hk, d], lse [b, hq, s] the natural log of each row's softmax denominator over the
-  // scores q.k / sqrt(d). No s x s matrix is kept: the backward pass recomputes the probabilities
-  // from lse and overwrites dq, dk and dv (dk, dv summed over the query heads of a group).
+  // Causal attention fused the flash-attention way (--use-flash-attn): q, out [b, sq, hq, d], k,
+  // v [b, sk, hk, d] (sq <= sk), lse [b, hq, sq] the natural log of each row's softmax
+  // denominator over the scores q.k / sqrt(d). The mask is aligned to the last key (query i
+  // sees keys j <= i + sk - sq): sq == sk is self-attention, sq < sk the last sq queries of a
+  // longer sequence (context parallelism). No s x s matrix is kept: the backward pass recomputes
+  // the probabilities from lse and overwrites dq, dk and dv (dk, dv summed over the query heads of
+  // a group).
   virtual void flash_attention_forward(const float* q, const float* k, const float* v, float* out,
-                                       float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk,
-                                       int64_t d) = 0;
+                                       float* lse, int64_t b, int64_t sq, int64_t sk, int64_t hq,
+                                       int64_t hk, int64_t d) = 0;
   virtual void flash_attention_backward(const float* q, const float* k, const float* v,
                                         const float* out, const float* lse, const float* dout,
-                                        float* dq, float* dk, float* dv, int64_t b, int64_t s,
-                                        int64_t hq, int64_t hk, int64_t d) = 0;
+                                        float* dq, float* dk, float* dv, int64_t b, int64_t sq,
+                                        int64_t sk, int64_t hq, int64_t hk, int64_t d) = 0;
 
   // Norms (beta null: RMSNorm) and activations.
   virtual void norm_forward(const float* x, const float* g, const float* beta, float* y,
@@ -232,11 +235,11 @@ class Backend {
                          int64_t d);
   void attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dprobs, Ptr dv, int64_t b,
                                   int64_t s, int64_t hq, int64_t hk, int64_t d);
-  void flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b, int64_t s,
-                               int64_t hq, int64_t hk, int64_t d);
+  void flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b, int64_t sq,
+                               int64_t sk, int64_t hq, int64_t hk, int64_t d);
   void flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse, CPtr dout,
-                                Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s, int64_t hq,
-                                int64_t hk, int64_t d);
+                                Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t sq, int64_t sk,
+                                int64_t hq, int64_t hk, int64_t d);
   void norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
                     int64_t h);
   void norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd, CPtr dy,
@@ -291,11 +294,12 @@ class Backend {
   // The same for the fused attention, the norms and the activations (the CUDA backend's bf16
   // kernels of kernels/cuda/), with the typed forms' arguments.
   virtual bool native_flash_attention_forward(CPtr, CPtr, CPtr, Ptr, float*, int64_t, int64_t,
-                                              int64_t, int64_t, int64_t) {
+                                              int64_t, int64_t, int64_t, int64_t) {
     return false;
   }
   virtual bool native_flash_attention_backward(CPtr, CPtr, CPtr, CPtr, const float*, CPtr, Ptr, Ptr,
-                                               Ptr, int64_t, int64_t, int64_t, int64_t, int64_t) {
+                                               Ptr, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                               int64_t) {
     return false;
   }
   virtual bool native_norm_forward(CPtr, CPtr, CPtr, Ptr, float*, float*, int64_t, int64_t) {

@@ -81,48 +81,111 @@ void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse) {
   context_rows_from_global(c.be, full.ptr(), x.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
 }
 
-void context_pad_local(ShardContext& c, Buffer& x, int64_t width) {
-  const ShardDims& m = c.dims;
-  Buffer full;
-  resize(full, m.b * m.s_attn * width);
-  c.be.fill_zero(full.ptr(), elems(full));
-  context_rows_to_global(c.be, x.ptr(), full.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
-  x.swap(full);
+namespace {
+
+// Keys seen by each of rank r's two chunks: positions [0, (r + 1) c) and [0, (2 cp - r) c).
+int64_t chunk_keys(const ShardDims& m, int64_t chunk) {
+  const int64_t c = m.s_attn / (2 * m.cp);
+  return (chunk == 0 ? m.cpr + 1 : 2 * m.cp - m.cpr) * c;
 }
 
-void context_keep_local(ShardContext& c, Buffer& x, int64_t width) {
+// A.k and A.v back to this rank's rows.
+void keep_local_kv(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
-  Buffer local;
-  resize(local, m.b * m.s * width);
-  context_rows_from_global(c.be, x.ptr(), local.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
-  x.swap(local);
+  const int64_t width = m.gl * m.d;
+  for (Buffer* x : {&A.k, &A.v}) {
+    Buffer local;
+    resize_for_overwrite(local, m.b * m.s * width);
+    context_rows_from_global(c.be, x->ptr(), local.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
+    x->swap(local);
+  }
 }
 
-void context_exchange_kv(ShardContext& c, LayerActs& A) {
+}  // namespace
+
+bool context_kv_gathered(const ShardContext& c, const LayerActs& A) {
+  const ShardDims& m = c.dims;
+  return elems(A.k) == m.b * m.s_attn * m.gl * m.d;
+}
+
+void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
   const ShardDims& m = c.dims;
   const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
   const int64_t kv = m.b * m.s * width, n = 2 * kv;  // one block: this rank's K, then its V
   if (elems(A.k) != kv || elems(A.v) != kv)
     throw std::logic_error("context parallelism: K and V are not the local block");
   Buffer blocks;
-  resize(blocks, cp * n);
+  resize_for_overwrite(blocks, cp * n);
   c.be.copy(A.k.ptr(), blocks.ptr().at(r * n), kv);
   c.be.copy(A.v.ptr(), blocks.ptr().at(r * n + kv), kv);
   // Ring all-gather: at step i rank r passes on block r - i and receives block r - i - 1.
+  const OpId id = pass == PassKind::kBackward ? OpId::kCpKvExchangeBackward : OpId::kCpKvExchange;
   for (int64_t i = 0; i + 1 < cp; ++i) {
     const int64_t send = (r - i + cp) % cp, recv = (r - i - 1 + 2 * cp) % cp;
-    c.ring_step(OpId::kCpKvExchange, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n);
+    c.ring_step(id, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n, pass);
   }
   Buffer k, v;
-  resize(k, m.b * m.s_attn * width);
-  resize(v, m.b * m.s_attn * width);
-  for (int64_t q = 0; q < cp; ++q) {
+  resize_for_overwrite(k, m.b * m.s_attn * width);
+  resize_for_overwrite(v, m.b * m.s_attn * width);
+  for (int64_t q = 0; q < cp; ++q) {  // every row of k and v is some block's
     context_rows_to_global(c.be, blocks.ptr().at(q * n), k.ptr(), m.b, m.s_attn, cp, q, width);
     context_rows_to_global(c.be, blocks.ptr().at(q * n + kv), v.ptr(), m.b, m.s_attn, cp, q, width);
   }
   A.k.swap(k);
   A.v.swap(v);
-  context_pad_local(c, A.q, m.hl * m.d);
+}
+
+void context_attention_forward(ShardContext& c, LayerActs& A) {
+  const ShardDims& m = c.dims;
+  if (!context_kv_gathered(c, A))
+    throw std::logic_error("context parallelism: K and V are not gathered");
+  const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
+  resize_for_overwrite(A.ctx, m.b * m.s * qrow);
+  resize_for_overwrite(A.lse, m.b * m.hl * m.s);
+  for (int64_t bi = 0; bi < m.b; ++bi)
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t rows = (bi * m.s + h * chunk) * qrow, keys = bi * m.s_attn * krow;
+      c.be.flash_attention_forward(A.q.ptr().at(rows), A.k.ptr().at(keys), A.v.ptr().at(keys),
+                                   A.ctx.ptr().at(rows), A.lse.data() + (bi * 2 + h) * m.hl * chunk,
+                                   1, chunk, chunk_keys(m, h), m.hl, m.gl, m.d);
+    }
+  keep_local_kv(c, A);
+}
+
+void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
+  const ShardDims& m = c.dims;
+  if (!context_kv_gathered(c, A)) {  // K and V round the ring again, then the op goes on
+    const PassKind pass = c.pass();
+    context_exchange_kv(c, A, PassKind::kBackward);
+    c.begin(OpId::kAttnScoresRecompute, pass);
+  }
+  const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
+  resize_for_overwrite(D.dq, m.b * m.s * qrow);
+  resize_for_overwrite(D.dk, m.b * m.s_attn * krow);
+  resize_for_overwrite(D.dv, m.b * m.s_attn * krow);
+  Buffer dk0, dv0;  // the first chunk's part, added to the second chunk's
+  resize_for_overwrite(dk0, chunk_keys(m, 0) * krow);
+  resize_for_overwrite(dv0, chunk_keys(m, 0) * krow);
+  const int64_t seen = chunk_keys(m, 1);  // the second chunk sees every key the first sees
+  for (int64_t bi = 0; bi < m.b; ++bi) {
+    const int64_t keys = bi * m.s_attn * krow;
+    for (int64_t h = 1; h >= 0; --h) {
+      const int64_t rows = (bi * m.s + h * chunk) * qrow;
+      c.be.flash_attention_backward(
+          A.q.ptr().at(rows), A.k.ptr().at(keys), A.v.ptr().at(keys), A.ctx.ptr().at(rows),
+          A.lse.data() + (bi * 2 + h) * m.hl * chunk, D.d_ctx.ptr().at(rows), D.dq.ptr().at(rows),
+          h == 1 ? D.dk.ptr().at(keys) : dk0.ptr(), h == 1 ? D.dv.ptr().at(keys) : dv0.ptr(), 1,
+          chunk, chunk_keys(m, h), m.hl, m.gl, m.d);
+    }
+    c.be.add(D.dk.ptr().at(keys), dk0.ptr(), elems(dk0));
+    c.be.add(D.dv.ptr().at(keys), dv0.ptr(), elems(dv0));
+    const int64_t rest = (m.s_attn - seen) * krow;  // keys after every local query
+    if (rest > 0) {
+      c.be.fill_zero(D.dk.ptr().at(keys + seen * krow), rest);
+      c.be.fill_zero(D.dv.ptr().at(keys + seen * krow), rest);
+    }
+  }
+  keep_local_kv(c, A);
 }
 
 void context_return_dkv(ShardContext& c, LayerGrads& D) {
@@ -141,14 +204,14 @@ void context_return_dkv(ShardContext& c, LayerGrads& D) {
   // its share to the received block r - 2 - i; after cp - 1 steps block r is whole on rank r.
   for (int64_t i = 0; i + 1 < cp; ++i) {
     const int64_t send = (r - 1 - i + 2 * cp) % cp, recv = (r - 2 - i + 3 * cp) % cp;
-    c.ring_step(OpId::kCpKvExchangeBackward, part.ptr().at(send * n), incoming.ptr(), n);
+    c.ring_step(OpId::kCpKvExchangeBackward, part.ptr().at(send * n), incoming.ptr(), n,
+                PassKind::kBackward);
     c.be.add(part.ptr().at(recv * n), incoming.ptr(), n);
   }
   resize(D.dk, kv);
   resize(D.dv, kv);
   c.be.copy(part.ptr().at(r * n), D.dk.ptr(), kv);
   c.be.copy(part.ptr().at(r * n + kv), D.dv.ptr(), kv);
-  context_keep_local(c, D.dq, m.hl * m.d);
 }
 
 }  // namespace ptdp

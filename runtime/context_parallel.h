@@ -1,20 +1,23 @@
 // Context parallelism in `ptdp run` (Megatron-Core's "p2p" context-parallel attention): the
-// sequence of every microbatch is cut into 2 * cp chunks of s / (2 cp) tokens and context-parallel
-// rank r holds chunks r and 2 cp - 1 - r (causal load balancing: every rank gets an early and a
-// late chunk). Everything outside attention works on these s / cp local tokens; positions
-// (learned or rotary) are the tokens' global ones. Attention passes each rank's K and V block
-// around a ring of the cp ranks (cp - 1 send/recv steps, each a batch of one send and one receive
-// on the context-parallel communicator, bounded as every wait is) and computes the local
-// queries' attention over the gathered keys exactly, the causal mask on global positions. The
-// backward pass returns each block's dK and dV to its owner around the same ring (a ring
-// reduce-scatter, cp - 1 steps). The exchanges are recorded as kCpKvExchange and
-// kCpKvExchangeBackward ops (send/recv over CommGroup::kContext, bytes: one block's K and V).
+// sequence of every microbatch is cut into 2 * cp chunks of c = s / (2 cp) tokens and
+// context-parallel rank r holds chunks r and 2 cp - 1 - r (causal load balancing: every rank gets
+// an early and a late chunk). Everything outside attention works on these s / cp local tokens;
+// positions (learned or rotary) are the tokens' global ones.
 //
-// What is exact and what is not the real algorithm: the attention is computed with the kernels
-// of the plain causal attention on the full sequence length, the local queries placed at their
-// global positions and the other rows zero (their outputs are dropped and their gradients are
-// zero), so it does cp times the attention arithmetic a rank of Megatron-Core does and keeps
-// [b, heads, s, s] scores; the result is exactly plain causal attention of the local queries.
+// Attention is fused (flash attention, whatever --use-flash-attn says, as Megatron-Core runs
+// context parallelism only with fused attention). Once K and V are final (after QKV, or after the
+// rotary embedding) each rank's block goes round a ring of the cp ranks (cp - 1 send/recv steps,
+// each a batch of one send and one receive on the context-parallel communicator, bounded as every
+// wait is), recorded as kCpKvExchange ops (bytes: one block's K and V). The rank's first chunk
+// (positions r c ..) then attends to the keys of positions [0, (r + 1) c) and its second chunk
+// (positions (2 cp - 1 - r) c ..) to [0, (2 cp - r) c): two calls of the flash kernel with the
+// queries the last c of those positions, exactly the causal attention of the local queries, at
+// the arithmetic of the causal half (2 cp + 1 chunk pairs per rank, the same on every rank).
+// Only the local K and V are kept for the backward pass, with the output and one log-sum-exp per
+// query row and head. The backward pass sends the blocks round the ring again and returns each
+// block's dK and dV to its owner round the same ring (a ring reduce-scatter): 2 (cp - 1)
+// kCpKvExchangeBackward steps of one block each, the bytes of the op list's cp - 1 steps of K, V
+// and their gradients.
 #pragma once
 
 #include <cstdint>
@@ -53,16 +56,21 @@ void context_positions(ShardContext& c, Ptr x, int64_t table, int64_t sl, int64_
 // Rotary embedding of x [b, s / cp, heads, d] at the local tokens' global positions.
 void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse);
 
-// Forward ring: A.k and A.v (local) become the whole sequence's K and V, A.q the local queries at
-// their global rows of [b, s, hl, d] (other rows zero). Recorded as kCpKvExchange steps.
-void context_exchange_kv(ShardContext& c, LayerActs& A);
-// A.ctx computed on the whole sequence [b, s, hl d] back to the local rows.
-void context_keep_local(ShardContext& c, Buffer& x, int64_t width);
-// The local [b, s / cp, width] gradient placed at its global rows of a zero [b, s, width].
-void context_pad_local(ShardContext& c, Buffer& x, int64_t width);
+// Forward ring: A.k and A.v (local, [b, s / cp, hl, d]) become the whole sequence's K and V
+// ([b, s, hl, d], global order). Recorded as kCpKvExchange steps of pass `pass`.
+void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass);
+// Whether A.k and A.v hold the whole sequence.
+bool context_kv_gathered(const ShardContext& c, const LayerActs& A);
+// The attention of the local queries A.q over the gathered A.k and A.v: A.ctx [b, s / cp, hl d]
+// and A.lse ([b][2][hl][c]: each chunk's rows apart). A.k and A.v become local again.
+void context_attention_forward(ShardContext& c, LayerActs& A);
+// Its backward pass from D.d_ctx (local), run by op kAttnScoresRecompute: gathers K and V again
+// (kCpKvExchangeBackward steps, then the op's record goes on) unless they are whole, and gives D.dq
+// (local) and D.dk, D.dv of the whole sequence (this rank's queries' part), which
+// context_return_dkv sums into their owners. A.k and A.v become local.
+void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D);
 // Backward ring: D.dk and D.dv of the whole sequence (this rank's queries' part) are summed over
-// the ring into each block's owner and become local; D.dq becomes local. Recorded as
-// kCpKvExchangeBackward steps.
+// the ring into each block's owner and become local. Recorded as kCpKvExchangeBackward steps.
 void context_return_dkv(ShardContext& c, LayerGrads& D);
 
 }  // namespace ptdp

@@ -79,9 +79,10 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   s.fused_grad_accumulation = true;  // gradients accumulate in place
   s.main_grad_bytes = 4;
   s.activation_dtype = l.dtype;
-  // Flash attention where the model asks for it (ShardDims::flash); the context-parallel ring
-  // runs the unfused pieces.
-  s.fused_attention = l.cp == 1;
+  // Fused (flash) attention where the model asks for it or context parallelism needs it
+  // (ShardDims::flash), as the planner prices it. The list's context-parallel ring steps are
+  // run inside the attention ops (runtime/context_parallel.h), so compile() leaves them out.
+  s.context_parallel = l.cp;
   return s;
 }
 
@@ -92,6 +93,7 @@ namespace {
 std::vector<OpId> compile(const std::vector<ptdp::Op>& ops, bool (*runs)(OpId)) {
   std::vector<OpId> program;
   for (const ptdp::Op& op : ops) {
+    if (op.id == OpId::kCpKvExchange || op.id == OpId::kCpKvExchangeBackward) continue;
     if (!runs(op.id))
       throw std::logic_error("ptdp run has no implementation of layer op '" +
                              std::string(op.name()) + "'");

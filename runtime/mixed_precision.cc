@@ -4,6 +4,8 @@
 // memory, runs the fp32 kernel and rounds its bf16 outputs back, so every backend runs mixed
 // precision with the kernels it has (bf16 storage, fp32 arithmetic).
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "core/layer_ops.h"
@@ -203,33 +205,46 @@ void Backend::attention_context_backward(CPtr probs, CPtr v, CPtr dout, Ptr dpro
   });
 }
 
+namespace {
+
+void check_query_rows(int64_t sq, int64_t sk) {
+  if (sq < 0 || sq > sk)
+    throw std::invalid_argument("flash attention: " + std::to_string(sq) + " queries against " +
+                                std::to_string(sk) + " keys (need queries <= keys)");
+}
+
+}  // namespace
+
 void Backend::flash_attention_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b,
-                                      int64_t s, int64_t hq, int64_t hk, int64_t d) {
+                                      int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d) {
+  check_query_rows(sq, sk);
   if (f32({q, k, v, out}))
-    return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, s, hq, hk, d);
-  if (native_flash_attention_forward(q, k, v, out, lse, b, s, hq, hk, d)) return;
-  const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
+    return flash_attention_forward(q.f(), k.f(), v.f(), out.f(), lse, b, sq, sk, hq, hk, d);
+  if (native_flash_attention_forward(q, k, v, out, lse, b, sq, sk, hq, hk, d)) return;
+  const int64_t nq = sq * hq * d, nk = sk * hk * d, nl = hq * sq;  // per sequence
   widened(*this, b, 2 * nq + 2 * nk, [&](Widen& w, int64_t i, int64_t c) {
     flash_attention_forward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                             w.in(v.at(i * nk), c * nk), w.out(out.at(i * nq), c * nq), lse + i * nl,
-                            c, s, hq, hk, d);
+                            c, sq, sk, hq, hk, d);
   });
 }
 
 void Backend::flash_attention_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse,
-                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s,
-                                       int64_t hq, int64_t hk, int64_t d) {
+                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t sq,
+                                       int64_t sk, int64_t hq, int64_t hk, int64_t d) {
+  check_query_rows(sq, sk);
   if (f32({q, k, v, out, dout, dq, dk, dv}))
     return flash_attention_backward(q.f(), k.f(), v.f(), out.f(), lse, dout.f(), dq.f(), dk.f(),
-                                    dv.f(), b, s, hq, hk, d);
-  if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d)) return;
-  const int64_t nq = s * hq * d, nk = s * hk * d, nl = hq * s;  // per sequence
+                                    dv.f(), b, sq, sk, hq, hk, d);
+  if (native_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d))
+    return;
+  const int64_t nq = sq * hq * d, nk = sk * hk * d, nl = hq * sq;  // per sequence
   widened(*this, b, 4 * nq + 4 * nk, [&](Widen& w, int64_t i, int64_t c) {
     flash_attention_backward(w.in(q.at(i * nq), c * nq), w.in(k.at(i * nk), c * nk),
                              w.in(v.at(i * nk), c * nk), w.in(out.at(i * nq), c * nq), lse + i * nl,
                              w.in(dout.at(i * nq), c * nq), w.out(dq.at(i * nq), c * nq),
-                             w.out(dk.at(i * nk), c * nk), w.out(dv.at(i * nk), c * nk), c, s, hq,
-                             hk, d);
+                             w.out(dk.at(i * nk), c * nk), w.out(dv.at(i * nk), c * nk), c, sq, sk,
+                             hq, hk, d);
   });
 }
 

@@ -236,7 +236,7 @@ void OpExecutor::run(const Op& op) {
     auto forward = [&] {
       resize(S.fo, q), resize(S.flse, lse);
       be.flash_attention_forward(S.fq.ptr(), S.fk.ptr(), S.fv.ptr(), S.fo.ptr(), S.flse.data(), d.b,
-                                 d.s, d.hl, d.gl, d.d);
+                                 d.s, d.s, d.hl, d.gl, d.d);
       S.stats_for = q;
     };
     if (op.id == OpId::kAttnScores) {
@@ -245,7 +245,7 @@ void OpExecutor::run(const Op& op) {
       if (S.stats_for != q) forward();  // once: the backward needs a real forward's lse
       S.fill(S.fdo, q), resize(S.fdq, q), resize(S.fdk, kv), resize(S.fdv, kv);
       be.flash_attention_backward(S.fq.ptr(), S.fk.ptr(), S.fv.ptr(), S.fo.ptr(), S.flse.data(),
-                                  S.fdo.ptr(), S.fdq.ptr(), S.fdk.ptr(), S.fdv.ptr(), d.b, d.s,
+                                  S.fdo.ptr(), S.fdq.ptr(), S.fdk.ptr(), S.fdv.ptr(), d.b, d.s, d.s,
                                   d.hl, d.gl, d.d);
     }
     if (op.kind == OpKind::kGemm) c.gemm_done(op.m, op.n, op.k, op.batch);

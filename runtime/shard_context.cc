@@ -21,7 +21,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.cpr = l.cp_rank;
   d.s_attn = m.seq_length;
   d.s = m.seq_length / l.cp;
-  d.flash = m.flash_attention && l.cp == 1;
+  d.flash = m.flash_attention || l.cp > 1;
   d.h = m.hidden_size;
   d.heads = m.num_attention_heads;
   d.groups = m.query_groups();
@@ -127,8 +127,8 @@ void ShardContext::reduce_scatter(CPtr in, Ptr out, int64_t n) {
   collective_done(Collective::kReduceScatter, static_cast<double>(dims.t * n * bytes(in.t)));
 }
 
-void ShardContext::ring_step(OpId id, CPtr send, Ptr recv, int64_t n) {
-  begin(id, pass_);
+void ShardContext::ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass) {
+  begin(id, pass);
   const int size = cp->size(), r = cp->rank();
   const Communicator::P2P ops[2] = {
       {true, const_cast<void*>(send.p), static_cast<size_t>(n), (r + 1) % size, 0, send.t},

@@ -32,8 +32,8 @@ struct ShardDims {
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
   // whole sequence (s is the s / cp tokens held here, s_attn the length attention spans).
   int64_t cp = 1, cpr = 0, s_attn = 0;
-  // Flash attention (--use-flash-attn): the attention core runs fused, keeping lse rather than
-  // the s x s probabilities. Not with context parallelism, whose ring runs the unfused pieces.
+  // Flash attention (--use-flash-attn, and always with context parallelism, as Megatron-Core
+  // runs it): the attention core runs fused, keeping lse rather than the s x s probabilities.
   bool flash = false;
   int64_t qkv_width() const { return (hl + 2 * gl) * d; }
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
@@ -61,6 +61,9 @@ class ShardContext {
 
   // Starts the record of one op (when tracing).
   void begin(OpId id, PassKind pass);
+  // The pass of the op begun last (an op that runs other recorded ops inside it, the
+  // context-parallel ring, begins itself again afterwards).
+  PassKind pass() const { return pass_; }
   // Ends the timed op before bookkeeping between ops (freeing a layer's or a microbatch's
   // activations), so that it counts as the pass's overhead, not as the last op's time.
   void end_op();
@@ -73,9 +76,9 @@ class ShardContext {
   void all_reduce(Buffer& x);
   void all_gather(CPtr in, Ptr out, int64_t n);
   void reduce_scatter(CPtr in, Ptr out, int64_t n);
-  // One step of the context-parallel ring, recorded as op `id` of the current pass: sends n
-  // elements to the next cp rank and receives n from the previous one (one P2P batch).
-  void ring_step(OpId id, CPtr send, Ptr recv, int64_t n);
+  // One step of the context-parallel ring, recorded as op `id` of pass `pass`: sends n elements
+  // to the next cp rank and receives n from the previous one (one P2P batch).
+  void ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
   void linear(CPtr x, int64_t w, int64_t bias, Ptr y, int64_t n, int64_t in, int64_t out);

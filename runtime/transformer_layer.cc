@@ -28,8 +28,8 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
   const ShardDims& m = c.dims;
   Backend& be = c.be;
   // Attention spans the whole sequence; with context parallelism K and V come round the ring
-  // once they are final (after QKV, or after the rotary embedding) and Q is placed at its
-  // global rows (runtime/context_parallel.h).
+  // once they are final (after QKV, or after the rotary embedding) and the local queries attend
+  // to them (runtime/context_parallel.h).
   const int64_t sa = m.s_attn;
   const bool cp = m.cp > 1;
   const Buffer& ln1_full = m.sp ? A.ln1_full : A.ln1;
@@ -50,25 +50,35 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
-      if (cp && !m.rotary) context_exchange_kv(c, A);
+      if (cp && !m.rotary) context_exchange_kv(c, A, c.pass());
       break;
     }
     case OpId::kRotaryEmbedding:
       if (cp) {
         context_rope(c, A.q, m.hl, false);
         context_rope(c, A.k, m.gl, false);
-        context_exchange_kv(c, A);
+        context_exchange_kv(c, A, c.pass());
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
       be.rope(A.k.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
       break;
     case OpId::kAttnScores:
+      if (cp) {  // a selective recomputation starts here: K and V come round the ring first
+        if (!context_kv_gathered(c, A)) {
+          const PassKind pass = c.pass();
+          context_exchange_kv(c, A, pass);
+          c.begin(OpId::kAttnScores, pass);
+        }
+        context_attention_forward(c, A);
+        c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
+        break;
+      }
       if (m.flash) {  // the whole attention core, in one fused kernel
         resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
         resize_for_overwrite(A.lse, m.b * m.hl * sa);
         be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
-                                   sa, m.hl, m.gl, m.d);
+                                   sa, sa, m.hl, m.gl, m.d);
         c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
         break;
       }
@@ -84,13 +94,12 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kAttnContext:
       if (m.flash) {  // computed with the scores
-        c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
+        c.gemm_done(m.s, m.d, fused_keys(m), m.b * m.hl);
         break;
       }
       resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
       be.attention_context(A.probs.ptr(), A.v.ptr(), A.ctx.ptr(), m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
-      if (cp) context_keep_local(c, A.ctx, m.hl * m.d);
       break;
     case OpId::kAttnProj:
       resize_for_overwrite(A.proj, m.n_full * m.h);
@@ -214,20 +223,23 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
-      resize_for_overwrite(D.dq, elems(A.q));
-      resize_for_overwrite(D.dk, elems(A.k));
-      resize_for_overwrite(D.dv, elems(A.v));
-      be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
-                                  D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, m.hl,
-                                  m.gl, m.d);
-      c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
+      if (cp) {
+        context_attention_backward(c, A, D);
+      } else {
+        resize_for_overwrite(D.dq, elems(A.q));
+        resize_for_overwrite(D.dk, elems(A.k));
+        resize_for_overwrite(D.dv, elems(A.v));
+        be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
+                                    D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
+                                    m.hl, m.gl, m.d);
+      }
+      c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
       break;
     case OpId::kAttnContextDprobs:
       if (m.flash) {  // the GEMMs of the fused backward ran with the recomputed scores
-        c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
+        c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
         break;
       }
-      if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize_for_overwrite(D.d_probs, elems(A.probs));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), D.d_probs.ptr(),
                                     nullptr, m.b, sa, m.hl, m.gl, m.d);
@@ -235,10 +247,9 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnContextDv:
       if (m.flash) {
-        c.gemm_done(fused_keys(m), m.d, sa, m.b * m.hl);
+        c.gemm_done(fused_keys(m), m.d, m.s, m.b * m.hl);
         break;
       }
-      if (cp && elems(D.d_ctx) != elems(A.ctx) * m.cp) context_pad_local(c, D.d_ctx, m.hl * m.d);
       resize_for_overwrite(D.dv, elems(A.v));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), nullptr, D.dv.ptr(),
                                     m.b, sa, m.hl, m.gl, m.d);
@@ -252,7 +263,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresDq:
       if (m.flash) {
-        c.gemm_done(sa, m.d, fused_keys(m), m.b * m.hl);
+        c.gemm_done(m.s, m.d, fused_keys(m), m.b * m.hl);
         break;
       }
       resize_for_overwrite(D.dq, elems(A.q));
@@ -262,14 +273,14 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresDk:
       if (m.flash) {
-        c.gemm_done(m.d, fused_keys(m), sa, m.b * m.hl);
+        c.gemm_done(m.d, fused_keys(m), m.s, m.b * m.hl);
+        if (cp) context_return_dkv(c, D);  // dK and dV become local
         break;
       }
       resize_for_overwrite(D.dk, elems(A.k));
       be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), nullptr, D.dk.ptr(), m.b,
                                    sa, m.hl, m.gl, m.d);
       c.gemm_done(m.d, sa, sa, m.b * m.hl);
-      if (cp) context_return_dkv(c, D);  // dQ, dK and dV become local
       break;
     case OpId::kRotaryEmbeddingBackward:
       if (cp) {

@@ -233,12 +233,13 @@ TEST(ContextParallel, RingAttentionEqualsPlainAttention) {
       }
 }
 
-// Every layer's forward pass has cp - 1 kCpKvExchange steps and its backward cp - 1
-// kCpKvExchangeBackward steps, each a send/recv of one block's K and V (dK and dV): b s / cp
-// tokens of the local query groups' keys and values, in fp32. Full recomputation repeats the
-// forward ring.
+// Every layer's forward pass has cp - 1 kCpKvExchange steps, each a send/recv of one block's K
+// and V: b s / cp tokens of the local query groups' keys and values, in fp32. Its backward pass
+// sends the blocks round again and returns their gradients: 2 (cp - 1) kCpKvExchangeBackward
+// steps of one block each (the op list's cp - 1 steps of two blocks). A recomputation that
+// starts before the attention (full) or at it (selective) repeats the forward ring.
 TEST(ContextParallel, ExchangesAreRecordedWithOneBlockPerStep) {
-  for (Recompute rc : {Recompute::kNone, Recompute::kFull}) {
+  for (Recompute rc : {Recompute::kNone, Recompute::kSelective, Recompute::kFull}) {
     const ModelSpec m = tiny(true);
     ShardLayout layout;
     layout.micro_batch = 2;
@@ -265,11 +266,13 @@ TEST(ContextParallel, ExchangesAreRecordedWithOneBlockPerStep) {
           ++fwd;
         }
       }
-      EXPECT_EQ(fwd, m.num_layers * (cp - 1));
-      EXPECT_EQ(bwd, m.num_layers * (cp - 1));
-      EXPECT_EQ(rec, rc == Recompute::kFull ? m.num_layers * (cp - 1) : 0);
+      EXPECT_EQ(fwd, m.num_layers * (cp - 1)) << to_string(rc);
+      EXPECT_EQ(bwd, 2 * m.num_layers * (cp - 1)) << to_string(rc);
+      EXPECT_EQ(rec, rc == Recompute::kNone ? 0 : m.num_layers * (cp - 1)) << to_string(rc);
     }
-    // The forward exchanges come after the rotary embedding and before the scores.
+    // The forward exchanges come after the rotary embedding and before the scores; the backward
+    // pass's first exchanges inside the fused attention's backward (which goes on after them),
+    // the others after it.
     const auto& t = ring[0].trace;
     const auto first = std::find_if(
         t.begin(), t.end(), [](const ExecutedOp& e) { return e.id == OpId::kCpKvExchange; });
@@ -277,6 +280,13 @@ TEST(ContextParallel, ExchangesAreRecordedWithOneBlockPerStep) {
     ASSERT_NE(first, t.begin());
     EXPECT_EQ((first - 1)->id, OpId::kRotaryEmbedding);
     EXPECT_EQ((first + cp - 1)->id, OpId::kAttnScores);
+    const auto back = std::find_if(t.begin(), t.end(), [](const ExecutedOp& e) {
+      return e.id == OpId::kCpKvExchangeBackward;
+    });
+    ASSERT_NE(back, t.end());
+    EXPECT_EQ((back - 1)->id, OpId::kAttnScoresRecompute);
+    EXPECT_EQ((back + cp - 1)->id, OpId::kAttnScoresRecompute);
+    EXPECT_EQ((back + cp - 1)->kind, OpKind::kGemm);  // the kernel's work is the resumed record's
   }
 }
 

@@ -79,18 +79,19 @@ void bias_gelu_backward(const float* x, const float* bias, const float* dy, floa
 }
 
 void causal_attention_forward(const float* q, const float* k, const float* v, float* out,
-                              float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+                              float* lse, int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                              int64_t d) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  const int64_t group = hq / hk;
-  std::vector<double> p(static_cast<size_t>(s)), o(static_cast<size_t>(d));
+  const int64_t group = hq / hk, shift = sk - sq;
+  std::vector<double> p(static_cast<size_t>(sk)), o(static_cast<size_t>(d));
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t kh = h / group;
-      for (int64_t i = 0; i < s; ++i) {
-        const float* qi = q + ((bi * s + i) * hq + h) * d;
+      for (int64_t i = 0; i < sq; ++i) {
+        const float* qi = q + ((bi * sq + i) * hq + h) * d;
         double mx = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
-          const float* kj = k + ((bi * s + j) * hk + kh) * d;
+        for (int64_t j = 0; j <= i + shift; ++j) {
+          const float* kj = k + ((bi * sk + j) * hk + kh) * d;
           double dot = 0;
           for (int64_t e = 0; e < d; ++e) dot += static_cast<double>(qi[e]) * kj[e];
           p[static_cast<size_t>(j)] = dot * scale;
@@ -98,38 +99,39 @@ void causal_attention_forward(const float* q, const float* k, const float* v, fl
         }
         double sum = 0;
         std::fill(o.begin(), o.end(), 0.0);
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= i + shift; ++j) {
           const double pj = std::exp(p[static_cast<size_t>(j)] - mx);
           sum += pj;
-          const float* vj = v + ((bi * s + j) * hk + kh) * d;
+          const float* vj = v + ((bi * sk + j) * hk + kh) * d;
           for (int64_t e = 0; e < d; ++e) o[static_cast<size_t>(e)] += pj * vj[e];
         }
-        float* oi = out + ((bi * s + i) * hq + h) * d;
+        float* oi = out + ((bi * sq + i) * hq + h) * d;
         for (int64_t e = 0; e < d; ++e) oi[e] = static_cast<float>(o[static_cast<size_t>(e)] / sum);
-        lse[(bi * hq + h) * s + i] = static_cast<float>(mx + std::log(sum));
+        lse[(bi * hq + h) * sq + i] = static_cast<float>(mx + std::log(sum));
       }
     }
 }
 
 void causal_attention_backward(const float* q, const float* k, const float* v, const float* out,
                                const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                               int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d) {
+                               int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                               int64_t d) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  const int64_t group = hq / hk;
-  std::fill(dq, dq + b * s * hq * d, 0.0f);
-  std::fill(dk, dk + b * s * hk * d, 0.0f);
-  std::fill(dv, dv + b * s * hk * d, 0.0f);
+  const int64_t group = hq / hk, shift = sk - sq;
+  std::fill(dq, dq + b * sq * hq * d, 0.0f);
+  std::fill(dk, dk + b * sk * hk * d, 0.0f);
+  std::fill(dv, dv + b * sk * hk * d, 0.0f);
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t h = 0; h < hq; ++h) {
       const int64_t kh = h / group;
-      for (int64_t i = 0; i < s; ++i) {
-        const int64_t qoff = ((bi * s + i) * hq + h) * d;
+      for (int64_t i = 0; i < sq; ++i) {
+        const int64_t qoff = ((bi * sq + i) * hq + h) * d;
         const float *qi = q + qoff, *doi = dout + qoff, *oi = out + qoff;
         double delta = 0;  // rowsum(dO * O)
         for (int64_t e = 0; e < d; ++e) delta += static_cast<double>(doi[e]) * oi[e];
-        const double l = lse[(bi * hq + h) * s + i];
-        for (int64_t j = 0; j <= i; ++j) {
-          const int64_t koff = ((bi * s + j) * hk + kh) * d;
+        const double l = lse[(bi * hq + h) * sq + i];
+        for (int64_t j = 0; j <= i + shift; ++j) {
+          const int64_t koff = ((bi * sk + j) * hk + kh) * d;
           const float *kj = k + koff, *vj = v + koff;
           double dot = 0, dp = 0;
           for (int64_t e = 0; e < d; ++e) {

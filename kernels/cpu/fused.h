@@ -29,14 +29,21 @@ void bias_gelu_forward(const float* x, const float* bias, float* y, int64_t rows
 void bias_gelu_backward(const float* x, const float* bias, const float* dy, float* dx, float* dbias,
                         int64_t rows, int64_t cols);
 
-// Causal attention with grouped-query heads: q, out [b, s, hq, d], k, v [b, s, hk, d], query
-// head j reading key/value head j / (hq / hk); lse [b, hq, s] is the natural log of each row's
-// softmax denominator over the scaled scores (scale 1 / sqrt(d)).
+// Causal attention with grouped-query heads: q, out [b, sq, hq, d], k, v [b, sk, hk, d]
+// (sq <= sk), query head j reading key/value head j / (hq / hk); lse [b, hq, sq] is the natural
+// log of each row's softmax denominator over the scaled scores (scale 1 / sqrt(d)). The causal
+// mask is aligned to the last key: query i sees keys j <= i + sk - sq, so sq == sk is plain
+// causal self-attention and sq < sk the last sq queries of a sequence of sk (what a
+// context-parallel rank computes for a chunk of its queries against the keys before them).
 void causal_attention_forward(const float* q, const float* k, const float* v, float* out,
-                              float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d);
-// Recomputes the probabilities from lse; dq, dk, dv are overwritten.
+                              float* lse, int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                              int64_t d);
+// Recomputes the probabilities from lse; dq, dk, dv are overwritten. out and lse may be a longer
+// attention's (the queries' whole softmax, when the keys are one block of it): delta = rowsum(dout
+// out) and p = exp(score - lse) then give this block's part of the gradients.
 void causal_attention_backward(const float* q, const float* k, const float* v, const float* out,
                                const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                               int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d);
+                               int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                               int64_t d);
 
 }  // namespace ptdp::kernels

@@ -53,23 +53,29 @@ FlashKernel resolve(FlashKernel kernel, bool aligned) {
 }  // namespace
 
 void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
-                             int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                             int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t stream, FlashKernel kernel) {
-  attention::check_shape(s, hq, hk, d);
-  if (b <= 0 || s <= 0 || hq <= 0) return;
+  attention::check_shape(sq, sk, hq, hk, d);
+  if (b <= 0 || sq <= 0 || hq <= 0) return;
   const bool aligned = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   if (resolve(kernel, aligned) == FlashKernel::kTensorCore)
-    attention::mma_forward(q, k, v, out, lse, b, s, hq, hk, d, stream);
+    attention::mma_forward(q, k, v, out, lse, b, sq, sk, hq, hk, d, stream);
   else
-    attention::simt_forward(q, k, v, out, lse, b, s, hq, hk, d, stream);
+    attention::simt_forward(q, k, v, out, lse, b, sq, sk, hq, hk, d, stream);
 }
 
 void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
-                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                              int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                               cudaStream_t stream, FlashKernel kernel) {
-  attention::check_shape(s, hq, hk, d);
-  if (b <= 0 || s <= 0 || hq <= 0) return;
+  attention::check_shape(sq, sk, hq, hk, d);
+  if (b <= 0 || sk <= 0 || hq <= 0) return;
+  if (sq == 0) {  // no query sees a key: the key and value gradients are zero
+    const size_t bytes = sizeof(bf16) * static_cast<size_t>(b * sk * hk * d);
+    check(cudaMemsetAsync(dk, 0, bytes, stream), "cudaMemsetAsync");
+    check(cudaMemsetAsync(dv, 0, bytes, stream), "cudaMemsetAsync");
+    return;
+  }
   bool aligned = true;
   for (const void* p :
        {static_cast<const void*>(q), static_cast<const void*>(k), static_cast<const void*>(v),
@@ -77,9 +83,9 @@ void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const
         static_cast<const void*>(dk), static_cast<const void*>(dv)})
     aligned = aligned && aligned16(p);
   if (resolve(kernel, aligned) == FlashKernel::kTensorCore)
-    attention::mma_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d, stream);
+    attention::mma_backward(q, k, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d, stream);
   else
-    attention::simt_backward(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, d, stream);
+    attention::simt_backward(q, k, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d, stream);
 }
 
 }  // namespace ptdp::kernels::cuda

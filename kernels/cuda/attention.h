@@ -17,18 +17,20 @@ namespace ptdp::kernels::cuda {
 // device and the pointers allow them, else the CUDA cores.
 enum class FlashKernel { kDefault, kTensorCore, kSimt };
 
-// q, out [b, s, hq, d]; k, v [b, s, hk, d] (bf16); lse [b, hq, s] (fp32): the natural log of
-// each row's softmax denominator over the scores q.k / sqrt(d). d is 64 or 128; hq a multiple
-// of hk (else std::invalid_argument).
+// q, out [b, sq, hq, d]; k, v [b, sk, hk, d] (bf16, sq <= sk); lse [b, hq, sq] (fp32): the
+// natural log of each row's softmax denominator over the scores q.k / sqrt(d). The queries are
+// the last sq of sk positions: query i sees keys j <= i + sk - sq (sq == sk: self-attention).
+// d is 64 or 128; hq a multiple of hk (else std::invalid_argument).
 void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
-                             int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                             int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t stream, FlashKernel kernel = FlashKernel::kDefault);
-// dq [b, s, hq, d], dk and dv [b, s, hk, d] are overwritten (summed over the query heads of a
-// group). Deterministic: no atomics (dq and dk/dv come from two kernels that each own their
-// output rows).
+// dq [b, sq, hq, d], dk and dv [b, sk, hk, d] are overwritten (summed over the query heads of a
+// group). out and lse may be those of a longer attention (the queries' whole softmax when k and
+// v are one block of its keys): this block's part of the gradients. Deterministic: no atomics
+// (dq and dk/dv come from two kernels that each own their output rows).
 void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
-                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                              int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                               cudaStream_t stream, FlashKernel kernel = FlashKernel::kDefault);
 
 }  // namespace ptdp::kernels::cuda

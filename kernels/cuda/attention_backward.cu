@@ -2,7 +2,8 @@
 // three kernels:
 //   delta:  delta[row] = sum(dout * out) over the row (the softmax backward's correction term);
 //   dk/dv:  one block per (32-key tile, key/value head, sequence) walks every query head of its
-//           group and every query tile at or below the diagonal, recomputing p = exp(s - lse),
+//           group and every query tile at or below the diagonal (shifted by sk - sq when the
+//           queries are the last sq of sk positions), recomputing p = exp(s - lse),
 //           and accumulates its 32 rows of dk and dv in registers;
 //   dq:     one block per (32-query tile, query head, sequence) walks the key tiles up to the
 //           diagonal and accumulates its rows of dq.
@@ -37,7 +38,7 @@ template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_kv_kernel(const bf16* q, const bf16* k, const bf16* v, const float* lse,
                              const float* delta, const bf16* dout, bf16* dk, bf16* dv, int s,
-                             int hq, int hk, float scale) {
+                             int skeys, int hq, int hk, float scale) {
   constexpr int P = attention::kPitch<D>;
   constexpr int kCols = D / 4;
   constexpr int kRows = kTile / 4;  // query rows per thread per tile
@@ -53,9 +54,10 @@ __global__ void __launch_bounds__(kThreads)
   const int c = threadIdx.x / 4, quad = threadIdx.x % 4, key = k0 + c;
   const int group = hq / hk;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
-  const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
-  attention::load_tile<D>(sk, k + koff, kstride, k0, s);
-  attention::load_tile<D>(sv, v + koff, kstride, k0, s);
+  const int64_t koff = static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;  // query i sees keys j <= i + shift
+  attention::load_tile<D>(sk, k + koff, kstride, k0, skeys);
+  attention::load_tile<D>(sv, v + koff, kstride, k0, skeys);
 
   float dk_acc[kCols], dv_acc[kCols];
 #pragma unroll
@@ -66,7 +68,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
     const float* lse_h = lse + (static_cast<int64_t>(bi) * hq + h) * s;
     const float* delta_h = delta + (static_cast<int64_t>(bi) * hq + h) * s;
-    for (int q0 = k0; q0 < s; q0 += kTile) {  // query tiles at or below the diagonal
+    // Query tiles at or below the diagonal: from the first query that sees key k0.
+    for (int q0 = max(0, k0 - shift); q0 < s; q0 += kTile) {
       __syncthreads();
       attention::load_tile<D>(sq, q + qoff, qstride, q0, s);
       attention::load_tile<D>(sdo, dout + qoff, qstride, q0, s);
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int i = 0; i < kRows; ++i) {
         const int rr = quad + 4 * i, row = q0 + rr;
         float p = 0.0f, ds = 0.0f;
-        if (key <= row && row < s) {
+        if (key <= row + shift && row < s) {
           p = __expf(attention::row_dot<D>(sq + rr * P, sk + c * P) * scale - slse[rr]);
           const float dp = attention::row_dot<D>(sdo + rr * P, sv + c * P);
           ds = p * (dp - sdelta[rr]);
@@ -101,7 +104,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  if (key < s) {
+  if (key < skeys) {
     bf16* dkrow = dk + koff + static_cast<int64_t>(key) * kstride;
     bf16* dvrow = dv + koff + static_cast<int64_t>(key) * kstride;
 #pragma unroll
@@ -115,8 +118,8 @@ __global__ void __launch_bounds__(kThreads)
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_backward_q_kernel(const bf16* q, const bf16* k, const bf16* v, const float* lse,
-                            const float* delta, const bf16* dout, bf16* dq, int s, int hq, int hk,
-                            float scale) {
+                            const float* delta, const bf16* dout, bf16* dq, int s, int skeys,
+                            int hq, int hk, float scale) {
   constexpr int P = attention::kPitch<D>;
   constexpr int kCols = D / 4;
   constexpr int kKeys = kTile / 4;
@@ -133,7 +136,8 @@ __global__ void __launch_bounds__(kThreads)
   const int r = threadIdx.x / 4, quad = threadIdx.x % 4, row = q0 + r;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
-  const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
+  const int64_t koff = static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;
   attention::load_tile<D>(sq, q + qoff, qstride, q0, s);
   attention::load_tile<D>(sdo, dout + qoff, qstride, q0, s);
   const int64_t stat = (static_cast<int64_t>(bi) * hq + h) * s + row;
@@ -143,17 +147,17 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int i = 0; i < kCols; ++i) dq_acc[i] = 0.0f;
 
-  const int last = min(q0 + kTile, s) - 1;
+  const int last = min(q0 + kTile, s) - 1 + shift;  // the last key of the tile's last query
   for (int k0 = 0; k0 <= last; k0 += kTile) {
     __syncthreads();
-    attention::load_tile<D>(sk, k + koff, kstride, k0, s);
-    attention::load_tile<D>(sv, v + koff, kstride, k0, s);
+    attention::load_tile<D>(sk, k + koff, kstride, k0, skeys);
+    attention::load_tile<D>(sv, v + koff, kstride, k0, skeys);
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < kKeys; ++i) {
       const int j = quad + 4 * i, key = k0 + j;
       float ds = 0.0f;
-      if (key <= row && row < s) {
+      if (key <= row + shift && row < s) {
         const float p = __expf(attention::row_dot<D>(sq + r * P, sk + j * P) * scale - row_lse);
         const float dp = attention::row_dot<D>(sdo + r * P, sv + j * P);
         ds = p * (dp - row_delta);
@@ -177,21 +181,23 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int D>
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-              const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t hq,
-              int64_t hk, cudaStream_t stream) {
+              const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t sk,
+              int64_t hq, int64_t hk, cudaStream_t stream) {
   const float scale = 1.0f / sqrtf(static_cast<float>(D));
-  const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);
+  const int si = static_cast<int>(s), ski = static_cast<int>(sk), hqi = static_cast<int>(hq),
+            hki = static_cast<int>(hk);
   float* delta = nullptr;
   PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * b * s * hq, stream));
   attention::launch_delta(out, dout, delta, b, s, hq, D, stream);
-  const unsigned tiles = blocks_for(s, kTile), ub = static_cast<unsigned>(b);
-  PTDP_KERNEL_LAUNCH(flash_backward_kv_kernel<D>, dim3(tiles, static_cast<unsigned>(hk), ub),
-                     kThreads, 0, stream)
-  (q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
+  const unsigned ub = static_cast<unsigned>(b);
+  PTDP_KERNEL_LAUNCH(flash_backward_kv_kernel<D>,
+                     dim3(blocks_for(sk, kTile), static_cast<unsigned>(hk), ub), kThreads, 0,
+                     stream)
+  (q, k, v, lse, delta, dout, dk, dv, si, ski, hqi, hki, scale);
   check_launch("flash_backward_kv_kernel");
-  PTDP_KERNEL_LAUNCH(flash_backward_q_kernel<D>, dim3(tiles, static_cast<unsigned>(hq), ub),
-                     kThreads, 0, stream)
-  (q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(flash_backward_q_kernel<D>,
+                     dim3(blocks_for(s, kTile), static_cast<unsigned>(hq), ub), kThreads, 0, stream)
+  (q, k, v, lse, delta, dout, dq, si, ski, hqi, hki, scale);
   check_launch("flash_backward_q_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(delta, stream));
 }
@@ -214,12 +220,12 @@ void attention::launch_delta(const bf16* out, const bf16* dout, float* delta, in
 
 void attention::simt_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out,
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
-                              int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                              int64_t b, int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                               cudaStream_t stream) {
   if (d == 64)
-    backward<64>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
+    backward<64>(q, k, v, out, lse, dout, dq, dk, dv, b, s, sk, hq, hk, stream);
   else
-    backward<128>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
+    backward<128>(q, k, v, out, lse, dout, dq, dk, dv, b, s, sk, hq, hk, stream);
 }
 
 }  // namespace ptdp::kernels::cuda

@@ -1,6 +1,7 @@
 // Flash-attention forward on CUDA cores (kernels/cuda/attention.h, FlashKernel::kSimt). One block
 // per (32-query tile, query head, sequence). The query tile stays in shared memory; each 32-key
-// tile of K and V up to the diagonal is staged in turn. Thread t owns query row t / 4: it computes
+// tile of K and V up to the diagonal (shifted by sk - sq when the queries are the last sq of sk
+// positions) is staged in turn. Thread t owns query row t / 4: it computes
 // 8 of that row's 32 scores, the 4 threads of the row combine their maxima and sums by warp
 // shuffles, and the thread keeps D / 4 columns of the output row in registers, rescaled whenever
 // the running max grows (online softmax). Memory: O(tile) per block; lse is the only per-row state
@@ -17,7 +18,7 @@ using attention::kTile;
 template <int D>
 __global__ void __launch_bounds__(kThreads)
     flash_forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int s,
-                         int hq, int hk, float scale) {
+                         int skeys, int hq, int hk, float scale) {
   constexpr int P = attention::kPitch<D>;
   constexpr int kCols = D / 4;      // output columns per thread
   constexpr int kKeys = kTile / 4;  // scores per thread per key tile
@@ -33,8 +34,9 @@ __global__ void __launch_bounds__(kThreads)
   const int r = threadIdx.x / 4, quad = threadIdx.x % 4, row = q0 + r;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const bf16* qb = q + static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
-  const bf16* kb = k + static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
-  const bf16* vb = v + static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
+  const bf16* kb = k + static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const bf16* vb = v + static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;  // query i sees keys j <= i + shift
 
   attention::load_tile<D>(sq, qb, qstride, q0, s);
   float o[kCols];
@@ -42,11 +44,11 @@ __global__ void __launch_bounds__(kThreads)
   for (int c = 0; c < kCols; ++c) o[c] = 0.0f;
   float m = -INFINITY, l = 0.0f;
 
-  const int last = min(q0 + kTile, s) - 1;  // the tile's last valid query row
+  const int last = min(q0 + kTile, s) - 1 + shift;  // the last key of the tile's last query
   for (int k0 = 0; k0 <= last; k0 += kTile) {
     __syncthreads();  // everyone is done with the previous K/V tile
-    attention::load_tile<D>(sk, kb, kstride, k0, s);
-    attention::load_tile<D>(sv, vb, kstride, k0, s);
+    attention::load_tile<D>(sk, kb, kstride, k0, skeys);
+    attention::load_tile<D>(sv, vb, kstride, k0, skeys);
     __syncthreads();
 
     float sc[kKeys];
@@ -55,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < kKeys; ++i) {
       const int j = quad + 4 * i, key = k0 + j;
       float x = attention::row_dot<D>(sq + r * P, sk + j * P) * scale;
-      if (key > row || key >= s) x = -INFINITY;  // causal mask (and padding past s)
+      if (key > row + shift || key >= skeys) x = -INFINITY;  // causal mask (and padding)
       sc[i] = x;
       tile_max = fmaxf(tile_max, x);
     }
@@ -99,17 +101,18 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 void attention::simt_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
-                             int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                             int64_t b, int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t stream) {
   const dim3 grid(blocks_for(s, kTile), static_cast<unsigned>(hq), static_cast<unsigned>(b));
   const float scale = 1.0f / sqrtf(static_cast<float>(d));
-  const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);
+  const int si = static_cast<int>(s), ski = static_cast<int>(sk), hqi = static_cast<int>(hq),
+            hki = static_cast<int>(hk);
   if (d == 64) {
     PTDP_KERNEL_LAUNCH(flash_forward_kernel<64>, grid, kThreads, 0, stream)
-    (q, k, v, out, lse, si, hqi, hki, scale);
+    (q, k, v, out, lse, si, ski, hqi, hki, scale);
   } else {
     PTDP_KERNEL_LAUNCH(flash_forward_kernel<128>, grid, kThreads, 0, stream)
-    (q, k, v, out, lse, si, hqi, hki, scale);
+    (q, k, v, out, lse, si, ski, hqi, hki, scale);
   }
   check_launch("flash_forward_kernel");
 }

@@ -17,6 +17,8 @@
 // Kernels (D = 64 or 128, 4 warps of 32 threads):
 //   forward:  a block per (64-query tile, query head, sequence); K/V tiles of 64 keys up to the
 //             diagonal; online softmax in base 2 (exp2 of log2(e)-scaled scores).
+// With sq queries against sk > sq keys (the last sq positions of sk) the diagonal shifts right by
+// sk - sq: query i sees keys j <= i + sk - sq, and every loop bound and mask below moves with it.
 //   dk/dv:    a block per (64-key tile, key/value head, sequence); it walks every query head of
 //             its group and every 32-query tile at or below the diagonal, accumulating its rows
 //             of dk and dv in registers.
@@ -197,7 +199,7 @@ __device__ __forceinline__ void c_to_a(uint32_t (&a)[4], const float (&lo)[4],
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_forward_kernel(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int s,
-                       int hq, int hk, float scale_log2) {
+                       int skeys, int hq, int hk, float scale_log2) {
   constexpr int P = kMmaPitch<D>;
   constexpr int kSteps = D / 16;  // k-steps over the head dimension
   constexpr int kDTiles = D / 8;  // n-tiles of the output
@@ -214,8 +216,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int row0 = q0 + 16 * warp + g, row1 = row0 + 8;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const bf16* qb = q + static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
-  const bf16* kb = k + static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
-  const bf16* vb = v + static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
+  const bf16* kb = k + static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const bf16* vb = v + static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;
 
   uint32_t qa[kSteps][4];
   stage_async<D>(sk, qb, qstride, q0, kRowTile, s);
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) load_a<D>(qa[kk], sk, 16 * warp, 16 * kk);
   __syncthreads();  // every warp holds its query fragments before sk takes the first keys
-  stage_async<D>(sk, kb, kstride, 0, kFwdKeys, s);
+  stage_async<D>(sk, kb, kstride, 0, kFwdKeys, skeys);
   cp_async_commit();
 
   float o[kDTiles][4];
@@ -235,15 +238,15 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   // Software pipeline, one group of copies in flight behind the math: the values of a tile load
   // while its scores are computed, and the next tile's keys while its probabilities multiply V.
-  const int last = min(q0 + kRowTile, s) - 1;
+  const int last = min(q0 + kRowTile, s) - 1 + shift;  // the last key of the tile's last row
   for (int k0 = 0; k0 <= last; k0 += kFwdKeys) {
     __syncthreads();  // every warp is done with sv (the previous tile's p v)
-    stage_async<D>(sv, vb, kstride, k0, kFwdKeys, s);
+    stage_async<D>(sv, vb, kstride, k0, kFwdKeys, skeys);
     cp_async_commit();
     cp_async_wait<1>();  // this tile's keys have landed; its values may still be in flight
     __syncthreads();
-    // Every warp has work in every tile: keys start at multiples of 64 <= q0 (kRowTile ==
-    // kFwdKeys), so the diagonal tile holds a key at or before each warp's first row.
+    // Every warp has work in every tile: keys start at multiples of 64 <= q0 + shift (kRowTile
+    // == kFwdKeys), so the diagonal tile holds a key at or before each warp's first row's last.
     float sc[kKeyTiles][4];
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
@@ -256,7 +259,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         mma_pair(sc[n], sc[n + 1], qa[kk], b);
       }
     __syncthreads();  // every warp is done with sk
-    if (k0 + kFwdKeys <= last) stage_async<D>(sk, kb, kstride, k0 + kFwdKeys, kFwdKeys, s);
+    if (k0 + kFwdKeys <= last) stage_async<D>(sk, kb, kstride, k0 + kFwdKeys, kFwdKeys, skeys);
     cp_async_commit();  // perhaps empty: every tile commits two groups, so the waits stay right
 
     // Scale to base 2, mask (causal, and keys past s), and take the row maxima.
@@ -267,7 +270,7 @@ __global__ void __launch_bounds__(kMmaThreads)
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + 8 * n + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
         float x = sc[n][e] * scale_log2;
-        if (key > row || key >= s) x = -INFINITY;
+        if (key > row + shift || key >= skeys) x = -INFINITY;
         sc[n][e] = x;
         if (e < 2)
           mx0 = fmaxf(mx0, x);
@@ -385,8 +388,8 @@ constexpr int kInnerTile = kBwdCols* kMmaPitch<D>;  // one staged inner tile, in
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_backward_kv_kernel(const bf16* q, const bf16* k, const bf16* v, const float* lse,
-                           const float* delta, const bf16* dout, bf16* dk, bf16* dv, int s, int hq,
-                           int hk, float scale) {
+                           const float* delta, const bf16* dout, bf16* dk, bf16* dv, int s,
+                           int skeys, int hq, int hk, float scale) {
   constexpr int P = kMmaPitch<D>;
   constexpr int kDTiles = D / 8;
   constexpr int kQTiles = kBwdCols / 8;  // n-tiles of queries per inner tile
@@ -404,15 +407,18 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int group = hq / hk;
   const float scale_log2 = scale * kLog2e;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
-  const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
+  const int64_t koff = static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;
 
-  // Inner tile i: query head kh * group + i / per_head, queries from k0 + (i % per_head) *
-  // kBwdCols (the tiles at or below the diagonal). Its lse and delta travel through registers
-  // of the first kBwdCols threads: loaded when the copy starts, stored before the barrier.
-  const int per_head = (s - k0 + kBwdCols - 1) / kBwdCols, tiles = group * per_head;
+  // Inner tile i: query head kh * group + i / per_head, queries from first + (i % per_head) *
+  // kBwdCols, first = k0 - shift the first query that sees key k0 (the tiles at or below the
+  // diagonal). Its lse and delta travel through registers of the first kBwdCols threads: loaded
+  // when the copy starts, stored before the barrier.
+  const int first = max(0, k0 - shift);
+  const int per_head = (s - first + kBwdCols - 1) / kBwdCols, tiles = group * per_head;
   float next_lse = 0.0f, next_delta = 0.0f;
   auto start_tile = [&](int i) {
-    const int h = kh * group + i / per_head, q0 = k0 + (i % per_head) * kBwdCols;
+    const int h = kh * group + i / per_head, q0 = first + (i % per_head) * kBwdCols;
     const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
     stage_async<D>(sq + (i & 1) * kInnerTile<D>, q + qoff, qstride, q0, kBwdCols, s);
     stage_async<D>(sdo + (i & 1) * kInnerTile<D>, dout + qoff, qstride, q0, kBwdCols, s);
@@ -432,8 +438,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     cp_async_wait<0>();
     __syncthreads();
   };
-  stage_async<D>(sk, k + koff, kstride, k0, kRowTile, s);
-  stage_async<D>(sv, v + koff, kstride, k0, kRowTile, s);
+  stage_async<D>(sk, k + koff, kstride, k0, kRowTile, skeys);
+  stage_async<D>(sv, v + koff, kstride, k0, kRowTile, skeys);
   start_tile(0);  // commits the keys and values with it
   finish_tile(0);
 
@@ -445,12 +451,12 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   for (int i = 0; i < tiles; ++i) {
     if (i + 1 < tiles) start_tile(i + 1);  // its buffer was last read before the barrier
-    const int q0 = k0 + (i % per_head) * kBwdCols, buf = i & 1;
+    const int q0 = first + (i % per_head) * kBwdCols, buf = i & 1;
     const bf16* tq = sq + buf * kInnerTile<D>;
     const bf16* tdo = sdo + buf * kInnerTile<D>;
     const float* tlse = slse + buf * kBwdCols;
     const float* tdelta = sdelta + buf * kBwdCols;
-    if (q0 + kBwdCols - 1 >= k0 + 16 * warp) {  // else every query is before this warp's keys
+    if (q0 + kBwdCols - 1 + shift >= k0 + 16 * warp) {  // else no query sees this warp's keys
       // s^T = k q^T and dp^T = v do^T: rows are this warp's 16 keys, columns the tile's queries.
       float st[kQTiles][4], dpt[kQTiles][4];
       two_products<D, kBwdCols>(st, dpt, sk, sv, tq, tdo);
@@ -461,7 +467,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int e = 0; e < 4; ++e) {
           const int col = 8 * n + 2 * t + (e & 1), query = q0 + col;
           const int key = e < 2 ? key0 : key1;
-          const float p = prob(st[n][e], scale_log2, tlse[col], key <= query && query < s);
+          const float p = prob(st[n][e], scale_log2, tlse[col], key <= query + shift && query < s);
           st[n][e] = p;
           dpt[n][e] = p * (dpt[n][e] - tdelta[col]);
         }
@@ -486,7 +492,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 
   for (int half = 0; half < 2; ++half) {
     const int key = half == 0 ? key0 : key1;
-    if (key >= s) continue;
+    if (key >= skeys) continue;
     bf16* dkrow = dk + koff + static_cast<int64_t>(key) * kstride;
     bf16* dvrow = dv + koff + static_cast<int64_t>(key) * kstride;
 #pragma unroll
@@ -502,8 +508,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 template <int D>
 __global__ void __launch_bounds__(kMmaThreads)
     mma_backward_q_kernel(const bf16* q, const bf16* k, const bf16* v, const float* lse,
-                          const float* delta, const bf16* dout, bf16* dq, int s, int hq, int hk,
-                          float scale) {
+                          const float* delta, const bf16* dout, bf16* dq, int s, int skeys, int hq,
+                          int hk, float scale) {
   constexpr int P = kMmaPitch<D>;
   constexpr int kDTiles = D / 8;
   constexpr int kKeyTiles = kBwdCols / 8;
@@ -522,18 +528,19 @@ __global__ void __launch_bounds__(kMmaThreads)
   const float scale_log2 = scale * kLog2e;
   const int64_t qstride = static_cast<int64_t>(hq) * D, kstride = static_cast<int64_t>(hk) * D;
   const int64_t qoff = static_cast<int64_t>(bi) * s * qstride + static_cast<int64_t>(h) * D;
-  const int64_t koff = static_cast<int64_t>(bi) * s * kstride + static_cast<int64_t>(kh) * D;
+  const int64_t koff = static_cast<int64_t>(bi) * skeys * kstride + static_cast<int64_t>(kh) * D;
+  const int shift = skeys - s;
   const int64_t stat = (static_cast<int64_t>(bi) * hq + h) * s;
   const float lse0 = row0 < s ? lse[stat + row0] * kLog2e : 0.0f;
   const float lse1 = row1 < s ? lse[stat + row1] * kLog2e : 0.0f;
   const float delta0 = row0 < s ? delta[stat + row0] : 0.0f;
   const float delta1 = row1 < s ? delta[stat + row1] : 0.0f;
 
-  // Inner tile i: keys from i * kBwdCols, up to the block's last row.
-  const int tiles = (min(q0 + kRowTile, s) + kBwdCols - 1) / kBwdCols;
+  // Inner tile i: keys from i * kBwdCols, up to the last key the block's last row sees.
+  const int tiles = (min(q0 + kRowTile, s) + shift + kBwdCols - 1) / kBwdCols;
   auto start_tile = [&](int i) {
-    stage_async<D>(sk + (i & 1) * kInnerTile<D>, k + koff, kstride, i * kBwdCols, kBwdCols, s);
-    stage_async<D>(sv + (i & 1) * kInnerTile<D>, v + koff, kstride, i * kBwdCols, kBwdCols, s);
+    stage_async<D>(sk + (i & 1) * kInnerTile<D>, k + koff, kstride, i * kBwdCols, kBwdCols, skeys);
+    stage_async<D>(sv + (i & 1) * kInnerTile<D>, v + koff, kstride, i * kBwdCols, kBwdCols, skeys);
     cp_async_commit();
   };
   stage_async<D>(sq, q + qoff, qstride, q0, kRowTile, s);
@@ -551,7 +558,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     const int k0 = i * kBwdCols;
     const bf16* tk = sk + (i & 1) * kInnerTile<D>;
     const bf16* tv = sv + (i & 1) * kInnerTile<D>;
-    if (k0 <= q0 + 16 * warp + 15) {  // else every key is after this warp's rows
+    if (k0 <= q0 + 16 * warp + 15 + shift) {  // else no row of this warp sees the tile
       // s = q k^T and dp = do v^T for this warp's 16 queries against the tile's keys.
       float sc[kKeyTiles][4], dp[kKeyTiles][4];
       two_products<D, kBwdCols>(sc, dp, sq, sdo, tk, tv);
@@ -561,7 +568,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + 8 * n + 2 * t + (e & 1), row = e < 2 ? row0 : row1;
-          const float p = prob(sc[n][e], scale_log2, e < 2 ? lse0 : lse1, key <= row && key < s);
+          const float p =
+              prob(sc[n][e], scale_log2, e < 2 ? lse0 : lse1, key <= row + shift && key < skeys);
           dp[n][e] = p * (dp[n][e] - (e < 2 ? delta0 : delta1));
         }
         // dq += ds k, 16 keys per k-step.
@@ -602,20 +610,22 @@ constexpr int kQSmem = (2 * kRowTile * kMmaPitch<D> + 4 * kInnerTile<D>)*2;
 
 template <int D>
 void forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int64_t b,
-             int64_t s, int64_t hq, int64_t hk, cudaStream_t stream) {
+             int64_t s, int64_t sk, int64_t hq, int64_t hk, cudaStream_t stream) {
   const dim3 grid(blocks_for(s, kRowTile), static_cast<unsigned>(hq), static_cast<unsigned>(b));
   const float scale_log2 = kLog2e / sqrtf(static_cast<float>(D));
   PTDP_KERNEL_LAUNCH(mma_forward_kernel<D>, grid, kMmaThreads, 0, stream)
-  (q, k, v, out, lse, static_cast<int>(s), static_cast<int>(hq), static_cast<int>(hk), scale_log2);
+  (q, k, v, out, lse, static_cast<int>(s), static_cast<int>(sk), static_cast<int>(hq),
+   static_cast<int>(hk), scale_log2);
   check_launch("mma_forward_kernel");
 }
 
 template <int D>
 void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-              const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t hq,
-              int64_t hk, cudaStream_t stream) {
+              const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t sk,
+              int64_t hq, int64_t hk, cudaStream_t stream) {
   const float scale = 1.0f / sqrtf(static_cast<float>(D));
-  const int si = static_cast<int>(s), hqi = static_cast<int>(hq), hki = static_cast<int>(hk);
+  const int si = static_cast<int>(s), ski = static_cast<int>(sk), hqi = static_cast<int>(hq),
+            hki = static_cast<int>(hk);
   float* delta = nullptr;
   PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * b * s * hq, stream));
   launch_delta(out, dout, delta, b, s, hq, D, stream);
@@ -624,14 +634,16 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kKvSmem<D>));
   PTDP_CUDA_CHECK(cudaFuncSetAttribute(mma_backward_q_kernel<D>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kQSmem<D>));
-  const unsigned tiles = blocks_for(s, kRowTile), ub = static_cast<unsigned>(b);
-  PTDP_KERNEL_LAUNCH(mma_backward_kv_kernel<D>, dim3(tiles, static_cast<unsigned>(hk), ub),
-                     kMmaThreads, kKvSmem<D>, stream)
-  (q, k, v, lse, delta, dout, dk, dv, si, hqi, hki, scale);
+  const unsigned ub = static_cast<unsigned>(b);
+  PTDP_KERNEL_LAUNCH(mma_backward_kv_kernel<D>,
+                     dim3(blocks_for(sk, kRowTile), static_cast<unsigned>(hk), ub), kMmaThreads,
+                     kKvSmem<D>, stream)
+  (q, k, v, lse, delta, dout, dk, dv, si, ski, hqi, hki, scale);
   check_launch("mma_backward_kv_kernel");
-  PTDP_KERNEL_LAUNCH(mma_backward_q_kernel<D>, dim3(tiles, static_cast<unsigned>(hq), ub),
-                     kMmaThreads, kQSmem<D>, stream)
-  (q, k, v, lse, delta, dout, dq, si, hqi, hki, scale);
+  PTDP_KERNEL_LAUNCH(mma_backward_q_kernel<D>,
+                     dim3(blocks_for(s, kRowTile), static_cast<unsigned>(hq), ub), kMmaThreads,
+                     kQSmem<D>, stream)
+  (q, k, v, lse, delta, dout, dq, si, ski, hqi, hki, scale);
   check_launch("mma_backward_q_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(delta, stream));
 }
@@ -639,20 +651,20 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
 }  // namespace
 
 void mma_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int64_t b,
-                 int64_t s, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream) {
+                 int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream) {
   if (d == 64)
-    forward<64>(q, k, v, out, lse, b, s, hq, hk, stream);
+    forward<64>(q, k, v, out, lse, b, s, sk, hq, hk, stream);
   else
-    forward<128>(q, k, v, out, lse, b, s, hq, hk, stream);
+    forward<128>(q, k, v, out, lse, b, s, sk, hq, hk, stream);
 }
 
 void mma_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t hq,
-                  int64_t hk, int64_t d, cudaStream_t stream) {
+                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t sk,
+                  int64_t hq, int64_t hk, int64_t d, cudaStream_t stream) {
   if (d == 64)
-    backward<64>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
+    backward<64>(q, k, v, out, lse, dout, dq, dk, dv, b, s, sk, hq, hk, stream);
   else
-    backward<128>(q, k, v, out, lse, dout, dq, dk, dv, b, s, hq, hk, stream);
+    backward<128>(q, k, v, out, lse, dout, dq, dk, dv, b, s, sk, hq, hk, stream);
 }
 
 }  // namespace ptdp::kernels::cuda::attention

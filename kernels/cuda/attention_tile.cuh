@@ -45,29 +45,32 @@ __device__ __forceinline__ float row_dot(const bf16* a, const bf16* b) {
   return acc;
 }
 
-// The two implementations behind kernels/cuda/attention.h (shapes already checked, b, s, hq > 0):
-// CUDA cores (attention_forward.cu, attention_backward.cu) and tensor cores (attention_mma.cu,
-// sm_80 and later, 16-byte aligned pointers). Both backward passes start from delta.
+// The two implementations behind kernels/cuda/attention.h (shapes already checked, b, s, hq > 0,
+// s <= sk): CUDA cores (attention_forward.cu, attention_backward.cu) and tensor cores
+// (attention_mma.cu, sm_80 and later, 16-byte aligned pointers). s queries (the last s of sk
+// positions) against sk keys. Both backward passes start from delta.
 void simt_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int64_t b,
-                  int64_t s, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
+                  int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
 void simt_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-                   const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t hq,
-                   int64_t hk, int64_t d, cudaStream_t stream);
+                   const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t sk,
+                   int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
 void mma_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse, int64_t b,
-                 int64_t s, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
+                 int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
 void mma_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
-                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t hq,
-                  int64_t hk, int64_t d, cudaStream_t stream);
+                  const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t b, int64_t s, int64_t sk,
+                  int64_t hq, int64_t hk, int64_t d, cudaStream_t stream);
 // delta [b, hq, s] = rowsum(dout * out), the softmax backward's correction term.
 void launch_delta(const bf16* out, const bf16* dout, float* delta, int64_t b, int64_t s, int64_t hq,
                   int64_t d, cudaStream_t stream);
 
-inline void check_shape(int64_t s, int64_t hq, int64_t hk, int64_t d) {
+inline void check_shape(int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d) {
   if (d != 64 && d != 128)
     throw std::invalid_argument("flash attention: head dimension d must be 64 or 128");
   if (hk <= 0 || hq % hk != 0)
     throw std::invalid_argument("flash attention: hq must be a positive multiple of hk");
-  if (s > (int64_t{1} << 30)) throw std::invalid_argument("flash attention: s too large");
+  if (sk > (int64_t{1} << 30)) throw std::invalid_argument("flash attention: s too large");
+  if (s < 0 || s > sk)
+    throw std::invalid_argument("flash attention: more queries than keys (sq > sk)");
 }
 
 }  // namespace ptdp::kernels::cuda::attention

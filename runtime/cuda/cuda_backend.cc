@@ -198,17 +198,19 @@ class CudaBackend final : public Backend {
   // residual), GELU (with no bias) and SwiGLU. Flash attention at other head dimensions, and any
   // call with an fp32 operand beside bf16 ones, is widened.
   bool native_flash_attention_forward(CPtr q, CPtr kk, CPtr v, Ptr out, float* lse, int64_t b,
-                                      int64_t s, int64_t hq, int64_t hk, int64_t d) override {
+                                      int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                                      int64_t d) override {
     if (!all_bf16({q, kk, v, out}) || (d != 64 && d != 128)) return false;
-    kc::flash_attention_forward(b16(q), b16(kk), b16(v), b16(out), lse, b, s, hq, hk, d, stream_);
+    kc::flash_attention_forward(b16(q), b16(kk), b16(v), b16(out), lse, b, sq, sk, hq, hk, d,
+                                stream_);
     return true;
   }
   bool native_flash_attention_backward(CPtr q, CPtr kk, CPtr v, CPtr out, const float* lse,
-                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t s,
-                                       int64_t hq, int64_t hk, int64_t d) override {
+                                       CPtr dout, Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t sq,
+                                       int64_t sk, int64_t hq, int64_t hk, int64_t d) override {
     if (!all_bf16({q, kk, v, out, dout, dq, dk, dv}) || (d != 64 && d != 128)) return false;
     kc::flash_attention_backward(b16(q), b16(kk), b16(v), b16(out), lse, b16(dout), b16(dq),
-                                 b16(dk), b16(dv), b, s, hq, hk, d, stream_);
+                                 b16(dk), b16(dv), b, sq, sk, hq, hk, d, stream_);
     return true;
   }
   bool native_norm_forward(CPtr x, CPtr g, CPtr beta, Ptr y, float* mean, float* rstd, int64_t n,
@@ -426,19 +428,19 @@ class CudaBackend final : public Backend {
   }
 
   void flash_attention_forward(const float* q, const float* kk, const float* v, float* out,
-                               float* lse, int64_t b, int64_t s, int64_t hq, int64_t hk,
-                               int64_t d) override {
-    k::flash_attention_forward(q, kk, v, out, lse, b, s, hq, hk, d, stream_);
+                               float* lse, int64_t b, int64_t sq, int64_t sk, int64_t hq,
+                               int64_t hk, int64_t d) override {
+    k::flash_attention_forward(q, kk, v, out, lse, b, sq, sk, hq, hk, d, stream_);
   }
   void flash_attention_backward(const float* q, const float* kk, const float* v, const float* out,
                                 const float* lse, const float* dout, float* dq, float* dk,
-                                float* dv, int64_t b, int64_t s, int64_t hq, int64_t hk,
-                                int64_t d) override {
+                                float* dv, int64_t b, int64_t sq, int64_t sk, int64_t hq,
+                                int64_t hk, int64_t d) override {
     // The workspace is counted like any allocation (it is the size of lse).
-    const size_t bytes = static_cast<size_t>(b * hq * s) * sizeof(float);
+    const size_t bytes = static_cast<size_t>(b * hq * sq) * sizeof(float);
     float* delta = static_cast<float*>(allocate(bytes));
     try {
-      k::flash_attention_backward(q, kk, v, out, lse, dout, dq, dk, dv, delta, b, s, hq, hk, d,
+      k::flash_attention_backward(q, kk, v, out, lse, dout, dq, dk, dv, delta, b, sq, sk, hq, hk, d,
                                   stream_);
     } catch (...) {
       deallocate(delta, bytes);

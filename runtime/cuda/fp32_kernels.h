@@ -104,18 +104,19 @@ void causal_softmax_backward(const float* probs, const float* dprobs, float* dsc
 void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st);
 
 // Causal attention fused the flash-attention way (runtime/cuda/fp32_attention.cu), the twin of
-// causal_attention_* (kernels/cpu/fused.h): q, out [b, s, hq, d], k, v [b, s, hk, d], lse
-// [b, hq, s]. The backward pass overwrites dq, dk, dv and uses `delta` ([b, hq, s] floats) as
-// its workspace. Head dimensions 1..kMaxAttentionHeadDim; hq a multiple of hk (else
-// std::invalid_argument, before anything is queued).
+// causal_attention_* (kernels/cpu/fused.h): q, out [b, sq, hq, d], k, v [b, sk, hk, d] (sq <= sk,
+// query i seeing keys j <= i + sk - sq), lse [b, hq, sq]. The backward pass overwrites dq, dk,
+// dv and uses `delta` ([b, hq, sq] floats) as its workspace. Head dimensions
+// 1..kMaxAttentionHeadDim; hq a multiple of hk (else std::invalid_argument, before anything is
+// queued).
 constexpr int kMaxAttentionHeadDim = 256;
 void flash_attention_forward(const float* q, const float* k, const float* v, float* out, float* lse,
-                             int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
+                             int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t st);
 void flash_attention_backward(const float* q, const float* k, const float* v, const float* out,
                               const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                              float* delta, int64_t b, int64_t s, int64_t hq, int64_t hk, int64_t d,
-                              cudaStream_t st);
+                              float* delta, int64_t b, int64_t sq, int64_t sk, int64_t hq,
+                              int64_t hk, int64_t d, cudaStream_t st);
 
 struct AdamWArgs {
   double lr, beta1, beta2, eps, weight_decay, c1, c2;  // c1, c2: bias corrections

@@ -234,15 +234,16 @@ TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
        dout = narrow(random(nq, 24));
   Bf16 out(nq), dq(nq), dk(nk), dv(nk);
   Host lse(b * hq * s);
-  cpu_->flash_attention_forward(host16(q), host16(kk), host16(v), host16(out), lse.data(), b, s, hq,
-                                hk, d);
+  cpu_->flash_attention_forward(host16(q), host16(kk), host16(v), host16(out), lse.data(), b, s, s,
+                                hq, hk, d);
   cpu_->flash_attention_backward(host16(q), host16(kk), host16(v), host16(out), lse.data(),
-                                 host16(dout), host16(dq), host16(dk), host16(dv), b, s, hq, hk, d);
+                                 host16(dout), host16(dq), host16(dk), host16(dv), b, s, s, hq, hk,
+                                 d);
   const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(Bf16(nq)),
             gdq = up16(Bf16(nq)), gdk = up16(Bf16(nk)), gdv = up16(Bf16(nk));
   float* glse = up(Host(lse.size()));
-  gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, hq, hk, d);
-  gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, hq, hk, d);
+  gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, s, hq, hk, d);
+  gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, s, hq, hk, d);
   expect_close(down16(gout, out.size()), widen(out), "bf16 flash attention output", 2e-2, 2e-2);
   expect_close(down(glse, lse.size()), lse, "bf16 flash attention lse", 1e-3, 1e-3);
   expect_close(down16(gdq, dq.size()), widen(dq), "bf16 flash attention d q", 5e-2, 5e-2);
@@ -547,39 +548,43 @@ TEST_F(CudaBackendTest, AttentionPiecesMatchTheCpu) {
 
 // The fused (flash) attention of --use-flash-attn against the CPU twin, forward and backward,
 // with and without grouped queries, at odd sequence lengths and head dimensions that are not a
-// multiple of the warp (16, 40) beside GPT-2's 64.
+// multiple of the warp (16, 40) beside GPT-2's 64; and queries that are the last s of sk
+// positions (context parallelism's chunks).
 TEST_F(CudaBackendTest, FlashAttentionMatchesTheCpu) {
   struct Case {
-    int64_t b, s, hq, hk, d;
+    int64_t b, s, sk, hq, hk, d;
   };
-  for (const Case& c : {Case{2, 19, 4, 2, 16}, Case{1, 70, 3, 3, 40}, Case{2, 33, 2, 1, 64}}) {
-    const std::string at = " (s " + std::to_string(c.s) + ", hq " + std::to_string(c.hq) + ", hk " +
-                           std::to_string(c.hk) + ", d " + std::to_string(c.d) + ")";
+  for (const Case& c :
+       {Case{2, 19, 19, 4, 2, 16}, Case{1, 70, 70, 3, 3, 40}, Case{2, 33, 33, 2, 1, 64},
+        Case{2, 12, 36, 4, 2, 16}, Case{1, 8, 40, 2, 2, 40}}) {
+    const std::string at = " (s " + std::to_string(c.s) + ", sk " + std::to_string(c.sk) + ", hq " +
+                           std::to_string(c.hq) + ", hk " + std::to_string(c.hk) + ", d " +
+                           std::to_string(c.d) + ")";
     const size_t nq = static_cast<size_t>(c.b * c.s * c.hq * c.d),
-                 nk = static_cast<size_t>(c.b * c.s * c.hk * c.d),
+                 nk = static_cast<size_t>(c.b * c.sk * c.hk * c.d),
                  nl = static_cast<size_t>(c.b * c.hq * c.s);
     const Host q = random(nq, 20), k = random(nk, 21), v = random(nk, 22), dout = random(nq, 23);
     Host out(nq), lse(nl), dq(nq), dk(nk), dv(nk);
     cpu_->flash_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), c.b, c.s,
-                                  c.hq, c.hk, c.d);
+                                  c.sk, c.hq, c.hk, c.d);
     cpu_->flash_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(),
-                                   dout.data(), dq.data(), dk.data(), dv.data(), c.b, c.s, c.hq,
-                                   c.hk, c.d);
+                                   dout.data(), dq.data(), dk.data(), dv.data(), c.b, c.s, c.sk,
+                                   c.hq, c.hk, c.d);
     float *gq = up(q), *gk = up(k), *gv = up(v), *gdout = up(dout);
     float *gout = up(Host(nq)), *glse = up(Host(nl)), *gdq = up(Host(nq, 5.0f)),
           *gdk = up(Host(nk, 5.0f)), *gdv = up(Host(nk, 5.0f));  // overwritten, not added to
-    gpu_->flash_attention_forward(gq, gk, gv, gout, glse, c.b, c.s, c.hq, c.hk, c.d);
+    gpu_->flash_attention_forward(gq, gk, gv, gout, glse, c.b, c.s, c.sk, c.hq, c.hk, c.d);
     expect_close(down(gout, nq), out, "flash attention output" + at);
     expect_close(down(glse, nl), lse, "flash attention lse" + at);
-    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.hq,
-                                   c.hk, c.d);
+    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.sk,
+                                   c.hq, c.hk, c.d);
     expect_close(down(gdq, nq), dq, "flash attention d q" + at);
     expect_close(down(gdk, nk), dk, "flash attention d k" + at);
     expect_close(down(gdv, nk), dv, "flash attention d v" + at);
     // Deterministic: a second backward pass gives the same bits.
     const Host first = down(gdk, nk);
-    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.hq,
-                                   c.hk, c.d);
+    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdout, gdq, gdk, gdv, c.b, c.s, c.sk,
+                                   c.hq, c.hk, c.d);
     EXPECT_EQ(down(gdk, nk), first) << "flash attention d k is not reproducible" << at;
   }
 }

@@ -31,7 +31,8 @@ TEST(CpuTwins, FlashAttentionTwinEqualsTheSplitAttentionKernels) {
   const auto q = normal(b * s * hq * d, 1, 1), k = normal(b * s * hk * d, 1, 2),
              v = normal(b * s * hk * d, 1, 3), dout = normal(b * s * hq * d, 1, 4);
   std::vector<float> out(q.size()), lse(b * hq * s);
-  causal_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), b, s, hq, hk, d);
+  causal_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), b, s, s, hq, hk,
+                           d);
 
   std::vector<float> scores(b * hq * s * s), ref(q.size());
   attention_scores_forward(q.data(), k.data(), scores.data(), b, s, hq, hk, d);
@@ -48,7 +49,7 @@ TEST(CpuTwins, FlashAttentionTwinEqualsTheSplitAttentionKernels) {
 
   std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
   causal_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout.data(),
-                            dq.data(), dk.data(), dv.data(), b, s, hq, hk, d);
+                            dq.data(), dk.data(), dv.data(), b, s, s, hq, hk, d);
   std::vector<float> dprobs(scores.size()), rdq(q.size()), rdk(k.size()), rdv(v.size());
   attention_context_backward(scores.data(), v.data(), dout.data(), dprobs.data(), rdv.data(), b, s,
                              hq, hk, d);
@@ -81,6 +82,50 @@ void check_norm_gradient(Forward forward, Backward backward, int64_t n, int64_t 
     forward(xm, res, rm, ym);
     const double numeric = (dot(yp, w) - dot(ym, w)) / (2 * eps);
     EXPECT_NEAR(dx_plain[i], numeric, 2e-3 * (1 + std::fabs(numeric))) << i;
+  }
+}
+
+// sq queries against sk > sq keys are the last sq rows of the causal self-attention over sk
+// positions: the same outputs, log-sum-exps and dq; and, with no gradient on the earlier rows,
+// the same dk and dv.
+TEST(CpuTwins, ShiftedQueriesAreTheLastRowsOfTheLongerAttention) {
+  const int64_t b = 2, sk = 11, sq = 4, hq = 4, hk = 2, d = 8, shift = sk - sq;
+  const auto q_all = normal(b * sk * hq * d, 1, 5), k = normal(b * sk * hk * d, 1, 6),
+             v = normal(b * sk * hk * d, 1, 7), dout_last = normal(b * sq * hq * d, 1, 8);
+  const int64_t row = hq * d;  // floats of one position's queries
+  std::vector<float> q(b * sq * row), dout_all(q_all.size(), 0.0f);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t e = 0; e < row; ++e) {
+        q[(bi * sq + i) * row + e] = q_all[(bi * sk + shift + i) * row + e];
+        dout_all[(bi * sk + shift + i) * row + e] = dout_last[(bi * sq + i) * row + e];
+      }
+  std::vector<float> out_all(q_all.size()), lse_all(b * hq * sk), out(q.size()), lse(b * hq * sq);
+  causal_attention_forward(q_all.data(), k.data(), v.data(), out_all.data(), lse_all.data(), b, sk,
+                           sk, hq, hk, d);
+  causal_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), b, sq, sk, hq, hk,
+                           d);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t i = 0; i < sq; ++i) {
+      for (int64_t e = 0; e < row; ++e)
+        EXPECT_NEAR(out[(bi * sq + i) * row + e], out_all[(bi * sk + shift + i) * row + e], 1e-6);
+      for (int64_t h = 0; h < hq; ++h)
+        EXPECT_NEAR(lse[(bi * hq + h) * sq + i], lse_all[(bi * hq + h) * sk + shift + i], 1e-6);
+    }
+  std::vector<float> dq_all(q_all.size()), dk_all(k.size()), dv_all(v.size()), dq(q.size()),
+      dk(k.size(), 7.0f), dv(v.size(), 7.0f);  // overwritten
+  causal_attention_backward(q_all.data(), k.data(), v.data(), out_all.data(), lse_all.data(),
+                            dout_all.data(), dq_all.data(), dk_all.data(), dv_all.data(), b, sk, sk,
+                            hq, hk, d);
+  causal_attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), dout_last.data(),
+                            dq.data(), dk.data(), dv.data(), b, sq, sk, hq, hk, d);
+  for (int64_t bi = 0; bi < b; ++bi)
+    for (int64_t i = 0; i < sq; ++i)
+      for (int64_t e = 0; e < row; ++e)
+        EXPECT_NEAR(dq[(bi * sq + i) * row + e], dq_all[(bi * sk + shift + i) * row + e], 1e-5);
+  for (size_t i = 0; i < dk.size(); ++i) {
+    EXPECT_NEAR(dk[i], dk_all[i], 1e-5) << i;
+    EXPECT_NEAR(dv[i], dv_all[i], 1e-5) << i;
   }
 }
 
