@@ -20,6 +20,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu/elementwise.h"
+#include "kernels/cpu/flash.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/moe.h"
@@ -149,13 +150,13 @@ class CpuBackend : public Backend {
   void flash_attention_forward(const float* q, const float* kk, const float* v, float* out,
                                float* lse, int64_t b, int64_t sq, int64_t sk, int64_t hq,
                                int64_t hk, int64_t d) override {
-    k::causal_attention_forward(q, kk, v, out, lse, b, sq, sk, hq, hk, d);
+    k::flash_attention_forward(q, kk, v, out, lse, b, sq, sk, hq, hk, d);
   }
   void flash_attention_backward(const float* q, const float* kk, const float* v, const float* out,
                                 const float* lse, const float* dout, float* dq, float* dk,
                                 float* dv, int64_t b, int64_t sq, int64_t sk, int64_t hq,
                                 int64_t hk, int64_t d) override {
-    k::causal_attention_backward(q, kk, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d);
+    k::flash_attention_backward(q, kk, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d);
   }
 
   void norm_forward(const float* x, const float* g, const float* beta, float* y, float* mean,

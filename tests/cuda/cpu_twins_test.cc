@@ -2,10 +2,13 @@
 // against the existing CPU kernels and against finite differences. Runs on every machine.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "kernels/cpu/flash.h"
 #include "kernels/cpu/fused.h"
 #include "kernels/cpu/kernels.h"
 
@@ -126,6 +129,54 @@ TEST(CpuTwins, ShiftedQueriesAreTheLastRowsOfTheLongerAttention) {
   for (size_t i = 0; i < dk.size(); ++i) {
     EXPECT_NEAR(dk[i], dk_all[i], 1e-5) << i;
     EXPECT_NEAR(dv[i], dv_all[i], 1e-5) << i;
+  }
+}
+
+double max_abs(const std::vector<float>& x) {
+  double m = 0;
+  for (float v : x) m = std::max(m, std::abs(static_cast<double>(v)));
+  return m;
+}
+
+// The CPU backend's tiled fp32 flash attention (kernels/cpu/flash.h) against the double-precision
+// twin: sequences of one tile, of several with the last partial, queries after longer keys (the
+// diagonal inside a tile and across tiles), grouped queries; and the same bits twice.
+TEST(CpuTwins, TiledFlashAttentionMatchesTheTwin) {
+  struct Case {
+    int64_t b, sq, sk, hq, hk, d;
+  };
+  for (const Case& c :
+       {Case{2, 150, 150, 4, 2, 16}, Case{1, 70, 200, 2, 1, 40}, Case{2, 9, 9, 3, 3, 64},
+        Case{1, 64, 128, 2, 2, 8}, Case{1, 1, 77, 2, 1, 8}}) {
+    SCOPED_TRACE("sq " + std::to_string(c.sq) + " sk " + std::to_string(c.sk));
+    const size_t nq = static_cast<size_t>(c.b * c.sq * c.hq * c.d),
+                 nk = static_cast<size_t>(c.b * c.sk * c.hk * c.d),
+                 nl = static_cast<size_t>(c.b * c.hq * c.sq);
+    const auto q = normal(nq, 1, 11), k = normal(nk, 1, 12), v = normal(nk, 1, 13),
+               dout = normal(nq, 1, 14);
+    std::vector<float> out(nq), lse(nl), want(nq), want_lse(nl);
+    flash_attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), c.b, c.sq, c.sk,
+                            c.hq, c.hk, c.d);
+    causal_attention_forward(q.data(), k.data(), v.data(), want.data(), want_lse.data(), c.b, c.sq,
+                             c.sk, c.hq, c.hk, c.d);
+    for (size_t i = 0; i < nq; ++i) ASSERT_NEAR(out[i], want[i], 1e-5) << i;
+    for (size_t i = 0; i < nl; ++i) ASSERT_NEAR(lse[i], want_lse[i], 1e-5) << i;
+    std::vector<float> dq(nq), dk(nk), dv(nk), wq(nq), wk(nk), wv(nk);
+    flash_attention_backward(q.data(), k.data(), v.data(), want.data(), want_lse.data(),
+                             dout.data(), dq.data(), dk.data(), dv.data(), c.b, c.sq, c.sk, c.hq,
+                             c.hk, c.d);
+    causal_attention_backward(q.data(), k.data(), v.data(), want.data(), want_lse.data(),
+                              dout.data(), wq.data(), wk.data(), wv.data(), c.b, c.sq, c.sk, c.hq,
+                              c.hk, c.d);
+    const double tq = 1e-5 * max_abs(wq), tk = 1e-5 * max_abs(wk), tv = 1e-5 * max_abs(wv);
+    for (size_t i = 0; i < nq; ++i) ASSERT_NEAR(dq[i], wq[i], tq) << i;
+    for (size_t i = 0; i < nk; ++i) ASSERT_NEAR(dk[i], wk[i], tk) << i;
+    for (size_t i = 0; i < nk; ++i) ASSERT_NEAR(dv[i], wv[i], tv) << i;
+    std::vector<float> again(nk, 3.0f), dq2(nq), dv2(nk);  // overwritten, the same bits
+    flash_attention_backward(q.data(), k.data(), v.data(), want.data(), want_lse.data(),
+                             dout.data(), dq2.data(), again.data(), dv2.data(), c.b, c.sq, c.sk,
+                             c.hq, c.hk, c.d);
+    EXPECT_EQ(again, dk);
   }
 }
 
