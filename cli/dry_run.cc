@@ -17,7 +17,9 @@ ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   run.attention_dropout = 0;
   run.hidden_dropout = 0;
   run.cross_entropy_fusion = true;  // the runtime's loss runs in place on the logits
-  if (p.context_parallel > 1) run.flash_attention = false;
+  // Context parallelism runs fused (flash) attention whatever the model says, as Megatron-Core
+  // does and as the op list prices it (runtime/context_parallel.h).
+  if (p.context_parallel > 1) run.flash_attention = true;
   return run;
 }
 
@@ -25,9 +27,6 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   std::string note;
   if (m.attention_dropout > 0 || m.hidden_dropout > 0)
     note = "trains without dropout (ptdp run has none)";
-  if (m.flash_attention && p.context_parallel > 1)
-    note += std::string(note.empty() ? "" : "; ") +
-            "keeps the attention scores (the context-parallel ring runs unfused attention)";
   // Settings plan and predict price that the runtime does not execute.
   auto add = [&note](const char* what) { note += std::string(note.empty() ? "" : "; ") + what; };
   if (!p.fp32_grad_reduce && p.data_parallel * p.context_parallel > 1)

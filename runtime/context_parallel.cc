@@ -208,8 +208,10 @@ void context_return_dkv(ShardContext& c, LayerGrads& D) {
                 PassKind::kBackward);
     c.be.add(part.ptr().at(recv * n), incoming.ptr(), n);
   }
-  resize(D.dk, kv);
-  resize(D.dv, kv);
+  release(D.dk);  // the whole sequence's: the scratch keeps only the local block's capacity
+  release(D.dv);
+  resize_for_overwrite(D.dk, kv);
+  resize_for_overwrite(D.dv, kv);
   c.be.copy(part.ptr().at(r * n), D.dk.ptr(), kv);
   c.be.copy(part.ptr().at(r * n + kv), D.dv.ptr(), kv);
 }

@@ -73,6 +73,23 @@ TEST(Cli, RunSaysWhichPricedSettingsItDoesNotExecute) {
   EXPECT_EQ(note.find('\n'), std::string::npos);
 }
 
+// Context parallelism runs fused attention whatever the model asks (as Megatron-Core and the op
+// list): nothing to say, and the model as executed (what reconcile prices) has it.
+TEST(Cli, ContextParallelRunsFusedAttention) {
+  ModelSpec m = resolve_model("gpt-1.7b");
+  m.attention_dropout = m.hidden_dropout = 0;
+  ParallelPlan p;
+  p.context_parallel = 2;
+  for (const bool flash : {false, true}) {
+    m.flash_attention = flash;
+    EXPECT_EQ(execution_note(m, p), "");
+    EXPECT_TRUE(as_executed(m, p).flash_attention);
+  }
+  p.context_parallel = 1;
+  m.flash_attention = false;
+  EXPECT_FALSE(as_executed(m, p).flash_attention);
+}
+
 TEST(Cli, PredictJsonHasTheDocumentedKeys) {
   auto args = kPredict175B;
   args.push_back("--json");

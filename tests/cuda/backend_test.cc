@@ -226,29 +226,34 @@ TEST_F(CudaBackendTest, Fp16ConversionsAndWideningMatchTheHost) {
 }
 
 // The bf16 kernels of kernels/cuda/ behind the typed calls (flash attention at head dimension
-// 64 with grouped queries and an odd sequence, LayerNorm and RMSNorm, SwiGLU) against the CPU
-// backend's widening of the same bf16 inputs.
+// 64 with grouped queries and an odd sequence, also as the last 37 of 90 positions, the
+// diagonal shifted as context parallelism calls it; LayerNorm and RMSNorm, SwiGLU) against the
+// CPU backend's widening of the same bf16 inputs.
 TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
-  const int64_t b = 2, s = 37, hq = 4, hk = 2, d = 64, nq = b * s * hq * d, nk = b * s * hk * d;
-  Bf16 q = narrow(random(nq, 21)), kk = narrow(random(nk, 22)), v = narrow(random(nk, 23)),
-       dout = narrow(random(nq, 24));
-  Bf16 out(nq), dq(nq), dk(nk), dv(nk);
-  Host lse(b * hq * s);
-  cpu_->flash_attention_forward(host16(q), host16(kk), host16(v), host16(out), lse.data(), b, s, s,
-                                hq, hk, d);
-  cpu_->flash_attention_backward(host16(q), host16(kk), host16(v), host16(out), lse.data(),
-                                 host16(dout), host16(dq), host16(dk), host16(dv), b, s, s, hq, hk,
-                                 d);
-  const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(Bf16(nq)),
-            gdq = up16(Bf16(nq)), gdk = up16(Bf16(nk)), gdv = up16(Bf16(nk));
-  float* glse = up(Host(lse.size()));
-  gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, s, hq, hk, d);
-  gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, s, hq, hk, d);
-  expect_close(down16(gout, out.size()), widen(out), "bf16 flash attention output", 2e-2, 2e-2);
-  expect_close(down(glse, lse.size()), lse, "bf16 flash attention lse", 1e-3, 1e-3);
-  expect_close(down16(gdq, dq.size()), widen(dq), "bf16 flash attention d q", 5e-2, 5e-2);
-  expect_close(down16(gdk, dk.size()), widen(dk), "bf16 flash attention d k", 5e-2, 5e-2);
-  expect_close(down16(gdv, dv.size()), widen(dv), "bf16 flash attention d v", 5e-2, 5e-2);
+  for (const int64_t sk : {37, 90}) {
+    const int64_t b = 2, s = 37, hq = 4, hk = 2, d = 64, nq = b * s * hq * d, nk = b * sk * hk * d;
+    const std::string at = " (" + std::to_string(s) + " queries, " + std::to_string(sk) + " keys)";
+    Bf16 q = narrow(random(nq, 21)), kk = narrow(random(nk, 22)), v = narrow(random(nk, 23)),
+         dout = narrow(random(nq, 24));
+    Bf16 out(nq), dq(nq), dk(nk), dv(nk);
+    Host lse(b * hq * s);
+    cpu_->flash_attention_forward(host16(q), host16(kk), host16(v), host16(out), lse.data(), b, s,
+                                  sk, hq, hk, d);
+    cpu_->flash_attention_backward(host16(q), host16(kk), host16(v), host16(out), lse.data(),
+                                   host16(dout), host16(dq), host16(dk), host16(dv), b, s, sk, hq,
+                                   hk, d);
+    const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(Bf16(nq)),
+              gdq = up16(Bf16(nq)), gdk = up16(Bf16(nk)), gdv = up16(Bf16(nk));
+    float* glse = up(Host(lse.size()));
+    gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, sk, hq, hk, d);
+    gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, sk, hq, hk, d);
+    expect_close(down16(gout, out.size()), widen(out), "bf16 flash attention output" + at, 2e-2,
+                 2e-2);
+    expect_close(down(glse, lse.size()), lse, "bf16 flash attention lse" + at, 1e-3, 1e-3);
+    expect_close(down16(gdq, dq.size()), widen(dq), "bf16 flash attention d q" + at, 5e-2, 5e-2);
+    expect_close(down16(gdk, dk.size()), widen(dk), "bf16 flash attention d k" + at, 5e-2, 5e-2);
+    expect_close(down16(gdv, dv.size()), widen(dv), "bf16 flash attention d v" + at, 5e-2, 5e-2);
+  }
 
   const int64_t n = 19, h = 301;
   for (const bool layernorm : {true, false}) {
