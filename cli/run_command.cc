@@ -95,12 +95,16 @@ std::string memory_row(const RankFootprint& r, const RankMemory& mem, bool with_
 int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<NumberedPlan>& plans,
                   Communicator& world, std::ostream& out, std::ostream& err) {
   const bool root = world.rank() == 0;
+  // One process checks a plan of several ranks by working out every rank (the ranks are not on
+  // this host then: only --memory-limit-gib gives them a limit).
+  const bool every_rank_here = world.size() == 1;
   std::string limit_source;
-  const double limit = memory_limit_bytes(f.memory_limit_gib, world.size(), &limit_source);
+  const double host_limit = memory_limit_bytes(f.memory_limit_gib, world.size(), &limit_source);
   nlohmann::json j;
   j["model"] = to_json(model);
   j["world_size"] = world.size();
-  j["memory_limit_bytes"] = std::isfinite(limit) ? nlohmann::json(limit) : nlohmann::json();
+  j["memory_limit_bytes"] =
+      std::isfinite(host_limit) ? nlohmann::json(host_limit) : nlohmann::json();
   j["memory_limit"] = limit_source;
   j["plans"] = nlohmann::json::array();
   for (const NumberedPlan& np : plans) {
@@ -108,6 +112,11 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
         np.index > 0 ? "plan " + std::to_string(np.index) + " of " + f.plan_file : "the plan";
     TrainOptions o = f.train;
     o.plan = np.plan;
+    const bool elsewhere = every_rank_here && np.plan.num_gpus() > 1 && !f.memory_limit_gib;
+    const double limit = elsewhere ? HUGE_VAL : host_limit;
+    const std::string plan_limit_source =
+        elsewhere ? "no limit: the plan's ranks are not on this host (--memory-limit-gib sets one)"
+                  : limit_source;
     auto check = [&](const RankFootprint& r) {
       const double need = rank_memory(model, o.plan, r).peak();
       if (need > limit) {
@@ -118,7 +127,7 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
                       static_cast<long long>(r.rank), static_cast<long long>(r.tp),
                       static_cast<long long>(r.cp), static_cast<long long>(r.pp),
                       static_cast<long long>(r.dp), to_mib(need), to_mib(limit),
-                      limit_source.c_str());
+                      plan_limit_source.c_str());
         throw InputError(f.memory_limit_gib ? "--memory-limit-gib" : "memory", buf);
       }
     };
@@ -128,7 +137,8 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
       throw e;
     };
     // The same on every rank: rank 0 reports.
-    if (o.plan.num_gpus() != world.size()) refuse(world_mismatch(o.plan, world.size()));
+    if (!every_rank_here && o.plan.num_gpus() != world.size())
+      refuse(world_mismatch(o.plan, world.size()));
     std::vector<RankFootprint> ranks;
     try {
       ranks = dry_run(o, world, check);
@@ -147,6 +157,8 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     nlohmann::json p;
     p["index"] = np.index;
     p["configuration"] = to_json(np.plan);
+    p["memory_limit_bytes"] = std::isfinite(limit) ? nlohmann::json(limit) : nlohmann::json();
+    p["memory_limit"] = plan_limit_source;
     p["ranks"] = nlohmann::json::array();
     size_t worst = 0;
     std::vector<RankMemory> mem;
@@ -181,10 +193,10 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     out << buf;
     if (std::isfinite(limit)) {
       std::snprintf(buf, sizeof buf, "limit %.1f MiB per rank (%s)\n\n", to_mib(limit),
-                    limit_source.c_str());
+                    plan_limit_source.c_str());
       out << buf;
     } else {
-      out << limit_source << "\n\n";
+      out << plan_limit_source << "\n\n";
     }
   }
   if (root && f.json) out << j.dump(2) << "\n";
@@ -257,9 +269,21 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   if (!world) world = make_self_communicator();
   const bool root = world->rank() == 0;
   try {
+    if (f.job.num_gpus) {
+      if (!f.dry_run)
+        throw InputError("--num-gpus", "needs --dry-run (a run's ranks are the launcher's)");
+      if (!f.plan_file.empty()) throw InputError("--num-gpus", "the --plan file gives the ranks");
+      if (*f.job.num_gpus <= 0 || *f.job.num_gpus > kMaxGpus)
+        throw InputError("--num-gpus", "must be 1.." + std::to_string(kMaxGpus));
+      if (world->size() != 1 && world->size() != *f.job.num_gpus)
+        throw InputError("--num-gpus", std::to_string(*f.job.num_gpus) + ", but launched on " +
+                                           std::to_string(world->size()) + " ranks");
+    }
     if (f.plan_file.empty()) {
       if (!f.job.global_batch_size) throw InputError("--global-batch-size", "is required");
-      plans.push_back({f.job.resolve_plan(model, world->size(), "world size"), 0});
+      plans.push_back({f.job.resolve_plan(model, f.job.num_gpus.value_or(world->size()),
+                                          f.job.num_gpus ? "--num-gpus" : "world size"),
+                       0});
     }
     if (f.dry_run) return dry_run_plans(f, model, plans, *world, out, err);
     f.train.plan = plans.front().plan;
@@ -422,7 +446,11 @@ Action add_run_command(CLI::App& app) {
                 "check the plan, data and --load checkpoint, report each rank's memory, train "
                 "nothing");
   sub->add_option("--memory-limit-gib", f->memory_limit_gib,
-                  "--dry-run: memory per rank (default: MemAvailable / ranks on this host)");
+                  "--dry-run: memory per rank (default: MemAvailable / ranks on this host; none "
+                  "when one process checks a plan of several ranks)");
+  sub->add_option("--num-gpus", f->job.num_gpus,
+                  "--dry-run in one process: the ranks of the plan to check (a run's ranks are "
+                  "the launcher's)");
   sub->add_option("--backend", t.backend,
                   "where the kernels run: cpu, cuda (a CUDA build, fp32), or cpu-staged (the CPU "
                   "kernels on memory treated as a device's: tests the GPU's host side)")

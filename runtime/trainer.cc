@@ -199,6 +199,9 @@ class Executor {
   Communicator& world_;
   ControlPlane& control_;  // agreement, losses, counts, timelines (runtime/communicator.h)
   const bool dry_;         // check and size everything, allocate nothing
+  // The plan's ranks: the world's, or, in a dry run by one process of a plan of several ranks,
+  // every rank of the plan worked out here.
+  int64_t ranks_ = 1;
   ShardLayout layout_;
   std::vector<int64_t> segment_sizes_;
   std::unique_ptr<ProcessGroups> pg_;
@@ -249,14 +252,21 @@ void Executor::setup() {
     d_ = plan.data_parallel;
     cp_ = plan.context_parallel;
     dcp_ = d_ * cp_;
-    if (world_.size() != t_ * cp_ * p_ * d_)
+    const int64_t need = t_ * cp_ * p_ * d_;
+    ranks_ = dry_ && world_.size() == 1 ? need : world_.size();
+    if (ranks_ != need)
       throw InputError("world size",
                        std::to_string(world_.size()) +
                            " ranks, but the plan needs t * cp * p * d = " + std::to_string(t_) +
                            " * " + std::to_string(cp_) + " * " + std::to_string(p_) + " * " +
-                           std::to_string(d_) + " = " + std::to_string(t_ * cp_ * p_ * d_));
+                           std::to_string(d_) + " = " + std::to_string(need));
+    if (ranks_ > world_.size() && !o_.load_dir.empty())
+      throw InputError("--load", "a dry run of the plan's " + std::to_string(ranks_) +
+                                     " ranks in one process does not read their checkpoint "
+                                     "shards: run it under mpirun -np " +
+                                     std::to_string(ranks_));
     plan.validate(m);
-    pg_ = std::make_unique<ProcessGroups>(world_.size(), t_, p_, dcp_, world_.rank());
+    pg_ = std::make_unique<ProcessGroups>(ranks_, t_, p_, dcp_, world_.rank());
     pos_ = pg_->position();
     dp_index_ = pos_.dp / cp_;
     cpr_ = pos_.dp % cp_;
@@ -402,14 +412,26 @@ std::vector<RankFootprint> Executor::dry_run(
     const std::function<void(const RankFootprint&)>& check) {
   setup();
   if (!o_.load_dir.empty()) load_checkpoint();
-  // Every rank's footprint follows from the plan: each rank works out all of them.
+  // Every rank's footprint follows from the plan: each rank works out all of them (and a dry
+  // run by one process of a plan of several ranks checks each rank's layout as its rank would).
   std::vector<RankFootprint> all;
-  for (int64_t r = 0; r < world_.size(); ++r) {
-    const GridPosition pos = ProcessGroups(world_.size(), t_, p_, dcp_, r).position();
+  const bool every_rank_here = ranks_ > world_.size();
+  for (int64_t r = 0; r < ranks_; ++r) {
+    const GridPosition pos = ProcessGroups(ranks_, t_, p_, dcp_, r).position();
     ShardLayout l = layout_;
     l.tp = pos.tp;
     l.pp = pos.pp;
     l.cp_rank = pos.dp % cp_;
+    if (every_rank_here) {
+      const ModelSpec& m = o_.model;
+      const ExpertPosition e = expert_position(t_, dcp_, m.is_moe() ? o_.plan.expert_tp() : 1,
+                                               o_.plan.expert_parallel, pos.tp, pos.dp, pos.pp);
+      l.ep = e.ep;
+      l.ep_rank = e.ep_rank;
+      l.etp = e.etp;
+      l.etp_rank = e.etp_rank;
+      agree(control_, [&] { validate_shard_layout(m, l); });
+    }
     const std::vector<int64_t> sizes = shard_segment_sizes(o_.model, l);
     RankFootprint f;
     f.rank = r;
@@ -426,7 +448,11 @@ std::vector<RankFootprint> Executor::dry_run(
     all.push_back(f);
   }
   agree(control_, [&] {
-    if (check) check(all[static_cast<size_t>(world_.rank())]);
+    if (!check) return;
+    if (every_rank_here)
+      for (const RankFootprint& f : all) check(f);
+    else
+      check(all[static_cast<size_t>(world_.rank())]);
   });
   return all;
 }

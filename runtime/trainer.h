@@ -131,7 +131,9 @@ struct RankFootprint {
 // plan, world size, data, the checkpoint to --load), agreed on by all ranks as train() agrees
 // on them, without allocating the model. Then `check` runs on every rank with that rank's
 // footprint (e.g. against the memory it has) and the ranks agree on it the same way. Returns
-// every rank's footprint, on every rank.
+// every rank's footprint, on every rank. A world of one process with a plan of several ranks
+// works out every rank of the plan here: each rank's layout checked, `check` run on each
+// (a --load checkpoint is refused then: its shards are the ranks' to read).
 std::vector<RankFootprint> dry_run(const TrainOptions& options, Communicator& world,
                                    const std::function<void(const RankFootprint&)>& check = {});
 

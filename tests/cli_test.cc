@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "cli/dry_run.h"
 #include "core/presets.h"
@@ -874,6 +875,55 @@ TEST(Cli, RunRefusesBadInputWithOneLine) {
   auto bad_steps = kTinyRun;
   bad_steps.back() = "0";
   expect_bad(bad_steps, "--steps");
+}
+
+// One process dry-runs a plan of several ranks by working out every rank: the plan from flags
+// with --num-gpus (or from a --plan file), each rank's coordinates and footprint, no memory
+// limit unless --memory-limit-gib gives one (the ranks are not on this host), and that limit
+// checked on every rank. What it cannot check here is refused by name.
+TEST(Cli, OneProcessDryRunsEveryRankOfALargerPlan) {
+  const auto eight =
+      tiny_run({"--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                "--num-gpus", "8", "--dry-run"});
+  auto with = [](std::vector<std::string> a, std::vector<std::string> extra) {
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result r = run(with(eight, {"--json"}));
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json plan = nlohmann::json::parse(r.out)["plans"][0];
+  EXPECT_EQ(plan["configuration"]["data_parallel"], 2);
+  const nlohmann::json& ranks = plan["ranks"];
+  ASSERT_EQ(ranks.size(), 8u);
+  std::set<std::tuple<int, int, int>> seen;
+  double worst = 0, least = HUGE_VAL;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    EXPECT_EQ(ranks[i]["rank"], static_cast<int>(i));
+    seen.insert({ranks[i]["tp"].get<int>(), ranks[i]["pp"].get<int>(), ranks[i]["dp"].get<int>()});
+    worst = std::max(worst, ranks[i]["peak_bytes"].get<double>());
+    least = std::min(least, ranks[i]["peak_bytes"].get<double>());
+  }
+  EXPECT_EQ(seen.size(), 8u) << "every (tp, pp, dp) once";
+  EXPECT_TRUE(plan["memory_limit_bytes"].is_null()) << plan["memory_limit"];
+  const Result table = run(eight);
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find("ok: 8 ranks"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("not on this host"), std::string::npos) << table.out;
+  // A limit between the ranks' peaks: refused, naming a rank over it; above them all: passes.
+  char gib[32];
+  std::snprintf(gib, sizeof gib, "%.9f", (least + worst) / 2 / (1024.0 * 1024.0 * 1024.0));
+  const Result over = run(with(eight, {"--memory-limit-gib", gib}));
+  EXPECT_EQ(over.status, 2);
+  EXPECT_NE(over.err.find("--memory-limit-gib: rank "), std::string::npos) << over.err;
+  EXPECT_EQ(over.out, "");
+  std::snprintf(gib, sizeof gib, "%.9f", worst * 1.01 / (1024.0 * 1024.0 * 1024.0));
+  EXPECT_EQ(run(with(eight, {"--memory-limit-gib", gib})).status, 0);
+  // Not without --dry-run, not with a plan file, not out of range; no checkpoint shards here.
+  expect_bad(tiny_run({"--num-gpus", "8"}), "--num-gpus: needs --dry-run");
+  expect_bad(tiny_run({"--num-gpus", "0", "--dry-run"}), "--num-gpus");
+  expect_bad(tiny_run({"--num-gpus", "3", "--tensor-model-parallel-size", "2", "--dry-run"}),
+             "--num-gpus");
+  expect_bad(with(eight, {"--load", std::filesystem::temp_directory_path().string()}), "--load");
 }
 
 // Megatron's precision flags: plan prints --bf16 where it priced bf16 (the GPU presets) and not

@@ -3,7 +3,8 @@
 // whose FFN width and sequence length t = 4 or 8 does not always divide, and a GQA + SwiGLU +
 // untied model with rotary positions, as Llama) and 1, 2, 4, 8 and 16 ranks, every plan of `ptdp
 // plan --top 20 --out` passes `ptdp run --dry-run` under mpirun (one launch per model and rank
-// count, --plan-index all), and the best plan trains to the single-rank losses. Also: the dry run
+// count, --plan-index all), one process working out every rank gives the same footprints, and
+// the best plan trains to the single-rank losses. Also: the dry run
 // refuses a rank whose predicted memory exceeds --memory-limit-gib, naming it.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -104,6 +105,14 @@ void every_ranked_plan_runs(const std::string& model, const std::string& name) {
       }
       ++checked;
     }
+    // One process works out the same ranks of every plan (no mpirun: each rank's layout checked
+    // here, no memory limit as the ranks are not on this host).
+    const nlohmann::json here =
+        json_of(ptdp(0, "run --plan " + file.string() + " --plan-index all --dry-run --json"),
+                ranks + ": dry run of every plan in one process");
+    ASSERT_EQ(here["plans"].size(), dry["plans"].size()) << ranks;
+    for (size_t i = 0; i < plans.size(); ++i)
+      EXPECT_EQ(here["plans"][i]["ranks"], dry["plans"][i]["ranks"]) << ranks << " plan " << i + 1;
 
     // The best plan trains to the single-rank losses.
     const nlohmann::json best = json_of(
