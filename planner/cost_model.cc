@@ -397,6 +397,20 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
       }
     }
   }
+  // Context parallelism's ring synchronises its ranks the same way, once per layer pass: the
+  // pass's first ring step waits for the ring's last rank, the measured fraction of the compute
+  // since the ring's previous wait, which is the whole pass (the previous layer's same pass); the
+  // pass's other steps follow it at once.
+  if (profile_.arrival_skew > 0 && p.context_parallel > 1) {
+    double pass = 0;
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind != OpKind::kCollective) pass += time[i];
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind == OpKind::kCollective && ops[i].group == CommGroup::kContext) {
+        time[i] += profile_.arrival_skew * pass;
+        break;
+      }
+  }
   if (t == 1 || !p.tp_comm_overlap || !p.sequence_parallel) return time;
   // --tp-comm-overlap (Transformer Engine's userbuffers): a sequence-parallel all-gather is
   // pipelined with the GEMM that consumes it, a reduce-scatter with the GEMM that produces it,

@@ -297,6 +297,39 @@ TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
   }
 }
 
+// Context parallelism's ring waits once per layer pass: its first exchange of the pass for the
+// measured fraction of the whole pass's compute (the ring's previous wait was the previous
+// layer's), its others not at all; everything else as without skew.
+TEST(MachineFile, ArrivalSkewDelaysTheRingOncePerPass) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile skewed = *c.measured_profile;
+  skewed.arrival_skew = 0.2;
+  HardwareProfile lockstep = skewed;
+  lockstep.arrival_skew = 0;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  const CostModel a(m, c, skewed), b(m, c, lockstep);
+  ParallelPlan p;
+  p.context_parallel = 4;
+  p.global_batch_size = 4;
+  const PassOps layer = transformer_layer_ops(m, a.priced_layer_shape(p));
+  for (const std::vector<Op>* ops : {&layer.forward, &layer.backward}) {
+    const std::vector<double> with = a.exposed_times(*ops, p), without = b.exposed_times(*ops, p);
+    double compute = 0;
+    for (size_t i = 0; i < ops->size(); ++i)
+      if ((*ops)[i].kind != OpKind::kCollective) compute += without[i];
+    int ring = 0;
+    for (size_t i = 0; i < ops->size(); ++i) {
+      const Op& op = (*ops)[i];
+      const bool waits = op.kind == OpKind::kCollective && op.group == CommGroup::kContext &&
+                         ring++ == 0;
+      EXPECT_NEAR(with[i], without[i] + (waits ? 0.2 * compute : 0.0), 1e-12) << op.name();
+    }
+    EXPECT_EQ(ring, 3);  // cp - 1 exchanges a pass
+  }
+}
+
 // A fused (flash) attention's kernels are priced as calibrate measured them, per op: the
 // measured size at its time, other sizes in proportion from the nearest measurement; only the
 // ops of a fused list (Op::fused), so the unfused attention keeps its GEMM pricing. The table
