@@ -150,9 +150,11 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
     return 0;
   }
   out << "ptdp reconcile: " << trace.info.model.name << " with t=" << p.tensor_parallel
-      << " p=" << p.pipeline_parallel << " d=" << p.data_parallel << " b=" << p.micro_batch_size
-      << " B=" << p.global_batch_size << " (" << to_string(p.schedule) << ") on " << cluster.name
-      << " / " << profile.name << "\n";
+      << " p=" << p.pipeline_parallel << " d=" << p.data_parallel;
+  if (p.context_parallel > 1) out << " cp=" << p.context_parallel;
+  if (p.expert_parallel > 1) out << " ep=" << p.expert_parallel;
+  out << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " ("
+      << to_string(p.schedule) << ") on " << cluster.name << " / " << profile.name << "\n";
   out << r.measured_steps << " measured step(s), " << r.warmup_steps
       << " warm-up step(s) left out; times per iteration, error = measured - predicted\n\n";
   char head[200];

@@ -322,8 +322,8 @@ TEST(MachineFile, ArrivalSkewDelaysTheRingOncePerPass) {
     int ring = 0;
     for (size_t i = 0; i < ops->size(); ++i) {
       const Op& op = (*ops)[i];
-      const bool waits = op.kind == OpKind::kCollective && op.group == CommGroup::kContext &&
-                         ring++ == 0;
+      const bool waits =
+          op.kind == OpKind::kCollective && op.group == CommGroup::kContext && ring++ == 0;
       EXPECT_NEAR(with[i], without[i] + (waits ? 0.2 * compute : 0.0), 1e-12) << op.name();
     }
     EXPECT_EQ(ring, 3);  // cp - 1 exchanges a pass

@@ -434,9 +434,10 @@ TEST(RunMpi, ContextParallelExchangesAppearInTheTrace) {
   EXPECT_GT(forward, 0);
   EXPECT_EQ(forward % (4 * 4), 0) << forward;
   EXPECT_EQ(backward, 2 * forward);
-  // And `ptdp reconcile` reads it.
+  // And `ptdp reconcile` reads it, naming the layout with its cp.
   const Outcome rec = reconcile_with_cpu_profile(trace);
   EXPECT_EQ(rec.status, 0) << rec.err;
+  EXPECT_NE(rec.out.find(" d=1 cp=2 b="), std::string::npos) << rec.out;
 }
 
 // --overlap-grad-reduce reduces each part of a chunk (embedding, layer, head) in its own bucket
