@@ -103,11 +103,6 @@ void keep_local_kv(ShardContext& c, LayerActs& A) {
 
 }  // namespace
 
-bool context_kv_gathered(const ShardContext& c, const LayerActs& A) {
-  const ShardDims& m = c.dims;
-  return elems(A.k) == m.b * m.s_attn * m.gl * m.d;
-}
-
 void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
   const ShardDims& m = c.dims;
   const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
@@ -135,10 +130,28 @@ void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
   A.v.swap(v);
 }
 
+namespace {
+
+// Whether A.k and A.v hold the whole sequence.
+bool kv_gathered(const ShardContext& c, const LayerActs& A) {
+  const ShardDims& m = c.dims;
+  return elems(A.k) == m.b * m.s_attn * m.gl * m.d;
+}
+
+// Inside op `op`: K and V round the ring (as pass `ring`'s exchanges) unless they are whole
+// already, then op's record goes on in its own pass.
+void gather_kv_within(ShardContext& c, LayerActs& A, OpId op, PassKind ring) {
+  if (kv_gathered(c, A)) return;
+  const PassKind pass = c.pass();
+  context_exchange_kv(c, A, ring);
+  c.begin(op, pass);
+}
+
+}  // namespace
+
 void context_attention_forward(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
-  if (!context_kv_gathered(c, A))
-    throw std::logic_error("context parallelism: K and V are not gathered");
+  gather_kv_within(c, A, OpId::kAttnScores, c.pass());
   const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
   resize_for_overwrite(A.ctx, m.b * m.s * qrow);
   resize_for_overwrite(A.lse, m.b * m.hl * m.s);
@@ -154,11 +167,7 @@ void context_attention_forward(ShardContext& c, LayerActs& A) {
 
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const ShardDims& m = c.dims;
-  if (!context_kv_gathered(c, A)) {  // K and V round the ring again, then the op goes on
-    const PassKind pass = c.pass();
-    context_exchange_kv(c, A, PassKind::kBackward);
-    c.begin(OpId::kAttnScoresRecompute, pass);
-  }
+  gather_kv_within(c, A, OpId::kAttnScoresRecompute, PassKind::kBackward);
   const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
   resize_for_overwrite(D.dq, m.b * m.s * qrow);
   resize_for_overwrite(D.dk, m.b * m.s_attn * krow);

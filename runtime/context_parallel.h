@@ -59,10 +59,10 @@ void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse);
 // Forward ring: A.k and A.v (local, [b, s / cp, hl, d]) become the whole sequence's K and V
 // ([b, s, hl, d], global order). Recorded as kCpKvExchange steps of pass `pass`.
 void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass);
-// Whether A.k and A.v hold the whole sequence.
-bool context_kv_gathered(const ShardContext& c, const LayerActs& A);
-// The attention of the local queries A.q over the gathered A.k and A.v: A.ctx [b, s / cp, hl d]
-// and A.lse ([b][2][hl][c]: each chunk's rows apart). A.k and A.v become local again.
+// The attention of the local queries A.q over the whole sequence's keys, run by op kAttnScores
+// (a selective recomputation's starts with local K and V: they go round the ring first, then
+// the op's record goes on): A.ctx [b, s / cp, hl d] and A.lse ([b][2][hl][c]: each chunk's rows
+// apart). A.k and A.v become local again.
 void context_attention_forward(ShardContext& c, LayerActs& A);
 // Its backward pass from D.d_ctx (local), run by op kAttnScoresRecompute: gathers K and V again
 // (kCpKvExchangeBackward steps, then the op's record goes on) unless they are whole, and gives D.dq

@@ -64,12 +64,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       be.rope(A.k.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, false);
       break;
     case OpId::kAttnScores:
-      if (cp) {  // a selective recomputation starts here: K and V come round the ring first
-        if (!context_kv_gathered(c, A)) {
-          const PassKind pass = c.pass();
-          context_exchange_kv(c, A, pass);
-          c.begin(OpId::kAttnScores, pass);
-        }
+      if (cp) {  // gathers K and V first where a selective recomputation starts here
         context_attention_forward(c, A);
         c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
         break;

@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 #include <tuple>
+#include <utility>
 
 #include "calibration/fit.h"
 #include "calibration/measure.h"
@@ -251,16 +252,22 @@ TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   EXPECT_DOUBLE_EQ(cm.optimizer_time(p, 1e6), 1e6 * 36 / (10e9 * 0.3) + 1.5e-6);
 }
 
+// The machine file's measured profile with an arrival skew of `skew`, and with none.
+std::pair<HardwareProfile, HardwareProfile> with_and_without_skew(const ClusterSpec& c,
+                                                                  double skew) {
+  HardwareProfile skewed = *c.measured_profile, lockstep = *c.measured_profile;
+  skewed.arrival_skew = skew;
+  lockstep.arrival_skew = 0;
+  return {skewed, lockstep};
+}
+
 // Arrival skew: every collective inside a layer that waits for its group's ranks (the
 // tensor-parallel group's, and an MoE layer's all-to-alls and expert-tensor collectives) also
 // waits for the last rank, the measured fraction of the compute since the group's previous
 // collective; nothing else changes, and a layout without such collectives is priced as before.
 TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
   const ClusterSpec c = cluster_from_json(machine_file());
-  HardwareProfile skewed = *c.measured_profile;
-  skewed.arrival_skew = 0.2;
-  HardwareProfile lockstep = skewed;
-  lockstep.arrival_skew = 0;
+  const auto [skewed, lockstep] = with_and_without_skew(c, 0.2);
   ModelSpec m;
   m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
   m.vocab_size = 1024, m.num_experts = 4, m.moe_router_topk = 2;
@@ -302,10 +309,7 @@ TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
 // layer's), its others not at all; everything else as without skew.
 TEST(MachineFile, ArrivalSkewDelaysTheRingOncePerPass) {
   const ClusterSpec c = cluster_from_json(machine_file());
-  HardwareProfile skewed = *c.measured_profile;
-  skewed.arrival_skew = 0.2;
-  HardwareProfile lockstep = skewed;
-  lockstep.arrival_skew = 0;
+  const auto [skewed, lockstep] = with_and_without_skew(c, 0.2);
   ModelSpec m;
   m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
   m.vocab_size = 1024;
