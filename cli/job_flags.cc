@@ -112,6 +112,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
   app.add_option("--num-virtual-stages-per-pipeline-rank", virtual_stages_per_rank,
                  "model chunks per pipeline rank (interleaving; also with uneven stages)");
+  app.add_option("--microbatch-group-size-per-virtual-pipeline-stage", microbatch_group,
+                 "interleaving: microbatches each model chunk runs in a row (default: p; a larger "
+                 "group runs microbatch counts p does not divide; ptdp plan picks the smallest "
+                 "that works)");
   app.add_option("--decoder-first-pipeline-num-layers", first_stage_layers,
                  "layers on the first pipeline stage (the others share the rest evenly)");
   app.add_option("--decoder-last-pipeline-num-layers", last_stage_layers,
@@ -460,6 +464,11 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
                            " layers of a pipeline stage");
     }
     p.virtual_stages = m.num_layers / (p.pipeline_parallel * k);
+  }
+  if (microbatch_group) {
+    if (*microbatch_group <= 0)
+      throw InputError("--microbatch-group-size-per-virtual-pipeline-stage", "must be positive");
+    p.microbatch_group = *microbatch_group;  // against the microbatches: checked by validate
   }
   p.schedule = p.virtual_stages > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   if (!pipeline_schedule.empty()) p.schedule = schedule_from_string(pipeline_schedule);

@@ -44,7 +44,7 @@ struct JobFlags {
   std::optional<int64_t> num_gpus;
   std::optional<int64_t> global_batch_size;
   std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,
-      layers_per_virtual_stage, virtual_stages_per_rank;
+      layers_per_virtual_stage, virtual_stages_per_rank, microbatch_group;
   std::optional<int64_t> context_parallel, expert_parallel, expert_tensor_parallel;
   std::string fp8_format;  // Megatron's --fp8-format (hybrid or e4m3): priced, never run
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
@@ -94,8 +94,8 @@ struct JobFlags {
   std::string first_plan_setting_flag() const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
-           virtual_stages_per_rank || first_stage_layers || last_stage_layers || context_parallel ||
-           expert_parallel || expert_tensor_parallel;
+           virtual_stages_per_rank || microbatch_group || first_stage_layers || last_stage_layers ||
+           context_parallel || expert_parallel || expert_tensor_parallel;
   }
 };
 

@@ -69,13 +69,16 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                   p.fp8 ? ", FP8 GEMMs" : "");
     out << buf;
   }
+  const std::string group = p.virtual_stages > 1 && p.microbatch_group_size() != p.pipeline_parallel
+                                ? " in groups of " + std::to_string(p.microbatch_group_size())
+                                : "";
   std::snprintf(
       buf, sizeof buf,
-      "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches, schedule %s, recompute %s%s%s\n\n",
+      "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches%s, schedule %s, recompute %s%s%s\n\n",
       static_cast<long long>(p.tensor_parallel), static_cast<long long>(p.pipeline_parallel),
       static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
       static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
-      to_string(p.schedule).c_str(), recompute_label(p).c_str(),
+      group.c_str(), to_string(p.schedule).c_str(), recompute_label(p).c_str(),
       p.sequence_parallel ? ", sequence parallel" : "",
       p.distributed_optimizer ? ", distributed optimizer" : "");
   out << buf;

@@ -157,6 +157,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
       f << " --num-virtual-stages-per-pipeline-rank " << virtual_stages;
     else
       f << " --num-layers-per-virtual-pipeline-stage " << m.num_layers / (p * virtual_stages);
+    if (microbatch_group_size() != p)
+      f << " --microbatch-group-size-per-virtual-pipeline-stage " << microbatch_group_size();
   }
   f << " --micro-batch-size " << micro_batch_size << " --global-batch-size " << global_batch_size;
   if (recompute == Recompute::kFull && recompute_layers > 0)
@@ -231,6 +233,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("micro_batch_size", p.micro_batch_size);
   r.read("global_batch_size", p.global_batch_size);
   r.read("virtual_stages", p.virtual_stages);
+  r.read("microbatch_group", p.microbatch_group);
   std::string schedule = to_string(p.schedule), recompute = to_string(p.recompute);
   r.read("schedule", schedule);
   r.read("recompute", recompute);
@@ -262,6 +265,7 @@ json to_json(const ParallelPlan& p) {
               {"micro_batch_size", p.micro_batch_size},
               {"global_batch_size", p.global_batch_size},
               {"virtual_stages", p.virtual_stages},
+              {"microbatch_group", p.microbatch_group},
               {"schedule", to_string(p.schedule)},
               {"recompute", to_string(p.recompute)},
               {"recompute_layers", p.recompute_layers},

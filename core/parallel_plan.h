@@ -44,6 +44,13 @@ struct ParallelPlan {
   int64_t micro_batch_size = 1;
   int64_t global_batch_size = 1;
   int64_t virtual_stages = 1;
+  // Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage N: the interleaved
+  // schedule runs each model chunk for N consecutive microbatches before the next chunk, and
+  // rank r warms up with 2 (p - r - 1) + (v - 1) N forward passes. p <= N <= m, and the last
+  // group (m mod N) is empty or holds at least p (core/plan_rules.h). 0: Megatron's default, p,
+  // which needs m to be a multiple of p; a larger N runs other microbatch counts at the price of
+  // (v - 1) (N - p) more chunks' activations in flight (microbatch_group_size()).
+  int64_t microbatch_group = 0;
   Schedule schedule = Schedule::k1F1B;  // kInterleaved1F1B whenever virtual_stages > 1
   Recompute recompute = Recompute::kNone;
   // With full recompute: 0 recomputes every layer, each its own checkpoint (Megatron's
@@ -89,6 +96,10 @@ struct ParallelPlan {
   }
   int64_t num_microbatches() const {
     return global_batch_size / (data_parallel * micro_batch_size);
+  }
+  // The interleaved schedule's microbatch group N (microbatch_group, or p when not given).
+  int64_t microbatch_group_size() const {
+    return microbatch_group > 0 ? microbatch_group : pipeline_parallel;
   }
   // Layers held by pipeline rank r (all its virtual chunks together).
   int64_t layers_on_stage(const ModelSpec& m, int64_t r) const;

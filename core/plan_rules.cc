@@ -47,6 +47,10 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                     [&] { return "must be positive, got " + num(value); });
   }
 
+  const char* group_flag = "--microbatch-group-size-per-virtual-pipeline-stage";
+  if (plan.microbatch_group < 0)
+    return broken(PlanRule::kPositiveSizes, report, group_flag,
+                  [&] { return "must be positive, got " + num(plan.microbatch_group); });
   // Bounded before anything multiplies them (plan files may hold any integer).
   if (plan.expert_tensor_parallel < 0)
     return broken(PlanRule::kPositiveSizes, report, "--expert-tensor-parallel-size",
@@ -63,6 +67,9 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
       return broken(PlanRule::kSizesInRange, report, size.first,
                     [&] { return num(value) + " exceeds " + num(kMaxBatch); });
   }
+  if (plan.microbatch_group > kMaxBatch)
+    return broken(PlanRule::kSizesInRange, report, group_flag,
+                  [&] { return num(plan.microbatch_group) + " exceeds " + num(kMaxBatch); });
 
   const char* tp = "--tensor-model-parallel-size";
   if (m.num_attention_heads % t != 0)
@@ -176,11 +183,23 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                  " layers of pipeline rank " + num(r);
         });
     }
-    if (plan.num_microbatches() % p != 0)
+    const int64_t mb = plan.num_microbatches(), n = plan.microbatch_group_size();
+    if (mb < p)
       return broken(PlanRule::kVirtualMicrobatches, report, vp, [&] {
-        return "interleaving needs the number of microbatches (" + num(plan.num_microbatches()) +
-               ") to be a multiple of pipeline-model-parallel-size (" + num(p) + ")";
+        return "interleaving needs at least pipeline-model-parallel-size (" + num(p) +
+               ") microbatches, got " + num(mb);
       });
+    if (!valid_microbatch_group(n, mb, p))
+      return broken(
+          PlanRule::kMicrobatchGroup, report, plan.microbatch_group > 0 ? group_flag : vp, [&] {
+            const std::string why = n < p || n > mb ? " is not in [" + num(p) + ", " + num(mb) + "]"
+                                                    : " leaves a last group of " + num(mb % n) +
+                                                          " < " + num(p) + " microbatches";
+            return "the interleaved schedule's microbatch group " + num(n) +
+                   (plan.microbatch_group > 0 ? "" : " (p, the default)") + why + " (" + num(mb) +
+                   " microbatches): " + group_flag + " " + num(smallest_microbatch_group(mb, p)) +
+                   " runs them";
+          });
   }
 
   if (plan.sequence_parallel) {
@@ -267,7 +286,9 @@ const char* rule_reason(PlanRule r) {
     case PlanRule::kVirtualDividesStage:
       return "v does not divide a stage's layers";
     case PlanRule::kVirtualMicrobatches:
-      return "interleaving needs microbatches divisible by p";
+      return "interleaving needs at least p microbatches";
+    case PlanRule::kMicrobatchGroup:
+      return "the microbatch group does not fit the microbatches";
     case PlanRule::kSequenceParallelNeedsTensor:
       return "sequence parallelism needs t > 1";
     case PlanRule::kSequenceParallelDividesSequence:
@@ -282,6 +303,16 @@ const char* rule_reason(PlanRule r) {
       return "block recompute needs full recompute";
   }
   return "?";
+}
+
+bool valid_microbatch_group(int64_t n, int64_t m, int64_t p) {
+  return n >= p && n <= m && (m % n == 0 || m % n >= p);
+}
+
+int64_t smallest_microbatch_group(int64_t m, int64_t p) {
+  for (int64_t n = p; n <= m; ++n)  // n = m always qualifies
+    if (valid_microbatch_group(n, m, p)) return n;
+  return 0;
 }
 
 void check_plan(const ModelSpec& m, const ParallelPlan& p) {

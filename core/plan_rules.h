@@ -51,7 +51,8 @@ enum class PlanRule {
   kInterleavedNeedsVirtual,               // the interleaved schedule only with v > 1
   kVirtualNeedsPipeline,                  // v > 1 only with p >= 2
   kVirtualDividesStage,                   // v | layers of every pipeline rank
-  kVirtualMicrobatches,                   // v > 1: p | number of microbatches
+  kVirtualMicrobatches,                   // v > 1: at least p microbatches
+  kMicrobatchGroup,                       // v > 1: valid_microbatch_group(N, m, p)
   kSequenceParallelNeedsTensor,           // sequence parallelism only with t > 1
   kSequenceParallelDividesSequence,       // sequence parallelism: t * cp | seq_length
   kMoeNeedsSequenceParallel,              // an MoE model with t > 1 needs SP
@@ -68,6 +69,13 @@ const char* rule_reason(PlanRule r);
 // Throws InputError for the first rule the plan breaks, naming the Megatron flag, e.g.
 //   "--tensor-model-parallel-size: 3 does not divide ffn_hidden_size (256)".
 void check_plan(const ModelSpec& m, const ParallelPlan& p);
+
+// Whether Megatron-Core's interleaved schedule runs m microbatches on p pipeline ranks in
+// groups of n (--microbatch-group-size-per-virtual-pipeline-stage): p <= n <= m, and the last
+// group, m mod n, is empty or holds at least p (a smaller one would stall the pipeline).
+bool valid_microbatch_group(int64_t n, int64_t m, int64_t p);
+// The smallest such n (the fewest activations in flight; p when p | m), 0 when m < p.
+int64_t smallest_microbatch_group(int64_t m, int64_t p);
 
 // Layers of each model chunk in global-stage order (chunk c of pipeline rank r is global stage
 // c * p + r; size p * v): pipeline rank r's layers (layers_on_stage) split evenly over its v

@@ -7,8 +7,11 @@
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/error.h"
+#include "core/plan_rules.h"
 
 namespace ptdp {
 namespace {
@@ -107,28 +110,46 @@ int64_t floor_mod(int64_t a, int64_t n) {
   return ((a % n) + n) % n;
 }
 
-// Megatron-LM's forward_backward_pipelining_with_interleaving (microbatches in groups of p,
-// no overlap of p2p with compute): virtual microbatch k of the forward order runs chunk
-// (k mod pv) / p; the backward order runs the chunks in reverse.
+// Megatron-LM's forward_backward_pipelining_with_interleaving (no overlap of p2p with
+// compute). Microbatches go in groups of N (Megatron-Core's microbatch_group_size_per_vp_stage,
+// p by default; the last group is the m mod N left, or N): the forward order runs chunk 0 on a
+// group's microbatches, then chunk 1 on the same ones, and so on, then the next group; the
+// backward order is the same with the chunks reversed. With N = p, virtual microbatch k runs
+// chunk (k mod pv) / p on microbatch (k / pv) p + k mod p.
 void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   const int64_t p = s.pipeline_parallel, m = s.microbatches, v = s.virtual_stages;
+  const int64_t n = s.microbatch_group > 0 ? s.microbatch_group : p;
   const int64_t total = m * v;
+  // Virtual microbatch k of the forward order: (microbatch, chunk).
+  std::vector<std::pair<int64_t, int64_t>> table;
+  table.reserve(static_cast<size_t>(total));
+  for (int64_t first = 0; first < m; first += n) {
+    for (int64_t c = 0; c < v; ++c)
+      for (int64_t i = first; i < std::min(first + n, m); ++i) table.emplace_back(i, c);
+  }
   auto chunk = [&](int64_t k, bool forward) {
-    const int64_t c = floor_mod(k, p * v) / p;
+    const int64_t c = table[static_cast<size_t>(floor_mod(k, total))].second;
     return forward ? c : v - 1 - c;
   };
-  auto mb = [&](int64_t k) { return (k / (p * v)) * p + k % p; };
+  auto mb = [&](int64_t k) { return table[static_cast<size_t>(k)].first; };
+  // Megatron-Core's recv_tensor_from_previous_stage: the leading rank of a direction (rank 0
+  // forward, rank p - 1 backward) receives at virtual microbatch k what the other end made
+  // p - 1 virtual microbatches earlier, unless that was the model's end (kept until used, a
+  // group of N > p apart); the other ranks receive for their next pass.
+  auto receives = [&](int64_t k, bool forward) {
+    if (r != (forward ? 0 : p - 1)) return true;
+    return k >= p - 1 && chunk(k - (p - 1), forward) != (forward ? v - 1 : 0);
+  };
   auto first_virtual = [&](int64_t c) { return r == 0 && c == 0; };
   auto last_virtual = [&](int64_t c) { return r == p - 1 && c == v - 1; };
   const bool all_warmup = m == p;
-  const int64_t warmup = all_warmup ? total : std::min(2 * (p - r - 1) + (v - 1) * p, total);
+  const int64_t warmup = all_warmup ? total : std::min(2 * (p - r - 1) + (v - 1) * n, total);
   const int64_t remaining = total - warmup;
 
   b.group({{r != 0, RankBuilder::recv(K::kRecvForward)}});
   for (int64_t k = 0; k < warmup; ++k) {
     const int64_t c = chunk(k, true);
-    bool recv_prev = !(r == 0 && chunk(k + 1, true) == 0);
-    if (k == total - 1) recv_prev = false;
+    const bool recv_prev = receives(k, true) && k != total - 1;
     b.compute(K::kForward, mb(k), c);
     const bool recv_next = k == warmup - 1 && !all_warmup && r != p - 1;
     b.group({{!last_virtual(c), RankBuilder::send(K::kSendForward, mb(k), c)},
@@ -140,9 +161,8 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
     const int64_t fc = chunk(fk, true), bc = chunk(bk, false);
     b.compute(K::kForward, mb(fk), fc);
     b.compute(K::kBackward, mb(bk), bc);
-    bool recv_prev = !(r == 0 && chunk(fk - (p - 1), true) == v - 1);
-    const bool recv_next = !(r == p - 1 && chunk(bk - (p - 1), false) == 0);
-    if (k == remaining - 1) recv_prev = false;
+    const bool recv_prev = receives(fk, true) && k != remaining - 1;
+    const bool recv_next = receives(bk, false);
     b.group({{!last_virtual(fc), RankBuilder::send(K::kSendForward, mb(fk), fc)},
              {!first_virtual(bc), RankBuilder::send(K::kSendBackward, mb(bk), bc)},
              {recv_prev, RankBuilder::recv(K::kRecvForward)},
@@ -152,8 +172,7 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   for (int64_t k = remaining; k < total; ++k) {
     const int64_t c = chunk(k, false);
     b.compute(K::kBackward, mb(k), c);
-    bool recv_next = !(r == p - 1 && chunk(k + 1, false) == v - 1);
-    if (k == total - 1) recv_next = false;
+    const bool recv_next = receives(k, false) && k != total - 1;
     b.group({{!first_virtual(c), RankBuilder::send(K::kSendBackward, mb(k), c)},
              {recv_next, RankBuilder::recv(K::kRecvBackward)}});
   }
@@ -198,6 +217,7 @@ ScheduleSpec schedule_spec(const ParallelPlan& p, bool tied_embeddings) {
   s.pipeline_parallel = p.pipeline_parallel;
   s.microbatches = p.num_microbatches();
   s.virtual_stages = p.virtual_stages;
+  s.microbatch_group = p.microbatch_group;
   s.tied_embeddings = tied_embeddings;
   return s;
 }
@@ -209,10 +229,11 @@ PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec) {
   if (v < 1) throw InputError("--num-layers-per-virtual-pipeline-stage", "must be positive");
   if (v > 1 && spec.kind != Schedule::kInterleaved1F1B)
     throw InputError("--pipeline-schedule", to_string(spec.kind) + " has no virtual stages");
-  if (v > 1 && m % p != 0)
-    throw InputError("--num-layers-per-virtual-pipeline-stage",
-                     "interleaving needs the number of microbatches (" + std::to_string(m) +
-                         ") to be a multiple of the pipeline size (" + std::to_string(p) + ")");
+  if (v > 1 && !valid_microbatch_group(spec.microbatch_group > 0 ? spec.microbatch_group : p, m, p))
+    throw InputError("--microbatch-group-size-per-virtual-pipeline-stage",
+                     "the interleaved schedule cannot run " + std::to_string(m) +
+                         " microbatches on " + std::to_string(p) + " pipeline ranks in groups of " +
+                         std::to_string(spec.microbatch_group > 0 ? spec.microbatch_group : p));
   PipelineSchedule s;
   s.spec = spec;
   s.synchronous_p2p = spec.kind != Schedule::kZeroBubbleH1;

@@ -54,6 +54,8 @@ struct ScheduleSpec {
   int64_t pipeline_parallel = 1;
   int64_t microbatches = 1;
   int64_t virtual_stages = 1;
+  // The interleaved schedule's microbatch group (ParallelPlan::microbatch_group; 0: p).
+  int64_t microbatch_group = 0;
   bool tied_embeddings = false;  // adds kEmbeddingSync on the first and last rank when p > 1
 };
 
@@ -73,7 +75,8 @@ struct PipelineSchedule {
   }
 };
 
-// Throws InputError for an impossible spec (interleaving with m not a multiple of p, ...).
+// Throws InputError for an impossible spec (interleaving with fewer than p microbatches, or in
+// groups that do not fit them, ...).
 PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec);
 
 // Replays the lists with unbounded buffers and checks that every forward precedes its backward

@@ -227,7 +227,8 @@ double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t laye
       const double pp = static_cast<double>(p.pipeline_parallel);
       // Megatron runs every forward first when m == p.
       if (m == pp) return m * layers;
-      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * pp;
+      const double n = static_cast<double>(p.microbatch_group_size());
+      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * n;
       return std::min(warmup + 1.0, m * v) * layers / v;
     }
     case Schedule::kZeroBubbleH1:
@@ -852,10 +853,11 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
       // chunk's pass and waits after it: only what outlasts one chunk's forward pass shows.
       const double chunk_forward = s.forward.total() / v;
       steady = std::max(0.0, out.p2p_time_s - chunk_forward);
-      // Except in the warm-up's first (v-1) p forwards and the cool-down's last (v-1) p
-      // backwards: a group of p microbatches goes round the p stages chunk after chunk, each
-      // pass waiting for the one before it on the previous stage, so no pass hides a transfer.
-      ring = 2.0 * (v - 1.0) * pp;
+      // Except in the warm-up's first (v-1) N forwards and the cool-down's last (v-1) N
+      // backwards (N: the microbatch group, p by default): a group goes round the p stages
+      // chunk after chunk, each pass waiting for the one before it on the previous stage, so
+      // no pass hides a transfer.
+      ring = 2.0 * (v - 1.0) * static_cast<double>(p.microbatch_group_size());
     }
     b.pp_comm = (2.0 * m * v - ring) * steady + (ring + 2.0 * (pp - 1.0)) * out.p2p_time_s;
   }

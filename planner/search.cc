@@ -31,8 +31,9 @@ std::vector<int64_t> divisors(int64_t n) {
 auto plan_key(const ParallelPlan& p) {
   return std::make_tuple(p.tensor_parallel, p.context_parallel, p.pipeline_parallel,
                          p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
-                         p.virtual_stages, static_cast<int>(p.recompute), p.recompute_layers,
-                         p.sequence_parallel, p.distributed_optimizer, p.layers_per_stage);
+                         p.virtual_stages, p.microbatch_group, static_cast<int>(p.recompute),
+                         p.recompute_layers, p.sequence_parallel, p.distributed_optimizer,
+                         p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -120,6 +121,12 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.micro_batch_size = c.b;
           plan.global_batch_size = o.global_batch_size;
           plan.virtual_stages = v;
+          // Megatron-Core's microbatch group: p (its default) when p divides the microbatches,
+          // else the smallest group that runs them. The bubble does not depend on it; the
+          // activations in flight and the overlapped schedule's exposed transfers grow with it.
+          plan.microbatch_group = 0;
+          if (v > 1 && plan.num_microbatches() % c.p != 0)
+            plan.microbatch_group = smallest_microbatch_group(plan.num_microbatches(), c.p);
           plan.schedule =
               o.schedule ? *o.schedule : (v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B);
           plan.recompute = rc;
@@ -218,6 +225,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         cell.micro_batch_size = 1;
         cell.global_batch_size = o.global_batch_size;
         cell.virtual_stages = 1;
+        cell.microbatch_group = 0;
         cell.schedule = Schedule::k1F1B;
         cell.sequence_parallel = m.is_moe() && t > 1;  // required there; tried either way else
         // The overlaps apply per plan, where SP and the distributed optimizer are on (expand).
@@ -333,6 +341,8 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("d", num(a.data_parallel), num(b.data_parallel));
   field("b", num(a.micro_batch_size), num(b.micro_batch_size));
   field("v", num(a.virtual_stages), num(b.virtual_stages));
+  if (a.virtual_stages > 1 && b.virtual_stages > 1)
+    field("microbatch group", num(a.microbatch_group_size()), num(b.microbatch_group_size()));
   field("layers per stage", stage_split_summary(a), stage_split_summary(b));
   field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
@@ -366,6 +376,8 @@ std::string plan_summary(const ParallelPlan& p) {
     s += " etp" + std::to_string(p.expert_tensor_parallel);
   if (!p.layers_per_stage.empty()) s += " L" + stage_split_summary(p);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
+  if (p.virtual_stages > 1 && p.microbatch_group_size() != p.pipeline_parallel)
+    s += " g" + std::to_string(p.microbatch_group_size());
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer) s += " dopt";

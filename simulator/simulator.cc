@@ -687,14 +687,19 @@ SimulationResult simulate(const SimulationInput& in, const ClusterSpec& cluster,
   Topology topo(cluster, profile);
   if (topo.num_gpus() < in.tensor_parallel * in.data_parallel * in.schedule.pipeline_parallel)
     throw InputError("--num-gpus", "the cluster has fewer GPUs than t * p * d");
-  const int64_t m = in.schedule.microbatches, p = in.schedule.pipeline_parallel;
-  if (in.record_timeline || m <= 16 * p) return run_once(in, m, topo);
-  const int64_t m1 = 8 * p + m % p;
+  // Long iterations repeat a period of p microbatches (the interleaved schedule's: its
+  // microbatch group, N): three short runs with the same remainder give the rest exactly.
+  const int64_t m = in.schedule.microbatches;
+  const int64_t step = in.schedule.virtual_stages > 1 && in.schedule.microbatch_group > 0
+                           ? in.schedule.microbatch_group
+                           : in.schedule.pipeline_parallel;
+  if (in.record_timeline || m <= 16 * step) return run_once(in, m, topo);
+  const int64_t m1 = 8 * step + m % step;
   const SimulationResult a = run_once(in, m1, topo);
-  const SimulationResult b = run_once(in, m1 + p, topo);
-  const SimulationResult c = run_once(in, m1 + 2 * p, topo);
+  const SimulationResult b = run_once(in, m1 + step, topo);
+  const SimulationResult c = run_once(in, m1 + 2 * step, topo);
   if (!periodic(a, b, c)) return run_once(in, m, topo);
-  const int64_t k = (m - m1) / p;
+  const int64_t k = (m - m1) / step;
   SimulationResult out = a;
   out.iteration = extend(a.iteration, b.iteration, k);
   for (size_t r = 0; r < out.stages.size(); ++r) {
@@ -711,7 +716,7 @@ SimulationResult simulate(const SimulationInput& in, const ClusterSpec& cluster,
   }
   summarise(out);
   out.events = a.events + b.events + c.events;
-  out.simulated_microbatches = m1 + 2 * p;
+  out.simulated_microbatches = m1 + 2 * step;
   return out;
 }
 

@@ -1030,6 +1030,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
   const std::vector<Case> cases = {
       {{"--cluster", "dgx-a100-80gb", "--num-gpus", "1024", "--model", "gpt3-175b",
         "--global-batch-size", "1536"}},
+      // 125 microbatches at d = 8, b = 1: interleaving in Megatron-Core's microbatch groups.
+      {{"--cluster", "dgx-a100-80gb", "--num-gpus", "384", "--model", "gpt3-175b",
+        "--global-batch-size", "1000"}},
       {{"--cluster", "dgx-a100-80gb", "--num-gpus", "64", "--model", "gpt3-175b",
         "--global-batch-size", "512", "--seq-length", "8192", "--fp16", "--overlap-grad-reduce"},
        {"--fp16-grad-reduce", "--no-scatter-gather"}},
@@ -1070,6 +1073,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--moe-layer-freq",
                                           "--decoder-first-pipeline-num-layers",
                                           "--num-layers-per-virtual-pipeline-stage",
+                                          "--microbatch-group-size-per-virtual-pipeline-stage",
                                           "--group-query-attention",
                                           "--context-parallel-size",
                                           "--expert-model-parallel-size",

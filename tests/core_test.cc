@@ -625,6 +625,47 @@ TEST(PlanRules, InterleavedNeedsVirtualStagesAndPtdpFlagsSayWhatMegatronCannot) 
   EXPECT_EQ(p.ptdp_flags(), "--fp16-grad-reduce --no-scatter-gather --pipeline-schedule zb-h1");
 }
 
+// Megatron-Core's microbatch groups: the default group (p) needs p | m; another group runs
+// other counts when it fits them, is refused naming its flag when it does not, prints as its
+// Megatron flag only where it is not p, and survives a plan file.
+TEST(PlanRules, MicrobatchGroupsOfTheInterleavedSchedule) {
+  ModelSpec m;
+  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
+  m.vocab_size = 128;
+  ParallelPlan p;
+  p.pipeline_parallel = 4;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 6;  // 6 microbatches: groups of 4 leave 2 behind
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kMicrobatchGroup);
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--num-layers-per-virtual-pipeline-stage|--num-layers-per-virtual-pipeline-stage: the "
+            "interleaved schedule's microbatch group 4 (p, the default) leaves a last group of 2 "
+            "< 4 microbatches (6 microbatches): "
+            "--microbatch-group-size-per-virtual-pipeline-stage 6 runs them");
+  p.microbatch_group = 5;
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--microbatch-group-size-per-virtual-pipeline-stage");
+  p.microbatch_group = 7;  // more than the microbatches
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kMicrobatchGroup);
+  p.microbatch_group = -1;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kPositiveSizes);
+  p.microbatch_group = 6;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_NE(p.megatron_flags(m).find(" --microbatch-group-size-per-virtual-pipeline-stage 6"),
+            std::string::npos);
+  const ParallelPlan back = plan_from_json(to_json(p));
+  EXPECT_EQ(back.microbatch_group, 6);
+  EXPECT_EQ(to_json(back), to_json(p));
+  p.global_batch_size = 3;  // fewer microbatches than pipeline ranks: no group runs them
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kVirtualMicrobatches);
+  p.global_batch_size = 8;
+  p.microbatch_group = 4;  // p itself: Megatron's default, no flag
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.megatron_flags(m).find("--microbatch-group"), std::string::npos);
+  EXPECT_STRNE(rule_reason(PlanRule::kMicrobatchGroup),
+               rule_reason(PlanRule::kVirtualMicrobatches));
+}
+
 // Rates beyond any machine (the simulator's picosecond clock would overflow on them, the
 // reports would print hundreds of digits) are refused naming the field.
 TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {

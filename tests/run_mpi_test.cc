@@ -159,6 +159,15 @@ TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
   eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");
   const nlohmann::json single = run_json(0, eight);
   expect_same_losses({1, 4, 1, "--num-layers-per-virtual-pipeline-stage 1", eight}, single);
+  // Five microbatches on two pipeline ranks, which Megatron-Core's default group of p = 2
+  // leaves one behind: in groups of 3 (the last one 2), each rank's four chunks in turn.
+  std::string five = eight;
+  five.replace(five.find("--global-batch-size 8"), 21, "--global-batch-size 10");
+  expect_same_losses({1, 2, 1,
+                      "--num-layers-per-virtual-pipeline-stage 1"
+                      " --microbatch-group-size-per-virtual-pipeline-stage 3",
+                      five},
+                     run_json(0, five));
 }
 
 // Megatron's uneven split (--decoder-first/last-pipeline-num-layers), with and without

@@ -9,17 +9,21 @@
 #include <stdexcept>
 
 #include "core/error.h"
+#include "core/plan_rules.h"
+#include "planner/cost_model.h"
 
 namespace ptdp {
 namespace {
 
-PipelineSchedule make(Schedule kind, int64_t p, int64_t m, int64_t v = 1, bool tied = true) {
+PipelineSchedule make(Schedule kind, int64_t p, int64_t m, int64_t v = 1, bool tied = true,
+                      int64_t group = 0) {
   ScheduleSpec s;
   s.kind = kind;
   s.pipeline_parallel = p;
   s.microbatches = m;
   s.virtual_stages = v;
   s.tied_embeddings = tied;
+  s.microbatch_group = group;
   return make_pipeline_schedule(s);
 }
 
@@ -80,6 +84,64 @@ TEST(Schedule, EveryScheduleIsConsistentAndDeadlockFree) {
     }
   }
   EXPECT_GT(checked, 400);
+}
+
+// Megatron-Core's microbatch groups (microbatch_group_size_per_vp_stage N): every count of
+// microbatches from p up runs in some group, and each valid group gives lists that replay
+// without deadlock, run each chunk on a group's microbatches in a row, warm up with
+// 2 (p - r - 1) + (v - 1) N forwards and hold what the memory model counts.
+TEST(Schedule, MicrobatchGroupsRunEveryCountFromP) {
+  int checked = 0;
+  for (int64_t p = 2; p <= 5; ++p) {
+    for (int64_t m = p; m <= 3 * p + 1; ++m) {
+      ASSERT_GE(smallest_microbatch_group(m, p), p);
+      for (int64_t n = p; n <= m; ++n) {
+        for (int64_t v = 2; v <= 3; ++v) {
+          const std::string what = "p" + std::to_string(p) + " m" + std::to_string(m) + " v" +
+                                   std::to_string(v) + " N" + std::to_string(n);
+          if (!valid_microbatch_group(n, m, p)) {
+            EXPECT_THROW(make(Schedule::kInterleaved1F1B, p, m, v, true, n), InputError) << what;
+            continue;
+          }
+          const PipelineSchedule s = make(Schedule::kInterleaved1F1B, p, m, v, true, n);
+          EXPECT_NO_THROW(check_pipeline_schedule(s)) << what;
+          ++checked;
+          for (int64_t r = 0; r < p; ++r) {
+            // The forward order: groups of N (the last one the rest), each chunk in turn.
+            std::vector<std::pair<int64_t, int64_t>> want, got;
+            for (int64_t first = 0; first < m; first += n)
+              for (int64_t c = 0; c < v; ++c)
+                for (int64_t i = first; i < std::min(first + n, m); ++i) want.emplace_back(i, c);
+            for (const PipelineAction& a : s.ranks[static_cast<size_t>(r)])
+              if (a.kind == ActionKind::kForward) got.emplace_back(a.microbatch, a.chunk);
+            EXPECT_EQ(got, want) << what << " rank " << r;
+            const int64_t warm = m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * n, m * v);
+            EXPECT_EQ(warmup_forwards(s, r), warm + (warm < m * v ? 1 : 0)) << what;
+            ParallelPlan plan;
+            plan.pipeline_parallel = p;
+            plan.virtual_stages = v;
+            plan.schedule = Schedule::kInterleaved1F1B;
+            plan.global_batch_size = m;
+            plan.microbatch_group = n;
+            // One layer per chunk: the memory model's in-flight layers are chunks.
+            EXPECT_EQ(peak_chunks_in_flight(s, r),
+                      static_cast<int64_t>(inflight_layer_activations(plan, r, v)))
+                << what << " rank " << r;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 150);
+  // Fewer microbatches than pipeline ranks fit no group.
+  EXPECT_EQ(smallest_microbatch_group(3, 4), 0);
+  EXPECT_THROW(make(Schedule::kInterleaved1F1B, 4, 3, 2), InputError);
+  // N = p is Megatron's default: the same lists as leaving it unset.
+  EXPECT_EQ(all_ranks(make(Schedule::kInterleaved1F1B, 4, 8, 2, true, 4)),
+            all_ranks(make(Schedule::kInterleaved1F1B, 4, 8, 2)));
+  EXPECT_EQ(smallest_microbatch_group(8, 4), 4);
+  EXPECT_EQ(smallest_microbatch_group(6, 4), 6);  // 4 and 5 leave 2 and 1 behind
+  EXPECT_EQ(smallest_microbatch_group(9, 4), 5);  // groups of 5 and 4
 }
 
 TEST(Schedule, WarmupCountsFollowMegatron) {
