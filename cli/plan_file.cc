@@ -42,12 +42,21 @@ std::vector<NumberedPlan> read_plan_file(const std::string& path, const std::str
   }
   std::vector<NumberedPlan> out;
   for (int64_t k = first; k <= last; ++k) {
-    const nlohmann::json* plan = listed[static_cast<size_t>(k - 1)];
+    const nlohmann::json* entry = listed[static_cast<size_t>(k - 1)];
+    const nlohmann::json* plan = entry;
     if (plan->contains("configuration")) plan = &(*plan)["configuration"];
     try {
-      out.push_back({plan_from_json(*plan), k});
+      out.push_back({plan_from_json(*plan), k, std::nullopt});
     } catch (const InputError& e) {
       throw InputError("--plan", e.what());
+    }
+    if (plan != entry && entry->contains("precision")) {
+      const nlohmann::json& p = (*entry)["precision"];
+      for (DType t : {DType::kF32, DType::kBF16, DType::kF16})
+        if (p.is_string() && p.get<std::string>() == to_string(t)) out.back().priced = t;
+      if (!out.back().priced)
+        throw InputError("--plan", "plan " + std::to_string(k) +
+                                       ": precision must be fp32, bf16 or fp16, got " + p.dump());
     }
   }
   *have_model = j.contains("model");

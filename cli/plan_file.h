@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,8 @@ namespace ptdp {
 struct NumberedPlan {
   ParallelPlan plan;
   int64_t index = 0;
+  // The precision the plan was priced in, where the file says (`ptdp plan` writes it).
+  std::optional<DType> priced;
 };
 
 // The plans that `index` selects from the file at `path` (empty: the first, i.e. the best; a

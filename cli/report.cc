@@ -12,7 +12,8 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
   nlohmann::json j;
   j["configuration"] = to_json(p);
   j["megatron_flags"] = p.megatron_flags(m, r.precision);
-  j["ptdp_flags"] = p.ptdp_flags();  // give them with megatron_flags (empty: none)
+  j["ptdp_flags"] = p.ptdp_flags();         // give them with megatron_flags (empty: none)
+  j["precision"] = to_string(r.precision);  // weights and activations, as priced
   j["iteration_time_s"] = r.iteration_time_s;
   j["tokens_per_s"] = r.tokens_per_s;
   j["model_tflops_per_gpu"] = r.model_tflops_per_gpu;

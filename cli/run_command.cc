@@ -71,6 +71,15 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   return s.str();
 }
 
+// Said where a plan file's plan was priced in another precision than the run's, and no precision
+// flag chose it: the file's Megatron-LM flags carry the precision, ptdp run's default is fp32.
+std::string precision_note(const RunFlags& f, const NumberedPlan& np) {
+  if (!np.priced || *np.priced == f.train.precision || f.job.bf16 || f.job.fp16) return "";
+  const std::string priced = to_string(*np.priced);
+  return "the plan was priced in " + priced + "; this run is in " + to_string(f.train.precision) +
+         " (--" + priced + " runs it as priced)";
+}
+
 // The refusal of a plan file's plan made for another number of ranks.
 InputError world_mismatch(const ParallelPlan& p, int world) {
   return InputError("--plan", "the plan needs t * cp * p * d = " + std::to_string(p.num_gpus()) +
@@ -183,6 +192,8 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     j["plans"].push_back(p);
     if (f.json) continue;
     out << "ptdp run --dry-run: " << which << ": " << plan_line(model, np.plan) << "\n";
+    if (const std::string note = precision_note(f, np); !note.empty())
+      out << "ptdp run --dry-run: " << note << "\n";
     char buf[200];
     const bool with_cp = np.plan.context_parallel > 1;
     std::snprintf(buf, sizeof buf, "%5s %4s%s %4s %4s %14s %11s %10s %10s %10s %10s\n", "rank",
@@ -285,7 +296,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       if (!f.job.global_batch_size) throw InputError("--global-batch-size", "is required");
       plans.push_back({f.job.resolve_plan(model, f.job.num_gpus.value_or(world->size()),
                                           f.job.num_gpus ? "--num-gpus" : "world size"),
-                       0});
+                       0, std::nullopt});
     }
     if (f.dry_run) return dry_run_plans(f, model, plans, *world, out, err);
     f.train.plan = plans.front().plan;
@@ -300,6 +311,8 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
   auto on_step = [&](const StepStats& s) {
     if (!header && !f.json) {
       out << "ptdp run: " << plan_line(model, f.train.plan) << "\n";
+      if (const std::string note = precision_note(f, plans.front()); !note.empty())
+        out << "ptdp run: " << note << "\n";
       const std::string half = to_string(f.train.precision);
       if (f.train.precision != DType::kF32)
         out << "ptdp run: " << half

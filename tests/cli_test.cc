@@ -825,6 +825,23 @@ TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
   const Result r = run({"run", "--plan", plans, "--steps", "1", "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["losses"].size(), 1u);
+  // The plan was priced in bf16 (the default cluster's profile): a run in ptdp run's default
+  // fp32 says so and how to run it as priced; one given --bf16 does not.
+  const std::string note = "the plan was priced in bf16; this run is in fp32 (--bf16 runs it";
+  const Result fp32 = run({"run", "--plan", plans, "--steps", "1"});
+  ASSERT_EQ(fp32.status, 0) << fp32.err;
+  EXPECT_NE(fp32.out.find(note), std::string::npos) << fp32.out;
+  const Result dry = run({"run", "--plan", plans, "--dry-run"});
+  EXPECT_NE(dry.out.find(note), std::string::npos) << dry.out;
+  const Result bf16 = run({"run", "--plan", plans, "--steps", "1", "--bf16"});
+  ASSERT_EQ(bf16.status, 0) << bf16.err;
+  EXPECT_EQ(bf16.out.find("priced in"), std::string::npos) << bf16.out;
+  // A precision the file cannot mean is refused naming the file's flag.
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(plans));
+  j["plans"][0]["precision"] = "fp12";
+  const std::string bad = plans + ".bad.json";
+  std::ofstream(bad) << j.dump();
+  expect_bad({"run", "--plan", bad, "--dry-run"}, "--plan");
 }
 
 // Outputs written after training are checked before it; optimizer settings out of range and
