@@ -34,6 +34,9 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.fp8)
     add("runs its GEMMs in the run's precision (--fp8-format is priced, not run; Transformer "
         "Engine's FP8 GEMMs are not in ptdp's kernels)");
+  if (p.overlap_moe_ep_comm)
+    add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
+        "parallel-comm: its schedule is run, its overlap priced)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

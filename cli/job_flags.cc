@@ -135,6 +135,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag(
       "--tp-comm-overlap", tp_comm_overlap,
       "overlap sequence-parallel collectives with their GEMMs (needs --sequence-parallel)");
+  app.add_flag("--overlap-moe-expert-parallel-comm", overlap_moe_ep_comm,
+               "combined 1F1B: each steady-state forward runs with a backward of another "
+               "microbatch, hiding each one's expert all-to-alls (ep > 1; interleaved, or p = 1; "
+               "ptdp plan: where a plan allows it)");
   app.add_flag("--bf16", bf16, "bf16 weights and activations (fp32 master weights and gradients)");
   app.add_flag("--fp16", fp16,
                "fp16 weights and activations (fp32 master weights and gradients; loss scaling)");
@@ -229,6 +233,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--overlap-grad-reduce", overlap_grad_reduce},
       {"--overlap-param-gather", overlap_param_gather},
       {"--tp-comm-overlap", tp_comm_overlap},
+      {"--overlap-moe-expert-parallel-comm", overlap_moe_ep_comm},
       {"--accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32},
       {"--fp16-grad-reduce", fp16_grad_reduce},
       {"--no-scatter-gather", no_scatter_gather},
@@ -482,6 +487,7 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.overlap_grad_reduce = overlap_grad_reduce;
   p.overlap_param_gather = overlap_param_gather;
   p.tp_comm_overlap = tp_comm_overlap;
+  p.overlap_moe_ep_comm = overlap_moe_ep_comm;
   p.fp32_grad_reduce = !fp16_grad_reduce;
   p.scatter_gather_p2p = !no_scatter_gather;
   p.overlap_p2p_comm = !no_overlap_p2p;

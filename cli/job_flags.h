@@ -55,7 +55,7 @@ struct JobFlags {
   std::string recompute_method;
   std::optional<int64_t> recompute_num_layers;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
-  bool overlap_param_gather = false, tp_comm_overlap = false;
+  bool overlap_param_gather = false, tp_comm_overlap = false, overlap_moe_ep_comm = false;
   bool accumulate_allreduce_grads_in_fp32 = false;  // Megatron's; ptdp's default
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;

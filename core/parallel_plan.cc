@@ -172,6 +172,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
   if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
+  if (overlap_moe_ep_comm) f << " --overlap-moe-expert-parallel-comm";
   if (precision == DType::kBF16) f << " --bf16";
   if (precision == DType::kF16) f << " --fp16";
   if (fp8) f << " --fp8-format hybrid";
@@ -245,6 +246,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
   r.read("overlap_param_gather", p.overlap_param_gather);
   r.read("tp_comm_overlap", p.tp_comm_overlap);
+  r.read("overlap_moe_ep_comm", p.overlap_moe_ep_comm);
   r.read("fp8", p.fp8);
   r.read("fp32_grad_reduce", p.fp32_grad_reduce);
   r.read("scatter_gather_p2p", p.scatter_gather_p2p);
@@ -274,6 +276,7 @@ json to_json(const ParallelPlan& p) {
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},
               {"tp_comm_overlap", p.tp_comm_overlap},
+              {"overlap_moe_ep_comm", p.overlap_moe_ep_comm},
               {"fp8", p.fp8},
               {"fp32_grad_reduce", p.fp32_grad_reduce},
               {"scatter_gather_p2p", p.scatter_gather_p2p},

@@ -74,6 +74,12 @@ struct ParallelPlan {
   // next iteration's forward pass, all but its first bucket.
   bool tp_comm_overlap = false;
   bool overlap_param_gather = false;
+  // --overlap-moe-expert-parallel-comm (Megatron-Core's "combined 1F1B", after DeepSeek-V3's
+  // DualPipe): in the steady state the forward pass of one microbatch and the backward pass of
+  // another run as one step, each one's expert all-to-alls behind the other's kernels. Needs
+  // ep > 1, no full recompute, and with p > 1 the interleaved schedule; one more microbatch
+  // warms up. Priced and scheduled; ptdp run executes the schedule without the overlap.
+  bool overlap_moe_ep_comm = false;
   // Megatron-Core overlaps the interleaved schedule's steady-state send/receive with the next
   // chunk's compute (on by default there; --no-overlap-p2p-communication turns it off). Off in
   // a plan built by hand, as in SC'21's Megatron; the command line turns it on.

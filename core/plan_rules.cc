@@ -229,6 +229,25 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   if (plan.overlap_param_gather && d > 1 && !plan.distributed_optimizer)
     return broken(PlanRule::kParamGatherNeedsDistributedOptimizer, report, "--overlap-param-gather",
                   [] { return std::string("needs --use-distributed-optimizer"); });
+  // Megatron-Core's conditions for its combined 1F1B (TransformerConfig's checks).
+  if (plan.overlap_moe_ep_comm) {
+    const char* flag = "--overlap-moe-expert-parallel-comm";
+    if (ep == 1)
+      return broken(PlanRule::kExpertOverlap, report, flag,
+                    [] { return std::string("needs expert-model-parallel-size > 1"); });
+    if (plan.recompute == Recompute::kFull)
+      return broken(PlanRule::kExpertOverlap, report, flag,
+                    [] { return std::string("does not run with full recomputation"); });
+    const bool schedule_ok =
+        p == 1 ? plan.schedule == Schedule::k1F1B : plan.schedule == Schedule::kInterleaved1F1B;
+    if (!schedule_ok)
+      return broken(PlanRule::kExpertOverlap, report, flag, [&] {
+        return std::string(p == 1 ? "runs the 1f1b schedule at p = 1, not "
+                                  : "needs the interleaved schedule (virtual stages) with p > 1, "
+                                    "not ") +
+               to_string(plan.schedule);
+      });
+  }
   if (plan.recompute_layers < 0 || plan.recompute_layers > kMaxModelSize ||
       (plan.recompute_layers > 0 && plan.recompute != Recompute::kFull))
     return broken(PlanRule::kRecomputeLayers, report, "--recompute-num-layers", [&] {
@@ -299,6 +318,8 @@ const char* rule_reason(PlanRule r) {
       return "tp-comm-overlap needs sequence parallelism";
     case PlanRule::kParamGatherNeedsDistributedOptimizer:
       return "overlap-param-gather needs the distributed optimizer";
+    case PlanRule::kExpertOverlap:
+      return "the expert all-to-all overlap does not fit the plan";
     case PlanRule::kRecomputeLayers:
       return "block recompute needs full recompute";
   }

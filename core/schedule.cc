@@ -24,8 +24,9 @@ class RankBuilder {
  public:
   explicit RankBuilder(std::vector<PipelineAction>& out) : out_(out) {}
 
-  void compute(K kind, int64_t mb, int64_t chunk) {
-    out_.push_back({kind, false, static_cast<int32_t>(mb), static_cast<int32_t>(chunk)});
+  void compute(K kind, int64_t mb, int64_t chunk, bool combined_with_next = false) {
+    out_.push_back(
+        {kind, false, static_cast<int32_t>(mb), static_cast<int32_t>(chunk), combined_with_next});
   }
   // One batched p2p call: the ops that are present, posted together.
   void group(std::initializer_list<std::pair<bool, PipelineAction>> ops) {
@@ -66,7 +67,7 @@ void gpipe(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
 void one_f_one_b(const ScheduleSpec& s, int64_t r, RankBuilder& b, bool split) {
   const int64_t p = s.pipeline_parallel, m = s.microbatches;
   const bool first = r == 0, last = r == p - 1;
-  const int64_t warmup = std::min(p - r - 1, m), remaining = m - warmup;
+  const int64_t warmup = std::min(p - r - 1 + (s.combined_1f1b ? 1 : 0), m), remaining = m - warmup;
   const K backward = split ? K::kBackwardInput : K::kBackward;
   int64_t next_w = 0;                // next microbatch whose weight gradient is pending
   auto weight = [&](int64_t upto) {  // run W passes for microbatches < upto
@@ -81,7 +82,7 @@ void one_f_one_b(const ScheduleSpec& s, int64_t r, RankBuilder& b, bool split) {
   if (remaining > 0) b.group({{!first, RankBuilder::recv(K::kRecvForward)}});
   for (int64_t i = 0; i < remaining; ++i) {
     const int64_t f = warmup + i;
-    b.compute(K::kForward, f, 0);
+    b.compute(K::kForward, f, 0, s.combined_1f1b);  // with the backward below, at p = 1
     b.group({{!last, RankBuilder::send(K::kSendForward, f, 0)},
              {!last, RankBuilder::recv(K::kRecvBackward)}});
     b.compute(backward, i, 0);
@@ -143,7 +144,9 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   auto first_virtual = [&](int64_t c) { return r == 0 && c == 0; };
   auto last_virtual = [&](int64_t c) { return r == p - 1 && c == v - 1; };
   const bool all_warmup = m == p;
-  const int64_t warmup = all_warmup ? total : std::min(2 * (p - r - 1) + (v - 1) * n, total);
+  const int64_t warmup =
+      all_warmup ? total
+                 : std::min(2 * (p - r - 1) + (v - 1) * n + (s.combined_1f1b ? 1 : 0), total);
   const int64_t remaining = total - warmup;
 
   b.group({{r != 0, RankBuilder::recv(K::kRecvForward)}});
@@ -159,7 +162,7 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   for (int64_t k = 0; k < remaining; ++k) {
     const int64_t fk = k + warmup, bk = k;
     const int64_t fc = chunk(fk, true), bc = chunk(bk, false);
-    b.compute(K::kForward, mb(fk), fc);
+    b.compute(K::kForward, mb(fk), fc, s.combined_1f1b);
     b.compute(K::kBackward, mb(bk), bc);
     const bool recv_prev = receives(fk, true) && k != remaining - 1;
     const bool recv_next = receives(bk, false);
@@ -200,6 +203,11 @@ void name_receives(const PipelineSchedule& s, int64_t r, std::vector<PipelineAct
 
 }  // namespace
 
+bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>& list, size_t i) {
+  return s.spec.combined_1f1b && list[i].combined_with_next && i + 1 < list.size() &&
+         list[i + 1].kind == K::kBackward;
+}
+
 bool is_compute(ActionKind k) {
   return k == K::kForward || k == K::kBackward || k == K::kBackwardInput || k == K::kBackwardWeight;
 }
@@ -218,6 +226,7 @@ ScheduleSpec schedule_spec(const ParallelPlan& p, bool tied_embeddings) {
   s.microbatches = p.num_microbatches();
   s.virtual_stages = p.virtual_stages;
   s.microbatch_group = p.microbatch_group;
+  s.combined_1f1b = p.overlap_moe_ep_comm;
   s.tied_embeddings = tied_embeddings;
   return s;
 }
@@ -234,6 +243,10 @@ PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec) {
                      "the interleaved schedule cannot run " + std::to_string(m) +
                          " microbatches on " + std::to_string(p) + " pipeline ranks in groups of " +
                          std::to_string(spec.microbatch_group > 0 ? spec.microbatch_group : p));
+  if (spec.combined_1f1b &&
+      !(spec.kind == Schedule::kInterleaved1F1B || (spec.kind == Schedule::k1F1B && p == 1)))
+    throw InputError("--overlap-moe-expert-parallel-comm",
+                     "combines passes in the interleaved schedule, or in 1f1b at p = 1");
   PipelineSchedule s;
   s.spec = spec;
   s.synchronous_p2p = spec.kind != Schedule::kZeroBubbleH1;

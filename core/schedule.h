@@ -43,6 +43,9 @@ struct PipelineAction {
   bool batched_with_next = false;
   int32_t microbatch = -1;
   int32_t chunk = -1;
+  // A steady-state forward of the combined 1F1B (ScheduleSpec::combined_1f1b): it and the
+  // backward pass after it run as one step.
+  bool combined_with_next = false;
 };
 
 bool is_compute(ActionKind k);
@@ -56,6 +59,10 @@ struct ScheduleSpec {
   int64_t virtual_stages = 1;
   // The interleaved schedule's microbatch group (ParallelPlan::microbatch_group; 0: p).
   int64_t microbatch_group = 0;
+  // Megatron-Core's combined 1F1B (ParallelPlan::overlap_moe_ep_comm): one more warm-up
+  // forward, so that every steady-state forward is followed by a backward of another
+  // microbatch, the two run as one step (combined_step). 1F1B at p = 1, or interleaved.
+  bool combined_1f1b = false;
   bool tied_embeddings = false;  // adds kEmbeddingSync on the first and last rank when p > 1
 };
 
@@ -74,6 +81,11 @@ struct PipelineSchedule {
     return global_stage(rank, chunk) == p() * v() - 1;
   }
 };
+
+// Whether list[i] is the forward pass of a combined step (spec.combined_1f1b): a steady-state
+// forward, directly followed by the backward pass of another microbatch; the two run as one,
+// each one's expert all-to-alls behind the other's kernels.
+bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>& list, size_t i);
 
 // Throws InputError for an impossible spec (interleaving with fewer than p microbatches, or in
 // groups that do not fit them, ...).

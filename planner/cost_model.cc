@@ -228,7 +228,9 @@ double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t laye
       // Megatron runs every forward first when m == p.
       if (m == pp) return m * layers;
       const double n = static_cast<double>(p.microbatch_group_size());
-      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * n;
+      // The combined 1F1B of --overlap-moe-expert-parallel-comm warms up one more.
+      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * n +
+                            (p.overlap_moe_ep_comm ? 1.0 : 0.0);
       return std::min(warmup + 1.0, m * v) * layers / v;
     }
     case Schedule::kZeroBubbleH1:
@@ -237,7 +239,19 @@ double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t laye
     case Schedule::k1F1B:
       break;
   }
-  return std::min(static_cast<double>(p.pipeline_parallel - r), m) * layers;
+  return std::min(static_cast<double>(p.pipeline_parallel - r + (p.overlap_moe_ep_comm ? 1 : 0)),
+                  m) *
+         layers;
+}
+
+double combined_steps(const ParallelPlan& p, int64_t r) {
+  if (!p.overlap_moe_ep_comm) return 0;
+  const int64_t m = p.num_microbatches(), v = p.virtual_stages, pp = p.pipeline_parallel;
+  int64_t warmup = std::min<int64_t>(pp - r, m);  // 1F1B (p = 1): one forward ahead
+  if (v > 1)
+    warmup = m == pp ? m * v
+                     : std::min(2 * (pp - r - 1) + (v - 1) * p.microbatch_group_size() + 1, m * v);
+  return static_cast<double>(m * v - warmup);
 }
 
 CostModel::CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h)
@@ -840,6 +854,20 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
   b.cp_comm = m * (s.forward.cp_comm + s.backward.cp_comm + s.recompute.cp_comm);
   b.ep_comm = m * (s.forward.ep_comm + s.backward.ep_comm + s.recompute.ep_comm);
+  if (p.overlap_moe_ep_comm) {
+    // Megatron-Core's combined 1F1B: each steady-state forward runs as one step with a backward
+    // of another microbatch, each one's all-to-alls on their own stream behind the other's
+    // kernels: a step lasts its kernels or its all-to-alls, whichever is longer. Counted on
+    // rank 0, which warms up longest and so combines fewest (combined_steps).
+    double pairs = 0;
+    for (int64_t r = 0; r < p.pipeline_parallel; ++r) pairs += combined_steps(p, r);
+    pairs /= pp;
+    const double e = (s.forward.ep_comm + s.backward.ep_comm + s.recompute.ep_comm) / v;
+    const double kernels = (s.forward.compute + s.forward.tp_comm + s.backward.compute +
+                            s.backward.tp_comm + s.recompute.compute + s.recompute.tp_comm) /
+                           v;
+    b.ep_comm = (m * v - pairs) * e + pairs * std::max(0.0, e - kernels);
+  }
   const double fill = (sum_stage - fill_of(s)) / v;
   b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 
@@ -848,7 +876,9 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   if (p.pipeline_parallel > 1) {
     out.p2p_time_s = comm_.p2p_time(activation_message_bytes(p), p);
     double steady = out.p2p_time_s, ring = 0;
-    if (p.overlap_p2p_comm && p.virtual_stages > 1) {
+    // Not in Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm), whose step
+    // awaits both its inputs when it starts and posts its sends when it ends.
+    if (p.overlap_p2p_comm && p.virtual_stages > 1 && !p.overlap_moe_ep_comm) {
       // Megatron-Core's interleaved schedule posts each steady-state transfer before the next
       // chunk's pass and waits after it: only what outlasts one chunk's forward pass shows.
       const double chunk_forward = s.forward.total() / v;

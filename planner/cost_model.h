@@ -252,6 +252,10 @@ double expert_load(const ModelSpec& m, int64_t expert_parallel);
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);
 
+// With --overlap-moe-expert-parallel-comm, the combined steps (a forward and a backward of
+// another microbatch run as one) of pipeline rank r: its microbatch-chunks after the warm-up.
+double combined_steps(const ParallelPlan& p, int64_t r);
+
 // The layers of a model chunk (or of a pipeline rank's chunks together) whose recompute list
 // runs before their backward pass, and how many of those are MoE layers: every layer, but with
 // block recompute (ParallelPlan::recompute_layers) the first N of each chunk.

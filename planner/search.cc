@@ -136,6 +136,11 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           // Megatron take their flags).
           plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
           plan.overlap_param_gather = o.defaults.overlap_param_gather && plan.distributed_optimizer;
+          // Megatron-Core's combined 1F1B where its conditions hold (core/plan_rules.h).
+          plan.overlap_moe_ep_comm = o.defaults.overlap_moe_ep_comm && c.ep > 1 &&
+                                     rc != Recompute::kFull &&
+                                     (c.p == 1 ? plan.schedule == Schedule::k1F1B
+                                               : plan.schedule == Schedule::kInterleaved1F1B);
           // The rules `ptdp run` and ParallelPlan::validate apply (core/plan_rules.h).
           if (const PlanRule rule = first_violated_rule(m, plan); rule != PlanRule::kNone) {
             ++tally.rejected[rule_reason(rule)];
@@ -229,7 +234,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         cell.schedule = Schedule::k1F1B;
         cell.sequence_parallel = m.is_moe() && t > 1;  // required there; tried either way else
         // The overlaps apply per plan, where SP and the distributed optimizer are on (expand).
-        cell.tp_comm_overlap = cell.overlap_param_gather = false;
+        cell.tp_comm_overlap = cell.overlap_param_gather = cell.overlap_moe_ep_comm = false;
         if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
           ++total.considered;
           ++total.rejected[rule_reason(rule)];
@@ -347,6 +352,7 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
+  field("expert all-to-all overlap", flag(a.overlap_moe_ep_comm), flag(b.overlap_moe_ep_comm));
   return out.empty() ? "same configuration" : out;
 }
 
@@ -381,6 +387,7 @@ std::string plan_summary(const ParallelPlan& p) {
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer) s += " dopt";
+  if (p.overlap_moe_ep_comm) s += " a2a-overlap";
   return s;
 }
 

@@ -39,8 +39,12 @@ bool forward_data(ActionKind k) {
 // forward direction's transfers (send this output, receive the next input) right after the
 // forward pass and the backward direction's right after the backward pass. The schedule lists
 // the non-overlapped order (one batched call after both passes); this moves the forward
-// direction's ops of such a call between the two passes. Elsewhere the order is the same.
-std::vector<PipelineAction> overlapped_order(const std::vector<PipelineAction>& list) {
+// direction's ops of such a call between the two passes. Elsewhere the order is the same, and
+// so it is everywhere with `combined` (the combined 1F1B of --overlap-moe-expert-parallel-comm):
+// Megatron-Core's combined step awaits both its inputs when it starts and posts both its sends
+// when it ends (model_chunk_schedule_plan.py), so its transfers are posted after both passes.
+std::vector<PipelineAction> overlapped_order(const std::vector<PipelineAction>& list,
+                                             bool combined) {
   std::vector<PipelineAction> out;
   out.reserve(list.size());
   for (size_t i = 0; i < list.size();) {
@@ -60,7 +64,7 @@ std::vector<PipelineAction> overlapped_order(const std::vector<PipelineAction>& 
       if (!part->empty()) part->back().batched_with_next = false;
     const size_t n = out.size();
     const bool after_both =
-        n >= 2 && out[n - 2].kind == K::kForward && out[n - 1].kind == K::kBackward;
+        !combined && n >= 2 && out[n - 2].kind == K::kForward && out[n - 1].kind == K::kBackward;
     out.insert(after_both ? out.end() - 1 : out.end(), fwd.begin(), fwd.end());
     out.insert(out.end(), bwd.begin(), bwd.end());
     i = end + 1;
@@ -80,7 +84,8 @@ class Engine {
         net_(topo.links()),
         overlap_(in.overlap_p2p && s.spec.kind == Schedule::kInterleaved1F1B && s.v() > 1) {
     if (overlap_)
-      for (const auto& list : s_.ranks) reordered_.push_back(overlapped_order(list));
+      for (const auto& list : s_.ranks)
+        reordered_.push_back(overlapped_order(list, s_.spec.combined_1f1b));
     const int64_t entities = replicas_ * p_;
     ranks_.resize(static_cast<size_t>(entities));
     pending_group_.resize(static_cast<size_t>(entities));
@@ -121,8 +126,8 @@ class Engine {
           due_.clear();
           net_.finish(now_, ev.id, &due_);
           for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
-          if (tag < 0) {  // a flow of a rank's context or expert phase
-            group_flow_done(static_cast<int32_t>(-tag - 1));
+          if (tag < 0) {  // a flow of a rank's context (even) or expert (odd) phase
+            group_flow_done(static_cast<int32_t>((-tag - 1) / 2), static_cast<int>((-tag - 1) % 2));
             break;
           }
           const auto transfer = static_cast<int32_t>(tag);
@@ -161,9 +166,14 @@ class Engine {
     const PassCost* pass = nullptr;
     PipelineAction action;
     int phase = 0;
-    int flows = 0;          // of the current phase, still in flight
-    bool in_phase = false;  // the pass's kernels are over and a phase waits for its end
-    Picos phase_start = 0;  // when its flows started (the timeline span's start)
+    int flows[2] = {0, 0};  // of each phase, still in flight
+    // A combined step (core/schedule.h combined_step): its two passes' costs together, the
+    // all-to-alls' flows started with the kernels.
+    PassCost combined;
+    bool ep_flows_started = false;
+    bool combined_second = false;  // the next compute action is a combined step's backward
+    bool in_phase = false;         // the pass's kernels are over and a phase waits for its end
+    Picos phase_start = 0;         // when its flows started (the timeline span's start)
     Picos phase_entered = 0, phase_floor = 0;
   };
   struct Transfer {
@@ -251,16 +261,36 @@ class Engine {
     while (st.pc < list.size()) {
       const PipelineAction& a = list[st.pc];
       if (is_compute(a.kind)) {
-        // With overlap, a pass waits here for the transfer that brings its input.
-        if (must_wait(e, a)) return;
-        const PassCost& c = pass(r, a);
+        // A combined step (Megatron-Core's combined 1F1B): a forward and the backward of
+        // another microbatch run as one step, both inputs awaited first: the forward's kernels,
+        // then the backward's, then the step's context and expert phases; both passes'
+        // all-to-alls start with the forward (combine()).
+        const bool second = st.combined_second;
+        const size_t b = second ? 0 : combined_backward(list, st.pc);
+        if (!second) {
+          // With overlap, a pass waits here for the transfer that brings its input.
+          if (must_wait(e, a)) return;
+          if (b > 0 && must_wait(e, list[b])) return;
+        }
+        const PassCost& own = pass(r, a);
         const Picos compute =
-            static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
+            static_cast<Picos>(std::llround(static_cast<double>(own.compute) * st.factor));
         record(e, Stream::kCompute, a, now_, now_ + compute);
-        record(e, Stream::kTensor, a, now_ + compute, now_ + compute + c.tp_comm);
+        record(e, Stream::kTensor, a, now_ + compute, now_ + compute + own.tp_comm);
         st.stats.compute += compute;
-        st.stats.tp_comm += c.tp_comm;
-        const Picos end = now_ + compute + c.tp_comm;
+        st.stats.tp_comm += own.tp_comm;
+        const Picos end = now_ + compute + own.tp_comm;
+        if (b > 0) {  // the step's first half: its all-to-alls start, no phase yet
+          st.pass = &combine(st, r, a, list[b]);
+          start_flows(e, false);
+          st.ep_flows_started = true;
+          st.combined_second = true;
+          ++st.pc;
+          push(end, kResume, e);
+          return;
+        }
+        st.combined_second = false;
+        const PassCost& c = second ? st.combined : own;
         const bool groups = c.cp_comm > 0 || c.ep_comm > 0 || c.cp_bytes > 0 || c.ep_bytes > 0;
         if (in_.overlap_grad_reduce &&
             last_grad_action_[static_cast<size_t>(r)][static_cast<size_t>(a.chunk)] ==
@@ -275,6 +305,7 @@ class Engine {
           start_flows(e, true);  // the ring runs under the pass's kernels
           push(end, kGroupPhase, e);
         } else {
+          st.ep_flows_started = false;
           push(end, kResume, e);
         }
         return;
@@ -404,19 +435,21 @@ class Engine {
       st.phase_entered = now_;
       st.phase_floor = now_ + time;
       if (!cp || bytes <= 0) st.phase_start = now_;
-      if (!cp) start_flows(e, false);
+      if (!cp && !st.ep_flows_started) start_flows(e, false);
       st.in_phase = true;
-      if (st.flows == 0) push(st.phase_floor, kPhaseDone, e);
+      if (st.flows[st.phase] == 0) push(st.phase_floor, kPhaseDone, e);
       return;
     }
     st.pass = nullptr;
+    st.ep_flows_started = false;
     advance(e);
   }
 
   // Starts rank e's ring-step (cp) or all-to-all flows of its current pass.
   void start_flows(int32_t e, bool cp) {
     RankState& st = ranks_[static_cast<size_t>(e)];
-    st.flows = 0;
+    const int phase = cp ? 0 : 1;
+    st.flows[phase] = 0;
     const double bytes = cp ? st.pass->cp_bytes : st.pass->ep_bytes;
     if (bytes <= 0) return;
     const auto pairs = cp ? ring_pairs(e) : all_to_all_pairs(e);
@@ -425,15 +458,39 @@ class Engine {
       const std::vector<int32_t>& path = topo_.path(src, dst);
       if (path.empty()) continue;
       due_.clear();
-      net_.start(now_, &path, each, -static_cast<int64_t>(e) - 1, &due_);
+      net_.start(now_, &path, each, -(2 * static_cast<int64_t>(e) + phase) - 1, &due_);
       for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
-      ++st.flows;
+      ++st.flows[phase];
     }
   }
 
-  void group_flow_done(int32_t e) {
+  void group_flow_done(int32_t e, int phase) {
     RankState& st = ranks_[static_cast<size_t>(e)];
-    if (--st.flows == 0 && st.in_phase) push(std::max(now_, st.phase_floor), kPhaseDone, e);
+    if (--st.flows[phase] == 0 && st.in_phase && st.phase == phase)
+      push(std::max(now_, st.phase_floor), kPhaseDone, e);
+  }
+
+  // With the combined 1F1B, the index of the backward pass that list[i], a forward, runs with
+  // (core/schedule.h combined_step: the next action), else 0.
+  size_t combined_backward(const std::vector<PipelineAction>& list, size_t i) const {
+    return combined_step(s_, list, i) ? i + 1 : 0;
+  }
+
+  // The costs of a combined step (forward f, then backward b of another microbatch): kernels,
+  // collectives and the ring's exposed steps add up; the all-to-alls run on their own stream
+  // behind the other pass's kernels, so what shows is their excess over the step's kernels
+  // (as CostModel::predict counts it), or what their flows take when links hold them back.
+  const PassCost& combine(RankState& st, int64_t r, const PipelineAction& f,
+                          const PipelineAction& b) const {
+    const PassCost &x = pass(r, f), &y = pass(r, b);
+    PassCost& c = st.combined;
+    c.compute = x.compute + y.compute;
+    c.tp_comm = x.tp_comm + y.tp_comm;
+    c.cp_comm = x.cp_comm + y.cp_comm;
+    c.cp_bytes = x.cp_bytes + y.cp_bytes;
+    c.ep_comm = std::max<Picos>(0, x.ep_comm + y.ep_comm - c.compute - c.tp_comm);
+    c.ep_bytes = x.ep_bytes + y.ep_bytes;
+    return c;
   }
 
   void phase_done(int32_t e) {

@@ -1062,6 +1062,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
         "--global-batch-size", "256", "--seq-length", "2048"}},
       {{"--cluster", "dgx-a100-80gb", "--num-gpus", "64", "--model", deepseek,
         "--global-batch-size", "256", "--moe-expert-capacity-factor", "1.5"}},
+      // Megatron-Core's combined 1F1B where a plan allows it (ep > 1; interleaved, or p = 1).
+      {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "qwen2-57b-a14b",
+        "--global-batch-size", "256", "--overlap-moe-expert-parallel-comm"}},
       {{"--cluster",
         "dgx-a100-80gb",
         "--num-gpus",
@@ -1105,6 +1108,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--no-gradient-accumulation-fusion",
                                           "--tp-comm-overlap",
                                           "--overlap-param-gather",
+                                          "--overlap-moe-expert-parallel-comm",
                                           "--untie-embeddings-and-output-weights"};
   for (const Case& c : cases) {
     std::vector<std::string> args = {"plan", "--top", "40", "--json", "--no-progress"};

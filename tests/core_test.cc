@@ -666,6 +666,36 @@ TEST(PlanRules, MicrobatchGroupsOfTheInterleavedSchedule) {
                rule_reason(PlanRule::kVirtualMicrobatches));
 }
 
+// Megatron-Core's conditions for --overlap-moe-expert-parallel-comm, one message each.
+TEST(PlanRules, ExpertAllToAllOverlapNeedsWhatMegatronCoreNeeds) {
+  ModelSpec m;
+  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
+  m.vocab_size = 128, m.num_experts = 4, m.moe_router_topk = 2;
+  ParallelPlan p;
+  p.data_parallel = 2;
+  p.global_batch_size = 8;
+  p.overlap_moe_ep_comm = true;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--overlap-moe-expert-parallel-comm|--overlap-moe-expert-parallel-comm: needs "
+            "expert-model-parallel-size > 1");
+  p.expert_parallel = 2;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);  // 1f1b at p = 1
+  EXPECT_NE(p.megatron_flags(m).find(" --overlap-moe-expert-parallel-comm"), std::string::npos);
+  EXPECT_EQ(plan_from_json(to_json(p)).overlap_moe_ep_comm, true);
+  p.recompute = Recompute::kFull;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kExpertOverlap);
+  p.recompute = Recompute::kSelective;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  p.pipeline_parallel = 2;  // 1f1b with p > 1: Megatron-Core needs virtual stages
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--overlap-moe-expert-parallel-comm|--overlap-moe-expert-parallel-comm: needs the "
+            "interleaved schedule (virtual stages) with p > 1, not 1f1b");
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_STRNE(rule_reason(PlanRule::kExpertOverlap), rule_reason(PlanRule::kRecomputeLayers));
+}
+
 // Rates beyond any machine (the simulator's picosecond clock would overflow on them, the
 // reports would print hundreds of digits) are refused naming the field.
 TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {

@@ -681,8 +681,19 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
            {2, 1, 2, ep + "--sequence-parallel", kTinyMoe},  // etp = t
            {2, 1, 2, ep + "--sequence-parallel --expert-tensor-parallel-size 1", kTinyMoe},
            {1, 2, 2, ep, kTinyMoe},
+           // Megatron-Core's combined 1F1B at p = 1: F0, then F1 with B0, then B1.
+           {1, 1, 2, ep + "--overlap-moe-expert-parallel-comm", kTinyMoe},
        })
     expect_same_losses(l, single);
+  // And interleaved (p = 2, v = 2, 4 microbatches): each rank warms up one forward more, then
+  // runs forwards and backwards of other microbatches as combined steps.
+  std::string sixteen = kTinyMoe;
+  sixteen.replace(sixteen.find("--global-batch-size 8"), 21, "--global-batch-size 16");
+  expect_same_losses({1, 2, 2,
+                      ep + "--num-layers-per-virtual-pipeline-stage 1"
+                           " --overlap-moe-expert-parallel-comm",
+                      sixteen},
+                     run_json(0, sixteen));
 }
 
 // MoE layers in device memory (the CUDA backend's path without a GPU): cpu-staged routes on the

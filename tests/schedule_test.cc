@@ -16,8 +16,9 @@ namespace ptdp {
 namespace {
 
 PipelineSchedule make(Schedule kind, int64_t p, int64_t m, int64_t v = 1, bool tied = true,
-                      int64_t group = 0) {
+                      int64_t group = 0, bool combined = false) {
   ScheduleSpec s;
+  s.combined_1f1b = combined;
   s.kind = kind;
   s.pipeline_parallel = p;
   s.microbatches = m;
@@ -142,6 +143,60 @@ TEST(Schedule, MicrobatchGroupsRunEveryCountFromP) {
   EXPECT_EQ(smallest_microbatch_group(8, 4), 4);
   EXPECT_EQ(smallest_microbatch_group(6, 4), 6);  // 4 and 5 leave 2 and 1 behind
   EXPECT_EQ(smallest_microbatch_group(9, 4), 5);  // groups of 5 and 4
+}
+
+// Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): one more warm-up
+// forward, after which every forward is followed by a backward of another microbatch (the two
+// run as one step); at p = 1, F0, then F(i + 1) with B(i), then the last B. The lists replay
+// without deadlock and hold one chunk more in flight, as the memory model counts.
+TEST(Schedule, CombinedStepsPairEverySteadyForwardWithABackward) {
+  for (int64_t m = 1; m <= 5; ++m) {
+    const PipelineSchedule s = make(Schedule::k1F1B, 1, m, 1, true, 0, true);
+    EXPECT_NO_THROW(check_pipeline_schedule(s));
+    std::string order;
+    for (const PipelineAction& a : s.ranks[0])
+      if (is_compute(a.kind)) order += to_string(a) + " ";
+    std::string want = "F0.0 ";
+    for (int64_t i = 0; i + 1 < m; ++i)
+      want += "F" + std::to_string(i + 1) + ".0 B" + std::to_string(i) + ".0 ";
+    want += "B" + std::to_string(m - 1) + ".0 ";
+    EXPECT_EQ(order, want);
+    int steps = 0;
+    for (size_t i = 0; i < s.ranks[0].size(); ++i) steps += combined_step(s, s.ranks[0], i);
+    EXPECT_EQ(steps, m - 1);
+  }
+  int checked = 0;
+  for (int64_t p = 2; p <= 4; ++p) {
+    for (int64_t v = 2; v <= 3; ++v) {
+      for (int64_t m = p; m <= 3 * p; ++m) {
+        const int64_t n = smallest_microbatch_group(m, p);
+        const PipelineSchedule s = make(Schedule::kInterleaved1F1B, p, m, v, true, n, true);
+        EXPECT_NO_THROW(check_pipeline_schedule(s)) << p << " " << v << " " << m;
+        ParallelPlan plan;
+        plan.pipeline_parallel = p;
+        plan.virtual_stages = v;
+        plan.schedule = Schedule::kInterleaved1F1B;
+        plan.global_batch_size = m;
+        plan.microbatch_group = n;
+        plan.overlap_moe_ep_comm = true;
+        for (int64_t r = 0; r < p; ++r) {
+          const auto& list = s.ranks[static_cast<size_t>(r)];
+          int64_t steps = 0;
+          for (size_t i = 0; i < list.size(); ++i) steps += combined_step(s, list, i);
+          EXPECT_EQ(steps, static_cast<int64_t>(combined_steps(plan, r)))
+              << p << " " << v << " " << m << " rank " << r;
+          EXPECT_EQ(peak_chunks_in_flight(s, r),
+                    static_cast<int64_t>(inflight_layer_activations(plan, r, v)))
+              << p << " " << v << " " << m << " rank " << r;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 50);
+  // Megatron-Core combines passes only in the interleaved schedule, or at p = 1.
+  EXPECT_THROW(make(Schedule::k1F1B, 2, 4, 1, true, 0, true), InputError);
+  EXPECT_THROW(make(Schedule::kZeroBubbleH1, 1, 4, 1, true, 0, true), InputError);
 }
 
 TEST(Schedule, WarmupCountsFollowMegatron) {
