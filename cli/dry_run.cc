@@ -23,6 +23,15 @@ ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   return run;
 }
 
+ParallelPlan as_executed(const ParallelPlan& p) {
+  ParallelPlan run = p;
+  run.fp8 = false;
+  run.fp32_grad_reduce = true;
+  run.tp_comm_overlap = false;
+  run.overlap_moe_ep_comm = false;
+  return run;
+}
+
 std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   std::string note;
   if (m.attention_dropout > 0 || m.hidden_dropout > 0)

@@ -23,10 +23,15 @@ struct RankMemory {
 };
 
 // The model as ptdp run executes it under plan `p`: without dropout (the runtime has none), with
-// the loss fused (computed in place on the logits), and with the attention scores kept (no flash
-// attention) under context parallelism, whose ring runs the unfused attention pieces; its memory is
-// priced on this.
+// the loss fused (computed in place on the logits), and with fused (flash) attention under
+// context parallelism, as its ring runs it; its memory is priced on this.
 ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p);
+// The plan as ptdp run executes it: the settings it prices but does not run (execution_note)
+// off: FP8 GEMMs, 16-bit gradient reduction, the sequence-parallel collectives' overlap with
+// their GEMMs, the combined 1F1B's all-to-all overlap (its order is run: the memory of its
+// extra warm-up forward is not counted then). What a run's trace records, so that reconcile
+// prices what ran.
+ParallelPlan as_executed(const ParallelPlan& p);
 // "" when the runtime runs `m` as given, else a note saying what it runs instead.
 std::string execution_note(const ModelSpec& m, const ParallelPlan& p);
 

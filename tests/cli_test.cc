@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "cli/dry_run.h"
+#include "cli/trace_file.h"
 #include "core/presets.h"
 #include "tests/support/cli_run.h"
 
@@ -366,15 +367,21 @@ TEST(Cli, Fp8IsPricedFasterOnH100AndRunSaysItRunsTheGemmsInItsPrecision) {
   const double b = nlohmann::json::parse(fp8.out)["iteration_time_s"].get<double>();
   EXPECT_LT(b, 0.9 * a);
   EXPECT_GT(b, 0.4 * a);  // the attention core, router and communication stay as they were
+  const std::string trace = (std::filesystem::temp_directory_path() / "ptdp_fp8_run.json").string();
   const Result run_fp8 =
-      run({"run", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-           "--seq-length", "16", "--vocab-size", "64", "--global-batch-size", "2", "--steps", "1",
-           "--fp8-format", "hybrid", "--bf16"});
+      run({"run",     "--num-layers", "2",  "--hidden-size", "32",     "--num-attention-heads",
+           "2",       "--seq-length", "16", "--vocab-size",  "64",     "--global-batch-size",
+           "2",       "--steps",      "2",  "--fp8-format",  "hybrid", "--bf16",
+           "--trace", trace});
   EXPECT_EQ(run_fp8.status, 0) << run_fp8.err;
   EXPECT_NE(run_fp8.out.find("runs its GEMMs in the run's precision (--fp8-format is priced, not "
                              "run"),
             std::string::npos)
       << run_fp8.out;
+  // Its trace records the plan as it ran, so that reconcile prices bf16 GEMMs, not FP8 ones.
+  const RunTrace t = read_run_trace(trace);
+  EXPECT_FALSE(t.info.plan.fp8);
+  EXPECT_EQ(t.info.plan.global_batch_size, 2);
 }
 
 TEST(CliErrors, UnknownPresetAndCluster) {
