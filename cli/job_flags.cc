@@ -138,7 +138,7 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag("--overlap-moe-expert-parallel-comm", overlap_moe_ep_comm,
                "combined 1F1B: each steady-state forward runs with a backward of another "
                "microbatch, hiding each one's expert all-to-alls (ep > 1; interleaved, or p = 1; "
-               "ptdp plan: where a plan allows it)");
+               "16-bit; ptdp plan: tried where a plan allows it)");
   app.add_flag("--bf16", bf16, "bf16 weights and activations (fp32 master weights and gradients)");
   app.add_flag("--fp16", fp16,
                "fp16 weights and activations (fp32 master weights and gradients; loss scaling)");
@@ -378,6 +378,10 @@ HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
                                                  [&] { return ptdp::resolve_profile(profile); });
   if (bf16) p.activation_dtype = DType::kBF16;
   if (fp16) p.activation_dtype = DType::kF16;
+  // Megatron-Core combines passes only in 16-bit training (TransformerConfig's check).
+  if (overlap_moe_ep_comm && p.activation_dtype == DType::kF32)
+    throw InputError("--overlap-moe-expert-parallel-comm",
+                     "needs 16-bit training (--bf16 or --fp16; the profile prices fp32)");
   if (!gemm_from.empty()) {
     // cuBLAS GEMMs are what ptdp run and Megatron-LM share, so a measured GEMM table carries
     // over to a job whose other kernels (attention, fused elementwise) are not ptdp's own. Its
@@ -473,7 +477,10 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   if (microbatch_group) {
     if (*microbatch_group <= 0)
       throw InputError("--microbatch-group-size-per-virtual-pipeline-stage", "must be positive");
-    p.microbatch_group = *microbatch_group;  // against the microbatches: checked by validate
+    // Against the microbatches: checked by validate. Megatron-Core's default (p) and a group
+    // without virtual stages (unused there) are stored as not given, as the flags print them.
+    if (p.virtual_stages > 1 && *microbatch_group != p.pipeline_parallel)
+      p.microbatch_group = *microbatch_group;
   }
   p.schedule = p.virtual_stages > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B;
   if (!pipeline_schedule.empty()) p.schedule = schedule_from_string(pipeline_schedule);

@@ -243,8 +243,8 @@ PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec) {
                      "the interleaved schedule cannot run " + std::to_string(m) +
                          " microbatches on " + std::to_string(p) + " pipeline ranks in groups of " +
                          std::to_string(spec.microbatch_group > 0 ? spec.microbatch_group : p));
-  if (spec.combined_1f1b &&
-      !(spec.kind == Schedule::kInterleaved1F1B || (spec.kind == Schedule::k1F1B && p == 1)))
+  if (spec.combined_1f1b && !((spec.kind == Schedule::kInterleaved1F1B && v > 1) ||
+                              (spec.kind == Schedule::k1F1B && p == 1)))
     throw InputError("--overlap-moe-expert-parallel-comm",
                      "combines passes in the interleaved schedule, or in 1f1b at p = 1");
   PipelineSchedule s;

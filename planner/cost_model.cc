@@ -649,13 +649,15 @@ double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double param
   if (p.overlap_grad_reduce && whole > 0) {
     // Each model chunk's buckets are reduced while its last backward pass runs, all but the
     // last bucket, which goes once that pass is over; the chunks' reductions queue on the
-    // data-parallel links. With interleaving, chunk c's last backward pass comes c p chunk
-    // passes before the end of the cool-down (Megatron's order: chunks v-1 ... 0 for the last p
-    // microbatches), so the earlier chunks hide behind the later ones' passes; ZB-H1 defers the
-    // weight-gradient passes to the drain, so a chunk's gradients are complete only after its
-    // last W pass. Times are relative to the end of the stage's last backward pass.
+    // data-parallel links. With interleaving, chunk c's last backward pass comes c g chunk
+    // passes before the end of the cool-down (Megatron's order: chunks v-1 ... 0 for the last
+    // microbatch group, g = m mod N of them, or N, the group: p by default), so the earlier
+    // chunks hide behind the later ones' passes; ZB-H1 defers the weight-gradient passes to
+    // the drain, so a chunk's gradients are complete only after its last W pass. Times are
+    // relative to the end of the stage's last backward pass.
     const double v = static_cast<double>(p.virtual_stages);
-    const double pp = static_cast<double>(p.pipeline_parallel);
+    const int64_t group = p.microbatch_group_size(), m = p.num_microbatches();
+    const double pp = static_cast<double>(m % group != 0 ? m % group : group);
     const double pass =
         (p.schedule == Schedule::kZeroBubbleH1 ? s.weight_grad.total()
                                                : s.backward.total() + s.recompute.total()) /
@@ -857,8 +859,9 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   if (p.overlap_moe_ep_comm) {
     // Megatron-Core's combined 1F1B: each steady-state forward runs as one step with a backward
     // of another microbatch, each one's all-to-alls on their own stream behind the other's
-    // kernels: a step lasts its kernels or its all-to-alls, whichever is longer. Counted on
-    // rank 0, which warms up longest and so combines fewest (combined_steps).
+    // kernels: a step lasts its kernels or its all-to-alls, whichever is longer. Counted over
+    // the pipeline ranks' combined steps on average (rank 0 warms up longest and so combines
+    // fewest; combined_steps).
     double pairs = 0;
     for (int64_t r = 0; r < p.pipeline_parallel; ++r) pairs += combined_steps(p, r);
     pairs /= pp;

@@ -136,23 +136,43 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           // Megatron take their flags).
           plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
           plan.overlap_param_gather = o.defaults.overlap_param_gather && plan.distributed_optimizer;
-          // Megatron-Core's combined 1F1B where its conditions hold (core/plan_rules.h).
-          plan.overlap_moe_ep_comm = o.defaults.overlap_moe_ep_comm && c.ep > 1 &&
-                                     rc != Recompute::kFull &&
-                                     (c.p == 1 ? plan.schedule == Schedule::k1F1B
-                                               : plan.schedule == Schedule::kInterleaved1F1B);
+          // Megatron-Core's combined 1F1B where its conditions hold (core/plan_rules.h; 16-bit
+          // training, TransformerConfig's check).
+          const bool combinable = o.defaults.overlap_moe_ep_comm && c.ep > 1 &&
+                                  rc != Recompute::kFull &&
+                                  cost.profile().activation_dtype != DType::kF32 &&
+                                  (c.p == 1 ? plan.schedule == Schedule::k1F1B
+                                            : plan.schedule == Schedule::kInterleaved1F1B);
+          plan.overlap_moe_ep_comm = false;
           // The rules `ptdp run` and ParallelPlan::validate apply (core/plan_rules.h).
           if (const PlanRule rule = first_violated_rule(m, plan); rule != PlanRule::kNone) {
             ++tally.rejected[rule_reason(rule)];
             continue;
           }
-          const MemoryBreakdown mem = cost.memory(plan);
+          MemoryBreakdown mem = cost.memory(plan);
+          Prediction best;
+          if (mem.fits) best = cost.predict(plan);
+          if (combinable) {
+            // It holds one more chunk in flight and hides no pipeline transfer: the plan
+            // keeps it only where it fits and is faster.
+            ParallelPlan both = plan;
+            both.overlap_moe_ep_comm = true;
+            const MemoryBreakdown more = cost.memory(both);
+            if (more.fits) {
+              const Prediction q = cost.predict(both);
+              if (!mem.fits || q.iteration_time_s < best.iteration_time_s) {
+                plan = both;
+                best = q;
+                mem = more;
+              }
+            }
+          }
           if (!mem.fits) {
             ++tally.rejected["does not fit in GPU memory"];
             continue;
           }
           ++tally.evaluated;
-          tally.keep(RankedPlan{plan, cost.predict(plan)}, k);
+          tally.keep(RankedPlan{plan, best}, k);
           if (rc == Recompute::kFull && o.try_block_recompute)
             try_block_recompute(plan, m, cost, tally, k);
         }

@@ -488,7 +488,9 @@ class Engine {
     c.tp_comm = x.tp_comm + y.tp_comm;
     c.cp_comm = x.cp_comm + y.cp_comm;
     c.cp_bytes = x.cp_bytes + y.cp_bytes;
-    c.ep_comm = std::max<Picos>(0, x.ep_comm + y.ep_comm - c.compute - c.tp_comm);
+    const auto kernels =
+        static_cast<Picos>(std::llround(static_cast<double>(c.compute) * st.factor));
+    c.ep_comm = std::max<Picos>(0, x.ep_comm + y.ep_comm - kernels - c.tp_comm);
     c.ep_bytes = x.ep_bytes + y.ep_bytes;
     return c;
   }

@@ -1172,6 +1172,22 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
              "--accumulate-allreduce-grads-in-fp32: conflicts with --fp16-grad-reduce");
   expect_bad(predict_plus({"--num-experts", "8", "--moe-token-dispatcher-type", "allgather"}),
              "--moe-token-dispatcher-type: ptdp prices and runs the alltoall dispatcher only");
+  // Megatron-Core's conditions for its combined 1F1B: expert parallelism, and 16-bit training.
+  auto combined = kPredictMixtral;
+  combined.insert(combined.end(), {"--overlap-moe-expert-parallel-comm"});
+  expect_bad(combined, "--overlap-moe-expert-parallel-comm: needs expert-model-parallel-size > 1");
+  const std::string fp32 = temp_file("fp32-profile.json", [] {
+    nlohmann::json j = to_json(resolve_profile("h100-sxm"));
+    j["activation_dtype"] = "fp32";
+    return j.dump();
+  }());
+  combined.insert(combined.end(), {"--expert-model-parallel-size", "8", "--profile", fp32});
+  expect_bad(combined, "--overlap-moe-expert-parallel-comm: needs 16-bit training");
+  combined.push_back("--bf16");
+  expect_bad(combined, "--overlap-moe-expert-parallel-comm: needs the interleaved schedule");
+  combined.insert(combined.end(), {"--num-virtual-stages-per-pipeline-rank", "2"});
+  const Result ok = run(combined);
+  EXPECT_EQ(ok.status, 0) << ok.err;
   const auto moe = [&](const std::string& freq) {
     return predict_plus(
         {"--num-experts", "8", "--sequence-parallel", "--moe-layer-freq", freq, "--json"});
