@@ -189,6 +189,23 @@ TEST(Simulator, LongIterationsAreExtrapolatedExactly) {
     EXPECT_EQ(fast.iteration, whole.iteration) << to_string(kind) << " m" << m;
     for (size_t r = 0; r < 4; ++r) EXPECT_EQ(fast.stages[r].idle, whole.stages[r].idle);
   }
+  // The combined 1F1B's steps (expert all-to-alls of 4 and 6 us, partly hidden) repeat too.
+  SimulationInput in = uniform(Schedule::kInterleaved1F1B, 4, 101, 2, 3 * kUs, 7 * kUs);
+  in.schedule.microbatch_group = 6;
+  in.schedule.combined_1f1b = true;
+  for (auto& rank : in.cost)
+    for (ChunkCost& c : rank) {
+      c.forward.ep_comm = 4 * kUs;
+      c.backward.ep_comm = 6 * kUs;
+    }
+  const SimulationResult fast = run(in);
+  EXPECT_LT(fast.simulated_microbatches, 101);
+  in.record_timeline = true;
+  const SimulationResult whole = run(in);
+  EXPECT_EQ(fast.iteration, whole.iteration);
+  EXPECT_EQ(fast.stages[0].ep_comm, whole.stages[0].ep_comm);
+  in.schedule.combined_1f1b = false;
+  EXPECT_GT(run(in).stages[0].ep_comm, whole.stages[0].ep_comm);  // hidden only when combined
 }
 
 TEST(FlowNetwork, ConcurrentFlowsShareALinkFairly) {
