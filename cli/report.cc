@@ -8,6 +8,11 @@
 
 namespace ptdp {
 
+std::string group_note(const ParallelPlan& p) {
+  if (p.virtual_stages == 1 || p.microbatch_group_size() == p.pipeline_parallel) return "";
+  return " in groups of " + std::to_string(p.microbatch_group_size());
+}
+
 nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r) {
   nlohmann::json j;
   j["configuration"] = to_json(p);
@@ -70,9 +75,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                   p.fp8 ? ", FP8 GEMMs" : "");
     out << buf;
   }
-  const std::string group = p.virtual_stages > 1 && p.microbatch_group_size() != p.pipeline_parallel
-                                ? " in groups of " + std::to_string(p.microbatch_group_size())
-                                : "";
+  const std::string group = group_note(p);
   std::snprintf(
       buf, sizeof buf,
       "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches%s, schedule %s, recompute %s%s%s\n\n",

@@ -17,5 +17,7 @@ namespace ptdp {
 nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r);
 void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& c,
                       const ParallelPlan& p, const Prediction& r);
+// " in groups of N" where the interleaved schedule runs in microbatch groups other than p, else "".
+std::string group_note(const ParallelPlan& p);
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
 }  // namespace ptdp

@@ -62,9 +62,7 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
     << " d=" << p.data_parallel
     << (p.context_parallel > 1 ? " cp=" + std::to_string(p.context_parallel) : std::string())
     << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " m=" << p.num_microbatches();
-  if (p.virtual_stages > 1) s << " v=" << p.virtual_stages;
-  if (p.virtual_stages > 1 && p.microbatch_group_size() != p.pipeline_parallel)
-    s << " in groups of " << p.microbatch_group_size();
+  if (p.virtual_stages > 1) s << " v=" << p.virtual_stages << group_note(p);
   s << ", " << to_string(p.schedule) << ", recompute " << recompute_label(p);
   if (p.sequence_parallel) s << ", sequence parallel";
   if (p.distributed_optimizer) s << ", distributed optimizer";

@@ -67,7 +67,7 @@ void gpipe(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
 void one_f_one_b(const ScheduleSpec& s, int64_t r, RankBuilder& b, bool split) {
   const int64_t p = s.pipeline_parallel, m = s.microbatches;
   const bool first = r == 0, last = r == p - 1;
-  const int64_t warmup = std::min(p - r - 1 + (s.combined_1f1b ? 1 : 0), m), remaining = m - warmup;
+  const int64_t warmup = warmup_forwards(s, r), remaining = m - warmup;
   const K backward = split ? K::kBackwardInput : K::kBackward;
   int64_t next_w = 0;                // next microbatch whose weight gradient is pending
   auto weight = [&](int64_t upto) {  // run W passes for microbatches < upto
@@ -119,7 +119,7 @@ int64_t floor_mod(int64_t a, int64_t n) {
 // chunk (k mod pv) / p on microbatch (k / pv) p + k mod p.
 void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   const int64_t p = s.pipeline_parallel, m = s.microbatches, v = s.virtual_stages;
-  const int64_t n = s.microbatch_group > 0 ? s.microbatch_group : p;
+  const int64_t n = s.group();
   const int64_t total = m * v;
   // Virtual microbatch k of the forward order: (microbatch, chunk).
   std::vector<std::pair<int64_t, int64_t>> table;
@@ -144,9 +144,7 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   auto first_virtual = [&](int64_t c) { return r == 0 && c == 0; };
   auto last_virtual = [&](int64_t c) { return r == p - 1 && c == v - 1; };
   const bool all_warmup = m == p;
-  const int64_t warmup =
-      all_warmup ? total
-                 : std::min(2 * (p - r - 1) + (v - 1) * n + (s.combined_1f1b ? 1 : 0), total);
+  const int64_t warmup = warmup_forwards(s, r);
   const int64_t remaining = total - warmup;
 
   b.group({{r != 0, RankBuilder::recv(K::kRecvForward)}});
@@ -203,6 +201,23 @@ void name_receives(const PipelineSchedule& s, int64_t r, std::vector<PipelineAct
 
 }  // namespace
 
+int64_t warmup_forwards(const ScheduleSpec& s, int64_t r) {
+  const int64_t p = s.pipeline_parallel, m = s.microbatches, v = s.virtual_stages;
+  const int64_t one_more = s.combined_1f1b ? 1 : 0;
+  switch (s.kind) {
+    case Schedule::kGPipe:
+      return m;
+    case Schedule::kInterleaved1F1B:
+      if (v > 1)
+        return m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * s.group() + one_more, m * v);
+      break;
+    case Schedule::k1F1B:
+    case Schedule::kZeroBubbleH1:
+      break;
+  }
+  return std::min(p - r - 1 + one_more, m);
+}
+
 bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>& list, size_t i) {
   return s.spec.combined_1f1b && list[i].combined_with_next && i + 1 < list.size() &&
          list[i + 1].kind == K::kBackward;
@@ -238,11 +253,11 @@ PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec) {
   if (v < 1) throw InputError("--num-layers-per-virtual-pipeline-stage", "must be positive");
   if (v > 1 && spec.kind != Schedule::kInterleaved1F1B)
     throw InputError("--pipeline-schedule", to_string(spec.kind) + " has no virtual stages");
-  if (v > 1 && !valid_microbatch_group(spec.microbatch_group > 0 ? spec.microbatch_group : p, m, p))
+  if (v > 1 && !valid_microbatch_group(spec.group(), m, p))
     throw InputError("--microbatch-group-size-per-virtual-pipeline-stage",
                      "the interleaved schedule cannot run " + std::to_string(m) +
                          " microbatches on " + std::to_string(p) + " pipeline ranks in groups of " +
-                         std::to_string(spec.microbatch_group > 0 ? spec.microbatch_group : p));
+                         std::to_string(spec.group()));
   if (spec.combined_1f1b && !((spec.kind == Schedule::kInterleaved1F1B && v > 1) ||
                               (spec.kind == Schedule::k1F1B && p == 1)))
     throw InputError("--overlap-moe-expert-parallel-comm",

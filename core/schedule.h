@@ -64,6 +64,8 @@ struct ScheduleSpec {
   // microbatch, the two run as one step (combined_step). 1F1B at p = 1, or interleaved.
   bool combined_1f1b = false;
   bool tied_embeddings = false;  // adds kEmbeddingSync on the first and last rank when p > 1
+
+  int64_t group() const { return microbatch_group > 0 ? microbatch_group : pipeline_parallel; }
 };
 
 ScheduleSpec schedule_spec(const ParallelPlan& p, bool tied_embeddings);
@@ -86,6 +88,13 @@ struct PipelineSchedule {
 // forward, directly followed by the backward pass of another microbatch; the two run as one,
 // each one's expert all-to-alls behind the other's kernels.
 bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>& list, size_t i);
+
+// The forward passes (of model chunks) pipeline rank r runs before its first backward pass:
+// GPipe all m; 1F1B and ZB-H1 min(p - r - 1, m); interleaved 2 (p - r - 1) + (v - 1) N, capped
+// at m v, and all m v when m == p (SC'21 Megatron-LM runs every forward first then); the
+// combined 1F1B one more. The generator builds its lists with it; the memory model's in-flight
+// activations and combined step count derive from it.
+int64_t warmup_forwards(const ScheduleSpec& s, int64_t r);
 
 // Throws InputError for an impossible spec (interleaving with fewer than p microbatches, or in
 // groups that do not fit them, ...).

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/schedule.h"
 #include "core/units.h"
 #include "planner/op_breakdown.h"
 
@@ -217,41 +218,22 @@ double ActivationMemory::p2p_buffers() const {
 }
 
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage) {
-  const double m = static_cast<double>(p.num_microbatches());
   const double layers = static_cast<double>(layers_on_stage);
-  switch (p.schedule) {
-    case Schedule::kGPipe:
-      return m * layers;
-    case Schedule::kInterleaved1F1B: {
-      const double v = static_cast<double>(p.virtual_stages);
-      const double pp = static_cast<double>(p.pipeline_parallel);
-      // Megatron runs every forward first when m == p.
-      if (m == pp) return m * layers;
-      const double n = static_cast<double>(p.microbatch_group_size());
-      // The combined 1F1B of --overlap-moe-expert-parallel-comm warms up one more.
-      const double warmup = 2.0 * (pp - static_cast<double>(r) - 1.0) + (v - 1.0) * n +
-                            (p.overlap_moe_ep_comm ? 1.0 : 0.0);
-      return std::min(warmup + 1.0, m * v) * layers / v;
-    }
-    case Schedule::kZeroBubbleH1:
-      // Every rank holds p microbatches until their weight-gradient passes (counted whole).
-      return std::min(static_cast<double>(p.pipeline_parallel), m) * layers;
-    case Schedule::k1F1B:
-      break;
-  }
-  return std::min(static_cast<double>(p.pipeline_parallel - r + (p.overlap_moe_ep_comm ? 1 : 0)),
-                  m) *
-         layers;
+  ScheduleSpec s = schedule_spec(p, false);
+  if (s.kind != Schedule::kInterleaved1F1B) s.virtual_stages = 1;  // one chunk of the stage
+  if (p.schedule == Schedule::kZeroBubbleH1)
+    // Every rank holds p microbatches until their weight-gradient passes (counted whole).
+    return static_cast<double>(std::min(p.pipeline_parallel, s.microbatches)) * layers;
+  // The warm-up's forwards and the first steady-state one (Megatron's warm-up counts,
+  // core/schedule.h), in model chunks of layers / v; GPipe holds all m.
+  const int64_t chunks = std::min(warmup_forwards(s, r) + 1, s.microbatches * s.virtual_stages);
+  return static_cast<double>(chunks) * layers / static_cast<double>(s.virtual_stages);
 }
 
 double combined_steps(const ParallelPlan& p, int64_t r) {
   if (!p.overlap_moe_ep_comm) return 0;
-  const int64_t m = p.num_microbatches(), v = p.virtual_stages, pp = p.pipeline_parallel;
-  int64_t warmup = std::min<int64_t>(pp - r, m);  // 1F1B (p = 1): one forward ahead
-  if (v > 1)
-    warmup = m == pp ? m * v
-                     : std::min(2 * (pp - r - 1) + (v - 1) * p.microbatch_group_size() + 1, m * v);
-  return static_cast<double>(m * v - warmup);
+  const ScheduleSpec s = schedule_spec(p, false);
+  return static_cast<double>(s.microbatches * s.virtual_stages - warmup_forwards(s, r));
 }
 
 CostModel::CostModel(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h)

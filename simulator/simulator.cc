@@ -266,7 +266,7 @@ class Engine {
         // then the backward's, then the step's context and expert phases; both passes'
         // all-to-alls start with the forward (combine()).
         const bool second = st.combined_second;
-        const size_t b = second ? 0 : combined_backward(list, st.pc);
+        const size_t b = !second && combined_step(s_, list, st.pc) ? st.pc + 1 : 0;
         if (!second) {
           // With overlap, a pass waits here for the transfer that brings its input.
           if (must_wait(e, a)) return;
@@ -468,12 +468,6 @@ class Engine {
     RankState& st = ranks_[static_cast<size_t>(e)];
     if (--st.flows[phase] == 0 && st.in_phase && st.phase == phase)
       push(std::max(now_, st.phase_floor), kPhaseDone, e);
-  }
-
-  // With the combined 1F1B, the index of the backward pass that list[i], a forward, runs with
-  // (core/schedule.h combined_step: the next action), else 0.
-  size_t combined_backward(const std::vector<PipelineAction>& list, size_t i) const {
-    return combined_step(s_, list, i) ? i + 1 : 0;
   }
 
   // The costs of a combined step (forward f, then backward b of another microbatch): kernels,

@@ -601,13 +601,22 @@ TEST(PlanRules, OneRuleOneMessage) {
                rule_reason(PlanRule::kSequenceParallelDividesSequence));
 }
 
+// The small model of the plan-rule tests below: 8 layers, hidden 64, 8 heads, s 32, V 128.
+ModelSpec eight_layers() {
+  ModelSpec m;
+  m.num_layers = 8;
+  m.hidden_size = 64;
+  m.num_attention_heads = 8;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  return m;
+}
+
 // The interleaved schedule is only a schedule of several chunks a rank: with one it would be
 // priced as 1F1B in time and otherwise in memory, so it is refused, naming the schedule flag.
 // ptdp_flags gives back what the Megatron-LM line cannot say, and nothing for a plain plan.
 TEST(PlanRules, InterleavedNeedsVirtualStagesAndPtdpFlagsSayWhatMegatronCannot) {
-  ModelSpec m;
-  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
-  m.vocab_size = 128;
+  const ModelSpec m = eight_layers();
   ParallelPlan p;
   p.pipeline_parallel = 2;
   p.global_batch_size = 4;
@@ -629,9 +638,7 @@ TEST(PlanRules, InterleavedNeedsVirtualStagesAndPtdpFlagsSayWhatMegatronCannot) 
 // other counts when it fits them, is refused naming its flag when it does not, prints as its
 // Megatron flag only where it is not p, and survives a plan file.
 TEST(PlanRules, MicrobatchGroupsOfTheInterleavedSchedule) {
-  ModelSpec m;
-  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
-  m.vocab_size = 128;
+  const ModelSpec m = eight_layers();
   ParallelPlan p;
   p.pipeline_parallel = 4;
   p.virtual_stages = 2;
@@ -668,9 +675,9 @@ TEST(PlanRules, MicrobatchGroupsOfTheInterleavedSchedule) {
 
 // Megatron-Core's conditions for --overlap-moe-expert-parallel-comm, one message each.
 TEST(PlanRules, ExpertAllToAllOverlapNeedsWhatMegatronCoreNeeds) {
-  ModelSpec m;
-  m.num_layers = 8, m.hidden_size = 64, m.num_attention_heads = 8, m.seq_length = 32,
-  m.vocab_size = 128, m.num_experts = 4, m.moe_router_topk = 2;
+  ModelSpec m = eight_layers();
+  m.num_experts = 4;
+  m.moe_router_topk = 2;
   ParallelPlan p;
   p.data_parallel = 2;
   p.global_batch_size = 8;

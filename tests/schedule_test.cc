@@ -43,13 +43,26 @@ std::string all_ranks(const PipelineSchedule& s) {
 }
 
 // Forward passes before the first backward pass on rank r.
-int64_t warmup_forwards(const PipelineSchedule& s, int64_t r) {
+int64_t forwards_before_first_backward(const PipelineSchedule& s, int64_t r) {
   int64_t n = 0;
   for (const PipelineAction& a : s.ranks[static_cast<size_t>(r)]) {
     if (a.kind == ActionKind::kBackward || a.kind == ActionKind::kBackwardInput) break;
     n += a.kind == ActionKind::kForward;
   }
   return n;
+}
+
+// An interleaved plan of m microbatches (b = 1, d = 1) in groups of n, with the combined 1F1B
+// or not: what the memory model and the combined step count price for the schedule above.
+ParallelPlan interleaved_plan(int64_t p, int64_t v, int64_t m, int64_t n, bool combined) {
+  ParallelPlan plan;
+  plan.pipeline_parallel = p;
+  plan.virtual_stages = v;
+  plan.schedule = Schedule::kInterleaved1F1B;
+  plan.global_batch_size = m;
+  plan.microbatch_group = n;
+  plan.overlap_moe_ep_comm = combined;
+  return plan;
 }
 
 // The golden files were checked by hand against Megatron-LM's
@@ -117,13 +130,8 @@ TEST(Schedule, MicrobatchGroupsRunEveryCountFromP) {
               if (a.kind == ActionKind::kForward) got.emplace_back(a.microbatch, a.chunk);
             EXPECT_EQ(got, want) << what << " rank " << r;
             const int64_t warm = m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * n, m * v);
-            EXPECT_EQ(warmup_forwards(s, r), warm + (warm < m * v ? 1 : 0)) << what;
-            ParallelPlan plan;
-            plan.pipeline_parallel = p;
-            plan.virtual_stages = v;
-            plan.schedule = Schedule::kInterleaved1F1B;
-            plan.global_batch_size = m;
-            plan.microbatch_group = n;
+            EXPECT_EQ(forwards_before_first_backward(s, r), warm + (warm < m * v ? 1 : 0)) << what;
+            const ParallelPlan plan = interleaved_plan(p, v, m, n, false);
             // One layer per chunk: the memory model's in-flight layers are chunks.
             EXPECT_EQ(peak_chunks_in_flight(s, r),
                       static_cast<int64_t>(inflight_layer_activations(plan, r, v)))
@@ -172,13 +180,7 @@ TEST(Schedule, CombinedStepsPairEverySteadyForwardWithABackward) {
         const int64_t n = smallest_microbatch_group(m, p);
         const PipelineSchedule s = make(Schedule::kInterleaved1F1B, p, m, v, true, n, true);
         EXPECT_NO_THROW(check_pipeline_schedule(s)) << p << " " << v << " " << m;
-        ParallelPlan plan;
-        plan.pipeline_parallel = p;
-        plan.virtual_stages = v;
-        plan.schedule = Schedule::kInterleaved1F1B;
-        plan.global_batch_size = m;
-        plan.microbatch_group = n;
-        plan.overlap_moe_ep_comm = true;
+        const ParallelPlan plan = interleaved_plan(p, v, m, n, true);
         for (int64_t r = 0; r < p; ++r) {
           const auto& list = s.ranks[static_cast<size_t>(r)];
           int64_t steps = 0;
@@ -205,13 +207,14 @@ TEST(Schedule, WarmupCountsFollowMegatron) {
       const auto one = make(Schedule::k1F1B, p, m);
       for (int64_t r = 0; r < p; ++r) {
         // The warm-up forwards plus the first steady-state forward precede the first backward.
-        EXPECT_EQ(warmup_forwards(one, r), std::min(p - r - 1, m) + (m > p - r - 1 ? 1 : 0));
+        EXPECT_EQ(forwards_before_first_backward(one, r),
+                  std::min(p - r - 1, m) + (m > p - r - 1 ? 1 : 0));
       }
       for (int64_t v : {2, 4}) {
         const auto il = make(Schedule::kInterleaved1F1B, p, m, v);
         for (int64_t r = 0; r < p; ++r) {
           const int64_t warm = m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * p, m * v);
-          EXPECT_EQ(warmup_forwards(il, r), warm + (warm < m * v ? 1 : 0))
+          EXPECT_EQ(forwards_before_first_backward(il, r), warm + (warm < m * v ? 1 : 0))
               << p << " " << m << " " << v;
         }
       }
