@@ -5,6 +5,10 @@
 //   BM_Simulate1TLongBatch     one pipeline with m = 32768 microbatches (periodic steady
 //                              state extrapolated from three short runs)
 //   BM_Simulate1TInterleaved   as the first, interleaved with v = 2
+// and Qwen2-57B-A14B (64 experts, top 8) on 64 H100s in bf16, t = 1, cp = 2, p = 2, v = 7,
+// ep = 32, global batch 256 (m = 16): every MoE layer's pass starts 992 all-to-all flows
+//   BM_SimulateQwenMoeEp32          one pipeline, 1F1B interleaved
+//   BM_SimulateQwenMoeEp32Combined  the same, the all-to-alls under the other pass's kernels
 //   build/bench/simulate_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 
@@ -17,6 +21,7 @@ struct Case {
   ptdp::ModelSpec model = ptdp::resolve_model("gpt-1t");
   ptdp::ClusterSpec cluster;
   ptdp::ParallelPlan plan;
+  bool bf16 = false;
 };
 
 Case make(int64_t gpus, int64_t batch, int64_t v = 1) {
@@ -35,8 +40,31 @@ Case make(int64_t gpus, int64_t batch, int64_t v = 1) {
   return k;
 }
 
+Case qwen(bool combined) {
+  Case k;
+  k.model = ptdp::resolve_model("qwen2-57b-a14b");
+  k.cluster = ptdp::resolve_cluster("dgx-h100");
+  k.cluster.resize(64);
+  k.plan.tensor_parallel = 1;
+  k.plan.context_parallel = 2;
+  k.plan.pipeline_parallel = 2;
+  k.plan.data_parallel = 16;
+  k.plan.expert_parallel = 32;
+  k.plan.micro_batch_size = 1;
+  k.plan.global_batch_size = 256;
+  k.plan.virtual_stages = 7;
+  k.plan.schedule = ptdp::Schedule::kInterleaved1F1B;
+  k.plan.overlap_p2p_comm = true;
+  k.plan.overlap_moe_ep_comm = combined;
+  k.bf16 = true;
+  k.plan.validate(k.model);
+  return k;
+}
+
 void run(benchmark::State& state, const Case& k, bool full) {
-  const ptdp::CostModel cm(k.model, k.cluster, ptdp::default_profile_for(k.cluster));
+  ptdp::HardwareProfile profile = ptdp::default_profile_for(k.cluster);
+  if (k.bf16) profile.activation_dtype = ptdp::DType::kBF16;
+  const ptdp::CostModel cm(k.model, k.cluster, profile);
   const ptdp::SimulationInput in = [&] {
     ptdp::SimulationInput i = ptdp::simulation_input(cm, k.plan);
     i.full = full;
@@ -76,6 +104,16 @@ void BM_Simulate1TLongBatch(benchmark::State& state) {
   run(state, make(3072, 32768 * 6), false);
 }
 BENCHMARK(BM_Simulate1TLongBatch)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_SimulateQwenMoeEp32(benchmark::State& state) {
+  run(state, qwen(false), false);
+}
+BENCHMARK(BM_SimulateQwenMoeEp32)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_SimulateQwenMoeEp32Combined(benchmark::State& state) {
+  run(state, qwen(true), false);
+}
+BENCHMARK(BM_SimulateQwenMoeEp32Combined)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

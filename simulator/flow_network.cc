@@ -18,8 +18,7 @@ FlowNetwork::Picos FlowNetwork::completion(Picos now, const Flow& f) const {
   return now + static_cast<Picos>(std::ceil(f.remaining / f.rate * 1e12));
 }
 
-int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag,
-                           std::vector<std::pair<Picos, int32_t>>* reschedule) {
+int32_t FlowNetwork::add(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag) {
   int32_t id;
   if (!free_.empty()) {
     id = free_.back();
@@ -35,36 +34,86 @@ int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double b
   for (int32_t l : *path)
     bottleneck = std::min(bottleneck, links_[static_cast<size_t>(l)].capacity_Bps);
   f.solo = bottleneck;
-  bool constrained = false;
   for (int32_t l : *path) {
     on_link_[static_cast<size_t>(l)].push_back(id);
     demand_[static_cast<size_t>(l)] += bottleneck;
-    constrained |= tight(l);
   }
-  if (!constrained) {
-    f.rate = bottleneck;
-    f.due = completion(now, f);
-    reschedule->emplace_back(f.due, id);
-  } else {
-    rerate(now, {id}, reschedule);
+  return id;
+}
+
+void FlowNetwork::start(Picos now, const std::vector<Spec>& specs, std::vector<int32_t>* ids,
+                        std::vector<std::pair<Picos, int32_t>>* reschedule) {
+  const size_t first = ids->size();
+  for (const Spec& s : specs) ids->push_back(add(now, s.path, s.bytes, s.tag));
+  // With every new flow on its links, those on a tight link are re-rated (with what they
+  // share it with); the others run at their bottleneck.
+  seeds_.clear();
+  for (size_t i = first; i < ids->size(); ++i) place(now, (*ids)[i], reschedule);
+  if (!seeds_.empty()) rerate(now, seeds_, reschedule);
+}
+
+void FlowNetwork::place(Picos now, int32_t id, std::vector<std::pair<Picos, int32_t>>* reschedule) {
+  Flow& f = flows_[static_cast<size_t>(id)];
+  if (std::any_of(f.path->begin(), f.path->end(), [&](int32_t l) { return tight(l); })) {
+    seeds_.push_back(id);
+    return;
   }
+  f.rate = f.solo;
+  f.due = completion(now, f);
+  reschedule->emplace_back(f.due, id);
+}
+
+int32_t FlowNetwork::start(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag,
+                           std::vector<std::pair<Picos, int32_t>>* reschedule) {
+  const int32_t id = add(now, path, bytes, tag);
+  seeds_.clear();
+  place(now, id, reschedule);
+  if (!seeds_.empty()) rerate(now, seeds_, reschedule);
   return id;
 }
 
 void FlowNetwork::finish(Picos now, int32_t id,
                          std::vector<std::pair<Picos, int32_t>>* reschedule) {
-  Flow& f = flows_[static_cast<size_t>(id)];
-  neighbours_.clear();
-  for (int32_t l : *f.path) {
-    auto& v = on_link_[static_cast<size_t>(l)];
-    const bool was_tight = tight(l);
-    v.erase(std::find(v.begin(), v.end(), id));
-    demand_[static_cast<size_t>(l)] -= f.solo;
-    if (v.empty()) demand_[static_cast<size_t>(l)] = 0;  // no drift from rounding
-    if (was_tight) neighbours_.insert(neighbours_.end(), v.begin(), v.end());
+  one_.assign(1, id);
+  finish(now, &one_, reschedule);
+}
+
+void FlowNetwork::finish(Picos now, std::vector<int32_t>* flows,
+                         std::vector<std::pair<Picos, int32_t>>* reschedule) {
+  // Mark the batch and the links it leaves; a link that was tight with it wakes its others.
+  ++epoch_;
+  links_touched_.clear();
+  size_t kept = 0;
+  for (int32_t id : *flows) {
+    Flow& f = flows_[static_cast<size_t>(id)];
+    if (!f.active) continue;
+    f.active = false;
+    (*flows)[kept++] = id;
+    for (int32_t l : *f.path) {
+      if (link_mark_[static_cast<size_t>(l)] == epoch_) continue;
+      link_mark_[static_cast<size_t>(l)] = epoch_;
+      links_touched_.push_back(l);
+      link_pos_[static_cast<size_t>(l)] = tight(l) ? 1 : 0;
+    }
   }
-  f.active = false;
-  free_.push_back(id);
+  flows->resize(kept);
+  neighbours_.clear();
+  for (int32_t l : links_touched_) {
+    auto& v = on_link_[static_cast<size_t>(l)];
+    double& demand = demand_[static_cast<size_t>(l)];
+    v.erase(std::remove_if(v.begin(), v.end(),
+                           [&](int32_t g) {
+                             const Flow& f = flows_[static_cast<size_t>(g)];
+                             if (f.active) return false;
+                             demand -= f.solo;
+                             return true;
+                           }),
+            v.end());
+    if (v.empty()) demand = 0;  // no drift from rounding
+    if (link_pos_[static_cast<size_t>(l)] == 1)
+      neighbours_.insert(neighbours_.end(), v.begin(), v.end());
+  }
+  for (int32_t id : *flows) free_.push_back(id);
   if (!neighbours_.empty()) rerate(now, neighbours_, reschedule);
 }
 

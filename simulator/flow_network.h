@@ -25,8 +25,20 @@ class FlowNetwork {
   // flow and of the flows whose rates changed are appended to `reschedule`.
   int32_t start(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag,
                 std::vector<std::pair<Picos, int32_t>>* reschedule);
+  struct Spec {
+    const std::vector<int32_t>* path;
+    double bytes;
+    int64_t tag;
+  };
+  // Starts every flow of `specs` at `now`, their ids appended to `ids`, with one re-rating.
+  void start(Picos now, const std::vector<Spec>& specs, std::vector<int32_t>* ids,
+             std::vector<std::pair<Picos, int32_t>>* reschedule);
   // Removes a finished flow (its bytes are through) and re-rates its neighbours.
   void finish(Picos now, int32_t flow, std::vector<std::pair<Picos, int32_t>>* reschedule);
+  // Removes the flows of `flows` that are still active (a flow listed twice goes once), with one
+  // re-rating; `flows` keeps those removed, in their order.
+  void finish(Picos now, std::vector<int32_t>* flows,
+              std::vector<std::pair<Picos, int32_t>>* reschedule);
   // The completion time most recently scheduled for `flow`; stale queue entries differ.
   Picos due(int32_t flow) const { return flows_[static_cast<size_t>(flow)].due; }
   int64_t tag(int32_t flow) const { return flows_[static_cast<size_t>(flow)].tag; }
@@ -43,6 +55,9 @@ class FlowNetwork {
     int64_t tag = 0;
     bool active = false;
   };
+  int32_t add(Picos now, const std::vector<int32_t>* path, double bytes, int64_t tag);
+  // Runs a new flow at its bottleneck, or adds it to seeds_ when one of its links is tight.
+  void place(Picos now, int32_t id, std::vector<std::pair<Picos, int32_t>>* reschedule);
   void rerate(Picos now, const std::vector<int32_t>& seeds,
               std::vector<std::pair<Picos, int32_t>>* reschedule);
   Picos completion(Picos now, const Flow& f) const;
@@ -57,7 +72,7 @@ class FlowNetwork {
   std::vector<Flow> flows_;
   std::vector<int32_t> free_;
   // Scratch for rerate.
-  std::vector<int32_t> component_, links_touched_, neighbours_;
+  std::vector<int32_t> component_, links_touched_, neighbours_, seeds_, one_;
   std::vector<double> old_rate_, left_;
   std::vector<int32_t> count_;
   std::vector<uint32_t> flow_mark_, link_mark_;

@@ -121,17 +121,30 @@ class Engine {
           advance(ev.id);
           break;
         case kFlowBytesDone: {
-          if (!net_.active(ev.id) || net_.due(ev.id) != ev.time) break;  // re-rated since
-          const int64_t tag = net_.tag(ev.id);
-          due_.clear();
-          net_.finish(now_, ev.id, &due_);
-          for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
-          if (tag < 0) {  // a flow of a rank's context (even) or expert (odd) phase
-            group_flow_done(static_cast<int32_t>((-tag - 1) / 2), static_cast<int>((-tag - 1) % 2));
-            break;
+          // Flows due at this instant end as one batch (queued together, they are adjacent).
+          finishing_.clear();
+          auto due_now = [&](int32_t f) { return net_.active(f) && net_.due(f) == now_; };
+          if (due_now(ev.id)) finishing_.push_back(ev.id);
+          while (!queue_.empty() && queue_.top().time == now_ &&
+                 queue_.top().type == kFlowBytesDone) {
+            if (due_now(queue_.top().id)) finishing_.push_back(queue_.top().id);
+            queue_.pop();
+            ++events_;
           }
-          const auto transfer = static_cast<int32_t>(tag);
-          push(now_ + transfers_[static_cast<size_t>(transfer)].tail, kTransferDone, transfer);
+          if (finishing_.empty()) break;  // re-rated since
+          due_.clear();
+          net_.finish(now_, &finishing_, &due_);
+          for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
+          for (int32_t f : finishing_) {  // each once, in queue order; tags outlive a flow
+            const int64_t tag = net_.tag(f);
+            if (tag < 0) {  // a flow of a rank's context (even) or expert (odd) phase
+              group_flow_done(static_cast<int32_t>((-tag - 1) / 2),
+                              static_cast<int>((-tag - 1) % 2));
+              continue;
+            }
+            const auto transfer = static_cast<int32_t>(tag);
+            push(now_ + transfers_[static_cast<size_t>(transfer)].tail, kTransferDone, transfer);
+          }
           break;
         }
         case kTransferDone:
@@ -454,14 +467,17 @@ class Engine {
     if (bytes <= 0) return;
     const auto pairs = cp ? ring_pairs(e) : all_to_all_pairs(e);
     const double each = cp ? bytes : bytes / static_cast<double>(in_.expert_parallel);
+    specs_.clear();
     for (const auto& [src, dst] : pairs) {
       const std::vector<int32_t>& path = topo_.path(src, dst);
-      if (path.empty()) continue;
-      due_.clear();
-      net_.start(now_, &path, each, -(2 * static_cast<int64_t>(e) + phase) - 1, &due_);
-      for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
-      ++st.flows[phase];
+      if (!path.empty())
+        specs_.push_back({&path, each, -(2 * static_cast<int64_t>(e) + phase) - 1});
     }
+    started_.clear();
+    due_.clear();
+    net_.start(now_, specs_, &started_, &due_);
+    for (const auto& [t, f] : due_) push(t, kFlowBytesDone, f);
+    st.flows[phase] = static_cast<int>(specs_.size());
   }
 
   void group_flow_done(int32_t e, int phase) {
@@ -641,6 +657,8 @@ class Engine {
   const int64_t p_, replicas_;
   Topology& topo_;
   FlowNetwork net_;
+  std::vector<FlowNetwork::Spec> specs_;      // scratch: flows started together
+  std::vector<int32_t> started_, finishing_;  // scratch: their ids; flows ending together
   const bool overlap_;
   std::vector<std::vector<PipelineAction>> reordered_;  // [rank], with overlap
   std::vector<RankState> ranks_;

@@ -9,6 +9,7 @@
 #include <boost/property_tree/xml_parser.hpp>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <tuple>
 
@@ -230,6 +231,54 @@ TEST(FlowNetwork, ConcurrentFlowsShareALinkFairly) {
   const int32_t f3 = net.start(1500 * kUs, &bc, 1e6, 3, &due);
   EXPECT_EQ(net.due(f3), 1500 * kUs + 4000 * kUs);
   EXPECT_EQ(net.due(f2), 1500 * kUs + 666666667);
+}
+
+// Flows that start or end at one instant are added or removed as a batch with one re-rating
+// (an all-to-all's ep (ep - 1) flows): the max-min rates, so the completion times, are those of
+// adding or removing them one at a time.
+TEST(FlowNetwork, ABatchGetsTheRatesOfOneFlowAtATime) {
+  std::vector<Link> links;
+  for (int i = 0; i < 6; ++i) links.push_back({"l" + std::to_string(i), 1e9 * (1 + i % 3), 0});
+  std::vector<std::vector<int32_t>> paths;
+  std::mt19937 rng(7);
+  for (int i = 0; i < 40; ++i) {
+    std::vector<int32_t> path;
+    for (int32_t l = 0; l < 6; ++l)
+      if (rng() % 3 == 0) path.push_back(l);
+    if (path.empty()) path.push_back(static_cast<int32_t>(rng() % 6));
+    paths.push_back(path);
+  }
+  std::vector<std::pair<Picos, int32_t>> due;
+  FlowNetwork one(links), batch(links);
+  const int32_t early = one.start(0, &paths[0], 3e5, 0, &due);
+  EXPECT_EQ(batch.start(0, &paths[0], 3e5, 0, &due), early);
+  std::vector<FlowNetwork::Spec> specs;
+  std::vector<int32_t> ids;
+  for (size_t i = 1; i < paths.size(); ++i) {
+    const double bytes = 1e6 * static_cast<double>(1 + i % 4);
+    ids.push_back(one.start(100 * kUs, &paths[i], bytes, static_cast<int64_t>(i), &due));
+    specs.push_back({&paths[i], bytes, static_cast<int64_t>(i)});
+  }
+  std::vector<int32_t> batch_ids;
+  batch.start(100 * kUs, specs, &batch_ids, &due);
+  ASSERT_EQ(batch_ids, ids);
+  for (int32_t id : ids) EXPECT_NEAR(batch.due(id), one.due(id), 2) << id;
+  // Half of them (and one twice) end at 300 us; the rest are re-rated alike.
+  std::vector<int32_t> ending = {ids[2]};
+  for (size_t i = 0; i < ids.size(); i += 2) ending.push_back(ids[i]);
+  for (int32_t id : ending)
+    if (one.active(id)) one.finish(300 * kUs, id, &due);
+  batch.finish(300 * kUs, &ending, &due);
+  const size_t evens = (ids.size() + 1) / 2;
+  EXPECT_EQ(ending.size(), evens);
+  int active = 0;
+  for (int32_t id : ids) {
+    ASSERT_EQ(batch.active(id), one.active(id)) << id;
+    if (!one.active(id)) continue;
+    ++active;
+    EXPECT_NEAR(batch.due(id), one.due(id), 2) << id;
+  }
+  EXPECT_EQ(active, static_cast<int>(ids.size() - evens));
 }
 
 TEST(Topology, PathsFollowTheCluster) {
