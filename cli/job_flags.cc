@@ -104,6 +104,9 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   }
   app.add_option("--context-parallel-size", context_parallel,
                  "ranks the sequence is split over (ring attention)");
+  app.add_option("--cp-comm-type", cp_comm_type,
+                 "p2p (ring, Megatron's default), allgather or a2a (Ulysses): how context-"
+                 "parallel attention meets the other ranks' keys (ptdp plan: only this one)");
   app.add_option("--expert-model-parallel-size", expert_parallel,
                  "ranks an MoE layer's experts are split over");
   app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel,
@@ -241,6 +244,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--no-overlap-p2p-communication", no_overlap_p2p},
       {"--pipeline-schedule", !pipeline_schedule.empty()},
       {"--fp8-format", !fp8_format.empty()},
+      {"--cp-comm-type", !cp_comm_type.empty()},
   });
 }
 
@@ -424,6 +428,7 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.expert_parallel = expert_parallel.value_or(1);
   p.expert_tensor_parallel = expert_tensor_parallel.value_or(0);
   if (p.context_parallel <= 0) throw InputError("--context-parallel-size", "must be positive");
+  if (!cp_comm_type.empty()) p.cp_comm = cp_comm_from_string(cp_comm_type);
   if (p.expert_parallel <= 0) throw InputError("--expert-model-parallel-size", "must be positive");
   if (expert_tensor_parallel && p.expert_tensor_parallel <= 0)
     throw InputError("--expert-tensor-parallel-size", "must be positive");

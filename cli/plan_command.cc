@@ -94,6 +94,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.top_k = std::max(f.top, f.simulate_top);
   o.threads = f.threads;
   o.defaults = base;
+  if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
   const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
   if (show_progress) {
     o.progress = [&err](int64_t done, int64_t total) {

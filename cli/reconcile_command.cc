@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "cli/job_flags.h"
 #include "cli/reconcile.h"
+#include "cli/report.h"
 #include "cli/trace_file.h"
 #include "core/error.h"
 #include "core/units.h"
@@ -151,7 +152,7 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
   }
   out << "ptdp reconcile: " << trace.info.model.name << " with t=" << p.tensor_parallel
       << " p=" << p.pipeline_parallel << " d=" << p.data_parallel;
-  if (p.context_parallel > 1) out << " cp=" << p.context_parallel;
+  if (p.context_parallel > 1) out << " " << context_note(p);
   if (p.expert_parallel > 1) out << " ep=" << p.expert_parallel;
   out << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " ("
       << to_string(p.schedule) << ") on " << cluster.name << " / " << profile.name << "\n";

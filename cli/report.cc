@@ -13,6 +13,12 @@ std::string group_note(const ParallelPlan& p) {
   return " in groups of " + std::to_string(p.microbatch_group_size());
 }
 
+std::string context_note(const ParallelPlan& p) {
+  std::string s = "cp=" + std::to_string(p.context_parallel);
+  if (p.context_parallel > 1 && p.cp_comm != CpComm::kP2P) s += " (" + to_string(p.cp_comm) + ")";
+  return s;
+}
+
 nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r) {
   nlohmann::json j;
   j["configuration"] = to_json(p);
@@ -65,14 +71,13 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
   char buf[256];
   out << describe_job(m, c, p.global_batch_size) << "\n";
   if (m.is_moe()) {
-    std::snprintf(buf, sizeof buf, "cp=%lld ep=%lld etp=%lld (expert data-parallel %lld)%s\n",
-                  static_cast<long long>(p.context_parallel),
-                  static_cast<long long>(p.expert_parallel), static_cast<long long>(p.expert_tp()),
+    std::snprintf(buf, sizeof buf, "%s ep=%lld etp=%lld (expert data-parallel %lld)%s\n",
+                  context_note(p).c_str(), static_cast<long long>(p.expert_parallel),
+                  static_cast<long long>(p.expert_tp()),
                   static_cast<long long>(p.expert_data_parallel()), p.fp8 ? ", FP8 GEMMs" : "");
     out << buf;
   } else if (p.context_parallel > 1 || p.fp8) {
-    std::snprintf(buf, sizeof buf, "cp=%lld%s\n", static_cast<long long>(p.context_parallel),
-                  p.fp8 ? ", FP8 GEMMs" : "");
+    std::snprintf(buf, sizeof buf, "%s%s\n", context_note(p).c_str(), p.fp8 ? ", FP8 GEMMs" : "");
     out << buf;
   }
   const std::string group = group_note(p);

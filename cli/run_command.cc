@@ -59,8 +59,7 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   s << m.name << " (" << m.num_layers << " layers, hidden " << m.hidden_size << ", "
     << m.num_attention_heads << " heads, sequence " << m.seq_length << ", vocabulary "
     << m.vocab_size << ") with t=" << p.tensor_parallel << " p=" << p.pipeline_parallel
-    << " d=" << p.data_parallel
-    << (p.context_parallel > 1 ? " cp=" + std::to_string(p.context_parallel) : std::string())
+    << " d=" << p.data_parallel << (p.context_parallel > 1 ? " " + context_note(p) : std::string())
     << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " m=" << p.num_microbatches();
   if (p.virtual_stages > 1) s << " v=" << p.virtual_stages << group_note(p);
   s << ", " << to_string(p.schedule) << ", recompute " << recompute_label(p);

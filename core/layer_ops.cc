@@ -83,6 +83,8 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "output_grad_accumulate",
     "cp_kv_exchange",
     "cp_kv_exchange_backward",
+    "cp_out_alltoall",
+    "cp_out_alltoall_backward",
     "router",
     "router_topk",
     "moe_permute",
@@ -163,6 +165,8 @@ BackwardOf backward_ids(OpId f) {
       return {I::kMlpReduceScatterBackward, I::kMlpReduceScatterBackward};
     case I::kCpKvExchange:
       return {I::kCpKvExchangeBackward, I::kCpKvExchangeBackward};
+    case I::kCpOutAllToAll:
+      return {I::kCpOutAllToAllBackward, I::kCpOutAllToAllBackward};
     case I::kRouter:
       return {I::kRouterDgrad, I::kRouterWgrad, true, true};
     case I::kExpertFc1:
@@ -275,36 +279,66 @@ void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& 
   bwd.insert(first, again);
 }
 
-// With context parallelism the rank's s/cp queries meet all s keys: the K and V blocks of the
-// other cp - 1 ranks arrive one ring step at a time (each step's transfer overlapping the
-// previous block's attention, which the cost model prices).
+// With context parallelism the rank's s/cp queries meet all s keys. p2p: the K and V blocks of
+// the other cp - 1 ranks arrive one ring step at a time (each step's transfer overlapping the
+// previous block's attention, which the cost model prices). allgather: one all-gather of the
+// whole sequence's K and V before the attention, exposed (Transformer Engine's
+// AttnFuncWithCPAndKVAllGather). a2a: an all-to-all turns the rank's s/cp tokens of all its
+// heads into all s tokens of 1/cp of its heads (Q, K and V), the attention runs over the whole
+// sequence, and a second all-to-all returns its output (AttnFuncWithCPAndQKVOA2A); the same
+// query-key pairs, as fewer, longer GEMMs.
 //
 // Unfused (Megatron's scale-mask-softmax), the scores of all s x s pairs are written, soft-maxed
 // and dropped out in memory. Fused, they stay on chip: the GEMMs skip the blocks above the causal
 // diagonal (half the pairs; causal load balancing gives every cp rank half of its block too),
 // the softmax only writes one fp32 log-sum-exp per row, and dropout happens in the kernel.
 void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
-  const int64_t local_heads = m.num_attention_heads / s.tensor_parallel;
+  const int64_t cp = s.context_parallel;
+  const bool ulysses = cp > 1 && s.cp_comm == CpComm::kA2A;
+  // a2a: all s queries of heads / cp heads; otherwise s / cp queries of every local head.
+  const int64_t local_heads = m.num_attention_heads / s.tensor_parallel / (ulysses ? cp : 1);
+  const int64_t queries = ulysses ? d.si : d.sqi;
   const int64_t batch = s.micro_batch * local_heads;
-  const double rows = static_cast<double>(batch) * static_cast<double>(d.sqi);
+  const double rows = static_cast<double>(batch) * static_cast<double>(queries);
   const double scores = rows * d.s;  // elements
   const double kv_block = 2.0 * d.T * static_cast<double>(m.query_groups()) / d.t * d.kv * d.act;
-  for (int64_t step = 1; step < s.context_parallel; ++step)
-    b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
+  const double q_block = d.T * d.heads / d.t * d.kv * d.act;
+  if (cp > 1) {
+    switch (s.cp_comm) {
+      case CpComm::kP2P:
+        for (int64_t step = 1; step < cp; ++step)
+          b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
+        break;
+      case CpComm::kAllGather:  // the whole sequence's K and V (buffer bytes: the output)
+        b.collective(OpId::kCpKvExchange, Collective::kAllGather,
+                     kv_block * static_cast<double>(cp), CommGroup::kContext);
+        break;
+      case CpComm::kA2A:
+        b.collective(OpId::kCpKvExchange, Collective::kAllToAll, q_block + kv_block,
+                     CommGroup::kContext);
+        break;
+    }
+  }
+  auto out_back = [&] {
+    if (ulysses)
+      b.collective(OpId::kCpOutAllToAll, Collective::kAllToAll, q_block, CommGroup::kContext);
+  };
   if (fused_attention(m, s)) {
     const int64_t keys = std::max<int64_t>(1, d.si / 2);  // the causal half
     const size_t first = b.out->size();
-    b.gemm(OpId::kAttnScores, d.sqi, keys, d.kvi, batch);
+    b.gemm(OpId::kAttnScores, queries, keys, d.kvi, batch);
     b.memory(OpId::kAttnSoftmax, rows * 4.0);
-    b.gemm(OpId::kAttnContext, d.sqi, d.kvi, keys, batch);
+    b.gemm(OpId::kAttnContext, queries, d.kvi, keys, batch);
     for (size_t i = first; i < b.out->size(); ++i) (*b.out)[i].fused = true;
+    out_back();
     return;
   }
-  b.gemm(OpId::kAttnScores, d.sqi, d.si, d.kvi, batch);
+  b.gemm(OpId::kAttnScores, queries, d.si, d.kvi, batch);
   b.memory(OpId::kAttnSoftmax, scores * d.act * 2);  // read scores, write probabilities
   if (m.attention_dropout > 0)
     b.memory(OpId::kAttnDropout, scores * (d.act * 2 + 1.0));  // read, write, 1-byte mask
-  b.gemm(OpId::kAttnContext, d.sqi, d.kvi, d.si, batch);
+  b.gemm(OpId::kAttnContext, queries, d.kvi, d.si, batch);
+  out_back();
 }
 
 // Entry into a column-parallel block: with sequence parallelism the s/t shard is all-gathered.
@@ -455,8 +489,11 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
           c = Collective::kReduceScatter;
         else if (c == Collective::kReduceScatter)
           c = Collective::kAllGather;
-        // A context-parallel ring step moves K and V again and their gradients back.
-        const double bytes = f.id == OpId::kCpKvExchange ? 2.0 * f.bytes : f.bytes;
+        // A context-parallel ring step moves K and V again and their gradients back; the
+        // all-gather gathers K and V again and reduce-scatters their gradients (as much again);
+        // a2a's all-to-alls return the gradients, as many bytes.
+        const double bytes =
+            f.id == OpId::kCpKvExchange && c != Collective::kAllToAll ? 2.0 * f.bytes : f.bytes;
         b.collective(ids.first, c, bytes, f.group);
         break;
       }
@@ -535,6 +572,7 @@ LayerShape layer_shape(const ParallelPlan& p) {
   // SC'21's runs reduced 16-bit gradients in fp16 mixed precision; later runs use bf16.
   s.activation_dtype = p.fp32_grad_reduce ? DType::kBF16 : DType::kF16;
   s.context_parallel = p.context_parallel;
+  s.cp_comm = p.cp_comm;
   s.expert_parallel = p.expert_parallel;
   s.expert_tensor_parallel = p.expert_tp();
   return s;

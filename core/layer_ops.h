@@ -114,6 +114,10 @@ enum class OpId : uint8_t {
   // blocks, one send/recv per step (cp - 1 steps); backward passes K, V and their gradients
   kCpKvExchange,
   kCpKvExchangeBackward,
+  // a2a (Ulysses): kCpKvExchange is the all-to-all of Q, K and V (sequence for heads), this the
+  // all-to-all of the attention's output back (heads for sequence); backward, their gradients'
+  kCpOutAllToAll,
+  kCpOutAllToAllBackward,
   // MoE layer (replaces the MLP of an MoE layer), forward
   kRouter,                // GEMM: tokens x hidden -> expert logits
   kRouterTopk,            // softmax over experts and top-k selection
@@ -190,8 +194,9 @@ struct LayerShape {
   // Element type of activations and weights as the GEMMs and kernels read them.
   DType activation_dtype = DType::kBF16;
   // Context parallelism: a rank holds s / cp of each sequence; its queries attend to all s keys,
-  // whose K and V blocks come round the cp ranks' ring.
+  // whose K and V blocks come round the cp ranks' ring (or as cp_comm says).
   int64_t context_parallel = 1;
+  CpComm cp_comm = CpComm::kP2P;
   // MoE layers: experts over expert_parallel ranks, each over expert_tensor_parallel ranks;
   // expert_load is the token count of the busiest rank's experts as a multiple of the fair
   // share (1: perfectly balanced routing).

@@ -40,6 +40,18 @@ std::string to_string(Schedule s) {
   return "?";
 }
 
+std::string to_string(CpComm c) {
+  switch (c) {
+    case CpComm::kP2P:
+      return "p2p";
+    case CpComm::kAllGather:
+      return "allgather";
+    case CpComm::kA2A:
+      return "a2a";
+  }
+  return "?";
+}
+
 std::string recompute_label(const ParallelPlan& p) {
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
     return "block" + std::to_string(p.recompute_layers);
@@ -62,6 +74,7 @@ E enum_from_string(const std::string& s, std::initializer_list<E> values,
 constexpr auto kRecomputes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 constexpr auto kSchedules = {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
                              Schedule::kZeroBubbleH1};
+constexpr auto kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
 
 }  // namespace
 
@@ -71,6 +84,10 @@ Recompute recompute_from_string(const std::string& s) {
 
 Schedule schedule_from_string(const std::string& s) {
   return enum_from_string(s, kSchedules, "--pipeline-schedule");
+}
+
+CpComm cp_comm_from_string(const std::string& s) {
+  return enum_from_string(s, kCpComms, "--cp-comm-type");
 }
 
 int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
@@ -142,6 +159,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   f << " --tensor-model-parallel-size " << tensor_parallel << " --pipeline-model-parallel-size "
     << pipeline_parallel;
   if (context_parallel > 1) f << " --context-parallel-size " << context_parallel;
+  if (context_parallel > 1 && cp_comm != CpComm::kP2P)
+    f << " --cp-comm-type " << to_string(cp_comm);
   if (expert_parallel > 1) f << " --expert-model-parallel-size " << expert_parallel;
   if (m.is_moe() && expert_tp() != tensor_parallel)
     f << " --expert-tensor-parallel-size " << expert_tp();
@@ -229,6 +248,9 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("pipeline_parallel", p.pipeline_parallel);
   r.read("data_parallel", p.data_parallel);
   r.read("context_parallel", p.context_parallel);
+  std::string cp_comm = to_string(p.cp_comm);
+  r.read("cp_comm_type", cp_comm);
+  p.cp_comm = enum_from_string(cp_comm, kCpComms, r.field("cp_comm_type"));
   r.read("expert_parallel", p.expert_parallel);
   r.read("expert_tensor_parallel", p.expert_tensor_parallel);
   r.read("micro_batch_size", p.micro_batch_size);
@@ -262,6 +284,7 @@ json to_json(const ParallelPlan& p) {
               {"pipeline_parallel", p.pipeline_parallel},
               {"data_parallel", p.data_parallel},
               {"context_parallel", p.context_parallel},
+              {"cp_comm_type", to_string(p.cp_comm)},
               {"expert_parallel", p.expert_parallel},
               {"expert_tensor_parallel", p.expert_tensor_parallel},
               {"micro_batch_size", p.micro_batch_size},

@@ -20,22 +20,32 @@ namespace ptdp {
 
 enum class Recompute { kNone, kSelective, kFull };
 enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
+// How a context-parallel attention meets the keys of the other cp ranks (Megatron-Core's
+// --cp-comm-type, Transformer Engine's kernels): kP2P, a ring passing K and V blocks, each
+// step's transfer under the previous block's attention; kAllGather, K and V all-gathered
+// before the attention and their gradients reduce-scattered after it (Llama 3's choice for
+// GQA); kA2A, Ulysses: all-to-alls trade sequence for heads, so each rank attends over the
+// whole sequence with heads / cp of its heads, and back after.
+enum class CpComm { kP2P, kAllGather, kA2A };
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
+std::string to_string(CpComm c);  // "p2p", "allgather", "a2a" (Megatron's spelling)
 struct ParallelPlan;
 // "none", "selective", "full", or "block N" for block recompute of N layers per chunk.
 std::string recompute_label(const ParallelPlan& p);
 Recompute recompute_from_string(const std::string& s);  // none|selective|full
 Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
+CpComm cp_comm_from_string(const std::string& s);       // p2p|allgather|a2a
 
 struct ParallelPlan {
   int64_t tensor_parallel = 1;
   int64_t pipeline_parallel = 1;
   int64_t data_parallel = 1;
-  // Context parallelism: the sequence split over cp ranks, attention as a ring passing K and V
-  // blocks (Megatron-Core's), each rank holding two of 2 * cp chunks for causal balance.
+  // Context parallelism: the sequence split over cp ranks, each rank holding two of 2 * cp
+  // chunks for causal balance; attention meets the other ranks' keys as cp_comm says.
   int64_t context_parallel = 1;
+  CpComm cp_comm = CpComm::kP2P;  // --cp-comm-type, used when cp > 1
   // Expert parallelism: an MoE layer's experts split over ep ranks, each expert's weights over
   // etp ranks (0: etp = t, Megatron-Core's default). The t * cp * d ranks of a pipeline stage
   // regroup as etp x ep x expert-data-parallel for the experts.

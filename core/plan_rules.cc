@@ -90,6 +90,16 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kContextDividesSequence, report, "--context-parallel-size", [&] {
       return "2 * " + num(cp) + " does not divide seq_length (" + num(m.seq_length) + ")";
     });
+  // Ulysses trades the sequence for heads: each rank keeps 1/cp of its heads, query and K/V
+  // (Transformer Engine's a2a asserts both).
+  if (cp > 1 && plan.cp_comm == CpComm::kA2A &&
+      ((m.num_attention_heads / t) % cp != 0 || (m.query_groups() / t) % cp != 0))
+    return broken(PlanRule::kContextDividesHeads, report, "--cp-comm-type", [&] {
+      return "a2a needs context-parallel-size (" + num(cp) +
+             ") to divide each tensor-parallel rank's attention heads (" +
+             num(m.num_attention_heads / t) + ") and query groups (" + num(m.query_groups() / t) +
+             ")";
+    });
 
   const char* epf = "--expert-model-parallel-size";
   if (!m.is_moe() && (ep > 1 || plan.expert_tensor_parallel > 0))
@@ -280,6 +290,8 @@ const char* rule_reason(PlanRule r) {
       return "t does not divide the FFN hidden size";
     case PlanRule::kContextDividesSequence:
       return "2 * cp does not divide the sequence";
+    case PlanRule::kContextDividesHeads:
+      return "a2a: cp does not divide a rank's heads";
     case PlanRule::kExpertNeedsMoe:
       return "expert parallelism needs an MoE model";
     case PlanRule::kExpertDividesExperts:

@@ -376,7 +376,8 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   std::vector<double> time(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p, hit);
   stretch_to_host(ops, time);
-  if (p.context_parallel > 1) hide_ring_exchanges(ops, p.context_parallel, time);
+  if (p.context_parallel > 1 && p.cp_comm == CpComm::kP2P)
+    hide_ring_exchanges(ops, p.context_parallel, time);
   const int64_t t = p.tensor_parallel;
   // Arrival skew (measured by ptdp calibrate): each collective inside a layer, over the
   // tensor-parallel group or an MoE layer's expert groups, also waits for its last rank, a
@@ -472,8 +473,11 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
     if (op.kind != OpKind::kCollective) {
       w.compute += time;
     } else if (op.group == CommGroup::kContext) {
+      // What each rank sends: a ring step's block, or its share of a collective's buffer.
       w.cp_comm += time;
-      w.cp_bytes += op.bytes;
+      w.cp_bytes += op.collective == Collective::kSendRecv
+                        ? op.bytes
+                        : collective_algorithm_factor(op.collective, p.context_parallel) * op.bytes;
     } else if (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor) {
       w.ep_comm += time;
       if (op.collective == Collective::kAllToAll) w.ep_bytes += op.bytes;
@@ -492,7 +496,8 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
       int64_t{p.fp8} * 8 + int64_t{p.tp_comm_overlap} * 4 +
           int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce,
-      p.context_parallel, p.expert_parallel * (int64_t{1} << 24) + p.expert_tp(), hit);
+      p.context_parallel * 4 + static_cast<int>(p.cp_comm),
+      p.expert_parallel * (int64_t{1} << 24) + p.expert_tp(), hit);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
   const LayerShape shape = priced_layer_shape(p);

@@ -87,6 +87,8 @@ OpFamily op_family(OpId id) {
       return OpFamily::kEmbeddingHead;
     case OpId::kCpKvExchange:
     case OpId::kCpKvExchangeBackward:
+    case OpId::kCpOutAllToAll:
+    case OpId::kCpOutAllToAllBackward:
       return OpFamily::kContextComm;
     case OpId::kRouter:
     case OpId::kRouterTopk:

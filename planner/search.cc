@@ -144,29 +144,54 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
                                   (c.p == 1 ? plan.schedule == Schedule::k1F1B
                                             : plan.schedule == Schedule::kInterleaved1F1B);
           plan.overlap_moe_ep_comm = false;
-          // The rules `ptdp run` and ParallelPlan::validate apply (core/plan_rules.h).
-          if (const PlanRule rule = first_violated_rule(m, plan); rule != PlanRule::kNone) {
-            ++tally.rejected[rule_reason(rule)];
-            continue;
-          }
-          MemoryBreakdown mem = cost.memory(plan);
+          // With cp > 1 each way of meeting the other ranks' keys that the plan allows; the
+          // plan keeps the fastest that fits (the rules `ptdp run` and ParallelPlan::validate
+          // apply, core/plan_rules.h).
+          bool allowed = false, fits = false;
+          PlanRule broken = PlanRule::kNone;
+          MemoryBreakdown mem;
           Prediction best;
-          if (mem.fits) best = cost.predict(plan);
-          if (combinable) {
-            // It holds one more chunk in flight and hides no pipeline transfer: the plan
-            // keeps it only where it fits and is faster.
-            ParallelPlan both = plan;
-            both.overlap_moe_ep_comm = true;
-            const MemoryBreakdown more = cost.memory(both);
-            if (more.fits) {
-              const Prediction q = cost.predict(both);
-              if (!mem.fits || q.iteration_time_s < best.iteration_time_s) {
-                plan = both;
-                best = q;
-                mem = more;
+          ParallelPlan chosen = plan;
+          for (CpComm cpc : c.cp > 1 ? o.cp_comms : std::vector<CpComm>{plan.cp_comm}) {
+            ParallelPlan cand = plan;
+            cand.cp_comm = cpc;
+            if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
+              if (broken == PlanRule::kNone) broken = rule;
+              continue;
+            }
+            allowed = true;
+            MemoryBreakdown cand_mem = cost.memory(cand);
+            Prediction cand_best;
+            if (cand_mem.fits) cand_best = cost.predict(cand);
+            if (combinable) {
+              // It holds one more chunk in flight and hides no pipeline transfer: the plan
+              // keeps it only where it fits and is faster.
+              ParallelPlan both = cand;
+              both.overlap_moe_ep_comm = true;
+              const MemoryBreakdown more = cost.memory(both);
+              if (more.fits) {
+                const Prediction q = cost.predict(both);
+                if (!cand_mem.fits || q.iteration_time_s < cand_best.iteration_time_s) {
+                  cand = both;
+                  cand_best = q;
+                  cand_mem = more;
+                }
               }
             }
+            if (!cand_mem.fits) continue;
+            if (!fits || cand_best.iteration_time_s < best.iteration_time_s) {
+              fits = true;
+              chosen = cand;
+              best = cand_best;
+              mem = cand_mem;
+            }
           }
+          if (!allowed) {
+            ++tally.rejected[rule_reason(broken)];
+            continue;
+          }
+          plan = chosen;
+          mem.fits = fits;
           if (!mem.fits) {
             ++tally.rejected["does not fit in GPU memory"];
             continue;
@@ -358,6 +383,8 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   auto flag = [](bool v) { return std::string(v ? "on" : "off"); };
   field("t", num(a.tensor_parallel), num(b.tensor_parallel));
   field("cp", num(a.context_parallel), num(b.context_parallel));
+  if (a.context_parallel > 1 || b.context_parallel > 1)
+    field("cp-comm-type", to_string(a.cp_comm), to_string(b.cp_comm));
   field("ep", num(a.expert_parallel), num(b.expert_parallel));
   // etp only where it is not t's (it follows t by default, and a dense model has no experts).
   if (a.expert_tp() != a.tensor_parallel || b.expert_tp() != b.tensor_parallel)
@@ -395,6 +422,7 @@ std::string stage_split_summary(const ParallelPlan& p) {
 std::string plan_summary(const ParallelPlan& p) {
   std::string s = "t" + std::to_string(p.tensor_parallel);
   if (p.context_parallel > 1) s += " cp" + std::to_string(p.context_parallel);
+  if (p.context_parallel > 1 && p.cp_comm != CpComm::kP2P) s += "-" + to_string(p.cp_comm);
   s += " p" + std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) + " b" +
        std::to_string(p.micro_batch_size);
   if (p.expert_parallel > 1) s += " ep" + std::to_string(p.expert_parallel);

@@ -48,6 +48,9 @@ struct SearchOptions {
   bool try_context_parallel = true;
   int64_t max_context_parallel = 0;
   int64_t min_context_tokens = 2048;
+  // How cp > 1 plans meet the other ranks' keys (--cp-comm-type pins one): each is priced and
+  // the plan keeps the fastest that fits.
+  std::vector<CpComm> cp_comms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
   bool try_expert_parallel = true;
   // Only this pipeline schedule (--pipeline-schedule): interleaved with v > 1 only, the others
   // with v = 1. Unset: 1f1b, or interleaved where v > 1.

@@ -42,6 +42,7 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   // so for placement a stage's replicas are its d * cp context/data-parallel ranks.
   in.data_parallel = p.data_parallel * p.context_parallel;
   in.context_parallel = p.context_parallel;
+  in.cp_comm = p.cp_comm;
   in.expert_parallel = p.expert_parallel;
   in.expert_tensor_parallel = p.expert_tp();
   // Expert gradients overlap too when only the experts have data-parallel replicas (d cp = 1,

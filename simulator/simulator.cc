@@ -315,7 +315,7 @@ class Engine {
           st.action = a;
           st.phase = 0;
           st.phase_start = now_;
-          start_flows(e, true);  // the ring runs under the pass's kernels
+          if (in_.cp_comm == CpComm::kP2P) start_flows(e, true);  // under the pass's kernels
           push(end, kGroupPhase, e);
         } else {
           st.ep_flows_started = false;
@@ -433,10 +433,11 @@ class Engine {
     release(tr.dst);
   }
 
-  // The context and expert parts of a pass. The ring steps' flows start with the pass and
-  // run under its kernels (the ring overlaps attention); the context phase after the kernels
-  // lasts the cost model's exposed time (its floor) or until the flows are through, when
-  // shared links hold them back. The all-to-alls are not overlapped: their phase starts after
+  // The context and expert parts of a pass. The ring steps' flows (p2p) start with the pass and
+  // run under its kernels (the ring overlaps attention); an all-gather's or all-to-all's start
+  // with the context phase (TE runs them before and after the attention); the context phase after
+  // the kernels lasts the cost model's exposed time (its floor) or until the flows are through,
+  // when shared links hold them back. The all-to-alls are not overlapped: their phase starts after
   // the context phase, its flows with it, and lasts the exposed time or until they are through.
   void group_phase(int32_t e) {
     RankState& st = ranks_[static_cast<size_t>(e)];
@@ -447,7 +448,9 @@ class Engine {
       if (time <= 0 && bytes <= 0) continue;
       st.phase_entered = now_;
       st.phase_floor = now_ + time;
-      if (!cp || bytes <= 0) st.phase_start = now_;
+      const bool under_kernels = cp && in_.cp_comm == CpComm::kP2P;
+      if (!under_kernels || bytes <= 0) st.phase_start = now_;
+      if (cp && !under_kernels) start_flows(e, true);
       if (!cp && !st.ep_flows_started) start_flows(e, false);
       st.in_phase = true;
       if (st.flows[st.phase] == 0) push(st.phase_floor, kPhaseDone, e);
@@ -465,8 +468,21 @@ class Engine {
     st.flows[phase] = 0;
     const double bytes = cp ? st.pass->cp_bytes : st.pass->ep_bytes;
     if (bytes <= 0) return;
-    const auto pairs = cp ? ring_pairs(e) : all_to_all_pairs(e);
-    const double each = cp ? bytes : bytes / static_cast<double>(in_.expert_parallel);
+    std::vector<std::pair<int64_t, int64_t>> pairs;
+    double each = bytes;
+    if (!cp) {
+      pairs = all_to_all_pairs(e);
+      each = bytes / static_cast<double>(in_.expert_parallel);
+    } else if (in_.cp_comm == CpComm::kP2P) {
+      pairs = ring_pairs(e);
+    } else if (in_.cp_comm == CpComm::kAllGather) {
+      int64_t channels = 1;
+      pairs = gather_channel_pairs(e, &channels);
+      each = bytes / static_cast<double>(channels);
+    } else {
+      pairs = context_all_to_all_pairs(e);
+      each = bytes / static_cast<double>(in_.context_parallel - 1);
+    }
     specs_.clear();
     for (const auto& [src, dst] : pairs) {
       const std::vector<int32_t>& path = topo_.path(src, dst);
@@ -531,6 +547,50 @@ class Engine {
     for (int64_t c = 0; c < cp; ++c) {
       if (in_.full && base + c != replica) continue;
       out.emplace_back(gpu(0, base + c, r), gpu(0, base + (c + 1) % cp, r));
+    }
+    return out;
+  }
+
+  // A context-parallel all-gather of tensor rank 0 as NCCL runs one: rings, one channel per
+  // member in a node, each visiting the nodes in turn and each node's members from a different
+  // one, so that each channel leaves a node through another member's NIC; each channel moves
+  // 1/channels of the data. Representative: every ring edge; full: this rank's.
+  std::vector<std::pair<int64_t, int64_t>> gather_channel_pairs(int32_t e,
+                                                                int64_t* channels) const {
+    const int64_t r = e % p_, replica = e / p_, cp = in_.context_parallel;
+    const int64_t base = replica - replica % cp;
+    std::vector<std::vector<int64_t>> nodes;  // members by node, in rank order
+    for (int64_t c = 0; c < cp; ++c) {
+      const int64_t g = gpu(0, base + c, r);
+      if (nodes.empty() || !topo_.same_node(nodes.back().front(), g)) nodes.emplace_back();
+      nodes.back().push_back(g);
+    }
+    *channels = static_cast<int64_t>(nodes.front().size());
+    std::vector<std::pair<int64_t, int64_t>> out;
+    const int64_t self = gpu(0, replica, r);
+    for (int64_t k = 0; k < *channels; ++k) {
+      std::vector<int64_t> ring;
+      for (const auto& local : nodes)
+        for (size_t i = 0; i < local.size(); ++i)
+          ring.push_back(local[(i + static_cast<size_t>(k)) % local.size()]);
+      for (size_t i = 0; i < ring.size(); ++i) {
+        if (in_.full && ring[i] != self) continue;
+        out.emplace_back(ring[i], ring[(i + 1) % ring.size()]);
+      }
+    }
+    return out;
+  }
+
+  // Context parallelism's all-to-alls of tensor rank 0: every member of its cp group to every
+  // other (representative), or this rank to the others (full).
+  std::vector<std::pair<int64_t, int64_t>> context_all_to_all_pairs(int32_t e) const {
+    const int64_t r = e % p_, replica = e / p_, cp = in_.context_parallel;
+    std::vector<std::pair<int64_t, int64_t>> out;
+    const int64_t base = replica - replica % cp;
+    for (int64_t i = 0; i < cp; ++i) {
+      if (in_.full && base + i != replica) continue;
+      for (int64_t j = 0; j < cp; ++j)
+        if (j != i) out.emplace_back(gpu(0, base + i, r), gpu(0, base + j, r));
     }
     return out;
   }

@@ -43,7 +43,8 @@ struct PassCost {
   Picos tp_comm = 0;  // tensor-parallel collectives inside the pass
   // Context-parallel ring steps (exposed part) and expert all-to-alls (with the expert-tensor
   // gathers): the cost model's time, a floor, and the bytes that travel as flows (cp_bytes,
-  // all ring steps, from each rank to its ring neighbour under the pass's kernels; ep_bytes,
+  // what each rank sends: all ring steps to its ring neighbour, under the pass's kernels with
+  // p2p, or its all-gather or all-to-all share (SimulationInput::cp_comm); ep_bytes,
   // each rank's all-to-all buffers, 1/ep of them to every member of its expert group).
   Picos cp_comm = 0, ep_comm = 0;
   double cp_bytes = 0, ep_bytes = 0;
@@ -64,6 +65,10 @@ struct SimulationInput {
   int64_t tensor_parallel = 1;
   int64_t data_parallel = 1;  // for placement: d * cp (context ranks sit inside it)
   int64_t context_parallel = 1;
+  // p2p: each pass's ring steps run under its kernels (flows from each rank to the next of its
+  // ring); allgather: NCCL-like rings after them, one per member in a node; a2a: flows from
+  // each rank to every other of its cp group after them.
+  CpComm cp_comm = CpComm::kP2P;
   // Expert groups within a stage's t * data_parallel ranks: expert_parallel members at a
   // stride of expert_tensor_parallel.
   int64_t expert_parallel = 1, expert_tensor_parallel = 1;

@@ -87,6 +87,16 @@ TEST(Cli, ContextParallelRunsFusedAttention) {
     EXPECT_EQ(execution_note(m, p), "");
     EXPECT_TRUE(as_executed(m, p).flash_attention);
   }
+  // Every cp layout runs the all-gather's math; a2a's all-to-alls are priced, not run, and the
+  // run says so and records the plan as it ran.
+  for (const CpComm c : {CpComm::kP2P, CpComm::kAllGather}) {
+    p.cp_comm = c;
+    EXPECT_EQ(execution_note(m, p), "");
+    EXPECT_EQ(as_executed(p).cp_comm, c);
+  }
+  p.cp_comm = CpComm::kA2A;
+  EXPECT_NE(execution_note(m, p).find("--cp-comm-type a2a is priced, not run"), std::string::npos);
+  EXPECT_EQ(as_executed(p).cp_comm, CpComm::kAllGather);
   p.context_parallel = 1;
   m.flash_attention = false;
   EXPECT_FALSE(as_executed(m, p).flash_attention);
@@ -345,6 +355,9 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   expect_bad(load, "--moe-expert-load");
   auto fp8 = predict_with("--fp8-format", "e5m2");
   expect_bad(fp8, "--fp8-format");
+  auto cp_comm = kPredictMixtral;
+  cp_comm.insert(cp_comm.end(), {"--context-parallel-size", "2", "--cp-comm-type", "ring"});
+  expect_bad(cp_comm, "--cp-comm-type");
   fp8 = predict_with("--fp8-format", "hybrid");  // the A100 preset has no FP8 tensor cores
   expect_bad(fp8, "--fp8-format");
   // An unknown MoE field in a model file.

@@ -174,6 +174,72 @@ TEST(LayerOps, CrossEntropyExchangeIsAnAllGatherOfThreeFloatsPerToken) {
   for (const Op& op : one.forward) EXPECT_NE(op.kind, OpKind::kCollective) << op.name();
 }
 
+// --cp-comm-type: the ring's cp - 1 send/recv steps, one all-gather of the whole sequence's K
+// and V, or Ulysses' two all-to-alls. A rank sends as many K/V bytes with the ring as with the
+// all-gather; the attention does the same arithmetic all three ways, and only a2a changes its
+// shapes (all s queries of heads / cp heads).
+TEST(LayerOps, ContextParallelCommTypes) {
+  ModelSpec m = resolve_model("llama3-8b");  // 32 heads, 8 query groups
+  m.seq_length = 8192;
+  LayerShape s;
+  s.tensor_parallel = 2;
+  s.context_parallel = 4;
+  auto context = [](const std::vector<Op>& ops) {
+    std::vector<Op> out;
+    for (const Op& op : ops)
+      if (op.kind == OpKind::kCollective && op.group == CommGroup::kContext) out.push_back(op);
+    return out;
+  };
+  s.cp_comm = CpComm::kP2P;
+  const PassOps ring = transformer_layer_ops(m, s);
+  s.cp_comm = CpComm::kAllGather;
+  const PassOps gather = transformer_layer_ops(m, s);
+  s.cp_comm = CpComm::kA2A;
+  const PassOps ulysses = transformer_layer_ops(m, s);
+
+  const std::vector<Op> steps = context(ring.forward);
+  ASSERT_EQ(steps.size(), 3u);
+  const double block = steps[0].bytes;  // this rank's K and V: 2 tokens (8 / 2) groups 128 dims
+  EXPECT_DOUBLE_EQ(block, 2.0 * (8192 / 4) * (8 / 2) * 128 * 2);
+  for (const Op& op : steps) EXPECT_EQ(op.collective, Collective::kSendRecv);
+  for (const Op& op : context(ring.backward)) EXPECT_DOUBLE_EQ(op.bytes, 2 * block);
+
+  const std::vector<Op> all = context(gather.forward);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].collective, Collective::kAllGather);
+  EXPECT_DOUBLE_EQ(all[0].bytes * 3 / 4, 3 * block);  // each rank's share: the ring's steps
+  const std::vector<Op> all_back = context(gather.backward);
+  ASSERT_EQ(all_back.size(), 1u);  // K and V gathered again, their gradients reduce-scattered
+  EXPECT_DOUBLE_EQ(all_back[0].bytes, 2 * all[0].bytes);
+
+  const std::vector<Op> a2a = context(ulysses.forward);
+  ASSERT_EQ(a2a.size(), 2u);
+  const double q = (8192 / 4) * (32 / 2) * 128 * 2;  // this rank's queries
+  EXPECT_EQ(a2a[0].id, OpId::kCpKvExchange);
+  EXPECT_DOUBLE_EQ(a2a[0].bytes, q + block);
+  EXPECT_EQ(a2a[1].id, OpId::kCpOutAllToAll);
+  EXPECT_DOUBLE_EQ(a2a[1].bytes, q);
+  const std::vector<Op> a2a_back = context(ulysses.backward);
+  ASSERT_EQ(a2a_back.size(), 2u);
+  EXPECT_EQ(a2a_back[0].id, OpId::kCpOutAllToAllBackward);
+  EXPECT_DOUBLE_EQ(a2a_back[0].bytes + a2a_back[1].bytes, 2 * q + block);
+  for (const Op& op : a2a) EXPECT_EQ(op.collective, Collective::kAllToAll);
+
+  for (const PassOps* p : {&gather, &ulysses}) {
+    EXPECT_DOUBLE_EQ(flops(p->forward), flops(ring.forward));
+    EXPECT_DOUBLE_EQ(flops(p->backward), flops(ring.backward));
+  }
+  for (const Op& op : ulysses.forward)
+    if (op.id == OpId::kAttnScores) {
+      EXPECT_EQ(op.m, 8192);   // all queries
+      EXPECT_EQ(op.batch, 4);  // 16 local heads / cp
+    }
+  // Selective recomputation redoes the attention with its communication (Transformer Engine's
+  // context-parallel attention is one checkpointed function).
+  s.recompute = Recompute::kSelective;
+  EXPECT_EQ(context(transformer_layer_ops(m, s).recompute).size(), 2u);
+}
+
 TEST(LayerOps, EveryOpIdHasADistinctName) {
   std::set<std::string_view> names;
   for (int i = 0; i < kNumOpIds; ++i) {

@@ -221,5 +221,33 @@ TEST(ContextAndExpertParallel, MegatronFlagsAndJson) {
   EXPECT_NE(g.find("--moe-shared-expert-intermediate-size 2816"), std::string::npos) << g;
 }
 
+// --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups
+// (Transformer Engine's assertions); the Megatron line names a type other than the ring, and a
+// plan file keeps it.
+TEST(ContextAndExpertParallel, CpCommTypeRulesFlagsAndJson) {
+  const ModelSpec m = resolve_model("llama3-8b");  // 32 heads, 8 query groups
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.context_parallel = 4;
+  p.global_batch_size = 8;
+  p.cp_comm = CpComm::kA2A;
+  EXPECT_EQ(error_of([&] { p.validate(m); }), "no error");  // 16 heads, 4 groups per rank
+  EXPECT_NE(p.megatron_flags(m).find("--context-parallel-size 4 --cp-comm-type a2a"),
+            std::string::npos);
+  EXPECT_EQ(to_json(plan_from_json(to_json(p))), to_json(p));
+  EXPECT_EQ(plan_from_json(to_json(p)).cp_comm, CpComm::kA2A);
+  p.context_parallel = 8;  // 4 query groups per rank
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--cp-comm-type");
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kContextDividesHeads);
+  p.cp_comm = CpComm::kAllGather;
+  EXPECT_EQ(error_of([&] { p.validate(m); }), "no error");
+  EXPECT_NE(p.megatron_flags(m).find("--cp-comm-type allgather"), std::string::npos);
+  p.cp_comm = CpComm::kP2P;  // Megatron's default: no flag
+  EXPECT_EQ(p.megatron_flags(m).find("--cp-comm-type"), std::string::npos);
+  nlohmann::json j = to_json(p);
+  j["cp_comm_type"] = "ring";
+  EXPECT_EQ(field_of([&] { plan_from_json(j); }), "cp_comm_type");
+}
+
 }  // namespace
 }  // namespace ptdp

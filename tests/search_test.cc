@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <set>
 
 #include "core/plan_rules.h"
 #include "core/presets.h"
@@ -330,6 +331,49 @@ TEST(Search, LongContextNeedsContextParallelism) {
     EXPECT_TRUE(r.prediction.memory.fits);
     EXPECT_EQ(r.plan.num_gpus(), 16384);
   }
+}
+
+// Each cp > 1 plan carries the fastest --cp-comm-type that fits it: re-priced with each type
+// the plan allows, none is faster. A 16k-token MHA model on 128 H100s cannot hide the ring's
+// steps behind the small attention blocks of a wide cp group, so the search beats the ring-only
+// search there.
+TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
+  Job j(128);
+  j.m = resolve_model("llama2-7b");
+  j.m.seq_length = 16384;
+  j.c = resolve_cluster("dgx-h100");
+  j.c.resize(128);
+  j.h = resolve_profile("h100-sxm");
+  j.h.activation_dtype = DType::kBF16;
+  SearchOptions o;
+  o.global_batch_size = 64;
+  o.threads = 1;
+  o.top_k = 20;
+  o.min_context_tokens = 512;
+  const SearchResult all = search_plans(j.m, j.c, j.h, o);
+  const CostModel cost(j.m, j.c, j.h);
+  ASSERT_FALSE(all.top.empty());
+  int context = 0;
+  std::set<CpComm> kinds;
+  for (const RankedPlan& r : all.top) {
+    if (r.plan.context_parallel == 1) continue;
+    ++context;
+    kinds.insert(r.plan.cp_comm);
+    for (CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
+      ParallelPlan other = r.plan;
+      other.cp_comm = c;
+      if (first_violated_rule(j.m, other) != PlanRule::kNone || !cost.memory(other).fits) continue;
+      EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
+          << plan_summary(r.plan) << " as " << to_string(c);
+    }
+  }
+  EXPECT_GT(context, 0);
+  EXPECT_GT(kinds.size(), 1u);
+  o.cp_comms = {CpComm::kP2P};  // --cp-comm-type p2p
+  const SearchResult ring = search_plans(j.m, j.c, j.h, o);
+  for (const RankedPlan& r : ring.top) EXPECT_EQ(r.plan.cp_comm, CpComm::kP2P);
+  ASSERT_FALSE(ring.top.empty());
+  EXPECT_LE(all.top[0].prediction.iteration_time_s, ring.top[0].prediction.iteration_time_s);
 }
 
 // An MoE model plans with expert and context parallelism among the candidates, each a valid

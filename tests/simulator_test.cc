@@ -432,6 +432,22 @@ std::vector<GroupCase> group_cases() {
     ParallelPlan x = base_plan(1, 16, 2, 2, 64);
     x.recompute = Recompute::kNone;
     out.push_back({"llama3-8b s16k t1 cp16 p2 d2", m, x});
+    // The same K and V all-gathered (ring flows after the kernels), and Ulysses' all-to-alls
+    // (cp must divide the 8 query groups) on one node and across two.
+    x.cp_comm = CpComm::kAllGather;
+    out.push_back({"llama3-8b s16k t1 cp16 p2 d2 allgather", m, x});
+    ParallelPlan y = base_plan(1, 8, 2, 4, 64);
+    y.recompute = Recompute::kNone;
+    y.cp_comm = CpComm::kA2A;
+    out.push_back({"llama3-8b s16k t1 cp8 p2 d4 a2a", m, y});
+    y = base_plan(2, 4, 2, 4, 64);
+    y.sequence_parallel = true;
+    y.cp_comm = CpComm::kA2A;
+    out.push_back({"llama3-8b s16k t2 cp4 p2 d4 a2a", m, y});
+    ModelSpec mha = resolve_model("llama2-7b");
+    mha.seq_length = 16384;
+    x.cp_comm = CpComm::kA2A;
+    out.push_back({"llama2-7b s16k t1 cp16 p2 d2 a2a", mha, x});
   }
   return out;
 }
