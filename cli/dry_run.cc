@@ -29,9 +29,6 @@ ParallelPlan as_executed(const ParallelPlan& p) {
   run.fp32_grad_reduce = true;
   run.tp_comm_overlap = false;
   run.overlap_moe_ep_comm = false;
-  // Every context-parallel layout gathers K and V whole before its attention and returns their
-  // gradients after it (runtime/context_parallel.h): a2a's all-to-alls are priced, not run.
-  if (run.cp_comm == CpComm::kA2A) run.cp_comm = CpComm::kAllGather;
   return run;
 }
 
@@ -49,9 +46,6 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.overlap_moe_ep_comm)
     add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
         "parallel-comm: its schedule is run, its overlap priced)");
-  if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2A)
-    add("gathers K and V whole for each attention (--cp-comm-type a2a is priced, not run; the "
-        "losses are the same)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

@@ -709,6 +709,11 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * mlp_width;
+  // Ulysses (a2a) keeps the attention's output in the heads layout for its backward pass and the
+  // projection keeps its input back on the rank's tokens: 2 sbh more. (Selective recomputation
+  // keeps neither: the attention's inputs, the tokens' Q, K and V, are what it saves.)
+  if (s.context_parallel > 1 && s.cp_comm == CpComm::kA2A && s.recompute == Recompute::kNone)
+    u.sharded += 2.0 * sbh;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
   // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism

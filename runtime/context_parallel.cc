@@ -132,6 +132,80 @@ void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
 
 namespace {
 
+// Ulysses (--cp-comm-type a2a): this rank's rows [b, s / cp, nh, d] (local order) become heads
+// block cpr of every rank's rows, [b, s, nh / cp, d] in global order: one all-to-all of the
+// context-parallel group, recorded as op `id` of pass `pass`.
+void to_heads(ShardContext& c, CPtr local, Buffer& full, int64_t nh, OpId id, PassKind pass) {
+  const ShardDims& m = c.dims;
+  const int64_t cp = m.cp, rows = m.b * m.s, w = nh / cp * m.d, n = rows * w;
+  Buffer send, recv;
+  resize_for_overwrite(send, cp * n);
+  resize_for_overwrite(recv, cp * n);
+  for (int64_t j = 0; j < cp; ++j)  // block j: heads j nh / cp .. of every local row
+    for (int64_t r = 0; r < rows; ++r)
+      c.be.copy(local.at(r * nh * m.d + j * w), send.ptr().at(j * n + r * w), w);
+  c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
+  resize_for_overwrite(full, m.b * m.s_attn * w);
+  for (int64_t i = 0; i < cp; ++i)  // rank i's rows, at their global places
+    context_rows_to_global(c.be, recv.ptr().at(i * n), full.ptr(), m.b, m.s_attn, cp, i, w);
+}
+
+// The inverse: [b, s, nh / cp, d] (global order, heads block cpr) back to this rank's rows
+// [b, s / cp, nh, d] of all its heads.
+void from_heads(ShardContext& c, CPtr full, Buffer& local, int64_t nh, OpId id, PassKind pass) {
+  const ShardDims& m = c.dims;
+  const int64_t cp = m.cp, rows = m.b * m.s, w = nh / cp * m.d, n = rows * w;
+  Buffer send, recv;
+  resize_for_overwrite(send, cp * n);
+  resize_for_overwrite(recv, cp * n);
+  for (int64_t i = 0; i < cp; ++i)  // rank i's rows
+    context_rows_from_global(c.be, full, send.ptr().at(i * n), m.b, m.s_attn, cp, i, w);
+  c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
+  resize_for_overwrite(local, rows * nh * m.d);
+  for (int64_t j = 0; j < cp; ++j)
+    for (int64_t r = 0; r < rows; ++r)
+      c.be.copy(recv.ptr().at(j * n + r * w), local.ptr().at(r * nh * m.d + j * w), w);
+}
+
+// Causal attention of the whole sequence for this rank's heads block: Q, K and V in from every
+// rank, the output left in A.ctx in the heads layout (context_output_to_local returns it).
+void ulysses_forward(ShardContext& c, LayerActs& A) {
+  const ShardDims& m = c.dims;
+  const PassKind pass = c.pass();
+  const int64_t hq = m.hl / m.cp, gq = m.gl / m.cp;
+  Buffer q, k, v;
+  to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchange, pass);
+  to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchange, pass);
+  to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchange, pass);
+  c.begin(OpId::kAttnScores, pass);
+  resize_for_overwrite(A.ctx, m.b * m.s_attn * hq * m.d);
+  resize_for_overwrite(A.lse, m.b * hq * m.s_attn);
+  c.be.flash_attention_forward(q.ptr(), k.ptr(), v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, m.s_attn,
+                               m.s_attn, hq, gq, m.d);
+}
+
+// Its backward pass: Q, K, V and the output in again (as kCpKvExchangeBackward), the output's
+// gradient (kCpOutAllToAllBackward); D.dq, D.dk and D.dv stay in the heads layout until
+// context_return_dkv returns them.
+void ulysses_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
+  const ShardDims& m = c.dims;
+  const PassKind pass = PassKind::kBackward;
+  const int64_t hq = m.hl / m.cp, gq = m.gl / m.cp;
+  Buffer q, k, v, out, d_out;
+  to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.ctx.ptr(), out, m.hl, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, D.d_ctx.ptr(), d_out, m.hl, OpId::kCpOutAllToAllBackward, pass);
+  c.begin(OpId::kAttnScoresRecompute, pass);
+  resize_for_overwrite(D.dq, elems(q));
+  resize_for_overwrite(D.dk, elems(k));
+  resize_for_overwrite(D.dv, elems(v));
+  c.be.flash_attention_backward(q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse.data(), d_out.ptr(),
+                                D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, hq, gq,
+                                m.d);
+}
+
 // Whether A.k and A.v hold the whole sequence.
 bool kv_gathered(const ShardContext& c, const LayerActs& A) {
   const ShardDims& m = c.dims;
@@ -151,6 +225,10 @@ void gather_kv_within(ShardContext& c, LayerActs& A, OpId op, PassKind ring) {
 
 void context_attention_forward(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
+  if (m.cp_a2a) {
+    ulysses_forward(c, A);
+    return;
+  }
   gather_kv_within(c, A, OpId::kAttnScores, c.pass());
   const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
   resize_for_overwrite(A.ctx, m.b * m.s * qrow);
@@ -165,8 +243,18 @@ void context_attention_forward(ShardContext& c, LayerActs& A) {
   keep_local_kv(c, A);
 }
 
+void context_output_to_local(ShardContext& c, LayerActs& A) {
+  Buffer local;
+  from_heads(c, A.ctx.ptr(), local, c.dims.hl, OpId::kCpOutAllToAll, c.pass());
+  A.ctx.swap(local);
+}
+
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const ShardDims& m = c.dims;
+  if (m.cp_a2a) {
+    ulysses_backward(c, A, D);
+    return;
+  }
   gather_kv_within(c, A, OpId::kAttnScoresRecompute, PassKind::kBackward);
   const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
   resize_for_overwrite(D.dq, m.b * m.s * qrow);
@@ -199,6 +287,14 @@ void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
 
 void context_return_dkv(ShardContext& c, LayerGrads& D) {
   const ShardDims& m = c.dims;
+  if (m.cp_a2a) {  // dQ, dK and dV back to their tokens' ranks, all heads
+    for (auto [x, nh] : {std::pair{&D.dq, m.hl}, {&D.dk, m.gl}, {&D.dv, m.gl}}) {
+      Buffer local;
+      from_heads(c, x->ptr(), local, nh, OpId::kCpKvExchangeBackward, PassKind::kBackward);
+      x->swap(local);
+    }
+    return;
+  }
   const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
   const int64_t kv = m.b * m.s * width, n = 2 * kv;
   Buffer part, incoming;

@@ -1,4 +1,4 @@
-// Context parallelism in `ptdp run` (Megatron-Core's "p2p" context-parallel attention): the
+// Context parallelism in `ptdp run` (Megatron-Core's context-parallel attention): the
 // sequence of every microbatch is cut into 2 * cp chunks of c = s / (2 cp) tokens and
 // context-parallel rank r holds chunks r and 2 cp - 1 - r (causal load balancing: every rank gets
 // an early and a late chunk). Everything outside attention works on these s / cp local tokens;
@@ -69,6 +69,16 @@ void context_attention_forward(ShardContext& c, LayerActs& A);
 // (local) and D.dk, D.dv of the whole sequence (this rank's queries' part), which
 // context_return_dkv sums into their owners. A.k and A.v become local.
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D);
+// Ulysses (ShardDims::cp_a2a, --cp-comm-type a2a): context_attention_forward moves Q, K and V by
+// all-to-alls (kCpKvExchange) from this rank's s / cp tokens of every local head to all s tokens
+// of hl / cp heads (block cpr), runs the causal attention of the whole sequence for them, and
+// leaves the output in A.ctx in that heads layout, which context_output_to_local (run by op
+// kAttnContext) returns to the local tokens of every head (kCpOutAllToAll). Only the local Q, K,
+// V and output are kept; context_attention_backward moves them in again (kCpKvExchangeBackward)
+// with the output's gradient (kCpOutAllToAllBackward) and leaves D.dq, D.dk, D.dv in the heads
+// layout, which context_return_dkv returns (kCpKvExchangeBackward). Transformer Engine keeps the
+// moved tensors instead and moves only gradients in the backward pass.
+void context_output_to_local(ShardContext& c, LayerActs& A);
 // Backward ring: D.dk and D.dv of the whole sequence (this rank's queries' part) are summed over
 // the ring into each block's owner and become local. Recorded as kCpKvExchangeBackward steps.
 void context_return_dkv(ShardContext& c, LayerGrads& D);

@@ -33,6 +33,7 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.tensor_parallel = s.t;
   plan.pipeline_parallel = s.p;
   plan.context_parallel = s.cp;
+  plan.cp_comm = s.cp_a2a ? CpComm::kA2A : CpComm::kP2P;
   plan.virtual_stages = s.v;
   plan.micro_batch_size = s.micro_batch;
   plan.global_batch_size = s.micro_batch * s.p;

@@ -50,6 +50,7 @@ struct ShardLayout {
   int64_t t = 1, tp = 0;        // tensor-parallel size and this rank's index
   int64_t p = 1, pp = 0;        // pipeline-parallel size and this rank's index
   int64_t cp = 1, cp_rank = 0;  // context-parallel size and index (runtime/context_parallel.h)
+  bool cp_a2a = false;          // --cp-comm-type a2a: Ulysses' all-to-alls, not the K/V gather
   int64_t v = 1;                // model chunks per pipeline rank
   int64_t micro_batch = 1;
   bool sequence_parallel = false;

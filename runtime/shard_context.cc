@@ -1,6 +1,7 @@
 #include "runtime/shard_context.h"
 
 #include <stdexcept>
+#include <vector>
 
 namespace ptdp {
 namespace {
@@ -19,6 +20,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.b = l.micro_batch;
   d.cp = l.cp;
   d.cpr = l.cp_rank;
+  d.cp_a2a = l.cp_a2a && l.cp > 1;
   d.s_attn = m.seq_length;
   d.s = m.seq_length / l.cp;
   d.flash = m.flash_attention || l.cp > 1;
@@ -134,7 +136,16 @@ void ShardContext::ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind p
       {true, const_cast<void*>(send.p), static_cast<size_t>(n), (r + 1) % size, 0, send.t},
       {false, recv.p, static_cast<size_t>(n), (r + size - 1) % size, 0, recv.t}};
   cp->batch(ops);
-  collective_done(Collective::kSendRecv, static_cast<double>(n * bytes(send.t)));
+  collective_done(Collective::kSendRecv, static_cast<double>(n * bytes(send.t)),
+                  CommGroup::kContext);
+}
+
+void ShardContext::context_all_to_all(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass) {
+  begin(id, pass);
+  const std::vector<size_t> counts(static_cast<size_t>(cp->size()), static_cast<size_t>(n));
+  cp->all_to_all_v(send.p, counts, recv.p, counts, send.t);
+  collective_done(Collective::kAllToAll, static_cast<double>(cp->size() * n * bytes(send.t)),
+                  CommGroup::kContext);
 }
 
 void ShardContext::linear(CPtr x, int64_t w, int64_t bias, Ptr y, int64_t n, int64_t in,

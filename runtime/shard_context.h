@@ -32,6 +32,7 @@ struct ShardDims {
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
   // whole sequence (s is the s / cp tokens held here, s_attn the length attention spans).
   int64_t cp = 1, cpr = 0, s_attn = 0;
+  bool cp_a2a = false;  // Ulysses (cp > 1 with --cp-comm-type a2a)
   // Flash attention (--use-flash-attn, and always with context parallelism, as Megatron-Core
   // runs it): the attention core runs fused, keeping lse rather than the s x s probabilities.
   bool flash = false;
@@ -79,6 +80,9 @@ class ShardContext {
   // One step of the context-parallel ring, recorded as op `id` of pass `pass`: sends n elements
   // to the next cp rank and receives n from the previous one (one P2P batch).
   void ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass);
+  // An all-to-all of the context-parallel group, recorded as op `id` of pass `pass`: n elements
+  // to each cp rank from `send` (blocks in rank order), n from each into `recv`.
+  void context_all_to_all(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).
   void linear(CPtr x, int64_t w, int64_t bias, Ptr y, int64_t n, int64_t in, int64_t out);

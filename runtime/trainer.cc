@@ -276,6 +276,7 @@ void Executor::setup() {
     layout.pp = pos_.pp;
     layout.cp = cp_;
     layout.cp_rank = cpr_;
+    layout.cp_a2a = plan.cp_comm == CpComm::kA2A;
     layout.v = plan.virtual_stages;
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;

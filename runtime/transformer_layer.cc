@@ -50,14 +50,14 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
-      if (cp && !m.rotary) context_exchange_kv(c, A, c.pass());
+      if (cp && !m.rotary && !m.cp_a2a) context_exchange_kv(c, A, c.pass());
       break;
     }
     case OpId::kRotaryEmbedding:
       if (cp) {
         context_rope(c, A.q, m.hl, false);
         context_rope(c, A.k, m.gl, false);
-        context_exchange_kv(c, A, c.pass());
+        if (!m.cp_a2a) context_exchange_kv(c, A, c.pass());
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
@@ -90,6 +90,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
     case OpId::kAttnContext:
       if (m.flash) {  // computed with the scores
         c.gemm_done(m.s, m.d, fused_keys(m), m.b * m.hl);
+        if (m.cp_a2a) context_output_to_local(c, A);  // Ulysses: the output back to its tokens
         break;
       }
       resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);

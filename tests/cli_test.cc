@@ -87,16 +87,12 @@ TEST(Cli, ContextParallelRunsFusedAttention) {
     EXPECT_EQ(execution_note(m, p), "");
     EXPECT_TRUE(as_executed(m, p).flash_attention);
   }
-  // Every cp layout runs the all-gather's math; a2a's all-to-alls are priced, not run, and the
-  // run says so and records the plan as it ran.
-  for (const CpComm c : {CpComm::kP2P, CpComm::kAllGather}) {
+  // Every --cp-comm-type runs (a2a as Ulysses' all-to-alls, the others as the K/V gather).
+  for (const CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
     p.cp_comm = c;
     EXPECT_EQ(execution_note(m, p), "");
     EXPECT_EQ(as_executed(p).cp_comm, c);
   }
-  p.cp_comm = CpComm::kA2A;
-  EXPECT_NE(execution_note(m, p).find("--cp-comm-type a2a is priced, not run"), std::string::npos);
-  EXPECT_EQ(as_executed(p).cp_comm, CpComm::kAllGather);
   p.context_parallel = 1;
   m.flash_attention = false;
   EXPECT_FALSE(as_executed(m, p).flash_attention);

@@ -66,8 +66,8 @@ TEST(ContextParallel, EachRankHoldsChunksRAndTwoCpMinusOneMinusR) {
   }
 }
 
-// Ranks of one process joined for point-to-point only (all the ring needs): a send is copied
-// into the receiver's mailbox, a receive waits for it (bounded).
+// Ranks of one process joined for point-to-point and all-to-all (what the ring and Ulysses
+// need): a send is copied into the receiver's mailbox, a receive waits for it (bounded).
 struct Mailboxes {
   std::mutex mu;
   std::condition_variable cv;
@@ -103,6 +103,26 @@ class InProcessRing : public Communicator {
     throw unsupported();
   }
   std::unique_ptr<Work> start_barrier() override { throw unsupported(); }
+  // As a batch: a send of each block to its rank, then a receive of each (this rank's own block
+  // through its own mailbox too).
+  std::unique_ptr<Work> start_all_to_all_v(const void* in, std::span<const size_t> send_counts,
+                                           void* out, std::span<const size_t> recv_counts, DType t,
+                                           DeviceStream s) override {
+    std::vector<P2P> ops;
+    size_t at = 0;
+    for (int r = 0; r < size_; ++r) {
+      ops.push_back({true, const_cast<char*>(static_cast<const char*>(in)) + at * dtype_bytes(t),
+                     send_counts[static_cast<size_t>(r)], r, 0, t});
+      at += send_counts[static_cast<size_t>(r)];
+    }
+    at = 0;
+    for (int r = 0; r < size_; ++r) {
+      ops.push_back({false, static_cast<char*>(out) + at * dtype_bytes(t),
+                     recv_counts[static_cast<size_t>(r)], r, 0, t});
+      at += recv_counts[static_cast<size_t>(r)];
+    }
+    return start_batch(ops, s);
+  }
   std::unique_ptr<Work> start_batch(std::span<const P2P> ops, DeviceStream) override {
     std::unique_lock<std::mutex> lock(box_.mu);
     for (const P2P& op : ops)
@@ -126,7 +146,7 @@ class InProcessRing : public Communicator {
 
  private:
   static std::logic_error unsupported() {
-    return std::logic_error("in-process ring: point-to-point only");
+    return std::logic_error("in-process ring: point-to-point and all-to-all only");
   }
   Mailboxes& box_;
   int rank_, size_;
@@ -199,37 +219,74 @@ std::vector<Pass> run_ring(const ModelSpec& m, ShardLayout layout, int cp) {
   return out;
 }
 
-// The ring's shards together compute what one shard of the whole sequence does: the mean of
-// their losses (each the mean over its s / cp tokens) is the loss, the mean of their gradients
-// (what the dp x cp all-reduce forms) is the gradient.
+// The cp shards together compute what one shard of the whole sequence does: the mean of their
+// losses (each the mean over its s / cp tokens) is the loss, the mean of their gradients (what
+// the dp x cp all-reduce forms) is the gradient.
+void expect_shards_match_one(const ModelSpec& m, const ShardLayout& layout, int cp,
+                             const std::string& what) {
+  const Pass plain = run_shard(m, layout, nullptr);
+  const std::vector<Pass> ring = run_ring(m, layout, cp);
+  if (::testing::Test::HasFailure()) return;
+  double loss = 0;
+  std::vector<double> grads(plain.grads.size(), 0.0);
+  for (const Pass& p : ring) {
+    loss += p.loss / cp;
+    ASSERT_EQ(p.grads.size(), grads.size());
+    for (size_t i = 0; i < grads.size(); ++i) grads[i] += p.grads[i] / cp;
+  }
+  EXPECT_NEAR(loss, plain.loss, 1e-5 * plain.loss) << what;
+  double scale = 0;
+  for (float g : plain.grads) scale = std::max(scale, std::abs(static_cast<double>(g)));
+  ASSERT_GT(scale, 0);
+  size_t bad = 0;
+  for (size_t i = 0; i < grads.size(); ++i)
+    if (std::abs(grads[i] - plain.grads[i]) > 1e-5 * scale) ++bad;
+  EXPECT_EQ(bad, 0u) << what;
+}
+
 TEST(ContextParallel, RingAttentionEqualsPlainAttention) {
   for (bool rotary : {false, true})
     for (Recompute rc : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
       for (int cp : {2, 4}) {
-        const ModelSpec m = tiny(rotary);
         ShardLayout layout;
         layout.micro_batch = 2;
         layout.recompute = rc;
-        const Pass plain = run_shard(m, layout, nullptr);
-        const std::vector<Pass> ring = run_ring(m, layout, cp);
-        if (::testing::Test::HasFailure()) return;
-        double loss = 0;
-        std::vector<double> grads(plain.grads.size(), 0.0);
-        for (const Pass& p : ring) {
-          loss += p.loss / cp;
-          ASSERT_EQ(p.grads.size(), grads.size());
-          for (size_t i = 0; i < grads.size(); ++i) grads[i] += p.grads[i] / cp;
+        expect_shards_match_one(tiny(rotary), layout, cp,
+                                std::string(rotary ? "rotary" : "learned") + " cp " +
+                                    std::to_string(cp) + " recompute " + to_string(rc));
+      }
+}
+
+// Ulysses (--cp-comm-type a2a): all-to-alls trade each rank's tokens of every head for every
+// token of cp's share of the heads; the attention of the whole sequence per heads block gives
+// the same losses and gradients (4 heads: cp 2 and 4; the rotary model's 2 query groups: cp 2).
+// Each layer's forward pass moves Q, K and V in (kCpKvExchange) and the output back
+// (kCpOutAllToAll), every one an all-to-all of one local tensor.
+TEST(ContextParallel, UlyssesAttentionEqualsPlainAttention) {
+  for (bool rotary : {false, true})
+    for (Recompute rc : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
+      for (int cp : {2, 4}) {
+        if (rotary && cp == 4) continue;
+        ShardLayout layout;
+        layout.micro_batch = 2;
+        layout.recompute = rc;
+        layout.cp_a2a = true;
+        const ModelSpec m = tiny(rotary);
+        expect_shards_match_one(m, layout, cp,
+                                std::string(rotary ? "rotary" : "learned") + " a2a cp " +
+                                    std::to_string(cp) + " recompute " + to_string(rc));
+        if (rotary || rc != Recompute::kNone) continue;
+        const Pass p = run_ring(m, layout, cp)[0];
+        const double q = 1.0 * layout.micro_batch * (m.seq_length / cp) * m.hidden_size * 4;
+        int in = 0, out = 0;
+        for (const ExecutedOp& e : p.trace) {
+          if (e.id != OpId::kCpKvExchange && e.id != OpId::kCpOutAllToAll) continue;
+          EXPECT_EQ(e.collective, Collective::kAllToAll);
+          EXPECT_DOUBLE_EQ(e.bytes, q);  // MHA: Q, K, V and the output are alike
+          ++(e.id == OpId::kCpKvExchange ? in : out);
         }
-        const std::string what = std::string(rotary ? "rotary" : "learned") + " cp " +
-                                 std::to_string(cp) + " recompute " + to_string(rc);
-        EXPECT_NEAR(loss, plain.loss, 1e-5 * plain.loss) << what;
-        double scale = 0;
-        for (float g : plain.grads) scale = std::max(scale, std::abs(static_cast<double>(g)));
-        ASSERT_GT(scale, 0);
-        size_t bad = 0;
-        for (size_t i = 0; i < grads.size(); ++i)
-          if (std::abs(grads[i] - plain.grads[i]) > 1e-5 * scale) ++bad;
-        EXPECT_EQ(bad, 0u) << what;
+        EXPECT_EQ(in, 3 * m.num_layers);
+        EXPECT_EQ(out, m.num_layers);
       }
 }
 

@@ -234,9 +234,18 @@ TEST(LayerOps, ContextParallelCommTypes) {
       EXPECT_EQ(op.m, 8192);   // all queries
       EXPECT_EQ(op.batch, 4);  // 16 local heads / cp
     }
+  // Ulysses keeps the attention's output twice: in the heads layout for the attention's backward
+  // pass, on the rank's tokens for the projection's (2 bytes of s/cp x h/t more), unless
+  // selective recomputation recomputes the attention from its inputs.
+  LayerShape ring_shape = s;
+  ring_shape.cp_comm = CpComm::kP2P;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s) - layer_activation_bytes(m, ring_shape),
+                   2.0 * (8192 / 4) * 4096 / 2);
   // Selective recomputation redoes the attention with its communication (Transformer Engine's
   // context-parallel attention is one checkpointed function).
   s.recompute = Recompute::kSelective;
+  ring_shape.recompute = Recompute::kSelective;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s), layer_activation_bytes(m, ring_shape));
   EXPECT_EQ(context(transformer_layer_ops(m, s).recompute).size(), 2u);
 }
 

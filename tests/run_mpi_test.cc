@@ -406,9 +406,14 @@ TEST(RunMpi, ContextParallelTrainsToTheSingleRankLosses) {
            {2, 1, 1, "--sequence-parallel", kTiny, 2},
            {1, 1, 2, "--use-distributed-optimizer", kTiny, 2},
            {1, 2, 1, "", kTiny, 2},
+           // Ulysses (--cp-comm-type a2a), with tensor parallelism: 2 heads per tensor rank.
+           {1, 1, 1, "--cp-comm-type a2a", kTiny, 2},
+           {2, 1, 1, "--sequence-parallel --cp-comm-type a2a", kTiny, 2},
        })
     expect_same_losses(l, single);
-  expect_same_losses({1, 1, 1, "", kRotary, 2}, run_json(0, kRotary));
+  const nlohmann::json rotary = run_json(0, kRotary);
+  expect_same_losses({1, 1, 1, "", kRotary, 2}, rotary);
+  expect_same_losses({1, 1, 1, "--cp-comm-type a2a", kRotary, 2}, rotary);
   // The dry run lists both ranks of the ring and sizes their activations for s / cp tokens.
   const nlohmann::json one = run_json(0, kTiny + " --dry-run");
   const nlohmann::json two = run_json(2, kTiny + " --dry-run --context-parallel-size 2");
