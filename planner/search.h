@@ -43,8 +43,9 @@ struct SearchOptions {
   // (0: no limit), and for MoE models expert parallelism (ep dividing the experts) with the
   // expert tensor-parallel size t or 1.
   // cp is tried while each rank keeps at least min_context_tokens of the sequence: below that a
-  // ring step's attention block is too small to hide the K/V transfer, and Megatron-Core
-  // recommends cp for long sequences only.
+  // ring step's attention block is too small to hide the K/V transfer and every rank's GEMMs
+  // thin out (a2a and the all-gather hide nothing to begin with), and Megatron-Core recommends
+  // cp for long sequences only.
   bool try_context_parallel = true;
   int64_t max_context_parallel = 0;
   int64_t min_context_tokens = 2048;
