@@ -1,14 +1,36 @@
 // `ptdp predict`: the analytic prediction of one configuration.
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "cli/job_flags.h"
 #include "cli/report.h"
+#include "core/plan_rules.h"
 #include "planner/cost_model.h"
 
 namespace ptdp {
+namespace {
+
+// With cp > 1, the same plan with each --cp-comm-type the plan rules allow: its iteration time
+// and whether it fits, for the user choosing among them (ptdp plan keeps the fastest).
+nlohmann::json cp_comm_types(const CostModel& cm, const ModelSpec& m, const ParallelPlan& p) {
+  nlohmann::json out = nlohmann::json::object();
+  if (p.context_parallel == 1) return out;
+  for (CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
+    ParallelPlan q = p;
+    q.cp_comm = c;
+    if (first_violated_rule(m, q) != PlanRule::kNone) continue;
+    const Prediction r = cm.predict(q);
+    out[to_string(c)] = {{"iteration_time_s", r.iteration_time_s},
+                         {"cp_comm_s", r.breakdown.cp_comm},
+                         {"fits", r.memory.fits}};
+  }
+  return out;
+}
+
+}  // namespace
 
 Action add_predict_command(CLI::App& app) {
   auto* sub = app.add_subcommand(
@@ -21,11 +43,28 @@ Action add_predict_command(CLI::App& app) {
     const HardwareProfile h = flags->resolve_profile(c);
     const ParallelPlan p = flags->resolve_plan(m, c);
     p.validate(m);
-    const Prediction r = CostModel(m, c, h).predict(p);
+    const CostModel cm(m, c, h);
+    const Prediction r = cm.predict(p);
+    const nlohmann::json types = cp_comm_types(cm, m, p);
     if (flags->json) {
-      out << prediction_json(m, p, r).dump(2) << "\n";
+      nlohmann::json j = prediction_json(m, p, r);
+      if (!types.empty()) j["cp_comm_types"] = types;
+      out << j.dump(2) << "\n";
     } else {
       print_prediction(out, m, c, p, r);
+      if (!types.empty()) {
+        out << "\n--cp-comm-type      iter s  cp comm s  fits\n";
+        for (const char* name : {"p2p", "allgather", "a2a"}) {
+          if (!types.contains(name)) continue;
+          const nlohmann::json& t = types[name];
+          char line[96];
+          std::snprintf(line, sizeof line, "  %-10s %10.3f %10.3f  %s%s\n", name,
+                        t["iteration_time_s"].get<double>(), t["cp_comm_s"].get<double>(),
+                        t["fits"].get<bool>() ? "yes" : "no",
+                        name == to_string(p.cp_comm) ? "   <- this plan" : "");
+          out << line;
+        }
+      }
     }
     return 0;
   };

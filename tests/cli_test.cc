@@ -98,6 +98,55 @@ TEST(Cli, ContextParallelRunsFusedAttention) {
   EXPECT_FALSE(as_executed(m, p).flash_attention);
 }
 
+// A context-parallel plan's prediction lists the plan with each --cp-comm-type the rules allow
+// (Llama-2-7B is MHA: 16 heads per tensor rank take a2a at cp 16; Llama-3-8B's 4 query groups
+// per rank do not), its own type's line being the prediction itself.
+TEST(Cli, PredictListsEachCpCommTypeOfAContextParallelPlan) {
+  std::vector<std::string> args = {"predict",
+                                   "--model",
+                                   "llama2-7b",
+                                   "--cluster",
+                                   "dgx-h100",
+                                   "--seq-length",
+                                   "16384",
+                                   "--num-gpus",
+                                   "128",
+                                   "--global-batch-size",
+                                   "64",
+                                   "--bf16",
+                                   "--tensor-model-parallel-size",
+                                   "2",
+                                   "--context-parallel-size",
+                                   "16",
+                                   "--pipeline-model-parallel-size",
+                                   "4",
+                                   "--micro-batch-size",
+                                   "1",
+                                   "--sequence-parallel",
+                                   "--json"};
+  Result r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  const auto& types = j.at("cp_comm_types");
+  EXPECT_EQ(types.size(), 3u) << types.dump();
+  EXPECT_DOUBLE_EQ(types.at("p2p").at("iteration_time_s").get<double>(),
+                   j.at("iteration_time_s").get<double>());
+  // The ring crosses nodes on one NIC per step behind attention blocks of 1024 queries.
+  EXPECT_LT(types.at("a2a").at("iteration_time_s").get<double>(),
+            types.at("p2p").at("iteration_time_s").get<double>());
+  args[2] = "llama3-8b";
+  r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(j.at("cp_comm_types").contains("a2a")) << r.out;
+  args.pop_back();  // the table
+  r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("  p2p"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("<- this plan"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("  a2a"), std::string::npos) << r.out;
+}
+
 TEST(Cli, PredictJsonHasTheDocumentedKeys) {
   auto args = kPredict175B;
   args.push_back("--json");
