@@ -141,9 +141,9 @@ void to_heads(ShardContext& c, CPtr local, Buffer& full, int64_t nh, OpId id, Pa
   Buffer send, recv;
   resize_for_overwrite(send, cp * n);
   resize_for_overwrite(recv, cp * n);
-  for (int64_t j = 0; j < cp; ++j)  // block j: heads j nh / cp .. of every local row
-    for (int64_t r = 0; r < rows; ++r)
-      c.be.copy(local.at(r * nh * m.d + j * w), send.ptr().at(j * n + r * w), w);
+  // Block j: heads j nh / cp .. of every local row ([rows, cp, w] -> [cp, rows, w], the
+  // sequence-parallel reorder of "sequences" of cp pieces).
+  c.be.sequence_shard(local, send.ptr(), cp, rows, cp, w);
   c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
   resize_for_overwrite(full, m.b * m.s_attn * w);
   for (int64_t i = 0; i < cp; ++i)  // rank i's rows, at their global places
@@ -162,9 +162,7 @@ void from_heads(ShardContext& c, CPtr full, Buffer& local, int64_t nh, OpId id, 
     context_rows_from_global(c.be, full, send.ptr().at(i * n), m.b, m.s_attn, cp, i, w);
   c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
   resize_for_overwrite(local, rows * nh * m.d);
-  for (int64_t j = 0; j < cp; ++j)
-    for (int64_t r = 0; r < rows; ++r)
-      c.be.copy(recv.ptr().at(j * n + r * w), local.ptr().at(r * nh * m.d + j * w), w);
+  c.be.sequence_unshard(recv.ptr(), local.ptr(), cp, rows, cp, w);
 }
 
 // Causal attention of the whole sequence for this rank's heads block: Q, K and V in from every
