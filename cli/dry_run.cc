@@ -46,6 +46,9 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.overlap_moe_ep_comm)
     add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
         "parallel-comm: its schedule is run, its overlap priced)");
+  if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2A)
+    add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type "
+        "a2a: Transformer Engine keeps them; more context-parallel traffic than priced)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

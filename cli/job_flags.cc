@@ -103,9 +103,9 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
     b->required();
   }
   app.add_option("--context-parallel-size", context_parallel,
-                 "ranks the sequence is split over (ring attention)");
+                 "ranks the sequence is split over (context parallelism)");
   app.add_option("--cp-comm-type", cp_comm_type,
-                 "p2p (ring, Megatron's default), allgather or a2a (Ulysses): how context-"
+                 "p2p (ring, Megatron's default), all_gather or a2a (Ulysses): how context-"
                  "parallel attention meets the other ranks' keys (ptdp plan: only this one)");
   app.add_option("--expert-model-parallel-size", expert_parallel,
                  "ranks an MoE layer's experts are split over");

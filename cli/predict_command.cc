@@ -54,7 +54,7 @@ Action add_predict_command(CLI::App& app) {
       print_prediction(out, m, c, p, r);
       if (!types.empty()) {
         out << "\n--cp-comm-type      iter s  cp comm s  fits\n";
-        for (const char* name : {"p2p", "allgather", "a2a"}) {
+        for (const char* name : {"p2p", "all_gather", "a2a"}) {
           if (!types.contains(name)) continue;
           const nlohmann::json& t = types[name];
           char line[96];

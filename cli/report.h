@@ -19,7 +19,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
                       const ParallelPlan& p, const Prediction& r);
 // " in groups of N" where the interleaved schedule runs in microbatch groups other than p, else "".
 std::string group_note(const ParallelPlan& p);
-// "cp=N", with " (allgather)" or " (a2a)" when the context-parallel attention is not the ring.
+// "cp=N", with " (all_gather)" or " (a2a)" when the context-parallel attention is not the ring.
 std::string context_note(const ParallelPlan& p);
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
 }  // namespace ptdp

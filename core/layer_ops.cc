@@ -281,7 +281,7 @@ void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& 
 
 // With context parallelism the rank's s/cp queries meet all s keys. p2p: the K and V blocks of
 // the other cp - 1 ranks arrive one ring step at a time (each step's transfer overlapping the
-// previous block's attention, which the cost model prices). allgather: one all-gather of the
+// previous block's attention, which the cost model prices). all_gather: one all-gather of the
 // whole sequence's K and V before the attention, exposed (Transformer Engine's
 // AttnFuncWithCPAndKVAllGather). a2a: an all-to-all turns the rank's s/cp tokens of all its
 // heads into all s tokens of 1/cp of its heads (Q, K and V), the attention runs over the whole

@@ -45,7 +45,7 @@ std::string to_string(CpComm c) {
     case CpComm::kP2P:
       return "p2p";
     case CpComm::kAllGather:
-      return "allgather";
+      return "all_gather";
     case CpComm::kA2A:
       return "a2a";
   }
@@ -87,7 +87,7 @@ Schedule schedule_from_string(const std::string& s) {
 }
 
 CpComm cp_comm_from_string(const std::string& s) {
-  return enum_from_string(s, kCpComms, "--cp-comm-type");
+  return enum_from_string(s == "allgather" ? "all_gather" : s, kCpComms, "--cp-comm-type");
 }
 
 int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
@@ -250,7 +250,8 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("context_parallel", p.context_parallel);
   std::string cp_comm = to_string(p.cp_comm);
   r.read("cp_comm_type", cp_comm);
-  p.cp_comm = enum_from_string(cp_comm, kCpComms, r.field("cp_comm_type"));
+  p.cp_comm = enum_from_string(cp_comm == "allgather" ? "all_gather" : cp_comm, kCpComms,
+                               r.field("cp_comm_type"));
   r.read("expert_parallel", p.expert_parallel);
   r.read("expert_tensor_parallel", p.expert_tensor_parallel);
   r.read("micro_batch_size", p.micro_batch_size);

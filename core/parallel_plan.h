@@ -30,13 +30,15 @@ enum class CpComm { kP2P, kAllGather, kA2A };
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
-std::string to_string(CpComm c);  // "p2p", "allgather", "a2a" (Megatron's spelling)
+// "p2p", "all_gather", "a2a", as Megatron-Core's TransformerConfig and Transformer Engine spell
+// them; reading also takes "allgather", the spelling of Megatron-LM's --help.
+std::string to_string(CpComm c);
 struct ParallelPlan;
 // "none", "selective", "full", or "block N" for block recompute of N layers per chunk.
 std::string recompute_label(const ParallelPlan& p);
 Recompute recompute_from_string(const std::string& s);  // none|selective|full
 Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
-CpComm cp_comm_from_string(const std::string& s);       // p2p|allgather|a2a
+CpComm cp_comm_from_string(const std::string& s);       // p2p|all_gather|a2a (|allgather)
 
 struct ParallelPlan {
   int64_t tensor_parallel = 1;

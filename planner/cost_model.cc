@@ -395,10 +395,10 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
       }
     }
   }
-  // Context parallelism's ring synchronises its ranks the same way, once per layer pass: the
-  // pass's first ring step waits for the ring's last rank, the measured fraction of the compute
-  // since the ring's previous wait, which is the whole pass (the previous layer's same pass); the
-  // pass's other steps follow it at once.
+  // Context parallelism synchronises its ranks the same way, once per layer pass: the pass's
+  // first ring step (or its all-gather or first all-to-all) waits for the group's last rank, the
+  // measured fraction of the compute since the previous wait, which is the whole pass (the
+  // previous layer's same pass); the pass's other exchanges follow it at once.
   if (profile_.arrival_skew > 0 && p.context_parallel > 1) {
     double pass = 0;
     for (size_t i = 0; i < ops.size(); ++i)

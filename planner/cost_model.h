@@ -42,7 +42,7 @@ struct TimeBreakdown {
   double compute = 0;    // forward and backward math on the slowest stage
   double recompute = 0;  // forward math redone for activation recomputation
   double tp_comm = 0;    // exposed tensor-/sequence-parallel collectives
-  double cp_comm = 0;    // exposed context-parallel ring steps (what attention does not hide)
+  double cp_comm = 0;    // exposed context-parallel exchanges (what attention does not hide)
   double ep_comm = 0;    // MoE all-to-alls and expert-tensor-parallel gathers/scatters
   double pp_comm = 0;    // exposed pipeline point-to-point transfers
   double dp_comm = 0;    // exposed data-parallel gradient (and parameter) collectives
@@ -54,11 +54,12 @@ struct TimeBreakdown {
 struct PassTime {
   double compute = 0;  // GEMMs and memory-bound kernels
   double tp_comm = 0;  // tensor-parallel collectives (not overlapped)
-  double cp_comm = 0;  // context-parallel ring steps: what attention does not hide
+  double cp_comm = 0;  // context-parallel exchanges: what attention does not hide of the ring's
   double ep_comm = 0;  // expert all-to-alls and the expert-tensor-parallel gathers/scatters
   // Bytes on the wire behind cp_comm and ep_comm, for the simulator's flows: what each rank
-  // sends its ring neighbour in all its steps (hidden or not), and each rank's all-to-all
-  // buffers (1/ep of each stays, the rest goes to the other members).
+  // sends of its context-parallel exchanges (all its ring steps, hidden or not, or its share of
+  // an all-gather or all-to-all), and each rank's expert all-to-all buffers (1/ep of each
+  // stays, the rest goes to the other members).
   double cp_bytes = 0, ep_bytes = 0;
   double comm() const { return tp_comm + cp_comm + ep_comm; }
   double total() const { return compute + comm(); }

@@ -152,7 +152,8 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           MemoryBreakdown mem;
           Prediction best;
           ParallelPlan chosen = plan;
-          for (CpComm cpc : c.cp > 1 ? o.cp_comms : std::vector<CpComm>{plan.cp_comm}) {
+          const bool each_type = c.cp > 1 && !o.cp_comms.empty();
+          for (CpComm cpc : each_type ? o.cp_comms : std::vector<CpComm>{plan.cp_comm}) {
             ParallelPlan cand = plan;
             cand.cp_comm = cpc;
             if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {

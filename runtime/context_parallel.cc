@@ -187,7 +187,7 @@ void ulysses_forward(ShardContext& c, LayerActs& A) {
 // context_return_dkv returns them.
 void ulysses_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const ShardDims& m = c.dims;
-  const PassKind pass = PassKind::kBackward;
+  const PassKind op_pass = c.pass(), pass = PassKind::kBackward;
   const int64_t hq = m.hl / m.cp, gq = m.gl / m.cp;
   Buffer q, k, v, out, d_out;
   to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchangeBackward, pass);
@@ -195,7 +195,7 @@ void ulysses_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, A.ctx.ptr(), out, m.hl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, D.d_ctx.ptr(), d_out, m.hl, OpId::kCpOutAllToAllBackward, pass);
-  c.begin(OpId::kAttnScoresRecompute, pass);
+  c.begin(OpId::kAttnScoresRecompute, op_pass);  // the kernel's record, as the op began it
   resize_for_overwrite(D.dq, elems(q));
   resize_for_overwrite(D.dk, elems(k));
   resize_for_overwrite(D.dv, elems(v));

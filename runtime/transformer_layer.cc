@@ -21,6 +21,14 @@ namespace {
 int64_t fused_keys(const ShardDims& m) {
   return std::max<int64_t>(1, m.s_attn / 2);
 }
+// Query rows and heads of a fused attention's GEMMs: the rank's tokens of its heads, or with
+// Ulysses all s tokens of its heads block.
+int64_t fused_queries(const ShardDims& m) {
+  return m.cp_a2a ? m.s_attn : m.s;
+}
+int64_t fused_batch(const ShardDims& m) {
+  return m.b * (m.cp_a2a ? m.hl / m.cp : m.hl);
+}
 
 }  // namespace
 
@@ -66,7 +74,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
     case OpId::kAttnScores:
       if (cp) {  // gathers K and V first where a selective recomputation starts here
         context_attention_forward(c, A);
-        c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
+        c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
         break;
       }
       if (m.flash) {  // the whole attention core, in one fused kernel
@@ -89,7 +97,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kAttnContext:
       if (m.flash) {  // computed with the scores
-        c.gemm_done(m.s, m.d, fused_keys(m), m.b * m.hl);
+        c.gemm_done(fused_queries(m), m.d, fused_keys(m), fused_batch(m));
         if (m.cp_a2a) context_output_to_local(c, A);  // Ulysses: the output back to its tokens
         break;
       }
@@ -229,11 +237,11 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
                                     D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
                                     m.hl, m.gl, m.d);
       }
-      c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
+      c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
       break;
     case OpId::kAttnContextDprobs:
       if (m.flash) {  // the GEMMs of the fused backward ran with the recomputed scores
-        c.gemm_done(m.s, fused_keys(m), m.d, m.b * m.hl);
+        c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
         break;
       }
       resize_for_overwrite(D.d_probs, elems(A.probs));
@@ -243,7 +251,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnContextDv:
       if (m.flash) {
-        c.gemm_done(fused_keys(m), m.d, m.s, m.b * m.hl);
+        c.gemm_done(fused_keys(m), m.d, fused_queries(m), fused_batch(m));
         break;
       }
       resize_for_overwrite(D.dv, elems(A.v));
@@ -259,7 +267,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresDq:
       if (m.flash) {
-        c.gemm_done(m.s, m.d, fused_keys(m), m.b * m.hl);
+        c.gemm_done(fused_queries(m), m.d, fused_keys(m), fused_batch(m));
         break;
       }
       resize_for_overwrite(D.dq, elems(A.q));
@@ -269,7 +277,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kAttnScoresDk:
       if (m.flash) {
-        c.gemm_done(m.d, fused_keys(m), m.s, m.b * m.hl);
+        c.gemm_done(m.d, fused_keys(m), fused_queries(m), fused_batch(m));
         if (cp) context_return_dkv(c, D);  // dK and dV become local
         break;
       }

@@ -121,7 +121,8 @@ class Engine {
           advance(ev.id);
           break;
         case kFlowBytesDone: {
-          // Flows due at this instant end as one batch (queued together, they are adjacent).
+          // Flows due at this instant end as one batch: those adjacent in the queue (flows
+          // scheduled by one re-rating are; an event of another kind between splits the batch).
           finishing_.clear();
           auto due_now = [&](int32_t f) { return net_.active(f) && net_.due(f) == now_; };
           if (due_now(ev.id)) finishing_.push_back(ev.id);

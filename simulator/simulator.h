@@ -66,7 +66,7 @@ struct SimulationInput {
   int64_t data_parallel = 1;  // for placement: d * cp (context ranks sit inside it)
   int64_t context_parallel = 1;
   // p2p: each pass's ring steps run under its kernels (flows from each rank to the next of its
-  // ring); allgather: NCCL-like rings after them, one per member in a node; a2a: flows from
+  // ring); all_gather: NCCL-like rings after them, one per member in a node; a2a: flows from
   // each rank to every other of its cp group after them.
   CpComm cp_comm = CpComm::kP2P;
   // Expert groups within a stage's t * data_parallel ranks: expert_parallel members at a

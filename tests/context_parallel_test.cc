@@ -287,6 +287,20 @@ TEST(ContextParallel, UlyssesAttentionEqualsPlainAttention) {
         }
         EXPECT_EQ(in, 3 * m.num_layers);
         EXPECT_EQ(out, m.num_layers);
+        // The fused backward's kernel is recorded in the role its op began with (after the
+        // all-to-alls, which are the backward pass's), with Ulysses' shapes: all s queries of
+        // hl / cp heads.
+        const auto first = std::find_if(p.trace.begin(), p.trace.end(), [](const ExecutedOp& e) {
+          return e.id == OpId::kAttnScoresRecompute;
+        });
+        ASSERT_NE(first, p.trace.end());
+        const auto kernel = std::find_if(first, p.trace.end(), [](const ExecutedOp& e) {
+          return e.id == OpId::kAttnScoresRecompute && e.kind == OpKind::kGemm;
+        });
+        ASSERT_NE(kernel, p.trace.end());
+        EXPECT_EQ(kernel->role, first->role);
+        EXPECT_EQ(kernel->m, m.seq_length);
+        EXPECT_EQ(kernel->batch, layout.micro_batch * m.num_attention_heads / cp);
       }
 }
 

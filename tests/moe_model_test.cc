@@ -241,8 +241,9 @@ TEST(ContextAndExpertParallel, CpCommTypeRulesFlagsAndJson) {
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kContextDividesHeads);
   p.cp_comm = CpComm::kAllGather;
   EXPECT_EQ(error_of([&] { p.validate(m); }), "no error");
-  EXPECT_NE(p.megatron_flags(m).find("--cp-comm-type allgather"), std::string::npos);
-  p.cp_comm = CpComm::kP2P;  // Megatron's default: no flag
+  EXPECT_NE(p.megatron_flags(m).find("--cp-comm-type all_gather"), std::string::npos);
+  EXPECT_EQ(cp_comm_from_string("allgather"), CpComm::kAllGather);  // Megatron-LM's --help
+  p.cp_comm = CpComm::kP2P;                                         // Megatron's default: no flag
   EXPECT_EQ(p.megatron_flags(m).find("--cp-comm-type"), std::string::npos);
   nlohmann::json j = to_json(p);
   j["cp_comm_type"] = "ring";

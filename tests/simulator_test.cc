@@ -435,7 +435,7 @@ std::vector<GroupCase> group_cases() {
     // The same K and V all-gathered (ring flows after the kernels), and Ulysses' all-to-alls
     // (cp must divide the 8 query groups) on one node and across two.
     x.cp_comm = CpComm::kAllGather;
-    out.push_back({"llama3-8b s16k t1 cp16 p2 d2 allgather", m, x});
+    out.push_back({"llama3-8b s16k t1 cp16 p2 d2 all_gather", m, x});
     ParallelPlan y = base_plan(1, 8, 2, 4, 64);
     y.recompute = Recompute::kNone;
     y.cp_comm = CpComm::kA2A;
