@@ -18,7 +18,7 @@ namespace {
 nlohmann::json cp_comm_types(const CostModel& cm, const ModelSpec& m, const ParallelPlan& p) {
   nlohmann::json out = nlohmann::json::object();
   if (p.context_parallel == 1) return out;
-  for (CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
+  for (CpComm c : kCpComms) {
     ParallelPlan q = p;
     q.cp_comm = c;
     if (first_violated_rule(m, q) != PlanRule::kNone) continue;
@@ -54,14 +54,15 @@ Action add_predict_command(CLI::App& app) {
       print_prediction(out, m, c, p, r);
       if (!types.empty()) {
         out << "\n--cp-comm-type      iter s  cp comm s  fits\n";
-        for (const char* name : {"p2p", "all_gather", "a2a"}) {
+        for (CpComm c : kCpComms) {
+          const std::string name = to_string(c);
           if (!types.contains(name)) continue;
           const nlohmann::json& t = types[name];
           char line[96];
-          std::snprintf(line, sizeof line, "  %-10s %10.3f %10.3f  %s%s\n", name,
+          std::snprintf(line, sizeof line, "  %-10s %10.3f %10.3f  %s%s\n", name.c_str(),
                         t["iteration_time_s"].get<double>(), t["cp_comm_s"].get<double>(),
                         t["fits"].get<bool>() ? "yes" : "no",
-                        name == to_string(p.cp_comm) ? "   <- this plan" : "");
+                        c == p.cp_comm ? "   <- this plan" : "");
           out << line;
         }
       }

@@ -60,11 +60,10 @@ std::string recompute_label(const ParallelPlan& p) {
 
 namespace {
 
-template <typename E>
-E enum_from_string(const std::string& s, std::initializer_list<E> values,
-                   const std::string& field) {
+template <typename Values>
+auto enum_from_string(const std::string& s, const Values& values, const std::string& field) {
   std::string expected;
-  for (E e : values) {
+  for (const auto e : values) {
     if (s == to_string(e)) return e;
     expected += (expected.empty() ? "" : ", ") + to_string(e);
   }
@@ -74,7 +73,10 @@ E enum_from_string(const std::string& s, std::initializer_list<E> values,
 constexpr auto kRecomputes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 constexpr auto kSchedules = {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
                              Schedule::kZeroBubbleH1};
-constexpr auto kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
+// Megatron-LM's --help spells all_gather "allgather"; both are read.
+CpComm parse_cp_comm(const std::string& s, const std::string& field) {
+  return enum_from_string(s == "allgather" ? "all_gather" : s, kCpComms, field);
+}
 
 }  // namespace
 
@@ -87,7 +89,7 @@ Schedule schedule_from_string(const std::string& s) {
 }
 
 CpComm cp_comm_from_string(const std::string& s) {
-  return enum_from_string(s == "allgather" ? "all_gather" : s, kCpComms, "--cp-comm-type");
+  return parse_cp_comm(s, "--cp-comm-type");
 }
 
 int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
@@ -250,8 +252,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("context_parallel", p.context_parallel);
   std::string cp_comm = to_string(p.cp_comm);
   r.read("cp_comm_type", cp_comm);
-  p.cp_comm = enum_from_string(cp_comm == "allgather" ? "all_gather" : cp_comm, kCpComms,
-                               r.field("cp_comm_type"));
+  p.cp_comm = parse_cp_comm(cp_comm, r.field("cp_comm_type"));
   r.read("expert_parallel", p.expert_parallel);
   r.read("expert_tensor_parallel", p.expert_tensor_parallel);
   r.read("micro_batch_size", p.micro_batch_size);

@@ -8,6 +8,7 @@
 //      Megatron's --num-layers-per-virtual-pipeline-stage K gives v = num_layers / (p * K).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -27,6 +28,7 @@ enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 // GQA); kA2A, Ulysses: all-to-alls trade sequence for heads, so each rank attends over the
 // whole sequence with heads / cp of its heads, and back after.
 enum class CpComm { kP2P, kAllGather, kA2A };
+inline constexpr std::array<CpComm, 3> kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <exception>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <tuple>
 
@@ -96,6 +97,45 @@ void try_block_recompute(const ParallelPlan& full, const ModelSpec& m, const Cos
   tally.keep(RankedPlan{block, cost.predict(block)}, k);
 }
 
+// The fastest variant of a candidate that fits: with each of `types` (--cp-comm-type) the
+// rules `ptdp run` and ParallelPlan::validate apply allow (core/plan_rules.h), and where
+// `combinable` also with the combined 1F1B, which holds one more chunk in flight and hides no
+// pipeline transfer (kept only where it fits and is faster). `broken`: the first rule broken,
+// for a candidate no type is allowed for.
+struct Variant {
+  bool allowed = false, fits = false;
+  PlanRule broken = PlanRule::kNone;
+  ParallelPlan plan;
+  Prediction prediction;
+};
+
+Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types, bool combinable,
+                        const ModelSpec& m, const CostModel& cost) {
+  Variant out;
+  auto consider = [&](const ParallelPlan& p) {
+    if (!cost.memory(p).fits) return;
+    Prediction q = cost.predict(p);
+    if (out.fits && q.iteration_time_s >= out.prediction.iteration_time_s) return;
+    out.fits = true;
+    out.plan = p;
+    out.prediction = std::move(q);
+  };
+  for (CpComm type : types) {
+    ParallelPlan cand = plan;
+    cand.cp_comm = type;
+    if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
+      if (out.broken == PlanRule::kNone) out.broken = rule;
+      continue;
+    }
+    out.allowed = true;
+    consider(cand);
+    if (!combinable) continue;
+    cand.overlap_moe_ep_comm = true;
+    consider(cand);
+  }
+  return out;
+}
+
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
   // Chunks per rank: v divides every stage's layers (the smallest stage's divisors).
@@ -144,63 +184,23 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
                                   (c.p == 1 ? plan.schedule == Schedule::k1F1B
                                             : plan.schedule == Schedule::kInterleaved1F1B);
           plan.overlap_moe_ep_comm = false;
-          // With cp > 1 each way of meeting the other ranks' keys that the plan allows; the
-          // plan keeps the fastest that fits (the rules `ptdp run` and ParallelPlan::validate
-          // apply, core/plan_rules.h).
-          bool allowed = false, fits = false;
-          PlanRule broken = PlanRule::kNone;
-          MemoryBreakdown mem;
-          Prediction best;
-          ParallelPlan chosen = plan;
-          const bool each_type = c.cp > 1 && !o.cp_comms.empty();
-          for (CpComm cpc : each_type ? o.cp_comms : std::vector<CpComm>{plan.cp_comm}) {
-            ParallelPlan cand = plan;
-            cand.cp_comm = cpc;
-            if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
-              if (broken == PlanRule::kNone) broken = rule;
-              continue;
-            }
-            allowed = true;
-            MemoryBreakdown cand_mem = cost.memory(cand);
-            Prediction cand_best;
-            if (cand_mem.fits) cand_best = cost.predict(cand);
-            if (combinable) {
-              // It holds one more chunk in flight and hides no pipeline transfer: the plan
-              // keeps it only where it fits and is faster.
-              ParallelPlan both = cand;
-              both.overlap_moe_ep_comm = true;
-              const MemoryBreakdown more = cost.memory(both);
-              if (more.fits) {
-                const Prediction q = cost.predict(both);
-                if (!cand_mem.fits || q.iteration_time_s < cand_best.iteration_time_s) {
-                  cand = both;
-                  cand_best = q;
-                  cand_mem = more;
-                }
-              }
-            }
-            if (!cand_mem.fits) continue;
-            if (!fits || cand_best.iteration_time_s < best.iteration_time_s) {
-              fits = true;
-              chosen = cand;
-              best = cand_best;
-              mem = cand_mem;
-            }
-          }
-          if (!allowed) {
-            ++tally.rejected[rule_reason(broken)];
+          // With cp > 1 each way of meeting the other ranks' keys that the plan allows.
+          const std::span<const CpComm> types = c.cp > 1 && !o.cp_comms.empty()
+                                                    ? std::span<const CpComm>(o.cp_comms)
+                                                    : std::span<const CpComm>(&plan.cp_comm, 1);
+          const Variant best = fastest_variant(plan, types, combinable, m, cost);
+          if (!best.allowed) {
+            ++tally.rejected[rule_reason(best.broken)];
             continue;
           }
-          plan = chosen;
-          mem.fits = fits;
-          if (!mem.fits) {
+          if (!best.fits) {
             ++tally.rejected["does not fit in GPU memory"];
             continue;
           }
           ++tally.evaluated;
-          tally.keep(RankedPlan{plan, best}, k);
+          tally.keep(RankedPlan{best.plan, best.prediction}, k);
           if (rc == Recompute::kFull && o.try_block_recompute)
-            try_block_recompute(plan, m, cost, tally, k);
+            try_block_recompute(best.plan, m, cost, tally, k);
         }
       }
     }

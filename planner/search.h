@@ -51,7 +51,7 @@ struct SearchOptions {
   int64_t min_context_tokens = 2048;
   // How cp > 1 plans meet the other ranks' keys (--cp-comm-type pins one): each is priced and
   // the plan keeps the fastest that fits.
-  std::vector<CpComm> cp_comms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
+  std::vector<CpComm> cp_comms = {kCpComms.begin(), kCpComms.end()};
   bool try_expert_parallel = true;
   // Only this pipeline schedule (--pipeline-schedule): interleaved with v > 1 only, the others
   // with v = 1. Unset: 1f1b, or interleaved where v > 1.

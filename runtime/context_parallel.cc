@@ -132,37 +132,43 @@ void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
 
 namespace {
 
+// The buffers of Ulysses' all-to-all of nh heads: cp blocks each way of n = rows x w elements,
+// rows = b s / cp (the rank's tokens), w = (nh / cp) d (one heads block of a row).
+struct HeadsBlocks {
+  int64_t cp, rows, w, n;
+  Buffer send, recv;
+  HeadsBlocks(const ShardDims& m, int64_t nh)
+      : cp(m.cp), rows(m.b * m.s), w(nh / m.cp * m.d), n(rows * w) {
+    resize_for_overwrite(send, cp * n);
+    resize_for_overwrite(recv, cp * n);
+  }
+};
+
 // Ulysses (--cp-comm-type a2a): this rank's rows [b, s / cp, nh, d] (local order) become heads
 // block cpr of every rank's rows, [b, s, nh / cp, d] in global order: one all-to-all of the
 // context-parallel group, recorded as op `id` of pass `pass`.
 void to_heads(ShardContext& c, CPtr local, Buffer& full, int64_t nh, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
-  const int64_t cp = m.cp, rows = m.b * m.s, w = nh / cp * m.d, n = rows * w;
-  Buffer send, recv;
-  resize_for_overwrite(send, cp * n);
-  resize_for_overwrite(recv, cp * n);
+  HeadsBlocks x(m, nh);
   // Block j: heads j nh / cp .. of every local row ([rows, cp, w] -> [cp, rows, w], the
   // sequence-parallel reorder of "sequences" of cp pieces).
-  c.be.sequence_shard(local, send.ptr(), cp, rows, cp, w);
-  c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
-  resize_for_overwrite(full, m.b * m.s_attn * w);
-  for (int64_t i = 0; i < cp; ++i)  // rank i's rows, at their global places
-    context_rows_to_global(c.be, recv.ptr().at(i * n), full.ptr(), m.b, m.s_attn, cp, i, w);
+  c.be.sequence_shard(local, x.send.ptr(), x.cp, x.rows, x.cp, x.w);
+  c.context_all_to_all(id, x.send.ptr(), x.recv.ptr(), x.n, pass);
+  resize_for_overwrite(full, m.b * m.s_attn * x.w);
+  for (int64_t i = 0; i < x.cp; ++i)  // rank i's rows, at their global places
+    context_rows_to_global(c.be, x.recv.ptr().at(i * x.n), full.ptr(), m.b, m.s_attn, x.cp, i, x.w);
 }
 
 // The inverse: [b, s, nh / cp, d] (global order, heads block cpr) back to this rank's rows
 // [b, s / cp, nh, d] of all its heads.
 void from_heads(ShardContext& c, CPtr full, Buffer& local, int64_t nh, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
-  const int64_t cp = m.cp, rows = m.b * m.s, w = nh / cp * m.d, n = rows * w;
-  Buffer send, recv;
-  resize_for_overwrite(send, cp * n);
-  resize_for_overwrite(recv, cp * n);
-  for (int64_t i = 0; i < cp; ++i)  // rank i's rows
-    context_rows_from_global(c.be, full, send.ptr().at(i * n), m.b, m.s_attn, cp, i, w);
-  c.context_all_to_all(id, send.ptr(), recv.ptr(), n, pass);
-  resize_for_overwrite(local, rows * nh * m.d);
-  c.be.sequence_unshard(recv.ptr(), local.ptr(), cp, rows, cp, w);
+  HeadsBlocks x(m, nh);
+  for (int64_t i = 0; i < x.cp; ++i)  // rank i's rows
+    context_rows_from_global(c.be, full, x.send.ptr().at(i * x.n), m.b, m.s_attn, x.cp, i, x.w);
+  c.context_all_to_all(id, x.send.ptr(), x.recv.ptr(), x.n, pass);
+  resize_for_overwrite(local, x.rows * nh * m.d);
+  c.be.sequence_unshard(x.recv.ptr(), local.ptr(), x.cp, x.rows, x.cp, x.w);
 }
 
 // Causal attention of the whole sequence for this rank's heads block: Q, K and V in from every

@@ -83,6 +83,7 @@ void FlowNetwork::finish(Picos now, std::vector<int32_t>* flows,
   // Mark the batch and the links it leaves; a link that was tight with it wakes its others.
   ++epoch_;
   links_touched_.clear();
+  was_tight_.clear();
   size_t kept = 0;
   for (int32_t id : *flows) {
     Flow& f = flows_[static_cast<size_t>(id)];
@@ -93,12 +94,13 @@ void FlowNetwork::finish(Picos now, std::vector<int32_t>* flows,
       if (link_mark_[static_cast<size_t>(l)] == epoch_) continue;
       link_mark_[static_cast<size_t>(l)] = epoch_;
       links_touched_.push_back(l);
-      link_pos_[static_cast<size_t>(l)] = tight(l) ? 1 : 0;
+      was_tight_.push_back(tight(l));
     }
   }
   flows->resize(kept);
   neighbours_.clear();
-  for (int32_t l : links_touched_) {
+  for (size_t i = 0; i < links_touched_.size(); ++i) {
+    const int32_t l = links_touched_[i];
     auto& v = on_link_[static_cast<size_t>(l)];
     double& demand = demand_[static_cast<size_t>(l)];
     v.erase(std::remove_if(v.begin(), v.end(),
@@ -110,8 +112,7 @@ void FlowNetwork::finish(Picos now, std::vector<int32_t>* flows,
                            }),
             v.end());
     if (v.empty()) demand = 0;  // no drift from rounding
-    if (link_pos_[static_cast<size_t>(l)] == 1)
-      neighbours_.insert(neighbours_.end(), v.begin(), v.end());
+    if (was_tight_[i]) neighbours_.insert(neighbours_.end(), v.begin(), v.end());
   }
   for (int32_t id : *flows) free_.push_back(id);
   if (!neighbours_.empty()) rerate(now, neighbours_, reschedule);

@@ -75,6 +75,7 @@ class FlowNetwork {
   std::vector<int32_t> component_, links_touched_, neighbours_, seeds_, one_;
   std::vector<double> old_rate_, left_;
   std::vector<int32_t> count_;
+  std::vector<bool> was_tight_;  // finish: per links_touched_ entry, tight before the batch left
   std::vector<uint32_t> flow_mark_, link_mark_;
   std::vector<int32_t> link_pos_;
   uint32_t epoch_ = 0;

@@ -316,7 +316,7 @@ class Engine {
           st.action = a;
           st.phase = 0;
           st.phase_start = now_;
-          if (in_.cp_comm == CpComm::kP2P) start_flows(e, true);  // under the pass's kernels
+          if (ring_under_kernels()) start_flows(e, true);
           push(end, kGroupPhase, e);
         } else {
           st.ep_flows_started = false;
@@ -449,7 +449,7 @@ class Engine {
       if (time <= 0 && bytes <= 0) continue;
       st.phase_entered = now_;
       st.phase_floor = now_ + time;
-      const bool under_kernels = cp && in_.cp_comm == CpComm::kP2P;
+      const bool under_kernels = cp && ring_under_kernels();
       if (!under_kernels || bytes <= 0) st.phase_start = now_;
       if (cp && !under_kernels) start_flows(e, true);
       if (!cp && !st.ep_flows_started) start_flows(e, false);
@@ -461,6 +461,10 @@ class Engine {
     st.ep_flows_started = false;
     advance(e);
   }
+
+  // Whether a pass's context-parallel flows run under its kernels (the p2p ring's steps overlap
+  // attention) rather than in the context phase after them (an all-gather's, all-to-alls').
+  bool ring_under_kernels() const { return in_.cp_comm == CpComm::kP2P; }
 
   // Starts rank e's ring-step (cp) or all-to-all flows of its current pass.
   void start_flows(int32_t e, bool cp) {
