@@ -29,6 +29,7 @@ ParallelPlan as_executed(const ParallelPlan& p) {
   run.fp32_grad_reduce = true;
   run.tp_comm_overlap = false;
   run.overlap_moe_ep_comm = false;
+  run.fsdp = FsdpSharding::kOff;  // the distributed optimizer's layout (or DDP's for no_shard)
   return run;
 }
 
@@ -49,6 +50,14 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2A)
     add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type "
         "a2a: Transformer Engine keeps them; more context-parallel traffic than priced)");
+  if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1)
+    add(p.shards_weights()
+            ? "keeps whole weights and gradients and reduces the gradients once a step, as the "
+              "distributed optimizer does (--data-parallel-sharding-strategy optim_grads_params "
+              "is priced, not run: same math, more memory, fewer collectives)"
+            : "keeps whole gradients and reduces them once a step, as the distributed optimizer "
+              "does (--data-parallel-sharding-strategy optim_grads is priced, not run: same "
+              "math, more memory, fewer collectives)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

@@ -133,6 +133,18 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
+  app.add_flag("--use-megatron-fsdp", use_megatron_fsdp,
+               "Megatron-FSDP data parallelism (p = 1; ptdp plan: also tries optim_grads and "
+               "optim_grads_params, or the --data-parallel-sharding-strategy given)");
+  app.add_option("--data-parallel-sharding-strategy", dp_sharding_strategy,
+                 "with --use-megatron-fsdp: no_shard (Megatron's default), optim (ZeRO-1), "
+                 "optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3)");
+  app.add_option("--megatron-fsdp-main-grads-dtype", fsdp_main_grads_dtype,
+                 "fp32 (ptdp's default) or bf16, fp16, auto (16-bit gradients; Megatron-FSDP's "
+                 "default is auto)");
+  app.add_option("--ckpt-format", ckpt_format,
+                 "Megatron's checkpoint format (fsdp_dtensor with --use-megatron-fsdp); accepted, "
+                 "changes nothing priced");
   app.add_flag("--overlap-param-gather", overlap_param_gather,
                "hide the distributed optimizer's parameter all-gather behind the next forward");
   app.add_flag(
@@ -239,6 +251,9 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--overlap-moe-expert-parallel-comm", overlap_moe_ep_comm},
       {"--accumulate-allreduce-grads-in-fp32", accumulate_allreduce_grads_in_fp32},
       {"--fp16-grad-reduce", fp16_grad_reduce},
+      {"--use-megatron-fsdp", use_megatron_fsdp},
+      {"--data-parallel-sharding-strategy", !dp_sharding_strategy.empty()},
+      {"--megatron-fsdp-main-grads-dtype", !fsdp_main_grads_dtype.empty()},
       {"--no-scatter-gather", no_scatter_gather},
       {"--no-gradient-accumulation-fusion", no_grad_accumulation_fusion},
       {"--no-overlap-p2p-communication", no_overlap_p2p},
@@ -409,6 +424,36 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) co
   return resolve_plan(m, c.num_gpus(), "--num-gpus");
 }
 
+void JobFlags::apply_megatron_fsdp_flags(ParallelPlan& p) const {
+  const char* strategy_flag = "--data-parallel-sharding-strategy";
+  if (!ckpt_format.empty() && ckpt_format != "torch" && ckpt_format != "torch_dist" &&
+      ckpt_format != "zarr" && ckpt_format != "fsdp_dtensor")
+    throw InputError("--ckpt-format",
+                     "must be torch, torch_dist, zarr or fsdp_dtensor, got '" + ckpt_format + "'");
+  if (!use_megatron_fsdp) {
+    if (!dp_sharding_strategy.empty() && dp_sharding_strategy != "no_shard")
+      throw InputError(strategy_flag, "needs --use-megatron-fsdp");
+    if (!fsdp_main_grads_dtype.empty())
+      throw InputError("--megatron-fsdp-main-grads-dtype", "needs --use-megatron-fsdp");
+    return;
+  }
+  p.fsdp = dp_sharding_strategy.empty() ? FsdpSharding::kNoShard
+                                        : fsdp_sharding_from_string(dp_sharding_strategy);
+  // Megatron-FSDP turns the distributed optimizer on; only the strategies from optim on shard
+  // its states (no_shard keeps them whole, as DDP does).
+  p.distributed_optimizer = p.fsdp >= FsdpSharding::kOptim;
+  if (!fsdp_main_grads_dtype.empty()) {
+    const std::string& d = fsdp_main_grads_dtype;
+    if (d != "fp32" && d != "bf16" && d != "fp16" && d != "auto")
+      throw InputError("--megatron-fsdp-main-grads-dtype",
+                       "must be fp32, bf16, fp16 or auto, got '" + d + "'");
+    if (d == "fp32" && fp16_grad_reduce)
+      throw InputError("--megatron-fsdp-main-grads-dtype",
+                       "fp32 conflicts with --fp16-grad-reduce");
+    p.fp32_grad_reduce = d == "fp32";
+  }
+}
+
 ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
                                     const std::string& what) const {
   ParallelPlan p;
@@ -501,6 +546,7 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.tp_comm_overlap = tp_comm_overlap;
   p.overlap_moe_ep_comm = overlap_moe_ep_comm;
   p.fp32_grad_reduce = !fp16_grad_reduce;
+  apply_megatron_fsdp_flags(p);
   p.scatter_gather_p2p = !no_scatter_gather;
   p.overlap_p2p_comm = !no_overlap_p2p;
   p.gradient_accumulation_fusion = !no_grad_accumulation_fusion;

@@ -58,6 +58,12 @@ struct JobFlags {
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
   bool overlap_param_gather = false, tp_comm_overlap = false, overlap_moe_ep_comm = false;
   bool accumulate_allreduce_grads_in_fp32 = false;  // Megatron's; ptdp's default
+  // Megatron-FSDP: --use-megatron-fsdp, --data-parallel-sharding-strategy (Megatron's default
+  // no_shard), --megatron-fsdp-main-grads-dtype (fp32, or bf16/fp16/auto for 16-bit gradients:
+  // ptdp's default is fp32, Megatron-FSDP's auto) and --ckpt-format (accepted: its value changes
+  // nothing priced or run).
+  bool use_megatron_fsdp = false;
+  std::string dp_sharding_strategy, fsdp_main_grads_dtype, ckpt_format;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;
   // Megatron's precision flags: weights and activations in bf16 or fp16 (fp32 master weights).
@@ -87,6 +93,10 @@ struct JobFlags {
   // group.
   void apply_megatron_model_flags(ModelSpec& m) const;
   void check_recompute_method(Recompute r) const;
+  // Sets p's Megatron-FSDP strategy, optimizer sharding and gradient dtype from the flags above;
+  // throws InputError naming the flag for a value Megatron does not take or a flag without
+  // --use-megatron-fsdp.
+  void apply_megatron_fsdp_flags(ParallelPlan& p) const;
   // The first model flag given ("" when none): a --plan file with a model gives them all.
   std::string first_model_flag() const;
   // The first flag given that sets the plan beyond its sizes (recompute, sequence parallelism,

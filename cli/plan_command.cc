@@ -95,6 +95,13 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.threads = f.threads;
   o.defaults = base;
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
+  // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
+  // one given.
+  if (f.job.use_megatron_fsdp)
+    o.fsdp_strategies =
+        f.job.dp_sharding_strategy.empty()
+            ? std::vector<FsdpSharding>{FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}
+            : std::vector<FsdpSharding>{base.fsdp};
   const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
   if (show_progress) {
     o.progress = [&err](int64_t done, int64_t total) {

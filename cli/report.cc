@@ -19,6 +19,11 @@ std::string context_note(const ParallelPlan& p) {
   return s;
 }
 
+std::string optimizer_note(const ParallelPlan& p) {
+  if (p.fsdp != FsdpSharding::kOff) return ", Megatron-FSDP " + to_string(p.fsdp);
+  return p.distributed_optimizer ? ", distributed optimizer" : "";
+}
+
 nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const Prediction& r) {
   nlohmann::json j;
   j["configuration"] = to_json(p);
@@ -88,8 +93,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
       static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
       static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
       group.c_str(), to_string(p.schedule).c_str(), recompute_label(p).c_str(),
-      p.sequence_parallel ? ", sequence parallel" : "",
-      p.distributed_optimizer ? ", distributed optimizer" : "");
+      p.sequence_parallel ? ", sequence parallel" : "", optimizer_note(p).c_str());
   out << buf;
   std::snprintf(buf, sizeof buf,
                 "iteration time      %10.3f s\ntokens/s            %10.0f\nmodel TFLOP/s/GPU   "

@@ -21,5 +21,7 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
 std::string group_note(const ParallelPlan& p);
 // "cp=N", with " (all_gather)" or " (a2a)" when the context-parallel attention is not the ring.
 std::string context_note(const ParallelPlan& p);
+// ", distributed optimizer" or ", Megatron-FSDP <strategy>" where the plan has one, else "".
+std::string optimizer_note(const ParallelPlan& p);
 std::string describe_job(const ModelSpec& m, const ClusterSpec& c, int64_t global_batch);
 }  // namespace ptdp

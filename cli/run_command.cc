@@ -64,7 +64,7 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   if (p.virtual_stages > 1) s << " v=" << p.virtual_stages << group_note(p);
   s << ", " << to_string(p.schedule) << ", recompute " << recompute_label(p);
   if (p.sequence_parallel) s << ", sequence parallel";
-  if (p.distributed_optimizer) s << ", distributed optimizer";
+  s << optimizer_note(p);
   return s.str();
 }
 
@@ -191,6 +191,9 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
     out << "ptdp run --dry-run: " << which << ": " << plan_line(model, np.plan) << "\n";
     if (const std::string note = precision_note(f, np); !note.empty())
       out << "ptdp run --dry-run: " << note << "\n";
+    // What the run would execute differently from the plan as priced (its memory is the run's).
+    if (const std::string note = execution_note(model, np.plan); !note.empty())
+      out << "ptdp run --dry-run: the run " << note << "\n";
     char buf[200];
     const bool with_cp = np.plan.context_parallel > 1;
     std::snprintf(buf, sizeof buf, "%5s %4s%s %4s %4s %14s %11s %10s %10s %10s %10s\n", "rank",

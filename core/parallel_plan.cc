@@ -52,6 +52,22 @@ std::string to_string(CpComm c) {
   return "?";
 }
 
+std::string to_string(FsdpSharding s) {
+  switch (s) {
+    case FsdpSharding::kOff:
+      return "off";
+    case FsdpSharding::kNoShard:
+      return "no_shard";
+    case FsdpSharding::kOptim:
+      return "optim";
+    case FsdpSharding::kOptimGrads:
+      return "optim_grads";
+    case FsdpSharding::kOptimGradsParams:
+      return "optim_grads_params";
+  }
+  return "?";
+}
+
 std::string recompute_label(const ParallelPlan& p) {
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
     return "block" + std::to_string(p.recompute_layers);
@@ -70,6 +86,8 @@ auto enum_from_string(const std::string& s, const Values& values, const std::str
   throw InputError(field, "unknown value '" + s + "' (expected one of " + expected + ")");
 }
 
+constexpr auto kFsdpShardings = {FsdpSharding::kNoShard, FsdpSharding::kOptim,
+                                 FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams};
 constexpr auto kRecomputes = {Recompute::kNone, Recompute::kSelective, Recompute::kFull};
 constexpr auto kSchedules = {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved1F1B,
                              Schedule::kZeroBubbleH1};
@@ -90,6 +108,10 @@ Schedule schedule_from_string(const std::string& s) {
 
 CpComm cp_comm_from_string(const std::string& s) {
   return parse_cp_comm(s, "--cp-comm-type");
+}
+
+FsdpSharding fsdp_sharding_from_string(const std::string& s) {
+  return enum_from_string(s, kFsdpShardings, "--data-parallel-sharding-strategy");
 }
 
 int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
@@ -190,6 +212,14 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (recompute == Recompute::kSelective) f << " --recompute-granularity selective";
   if (sequence_parallel) f << " --sequence-parallel";
   if (distributed_optimizer) f << " --use-distributed-optimizer";
+  if (fsdp != FsdpSharding::kOff) {
+    // Megatron-FSDP checkpoints only in its own format (Megatron-LM's argument check). Its
+    // main gradients default to the model's dtype ("auto"); the plan's are priced in fp32
+    // unless it reduces 16-bit gradients (ptdp's --fp16-grad-reduce).
+    f << " --use-megatron-fsdp --data-parallel-sharding-strategy " << to_string(fsdp)
+      << " --ckpt-format fsdp_dtensor";
+    if (fp32_grad_reduce) f << " --megatron-fsdp-main-grads-dtype fp32";
+  }
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
   if (tp_comm_overlap && sequence_parallel) f << " --tp-comm-overlap";
@@ -267,6 +297,9 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("recompute_layers", p.recompute_layers);
   r.read("sequence_parallel", p.sequence_parallel);
   r.read("distributed_optimizer", p.distributed_optimizer);
+  std::string fsdp = to_string(p.fsdp);
+  r.read("megatron_fsdp", fsdp);
+  if (fsdp != "off") p.fsdp = enum_from_string(fsdp, kFsdpShardings, r.field("megatron_fsdp"));
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
   r.read("overlap_param_gather", p.overlap_param_gather);
   r.read("tp_comm_overlap", p.tp_comm_overlap);
@@ -298,6 +331,7 @@ json to_json(const ParallelPlan& p) {
               {"recompute_layers", p.recompute_layers},
               {"sequence_parallel", p.sequence_parallel},
               {"distributed_optimizer", p.distributed_optimizer},
+              {"megatron_fsdp", to_string(p.fsdp)},
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},
               {"tp_comm_overlap", p.tp_comm_overlap},

@@ -29,6 +29,17 @@ enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 // whole sequence with heads / cp of its heads, and back after.
 enum class CpComm { kP2P, kAllGather, kA2A };
 inline constexpr std::array<CpComm, 3> kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
+// Megatron-Core's Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy S): what
+// each of the d * cp data-parallel ranks keeps of its replica (experts: of the
+// expert-data-parallel ranks). kOff: Megatron's DDP (with --use-distributed-optimizer, ZeRO-1).
+// kNoShard and kOptim keep whole gradients and reduce them once an iteration, as DDP and the
+// distributed optimizer do. kOptimGrads (ZeRO-2) also shards the gradients: each transformer
+// layer's gradients are reduce-scattered during every microbatch's backward pass and added to
+// the rank's shard. kOptimGradsParams (ZeRO-3) also shards the weights: each layer's are
+// all-gathered before its forward pass and again before its backward pass, and dropped after
+// each (megatron/core/distributed/fsdp: layers are its units, the embedding and output layer
+// stay whole).
+enum class FsdpSharding { kOff, kNoShard, kOptim, kOptimGrads, kOptimGradsParams };
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
@@ -41,6 +52,10 @@ std::string recompute_label(const ParallelPlan& p);
 Recompute recompute_from_string(const std::string& s);  // none|selective|full
 Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
 CpComm cp_comm_from_string(const std::string& s);       // p2p|all_gather|a2a (|allgather)
+// "off", or Megatron's --data-parallel-sharding-strategy names: "no_shard", "optim",
+// "optim_grads", "optim_grads_params".
+std::string to_string(FsdpSharding s);
+FsdpSharding fsdp_sharding_from_string(const std::string& s);  // the names above but "off"
 
 struct ParallelPlan {
   int64_t tensor_parallel = 1;
@@ -74,6 +89,11 @@ struct ParallelPlan {
   int64_t recompute_layers = 0;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
+  // Megatron-FSDP's sharding strategy (kOff: not used). Megatron-Core runs it with the
+  // distributed optimizer on, at p = 1 (core/plan_rules.h); with sharded gradients it reduces
+  // them in every microbatch's backward pass, and with sharded weights it gathers them in every
+  // pass, both behind the passes' compute where they fit (planner/cost_model.h).
+  FsdpSharding fsdp = FsdpSharding::kOff;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce
   bool fp32_grad_reduce = true;      // grads kept and reduced in fp32 (Megatron's bf16 default)
   bool scatter_gather_p2p = true;    // SC'21 scatter/gather optimisation across nodes
@@ -103,6 +123,9 @@ struct ParallelPlan {
   bool fp8 = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
   std::vector<int64_t> layers_per_stage;
+
+  bool shards_gradients() const { return fsdp >= FsdpSharding::kOptimGrads; }
+  bool shards_weights() const { return fsdp == FsdpSharding::kOptimGradsParams; }
 
   int64_t num_gpus() const {
     return tensor_parallel * context_parallel * pipeline_parallel * data_parallel;

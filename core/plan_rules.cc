@@ -239,6 +239,26 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   if (plan.overlap_param_gather && d > 1 && !plan.distributed_optimizer)
     return broken(PlanRule::kParamGatherNeedsDistributedOptimizer, report, "--overlap-param-gather",
                   [] { return std::string("needs --use-distributed-optimizer"); });
+  // Megatron-FSDP: Megatron-Core shards a whole replica and runs it without pipeline
+  // parallelism (its tests and recipes are all p = 1; Torch-FSDP2 refuses p > 1 outright), and it
+  // turns the distributed optimizer on for the strategies that shard the optimizer states.
+  if (plan.fsdp != FsdpSharding::kOff) {
+    const char* flag = "--use-megatron-fsdp";
+    if (p > 1)
+      return broken(PlanRule::kMegatronFsdp, report, flag, [&] {
+        return "runs with pipeline-model-parallel-size 1 (Megatron-FSDP shards each data-parallel "
+               "replica's layers), got " +
+               num(p);
+      });
+    const bool sharded = plan.fsdp >= FsdpSharding::kOptim;
+    if (plan.distributed_optimizer != sharded)
+      return broken(PlanRule::kMegatronFsdp, report, flag, [&] {
+        return "--data-parallel-sharding-strategy " + to_string(plan.fsdp) +
+               (sharded ? " shards the optimizer states: the plan needs the distributed optimizer"
+                        : " keeps the optimizer states whole: the plan cannot use the distributed "
+                          "optimizer");
+      });
+  }
   // Megatron-Core's conditions for its combined 1F1B (TransformerConfig's checks).
   if (plan.overlap_moe_ep_comm) {
     const char* flag = "--overlap-moe-expert-parallel-comm";
@@ -324,6 +344,8 @@ const char* rule_reason(PlanRule r) {
       return "sequence parallelism needs t > 1";
     case PlanRule::kSequenceParallelDividesSequence:
       return "sequence parallelism needs t to divide the sequence";
+    case PlanRule::kMegatronFsdp:
+      return "Megatron-FSDP needs p = 1";
     case PlanRule::kMoeNeedsSequenceParallel:
       return "MoE with t > 1 needs sequence parallelism";
     case PlanRule::kTpCommOverlapNeedsSequenceParallel:

@@ -19,6 +19,13 @@ constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
 constexpr double kFp32WeightBytes = 4.0;
 constexpr double kFp32OptimizerBytes = 8.0;
 constexpr double kUsableMemory = 0.95;  // CUDA context and allocator fragmentation keep the rest
+// Megatron-FSDP's defaults (megatron/core/distributed/fsdp, FSDP v1): the all-gather pipeline
+// prefetches units until about this many unsharded elements are in flight (half its
+// communication size, max(1e9, 2 x the average unit)); a unit's whole gradient lives from its
+// backward pass until its reduce-scatter is done: counted as two units, the one computing and
+// the one reducing, the steady state when the reductions keep pace with the backward pass.
+constexpr double kFsdpPrefetchElements = 5e8;
+constexpr double kFsdpGradientUnitsInFlight = 2.0;
 
 // The GEMMs Transformer Engine runs in FP8 (--fp8-format): the layers' linear GEMMs and the
 // experts'; the attention core, the router and the LM head stay in 16 bits.
@@ -73,6 +80,7 @@ void add(PassTime& a, const PassTime& b, double times) {
   a.tp_comm += b.tp_comm * times;
   a.cp_comm += b.cp_comm * times;
   a.ep_comm += b.ep_comm * times;
+  a.dp_comm += b.dp_comm * times;
   a.cp_bytes += b.cp_bytes * times;
   a.ep_bytes += b.ep_bytes * times;
 }
@@ -586,6 +594,7 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
         p.recompute_layers > 0 ? recomputed_on_stage(model_, p, r) : RecomputedLayers{layers, moe};
     stages.push_back({layer_span_time(st, layers, moe, rec.layers, rec.moe, r == 0,
                                       r == p.pipeline_parallel - 1)});
+    add_fsdp_pass_comm(p, r, stages.back());
   }
   return stages;
 }
@@ -600,6 +609,11 @@ double CostModel::activation_message_bytes(const ParallelPlan& p) const {
 double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const {
   const GroupSpan dp = data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
+  if (p.shards_gradients()) {
+    const double gathered = p.shards_weights() ? non_layer_parameters_on_stage(p, 0) : params;
+    return comm_.collective_time(Collective::kAllGather, gathered * weight_bytes(), dp,
+                                 weight_dtype());
+  }
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, dp, gradient_dtype(p)) +
            comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp,
@@ -611,6 +625,10 @@ double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params
   if (params <= 0 || p.expert_data_parallel() <= 1) return 0.0;
   const GroupSpan edp = expert_data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
+  if (p.shards_weights()) return 0.0;  // experts live in the layer units
+  if (p.shards_gradients())
+    return comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
+                                 weight_dtype());
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, edp, gradient_dtype(p)) +
            comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
@@ -623,7 +641,9 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
   if (!p.overlap_param_gather || !p.distributed_optimizer ||
       p.data_parallel * p.context_parallel == 1)
     return 0.0;
-  const double gather = comm_.collective_time(Collective::kAllGather, params * weight_bytes(),
+  // With sharded weights, only the parameters outside the layer units are gathered whole.
+  const double gathered = p.shards_weights() ? non_layer_parameters_on_stage(p, 0) : params;
+  const double gather = comm_.collective_time(Collective::kAllGather, gathered * weight_bytes(),
                                               data_group_span(cluster_, p), weight_dtype());
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
@@ -633,7 +653,8 @@ double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double param
   const double dense = params - expert_params;
   const double whole = gradient_sync_time(p, dense) + expert_gradient_sync_time(p, expert_params);
   double exposed = whole - hidden_param_gather(p, dense, s.layers, s.forward.total());
-  if (p.overlap_grad_reduce && whole > 0) {
+  // (Megatron-FSDP's sharded gradients were reduced during each backward pass already.)
+  if (p.overlap_grad_reduce && whole > 0 && !p.shards_gradients()) {
     // Each model chunk's buckets are reduced while its last backward pass runs, all but the
     // last bucket, which goes once that pass is over; the chunks' reductions queue on the
     // data-parallel links. With interleaving, chunk c's last backward pass comes c g chunk
@@ -692,13 +713,47 @@ double CostModel::optimizer_time(const ParallelPlan& p, double params, double ex
          profile_.kernel_gap_us * kMicrosecond;
 }
 
+void CostModel::add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& t) const {
+  const int64_t layers = p.layers_on_stage(model_, r);
+  if (!p.shards_gradients() || layers == 0) return;
+  const GroupSpan dp = data_group_span(cluster_, p), edp = expert_data_group_span(cluster_, p);
+  const double experts = expert_parameters_on_stage(p, r);
+  const double dense = parameters_on_stage(p, r) - experts;
+  const double dense_units = dense - non_layer_parameters_on_stage(p, r);
+  auto gather = [&](double params, const GroupSpan& g, int64_t size) {
+    if (params <= 0 || size <= 1) return 0.0;
+    return comm_.collective_time(Collective::kAllGather, params * weight_bytes(), g,
+                                 weight_dtype());
+  };
+  auto reduce = [&](double params, const GroupSpan& g, int64_t size) {
+    if (params <= 0 || size <= 1) return 0.0;
+    return comm_.collective_time(Collective::kReduceScatter,
+                                 params * gradient_bytes_per_parameter(p), g, gradient_dtype(p));
+  };
+  const int64_t d = p.data_parallel * p.context_parallel, ed = p.expert_data_parallel();
+  // One microbatch's collectives: the units' weight gathers (each pass) and every gradient's
+  // reduce-scatter (the backward pass).
+  const double gathers =
+      p.shards_weights() ? gather(dense_units, dp, d) + gather(experts, edp, ed) : 0.0;
+  const double reductions = reduce(dense, dp, d) + reduce(experts, edp, ed);
+  const double n = static_cast<double>(layers);
+  auto exposed = [n](double comm, double compute) {
+    return comm / n + std::max(0.0, (comm - compute) * (n - 1.0) / n);
+  };
+  t.forward.dp_comm = exposed(gathers, t.forward.total());
+  t.backward.dp_comm = exposed(gathers + reductions, t.backward.total() + t.recompute.total());
+}
+
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
   const int64_t layers = p.layers_on_stage(model_, rank) / p.virtual_stages;
   const int64_t moe = moe_layers_in_chunk(p, rank, chunk);
   const RecomputedLayers rec = p.recompute_layers > 0 ? recomputed_in_chunk(model_, p, rank, chunk)
                                                       : RecomputedLayers{layers, moe};
-  return layer_span_time(shape_times(p), layers, moe, rec.layers, rec.moe, rank == 0 && chunk == 0,
-                         rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
+  ChunkTime t =
+      layer_span_time(shape_times(p), layers, moe, rec.layers, rec.moe, rank == 0 && chunk == 0,
+                      rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
+  if (p.virtual_stages == 1) add_fsdp_pass_comm(p, rank, t);  // Megatron-FSDP: p = v = 1
+  return t;
 }
 
 const std::vector<int64_t>& CostModel::moe_chunks(const ParallelPlan& p) const {
@@ -733,7 +788,6 @@ double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) c
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
-  const double t = static_cast<double>(p.tensor_parallel);
   const int64_t moe = moe_layers_on_stage(p, r);
   const double dense_layers = static_cast<double>(p.layers_on_stage(model_, r) - moe);
   // Norms and the biases added after row-parallel reductions are whole on every tensor-parallel
@@ -742,6 +796,12 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   if (moe > 0)
     params += static_cast<double>(moe) * model_.layer_parameters_per_rank(p.tensor_parallel, true) +
               expert_parameters_on_stage(p, r);
+  return params + non_layer_parameters_on_stage(p, r);
+}
+
+double CostModel::non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
+  const double t = static_cast<double>(p.tensor_parallel);
+  double params = 0;
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
   // The word embedding is vocabulary-parallel; learned position embeddings are whole.
   if (first)
@@ -790,10 +850,36 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     const double params = parameters_on_stage(p, r);
     const double experts = expert_parameters_on_stage(p, r);
     // With FP8, Transformer Engine also keeps each weight's FP8 copy (1 byte).
-    mb.weights = params * (weight_bytes() + (p.fp8 ? 1.0 : 0.0));
+    const double weight = weight_bytes() + (p.fp8 ? 1.0 : 0.0);
+    mb.weights = params * weight;
     mb.gradients = params * grad_bytes;
     mb.expert_weights = experts * weight_bytes();
     mb.expert_gradients = experts * grad_bytes;
+    if (p.shards_gradients()) {
+      // Megatron-FSDP: the layer units' gradients (and with sharded weights their weights) in
+      // 1/(d cp) shards, the experts' in 1/edp; whole: the parameters outside the units, the
+      // gradients of the units being computed and reduced, and the gathered units' weights
+      // (the unit running and those prefetched).
+      const double non_layer = non_layer_parameters_on_stage(p, r);
+      const double dense_units = params - experts - non_layer;
+      const double layers = static_cast<double>(std::max<int64_t>(1, p.layers_on_stage(model_, r)));
+      const double unit = (dense_units + experts) / layers;  // one layer's parameters
+      const double ds = dense_shards(p), es = expert_shards(p);
+      mb.expert_gradients = experts / es * grad_bytes;
+      mb.gradients =
+          (dense_units / ds + non_layer + std::min(layers, kFsdpGradientUnitsInFlight) * unit) *
+              grad_bytes +
+          mb.expert_gradients;
+      if (p.shards_weights()) {
+        const double gathered =
+            unit > 0
+                ? std::min(layers, 1.0 + std::ceil(std::max(kFsdpPrefetchElements, unit) / unit)) *
+                      unit
+                : 0.0;
+        mb.expert_weights = experts / es * weight_bytes();
+        mb.weights = (dense_units / ds + non_layer + gathered) * weight + experts / es * weight;
+      }
+    }
     mb.expert_optimizer = experts * optimizer_state_bytes() / expert_shards(p);
     mb.optimizer =
         (params - experts) * optimizer_state_bytes() / dense_shards(p) + mb.expert_optimizer;
@@ -898,6 +984,8 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   out.dp_time_s = gradient_sync_time(p, dense_max) + expert_gradient_sync_time(p, experts_max);
   b.dp_comm = exposed_gradient_sync_time(p, params_max, experts_max, s) + embedding_sync_time(p) +
               sequence_parallel_grad_sync_time(p, loaded);
+  // Megatron-FSDP's per-microbatch gathers and reductions (p = 1: the stage's passes).
+  b.dp_comm += m * (s.forward.dp_comm + s.backward.dp_comm + s.recompute.dp_comm);
 
   b.optimizer = optimizer_time(p, dense_max, experts_max);
 

@@ -61,7 +61,11 @@ struct PassTime {
   // an all-gather or all-to-all), and each rank's expert all-to-all buffers (1/ep of each
   // stays, the rest goes to the other members).
   double cp_bytes = 0, ep_bytes = 0;
-  double comm() const { return tp_comm + cp_comm + ep_comm; }
+  // Megatron-FSDP's collectives of the pass (sharded gradients or weights): what its compute
+  // does not hide of the layers' weight all-gathers and gradient reduce-scatters
+  // (CostModel::fsdp_pass_comm).
+  double dp_comm = 0;
+  double comm() const { return tp_comm + cp_comm + ep_comm + dp_comm; }
   double total() const { return compute + comm(); }
 };
 
@@ -126,6 +130,9 @@ class CostModel {
   // Data-parallel reduction of `params` dense parameters' gradients over the d * cp ranks
   // (reduce-scatter + all-gather of the weights with the distributed optimizer), not overlapped.
   double gradient_sync_time(const ParallelPlan& p, double params) const;
+  // With Megatron-FSDP's sharded gradients, which are reduced in every microbatch's backward
+  // pass (add_fsdp_pass_comm), what is left is the all-gather of the updated weights: all of
+  // them, or with sharded weights those outside the layer units (non_layer_parameters_on_stage).
   // The same for `params` expert parameters, over the expert-data-parallel group.
   double expert_gradient_sync_time(const ParallelPlan& p, double params) const;
   // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
@@ -139,6 +146,17 @@ class CostModel {
   // The embedding sync is not included.
   double exposed_gradient_sync_time(const ParallelPlan& p, double params, double expert_params,
                                     const StageTime& s) const;
+  // Megatron-FSDP with sharded gradients (p = 1): the exposed part of each microbatch's
+  // collectives, set into t's forward and backward passes (dp_comm). Each transformer layer is a
+  // unit: with sharded weights its weights are all-gathered before its forward pass and again
+  // before its backward pass (one gather serves the recompute and the backward), and every
+  // gradient is reduce-scattered as its layer's backward pass ends; the next units' gathers are
+  // prefetched. A pass exposes its first unit's gather and its last unit's reduction, and what
+  // the rest of its collectives take beyond the rest of its compute. A no-op for other plans.
+  void add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& t) const;
+  // Megatron-FSDP's parameters outside the layer units on stage r: the embedding, the final norm
+  // and the output layer, kept whole (never resharded) and gathered once an iteration.
+  double non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
   // With sequence parallelism, the gradients of the parameters every tensor-parallel rank holds

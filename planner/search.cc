@@ -34,7 +34,7 @@ auto plan_key(const ParallelPlan& p) {
                          p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
                          p.virtual_stages, p.microbatch_group, static_cast<int>(p.recompute),
                          p.recompute_layers, p.sequence_parallel, p.distributed_optimizer,
-                         p.layers_per_stage);
+                         static_cast<int>(p.fsdp), p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -147,8 +147,11 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
     for (Recompute rc : o.recompute_modes) {
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
-        for (int dopt = 0; dopt < 2; ++dopt) {
-          if (dopt && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
+        // The optimizer: DDP, the distributed optimizer, then Megatron-FSDP's strategies asked
+        // for (p = 1 only).
+        const size_t variants = 2 + (c.p == 1 && c.d * c.cp > 1 ? o.fsdp_strategies.size() : 0);
+        for (size_t dopt = 0; dopt < variants; ++dopt) {
+          if (dopt == 1 && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
           ++tally.considered;
           ParallelPlan plan = o.defaults;
           plan.layers_per_stage = c.split;
@@ -172,6 +175,9 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
+          plan.fsdp = dopt < 2 ? FsdpSharding::kOff : o.fsdp_strategies[dopt - 2];
+          if (plan.fsdp != FsdpSharding::kOff)
+            plan.distributed_optimizer = plan.fsdp >= FsdpSharding::kOptim;
           // Overlaps asked for apply where there is what they overlap (and only then does
           // Megatron take their flags).
           plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
@@ -281,6 +287,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         cell.sequence_parallel = m.is_moe() && t > 1;  // required there; tried either way else
         // The overlaps apply per plan, where SP and the distributed optimizer are on (expand).
         cell.tp_comm_overlap = cell.overlap_param_gather = cell.overlap_moe_ep_comm = false;
+        cell.fsdp = FsdpSharding::kOff;  // tried per plan (expand)
         if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
           ++total.considered;
           ++total.rejected[rule_reason(rule)];
@@ -400,6 +407,7 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
+  field("megatron-fsdp", to_string(a.fsdp), to_string(b.fsdp));
   field("expert all-to-all overlap", flag(a.overlap_moe_ep_comm), flag(b.overlap_moe_ep_comm));
   return out.empty() ? "same configuration" : out;
 }
@@ -435,7 +443,8 @@ std::string plan_summary(const ParallelPlan& p) {
     s += " g" + std::to_string(p.microbatch_group_size());
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
-  if (p.distributed_optimizer) s += " dopt";
+  if (p.distributed_optimizer && !p.shards_gradients()) s += " dopt";
+  if (p.shards_gradients()) s += p.shards_weights() ? " fsdp-ogp" : " fsdp-og";
   if (p.overlap_moe_ep_comm) s += " a2a-overlap";
   return s;
 }

@@ -30,6 +30,10 @@ struct SearchOptions {
                                             Recompute::kFull};
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
+  // Megatron-FSDP's strategies tried besides DDP and the distributed optimizer, at p = 1 with
+  // data-parallel replicas (ptdp plan --use-megatron-fsdp: optim_grads and optim_grads_params,
+  // or the --data-parallel-sharding-strategy given); none by default.
+  std::vector<FsdpSharding> fsdp_strategies;
   bool try_interleaving = true;
   // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
   // p that does not divide the layers (planner/search.cc stage_splits).

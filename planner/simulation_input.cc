@@ -15,6 +15,7 @@ PassCost picos(const PassTime& t) {
   c.tp_comm = to_picos(t.tp_comm);
   c.cp_comm = to_picos(t.cp_comm);
   c.ep_comm = to_picos(t.ep_comm);
+  c.dp_comm = to_picos(t.dp_comm);
   c.cp_bytes = t.cp_bytes;
   c.ep_bytes = t.ep_bytes;
   return c;
@@ -26,6 +27,7 @@ PassCost plus(const PassCost& a, const PassCost& b, int sign = 1) {
   c.tp_comm = a.tp_comm + sign * b.tp_comm;
   c.cp_comm = a.cp_comm + sign * b.cp_comm;
   c.ep_comm = a.ep_comm + sign * b.ep_comm;
+  c.dp_comm = a.dp_comm + sign * b.dp_comm;
   c.cp_bytes = a.cp_bytes + sign * b.cp_bytes;
   c.ep_bytes = a.ep_bytes + sign * b.ep_bytes;
   return c;
@@ -47,8 +49,10 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   in.expert_tensor_parallel = p.expert_tp();
   // Expert gradients overlap too when only the experts have data-parallel replicas (d cp = 1,
   // expert-data-parallel > 1), as the analytic model and Megatron-Core do.
-  in.overlap_grad_reduce =
-      p.overlap_grad_reduce && (in.data_parallel > 1 || p.expert_data_parallel() > 1);
+  // Megatron-FSDP's sharded gradients are reduced in each backward pass (PassCost::dp_comm):
+  // what is left after the last one, the weights' all-gather, waits for it.
+  in.overlap_grad_reduce = p.overlap_grad_reduce && !p.shards_gradients() &&
+                           (in.data_parallel > 1 || p.expert_data_parallel() > 1);
   const int64_t pp = p.pipeline_parallel, v = p.virtual_stages;
   for (int64_t r = 0; r < pp; ++r) {
     std::vector<ChunkCost> chunks;

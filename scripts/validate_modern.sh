@@ -17,6 +17,10 @@
 #  [MZ]  yanring/Megatron-MoE-ModelZoo best_practice/mixtral/run_mixtral_8x22B.sh: H100, BF16,
 #        dropless, alltoall dispatcher, "around 445 TFLOPS" (approximate, as the script says).
 #  [N2]  NeMo Framework performance page (container 25.02), DGX-B200, FP8, tokens/s/GPU.
+#  [MF]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 25.09),
+#        DGX-H100, FP8 (per-tensor current scaling), tokens/s/GPU, with Megatron-FSDP ("FSDP 8":
+#        the sharding group is all 8 GPUs; the benchmark harness sets optim_grads_params). Its
+#        main-gradient type is not given: fp32 (ptdp's default) is used.
 # Recompute is not stated by any source: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +62,10 @@ row "[L3] llama3-405b 16384 H100 s128k cp16" dgx-h100 16384 tflops 380 $L405 $SP
 row "[N1] llama3-8b 8 H100 fp8 cp2" dgx-h100 8 tokens 12273 --model llama3-8b --fp8-format hybrid \
   --global-batch-size 128 --seq-length 8192 --tensor-model-parallel-size 1 --context-parallel-size 2 \
   --pipeline-model-parallel-size 1 --micro-batch-size 1 --use-distributed-optimizer
+row "[MF] llama3-8b 8 H100 fp8 fsdp" dgx-h100 8 tokens 14079 --model llama3-8b --fp8-format hybrid \
+  --global-batch-size 128 --seq-length 8192 --tensor-model-parallel-size 1 \
+  --pipeline-model-parallel-size 1 --micro-batch-size 1 --use-megatron-fsdp \
+  --data-parallel-sharding-strategy optim_grads_params
 row "[N1] llama3-70b 64 H100 fp8 t4 cp2 p4 v5" dgx-h100 64 tokens 1524 --model llama3-70b \
   --fp8-format hybrid --global-batch-size 128 --seq-length 8192 --tensor-model-parallel-size 4 \
   --context-parallel-size 2 --pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 5 \

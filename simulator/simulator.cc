@@ -291,9 +291,12 @@ class Engine {
             static_cast<Picos>(std::llround(static_cast<double>(own.compute) * st.factor));
         record(e, Stream::kCompute, a, now_, now_ + compute);
         record(e, Stream::kTensor, a, now_ + compute, now_ + compute + own.tp_comm);
+        record(e, Stream::kData, a, now_ + compute + own.tp_comm,
+               now_ + compute + own.tp_comm + own.dp_comm);
         st.stats.compute += compute;
         st.stats.tp_comm += own.tp_comm;
-        const Picos end = now_ + compute + own.tp_comm;
+        st.stats.dp_comm += own.dp_comm;
+        const Picos end = now_ + compute + own.tp_comm + own.dp_comm;
         if (b > 0) {  // the step's first half: its all-to-alls start, no phase yet
           st.pass = &combine(st, r, a, list[b]);
           start_flows(e, false);

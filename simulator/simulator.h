@@ -48,7 +48,10 @@ struct PassCost {
   // each rank's all-to-all buffers, 1/ep of them to every member of its expert group).
   Picos cp_comm = 0, ep_comm = 0;
   double cp_bytes = 0, ep_bytes = 0;
-  Picos total() const { return compute + tp_comm + cp_comm + ep_comm; }
+  // Megatron-FSDP's gathers and reductions that the pass's compute does not hide (the cost
+  // model's CostModel::add_fsdp_pass_comm), after its kernels, counted as data-parallel time.
+  Picos dp_comm = 0;
+  Picos total() const { return compute + tp_comm + cp_comm + ep_comm + dp_comm; }
 };
 
 // What one microbatch costs on one model chunk. `backward` includes recomputation; for split

@@ -73,6 +73,21 @@ TEST(Cli, RunSaysWhichPricedSettingsItDoesNotExecute) {
   const std::string note = execution_note(m, p);
   EXPECT_NE(note.find("--tp-comm-overlap"), std::string::npos);
   EXPECT_EQ(note.find('\n'), std::string::npos);
+  // Megatron-FSDP's gradient and weight sharding: run as the distributed optimizer, which does
+  // the same arithmetic, and said; no_shard and optim are DDP's and the distributed optimizer's.
+  ParallelPlan f;
+  f.data_parallel = 4;
+  f.distributed_optimizer = true;
+  for (FsdpSharding s :
+       {FsdpSharding::kOptim, FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}) {
+    f.fsdp = s;
+    EXPECT_EQ(execution_note(m, f).find(to_string(s) + " is priced, not run") != std::string::npos,
+              f.shards_gradients())
+        << to_string(s);
+    const ParallelPlan run = as_executed(f);
+    EXPECT_EQ(run.fsdp, FsdpSharding::kOff);
+    EXPECT_TRUE(run.distributed_optimizer);
+  }
 }
 
 // Context parallelism runs fused attention whatever the model asks (as Megatron-Core and the op
@@ -1131,6 +1146,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // Megatron-Core's combined 1F1B where a plan allows it (ep > 1; interleaved, or p = 1).
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "qwen2-57b-a14b",
         "--global-batch-size", "256", "--overlap-moe-expert-parallel-comm"}},
+      // Megatron-FSDP's strategies where p = 1.
+      {{"--cluster", "dgx-h100", "--num-gpus", "16", "--model", "llama2-7b", "--global-batch-size",
+        "64", "--use-megatron-fsdp"}},
       {{"--cluster",
         "dgx-a100-80gb",
         "--num-gpus",
@@ -1175,6 +1193,8 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--tp-comm-overlap",
                                           "--overlap-param-gather",
                                           "--overlap-moe-expert-parallel-comm",
+                                          "--data-parallel-sharding-strategy optim_grads ",
+                                          "--data-parallel-sharding-strategy optim_grads_params",
                                           "--untie-embeddings-and-output-weights"};
   for (const Case& c : cases) {
     std::vector<std::string> args = {"plan", "--top", "40", "--json", "--no-progress"};
@@ -1229,6 +1249,19 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
              "--recompute-num-layers: needs");
   expect_bad(predict_plus({"--accumulate-allreduce-grads-in-fp32", "--fp16-grad-reduce"}),
              "--accumulate-allreduce-grads-in-fp32: conflicts with --fp16-grad-reduce");
+  // Megatron-FSDP: its flags need --use-megatron-fsdp, take Megatron's values, and run at p = 1.
+  expect_bad(predict_plus({"--data-parallel-sharding-strategy", "optim_grads"}),
+             "--data-parallel-sharding-strategy: needs --use-megatron-fsdp");
+  expect_bad(predict_plus({"--megatron-fsdp-main-grads-dtype", "fp32"}),
+             "--megatron-fsdp-main-grads-dtype: needs --use-megatron-fsdp");
+  expect_bad(predict_plus({"--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"}),
+             "--data-parallel-sharding-strategy: unknown value 'zero3'");
+  expect_bad(predict_plus({"--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp8"}),
+             "--megatron-fsdp-main-grads-dtype: must be fp32, bf16, fp16 or auto");
+  expect_bad(predict_plus({"--ckpt-format", "hdf5"}), "--ckpt-format: must be torch");
+  expect_bad(predict_plus({"--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                           "optim_grads_params"}),
+             "--use-megatron-fsdp: runs with pipeline-model-parallel-size 1");
   expect_bad(predict_plus({"--num-experts", "8", "--moe-token-dispatcher-type", "allgather"}),
              "--moe-token-dispatcher-type: ptdp prices and runs the alltoall dispatcher only");
   // Megatron-Core's conditions for its combined 1F1B: expert parallelism, and 16-bit training.

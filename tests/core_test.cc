@@ -703,6 +703,52 @@ TEST(PlanRules, ExpertAllToAllOverlapNeedsWhatMegatronCoreNeeds) {
   EXPECT_STRNE(rule_reason(PlanRule::kExpertOverlap), rule_reason(PlanRule::kRecomputeLayers));
 }
 
+// Megatron-FSDP: p = 1 (as Megatron-Core runs it), the distributed optimizer exactly where the
+// strategy shards the optimizer states, Megatron's flags (its checkpoint format, and fp32 main
+// gradients where the plan is priced with them), and the plan file's field.
+TEST(PlanRules, MegatronFsdpRunsAtOnePipelineStage) {
+  const ModelSpec m = eight_layers();
+  ParallelPlan p;
+  p.data_parallel = 4;
+  p.global_batch_size = 8;
+  p.fsdp = FsdpSharding::kOptimGrads;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--use-megatron-fsdp|--use-megatron-fsdp: --data-parallel-sharding-strategy "
+            "optim_grads shards the optimizer states: the plan needs the distributed optimizer");
+  p.distributed_optimizer = true;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  const std::string flags = p.megatron_flags(m, DType::kBF16);
+  EXPECT_NE(flags.find(" --use-distributed-optimizer --use-megatron-fsdp "
+                       "--data-parallel-sharding-strategy optim_grads --ckpt-format fsdp_dtensor "
+                       "--megatron-fsdp-main-grads-dtype fp32"),
+            std::string::npos)
+      << flags;
+  p.fp32_grad_reduce = false;  // Megatron-FSDP's default (auto): the model's 16 bits
+  EXPECT_EQ(p.megatron_flags(m, DType::kBF16).find("main-grads-dtype"), std::string::npos);
+  EXPECT_EQ(p.ptdp_flags(), "--fp16-grad-reduce");
+  for (FsdpSharding s : {FsdpSharding::kNoShard, FsdpSharding::kOptim, FsdpSharding::kOptimGrads,
+                         FsdpSharding::kOptimGradsParams}) {
+    p.fsdp = s;
+    p.distributed_optimizer = s != FsdpSharding::kNoShard;
+    EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone) << to_string(s);
+    EXPECT_EQ(plan_from_json(to_json(p)).fsdp, s);
+    EXPECT_EQ(fsdp_sharding_from_string(to_string(s)), s);
+  }
+  EXPECT_EQ(plan_from_json(to_json(ParallelPlan{})).fsdp, FsdpSharding::kOff);
+  EXPECT_EQ(p.shards_gradients() && p.shards_weights(), true);
+  p.data_parallel = 2;
+  p.pipeline_parallel = 2;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--use-megatron-fsdp|--use-megatron-fsdp: runs with pipeline-model-parallel-size 1 "
+            "(Megatron-FSDP shards each data-parallel replica's layers), got 2");
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kMegatronFsdp);
+  EXPECT_EQ(field_of([] { fsdp_sharding_from_string("zero3"); }),
+            "--data-parallel-sharding-strategy");
+  json j = to_json(ParallelPlan{});
+  j["megatron_fsdp"] = "zero3";
+  EXPECT_EQ(field_of([&] { plan_from_json(j); }), "megatron_fsdp");
+}
+
 // Rates beyond any machine (the simulator's picosecond clock would overflow on them, the
 // reports would print hundreds of digits) are refused naming the field.
 TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {

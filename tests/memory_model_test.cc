@@ -2,6 +2,8 @@
 // 18 bytes per parameter; 6 + 12/d with the distributed optimizer; in-flight microbatches).
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "core/layer_ops.h"
 #include "core/presets.h"
 #include "core/schedule.h"
@@ -192,6 +194,99 @@ TEST(StateMemory, InFlightCountsMatchTheScheduleGenerator) {
         }
       }
     }
+  }
+}
+
+// Llama 2 7B on one DGX H100 at p = 1, d = 8 (bf16, fp32 gradients), full recompute.
+ParallelPlan llama7b_on_8(FsdpSharding fsdp) {
+  ParallelPlan p;
+  p.data_parallel = 8;
+  p.global_batch_size = 64;
+  p.recompute = Recompute::kFull;
+  p.fsdp = fsdp;
+  p.distributed_optimizer = fsdp != FsdpSharding::kNoShard;
+  return p;
+}
+
+// Megatron-FSDP (megatron/core/distributed/fsdp): optim_grads keeps 1/d of the layer units'
+// gradients plus the whole gradients of two units (one being computed, one being reduced) and
+// of what is outside the units (embedding, final norm, output layer); optim_grads_params also
+// keeps 1/d of their weights plus the gathered units: the running one and those prefetched up
+// to 5e8 elements (four of Llama 2 7B's 202M-parameter layers).
+TEST(StateMemory, MegatronFsdpShardsGradientsThenWeights) {
+  const ModelSpec m = resolve_model("llama2-7b");
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(8);
+  const CostModel cost(m, c, resolve_profile("h100-sxm"));
+  const ParallelPlan dopt = llama7b_on_8(FsdpSharding::kOptim);
+  const ParallelPlan og = llama7b_on_8(FsdpSharding::kOptimGrads);
+  const ParallelPlan ogp = llama7b_on_8(FsdpSharding::kOptimGradsParams);
+  for (const ParallelPlan& p : {dopt, og, ogp}) p.validate(m);
+  const double params = cost.parameters_on_stage(og, 0);
+  const double outside = cost.non_layer_parameters_on_stage(og, 0);
+  // The embedding and the untied output layer, and the final norm.
+  EXPECT_DOUBLE_EQ(outside, 2.0 * 32000 * 4096 + 4096);
+  const double unit = (params - outside) / 32;
+  EXPECT_NEAR(unit, 202383360, 1);  // 4 h^2 + 3 h ffn + two norms
+  const MemoryBreakdown a = cost.memory(dopt), b = cost.memory(og), g = cost.memory(ogp);
+  EXPECT_DOUBLE_EQ(a.weights, 2 * params);
+  EXPECT_DOUBLE_EQ(a.gradients, 4 * params);
+  EXPECT_DOUBLE_EQ(b.weights, a.weights);
+  EXPECT_DOUBLE_EQ(b.gradients, 4 * ((params - outside) / 8 + outside + 2 * unit));
+  EXPECT_DOUBLE_EQ(g.gradients, b.gradients);
+  EXPECT_DOUBLE_EQ(g.weights, 2 * ((params - outside) / 8 + outside + 4 * unit));
+  for (const MemoryBreakdown& x : {b, g}) EXPECT_DOUBLE_EQ(x.optimizer, a.optimizer);
+  EXPECT_DOUBLE_EQ(g.activations, a.activations);
+  EXPECT_GT(a.peak, b.peak);
+  EXPECT_GT(b.peak, g.peak);
+  // no_shard keeps everything whole, as DDP.
+  ParallelPlan none = llama7b_on_8(FsdpSharding::kNoShard);
+  ParallelPlan ddp = none;
+  ddp.fsdp = FsdpSharding::kOff;
+  EXPECT_DOUBLE_EQ(cost.memory(none).peak, cost.memory(ddp).peak);
+}
+
+// Megatron-FSDP's collectives per microbatch: optim_grads reduce-scatters every gradient in each
+// backward pass and gathers the updated weights once an iteration; optim_grads_params also
+// gathers the layers' weights before each forward and each backward pass, and only what is
+// outside the units once an iteration. A pass exposes at least its first unit's gather or last
+// unit's reduction (1/L of its collectives), at most all of them.
+TEST(CostModel, MegatronFsdpCollectivesRunInEveryMicrobatch) {
+  const ModelSpec m = resolve_model("llama2-7b");
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(16);  // two nodes: the data-parallel group crosses the network
+  const CostModel cost(m, c, resolve_profile("h100-sxm"));
+  for (FsdpSharding s : {FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}) {
+    ParallelPlan p = llama7b_on_8(s);
+    p.data_parallel = 16;
+    p.global_batch_size = 128;
+    p.validate(m);
+    const std::string label = to_string(s);
+    const ChunkTime t = cost.chunk_time(p, 0, 0);
+    ParallelPlan plain = p;
+    plain.fsdp = FsdpSharding::kOptim;
+    const ChunkTime u = cost.chunk_time(plain, 0, 0);
+    EXPECT_EQ(u.forward.dp_comm + u.backward.dp_comm, 0) << label;
+    EXPECT_DOUBLE_EQ(t.forward.compute, u.forward.compute) << label;
+    EXPECT_EQ(t.forward.dp_comm > 0, p.shards_weights()) << label;
+    EXPECT_GT(t.backward.dp_comm, 0) << label;
+    const Prediction r = cost.predict(p);
+    const double m_b = static_cast<double>(p.num_microbatches());
+    const double per_pass = t.forward.dp_comm + t.backward.dp_comm + t.recompute.dp_comm;
+    EXPECT_NEAR(r.breakdown.dp_comm,
+                m_b * per_pass + cost.gradient_sync_time(p, cost.parameters_on_stage(p, 0)), 1e-12)
+        << label;
+    // Twice the microbatches, twice the per-microbatch collectives.
+    p.global_batch_size *= 2;
+    EXPECT_NEAR(cost.predict(p).breakdown.dp_comm - r.breakdown.dp_comm, m_b * per_pass, 1e-9)
+        << label;
+    // What is left for the end of the iteration: the weights' all-gather, of everything with
+    // sharded gradients only, of the embedding and output layer with sharded weights too.
+    const double left = cost.gradient_sync_time(p, cost.parameters_on_stage(p, 0));
+    const double all = cost.gradient_sync_time(plain, cost.parameters_on_stage(p, 0));
+    EXPECT_LT(left, all) << label;  // no reduce-scatter left
+    std::printf("%-18s forward %.2f ms, backward %.2f ms exposed a microbatch; %.2f ms left\n",
+                label.c_str(), 1e3 * t.forward.dp_comm, 1e3 * t.backward.dp_comm, 1e3 * left);
   }
 }
 

@@ -280,7 +280,11 @@ TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
       {dense, common},
       {moe, common},
       {moe + " --pipeline-schedule zb-h1",
-       {"--pipeline-model-parallel-size 2", "--expert-model-parallel-size"}}};
+       {"--pipeline-model-parallel-size 2", "--expert-model-parallel-size"}},
+      // Megatron-FSDP's plans (p = 1), run with the distributed optimizer's layout.
+      {dense + " --use-megatron-fsdp",
+       {"--data-parallel-sharding-strategy optim_grads ",
+        "--data-parallel-sharding-strategy optim_grads_params"}}};
   cases[0].kinds.insert(cases[0].kinds.end(),
                         {"--num-layers-per-virtual-pipeline-stage",
                          "--decoder-first-pipeline-num-layers", "--max-position-embeddings 48"});

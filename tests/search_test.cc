@@ -19,6 +19,11 @@ struct Job {
   ClusterSpec c = resolve_cluster("dgx-a100-80gb");
   HardwareProfile h = resolve_profile("a100-80gb");
   Job(int64_t gpus) { c.resize(gpus); }
+  // A preset model on `gpus` H100s (dgx-h100, the estimated h100-sxm profile).
+  Job(const std::string& model, int64_t gpus)
+      : m(resolve_model(model)), c(resolve_cluster("dgx-h100")), h(resolve_profile("h100-sxm")) {
+    c.resize(gpus);
+  }
 };
 
 TEST(Search, SameResultForAnyThreadCount) {
@@ -119,6 +124,34 @@ TEST(Search, RanksOnlyPlansEveryValidatorAccepts) {
   }
   EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kTensorDividesFfn)), 0);
   EXPECT_GT(r.rejected.at(rule_reason(PlanRule::kSequenceParallelDividesSequence)), 0);
+}
+
+// Megatron-FSDP's strategies enter the search only when asked, and then only where Megatron-Core
+// runs them (p = 1) and there is something to shard (d cp > 1); the search with them is a
+// superset, so its best plan is no slower, and every FSDP plan it ranks passes the rules.
+TEST(Search, MegatronFsdpStrategiesOnlyWhenAskedAndAtOneStage) {
+  Job j("llama2-7b", 16);
+  SearchOptions o;
+  o.global_batch_size = 64;
+  o.top_k = 400;
+  const SearchResult plain = search_plans(j.m, j.c, j.h, o);
+  ASSERT_FALSE(plain.top.empty());
+  for (const RankedPlan& rp : plain.top) EXPECT_EQ(rp.plan.fsdp, FsdpSharding::kOff);
+  o.fsdp_strategies = {FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams};
+  const SearchResult fsdp = search_plans(j.m, j.c, j.h, o);
+  EXPECT_GT(fsdp.considered, plain.considered);
+  EXPECT_LE(fsdp.top[0].prediction.iteration_time_s, plain.top[0].prediction.iteration_time_s);
+  std::set<FsdpSharding> seen;
+  for (const RankedPlan& rp : fsdp.top) {
+    if (rp.plan.fsdp == FsdpSharding::kOff) continue;
+    seen.insert(rp.plan.fsdp);
+    EXPECT_EQ(rp.plan.pipeline_parallel, 1) << plan_summary(rp.plan);
+    EXPECT_GT(rp.plan.data_parallel * rp.plan.context_parallel, 1) << plan_summary(rp.plan);
+    EXPECT_TRUE(rp.plan.distributed_optimizer) << plan_summary(rp.plan);
+    EXPECT_EQ(first_violated_rule(j.m, rp.plan), PlanRule::kNone) << plan_summary(rp.plan);
+    EXPECT_NE(plan_summary(rp.plan).find(" fsdp-og"), std::string::npos);
+  }
+  EXPECT_EQ(seen.size(), 2u);
 }
 
 // Megatron's uneven splits: the ends lighter than (or as full as) the equal middle stages, the
@@ -279,12 +312,8 @@ TEST(CommModel, ScatterGatherSplitsOnlyWhatSequenceParallelismHasNotSplit) {
 }
 
 TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
-  Job j(64);
-  j.m = resolve_model("llama3-405b");  // 126 layers
+  Job j("llama3-405b", 1024);  // 126 layers
   j.m.seq_length = 4096;
-  j.c = resolve_cluster("dgx-h100");
-  j.c.resize(1024);
-  j.h = resolve_profile("h100-sxm");
   SearchOptions o;
   o.global_batch_size = 512;
   o.top_k = 50;
@@ -309,12 +338,8 @@ TEST(Search, UnevenStagesLetPNotDividingTheLayersRun) {
 // Llama 3 405B at a 128K context on 16384 H100s: nothing without context parallelism fits, so
 // the search ranks cp plans first; every one of them is valid and fits.
 TEST(Search, LongContextNeedsContextParallelism) {
-  Job j(16384);
-  j.m = resolve_model("llama3-405b");
+  Job j("llama3-405b", 16384);
   j.m.seq_length = 131072;
-  j.c = resolve_cluster("dgx-h100");
-  j.c.resize(16384);
-  j.h = resolve_profile("h100-sxm");
   SearchOptions o;
   o.global_batch_size = 2048;
   o.threads = 1;
@@ -338,12 +363,8 @@ TEST(Search, LongContextNeedsContextParallelism) {
 // steps behind the small attention blocks of a wide cp group, so the search beats the ring-only
 // search there.
 TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
-  Job j(128);
-  j.m = resolve_model("llama2-7b");
+  Job j("llama2-7b", 128);
   j.m.seq_length = 16384;
-  j.c = resolve_cluster("dgx-h100");
-  j.c.resize(128);
-  j.h = resolve_profile("h100-sxm");
   j.h.activation_dtype = DType::kBF16;
   SearchOptions o;
   o.global_batch_size = 64;
@@ -380,12 +401,8 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
 // plan whose expert groups tile the stage's t * cp * d ranks (ptdp run executes MoE with cp
 // since 2026-11-27; the search left cp out for MoE models before).
 TEST(Search, MoeModelsPlanWithExpertParallelism) {
-  Job j(64);
-  j.m = resolve_model("mixtral-8x7b");
+  Job j("mixtral-8x7b", 64);
   j.m.seq_length = 4096;
-  j.c = resolve_cluster("dgx-h100");
-  j.c.resize(64);
-  j.h = resolve_profile("h100-sxm");
   SearchOptions o;
   o.global_batch_size = 256;
   o.top_k = 200;

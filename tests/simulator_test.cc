@@ -532,6 +532,40 @@ TEST(Simulator, OverlappedGradientReductionAgreesWithPredict) {
               1, 0.002);
 }
 
+// Megatron-FSDP's per-microbatch collectives, which each pass exposes after its kernels, and the
+// weights' all-gather left for the end of the iteration: simulate agrees with predict, and its
+// timeline shows them on the data-parallel stream.
+TEST(Simulator, MegatronFsdpCollectivesAgreeWithPredict) {
+  const ModelSpec m = resolve_model("llama2-7b");
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(32);
+  const CostModel cm(m, c, resolve_profile("h100-sxm"));
+  for (FsdpSharding s : {FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}) {
+    ParallelPlan plan;
+    plan.tensor_parallel = 2;
+    plan.data_parallel = 16;
+    plan.global_batch_size = 128;
+    plan.sequence_parallel = true;
+    plan.recompute = Recompute::kSelective;
+    plan.fsdp = s;
+    plan.distributed_optimizer = true;
+    plan.validate(m);
+    const Prediction predicted = cm.predict(plan);
+    const SimulationResult sim = simulate_plan(cm, plan, false, {}, true);
+    std::printf("%-18s predicted %.4f s (dp %.4f s), simulated %.4f s (dp %.4f s)\n",
+                to_string(s).c_str(), predicted.iteration_time_s, predicted.breakdown.dp_comm,
+                to_seconds(sim.iteration), to_seconds(sim.exposed_dp));
+    EXPECT_NEAR(to_seconds(sim.iteration) / predicted.iteration_time_s, 1, 0.01) << to_string(s);
+    EXPECT_NEAR(to_seconds(sim.exposed_dp) / predicted.breakdown.dp_comm, 1, 0.02) << to_string(s);
+    int64_t data_spans = 0;
+    for (const Span& span : sim.timeline)
+      if (span.stream == Stream::kData && is_compute(span.kind)) ++data_spans;
+    // One span per backward pass (and per forward pass with sharded weights).
+    const int64_t passes = plan.num_microbatches() * (plan.shards_weights() ? 2 : 1);
+    EXPECT_EQ(data_spans, passes) << to_string(s);
+  }
+}
+
 TEST(Simulator, ContextAndExpertTransfersAgreeWithPredict) {
   const HardwareProfile h = resolve_profile("h100-sxm");
   for (const GroupCase& g : group_cases()) {
