@@ -23,10 +23,20 @@ jobs=${JOBS:-$(nproc)}
 if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   arch=${CUDA_ARCH:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)}
+  # The cluster preset predict prices the GPT-2 runs on: the GPU's own (GPT2_CLUSTER overrides).
+  if [ -z "${GPT2_CLUSTER:-}" ]; then
+    case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in
+      *H200*) GPT2_CLUSTER=dgx-h200 ;;
+      *B200*) GPT2_CLUSTER=dgx-b200 ;;
+      *A100*) GPT2_CLUSTER=dgx-a100-80gb ;;
+      *) GPT2_CLUSTER=dgx-h100 ;;
+    esac
+  fi
 else
   echo "gpu-check: nvidia-smi not found" >&2
   arch=${CUDA_ARCH:-90}
 fi
+export GPT2_CLUSTER=${GPT2_CLUSTER:-dgx-h100}
 
 # Warnings are CI's business (-DPTDP_WERROR=ON there); another host compiler on the GPU machine
 # must not stop the check over a new warning.
