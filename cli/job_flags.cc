@@ -437,8 +437,18 @@ void JobFlags::apply_megatron_fsdp_flags(ParallelPlan& p) const {
       throw InputError("--megatron-fsdp-main-grads-dtype", "needs --use-megatron-fsdp");
     return;
   }
+  if (!ckpt_format.empty() && ckpt_format != "fsdp_dtensor")
+    throw InputError("--ckpt-format",
+                     "must be fsdp_dtensor with --use-megatron-fsdp (Megatron-LM's "
+                     "rule), got '" +
+                         ckpt_format + "'");
   p.fsdp = dp_sharding_strategy.empty() ? FsdpSharding::kNoShard
                                         : fsdp_sharding_from_string(dp_sharding_strategy);
+  if (p.fsdp == FsdpSharding::kNoShard && overlap_param_gather)
+    throw InputError("--overlap-param-gather",
+                     "has no sharded weights to gather with --data-parallel-sharding-strategy "
+                     "no_shard (Megatron-FSDP's default): give optim, optim_grads or "
+                     "optim_grads_params");
   // Megatron-FSDP turns the distributed optimizer on; only the strategies from optim on shard
   // its states (no_shard keeps them whole, as DDP does).
   p.distributed_optimizer = p.fsdp >= FsdpSharding::kOptim;

@@ -97,6 +97,11 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.
+  if (f.job.use_megatron_fsdp) {
+    // --megatron-fsdp-main-grads-dtype applies to those plans only.
+    o.fsdp_fp32_grad_reduce = base.fp32_grad_reduce;
+    o.defaults.fp32_grad_reduce = !f.job.fp16_grad_reduce;
+  }
   if (f.job.use_megatron_fsdp)
     o.fsdp_strategies =
         f.job.dp_sharding_strategy.empty()

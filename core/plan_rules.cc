@@ -250,6 +250,12 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                "replica's layers), got " +
                num(p);
       });
+    if (plan.schedule == Schedule::kZeroBubbleH1)
+      return broken(PlanRule::kMegatronFsdp, report, flag, [] {
+        return std::string(
+            "runs Megatron-Core's 1f1b schedule, not zb-h1 (whose deferred weight-gradient passes "
+            "would hold each layer's gradients back from its reduce-scatter)");
+      });
     const bool sharded = plan.fsdp >= FsdpSharding::kOptim;
     if (plan.distributed_optimizer != sharded)
       return broken(PlanRule::kMegatronFsdp, report, flag, [&] {

@@ -59,8 +59,8 @@ enum class PlanRule {
   kMoeNeedsSequenceParallel,              // an MoE model with t > 1 needs SP
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
-  kMegatronFsdp,     // --use-megatron-fsdp: p = 1; the optimizer states sharded (the distributed
-                     // optimizer) exactly when the strategy shards them
+  kMegatronFsdp,     // --use-megatron-fsdp: p = 1, not zb-h1; the optimizer states sharded (the
+                     // distributed optimizer) exactly when the strategy shards them
   kExpertOverlap,    // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
                      // p = 1 or interleaved
   kRecomputeLayers,  // recompute_layers >= 0, and > 0 only with full

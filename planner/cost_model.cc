@@ -740,8 +740,11 @@ void CostModel::add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& 
   auto exposed = [n](double comm, double compute) {
     return comm / n + std::max(0.0, (comm - compute) * (n - 1.0) / n);
   };
-  t.forward.dp_comm = exposed(gathers, t.forward.total());
-  t.backward.dp_comm = exposed(gathers + reductions, t.backward.total() + t.recompute.total());
+  // What can hide them: the passes' kernels and tensor-parallel collectives (the context and
+  // expert exchanges use the same links).
+  auto kernels = [](const PassTime& x) { return x.compute + x.tp_comm; };
+  t.forward.dp_comm = exposed(gathers, kernels(t.forward));
+  t.backward.dp_comm = exposed(gathers + reductions, kernels(t.backward) + kernels(t.recompute));
 }
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
@@ -797,6 +800,18 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
     params += static_cast<double>(moe) * model_.layer_parameters_per_rank(p.tensor_parallel, true) +
               expert_parameters_on_stage(p, r);
   return params + non_layer_parameters_on_stage(p, r);
+}
+
+double CostModel::largest_non_layer_module(const ParallelPlan& p, int64_t r) const {
+  const double t = static_cast<double>(p.tensor_parallel);
+  double embedding = 0, output = 0;
+  if (r == 0)
+    embedding = (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
+                model_.position_embedding_parameters();
+  if (r == p.pipeline_parallel - 1)
+    output = model_.norm_parameters() +
+             (model_.untie_embeddings_and_output_weights ? model_.output_parameters() / t : 0.0);
+  return std::max(embedding, output);
 }
 
 double CostModel::non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
@@ -856,20 +871,23 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     mb.expert_weights = experts * weight_bytes();
     mb.expert_gradients = experts * grad_bytes;
     if (p.shards_gradients()) {
-      // Megatron-FSDP: the layer units' gradients (and with sharded weights their weights) in
-      // 1/(d cp) shards, the experts' in 1/edp; whole: the parameters outside the units, the
-      // gradients of the units being computed and reduced, and the gathered units' weights
-      // (the unit running and those prefetched).
+      // Megatron-FSDP: every gradient in 1/(d cp) shards (the experts' in 1/edp), and with
+      // sharded weights the layer units' weights; whole: the weights outside the units, the
+      // gradients of the units being computed and reduced (or of the module outside the units
+      // whose backward pass runs, if larger; a tied word embedding's, which both ends of the
+      // model add to, throughout), and the gathered units' weights (the unit running and those
+      // prefetched).
       const double non_layer = non_layer_parameters_on_stage(p, r);
       const double dense_units = params - experts - non_layer;
       const double layers = static_cast<double>(std::max<int64_t>(1, p.layers_on_stage(model_, r)));
       const double unit = (dense_units + experts) / layers;  // one layer's parameters
       const double ds = dense_shards(p), es = expert_shards(p);
       mb.expert_gradients = experts / es * grad_bytes;
-      mb.gradients =
-          (dense_units / ds + non_layer + std::min(layers, kFsdpGradientUnitsInFlight) * unit) *
-              grad_bytes +
-          mb.expert_gradients;
+      const double units_alive = std::min(layers, kFsdpGradientUnitsInFlight) * unit;
+      const double alive = model_.untie_embeddings_and_output_weights
+                               ? std::max(units_alive, largest_non_layer_module(p, r))
+                               : units_alive + non_layer;
+      mb.gradients = ((dense_units + non_layer) / ds + alive) * grad_bytes + mb.expert_gradients;
       if (p.shards_weights()) {
         const double gathered =
             unit > 0

@@ -129,10 +129,10 @@ class CostModel {
   double activation_message_bytes(const ParallelPlan& p) const;
   // Data-parallel reduction of `params` dense parameters' gradients over the d * cp ranks
   // (reduce-scatter + all-gather of the weights with the distributed optimizer), not overlapped.
-  double gradient_sync_time(const ParallelPlan& p, double params) const;
   // With Megatron-FSDP's sharded gradients, which are reduced in every microbatch's backward
   // pass (add_fsdp_pass_comm), what is left is the all-gather of the updated weights: all of
   // them, or with sharded weights those outside the layer units (non_layer_parameters_on_stage).
+  double gradient_sync_time(const ParallelPlan& p, double params) const;
   // The same for `params` expert parameters, over the expert-data-parallel group.
   double expert_gradient_sync_time(const ParallelPlan& p, double params) const;
   // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
@@ -155,7 +155,8 @@ class CostModel {
   // the rest of its collectives take beyond the rest of its compute. A no-op for other plans.
   void add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& t) const;
   // Megatron-FSDP's parameters outside the layer units on stage r: the embedding, the final norm
-  // and the output layer, kept whole (never resharded) and gathered once an iteration.
+  // and the output layer, whose weights stay whole (gathered once an iteration) and whose
+  // gradients are sharded and reduce-scattered with the units'.
   double non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const;
   // All-reduce of the tied word-embedding gradients between first and last stage (0 if none).
   double embedding_sync_time(const ParallelPlan& p) const;
@@ -215,6 +216,9 @@ class CostModel {
   // fp32 training (a profile whose activations are fp32: ptdp run's precision, as calibrate
   // measures it): fp32 weights that are their own master copy, fp32 activations and logits.
   bool fp32_training() const { return profile_.activation_dtype == DType::kF32; }
+  // Of non_layer_parameters_on_stage, the larger module: the embedding, or the output layer
+  // with the final norm (untied).
+  double largest_non_layer_module(const ParallelPlan& p, int64_t r) const;
   double weight_bytes() const;           // per parameter: 2 (bf16), or 4
   double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,

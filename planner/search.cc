@@ -176,8 +176,10 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
           plan.fsdp = dopt < 2 ? FsdpSharding::kOff : o.fsdp_strategies[dopt - 2];
-          if (plan.fsdp != FsdpSharding::kOff)
+          if (plan.fsdp != FsdpSharding::kOff) {
             plan.distributed_optimizer = plan.fsdp >= FsdpSharding::kOptim;
+            plan.fp32_grad_reduce = o.fsdp_fp32_grad_reduce;
+          }
           // Overlaps asked for apply where there is what they overlap (and only then does
           // Megatron take their flags).
           plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
@@ -443,8 +445,23 @@ std::string plan_summary(const ParallelPlan& p) {
     s += " g" + std::to_string(p.microbatch_group_size());
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
-  if (p.distributed_optimizer && !p.shards_gradients()) s += " dopt";
-  if (p.shards_gradients()) s += p.shards_weights() ? " fsdp-ogp" : " fsdp-og";
+  if (p.distributed_optimizer && p.fsdp == FsdpSharding::kOff) s += " dopt";
+  switch (p.fsdp) {
+    case FsdpSharding::kOff:
+      break;
+    case FsdpSharding::kNoShard:
+      s += " fsdp-ns";
+      break;
+    case FsdpSharding::kOptim:
+      s += " fsdp-o";
+      break;
+    case FsdpSharding::kOptimGrads:
+      s += " fsdp-og";
+      break;
+    case FsdpSharding::kOptimGradsParams:
+      s += " fsdp-ogp";
+      break;
+  }
   if (p.overlap_moe_ep_comm) s += " a2a-overlap";
   return s;
 }

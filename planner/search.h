@@ -34,6 +34,9 @@ struct SearchOptions {
   // data-parallel replicas (ptdp plan --use-megatron-fsdp: optim_grads and optim_grads_params,
   // or the --data-parallel-sharding-strategy given); none by default.
   std::vector<FsdpSharding> fsdp_strategies;
+  // Their gradients' type (--megatron-fsdp-main-grads-dtype): fp32, or 16 bits. The other
+  // candidates keep defaults.fp32_grad_reduce.
+  bool fsdp_fp32_grad_reduce = true;
   bool try_interleaving = true;
   // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
   // p that does not divide the layers (planner/search.cc stage_splits).

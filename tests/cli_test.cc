@@ -1259,6 +1259,10 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
   expect_bad(predict_plus({"--use-megatron-fsdp", "--megatron-fsdp-main-grads-dtype", "fp8"}),
              "--megatron-fsdp-main-grads-dtype: must be fp32, bf16, fp16 or auto");
   expect_bad(predict_plus({"--ckpt-format", "hdf5"}), "--ckpt-format: must be torch");
+  expect_bad(predict_plus({"--use-megatron-fsdp", "--ckpt-format", "torch_dist"}),
+             "--ckpt-format: must be fsdp_dtensor with --use-megatron-fsdp");
+  expect_bad(predict_plus({"--use-megatron-fsdp", "--overlap-param-gather"}),
+             "--overlap-param-gather: has no sharded weights to gather");
   expect_bad(predict_plus({"--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                            "optim_grads_params"}),
              "--use-megatron-fsdp: runs with pipeline-model-parallel-size 1");

@@ -306,6 +306,25 @@ TEST(Reconcile, OverlappedGradientSyncShrinksTheDataParallelRowNotTheBubble) {
   }
 }
 
+// Megatron-FSDP's per-microbatch collectives are data-parallel time, not bubble: at p = 1 the
+// stage has no bubble, and its data-parallel row is what predict's breakdown says.
+TEST(Reconcile, MegatronFsdpCollectivesFillTheDataParallelRow) {
+  const ModelSpec m = tiny_model();
+  for (FsdpSharding s : {FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}) {
+    ParallelPlan plan = plan_of(1, 4, 1);
+    plan.distributed_optimizer = true;
+    plan.fsdp = s;
+    plan.validate(m);
+    const CostModel cost = cost_for(m, plan);
+    const PredictedBreakdown pred = predict_breakdown(cost, plan);
+    ASSERT_EQ(pred.stages.size(), 1u);
+    EXPECT_EQ(pred.stages[0].bubble, 0.0) << to_string(s);
+    EXPECT_NEAR(pred.stages[0].families.at(OpFamily::kDataParallel, OpRole::kForward),
+                cost.predict(plan).breakdown.dp_comm, 1e-12)
+        << to_string(s);
+  }
+}
+
 TEST(Reconcile, WaitingInTheNormAllReduceIsIdleTime) {
   const ModelSpec m = tiny_model();
   const ParallelPlan p = plan_of(2, 1, 1);

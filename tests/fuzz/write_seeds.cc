@@ -101,6 +101,13 @@ int main(int argc, char** argv) {
   e.fp8 = true;
   e.overlap_p2p_comm = true;
   write_file(corpus / "plan_json/moe_cp_ep.json", to_json(e).dump(2));
+  // Megatron-FSDP's optim_grads_params at p = 1.
+  ParallelPlan z;
+  z.data_parallel = 8;
+  z.global_batch_size = 64;
+  z.distributed_optimizer = true;
+  z.fsdp = FsdpSharding::kOptimGradsParams;
+  write_file(corpus / "plan_json/megatron_fsdp.json", to_json(z).dump(2));
 
   fs::remove_all(tmp);
   return 0;
