@@ -2,11 +2,13 @@
 // splits, recompute, SP, distributed optimizer): the 1T-parameter model of SC'21 Table 1 (128
 // layers, hidden 25600, 160 heads) on 3072 A100s at global batch 3072; the same on H100s at
 // sequence 32768 (where context parallelism is tried); and a 64-expert MoE (Qwen2-57B-A14B,
-// top-8, shared experts) on 1024 H100s, which adds expert parallelism.
+// top-8, shared experts) on 1024 H100s, which adds expert parallelism; Llama 3 70B on 1024 H100s
+// without and with Megatron-FSDP's strategies.
 //   build/bench/plan_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 
 #include <string>
+#include <vector>
 
 #include "core/presets.h"
 #include "planner/search.h"
@@ -14,13 +16,14 @@
 namespace {
 
 void run_search(benchmark::State& state, const ptdp::ModelSpec& m, const std::string& cluster,
-                int64_t gpus, int64_t batch) {
+                int64_t gpus, int64_t batch, const std::vector<ptdp::FsdpSharding>& fsdp = {}) {
   ptdp::ClusterSpec c = ptdp::resolve_cluster(cluster);
   c.resize(gpus);
   const ptdp::HardwareProfile h = ptdp::default_profile_for(c);
   ptdp::SearchOptions o;
   o.global_batch_size = batch;
   o.threads = static_cast<int>(state.range(0));
+  o.fsdp_strategies = fsdp;
   int64_t considered = 0, evaluated = 0;
   for (auto _ : state) {
     const ptdp::SearchResult r = ptdp::search_plans(m, c, h, o);
@@ -50,6 +53,19 @@ void BM_PlanMoe64Experts(benchmark::State& state) {
   run_search(state, ptdp::resolve_model("qwen2-57b-a14b"), "dgx-h100", 1024, 1024);
 }
 BENCHMARK(BM_PlanMoe64Experts)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Llama 3 70B on 1024 H100s at global batch 1024, as ptdp plan searches it, and with
+// --use-megatron-fsdp (optim_grads and optim_grads_params at p = 1 besides).
+void BM_PlanLlama70B(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("llama3-70b"), "dgx-h100", 1024, 1024);
+}
+BENCHMARK(BM_PlanLlama70B)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_PlanLlama70BMegatronFsdp(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("llama3-70b"), "dgx-h100", 1024, 1024,
+             {ptdp::FsdpSharding::kOptimGrads, ptdp::FsdpSharding::kOptimGradsParams});
+}
+BENCHMARK(BM_PlanLlama70BMegatronFsdp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Predict175B(benchmark::State& state) {
   const ptdp::ModelSpec m = ptdp::resolve_model("gpt3-175b");
