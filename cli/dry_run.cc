@@ -38,7 +38,7 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (m.attention_dropout > 0 || m.hidden_dropout > 0)
     note = "trains without dropout (ptdp run has none)";
   // Settings plan and predict price that the runtime does not execute.
-  auto add = [&note](const char* what) { note += std::string(note.empty() ? "" : "; ") + what; };
+  auto add = [&note](const std::string& what) { note += (note.empty() ? "" : "; ") + what; };
   if (!p.fp32_grad_reduce && p.data_parallel * p.context_parallel > 1)
     add("reduces gradients in fp32 (--fp16-grad-reduce is priced, not run)");
   if (p.fp8)
@@ -51,13 +51,11 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
     add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type "
         "a2a: Transformer Engine keeps them; more context-parallel traffic than priced)");
   if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1)
-    add(p.shards_weights()
-            ? "keeps whole weights and gradients and reduces the gradients once a step, as the "
-              "distributed optimizer does (--data-parallel-sharding-strategy optim_grads_params "
-              "is priced, not run: same math, more memory, fewer collectives)"
-            : "keeps whole gradients and reduces them once a step, as the distributed optimizer "
-              "does (--data-parallel-sharding-strategy optim_grads is priced, not run: same "
-              "math, more memory, fewer collectives)");
+    add(std::string(p.shards_weights()
+                        ? "keeps whole weights and gradients and reduces the gradients"
+                        : "keeps whole gradients and reduces them") +
+        " once a step, as the distributed optimizer does (--data-parallel-sharding-strategy " +
+        to_string(p.fsdp) + " is priced, not run: same math, more memory, fewer collectives)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

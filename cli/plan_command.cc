@@ -98,15 +98,14 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.
   if (f.job.use_megatron_fsdp) {
-    // --megatron-fsdp-main-grads-dtype applies to those plans only.
-    o.fsdp_fp32_grad_reduce = base.fp32_grad_reduce;
-    o.defaults.fp32_grad_reduce = !f.job.fp16_grad_reduce;
-  }
-  if (f.job.use_megatron_fsdp)
     o.fsdp_strategies =
         f.job.dp_sharding_strategy.empty()
             ? std::vector<FsdpSharding>{FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}
             : std::vector<FsdpSharding>{base.fsdp};
+    // --megatron-fsdp-main-grads-dtype applies to those plans only.
+    o.fsdp_fp32_grad_reduce = base.fp32_grad_reduce;
+    o.defaults.fp32_grad_reduce = !f.job.fp16_grad_reduce;
+  }
   const bool show_progress = !f.no_progress && !f.job.json && isatty(STDERR_FILENO);
   if (show_progress) {
     o.progress = [&err](int64_t done, int64_t total) {

@@ -351,7 +351,7 @@ const char* rule_reason(PlanRule r) {
     case PlanRule::kSequenceParallelDividesSequence:
       return "sequence parallelism needs t to divide the sequence";
     case PlanRule::kMegatronFsdp:
-      return "Megatron-FSDP needs p = 1";
+      return "Megatron-FSDP needs p = 1 and the 1f1b schedule";
     case PlanRule::kMoeNeedsSequenceParallel:
       return "MoE with t > 1 needs sequence parallelism";
     case PlanRule::kTpCommOverlapNeedsSequenceParallel:

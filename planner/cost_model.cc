@@ -609,11 +609,10 @@ double CostModel::activation_message_bytes(const ParallelPlan& p) const {
 double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const {
   const GroupSpan dp = data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
-  if (p.shards_gradients()) {
-    const double gathered = p.shards_weights() ? non_layer_parameters_on_stage(p, 0) : params;
-    return comm_.collective_time(Collective::kAllGather, gathered * weight_bytes(), dp,
+  if (p.shards_gradients())
+    return comm_.collective_time(Collective::kAllGather,
+                                 iteration_gathered_parameters(p, params) * weight_bytes(), dp,
                                  weight_dtype());
-  }
   if (p.distributed_optimizer)
     return comm_.collective_time(Collective::kReduceScatter, gbytes, dp, gradient_dtype(p)) +
            comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp,
@@ -641,10 +640,9 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
   if (!p.overlap_param_gather || !p.distributed_optimizer ||
       p.data_parallel * p.context_parallel == 1)
     return 0.0;
-  // With sharded weights, only the parameters outside the layer units are gathered whole.
-  const double gathered = p.shards_weights() ? non_layer_parameters_on_stage(p, 0) : params;
-  const double gather = comm_.collective_time(Collective::kAllGather, gathered * weight_bytes(),
-                                              data_group_span(cluster_, p), weight_dtype());
+  const double gather = comm_.collective_time(
+      Collective::kAllGather, iteration_gathered_parameters(p, params) * weight_bytes(),
+      data_group_span(cluster_, p), weight_dtype());
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
 
@@ -802,36 +800,33 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   return params + non_layer_parameters_on_stage(p, r);
 }
 
-double CostModel::largest_non_layer_module(const ParallelPlan& p, int64_t r) const {
+CostModel::OuterModules CostModel::outer_modules(const ParallelPlan& p, int64_t r) const {
   const double t = static_cast<double>(p.tensor_parallel);
-  double embedding = 0, output = 0;
-  if (r == 0)
-    embedding = (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
-                model_.position_embedding_parameters();
-  if (r == p.pipeline_parallel - 1)
-    output = model_.norm_parameters() +
-             (model_.untie_embeddings_and_output_weights ? model_.output_parameters() / t : 0.0);
-  return std::max(embedding, output);
-}
-
-double CostModel::non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
-  const double t = static_cast<double>(p.tensor_parallel);
-  double params = 0;
+  OuterModules out;
   const bool first = r == 0, last = r == p.pipeline_parallel - 1;
   // The word embedding is vocabulary-parallel; learned position embeddings are whole.
   if (first)
-    params += (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
-              model_.position_embedding_parameters();
+    out.embedding = (model_.embedding_parameters() - model_.position_embedding_parameters()) / t +
+                    model_.position_embedding_parameters();
   if (last) {
-    params += model_.norm_parameters();  // the final norm
+    out.output = model_.norm_parameters();  // the final norm
     if (model_.untie_embeddings_and_output_weights) {
-      params += model_.output_parameters() / t;
+      out.output += model_.output_parameters() / t;
     } else if (!first) {
       // Tied embeddings: the last stage keeps its own copy of the word embeddings.
-      params += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
+      out.output += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
     }
   }
-  return params;
+  return out;
+}
+
+double CostModel::non_layer_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
+  const OuterModules o = outer_modules(p, r);
+  return o.embedding + o.output;
+}
+
+double CostModel::iteration_gathered_parameters(const ParallelPlan& p, double params) const {
+  return p.shards_weights() ? non_layer_parameters_on_stage(p, 0) : params;
 }
 
 double CostModel::weight_bytes() const {
@@ -884,8 +879,9 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       const double ds = dense_shards(p), es = expert_shards(p);
       mb.expert_gradients = experts / es * grad_bytes;
       const double units_alive = std::min(layers, kFsdpGradientUnitsInFlight) * unit;
+      const OuterModules outer = outer_modules(p, r);
       const double alive = model_.untie_embeddings_and_output_weights
-                               ? std::max(units_alive, largest_non_layer_module(p, r))
+                               ? std::max({units_alive, outer.embedding, outer.output})
                                : units_alive + non_layer;
       mb.gradients = ((dense_units + non_layer) / ds + alive) * grad_bytes + mb.expert_gradients;
       if (p.shards_weights()) {
@@ -1003,7 +999,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   b.dp_comm = exposed_gradient_sync_time(p, params_max, experts_max, s) + embedding_sync_time(p) +
               sequence_parallel_grad_sync_time(p, loaded);
   // Megatron-FSDP's per-microbatch gathers and reductions (p = 1: the stage's passes).
-  b.dp_comm += m * (s.forward.dp_comm + s.backward.dp_comm + s.recompute.dp_comm);
+  b.dp_comm += m * s.dp_comm();
 
   b.optimizer = optimizer_time(p, dense_max, experts_max);
 

@@ -63,7 +63,7 @@ struct PassTime {
   double cp_bytes = 0, ep_bytes = 0;
   // Megatron-FSDP's collectives of the pass (sharded gradients or weights): what its compute
   // does not hide of the layers' weight all-gathers and gradient reduce-scatters
-  // (CostModel::fsdp_pass_comm).
+  // (CostModel::add_fsdp_pass_comm).
   double dp_comm = 0;
   double comm() const { return tp_comm + cp_comm + ep_comm + dp_comm; }
   double total() const { return compute + comm(); }
@@ -74,6 +74,8 @@ struct PassTime {
 struct ChunkTime {
   int64_t layers = 0;
   PassTime forward, backward, recompute, weight_grad;
+  // Megatron-FSDP's exposed collectives of one microbatch through the span (PassTime::dp_comm).
+  double dp_comm() const { return forward.dp_comm + backward.dp_comm + recompute.dp_comm; }
 };
 
 // One microbatch on one pipeline stage: all its chunks' layers, priced as one chunk holding
@@ -216,9 +218,16 @@ class CostModel {
   // fp32 training (a profile whose activations are fp32: ptdp run's precision, as calibrate
   // measures it): fp32 weights that are their own master copy, fp32 activations and logits.
   bool fp32_training() const { return profile_.activation_dtype == DType::kF32; }
-  // Of non_layer_parameters_on_stage, the larger module: the embedding, or the output layer
-  // with the final norm (untied).
-  double largest_non_layer_module(const ParallelPlan& p, int64_t r) const;
+  // The parameters outside the layers on stage r: the embedding (first stage), and the final
+  // norm with the output layer or the tied word embedding's copy (last stage).
+  struct OuterModules {
+    double embedding = 0, output = 0;
+  };
+  OuterModules outer_modules(const ParallelPlan& p, int64_t r) const;
+  // Of a stage's `params` dense parameters, those whose weights the distributed optimizer
+  // all-gathers once an iteration: all, or with Megatron-FSDP's sharded weights (p = 1) the
+  // ones outside the layer units.
+  double iteration_gathered_parameters(const ParallelPlan& p, double params) const;
   double weight_bytes() const;           // per parameter: 2 (bf16), or 4
   double optimizer_state_bytes() const;  // per parameter: 12 (master, m, v), or 8 (m, v)
   std::vector<double> exposed_times(const std::vector<Op>& ops, const ParallelPlan& p,

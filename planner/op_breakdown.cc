@@ -213,8 +213,7 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
     double dp = cost.exposed_gradient_sync_time(p, dense + experts, experts,
                                                 pred.stages[static_cast<size_t>(r)]);
     // Megatron-FSDP's per-microbatch gathers and reductions (p = 1).
-    const StageTime& own = pred.stages[static_cast<size_t>(r)];
-    dp += mb * (own.forward.dp_comm + own.backward.dp_comm + own.recompute.dp_comm);
+    dp += mb * pred.stages[static_cast<size_t>(r)].dp_comm();
     if (r == 0 || r == p.pipeline_parallel - 1) dp += cost.embedding_sync_time(p);
     dp += cost.sequence_parallel_grad_sync_time(p, r);
     f.at(OpFamily::kDataParallel, OpRole::kForward) = dp;

@@ -446,22 +446,9 @@ std::string plan_summary(const ParallelPlan& p) {
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer && p.fsdp == FsdpSharding::kOff) s += " dopt";
-  switch (p.fsdp) {
-    case FsdpSharding::kOff:
-      break;
-    case FsdpSharding::kNoShard:
-      s += " fsdp-ns";
-      break;
-    case FsdpSharding::kOptim:
-      s += " fsdp-o";
-      break;
-    case FsdpSharding::kOptimGrads:
-      s += " fsdp-og";
-      break;
-    case FsdpSharding::kOptimGradsParams:
-      s += " fsdp-ogp";
-      break;
-  }
+  // Megatron-FSDP's strategy, in FsdpSharding's order.
+  constexpr const char* kFsdpLabels[] = {"", " fsdp-ns", " fsdp-o", " fsdp-og", " fsdp-ogp"};
+  s += kFsdpLabels[static_cast<size_t>(p.fsdp)];
   if (p.overlap_moe_ep_comm) s += " a2a-overlap";
   return s;
 }
