@@ -1,7 +1,9 @@
 #include "cli/job_flags.h"
 
 #include <CLI/CLI.hpp>
+#include <exception>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -133,6 +135,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
+  app.add_option("--num-distributed-optimizer-instances", optimizer_instances,
+                 "the distributed optimizer in K instances of d * cp / K ranks each (shard "
+                 "within, all-reduce across; default 1); ptdp plan: K, or auto (one instance per "
+                 "node's part of the data-parallel group)");
   app.add_flag("--use-megatron-fsdp", use_megatron_fsdp,
                "Megatron-FSDP data parallelism (p = 1; ptdp plan: also tries optim_grads and "
                "optim_grads_params, or the --data-parallel-sharding-strategy given)");
@@ -246,6 +252,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--sequence-parallel", sequence_parallel},
       {"--use-distributed-optimizer", distributed_optimizer},
       {"--overlap-grad-reduce", overlap_grad_reduce},
+      {"--num-distributed-optimizer-instances", !optimizer_instances.empty()},
       {"--overlap-param-gather", overlap_param_gather},
       {"--tp-comm-overlap", tp_comm_overlap},
       {"--overlap-moe-expert-parallel-comm", overlap_moe_ep_comm},
@@ -551,6 +558,19 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
     throw InputError("--accumulate-allreduce-grads-in-fp32", "conflicts with --fp16-grad-reduce");
   p.sequence_parallel = sequence_parallel;
   p.distributed_optimizer = distributed_optimizer;
+  if (!optimizer_instances.empty()) {
+    const char* flag = "--num-distributed-optimizer-instances";
+    if (optimizer_instances == "auto") throw InputError(flag, "auto is for ptdp plan; give K");
+    size_t used = 0;
+    try {
+      p.optimizer_instances = std::stoll(optimizer_instances, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != optimizer_instances.size())
+      throw InputError(flag, "must be a whole number, got '" + optimizer_instances + "'");
+    if (p.optimizer_instances < 1) throw InputError(flag, "must be positive");
+  }
   p.overlap_grad_reduce = overlap_grad_reduce;
   p.overlap_param_gather = overlap_param_gather;
   p.tp_comm_overlap = tp_comm_overlap;

@@ -63,6 +63,10 @@ struct JobFlags {
   // ptdp's default is fp32, Megatron-FSDP's auto) and --ckpt-format (accepted: its value changes
   // nothing priced or run).
   bool use_megatron_fsdp = false;
+  // --num-distributed-optimizer-instances: a number (Megatron's flag), or for ptdp plan "auto"
+  // (each distributed-optimizer candidate also tried with one instance per node's share of its
+  // data-parallel group).
+  std::string optimizer_instances;
   std::string dp_sharding_strategy, fsdp_main_grads_dtype, ckpt_format;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;

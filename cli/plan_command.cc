@@ -84,7 +84,14 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     throw InputError("--global-batch-size", std::to_string(*f.job.global_batch_size) + " exceeds " +
                                                 std::to_string(kMaxBatch));
   if (f.simulate_top < 0) throw InputError("--simulate-top", "must not be negative");
-  const ParallelPlan base = f.job.resolve_plan(m, c);
+  // --num-distributed-optimizer-instances: K, or auto, tried besides one instance (the search
+  // sets each candidate's count).
+  JobFlags job = f.job;
+  const bool auto_instances = job.optimizer_instances == "auto";
+  if (auto_instances) job.optimizer_instances.clear();
+  ParallelPlan base = job.resolve_plan(m, c);
+  const int64_t instances = auto_instances ? 0 : base.optimizer_instances;
+  base.optimizer_instances = 1;
   if (f.job.has_parallel_flags()) base.validate(m);
 
   SearchOptions o;
@@ -94,6 +101,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.top_k = std::max(f.top, f.simulate_top);
   o.threads = f.threads;
   o.defaults = base;
+  o.optimizer_instances = instances;
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.

@@ -212,6 +212,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (recompute == Recompute::kSelective) f << " --recompute-granularity selective";
   if (sequence_parallel) f << " --sequence-parallel";
   if (distributed_optimizer) f << " --use-distributed-optimizer";
+  if (optimizer_instances > 1)
+    f << " --num-distributed-optimizer-instances " << optimizer_instances;
   if (fsdp != FsdpSharding::kOff) {
     // Megatron-FSDP checkpoints only in its own format (Megatron-LM's argument check). Its
     // main gradients default to the model's dtype ("auto"); the plan's are priced in fp32
@@ -297,6 +299,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("recompute_layers", p.recompute_layers);
   r.read("sequence_parallel", p.sequence_parallel);
   r.read("distributed_optimizer", p.distributed_optimizer);
+  r.read("distributed_optimizer_instances", p.optimizer_instances);
   std::string fsdp = to_string(p.fsdp);
   r.read("megatron_fsdp", fsdp);
   if (fsdp != "off") p.fsdp = enum_from_string(fsdp, kFsdpShardings, r.field("megatron_fsdp"));
@@ -331,6 +334,7 @@ json to_json(const ParallelPlan& p) {
               {"recompute_layers", p.recompute_layers},
               {"sequence_parallel", p.sequence_parallel},
               {"distributed_optimizer", p.distributed_optimizer},
+              {"distributed_optimizer_instances", p.optimizer_instances},
               {"megatron_fsdp", to_string(p.fsdp)},
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},

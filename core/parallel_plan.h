@@ -89,6 +89,15 @@ struct ParallelPlan {
   int64_t recompute_layers = 0;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
+  // Megatron-Core's partial distributed optimizer (--num-distributed-optimizer-instances K,
+  // "HSDP" for the optimizer): the d * cp data-parallel ranks form K instances of d * cp / K
+  // consecutive ranks each (the experts' edp ranks likewise, edp / K). Each instance shards the
+  // optimizer states, master weights and gradient reduction over its own ranks; a gradient is
+  // reduce-scattered within the instance, its shard all-reduced across the K instances (one
+  // rank of each, at the same place), and the updated weights all-gathered within the
+  // instance. K = 1: the ordinary distributed optimizer. Needs the distributed optimizer, K | d
+  // cp (and K | edp); not priced with Megatron-FSDP (its HSDP, core/plan_rules.h).
+  int64_t optimizer_instances = 1;
   // Megatron-FSDP's sharding strategy (kOff: not used). Megatron-Core runs it with the
   // distributed optimizer on, at p = 1 (core/plan_rules.h); with sharded gradients it reduces
   // them in every microbatch's backward pass, and with sharded weights it gathers them in every
@@ -125,6 +134,18 @@ struct ParallelPlan {
   std::vector<int64_t> layers_per_stage;
 
   bool shards_gradients() const { return fsdp >= FsdpSharding::kOptimGrads; }
+  // The ranks over which the distributed optimizer shards the dense parameters' states (d * cp
+  // / K) and the routed experts' (edp / K); 1 without it.
+  int64_t optimizer_shards() const {
+    return distributed_optimizer && optimizer_instances > 0
+               ? data_parallel * context_parallel / optimizer_instances
+               : 1;
+  }
+  int64_t expert_optimizer_shards() const {
+    return distributed_optimizer && optimizer_instances > 0
+               ? expert_data_parallel() / optimizer_instances
+               : 1;
+  }
   bool shards_weights() const { return fsdp == FsdpSharding::kOptimGradsParams; }
 
   int64_t num_gpus() const {

@@ -239,6 +239,35 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   if (plan.overlap_param_gather && d > 1 && !plan.distributed_optimizer)
     return broken(PlanRule::kParamGatherNeedsDistributedOptimizer, report, "--overlap-param-gather",
                   [] { return std::string("needs --use-distributed-optimizer"); });
+  // Megatron-Core's partial distributed optimizer: K instances of d * cp / K consecutive
+  // data-parallel ranks (and of edp / K expert-data-parallel ranks).
+  if (plan.optimizer_instances != 1) {
+    const char* flag = "--num-distributed-optimizer-instances";
+    const int64_t k = plan.optimizer_instances;
+    if (k < 1 || k > kMaxGpus)
+      return broken(PlanRule::kOptimizerInstances, report, flag,
+                    [&] { return "must be between 1 and " + num(kMaxGpus) + ", got " + num(k); });
+    if (!plan.distributed_optimizer)
+      return broken(PlanRule::kOptimizerInstances, report, flag,
+                    [] { return std::string("needs --use-distributed-optimizer"); });
+    if (plan.fsdp != FsdpSharding::kOff)
+      return broken(PlanRule::kOptimizerInstances, report, flag, [] {
+        return std::string(
+            "with --use-megatron-fsdp (Megatron-FSDP's HSDP) is not priced by ptdp; use the "
+            "distributed optimizer's instances without Megatron-FSDP");
+      });
+    if ((d * cp) % k != 0)
+      return broken(PlanRule::kOptimizerInstances, report, flag, [&] {
+        return num(k) + " does not divide the data-parallel size d * cp (" + num(d) + " * " +
+               num(cp) + ")";
+      });
+    if (m.is_moe() && plan.expert_data_parallel() % k != 0)
+      return broken(PlanRule::kOptimizerInstances, report, flag, [&] {
+        return num(k) +
+               " does not divide the experts' data-parallel size t * cp * d / (etp * ep) (" +
+               num(plan.expert_data_parallel()) + ")";
+      });
+  }
   // Megatron-FSDP: Megatron-Core shards a whole replica and runs it without pipeline
   // parallelism (its tests and recipes are all p = 1; Torch-FSDP2 refuses p > 1 outright), and it
   // turns the distributed optimizer on for the strategies that shard the optimizer states.
@@ -358,6 +387,8 @@ const char* rule_reason(PlanRule r) {
       return "tp-comm-overlap needs sequence parallelism";
     case PlanRule::kParamGatherNeedsDistributedOptimizer:
       return "overlap-param-gather needs the distributed optimizer";
+    case PlanRule::kOptimizerInstances:
+      return "the optimizer instances do not divide the data-parallel ranks";
     case PlanRule::kExpertOverlap:
       return "the expert all-to-all overlap does not fit the plan";
     case PlanRule::kRecomputeLayers:

@@ -59,11 +59,13 @@ enum class PlanRule {
   kMoeNeedsSequenceParallel,              // an MoE model with t > 1 needs SP
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
-  kMegatronFsdp,     // --use-megatron-fsdp: p = 1, not zb-h1; the optimizer states sharded (the
-                     // distributed optimizer) exactly when the strategy shards them
-  kExpertOverlap,    // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
-                     // p = 1 or interleaved
-  kRecomputeLayers,  // recompute_layers >= 0, and > 0 only with full
+  kOptimizerInstances,  // --num-distributed-optimizer-instances K: K >= 1; K > 1 needs the
+                        // distributed optimizer (not Megatron-FSDP), K | d * cp and K | edp
+  kMegatronFsdp,        // --use-megatron-fsdp: p = 1, not zb-h1; the optimizer states sharded (the
+                        // distributed optimizer) exactly when the strategy shards them
+  kExpertOverlap,       // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
+                        // p = 1 or interleaved
+  kRecomputeLayers,     // recompute_layers >= 0, and > 0 only with full
 };
 
 // The first rule the plan breaks, in the order listed above (kNone when it breaks none).

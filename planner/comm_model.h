@@ -37,6 +37,14 @@ GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p);
+// With the distributed optimizer in K instances (--num-distributed-optimizer-instances): the
+// ranks of one instance, which reduce-scatter the gradients and all-gather the weights (the
+// whole data-parallel group when K = 1), and the K ranks, one per instance, that all-reduce a
+// shard across the instances. The experts' likewise over their expert-data-parallel ranks.
+GroupSpan optimizer_instance_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan optimizer_replica_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan expert_optimizer_instance_span(const ClusterSpec& c, const ParallelPlan& p);
+GroupSpan expert_optimizer_replica_span(const ClusterSpec& c, const ParallelPlan& p);
 // A ring's neighbours within `group`: two ranks, across nodes when the group spans nodes,
 // where each crossing pair has one NIC (a GPU sends on its own rail) however few rings cross.
 GroupSpan ring_neighbour_span(const GroupSpan& group, const ClusterSpec& c);

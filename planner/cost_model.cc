@@ -111,11 +111,12 @@ int64_t moe_layers_of_stage(const std::vector<int64_t>& chunks, const ParallelPl
 
 // Gradient and optimizer shards of the dense parameters (over d * cp ranks) and the experts'
 // (over the expert-data-parallel ranks) with the distributed optimizer.
+// (With K optimizer instances, over the d * cp / K and edp / K ranks of an instance.)
 double dense_shards(const ParallelPlan& p) {
-  return p.distributed_optimizer ? static_cast<double>(p.data_parallel * p.context_parallel) : 1.0;
+  return static_cast<double>(p.optimizer_shards());
 }
 double expert_shards(const ParallelPlan& p) {
-  return p.distributed_optimizer ? static_cast<double>(p.expert_data_parallel()) : 1.0;
+  return static_cast<double>(p.expert_optimizer_shards());
 }
 
 }  // namespace
@@ -614,10 +615,28 @@ double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const
                                  iteration_gathered_parameters(p, params) * weight_bytes(), dp,
                                  weight_dtype());
   if (p.distributed_optimizer)
-    return comm_.collective_time(Collective::kReduceScatter, gbytes, dp, gradient_dtype(p)) +
-           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), dp,
-                                 weight_dtype());
+    return sharded_gradient_sync_time(p, params, optimizer_instance_span(cluster_, p),
+                                      optimizer_replica_span(cluster_, p));
   return comm_.collective_time(Collective::kAllReduce, gbytes, dp, gradient_dtype(p));
+}
+
+double CostModel::sharded_gradient_sync_time(const ParallelPlan& p, double params,
+                                             const GroupSpan& instance,
+                                             const GroupSpan& replicas) const {
+  // Reduce-scattered within the instance; with K > 1 instances each rank's shard (1 / its
+  // instance's ranks of the gradients) is all-reduced across the instances (Megatron-Core's
+  // second reduction, on its own stream after the first); the updated weights are all-gathered
+  // within the instance.
+  const double gbytes = params * gradient_bytes_per_parameter(p);
+  const double across = replicas.size > 1
+                            ? comm_.collective_time(Collective::kAllReduce,
+                                                    gbytes / static_cast<double>(instance.size),
+                                                    replicas, gradient_dtype(p))
+                            : 0.0;
+  return comm_.collective_time(Collective::kReduceScatter, gbytes, instance, gradient_dtype(p)) +
+         across +
+         comm_.collective_time(Collective::kAllGather, params * weight_bytes(), instance,
+                               weight_dtype());
 }
 
 double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params) const {
@@ -629,9 +648,8 @@ double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params
     return comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
                                  weight_dtype());
   if (p.distributed_optimizer)
-    return comm_.collective_time(Collective::kReduceScatter, gbytes, edp, gradient_dtype(p)) +
-           comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
-                                 weight_dtype());
+    return sharded_gradient_sync_time(p, params, expert_optimizer_instance_span(cluster_, p),
+                                      expert_optimizer_replica_span(cluster_, p));
   return comm_.collective_time(Collective::kAllReduce, gbytes, edp, gradient_dtype(p));
 }
 
@@ -642,7 +660,7 @@ double CostModel::hidden_param_gather(const ParallelPlan& p, double params, int6
     return 0.0;
   const double gather = comm_.collective_time(
       Collective::kAllGather, iteration_gathered_parameters(p, params) * weight_bytes(),
-      data_group_span(cluster_, p), weight_dtype());
+      optimizer_instance_span(cluster_, p), weight_dtype());
   return std::min(gather - last_gradient_bucket_time(gather, layers), forward_s);
 }
 

@@ -130,13 +130,19 @@ class CostModel {
   // Bytes of one activation (or its gradient) sent between pipeline stages.
   double activation_message_bytes(const ParallelPlan& p) const;
   // Data-parallel reduction of `params` dense parameters' gradients over the d * cp ranks
-  // (reduce-scatter + all-gather of the weights with the distributed optimizer), not overlapped.
+  // (reduce-scatter + all-gather of the weights with the distributed optimizer, in K instances
+  // with sharded_gradient_sync_time), not overlapped.
   // With Megatron-FSDP's sharded gradients, which are reduced in every microbatch's backward
   // pass (add_fsdp_pass_comm), what is left is the all-gather of the updated weights: all of
   // them, or with sharded weights those outside the layer units (non_layer_parameters_on_stage).
   double gradient_sync_time(const ParallelPlan& p, double params) const;
   // The same for `params` expert parameters, over the expert-data-parallel group.
   double expert_gradient_sync_time(const ParallelPlan& p, double params) const;
+  // The distributed optimizer's synchronisation of `params` parameters: reduce-scatter within
+  // an optimizer instance, all-reduce of each shard across the instances (K > 1), all-gather of
+  // the updated weights within the instance.
+  double sharded_gradient_sync_time(const ParallelPlan& p, double params, const GroupSpan& instance,
+                                    const GroupSpan& replicas) const;
   // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
   // parameter all-gather, bucket by bucket ahead of the next iteration's first forward pass
   // (`forward_s`, one microbatch through the stage), all but the first of `layers` buckets.

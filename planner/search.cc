@@ -34,7 +34,7 @@ auto plan_key(const ParallelPlan& p) {
                          p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
                          p.virtual_stages, p.microbatch_group, static_cast<int>(p.recompute),
                          p.recompute_layers, p.sequence_parallel, p.distributed_optimizer,
-                         static_cast<int>(p.fsdp), p.layers_per_stage);
+                         p.optimizer_instances, static_cast<int>(p.fsdp), p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -136,6 +136,31 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
   return out;
 }
 
+// The optimizer instances to try for a cell's distributed optimizer besides one
+// (SearchOptions::optimizer_instances), or 1 where there are none: they must divide the d * cp
+// data-parallel ranks (and the experts' edp) into instances of more than one rank.
+int64_t optimizer_instances_for(const Cell& c, const ModelSpec& m, const SearchOptions& o,
+                                const CostModel& cost) {
+  const int64_t dp = c.d * c.cp;
+  int64_t k = o.optimizer_instances;
+  if (k == 0) {
+    // auto: one instance per node's part of the data-parallel group, where the group spans nodes.
+    ParallelPlan plan;
+    plan.tensor_parallel = c.t;
+    plan.context_parallel = c.cp;
+    plan.data_parallel = c.d;
+    const GroupSpan span = data_group_span(cost.cluster(), plan);
+    k = span.nodes > 1 && dp % span.ranks_per_node == 0 ? dp / span.ranks_per_node : 1;
+  }
+  if (k <= 1 || dp % k != 0 || dp / k < 2) return 1;
+  if (m.is_moe()) {
+    const int64_t etp = c.etp > 0 ? c.etp : c.t;
+    const int64_t edp = c.t * c.cp * c.d / (etp * c.ep);
+    if (edp % k != 0) return 1;
+  }
+  return k;
+}
+
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
   // Chunks per rank: v divides every stage's layers (the smallest stage's divisors).
@@ -147,11 +172,13 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
     for (Recompute rc : o.recompute_modes) {
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
-        // The optimizer: DDP, the distributed optimizer, then Megatron-FSDP's strategies asked
-        // for (p = 1 only).
-        const size_t variants = 2 + (c.p == 1 && c.d * c.cp > 1 ? o.fsdp_strategies.size() : 0);
+        // The optimizer: DDP, the distributed optimizer, the distributed optimizer in the
+        // instances asked for, then Megatron-FSDP's strategies asked for (p = 1 only).
+        const size_t variants = 3 + (c.p == 1 && c.d * c.cp > 1 ? o.fsdp_strategies.size() : 0);
         for (size_t dopt = 0; dopt < variants; ++dopt) {
-          if (dopt == 1 && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
+          if (dopt >= 1 && dopt <= 2 && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
+          const int64_t instances = dopt == 2 ? optimizer_instances_for(c, m, o, cost) : 1;
+          if (dopt == 2 && instances == 1) continue;
           ++tally.considered;
           ParallelPlan plan = o.defaults;
           plan.layers_per_stage = c.split;
@@ -175,7 +202,8 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = dopt != 0;
-          plan.fsdp = dopt < 2 ? FsdpSharding::kOff : o.fsdp_strategies[dopt - 2];
+          plan.optimizer_instances = instances;
+          plan.fsdp = dopt < 3 ? FsdpSharding::kOff : o.fsdp_strategies[dopt - 3];
           if (plan.fsdp != FsdpSharding::kOff) {
             plan.distributed_optimizer = plan.fsdp >= FsdpSharding::kOptim;
             plan.fp32_grad_reduce = o.fsdp_fp32_grad_reduce;
@@ -409,6 +437,7 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
+  field("optimizer instances", num(a.optimizer_instances), num(b.optimizer_instances));
   field("megatron-fsdp", to_string(a.fsdp), to_string(b.fsdp));
   field("expert all-to-all overlap", flag(a.overlap_moe_ep_comm), flag(b.overlap_moe_ep_comm));
   return out.empty() ? "same configuration" : out;
@@ -446,6 +475,7 @@ std::string plan_summary(const ParallelPlan& p) {
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer && p.fsdp == FsdpSharding::kOff) s += " dopt";
+  if (p.optimizer_instances > 1) s += "-x" + std::to_string(p.optimizer_instances);
   // Megatron-FSDP's strategy, in FsdpSharding's order.
   constexpr const char* kFsdpLabels[] = {"", " fsdp-ns", " fsdp-o", " fsdp-og", " fsdp-ogp"};
   s += kFsdpLabels[static_cast<size_t>(p.fsdp)];

@@ -37,6 +37,11 @@ struct SearchOptions {
   // Their gradients' type (--megatron-fsdp-main-grads-dtype): fp32, or 16 bits. The other
   // candidates keep defaults.fp32_grad_reduce.
   bool fsdp_fp32_grad_reduce = true;
+  // The distributed optimizer in K instances (--num-distributed-optimizer-instances), tried
+  // besides one instance where K divides a candidate's data-parallel ranks (and its experts')
+  // into instances of two ranks or more. 1: not tried; 0 (auto): K = the nodes the
+  // data-parallel group spans, one instance per node's part of it.
+  int64_t optimizer_instances = 1;
   bool try_interleaving = true;
   // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
   // p that does not divide the layers (planner/search.cc stage_splits).

@@ -80,6 +80,8 @@ void DataParallelOptimizer::for_each_owned_range(
 
 bool DataParallelOptimizer::counts_in_norm(const ParamInfo& p) const {
   if (p.tied_copy) return false;
+  // With K optimizer instances each shard's reduced gradients are on K ranks: instance 0's count.
+  if (!first_instance(static_cast<size_t>(p.segment))) return false;
   if (p.expert)
     return (dist_ || !g_.norm_spans_replicas || g_.edp_rank == 0) &&
            (!p.tp_replicated || g_.etp_rank == 0);
@@ -156,7 +158,7 @@ std::unique_ptr<Work> DataParallelOptimizer::start_reduction(size_t seg, int64_t
 void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
   if (hi <= lo) return;
   const size_t seg = segment_of(lo, hi);
-  if (shards_of(seg) < 2) return;  // nothing to reduce over (or to shard)
+  if (replicas_of(seg) < 2) return;  // nothing to reduce over (or to shard)
   reduce_sequence_parallel(lo, hi);
   const double queued = seconds();
   buckets_.emplace(std::pair{lo, hi}, InFlight{start_reduction(seg, lo, hi), queued});
@@ -233,6 +235,7 @@ void DataParallelOptimizer::reduce_gradients() {
     for (auto& w : rest) w->wait();
     for (auto& [range, f] : buckets_) complete(f, bucket_sink_);
     buckets_.clear();
+    reduce_across_instances();
     if (d > 1) {
       if (!dist_) be_.scale(g, g_size, inv_d);
       for (size_t i = 0; dist_ && i < segs.size(); ++i)
@@ -258,7 +261,24 @@ void DataParallelOptimizer::reduce_gradients() {
     float* seg = g + segs[i].offset;
     group_of(i)->reduce_scatter(seg, seg, static_cast<size_t>(shard));
     if (own_shard(i) != segs[i].offset) be_.copy(seg, g + own_shard(i), shard);
-    if (d > 1) be_.scale(g + own_shard(i), shard, inv_d);
+  }
+  reduce_across_instances();
+  for (size_t i = 0; d > 1 && i < segs.size(); ++i)
+    be_.scale(g + own_shard(i), segs[i].size / shards_of(i), inv_d);
+}
+
+void DataParallelOptimizer::reduce_across_instances() {
+  // Megatron-Core's second reduction with several distributed-optimizer instances: each
+  // instance has summed its own ranks' gradients into their shards; the K ranks holding the
+  // same shard add the instances' sums. (Megatron-Core issues it per bucket on its
+  // communication stream; here it follows the reduce-scatters, after the backward passes.)
+  float* g = shard_.grads().data<float>();
+  const auto& segs = shard_.segments();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    Communicator* across = replicas_group_of(i);
+    const int64_t shard = segs[i].size / shards_of(i);
+    if (!across || across->size() < 2 || shard == 0) continue;
+    across->all_reduce(g + own_shard(i), static_cast<size_t>(shard));
   }
 }
 
@@ -267,7 +287,7 @@ void DataParallelOptimizer::sync_embedding() {
   const Segment& s = shard_.segments()[0];
   if (dist_)
     g_.embedding->all_reduce(shard_.grads().data<float>() + own_shard(0),
-                             static_cast<size_t>(s.size / g_.data_parallel));
+                             static_cast<size_t>(s.size / shards_of(0)));
   else
     g_.embedding->all_reduce(shard_.grads().data<float>() + s.offset, static_cast<size_t>(s.size));
 }

@@ -54,6 +54,16 @@ struct DataParallelGroups {
   // The norm group spans the data-parallel replicas without the distributed optimizer: the
   // dense parameters are counted on replica 0 only (and experts on expert replica 0).
   bool norm_spans_replicas = false;
+  // The distributed optimizer in K > 1 instances (--num-distributed-optimizer-instances):
+  // `data` (and `expert_data`) are then the ranks of this rank's instance, over which it
+  // shards (optimizer_shards of them, this rank the shard_rank-th); `data_replicas` (and
+  // `expert_data_replicas`) the K ranks, one per instance, that all-reduce the same shard after
+  // the reduce-scatter, this rank the replica_rank-th. The averages stay over data_parallel
+  // (expert_data_parallel) ranks. 0 shards: the whole group (one instance).
+  Communicator* data_replicas = nullptr;
+  Communicator* expert_data_replicas = nullptr;
+  int64_t optimizer_shards = 0, shard_rank = 0, replica_rank = 0;
+  int64_t expert_optimizer_shards = 0, expert_shard_rank = 0, expert_replica_rank = 0;
 };
 
 class DataParallelOptimizer {
@@ -122,10 +132,31 @@ class DataParallelOptimizer {
   // The group that reduces (and with the distributed optimizer shards) segment `seg`, its size
   // and this rank's index in it.
   Communicator* group_of(size_t seg) const { return seg == 2 ? g_.expert_data : g_.data; }
-  int64_t shards_of(size_t seg) const {
+  // The ranks whose gradients segment `seg` sums (and averages over).
+  int64_t replicas_of(size_t seg) const {
     return seg == 2 ? g_.expert_data_parallel : g_.data_parallel;
   }
-  int64_t shard_rank_of(size_t seg) const { return seg == 2 ? g_.edp_rank : g_.dp_rank; }
+  // The ranks over which the distributed optimizer shards segment `seg` (those of an instance),
+  // and this rank's place among them; without it, the ranks that reduce the segment together.
+  int64_t shards_of(size_t seg) const {
+    const int64_t in_instance = seg == 2 ? g_.expert_optimizer_shards : g_.optimizer_shards;
+    return dist_ && in_instance > 0 ? in_instance : replicas_of(seg);
+  }
+  int64_t shard_rank_of(size_t seg) const {
+    if (dist_ && (seg == 2 ? g_.expert_optimizer_shards : g_.optimizer_shards) > 0)
+      return seg == 2 ? g_.expert_shard_rank : g_.shard_rank;
+    return seg == 2 ? g_.edp_rank : g_.dp_rank;
+  }
+  // With the distributed optimizer in K > 1 instances: the K ranks that hold the same shard of
+  // segment `seg` (null with one instance), and whether this rank is its instance 0's.
+  Communicator* replicas_group_of(size_t seg) const {
+    return dist_ ? (seg == 2 ? g_.expert_data_replicas : g_.data_replicas) : nullptr;
+  }
+  bool first_instance(size_t seg) const {
+    return !replicas_group_of(seg) || (seg == 2 ? g_.expert_replica_rank : g_.replica_rank) == 0;
+  }
+  // All-reduces this rank's shard of each segment across the optimizer instances (K > 1).
+  void reduce_across_instances();
   // Whether this rank counts the parameter in the global gradient norm.
   bool counts_in_norm(const ParamInfo& p) const;
   // Calls f(param, lo, hi, state index of lo) for the part of each parameter this rank's

@@ -118,6 +118,7 @@ nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
                       {"global_batch_size", p.global_batch_size},
                       {"micro_batch_size", p.micro_batch_size},
                       {"parameters_on_rank", flat_size}};
+  if (p.optimizer_instances > 1) j["distributed_optimizer_instances"] = p.optimizer_instances;
   if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
     j["ep"] = p.expert_parallel;
     j["etp"] = p.expert_tp();
@@ -227,6 +228,10 @@ class Executor {
   std::unique_ptr<Communicator> cp_group_;
   GridPosition pos_;
   bool dist_ = false;
+  int64_t instances_ = 1;  // the distributed optimizer's instances (--num-distributed-...)
+  // With K > 1 instances: the ranks of this rank's instance, and the K ranks (one per instance)
+  // that all-reduce its shard; the experts' likewise.
+  std::unique_ptr<Communicator> instance_, replicas_, expert_instance_, expert_replicas_;
   // Updates applied so far (AdamW's and the learning rate's step): every step but the ones
   // skipped for an fp16 overflow. Checkpoints keep it with the loss scaler's state.
   int64_t applied_ = 0;
@@ -285,7 +290,9 @@ void Executor::setup() {
     layout.dtype = o_.precision;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
-    layout.segment_multiple = dist_ ? dcp_ : 1;
+    // The distributed optimizer shards over the ranks of its instance (d * cp / K of them).
+    instances_ = dist_ ? plan.optimizer_instances : 1;
+    layout.segment_multiple = dist_ ? dcp_ / instances_ : 1;
     // The expert grid spans a stage's t * cp * d ranks (Megatron-Core's): an MoE layer routes
     // each rank's own tokens, its sequence chunks under context parallelism included.
     expert_ = expert_position(t_, dcp_, m.is_moe() ? plan.expert_tp() : 1, plan.expert_parallel,
@@ -294,7 +301,7 @@ void Executor::setup() {
     layout.ep_rank = expert_.ep_rank;
     layout.etp = expert_.etp;
     layout.etp_rank = expert_.etp_rank;
-    layout.expert_segment_multiple = dist_ ? expert_.edp : 1;
+    layout.expert_segment_multiple = dist_ ? expert_.edp / instances_ : 1;
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
@@ -343,10 +350,33 @@ void Executor::setup() {
   DataParallelGroups groups;
   groups.tensor = tp_.get();
   groups.data = dp_.get();
+  if (instances_ > 1) {
+    // Megatron-Core's instances: consecutive ranks of the data-parallel group (its index is
+    // cpr + cp * dp here, as Megatron orders its data-parallel group with context parallelism).
+    const int64_t per = dcp_ / instances_;
+    instance_ = split(pg_->data_color() * instances_ + pos_.dp / per, "optimizer-instance");
+    replicas_ = split(pg_->data_color() * per + pos_.dp % per, "optimizer-replica");
+    groups.data = instance_.get();
+    groups.data_replicas = replicas_.get();
+    groups.optimizer_shards = per;
+    groups.shard_rank = pos_.dp % per;
+    groups.replica_rank = pos_.dp / per;
+    if (m.is_moe()) {
+      const int64_t eper = expert_.edp / instances_;
+      expert_instance_ = split(expert_.edp_color * instances_ + expert_.edp_rank / eper,
+                               "expert-optimizer-instance");
+      expert_replicas_ =
+          split(expert_.edp_color * eper + expert_.edp_rank % eper, "expert-optimizer-replica");
+      groups.expert_optimizer_shards = eper;
+      groups.expert_shard_rank = expert_.edp_rank % eper;
+      groups.expert_replica_rank = expert_.edp_rank / eper;
+      groups.expert_data_replicas = expert_replicas_.get();
+    }
+  }
   groups.embedding = embedding_.get();
   groups.norm = dist_ || m.is_moe() ? data_world_ : model_.get();
   groups.norm_spans_replicas = m.is_moe();
-  groups.expert_data = edp_.get();
+  groups.expert_data = instances_ > 1 && m.is_moe() ? expert_instance_.get() : edp_.get();
   groups.expert_data_parallel = expert_.edp;
   groups.edp_rank = expert_.edp_rank;
   groups.etp_rank = expert_.etp_rank;
@@ -381,8 +411,8 @@ void Executor::load_checkpoint() {
     const int64_t params = total(segment_sizes_);
     const auto layout = checkpoint_layout(o_, params);
     CheckpointShard c = read_checkpoint_shard(o_.load_dir, world_.rank(), step, layout);
-    const auto moments =
-        static_cast<size_t>(moment_floats(segment_sizes_, dist_, dcp_, expert_.edp));
+    const auto moments = static_cast<size_t>(
+        moment_floats(segment_sizes_, dist_, dcp_ / instances_, expert_.edp / instances_));
     // A fourth array (since fp16 runs) holds the updates applied and the loss scaler's state;
     // without it every step was applied.
     if (c.arrays.size() < 3 || c.arrays.size() > 4 ||
@@ -444,7 +474,8 @@ std::vector<RankFootprint> Executor::dry_run(
     // AdamW's two moments (the distributed optimizer reduces its gradient shard in place).
     // Mixed precision adds the fp32 master weights of the same range.
     const int64_t states = 2 + (o_.precision != DType::kF32 ? 1 : 0);
-    f.optimizer_floats = states * moment_floats(sizes, dist_, dcp_, expert_.edp);
+    f.optimizer_floats =
+        states * moment_floats(sizes, dist_, dcp_ / instances_, expert_.edp / instances_);
     f.precision = o_.precision;
     all.push_back(f);
   }

@@ -642,6 +642,41 @@ TEST(CliErrors, OverlapSettingsNeedWhatTheyOverlap) {
   }
 }
 
+// --num-distributed-optimizer-instances: a whole number that divides d * cp, with the
+// distributed optimizer; "auto" only for ptdp plan, where it (or K) adds plans in instances.
+TEST(CliErrors, DistributedOptimizerInstances) {
+  const char* flag = "--num-distributed-optimizer-instances";
+  auto dopt = kPredict175B;
+  dopt.push_back("--use-distributed-optimizer");
+  for (const char* bad : {"auto", "two", "0", "-2", "2x", "3"}) {
+    auto args = dopt;
+    args.insert(args.end(), {flag, bad});
+    expect_bad(args, flag);
+  }
+  auto no_dopt = kPredict175B;
+  no_dopt.insert(no_dopt.end(), {flag, "2"});
+  expect_bad(no_dopt, flag);
+  const Result plan =
+      run({"plan", "--model", "llama2-7b", "--cluster", "dgx-h100", "--num-gpus", "64",
+           "--global-batch-size", "256", "--top", "60", "--json", flag, "auto"});
+  ASSERT_EQ(plan.status, 0) << plan.err;
+  bool seen = false;
+  const nlohmann::json plans = nlohmann::json::parse(plan.out);
+  for (const auto& p : plans["plans"]) {
+    const int64_t k = p["configuration"]["distributed_optimizer_instances"].get<int64_t>();
+    if (k == 1) continue;
+    seen = true;
+    EXPECT_NE(p["megatron_flags"].get<std::string>().find(
+                  " --use-distributed-optimizer --num-distributed-optimizer-instances " +
+                  std::to_string(k)),
+              std::string::npos);
+  }
+  EXPECT_TRUE(seen);
+  expect_bad({"plan", "--model", "llama2-7b", "--num-gpus", "64", "--global-batch-size", "256",
+              flag, "many"},
+             flag);
+}
+
 TEST(CliSimulate, WritesTraceAndSvg) {
   const auto dir = std::filesystem::temp_directory_path();
   const std::string trace = (dir / "ptdp_cli_test_trace.json").string();

@@ -751,6 +751,53 @@ TEST(PlanRules, MegatronFsdpRunsAtOnePipelineStage) {
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "megatron_fsdp");
 }
 
+// Megatron-Core's distributed optimizer in K instances: the distributed optimizer on, K
+// dividing the d * cp data-parallel ranks (and an MoE model's edp), not with Megatron-FSDP
+// (whose HSDP is not priced); Megatron's flag, the plan file's field.
+TEST(PlanRules, DistributedOptimizerInstancesDivideTheDataParallelRanks) {
+  const ModelSpec m = eight_layers();
+  ParallelPlan p;
+  p.data_parallel = 4;
+  p.context_parallel = 2;
+  p.global_batch_size = 8;
+  p.optimizer_instances = 2;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--num-distributed-optimizer-instances|--num-distributed-optimizer-instances: needs "
+            "--use-distributed-optimizer");
+  p.distributed_optimizer = true;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.optimizer_shards(), 4);  // d * cp / K
+  EXPECT_NE(p.megatron_flags(m).find(
+                " --use-distributed-optimizer --num-distributed-optimizer-instances 2"),
+            std::string::npos);
+  EXPECT_EQ(plan_from_json(to_json(p)).optimizer_instances, 2);
+  EXPECT_EQ(plan_from_json(to_json(ParallelPlan{})).optimizer_instances, 1);
+  p.optimizer_instances = 8;  // one rank an instance: allowed (Megatron's replicated instances)
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.optimizer_shards(), 1);
+  p.optimizer_instances = 3;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--num-distributed-optimizer-instances|--num-distributed-optimizer-instances: 3 does "
+            "not divide the data-parallel size d * cp (4 * 2)");
+  p.optimizer_instances = 0;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kOptimizerInstances);
+  EXPECT_EQ(p.optimizer_shards(), 1);  // no division by zero before the check
+  p.optimizer_instances = 2;
+  p.fsdp = FsdpSharding::kOptimGrads;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kOptimizerInstances);
+  p.fsdp = FsdpSharding::kOff;
+  // MoE: K divides the experts' data-parallel ranks too (t cp d / (etp ep) = 8 / 8 = 1 here).
+  ModelSpec moe = m;
+  moe.num_experts = 8;
+  moe.moe_router_topk = 2;
+  p.expert_parallel = 8;
+  ASSERT_EQ(p.expert_data_parallel(), 1);
+  EXPECT_EQ(first_violated_rule(moe, p), PlanRule::kOptimizerInstances);
+  p.expert_parallel = 4;
+  EXPECT_EQ(first_violated_rule(moe, p), PlanRule::kNone);
+  EXPECT_EQ(p.expert_optimizer_shards(), 1);
+}
+
 // Rates beyond any machine (the simulator's picosecond clock would overflow on them, the
 // reports would print hundreds of digits) are refused naming the field.
 TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {

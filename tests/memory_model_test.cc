@@ -340,5 +340,83 @@ TEST(StateMemory, LargerModelsStopFitting) {
   EXPECT_FALSE(cost.memory(p).fits);
 }
 
+// Megatron-Core's distributed optimizer in K instances (--num-distributed-optimizer-instances):
+// Llama 2 7B at d = 32 on four DGX H100s. The optimizer states shard over an instance's 32 / K
+// ranks, so they grow K-fold; the weights, gradients and activations do not change. The
+// synchronisation is a reduce-scatter of the fp32 gradients within the instance, an
+// all-reduce of each rank's 1/(32 / K) shard across the K instances, and an all-gather of the
+// bf16 weights within the instance, each priced over the span of its own group: with K = 4 an
+// instance is the 8 GPUs of a node (NVLink), and the all-reduce crosses the 4 nodes, 8 rings
+// side by side on each node's NICs.
+TEST(CostModel, DistributedOptimizerInstancesShardWithinAndReduceAcross) {
+  const ModelSpec m = resolve_model("llama2-7b");
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(32);
+  const CostModel cost(m, c, resolve_profile("h100-sxm"));
+  ParallelPlan one;
+  one.data_parallel = 32;
+  one.global_batch_size = 128;
+  one.recompute = Recompute::kFull;
+  one.distributed_optimizer = true;
+  one.validate(m);
+  const double params = cost.parameters_on_stage(one, 0);
+  const MemoryBreakdown base = cost.memory(one);
+  for (const int64_t k : {2, 4, 16, 32}) {
+    ParallelPlan p = one;
+    p.optimizer_instances = k;
+    p.validate(m);
+    ASSERT_EQ(p.optimizer_shards(), 32 / k);
+    const MemoryBreakdown mb = cost.memory(p);
+    EXPECT_NEAR(mb.optimizer, base.optimizer * static_cast<double>(k), 1e-6 * mb.optimizer) << k;
+    EXPECT_DOUBLE_EQ(mb.weights, base.weights) << k;
+    EXPECT_DOUBLE_EQ(mb.gradients, base.gradients) << k;
+    EXPECT_DOUBLE_EQ(mb.activations, base.activations) << k;
+    const GroupSpan instance = optimizer_instance_span(c, p), across = optimizer_replica_span(c, p);
+    EXPECT_EQ(instance.size, 32 / k) << k;
+    EXPECT_EQ(across.size, k) << k;
+    const CommModel& comm = cost.comm();
+    const double want =
+        comm.collective_time(Collective::kReduceScatter, 4 * params, instance, DType::kF32) +
+        comm.collective_time(Collective::kAllReduce, 4 * params / static_cast<double>(32 / k),
+                             across, DType::kF32) +
+        comm.collective_time(Collective::kAllGather, 2 * params, instance, DType::kBF16);
+    EXPECT_NEAR(cost.gradient_sync_time(p, params), want, 1e-12) << k;
+    if (k == 4) {
+      EXPECT_EQ(instance.nodes, 1);  // a node's 8 GPUs
+      EXPECT_EQ(across.nodes, 4);
+      EXPECT_EQ(across.concurrent_per_node, 8);
+    }
+    if (k == 32) {  // one rank an instance: whole states, and the gradients all-reduced
+      EXPECT_NEAR(cost.gradient_sync_time(p, params),
+                  comm.collective_time(Collective::kAllReduce, 4 * params, data_group_span(c, p),
+                                       DType::kF32),
+                  1e-12);
+      ParallelPlan ddp = one;
+      ddp.distributed_optimizer = false;
+      EXPECT_DOUBLE_EQ(mb.optimizer, cost.memory(ddp).optimizer);
+    }
+  }
+  // One instance is the ordinary distributed optimizer: the whole group's reduce-scatter and
+  // all-gather.
+  const GroupSpan dp = data_group_span(c, one);
+  EXPECT_NEAR(cost.gradient_sync_time(one, params),
+              cost.comm().collective_time(Collective::kReduceScatter, 4 * params, dp, DType::kF32) +
+                  cost.comm().collective_time(Collective::kAllGather, 2 * params, dp, DType::kBF16),
+              1e-12);
+  // An MoE model's experts shard over their expert-data-parallel ranks' instances: Mixtral
+  // 8x7B at ep 8 on 32 GPUs has edp = 4, so two instances keep twice the experts' states.
+  const ModelSpec moe = resolve_model("mixtral-8x7b");
+  const CostModel moe_cost(moe, c, resolve_profile("h100-sxm"));
+  ParallelPlan e = one;
+  e.expert_parallel = 8;
+  e.validate(moe);
+  ParallelPlan e2 = e;
+  e2.optimizer_instances = 2;
+  e2.validate(moe);
+  EXPECT_EQ(e2.expert_optimizer_shards(), 2);
+  EXPECT_NEAR(moe_cost.memory(e2).expert_optimizer, 2 * moe_cost.memory(e).expert_optimizer,
+              1e-6 * moe_cost.memory(e2).expert_optimizer);
+}
+
 }  // namespace
 }  // namespace ptdp

@@ -705,6 +705,33 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
                      run_json(0, sixteen));
 }
 
+// The distributed optimizer in K instances (--num-distributed-optimizer-instances): gradients
+// reduce-scattered within each instance, each shard all-reduced across the instances, the
+// weights gathered within: the same sums, so the single rank's losses, with the buckets and
+// gathers overlapped too, with one rank an instance, and for an MoE model's experts (edp = 2,
+// one expert rank an instance). Each rank keeps K times the states of one instance's shard.
+TEST(RunMpi, DistributedOptimizerInstancesTrainToTheSingleRankLosses) {
+  const std::string dopt = "--use-distributed-optimizer --num-distributed-optimizer-instances ";
+  const nlohmann::json single = run_json(0, kTiny);
+  for (const Layout& l : std::vector<Layout>{
+           {1, 1, 4, dopt + "2"},
+           {1, 1, 4, dopt + "2 --overlap-grad-reduce --overlap-param-gather"},
+           {1, 1, 4, dopt + "4"},
+           {2, 1, 2, dopt + "2 --sequence-parallel"},
+       })
+    expect_same_losses(l, single);
+  const std::string ep = "--expert-model-parallel-size 2 ";
+  expect_same_losses({1, 1, 4, ep + dopt + "2", kTinyMoe}, run_json(0, kTinyMoe));
+  // Optimizer states per rank, from the dry run: 1/4, 1/2 and all of the model's.
+  auto optimizer_bytes = [&](const std::string& extra) {
+    const nlohmann::json j = run_json(0, kTiny + " --num-gpus 4 --dry-run " + extra);
+    return j["plans"][0]["ranks"][0]["optimizer_bytes"].get<double>();
+  };
+  const double quarter = optimizer_bytes("--use-distributed-optimizer");
+  EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "2"), 2 * quarter);
+  EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "4"), optimizer_bytes(""));
+}
+
 // MoE layers in device memory (the CUDA backend's path without a GPU): cpu-staged routes on the
 // host from downloaded logits, moves rows with the backend's gathers, and exchanges them through
 // the staged all-to-alls, so the losses and the peak memory are the CPU backend's to the bit,

@@ -154,6 +154,48 @@ TEST(Search, MegatronFsdpStrategiesOnlyWhenAskedAndAtOneStage) {
   EXPECT_EQ(seen.size(), 2u);
 }
 
+// The distributed optimizer's instances are tried only when asked for, beside one instance, on
+// the candidates whose data-parallel ranks they divide into instances of two ranks or more;
+// auto asks for one instance per node's part of the data-parallel group.
+TEST(Search, OptimizerInstancesOnlyWhenAskedAndWhereTheyDivide) {
+  Job j("llama2-7b", 64);
+  SearchOptions o;
+  o.global_batch_size = 256;
+  o.top_k = 3000;
+  const SearchResult plain = search_plans(j.m, j.c, j.h, o);
+  for (const RankedPlan& rp : plain.top) EXPECT_EQ(rp.plan.optimizer_instances, 1);
+  for (const int64_t asked : {int64_t{4}, int64_t{0}}) {
+    o.optimizer_instances = asked;
+    const SearchResult r = search_plans(j.m, j.c, j.h, o);
+    EXPECT_GT(r.considered, plain.considered) << asked;
+    EXPECT_LE(r.top[0].prediction.iteration_time_s, plain.top[0].prediction.iteration_time_s)
+        << asked;
+    std::set<int64_t> seen;
+    for (const RankedPlan& rp : r.top) {
+      const ParallelPlan& p = rp.plan;
+      if (p.optimizer_instances == 1) continue;
+      seen.insert(p.optimizer_instances);
+      const int64_t dp = p.data_parallel * p.context_parallel;
+      EXPECT_TRUE(p.distributed_optimizer) << plan_summary(p);
+      EXPECT_EQ(dp % p.optimizer_instances, 0) << plan_summary(p);
+      EXPECT_GE(dp / p.optimizer_instances, 2) << plan_summary(p);
+      EXPECT_EQ(first_violated_rule(j.m, p), PlanRule::kNone) << plan_summary(p);
+      EXPECT_NE(plan_summary(p).find("dopt-x" + std::to_string(p.optimizer_instances)),
+                std::string::npos);
+      if (asked == 4) {
+        EXPECT_EQ(p.optimizer_instances, 4) << plan_summary(p);
+      }
+      // auto: the instance is a node's part of the group (t * d * cp / K = 8 GPUs of a node).
+      const GroupSpan span = data_group_span(j.c, p);
+      if (asked == 0) {
+        EXPECT_EQ(p.optimizer_instances, span.nodes) << plan_summary(p);
+        EXPECT_EQ(optimizer_instance_span(j.c, p).nodes, 1) << plan_summary(p);
+      }
+    }
+    EXPECT_FALSE(seen.empty()) << asked;
+  }
+}
+
 // Megatron's uneven splits: the ends lighter than (or as full as) the equal middle stages, the
 // sum always the model's layers, the even split first when there is one.
 // The overlap settings hide communication and nothing else: searching with them considers the
