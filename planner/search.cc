@@ -142,22 +142,20 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
 int64_t optimizer_instances_for(const Cell& c, const ModelSpec& m, const SearchOptions& o,
                                 const CostModel& cost) {
   const int64_t dp = c.d * c.cp;
+  ParallelPlan plan;
+  plan.tensor_parallel = c.t;
+  plan.context_parallel = c.cp;
+  plan.data_parallel = c.d;
+  plan.expert_parallel = c.ep;
+  plan.expert_tensor_parallel = c.etp;
   int64_t k = o.optimizer_instances;
   if (k == 0) {
     // auto: one instance per node's part of the data-parallel group, where the group spans nodes.
-    ParallelPlan plan;
-    plan.tensor_parallel = c.t;
-    plan.context_parallel = c.cp;
-    plan.data_parallel = c.d;
     const GroupSpan span = data_group_span(cost.cluster(), plan);
     k = span.nodes > 1 && dp % span.ranks_per_node == 0 ? dp / span.ranks_per_node : 1;
   }
   if (k <= 1 || dp % k != 0 || dp / k < 2) return 1;
-  if (m.is_moe()) {
-    const int64_t etp = c.etp > 0 ? c.etp : c.t;
-    const int64_t edp = c.t * c.cp * c.d / (etp * c.ep);
-    if (edp % k != 0) return 1;
-  }
+  if (m.is_moe() && plan.expert_data_parallel() % k != 0) return 1;
   return k;
 }
 

@@ -162,6 +162,60 @@ void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
   reduce_sequence_parallel(lo, hi);
   const double queued = seconds();
   buckets_.emplace(std::pair{lo, hi}, InFlight{start_reduction(seg, lo, hi), queued});
+  if (replicas_group_of(seg)) across_pending_.emplace_back(lo, hi);
+}
+
+std::pair<int64_t, int64_t> DataParallelOptimizer::own_part(size_t seg, int64_t lo,
+                                                            int64_t hi) const {
+  const int64_t own = own_shard(seg), shard = shard_.segments()[seg].size / shards_of(seg);
+  return {std::max(lo, own), std::min(hi, own + shard)};
+}
+
+void DataParallelOptimizer::start_across(bool block) {
+  float* g = shard_.grads().data<float>();
+  size_t started = 0;
+  for (; started < across_pending_.size(); ++started) {
+    const auto range = across_pending_[started];
+    InFlight& rs = buckets_.at(range);
+    if (block) {
+      rs.work->wait();
+    } else if (rs.done < 0 && !rs.work->test()) {
+      break;
+    }
+    if (rs.done < 0) rs.done = seconds();
+    const size_t seg = segment_of(range.first, range.second);
+    Communicator* across = replicas_group_of(seg);
+    const auto [a, b] = own_part(seg, range.first, range.second);
+    if (a >= b || across->size() < 2) continue;
+    across_.emplace(
+        range, InFlight{across->all_reduce_async(g + a, static_cast<size_t>(b - a), DType::kF32),
+                        seconds()});
+  }
+  across_pending_.erase(across_pending_.begin(),
+                        across_pending_.begin() + static_cast<std::ptrdiff_t>(started));
+}
+
+void DataParallelOptimizer::finish_across() {
+  start_across(true);
+  // What no bucket covered of each shard: the gaps between the buckets' own parts.
+  float* g = shard_.grads().data<float>();
+  const auto& segs = shard_.segments();
+  for (size_t i = 0; i < segs.size(); ++i) {
+    Communicator* across = replicas_group_of(i);
+    if (!across || across->size() < 2) continue;
+    const auto [own, end] = own_part(i, segs[i].offset, segs[i].offset + segs[i].size);
+    int64_t at = own;
+    for (const auto& [range, f] : buckets_) {
+      if (segment_of(range.first, range.second) != i) continue;
+      const auto [a, b] = own_part(i, range.first, range.second);
+      if (a >= b) continue;
+      if (a > at) across->all_reduce(g + at, static_cast<size_t>(a - at));
+      at = std::max(at, b);
+    }
+    if (at < end) across->all_reduce(g + at, static_cast<size_t>(end - at));
+  }
+  for (auto& [range, f] : across_) complete(f, bucket_sink_);
+  across_.clear();
 }
 
 void DataParallelOptimizer::start_param_gathers() {
@@ -204,8 +258,9 @@ void DataParallelOptimizer::finish_param_gather() {
 }
 
 void DataParallelOptimizer::progress() {
-  for (InFlightByRange* m : {&gathers_, &buckets_})
+  for (InFlightByRange* m : {&gathers_, &buckets_, &across_})
     for (auto& [range, f] : *m) poll(f);
+  start_across(false);
 }
 
 void DataParallelOptimizer::reduce_gradients() {
@@ -233,9 +288,9 @@ void DataParallelOptimizer::reduce_gradients() {
       if (at < end) rest.push_back(start_reduction(i, at, end));
     }
     for (auto& w : rest) w->wait();
+    finish_across();
     for (auto& [range, f] : buckets_) complete(f, bucket_sink_);
     buckets_.clear();
-    reduce_across_instances();
     if (d > 1) {
       if (!dist_) be_.scale(g, g_size, inv_d);
       for (size_t i = 0; dist_ && i < segs.size(); ++i)
@@ -270,8 +325,8 @@ void DataParallelOptimizer::reduce_gradients() {
 void DataParallelOptimizer::reduce_across_instances() {
   // Megatron-Core's second reduction with several distributed-optimizer instances: each
   // instance has summed its own ranks' gradients into their shards; the K ranks holding the
-  // same shard add the instances' sums. (Megatron-Core issues it per bucket on its
-  // communication stream; here it follows the reduce-scatters, after the backward passes.)
+  // same shard add the instances' sums. (Without --overlap-grad-reduce: after the
+  // reduce-scatters, as Megatron-Core does then; with it, per bucket, start_across.)
   float* g = shard_.grads().data<float>();
   const auto& segs = shard_.segments();
   for (size_t i = 0; i < segs.size(); ++i) {

@@ -157,6 +157,16 @@ class DataParallelOptimizer {
   }
   // All-reduces this rank's shard of each segment across the optimizer instances (K > 1).
   void reduce_across_instances();
+  // The part of [lo, hi) (inside segment `seg`) in this rank's shard: [a, b), empty when a >= b.
+  std::pair<int64_t, int64_t> own_part(size_t seg, int64_t lo, int64_t hi) const;
+  // --overlap-grad-reduce with K > 1 instances: starts the across-instance all-reduce of this
+  // rank's part of each queued bucket whose reduce-scatter has completed, in the order the
+  // buckets were queued (the ranks of a replica group start them alike); stops at the first
+  // bucket still reducing unless `block`, which waits for each.
+  void start_across(bool block);
+  // After the reduce-scatters: the across-instance all-reduce of the parts of this rank's shard
+  // that no bucket covered, then the wait for every one in flight.
+  void finish_across();
   // Whether this rank counts the parameter in the global gradient norm.
   bool counts_in_norm(const ParamInfo& p) const;
   // Calls f(param, lo, hi, state index of lo) for the part of each parameter this rank's
@@ -202,6 +212,10 @@ class DataParallelOptimizer {
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays
   // Buckets started this step, and parameter gathers not yet waited for.
   InFlightByRange buckets_, gathers_;
+  // K > 1 instances: the buckets whose across-instance all-reduce is not started yet, in queue
+  // order, and those started (by bucket range).
+  std::vector<std::pair<int64_t, int64_t>> across_pending_;
+  InFlightByRange across_;
   std::vector<std::pair<double, double>>* bucket_sink_ = nullptr;
   bool defer_gather_ = false;
   bool skipped_ = false;  // the last step() skipped its update (fp16 overflow)

@@ -1184,6 +1184,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // Megatron-FSDP's strategies where p = 1.
       {{"--cluster", "dgx-h100", "--num-gpus", "16", "--model", "llama2-7b", "--global-batch-size",
         "64", "--use-megatron-fsdp"}},
+      // The distributed optimizer in instances (one per node's part of the data-parallel group).
+      {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "llama2-7b", "--global-batch-size",
+        "256", "--num-distributed-optimizer-instances", "auto"}},
       {{"--cluster",
         "dgx-a100-80gb",
         "--num-gpus",
@@ -1230,6 +1233,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--overlap-moe-expert-parallel-comm",
                                           "--data-parallel-sharding-strategy optim_grads ",
                                           "--data-parallel-sharding-strategy optim_grads_params",
+                                          "--num-distributed-optimizer-instances",
                                           "--untie-embeddings-and-output-weights"};
   for (const Case& c : cases) {
     std::vector<std::string> args = {"plan", "--top", "40", "--json", "--no-progress"};

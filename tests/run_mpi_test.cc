@@ -722,6 +722,15 @@ TEST(RunMpi, DistributedOptimizerInstancesTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
   const std::string ep = "--expert-model-parallel-size 2 ";
   expect_same_losses({1, 1, 4, ep + dopt + "2", kTinyMoe}, run_json(0, kTinyMoe));
+  // Overlapped, each bucket's part of the shard is all-reduced across the instances once its
+  // reduce-scatter is done, and what no bucket covered after the last: sums of two ranks each,
+  // so the same bits as after the backward passes.
+  const Layout four{1, 1, 4, dopt + "2"};
+  const nlohmann::json plain = run_json(4, flags(four));
+  const nlohmann::json overlapped = run_json(4, flags(four) + " --overlap-grad-reduce");
+  ASSERT_EQ(losses(plain).size(), 6u);
+  EXPECT_EQ(losses(overlapped), losses(plain));
+  EXPECT_EQ(overlapped["grad_norms"], plain["grad_norms"]);
   // Optimizer states per rank, from the dry run: 1/4, 1/2 and all of the model's.
   auto optimizer_bytes = [&](const std::string& extra) {
     const nlohmann::json j = run_json(0, kTiny + " --num-gpus 4 --dry-run " + extra);
