@@ -16,7 +16,8 @@
 namespace {
 
 void run_search(benchmark::State& state, const ptdp::ModelSpec& m, const std::string& cluster,
-                int64_t gpus, int64_t batch, const std::vector<ptdp::FsdpSharding>& fsdp = {}) {
+                int64_t gpus, int64_t batch, const std::vector<ptdp::FsdpSharding>& fsdp = {},
+                int64_t optimizer_instances = 1) {
   ptdp::ClusterSpec c = ptdp::resolve_cluster(cluster);
   c.resize(gpus);
   const ptdp::HardwareProfile h = ptdp::default_profile_for(c);
@@ -24,6 +25,7 @@ void run_search(benchmark::State& state, const ptdp::ModelSpec& m, const std::st
   o.global_batch_size = batch;
   o.threads = static_cast<int>(state.range(0));
   o.fsdp_strategies = fsdp;
+  o.optimizer_instances = optimizer_instances;
   int64_t considered = 0, evaluated = 0;
   for (auto _ : state) {
     const ptdp::SearchResult r = ptdp::search_plans(m, c, h, o);
@@ -66,6 +68,12 @@ void BM_PlanLlama70BMegatronFsdp(benchmark::State& state) {
              {ptdp::FsdpSharding::kOptimGrads, ptdp::FsdpSharding::kOptimGradsParams});
 }
 BENCHMARK(BM_PlanLlama70BMegatronFsdp)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The distributed optimizer also in instances (auto: one per node's part of the group).
+void BM_PlanLlama70BOptimizerInstances(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("llama3-70b"), "dgx-h100", 1024, 1024, {}, 0);
+}
+BENCHMARK(BM_PlanLlama70BOptimizerInstances)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_Predict175B(benchmark::State& state) {
   const ptdp::ModelSpec m = ptdp::resolve_model("gpt3-175b");
