@@ -30,6 +30,10 @@ ParallelPlan as_executed(const ParallelPlan& p) {
   run.tp_comm_overlap = false;
   run.overlap_moe_ep_comm = false;
   run.fsdp = FsdpSharding::kOff;  // the distributed optimizer's layout (or DDP's for no_shard)
+  // HSDP: the distributed optimizer in the same instances, or (HFSDP, its states sharded across
+  // them) in one.
+  if (run.fsdp_outer == FsdpSharding::kOptim) run.optimizer_instances = 1;
+  run.fsdp_outer = FsdpSharding::kNoShard;
   return run;
 }
 
@@ -54,8 +58,15 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
     add(std::string(p.shards_weights()
                         ? "keeps whole weights and gradients and reduces the gradients"
                         : "keeps whole gradients and reduces them") +
-        " once a step, as the distributed optimizer does (--data-parallel-sharding-strategy " +
-        to_string(p.fsdp) + " is priced, not run: same math, more memory, fewer collectives)");
+        " once a step, as the distributed optimizer does" +
+        (p.optimizer_instances > 1
+             ? std::string(p.fsdp_outer == FsdpSharding::kOptim
+                               ? ""
+                               : " in the same " + std::to_string(p.optimizer_instances) +
+                                     " instances")
+             : std::string()) +
+        " (--data-parallel-sharding-strategy " + to_string(p.fsdp) +
+        " is priced, not run: same math, more memory, fewer collectives)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

@@ -145,6 +145,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--data-parallel-sharding-strategy", dp_sharding_strategy,
                  "with --use-megatron-fsdp: no_shard (Megatron's default), optim (ZeRO-1), "
                  "optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3)");
+  app.add_option("--outer-dp-sharding-strategy", outer_dp_sharding_strategy,
+                 "with --use-megatron-fsdp and --num-distributed-optimizer-instances K > 1 (HSDP): "
+                 "no_shard (Megatron's default) or optim (the optimizer states also sharded "
+                 "across the instances; needs optim_grads_params)");
   app.add_option("--megatron-fsdp-main-grads-dtype", fsdp_main_grads_dtype,
                  "fp32 (ptdp's default) or bf16, fp16, auto (16-bit gradients; Megatron-FSDP's "
                  "default is auto)");
@@ -260,6 +264,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--fp16-grad-reduce", fp16_grad_reduce},
       {"--use-megatron-fsdp", use_megatron_fsdp},
       {"--data-parallel-sharding-strategy", !dp_sharding_strategy.empty()},
+      {"--outer-dp-sharding-strategy", !outer_dp_sharding_strategy.empty()},
       {"--megatron-fsdp-main-grads-dtype", !fsdp_main_grads_dtype.empty()},
       {"--no-scatter-gather", no_scatter_gather},
       {"--no-gradient-accumulation-fusion", no_grad_accumulation_fusion},
@@ -442,7 +447,15 @@ void JobFlags::apply_megatron_fsdp_flags(ParallelPlan& p) const {
       throw InputError(strategy_flag, "needs --use-megatron-fsdp");
     if (!fsdp_main_grads_dtype.empty())
       throw InputError("--megatron-fsdp-main-grads-dtype", "needs --use-megatron-fsdp");
+    if (!outer_dp_sharding_strategy.empty() && outer_dp_sharding_strategy != "no_shard")
+      throw InputError("--outer-dp-sharding-strategy", "needs --use-megatron-fsdp");
     return;
+  }
+  if (!outer_dp_sharding_strategy.empty()) {
+    if (outer_dp_sharding_strategy != "no_shard" && outer_dp_sharding_strategy != "optim")
+      throw InputError("--outer-dp-sharding-strategy",
+                       "must be no_shard or optim, got '" + outer_dp_sharding_strategy + "'");
+    p.fsdp_outer = fsdp_sharding_from_string(outer_dp_sharding_strategy);
   }
   if (!ckpt_format.empty() && ckpt_format != "fsdp_dtensor")
     throw InputError("--ckpt-format",

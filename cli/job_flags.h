@@ -67,6 +67,8 @@ struct JobFlags {
   // (each distributed-optimizer candidate also tried with one instance per node's share of its
   // data-parallel group).
   std::string optimizer_instances;
+  // Megatron-FSDP's --outer-dp-sharding-strategy (no_shard or optim) across those instances.
+  std::string outer_dp_sharding_strategy;
   std::string dp_sharding_strategy, fsdp_main_grads_dtype, ckpt_format;
   bool fp16_grad_reduce = false, no_scatter_gather = false, no_grad_accumulation_fusion = false;
   bool no_overlap_p2p = false;

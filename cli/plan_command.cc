@@ -92,6 +92,8 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   ParallelPlan base = job.resolve_plan(m, c);
   const int64_t instances = auto_instances ? 0 : base.optimizer_instances;
   base.optimizer_instances = 1;
+  const FsdpSharding outer = base.fsdp_outer;  // tried with the instances
+  base.fsdp_outer = FsdpSharding::kNoShard;
   if (f.job.has_parallel_flags()) base.validate(m);
 
   SearchOptions o;
@@ -110,6 +112,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
         f.job.dp_sharding_strategy.empty()
             ? std::vector<FsdpSharding>{FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}
             : std::vector<FsdpSharding>{base.fsdp};
+    if (!f.job.outer_dp_sharding_strategy.empty()) o.fsdp_outer_strategies = {outer};
     // --megatron-fsdp-main-grads-dtype applies to those plans only.
     o.fsdp_fp32_grad_reduce = base.fp32_grad_reduce;
     o.defaults.fp32_grad_reduce = !f.job.fp16_grad_reduce;

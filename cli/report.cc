@@ -20,7 +20,11 @@ std::string context_note(const ParallelPlan& p) {
 }
 
 std::string optimizer_note(const ParallelPlan& p) {
-  if (p.fsdp != FsdpSharding::kOff) return ", Megatron-FSDP " + to_string(p.fsdp);
+  if (p.fsdp != FsdpSharding::kOff)
+    return ", Megatron-FSDP " + to_string(p.fsdp) +
+           (p.optimizer_instances > 1 ? " in " + std::to_string(p.optimizer_instances) +
+                                            " instances, " + to_string(p.fsdp_outer) + " across"
+                                      : std::string());
   if (p.distributed_optimizer && p.optimizer_instances > 1)
     return ", distributed optimizer in " + std::to_string(p.optimizer_instances) + " instances";
   return p.distributed_optimizer ? ", distributed optimizer" : "";

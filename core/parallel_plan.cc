@@ -221,6 +221,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
     f << " --use-megatron-fsdp --data-parallel-sharding-strategy " << to_string(fsdp)
       << " --ckpt-format fsdp_dtensor";
     if (fp32_grad_reduce) f << " --megatron-fsdp-main-grads-dtype fp32";
+    if (optimizer_instances > 1) f << " --outer-dp-sharding-strategy " << to_string(fsdp_outer);
   }
   if (overlap_grad_reduce) f << " --overlap-grad-reduce";
   if (overlap_param_gather && distributed_optimizer) f << " --overlap-param-gather";
@@ -303,6 +304,9 @@ ParallelPlan plan_from_json(const json& j) {
   std::string fsdp = to_string(p.fsdp);
   r.read("megatron_fsdp", fsdp);
   if (fsdp != "off") p.fsdp = enum_from_string(fsdp, kFsdpShardings, r.field("megatron_fsdp"));
+  std::string outer = to_string(p.fsdp_outer);
+  r.read("megatron_fsdp_outer", outer);
+  p.fsdp_outer = enum_from_string(outer, kFsdpShardings, r.field("megatron_fsdp_outer"));
   r.read("overlap_grad_reduce", p.overlap_grad_reduce);
   r.read("overlap_param_gather", p.overlap_param_gather);
   r.read("tp_comm_overlap", p.tp_comm_overlap);
@@ -336,6 +340,7 @@ json to_json(const ParallelPlan& p) {
               {"distributed_optimizer", p.distributed_optimizer},
               {"distributed_optimizer_instances", p.optimizer_instances},
               {"megatron_fsdp", to_string(p.fsdp)},
+              {"megatron_fsdp_outer", to_string(p.fsdp_outer)},
               {"overlap_grad_reduce", p.overlap_grad_reduce},
               {"overlap_param_gather", p.overlap_param_gather},
               {"tp_comm_overlap", p.tp_comm_overlap},

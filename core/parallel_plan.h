@@ -103,6 +103,14 @@ struct ParallelPlan {
   // them in every microbatch's backward pass, and with sharded weights it gathers them in every
   // pass, both behind the passes' compute where they fit (planner/cost_model.h).
   FsdpSharding fsdp = FsdpSharding::kOff;
+  // Megatron-FSDP with K > 1 optimizer instances (HSDP, --outer-dp-sharding-strategy): each
+  // instance shards the gradients and weights over its d * cp / K ranks as `fsdp` says, and
+  // across the instances kNoShard (HSDP) keeps K copies of those shards, all-reducing the
+  // gradient shards across them once an iteration; kOptim (HFSDP, with optim_grads_params) also
+  // shards the optimizer states across them (over all d * cp ranks), reduce-scattering the
+  // gradient shards and all-gathering the updated weights across the instances at the
+  // optimizer step. Every collective across the instances is once an iteration.
+  FsdpSharding fsdp_outer = FsdpSharding::kNoShard;
   bool overlap_grad_reduce = false;  // --overlap-grad-reduce
   bool fp32_grad_reduce = true;      // grads kept and reduced in fp32 (Megatron's bf16 default)
   bool scatter_gather_p2p = true;    // SC'21 scatter/gather optimisation across nodes
@@ -136,15 +144,22 @@ struct ParallelPlan {
   bool shards_gradients() const { return fsdp >= FsdpSharding::kOptimGrads; }
   // The ranks over which the distributed optimizer shards the dense parameters' states (d * cp
   // / K) and the routed experts' (edp / K); 1 without it.
+  // (Megatron-FSDP's HFSDP shards them over all d * cp, or edp, ranks.)
   int64_t optimizer_shards() const {
-    return distributed_optimizer && optimizer_instances > 0
-               ? data_parallel * context_parallel / optimizer_instances
-               : 1;
+    if (!distributed_optimizer) return 1;
+    return fsdp_outer == FsdpSharding::kOptim ? data_parallel * context_parallel : instance_ranks();
   }
   int64_t expert_optimizer_shards() const {
-    return distributed_optimizer && optimizer_instances > 0
-               ? expert_data_parallel() / optimizer_instances
-               : 1;
+    if (!distributed_optimizer) return 1;
+    return fsdp_outer == FsdpSharding::kOptim ? expert_data_parallel() : expert_instance_ranks();
+  }
+  // The ranks of one optimizer instance: d * cp / K (the experts': edp / K); Megatron-FSDP's
+  // gradient and weight shards are over these.
+  int64_t instance_ranks() const {
+    return data_parallel * context_parallel / (optimizer_instances > 0 ? optimizer_instances : 1);
+  }
+  int64_t expert_instance_ranks() const {
+    return expert_data_parallel() / (optimizer_instances > 0 ? optimizer_instances : 1);
   }
   bool shards_weights() const { return fsdp == FsdpSharding::kOptimGradsParams; }
 

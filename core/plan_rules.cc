@@ -250,11 +250,12 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     if (!plan.distributed_optimizer)
       return broken(PlanRule::kOptimizerInstances, report, flag,
                     [] { return std::string("needs --use-distributed-optimizer"); });
-    if (plan.fsdp != FsdpSharding::kOff)
-      return broken(PlanRule::kOptimizerInstances, report, flag, [] {
-        return std::string(
-            "with --use-megatron-fsdp (Megatron-FSDP's HSDP) is not priced by ptdp; use the "
-            "distributed optimizer's instances without Megatron-FSDP");
+    // Megatron-FSDP's HSDP: the instances are the groups its strategy shards over.
+    if (plan.fsdp != FsdpSharding::kOff && plan.fsdp < FsdpSharding::kOptimGrads)
+      return broken(PlanRule::kOptimizerInstances, report, flag, [&] {
+        return "with --use-megatron-fsdp (HSDP) needs --data-parallel-sharding-strategy "
+               "optim_grads or optim_grads_params, got " +
+               to_string(plan.fsdp);
       });
     if ((d * cp) % k != 0)
       return broken(PlanRule::kOptimizerInstances, report, flag, [&] {
@@ -266,6 +267,24 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
         return num(k) +
                " does not divide the experts' data-parallel size t * cp * d / (etp * ep) (" +
                num(plan.expert_data_parallel()) + ")";
+      });
+  }
+  // Megatron-FSDP's outer strategy across the instances (HSDP): no_shard, or optim (HFSDP), which
+  // Megatron-FSDP allows only over optim_grads_params and with more than one instance.
+  if (plan.fsdp_outer != FsdpSharding::kNoShard) {
+    const char* flag = "--outer-dp-sharding-strategy";
+    if (plan.fsdp_outer != FsdpSharding::kOptim)
+      return broken(PlanRule::kMegatronFsdp, report, flag,
+                    [&] { return "must be no_shard or optim, got " + to_string(plan.fsdp_outer); });
+    if (plan.fsdp != FsdpSharding::kOptimGradsParams)
+      return broken(PlanRule::kMegatronFsdp, report, flag, [] {
+        return std::string(
+            "optim needs --use-megatron-fsdp --data-parallel-sharding-strategy "
+            "optim_grads_params (Megatron-FSDP's rule: the outer sharding builds on the inner)");
+      });
+    if (plan.optimizer_instances < 2)
+      return broken(PlanRule::kMegatronFsdp, report, flag, [] {
+        return std::string("optim needs --num-distributed-optimizer-instances > 1");
       });
   }
   // Megatron-FSDP: Megatron-Core shards a whole replica and runs it without pipeline
@@ -380,7 +399,7 @@ const char* rule_reason(PlanRule r) {
     case PlanRule::kSequenceParallelDividesSequence:
       return "sequence parallelism needs t to divide the sequence";
     case PlanRule::kMegatronFsdp:
-      return "Megatron-FSDP needs p = 1 and the 1f1b schedule";
+      return "Megatron-FSDP needs p = 1, the 1f1b schedule and its outer strategy's conditions";
     case PlanRule::kMoeNeedsSequenceParallel:
       return "MoE with t > 1 needs sequence parallelism";
     case PlanRule::kTpCommOverlapNeedsSequenceParallel:

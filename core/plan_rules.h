@@ -60,9 +60,11 @@ enum class PlanRule {
   kTpCommOverlapNeedsSequenceParallel,    // --tp-comm-overlap with t > 1 needs SP
   kParamGatherNeedsDistributedOptimizer,  // --overlap-param-gather with d > 1 needs it
   kOptimizerInstances,  // --num-distributed-optimizer-instances K: K >= 1; K > 1 needs the
-                        // distributed optimizer (not Megatron-FSDP), K | d * cp and K | edp
+                        // distributed optimizer (with Megatron-FSDP, HSDP: optim_grads or
+                        // optim_grads_params), K | d * cp and K | edp
   kMegatronFsdp,        // --use-megatron-fsdp: p = 1, not zb-h1; the optimizer states sharded (the
-                        // distributed optimizer) exactly when the strategy shards them
+                        // distributed optimizer) exactly when the strategy shards them; the
+                        // outer strategy no_shard, or optim with optim_grads_params and K > 1
   kExpertOverlap,       // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
                         // p = 1 or interleaved
   kRecomputeLayers,     // recompute_layers >= 0, and > 0 only with full

@@ -610,14 +610,30 @@ double CostModel::activation_message_bytes(const ParallelPlan& p) const {
 double CostModel::gradient_sync_time(const ParallelPlan& p, double params) const {
   const GroupSpan dp = data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
-  if (p.shards_gradients())
+  if (p.shards_gradients()) {
+    const GroupSpan instance = optimizer_instance_span(cluster_, p);
     return comm_.collective_time(Collective::kAllGather,
-                                 iteration_gathered_parameters(p, params) * weight_bytes(), dp,
-                                 weight_dtype());
+                                 iteration_gathered_parameters(p, params) * weight_bytes(),
+                                 instance, weight_dtype()) +
+           fsdp_outer_sync_time(p, params, instance, optimizer_replica_span(cluster_, p));
+  }
   if (p.distributed_optimizer)
     return sharded_gradient_sync_time(p, params, optimizer_instance_span(cluster_, p),
                                       optimizer_replica_span(cluster_, p));
   return comm_.collective_time(Collective::kAllReduce, gbytes, dp, gradient_dtype(p));
+}
+
+double CostModel::fsdp_outer_sync_time(const ParallelPlan& p, double params,
+                                       const GroupSpan& instance, const GroupSpan& replicas) const {
+  if (replicas.size <= 1 || params <= 0) return 0.0;
+  // Each rank's shard of its instance: 1 / (the instance's ranks) of the gradients and weights.
+  const double share = params / static_cast<double>(instance.size);
+  const double gbytes = share * gradient_bytes_per_parameter(p);
+  if (p.fsdp_outer == FsdpSharding::kOptim)  // HFSDP: the states sharded across, too
+    return comm_.collective_time(Collective::kReduceScatter, gbytes, replicas, gradient_dtype(p)) +
+           comm_.collective_time(Collective::kAllGather, share * weight_bytes(), replicas,
+                                 weight_dtype());
+  return comm_.collective_time(Collective::kAllReduce, gbytes, replicas, gradient_dtype(p));
 }
 
 double CostModel::sharded_gradient_sync_time(const ParallelPlan& p, double params,
@@ -643,10 +659,15 @@ double CostModel::expert_gradient_sync_time(const ParallelPlan& p, double params
   if (params <= 0 || p.expert_data_parallel() <= 1) return 0.0;
   const GroupSpan edp = expert_data_group_span(cluster_, p);
   const double gbytes = params * gradient_bytes_per_parameter(p);
-  if (p.shards_weights()) return 0.0;  // experts live in the layer units
-  if (p.shards_gradients())
-    return comm_.collective_time(Collective::kAllGather, params * weight_bytes(), edp,
-                                 weight_dtype());
+  if (p.shards_gradients()) {
+    const GroupSpan instance = expert_optimizer_instance_span(cluster_, p);
+    const double outer =
+        fsdp_outer_sync_time(p, params, instance, expert_optimizer_replica_span(cluster_, p));
+    if (p.shards_weights()) return outer;  // experts live in the layer units
+    return comm_.collective_time(Collective::kAllGather, params * weight_bytes(), instance,
+                                 weight_dtype()) +
+           outer;
+  }
   if (p.distributed_optimizer)
     return sharded_gradient_sync_time(p, params, expert_optimizer_instance_span(cluster_, p),
                                       expert_optimizer_replica_span(cluster_, p));
@@ -732,7 +753,10 @@ double CostModel::optimizer_time(const ParallelPlan& p, double params, double ex
 void CostModel::add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& t) const {
   const int64_t layers = p.layers_on_stage(model_, r);
   if (!p.shards_gradients() || layers == 0) return;
-  const GroupSpan dp = data_group_span(cluster_, p), edp = expert_data_group_span(cluster_, p);
+  // Over the ranks of an optimizer instance (all d * cp of them, or the experts' edp, without
+  // HSDP).
+  const GroupSpan dp = optimizer_instance_span(cluster_, p),
+                  edp = expert_optimizer_instance_span(cluster_, p);
   const double experts = expert_parameters_on_stage(p, r);
   const double dense = parameters_on_stage(p, r) - experts;
   const double dense_units = dense - non_layer_parameters_on_stage(p, r);
@@ -746,7 +770,7 @@ void CostModel::add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& 
     return comm_.collective_time(Collective::kReduceScatter,
                                  params * gradient_bytes_per_parameter(p), g, gradient_dtype(p));
   };
-  const int64_t d = p.data_parallel * p.context_parallel, ed = p.expert_data_parallel();
+  const int64_t d = p.instance_ranks(), ed = p.expert_instance_ranks();
   // One microbatch's collectives: the units' weight gathers (each pass) and every gradient's
   // reduce-scatter (the backward pass).
   const double gathers =
@@ -894,7 +918,8 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       const double dense_units = params - experts - non_layer;
       const double layers = static_cast<double>(std::max<int64_t>(1, p.layers_on_stage(model_, r)));
       const double unit = (dense_units + experts) / layers;  // one layer's parameters
-      const double ds = dense_shards(p), es = expert_shards(p);
+      const double ds = static_cast<double>(p.instance_ranks()),
+                   es = static_cast<double>(p.expert_instance_ranks());
       mb.expert_gradients = experts / es * grad_bytes;
       const double units_alive = std::min(layers, kFsdpGradientUnitsInFlight) * unit;
       const OuterModules outer = outer_modules(p, r);

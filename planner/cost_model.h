@@ -134,7 +134,8 @@ class CostModel {
   // with sharded_gradient_sync_time), not overlapped.
   // With Megatron-FSDP's sharded gradients, which are reduced in every microbatch's backward
   // pass (add_fsdp_pass_comm), what is left is the all-gather of the updated weights: all of
-  // them, or with sharded weights those outside the layer units (non_layer_parameters_on_stage).
+  // them, or with sharded weights those outside the layer units (non_layer_parameters_on_stage),
+  // within the instance, and with HSDP the collectives across the instances.
   double gradient_sync_time(const ParallelPlan& p, double params) const;
   // The same for `params` expert parameters, over the expert-data-parallel group.
   double expert_gradient_sync_time(const ParallelPlan& p, double params) const;
@@ -143,6 +144,11 @@ class CostModel {
   // the updated weights within the instance.
   double sharded_gradient_sync_time(const ParallelPlan& p, double params, const GroupSpan& instance,
                                     const GroupSpan& replicas) const;
+  // Megatron-FSDP's HSDP, once an iteration across the K instances: the all-reduce of each
+  // rank's gradient shard (outer no_shard), or its reduce-scatter and the all-gather of the
+  // updated weights' shard (outer optim). 0 with one instance.
+  double fsdp_outer_sync_time(const ParallelPlan& p, double params, const GroupSpan& instance,
+                              const GroupSpan& replicas) const;
   // What --overlap-param-gather hides of gradient_sync_time: the distributed optimizer's
   // parameter all-gather, bucket by bucket ahead of the next iteration's first forward pass
   // (`forward_s`, one microbatch through the stage), all but the first of `layers` buckets.

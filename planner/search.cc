@@ -34,7 +34,8 @@ auto plan_key(const ParallelPlan& p) {
                          p.micro_batch_size, p.expert_parallel, p.expert_tensor_parallel,
                          p.virtual_stages, p.microbatch_group, static_cast<int>(p.recompute),
                          p.recompute_layers, p.sequence_parallel, p.distributed_optimizer,
-                         p.optimizer_instances, static_cast<int>(p.fsdp), p.layers_per_stage);
+                         p.optimizer_instances, static_cast<int>(p.fsdp),
+                         static_cast<int>(p.fsdp_outer), p.layers_per_stage);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -159,24 +160,51 @@ int64_t optimizer_instances_for(const Cell& c, const ModelSpec& m, const SearchO
   return k;
 }
 
+// How a candidate keeps and reduces its optimizer states and gradients.
+struct OptimizerVariant {
+  bool distributed = false;
+  int64_t instances = 1;
+  FsdpSharding fsdp = FsdpSharding::kOff, outer = FsdpSharding::kNoShard;
+};
+
+// A cell's optimizer variants: DDP; the distributed optimizer, in one instance and in the
+// instances asked for; then Megatron-FSDP's strategies asked for (p = 1 only), each in one
+// instance, and those that shard the gradients also in the instances asked for (HSDP, across
+// them no_shard, and with optim_grads_params also optim).
+std::vector<OptimizerVariant> optimizer_variants(const Cell& c, const ModelSpec& m,
+                                                 const SearchOptions& o, const CostModel& cost) {
+  std::vector<OptimizerVariant> out = {{}};
+  if (c.d * c.cp == 1) return out;
+  const int64_t k = optimizer_instances_for(c, m, o, cost);
+  if (o.try_distributed_optimizer) {
+    out.push_back({true, 1});
+    if (k > 1) out.push_back({true, k});
+  }
+  if (c.p != 1) return out;
+  for (FsdpSharding s : o.fsdp_strategies) {
+    out.push_back({s >= FsdpSharding::kOptim, 1, s});
+    if (k == 1 || s < FsdpSharding::kOptimGrads) continue;
+    for (FsdpSharding outer : o.fsdp_outer_strategies)
+      if (outer == FsdpSharding::kNoShard ||
+          (outer == FsdpSharding::kOptim && s == FsdpSharding::kOptimGradsParams))
+        out.push_back({true, k, s, outer});
+  }
+  return out;
+}
+
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
   // Chunks per rank: v divides every stage's layers (the smallest stage's divisors).
   int64_t fewest_layers = m.num_layers / c.p;
   for (int64_t n : c.split) fewest_layers = std::min(fewest_layers, n);
+  const std::vector<OptimizerVariant> optimizers = optimizer_variants(c, m, o, cost);
   for (int64_t v : divisors(fewest_layers)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
     if (o.schedule && (*o.schedule == Schedule::kInterleaved1F1B) != (v > 1)) continue;
     for (Recompute rc : o.recompute_modes) {
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
-        // The optimizer: DDP, the distributed optimizer, the distributed optimizer in the
-        // instances asked for, then Megatron-FSDP's strategies asked for (p = 1 only).
-        const size_t variants = 3 + (c.p == 1 && c.d * c.cp > 1 ? o.fsdp_strategies.size() : 0);
-        for (size_t dopt = 0; dopt < variants; ++dopt) {
-          if (dopt >= 1 && dopt <= 2 && (c.d * c.cp == 1 || !o.try_distributed_optimizer)) continue;
-          const int64_t instances = dopt == 2 ? optimizer_instances_for(c, m, o, cost) : 1;
-          if (dopt == 2 && instances == 1) continue;
+        for (const OptimizerVariant& ov : optimizers) {
           ++tally.considered;
           ParallelPlan plan = o.defaults;
           plan.layers_per_stage = c.split;
@@ -199,13 +227,11 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
               o.schedule ? *o.schedule : (v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B);
           plan.recompute = rc;
           plan.sequence_parallel = sp != 0;
-          plan.distributed_optimizer = dopt != 0;
-          plan.optimizer_instances = instances;
-          plan.fsdp = dopt < 3 ? FsdpSharding::kOff : o.fsdp_strategies[dopt - 3];
-          if (plan.fsdp != FsdpSharding::kOff) {
-            plan.distributed_optimizer = plan.fsdp >= FsdpSharding::kOptim;
-            plan.fp32_grad_reduce = o.fsdp_fp32_grad_reduce;
-          }
+          plan.distributed_optimizer = ov.distributed;
+          plan.optimizer_instances = ov.instances;
+          plan.fsdp = ov.fsdp;
+          plan.fsdp_outer = ov.outer;
+          if (plan.fsdp != FsdpSharding::kOff) plan.fp32_grad_reduce = o.fsdp_fp32_grad_reduce;
           // Overlaps asked for apply where there is what they overlap (and only then does
           // Megatron take their flags).
           plan.tp_comm_overlap = o.defaults.tp_comm_overlap && plan.sequence_parallel;
@@ -437,6 +463,7 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
   field("optimizer instances", num(a.optimizer_instances), num(b.optimizer_instances));
   field("megatron-fsdp", to_string(a.fsdp), to_string(b.fsdp));
+  field("megatron-fsdp outer", to_string(a.fsdp_outer), to_string(b.fsdp_outer));
   field("expert all-to-all overlap", flag(a.overlap_moe_ep_comm), flag(b.overlap_moe_ep_comm));
   return out.empty() ? "same configuration" : out;
 }
@@ -473,10 +500,12 @@ std::string plan_summary(const ParallelPlan& p) {
   s += " " + recompute_label(p);
   if (p.sequence_parallel) s += " sp";
   if (p.distributed_optimizer && p.fsdp == FsdpSharding::kOff) s += " dopt";
-  if (p.optimizer_instances > 1) s += "-x" + std::to_string(p.optimizer_instances);
   // Megatron-FSDP's strategy, in FsdpSharding's order.
   constexpr const char* kFsdpLabels[] = {"", " fsdp-ns", " fsdp-o", " fsdp-og", " fsdp-ogp"};
   s += kFsdpLabels[static_cast<size_t>(p.fsdp)];
+  // The optimizer's instances (with Megatron-FSDP: HSDP, "-o" when the states shard across them).
+  if (p.optimizer_instances > 1) s += "-x" + std::to_string(p.optimizer_instances);
+  if (p.fsdp_outer == FsdpSharding::kOptim) s += "-o";
   if (p.overlap_moe_ep_comm) s += " a2a-overlap";
   return s;
 }

@@ -42,6 +42,9 @@ struct SearchOptions {
   // into instances of two ranks or more. 1: not tried; 0 (auto): K = the nodes the
   // data-parallel group spans, one instance per node's part of it.
   int64_t optimizer_instances = 1;
+  // With those instances, Megatron-FSDP's strategies across them (--outer-dp-sharding-strategy)
+  // that the search tries: no_shard, and optim where the plan allows it.
+  std::vector<FsdpSharding> fsdp_outer_strategies = {FsdpSharding::kNoShard, FsdpSharding::kOptim};
   bool try_interleaving = true;
   // Megatron's uneven splits (lighter first and last stages) besides the even one, and for
   // p that does not divide the layers (planner/search.cc stage_splits).

@@ -118,7 +118,10 @@ nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
                       {"global_batch_size", p.global_batch_size},
                       {"micro_batch_size", p.micro_batch_size},
                       {"parameters_on_rank", flat_size}};
-  if (p.optimizer_instances > 1) j["distributed_optimizer_instances"] = p.optimizer_instances;
+  // The instances the optimizer's states are sharded in (what the shards' sizes depend on).
+  if (p.distributed_optimizer && p.optimizer_shards() < p.data_parallel * p.context_parallel)
+    j["distributed_optimizer_instances"] =
+        p.data_parallel * p.context_parallel / p.optimizer_shards();
   if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
     j["ep"] = p.expert_parallel;
     j["etp"] = p.expert_tp();
@@ -290,8 +293,9 @@ void Executor::setup() {
     layout.dtype = o_.precision;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;
-    // The distributed optimizer shards over the ranks of its instance (d * cp / K of them).
-    instances_ = dist_ ? plan.optimizer_instances : 1;
+    // The distributed optimizer shards over the ranks of its instance (d * cp / K of them; a
+    // Megatron-FSDP plan's states as it shards them: HFSDP's over every rank, one instance).
+    instances_ = dist_ ? dcp_ / plan.optimizer_shards() : 1;
     layout.segment_multiple = dist_ ? dcp_ / instances_ : 1;
     // The expert grid spans a stage's t * cp * d ranks (Megatron-Core's): an MoE layer routes
     // each rank's own tokens, its sequence chunks under context parallelism included.

@@ -675,6 +675,27 @@ TEST(CliErrors, DistributedOptimizerInstances) {
   expect_bad({"plan", "--model", "llama2-7b", "--num-gpus", "64", "--global-batch-size", "256",
               flag, "many"},
              flag);
+  // Megatron-FSDP's outer strategy across the instances (HSDP).
+  const char* outer = "--outer-dp-sharding-strategy";
+  auto fsdp = kPredict175B;
+  fsdp[std::find(fsdp.begin(), fsdp.end(), "--pipeline-model-parallel-size") - fsdp.begin() + 1] =
+      "1";
+  fsdp.insert(fsdp.end(), {"--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                           "optim_grads_params", flag, "4"});
+  EXPECT_EQ(run(fsdp).status, 0) << run(fsdp).err;
+  for (const std::vector<std::string>& extra :
+       std::vector<std::vector<std::string>>{{outer, "optim_grads"}, {outer, "sideways"}}) {
+    auto args = fsdp;
+    args.insert(args.end(), extra.begin(), extra.end());
+    expect_bad(args, outer);
+  }
+  auto hfsdp = fsdp;
+  hfsdp.insert(hfsdp.end(), {outer, "optim"});
+  const Result h = run(hfsdp);
+  ASSERT_EQ(h.status, 0) << h.err;
+  auto no_fsdp = kPredict175B;
+  no_fsdp.insert(no_fsdp.end(), {outer, "optim"});
+  expect_bad(no_fsdp, outer);
 }
 
 TEST(CliSimulate, WritesTraceAndSvg) {
@@ -1187,6 +1208,8 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // The distributed optimizer in instances (one per node's part of the data-parallel group).
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "llama2-7b", "--global-batch-size",
         "256", "--num-distributed-optimizer-instances", "auto"}},
+      {{"--cluster", "dgx-h100", "--num-gpus", "32", "--model", "llama2-7b", "--global-batch-size",
+        "128", "--num-distributed-optimizer-instances", "auto", "--use-megatron-fsdp"}},
       {{"--cluster",
         "dgx-a100-80gb",
         "--num-gpus",
@@ -1234,6 +1257,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--data-parallel-sharding-strategy optim_grads ",
                                           "--data-parallel-sharding-strategy optim_grads_params",
                                           "--num-distributed-optimizer-instances",
+                                          "--outer-dp-sharding-strategy",
                                           "--untie-embeddings-and-output-weights"};
   for (const Case& c : cases) {
     std::vector<std::string> args = {"plan", "--top", "40", "--json", "--no-progress"};

@@ -781,10 +781,40 @@ TEST(PlanRules, DistributedOptimizerInstancesDivideTheDataParallelRanks) {
             "not divide the data-parallel size d * cp (4 * 2)");
   p.optimizer_instances = 0;
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kOptimizerInstances);
-  EXPECT_EQ(p.optimizer_shards(), 1);  // no division by zero before the check
+  EXPECT_EQ(p.optimizer_shards(), 8);  // as one instance: no division by zero before the check
+  // Megatron-FSDP in instances (HSDP): the strategies that shard the gradients; across the
+  // instances no_shard, or optim (HFSDP) over optim_grads_params only, and only with K > 1.
   p.optimizer_instances = 2;
-  p.fsdp = FsdpSharding::kOptimGrads;
+  p.fsdp = FsdpSharding::kOptim;
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kOptimizerInstances);
+  p.fsdp = FsdpSharding::kOptimGrads;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.instance_ranks(), 4);
+  EXPECT_EQ(p.optimizer_shards(), 4);
+  p.fsdp_outer = FsdpSharding::kOptim;
+  EXPECT_EQ(error_of([&] { p.validate(m); }),
+            "--outer-dp-sharding-strategy|--outer-dp-sharding-strategy: optim needs "
+            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+            "(Megatron-FSDP's rule: the outer sharding builds on the inner)");
+  p.fsdp = FsdpSharding::kOptimGradsParams;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  EXPECT_EQ(p.instance_ranks(), 4);    // gradients and weights over an instance
+  EXPECT_EQ(p.optimizer_shards(), 8);  // the states over every data-parallel rank
+  const std::string hsdp = p.megatron_flags(m, DType::kBF16);
+  EXPECT_NE(hsdp.find(" --num-distributed-optimizer-instances 2 --use-megatron-fsdp "
+                      "--data-parallel-sharding-strategy optim_grads_params --ckpt-format "
+                      "fsdp_dtensor --megatron-fsdp-main-grads-dtype fp32 "
+                      "--outer-dp-sharding-strategy optim"),
+            std::string::npos)
+      << hsdp;
+  EXPECT_EQ(plan_from_json(to_json(p)).fsdp_outer, FsdpSharding::kOptim);
+  EXPECT_EQ(plan_from_json(to_json(ParallelPlan{})).fsdp_outer, FsdpSharding::kNoShard);
+  p.optimizer_instances = 1;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kMegatronFsdp);
+  p.optimizer_instances = 2;
+  p.fsdp_outer = FsdpSharding::kOptimGrads;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kMegatronFsdp);
+  p.fsdp_outer = FsdpSharding::kNoShard;
   p.fsdp = FsdpSharding::kOff;
   // MoE: K divides the experts' data-parallel ranks too (t cp d / (etp ep) = 8 / 8 = 1 here).
   ModelSpec moe = m;

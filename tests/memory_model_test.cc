@@ -199,6 +199,13 @@ TEST(StateMemory, InFlightCountsMatchTheScheduleGenerator) {
   }
 }
 
+// `gpus` DGX H100 GPUs.
+ClusterSpec h100s(int64_t gpus) {
+  ClusterSpec c = resolve_cluster("dgx-h100");
+  c.resize(gpus);
+  return c;
+}
+
 // Llama 2 7B on one DGX H100 at p = 1, d = 8 (bf16, fp32 gradients), full recompute.
 ParallelPlan llama7b_on_8(FsdpSharding fsdp) {
   ParallelPlan p;
@@ -217,8 +224,7 @@ ParallelPlan llama7b_on_8(FsdpSharding fsdp) {
 // to 5e8 elements (four of Llama 2 7B's 202M-parameter layers).
 TEST(StateMemory, MegatronFsdpShardsGradientsThenWeights) {
   const ModelSpec m = resolve_model("llama2-7b");
-  ClusterSpec c = resolve_cluster("dgx-h100");
-  c.resize(8);
+  const ClusterSpec c = h100s(8);
   const CostModel cost(m, c, resolve_profile("h100-sxm"));
   const ParallelPlan dopt = llama7b_on_8(FsdpSharding::kOptim);
   const ParallelPlan og = llama7b_on_8(FsdpSharding::kOptimGrads);
@@ -251,9 +257,7 @@ TEST(StateMemory, MegatronFsdpShardsGradientsThenWeights) {
   // An MoE model's experts shard over the expert-data-parallel ranks: Mixtral 8x7B at ep 8 on
   // 16 GPUs keeps half of its experts' weights and gradients.
   const ModelSpec moe = resolve_model("mixtral-8x7b");
-  ClusterSpec c16 = resolve_cluster("dgx-h100");
-  c16.resize(16);
-  const CostModel moe_cost(moe, c16, resolve_profile("h100-sxm"));
+  const CostModel moe_cost(moe, h100s(16), resolve_profile("h100-sxm"));
   ParallelPlan e = llama7b_on_8(FsdpSharding::kOptimGradsParams);
   e.data_parallel = 16;
   e.expert_parallel = 8;
@@ -350,8 +354,7 @@ TEST(StateMemory, LargerModelsStopFitting) {
 // side by side on each node's NICs.
 TEST(CostModel, DistributedOptimizerInstancesShardWithinAndReduceAcross) {
   const ModelSpec m = resolve_model("llama2-7b");
-  ClusterSpec c = resolve_cluster("dgx-h100");
-  c.resize(32);
+  const ClusterSpec c = h100s(32);
   const CostModel cost(m, c, resolve_profile("h100-sxm"));
   ParallelPlan one;
   one.data_parallel = 32;
@@ -416,6 +419,67 @@ TEST(CostModel, DistributedOptimizerInstancesShardWithinAndReduceAcross) {
   EXPECT_EQ(e2.expert_optimizer_shards(), 2);
   EXPECT_NEAR(moe_cost.memory(e2).expert_optimizer, 2 * moe_cost.memory(e).expert_optimizer,
               1e-6 * moe_cost.memory(e2).expert_optimizer);
+}
+
+// Megatron-FSDP in K instances (HSDP; --outer-dp-sharding-strategy): Llama 2 7B with
+// optim_grads_params at d = 32 on four DGX H100s, K = 4 (an instance is a node). The gradients
+// and weights shard over an instance's 8 ranks, each pass's gathers and reduce-scatters stay on
+// the node's NVLink; once an iteration each rank's gradient shard is all-reduced across the 4
+// instances (no_shard), or reduce-scattered across them and its updated weights all-gathered
+// (optim, HFSDP, whose optimizer states shard over all 32 ranks).
+TEST(CostModel, MegatronFsdpInstancesShardWithinANodeAndSyncAcrossOnceAnIteration) {
+  const ModelSpec m = resolve_model("llama2-7b");
+  const ClusterSpec c = h100s(32);
+  const CostModel cost(m, c, resolve_profile("h100-sxm"));
+  ParallelPlan flat = llama7b_on_8(FsdpSharding::kOptimGradsParams);
+  flat.data_parallel = 32;
+  flat.global_batch_size = 128;
+  flat.validate(m);
+  ParallelPlan hsdp = flat, hfsdp = flat;
+  hsdp.optimizer_instances = hfsdp.optimizer_instances = 4;
+  hfsdp.fsdp_outer = FsdpSharding::kOptim;
+  hsdp.validate(m);
+  hfsdp.validate(m);
+  const double params = cost.parameters_on_stage(flat, 0);
+  const double outside = cost.non_layer_parameters_on_stage(flat, 0);
+  const double unit = (params - outside) / 32;
+  const MemoryBreakdown a = cost.memory(flat), b = cost.memory(hsdp), o = cost.memory(hfsdp);
+  // Gradients: 1/8 of them plus two units whole (1/32 flat); weights: the units' 1/8 plus the
+  // outer modules and the gathered units.
+  EXPECT_DOUBLE_EQ(b.gradients, 4 * (params / 8 + 2 * unit));
+  EXPECT_DOUBLE_EQ(a.gradients, 4 * (params / 32 + 2 * unit));
+  EXPECT_DOUBLE_EQ(b.weights, 2 * ((params - outside) / 8 + outside + 4 * unit));
+  EXPECT_DOUBLE_EQ(o.gradients, b.gradients);
+  EXPECT_DOUBLE_EQ(o.weights, b.weights);
+  EXPECT_NEAR(b.optimizer, 4 * a.optimizer, 1e-6 * b.optimizer);  // states over 8 ranks
+  EXPECT_DOUBLE_EQ(o.optimizer, a.optimizer);                     // over all 32
+  // Each pass's collectives over the node: cheaper than over the four nodes.
+  const ChunkTime tf = cost.chunk_time(flat, 0, 0), th = cost.chunk_time(hsdp, 0, 0);
+  EXPECT_GT(tf.forward.dp_comm + tf.backward.dp_comm, 0);
+  EXPECT_LT(th.forward.dp_comm + th.backward.dp_comm, tf.forward.dp_comm + tf.backward.dp_comm);
+  EXPECT_DOUBLE_EQ(cost.chunk_time(hfsdp, 0, 0).backward.dp_comm, th.backward.dp_comm);
+  // Once an iteration: the weights outside the units gathered within the instance, and across
+  // the instances the shard's all-reduce, or its reduce-scatter and the weights' all-gather.
+  const GroupSpan node = optimizer_instance_span(c, hsdp), across = optimizer_replica_span(c, hsdp);
+  ASSERT_EQ(node.nodes, 1);
+  ASSERT_EQ(across.size, 4);
+  const CommModel& comm = cost.comm();
+  const double within =
+      comm.collective_time(Collective::kAllGather, 2 * outside, node, DType::kBF16);
+  EXPECT_NEAR(
+      cost.gradient_sync_time(hsdp, params),
+      within + comm.collective_time(Collective::kAllReduce, 4 * params / 8, across, DType::kF32),
+      1e-12);
+  EXPECT_NEAR(
+      cost.gradient_sync_time(hfsdp, params),
+      within +
+          comm.collective_time(Collective::kReduceScatter, 4 * params / 8, across, DType::kF32) +
+          comm.collective_time(Collective::kAllGather, 2 * params / 8, across, DType::kBF16),
+      1e-12);
+  EXPECT_NEAR(cost.gradient_sync_time(flat, params),
+              comm.collective_time(Collective::kAllGather, 2 * outside, data_group_span(c, flat),
+                                   DType::kBF16),
+              1e-12);
 }
 
 }  // namespace

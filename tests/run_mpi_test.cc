@@ -739,6 +739,16 @@ TEST(RunMpi, DistributedOptimizerInstancesTrainToTheSingleRankLosses) {
   const double quarter = optimizer_bytes("--use-distributed-optimizer");
   EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "2"), 2 * quarter);
   EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "4"), optimizer_bytes(""));
+  // Megatron-FSDP in two instances (HSDP) runs with the distributed optimizer's layout: in the
+  // same instances across which it keeps its shards (no_shard), or in one where it shards the
+  // states across them too (optim), so the states are the plan's.
+  const std::string hsdp =
+      "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
+      "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy ";
+  EXPECT_DOUBLE_EQ(optimizer_bytes(hsdp + "no_shard"), 2 * quarter);
+  EXPECT_DOUBLE_EQ(optimizer_bytes(hsdp + "optim"), quarter);
+  expect_same_losses({1, 1, 4, hsdp + "optim"}, single);
+  expect_same_losses({1, 1, 4, hsdp + "no_shard"}, single);
 }
 
 // MoE layers in device memory (the CUDA backend's path without a GPU): cpu-staged routes on the

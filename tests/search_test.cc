@@ -194,6 +194,25 @@ TEST(Search, OptimizerInstancesOnlyWhenAskedAndWhereTheyDivide) {
     }
     EXPECT_FALSE(seen.empty()) << asked;
   }
+  // With Megatron-FSDP's strategies too: HSDP plans at p = 1, across the instances no_shard, and
+  // optim only over optim_grads_params.
+  o.optimizer_instances = 0;
+  o.fsdp_strategies = {FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams};
+  const SearchResult hsdp = search_plans(j.m, j.c, j.h, o);
+  std::set<std::pair<FsdpSharding, FsdpSharding>> kinds;
+  for (const RankedPlan& rp : hsdp.top) {
+    const ParallelPlan& p = rp.plan;
+    if (p.fsdp == FsdpSharding::kOff || p.optimizer_instances == 1) continue;
+    kinds.insert({p.fsdp, p.fsdp_outer});
+    EXPECT_EQ(p.pipeline_parallel, 1) << plan_summary(p);
+    EXPECT_EQ(first_violated_rule(j.m, p), PlanRule::kNone) << plan_summary(p);
+    EXPECT_NE(plan_summary(p).find("-x" + std::to_string(p.optimizer_instances)),
+              std::string::npos);
+  }
+  EXPECT_EQ(kinds, (std::set<std::pair<FsdpSharding, FsdpSharding>>{
+                       {FsdpSharding::kOptimGrads, FsdpSharding::kNoShard},
+                       {FsdpSharding::kOptimGradsParams, FsdpSharding::kNoShard},
+                       {FsdpSharding::kOptimGradsParams, FsdpSharding::kOptim}}));
 }
 
 // Megatron's uneven splits: the ends lighter than (or as full as) the equal middle stages, the
