@@ -96,7 +96,7 @@ struct ParallelPlan {
   // reduce-scattered within the instance, its shard all-reduced across the K instances (one
   // rank of each, at the same place), and the updated weights all-gathered within the
   // instance. K = 1: the ordinary distributed optimizer. Needs the distributed optimizer, K | d
-  // cp (and K | edp); not priced with Megatron-FSDP (its HSDP, core/plan_rules.h).
+  // cp (and K | edp); with Megatron-FSDP it is HSDP (fsdp_outer, core/plan_rules.h).
   int64_t optimizer_instances = 1;
   // Megatron-FSDP's sharding strategy (kOff: not used). Megatron-Core runs it with the
   // distributed optimizer on, at p = 1 (core/plan_rules.h); with sharded gradients it reduces
@@ -155,12 +155,10 @@ struct ParallelPlan {
   }
   // The ranks of one optimizer instance: d * cp / K (the experts': edp / K); Megatron-FSDP's
   // gradient and weight shards are over these.
-  int64_t instance_ranks() const {
-    return data_parallel * context_parallel / (optimizer_instances > 0 ? optimizer_instances : 1);
-  }
-  int64_t expert_instance_ranks() const {
-    return expert_data_parallel() / (optimizer_instances > 0 ? optimizer_instances : 1);
-  }
+  // (K < 1, which the plan rules refuse, counts as one instance.)
+  int64_t instances() const { return optimizer_instances > 0 ? optimizer_instances : 1; }
+  int64_t instance_ranks() const { return data_parallel * context_parallel / instances(); }
+  int64_t expert_instance_ranks() const { return expert_data_parallel() / instances(); }
   bool shards_weights() const { return fsdp == FsdpSharding::kOptimGradsParams; }
 
   int64_t num_gpus() const {

@@ -83,23 +83,19 @@ GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p) {
 }
 
 GroupSpan optimizer_instance_span(const ClusterSpec& c, const ParallelPlan& p) {
-  const int64_t k = std::max<int64_t>(1, p.optimizer_instances);
-  return span_of(p.data_parallel * p.context_parallel / k, p.tensor_parallel, c.gpus_per_node);
+  return span_of(p.instance_ranks(), p.tensor_parallel, c.gpus_per_node);
 }
 
 GroupSpan optimizer_replica_span(const ClusterSpec& c, const ParallelPlan& p) {
-  const int64_t k = std::max<int64_t>(1, p.optimizer_instances);
-  return span_of(k, p.tensor_parallel * p.data_parallel * p.context_parallel / k, c.gpus_per_node);
+  return span_of(p.instances(), p.tensor_parallel * p.instance_ranks(), c.gpus_per_node);
 }
 
 GroupSpan expert_optimizer_instance_span(const ClusterSpec& c, const ParallelPlan& p) {
-  const int64_t k = std::max<int64_t>(1, p.optimizer_instances);
-  return span_of(p.expert_data_parallel() / k, p.expert_tp() * p.expert_parallel, c.gpus_per_node);
+  return span_of(p.expert_instance_ranks(), p.expert_tp() * p.expert_parallel, c.gpus_per_node);
 }
 
 GroupSpan expert_optimizer_replica_span(const ClusterSpec& c, const ParallelPlan& p) {
-  const int64_t k = std::max<int64_t>(1, p.optimizer_instances);
-  return span_of(k, p.expert_tp() * p.expert_parallel * p.expert_data_parallel() / k,
+  return span_of(p.instances(), p.expert_tp() * p.expert_parallel * p.expert_instance_ranks(),
                  c.gpus_per_node);
 }
 

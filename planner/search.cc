@@ -137,18 +137,26 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
   return out;
 }
 
+// `plan` with the cell's layout: its parallel sizes, stage split and micro-batch size.
+ParallelPlan with_cell(ParallelPlan plan, const Cell& c) {
+  plan.layers_per_stage = c.split;
+  plan.tensor_parallel = c.t;
+  plan.context_parallel = c.cp;
+  plan.expert_parallel = c.ep;
+  plan.expert_tensor_parallel = c.etp;
+  plan.pipeline_parallel = c.p;
+  plan.data_parallel = c.d;
+  plan.micro_batch_size = c.b;
+  return plan;
+}
+
 // The optimizer instances to try for a cell's distributed optimizer besides one
 // (SearchOptions::optimizer_instances), or 1 where there are none: they must divide the d * cp
 // data-parallel ranks (and the experts' edp) into instances of more than one rank.
 int64_t optimizer_instances_for(const Cell& c, const ModelSpec& m, const SearchOptions& o,
                                 const CostModel& cost) {
   const int64_t dp = c.d * c.cp;
-  ParallelPlan plan;
-  plan.tensor_parallel = c.t;
-  plan.context_parallel = c.cp;
-  plan.data_parallel = c.d;
-  plan.expert_parallel = c.ep;
-  plan.expert_tensor_parallel = c.etp;
+  const ParallelPlan plan = with_cell(ParallelPlan{}, c);
   int64_t k = o.optimizer_instances;
   if (k == 0) {
     // auto: one instance per node's part of the data-parallel group, where the group spans nodes.
@@ -206,15 +214,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
         for (const OptimizerVariant& ov : optimizers) {
           ++tally.considered;
-          ParallelPlan plan = o.defaults;
-          plan.layers_per_stage = c.split;
-          plan.tensor_parallel = c.t;
-          plan.context_parallel = c.cp;
-          plan.expert_parallel = c.ep;
-          plan.expert_tensor_parallel = c.etp;
-          plan.pipeline_parallel = c.p;
-          plan.data_parallel = c.d;
-          plan.micro_batch_size = c.b;
+          ParallelPlan plan = with_cell(o.defaults, c);
           plan.global_batch_size = o.global_batch_size;
           plan.virtual_stages = v;
           // Megatron-Core's microbatch group: p (its default) when p divides the microbatches,

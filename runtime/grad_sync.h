@@ -39,6 +39,16 @@ struct OptimizerSettings {
   bool skip_overflow = false;
 };
 
+// The distributed optimizer's sharding of a group of segments, in K instances
+// (--num-distributed-optimizer-instances; one: the whole group): `shards` ranks per instance,
+// this rank the shard_rank-th of its instance and of the replica_rank-th instance; with K > 1
+// `replicas` holds the K ranks, one per instance, that all-reduce the same shard after the
+// reduce-scatter (null with one instance).
+struct OptimizerShards {
+  Communicator* replicas = nullptr;
+  int64_t shards = 1, shard_rank = 0, replica_rank = 0;
+};
+
 struct DataParallelGroups {
   Communicator* tensor = nullptr;     // sequence-parallel partial gradients
   Communicator* data = nullptr;       // gradient reduction, distributed optimizer
@@ -54,16 +64,9 @@ struct DataParallelGroups {
   // The norm group spans the data-parallel replicas without the distributed optimizer: the
   // dense parameters are counted on replica 0 only (and experts on expert replica 0).
   bool norm_spans_replicas = false;
-  // The distributed optimizer in K > 1 instances (--num-distributed-optimizer-instances):
-  // `data` (and `expert_data`) are then the ranks of this rank's instance, over which it
-  // shards (optimizer_shards of them, this rank the shard_rank-th); `data_replicas` (and
-  // `expert_data_replicas`) the K ranks, one per instance, that all-reduce the same shard after
-  // the reduce-scatter, this rank the replica_rank-th. The averages stay over data_parallel
-  // (expert_data_parallel) ranks. 0 shards: the whole group (one instance).
-  Communicator* data_replicas = nullptr;
-  Communicator* expert_data_replicas = nullptr;
-  int64_t optimizer_shards = 0, shard_rank = 0, replica_rank = 0;
-  int64_t expert_optimizer_shards = 0, expert_shard_rank = 0, expert_replica_rank = 0;
+  // With the distributed optimizer: how it shards the dense segments over `data` and the
+  // experts' over `expert_data` (the ranks of this rank's optimizer instance).
+  OptimizerShards dense_shards, expert_shards;
 };
 
 class DataParallelOptimizer {
@@ -136,24 +139,24 @@ class DataParallelOptimizer {
   int64_t replicas_of(size_t seg) const {
     return seg == 2 ? g_.expert_data_parallel : g_.data_parallel;
   }
+  // With the distributed optimizer, the sharding of segment `seg`.
+  const OptimizerShards& sharding_of(size_t seg) const {
+    return seg == 2 ? g_.expert_shards : g_.dense_shards;
+  }
   // The ranks over which the distributed optimizer shards segment `seg` (those of an instance),
   // and this rank's place among them; without it, the ranks that reduce the segment together.
-  int64_t shards_of(size_t seg) const {
-    const int64_t in_instance = seg == 2 ? g_.expert_optimizer_shards : g_.optimizer_shards;
-    return dist_ && in_instance > 0 ? in_instance : replicas_of(seg);
-  }
+  int64_t shards_of(size_t seg) const { return dist_ ? sharding_of(seg).shards : replicas_of(seg); }
   int64_t shard_rank_of(size_t seg) const {
-    if (dist_ && (seg == 2 ? g_.expert_optimizer_shards : g_.optimizer_shards) > 0)
-      return seg == 2 ? g_.expert_shard_rank : g_.shard_rank;
+    if (dist_) return sharding_of(seg).shard_rank;
     return seg == 2 ? g_.edp_rank : g_.dp_rank;
   }
   // With the distributed optimizer in K > 1 instances: the K ranks that hold the same shard of
   // segment `seg` (null with one instance), and whether this rank is its instance 0's.
   Communicator* replicas_group_of(size_t seg) const {
-    return dist_ ? (seg == 2 ? g_.expert_data_replicas : g_.data_replicas) : nullptr;
+    return dist_ ? sharding_of(seg).replicas : nullptr;
   }
   bool first_instance(size_t seg) const {
-    return !replicas_group_of(seg) || (seg == 2 ? g_.expert_replica_rank : g_.replica_rank) == 0;
+    return !replicas_group_of(seg) || sharding_of(seg).replica_rank == 0;
   }
   // All-reduces this rank's shard of each segment across the optimizer instances (K > 1).
   void reduce_across_instances();

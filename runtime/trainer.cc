@@ -354,33 +354,33 @@ void Executor::setup() {
   DataParallelGroups groups;
   groups.tensor = tp_.get();
   groups.data = dp_.get();
-  if (instances_ > 1) {
-    // Megatron-Core's instances: consecutive ranks of the data-parallel group (its index is
-    // cpr + cp * dp here, as Megatron orders its data-parallel group with context parallelism).
-    const int64_t per = dcp_ / instances_;
-    instance_ = split(pg_->data_color() * instances_ + pos_.dp / per, "optimizer-instance");
-    replicas_ = split(pg_->data_color() * per + pos_.dp % per, "optimizer-replica");
-    groups.data = instance_.get();
-    groups.data_replicas = replicas_.get();
-    groups.optimizer_shards = per;
-    groups.shard_rank = pos_.dp % per;
-    groups.replica_rank = pos_.dp / per;
-    if (m.is_moe()) {
-      const int64_t eper = expert_.edp / instances_;
-      expert_instance_ = split(expert_.edp_color * instances_ + expert_.edp_rank / eper,
-                               "expert-optimizer-instance");
-      expert_replicas_ =
-          split(expert_.edp_color * eper + expert_.edp_rank % eper, "expert-optimizer-replica");
-      groups.expert_optimizer_shards = eper;
-      groups.expert_shard_rank = expert_.edp_rank % eper;
-      groups.expert_replica_rank = expert_.edp_rank / eper;
-      groups.expert_data_replicas = expert_replicas_.get();
+  // Megatron-Core's instances: consecutive ranks of a data-parallel group of `size` (the dense
+  // one's index is cpr + cp * dp here, as Megatron orders its data-parallel group with context
+  // parallelism), this rank the `rank`-th, the group's colour `color`; with K > 1 each instance
+  // and each set of replicas (one rank per instance) is a communicator of its own.
+  auto shard_groups = [&](int64_t color, int64_t rank, int64_t size, const std::string& kind,
+                          std::unique_ptr<Communicator>& instance,
+                          std::unique_ptr<Communicator>& replicas) {
+    OptimizerShards s;
+    s.shards = size / instances_;
+    s.shard_rank = rank % s.shards;
+    s.replica_rank = rank / s.shards;
+    if (instances_ > 1) {
+      instance = split(color * instances_ + s.replica_rank, (kind + "optimizer-instance").c_str());
+      replicas = split(color * s.shards + s.shard_rank, (kind + "optimizer-replica").c_str());
+      s.replicas = replicas.get();
     }
-  }
+    return s;
+  };
+  groups.dense_shards = shard_groups(pg_->data_color(), pos_.dp, dcp_, "", instance_, replicas_);
+  if (instance_) groups.data = instance_.get();
+  if (m.is_moe())
+    groups.expert_shards = shard_groups(expert_.edp_color, expert_.edp_rank, expert_.edp, "expert-",
+                                        expert_instance_, expert_replicas_);
   groups.embedding = embedding_.get();
   groups.norm = dist_ || m.is_moe() ? data_world_ : model_.get();
   groups.norm_spans_replicas = m.is_moe();
-  groups.expert_data = instances_ > 1 && m.is_moe() ? expert_instance_.get() : edp_.get();
+  groups.expert_data = expert_instance_ ? expert_instance_.get() : edp_.get();
   groups.expert_data_parallel = expert_.edp;
   groups.edp_rank = expert_.edp_rank;
   groups.etp_rank = expert_.etp_rank;
