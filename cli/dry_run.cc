@@ -51,9 +51,10 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.overlap_moe_ep_comm)
     add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
         "parallel-comm: its schedule is run, its overlap priced)");
-  if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2A)
-    add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type "
-        "a2a: Transformer Engine keeps them; more context-parallel traffic than priced)");
+  if (p.cp_a2a_size() > 1)
+    add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type " +
+        to_string(p.cp_comm) +
+        ": Transformer Engine keeps them; more context-parallel traffic than priced)");
   if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1)
     add(std::string(p.shards_weights()
                         ? "keeps whole weights and gradients and reduces the gradients"

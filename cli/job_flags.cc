@@ -107,8 +107,14 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--context-parallel-size", context_parallel,
                  "ranks the sequence is split over (context parallelism)");
   app.add_option("--cp-comm-type", cp_comm_type,
-                 "p2p (ring, Megatron's default), all_gather or a2a (Ulysses): how context-"
-                 "parallel attention meets the other ranks' keys (ptdp plan: only this one)");
+                 "p2p (ring, Megatron's default), all_gather, a2a (Ulysses) or a2a+p2p "
+                 "(hierarchical): how context-parallel attention meets the other ranks' keys "
+                 "(ptdp plan: only this one)");
+  app.add_option("--hierarchical-context-parallel-sizes", hierarchical_cp_sizes,
+                 "A B with --cp-comm-type a2a+p2p: all-to-alls within groups of A adjacent "
+                 "context-parallel ranks, a ring over the B groups (A B = cp; ptdp plan: "
+                 "default, the largest A within a node)")
+      ->expected(2);
   app.add_option("--expert-model-parallel-size", expert_parallel,
                  "ranks an MoE layer's experts are split over");
   app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel,
@@ -272,6 +278,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--pipeline-schedule", !pipeline_schedule.empty()},
       {"--fp8-format", !fp8_format.empty()},
       {"--cp-comm-type", !cp_comm_type.empty()},
+      {"--hierarchical-context-parallel-sizes", !hierarchical_cp_sizes.empty()},
   });
 }
 
@@ -504,6 +511,18 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.expert_tensor_parallel = expert_tensor_parallel.value_or(0);
   if (p.context_parallel <= 0) throw InputError("--context-parallel-size", "must be positive");
   if (!cp_comm_type.empty()) p.cp_comm = cp_comm_from_string(cp_comm_type);
+  if (!hierarchical_cp_sizes.empty()) {
+    const char* flag = "--hierarchical-context-parallel-sizes";
+    const int64_t a = hierarchical_cp_sizes.front(), b = hierarchical_cp_sizes.back();
+    if (hierarchical_cp_sizes.size() != 2 || a <= 0 || b <= 0 || a > kMaxGpus || b > kMaxGpus)
+      throw InputError(flag, "must be two positive sizes A B (the all-to-all's and the ring's)");
+    if (!context_parallel) p.context_parallel = a * b;
+    if (a * b != p.context_parallel)
+      throw InputError(flag, std::to_string(a) + " x " + std::to_string(b) +
+                                 " is not the context-parallel size (" +
+                                 std::to_string(p.context_parallel) + ")");
+    p.hierarchical_cp = a;
+  }
   if (p.expert_parallel <= 0) throw InputError("--expert-model-parallel-size", "must be positive");
   if (expert_tensor_parallel && p.expert_tensor_parallel <= 0)
     throw InputError("--expert-tensor-parallel-size", "must be positive");

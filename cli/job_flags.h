@@ -46,8 +46,9 @@ struct JobFlags {
   std::optional<int64_t> tensor_parallel, pipeline_parallel, micro_batch_size,
       layers_per_virtual_stage, virtual_stages_per_rank, microbatch_group;
   std::optional<int64_t> context_parallel, expert_parallel, expert_tensor_parallel;
-  std::string cp_comm_type;  // Megatron's --cp-comm-type (p2p, all_gather, a2a)
-  std::string fp8_format;    // Megatron's --fp8-format (hybrid or e4m3): priced, never run
+  std::string cp_comm_type;  // Megatron's --cp-comm-type (p2p, all_gather, a2a, a2a+p2p)
+  std::vector<int64_t> hierarchical_cp_sizes;  // --hierarchical-context-parallel-sizes A B
+  std::string fp8_format;  // Megatron's --fp8-format (hybrid or e4m3): priced, never run
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;
@@ -112,7 +113,8 @@ struct JobFlags {
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
            virtual_stages_per_rank || microbatch_group || first_stage_layers || last_stage_layers ||
-           context_parallel || expert_parallel || expert_tensor_parallel;
+           context_parallel || !hierarchical_cp_sizes.empty() || expert_parallel ||
+           expert_tensor_parallel;
   }
 };
 

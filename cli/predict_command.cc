@@ -9,6 +9,7 @@
 #include "cli/report.h"
 #include "core/plan_rules.h"
 #include "planner/cost_model.h"
+#include "planner/search.h"
 
 namespace ptdp {
 namespace {
@@ -21,11 +22,19 @@ nlohmann::json cp_comm_types(const CostModel& cm, const ModelSpec& m, const Para
   for (CpComm c : kCpComms) {
     ParallelPlan q = p;
     q.cp_comm = c;
+    // a2a+p2p with the plan's sizes, or those ptdp plan would take.
+    if (c != CpComm::kA2AP2P)
+      q.hierarchical_cp = 0;
+    else if (q.hierarchical_cp == 0)
+      q.hierarchical_cp = natural_hierarchical_cp(m, q, cm.cluster().gpus_per_node);
     if (first_violated_rule(m, q) != PlanRule::kNone) continue;
     const Prediction r = cm.predict(q);
-    out[to_string(c)] = {{"iteration_time_s", r.iteration_time_s},
-                         {"cp_comm_s", r.breakdown.cp_comm},
-                         {"fits", r.memory.fits}};
+    nlohmann::json& row = out[to_string(c)];
+    row = {{"iteration_time_s", r.iteration_time_s},
+           {"cp_comm_s", r.breakdown.cp_comm},
+           {"fits", r.memory.fits}};
+    if (c == CpComm::kA2AP2P)
+      row["hierarchical_context_parallel_sizes"] = {q.cp_a2a_size(), q.cp_ring_size()};
   }
   return out;
 }
@@ -53,13 +62,18 @@ Action add_predict_command(CLI::App& app) {
     } else {
       print_prediction(out, m, c, p, r);
       if (!types.empty()) {
-        out << "\n--cp-comm-type      iter s  cp comm s  fits\n";
+        out << "\n--cp-comm-type       iter s  cp comm s  fits\n";
         for (CpComm c : kCpComms) {
           const std::string name = to_string(c);
           if (!types.contains(name)) continue;
           const nlohmann::json& t = types[name];
-          char line[96];
-          std::snprintf(line, sizeof line, "  %-10s %10.3f %10.3f  %s%s\n", name.c_str(),
+          std::string label = name;  // a2a+p2p with its sizes, A x B
+          if (t.contains("hierarchical_context_parallel_sizes"))
+            label +=
+                " " + std::to_string(t["hierarchical_context_parallel_sizes"][0].get<int64_t>()) +
+                "x" + std::to_string(t["hierarchical_context_parallel_sizes"][1].get<int64_t>());
+          char line[112];
+          std::snprintf(line, sizeof line, "  %-14s %10.3f %10.3f  %s%s\n", label.c_str(),
                         t["iteration_time_s"].get<double>(), t["cp_comm_s"].get<double>(),
                         t["fits"].get<bool>() ? "yes" : "no",
                         c == p.cp_comm ? "   <- this plan" : "");

@@ -15,7 +15,11 @@ std::string group_note(const ParallelPlan& p) {
 
 std::string context_note(const ParallelPlan& p) {
   std::string s = "cp=" + std::to_string(p.context_parallel);
-  if (p.context_parallel > 1 && p.cp_comm != CpComm::kP2P) s += " (" + to_string(p.cp_comm) + ")";
+  if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2AP2P)
+    s += " (a2a+p2p: all-to-alls over " + std::to_string(p.cp_a2a_size()) + ", a ring of " +
+         std::to_string(p.cp_ring_size()) + ")";
+  else if (p.context_parallel > 1 && p.cp_comm != CpComm::kP2P)
+    s += " (" + to_string(p.cp_comm) + ")";
   return s;
 }
 

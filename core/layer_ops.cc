@@ -256,6 +256,13 @@ Dims dims(const ModelSpec& m, const LayerShape& s) {
   return d;
 }
 
+// The context-parallel ranks a heads all-to-all spans (ParallelPlan::cp_a2a_size).
+int64_t heads_all_to_all_ranks(const LayerShape& s) {
+  if (s.context_parallel <= 1) return 1;
+  if (s.cp_comm == CpComm::kA2A) return s.context_parallel;
+  return s.cp_comm == CpComm::kA2AP2P && s.hierarchical_cp > 0 ? s.hierarchical_cp : 1;
+}
+
 // Forward ops of the attention core (scores, softmax, dropout, context): the part selective
 // recomputation redoes.
 // Attention as fused (flash) kernels compute it: with --use-flash-attn, and always with context
@@ -286,7 +293,10 @@ void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& 
 // AttnFuncWithCPAndKVAllGather). a2a: an all-to-all turns the rank's s/cp tokens of all its
 // heads into all s tokens of 1/cp of its heads (Q, K and V), the attention runs over the whole
 // sequence, and a second all-to-all returns its output (AttnFuncWithCPAndQKVOA2A); the same
-// query-key pairs, as fewer, longer GEMMs.
+// query-key pairs, as fewer, longer GEMMs. a2a+p2p: the all-to-all within groups of A ranks
+// gives each rank s / B tokens (its group's) of heads / A heads, whose K and V blocks then go
+// round the ring of the B groups (B - 1 steps of the same bytes as a p2p step, under the
+// attention), and the output comes back by the all-to-all.
 //
 // Unfused (Megatron's scale-mask-softmax), the scores of all s x s pairs are written, soft-maxed
 // and dropped out in memory. Fused, they stay on chip: the GEMMs skip the blocks above the causal
@@ -294,33 +304,30 @@ void add_fused_attention_recompute(std::vector<Op>& bwd, const std::vector<Op>& 
 // the softmax only writes one fp32 log-sum-exp per row, and dropout happens in the kernel.
 void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
   const int64_t cp = s.context_parallel;
-  const bool ulysses = cp > 1 && s.cp_comm == CpComm::kA2A;
-  // a2a: all s queries of heads / cp heads; otherwise s / cp queries of every local head.
-  const int64_t local_heads = m.num_attention_heads / s.tensor_parallel / (ulysses ? cp : 1);
-  const int64_t queries = ulysses ? d.si : d.sqi;
+  // The heads all-to-all's ranks (cp with a2a, A with a2a+p2p, else 1) and the ring's.
+  const int64_t a2a = heads_all_to_all_ranks(s);
+  const int64_t ring = s.cp_comm == CpComm::kP2P || s.cp_comm == CpComm::kA2AP2P ? cp / a2a : 1;
+  // After an all-to-all: s / ring queries (the group's tokens) of heads / a2a heads; otherwise
+  // s / cp queries of every local head.
+  const int64_t local_heads = m.num_attention_heads / s.tensor_parallel / a2a;
+  const int64_t queries = a2a > 1 ? d.si / ring : d.sqi;
   const int64_t batch = s.micro_batch * local_heads;
   const double rows = static_cast<double>(batch) * static_cast<double>(queries);
   const double scores = rows * d.s;  // elements
   const double kv_block = 2.0 * d.T * static_cast<double>(m.query_groups()) / d.t * d.kv * d.act;
   const double q_block = d.T * d.heads / d.t * d.kv * d.act;
   if (cp > 1) {
-    switch (s.cp_comm) {
-      case CpComm::kP2P:
-        for (int64_t step = 1; step < cp; ++step)
-          b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
-        break;
-      case CpComm::kAllGather:  // the whole sequence's K and V (buffer bytes: the output)
-        b.collective(OpId::kCpKvExchange, Collective::kAllGather,
-                     kv_block * static_cast<double>(cp), CommGroup::kContext);
-        break;
-      case CpComm::kA2A:
-        b.collective(OpId::kCpKvExchange, Collective::kAllToAll, q_block + kv_block,
-                     CommGroup::kContext);
-        break;
-    }
+    if (a2a > 1)
+      b.collective(OpId::kCpKvExchange, Collective::kAllToAll, q_block + kv_block,
+                   CommGroup::kContext);
+    if (s.cp_comm == CpComm::kAllGather)  // the whole sequence's K and V (buffer: the output)
+      b.collective(OpId::kCpKvExchange, Collective::kAllGather, kv_block * static_cast<double>(cp),
+                   CommGroup::kContext);
+    for (int64_t step = 1; step < ring; ++step)
+      b.collective(OpId::kCpKvExchange, Collective::kSendRecv, kv_block, CommGroup::kContext);
   }
   auto out_back = [&] {
-    if (ulysses)
+    if (a2a > 1)
       b.collective(OpId::kCpOutAllToAll, Collective::kAllToAll, q_block, CommGroup::kContext);
   };
   if (fused_attention(m, s)) {
@@ -573,6 +580,7 @@ LayerShape layer_shape(const ParallelPlan& p) {
   s.activation_dtype = p.fp32_grad_reduce ? DType::kBF16 : DType::kF16;
   s.context_parallel = p.context_parallel;
   s.cp_comm = p.cp_comm;
+  s.hierarchical_cp = p.hierarchical_cp;
   s.expert_parallel = p.expert_parallel;
   s.expert_tensor_parallel = p.expert_tp();
   return s;
@@ -709,10 +717,11 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * mlp_width;
-  // Ulysses (a2a) keeps the attention's output in the heads layout for its backward pass and the
-  // projection keeps its input back on the rank's tokens: 2 sbh more. (Selective recomputation
-  // keeps neither: the attention's inputs, the tokens' Q, K and V, are what it saves.)
-  if (s.context_parallel > 1 && s.cp_comm == CpComm::kA2A && s.recompute == Recompute::kNone)
+  // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
+  // its backward pass and the projection keeps its input back on the rank's tokens: 2 sbh more.
+  // (Selective recomputation keeps neither: the attention's inputs, the tokens' Q, K and V, are
+  // what it saves.)
+  if (heads_all_to_all_ranks(s) > 1 && s.recompute == Recompute::kNone)
     u.sharded += 2.0 * sbh;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b

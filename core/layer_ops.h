@@ -197,6 +197,7 @@ struct LayerShape {
   // whose K and V blocks come round the cp ranks' ring (or as cp_comm says).
   int64_t context_parallel = 1;
   CpComm cp_comm = CpComm::kP2P;
+  int64_t hierarchical_cp = 0;  // a2a+p2p: the all-to-all's ranks A (ParallelPlan's)
   // MoE layers: experts over expert_parallel ranks, each over expert_tensor_parallel ranks;
   // expert_load is the token count of the busiest rank's experts as a multiple of the fair
   // share (1: perfectly balanced routing).

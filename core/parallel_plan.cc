@@ -48,6 +48,8 @@ std::string to_string(CpComm c) {
       return "all_gather";
     case CpComm::kA2A:
       return "a2a";
+    case CpComm::kA2AP2P:
+      return "a2a+p2p";
   }
   return "?";
 }
@@ -185,6 +187,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (context_parallel > 1) f << " --context-parallel-size " << context_parallel;
   if (context_parallel > 1 && cp_comm != CpComm::kP2P)
     f << " --cp-comm-type " << to_string(cp_comm);
+  if (context_parallel > 1 && cp_comm == CpComm::kA2AP2P)
+    f << " --hierarchical-context-parallel-sizes " << cp_a2a_size() << " " << cp_ring_size();
   if (expert_parallel > 1) f << " --expert-model-parallel-size " << expert_parallel;
   if (m.is_moe() && expert_tp() != tensor_parallel)
     f << " --expert-tensor-parallel-size " << expert_tp();
@@ -286,6 +290,18 @@ ParallelPlan plan_from_json(const json& j) {
   std::string cp_comm = to_string(p.cp_comm);
   r.read("cp_comm_type", cp_comm);
   p.cp_comm = parse_cp_comm(cp_comm, r.field("cp_comm_type"));
+  std::vector<int64_t> hierarchy;
+  r.read("hierarchical_context_parallel_sizes", hierarchy);
+  if (!hierarchy.empty()) {
+    if (hierarchy.size() != 2 || hierarchy[0] < 1 || hierarchy[1] < 1)
+      throw InputError(r.field("hierarchical_context_parallel_sizes"),
+                       "must be two positive sizes [A, B], the all-to-all's and the ring's");
+    if (hierarchy[0] * hierarchy[1] != p.context_parallel)
+      throw InputError(r.field("hierarchical_context_parallel_sizes"),
+                       "multiply to " + std::to_string(hierarchy[0] * hierarchy[1]) +
+                           ", not context_parallel (" + std::to_string(p.context_parallel) + ")");
+    p.hierarchical_cp = hierarchy[0];
+  }
   r.read("expert_parallel", p.expert_parallel);
   r.read("expert_tensor_parallel", p.expert_tensor_parallel);
   r.read("micro_batch_size", p.micro_batch_size);
@@ -322,11 +338,16 @@ ParallelPlan plan_from_json(const json& j) {
 }
 
 json to_json(const ParallelPlan& p) {
+  const std::vector<int64_t> hierarchy =
+      p.hierarchical_cp > 0
+          ? std::vector<int64_t>{p.hierarchical_cp, p.context_parallel / p.hierarchical_cp}
+          : std::vector<int64_t>{};
   return json{{"tensor_parallel", p.tensor_parallel},
               {"pipeline_parallel", p.pipeline_parallel},
               {"data_parallel", p.data_parallel},
               {"context_parallel", p.context_parallel},
               {"cp_comm_type", to_string(p.cp_comm)},
+              {"hierarchical_context_parallel_sizes", hierarchy},
               {"expert_parallel", p.expert_parallel},
               {"expert_tensor_parallel", p.expert_tensor_parallel},
               {"micro_batch_size", p.micro_batch_size},

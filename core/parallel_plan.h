@@ -26,9 +26,14 @@ enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 // step's transfer under the previous block's attention; kAllGather, K and V all-gathered
 // before the attention and their gradients reduce-scattered after it (Llama 3's choice for
 // GQA); kA2A, Ulysses: all-to-alls trade sequence for heads, so each rank attends over the
-// whole sequence with heads / cp of its heads, and back after.
-enum class CpComm { kP2P, kAllGather, kA2A };
-inline constexpr std::array<CpComm, 3> kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A};
+// whole sequence with heads / cp of its heads, and back after; kA2AP2P, hierarchical ("a2a+p2p",
+// --hierarchical-context-parallel-sizes A B): Ulysses' all-to-alls within groups of A adjacent
+// context-parallel ranks (usually inside a node), then a ring of K and V blocks over the B groups
+// (across nodes), each rank attending with heads / A of its heads to the keys of the whole
+// sequence.
+enum class CpComm { kP2P, kAllGather, kA2A, kA2AP2P };
+inline constexpr std::array<CpComm, 4> kCpComms = {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A,
+                                                   CpComm::kA2AP2P};
 // Megatron-Core's Megatron-FSDP (--use-megatron-fsdp --data-parallel-sharding-strategy S): what
 // each of the d * cp data-parallel ranks keeps of its replica (experts: of the
 // expert-data-parallel ranks). kOff: Megatron's DDP (with --use-distributed-optimizer, ZeRO-1).
@@ -43,15 +48,15 @@ enum class FsdpSharding { kOff, kNoShard, kOptim, kOptimGrads, kOptimGradsParams
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
-// "p2p", "all_gather", "a2a", as Megatron-Core's TransformerConfig and Transformer Engine spell
-// them; reading also takes "allgather", the spelling of Megatron-LM's --help.
+// "p2p", "all_gather", "a2a", "a2a+p2p", as Megatron-Core's TransformerConfig and Transformer
+// Engine spell them; reading also takes "allgather", the spelling of Megatron-LM's --help.
 std::string to_string(CpComm c);
 struct ParallelPlan;
 // "none", "selective", "full", or "block N" for block recompute of N layers per chunk.
 std::string recompute_label(const ParallelPlan& p);
 Recompute recompute_from_string(const std::string& s);  // none|selective|full
 Schedule schedule_from_string(const std::string& s);    // gpipe|1f1b|interleaved|zb-h1
-CpComm cp_comm_from_string(const std::string& s);       // p2p|all_gather|a2a (|allgather)
+CpComm cp_comm_from_string(const std::string& s);       // p2p|all_gather|a2a|a2a+p2p (|allgather)
 // "off", or Megatron's --data-parallel-sharding-strategy names: "no_shard", "optim",
 // "optim_grads", "optim_grads_params".
 std::string to_string(FsdpSharding s);
@@ -65,6 +70,9 @@ struct ParallelPlan {
   // chunks for causal balance; attention meets the other ranks' keys as cp_comm says.
   int64_t context_parallel = 1;
   CpComm cp_comm = CpComm::kP2P;  // --cp-comm-type, used when cp > 1
+  // With a2a+p2p: the size A of the all-to-all groups, the first of Megatron-Core's
+  // --hierarchical-context-parallel-sizes A B (B = cp / A, the ring's); 0 otherwise.
+  int64_t hierarchical_cp = 0;
   // Expert parallelism: an MoE layer's experts split over ep ranks, each expert's weights over
   // etp ranks (0: etp = t, Megatron-Core's default). The t * cp * d ranks of a pipeline stage
   // regroup as etp x ep x expert-data-parallel for the experts.
@@ -142,6 +150,17 @@ struct ParallelPlan {
   std::vector<int64_t> layers_per_stage;
 
   bool shards_gradients() const { return fsdp >= FsdpSharding::kOptimGrads; }
+  // The context-parallel ranks an all-to-all of heads spans (Ulysses: cp; a2a+p2p: A; else 1)
+  // and those a ring of K and V blocks goes round (p2p: cp; a2a+p2p: cp / A; else 1).
+  int64_t cp_a2a_size() const {
+    if (context_parallel <= 1) return 1;
+    if (cp_comm == CpComm::kA2A) return context_parallel;
+    return cp_comm == CpComm::kA2AP2P && hierarchical_cp > 0 ? hierarchical_cp : 1;
+  }
+  int64_t cp_ring_size() const {
+    if (cp_comm != CpComm::kP2P && cp_comm != CpComm::kA2AP2P) return 1;
+    return context_parallel / cp_a2a_size();
+  }
   // The ranks over which the distributed optimizer shards the dense parameters' states (d * cp
   // / K) and the routed experts' (edp / K); 1 without it.
   // (Megatron-FSDP's HFSDP shards them over all d * cp, or edp, ranks.)

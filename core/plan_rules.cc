@@ -90,16 +90,35 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kContextDividesSequence, report, "--context-parallel-size", [&] {
       return "2 * " + num(cp) + " does not divide seq_length (" + num(m.seq_length) + ")";
     });
-  // Ulysses trades the sequence for heads: each rank keeps 1/cp of its heads, query and K/V
-  // (Transformer Engine's a2a asserts both).
-  if (cp > 1 && plan.cp_comm == CpComm::kA2A &&
-      ((m.num_attention_heads / t) % cp != 0 || (m.query_groups() / t) % cp != 0))
-    return broken(PlanRule::kContextDividesHeads, report, "--cp-comm-type", [&] {
-      return "a2a needs context-parallel-size (" + num(cp) +
-             ") to divide each tensor-parallel rank's attention heads (" +
-             num(m.num_attention_heads / t) + ") and query groups (" + num(m.query_groups() / t) +
-             ")";
+  // Hierarchical (a2a+p2p): the all-to-all groups' size A, with B = cp / A groups round the ring.
+  const bool hierarchical = cp > 1 && plan.cp_comm == CpComm::kA2AP2P;
+  const char* hcp = "--hierarchical-context-parallel-sizes";
+  if (hierarchical && plan.hierarchical_cp < 1)
+    return broken(PlanRule::kHierarchicalContext, report, hcp, [] {
+      return std::string(
+          "must be given (the all-to-all's and the ring's sizes) with "
+          "--cp-comm-type a2a+p2p");
     });
+  if (hierarchical && cp % plan.hierarchical_cp != 0)
+    return broken(PlanRule::kHierarchicalContext, report, hcp, [&] {
+      return num(plan.hierarchical_cp) + " does not divide context-parallel-size (" + num(cp) + ")";
+    });
+  if (!hierarchical && plan.hierarchical_cp != 0)
+    return broken(PlanRule::kHierarchicalContext, report, hcp, [] {
+      return std::string("needs --cp-comm-type a2a+p2p and --context-parallel-size above 1");
+    });
+  // Ulysses trades the sequence for heads: each rank keeps 1/cp of its heads (1/A with a2a+p2p),
+  // query and K/V (Transformer Engine's a2a asserts both).
+  const int64_t a2a = plan.cp_a2a_size();
+  if (a2a > 1 && ((m.num_attention_heads / t) % a2a != 0 || (m.query_groups() / t) % a2a != 0))
+    return broken(PlanRule::kContextDividesHeads, report, hierarchical ? hcp : "--cp-comm-type",
+                  [&] {
+                    return (hierarchical ? "a2a+p2p needs the all-to-all size ("
+                                         : "a2a needs context-parallel-size (") +
+                           num(a2a) + ") to divide each tensor-parallel rank's attention heads (" +
+                           num(m.num_attention_heads / t) + ") and query groups (" +
+                           num(m.query_groups() / t) + ")";
+                  });
 
   const char* epf = "--expert-model-parallel-size";
   if (!m.is_moe() && (ep > 1 || plan.expert_tensor_parallel > 0))
@@ -364,8 +383,10 @@ const char* rule_reason(PlanRule r) {
       return "t does not divide the FFN hidden size";
     case PlanRule::kContextDividesSequence:
       return "2 * cp does not divide the sequence";
+    case PlanRule::kHierarchicalContext:
+      return "a2a+p2p: the hierarchical sizes do not match cp";
     case PlanRule::kContextDividesHeads:
-      return "a2a: cp does not divide a rank's heads";
+      return "a2a: cp (a2a+p2p: A) does not divide a rank's heads";
     case PlanRule::kExpertNeedsMoe:
       return "expert parallelism needs an MoE model";
     case PlanRule::kExpertDividesExperts:

@@ -39,7 +39,10 @@ enum class PlanRule {
   kTensorDividesQueryGroups,              // t | num_query_groups
   kTensorDividesFfn,                      // t | ffn_hidden_size
   kContextDividesSequence,                // 2 cp | seq_length
-  kContextDividesHeads,                   // a2a: cp | heads / t and cp | query groups / t
+  kHierarchicalContext,                   // --hierarchical-context-parallel-sizes A B exactly
+                                          // with a2a+p2p at cp > 1: A, B >= 1, A B = cp
+  kContextDividesHeads,                   // a2a: cp | heads / t and cp | query groups / t;
+                                          // a2a+p2p: A | both
   kExpertNeedsMoe,                        // ep > 1 or etp given only for an MoE model
   kExpertDividesExperts,                  // ep | num_experts
   kExpertTensorDividesFfn,                // etp | moe_ffn_hidden_size, t | shared experts' FFN

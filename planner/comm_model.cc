@@ -70,6 +70,14 @@ GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p) {
   return span_of(p.context_parallel, p.tensor_parallel, c.gpus_per_node);
 }
 
+GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p, Collective kind) {
+  if (p.context_parallel <= 1 || p.cp_comm != CpComm::kA2AP2P) return context_group_span(c, p);
+  const int64_t a = p.cp_a2a_size();
+  return kind == Collective::kAllToAll
+             ? span_of(a, p.tensor_parallel, c.gpus_per_node)
+             : span_of(p.cp_ring_size(), p.tensor_parallel * a, c.gpus_per_node);
+}
+
 GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p) {
   return span_of(p.expert_parallel, p.expert_tp(), c.gpus_per_node);
 }

@@ -34,6 +34,10 @@ GroupSpan tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
 // data-parallel group with context parallelism).
 GroupSpan data_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p);
+// The context-parallel ranks a collective of `kind` runs over: the whole cp group, but with
+// a2a+p2p its all-to-alls within groups of A adjacent ranks (cp_a2a_size) and its ring steps
+// among the B = cp / A groups (cp_ring_size, a stride of t A).
+GroupSpan context_group_span(const ClusterSpec& c, const ParallelPlan& p, Collective kind);
 GroupSpan expert_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_tensor_group_span(const ClusterSpec& c, const ParallelPlan& p);
 GroupSpan expert_data_group_span(const ClusterSpec& c, const ParallelPlan& p);

@@ -62,16 +62,18 @@ bool is_attention_core(OpId id) {
          id != OpId::kRotaryEmbeddingBackward;
 }
 
-// Context parallelism's ring: the cp - 1 block transfers of a pass overlap the attention of
-// the blocks already there (cp blocks of attention, each 1/cp of the core's time), so a step
-// shows only what its transfer takes beyond one block's attention.
+// Context parallelism's ring (of cp ranks, or a2a+p2p's B groups): the cp - 1 block transfers
+// of a pass overlap the attention of the blocks already there (cp blocks of attention, each
+// 1/cp of the core's time), so a step shows only what its transfer takes beyond one block's
+// attention. (a2a+p2p's all-to-alls are not hidden.)
 void hide_ring_exchanges(const std::vector<Op>& ops, int64_t cp, std::vector<double>& time) {
   double core = 0;
   for (size_t i = 0; i < ops.size(); ++i)
     if (is_attention_core(ops[i].id)) core += time[i];
   const double per_block = core / static_cast<double>(cp);
   for (size_t i = 0; i < ops.size(); ++i)
-    if (ops[i].id == OpId::kCpKvExchange || ops[i].id == OpId::kCpKvExchangeBackward)
+    if ((ops[i].id == OpId::kCpKvExchange || ops[i].id == OpId::kCpKvExchangeBackward) &&
+        ops[i].collective == Collective::kSendRecv)
       time[i] = std::max(0.0, time[i] - per_block);
 }
 
@@ -356,7 +358,7 @@ double CostModel::warm_op_time(const Op& op, const ParallelPlan& p) const {
           span = data_group_span(cluster_, p);
           break;
         case CommGroup::kContext:
-          span = context_group_span(cluster_, p);
+          span = context_group_span(cluster_, p, op.collective);
           break;
         case CommGroup::kExpert:
           span = expert_group_span(cluster_, p);
@@ -385,8 +387,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   std::vector<double> time(ops.size());
   for (size_t i = 0; i < ops.size(); ++i) time[i] = op_time(ops[i], p, hit);
   stretch_to_host(ops, time);
-  if (p.context_parallel > 1 && p.cp_comm == CpComm::kP2P)
-    hide_ring_exchanges(ops, p.context_parallel, time);
+  if (p.cp_ring_size() > 1) hide_ring_exchanges(ops, p.cp_ring_size(), time);
   const int64_t t = p.tensor_parallel;
   // Arrival skew (measured by ptdp calibrate): each collective inside a layer, over the
   // tensor-parallel group or an MoE layer's expert groups, also waits for its last rank, a
@@ -482,11 +483,14 @@ PassTime CostModel::price(const std::vector<Op>& ops, const ParallelPlan& p, dou
     if (op.kind != OpKind::kCollective) {
       w.compute += time;
     } else if (op.group == CommGroup::kContext) {
-      // What each rank sends: a ring step's block, or its share of a collective's buffer.
+      // What each rank sends: a ring step's block, or its share of a collective's buffer. With
+      // a2a+p2p only the ring's (the simulator's flows between the groups); its all-to-alls
+      // within a group count in the time alone.
       w.cp_comm += time;
-      w.cp_bytes += op.collective == Collective::kSendRecv
-                        ? op.bytes
-                        : collective_algorithm_factor(op.collective, p.context_parallel) * op.bytes;
+      if (op.collective == Collective::kSendRecv)
+        w.cp_bytes += op.bytes;
+      else if (p.cp_comm != CpComm::kA2AP2P)
+        w.cp_bytes += collective_algorithm_factor(op.collective, p.context_parallel) * op.bytes;
     } else if (op.group == CommGroup::kExpert || op.group == CommGroup::kExpertTensor) {
       w.ep_comm += time;
       if (op.collective == Collective::kAllToAll) w.ep_bytes += op.bytes;
@@ -505,7 +509,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel, static_cast<int>(p.recompute),
       int64_t{p.fp8} * 8 + int64_t{p.tp_comm_overlap} * 4 +
           int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce,
-      p.context_parallel * 4 + static_cast<int>(p.cp_comm),
+      (p.context_parallel * 4 + static_cast<int>(p.cp_comm)) * (int64_t{1} << 20) + p.cp_a2a_size(),
       p.expert_parallel * (int64_t{1} << 24) + p.expert_tp(), hit);
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;

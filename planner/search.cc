@@ -124,6 +124,12 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
   for (CpComm type : types) {
     ParallelPlan cand = plan;
     cand.cp_comm = type;
+    // a2a+p2p: the all-to-all size given, or the one that keeps it inside a node (none: the
+    // rules refuse the plan).
+    if (type != CpComm::kA2AP2P || cand.context_parallel <= 1)
+      cand.hierarchical_cp = 0;
+    else if (cand.hierarchical_cp == 0)
+      cand.hierarchical_cp = natural_hierarchical_cp(m, cand, cost.cluster().gpus_per_node);
     if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
       if (out.broken == PlanRule::kNone) out.broken = rule;
       continue;
@@ -136,6 +142,20 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
   }
   return out;
 }
+
+}  // namespace
+
+int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node) {
+  const int64_t cp = p.context_parallel, t = p.tensor_parallel;
+  if (t <= 0 || m.num_attention_heads % t != 0 || m.query_groups() % t != 0) return 0;
+  for (int64_t a = cp / 2; a > 1; --a)
+    if (cp % a == 0 && a * t <= gpus_per_node && (m.num_attention_heads / t) % a == 0 &&
+        (m.query_groups() / t) % a == 0)
+      return a;
+  return 0;
+}
+
+namespace {
 
 // `plan` with the cell's layout: its parallel sizes, stage split and micro-batch size.
 ParallelPlan with_cell(ParallelPlan plan, const Cell& c) {
@@ -342,6 +362,11 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         // The overlaps apply per plan, where SP and the distributed optimizer are on (expand).
         cell.tp_comm_overlap = cell.overlap_param_gather = cell.overlap_moe_ep_comm = false;
         cell.fsdp = FsdpSharding::kOff;  // tried per plan (expand)
+        // a2a+p2p's sizes are the variant's (fastest_variant), checked there.
+        if (cell.cp_comm == CpComm::kA2AP2P) {
+          cell.cp_comm = CpComm::kP2P;
+          cell.hierarchical_cp = 0;
+        }
         if (const PlanRule rule = first_violated_rule(m, cell); rule != PlanRule::kNone) {
           ++total.considered;
           ++total.rejected[rule_reason(rule)];
@@ -447,6 +472,9 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("cp", num(a.context_parallel), num(b.context_parallel));
   if (a.context_parallel > 1 || b.context_parallel > 1)
     field("cp-comm-type", to_string(a.cp_comm), to_string(b.cp_comm));
+  if (a.cp_comm == CpComm::kA2AP2P || b.cp_comm == CpComm::kA2AP2P)
+    field("hierarchical-cp", num(a.cp_a2a_size()) + "x" + num(a.cp_ring_size()),
+          num(b.cp_a2a_size()) + "x" + num(b.cp_ring_size()));
   field("ep", num(a.expert_parallel), num(b.expert_parallel));
   // etp only where it is not t's (it follows t by default, and a dense model has no experts).
   if (a.expert_tp() != a.tensor_parallel || b.expert_tp() != b.tensor_parallel)
@@ -488,6 +516,8 @@ std::string plan_summary(const ParallelPlan& p) {
   std::string s = "t" + std::to_string(p.tensor_parallel);
   if (p.context_parallel > 1) s += " cp" + std::to_string(p.context_parallel);
   if (p.context_parallel > 1 && p.cp_comm != CpComm::kP2P) s += "-" + to_string(p.cp_comm);
+  if (p.context_parallel > 1 && p.cp_comm == CpComm::kA2AP2P)
+    s += "-" + std::to_string(p.cp_a2a_size()) + "x" + std::to_string(p.cp_ring_size());
   s += " p" + std::to_string(p.pipeline_parallel) + " d" + std::to_string(p.data_parallel) + " b" +
        std::to_string(p.micro_batch_size);
   if (p.expert_parallel > 1) s += " ep" + std::to_string(p.expert_parallel);

@@ -77,6 +77,12 @@ struct SearchOptions {
   std::function<void(int64_t, int64_t)> progress;
 };
 
+// a2a+p2p's all-to-all size for a plan's cp when none is given: the largest A dividing cp (1 <
+// A < cp) whose group of A adjacent context-parallel ranks (t A GPUs) fits in a node and which
+// divides each tensor-parallel rank's heads and query groups, so that the all-to-alls stay on
+// the node's links and the ring crosses nodes; 0 when there is none.
+int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);
+
 struct RankedPlan {
   ParallelPlan plan;
   Prediction prediction;

@@ -45,6 +45,7 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   in.data_parallel = p.data_parallel * p.context_parallel;
   in.context_parallel = p.context_parallel;
   in.cp_comm = p.cp_comm;
+  in.cp_a2a_size = p.cp_a2a_size();
   in.expert_parallel = p.expert_parallel;
   in.expert_tensor_parallel = p.expert_tp();
   // Expert gradients overlap too when only the experts have data-parallel replicas (d cp = 1,

@@ -83,131 +83,262 @@ void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse) {
 
 namespace {
 
-// Keys seen by each of rank r's two chunks: positions [0, (r + 1) c) and [0, (2 cp - r) c).
-int64_t chunk_keys(const ShardDims& m, int64_t chunk) {
-  const int64_t c = m.s_attn / (2 * m.cp);
-  return (chunk == 0 ? m.cpr + 1 : 2 * m.cp - m.cpr) * c;
+// The ring of K and V blocks: its ranks and this rank's place (the whole context-parallel group,
+// or with a2a+p2p the cp / A groups of A ranks, this rank's the cpr / A-th), the tokens of each
+// sequence a rank holds in it (causally balanced over the ring's ranks: s / cp, or with a2a+p2p
+// its group's s A / cp), and the query and K/V heads (hl and gl, or hl / A and gl / A after the
+// heads all-to-all).
+struct Ring {
+  int64_t n, r, rows, hq, gq;
+};
+
+Ring ring_of(const ShardDims& m) {
+  const int64_t a = m.cp_a2a_size, n = m.cp / a;
+  return {n, m.cpr / a, m.s_attn / n, m.hl / a, m.gl / a};
 }
 
-// A.k and A.v back to this rank's rows.
-void keep_local_kv(ShardContext& c, LayerActs& A) {
+// Keys seen by each of ring rank r's two chunks: positions [0, (r + 1) c) and [0, (2 n - r) c).
+int64_t chunk_keys(const ShardDims& m, const Ring& g, int64_t chunk) {
+  const int64_t c = m.s_attn / (2 * g.n);
+  return (chunk == 0 ? g.r + 1 : 2 * g.n - g.r) * c;
+}
+
+// Ring all-gather: k and v (this ring rank's rows [b, g.rows, gq d]) become the whole
+// sequence's ([b, s, gq d], global order), as g.n - 1 steps of op `id` of pass `pass`.
+void ring_gather(ShardContext& c, const Ring& g, Buffer& k, Buffer& v, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
-  const int64_t width = m.gl * m.d;
-  for (Buffer* x : {&A.k, &A.v}) {
+  const int64_t width = g.gq * m.d, kv = m.b * g.rows * width, n = 2 * kv;
+  if (elems(k) != kv || elems(v) != kv)
+    throw std::logic_error("context parallelism: K and V are not the local block");
+  Buffer blocks;
+  resize_for_overwrite(blocks, g.n * n);
+  c.be.copy(k.ptr(), blocks.ptr().at(g.r * n), kv);
+  c.be.copy(v.ptr(), blocks.ptr().at(g.r * n + kv), kv);
+  // At step i rank r passes on block r - i and receives block r - i - 1.
+  for (int64_t i = 0; i + 1 < g.n; ++i) {
+    const int64_t send = (g.r - i + g.n) % g.n, recv = (g.r - i - 1 + 2 * g.n) % g.n;
+    c.ring_step(id, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n, pass);
+  }
+  Buffer kf, vf;
+  resize_for_overwrite(kf, m.b * m.s_attn * width);
+  resize_for_overwrite(vf, m.b * m.s_attn * width);
+  for (int64_t q = 0; q < g.n; ++q) {  // every row of kf and vf is some block's
+    context_rows_to_global(c.be, blocks.ptr().at(q * n), kf.ptr(), m.b, m.s_attn, g.n, q, width);
+    context_rows_to_global(c.be, blocks.ptr().at(q * n + kv), vf.ptr(), m.b, m.s_attn, g.n, q,
+                           width);
+  }
+  k.swap(kf);
+  v.swap(vf);
+}
+
+// k and v of the whole sequence back to this ring rank's rows.
+void keep_ring_rows(ShardContext& c, const Ring& g, Buffer& k, Buffer& v) {
+  const ShardDims& m = c.dims;
+  const int64_t width = g.gq * m.d;
+  for (Buffer* x : {&k, &v}) {
     Buffer local;
-    resize_for_overwrite(local, m.b * m.s * width);
-    context_rows_from_global(c.be, x->ptr(), local.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
+    resize_for_overwrite(local, m.b * g.rows * width);
+    context_rows_from_global(c.be, x->ptr(), local.ptr(), m.b, m.s_attn, g.n, g.r, width);
     x->swap(local);
   }
 }
 
-}  // namespace
-
-void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
+// The causal attention of this ring rank's queries q ([b, g.rows, hq d], two chunks per
+// sequence) over the whole sequence's k and v: two flash calls per sequence, each chunk's
+// queries the last of the keys it sees. ctx like q; lse [b][2][hq][chunk].
+void ring_attention_forward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPtr v, Buffer& ctx,
+                            Buffer& lse) {
   const ShardDims& m = c.dims;
-  const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
-  const int64_t kv = m.b * m.s * width, n = 2 * kv;  // one block: this rank's K, then its V
-  if (elems(A.k) != kv || elems(A.v) != kv)
-    throw std::logic_error("context parallelism: K and V are not the local block");
-  Buffer blocks;
-  resize_for_overwrite(blocks, cp * n);
-  c.be.copy(A.k.ptr(), blocks.ptr().at(r * n), kv);
-  c.be.copy(A.v.ptr(), blocks.ptr().at(r * n + kv), kv);
-  // Ring all-gather: at step i rank r passes on block r - i and receives block r - i - 1.
-  const OpId id = pass == PassKind::kBackward ? OpId::kCpKvExchangeBackward : OpId::kCpKvExchange;
-  for (int64_t i = 0; i + 1 < cp; ++i) {
-    const int64_t send = (r - i + cp) % cp, recv = (r - i - 1 + 2 * cp) % cp;
-    c.ring_step(id, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n, pass);
-  }
-  Buffer k, v;
-  resize_for_overwrite(k, m.b * m.s_attn * width);
-  resize_for_overwrite(v, m.b * m.s_attn * width);
-  for (int64_t q = 0; q < cp; ++q) {  // every row of k and v is some block's
-    context_rows_to_global(c.be, blocks.ptr().at(q * n), k.ptr(), m.b, m.s_attn, cp, q, width);
-    context_rows_to_global(c.be, blocks.ptr().at(q * n + kv), v.ptr(), m.b, m.s_attn, cp, q, width);
-  }
-  A.k.swap(k);
-  A.v.swap(v);
+  const int64_t chunk = g.rows / 2, qrow = g.hq * m.d, krow = g.gq * m.d;
+  resize_for_overwrite(ctx, m.b * g.rows * qrow);
+  resize_for_overwrite(lse, m.b * g.hq * g.rows);
+  for (int64_t bi = 0; bi < m.b; ++bi)
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t rows = (bi * g.rows + h * chunk) * qrow, keys = bi * m.s_attn * krow;
+      c.be.flash_attention_forward(q.at(rows), k.at(keys), v.at(keys), ctx.ptr().at(rows),
+                                   lse.data() + (bi * 2 + h) * g.hq * chunk, 1, chunk,
+                                   chunk_keys(m, g, h), g.hq, g.gq, m.d);
+    }
 }
 
-namespace {
+// Its backward pass: dq like q, dk and dv of the whole sequence (this rank's queries' part;
+// zero after the last key they see).
+void ring_attention_backward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPtr v, CPtr out,
+                             const Buffer& lse, CPtr d_out, Buffer& dq, Buffer& dk,
+                             Buffer& dv) {
+  const ShardDims& m = c.dims;
+  const int64_t chunk = g.rows / 2, qrow = g.hq * m.d, krow = g.gq * m.d;
+  resize_for_overwrite(dq, m.b * g.rows * qrow);
+  resize_for_overwrite(dk, m.b * m.s_attn * krow);
+  resize_for_overwrite(dv, m.b * m.s_attn * krow);
+  Buffer dk0, dv0;  // the first chunk's part, added to the second chunk's
+  resize_for_overwrite(dk0, chunk_keys(m, g, 0) * krow);
+  resize_for_overwrite(dv0, chunk_keys(m, g, 0) * krow);
+  const int64_t seen = chunk_keys(m, g, 1);  // the second chunk sees every key the first sees
+  for (int64_t bi = 0; bi < m.b; ++bi) {
+    const int64_t keys = bi * m.s_attn * krow;
+    for (int64_t h = 1; h >= 0; --h) {
+      const int64_t rows = (bi * g.rows + h * chunk) * qrow;
+      c.be.flash_attention_backward(q.at(rows), k.at(keys), v.at(keys), out.at(rows),
+                                    lse.data() + (bi * 2 + h) * g.hq * chunk, d_out.at(rows),
+                                    dq.ptr().at(rows), h == 1 ? dk.ptr().at(keys) : dk0.ptr(),
+                                    h == 1 ? dv.ptr().at(keys) : dv0.ptr(), 1, chunk,
+                                    chunk_keys(m, g, h), g.hq, g.gq, m.d);
+    }
+    c.be.add(dk.ptr().at(keys), dk0.ptr(), elems(dk0));
+    c.be.add(dv.ptr().at(keys), dv0.ptr(), elems(dv0));
+    const int64_t rest = (m.s_attn - seen) * krow;  // keys after every local query
+    if (rest > 0) {
+      c.be.fill_zero(dk.ptr().at(keys + seen * krow), rest);
+      c.be.fill_zero(dv.ptr().at(keys + seen * krow), rest);
+    }
+  }
+}
 
-// The buffers of Ulysses' all-to-all of nh heads: cp blocks each way of n = rows x w elements,
-// rows = b s / cp (the rank's tokens), w = (nh / cp) d (one heads block of a row).
+// Ring reduce-scatter: dk and dv of the whole sequence (this rank's queries' part) are summed
+// over the ring into each block's owner and become this ring rank's rows.
+void ring_return(ShardContext& c, const Ring& g, Buffer& dk, Buffer& dv) {
+  const ShardDims& m = c.dims;
+  const int64_t width = g.gq * m.d, kv = m.b * g.rows * width, n = 2 * kv;
+  Buffer part, incoming;
+  resize(part, g.n * n);
+  resize(incoming, n);
+  for (int64_t q = 0; q < g.n; ++q) {  // this rank's share of every block's dK and dV
+    context_rows_from_global(c.be, dk.ptr(), part.ptr().at(q * n), m.b, m.s_attn, g.n, q, width);
+    context_rows_from_global(c.be, dv.ptr(), part.ptr().at(q * n + kv), m.b, m.s_attn, g.n, q,
+                             width);
+  }
+  // At step i rank r passes on its running sum of block r - 1 - i and adds its share to the
+  // received block r - 2 - i; after n - 1 steps block r is whole on rank r.
+  for (int64_t i = 0; i + 1 < g.n; ++i) {
+    const int64_t send = (g.r - 1 - i + 2 * g.n) % g.n, recv = (g.r - 2 - i + 3 * g.n) % g.n;
+    c.ring_step(OpId::kCpKvExchangeBackward, part.ptr().at(send * n), incoming.ptr(), n,
+                PassKind::kBackward);
+    c.be.add(part.ptr().at(recv * n), incoming.ptr(), n);
+  }
+  release(dk);  // the whole sequence's: the scratch keeps only the local block's capacity
+  release(dv);
+  resize_for_overwrite(dk, kv);
+  resize_for_overwrite(dv, kv);
+  c.be.copy(part.ptr().at(g.r * n), dk.ptr(), kv);
+  c.be.copy(part.ptr().at(g.r * n + kv), dv.ptr(), kv);
+}
+
+// Where the token at global position `pos` (one of ring rank g.r's) sits among its rows.
+int64_t ring_row(const ShardDims& m, const Ring& g, int64_t pos) {
+  if (g.n == 1) return pos;
+  const int64_t c = m.s_attn / (2 * g.n);
+  return pos < (g.r + 1) * c ? pos - g.r * c : c + pos - (2 * g.n - 1 - g.r) * c;
+}
+
+// Rows [b, s / cp, w] of context-parallel rank q (its local order; a member of this rank's heads
+// group) to their places among this ring rank's rows [b, g.rows, w] (to_ring), or back. A run of
+// q's positions lies in one of the ring rank's chunks, or in both where they meet, contiguous.
+void member_rows(ShardContext& c, const Ring& g, int64_t q, CPtr from, Ptr to, int64_t w,
+                 bool to_ring) {
+  const ShardDims& m = c.dims;
+  for (int64_t bi = 0; bi < m.b; ++bi)
+    for (const PositionRun& run : context_runs(m.s_attn, m.cp, q, 0, m.s)) {
+      const int64_t member = (bi * m.s + run.local) * w;
+      const int64_t ring = (bi * g.rows + ring_row(m, g, run.global)) * w;
+      c.be.copy(from.at(to_ring ? member : ring), to.at(to_ring ? ring : member), run.len * w);
+    }
+}
+
+// The buffers of a heads all-to-all of nh heads: A blocks each way of n = rows x w elements,
+// rows = b s / cp (the rank's tokens), w = (nh / A) d (one heads block of a row).
 struct HeadsBlocks {
-  int64_t cp, rows, w, n;
+  int64_t a, rows, w, n;
   Buffer send, recv;
   HeadsBlocks(const ShardDims& m, int64_t nh)
-      : cp(m.cp), rows(m.b * m.s), w(nh / m.cp * m.d), n(rows * w) {
-    resize_for_overwrite(send, cp * n);
-    resize_for_overwrite(recv, cp * n);
+      : a(m.cp_a2a_size), rows(m.b * m.s), w(nh / m.cp_a2a_size * m.d), n(rows * w) {
+    resize_for_overwrite(send, a * n);
+    resize_for_overwrite(recv, a * n);
   }
 };
 
-// Ulysses (--cp-comm-type a2a): this rank's rows [b, s / cp, nh, d] (local order) become heads
-// block cpr of every rank's rows, [b, s, nh / cp, d] in global order: one all-to-all of the
-// context-parallel group, recorded as op `id` of pass `pass`.
-void to_heads(ShardContext& c, CPtr local, Buffer& full, int64_t nh, OpId id, PassKind pass) {
+// The heads all-to-all (Ulysses' over the cp group, a2a+p2p's over the A adjacent ranks of this
+// rank's group): this rank's rows [b, s / cp, nh, d] (local order) become heads block cpr % A
+// of its group's rows, [b, g.rows, nh / A, d] in the ring rank's order (global order when there
+// is no ring): one all-to-all, recorded as op `id` of pass `pass`.
+void to_heads(ShardContext& c, CPtr local, Buffer& out, int64_t nh, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
+  const Ring g = ring_of(m);
   HeadsBlocks x(m, nh);
-  // Block j: heads j nh / cp .. of every local row ([rows, cp, w] -> [cp, rows, w], the
-  // sequence-parallel reorder of "sequences" of cp pieces).
-  c.be.sequence_shard(local, x.send.ptr(), x.cp, x.rows, x.cp, x.w);
+  // Block j: heads j nh / A .. of every local row ([rows, A, w] -> [A, rows, w], the
+  // sequence-parallel reorder of "sequences" of A pieces).
+  c.be.sequence_shard(local, x.send.ptr(), x.a, x.rows, x.a, x.w);
   c.context_all_to_all(id, x.send.ptr(), x.recv.ptr(), x.n, pass);
-  resize_for_overwrite(full, m.b * m.s_attn * x.w);
-  for (int64_t i = 0; i < x.cp; ++i)  // rank i's rows, at their global places
-    context_rows_to_global(c.be, x.recv.ptr().at(i * x.n), full.ptr(), m.b, m.s_attn, x.cp, i, x.w);
+  resize_for_overwrite(out, m.b * g.rows * x.w);
+  const int64_t first = m.cpr - m.cpr % x.a;  // the group's first context-parallel rank
+  for (int64_t j = 0; j < x.a; ++j)
+    member_rows(c, g, first + j, x.recv.ptr().at(j * x.n), out.ptr(), x.w, true);
 }
 
-// The inverse: [b, s, nh / cp, d] (global order, heads block cpr) back to this rank's rows
-// [b, s / cp, nh, d] of all its heads.
-void from_heads(ShardContext& c, CPtr full, Buffer& local, int64_t nh, OpId id, PassKind pass) {
+// The inverse: [b, g.rows, nh / A, d] (the ring rank's order, heads block cpr % A) back to this
+// rank's rows [b, s / cp, nh, d] of all its heads.
+void from_heads(ShardContext& c, CPtr in, Buffer& local, int64_t nh, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
+  const Ring g = ring_of(m);
   HeadsBlocks x(m, nh);
-  for (int64_t i = 0; i < x.cp; ++i)  // rank i's rows
-    context_rows_from_global(c.be, full, x.send.ptr().at(i * x.n), m.b, m.s_attn, x.cp, i, x.w);
+  const int64_t first = m.cpr - m.cpr % x.a;
+  for (int64_t j = 0; j < x.a; ++j)  // member j's rows
+    member_rows(c, g, first + j, in, x.send.ptr().at(j * x.n), x.w, false);
   c.context_all_to_all(id, x.send.ptr(), x.recv.ptr(), x.n, pass);
   resize_for_overwrite(local, x.rows * nh * m.d);
-  c.be.sequence_unshard(x.recv.ptr(), local.ptr(), x.cp, x.rows, x.cp, x.w);
+  c.be.sequence_unshard(x.recv.ptr(), local.ptr(), x.a, x.rows, x.a, x.w);
 }
 
-// Causal attention of the whole sequence for this rank's heads block: Q, K and V in from every
-// rank, the output left in A.ctx in the heads layout (context_output_to_local returns it).
-void ulysses_forward(ShardContext& c, LayerActs& A) {
+// With a heads all-to-all (Ulysses, a2a+p2p): Q, K and V in from the group's ranks, K and V
+// round the ring of groups (if any), the causal attention of the group's tokens for this rank's
+// heads block; the output stays in A.ctx in that layout (context_output_to_local returns it).
+void heads_forward(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
+  const Ring g = ring_of(m);
   const PassKind pass = c.pass();
-  const int64_t hq = m.hl / m.cp, gq = m.gl / m.cp;
   Buffer q, k, v;
   to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchange, pass);
   to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchange, pass);
   to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchange, pass);
+  if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchange, pass);
   c.begin(OpId::kAttnScores, pass);
-  resize_for_overwrite(A.ctx, m.b * m.s_attn * hq * m.d);
-  resize_for_overwrite(A.lse, m.b * hq * m.s_attn);
+  if (g.n > 1) {
+    ring_attention_forward(c, g, q.ptr(), k.ptr(), v.ptr(), A.ctx, A.lse);
+    return;
+  }
+  resize_for_overwrite(A.ctx, m.b * m.s_attn * g.hq * m.d);
+  resize_for_overwrite(A.lse, m.b * g.hq * m.s_attn);
   c.be.flash_attention_forward(q.ptr(), k.ptr(), v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, m.s_attn,
-                               m.s_attn, hq, gq, m.d);
+                               m.s_attn, g.hq, g.gq, m.d);
 }
 
 // Its backward pass: Q, K, V and the output in again (as kCpKvExchangeBackward), the output's
-// gradient (kCpOutAllToAllBackward); D.dq, D.dk and D.dv stay in the heads layout until
+// gradient (kCpOutAllToAllBackward), K and V round the ring again; D.dq (the group's tokens) and
+// D.dk, D.dv (the whole sequence's with a ring, else the group's) stay in the heads layout until
 // context_return_dkv returns them.
-void ulysses_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
+void heads_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const ShardDims& m = c.dims;
+  const Ring g = ring_of(m);
   const PassKind op_pass = c.pass(), pass = PassKind::kBackward;
-  const int64_t hq = m.hl / m.cp, gq = m.gl / m.cp;
   Buffer q, k, v, out, d_out;
   to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, A.ctx.ptr(), out, m.hl, OpId::kCpKvExchangeBackward, pass);
   to_heads(c, D.d_ctx.ptr(), d_out, m.hl, OpId::kCpOutAllToAllBackward, pass);
+  if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchangeBackward, pass);
   c.begin(OpId::kAttnScoresRecompute, op_pass);  // the kernel's record, as the op began it
+  if (g.n > 1) {
+    ring_attention_backward(c, g, q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse, d_out.ptr(), D.dq,
+                            D.dk, D.dv);
+    return;
+  }
   resize_for_overwrite(D.dq, elems(q));
   resize_for_overwrite(D.dk, elems(k));
   resize_for_overwrite(D.dv, elems(v));
   c.be.flash_attention_backward(q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse.data(), d_out.ptr(),
-                                D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, hq, gq,
-                                m.d);
+                                D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, g.hq,
+                                g.gq, m.d);
 }
 
 // Whether A.k and A.v hold the whole sequence.
@@ -227,24 +358,20 @@ void gather_kv_within(ShardContext& c, LayerActs& A, OpId op, PassKind ring) {
 
 }  // namespace
 
+void context_exchange_kv(ShardContext& c, LayerActs& A, PassKind pass) {
+  const OpId id = pass == PassKind::kBackward ? OpId::kCpKvExchangeBackward : OpId::kCpKvExchange;
+  ring_gather(c, ring_of(c.dims), A.k, A.v, id, pass);
+}
+
 void context_attention_forward(ShardContext& c, LayerActs& A) {
-  const ShardDims& m = c.dims;
-  if (m.cp_a2a) {
-    ulysses_forward(c, A);
+  if (c.dims.cp_a2a_size > 1) {
+    heads_forward(c, A);
     return;
   }
+  const Ring g = ring_of(c.dims);
   gather_kv_within(c, A, OpId::kAttnScores, c.pass());
-  const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
-  resize_for_overwrite(A.ctx, m.b * m.s * qrow);
-  resize_for_overwrite(A.lse, m.b * m.hl * m.s);
-  for (int64_t bi = 0; bi < m.b; ++bi)
-    for (int64_t h = 0; h < 2; ++h) {
-      const int64_t rows = (bi * m.s + h * chunk) * qrow, keys = bi * m.s_attn * krow;
-      c.be.flash_attention_forward(A.q.ptr().at(rows), A.k.ptr().at(keys), A.v.ptr().at(keys),
-                                   A.ctx.ptr().at(rows), A.lse.data() + (bi * 2 + h) * m.hl * chunk,
-                                   1, chunk, chunk_keys(m, h), m.hl, m.gl, m.d);
-    }
-  keep_local_kv(c, A);
+  ring_attention_forward(c, g, A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx, A.lse);
+  keep_ring_rows(c, g, A.k, A.v);
 }
 
 void context_output_to_local(ShardContext& c, LayerActs& A) {
@@ -254,75 +381,28 @@ void context_output_to_local(ShardContext& c, LayerActs& A) {
 }
 
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
-  const ShardDims& m = c.dims;
-  if (m.cp_a2a) {
-    ulysses_backward(c, A, D);
+  if (c.dims.cp_a2a_size > 1) {
+    heads_backward(c, A, D);
     return;
   }
+  const Ring g = ring_of(c.dims);
   gather_kv_within(c, A, OpId::kAttnScoresRecompute, PassKind::kBackward);
-  const int64_t chunk = m.s_attn / (2 * m.cp), qrow = m.hl * m.d, krow = m.gl * m.d;
-  resize_for_overwrite(D.dq, m.b * m.s * qrow);
-  resize_for_overwrite(D.dk, m.b * m.s_attn * krow);
-  resize_for_overwrite(D.dv, m.b * m.s_attn * krow);
-  Buffer dk0, dv0;  // the first chunk's part, added to the second chunk's
-  resize_for_overwrite(dk0, chunk_keys(m, 0) * krow);
-  resize_for_overwrite(dv0, chunk_keys(m, 0) * krow);
-  const int64_t seen = chunk_keys(m, 1);  // the second chunk sees every key the first sees
-  for (int64_t bi = 0; bi < m.b; ++bi) {
-    const int64_t keys = bi * m.s_attn * krow;
-    for (int64_t h = 1; h >= 0; --h) {
-      const int64_t rows = (bi * m.s + h * chunk) * qrow;
-      c.be.flash_attention_backward(
-          A.q.ptr().at(rows), A.k.ptr().at(keys), A.v.ptr().at(keys), A.ctx.ptr().at(rows),
-          A.lse.data() + (bi * 2 + h) * m.hl * chunk, D.d_ctx.ptr().at(rows), D.dq.ptr().at(rows),
-          h == 1 ? D.dk.ptr().at(keys) : dk0.ptr(), h == 1 ? D.dv.ptr().at(keys) : dv0.ptr(), 1,
-          chunk, chunk_keys(m, h), m.hl, m.gl, m.d);
-    }
-    c.be.add(D.dk.ptr().at(keys), dk0.ptr(), elems(dk0));
-    c.be.add(D.dv.ptr().at(keys), dv0.ptr(), elems(dv0));
-    const int64_t rest = (m.s_attn - seen) * krow;  // keys after every local query
-    if (rest > 0) {
-      c.be.fill_zero(D.dk.ptr().at(keys + seen * krow), rest);
-      c.be.fill_zero(D.dv.ptr().at(keys + seen * krow), rest);
-    }
-  }
-  keep_local_kv(c, A);
+  ring_attention_backward(c, g, A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse, D.d_ctx.ptr(),
+                          D.dq, D.dk, D.dv);
+  keep_ring_rows(c, g, A.k, A.v);
 }
 
 void context_return_dkv(ShardContext& c, LayerGrads& D) {
   const ShardDims& m = c.dims;
-  if (m.cp_a2a) {  // dQ, dK and dV back to their tokens' ranks, all heads
-    for (auto [x, nh] : {std::pair{&D.dq, m.hl}, {&D.dk, m.gl}, {&D.dv, m.gl}}) {
-      Buffer local;
-      from_heads(c, x->ptr(), local, nh, OpId::kCpKvExchangeBackward, PassKind::kBackward);
-      x->swap(local);
-    }
-    return;
+  const Ring g = ring_of(m);
+  if (g.n > 1) ring_return(c, g, D.dk, D.dv);
+  if (m.cp_a2a_size == 1) return;
+  // dQ, dK and dV back to their tokens' ranks, all heads
+  for (auto [x, nh] : {std::pair{&D.dq, m.hl}, {&D.dk, m.gl}, {&D.dv, m.gl}}) {
+    Buffer local;
+    from_heads(c, x->ptr(), local, nh, OpId::kCpKvExchangeBackward, PassKind::kBackward);
+    x->swap(local);
   }
-  const int64_t cp = m.cp, r = m.cpr, width = m.gl * m.d;
-  const int64_t kv = m.b * m.s * width, n = 2 * kv;
-  Buffer part, incoming;
-  resize(part, cp * n);
-  resize(incoming, n);
-  for (int64_t q = 0; q < cp; ++q) {  // this rank's share of every block's dK and dV
-    context_rows_from_global(c.be, D.dk.ptr(), part.ptr().at(q * n), m.b, m.s_attn, cp, q, width);
-    context_rows_from_global(c.be, D.dv.ptr(), part.ptr().at(q * n + kv), m.b, m.s_attn, cp, q,
-                             width);
-  }
-  // Ring reduce-scatter: at step i rank r passes on its running sum of block r - 1 - i and adds
-  // its share to the received block r - 2 - i; after cp - 1 steps block r is whole on rank r.
-  for (int64_t i = 0; i + 1 < cp; ++i) {
-    const int64_t send = (r - 1 - i + 2 * cp) % cp, recv = (r - 2 - i + 3 * cp) % cp;
-    c.ring_step(OpId::kCpKvExchangeBackward, part.ptr().at(send * n), incoming.ptr(), n,
-                PassKind::kBackward);
-    c.be.add(part.ptr().at(recv * n), incoming.ptr(), n);
-  }
-  release(D.dk);  // the whole sequence's: the scratch keeps only the local block's capacity
-  release(D.dv);
-  resize_for_overwrite(D.dk, kv);
-  resize_for_overwrite(D.dv, kv);
-  c.be.copy(part.ptr().at(r * n), D.dk.ptr(), kv);
-  c.be.copy(part.ptr().at(r * n + kv), D.dv.ptr(), kv);
 }
 
 }  // namespace ptdp

@@ -69,7 +69,13 @@ void context_attention_forward(ShardContext& c, LayerActs& A);
 // (local) and D.dk, D.dv of the whole sequence (this rank's queries' part), which
 // context_return_dkv sums into their owners. A.k and A.v become local.
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D);
-// Ulysses (ShardDims::cp_a2a, --cp-comm-type a2a): context_attention_forward moves Q, K and V by
+// a2a+p2p (1 < ShardDims::cp_a2a_size = A < cp, --hierarchical-context-parallel-sizes A B): the
+// same all-to-alls within this rank's group of A adjacent ranks (ShardContext::cp_heads) give
+// it the group's s / B tokens (ordered as a rank of a ring of B holds them: the group's chunks
+// form two chunks of 2 B) of hl / A heads; K and V then go round the ring of the B groups
+// (ShardContext::cp_ring) as above, the queries attend as a ring rank's do, and the output, the
+// gradients and dK, dV (after the ring's reduce-scatter) come back by the all-to-alls.
+// Ulysses (cp_a2a_size = cp, --cp-comm-type a2a): context_attention_forward moves Q, K and V by
 // all-to-alls (kCpKvExchange) from this rank's s / cp tokens of every local head to all s tokens
 // of hl / cp heads (block cpr), runs the causal attention of the whole sequence for them, and
 // leaves the output in A.ctx in that heads layout, which context_output_to_local (run by op

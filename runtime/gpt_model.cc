@@ -33,7 +33,10 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.tensor_parallel = s.t;
   plan.pipeline_parallel = s.p;
   plan.context_parallel = s.cp;
-  plan.cp_comm = s.cp_a2a ? CpComm::kA2A : CpComm::kP2P;
+  plan.cp_comm = s.cp_a2a_size <= 1 || s.cp <= 1 ? CpComm::kP2P
+                 : s.cp_a2a_size == s.cp         ? CpComm::kA2A
+                                                 : CpComm::kA2AP2P;
+  if (plan.cp_comm == CpComm::kA2AP2P) plan.hierarchical_cp = s.cp_a2a_size;
   plan.virtual_stages = s.v;
   plan.micro_batch_size = s.micro_batch;
   plan.global_batch_size = s.micro_batch * s.p;
@@ -480,10 +483,19 @@ int64_t GptShard::boundary_elements() const {
 int64_t GptShard::tokens_per_microbatch() const {
   return impl_->ctx->dims.b * (impl_->ctx->dims.s_attn + 1);
 }
-void GptShard::set_context_group(Communicator* group) {
+void GptShard::set_context_group(Communicator* group, Communicator* a2a_group,
+                                 Communicator* ring_group) {
   if (group && group->size() != layout_.cp)
     throw std::logic_error("the context-parallel group's size differs from the layout's cp");
-  impl_->ctx->cp = group;
+  const int64_t a = impl_->ctx->dims.cp_a2a_size;
+  const bool hierarchical = a > 1 && a < layout_.cp;
+  if (hierarchical &&
+      (!a2a_group || a2a_group->size() != a || !ring_group || ring_group->size() != layout_.cp / a))
+    throw std::logic_error("a2a+p2p needs its all-to-all and ring groups");
+  ShardContext& c = *impl_->ctx;
+  c.cp = group;
+  c.cp_heads = hierarchical ? a2a_group : group;
+  c.cp_ring = hierarchical ? ring_group : group;
 }
 Backend& GptShard::backend() {
   return impl_->ctx->be;

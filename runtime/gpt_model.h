@@ -50,8 +50,11 @@ struct ShardLayout {
   int64_t t = 1, tp = 0;        // tensor-parallel size and this rank's index
   int64_t p = 1, pp = 0;        // pipeline-parallel size and this rank's index
   int64_t cp = 1, cp_rank = 0;  // context-parallel size and index (runtime/context_parallel.h)
-  bool cp_a2a = false;          // --cp-comm-type a2a: Ulysses' all-to-alls, not the K/V gather
-  int64_t v = 1;                // model chunks per pipeline rank
+  // The context-parallel ranks of a heads all-to-all: 1 (p2p: the K/V ring alone), cp (a2a:
+  // Ulysses' all-to-alls alone) or A of a2a+p2p (all-to-alls within groups of A adjacent ranks,
+  // then the ring over the cp / A groups).
+  int64_t cp_a2a_size = 1;
+  int64_t v = 1;  // model chunks per pipeline rank
   int64_t micro_batch = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
@@ -183,8 +186,11 @@ class GptShard {
   // Parameters of the whole model held here without padding or tied copies.
   int64_t real_parameters() const;
   Backend& backend();
-  // The context-parallel ring (layout().cp ranks); needed before a pass when cp > 1.
-  void set_context_group(Communicator* group);
+  // The context-parallel group (layout().cp ranks); needed before a pass when cp > 1. With
+  // a2a+p2p (1 < cp_a2a_size < cp) also this rank's all-to-all group (its cp_a2a_size adjacent
+  // ranks) and its ring (the cp / cp_a2a_size ranks at its place in the other groups).
+  void set_context_group(Communicator* group, Communicator* a2a_group = nullptr,
+                         Communicator* ring_group = nullptr);
   // MoE models: the expert-parallel and expert-tensor-parallel groups of this rank (null: a
   // group of one; required where that size is above 1, before the first pass).
   void set_expert_groups(Communicator* ep, Communicator* etp);

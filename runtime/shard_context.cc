@@ -20,7 +20,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.b = l.micro_batch;
   d.cp = l.cp;
   d.cpr = l.cp_rank;
-  d.cp_a2a = l.cp_a2a && l.cp > 1;
+  d.cp_a2a_size = l.cp > 1 ? l.cp_a2a_size : 1;
   d.s_attn = m.seq_length;
   d.s = m.seq_length / l.cp;
   d.flash = m.flash_attention || l.cp > 1;
@@ -131,20 +131,22 @@ void ShardContext::reduce_scatter(CPtr in, Ptr out, int64_t n) {
 
 void ShardContext::ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass) {
   begin(id, pass);
-  const int size = cp->size(), r = cp->rank();
+  Communicator* const ring = cp_ring ? cp_ring : cp;
+  const int size = ring->size(), r = ring->rank();
   const Communicator::P2P ops[2] = {
       {true, const_cast<void*>(send.p), static_cast<size_t>(n), (r + 1) % size, 0, send.t},
       {false, recv.p, static_cast<size_t>(n), (r + size - 1) % size, 0, recv.t}};
-  cp->batch(ops);
+  ring->batch(ops);
   collective_done(Collective::kSendRecv, static_cast<double>(n * bytes(send.t)),
                   CommGroup::kContext);
 }
 
 void ShardContext::context_all_to_all(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass) {
   begin(id, pass);
-  const std::vector<size_t> counts(static_cast<size_t>(cp->size()), static_cast<size_t>(n));
-  cp->all_to_all_v(send.p, counts, recv.p, counts, send.t);
-  collective_done(Collective::kAllToAll, static_cast<double>(cp->size() * n * bytes(send.t)),
+  Communicator* const group = cp_heads ? cp_heads : cp;
+  const std::vector<size_t> counts(static_cast<size_t>(group->size()), static_cast<size_t>(n));
+  group->all_to_all_v(send.p, counts, recv.p, counts, send.t);
+  collective_done(Collective::kAllToAll, static_cast<double>(group->size() * n * bytes(send.t)),
                   CommGroup::kContext);
 }
 

@@ -32,7 +32,9 @@ struct ShardDims {
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
   // whole sequence (s is the s / cp tokens held here, s_attn the length attention spans).
   int64_t cp = 1, cpr = 0, s_attn = 0;
-  bool cp_a2a = false;  // Ulysses (cp > 1 with --cp-comm-type a2a)
+  // The ranks of a heads all-to-all (ShardLayout::cp_a2a_size; 1 when cp = 1): Ulysses' cp,
+  // a2a+p2p's A; the ring goes round the cp / cp_a2a_size others.
+  int64_t cp_a2a_size = 1;
   // Flash attention (--use-flash-attn, and always with context parallelism, as Megatron-Core
   // runs it): the attention core runs fused, keeping lse rather than the s x s probabilities.
   bool flash = false;
@@ -50,7 +52,11 @@ class ShardContext {
 
   Backend& be;
   Communicator* tp;
-  Communicator* cp = nullptr;  // the context-parallel ring (cp > 1)
+  Communicator* cp = nullptr;  // the context-parallel group (cp > 1)
+  // Its heads all-to-all's and its ring's ranks: the whole group, but with a2a+p2p the groups
+  // of A adjacent ranks and the rings over them (GptShard::set_context_group).
+  Communicator* cp_heads = nullptr;
+  Communicator* cp_ring = nullptr;
   ShardDims dims;
   Ptr params;  // fp32, or bf16 with mixed precision
   float* grads = nullptr;
@@ -77,11 +83,11 @@ class ShardContext {
   void all_reduce(Buffer& x);
   void all_gather(CPtr in, Ptr out, int64_t n);
   void reduce_scatter(CPtr in, Ptr out, int64_t n);
-  // One step of the context-parallel ring, recorded as op `id` of pass `pass`: sends n elements
-  // to the next cp rank and receives n from the previous one (one P2P batch).
+  // One step of the context-parallel ring (cp_ring), recorded as op `id` of pass `pass`: sends
+  // n elements to the next rank and receives n from the previous one (one P2P batch).
   void ring_step(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass);
-  // An all-to-all of the context-parallel group, recorded as op `id` of pass `pass`: n elements
-  // to each cp rank from `send` (blocks in rank order), n from each into `recv`.
+  // An all-to-all of the heads group (cp_heads), recorded as op `id` of pass `pass`: n elements
+  // to each of its ranks from `send` (blocks in rank order), n from each into `recv`.
   void context_all_to_all(OpId id, CPtr send, Ptr recv, int64_t n, PassKind pass);
 
   // GEMMs (recorded in the op list's convention: C[m x n] = A[m x k] B[k x n], batch).

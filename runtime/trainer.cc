@@ -229,6 +229,8 @@ class Executor {
   // index is cpr + cp dp (runtime/context_parallel.h).
   int64_t cp_ = 1, dcp_ = 1, dp_index_ = 0, cpr_ = 0;
   std::unique_ptr<Communicator> cp_group_;
+  int64_t layout_a2a_ = 1;  // ShardLayout::cp_a2a_size; with a2a+p2p, its groups:
+  std::unique_ptr<Communicator> cp_heads_, cp_ring_;
   GridPosition pos_;
   bool dist_ = false;
   int64_t instances_ = 1;  // the distributed optimizer's instances (--num-distributed-...)
@@ -284,7 +286,7 @@ void Executor::setup() {
     layout.pp = pos_.pp;
     layout.cp = cp_;
     layout.cp_rank = cpr_;
-    layout.cp_a2a = plan.cp_comm == CpComm::kA2A;
+    layout.cp_a2a_size = layout_a2a_ = plan.cp_a2a_size();
     layout.v = plan.virtual_stages;
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
@@ -343,9 +345,17 @@ void Executor::setup() {
   }
   shard_ = std::make_unique<GptShard>(m, layout, tp_.get(), o_.seed, backend_.get());
   shard_->set_expert_groups(ep_.get(), etp_.get());
-  if (cp_ > 1) {  // the ring: the cp ranks of one (tp, dp, pp)
-    cp_group_ = split(pos_.tp + t_ * (dp_index_ + d_ * pos_.pp), "context-parallel");
-    shard_->set_context_group(cp_group_.get());
+  if (cp_ > 1) {  // the cp ranks of one (tp, dp, pp)
+    const int64_t color = pos_.tp + t_ * (dp_index_ + d_ * pos_.pp);
+    cp_group_ = split(color, "context-parallel");
+    // a2a+p2p: the all-to-all groups of A adjacent context-parallel ranks, and the rings of the
+    // cp / A ranks at one place in them (Megatron-Core's hierarchical context-parallel groups).
+    const int64_t a = layout_a2a_;
+    if (a > 1 && a < cp_) {
+      cp_heads_ = split(color * (cp_ / a) + cpr_ / a, "context-parallel a2a");
+      cp_ring_ = split(color * a + cpr_ % a, "context-parallel ring");
+    }
+    shard_->set_context_group(cp_group_.get(), cp_heads_.get(), cp_ring_.get());
   }
   const auto& segs = shard_->segments();
   for (size_t i = 0; i < segs.size(); ++i)

@@ -21,13 +21,13 @@ namespace {
 int64_t fused_keys(const ShardDims& m) {
   return std::max<int64_t>(1, m.s_attn / 2);
 }
-// Query rows and heads of a fused attention's GEMMs: the rank's tokens of its heads, or with
-// Ulysses all s tokens of its heads block.
+// Query rows and heads of a fused attention's GEMMs: the rank's tokens of its heads, or after a
+// heads all-to-all its group's tokens (Ulysses: all s) of its heads block.
 int64_t fused_queries(const ShardDims& m) {
-  return m.cp_a2a ? m.s_attn : m.s;
+  return m.s * m.cp_a2a_size;
 }
 int64_t fused_batch(const ShardDims& m) {
-  return m.b * (m.cp_a2a ? m.hl / m.cp : m.hl);
+  return m.b * m.hl / m.cp_a2a_size;
 }
 
 }  // namespace
@@ -58,14 +58,14 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
-      if (cp && !m.rotary && !m.cp_a2a) context_exchange_kv(c, A, c.pass());
+      if (cp && !m.rotary && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
       break;
     }
     case OpId::kRotaryEmbedding:
       if (cp) {
         context_rope(c, A.q, m.hl, false);
         context_rope(c, A.k, m.gl, false);
-        if (!m.cp_a2a) context_exchange_kv(c, A, c.pass());
+        if (m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
@@ -98,7 +98,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
     case OpId::kAttnContext:
       if (m.flash) {  // computed with the scores
         c.gemm_done(fused_queries(m), m.d, fused_keys(m), fused_batch(m));
-        if (m.cp_a2a) context_output_to_local(c, A);  // Ulysses: the output back to its tokens
+        if (m.cp_a2a_size > 1) context_output_to_local(c, A);  // the output back to its tokens
         break;
       }
       resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);

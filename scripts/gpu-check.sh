@@ -208,20 +208,28 @@ fi
 # Context parallelism on this one GPU (two ranks, the MPI data plane on host copies): the
 # attention's chunks against the keys before them run the flash kernels with sq < sk
 # (runtime/context_parallel.h); losses against the CPU backend's at cp = 2, with the K/V
-# gather (cp2_*) and with Ulysses' all-to-alls (cp2a2a_*, --cp-comm-type a2a). CP2=0 skips it.
+# gather (cp2_*) and with Ulysses' all-to-alls (cp2a2a_*, --cp-comm-type a2a); at cp = 4 with
+# a2a+p2p 2 x 2 (cp4h_*: all-to-all pairs, a ring over them; four ranks). CP2=0 skips them.
 cp2=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256
-  --vocab-size 2048 --global-batch-size 4 --micro-batch-size 2 --context-parallel-size 2
+  --vocab-size 2048 --global-batch-size 4 --micro-batch-size 2
   --position-embedding-type rope --steps ${CP2_STEPS:-10} --seed 7 --json)
-rm -f "$out"/cp2_* "$out"/cp2a2a_*
+rm -f "$out"/cp2_* "$out"/cp2a2a_* "$out"/cp4h_*
 if [ "${CP2:-1}" != 0 ] && command -v mpirun >/dev/null && ldd "$build/cli/ptdp" | grep -q libmpi
 then
-  for kind in cp2 cp2a2a; do
+  for kind in cp2 cp2a2a cp4h; do
     for be in cpu cuda cuda_bf16; do
       extra=(--backend "${be%_bf16}")
       [ "$be" = cuda_bf16 ] && extra+=(--bf16)
-      [ "$kind" = cp2a2a ] && extra+=(--cp-comm-type a2a)
+      np=2
+      case "$kind" in
+        cp2) extra+=(--context-parallel-size 2) ;;
+        cp2a2a) extra+=(--context-parallel-size 2 --cp-comm-type a2a) ;;
+        cp4h) np=4
+          extra+=(--context-parallel-size 4 --cp-comm-type a2a+p2p
+            --hierarchical-context-parallel-sizes 2 2) ;;
+      esac
       OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 stage mpirun --oversubscribe \
-        -np 2 "$build/cli/ptdp" run "${cp2[@]}" "${extra[@]}" >"$out/${kind}_$be.json" \
+        -np "$np" "$build/cli/ptdp" run "${cp2[@]}" "${extra[@]}" >"$out/${kind}_$be.json" \
         2>"$out/${kind}_$be.log"
     done
   done
@@ -372,6 +380,7 @@ else:
 if os.path.exists(os.path.join(out, "cp2_cpu.log")):
     fail += against_cpu("cp2", "cp=2 on one GPU")
     fail += against_cpu("cp2a2a", "cp=2 a2a (Ulysses) on one GPU")
+    fail += against_cpu("cp4h", "cp=4 a2a+p2p 2x2 on one GPU")
 else:
     print("cp=2 on one GPU: not run (CP2=0, no mpirun, or ptdp built without MPI)")
 torch_path = os.path.join(out, "torch_gpt2.jsonl")

@@ -467,7 +467,9 @@ class Engine {
 
   // Whether a pass's context-parallel flows run under its kernels (the p2p ring's steps overlap
   // attention) rather than in the context phase after them (an all-gather's, all-to-alls').
-  bool ring_under_kernels() const { return in_.cp_comm == CpComm::kP2P; }
+  bool ring_under_kernels() const {
+    return in_.cp_comm == CpComm::kP2P || in_.cp_comm == CpComm::kA2AP2P;
+  }
 
   // Starts rank e's ring-step (cp) or all-to-all flows of its current pass.
   void start_flows(int32_t e, bool cp) {
@@ -481,7 +483,7 @@ class Engine {
     if (!cp) {
       pairs = all_to_all_pairs(e);
       each = bytes / static_cast<double>(in_.expert_parallel);
-    } else if (in_.cp_comm == CpComm::kP2P) {
+    } else if (ring_under_kernels()) {
       pairs = ring_pairs(e);
     } else if (in_.cp_comm == CpComm::kAllGather) {
       int64_t channels = 1;
@@ -551,10 +553,13 @@ class Engine {
     const int64_t r = e % p_, replica = e / p_, cp = in_.context_parallel;
     std::vector<std::pair<int64_t, int64_t>> out;
     if (cp <= 1) return out;
+    // a2a+p2p: a ring per place in the all-to-all groups, over the groups (stride A).
+    const int64_t a = in_.cp_comm == CpComm::kA2AP2P ? std::max<int64_t>(1, in_.cp_a2a_size) : 1;
     const int64_t base = replica - replica % cp;
     for (int64_t c = 0; c < cp; ++c) {
       if (in_.full && base + c != replica) continue;
-      out.emplace_back(gpu(0, base + c, r), gpu(0, base + (c + 1) % cp, r));
+      const int64_t next = c % a + (c / a + 1) % (cp / a) * a;
+      if (next != c) out.emplace_back(gpu(0, base + c, r), gpu(0, base + next, r));
     }
     return out;
   }

@@ -70,8 +70,11 @@ struct SimulationInput {
   int64_t context_parallel = 1;
   // p2p: each pass's ring steps run under its kernels (flows from each rank to the next of its
   // ring); all_gather: NCCL-like rings after them, one per member in a node; a2a: flows from
-  // each rank to every other of its cp group after them.
+  // each rank to every other of its cp group after them; a2a+p2p: the ring's flows under the
+  // kernels, between the groups (its all-to-alls, within a group, only in the pass's time).
   CpComm cp_comm = CpComm::kP2P;
+  // a2a+p2p: the all-to-all groups' size A; the ring's flows go between the cp / A groups.
+  int64_t cp_a2a_size = 1;
   // Expert groups within a stage's t * data_parallel ranks: expert_parallel members at a
   // stride of expert_tensor_parallel.
   int64_t expert_parallel = 1, expert_tensor_parallel = 1;

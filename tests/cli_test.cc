@@ -144,9 +144,13 @@ TEST(Cli, PredictListsEachCpCommTypeOfAContextParallelPlan) {
   ASSERT_EQ(r.status, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);
   const auto& types = j.at("cp_comm_types");
-  EXPECT_EQ(types.size(), 3u) << types.dump();
+  EXPECT_EQ(types.size(), 4u) << types.dump();
   EXPECT_DOUBLE_EQ(types.at("p2p").at("iteration_time_s").get<double>(),
                    j.at("iteration_time_s").get<double>());
+  // a2a+p2p at the sizes ptdp plan takes: all-to-alls over 4 ranks (t 2 x 4 fill a node), a
+  // ring over the 4 nodes.
+  EXPECT_EQ(types.at("a2a+p2p").at("hierarchical_context_parallel_sizes"),
+            nlohmann::json::array({4, 4}));
   // The ring crosses nodes on one NIC per step behind attention blocks of 1024 queries.
   EXPECT_LT(types.at("a2a").at("iteration_time_s").get<double>(),
             types.at("p2p").at("iteration_time_s").get<double>());
@@ -155,12 +159,22 @@ TEST(Cli, PredictListsEachCpCommTypeOfAContextParallelPlan) {
   ASSERT_EQ(r.status, 0) << r.err;
   j = nlohmann::json::parse(r.out);
   EXPECT_FALSE(j.at("cp_comm_types").contains("a2a")) << r.out;
+  // Its 4 query groups per rank split over a2a+p2p's all-to-all of 4.
+  EXPECT_TRUE(j.at("cp_comm_types").contains("a2a+p2p")) << r.out;
   args.pop_back();  // the table
   r = run(args);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("  p2p"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("<- this plan"), std::string::npos) << r.out;
-  EXPECT_EQ(r.out.find("  a2a"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("  a2a "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("  a2a+p2p 4x4"), std::string::npos) << r.out;
+  // The plan itself as a2a+p2p: the table marks it with its sizes.
+  args.insert(args.end(),
+              {"--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "8"});
+  r = run(args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("a2a+p2p 2x8         "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(a2a+p2p: all-to-alls over 2, a ring of 8)"), std::string::npos) << r.out;
 }
 
 TEST(Cli, PredictJsonHasTheDocumentedKeys) {
@@ -419,6 +433,19 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   auto cp_comm = kPredictMixtral;
   cp_comm.insert(cp_comm.end(), {"--context-parallel-size", "2", "--cp-comm-type", "ring"});
   expect_bad(cp_comm, "--cp-comm-type");
+  // a2a+p2p: sizes A B multiplying to cp, given with it and only with it.
+  const char* hcp = "--hierarchical-context-parallel-sizes";
+  for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
+           {"--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"},
+           {"--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", hcp, "4", "2"},
+           {"--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", hcp, "0", "4"},
+           {"--context-parallel-size", "4", hcp, "2", "2"},
+           {"--cp-comm-type", "a2a+p2p", hcp, "2", "x"},
+           {"--cp-comm-type", "a2a+p2p", hcp, "2"}}) {
+    auto args = kPredictMixtral;
+    args.insert(args.end(), extra.begin(), extra.end());
+    expect_bad(args, hcp);
+  }
   fp8 = predict_with("--fp8-format", "hybrid");  // the A100 preset has no FP8 tensor cores
   expect_bad(fp8, "--fp8-format");
   // An unknown MoE field in a model file.

@@ -177,11 +177,13 @@ struct Pass {
   std::vector<ExecutedOp> trace;
 };
 
-// One forward and backward pass of microbatch 0 on a shard of `layout`.
-Pass run_shard(const ModelSpec& m, const ShardLayout& layout, Communicator* ring) {
+// One forward and backward pass of microbatch 0 on a shard of `layout` (with a2a+p2p, `heads`
+// and `ring` are its all-to-all group and its ring).
+Pass run_shard(const ModelSpec& m, const ShardLayout& layout, Communicator* group,
+               Communicator* heads = nullptr, Communicator* ring = nullptr) {
   auto self = make_self_communicator();
   GptShard shard(m, layout, self.get(), 11);
-  if (ring) shard.set_context_group(ring);
+  if (group) shard.set_context_group(group, heads, ring);
   std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
   const TokenSource data = TokenSource::synthetic(m.vocab_size, 5);
   for (int64_t i = 0; i < layout.micro_batch; ++i)
@@ -195,11 +197,22 @@ Pass run_shard(const ModelSpec& m, const ShardLayout& layout, Communicator* ring
   return out;
 }
 
-// cp shards in threads; rank r's pass in result[r].
+// cp shards in threads; rank r's pass in result[r]. With a2a+p2p (1 < layout.cp_a2a_size = A <
+// cp) each rank also joins its all-to-all group (ranks A k .. A k + A - 1) and its ring (the
+// ranks at its place in the groups), as the trainer splits them.
 std::vector<Pass> run_ring(const ModelSpec& m, ShardLayout layout, int cp) {
-  Mailboxes box;
-  std::vector<std::unique_ptr<InProcessRing>> rings;
-  for (int r = 0; r < cp; ++r) rings.push_back(std::make_unique<InProcessRing>(box, r, cp));
+  const int a = static_cast<int>(layout.cp_a2a_size), groups = cp / a;
+  const bool hierarchical = a > 1 && a < cp;
+  std::deque<Mailboxes> boxes(static_cast<size_t>(1 + (hierarchical ? groups + a : 0)));
+  std::vector<std::unique_ptr<InProcessRing>> rings, heads, outer;
+  for (int r = 0; r < cp; ++r) {
+    rings.push_back(std::make_unique<InProcessRing>(boxes[0], r, cp));
+    if (!hierarchical) continue;
+    heads.push_back(
+        std::make_unique<InProcessRing>(boxes[static_cast<size_t>(1 + r / a)], r % a, a));
+    outer.push_back(std::make_unique<InProcessRing>(boxes[static_cast<size_t>(1 + groups + r % a)],
+                                                    r / a, groups));
+  }
   std::vector<Pass> out(static_cast<size_t>(cp));
   std::vector<std::string> errors(static_cast<size_t>(cp));
   std::vector<std::thread> threads;
@@ -209,7 +222,9 @@ std::vector<Pass> run_ring(const ModelSpec& m, ShardLayout layout, int cp) {
         ShardLayout l = layout;
         l.cp = cp;
         l.cp_rank = r;
-        out[static_cast<size_t>(r)] = run_shard(m, l, rings[static_cast<size_t>(r)].get());
+        const auto i = static_cast<size_t>(r);
+        out[i] = run_shard(m, l, rings[i].get(), hierarchical ? heads[i].get() : nullptr,
+                           hierarchical ? outer[i].get() : nullptr);
       } catch (const std::exception& e) {
         errors[static_cast<size_t>(r)] = e.what();
       }
@@ -270,7 +285,7 @@ TEST(ContextParallel, UlyssesAttentionEqualsPlainAttention) {
         ShardLayout layout;
         layout.micro_batch = 2;
         layout.recompute = rc;
-        layout.cp_a2a = true;
+        layout.cp_a2a_size = cp;
         const ModelSpec m = tiny(rotary);
         expect_shards_match_one(m, layout, cp,
                                 std::string(rotary ? "rotary" : "learned") + " a2a cp " +
@@ -302,6 +317,60 @@ TEST(ContextParallel, UlyssesAttentionEqualsPlainAttention) {
         EXPECT_EQ(kernel->m, m.seq_length);
         EXPECT_EQ(kernel->batch, layout.micro_batch * m.num_attention_heads / cp);
       }
+}
+
+// a2a+p2p (--hierarchical-context-parallel-sizes A B): all-to-alls within groups of A adjacent
+// ranks, then the ring over the B groups with hl / A heads of the group's s / B tokens, give the
+// same losses and gradients as one rank with the whole sequence: A x B = 2 x 2, 2 x 4 and 4 x 2
+// (4 heads), the rotary GQA model's 2 query groups at 2 x 2, each recompute mode at 2 x 2. A
+// layer's forward pass records Q, K and V's all-to-alls (kCpKvExchange), B - 1 ring steps of one
+// block each (the group's tokens of its heads block: s / cp tokens' worth of every query
+// group), and the output's all-to-all (kCpOutAllToAll).
+TEST(ContextParallel, HierarchicalAttentionEqualsPlainAttention) {
+  struct Case {
+    int a, b;
+    bool rotary;
+    Recompute rc;
+  };
+  const Case cases[] = {{2, 2, false, Recompute::kNone},    {2, 2, false, Recompute::kSelective},
+                        {2, 2, false, Recompute::kFull},    {2, 4, false, Recompute::kNone},
+                        {4, 2, false, Recompute::kNone},    {2, 2, true, Recompute::kNone},
+                        {2, 2, true, Recompute::kSelective}};
+  for (const Case& k : cases) {
+    const int cp = k.a * k.b;
+    ShardLayout layout;
+    layout.micro_batch = 2;
+    layout.recompute = k.rc;
+    layout.cp_a2a_size = k.a;
+    const ModelSpec m = tiny(k.rotary);
+    const std::string what = std::string(k.rotary ? "rotary" : "learned") + " a2a+p2p " +
+                             std::to_string(k.a) + "x" + std::to_string(k.b) + " recompute " +
+                             to_string(k.rc);
+    expect_shards_match_one(m, layout, cp, what);
+    if (k.rc != Recompute::kNone) continue;
+    const Pass p = run_ring(m, layout, cp)[1];
+    const double tokens = 1.0 * layout.micro_batch * (m.seq_length / cp);
+    const double q = tokens * m.hidden_size * 4,
+                 kv = tokens * m.query_groups() * m.kv_channels() * 4;
+    int a2a = 0, steps = 0, out = 0;
+    for (const ExecutedOp& e : p.trace) {
+      if (e.role != OpRole::kForward) continue;
+      if (e.id == OpId::kCpOutAllToAll) {
+        EXPECT_EQ(e.collective, Collective::kAllToAll) << what;
+        EXPECT_DOUBLE_EQ(e.bytes, q) << what;
+        ++out;
+      } else if (e.id == OpId::kCpKvExchange && e.collective == Collective::kAllToAll) {
+        ++a2a;
+      } else if (e.id == OpId::kCpKvExchange) {
+        EXPECT_EQ(e.collective, Collective::kSendRecv) << what;
+        EXPECT_DOUBLE_EQ(e.bytes, 2 * kv) << what;  // K and V of the group's tokens, heads / A
+        ++steps;
+      }
+    }
+    EXPECT_EQ(a2a, 3 * m.num_layers) << what;
+    EXPECT_EQ(steps, (k.b - 1) * m.num_layers) << what;
+    EXPECT_EQ(out, m.num_layers) << what;
+  }
 }
 
 // Every layer's forward pass has cp - 1 kCpKvExchange steps, each a send/recv of one block's K

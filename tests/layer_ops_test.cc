@@ -249,6 +249,50 @@ TEST(LayerOps, ContextParallelCommTypes) {
   EXPECT_EQ(context(transformer_layer_ops(m, s).recompute).size(), 2u);
 }
 
+// a2a+p2p (--hierarchical-context-parallel-sizes 2 4 at t 2, cp 8; Llama 3 8B's 4 query groups
+// per rank, which a2a at cp 8 cannot split): Ulysses' all-to-alls within groups of 2 (each rank's
+// Q, K and V in, the output back, as a2a's at cp 2 would move them), then 3 ring steps of the
+// p2p ring's block (the group's 2 s / 8 tokens of half the heads); the attention covers the
+// group's s / 4 queries of 8 heads, the same arithmetic as the ring's, and keeps the output
+// twice as Ulysses does.
+TEST(LayerOps, HierarchicalContextParallelIsAllToAllsThenARing) {
+  ModelSpec m = resolve_model("llama3-8b");
+  m.seq_length = 8192;
+  LayerShape s;
+  s.tensor_parallel = 2;
+  s.context_parallel = 8;
+  const PassOps ring = transformer_layer_ops(m, s);
+  s.cp_comm = CpComm::kA2AP2P;
+  s.hierarchical_cp = 2;
+  const PassOps hier = transformer_layer_ops(m, s);
+  std::vector<Op> fwd;
+  for (const Op& op : hier.forward)
+    if (op.kind == OpKind::kCollective && op.group == CommGroup::kContext) fwd.push_back(op);
+  ASSERT_EQ(fwd.size(), 5u);
+  const double block = 2.0 * (8192 / 8) * (8 / 2) * 128 * 2;  // one rank's K and V
+  const double q = (8192 / 8) * (32 / 2) * 128 * 2;           // its queries
+  EXPECT_EQ(fwd[0].collective, Collective::kAllToAll);
+  EXPECT_DOUBLE_EQ(fwd[0].bytes, q + block);
+  for (int i = 1; i <= 3; ++i) {
+    EXPECT_EQ(fwd[static_cast<size_t>(i)].collective, Collective::kSendRecv);
+    EXPECT_DOUBLE_EQ(fwd[static_cast<size_t>(i)].bytes, block);
+  }
+  EXPECT_EQ(fwd[4].id, OpId::kCpOutAllToAll);
+  EXPECT_DOUBLE_EQ(fwd[4].bytes, q);
+  EXPECT_DOUBLE_EQ(flops(hier.forward), flops(ring.forward));
+  EXPECT_DOUBLE_EQ(flops(hier.backward), flops(ring.backward));
+  for (const Op& op : hier.forward)
+    if (op.id == OpId::kAttnScores) {
+      EXPECT_EQ(op.m, 8192 / 4);  // the group's queries
+      EXPECT_EQ(op.batch, 8);     // 16 local heads / 2
+    }
+  LayerShape ring_shape = s;
+  ring_shape.cp_comm = CpComm::kP2P;
+  ring_shape.hierarchical_cp = 0;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s) - layer_activation_bytes(m, ring_shape),
+                   2.0 * (8192 / 8) * 4096 / 2);
+}
+
 TEST(LayerOps, EveryOpIdHasADistinctName) {
   std::set<std::string_view> names;
   for (int i = 0; i < kNumOpIds; ++i) {

@@ -352,6 +352,67 @@ TEST(StateMemory, LargerModelsStopFitting) {
 // bf16 weights within the instance, each priced over the span of its own group: with K = 4 an
 // instance is the 8 GPUs of a node (NVLink), and the all-reduce crosses the 4 nodes, 8 rings
 // side by side on each node's NICs.
+// a2a+p2p (8 x 2 on two 8-GPU nodes, Llama 3 8B at 16k tokens): each level is priced over its
+// own ranks: the all-to-alls over the 8 ranks of a node (NVLink), the ring's send/recv between
+// the two nodes, behind the attention of one of the ring's 2 blocks. Its exposed context time
+// is below both the flat ring's (15 steps, 8 of them crossing nodes behind 1/16-sized blocks)
+// and Ulysses' (all-to-alls across the nodes); it buys the ring nothing at one node (8 x 1 is
+// Ulysses').
+TEST(CostModel, HierarchicalContextParallelPricesEachLevelOverItsRanks) {
+  ModelSpec m = resolve_model("llama3-8b");
+  m.seq_length = 16384;
+  const ClusterSpec c = h100s(16);
+  HardwareProfile h = resolve_profile("h100-sxm");
+  h.arrival_skew = 0;
+  const CostModel cost(m, c, h);
+  ParallelPlan p;
+  p.context_parallel = 16;
+  p.global_batch_size = 8;
+  p.cp_comm = CpComm::kA2AP2P;
+  p.hierarchical_cp = 8;
+  p.validate(m);
+  const GroupSpan inner = context_group_span(c, p, Collective::kAllToAll);
+  const GroupSpan outer = context_group_span(c, p, Collective::kSendRecv);
+  EXPECT_EQ(inner.size, 8);
+  EXPECT_EQ(inner.nodes, 1);
+  EXPECT_EQ(outer.size, 2);
+  EXPECT_EQ(outer.nodes, 2);
+  const PassOps ops = transformer_layer_ops(m, layer_shape(p));
+  const std::vector<double> time = cost.exposed_times(ops.forward, p);
+  const CommModel& comm = cost.comm();
+  int a2a = 0, steps = 0;
+  for (size_t i = 0; i < ops.forward.size(); ++i) {
+    const Op& op = ops.forward[i];
+    if (op.kind != OpKind::kCollective || op.group != CommGroup::kContext) continue;
+    if (op.collective == Collective::kAllToAll) {
+      EXPECT_NEAR(time[i], comm.collective_time(op.collective, op.bytes, inner, op.dtype), 1e-15);
+      ++a2a;
+    } else {
+      const double raw =
+          comm.collective_time(op.collective, op.bytes, ring_neighbour_span(outer, c), op.dtype);
+      EXPECT_LE(time[i], raw);  // under the attention of a block
+      ++steps;
+    }
+  }
+  EXPECT_EQ(a2a, 2);
+  EXPECT_EQ(steps, 1);
+  const double hier = cost.predict(p).breakdown.cp_comm;
+  ParallelPlan ring = p, ulysses = p;
+  ring.cp_comm = CpComm::kP2P;
+  ring.hierarchical_cp = 0;
+  ulysses.cp_comm = CpComm::kA2A;
+  ulysses.hierarchical_cp = 0;
+  EXPECT_LT(hier, cost.predict(ring).breakdown.cp_comm);
+  EXPECT_LT(hier, cost.predict(ulysses).breakdown.cp_comm);
+  // One node: 8 x 1 is Ulysses' all-to-alls over the same 8 ranks.
+  const CostModel one_node(m, h100s(8), h);
+  ParallelPlan q = p;
+  q.context_parallel = 8;
+  ulysses.context_parallel = 8;
+  EXPECT_NEAR(one_node.predict(q).iteration_time_s, one_node.predict(ulysses).iteration_time_s,
+              1e-12);
+}
+
 TEST(CostModel, DistributedOptimizerInstancesShardWithinAndReduceAcross) {
   const ModelSpec m = resolve_model("llama2-7b");
   const ClusterSpec c = h100s(32);

@@ -13,6 +13,7 @@
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "planner/search.h"
 #include "runtime/moe_layer.h"
 #include "tests/support/input_error.h"
 
@@ -219,6 +220,53 @@ TEST(ContextAndExpertParallel, MegatronFlagsAndJson) {
   const std::string g = ParallelPlan{}.megatron_flags(ds);
   EXPECT_NE(g.find("--moe-layer-freq \"[0,1,1"), std::string::npos) << g;
   EXPECT_NE(g.find("--moe-shared-expert-intermediate-size 2816"), std::string::npos) << g;
+}
+
+// --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes A B (Megatron-Core's hierarchical
+// context parallelism): A B must be cp, A must divide each tensor-parallel rank's heads and query
+// groups (the all-to-all's share), and the sizes go only with a2a+p2p at cp > 1; the Megatron line
+// and a plan file carry both sizes; natural_hierarchical_cp keeps the all-to-all inside a node.
+TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
+  const ModelSpec m = resolve_model("llama3-8b");  // 32 heads, 8 query groups
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.context_parallel = 8;  // 4 query groups per rank: a2a refuses cp 8
+  p.global_batch_size = 8;
+  p.cp_comm = CpComm::kA2AP2P;
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--hierarchical-context-parallel-sizes");
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kHierarchicalContext);
+  p.hierarchical_cp = 3;  // does not divide 8
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kHierarchicalContext);
+  p.hierarchical_cp = 8;  // the all-to-all over 8 ranks: 4 query groups per rank
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kContextDividesHeads);
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--hierarchical-context-parallel-sizes");
+  p.hierarchical_cp = 4;
+  EXPECT_EQ(error_of([&] { p.validate(m); }), "no error");
+  EXPECT_EQ(p.cp_a2a_size(), 4);
+  EXPECT_EQ(p.cp_ring_size(), 2);
+  EXPECT_NE(p.megatron_flags(m).find("--context-parallel-size 8 --cp-comm-type a2a+p2p "
+                                     "--hierarchical-context-parallel-sizes 4 2"),
+            std::string::npos)
+      << p.megatron_flags(m);
+  EXPECT_EQ(to_json(plan_from_json(to_json(p))), to_json(p));
+  EXPECT_EQ(plan_from_json(to_json(p)).hierarchical_cp, 4);
+  nlohmann::json j = to_json(p);
+  j["hierarchical_context_parallel_sizes"] = {4, 4};  // 16, not cp
+  EXPECT_EQ(field_of([&] { plan_from_json(j); }), "hierarchical_context_parallel_sizes");
+  j["hierarchical_context_parallel_sizes"] = {8};
+  EXPECT_EQ(field_of([&] { plan_from_json(j); }), "hierarchical_context_parallel_sizes");
+  p.cp_comm = CpComm::kP2P;  // sizes without a2a+p2p
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kHierarchicalContext);
+  p.hierarchical_cp = 0;
+  EXPECT_EQ(p.cp_a2a_size(), 1);
+  EXPECT_EQ(p.cp_ring_size(), 8);
+  p.cp_comm = CpComm::kA2AP2P;
+  // 8-GPU nodes: t 2 x A 4 fills one; 4-GPU nodes: A 2.
+  EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 4);
+  EXPECT_EQ(natural_hierarchical_cp(m, p, 4), 2);
+  EXPECT_EQ(natural_hierarchical_cp(m, p, 2), 0);  // no group of two fits beside t 2
+  p.context_parallel = 2;                          // no size between 1 and cp
+  EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

@@ -401,6 +401,21 @@ TEST(RunMpi, Bf16CheckpointResumesTheCurveFromTheMasterWeights) {
   expect_resume_continues_the_curve("bf16_ckpt", " --bf16 --use-distributed-optimizer");
 }
 
+// a2a+p2p (--hierarchical-context-parallel-sizes 2 2): the trainer splits each context-parallel
+// group of 4 into all-to-all pairs of adjacent ranks and rings over the pairs; the learned and
+// the rotary GQA model (2 query groups, one per all-to-all rank) train to the single rank's
+// losses, and the dry run's plan carries the sizes.
+TEST(RunMpi, HierarchicalContextParallelTrainsToTheSingleRankLosses) {
+  const std::string hcp = "--cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes 2 2";
+  expect_same_losses({1, 1, 1, hcp, kTiny, 4}, run_json(0, kTiny));
+  expect_same_losses({1, 1, 1, hcp, kRotary, 4}, run_json(0, kRotary));
+  const nlohmann::json dry = run_json(4, kTiny + " --dry-run --context-parallel-size 4 " + hcp);
+  const auto& plan = dry["plans"][0];
+  EXPECT_EQ(plan["configuration"]["hierarchical_context_parallel_sizes"],
+            nlohmann::json::array({2, 2}))
+      << dry.dump();
+}
+
 // Context parallelism (runtime/context_parallel.h): the sequence in 2 cp chunks, attention as a
 // ring passing K and V, gradients reduced over dp x cp.
 TEST(RunMpi, ContextParallelTrainsToTheSingleRankLosses) {

@@ -441,9 +441,11 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
     if (r.plan.context_parallel == 1) continue;
     ++context;
     kinds.insert(r.plan.cp_comm);
-    for (CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
+    for (CpComm c : kCpComms) {
       ParallelPlan other = r.plan;
       other.cp_comm = c;
+      other.hierarchical_cp =
+          c == CpComm::kA2AP2P ? natural_hierarchical_cp(j.m, other, j.c.gpus_per_node) : 0;
       if (first_violated_rule(j.m, other) != PlanRule::kNone || !cost.memory(other).fits) continue;
       EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
           << plan_summary(r.plan) << " as " << to_string(c);
@@ -451,6 +453,12 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
   }
   EXPECT_GT(context, 0);
   EXPECT_GT(kinds.size(), 1u);
+  // a2a+p2p plans carry the all-to-all size that keeps it in a node.
+  for (const RankedPlan& r : all.top)
+    if (r.plan.context_parallel > 1 && r.plan.cp_comm == CpComm::kA2AP2P) {
+      EXPECT_EQ(r.plan.hierarchical_cp, natural_hierarchical_cp(j.m, r.plan, j.c.gpus_per_node));
+      EXPECT_LE(r.plan.hierarchical_cp * r.plan.tensor_parallel, j.c.gpus_per_node);
+    }
   o.cp_comms = {CpComm::kP2P};  // --cp-comm-type p2p
   const SearchResult ring = search_plans(j.m, j.c, j.h, o);
   for (const RankedPlan& r : ring.top) EXPECT_EQ(r.plan.cp_comm, CpComm::kP2P);

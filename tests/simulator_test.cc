@@ -448,6 +448,10 @@ std::vector<GroupCase> group_cases() {
     mha.seq_length = 16384;
     x.cp_comm = CpComm::kA2A;
     out.push_back({"llama2-7b s16k t1 cp16 p2 d2 a2a", mha, x});
+    // a2a+p2p 8 x 2: the all-to-alls inside each node, the ring's flows between the two.
+    x.cp_comm = CpComm::kA2AP2P;
+    x.hierarchical_cp = 8;
+    out.push_back({"llama3-8b s16k t1 cp16 p2 d2 a2a+p2p 8x2", m, x});
   }
   return out;
 }
