@@ -20,13 +20,8 @@ nlohmann::json cp_comm_types(const CostModel& cm, const ModelSpec& m, const Para
   nlohmann::json out = nlohmann::json::object();
   if (p.context_parallel == 1) return out;
   for (CpComm c : kCpComms) {
-    ParallelPlan q = p;
-    q.cp_comm = c;
     // a2a+p2p with the plan's sizes, or those ptdp plan would take.
-    if (c != CpComm::kA2AP2P)
-      q.hierarchical_cp = 0;
-    else if (q.hierarchical_cp == 0)
-      q.hierarchical_cp = natural_hierarchical_cp(m, q, cm.cluster().gpus_per_node);
+    const ParallelPlan q = with_cp_comm(p, c, m, cm.cluster().gpus_per_node);
     if (first_violated_rule(m, q) != PlanRule::kNone) continue;
     const Prediction r = cm.predict(q);
     nlohmann::json& row = out[to_string(c)];

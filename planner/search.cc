@@ -122,14 +122,9 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
     out.prediction = std::move(q);
   };
   for (CpComm type : types) {
-    ParallelPlan cand = plan;
-    cand.cp_comm = type;
     // a2a+p2p: the all-to-all size given, or the one that keeps it inside a node (none: the
     // rules refuse the plan).
-    if (type != CpComm::kA2AP2P || cand.context_parallel <= 1)
-      cand.hierarchical_cp = 0;
-    else if (cand.hierarchical_cp == 0)
-      cand.hierarchical_cp = natural_hierarchical_cp(m, cand, cost.cluster().gpus_per_node);
+    ParallelPlan cand = with_cp_comm(plan, type, m, cost.cluster().gpus_per_node);
     if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
       if (out.broken == PlanRule::kNone) out.broken = rule;
       continue;
@@ -153,6 +148,15 @@ int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64
         (m.query_groups() / t) % a == 0)
       return a;
   return 0;
+}
+
+ParallelPlan with_cp_comm(ParallelPlan p, CpComm type, const ModelSpec& m, int64_t gpus_per_node) {
+  p.cp_comm = type;
+  if (type != CpComm::kA2AP2P || p.context_parallel <= 1)
+    p.hierarchical_cp = 0;
+  else if (p.hierarchical_cp == 0)
+    p.hierarchical_cp = natural_hierarchical_cp(m, p, gpus_per_node);
+  return p;
 }
 
 namespace {

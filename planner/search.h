@@ -82,6 +82,9 @@ struct SearchOptions {
 // divides each tensor-parallel rank's heads and query groups, so that the all-to-alls stay on
 // the node's links and the ring crosses nodes; 0 when there is none.
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);
+// `p` with --cp-comm-type `type`: with a2a+p2p at cp > 1 the all-to-all size p has, or else the
+// natural one; without it, no hierarchical sizes.
+ParallelPlan with_cp_comm(ParallelPlan p, CpComm type, const ModelSpec& m, int64_t gpus_per_node);
 
 struct RankedPlan {
   ParallelPlan plan;

@@ -443,9 +443,8 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
     kinds.insert(r.plan.cp_comm);
     for (CpComm c : kCpComms) {
       ParallelPlan other = r.plan;
-      other.cp_comm = c;
-      other.hierarchical_cp =
-          c == CpComm::kA2AP2P ? natural_hierarchical_cp(j.m, other, j.c.gpus_per_node) : 0;
+      other.hierarchical_cp = 0;
+      other = with_cp_comm(other, c, j.m, j.c.gpus_per_node);
       if (first_violated_rule(j.m, other) != PlanRule::kNone || !cost.memory(other).fits) continue;
       EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
           << plan_summary(r.plan) << " as " << to_string(c);
