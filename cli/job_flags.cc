@@ -138,6 +138,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
                  "--recompute-num-layers of each model chunk)");
   app.add_option("--recompute-num-layers", recompute_num_layers,
                  "uniform: layers per checkpoint (1); block: layers recomputed per model chunk");
+  app.add_option("--recompute-modules", recompute_modules,
+                 "with --recompute-granularity selective: core_attn (the default) and/or mlp "
+                 "(the dense MLP from its input); ptdp plan: the modules its selective plans "
+                 "recompute");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);
@@ -259,6 +263,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--recompute-granularity", !recompute_granularity.empty()},
       {"--recompute-method", !recompute_method.empty()},
       {"--recompute-num-layers", recompute_num_layers.has_value()},
+      {"--recompute-modules", !recompute_modules.empty()},
       {"--sequence-parallel", sequence_parallel},
       {"--use-distributed-optimizer", distributed_optimizer},
       {"--overlap-grad-reduce", overlap_grad_reduce},
@@ -586,6 +591,8 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   if (!recompute_granularity.empty()) p.recompute = recompute_from_string(recompute_granularity);
   check_recompute_method(p.recompute);
   if (recompute_method == "block") p.recompute_layers = *recompute_num_layers;
+  if (!recompute_modules.empty())
+    p.recompute_modules = recompute_modules_from_strings(recompute_modules, "--recompute-modules");
   if (accumulate_allreduce_grads_in_fp32 && fp16_grad_reduce)
     throw InputError("--accumulate-allreduce-grads-in-fp32", "conflicts with --fp16-grad-reduce");
   p.sequence_parallel = sequence_parallel;

@@ -55,6 +55,7 @@ struct JobFlags {
   // Megatron's --recompute-method and --recompute-num-layers for full recomputation: uniform
   // with one layer per checkpoint (every layer), or block N (the first N of each model chunk).
   std::string recompute_method;
+  std::vector<std::string> recompute_modules;  // Megatron-Core's --recompute-modules
   std::optional<int64_t> recompute_num_layers;
   bool sequence_parallel = false, distributed_optimizer = false, overlap_grad_reduce = false;
   bool overlap_param_gather = false, tp_comm_overlap = false, overlap_moe_ep_comm = false;

@@ -92,6 +92,9 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   ParallelPlan base = job.resolve_plan(m, c);
   const int64_t instances = auto_instances ? 0 : base.optimizer_instances;
   base.optimizer_instances = 1;
+  // --recompute-modules: the modules the selective candidates recompute.
+  const unsigned selective_modules = base.recompute_modules;
+  if (base.recompute != Recompute::kSelective) base.recompute_modules = kRecomputeCoreAttn;
   const FsdpSharding outer = base.fsdp_outer;  // tried with the instances
   base.fsdp_outer = FsdpSharding::kNoShard;
   if (f.job.has_parallel_flags()) base.validate(m);
@@ -105,6 +108,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.defaults = base;
   o.optimizer_instances = instances;
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
+  o.selective_modules = {selective_modules};
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.
   if (f.job.use_megatron_fsdp) {

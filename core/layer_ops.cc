@@ -574,6 +574,7 @@ LayerShape layer_shape(const ParallelPlan& p) {
   s.micro_batch = p.micro_batch_size;
   s.sequence_parallel = p.sequence_parallel;
   s.recompute = p.recompute;
+  s.recompute_modules = p.recompute_modules;
   s.fused_grad_accumulation = p.gradient_accumulation_fusion;
   s.main_grad_bytes = p.fp32_grad_reduce ? 4.0 : 2.0;
   // SC'21's runs reduced 16-bit gradients in fp16 mixed precision; later runs use bf16.
@@ -602,8 +603,21 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
-    Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
-    attention_core(b, m, s, d);
+    if (s.recompute_modules & kRecomputeCoreAttn) {
+      Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
+      attention_core(b, m, s, d);
+    }
+    // The dense MLP from its input: the forward list's ops from the MLP's all-gather (or FC1) to
+    // its all-reduce (or reduce-scatter), FC2 and its communication included, as Megatron-Core's
+    // checkpointed MLP reruns its forward.
+    if (s.recompute_modules & kRecomputeMlp) {
+      const auto first = std::find_if(p.forward.begin(), p.forward.end(), [](const Op& op) {
+        return op.id == OpId::kMlpAllGather || op.id == OpId::kFc1;
+      });
+      const auto last = std::find_if(
+          first, p.forward.end(), [](const Op& op) { return op.id == OpId::kMlpBiasDropoutAdd; });
+      p.recompute.insert(p.recompute.end(), first, last);
+    }
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -625,7 +639,8 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   }
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
-  } else if (s.recompute == Recompute::kSelective) {
+  } else if (s.recompute == Recompute::kSelective && (s.recompute_modules & kRecomputeCoreAttn)) {
+    // (the mlp module is the dense MLP's: an MoE layer's experts are not recomputed)
     Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
     attention_core(b, m, s, d);
   }
@@ -705,8 +720,15 @@ struct ActivationUnits {
   double replicated = 0, sharded = 0, per_rank = 0;
 };
 
+// What selective recomputation recomputes of a layer (nothing without it).
+bool recomputes(const LayerShape& s, RecomputeModule module) {
+  return s.recompute == Recompute::kSelective && (s.recompute_modules & module) != 0;
+}
+
+// `dense_mlp`: mlp_width is a dense MLP's, which --recompute-modules mlp recomputes (its
+// activation-function inputs and FC2 input are not kept; its input, the FC1 input, is).
 ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s, const Dims& d,
-                                        double mlp_width) {
+                                        double mlp_width, bool dense_mlp) {
   ActivationUnits u;
   const double sbh = d.T * d.h;
   const double kv_fraction = d.groups / d.heads;
@@ -716,21 +738,24 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   u.replicated = (m.hidden_dropout > 0 ? 10.0 : 8.0) * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
-  u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh + (2.0 * gate + 2.0) * d.T * mlp_width;
+  u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;
+  if (!(dense_mlp && recomputes(s, kRecomputeMlp)))
+    u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
   // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
   // its backward pass and the projection keeps its input back on the rank's tokens: 2 sbh more.
   // (Selective recomputation keeps neither: the attention's inputs, the tokens' Q, K and V, are
   // what it saves.)
-  if (heads_all_to_all_ranks(s) > 1 && s.recompute == Recompute::kNone)
+  if (heads_all_to_all_ranks(s) > 1 && s.recompute != Recompute::kFull &&
+      !recomputes(s, kRecomputeCoreAttn))
     u.sharded += 2.0 * sbh;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
   // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism
   // the rank's s/cp queries each score all s keys.
   const double per_score = m.attention_dropout > 0 ? 5.0 : 2.0;
-  u.sharded += s.recompute == Recompute::kSelective ? 0.0
-               : fused_attention(m, s)              ? 4.0 / (d.act / 2.0) * d.heads * d.T
-                                                    : per_score * d.heads * d.s * d.T;
+  u.sharded += recomputes(s, kRecomputeCoreAttn) ? 0.0
+               : fused_attention(m, s)           ? 4.0 / (d.act / 2.0) * d.heads * d.T
+                                                 : per_score * d.heads * d.s * d.T;
   return u;
 }
 
@@ -752,13 +777,13 @@ double attention_backward_workspace_bytes(const ModelSpec& m, const LayerShape& 
 
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
-  return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn));
+  return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn, true));
 }
 
 double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   ActivationUnits u =
-      attention_and_mlp_units(m, s, d, static_cast<double>(m.moe_shared_expert_ffn_size));
+      attention_and_mlp_units(m, s, d, static_cast<double>(m.moe_shared_expert_ffn_size), false);
   // The rank's experts keep, per token they process, its permuted input (2 h), the activation
   // input(s) and the FC2 input; unpermuting keeps the k outputs of each of the rank's tokens
   // (2 h each) and their fp32 probabilities.

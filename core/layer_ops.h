@@ -187,6 +187,7 @@ struct LayerShape {
   int64_t micro_batch = 1;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
+  unsigned recompute_modules = kRecomputeCoreAttn;  // with selective (ParallelPlan's)
   // Without fused gradient accumulation each weight gradient is added to the main gradient
   // buffer (of main_grad_bytes per element) by a separate memory-bound pass.
   bool fused_grad_accumulation = true;

@@ -73,7 +73,51 @@ std::string to_string(FsdpSharding s) {
 std::string recompute_label(const ParallelPlan& p) {
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
     return "block" + std::to_string(p.recompute_layers);
+  if (p.recompute == Recompute::kSelective && p.recompute_modules != kRecomputeCoreAttn)
+    return p.recompute_modules == kRecomputeMlp ? "selective(mlp)" : "selective+mlp";
   return to_string(p.recompute);
+}
+
+namespace {
+
+constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
+    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeMlp, "mlp"}};
+
+}  // namespace
+
+std::vector<std::string> recompute_module_names(unsigned modules) {
+  std::vector<std::string> out;
+  for (const auto& [bit, name] : kRecomputeModuleNames)
+    if (modules & bit) out.emplace_back(name);
+  return out;
+}
+
+std::string recompute_modules_string(unsigned modules) {
+  std::string out;
+  for (const std::string& name : recompute_module_names(modules))
+    out += (out.empty() ? "" : " ") + name;
+  return out;
+}
+
+unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
+                                        const std::string& field) {
+  if (names.empty()) throw InputError(field, "names no module (expected core_attn and/or mlp)");
+  unsigned modules = 0;
+  for (const std::string& n : names) {
+    unsigned bit = 0;
+    for (const auto& [b, name] : kRecomputeModuleNames)
+      if (n == name) bit = b;
+    if (bit == 0) {
+      const bool megatron = n == "layernorm" || n == "moe_act" || n == "moe" ||
+                            n == "shared_experts" || n == "mla_up_proj";
+      throw InputError(field, "'" + n + "' " +
+                                  (megatron ? std::string("is not modelled by ptdp")
+                                            : std::string("is not a module")) +
+                                  " (expected core_attn and/or mlp)");
+    }
+    modules |= bit;
+  }
+  return modules;
 }
 
 namespace {
@@ -214,6 +258,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   else if (recompute == Recompute::kFull)
     f << " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1";
   if (recompute == Recompute::kSelective) f << " --recompute-granularity selective";
+  if (recompute == Recompute::kSelective && recompute_modules != kRecomputeCoreAttn)
+    f << " --recompute-modules " << recompute_modules_string(recompute_modules);
   if (sequence_parallel) f << " --sequence-parallel";
   if (distributed_optimizer) f << " --use-distributed-optimizer";
   if (optimizer_instances > 1)
@@ -314,6 +360,11 @@ ParallelPlan plan_from_json(const json& j) {
   p.schedule = enum_from_string(schedule, kSchedules, r.field("schedule"));
   p.recompute = enum_from_string(recompute, kRecomputes, r.field("recompute"));
   r.read("recompute_layers", p.recompute_layers);
+  if (r.member("recompute_modules")) {
+    std::vector<std::string> modules;
+    r.read("recompute_modules", modules);
+    p.recompute_modules = recompute_modules_from_strings(modules, r.field("recompute_modules"));
+  }
   r.read("sequence_parallel", p.sequence_parallel);
   r.read("distributed_optimizer", p.distributed_optimizer);
   r.read("distributed_optimizer_instances", p.optimizer_instances);
@@ -357,6 +408,7 @@ json to_json(const ParallelPlan& p) {
               {"schedule", to_string(p.schedule)},
               {"recompute", to_string(p.recompute)},
               {"recompute_layers", p.recompute_layers},
+              {"recompute_modules", recompute_module_names(p.recompute_modules)},
               {"sequence_parallel", p.sequence_parallel},
               {"distributed_optimizer", p.distributed_optimizer},
               {"distributed_optimizer_instances", p.optimizer_instances},

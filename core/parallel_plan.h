@@ -20,6 +20,18 @@
 namespace ptdp {
 
 enum class Recompute { kNone, kSelective, kFull };
+// What selective recomputation recomputes (Megatron-Core's --recompute-modules, a set): the
+// attention core ("core_attn", its default and SC'21's selective recomputation) and the dense
+// MLP ("mlp": FC1, the activation and FC2 with their tensor-parallel communication, from the
+// MLP's input; not an MoE layer's experts).
+enum RecomputeModule : unsigned { kRecomputeCoreAttn = 1u, kRecomputeMlp = 2u };
+inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecomputeMlp;
+// "core_attn mlp" (Megatron's spelling, space-separated); parsing names the flag or field and
+// refuses Megatron's modules ptdp does not model.
+std::string recompute_modules_string(unsigned modules);
+std::vector<std::string> recompute_module_names(unsigned modules);
+unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
+                                        const std::string& field);
 enum class Schedule { kGPipe, k1F1B, kInterleaved1F1B, kZeroBubbleH1 };
 // How a context-parallel attention meets the keys of the other cp ranks (Megatron-Core's
 // --cp-comm-type, Transformer Engine's kernels): kP2P, a ring passing K and V blocks, each
@@ -95,6 +107,9 @@ struct ParallelPlan {
   // model chunk, the others keeping their activations (--recompute-method block
   // --recompute-num-layers N), trading memory for less recomputation.
   int64_t recompute_layers = 0;
+  // With selective recomputation, the modules it recomputes (RecomputeModule bits; Megatron's
+  // default, the attention core alone, unless --recompute-modules says otherwise).
+  unsigned recompute_modules = kRecomputeCoreAttn;
   bool sequence_parallel = false;
   bool distributed_optimizer = false;
   // Megatron-Core's partial distributed optimizer (--num-distributed-optimizer-instances K,

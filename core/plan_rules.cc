@@ -358,6 +358,13 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                  ? std::string("with --recompute-method block needs --recompute-granularity full")
                  : "must be positive, got " + std::to_string(plan.recompute_layers);
     });
+  if (plan.recompute_modules == 0 || (plan.recompute_modules & ~kAllRecomputeModules) != 0 ||
+      (plan.recompute_modules != kRecomputeCoreAttn && plan.recompute != Recompute::kSelective))
+    return broken(PlanRule::kRecomputeModules, report, "--recompute-modules", [&] {
+      return plan.recompute != Recompute::kSelective
+                 ? std::string("needs --recompute-granularity selective")
+                 : std::string("must name core_attn and/or mlp");
+    });
   return PlanRule::kNone;
 }
 
@@ -433,6 +440,8 @@ const char* rule_reason(PlanRule r) {
       return "the expert all-to-all overlap does not fit the plan";
     case PlanRule::kRecomputeLayers:
       return "block recompute needs full recompute";
+    case PlanRule::kRecomputeModules:
+      return "recompute modules need selective recompute";
   }
   return "?";
 }

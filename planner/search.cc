@@ -161,6 +161,19 @@ ParallelPlan with_cp_comm(ParallelPlan p, CpComm type, const ModelSpec& m, int64
 
 namespace {
 
+// Each recompute mode tried, with the module sets selective recomputation is tried with.
+std::vector<std::pair<Recompute, unsigned>> recompute_variants(const SearchOptions& o) {
+  std::vector<std::pair<Recompute, unsigned>> out;
+  for (Recompute rc : o.recompute_modes) {
+    if (rc != Recompute::kSelective) {
+      out.emplace_back(rc, kRecomputeCoreAttn);
+      continue;
+    }
+    for (unsigned modules : o.selective_modules) out.emplace_back(rc, modules);
+  }
+  return out;
+}
+
 // `plan` with the cell's layout: its parallel sizes, stage split and micro-batch size.
 ParallelPlan with_cell(ParallelPlan plan, const Cell& c) {
   plan.layers_per_stage = c.split;
@@ -233,7 +246,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
   for (int64_t v : divisors(fewest_layers)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
     if (o.schedule && (*o.schedule == Schedule::kInterleaved1F1B) != (v > 1)) continue;
-    for (Recompute rc : o.recompute_modes) {
+    for (const auto& [rc, modules] : recompute_variants(o)) {
       for (int sp = 0; sp < 2; ++sp) {
         if (sp && (c.t == 1 || !o.try_sequence_parallel)) continue;
         for (const OptimizerVariant& ov : optimizers) {
@@ -250,6 +263,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           plan.schedule =
               o.schedule ? *o.schedule : (v > 1 ? Schedule::kInterleaved1F1B : Schedule::k1F1B);
           plan.recompute = rc;
+          plan.recompute_modules = modules;
           plan.sequence_parallel = sp != 0;
           plan.distributed_optimizer = ov.distributed;
           plan.optimizer_instances = ov.instances;

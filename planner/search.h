@@ -28,6 +28,9 @@ struct SearchOptions {
   int threads = 0;  // 0: one per hardware thread
   std::vector<Recompute> recompute_modes = {Recompute::kNone, Recompute::kSelective,
                                             Recompute::kFull};
+  // The module sets selective recomputation is tried with (--recompute-modules pins one; each
+  // a RecomputeModule mask).
+  std::vector<unsigned> selective_modules = {kRecomputeCoreAttn};
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
   // Megatron-FSDP's strategies tried besides DDP and the distributed optimizer, at p = 1 with

@@ -164,8 +164,7 @@ void ring_attention_forward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPtr
 // Its backward pass: dq like q, dk and dv of the whole sequence (this rank's queries' part;
 // zero after the last key they see).
 void ring_attention_backward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPtr v, CPtr out,
-                             const Buffer& lse, CPtr d_out, Buffer& dq, Buffer& dk,
-                             Buffer& dv) {
+                             const Buffer& lse, CPtr d_out, Buffer& dq, Buffer& dk, Buffer& dv) {
   const ShardDims& m = c.dims;
   const int64_t chunk = g.rows / 2, qrow = g.hq * m.d, krow = g.gq * m.d;
   resize_for_overwrite(dq, m.b * g.rows * qrow);

@@ -44,6 +44,7 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
   plan.sequence_parallel = s.sequence_parallel;
   plan.recompute = s.recompute;
   plan.recompute_layers = s.recompute_layers;
+  plan.recompute_modules = s.recompute_modules;
   if (m.is_moe()) {
     plan.expert_parallel = s.ep;
     plan.expert_tensor_parallel = s.etp;
@@ -80,6 +81,7 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   s.micro_batch = l.micro_batch;
   s.sequence_parallel = l.sequence_parallel && l.t > 1;
   s.recompute = l.recompute;
+  s.recompute_modules = l.recompute_modules;
   s.fused_grad_accumulation = true;  // gradients accumulate in place
   s.main_grad_bytes = 4;
   s.activation_dtype = l.dtype;
@@ -188,7 +190,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe = std::make_unique<MoeContext>(m, md);
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
-    J.moe_recompute = moe_forward_program(J.layer_recompute, md);
+    // An MoE layer's recomputation: the dense MLP's module is not its (the experts').
+    LayerShape moe_shape = shape;
+    moe_shape.recompute_modules &= ~static_cast<unsigned>(kRecomputeMlp);
+    J.moe_recompute = moe_forward_program(
+        compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op), md);
     mark_weight_grads(moe_layer_ops(m, shape));  // the router's and experts'
   }
 
@@ -574,7 +580,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     c.end_op();
     x.swap(L.out);
     release(L.out);
-    drop_recomputed(L, layout_.recompute_of(l));
+    drop_recomputed(L, layout_.recompute_of(l), layout_.recompute_modules_of(moe));
   }
   if (!ch.last) {
     *output = std::move(x);
@@ -677,6 +683,10 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
           layer_forward_op(c, op, W, L);
       }
       c.end_op();
+      // The recomputed MLP's output (its FC2's, reduced): the residual it fed is kept.
+      if (layout_.recompute_of(l) == Recompute::kSelective &&
+          (layout_.recompute_modules_of(moe) & kRecomputeMlp))
+        release(L.fc2);
     }
     release(L.out);
     D.d_x.clear();

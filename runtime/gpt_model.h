@@ -59,6 +59,13 @@ struct ShardLayout {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
   int64_t recompute_layers = 0;  // full recompute of each chunk's first N layers only (0: all)
+  // With selective: what it recomputes (ParallelPlan::recompute_modules; the dense MLP's module
+  // is not an MoE layer's).
+  unsigned recompute_modules = kRecomputeCoreAttn;
+  unsigned recompute_modules_of(bool moe_layer) const {
+    return moe_layer ? recompute_modules & ~static_cast<unsigned>(kRecomputeMlp)
+                     : recompute_modules;
+  }
   // The recompute mode of layer l (from 0) of a model chunk.
   Recompute recompute_of(int64_t l) const {
     return recompute == Recompute::kFull && recompute_layers > 0 && l >= recompute_layers

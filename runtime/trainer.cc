@@ -292,6 +292,7 @@ void Executor::setup() {
     layout.sequence_parallel = plan.sequence_parallel;
     layout.recompute = plan.recompute;
     layout.recompute_layers = plan.recompute_layers;
+    layout.recompute_modules = plan.recompute_modules;
     layout.dtype = o_.precision;
     layout.layers_per_stage = layers_per_model_chunk(m, plan);
     dist_ = plan.distributed_optimizer;

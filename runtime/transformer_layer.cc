@@ -321,11 +321,19 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
   }
 }
 
-void drop_recomputed(LayerActs& A, Recompute r) {
+void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
   if (r == Recompute::kNone) return;
-  release(A.probs);  // selective: the attention core is recomputed
+  if (r == Recompute::kSelective) {
+    if (modules & kRecomputeCoreAttn) {  // the attention core is recomputed
+      release(A.probs);
+      release(A.lse);
+    }
+    if (modules & kRecomputeMlp)  // the MLP from its input (A.ln2)
+      for (Buffer* x : {&A.ln2_full, &A.fc1, &A.act}) release(*x);
+    return;
+  }
+  release(A.probs);
   release(A.lse);
-  if (r == Recompute::kSelective) return;
   for (Buffer* x : {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q, &A.k, &A.v, &A.ctx, &A.h1,
                     &A.ln2, &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1, &A.act})
     release(*x);

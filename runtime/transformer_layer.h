@@ -39,7 +39,8 @@ bool is_layer_backward_op(OpId id);
 
 void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A);
 void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A, LayerGrads& D);
-// After a layer's forward pass, drops what the recompute mode does not keep.
-void drop_recomputed(LayerActs& A, Recompute r);
+// After a layer's forward pass, drops what the recompute mode (with selective, its modules:
+// RecomputeModule bits) does not keep.
+void drop_recomputed(LayerActs& A, Recompute r, unsigned modules);
 
 }  // namespace ptdp

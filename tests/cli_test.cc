@@ -446,6 +446,16 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
     args.insert(args.end(), extra.begin(), extra.end());
     expect_bad(args, hcp);
   }
+  // --recompute-modules: selective only, and only the modules ptdp models.
+  for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
+           {"--recompute-modules", "mlp"},
+           {"--recompute-granularity", "full", "--recompute-modules", "core_attn", "mlp"},
+           {"--recompute-granularity", "selective", "--recompute-modules", "layernorm"},
+           {"--recompute-granularity", "selective", "--recompute-modules", "attn"}}) {
+    auto args = kPredictMixtral;
+    args.insert(args.end(), extra.begin(), extra.end());
+    expect_bad(args, "--recompute-modules");
+  }
   fp8 = predict_with("--fp8-format", "hybrid");  // the A100 preset has no FP8 tensor cores
   expect_bad(fp8, "--fp8-format");
   // An unknown MoE field in a model file.

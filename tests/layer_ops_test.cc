@@ -293,6 +293,47 @@ TEST(LayerOps, HierarchicalContextParallelIsAllToAllsThenARing) {
                    2.0 * (8192 / 8) * 4096 / 2);
 }
 
+// --recompute-modules mlp: selective recomputation reruns the dense MLP from its input (with
+// sequence parallelism its all-gather, FC1, SwiGLU, FC2 and reduce-scatter, as the forward list
+// runs them) and keeps neither its activation inputs nor FC2's input: (2 x 2 + 2) b s ffn / t
+// bytes less per layer for SwiGLU in 16 bits (SwiGLU's two inputs and FC2's, 2 bytes each). With core_attn too, the attention core's
+// recomputation comes first. An MoE layer's experts are not the dense MLP: its list and memory
+// do not change.
+TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
+  const ModelSpec m = resolve_model("llama3-8b");
+  LayerShape s;
+  s.tensor_parallel = 4;
+  s.sequence_parallel = true;
+  s.recompute = Recompute::kSelective;
+  const PassOps core = transformer_layer_ops(m, s);
+  const double core_bytes = layer_activation_bytes(m, s);
+  s.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+  const PassOps both = transformer_layer_ops(m, s);
+  std::vector<OpId> mlp_ids;
+  for (size_t i = core.recompute.size(); i < both.recompute.size(); ++i)
+    mlp_ids.push_back(both.recompute[i].id);
+  EXPECT_EQ(mlp_ids, (std::vector<OpId>{OpId::kMlpAllGather, OpId::kFc1, OpId::kSwiglu, OpId::kFc2,
+                                        OpId::kMlpReduceScatter}));
+  for (size_t i = 0; i < core.recompute.size(); ++i)
+    EXPECT_EQ(both.recompute[i].id, core.recompute[i].id);
+  for (const Op& op : both.recompute) EXPECT_EQ(op.role, OpRole::kRecompute);
+  const double tokens = 1.0 * m.seq_length;  // b = 1
+  EXPECT_DOUBLE_EQ(core_bytes - layer_activation_bytes(m, s),
+                   (2.0 * 2 + 2) * tokens * static_cast<double>(m.ffn_hidden()) / 4);
+  s.recompute_modules = kRecomputeMlp;  // the MLP alone: the attention core keeps its lse
+  EXPECT_EQ(transformer_layer_ops(m, s).recompute.size(), mlp_ids.size());
+  ModelSpec moe = resolve_model("mixtral-8x7b");
+  LayerShape ms;
+  ms.tensor_parallel = 2;
+  ms.sequence_parallel = true;
+  ms.recompute = Recompute::kSelective;
+  const double moe_core = moe_layer_activation_bytes(moe, ms);
+  const size_t moe_list = moe_layer_ops(moe, ms).recompute.size();
+  ms.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+  EXPECT_DOUBLE_EQ(moe_layer_activation_bytes(moe, ms), moe_core);
+  EXPECT_EQ(moe_layer_ops(moe, ms).recompute.size(), moe_list);
+}
+
 TEST(LayerOps, EveryOpIdHasADistinctName) {
   std::set<std::string_view> names;
   for (int i = 0; i < kNumOpIds; ++i) {

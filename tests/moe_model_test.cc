@@ -23,6 +23,7 @@ namespace {
 using nlohmann::json;
 using test::error_of;
 using test::field_of;
+using test::message_of;
 
 std::string example(const std::string& name) {
   return std::string(PTDP_SOURCE_DIR) + "/examples/models/" + name;
@@ -267,6 +268,44 @@ TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
   EXPECT_EQ(natural_hierarchical_cp(m, p, 2), 0);  // no group of two fits beside t 2
   p.context_parallel = 2;                          // no size between 1 and cp
   EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
+}
+
+// --recompute-modules (Megatron-Core's): core_attn and/or mlp with selective recomputation only;
+// the Megatron line names them when they are not the default, a plan file keeps them, and the
+// modules ptdp does not model are refused by name.
+TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
+  const ModelSpec m = resolve_model("llama3-8b");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.global_batch_size = 8;
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
+  EXPECT_EQ(field_of([&] { p.validate(m); }), "--recompute-modules");
+  p.recompute = Recompute::kSelective;
+  EXPECT_EQ(error_of([&] { p.validate(m); }), "no error");
+  EXPECT_NE(p.megatron_flags(m).find(
+                "--recompute-granularity selective --recompute-modules core_attn mlp"),
+            std::string::npos)
+      << p.megatron_flags(m);
+  EXPECT_EQ(recompute_label(p), "selective+mlp");
+  EXPECT_EQ(to_json(plan_from_json(to_json(p))), to_json(p));
+  EXPECT_EQ(plan_from_json(to_json(p)).recompute_modules, p.recompute_modules);
+  p.recompute_modules = kRecomputeCoreAttn;  // the default: no flag
+  EXPECT_EQ(p.megatron_flags(m).find("--recompute-modules"), std::string::npos);
+  EXPECT_EQ(recompute_label(p), "selective");
+  p.recompute_modules = 0;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
+  nlohmann::json j = to_json(p);
+  j["recompute_modules"] = {"layernorm"};
+  EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
+  EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
+            kRecomputeCoreAttn | kRecomputeMlp);
+  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"moe_act"}, "--recompute-modules"); }),
+            "--recompute-modules");
+  EXPECT_NE(message_of([&] {
+              recompute_modules_from_strings({"moe_act"}, "--recompute-modules");
+            }).find("'moe_act' is not modelled by ptdp"),
+            std::string::npos);
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

@@ -129,6 +129,7 @@ struct Variant {
   int64_t t;
   bool sp;
   Recompute recompute;
+  unsigned modules = kRecomputeCoreAttn;  // with selective (--recompute-modules)
 };
 
 // One rank's layout of a variant at micro-batch 2, in `type`.
@@ -138,6 +139,7 @@ ShardLayout layout_of(const Variant& v, DType type) {
   l.micro_batch = 2;
   l.sequence_parallel = v.sp;
   l.recompute = v.recompute;
+  l.recompute_modules = v.modules;
   l.dtype = type;
   return l;
 }
@@ -151,10 +153,17 @@ ModelSpec rotary() {
 
 TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   const Variant variants[] = {
-      {1, false, Recompute::kNone},     {2, false, Recompute::kNone},
-      {2, true, Recompute::kNone},      {4, false, Recompute::kSelective},
-      {2, true, Recompute::kSelective}, {2, false, Recompute::kFull},
+      {1, false, Recompute::kNone},
+      {2, false, Recompute::kNone},
+      {2, true, Recompute::kNone},
+      {4, false, Recompute::kSelective},
+      {2, true, Recompute::kSelective},
+      {2, false, Recompute::kFull},
       {4, true, Recompute::kFull},
+      // --recompute-modules: the MLP too (with sequence parallelism its all-gather and
+      // reduce-scatter), and the MLP alone.
+      {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMlp},
+      {2, false, Recompute::kSelective, kRecomputeMlp},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";
@@ -178,7 +187,8 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);
         const std::string where = m.name + " t" + std::to_string(v.t) + (v.sp ? " sp " : " ") +
-                                  to_string(v.recompute) + " " + to_string(type);
+                                  to_string(v.recompute) + " [" +
+                                  recompute_modules_string(v.modules) + "] " + to_string(type);
         ASSERT_EQ(got.size(), want.size()) << where;
         for (size_t i = 0; i < want.size(); ++i) {
           const Op& w = want[i];

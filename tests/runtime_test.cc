@@ -317,6 +317,38 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
   }
 }
 
+// --recompute-modules: selective recomputation of the dense MLP too (or alone) gives the same
+// losses to the bit, and keeps less: with the attention core, less than the core alone; the MLP
+// alone, less than nothing recomputed. An MoE model's dense layer recomputes its MLP, its MoE
+// layers not their experts, and trains to the same losses.
+TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
+  for (const ModelSpec& m : {tiny(), tiny_llama()}) {
+    TrainOptions o = options(m, 3);
+    const TrainResult none = train_one(o);
+    o.plan.recompute = Recompute::kSelective;
+    const TrainResult core = train_one(o);
+    o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+    const TrainResult both = train_one(o);
+    o.plan.recompute_modules = kRecomputeMlp;
+    const TrainResult mlp = train_one(o);
+    EXPECT_EQ(losses(core), losses(none)) << m.name;
+    EXPECT_EQ(losses(both), losses(none)) << m.name;
+    EXPECT_EQ(losses(mlp), losses(none)) << m.name;
+    EXPECT_LT(both.peak_memory_bytes, core.peak_memory_bytes) << m.name;
+    EXPECT_LT(mlp.peak_memory_bytes, none.peak_memory_bytes) << m.name;
+  }
+  ModelSpec moe = tiny_llama();
+  moe.num_experts = 4;
+  moe.moe_router_topk = 2;
+  moe.moe_ffn_hidden_size = 48;
+  moe.moe_first_dense_layers = 1;
+  TrainOptions o = options(moe, 3);
+  const TrainResult none = train_one(o);
+  o.plan.recompute = Recompute::kSelective;
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+  EXPECT_EQ(losses(train_one(o)), losses(none));
+}
+
 // --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
 // in another order, so not to the bit) in every recompute mode, and keeps no s x s probabilities:
 // the measured peak falls by at least what the memory model says the scores cost.

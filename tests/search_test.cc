@@ -157,6 +157,29 @@ TEST(Search, MegatronFsdpStrategiesOnlyWhenAskedAndAtOneStage) {
 // The distributed optimizer's instances are tried only when asked for, beside one instance, on
 // the candidates whose data-parallel ranks they divide into instances of two ranks or more;
 // auto asks for one instance per node's part of the data-parallel group.
+// --recompute-modules: the selective candidates recompute the modules asked for (the attention
+// core alone by default), and fewer configurations are refused for memory when the MLP is among
+// them, since each such plan keeps less.
+TEST(Search, SelectivePlansRecomputeTheModulesAsked) {
+  Job j("llama3-8b", 8);
+  SearchOptions o;
+  o.global_batch_size = 64;
+  o.top_k = 5000;
+  o.recompute_modes = {Recompute::kSelective};
+  const SearchResult core = search_plans(j.m, j.c, j.h, o);
+  o.selective_modules = {kRecomputeCoreAttn | kRecomputeMlp};
+  const SearchResult both = search_plans(j.m, j.c, j.h, o);
+  ASSERT_FALSE(core.top.empty());
+  ASSERT_FALSE(both.top.empty());
+  for (const RankedPlan& rp : core.top) EXPECT_EQ(rp.plan.recompute_modules, kRecomputeCoreAttn);
+  for (const RankedPlan& rp : both.top) {
+    EXPECT_EQ(rp.plan.recompute_modules, kRecomputeCoreAttn | kRecomputeMlp);
+    EXPECT_NE(plan_summary(rp.plan).find("selective+mlp"), std::string::npos);
+  }
+  EXPECT_EQ(both.considered, core.considered);
+  EXPECT_GT(both.top.size(), core.top.size());  // more of them fit
+}
+
 TEST(Search, OptimizerInstancesOnlyWhenAskedAndWhereTheyDivide) {
   Job j("llama2-7b", 64);
   SearchOptions o;
