@@ -139,9 +139,9 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--recompute-num-layers", recompute_num_layers,
                  "uniform: layers per checkpoint (1); block: layers recomputed per model chunk");
   app.add_option("--recompute-modules", recompute_modules,
-                 "with --recompute-granularity selective: core_attn (the default) and/or mlp "
-                 "(the dense MLP from its input); ptdp plan: the modules its selective plans "
-                 "recompute");
+                 "with --recompute-granularity selective: core_attn (the default), mlp (the "
+                 "dense MLP from its input), moe_act (the experts' activation); ptdp plan: the "
+                 "modules its selective plans recompute");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);
   app.add_flag("--overlap-grad-reduce", overlap_grad_reduce);

@@ -639,10 +639,16 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   }
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
-  } else if (s.recompute == Recompute::kSelective && (s.recompute_modules & kRecomputeCoreAttn)) {
+  } else if (s.recompute == Recompute::kSelective) {
     // (the mlp module is the dense MLP's: an MoE layer's experts are not recomputed)
-    Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
-    attention_core(b, m, s, d);
+    if (s.recompute_modules & kRecomputeCoreAttn) {
+      Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
+      attention_core(b, m, s, d);
+    }
+    // moe_act: the routed experts' activation function, from FC1's output.
+    if (s.recompute_modules & kRecomputeMoeAct)
+      for (const Op& op : p.forward)
+        if (op.id == OpId::kExpertActivation) p.recompute.push_back(op);
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -790,7 +796,10 @@ double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Routing r = routing(m, s, d);
   const double gate = m.swiglu ? 2.0 : 1.0;
   const double ffn = static_cast<double>(r.ffn_local);
-  u.per_rank = r.processed * (2.0 * d.h + (2.0 * gate + 2.0) * ffn) + r.sent * (2.0 * d.h + 2.0);
+  // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output.)
+  const double fc2_input = recomputes(s, kRecomputeMoeAct) ? 0.0 : 2.0;
+  u.per_rank =
+      r.processed * (2.0 * d.h + (2.0 * gate + fc2_input) * ffn) + r.sent * (2.0 * d.h + 2.0);
   return activation_bytes(s, d, u);
 }
 

@@ -73,15 +73,23 @@ std::string to_string(FsdpSharding s) {
 std::string recompute_label(const ParallelPlan& p) {
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
     return "block" + std::to_string(p.recompute_layers);
-  if (p.recompute == Recompute::kSelective && p.recompute_modules != kRecomputeCoreAttn)
-    return p.recompute_modules == kRecomputeMlp ? "selective(mlp)" : "selective+mlp";
+  if (p.recompute == Recompute::kSelective && p.recompute_modules != kRecomputeCoreAttn) {
+    // "selective+mlp+moe_act", or without the attention core "selective(mlp)"
+    std::string label = "selective";
+    const bool core = p.recompute_modules & kRecomputeCoreAttn;
+    std::string rest;
+    for (const std::string& name :
+         recompute_module_names(p.recompute_modules & ~kRecomputeCoreAttn))
+      rest += (rest.empty() || core ? "+" : ",") + name;
+    return core ? label + rest : label + "(" + rest.substr(rest.empty() ? 0 : 1) + ")";
+  }
   return to_string(p.recompute);
 }
 
 namespace {
 
 constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
-    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeMlp, "mlp"}};
+    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeMlp, "mlp"}, {kRecomputeMoeAct, "moe_act"}};
 
 }  // namespace
 
@@ -101,19 +109,20 @@ std::string recompute_modules_string(unsigned modules) {
 
 unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
                                         const std::string& field) {
-  if (names.empty()) throw InputError(field, "names no module (expected core_attn and/or mlp)");
+  if (names.empty())
+    throw InputError(field, "names no module (expected core_attn, mlp and/or moe_act)");
   unsigned modules = 0;
   for (const std::string& n : names) {
     unsigned bit = 0;
     for (const auto& [b, name] : kRecomputeModuleNames)
       if (n == name) bit = b;
     if (bit == 0) {
-      const bool megatron = n == "layernorm" || n == "moe_act" || n == "moe" ||
-                            n == "shared_experts" || n == "mla_up_proj";
+      const bool megatron =
+          n == "layernorm" || n == "moe" || n == "shared_experts" || n == "mla_up_proj";
       throw InputError(field, "'" + n + "' " +
                                   (megatron ? std::string("is not modelled by ptdp")
                                             : std::string("is not a module")) +
-                                  " (expected core_attn and/or mlp)");
+                                  " (expected core_attn, mlp and/or moe_act)");
     }
     modules |= bit;
   }

@@ -71,7 +71,7 @@ enum class PlanRule {
   kExpertOverlap,       // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
                         // p = 1 or interleaved
   kRecomputeLayers,     // recompute_layers >= 0, and > 0 only with full
-  kRecomputeModules,    // --recompute-modules: core_attn and/or mlp, other than core_attn alone
+  kRecomputeModules,    // --recompute-modules: core_attn, mlp, moe_act; other than core_attn alone
                         // only with selective
 };
 

@@ -190,11 +190,14 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe = std::make_unique<MoeContext>(m, md);
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
-    // An MoE layer's recomputation: the dense MLP's module is not its (the experts').
+    // An MoE layer's recomputation: the dense MLP's module is not its (the experts'); with
+    // moe_act the experts' activation follows the attention core's, as in the op list.
     LayerShape moe_shape = shape;
     moe_shape.recompute_modules &= ~static_cast<unsigned>(kRecomputeMlp);
     J.moe_recompute = moe_forward_program(
         compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op), md);
+    if (layout.recompute == Recompute::kSelective && (layout.recompute_modules & kRecomputeMoeAct))
+      J.moe_recompute.push_back(OpId::kExpertActivation);
     mark_weight_grads(moe_layer_ops(m, shape));  // the router's and experts'
   }
 
@@ -581,6 +584,9 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     x.swap(L.out);
     release(L.out);
     drop_recomputed(L, layout_.recompute_of(l), layout_.recompute_modules_of(moe));
+    if (M && layout_.recompute_of(l) == Recompute::kSelective &&
+        (layout_.recompute_modules_of(moe) & kRecomputeMoeAct))
+      release(M->act);  // the experts' FC2 input: their activation is rerun
   }
   if (!ch.last) {
     *output = std::move(x);

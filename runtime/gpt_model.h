@@ -63,8 +63,7 @@ struct ShardLayout {
   // is not an MoE layer's).
   unsigned recompute_modules = kRecomputeCoreAttn;
   unsigned recompute_modules_of(bool moe_layer) const {
-    return moe_layer ? recompute_modules & ~static_cast<unsigned>(kRecomputeMlp)
-                     : recompute_modules;
+    return recompute_modules & ~static_cast<unsigned>(moe_layer ? kRecomputeMlp : kRecomputeMoeAct);
   }
   // The recompute mode of layer l (from 0) of a model chunk.
   Recompute recompute_of(int64_t l) const {

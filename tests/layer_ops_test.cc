@@ -296,9 +296,9 @@ TEST(LayerOps, HierarchicalContextParallelIsAllToAllsThenARing) {
 // --recompute-modules mlp: selective recomputation reruns the dense MLP from its input (with
 // sequence parallelism its all-gather, FC1, SwiGLU, FC2 and reduce-scatter, as the forward list
 // runs them) and keeps neither its activation inputs nor FC2's input: (2 x 2 + 2) b s ffn / t
-// bytes less per layer for SwiGLU in 16 bits (SwiGLU's two inputs and FC2's, 2 bytes each). With core_attn too, the attention core's
-// recomputation comes first. An MoE layer's experts are not the dense MLP: its list and memory
-// do not change.
+// bytes less per layer for SwiGLU in 16 bits (SwiGLU's two inputs and FC2's, 2 bytes each). With
+// core_attn too, the attention core's recomputation comes first. An MoE layer's experts are not the
+// dense MLP: its list and memory do not change.
 TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   const ModelSpec m = resolve_model("llama3-8b");
   LayerShape s;
@@ -332,6 +332,17 @@ TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   ms.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
   EXPECT_DOUBLE_EQ(moe_layer_activation_bytes(moe, ms), moe_core);
   EXPECT_EQ(moe_layer_ops(moe, ms).recompute.size(), moe_list);
+  // moe_act: the experts' activation is rerun after the attention core; FC2's input (2 bytes per
+  // element of each processed row's ffn) is not kept. Mixtral 8x7B at t 2 with SP, ep 1, etp 1:
+  // this rank's s / 2 tokens, 2 rows each, of all 14336 columns.
+  ms.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
+  const PassOps act = moe_layer_ops(moe, ms);
+  ASSERT_EQ(act.recompute.size(), moe_list + 1);
+  EXPECT_EQ(act.recompute.back().id, OpId::kExpertActivation);
+  EXPECT_EQ(act.recompute.back().role, OpRole::kRecompute);
+  const double rows = moe.seq_length / 2.0 * 2;
+  EXPECT_NEAR(moe_core - moe_layer_activation_bytes(moe, ms), 2.0 * rows * 14336,
+              1e-6 * moe_core);
 }
 
 TEST(LayerOps, EveryOpIdHasADistinctName) {

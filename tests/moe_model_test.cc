@@ -270,9 +270,9 @@ TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
   EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
 }
 
-// --recompute-modules (Megatron-Core's): core_attn and/or mlp with selective recomputation only;
+// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act with selective recomputation only;
 // the Megatron line names them when they are not the default, a plan file keeps them, and the
-// modules ptdp does not model are refused by name.
+// modules ptdp does not model are refused by name. (moe_act: the routed experts' activation.)
 TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   const ModelSpec m = resolve_model("llama3-8b");
   ParallelPlan p;
@@ -300,12 +300,18 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
   EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
             kRecomputeCoreAttn | kRecomputeMlp);
-  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"moe_act"}, "--recompute-modules"); }),
+  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"layernorm"}, "--recompute-modules"); }),
             "--recompute-modules");
   EXPECT_NE(message_of([&] {
-              recompute_modules_from_strings({"moe_act"}, "--recompute-modules");
-            }).find("'moe_act' is not modelled by ptdp"),
+              recompute_modules_from_strings({"layernorm"}, "--recompute-modules");
+            }).find("'layernorm' is not modelled by ptdp"),
             std::string::npos);
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
+  EXPECT_EQ(recompute_label(p), "selective+moe_act");
+  EXPECT_NE(p.megatron_flags(m).find("--recompute-modules core_attn moe_act"), std::string::npos);
+  p.recompute_modules = kRecomputeMlp | kRecomputeMoeAct;
+  EXPECT_EQ(recompute_label(p), "selective(mlp,moe_act)");
+  EXPECT_EQ(to_json(plan_from_json(to_json(p))), to_json(p));
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

@@ -164,6 +164,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       // reduce-scatter), and the MLP alone.
       {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMlp},
       {2, false, Recompute::kSelective, kRecomputeMlp},
+      {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMoeAct},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";

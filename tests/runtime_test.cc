@@ -320,7 +320,8 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
 // --recompute-modules: selective recomputation of the dense MLP too (or alone) gives the same
 // losses to the bit, and keeps less: with the attention core, less than the core alone; the MLP
 // alone, less than nothing recomputed. An MoE model's dense layer recomputes its MLP, its MoE
-// layers not their experts, and trains to the same losses.
+// layers not their experts, and trains to the same losses; with moe_act its experts' activation
+// is rerun, to the same losses with less memory.
 TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   for (const ModelSpec& m : {tiny(), tiny_llama()}) {
     TrainOptions o = options(m, 3);
@@ -345,8 +346,14 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   TrainOptions o = options(moe, 3);
   const TrainResult none = train_one(o);
   o.plan.recompute = Recompute::kSelective;
+  const TrainResult core = train_one(o);
   o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
   EXPECT_EQ(losses(train_one(o)), losses(none));
+  // moe_act: the experts' activation rerun from FC1's output, FC2's input not kept.
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
+  const TrainResult act = train_one(o);
+  EXPECT_EQ(losses(act), losses(none));
+  EXPECT_LT(act.peak_memory_bytes, core.peak_memory_bytes);
 }
 
 // --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
