@@ -74,14 +74,13 @@ std::string recompute_label(const ParallelPlan& p) {
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0)
     return "block" + std::to_string(p.recompute_layers);
   if (p.recompute == Recompute::kSelective && p.recompute_modules != kRecomputeCoreAttn) {
-    // "selective+mlp+moe_act", or without the attention core "selective(mlp)"
-    std::string label = "selective";
+    // "selective+mlp+moe_act"; without the attention core "selective(mlp,moe_act)"
     const bool core = p.recompute_modules & kRecomputeCoreAttn;
     std::string rest;
     for (const std::string& name :
          recompute_module_names(p.recompute_modules & ~kRecomputeCoreAttn))
-      rest += (rest.empty() || core ? "+" : ",") + name;
-    return core ? label + rest : label + "(" + rest.substr(rest.empty() ? 0 : 1) + ")";
+      rest += (core ? "+" : rest.empty() ? "" : ",") + name;
+    return core ? "selective" + rest : "selective(" + rest + ")";
   }
   return to_string(p.recompute);
 }

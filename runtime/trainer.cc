@@ -229,8 +229,7 @@ class Executor {
   // index is cpr + cp dp (runtime/context_parallel.h).
   int64_t cp_ = 1, dcp_ = 1, dp_index_ = 0, cpr_ = 0;
   std::unique_ptr<Communicator> cp_group_;
-  int64_t layout_a2a_ = 1;  // ShardLayout::cp_a2a_size; with a2a+p2p, its groups:
-  std::unique_ptr<Communicator> cp_heads_, cp_ring_;
+  std::unique_ptr<Communicator> cp_heads_, cp_ring_;  // a2a+p2p's all-to-all group and ring
   GridPosition pos_;
   bool dist_ = false;
   int64_t instances_ = 1;  // the distributed optimizer's instances (--num-distributed-...)
@@ -286,7 +285,7 @@ void Executor::setup() {
     layout.pp = pos_.pp;
     layout.cp = cp_;
     layout.cp_rank = cpr_;
-    layout.cp_a2a_size = layout_a2a_ = plan.cp_a2a_size();
+    layout.cp_a2a_size = plan.cp_a2a_size();
     layout.v = plan.virtual_stages;
     layout.micro_batch = plan.micro_batch_size;
     layout.sequence_parallel = plan.sequence_parallel;
@@ -351,7 +350,7 @@ void Executor::setup() {
     cp_group_ = split(color, "context-parallel");
     // a2a+p2p: the all-to-all groups of A adjacent context-parallel ranks, and the rings of the
     // cp / A ranks at one place in them (Megatron-Core's hierarchical context-parallel groups).
-    const int64_t a = layout_a2a_;
+    const int64_t a = shard_->layout().cp_a2a_size;
     if (a > 1 && a < cp_) {
       cp_heads_ = split(color * (cp_ / a) + cpr_ / a, "context-parallel a2a");
       cp_ring_ = split(color * a + cpr_ % a, "context-parallel ring");

@@ -341,8 +341,7 @@ TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   EXPECT_EQ(act.recompute.back().id, OpId::kExpertActivation);
   EXPECT_EQ(act.recompute.back().role, OpRole::kRecompute);
   const double rows = moe.seq_length / 2.0 * 2;
-  EXPECT_NEAR(moe_core - moe_layer_activation_bytes(moe, ms), 2.0 * rows * 14336,
-              1e-6 * moe_core);
+  EXPECT_NEAR(moe_core - moe_layer_activation_bytes(moe, ms), 2.0 * rows * 14336, 1e-6 * moe_core);
 }
 
 TEST(LayerOps, EveryOpIdHasADistinctName) {
