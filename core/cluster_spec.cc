@@ -14,21 +14,12 @@ using nlohmann::json;
 
 namespace {
 
-std::string str(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
-}
-
-void require_positive(const std::string& field, int64_t value) {
-  if (value <= 0) throw InputError(field, "must be positive, got " + std::to_string(value));
-}
-
 // A rate or size in [lo, hi]: beyond what any machine has, times overflow the simulator's
 // picosecond clock or print as hundreds of digits.
 void require_in(const std::string& field, double value, double lo, double hi) {
   if (!(value >= lo && value <= hi))
-    throw InputError(field, "must be in [" + str(lo) + ", " + str(hi) + "], got " + str(value));
+    throw InputError(field, "must be in [" + error_number(lo) + ", " + error_number(hi) +
+                                "], got " + error_number(value));
 }
 
 }  // namespace

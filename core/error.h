@@ -4,6 +4,8 @@
 // The CLI turns it into a message on stderr and exit status 2.
 #pragma once
 
+#include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -40,6 +42,17 @@ class InputError : public std::runtime_error {
   }
   std::string field_;
 };
+
+// A number as error messages show it: six significant digits (%g, as a stream prints it).
+inline std::string error_number(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+
+inline void require_positive(const std::string& field, int64_t value) {
+  if (value <= 0) throw InputError(field, "must be positive, got " + std::to_string(value));
+}
 
 // Where `word` stands in `text` as a whole identifier (letters, digits and '_' on neither side:
 // not hidden_size inside ffn_hidden_size), at or after `from`; npos if nowhere. Error messages

@@ -246,26 +246,22 @@ double HardwareProfile::memory_efficiency_of(const std::string& family) const {
 
 namespace {
 
-std::string str(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
-}
-
 // A fraction of a peak: in [1e-6, 1] (smaller ones price an iteration at ages, beyond what
 // the simulator's clock and the reports' columns hold).
 void require_fraction(const std::string& field, double v) {
-  if (!(v >= 1e-6 && v <= 1)) throw InputError(field, "must be in [1e-6, 1], got " + str(v));
+  if (!(v >= 1e-6 && v <= 1))
+    throw InputError(field, "must be in [1e-6, 1], got " + error_number(v));
 }
 
 void require_non_negative(const std::string& field, double v) {
-  if (!(v >= 0)) throw InputError(field, "must not be negative, got " + str(v));
+  if (!(v >= 0)) throw InputError(field, "must not be negative, got " + error_number(v));
 }
 
 // A per-family efficiency (above 1 where a kernel's working set stays in cache, on CPU ranks)
 // or cold over warm time (an evicted cache does not cost a factor above 1000): in (0, 1000].
 void require_per_family_value(const std::string& field, double v) {
-  if (!(v > 0 && v <= 1000)) throw InputError(field, "must be in (0, 1000], got " + str(v));
+  if (!(v > 0 && v <= 1000))
+    throw InputError(field, "must be in (0, 1000], got " + error_number(v));
 }
 
 // {family: value} over memory_families(), each value in (0, 1000]; `field` names the object.
@@ -314,8 +310,8 @@ std::vector<GemmTile> tiles_from_json(const json& j) {
     r.read("n", t.n);
     r.read("efficiency", t.efficiency);
     r.reject_unknown_keys();
-    if (t.m <= 0) throw InputError(name + ".m", "must be positive, got " + str(t.m));
-    if (t.n <= 0) throw InputError(name + ".n", "must be positive, got " + str(t.n));
+    if (t.m <= 0) throw InputError(name + ".m", "must be positive, got " + error_number(t.m));
+    if (t.n <= 0) throw InputError(name + ".n", "must be positive, got " + error_number(t.n));
     require_fraction(name + ".efficiency", t.efficiency);
     tiles.push_back(t);
   }
@@ -375,7 +371,7 @@ std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
     if (r.member("rows")) {
       r.read("rows", e.rows);
       if (!(e.rows >= 1 && e.rows <= 1e9))
-        throw InputError(name + ".rows", "must be in [1, 1e9], got " + str(e.rows));
+        throw InputError(name + ".rows", "must be in [1, 1e9], got " + error_number(e.rows));
     }
     r.reject_unknown_keys();
     bool known = false;
@@ -385,9 +381,9 @@ std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
           name + ".op",
           "must name an op of the layer op list (core/layer_ops.h), got '" + e.op + "'");
     if (!(e.size > 0 && e.size <= 1e21))
-      throw InputError(name + ".size", "must be in (0, 1e21], got " + str(e.size));
+      throw InputError(name + ".size", "must be in (0, 1e21], got " + error_number(e.size));
     if (!(e.seconds >= 0 && e.seconds <= 1e4))
-      throw InputError(name + ".seconds", "must be in [0, 1e4], got " + str(e.seconds));
+      throw InputError(name + ".seconds", "must be in [0, 1e4], got " + error_number(e.seconds));
     ops.push_back(e);
   }
   return ops;
@@ -399,7 +395,8 @@ CacheModel cache_from_json(const json& j) {
   r.read("bytes_per_rank", c.bytes_per_rank);
   // Up to a petabyte: a cache larger than that is a typo.
   if (!(c.bytes_per_rank >= 0 && c.bytes_per_rank <= 1e15))
-    throw InputError("cache.bytes_per_rank", "must be in [0, 1e15], got " + str(c.bytes_per_rank));
+    throw InputError("cache.bytes_per_rank",
+                     "must be in [0, 1e15], got " + error_number(c.bytes_per_rank));
   if (const json* f = r.member("memory_cold_factor"))
     c.memory_cold_factor = family_values_from_json(*f, "cache.memory_cold_factor");
   r.reject_unknown_keys();
@@ -447,7 +444,7 @@ std::vector<CollectiveFit> collectives_from_json(const json& j) {
       throw InputError(name + ".nodes", "must be in [1, ranks], got " + std::to_string(f.nodes));
     require_non_negative(name + ".latency_us", f.latency_us);
     if (!(f.busbw_gbps > 0 && f.busbw_gbps < 1e9))
-      throw InputError(name + ".busbw_gbps", "must be positive, got " + str(f.busbw_gbps));
+      throw InputError(name + ".busbw_gbps", "must be positive, got " + error_number(f.busbw_gbps));
     out.push_back(f);
   }
   return out;
@@ -532,7 +529,7 @@ HardwareProfile profile_from_json(const json& j) {
   }
   r.read("arrival_skew", p.arrival_skew);
   if (!(p.arrival_skew >= 0 && p.arrival_skew <= 10))
-    throw InputError("arrival_skew", "must be in [0, 10], got " + str(p.arrival_skew));
+    throw InputError("arrival_skew", "must be in [0, 10], got " + error_number(p.arrival_skew));
   if (const json* a = r.member("activation_dtype"))
     p.activation_dtype = float_dtype_from_json("activation_dtype", *a);
   r.reject_unknown_keys();
@@ -542,13 +539,13 @@ HardwareProfile profile_from_json(const json& j) {
   require_non_negative("gemm.n_half", p.gemm.n_half);
   require_non_negative("gemm.k_half", p.gemm.k_half);
   if (p.gemm.sm_count < 0)
-    throw InputError("gemm.sm_count", "must not be negative, got " + str(p.gemm.sm_count));
+    throw InputError("gemm.sm_count", "must not be negative, got " + error_number(p.gemm.sm_count));
   require_fraction("hbm_efficiency", p.hbm_efficiency);
   if (!(p.kernel_gap_us >= 0 && p.kernel_gap_us <= 1e6))
-    throw InputError("kernel_gap_us", "must be in [0, 1e6], got " + str(p.kernel_gap_us));
+    throw InputError("kernel_gap_us", "must be in [0, 1e6], got " + error_number(p.kernel_gap_us));
   if (!(p.optimizer_bytes_per_param > 0))
     throw InputError("optimizer_bytes_per_param",
-                     "must be positive, got " + str(p.optimizer_bytes_per_param));
+                     "must be positive, got " + error_number(p.optimizer_bytes_per_param));
   return p;
 }
 

@@ -24,10 +24,6 @@ bool has_biases(const ModelSpec& m) {
   return !m.swiglu;
 }
 
-void require_positive(const std::string& field, int64_t value) {
-  if (value <= 0) throw InputError(field, "must be positive, got " + std::to_string(value));
-}
-
 void require_non_negative(const std::string& field, int64_t value) {
   if (value < 0)
     throw InputError(field,
