@@ -587,6 +587,63 @@ LayerShape layer_shape(const ParallelPlan& p) {
   return s;
 }
 
+namespace {
+
+// What selective recomputation reruns of a layer's forward list, in its order
+// (Megatron-Core's --recompute-modules):
+// - core_attn: the attention core, its context-parallel exchanges included;
+// - layernorm: both layernorms (and with sequence parallelism the all-gathers of their
+//   outputs into the tensor-parallel blocks), whose outputs are not kept;
+// - mlp (a dense layer's, `dense_mlp`): the MLP from its input, from its all-gather (or FC1) to
+//   its all-reduce (or reduce-scatter), FC2 included, as Megatron-Core's checkpointed MLP
+//   reruns its forward;
+// - moe_act: the routed experts' activation function, from FC1's output.
+std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned modules,
+                                    bool dense_mlp) {
+  using I = OpId;
+  const bool core = modules & kRecomputeCoreAttn, norms = modules & kRecomputeLayernorm,
+             mlp = dense_mlp && (modules & kRecomputeMlp), moe_act = modules & kRecomputeMoeAct;
+  std::vector<Op> out;
+  for (const Op& op : forward) {
+    bool rerun = false;
+    switch (op.id) {
+      case I::kCpKvExchange:
+      case I::kAttnScores:
+      case I::kAttnSoftmax:
+      case I::kAttnDropout:
+      case I::kAttnContext:
+      case I::kCpOutAllToAll:
+        rerun = core;
+        break;
+      case I::kInputLayernorm:
+      case I::kAttnAllGather:
+      case I::kPostAttentionLayernorm:
+        rerun = norms;
+        break;
+      case I::kMlpAllGather:  // the input of FC1 (an MoE layer's shared experts') gathered
+        rerun = norms || mlp;
+        break;
+      case I::kFc1:
+      case I::kBiasGelu:
+      case I::kSwiglu:
+      case I::kFc2:
+      case I::kMlpAllReduce:
+      case I::kMlpReduceScatter:
+        rerun = mlp;
+        break;
+      case I::kExpertActivation:
+        rerun = moe_act;
+        break;
+      default:
+        break;
+    }
+    if (rerun) out.push_back(op);
+  }
+  return out;
+}
+
+}  // namespace
+
 PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   PassOps p;
   const Dims d = dims(m, s);
@@ -603,21 +660,7 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
-    if (s.recompute_modules & kRecomputeCoreAttn) {
-      Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
-      attention_core(b, m, s, d);
-    }
-    // The dense MLP from its input: the forward list's ops from the MLP's all-gather (or FC1) to
-    // its all-reduce (or reduce-scatter), FC2 and its communication included, as Megatron-Core's
-    // checkpointed MLP reruns its forward.
-    if (s.recompute_modules & kRecomputeMlp) {
-      const auto first = std::find_if(p.forward.begin(), p.forward.end(), [](const Op& op) {
-        return op.id == OpId::kMlpAllGather || op.id == OpId::kFc1;
-      });
-      const auto last = std::find_if(
-          first, p.forward.end(), [](const Op& op) { return op.id == OpId::kMlpBiasDropoutAdd; });
-      p.recompute.insert(p.recompute.end(), first, last);
-    }
+    p.recompute = selective_recompute(p.forward, s.recompute_modules, true);
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -641,14 +684,7 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
     // (the mlp module is the dense MLP's: an MoE layer's experts are not recomputed)
-    if (s.recompute_modules & kRecomputeCoreAttn) {
-      Builder b{&p.recompute, OpRole::kRecompute, s.activation_dtype};
-      attention_core(b, m, s, d);
-    }
-    // moe_act: the routed experts' activation function, from FC1's output.
-    if (s.recompute_modules & kRecomputeMoeAct)
-      for (const Op& op : p.forward)
-        if (op.id == OpId::kExpertActivation) p.recompute.push_back(op);
+    p.recompute = selective_recompute(p.forward, s.recompute_modules, false);
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -740,8 +776,10 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   const double kv_fraction = d.groups / d.heads;
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
-  // QKV and FC1 (or router) inputs (2 sbh each) and, with hidden dropout, its two masks.
-  u.replicated = (m.hidden_dropout > 0 ? 10.0 : 8.0) * sbh;
+  // QKV and FC1 (or router) inputs (2 sbh each; --recompute-modules layernorm reruns them from
+  // the layernorms' inputs) and, with hidden dropout, its two masks.
+  u.replicated = (m.hidden_dropout > 0 ? 6.0 : 4.0) * sbh;
+  if (!recomputes(s, kRecomputeLayernorm)) u.replicated += 4.0 * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;

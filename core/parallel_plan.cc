@@ -88,7 +88,10 @@ std::string recompute_label(const ParallelPlan& p) {
 namespace {
 
 constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
-    {kRecomputeCoreAttn, "core_attn"}, {kRecomputeMlp, "mlp"}, {kRecomputeMoeAct, "moe_act"}};
+    {kRecomputeCoreAttn, "core_attn"},
+    {kRecomputeMlp, "mlp"},
+    {kRecomputeMoeAct, "moe_act"},
+    {kRecomputeLayernorm, "layernorm"}};
 
 }  // namespace
 
@@ -109,19 +112,18 @@ std::string recompute_modules_string(unsigned modules) {
 unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
                                         const std::string& field) {
   if (names.empty())
-    throw InputError(field, "names no module (expected core_attn, mlp and/or moe_act)");
+    throw InputError(field, "names no module (expected core_attn, mlp, moe_act and/or layernorm)");
   unsigned modules = 0;
   for (const std::string& n : names) {
     unsigned bit = 0;
     for (const auto& [b, name] : kRecomputeModuleNames)
       if (n == name) bit = b;
     if (bit == 0) {
-      const bool megatron =
-          n == "layernorm" || n == "moe" || n == "shared_experts" || n == "mla_up_proj";
+      const bool megatron = n == "moe" || n == "shared_experts" || n == "mla_up_proj";
       throw InputError(field, "'" + n + "' " +
                                   (megatron ? std::string("is not modelled by ptdp")
                                             : std::string("is not a module")) +
-                                  " (expected core_attn, mlp and/or moe_act)");
+                                  " (expected core_attn, mlp, moe_act and/or layernorm)");
     }
     modules |= bit;
   }

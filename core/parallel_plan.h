@@ -23,15 +23,18 @@ enum class Recompute { kNone, kSelective, kFull };
 // What selective recomputation recomputes (Megatron-Core's --recompute-modules, a set): the
 // attention core ("core_attn", its default and SC'21's selective recomputation), the dense
 // MLP ("mlp": FC1, the activation and FC2 with their tensor-parallel communication, from the
-// MLP's input; not an MoE layer's experts) and the routed experts' activation function
-// ("moe_act": from FC1's output, so FC2's input is not kept).
+// MLP's input; not an MoE layer's experts), the routed experts' activation function
+// ("moe_act": from FC1's output, so FC2's input is not kept) and the two layernorms before the
+// attention and the MLP ("layernorm": their outputs, the QKV and FC1 or router inputs, are not
+// kept but rerun from their inputs, which are kept).
 enum RecomputeModule : unsigned {
   kRecomputeCoreAttn = 1u,
   kRecomputeMlp = 2u,
-  kRecomputeMoeAct = 4u
+  kRecomputeMoeAct = 4u,
+  kRecomputeLayernorm = 8u
 };
 inline constexpr unsigned kAllRecomputeModules =
-    kRecomputeCoreAttn | kRecomputeMlp | kRecomputeMoeAct;
+    kRecomputeCoreAttn | kRecomputeMlp | kRecomputeMoeAct | kRecomputeLayernorm;
 // "core_attn mlp" (Megatron's spelling, space-separated); parsing names the flag or field and
 // refuses Megatron's modules ptdp does not model.
 std::string recompute_modules_string(unsigned modules);

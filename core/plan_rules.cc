@@ -363,7 +363,7 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kRecomputeModules, report, "--recompute-modules", [&] {
       return plan.recompute != Recompute::kSelective
                  ? std::string("needs --recompute-granularity selective")
-                 : std::string("must name core_attn, mlp and/or moe_act");
+                 : std::string("must name core_attn, mlp, moe_act and/or layernorm");
     });
   return PlanRule::kNone;
 }

@@ -450,7 +450,7 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
            {"--recompute-modules", "mlp"},
            {"--recompute-granularity", "full", "--recompute-modules", "core_attn", "mlp"},
-           {"--recompute-granularity", "selective", "--recompute-modules", "layernorm"},
+           {"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"},
            {"--recompute-granularity", "selective", "--recompute-modules", "attn"}}) {
     auto args = kPredictMixtral;
     args.insert(args.end(), extra.begin(), extra.end());

@@ -19,6 +19,12 @@ double flops(const std::vector<Op>& ops) {
   return f;
 }
 
+std::vector<OpId> ids_of(const std::vector<Op>& ops) {
+  std::vector<OpId> ids;
+  for (const Op& op : ops) ids.push_back(op.id);
+  return ids;
+}
+
 int count(const std::vector<Op>& ops, Collective c) {
   int n = 0;
   for (const Op& op : ops) n += op.kind == OpKind::kCollective && op.collective == c;
@@ -342,6 +348,58 @@ TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   EXPECT_EQ(act.recompute.back().role, OpRole::kRecompute);
   const double rows = moe.seq_length / 2.0 * 2;
   EXPECT_NEAR(moe_core - moe_layer_activation_bytes(moe, ms), 2.0 * rows * 14336, 1e-6 * moe_core);
+}
+
+// --recompute-modules layernorm: both layernorms rerun from their kept inputs (the layer's input
+// and the residual after attention), with sequence parallelism the all-gathers of their outputs
+// too, in the forward list's order; their outputs, the QKV and FC1 inputs, are not kept: 2 + 2
+// bytes per token and hidden unit in 16 bits, over t with sequence parallelism. With mlp as well
+// the MLP's all-gather is rerun once. An MoE layer (Mixtral: no shared experts) reruns the
+// post-attention layernorm for its router and experts, and drops its output the same way.
+TEST(LayerOps, RecomputeModulesLayernormRerunsBothLayernorms) {
+  using I = OpId;
+  const ModelSpec m = resolve_model("llama3-8b");
+  LayerShape s;
+  s.tensor_parallel = 4;
+  s.sequence_parallel = true;
+  s.recompute = Recompute::kSelective;
+  const std::vector<OpId> core = ids_of(transformer_layer_ops(m, s).recompute);
+  const double core_bytes = layer_activation_bytes(m, s);
+  s.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
+  std::vector<OpId> want = {I::kInputLayernorm, I::kAttnAllGather};
+  want.insert(want.end(), core.begin(), core.end());
+  want.insert(want.end(), {I::kPostAttentionLayernorm, I::kMlpAllGather});
+  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute), want);
+  const double tokens = 1.0 * m.seq_length;  // b = 1
+  EXPECT_DOUBLE_EQ(core_bytes - layer_activation_bytes(m, s), 4.0 * tokens * m.hidden_size / 4);
+  s.recompute_modules = kRecomputeLayernorm | kRecomputeMlp;
+  EXPECT_EQ(
+      ids_of(transformer_layer_ops(m, s).recompute),
+      (std::vector<OpId>{I::kInputLayernorm, I::kAttnAllGather, I::kPostAttentionLayernorm,
+                         I::kMlpAllGather, I::kFc1, I::kSwiglu, I::kFc2, I::kMlpReduceScatter}));
+  s.sequence_parallel = false;  // the layernorms alone; their outputs were whole on every rank
+  s.recompute_modules = kRecomputeLayernorm;
+  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute),
+            (std::vector<OpId>{I::kInputLayernorm, I::kPostAttentionLayernorm}));
+  LayerShape kept = s;
+  kept.recompute_modules = kRecomputeMlp;
+  const double mlp_bytes = layer_activation_bytes(m, kept);
+  kept.recompute_modules = kRecomputeMlp | kRecomputeLayernorm;
+  EXPECT_DOUBLE_EQ(mlp_bytes - layer_activation_bytes(m, kept), 4.0 * tokens * m.hidden_size);
+  const ModelSpec moe = resolve_model("mixtral-8x7b");
+  LayerShape ms;
+  ms.tensor_parallel = 2;
+  ms.sequence_parallel = true;
+  ms.recompute = Recompute::kSelective;
+  const std::vector<OpId> moe_core = ids_of(moe_layer_ops(moe, ms).recompute);
+  const double moe_bytes = moe_layer_activation_bytes(moe, ms);
+  ms.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
+  want = {I::kInputLayernorm, I::kAttnAllGather};
+  want.insert(want.end(), moe_core.begin(), moe_core.end());
+  want.push_back(I::kPostAttentionLayernorm);
+  EXPECT_EQ(ids_of(moe_layer_ops(moe, ms).recompute), want);
+  EXPECT_DOUBLE_EQ(moe_bytes - moe_layer_activation_bytes(moe, ms),
+                   4.0 * moe.seq_length * moe.hidden_size / 2);
 }
 
 TEST(LayerOps, EveryOpIdHasADistinctName) {

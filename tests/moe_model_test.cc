@@ -270,9 +270,10 @@ TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
   EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
 }
 
-// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act with selective recomputation only;
-// the Megatron line names them when they are not the default, a plan file keeps them, and the
-// modules ptdp does not model are refused by name. (moe_act: the routed experts' activation.)
+// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act, layernorm with selective
+// recomputation only; the Megatron line names them when they are not the default, a plan file
+// keeps them, and the modules ptdp does not model are refused by name. (moe_act: the routed
+// experts' activation.)
 TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   const ModelSpec m = resolve_model("llama3-8b");
   ParallelPlan p;
@@ -296,15 +297,15 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   p.recompute_modules = 0;
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
   nlohmann::json j = to_json(p);
-  j["recompute_modules"] = {"layernorm"};
+  j["recompute_modules"] = {"shared_experts"};
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
   EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
             kRecomputeCoreAttn | kRecomputeMlp);
-  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"layernorm"}, "--recompute-modules"); }),
+  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"moe"}, "--recompute-modules"); }),
             "--recompute-modules");
   EXPECT_NE(message_of([&] {
-              recompute_modules_from_strings({"layernorm"}, "--recompute-modules");
-            }).find("'layernorm' is not modelled by ptdp"),
+              recompute_modules_from_strings({"moe"}, "--recompute-modules");
+            }).find("'moe' is not modelled by ptdp"),
             std::string::npos);
   p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
   EXPECT_EQ(recompute_label(p), "selective+moe_act");
@@ -312,6 +313,14 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   p.recompute_modules = kRecomputeMlp | kRecomputeMoeAct;
   EXPECT_EQ(recompute_label(p), "selective(mlp,moe_act)");
   EXPECT_EQ(to_json(plan_from_json(to_json(p))), to_json(p));
+  // layernorm: both layernorms' outputs rerun (the spelling Megatron-Core's recipes use).
+  EXPECT_EQ(recompute_modules_from_strings({"layernorm", "moe_act", "core_attn"}, "f"),
+            kRecomputeCoreAttn | kRecomputeMoeAct | kRecomputeLayernorm);
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct | kRecomputeLayernorm;
+  EXPECT_EQ(recompute_label(p), "selective+moe_act+layernorm");
+  EXPECT_NE(p.megatron_flags(m).find("--recompute-modules core_attn moe_act layernorm"),
+            std::string::npos);
+  EXPECT_EQ(plan_from_json(to_json(p)).recompute_modules, p.recompute_modules);
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

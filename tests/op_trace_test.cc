@@ -165,6 +165,11 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMlp},
       {2, false, Recompute::kSelective, kRecomputeMlp},
       {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMoeAct},
+      // layernorm: both layernorms rerun (with sequence parallelism, and their all-gathers),
+      // with the MLP too, and alone without sequence parallelism.
+      {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeLayernorm},
+      {2, true, Recompute::kSelective, kRecomputeLayernorm | kRecomputeMlp | kRecomputeMoeAct},
+      {2, false, Recompute::kSelective, kRecomputeLayernorm},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";

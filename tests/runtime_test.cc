@@ -321,7 +321,7 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
 // losses to the bit, and keeps less: with the attention core, less than the core alone; the MLP
 // alone, less than nothing recomputed. An MoE model's dense layer recomputes its MLP, its MoE
 // layers not their experts, and trains to the same losses; with moe_act its experts' activation
-// is rerun, to the same losses with less memory.
+// is rerun, and with layernorm both layernorms' outputs, to the same losses with less memory.
 TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   for (const ModelSpec& m : {tiny(), tiny_llama()}) {
     TrainOptions o = options(m, 3);
@@ -337,6 +337,15 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
     EXPECT_EQ(losses(mlp), losses(none)) << m.name;
     EXPECT_LT(both.peak_memory_bytes, core.peak_memory_bytes) << m.name;
     EXPECT_LT(mlp.peak_memory_bytes, none.peak_memory_bytes) << m.name;
+    // layernorm: both layernorms' outputs rerun, with the attention core, and with everything.
+    o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
+    const TrainResult norms = train_one(o);
+    EXPECT_EQ(losses(norms), losses(none)) << m.name;
+    EXPECT_LT(norms.peak_memory_bytes, core.peak_memory_bytes) << m.name;
+    o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp | kRecomputeLayernorm;
+    const TrainResult all = train_one(o);
+    EXPECT_EQ(losses(all), losses(none)) << m.name;
+    EXPECT_LT(all.peak_memory_bytes, both.peak_memory_bytes) << m.name;
   }
   ModelSpec moe = tiny_llama();
   moe.num_experts = 4;
@@ -354,6 +363,11 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   const TrainResult act = train_one(o);
   EXPECT_EQ(losses(act), losses(none));
   EXPECT_LT(act.peak_memory_bytes, core.peak_memory_bytes);
+  // layernorm in the MoE layers too: the router and the experts' dispatch read the rerun output.
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct | kRecomputeLayernorm;
+  const TrainResult norms = train_one(o);
+  EXPECT_EQ(losses(norms), losses(none));
+  EXPECT_LT(norms.peak_memory_bytes, act.peak_memory_bytes);
 }
 
 // --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
