@@ -122,32 +122,51 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
     out.prediction = std::move(q);
   };
   for (CpComm type : types) {
-    // a2a+p2p: the all-to-all size given, or the one that keeps it inside a node (none: the
-    // rules refuse the plan).
-    ParallelPlan cand = with_cp_comm(plan, type, m, cost.cluster().gpus_per_node);
-    if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
-      if (out.broken == PlanRule::kNone) out.broken = rule;
-      continue;
+    // a2a+p2p: the all-to-all size given, or else each whose group fits in a node (none: the
+    // rules refuse the plan). Which is fastest depends on how much of the ring the attention
+    // hides: the largest is not always it.
+    std::vector<int64_t> sizes = {plan.hierarchical_cp};
+    if (type == CpComm::kA2AP2P && plan.context_parallel > 1 && plan.hierarchical_cp == 0) {
+      sizes.clear();
+      for (const int64_t a : hierarchical_cp_sizes(m, plan))
+        if (a * plan.tensor_parallel <= cost.cluster().gpus_per_node) sizes.push_back(a);
+      if (sizes.empty()) sizes = {0};
     }
-    out.allowed = true;
-    consider(cand);
-    if (!combinable) continue;
-    cand.overlap_moe_ep_comm = true;
-    consider(cand);
+    for (const int64_t a : sizes) {
+      ParallelPlan cand = plan;
+      cand.hierarchical_cp = a;
+      cand = with_cp_comm(cand, type, m, cost.cluster().gpus_per_node);
+      if (const PlanRule rule = first_violated_rule(m, cand); rule != PlanRule::kNone) {
+        if (out.broken == PlanRule::kNone) out.broken = rule;
+        continue;
+      }
+      out.allowed = true;
+      consider(cand);
+      if (!combinable) continue;
+      cand.overlap_moe_ep_comm = true;
+      consider(cand);
+    }
   }
   return out;
 }
 
 }  // namespace
 
-int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node) {
+std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p) {
   const int64_t cp = p.context_parallel, t = p.tensor_parallel;
-  if (t <= 0 || m.num_attention_heads % t != 0 || m.query_groups() % t != 0) return 0;
-  for (int64_t a = cp / 2; a > 1; --a)
-    if (cp % a == 0 && a * t <= gpus_per_node && (m.num_attention_heads / t) % a == 0 &&
-        (m.query_groups() / t) % a == 0)
-      return a;
-  return 0;
+  std::vector<int64_t> out;
+  if (t <= 0 || m.num_attention_heads % t != 0 || m.query_groups() % t != 0) return out;
+  for (int64_t a = 2; a < cp; ++a)
+    if (cp % a == 0 && (m.num_attention_heads / t) % a == 0 && (m.query_groups() / t) % a == 0)
+      out.push_back(a);
+  return out;
+}
+
+int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node) {
+  int64_t natural = 0;
+  for (const int64_t a : hierarchical_cp_sizes(m, p))
+    if (a * p.tensor_parallel <= gpus_per_node) natural = a;
+  return natural;
 }
 
 ParallelPlan with_cp_comm(ParallelPlan p, CpComm type, const ModelSpec& m, int64_t gpus_per_node) {

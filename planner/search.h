@@ -80,10 +80,14 @@ struct SearchOptions {
   std::function<void(int64_t, int64_t)> progress;
 };
 
-// a2a+p2p's all-to-all size for a plan's cp when none is given: the largest A dividing cp (1 <
-// A < cp) whose group of A adjacent context-parallel ranks (t A GPUs) fits in a node and which
-// divides each tensor-parallel rank's heads and query groups, so that the all-to-alls stay on
-// the node's links and the ring crosses nodes; 0 when there is none.
+// a2a+p2p's all-to-all sizes for a plan's cp, ascending: each A dividing cp (1 < A < cp) that
+// divides each tensor-parallel rank's heads and query groups. The search tries each whose group
+// of t A GPUs fits in a node (Transformer Engine's design: the all-to-alls on the node's links,
+// the ring, hidden behind the attention, across nodes).
+std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p);
+// The one of them for a plan that names none (ptdp predict's listing of the types): the largest
+// whose group of A adjacent context-parallel ranks (t A GPUs) fits in a node, so that the
+// all-to-alls stay on the node's links and the ring crosses nodes; 0 when there is none.
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);
 // `p` with --cp-comm-type `type`: with a2a+p2p at cp > 1 the all-to-all size p has, or else the
 // natural one; without it, no hierarchical sizes.

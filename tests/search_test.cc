@@ -475,17 +475,74 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
   }
   EXPECT_GT(context, 0);
   EXPECT_GT(kinds.size(), 1u);
-  // a2a+p2p plans carry the all-to-all size that keeps it in a node.
+  // a2a+p2p plans carry the fastest all-to-all size: re-priced with each other one that divides
+  // the heads and keeps the all-to-alls in a node, none is faster.
   for (const RankedPlan& r : all.top)
     if (r.plan.context_parallel > 1 && r.plan.cp_comm == CpComm::kA2AP2P) {
-      EXPECT_EQ(r.plan.hierarchical_cp, natural_hierarchical_cp(j.m, r.plan, j.c.gpus_per_node));
-      EXPECT_LE(r.plan.hierarchical_cp * r.plan.tensor_parallel, j.c.gpus_per_node);
+      const std::vector<int64_t> sizes = hierarchical_cp_sizes(j.m, r.plan);
+      EXPECT_NE(std::find(sizes.begin(), sizes.end(), r.plan.hierarchical_cp), sizes.end());
+      for (const int64_t a : sizes) {
+        if (a * r.plan.tensor_parallel > j.c.gpus_per_node) continue;  // not tried
+        ParallelPlan other = r.plan;
+        other.hierarchical_cp = a;
+        if (!cost.memory(other).fits) continue;
+        EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
+            << plan_summary(r.plan) << " with all-to-alls over " << a;
+      }
     }
   o.cp_comms = {CpComm::kP2P};  // --cp-comm-type p2p
   const SearchResult ring = search_plans(j.m, j.c, j.h, o);
   for (const RankedPlan& r : ring.top) EXPECT_EQ(r.plan.cp_comm, CpComm::kP2P);
   ASSERT_FALSE(ring.top.empty());
   EXPECT_LE(all.top[0].prediction.iteration_time_s, ring.top[0].prediction.iteration_time_s);
+}
+
+// a2a+p2p's all-to-all size is searched, not fixed at the largest group inside a node: Llama 3
+// 8B at 64k tokens on 128 H100s, pinned to a2a+p2p, ranks first a plan whose all-to-all size is
+// the fastest of every in-node size its cp allows, and not the largest. hierarchical_cp_sizes
+// lists each A with 1 < A < cp dividing the heads and groups.
+TEST(Search, HierarchicalContextParallelTriesEveryAllToAllSize) {
+  Job j("llama3-8b", 128);
+  j.m.seq_length = 65536;
+  j.h.activation_dtype = DType::kBF16;
+  ParallelPlan p;
+  p.context_parallel = 16;
+  p.tensor_parallel = 1;
+  EXPECT_EQ(hierarchical_cp_sizes(j.m, p), (std::vector<int64_t>{2, 4, 8}));
+  EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 8);
+  p.tensor_parallel = 2;  // 4 query groups a rank: A must divide them
+  EXPECT_EQ(hierarchical_cp_sizes(j.m, p), (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 4);
+  p.tensor_parallel = 8;  // one group a rank
+  EXPECT_TRUE(hierarchical_cp_sizes(j.m, p).empty());
+  EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 0);
+  SearchOptions o;
+  o.global_batch_size = 64;
+  o.threads = 1;
+  o.top_k = 10;
+  o.cp_comms = {CpComm::kA2AP2P};
+  const SearchResult r = search_plans(j.m, j.c, j.h, o);
+  const CostModel cost(j.m, j.c, j.h);
+  ASSERT_FALSE(r.top.empty());
+  std::set<int64_t> chosen;
+  for (const RankedPlan& ranked : r.top) {
+    if (ranked.plan.context_parallel == 1) continue;
+    ASSERT_EQ(ranked.plan.cp_comm, CpComm::kA2AP2P);
+    chosen.insert(ranked.plan.hierarchical_cp);
+    for (const int64_t a : hierarchical_cp_sizes(j.m, ranked.plan)) {
+      if (a * ranked.plan.tensor_parallel > j.c.gpus_per_node) continue;  // not tried
+      ParallelPlan other = ranked.plan;
+      other.hierarchical_cp = a;
+      if (!cost.memory(other).fits) continue;
+      EXPECT_GE(cost.predict(other).iteration_time_s,
+                ranked.prediction.iteration_time_s * (1 - 1e-12))
+          << plan_summary(ranked.plan) << " with all-to-alls over " << a;
+    }
+  }
+  ASSERT_FALSE(chosen.empty());
+  const RankedPlan& best = r.top.front();
+  EXPECT_NE(best.plan.hierarchical_cp, natural_hierarchical_cp(j.m, best.plan, 8))
+      << plan_summary(best.plan);
 }
 
 // An MoE model plans with expert and context parallelism among the candidates, each a valid
