@@ -594,15 +594,15 @@ namespace {
 // - core_attn: the attention core, its context-parallel exchanges included;
 // - layernorm: both layernorms (and with sequence parallelism the all-gathers of their
 //   outputs into the tensor-parallel blocks), whose outputs are not kept;
-// - mlp (a dense layer's, `dense_mlp`): the MLP from its input, from its all-gather (or FC1) to
-//   its all-reduce (or reduce-scatter), FC2 included, as Megatron-Core's checkpointed MLP
-//   reruns its forward;
+// - mlp (a dense layer's MLP, an MoE layer's shared experts: layer_recompute_modules): the MLP
+//   from its input, from its all-gather (or FC1) to its all-reduce (or reduce-scatter), FC2
+//   included, as Megatron-Core's checkpointed MLP reruns its forward;
 // - moe_act: the routed experts' activation function, from FC1's output.
-std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned modules,
-                                    bool dense_mlp) {
+// `modules`: the layer's (layer_recompute_modules).
+std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned modules) {
   using I = OpId;
   const bool core = modules & kRecomputeCoreAttn, norms = modules & kRecomputeLayernorm,
-             mlp = dense_mlp && (modules & kRecomputeMlp), moe_act = modules & kRecomputeMoeAct;
+             mlp = modules & kRecomputeMlp, moe_act = modules & kRecomputeMoeAct;
   std::vector<Op> out;
   for (const Op& op : forward) {
     bool rerun = false;
@@ -642,6 +642,43 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
   return out;
 }
 
+// An MoE layer's backward list, the reverse of its forward list, has the routed experts' backward
+// before the shared experts' (their forward comes first). Megatron-Core's MoE layer runs the
+// shared experts after the routed ones (without --moe-shared-expert-overlap), so autograd reduces
+// their gradient first, and so does ptdp run (the routed input gradient is added to theirs):
+// the shared experts' block moves ahead of the routed block. A no-op without shared experts.
+void shared_experts_backward_first(std::vector<Op>& backward) {
+  auto routed = [](OpId id) {
+    switch (id) {
+      case OpId::kMoeUnpermuteBackward:
+      case OpId::kMoeCombineBackward:
+      case OpId::kMoeCombineReduceScatterBackward:
+      case OpId::kExpertFc2Dgrad:
+      case OpId::kExpertFc2Wgrad:
+      case OpId::kExpertActivationBackward:
+      case OpId::kExpertFc1Dgrad:
+      case OpId::kExpertFc1Wgrad:
+      case OpId::kMoeDispatchAllGatherBackward:
+      case OpId::kMoeDispatchBackward:
+      case OpId::kMoePermuteBackward:
+      case OpId::kRouterTopkBackward:
+      case OpId::kRouterDgrad:
+      case OpId::kRouterWgrad:
+        return true;
+      default:
+        return false;
+    }
+  };
+  const auto first =
+      std::find_if(backward.begin(), backward.end(), [&](const Op& op) { return routed(op.id); });
+  const auto shared =
+      std::find_if(first, backward.end(), [&](const Op& op) { return !routed(op.id); });
+  const auto norm = std::find_if(shared, backward.end(), [](const Op& op) {
+    return op.id == OpId::kPostAttentionLayernormBackward;
+  });
+  std::rotate(first, shared, norm);
+}
+
 }  // namespace
 
 PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
@@ -660,7 +697,8 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
-    p.recompute = selective_recompute(p.forward, s.recompute_modules, true);
+    p.recompute =
+        selective_recompute(p.forward, layer_recompute_modules(s.recompute_modules, false));
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -671,6 +709,7 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   p.forward = moe_forward(m, s);
   p.backward = backward_of(p.forward, s.activation_dtype);
+  shared_experts_backward_first(p.backward);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
   if (!s.fused_grad_accumulation) {
     const double dense = m.layer_parameters_per_rank(s.tensor_parallel, true);
@@ -683,8 +722,9 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   if (s.recompute == Recompute::kFull) {
     p.recompute = p.forward;
   } else if (s.recompute == Recompute::kSelective) {
-    // (the mlp module is the dense MLP's: an MoE layer's experts are not recomputed)
-    p.recompute = selective_recompute(p.forward, s.recompute_modules, false);
+    // (the mlp module is the dense MLP's; shared_experts reruns this layer's shared experts)
+    p.recompute =
+        selective_recompute(p.forward, layer_recompute_modules(s.recompute_modules, true));
   }
   for (Op& op : p.recompute) op.role = OpRole::kRecompute;
   return p;
@@ -767,10 +807,11 @@ bool recomputes(const LayerShape& s, RecomputeModule module) {
   return s.recompute == Recompute::kSelective && (s.recompute_modules & module) != 0;
 }
 
-// `dense_mlp`: mlp_width is a dense MLP's, which --recompute-modules mlp recomputes (its
-// activation-function inputs and FC2 input are not kept; its input, the FC1 input, is).
+// `moe_layer`: mlp_width is an MoE layer's shared experts', which --recompute-modules
+// shared_experts recomputes, else a dense MLP's, which mlp recomputes (their activation-function
+// inputs and FC2 input are not kept; their input, the FC1 input, is).
 ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s, const Dims& d,
-                                        double mlp_width, bool dense_mlp) {
+                                        double mlp_width, bool moe_layer) {
   ActivationUnits u;
   const double sbh = d.T * d.h;
   const double kv_fraction = d.groups / d.heads;
@@ -783,8 +824,10 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;
-  if (!(dense_mlp && recomputes(s, kRecomputeMlp)))
-    u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
+  const bool mlp_recomputed =
+      s.recompute == Recompute::kSelective &&
+      (layer_recompute_modules(s.recompute_modules, moe_layer) & kRecomputeMlp);
+  if (!mlp_recomputed) u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
   // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
   // its backward pass and the projection keeps its input back on the rank's tokens: 2 sbh more.
   // (Selective recomputation keeps neither: the attention's inputs, the tokens' Q, K and V, are
@@ -821,13 +864,13 @@ double attention_backward_workspace_bytes(const ModelSpec& m, const LayerShape& 
 
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
-  return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn, true));
+  return activation_bytes(s, d, attention_and_mlp_units(m, s, d, d.ffn, false));
 }
 
 double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Dims d = dims(m, s);
   ActivationUnits u =
-      attention_and_mlp_units(m, s, d, static_cast<double>(m.moe_shared_expert_ffn_size), false);
+      attention_and_mlp_units(m, s, d, static_cast<double>(m.moe_shared_expert_ffn_size), true);
   // The rank's experts keep, per token they process, its permuted input (2 h), the activation
   // input(s) and the FC2 input; unpermuting keeps the k outputs of each of the rank's tokens
   // (2 h each) and their fp32 probabilities.

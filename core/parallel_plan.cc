@@ -91,7 +91,8 @@ constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
     {kRecomputeCoreAttn, "core_attn"},
     {kRecomputeMlp, "mlp"},
     {kRecomputeMoeAct, "moe_act"},
-    {kRecomputeLayernorm, "layernorm"}};
+    {kRecomputeLayernorm, "layernorm"},
+    {kRecomputeSharedExperts, "shared_experts"}};
 
 }  // namespace
 
@@ -112,18 +113,21 @@ std::string recompute_modules_string(unsigned modules) {
 unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
                                         const std::string& field) {
   if (names.empty())
-    throw InputError(field, "names no module (expected core_attn, mlp, moe_act and/or layernorm)");
+    throw InputError(
+        field,
+        "names no module (expected core_attn, mlp, moe_act, layernorm and/or shared_experts)");
   unsigned modules = 0;
   for (const std::string& n : names) {
     unsigned bit = 0;
     for (const auto& [b, name] : kRecomputeModuleNames)
       if (n == name) bit = b;
     if (bit == 0) {
-      const bool megatron = n == "moe" || n == "shared_experts" || n == "mla_up_proj";
-      throw InputError(field, "'" + n + "' " +
-                                  (megatron ? std::string("is not modelled by ptdp")
-                                            : std::string("is not a module")) +
-                                  " (expected core_attn, mlp, moe_act and/or layernorm)");
+      const bool megatron = n == "moe" || n == "mla_up_proj";
+      throw InputError(
+          field,
+          "'" + n + "' " +
+              (megatron ? std::string("is not modelled by ptdp") : std::string("is not a module")) +
+              " (expected core_attn, mlp, moe_act, layernorm and/or shared_experts)");
     }
     modules |= bit;
   }

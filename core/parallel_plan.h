@@ -26,15 +26,26 @@ enum class Recompute { kNone, kSelective, kFull };
 // MLP's input; not an MoE layer's experts), the routed experts' activation function
 // ("moe_act": from FC1's output, so FC2's input is not kept) and the two layernorms before the
 // attention and the MLP ("layernorm": their outputs, the QKV and FC1 or router inputs, are not
-// kept but rerun from their inputs, which are kept).
+// kept but rerun from their inputs, which are kept) and an MoE layer's shared experts
+// ("shared_experts": their MLP rerun from its input, as "mlp" reruns a dense layer's).
 enum RecomputeModule : unsigned {
   kRecomputeCoreAttn = 1u,
   kRecomputeMlp = 2u,
   kRecomputeMoeAct = 4u,
-  kRecomputeLayernorm = 8u
+  kRecomputeLayernorm = 8u,
+  kRecomputeSharedExperts = 16u
 };
-inline constexpr unsigned kAllRecomputeModules =
-    kRecomputeCoreAttn | kRecomputeMlp | kRecomputeMoeAct | kRecomputeLayernorm;
+inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecomputeMlp |
+                                                 kRecomputeMoeAct | kRecomputeLayernorm |
+                                                 kRecomputeSharedExperts;
+// The modules as one layer runs them, its tensor-parallel MLP under the mlp bit: a dense layer's
+// MLP (mlp), or an MoE layer's shared experts (shared_experts); moe_act for MoE layers only.
+inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
+  const unsigned common = modules & (kRecomputeCoreAttn | kRecomputeLayernorm);
+  if (!moe_layer) return common | (modules & kRecomputeMlp);
+  return common | (modules & kRecomputeMoeAct) |
+         ((modules & kRecomputeSharedExperts) ? unsigned{kRecomputeMlp} : 0u);
+}
 // "core_attn mlp" (Megatron's spelling, space-separated); parsing names the flag or field and
 // refuses Megatron's modules ptdp does not model.
 std::string recompute_modules_string(unsigned modules);

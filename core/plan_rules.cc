@@ -358,12 +358,19 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                  ? std::string("with --recompute-method block needs --recompute-granularity full")
                  : "must be positive, got " + std::to_string(plan.recompute_layers);
     });
+  const bool shared_without_experts = (plan.recompute_modules & kRecomputeSharedExperts) != 0 &&
+                                      !(m.is_moe() && m.moe_shared_expert_ffn_size > 0);
   if (plan.recompute_modules == 0 || (plan.recompute_modules & ~kAllRecomputeModules) != 0 ||
-      (plan.recompute_modules != kRecomputeCoreAttn && plan.recompute != Recompute::kSelective))
+      (plan.recompute_modules != kRecomputeCoreAttn && plan.recompute != Recompute::kSelective) ||
+      shared_without_experts)
     return broken(PlanRule::kRecomputeModules, report, "--recompute-modules", [&] {
-      return plan.recompute != Recompute::kSelective
-                 ? std::string("needs --recompute-granularity selective")
-                 : std::string("must name core_attn, mlp, moe_act and/or layernorm");
+      if (plan.recompute != Recompute::kSelective)
+        return std::string("needs --recompute-granularity selective");
+      if (shared_without_experts)
+        return std::string(
+            "shared_experts needs an MoE model with shared experts "
+            "(--moe-shared-expert-intermediate-size)");
+      return std::string("must name core_attn, mlp, moe_act, layernorm and/or shared_experts");
     });
   return PlanRule::kNone;
 }

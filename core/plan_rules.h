@@ -71,8 +71,8 @@ enum class PlanRule {
   kExpertOverlap,       // --overlap-moe-expert-parallel-comm: ep > 1, no full recompute, 1F1B at
                         // p = 1 or interleaved
   kRecomputeLayers,     // recompute_layers >= 0, and > 0 only with full
-  kRecomputeModules,    // --recompute-modules: core_attn, mlp, moe_act, layernorm; other than
-                        // core_attn alone only with selective
+  kRecomputeModules,    // --recompute-modules: core_attn, mlp, moe_act, layernorm, shared_experts
+                        // (with shared experts); other than core_attn alone only with selective
 };
 
 // The first rule the plan breaks, in the order listed above (kNone when it breaks none).

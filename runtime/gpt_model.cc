@@ -190,10 +190,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe = std::make_unique<MoeContext>(m, md);
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
-    // An MoE layer's recomputation: the dense MLP's module is not its (the experts'); with
-    // moe_act the experts' activation follows the attention core's, as in the op list.
+    // An MoE layer's recomputation: the dense MLP's module is not its, its shared experts' is
+    // (as the dense layer's list, the mlp bit reruns its MLP ops, which run the shared experts);
+    // with moe_act the experts' activation follows the attention core's, as in the op list.
     LayerShape moe_shape = shape;
-    moe_shape.recompute_modules &= ~static_cast<unsigned>(kRecomputeMlp);
+    moe_shape.recompute_modules = layout.recompute_modules_of(true);
     J.moe_recompute = moe_forward_program(
         compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op), md);
     if (layout.recompute == Recompute::kSelective && (layout.recompute_modules & kRecomputeMoeAct))

@@ -59,11 +59,11 @@ struct ShardLayout {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
   int64_t recompute_layers = 0;  // full recompute of each chunk's first N layers only (0: all)
-  // With selective: what it recomputes (ParallelPlan::recompute_modules; the dense MLP's module
-  // is not an MoE layer's).
+  // With selective: what it recomputes (ParallelPlan::recompute_modules), as a layer of each
+  // kind runs it (layer_recompute_modules: an MoE layer's mlp bit is its shared experts').
   unsigned recompute_modules = kRecomputeCoreAttn;
   unsigned recompute_modules_of(bool moe_layer) const {
-    return recompute_modules & ~static_cast<unsigned>(moe_layer ? kRecomputeMlp : kRecomputeMoeAct);
+    return layer_recompute_modules(recompute_modules, moe_layer);
   }
   // The recompute mode of layer l (from 0) of a model chunk.
   Recompute recompute_of(int64_t l) const {

@@ -402,6 +402,36 @@ TEST(LayerOps, RecomputeModulesLayernormRerunsBothLayernorms) {
                    4.0 * moe.seq_length * moe.hidden_size / 2);
 }
 
+// --recompute-modules shared_experts: an MoE layer's shared experts rerun from their input as
+// mlp reruns a dense MLP (Qwen2-57B-A14B at t 2 with SP: the all-gather, FC1, SwiGLU, FC2 and the
+// reduce-scatter of its 20480-wide shared expert, after the attention core), keeping neither
+// SwiGLU's two inputs nor FC2's: (2 x 2 + 2) s b 20480 / t bytes less. mlp changes nothing there.
+TEST(LayerOps, RecomputeModulesSharedExpertsRerunTheSharedMlp) {
+  using I = OpId;
+  const ModelSpec m = resolve_model("qwen2-57b-a14b");
+  LayerShape s;
+  s.tensor_parallel = 2;
+  s.sequence_parallel = true;
+  s.recompute = Recompute::kSelective;
+  const std::vector<OpId> core = ids_of(moe_layer_ops(m, s).recompute);
+  const double core_bytes = moe_layer_activation_bytes(m, s);
+  s.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp;
+  EXPECT_EQ(ids_of(moe_layer_ops(m, s).recompute), core);
+  EXPECT_DOUBLE_EQ(moe_layer_activation_bytes(m, s), core_bytes);
+  s.recompute_modules = kRecomputeCoreAttn | kRecomputeSharedExperts;
+  std::vector<OpId> want = core;
+  want.insert(want.end(), {I::kMlpAllGather, I::kFc1, I::kSwiglu, I::kFc2, I::kMlpReduceScatter});
+  EXPECT_EQ(ids_of(moe_layer_ops(m, s).recompute), want);
+  EXPECT_DOUBLE_EQ(core_bytes - moe_layer_activation_bytes(m, s),
+                   (2.0 * 2 + 2) * m.seq_length * 20480 / 2);
+  // A dense layer of the same plan has no shared experts: nothing more.
+  LayerShape dense = s;
+  dense.recompute_modules = kRecomputeCoreAttn;
+  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute),
+            ids_of(transformer_layer_ops(m, dense).recompute));
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s), layer_activation_bytes(m, dense));
+}
+
 TEST(LayerOps, EveryOpIdHasADistinctName) {
   std::set<std::string_view> names;
   for (int i = 0; i < kNumOpIds; ++i) {

@@ -270,10 +270,10 @@ TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
   EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
 }
 
-// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act, layernorm with selective
-// recomputation only; the Megatron line names them when they are not the default, a plan file
-// keeps them, and the modules ptdp does not model are refused by name. (moe_act: the routed
-// experts' activation.)
+// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act, layernorm, shared_experts with
+// selective recomputation only (shared_experts with shared experts); the Megatron line names them
+// when they are not the default, a plan file keeps them, and the modules ptdp does not model are
+// refused by name. (moe_act: the routed experts' activation.)
 TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   const ModelSpec m = resolve_model("llama3-8b");
   ParallelPlan p;
@@ -297,7 +297,7 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   p.recompute_modules = 0;
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
   nlohmann::json j = to_json(p);
-  j["recompute_modules"] = {"shared_experts"};
+  j["recompute_modules"] = {"mla_up_proj"};
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
   EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
             kRecomputeCoreAttn | kRecomputeMlp);
@@ -321,6 +321,20 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   EXPECT_NE(p.megatron_flags(m).find("--recompute-modules core_attn moe_act layernorm"),
             std::string::npos);
   EXPECT_EQ(plan_from_json(to_json(p)).recompute_modules, p.recompute_modules);
+  // shared_experts: an MoE model with shared experts only (Qwen2-57B-A14B's 20480-wide one).
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeSharedExperts;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
+  EXPECT_NE(
+      message_of([&] { p.validate(m); }).find("shared_experts needs an MoE model with shared"),
+      std::string::npos);
+  const ModelSpec qwen = resolve_model("qwen2-57b-a14b");
+  p.sequence_parallel = true;  // MoE with t > 1
+  EXPECT_EQ(error_of([&] { p.validate(qwen); }), "no error");
+  EXPECT_EQ(recompute_label(p), "selective+shared_experts");
+  EXPECT_NE(p.megatron_flags(qwen).find("--recompute-modules core_attn shared_experts"),
+            std::string::npos);
+  EXPECT_EQ(layer_recompute_modules(p.recompute_modules, true), kRecomputeCoreAttn | kRecomputeMlp);
+  EXPECT_EQ(layer_recompute_modules(p.recompute_modules, false), kRecomputeCoreAttn);
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

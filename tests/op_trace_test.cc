@@ -170,6 +170,8 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeLayernorm},
       {2, true, Recompute::kSelective, kRecomputeLayernorm | kRecomputeMlp | kRecomputeMoeAct},
       {2, false, Recompute::kSelective, kRecomputeLayernorm},
+      // shared_experts: an MoE layer's shared experts rerun (the "moe-shared" model below).
+      {2, true, Recompute::kSelective, kRecomputeSharedExperts | kRecomputeMoeAct},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";
@@ -182,13 +184,18 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   moe.moe_router_topk = 2;
   moe.moe_ffn_hidden_size = 48;
   moe.moe_first_dense_layers = 1;
+  ModelSpec shared = moe;  // with a shared expert beside the routed ones
+  shared.name = "trace-moe-shared";
+  shared.moe_shared_expert_ffn_size = 32;
   int checked = 0;
   // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe, shared}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
         // MoE layers with tensor parallelism need sequence parallelism.
         if (m.is_moe() && v.t > 1 && !v.sp) continue;
+        // shared_experts with shared experts only (the rules refuse it otherwise).
+        if ((v.modules & kRecomputeSharedExperts) && m.moe_shared_expert_ffn_size == 0) continue;
         const ShardLayout l = layout_of(v, type);
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);

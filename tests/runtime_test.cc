@@ -321,7 +321,8 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
 // losses to the bit, and keeps less: with the attention core, less than the core alone; the MLP
 // alone, less than nothing recomputed. An MoE model's dense layer recomputes its MLP, its MoE
 // layers not their experts, and trains to the same losses; with moe_act its experts' activation
-// is rerun, and with layernorm both layernorms' outputs, to the same losses with less memory.
+// is rerun, with layernorm both layernorms' outputs, and with shared_experts a shared expert's
+// MLP, to the same losses with less memory.
 TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   for (const ModelSpec& m : {tiny(), tiny_llama()}) {
     TrainOptions o = options(m, 3);
@@ -368,6 +369,17 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   const TrainResult norms = train_one(o);
   EXPECT_EQ(losses(norms), losses(none));
   EXPECT_LT(norms.peak_memory_bytes, act.peak_memory_bytes);
+  // shared_experts: with a shared expert beside the routed ones, its MLP rerun from its input.
+  moe.moe_shared_expert_ffn_size = 64;
+  o = options(moe, 3);
+  const TrainResult shared_none = train_one(o);
+  o.plan.recompute = Recompute::kSelective;
+  const TrainResult shared_core = train_one(o);
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeSharedExperts;
+  const TrainResult shared = train_one(o);
+  EXPECT_EQ(losses(shared_core), losses(shared_none));
+  EXPECT_EQ(losses(shared), losses(shared_none));
+  EXPECT_LT(shared.peak_memory_bytes, shared_core.peak_memory_bytes);
 }
 
 // --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
