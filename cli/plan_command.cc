@@ -109,6 +109,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   o.optimizer_instances = instances;
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
   o.selective_modules = {selective_modules};
+  o.try_memory_saving_modules = f.job.recompute_modules.empty();
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.
   if (f.job.use_megatron_fsdp) {

@@ -152,6 +152,13 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
 
 }  // namespace
 
+unsigned memory_saving_modules(const ModelSpec& m) {
+  unsigned modules = kRecomputeCoreAttn | kRecomputeLayernorm;
+  if (m.is_moe()) modules |= kRecomputeMoeAct;
+  if (m.is_moe() && m.moe_shared_expert_ffn_size > 0) modules |= kRecomputeSharedExperts;
+  return modules;
+}
+
 std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p) {
   const int64_t cp = p.context_parallel, t = p.tensor_parallel;
   std::vector<int64_t> out;
@@ -305,7 +312,12 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           const std::span<const CpComm> types = c.cp > 1 && !o.cp_comms.empty()
                                                     ? std::span<const CpComm>(o.cp_comms)
                                                     : std::span<const CpComm>(&plan.cp_comm, 1);
-          const Variant best = fastest_variant(plan, types, combinable, m, cost);
+          Variant best = fastest_variant(plan, types, combinable, m, cost);
+          if (best.allowed && !best.fits && rc == Recompute::kSelective &&
+              modules == kRecomputeCoreAttn && o.try_memory_saving_modules) {
+            plan.recompute_modules = memory_saving_modules(m);
+            best = fastest_variant(plan, types, combinable, m, cost);
+          }
           if (!best.allowed) {
             ++tally.rejected[rule_reason(best.broken)];
             continue;

@@ -31,6 +31,11 @@ struct SearchOptions {
   // The module sets selective recomputation is tried with (--recompute-modules pins one; each
   // a RecomputeModule mask).
   std::vector<unsigned> selective_modules = {kRecomputeCoreAttn};
+  // A selective candidate with the attention core alone that does not fit is tried again with
+  // Megatron-Core's cheap memory savers as well (memory_saving_modules): the layernorms' outputs,
+  // and in MoE models the experts' activation and the shared experts. Off when --recompute-modules
+  // pins the set.
+  bool try_memory_saving_modules = true;
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
   // Megatron-FSDP's strategies tried besides DDP and the distributed optimizer, at p = 1 with
@@ -80,6 +85,9 @@ struct SearchOptions {
   std::function<void(int64_t, int64_t)> progress;
 };
 
+// The selective modules a memory-tight candidate is tried again with: core_attn and layernorm,
+// with moe_act in MoE models and shared_experts in those with shared experts.
+unsigned memory_saving_modules(const ModelSpec& m);
 // a2a+p2p's all-to-all sizes for a plan's cp, ascending: each A dividing cp (1 < A < cp) that
 // divides each tensor-parallel rank's heads and query groups. The search tries each whose group
 // of t A GPUs fits in a node (Transformer Engine's design: the all-to-alls on the node's links,

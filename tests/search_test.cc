@@ -157,15 +157,19 @@ TEST(Search, MegatronFsdpStrategiesOnlyWhenAskedAndAtOneStage) {
 // The distributed optimizer's instances are tried only when asked for, beside one instance, on
 // the candidates whose data-parallel ranks they divide into instances of two ranks or more;
 // auto asks for one instance per node's part of the data-parallel group.
-// --recompute-modules: the selective candidates recompute the modules asked for (the attention
-// core alone by default), and fewer configurations are refused for memory when the MLP is among
-// them, since each such plan keeps less.
+// --recompute-modules: the selective candidates recompute the modules asked for, and fewer
+// configurations are refused for memory when the MLP is among them, since each such plan keeps
+// less. By default (the attention core) a candidate that does not fit so is tried again with
+// Megatron-Core's cheap memory savers too (memory_saving_modules: the layernorms; in MoE models
+// also the experts' activation and the shared experts): each plan that recomputes them does not
+// fit without them, and more plans fit.
 TEST(Search, SelectivePlansRecomputeTheModulesAsked) {
   Job j("llama3-8b", 8);
   SearchOptions o;
   o.global_batch_size = 64;
   o.top_k = 5000;
   o.recompute_modes = {Recompute::kSelective};
+  o.try_memory_saving_modules = false;  // as --recompute-modules pins the set
   const SearchResult core = search_plans(j.m, j.c, j.h, o);
   o.selective_modules = {kRecomputeCoreAttn | kRecomputeMlp};
   const SearchResult both = search_plans(j.m, j.c, j.h, o);
@@ -178,6 +182,28 @@ TEST(Search, SelectivePlansRecomputeTheModulesAsked) {
   }
   EXPECT_EQ(both.considered, core.considered);
   EXPECT_GT(both.top.size(), core.top.size());  // more of them fit
+
+  EXPECT_EQ(memory_saving_modules(j.m), kRecomputeCoreAttn | kRecomputeLayernorm);
+  EXPECT_EQ(memory_saving_modules(resolve_model("mixtral-8x7b")),
+            kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct);
+  EXPECT_EQ(memory_saving_modules(resolve_model("qwen2-57b-a14b")),
+            kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct | kRecomputeSharedExperts);
+  o.selective_modules = {kRecomputeCoreAttn};
+  o.try_memory_saving_modules = true;
+  const SearchResult saving = search_plans(j.m, j.c, j.h, o);
+  const CostModel cost(j.m, j.c, j.h);
+  int savers = 0;
+  for (const RankedPlan& rp : saving.top) {
+    if (rp.plan.recompute_modules == kRecomputeCoreAttn) continue;
+    ++savers;
+    EXPECT_EQ(rp.plan.recompute_modules, memory_saving_modules(j.m));
+    ParallelPlan alone = rp.plan;
+    alone.recompute_modules = kRecomputeCoreAttn;
+    EXPECT_FALSE(cost.memory(alone).fits) << plan_summary(rp.plan);
+  }
+  EXPECT_GT(savers, 0);
+  EXPECT_EQ(saving.considered, core.considered);
+  EXPECT_EQ(saving.top.size(), core.top.size() + static_cast<size_t>(savers));
 }
 
 TEST(Search, OptimizerInstancesOnlyWhenAskedAndWhereTheyDivide) {
