@@ -597,12 +597,15 @@ namespace {
 // - mlp (a dense layer's MLP, an MoE layer's shared experts: layer_recompute_modules): the MLP
 //   from its input, from its all-gather (or FC1) to its all-reduce (or reduce-scatter), FC2
 //   included, as Megatron-Core's checkpointed MLP reruns its forward;
-// - moe_act: the routed experts' activation function, from FC1's output.
+// - moe_act: the routed experts' activation function, from FC1's output;
+// - moe: the whole MoE layer (with its shared experts under mlp), from its input: router,
+//   top-k, permutation, dispatch, experts, combine and unpermutation.
 // `modules`: the layer's (layer_recompute_modules).
 std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned modules) {
   using I = OpId;
   const bool core = modules & kRecomputeCoreAttn, norms = modules & kRecomputeLayernorm,
-             mlp = modules & kRecomputeMlp, moe_act = modules & kRecomputeMoeAct;
+             mlp = modules & kRecomputeMlp, moe_act = modules & kRecomputeMoeAct,
+             moe = modules & kRecomputeMoe;
   std::vector<Op> out;
   for (const Op& op : forward) {
     bool rerun = false;
@@ -632,7 +635,19 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
         rerun = mlp;
         break;
       case I::kExpertActivation:
-        rerun = moe_act;
+        rerun = moe_act || moe;
+        break;
+      case I::kRouter:
+      case I::kRouterTopk:
+      case I::kMoePermute:
+      case I::kMoeDispatch:
+      case I::kMoeDispatchAllGather:
+      case I::kExpertFc1:
+      case I::kExpertFc2:
+      case I::kMoeCombineReduceScatter:
+      case I::kMoeCombine:
+      case I::kMoeUnpermute:
+        rerun = moe;
         break;
       default:
         break;
@@ -877,10 +892,13 @@ double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const Routing r = routing(m, s, d);
   const double gate = m.swiglu ? 2.0 : 1.0;
   const double ffn = static_cast<double>(r.ffn_local);
-  // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output.)
+  // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output;
+  // moe keeps nothing of the routed path: the layer is rerun from its input.)
   const double fc2_input = recomputes(s, kRecomputeMoeAct) ? 0.0 : 2.0;
   u.per_rank =
-      r.processed * (2.0 * d.h + (2.0 * gate + fc2_input) * ffn) + r.sent * (2.0 * d.h + 2.0);
+      recomputes(s, kRecomputeMoe)
+          ? 0.0
+          : r.processed * (2.0 * d.h + (2.0 * gate + fc2_input) * ffn) + r.sent * (2.0 * d.h + 2.0);
   return activation_bytes(s, d, u);
 }
 

@@ -92,7 +92,8 @@ constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
     {kRecomputeMlp, "mlp"},
     {kRecomputeMoeAct, "moe_act"},
     {kRecomputeLayernorm, "layernorm"},
-    {kRecomputeSharedExperts, "shared_experts"}};
+    {kRecomputeSharedExperts, "shared_experts"},
+    {kRecomputeMoe, "moe"}};
 
 }  // namespace
 
@@ -115,19 +116,19 @@ unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
   if (names.empty())
     throw InputError(
         field,
-        "names no module (expected core_attn, mlp, moe_act, layernorm and/or shared_experts)");
+        "names no module (expected core_attn, mlp, moe_act, layernorm, shared_experts and/or moe)");
   unsigned modules = 0;
   for (const std::string& n : names) {
     unsigned bit = 0;
     for (const auto& [b, name] : kRecomputeModuleNames)
       if (n == name) bit = b;
     if (bit == 0) {
-      const bool megatron = n == "moe" || n == "mla_up_proj";
+      const bool megatron = n == "mla_up_proj";
       throw InputError(
           field,
           "'" + n + "' " +
               (megatron ? std::string("is not modelled by ptdp") : std::string("is not a module")) +
-              " (expected core_attn, mlp, moe_act, layernorm and/or shared_experts)");
+              " (expected core_attn, mlp, moe_act, layernorm, shared_experts and/or moe)");
     }
     modules |= bit;
   }

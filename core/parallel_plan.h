@@ -26,23 +26,28 @@ enum class Recompute { kNone, kSelective, kFull };
 // MLP's input; not an MoE layer's experts), the routed experts' activation function
 // ("moe_act": from FC1's output, so FC2's input is not kept) and the two layernorms before the
 // attention and the MLP ("layernorm": their outputs, the QKV and FC1 or router inputs, are not
-// kept but rerun from their inputs, which are kept) and an MoE layer's shared experts
-// ("shared_experts": their MLP rerun from its input, as "mlp" reruns a dense layer's).
+// kept but rerun from their inputs, which are kept), an MoE layer's shared experts
+// ("shared_experts": their MLP rerun from its input, as "mlp" reruns a dense layer's) and the
+// whole MoE layer ("moe": router, dispatch, experts, combine and shared experts rerun from the
+// layer's input, its all-to-alls included; nothing inside it kept).
 enum RecomputeModule : unsigned {
   kRecomputeCoreAttn = 1u,
   kRecomputeMlp = 2u,
   kRecomputeMoeAct = 4u,
   kRecomputeLayernorm = 8u,
-  kRecomputeSharedExperts = 16u
+  kRecomputeSharedExperts = 16u,
+  kRecomputeMoe = 32u
 };
 inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecomputeMlp |
                                                  kRecomputeMoeAct | kRecomputeLayernorm |
-                                                 kRecomputeSharedExperts;
+                                                 kRecomputeSharedExperts | kRecomputeMoe;
 // The modules as one layer runs them, its tensor-parallel MLP under the mlp bit: a dense layer's
-// MLP (mlp), or an MoE layer's shared experts (shared_experts); moe_act for MoE layers only.
+// MLP (mlp), or an MoE layer's shared experts (shared_experts, or moe); moe_act and moe for MoE
+// layers only (moe reruns the experts' activation with the rest).
 inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
   const unsigned common = modules & (kRecomputeCoreAttn | kRecomputeLayernorm);
   if (!moe_layer) return common | (modules & kRecomputeMlp);
+  if (modules & kRecomputeMoe) return common | kRecomputeMoe | kRecomputeMlp;
   return common | (modules & kRecomputeMoeAct) |
          ((modules & kRecomputeSharedExperts) ? unsigned{kRecomputeMlp} : 0u);
 }

@@ -72,7 +72,8 @@ enum class PlanRule {
                         // p = 1 or interleaved
   kRecomputeLayers,     // recompute_layers >= 0, and > 0 only with full
   kRecomputeModules,    // --recompute-modules: core_attn, mlp, moe_act, layernorm, shared_experts
-                        // (with shared experts); other than core_attn alone only with selective
+                        // (with shared experts), moe (MoE models, not with the combined 1F1B);
+                        // other than core_attn alone only with selective
 };
 
 // The first rule the plan breaks, in the order listed above (kNone when it breaks none).

@@ -193,11 +193,17 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     // An MoE layer's recomputation: the dense MLP's module is not its, its shared experts' is
     // (as the dense layer's list, the mlp bit reruns its MLP ops, which run the shared experts);
     // with moe_act the experts' activation follows the attention core's, as in the op list.
+    // With moe the routed path follows the shared experts, the whole layer's forward.
     LayerShape moe_shape = shape;
     moe_shape.recompute_modules = layout.recompute_modules_of(true);
-    J.moe_recompute = moe_forward_program(
-        compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op), md);
-    if (layout.recompute == Recompute::kSelective && (layout.recompute_modules & kRecomputeMoeAct))
+    std::vector<OpId> dense =
+        compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op);
+    const bool selective = layout.recompute == Recompute::kSelective;
+    const bool whole = selective && (layout.recompute_modules_of(true) & kRecomputeMoe);
+    if (whole) dense.push_back(OpId::kMlpBiasDropoutAdd);  // where the routed ops go
+    J.moe_recompute = moe_forward_program(dense, md);
+    if (whole) J.moe_recompute.pop_back();
+    if (selective && (layout.recompute_modules_of(true) & kRecomputeMoeAct))
       J.moe_recompute.push_back(OpId::kExpertActivation);
     mark_weight_grads(moe_layer_ops(m, shape));  // the router's and experts'
   }
@@ -588,6 +594,9 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     if (M && layout_.recompute_of(l) == Recompute::kSelective &&
         (layout_.recompute_modules_of(moe) & kRecomputeMoeAct))
       release(M->act);  // the experts' FC2 input: their activation is rerun
+    if (M && layout_.recompute_of(l) == Recompute::kSelective &&
+        (layout_.recompute_modules_of(moe) & kRecomputeMoe))
+      release_routed(*M);  // the whole layer is rerun from its input
   }
   if (!ch.last) {
     *output = std::move(x);

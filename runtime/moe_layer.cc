@@ -294,6 +294,10 @@ double MoeContext::measured_load() const {
   return load_sum_.mean > 0 ? load_sum_.busiest / load_sum_.mean : 0.0;
 }
 
+void release_routed(MoeActs& A) {
+  for (Buffer* b : {&A.logits, &A.permuted, &A.x, &A.fc1, &A.act, &A.y, &A.combined}) release(*b);
+}
+
 bool is_moe_op(OpId id) {
   return id >= OpId::kRouter && id <= OpId::kRouterWgrad;
 }
@@ -430,7 +434,7 @@ void moe_forward_op(ShardContext& c, MoeContext& mc, OpId op, const MoeLayerPara
         for (int64_t e = 0; e < El; ++e)
           A.recv[static_cast<size_t>(src * El + e)] =
               all[static_cast<size_t>(src * E + d.ep_rank * El + e)];
-      mc.add_load(expert_load_of(all, d.ep, E));
+      if (c.pass() != PassKind::kRecompute) mc.add_load(expert_load_of(all, d.ep, E));
       to_experts(c, mc, A.permuted, A, A.x);
       consumed(A, A.permuted);
       break;

@@ -137,6 +137,9 @@ MoeDims moe_dims(const ModelSpec& m, int64_t t, int64_t ep, int64_t ep_rank, int
                  int64_t etp_rank);
 
 bool is_moe_op(OpId id);
+// --recompute-modules moe: drops what an MoE layer's forward pass kept of its routed path (the
+// router's logits and the rows in the backend's memory), which its recomputation writes again.
+void release_routed(MoeActs& A);
 // An MoE layer's programs from the dense layer's: the MLP ops stay for the shared experts (or
 // go, without them) and the routed ops are inserted before the closing bias-dropout-add
 // (forward, recomputation) and before the post-attention layernorm's backward.

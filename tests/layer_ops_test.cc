@@ -432,6 +432,41 @@ TEST(LayerOps, RecomputeModulesSharedExpertsRerunTheSharedMlp) {
   EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s), layer_activation_bytes(m, dense));
 }
 
+// --recompute-modules moe: the whole MoE layer rerun from its input (Mixtral 8x7B at t 2 with SP
+// and ep 4: router, top-k, permutation, dispatch all-to-all, the experts, combine all-to-all and
+// unpermutation after the attention core), keeping nothing of the routed path: every routed term
+// of the memory model goes, the layer's input stays.
+TEST(LayerOps, RecomputeModulesMoeRerunsTheWholeMoeLayer) {
+  using I = OpId;
+  const ModelSpec m = resolve_model("mixtral-8x7b");
+  LayerShape s;
+  s.tensor_parallel = 2;
+  s.sequence_parallel = true;
+  s.expert_parallel = 4;
+  s.recompute = Recompute::kSelective;
+  const std::vector<OpId> core = ids_of(moe_layer_ops(m, s).recompute);
+  const double core_bytes = moe_layer_activation_bytes(m, s);
+  s.recompute_modules = kRecomputeCoreAttn | kRecomputeMoe;
+  std::vector<OpId> want = core;
+  want.insert(want.end(),
+              {I::kRouter, I::kRouterTopk, I::kMoePermute, I::kMoeDispatch, I::kExpertFc1,
+               I::kExpertActivation, I::kExpertFc2, I::kMoeCombine, I::kMoeUnpermute});
+  EXPECT_EQ(ids_of(moe_layer_ops(m, s).recompute), want);
+  for (const Op& op : moe_layer_ops(m, s).recompute) EXPECT_EQ(op.role, OpRole::kRecompute);
+  // What stays is the attention's part and the layer's inputs: the same as with a layer of no
+  // routed tokens.
+  LayerShape none = s;
+  none.recompute_modules = kRecomputeCoreAttn;
+  const double attention_only =
+      layer_activation_bytes(m, none) -
+      (2.0 * 2 + 2) * m.seq_length * static_cast<double>(m.ffn_hidden()) / 2;
+  EXPECT_DOUBLE_EQ(moe_layer_activation_bytes(m, s), attention_only);
+  EXPECT_LT(moe_layer_activation_bytes(m, s), core_bytes);
+  // moe_act with moe: the activation once.
+  s.recompute_modules |= kRecomputeMoeAct;
+  EXPECT_EQ(ids_of(moe_layer_ops(m, s).recompute), want);
+}
+
 TEST(LayerOps, EveryOpIdHasADistinctName) {
   std::set<std::string_view> names;
   for (int i = 0; i < kNumOpIds; ++i) {

@@ -270,10 +270,10 @@ TEST(ContextAndExpertParallel, HierarchicalContextParallelRulesFlagsAndJson) {
   EXPECT_EQ(natural_hierarchical_cp(m, p, 8), 0);
 }
 
-// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act, layernorm, shared_experts with
-// selective recomputation only (shared_experts with shared experts); the Megatron line names them
-// when they are not the default, a plan file keeps them, and the modules ptdp does not model are
-// refused by name. (moe_act: the routed experts' activation.)
+// --recompute-modules (Megatron-Core's): core_attn, mlp, moe_act, layernorm, shared_experts, moe
+// with selective recomputation only (shared_experts with shared experts, moe in MoE models); the
+// Megatron line names them when they are not the default, a plan file keeps them, and the modules
+// ptdp does not model are refused by name. (moe_act: the routed experts' activation.)
 TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   const ModelSpec m = resolve_model("llama3-8b");
   ParallelPlan p;
@@ -301,11 +301,12 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
   EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
             kRecomputeCoreAttn | kRecomputeMlp);
-  EXPECT_EQ(field_of([&] { recompute_modules_from_strings({"moe"}, "--recompute-modules"); }),
-            "--recompute-modules");
+  EXPECT_EQ(
+      field_of([&] { recompute_modules_from_strings({"mla_up_proj"}, "--recompute-modules"); }),
+      "--recompute-modules");
   EXPECT_NE(message_of([&] {
-              recompute_modules_from_strings({"moe"}, "--recompute-modules");
-            }).find("'moe' is not modelled by ptdp"),
+              recompute_modules_from_strings({"mla_up_proj"}, "--recompute-modules");
+            }).find("'mla_up_proj' is not modelled by ptdp"),
             std::string::npos);
   p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
   EXPECT_EQ(recompute_label(p), "selective+moe_act");
@@ -335,6 +336,20 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
             std::string::npos);
   EXPECT_EQ(layer_recompute_modules(p.recompute_modules, true), kRecomputeCoreAttn | kRecomputeMlp);
   EXPECT_EQ(layer_recompute_modules(p.recompute_modules, false), kRecomputeCoreAttn);
+  // moe: the whole MoE layer, shared experts included; MoE models only, not with the combined
+  // 1F1B.
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoe;
+  EXPECT_NE(message_of([&] { p.validate(m); }).find("moe needs an MoE model"), std::string::npos);
+  EXPECT_EQ(error_of([&] { p.validate(qwen); }), "no error");
+  EXPECT_EQ(recompute_label(p), "selective+moe");
+  EXPECT_NE(p.megatron_flags(qwen).find("--recompute-modules core_attn moe"), std::string::npos);
+  EXPECT_EQ(layer_recompute_modules(p.recompute_modules | kRecomputeMoeAct, true),
+            kRecomputeCoreAttn | kRecomputeMoe | kRecomputeMlp);
+  p.expert_parallel = 2;
+  p.data_parallel = 2;
+  p.overlap_moe_ep_comm = true;
+  EXPECT_NE(message_of([&] { p.validate(qwen); }).find("moe does not run with --overlap-moe"),
+            std::string::npos);
 }
 
 // --cp-comm-type: a2a needs cp to divide each tensor-parallel rank's heads and query groups

@@ -172,6 +172,9 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       {2, false, Recompute::kSelective, kRecomputeLayernorm},
       // shared_experts: an MoE layer's shared experts rerun (the "moe-shared" model below).
       {2, true, Recompute::kSelective, kRecomputeSharedExperts | kRecomputeMoeAct},
+      // moe: the whole MoE layer, shared experts included, and with the layernorms.
+      {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMoe},
+      {1, false, Recompute::kSelective, kRecomputeMoe | kRecomputeLayernorm},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";
@@ -196,6 +199,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
         if (m.is_moe() && v.t > 1 && !v.sp) continue;
         // shared_experts with shared experts only (the rules refuse it otherwise).
         if ((v.modules & kRecomputeSharedExperts) && m.moe_shared_expert_ffn_size == 0) continue;
+        if ((v.modules & kRecomputeMoe) && !m.is_moe()) continue;  // MoE models only
         const ShardLayout l = layout_of(v, type);
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);

@@ -707,6 +707,11 @@ TEST(RunMpi, MoeLayoutsTrainToTheSingleRankLosses) {
            {1, 2, 2, ep, kTinyMoe},
            // Megatron-Core's combined 1F1B at p = 1: F0, then F1 with B0, then B1.
            {1, 1, 2, ep + "--overlap-moe-expert-parallel-comm", kTinyMoe},
+           // --recompute-modules moe: the layer's all-to-alls run again before its backward.
+           {2, 1, 2,
+            ep + "--sequence-parallel --recompute-granularity selective --recompute-modules "
+                 "core_attn moe layernorm",
+            kTinyMoe},
        })
     expect_same_losses(l, single);
   // And interleaved (p = 2, v = 2, 4 microbatches): each rank warms up one forward more, then

@@ -380,6 +380,11 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   EXPECT_EQ(losses(shared_core), losses(shared_none));
   EXPECT_EQ(losses(shared), losses(shared_none));
   EXPECT_LT(shared.peak_memory_bytes, shared_core.peak_memory_bytes);
+  // moe: the whole MoE layer rerun from its input, shared expert included.
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMoe;
+  const TrainResult whole = train_one(o);
+  EXPECT_EQ(losses(whole), losses(shared_none));
+  EXPECT_LT(whole.peak_memory_bytes, shared.peak_memory_bytes);
 }
 
 // --use-flash-attn: the fused attention gives the unfused path's losses (its sums run in double
