@@ -41,6 +41,7 @@ enum RecomputeModule : unsigned {
 inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecomputeMlp |
                                                  kRecomputeMoeAct | kRecomputeLayernorm |
                                                  kRecomputeSharedExperts | kRecomputeMoe;
+static_assert(kAllRecomputeModules < (1u << 16), "CostModel::shape_times keys the set in 16 bits");
 // The modules as one layer runs them, its tensor-parallel MLP under the mlp bit: a dense layer's
 // MLP (mlp), or an MoE layer's shared experts (shared_experts, or moe); moe_act and moe for MoE
 // layers only (moe reruns the experts' activation with the rest).

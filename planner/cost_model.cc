@@ -507,7 +507,8 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   const double hit = cache_hit(p);
   const auto key = std::make_tuple(
       p.tensor_parallel, p.micro_batch_size, p.sequence_parallel,
-      static_cast<int>(p.recompute) * 16 + static_cast<int>(p.recompute_modules),  // 4 bits
+      // (the module set below bit 16: RecomputeModule has 6 bits)
+      (static_cast<int>(p.recompute) << 16) + static_cast<int>(p.recompute_modules),
       int64_t{p.fp8} * 8 + int64_t{p.tp_comm_overlap} * 4 +
           int64_t{p.gradient_accumulation_fusion} * 2 + p.fp32_grad_reduce,
       (p.context_parallel * 4 + static_cast<int>(p.cp_comm)) * (int64_t{1} << 20) + p.cp_a2a_size(),

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 
 #include "core/layer_ops.h"
+#include "core/plan_rules.h"
 #include "core/presets.h"
 #include "core/schedule.h"
 #include "planner/comm_model.h"
@@ -358,6 +360,45 @@ TEST(StateMemory, LargerModelsStopFitting) {
 // is below both the flat ring's (15 steps, 8 of them crossing nodes behind 1/16-sized blocks)
 // and Ulysses' (all-to-alls across the nodes); it buys the ring nothing at one node (8 x 1 is
 // Ulysses').
+// The cost model caches each layer shape's times: every recompute mode and module set is a
+// shape of its own. One model priced in turn with each (an MoE model with shared experts, where
+// every module applies) gives what a fresh model gives for each (before session 32 the key
+// packed the set into 4 bits, so selective core_attn + shared_experts and full recomputation
+// shared one entry).
+TEST(CostModel, EveryRecomputeSettingIsPricedAsItself) {
+  const ModelSpec m = resolve_model("qwen2-57b-a14b");
+  const ClusterSpec c = h100s(64);
+  const HardwareProfile h = resolve_profile("h100-sxm");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.sequence_parallel = true;
+  p.pipeline_parallel = 4;
+  p.expert_parallel = 8;
+  p.data_parallel = 8;
+  p.global_batch_size = 256;
+  std::vector<ParallelPlan> plans;
+  for (const Recompute r : {Recompute::kNone, Recompute::kFull}) {
+    p.recompute = r;
+    p.recompute_modules = kRecomputeCoreAttn;
+    plans.push_back(p);
+  }
+  p.recompute = Recompute::kSelective;
+  for (unsigned modules = 1; modules <= kAllRecomputeModules; ++modules) {
+    p.recompute_modules = modules;
+    if (first_violated_rule(m, p) == PlanRule::kNone) plans.push_back(p);
+  }
+  ASSERT_EQ(plans.size(), 2u + 63u);  // every set is allowed for this model
+  const CostModel shared(m, c, h);
+  std::set<double> times;
+  for (const ParallelPlan& q : plans) {
+    const double cached = shared.predict(q).iteration_time_s;
+    EXPECT_DOUBLE_EQ(cached, CostModel(m, c, h).predict(q).iteration_time_s)
+        << to_string(q.recompute) << " " << recompute_modules_string(q.recompute_modules);
+    times.insert(cached);
+  }
+  EXPECT_GT(times.size(), 10u);
+}
+
 TEST(CostModel, HierarchicalContextParallelPricesEachLevelOverItsRanks) {
   ModelSpec m = resolve_model("llama3-8b");
   m.seq_length = 16384;
