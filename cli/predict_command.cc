@@ -20,8 +20,11 @@ nlohmann::json cp_comm_types(const CostModel& cm, const ModelSpec& m, const Para
   nlohmann::json out = nlohmann::json::object();
   if (p.context_parallel == 1) return out;
   for (CpComm c : kCpComms) {
-    // a2a+p2p with the plan's sizes, or those ptdp plan would take.
-    const ParallelPlan q = with_cp_comm(p, c, m, cm.cluster().gpus_per_node);
+    // a2a+p2p with the plan's sizes, or those ptdp plan would take (the fastest in-node ones).
+    ParallelPlan q = p;
+    if (c == CpComm::kA2AP2P && p.cp_comm != CpComm::kA2AP2P)
+      q.hierarchical_cp = fastest_hierarchical_cp(cm, m, p);
+    q = with_cp_comm(q, c, m, cm.cluster().gpus_per_node);
     if (first_violated_rule(m, q) != PlanRule::kNone) continue;
     const Prediction r = cm.predict(q);
     nlohmann::json& row = out[to_string(c)];

@@ -169,6 +169,27 @@ std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPla
   return out;
 }
 
+int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const ParallelPlan& p) {
+  int64_t best = 0;
+  bool best_fits = false;
+  double best_time = 0;
+  for (const int64_t a : hierarchical_cp_sizes(m, p)) {
+    if (a * p.tensor_parallel > cost.cluster().gpus_per_node) continue;
+    ParallelPlan q = p;
+    q.cp_comm = CpComm::kA2AP2P;
+    q.hierarchical_cp = a;
+    if (first_violated_rule(m, q) != PlanRule::kNone) continue;
+    const Prediction r = cost.predict(q);
+    const bool fits = r.memory.fits;
+    const bool better = best == 0 || (fits != best_fits ? fits : r.iteration_time_s < best_time);
+    if (!better) continue;
+    best = a;
+    best_fits = fits;
+    best_time = r.iteration_time_s;
+  }
+  return best;
+}
+
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node) {
   int64_t natural = 0;
   for (const int64_t a : hierarchical_cp_sizes(m, p))

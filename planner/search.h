@@ -93,7 +93,10 @@ unsigned memory_saving_modules(const ModelSpec& m);
 // of t A GPUs fits in a node (Transformer Engine's design: the all-to-alls on the node's links,
 // the ring, hidden behind the attention, across nodes).
 std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p);
-// The one of them for a plan that names none (ptdp predict's listing of the types): the largest
+// Of those whose group fits a node, the one ptdp plan takes for `p` (its cp, t and the rest):
+// the fastest that fits, else the fastest; 0 when none is allowed.
+int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const ParallelPlan& p);
+// The largest of them for a plan that names none: the largest
 // whose group of A adjacent context-parallel ranks (t A GPUs) fits in a node, so that the
 // all-to-alls stay on the node's links and the ring crosses nodes; 0 when there is none.
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);

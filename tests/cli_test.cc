@@ -175,6 +175,48 @@ TEST(Cli, PredictListsEachCpCommTypeOfAContextParallelPlan) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("a2a+p2p 2x8         "), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("(a2a+p2p: all-to-alls over 2, a ring of 8)"), std::string::npos) << r.out;
+  // A p2p plan lists a2a+p2p with the sizes ptdp plan would take, the fastest of those whose
+  // all-to-all group fits a node: Llama 3 8B at 64k tokens, t1 cp16 on 8-GPU nodes (A 2, 4, 8),
+  // each priced as the plan itself.
+  const std::vector<std::string> ring = {"predict",
+                                         "--model",
+                                         "llama3-8b",
+                                         "--cluster",
+                                         "dgx-h100",
+                                         "--seq-length",
+                                         "65536",
+                                         "--num-gpus",
+                                         "128",
+                                         "--global-batch-size",
+                                         "64",
+                                         "--bf16",
+                                         "--tensor-model-parallel-size",
+                                         "1",
+                                         "--context-parallel-size",
+                                         "16",
+                                         "--pipeline-model-parallel-size",
+                                         "1",
+                                         "--micro-batch-size",
+                                         "1",
+                                         "--use-distributed-optimizer",
+                                         "--json"};
+  r = run(ring);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json listed = nlohmann::json::parse(r.out).at("cp_comm_types").at("a2a+p2p");
+  const double listed_s = listed.at("iteration_time_s").get<double>();
+  for (const int64_t a : {2, 4, 8}) {
+    std::vector<std::string> pinned = ring;
+    pinned.insert(pinned.end(),
+                  {"--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                   std::to_string(a), std::to_string(16 / a)});
+    r = run(pinned);
+    ASSERT_EQ(r.status, 0) << r.err;
+    const double s = nlohmann::json::parse(r.out).at("iteration_time_s").get<double>();
+    EXPECT_LE(listed_s, s * (1 + 1e-12)) << "all-to-alls over " << a;
+    if (listed.at("hierarchical_context_parallel_sizes")[0].get<int64_t>() == a) {
+      EXPECT_DOUBLE_EQ(listed_s, s);
+    }
+  }
 }
 
 TEST(Cli, PredictJsonHasTheDocumentedKeys) {
