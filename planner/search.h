@@ -96,9 +96,9 @@ std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPla
 // Of those whose group fits a node, the one ptdp plan takes for `p` (its cp, t and the rest):
 // the fastest that fits, else the fastest; 0 when none is allowed.
 int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const ParallelPlan& p);
-// The largest of them for a plan that names none: the largest
-// whose group of A adjacent context-parallel ranks (t A GPUs) fits in a node, so that the
-// all-to-alls stay on the node's links and the ring crosses nodes; 0 when there is none.
+// The largest of them whose group of A adjacent context-parallel ranks (t A GPUs) fits in a
+// node (what with_cp_comm gives a plan that names no size): the all-to-alls stay on the node's
+// links and the ring crosses nodes; 0 when there is none.
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);
 // `p` with --cp-comm-type `type`: with a2a+p2p at cp > 1 the all-to-all size p has, or else the
 // natural one; without it, no hierarchical sizes.
