@@ -94,6 +94,11 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
 
 namespace {
 
+// An MoE layer's forward (and recomputation) ops: the dense layer's and the routed path's.
+bool is_moe_layer_forward_op(OpId id) {
+  return is_layer_forward_op(id) || (id >= OpId::kRouter && id <= OpId::kMoeUnpermute);
+}
+
 // The ops ptdp run executes: all but the separate gradient-accumulation passes (the runtime
 // accumulates weight gradients in place, as Megatron's fused accumulation does).
 std::vector<OpId> compile(const std::vector<ptdp::Op>& ops, bool (*runs)(OpId)) {
@@ -190,21 +195,12 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     J.moe = std::make_unique<MoeContext>(m, md);
     J.moe_fwd = moe_forward_program(J.layer_fwd, md);
     J.moe_bwd = moe_backward_program(J.layer_bwd, md);
-    // An MoE layer's recomputation: the dense MLP's module is not its, its shared experts' is
-    // (as the dense layer's list, the mlp bit reruns its MLP ops, which run the shared experts);
-    // with moe_act the experts' activation follows the attention core's, as in the op list.
-    // With moe the routed path follows the shared experts, the whole layer's forward.
+    // An MoE layer's recomputation is its op list's, at this rank's expert layout (whose
+    // dispatch and combine ops run where ep > 1 and etp > 1, as moe_dims has them).
     LayerShape moe_shape = shape;
-    moe_shape.recompute_modules = layout.recompute_modules_of(true);
-    std::vector<OpId> dense =
-        compile(transformer_layer_ops(m, moe_shape).recompute, is_layer_forward_op);
-    const bool selective = layout.recompute == Recompute::kSelective;
-    const bool whole = selective && (layout.recompute_modules_of(true) & kRecomputeMoe);
-    if (whole) dense.push_back(OpId::kMlpBiasDropoutAdd);  // where the routed ops go
-    J.moe_recompute = moe_forward_program(dense, md);
-    if (whole) J.moe_recompute.pop_back();
-    if (selective && (layout.recompute_modules_of(true) & kRecomputeMoeAct))
-      J.moe_recompute.push_back(OpId::kExpertActivation);
+    moe_shape.expert_parallel = layout.ep;
+    moe_shape.expert_tensor_parallel = layout.etp;
+    J.moe_recompute = compile(moe_layer_ops(m, moe_shape).recompute, is_moe_layer_forward_op);
     mark_weight_grads(moe_layer_ops(m, shape));  // the router's and experts'
   }
 
@@ -590,13 +586,14 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     c.end_op();
     x.swap(L.out);
     release(L.out);
-    drop_recomputed(L, layout_.recompute_of(l), layout_.recompute_modules_of(moe));
-    if (M && layout_.recompute_of(l) == Recompute::kSelective &&
-        (layout_.recompute_modules_of(moe) & kRecomputeMoeAct))
-      release(M->act);  // the experts' FC2 input: their activation is rerun
-    if (M && layout_.recompute_of(l) == Recompute::kSelective &&
-        (layout_.recompute_modules_of(moe) & kRecomputeMoe))
-      release_routed(*M);  // the whole layer is rerun from its input
+    const unsigned modules = layout_.recompute_modules_of(moe);
+    drop_recomputed(L, layout_.recompute_of(l), modules);
+    if (M && layout_.recompute_of(l) == Recompute::kSelective) {
+      if (modules & kRecomputeMoe)
+        release_routed(*M);  // the whole layer is rerun from its input
+      else if (modules & kRecomputeMoeAct)
+        release(M->act);  // the experts' FC2 input: their activation is rerun
+    }
   }
   if (!ch.last) {
     *output = std::move(x);
