@@ -817,9 +817,11 @@ struct ActivationUnits {
   double replicated = 0, sharded = 0, per_rank = 0;
 };
 
-// What selective recomputation recomputes of a layer (nothing without it).
-bool recomputes(const LayerShape& s, RecomputeModule module) {
-  return s.recompute == Recompute::kSelective && (s.recompute_modules & module) != 0;
+// What selective recomputation recomputes of a layer of the kind (nothing without it), as
+// layer_recompute_modules maps the set: an MoE layer's mlp bit is its shared experts'.
+bool recomputes(const LayerShape& s, RecomputeModule module, bool moe_layer) {
+  return s.recompute == Recompute::kSelective &&
+         (layer_recompute_modules(s.recompute_modules, moe_layer) & module) != 0;
 }
 
 // `moe_layer`: mlp_width is an MoE layer's shared experts', which --recompute-modules
@@ -835,29 +837,26 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // QKV and FC1 (or router) inputs (2 sbh each; --recompute-modules layernorm reruns them from
   // the layernorms' inputs) and, with hidden dropout, its two masks.
   u.replicated = (m.hidden_dropout > 0 ? 6.0 : 4.0) * sbh;
-  if (!recomputes(s, kRecomputeLayernorm)) u.replicated += 4.0 * sbh;
+  if (!recomputes(s, kRecomputeLayernorm, moe_layer)) u.replicated += 4.0 * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;
-  const bool mlp_recomputed =
-      s.recompute == Recompute::kSelective &&
-      (layer_recompute_modules(s.recompute_modules, moe_layer) & kRecomputeMlp);
-  if (!mlp_recomputed) u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
+  if (!recomputes(s, kRecomputeMlp, moe_layer)) u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
   // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
   // its backward pass and the projection keeps its input back on the rank's tokens: 2 sbh more.
   // (Selective recomputation keeps neither: the attention's inputs, the tokens' Q, K and V, are
   // what it saves.)
   if (heads_all_to_all_ranks(s) > 1 && s.recompute != Recompute::kFull &&
-      !recomputes(s, kRecomputeCoreAttn))
+      !recomputes(s, kRecomputeCoreAttn, moe_layer))
     u.sharded += 2.0 * sbh;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
   // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism
   // the rank's s/cp queries each score all s keys.
   const double per_score = m.attention_dropout > 0 ? 5.0 : 2.0;
-  u.sharded += recomputes(s, kRecomputeCoreAttn) ? 0.0
-               : fused_attention(m, s)           ? 4.0 / (d.act / 2.0) * d.heads * d.T
-                                                 : per_score * d.heads * d.s * d.T;
+  u.sharded += recomputes(s, kRecomputeCoreAttn, moe_layer) ? 0.0
+               : fused_attention(m, s)                      ? 4.0 / (d.act / 2.0) * d.heads * d.T
+                                                            : per_score * d.heads * d.s * d.T;
   return u;
 }
 
@@ -894,9 +893,9 @@ double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double ffn = static_cast<double>(r.ffn_local);
   // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output;
   // moe keeps nothing of the routed path: the layer is rerun from its input.)
-  const double fc2_input = recomputes(s, kRecomputeMoeAct) ? 0.0 : 2.0;
+  const double fc2_input = recomputes(s, kRecomputeMoeAct, true) ? 0.0 : 2.0;
   u.per_rank =
-      recomputes(s, kRecomputeMoe)
+      recomputes(s, kRecomputeMoe, true)
           ? 0.0
           : r.processed * (2.0 * d.h + (2.0 * gate + fc2_input) * ffn) + r.sent * (2.0 * d.h + 2.0);
   return activation_bytes(s, d, u);

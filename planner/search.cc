@@ -127,9 +127,7 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
     // hides: the largest is not always it.
     std::vector<int64_t> sizes = {plan.hierarchical_cp};
     if (type == CpComm::kA2AP2P && plan.context_parallel > 1 && plan.hierarchical_cp == 0) {
-      sizes.clear();
-      for (const int64_t a : hierarchical_cp_sizes(m, plan))
-        if (a * plan.tensor_parallel <= cost.cluster().gpus_per_node) sizes.push_back(a);
+      sizes = hierarchical_cp_sizes(m, plan, cost.cluster().gpus_per_node);
       if (sizes.empty()) sizes = {0};
     }
     for (const int64_t a : sizes) {
@@ -159,11 +157,12 @@ unsigned memory_saving_modules(const ModelSpec& m) {
   return modules;
 }
 
-std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p) {
+std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p,
+                                           int64_t gpus_per_node) {
   const int64_t cp = p.context_parallel, t = p.tensor_parallel;
   std::vector<int64_t> out;
   if (t <= 0 || m.num_attention_heads % t != 0 || m.query_groups() % t != 0) return out;
-  for (int64_t a = 2; a < cp; ++a)
+  for (int64_t a = 2; a < cp && a * t <= gpus_per_node; ++a)
     if (cp % a == 0 && (m.num_attention_heads / t) % a == 0 && (m.query_groups() / t) % a == 0)
       out.push_back(a);
   return out;
@@ -173,8 +172,7 @@ int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const
   int64_t best = 0;
   bool best_fits = false;
   double best_time = 0;
-  for (const int64_t a : hierarchical_cp_sizes(m, p)) {
-    if (a * p.tensor_parallel > cost.cluster().gpus_per_node) continue;
+  for (const int64_t a : hierarchical_cp_sizes(m, p, cost.cluster().gpus_per_node)) {
     ParallelPlan q = p;
     q.cp_comm = CpComm::kA2AP2P;
     q.hierarchical_cp = a;
@@ -191,10 +189,8 @@ int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const
 }
 
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node) {
-  int64_t natural = 0;
-  for (const int64_t a : hierarchical_cp_sizes(m, p))
-    if (a * p.tensor_parallel <= gpus_per_node) natural = a;
-  return natural;
+  const std::vector<int64_t> sizes = hierarchical_cp_sizes(m, p, gpus_per_node);
+  return sizes.empty() ? 0 : sizes.back();
 }
 
 ParallelPlan with_cp_comm(ParallelPlan p, CpComm type, const ModelSpec& m, int64_t gpus_per_node) {

@@ -88,17 +88,17 @@ struct SearchOptions {
 // The selective modules a memory-tight candidate is tried again with: core_attn and layernorm,
 // with moe_act in MoE models and shared_experts in those with shared experts.
 unsigned memory_saving_modules(const ModelSpec& m);
-// a2a+p2p's all-to-all sizes for a plan's cp, ascending: each A dividing cp (1 < A < cp) that
-// divides each tensor-parallel rank's heads and query groups. The search tries each whose group
+// a2a+p2p's all-to-all sizes the search tries for a plan's cp, ascending: each A dividing cp
+// (1 < A < cp) that divides each tensor-parallel rank's heads and query groups and whose group
 // of t A GPUs fits in a node (Transformer Engine's design: the all-to-alls on the node's links,
 // the ring, hidden behind the attention, across nodes).
-std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p);
-// Of those whose group fits a node, the one ptdp plan takes for `p` (its cp, t and the rest):
-// the fastest that fits, else the fastest; 0 when none is allowed.
+std::vector<int64_t> hierarchical_cp_sizes(const ModelSpec& m, const ParallelPlan& p,
+                                           int64_t gpus_per_node);
+// Of those, the one ptdp plan takes for `p` (its cp, t and the rest): the fastest that fits,
+// else the fastest; 0 when none is allowed.
 int64_t fastest_hierarchical_cp(const CostModel& cost, const ModelSpec& m, const ParallelPlan& p);
-// The largest of them whose group of A adjacent context-parallel ranks (t A GPUs) fits in a
-// node (what with_cp_comm gives a plan that names no size): the all-to-alls stay on the node's
-// links and the ring crosses nodes; 0 when there is none.
+// The largest of them (what with_cp_comm gives a plan that names no size); 0 when there is
+// none.
 int64_t natural_hierarchical_cp(const ModelSpec& m, const ParallelPlan& p, int64_t gpus_per_node);
 // `p` with --cp-comm-type `type`: with a2a+p2p at cp > 1 the all-to-all size p has, or else the
 // natural one; without it, no hierarchical sizes.

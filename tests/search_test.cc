@@ -26,6 +26,18 @@ struct Job {
   }
 };
 
+// An a2a+p2p plan as the search ranked it is no slower than with any other all-to-all size the
+// search tries (that fits).
+void expect_fastest_hierarchical_cp(const Job& j, const CostModel& cost, const RankedPlan& r) {
+  for (const int64_t a : hierarchical_cp_sizes(j.m, r.plan, j.c.gpus_per_node)) {
+    ParallelPlan other = r.plan;
+    other.hierarchical_cp = a;
+    if (!cost.memory(other).fits) continue;
+    EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
+        << plan_summary(r.plan) << " with all-to-alls over " << a;
+  }
+}
+
 TEST(Search, SameResultForAnyThreadCount) {
   Job j(256);
   SearchOptions o;
@@ -505,16 +517,9 @@ TEST(Search, ContextParallelPlansCarryTheFastestCpCommType) {
   // the heads and keeps the all-to-alls in a node, none is faster.
   for (const RankedPlan& r : all.top)
     if (r.plan.context_parallel > 1 && r.plan.cp_comm == CpComm::kA2AP2P) {
-      const std::vector<int64_t> sizes = hierarchical_cp_sizes(j.m, r.plan);
+      const std::vector<int64_t> sizes = hierarchical_cp_sizes(j.m, r.plan, j.c.gpus_per_node);
       EXPECT_NE(std::find(sizes.begin(), sizes.end(), r.plan.hierarchical_cp), sizes.end());
-      for (const int64_t a : sizes) {
-        if (a * r.plan.tensor_parallel > j.c.gpus_per_node) continue;  // not tried
-        ParallelPlan other = r.plan;
-        other.hierarchical_cp = a;
-        if (!cost.memory(other).fits) continue;
-        EXPECT_GE(cost.predict(other).iteration_time_s, r.prediction.iteration_time_s * (1 - 1e-12))
-            << plan_summary(r.plan) << " with all-to-alls over " << a;
-      }
+      expect_fastest_hierarchical_cp(j, cost, r);
     }
   o.cp_comms = {CpComm::kP2P};  // --cp-comm-type p2p
   const SearchResult ring = search_plans(j.m, j.c, j.h, o);
@@ -534,13 +539,13 @@ TEST(Search, HierarchicalContextParallelTriesEveryAllToAllSize) {
   ParallelPlan p;
   p.context_parallel = 16;
   p.tensor_parallel = 1;
-  EXPECT_EQ(hierarchical_cp_sizes(j.m, p), (std::vector<int64_t>{2, 4, 8}));
+  EXPECT_EQ(hierarchical_cp_sizes(j.m, p, 8), (std::vector<int64_t>{2, 4, 8}));
   EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 8);
   p.tensor_parallel = 2;  // 4 query groups a rank: A must divide them
-  EXPECT_EQ(hierarchical_cp_sizes(j.m, p), (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(hierarchical_cp_sizes(j.m, p, 8), (std::vector<int64_t>{2, 4}));
   EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 4);
   p.tensor_parallel = 8;  // one group a rank
-  EXPECT_TRUE(hierarchical_cp_sizes(j.m, p).empty());
+  EXPECT_TRUE(hierarchical_cp_sizes(j.m, p, 8).empty());
   EXPECT_EQ(natural_hierarchical_cp(j.m, p, 8), 0);
   SearchOptions o;
   o.global_batch_size = 64;
@@ -555,15 +560,7 @@ TEST(Search, HierarchicalContextParallelTriesEveryAllToAllSize) {
     if (ranked.plan.context_parallel == 1) continue;
     ASSERT_EQ(ranked.plan.cp_comm, CpComm::kA2AP2P);
     chosen.insert(ranked.plan.hierarchical_cp);
-    for (const int64_t a : hierarchical_cp_sizes(j.m, ranked.plan)) {
-      if (a * ranked.plan.tensor_parallel > j.c.gpus_per_node) continue;  // not tried
-      ParallelPlan other = ranked.plan;
-      other.hierarchical_cp = a;
-      if (!cost.memory(other).fits) continue;
-      EXPECT_GE(cost.predict(other).iteration_time_s,
-                ranked.prediction.iteration_time_s * (1 - 1e-12))
-          << plan_summary(ranked.plan) << " with all-to-alls over " << a;
-    }
+    expect_fastest_hierarchical_cp(j, cost, ranked);
   }
   ASSERT_FALSE(chosen.empty());
   const RankedPlan& best = r.top.front();
