@@ -637,19 +637,8 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
       case I::kExpertActivation:
         rerun = moe_act || moe;
         break;
-      case I::kRouter:
-      case I::kRouterTopk:
-      case I::kMoePermute:
-      case I::kMoeDispatch:
-      case I::kMoeDispatchAllGather:
-      case I::kExpertFc1:
-      case I::kExpertFc2:
-      case I::kMoeCombineReduceScatter:
-      case I::kMoeCombine:
-      case I::kMoeUnpermute:
-        rerun = moe;
-        break;
-      default:
+      default:  // the rest of the routed path, kRouter to kMoeUnpermute, with moe
+        rerun = moe && op.id >= I::kRouter && op.id <= I::kMoeUnpermute;
         break;
     }
     if (rerun) out.push_back(op);
@@ -663,26 +652,9 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
 // their gradient first, and so does ptdp run (the routed input gradient is added to theirs):
 // the shared experts' block moves ahead of the routed block. A no-op without shared experts.
 void shared_experts_backward_first(std::vector<Op>& backward) {
+  // (The MoE backward ids, kMoeUnpermuteBackward to kRouterWgrad, are the routed path's.)
   auto routed = [](OpId id) {
-    switch (id) {
-      case OpId::kMoeUnpermuteBackward:
-      case OpId::kMoeCombineBackward:
-      case OpId::kMoeCombineReduceScatterBackward:
-      case OpId::kExpertFc2Dgrad:
-      case OpId::kExpertFc2Wgrad:
-      case OpId::kExpertActivationBackward:
-      case OpId::kExpertFc1Dgrad:
-      case OpId::kExpertFc1Wgrad:
-      case OpId::kMoeDispatchAllGatherBackward:
-      case OpId::kMoeDispatchBackward:
-      case OpId::kMoePermuteBackward:
-      case OpId::kRouterTopkBackward:
-      case OpId::kRouterDgrad:
-      case OpId::kRouterWgrad:
-        return true;
-      default:
-        return false;
-    }
+    return id >= OpId::kMoeUnpermuteBackward && id <= OpId::kRouterWgrad;
   };
   const auto first =
       std::find_if(backward.begin(), backward.end(), [&](const Op& op) { return routed(op.id); });
