@@ -90,7 +90,8 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   r.parameters = element * static_cast<double>(f.parameter_floats);
   r.gradients = kFloat * static_cast<double>(f.parameter_floats);
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
-  const ActivationMemory activations(m, local, f.precision);
+  const std::vector<int64_t> moe_chunks = moe_layers_per_chunk(m, local);
+  const ActivationMemory activations(m, local, f.precision, moe_chunks);
   r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
   if (f.pp == p.pipeline_parallel - 1) {  // logits of the vocabulary shard and their gradient
     const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);

@@ -87,22 +87,6 @@ void add(PassTime& a, const PassTime& b, double times) {
   a.ep_bytes += b.ep_bytes * times;
 }
 
-// MoE layers in each model chunk, in global-stage order (chunk c of rank r is global stage
-// c p + r; chunks hold consecutive layers in that order). Empty for a dense model.
-std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan& p) {
-  std::vector<int64_t> out;
-  if (!m.is_moe()) return out;
-  const int64_t v = p.virtual_stages, pp = p.pipeline_parallel;
-  out.resize(static_cast<size_t>(pp * v));
-  int64_t first = 0;
-  for (int64_t g = 0; g < pp * v; ++g) {
-    const int64_t count = p.layers_on_stage(m, g % pp) / v;
-    out[static_cast<size_t>(g)] = m.moe_layers_in(first, count);
-    first += count;
-  }
-  return out;
-}
-
 int64_t moe_layers_of_stage(const std::vector<int64_t>& chunks, const ParallelPlan& p, int64_t r) {
   int64_t n = 0;
   if (chunks.empty()) return 0;
@@ -122,6 +106,20 @@ double expert_shards(const ParallelPlan& p) {
 }
 
 }  // namespace
+
+std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan& p) {
+  std::vector<int64_t> out;
+  if (!m.is_moe()) return out;
+  const int64_t v = p.virtual_stages, pp = p.pipeline_parallel;
+  out.resize(static_cast<size_t>(pp * v));
+  int64_t first = 0;
+  for (int64_t g = 0; g < pp * v; ++g) {
+    const int64_t count = p.layers_on_stage(m, g % pp) / v;
+    out[static_cast<size_t>(g)] = m.moe_layers_in(first, count);
+    first += count;
+  }
+  return out;
+}
 
 RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r,
                                      int64_t c) {
@@ -169,14 +167,14 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
   return static_cast<double>(p.global_batch_size * m.seq_length) / iteration_s;
 }
 
-ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element)
-    : m_(m), p_(p), element_(static_cast<double>(dtype_bytes(element))) {
+ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element,
+                                   const std::vector<int64_t>& moe_chunks)
+    : m_(m), p_(p), element_(static_cast<double>(dtype_bytes(element))), moe_chunks_(moe_chunks) {
   LayerShape shape = layer_shape(p);
   shape.activation_dtype = element;
   shape.expert_load = expert_load(m, p.expert_parallel);
   per_layer_ = layer_activation_bytes(m, shape);
   per_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, shape) : per_layer_;
-  moe_chunks_ = moe_layers_per_chunk(m, p);
   // The layer being recomputed (or the last one run) holds its full activations once.
   LayerShape full = shape;
   full.recompute = Recompute::kNone;
@@ -281,7 +279,7 @@ double CostModel::cache_hit(const ParallelPlan& p) const {
   // The largest stage's working set, with weights and activations at the profile's element
   // width (fp32 on CPU ranks, where cache models are measured) and the gradients as kept.
   const double element = static_cast<double>(dtype_bytes(profile_.activation_dtype));
-  const ActivationMemory activations(model_, p, profile_.activation_dtype);
+  const ActivationMemory activations(model_, p, profile_.activation_dtype, moe_chunks(p));
   double working_set = 0;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r)
     working_set = std::max(working_set,
@@ -895,7 +893,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
   // Activations in the device's element type (16-bit but for fp32 training).
   const DType element_type = fp32_training() ? DType::kF32 : DType::kBF16;
   const double element = static_cast<double>(dtype_bytes(element_type));
-  const ActivationMemory activations(model_, p, element_type);
+  const ActivationMemory activations(model_, p, element_type, moe_chunks(p));
   const double tokens =
       static_cast<double>(p.micro_batch_size * (model_.seq_length / p.context_parallel));
   const double t = static_cast<double>(p.tensor_parallel);

@@ -310,12 +310,18 @@ RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, 
                                      int64_t c);
 RecomputedLayers recomputed_on_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r);
 
+// MoE layers in each model chunk, in global-stage order (chunk c of rank r is global stage
+// c p + r; chunks hold consecutive layers in that order). Empty for a dense model.
+std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan& p);
+
 // Activation memory of a plan's pipeline stages, for activations of one element type (16-bit
 // on GPUs as the memory model prices them, fp32 in ptdp run on CPU ranks). It keeps references:
-// the model and the plan must outlive it.
+// the model, the plan and `moe_chunks` (moe_layers_per_chunk's, as CostModel::moe_chunks keeps
+// them: the search builds this for every plan it prices) must outlive it.
 class ActivationMemory {
  public:
-  ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element);
+  ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element,
+                   const std::vector<int64_t>& moe_chunks);
   // What pipeline rank r holds at its peak: the in-flight microbatches' layer activations
   // (Korthikanti et al. 2022), the layer being recomputed, the unfused attention's gradient of
   // the scores during a backward pass, and on the first stage the embedding's outputs.
@@ -329,8 +335,8 @@ class ActivationMemory {
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
   // Block recompute: a layer that is not recomputed keeps its whole activations.
   double kept_layer_ = 0, kept_moe_layer_ = 0;
-  double backward_workspace_ = 0;    // attention_backward_workspace_bytes, held during a backward
-  std::vector<int64_t> moe_chunks_;  // MoE layers per model chunk (empty: dense)
+  double backward_workspace_ = 0;  // attention_backward_workspace_bytes, held during a backward
+  const std::vector<int64_t>& moe_chunks_;  // MoE layers per model chunk (empty: dense)
 };
 
 }  // namespace ptdp
