@@ -204,7 +204,8 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
       return broken(PlanRule::kVirtualNeedsPipeline, report, vp, [] {
         return std::string("interleaving needs pipeline-model-parallel-size >= 2");
       });
-    for (int64_t r = 0; r < p; ++r) {
+    // Even stages all hold L / p layers: one check (the search asks this of every candidate).
+    for (int64_t r = 0; r < (split.empty() ? 1 : p); ++r) {
       const int64_t layers = plan.layers_on_stage(m, r);
       if (layers % v != 0)
         return broken(PlanRule::kVirtualDividesStage, report, vp, [&] {

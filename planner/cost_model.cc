@@ -828,21 +828,32 @@ int64_t CostModel::moe_layers_on_stage(const ParallelPlan& p, int64_t r) const {
   return moe_layers_of_stage(moe_chunks(p), p, r);
 }
 
+const CostModel::LayerParameters& CostModel::layer_parameters(const ParallelPlan& p) const {
+  LayerParameters& l = layer_parameters_;
+  const int64_t etp = model_.is_moe() ? p.expert_tp() : 1;
+  if (l.t == p.tensor_parallel && l.ep == p.expert_parallel && l.etp == etp) return l;
+  l = {p.tensor_parallel, p.expert_parallel, etp, 0, 0, 0};
+  // Norms and the biases added after row-parallel reductions are whole on every tensor-parallel
+  // rank; the rest of a layer is split t ways.
+  l.dense = model_.layer_parameters_per_rank(p.tensor_parallel);
+  if (model_.is_moe()) {
+    l.moe = model_.layer_parameters_per_rank(p.tensor_parallel, true);
+    l.experts = model_.expert_parameters_per_rank(p.expert_parallel, etp);
+  }
+  return l;
+}
+
 double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   if (!model_.is_moe()) return 0.0;
-  return static_cast<double>(moe_layers_on_stage(p, r)) *
-         model_.expert_parameters_per_rank(p.expert_parallel, p.expert_tp());
+  return static_cast<double>(moe_layers_on_stage(p, r)) * layer_parameters(p).experts;
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const int64_t moe = moe_layers_on_stage(p, r);
   const double dense_layers = static_cast<double>(p.layers_on_stage(model_, r) - moe);
-  // Norms and the biases added after row-parallel reductions are whole on every tensor-parallel
-  // rank; the rest of a layer is split t ways.
-  double params = dense_layers * model_.layer_parameters_per_rank(p.tensor_parallel);
-  if (moe > 0)
-    params += static_cast<double>(moe) * model_.layer_parameters_per_rank(p.tensor_parallel, true) +
-              expert_parameters_on_stage(p, r);
+  const LayerParameters& l = layer_parameters(p);
+  double params = dense_layers * l.dense;
+  if (moe > 0) params += static_cast<double>(moe) * (l.moe + l.experts);
   return params + non_layer_parameters_on_stage(p, r);
 }
 

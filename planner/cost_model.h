@@ -264,6 +264,14 @@ class CostModel {
   const std::vector<int64_t>& moe_chunks(const ParallelPlan& p) const;
   mutable int64_t moe_key_p_ = 0, moe_key_v_ = 0;
   mutable std::vector<int64_t> moe_key_split_, moe_chunks_;
+  // A layer's parameters on one rank (dense, MoE without its experts, one MoE layer's experts)
+  // at the last (t, ep, etp) asked about: memory() asks for each stage of every plan priced.
+  struct LayerParameters {
+    int64_t t = 0, ep = 0, etp = 0;
+    double dense = 0, moe = 0, experts = 0;
+  };
+  const LayerParameters& layer_parameters(const ParallelPlan& p) const;
+  mutable LayerParameters layer_parameters_;
 };
 
 // Bytes per parameter of the gradients kept and reduced: 4 with fp32 gradient reduction, 2
