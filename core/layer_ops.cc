@@ -592,11 +592,13 @@ namespace {
 // What selective recomputation reruns of a layer's forward list, in its order
 // (Megatron-Core's --recompute-modules):
 // - core_attn: the attention core, its context-parallel exchanges included;
-// - layernorm: both layernorms (and with sequence parallelism the all-gathers of their
-//   outputs into the tensor-parallel blocks), whose outputs are not kept;
-// - mlp (a dense layer's MLP, an MoE layer's shared experts: layer_recompute_modules): the MLP
-//   from its input, from its all-gather (or FC1) to its all-reduce (or reduce-scatter), FC2
-//   included, as Megatron-Core's checkpointed MLP reruns its forward;
+// - layernorm (an MoE layer's with layernorm, a dense layer's with mlp: layer_recompute_modules):
+//   the pre-MLP layernorm, whose output is not kept (the layernorm before the attention is fused
+//   into the QKV projection and keeps its output there);
+// - mlp (a dense layer's MLP, an MoE layer's shared experts): the MLP from its input (the
+//   layernorm's output, rerun first in a dense layer), from its all-gather (or FC1) to its
+//   all-reduce (or reduce-scatter), FC2 included, as Megatron-Core's checkpointed MLP reruns its
+//   forward;
 // - moe_act: the routed experts' activation function, from FC1's output;
 // - moe: the whole MoE layer (with its shared experts under mlp), from its input: router,
 //   top-k, permutation, dispatch, experts, combine and unpermutation.
@@ -618,8 +620,6 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
       case I::kCpOutAllToAll:
         rerun = core;
         break;
-      case I::kInputLayernorm:
-      case I::kAttnAllGather:
       case I::kPostAttentionLayernorm:
         rerun = norms;
         break;
@@ -806,10 +806,10 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   const double kv_fraction = d.groups / d.heads;
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
-  // QKV and FC1 (or router) inputs (2 sbh each; --recompute-modules layernorm reruns them from
-  // the layernorms' inputs) and, with hidden dropout, its two masks.
-  u.replicated = (m.hidden_dropout > 0 ? 6.0 : 4.0) * sbh;
-  if (!recomputes(s, kRecomputeLayernorm, moe_layer)) u.replicated += 4.0 * sbh;
+  // QKV input (2 sbh), the FC1 (or router) input (2 sbh; not kept where the pre-MLP layernorm is
+  // rerun: layer_recompute_modules) and, with hidden dropout, its two masks.
+  u.replicated = (m.hidden_dropout > 0 ? 8.0 : 6.0) * sbh;
+  if (!recomputes(s, kRecomputeLayernorm, moe_layer)) u.replicated += 2.0 * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
   u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;

@@ -22,14 +22,22 @@ namespace ptdp {
 enum class Recompute { kNone, kSelective, kFull };
 // What selective recomputation recomputes (Megatron-Core's --recompute-modules, a set): the
 // attention core ("core_attn", its default and SC'21's selective recomputation), the dense
-// MLP ("mlp": FC1, the activation and FC2 with their tensor-parallel communication, from the
-// MLP's input; not an MoE layer's experts), the routed experts' activation function
-// ("moe_act": from FC1's output, so FC2's input is not kept) and the two layernorms before the
-// attention and the MLP ("layernorm": their outputs, the QKV and FC1 or router inputs, are not
-// kept but rerun from their inputs, which are kept), an MoE layer's shared experts
+// MLP ("mlp": its layernorm, FC1, the activation and FC2 with their tensor-parallel
+// communication, from the residual; not an MoE layer's experts), the routed experts' activation
+// function ("moe_act": from FC1's output, so FC2's input is not kept), an MoE layer's
+// pre-MLP layernorm ("layernorm": its output, the router's, the dispatch's and the shared
+// experts' input, is not kept but rerun from the residual), an MoE layer's shared experts
 // ("shared_experts": their MLP rerun from its input, as "mlp" reruns a dense layer's) and the
 // whole MoE layer ("moe": router, dispatch, experts, combine and shared experts rerun from the
 // layer's input, its all-to-alls included; nothing inside it kept).
+//
+// As Megatron-Core's default Transformer Engine layer spec builds a layer: the layernorm before
+// the attention is fused into the QKV projection (TELayerNormColumnParallelLinear), and so is a
+// dense layer's layernorm before its MLP into FC1, which leaves them no module of their own
+// (IdentityOp) for "layernorm" to recompute (megatron/core/transformer/transformer_layer.py
+// sets recompute_input_layernorm and recompute_pre_mlp_layernorm only for a norm that is not an
+// IdentityOp; gpt_layer_specs.py gives the pre-MLP norm a module of its own in MoE layers only).
+// A dense layer's checkpointed MLP starts at the residual, so "mlp" reruns its fused layernorm.
 enum RecomputeModule : unsigned {
   kRecomputeCoreAttn = 1u,
   kRecomputeMlp = 2u,
@@ -42,12 +50,16 @@ inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecompute
                                                  kRecomputeMoeAct | kRecomputeLayernorm |
                                                  kRecomputeSharedExperts | kRecomputeMoe;
 static_assert(kAllRecomputeModules < (1u << 16), "CostModel::shape_times keys the set in 16 bits");
-// The modules as one layer runs them, its tensor-parallel MLP under the mlp bit: a dense layer's
-// MLP (mlp), or an MoE layer's shared experts (shared_experts, or moe); moe_act and moe for MoE
-// layers only (moe reruns the experts' activation with the rest).
+// The modules as one layer runs them. The mlp bit is the layer's tensor-parallel MLP: a dense
+// layer's MLP (mlp), or an MoE layer's shared experts (shared_experts, or moe). The layernorm
+// bit is the pre-MLP layernorm's output rerun: in a dense layer with mlp (the layernorm given
+// alone does nothing there), in an MoE layer with layernorm. moe_act and moe are for MoE layers
+// only (moe reruns the experts' activation with the rest).
 inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
-  const unsigned common = modules & (kRecomputeCoreAttn | kRecomputeLayernorm);
-  if (!moe_layer) return common | (modules & kRecomputeMlp);
+  const unsigned core = modules & kRecomputeCoreAttn;
+  if (!moe_layer)
+    return core | ((modules & kRecomputeMlp) ? unsigned{kRecomputeMlp | kRecomputeLayernorm} : 0u);
+  const unsigned common = core | (modules & kRecomputeLayernorm);
   if (modules & kRecomputeMoe) return common | kRecomputeMoe | kRecomputeMlp;
   return common | (modules & kRecomputeMoeAct) |
          ((modules & kRecomputeSharedExperts) ? unsigned{kRecomputeMlp} : 0u);

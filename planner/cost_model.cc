@@ -175,12 +175,21 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
   shape.expert_load = expert_load(m, p.expert_parallel);
   per_layer_ = layer_activation_bytes(m, shape);
   per_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, shape) : per_layer_;
-  // The layer being recomputed (or the last one run) holds its full activations once.
+  // The layer being recomputed holds what its recomputation rebuilds once: with full
+  // recomputation its whole activations (its kept input counted again); with selective, what
+  // the layer does not keep (its kept part is among the stage's layers already), so selective
+  // recomputation never holds more than none.
   LayerShape full = shape;
   full.recompute = Recompute::kNone;
-  working_layer_ = p.recompute == Recompute::kNone ? 0.0
-                   : m.is_moe()                    ? moe_layer_activation_bytes(m, full)
-                                                   : layer_activation_bytes(m, full);
+  const double dense_full = layer_activation_bytes(m, full);
+  const double moe_full = m.is_moe() ? moe_layer_activation_bytes(m, full) : 0.0;
+  if (p.recompute == Recompute::kFull)
+    working_layer_ = m.is_moe() ? moe_full : dense_full;
+  else if (p.recompute == Recompute::kSelective)
+    working_layer_ =
+        std::max(dense_full - per_layer_, m.is_moe() ? moe_full - per_moe_layer_ : 0.0);
+  else
+    working_layer_ = 0.0;
   if (p.recompute == Recompute::kFull && p.recompute_layers > 0) {
     kept_layer_ = layer_activation_bytes(m, full);
     kept_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, full) : kept_layer_;

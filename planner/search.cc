@@ -151,9 +151,9 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
 }  // namespace
 
 unsigned memory_saving_modules(const ModelSpec& m) {
-  unsigned modules = kRecomputeCoreAttn | kRecomputeLayernorm;
-  if (m.is_moe()) modules |= kRecomputeMoeAct;
-  if (m.is_moe() && m.moe_shared_expert_ffn_size > 0) modules |= kRecomputeSharedExperts;
+  if (!m.is_moe()) return kRecomputeCoreAttn | kRecomputeMlp;
+  unsigned modules = kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct;
+  if (m.moe_shared_expert_ffn_size > 0) modules |= kRecomputeSharedExperts;
   return modules;
 }
 

@@ -32,9 +32,9 @@ struct SearchOptions {
   // a RecomputeModule mask).
   std::vector<unsigned> selective_modules = {kRecomputeCoreAttn};
   // A selective candidate with the attention core alone that does not fit is tried again with
-  // Megatron-Core's cheap memory savers as well (memory_saving_modules): the layernorms' outputs,
-  // and in MoE models the experts' activation and the shared experts. Off when --recompute-modules
-  // pins the set.
+  // more modules (memory_saving_modules): in MoE models Megatron-Core's cheap memory savers (the
+  // pre-MLP layernorm's output, the experts' activation, the shared experts), in dense models the
+  // MLP (between core_attn and full recomputation). Off when --recompute-modules pins the set.
   bool try_memory_saving_modules = true;
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
@@ -85,8 +85,9 @@ struct SearchOptions {
   std::function<void(int64_t, int64_t)> progress;
 };
 
-// The selective modules a memory-tight candidate is tried again with: core_attn and layernorm,
-// with moe_act in MoE models and shared_experts in those with shared experts.
+// The selective modules a memory-tight candidate is tried again with: core_attn with mlp in a
+// dense model; with layernorm and moe_act in an MoE model, and shared_experts in one with shared
+// experts.
 unsigned memory_saving_modules(const ModelSpec& m);
 // a2a+p2p's all-to-all sizes the search tries for a plan's cp, ascending: each A dividing cp
 // (1 < A < cp) that divides each tensor-parallel rank's heads and query groups and whose group

@@ -330,8 +330,10 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
     }
     if (modules & kRecomputeMlp)  // the MLP from its input (A.ln2)
       for (Buffer* x : {&A.ln2_full, &A.fc1, &A.act}) release(*x);
-    if (modules & kRecomputeLayernorm)  // the layernorms' outputs, rerun from A.x and A.h1
-      for (Buffer* x : {&A.ln1, &A.ln1_full, &A.ln2, &A.ln2_full}) release(*x);
+    // The pre-MLP layernorm's output, rerun from A.h1 (`modules` is the layer's:
+    // layer_recompute_modules; the input layernorm's output is the QKV projection's, kept).
+    if (modules & kRecomputeLayernorm)
+      for (Buffer* x : {&A.ln2, &A.ln2_full}) release(*x);
     return;
   }
   release(A.probs);

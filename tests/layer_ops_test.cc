@@ -299,12 +299,14 @@ TEST(LayerOps, HierarchicalContextParallelIsAllToAllsThenARing) {
                    2.0 * (8192 / 8) * 4096 / 2);
 }
 
-// --recompute-modules mlp: selective recomputation reruns the dense MLP from its input (with
-// sequence parallelism its all-gather, FC1, SwiGLU, FC2 and reduce-scatter, as the forward list
-// runs them) and keeps neither its activation inputs nor FC2's input: (2 x 2 + 2) b s ffn / t
-// bytes less per layer for SwiGLU in 16 bits (SwiGLU's two inputs and FC2's, 2 bytes each). With
-// core_attn too, the attention core's recomputation comes first. An MoE layer's experts are not the
-// dense MLP: its list and memory do not change.
+// --recompute-modules mlp: selective recomputation reruns the dense MLP from the residual, as
+// Megatron-Core checkpoints a dense MLP whose FC1 holds the pre-MLP layernorm (Transformer
+// Engine's spec): the layernorm, then with sequence parallelism its all-gather, FC1, SwiGLU, FC2
+// and the reduce-scatter, as the forward list runs them. It keeps neither the layernorm's
+// output (FC1's input, 2 bytes per token and hidden unit, over t with SP) nor the activation's
+// inputs and FC2's input: (2 x 2 + 2) b s ffn / t bytes for SwiGLU in 16 bits. With core_attn
+// too, the attention core's recomputation comes first. An MoE layer's experts are not the dense
+// MLP: its list and memory do not change.
 TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   const ModelSpec m = resolve_model("llama3-8b");
   LayerShape s;
@@ -318,14 +320,16 @@ TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   std::vector<OpId> mlp_ids;
   for (size_t i = core.recompute.size(); i < both.recompute.size(); ++i)
     mlp_ids.push_back(both.recompute[i].id);
-  EXPECT_EQ(mlp_ids, (std::vector<OpId>{OpId::kMlpAllGather, OpId::kFc1, OpId::kSwiglu, OpId::kFc2,
-                                        OpId::kMlpReduceScatter}));
+  EXPECT_EQ(mlp_ids,
+            (std::vector<OpId>{OpId::kPostAttentionLayernorm, OpId::kMlpAllGather, OpId::kFc1,
+                               OpId::kSwiglu, OpId::kFc2, OpId::kMlpReduceScatter}));
   for (size_t i = 0; i < core.recompute.size(); ++i)
     EXPECT_EQ(both.recompute[i].id, core.recompute[i].id);
   for (const Op& op : both.recompute) EXPECT_EQ(op.role, OpRole::kRecompute);
   const double tokens = 1.0 * m.seq_length;  // b = 1
-  EXPECT_DOUBLE_EQ(core_bytes - layer_activation_bytes(m, s),
-                   (2.0 * 2 + 2) * tokens * static_cast<double>(m.ffn_hidden()) / 4);
+  EXPECT_DOUBLE_EQ(
+      core_bytes - layer_activation_bytes(m, s),
+      ((2.0 * 2 + 2) * static_cast<double>(m.ffn_hidden()) + 2.0 * m.hidden_size) * tokens / 4);
   s.recompute_modules = kRecomputeMlp;  // the MLP alone: the attention core keeps its lse
   EXPECT_EQ(transformer_layer_ops(m, s).recompute.size(), mlp_ids.size());
   ModelSpec moe = resolve_model("mixtral-8x7b");
@@ -350,13 +354,14 @@ TEST(LayerOps, RecomputeModulesMlpRerunsTheDenseMlp) {
   EXPECT_NEAR(moe_core - moe_layer_activation_bytes(moe, ms), 2.0 * rows * 14336, 1e-6 * moe_core);
 }
 
-// --recompute-modules layernorm: both layernorms rerun from their kept inputs (the layer's input
-// and the residual after attention), with sequence parallelism the all-gathers of their outputs
-// too, in the forward list's order; their outputs, the QKV and FC1 inputs, are not kept: 2 + 2
-// bytes per token and hidden unit in 16 bits, over t with sequence parallelism. With mlp as well
-// the MLP's all-gather is rerun once. An MoE layer (Mixtral: no shared experts) reruns the
-// post-attention layernorm for its router and experts, and drops its output the same way.
-TEST(LayerOps, RecomputeModulesLayernormRerunsBothLayernorms) {
+// --recompute-modules layernorm (Megatron-Core with Transformer Engine's layer spec): only a
+// layernorm that is a module of its own is rerun, which is an MoE layer's pre-MLP layernorm.
+// The layernorm before the attention is fused into the QKV projection and a dense layer's
+// pre-MLP one into FC1, so in a dense layer layernorm changes neither the list nor the memory
+// (with mlp the MLP's checkpoint reruns its layernorm anyway). An MoE layer (Mixtral: no shared
+// experts) reruns its post-attention layernorm for its router and experts and keeps its output
+// no more: 2 bytes per token and hidden unit in 16 bits, over t with sequence parallelism.
+TEST(LayerOps, RecomputeModulesLayernormRerunsTheMoeLayersPreMlpLayernorm) {
   using I = OpId;
   const ModelSpec m = resolve_model("llama3-8b");
   LayerShape s;
@@ -366,26 +371,15 @@ TEST(LayerOps, RecomputeModulesLayernormRerunsBothLayernorms) {
   const std::vector<OpId> core = ids_of(transformer_layer_ops(m, s).recompute);
   const double core_bytes = layer_activation_bytes(m, s);
   s.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
-  std::vector<OpId> want = {I::kInputLayernorm, I::kAttnAllGather};
-  want.insert(want.end(), core.begin(), core.end());
-  want.insert(want.end(), {I::kPostAttentionLayernorm, I::kMlpAllGather});
-  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute), want);
-  const double tokens = 1.0 * m.seq_length;  // b = 1
-  EXPECT_DOUBLE_EQ(core_bytes - layer_activation_bytes(m, s), 4.0 * tokens * m.hidden_size / 4);
-  s.recompute_modules = kRecomputeLayernorm | kRecomputeMlp;
-  EXPECT_EQ(
-      ids_of(transformer_layer_ops(m, s).recompute),
-      (std::vector<OpId>{I::kInputLayernorm, I::kAttnAllGather, I::kPostAttentionLayernorm,
-                         I::kMlpAllGather, I::kFc1, I::kSwiglu, I::kFc2, I::kMlpReduceScatter}));
-  s.sequence_parallel = false;  // the layernorms alone; their outputs were whole on every rank
-  s.recompute_modules = kRecomputeLayernorm;
-  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute),
-            (std::vector<OpId>{I::kInputLayernorm, I::kPostAttentionLayernorm}));
-  LayerShape kept = s;
-  kept.recompute_modules = kRecomputeMlp;
-  const double mlp_bytes = layer_activation_bytes(m, kept);
-  kept.recompute_modules = kRecomputeMlp | kRecomputeLayernorm;
-  EXPECT_DOUBLE_EQ(mlp_bytes - layer_activation_bytes(m, kept), 4.0 * tokens * m.hidden_size);
+  EXPECT_EQ(ids_of(transformer_layer_ops(m, s).recompute), core);
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, s), core_bytes);
+  LayerShape mlp = s;
+  mlp.recompute_modules = kRecomputeMlp;
+  LayerShape mlp_norm = s;
+  mlp_norm.recompute_modules = kRecomputeMlp | kRecomputeLayernorm;
+  EXPECT_EQ(ids_of(transformer_layer_ops(m, mlp_norm).recompute),
+            ids_of(transformer_layer_ops(m, mlp).recompute));
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(m, mlp_norm), layer_activation_bytes(m, mlp));
   const ModelSpec moe = resolve_model("mixtral-8x7b");
   LayerShape ms;
   ms.tensor_parallel = 2;
@@ -394,12 +388,16 @@ TEST(LayerOps, RecomputeModulesLayernormRerunsBothLayernorms) {
   const std::vector<OpId> moe_core = ids_of(moe_layer_ops(moe, ms).recompute);
   const double moe_bytes = moe_layer_activation_bytes(moe, ms);
   ms.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
-  want = {I::kInputLayernorm, I::kAttnAllGather};
-  want.insert(want.end(), moe_core.begin(), moe_core.end());
+  std::vector<OpId> want = moe_core;
   want.push_back(I::kPostAttentionLayernorm);
   EXPECT_EQ(ids_of(moe_layer_ops(moe, ms).recompute), want);
   EXPECT_DOUBLE_EQ(moe_bytes - moe_layer_activation_bytes(moe, ms),
-                   4.0 * moe.seq_length * moe.hidden_size / 2);
+                   2.0 * moe.seq_length * moe.hidden_size / 2);
+  ms.sequence_parallel = false;  // its output was whole on every tensor-parallel rank
+  const double whole = moe_layer_activation_bytes(moe, ms);
+  ms.recompute_modules = kRecomputeCoreAttn;
+  EXPECT_DOUBLE_EQ(moe_layer_activation_bytes(moe, ms) - whole,
+                   2.0 * moe.seq_length * moe.hidden_size);
 }
 
 // --recompute-modules shared_experts: an MoE layer's shared experts rerun from their input as

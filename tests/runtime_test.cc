@@ -321,8 +321,8 @@ TEST(Train, RecomputeModesGiveTheSameLossesWithLessMemory) {
 // losses to the bit, and keeps less: with the attention core, less than the core alone; the MLP
 // alone, less than nothing recomputed. An MoE model's dense layer recomputes its MLP, its MoE
 // layers not their experts, and trains to the same losses; with moe_act its experts' activation
-// is rerun, with layernorm both layernorms' outputs, and with shared_experts a shared expert's
-// MLP, to the same losses with less memory.
+// is rerun, with layernorm the pre-MLP layernorm's output, and with shared_experts a shared
+// expert's MLP, to the same losses with less memory.
 TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
   for (const ModelSpec& m : {tiny(), tiny_llama()}) {
     TrainOptions o = options(m, 3);
@@ -338,15 +338,16 @@ TEST(Train, RecomputeModulesGiveTheSameLossesWithLessMemory) {
     EXPECT_EQ(losses(mlp), losses(none)) << m.name;
     EXPECT_LT(both.peak_memory_bytes, core.peak_memory_bytes) << m.name;
     EXPECT_LT(mlp.peak_memory_bytes, none.peak_memory_bytes) << m.name;
-    // layernorm: both layernorms' outputs rerun, with the attention core, and with everything.
+    // layernorm: a dense layer has no layernorm module of its own (Megatron-Core's Transformer
+    // Engine spec fuses them into the QKV projection and FC1): nothing more is rerun or freed.
     o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeLayernorm;
     const TrainResult norms = train_one(o);
     EXPECT_EQ(losses(norms), losses(none)) << m.name;
-    EXPECT_LT(norms.peak_memory_bytes, core.peak_memory_bytes) << m.name;
+    EXPECT_EQ(norms.peak_memory_bytes, core.peak_memory_bytes) << m.name;
     o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlp | kRecomputeLayernorm;
     const TrainResult all = train_one(o);
     EXPECT_EQ(losses(all), losses(none)) << m.name;
-    EXPECT_LT(all.peak_memory_bytes, both.peak_memory_bytes) << m.name;
+    EXPECT_EQ(all.peak_memory_bytes, both.peak_memory_bytes) << m.name;
   }
   ModelSpec moe = tiny_llama();
   moe.num_experts = 4;

@@ -172,9 +172,9 @@ TEST(Search, MegatronFsdpStrategiesOnlyWhenAskedAndAtOneStage) {
 // --recompute-modules: the selective candidates recompute the modules asked for, and fewer
 // configurations are refused for memory when the MLP is among them, since each such plan keeps
 // less. By default (the attention core) a candidate that does not fit so is tried again with
-// Megatron-Core's cheap memory savers too (memory_saving_modules: the layernorms; in MoE models
-// also the experts' activation and the shared experts): each plan that recomputes them does not
-// fit without them, and more plans fit.
+// more modules (memory_saving_modules: the MLP in a dense model; in MoE models Megatron-Core's
+// cheap memory savers, the pre-MLP layernorm, the experts' activation and the shared experts):
+// each plan that recomputes them does not fit without them, and more plans fit.
 TEST(Search, SelectivePlansRecomputeTheModulesAsked) {
   Job j("llama3-8b", 8);
   SearchOptions o;
@@ -195,7 +195,7 @@ TEST(Search, SelectivePlansRecomputeTheModulesAsked) {
   EXPECT_EQ(both.considered, core.considered);
   EXPECT_GT(both.top.size(), core.top.size());  // more of them fit
 
-  EXPECT_EQ(memory_saving_modules(j.m), kRecomputeCoreAttn | kRecomputeLayernorm);
+  EXPECT_EQ(memory_saving_modules(j.m), kRecomputeCoreAttn | kRecomputeMlp);
   EXPECT_EQ(memory_saving_modules(resolve_model("mixtral-8x7b")),
             kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct);
   EXPECT_EQ(memory_saving_modules(resolve_model("qwen2-57b-a14b")),
