@@ -447,7 +447,20 @@ HardwareProfile JobFlags::resolve_profile(const ClusterSpec& c) const {
 }
 
 ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, const ClusterSpec& c) const {
-  return resolve_plan(m, c.num_gpus(), "--num-gpus");
+  ParallelPlan p = resolve_plan(m, c.num_gpus(), "--num-gpus");
+  // What plan, predict and simulate print must be a line Megatron-LM takes, which asserts
+  // (megatron/training/arguments.py) that --overlap-param-gather comes with
+  // --overlap-grad-reduce, and that the interleaved schedule without its p2p overlap runs on
+  // more than two pipeline ranks. (ptdp run runs either: its overlaps are separate settings,
+  // and its schedule does not overlap the pipeline transfers.)
+  if (overlap_param_gather && !overlap_grad_reduce)
+    throw InputError("--overlap-param-gather",
+                     "needs --overlap-grad-reduce (Megatron-LM asserts it)");
+  if (no_overlap_p2p && p.virtual_stages > 1 && p.pipeline_parallel == 2)
+    throw InputError("--no-overlap-p2p-communication",
+                     "the interleaved schedule without its p2p overlap needs "
+                     "pipeline-model-parallel-size > 2 (Megatron-LM asserts it)");
+  return p;
 }
 
 void JobFlags::apply_megatron_fsdp_flags(ParallelPlan& p) const {

@@ -110,6 +110,7 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
   if (!f.job.cp_comm_type.empty()) o.cp_comms = {base.cp_comm};
   o.selective_modules = {selective_modules};
   o.try_memory_saving_modules = f.job.recompute_modules.empty();
+  o.interleave_two_stages = !f.job.no_overlap_p2p;
   // --use-megatron-fsdp: the strategies that shard more than the distributed optimizer, or the
   // one given.
   if (f.job.use_megatron_fsdp) {
@@ -236,12 +237,17 @@ int run_plan(const PlanFlags& f, std::ostream& out, std::ostream& err) {
     for (const auto& [why, n] : r.rejected) out << "  " << n << "  " << why << "\n";
   }
   if (baseline) {
+    // A configuration that does not fit may be priced faster than every plan that does.
+    const bool faster = best_time <= baseline_time;
     std::snprintf(
         buf, sizeof buf,
-        "\nyour configuration (%s): %.3f s/iteration%s; the best plan is %.1f%% faster: %s\n",
+        "\nyour configuration (%s): %.3f s/iteration%s; the best plan%s is %.1f%% %s: "
+        "%s\n",
         plan_summary(base).c_str(), baseline_time,
         baseline->memory.fits ? "" : ", does NOT fit in memory",
-        100 * (baseline_time / best_time - 1), plan_difference(base, best.plan).c_str());
+        baseline->memory.fits ? "" : " that fits",
+        faster ? 100 * (baseline_time / best_time - 1) : 100 * (best_time / baseline_time - 1),
+        faster ? "faster" : "slower", plan_difference(base, best.plan).c_str());
     out << buf;
   }
   if (tokens > 0) {

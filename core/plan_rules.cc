@@ -157,7 +157,9 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     if (m.num_layers % p != 0)
       return broken(PlanRule::kPipelineDividesLayers, report, pp, [&] {
         return num(p) + " does not divide num_layers (" + num(m.num_layers) +
-               "); give layers_per_stage for an uneven split";
+               "); give --decoder-first-pipeline-num-layers and/or "
+               "--decoder-last-pipeline-num-layers (layers_per_stage in a plan file) for an "
+               "uneven split";
       });
   } else {
     if (static_cast<int64_t>(split.size()) != p)

@@ -288,6 +288,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
   const std::vector<OptimizerVariant> optimizers = optimizer_variants(c, m, o, cost);
   for (int64_t v : divisors(fewest_layers)) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
+    if (v > 1 && c.p == 2 && !o.interleave_two_stages) continue;
     if (o.schedule && (*o.schedule == Schedule::kInterleaved1F1B) != (v > 1)) continue;
     for (const auto& [rc, modules] : recompute_variants(o)) {
       for (int sp = 0; sp < 2; ++sp) {

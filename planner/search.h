@@ -36,6 +36,10 @@ struct SearchOptions {
   // pre-MLP layernorm's output, the experts' activation, the shared experts), in dense models the
   // MLP (between core_attn and full recomputation). Off when --recompute-modules pins the set.
   bool try_memory_saving_modules = true;
+  // Interleaving at p = 2 too. Megatron-LM asserts that the interleaved schedule without its
+  // p2p overlap (--no-overlap-p2p-communication, which ptdp plan passes on) runs on more than
+  // two pipeline ranks.
+  bool interleave_two_stages = true;
   bool try_sequence_parallel = true;
   bool try_distributed_optimizer = true;
   // Megatron-FSDP's strategies tried besides DDP and the distributed optimizer, at p = 1 with

@@ -699,14 +699,16 @@ TEST(CliSimulate, OverlapSettingsHideTheirCommunication) {
   EXPECT_LT(tp["exposed_comm_s"]["tp"].get<double>(),
             0.5 * sp["exposed_comm_s"]["tp"].get<double>());
   EXPECT_LT(tp["iteration_time_s"].get<double>(), sp["iteration_time_s"].get<double>());
-  const auto dopt = time({"--use-distributed-optimizer"});
-  const auto gather = time({"--use-distributed-optimizer", "--overlap-param-gather"});
+  const auto dopt = time({"--use-distributed-optimizer", "--overlap-grad-reduce"});
+  const auto gather =
+      time({"--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"});
   EXPECT_LT(gather["exposed_comm_s"]["dp"].get<double>(),
             dopt["exposed_comm_s"]["dp"].get<double>());
   EXPECT_GT(gather["exposed_comm_s"]["dp"].get<double>(), 0);  // the reduce-scatter stays
   auto pred = kPredict175B;
-  pred.insert(pred.end(), {"--sequence-parallel", "--tp-comm-overlap",
-                           "--use-distributed-optimizer", "--overlap-param-gather", "--json"});
+  pred.insert(pred.end(),
+              {"--sequence-parallel", "--tp-comm-overlap", "--use-distributed-optimizer",
+               "--overlap-grad-reduce", "--overlap-param-gather", "--json"});
   const Result r = run(pred);
   ASSERT_EQ(r.status, 0) << r.err;
   const std::string flags = nlohmann::json::parse(r.out)["megatron_flags"];
@@ -719,6 +721,36 @@ TEST(CliErrors, OverlapSettingsNeedWhatTheyOverlap) {
     args.push_back(flag);
     expect_bad(args, flag);
   }
+  // Megatron-LM asserts --overlap-grad-reduce with --overlap-param-gather, and p > 2 for the
+  // interleaved schedule without its p2p overlap: plan, predict and simulate refuse what it
+  // would; the search leaves interleaving at p = 2 out when told not to overlap.
+  auto gather = kPredict175B;
+  gather.insert(gather.end(), {"--use-distributed-optimizer", "--overlap-param-gather"});
+  expect_bad(gather, "--overlap-param-gather: needs --overlap-grad-reduce");
+  gather.push_back("--overlap-grad-reduce");
+  EXPECT_EQ(run(gather).status, 0);
+  const std::vector<std::string> two = {"predict",  "--model",
+                                        "gpt-1.7b", "--num-gpus",
+                                        "8",        "--global-batch-size",
+                                        "64",       "--tensor-model-parallel-size",
+                                        "1",        "--pipeline-model-parallel-size",
+                                        "2",        "--micro-batch-size",
+                                        "1",        "--num-layers-per-virtual-pipeline-stage",
+                                        "4"};
+  EXPECT_EQ(run(two).status, 0);
+  auto no_overlap = two;
+  no_overlap.push_back("--no-overlap-p2p-communication");
+  expect_bad(no_overlap,
+             "--no-overlap-p2p-communication: the interleaved schedule without its "
+             "p2p overlap needs pipeline-model-parallel-size > 2");
+  const Result planned =
+      run({"plan", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "64",
+           "--pipeline-model-parallel-size", "2", "--top", "100", "--json", "--no-progress",
+           "--no-overlap-p2p-communication"});
+  ASSERT_EQ(planned.status, 0) << planned.err;
+  for (const nlohmann::json& p : nlohmann::json::parse(planned.out)["plans"])
+    EXPECT_EQ(p["megatron_flags"].get<std::string>().find("--num-layers-per-virtual"),
+              std::string::npos);
 }
 
 // --num-distributed-optimizer-instances: a whole number that divides d * cp, with the
@@ -1308,6 +1340,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
         "--global-batch-size",
         "256",
         "--tp-comm-overlap",
+        "--overlap-grad-reduce",
         "--overlap-param-gather"}},
   };
   std::set<std::string> seen;
@@ -1403,8 +1436,9 @@ TEST(CliErrors, MegatronFlagsPtdpDoesNotModel) {
   expect_bad(predict_plus({"--ckpt-format", "hdf5"}), "--ckpt-format: must be torch");
   expect_bad(predict_plus({"--use-megatron-fsdp", "--ckpt-format", "torch_dist"}),
              "--ckpt-format: must be fsdp_dtensor with --use-megatron-fsdp");
-  expect_bad(predict_plus({"--use-megatron-fsdp", "--overlap-param-gather"}),
-             "--overlap-param-gather: has no sharded weights to gather");
+  expect_bad(
+      predict_plus({"--use-megatron-fsdp", "--overlap-grad-reduce", "--overlap-param-gather"}),
+      "--overlap-param-gather: has no sharded weights to gather");
   expect_bad(predict_plus({"--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                            "optim_grads_params"}),
              "--use-megatron-fsdp: runs with pipeline-model-parallel-size 1");
