@@ -310,6 +310,14 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.max_position_embeddings, max_position_embeddings);
   set(m.vocab_size, vocab_size);
   if (swiglu) m.swiglu = true;
+  if (ffn_hidden_size && *ffn_hidden_size <= 0)
+    throw InputError("--ffn-hidden-size",
+                     "must be positive, got " + std::to_string(*ffn_hidden_size));
+  // Megatron-LM's default FFN width for a gated MLP given by flags without --ffn-hidden-size
+  // (megatron/training/arguments.py): 2/3 of 4 h, down to a multiple of 64, so that the two
+  // input projections hold about the parameters of one 4 h projection.
+  if (model.empty() && m.swiglu && !ffn_hidden_size && m.hidden_size > 0)
+    m.ffn_hidden_size = 4 * m.hidden_size * 2 / 3 / 64 * 64;
   if (untie) m.untie_embeddings_and_output_weights = true;
   if (position_embedding_type == "rope")
     m.learned_position_embeddings = false;

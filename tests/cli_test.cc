@@ -1119,6 +1119,54 @@ TEST(Cli, RunRefusesBeforeTrainingWhatItWouldFailOrIgnoreLater) {
   }
 }
 
+// A gated model given by Megatron-LM's flags without --ffn-hidden-size gets Megatron-LM's
+// default width, 2/3 of 4 h down to a multiple of 64 (Llama 2 7B's shape: 10880, not 4 h), and
+// the printed line says so; a width that is not positive is refused by name.
+TEST(Cli, GatedModelFlagsTakeMegatronsDefaultFfnWidth) {
+  const std::vector<std::string> llama = {"predict",
+                                          "--num-layers",
+                                          "32",
+                                          "--hidden-size",
+                                          "4096",
+                                          "--num-attention-heads",
+                                          "32",
+                                          "--seq-length",
+                                          "4096",
+                                          "--vocab-size",
+                                          "32000",
+                                          "--swiglu",
+                                          "--position-embedding-type",
+                                          "rope",
+                                          "--num-gpus",
+                                          "8",
+                                          "--global-batch-size",
+                                          "64",
+                                          "--tensor-model-parallel-size",
+                                          "8",
+                                          "--pipeline-model-parallel-size",
+                                          "1",
+                                          "--micro-batch-size",
+                                          "1"};
+  auto ffn_of = [&](std::vector<std::string> args) {
+    args.push_back("--json");
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 0) << r.err;
+    const std::string flags = nlohmann::json::parse(r.out)["megatron_flags"];
+    const size_t at = flags.find("--ffn-hidden-size ");
+    return at == std::string::npos ? int64_t{0} : int64_t{std::stoll(flags.substr(at + 18))};
+  };
+  EXPECT_EQ(ffn_of(llama), 10880);
+  auto given = llama;
+  given.insert(given.end(), {"--ffn-hidden-size", "11008"});
+  EXPECT_EQ(ffn_of(given), 11008);
+  auto plain = llama;
+  plain.erase(std::find(plain.begin(), plain.end(), "--swiglu"));
+  EXPECT_EQ(ffn_of(plain), 0);  // 4 h, Megatron-LM's default for it too: not printed
+  auto zero = llama;
+  zero.insert(zero.end(), {"--ffn-hidden-size", "0"});
+  expect_bad(zero, "--ffn-hidden-size: must be positive");
+}
+
 TEST(Cli, RunRefusesBadInputWithOneLine) {
   expect_bad(tiny_run({"--tensor-model-parallel-size", "2"}), "world size");
   expect_bad(tiny_run({"--data", "/nonexistent/tokens.bin"}), "--data");
