@@ -120,6 +120,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
   app.add_option("--expert-tensor-parallel-size", expert_tensor_parallel,
                  "ranks each expert's weights are split over (default: t)");
   app.add_option("--fp8-format", fp8_format, "hybrid or e4m3: FP8 GEMMs (priced; not run)");
+  app.add_option("--fp8-recipe", fp8_recipe,
+                 "delayed (Megatron-LM's default) or tensorwise: FP8 scaling (priced alike)");
   app.add_option("--num-layers-per-virtual-pipeline-stage", layers_per_virtual_stage);
   app.add_option("--num-virtual-stages-per-pipeline-rank", virtual_stages_per_rank,
                  "model chunks per pipeline rank (interleaving; also with uneven stages)");
@@ -284,6 +286,7 @@ std::string JobFlags::first_plan_setting_flag() const {
       {"--no-overlap-p2p-communication", no_overlap_p2p},
       {"--pipeline-schedule", !pipeline_schedule.empty()},
       {"--fp8-format", !fp8_format.empty()},
+      {"--fp8-recipe", !fp8_recipe.empty()},
       {"--cp-comm-type", !cp_comm_type.empty()},
       {"--hierarchical-context-parallel-sizes", !hierarchical_cp_sizes.empty()},
   });
@@ -642,6 +645,19 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
   p.scatter_gather_p2p = !no_scatter_gather;
   p.overlap_p2p_comm = !no_overlap_p2p;
   p.gradient_accumulation_fusion = !no_grad_accumulation_fusion;
+  if (!fp8_recipe.empty()) {
+    const char* flag = "--fp8-recipe";
+    if (fp8_recipe != "delayed" && fp8_recipe != "tensorwise")
+      throw InputError(flag,
+                       "must be delayed or tensorwise (the per-tensor scalings ptdp prices), "
+                       "got '" +
+                           fp8_recipe + "'");
+    if (!p.fp8) throw InputError(flag, "needs --fp8-format");
+    if (fp8_recipe == "delayed" && fp8_needs_current_scaling(p))
+      throw InputError(flag,
+                       "delayed scaling does not support moe_act and layernorm "
+                       "recomputation (Megatron-Core refuses it); use tensorwise");
+  }
   return p;
 }
 

@@ -49,6 +49,9 @@ struct JobFlags {
   std::string cp_comm_type;  // Megatron's --cp-comm-type (p2p, all_gather, a2a, a2a+p2p)
   std::vector<int64_t> hierarchical_cp_sizes;  // --hierarchical-context-parallel-sizes A B
   std::string fp8_format;  // Megatron's --fp8-format (hybrid or e4m3): priced, never run
+  // Megatron's --fp8-recipe: delayed (its default) or tensorwise, priced alike. Megatron-Core
+  // refuses delayed scaling with moe_act or layernorm recomputation.
+  std::string fp8_recipe;
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   std::string recompute_granularity;

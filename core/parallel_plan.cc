@@ -104,6 +104,11 @@ std::vector<std::string> recompute_module_names(unsigned modules) {
   return out;
 }
 
+bool fp8_needs_current_scaling(const ParallelPlan& p) {
+  return p.fp8 && p.recompute == Recompute::kSelective &&
+         (p.recompute_modules & (kRecomputeMoeAct | kRecomputeLayernorm)) != 0;
+}
+
 std::string recompute_modules_string(unsigned modules) {
   std::string out;
   for (const std::string& name : recompute_module_names(modules))
@@ -295,6 +300,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (precision == DType::kBF16) f << " --bf16";
   if (precision == DType::kF16) f << " --fp16";
   if (fp8) f << " --fp8-format hybrid";
+  if (fp8_needs_current_scaling(*this)) f << " --fp8-recipe tensorwise";
   if (virtual_stages > 1 && !overlap_p2p_comm) f << " --no-overlap-p2p-communication";
   if (fp32_grad_reduce) f << " --accumulate-allreduce-grads-in-fp32";
   if (!gradient_accumulation_fusion) f << " --no-gradient-accumulation-fusion";

@@ -64,6 +64,11 @@ inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
   return common | (modules & kRecomputeMoeAct) |
          ((modules & kRecomputeSharedExperts) ? unsigned{kRecomputeMlp} : 0u);
 }
+// Megatron-Core refuses FP8's delayed scaling (its default --fp8-recipe) with moe_act or
+// layernorm recomputation (TransformerConfig; Transformer Engine 2.6 or newer runs them with
+// current scaling): such a plan's Megatron-LM line carries --fp8-recipe tensorwise.
+struct ParallelPlan;
+bool fp8_needs_current_scaling(const ParallelPlan& p);
 // "core_attn mlp" (Megatron's spelling, space-separated); parsing names the flag or field and
 // refuses Megatron's modules ptdp does not model.
 std::string recompute_modules_string(unsigned modules);

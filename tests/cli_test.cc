@@ -508,6 +508,42 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   expect_bad({"plan", "--model", path, "--global-batch-size", "8"}, "moe_expert_capacity");
 }
 
+// Megatron-Core refuses FP8's delayed scaling (Megatron-LM's default --fp8-recipe) with moe_act
+// or layernorm recomputation: a plan that recomputes them in FP8 prints --fp8-recipe tensorwise,
+// --fp8-recipe delayed with them is refused, and the recipe needs --fp8-format.
+TEST(Cli, Fp8WithMoeActOrLayernormRecomputationTakesCurrentScaling) {
+  auto args = kPredictMixtral;
+  args.insert(args.end(), {"--expert-model-parallel-size", "8", "--fp8-format", "hybrid",
+                           "--recompute-granularity", "selective", "--json"});
+  auto flags_of = [&](std::vector<std::string> extra) {
+    auto a = args;
+    a.insert(a.end(), extra.begin(), extra.end());
+    const Result r = run(a);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return nlohmann::json::parse(r.out)["megatron_flags"].get<std::string>();
+  };
+  EXPECT_EQ(flags_of({}).find("--fp8-recipe"), std::string::npos);
+  for (const char* module : {"moe_act", "layernorm"}) {
+    EXPECT_NE(
+        flags_of({"--recompute-modules", "core_attn", module}).find("--fp8-recipe tensorwise"),
+        std::string::npos)
+        << module;
+    EXPECT_NE(flags_of({"--recompute-modules", "core_attn", module, "--fp8-recipe", "tensorwise"})
+                  .find("--fp8-recipe tensorwise"),
+              std::string::npos);
+    auto delayed = args;
+    delayed.insert(delayed.end(),
+                   {"--recompute-modules", "core_attn", module, "--fp8-recipe", "delayed"});
+    expect_bad(delayed, "--fp8-recipe: delayed scaling does not support moe_act and layernorm");
+  }
+  auto bad = args;
+  bad.insert(bad.end(), {"--fp8-recipe", "mxfp9"});
+  expect_bad(bad, "--fp8-recipe: must be delayed or tensorwise");
+  auto no_fp8 = kPredictMixtral;
+  no_fp8.insert(no_fp8.end(), {"--expert-model-parallel-size", "8", "--fp8-recipe", "tensorwise"});
+  expect_bad(no_fp8, "--fp8-recipe: needs --fp8-format");
+}
+
 TEST(Cli, Fp8IsPricedFasterOnH100AndRunSaysItRunsTheGemmsInItsPrecision) {
   auto args = kPredictMixtral;
   args.insert(args.end(), {"--expert-model-parallel-size", "8", "--json"});
