@@ -532,15 +532,24 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   st.layer_b = price(layer.backward, p, hit, &bwd_flops, &st.layer_w, &st.layer_recompute_flops);
   st.layer_r = price(layer.recompute, p, hit, &st.layer_list_recompute_flops);
   st.layer_flops = fwd_flops + bwd_flops;
-  // Model FLOPs are counted on the unfused attention (all pairs), so that MFU does not depend
-  // on the kernel that runs it (flash attention and context parallelism skip the masked half).
+  // Model FLOPs are counted on the unfused attention's list, so that MFU does not depend on the
+  // kernel that runs it, with the attention core's GEMMs at half their pairs: a causal mask
+  // leaves half of them, as Megatron-LM's num_floating_point_operations counts them (and its
+  // logged TFLOP/s/GPU), and as flash attention and context parallelism's ring run them.
+  // Counting every pair (SC'21's equation 3, which docs/validation.md still uses for Table 1)
+  // puts MFU over 100% at long sequences.
   LayerShape all_pairs = shape;
   all_pairs.fused_attention = false;
   auto model_flops = [](const PassOps& ops) {
     double f = 0;
     for (const auto* list : {&ops.forward, &ops.backward})
-      for (const Op& op : *list)
-        if (op.role != OpRole::kRecompute) f += op.flops();
+      for (const Op& op : *list) {
+        if (op.role == OpRole::kRecompute) continue;
+        const bool pairs = op.id == OpId::kAttnScores || op.id == OpId::kAttnContext ||
+                           op.id == OpId::kAttnContextDprobs || op.id == OpId::kAttnContextDv ||
+                           op.id == OpId::kAttnScoresDq || op.id == OpId::kAttnScoresDk;
+        f += pairs ? 0.5 * op.flops() : op.flops();
+      }
     return f;
   };
   st.layer_model_flops = model_flops(transformer_layer_ops(model_, all_pairs));
