@@ -146,6 +146,12 @@ ModelSpec model_from_hf_config(const json& j) {
                                       "deepseek_v2", "deepseek_v3"});
   r.read("tie_word_embeddings", tied);
   m.untie_embeddings_and_output_weights = !tied;
+  // Hugging Face's config classes of these families default to SiLU and rotary positions, so a
+  // config may leave either out (transformers' LlamaConfig, MistralConfig, MixtralConfig,
+  // Qwen2Config, Qwen2MoeConfig, DeepseekV2/V3Config).
+  const bool rotary_family = is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2",
+                                                    "qwen2_moe", "deepseek_v2", "deepseek_v3"});
+  if (rotary_family) hidden_act = "silu";
   r.read("hidden_act", hidden_act);
   // SiLU configs are gated (SwiGLU, no biases); GELU ones are GPT's MLP (biases, ungated), as
   // GPT-NeoX and GPT-J. A gated GELU (Gemma's GeGLU) and other activations are refused: they
@@ -159,8 +165,8 @@ ModelSpec model_from_hf_config(const json& j) {
       !is_one_of(hidden_act, {"gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh"}))
     throw InputError("hidden_act",
                      "'" + hidden_act + "' is not modelled: ptdp's MLPs are SwiGLU (silu) or GELU");
-  m.learned_position_embeddings =
-      !(is_one_of(model_type, {"llama", "mistral", "qwen2"}) || j.contains("rope_theta"));
+  m.learned_position_embeddings = !(rotary_family || j.contains("rope_theta"));
+  if (model_type == "mixtral") m.rotary_base = 1e6;  // MixtralConfig's default rope_theta
   r.read("rope_theta", m.rotary_base);
   // Dropout as the config states it (GPT-2's attn_pdrop/resid_pdrop); none where it is silent.
   m.attention_dropout = 0;

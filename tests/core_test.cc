@@ -289,6 +289,37 @@ TEST(HuggingFace, DefaultsForOtherModels) {
   EXPECT_EQ(field_of([&] { model_from_json(bad); }), "num_key_value_heads");
 }
 
+// Hugging Face's config classes default the families ptdp reads to SiLU (gated) and rotary
+// positions, Mixtral's with rope_theta 1e6, so a config that leaves them out is priced as the
+// class reads it (found by review: a Mixtral config without hidden_act was priced as an ungated
+// GELU model, 31.8B parameters instead of 46.7B).
+TEST(HuggingFace, FamilyDefaultsForActivationAndPositions) {
+  const json mixtral = {{"model_type", "mixtral"},     {"hidden_size", 4096},
+                        {"intermediate_size", 14336},  {"num_hidden_layers", 32},
+                        {"num_attention_heads", 32},   {"num_key_value_heads", 8},
+                        {"vocab_size", 32000},         {"max_position_embeddings", 4096},
+                        {"num_local_experts", 8},      {"num_experts_per_tok", 2},
+                        {"tie_word_embeddings", false}};
+  const ModelSpec m = model_from_json(mixtral);
+  EXPECT_TRUE(m.swiglu);
+  EXPECT_FALSE(m.learned_position_embeddings);
+  EXPECT_DOUBLE_EQ(m.rotary_base, 1e6);
+  EXPECT_NEAR(m.parameters() / 1e9, 46.7, 0.1);
+  for (const char* type : {"llama", "mistral", "qwen2", "qwen2_moe"}) {
+    json j = mixtral;
+    j["model_type"] = type;
+    j.erase("num_local_experts");
+    j.erase("num_experts_per_tok");
+    const ModelSpec d = model_from_json(j);
+    EXPECT_TRUE(d.swiglu) << type;
+    EXPECT_FALSE(d.learned_position_embeddings) << type;
+    EXPECT_DOUBLE_EQ(d.rotary_base, 10000) << type;
+  }
+  json gelu = mixtral;
+  gelu["hidden_act"] = "gelu";  // stated, it is read as given
+  EXPECT_FALSE(model_from_json(gelu).swiglu);
+}
+
 // What ptdp would price wrongly is refused naming the config's key, and errors found after
 // reading name the config's keys, not ptdp's fields (found by exploratory testing: Qwen3's
 // head_dim was ignored, pricing 3.7B parameters for a 4.0B model).
