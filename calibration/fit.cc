@@ -1,10 +1,12 @@
 #include "calibration/fit.h"
 
-#include <Eigen/Dense>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <stdexcept>
+#include <utility>
 
 namespace ptdp {
 
@@ -27,6 +29,67 @@ nlohmann::json to_json(const FitResiduals& r) {
 }
 
 namespace {
+
+// The least-squares solution of the `rows` x `cols` system `a` x = `b` (`a` row-major), by
+// Householder QR with column pivoting (Golub and Van Loan, "Matrix Computations", 4th ed.,
+// section 5.4.2). Columns left once the largest remaining norm falls below 1e-12 of the first
+// pivot's (zero columns, or ones dependent on those chosen) get 0: a basic solution, which for
+// zero columns is also the minimum-norm one. The systems here have a few columns and tens of
+// rows; Eigen's decompositions for them were most of this file's compile time (about 40 s of
+// 45 with GCC at -O3 on a 2-vCPU VM; docs/reliability.md, "Cost in CI").
+std::vector<double> least_squares(std::vector<double> a, std::vector<double> b, size_t rows,
+                                  size_t cols) {
+  std::vector<size_t> perm(cols);
+  std::iota(perm.begin(), perm.end(), size_t{0});
+  auto at = [&](size_t i, size_t j) -> double& { return a[i * cols + j]; };
+  auto tail_norm = [&](size_t k, size_t j) {
+    double s = 0;
+    for (size_t i = k; i < rows; ++i) s += at(i, j) * at(i, j);
+    return std::sqrt(s);
+  };
+  size_t rank = 0;
+  double first = 0;
+  for (size_t k = 0; k < std::min(rows, cols); ++k) {
+    size_t p = k;
+    double norm = tail_norm(k, k);
+    for (size_t j = k + 1; j < cols; ++j)
+      if (const double nj = tail_norm(k, j); nj > norm) p = j, norm = nj;
+    if (k == 0) first = norm;
+    if (!(norm > 1e-12 * first) || norm == 0) break;
+    if (p != k) {
+      for (size_t i = 0; i < rows; ++i) std::swap(at(i, k), at(i, p));
+      std::swap(perm[k], perm[p]);
+    }
+    // The reflection I - v v^T / (v^T v) with v = x - alpha e_k maps column k's tail x onto
+    // alpha e_k; alpha takes the sign opposite x_k's, so that v_k does not cancel.
+    const double alpha = at(k, k) > 0 ? -norm : norm;
+    std::vector<double> v(rows - k);
+    for (size_t i = k; i < rows; ++i) v[i - k] = at(i, k);
+    v[0] -= alpha;
+    double vv = 0;
+    for (double x : v) vv += x * x;
+    auto reflect = [&](auto&& elem) {
+      double d = 0;
+      for (size_t i = k; i < rows; ++i) d += v[i - k] * elem(i);
+      const double f = 2 * d / vv;
+      for (size_t i = k; i < rows; ++i) elem(i) -= f * v[i - k];
+    };
+    for (size_t j = k + 1; j < cols; ++j) reflect([&](size_t i) -> double& { return at(i, j); });
+    reflect([&](size_t i) -> double& { return b[i]; });
+    at(k, k) = alpha;
+    for (size_t i = k + 1; i < rows; ++i) at(i, k) = 0;
+    rank = k + 1;
+  }
+  // R x = Q^T b over the first `rank` pivoted columns, by back substitution.
+  std::vector<double> y(cols, 0.0), x(cols, 0.0);
+  for (size_t k = rank; k-- > 0;) {
+    double s = b[k];
+    for (size_t j = k + 1; j < rank; ++j) s -= at(k, j) * y[j];
+    y[k] = s / at(k, k);
+  }
+  for (size_t k = 0; k < cols; ++k) x[perm[k]] = y[k];
+  return x;
+}
 
 // log efficiency of the curve with log amplitude a and halves h.
 double log_curve(const GemmSample& s, double a, const double h[3]) {
@@ -70,41 +133,43 @@ GemmCurveFit fit_gemm_curve(const std::vector<GemmSample>& samples) {
         const double c = cost(samples, a, h);
         if (c < best_c) best_c = c, best_a = a, std::copy(h, h + 3, best);
       }
-  // Levenberg-Marquardt on (a, log h) from the grid's best (halves of 0 start at 0.5).
-  Eigen::Vector4d p(best_a, std::log(std::max(best[0], 0.5)), std::log(std::max(best[1], 0.5)),
-                    std::log(std::max(best[2], 0.5)));
-  auto halves = [](const Eigen::Vector4d& q, double h[3]) {
-    for (int j = 0; j < 3; ++j) h[j] = std::exp(q[j + 1]);
+  // Levenberg-Marquardt on (a, log h) from the grid's best (halves of 0 start at 0.5). Each
+  // step solves (J^T J + lambda diag(J^T J + 1e-9)) step = -J^T r as the least-squares problem
+  // [J; sqrt(lambda diag(...))] step = [-r; 0].
+  std::array<double, 4> p = {best_a, std::log(std::max(best[0], 0.5)),
+                             std::log(std::max(best[1], 0.5)), std::log(std::max(best[2], 0.5))};
+  auto halves = [](const std::array<double, 4>& q, double h[3]) {
+    for (int j = 0; j < 3; ++j) h[j] = std::exp(q[static_cast<size_t>(j) + 1]);
   };
   double h[3];
   halves(p, h);
   double c = cost(samples, p[0], h);
   double lambda = 1e-3;
-  const Eigen::Index n = static_cast<Eigen::Index>(samples.size());
+  const size_t n = samples.size();
   for (int it = 0; it < 100; ++it) {
-    Eigen::MatrixXd J(n, 4);
-    Eigen::VectorXd r(n);
-    for (Eigen::Index i = 0; i < n; ++i) {
-      const GemmSample& g = samples[static_cast<size_t>(i)];
+    std::vector<double> J((n + 4) * 4, 0.0), rhs(n + 4, 0.0);
+    double diag[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < n; ++i) {
+      const GemmSample& g = samples[i];
       const double x[3] = {g.batch * g.m, g.n, g.k};
-      r[i] = log_curve(g, p[0], h) - std::log(g.efficiency);
-      J(i, 0) = 1;
-      for (int j = 0; j < 3; ++j) J(i, j + 1) = -h[j] / (x[j] + h[j]);  // d/d log h
+      rhs[i] = -(log_curve(g, p[0], h) - std::log(g.efficiency));
+      J[i * 4] = 1;
+      for (size_t j = 0; j < 3; ++j) J[i * 4 + j + 1] = -h[j] / (x[j] + h[j]);  // d/d log h
+      for (size_t j = 0; j < 4; ++j) diag[j] += J[i * 4 + j] * J[i * 4 + j];
     }
-    const Eigen::Matrix4d A = J.transpose() * J;
-    const Eigen::Vector4d g = J.transpose() * r;
-    Eigen::Matrix4d D = A;
-    D.diagonal() += lambda * (A.diagonal().array() + 1e-9).matrix();
-    const Eigen::Vector4d step = D.ldlt().solve(-g);
-    Eigen::Vector4d q = p + step;
-    for (int j = 1; j < 4; ++j) q[j] = std::clamp(q[j], -10.0, 12.0);  // halves in [5e-5, 2e5]
+    for (size_t j = 0; j < 4; ++j) J[(n + j) * 4 + j] = std::sqrt(lambda * (diag[j] + 1e-9));
+    const std::vector<double> step = least_squares(std::move(J), std::move(rhs), n + 4, 4);
+    std::array<double, 4> q;
+    double step_norm = 0;
+    for (size_t j = 0; j < 4; ++j) q[j] = p[j] + step[j], step_norm += step[j] * step[j];
+    for (size_t j = 1; j < 4; ++j) q[j] = std::clamp(q[j], -10.0, 12.0);  // halves in [5e-5, 2e5]
     double hq[3];
     halves(q, hq);
     const double cq = cost(samples, q[0], hq);
     if (cq < c) {
       p = q, c = cq, std::copy(hq, hq + 3, h);
       lambda = std::max(lambda / 4, 1e-9);
-      if (step.norm() < 1e-9) break;
+      if (std::sqrt(step_norm) < 1e-9) break;
     } else {
       lambda *= 8;
       if (lambda > 1e9) break;
@@ -125,21 +190,18 @@ GemmCurveFit fit_gemm_curve(const std::vector<GemmSample>& samples) {
 LinearFit fit_latency_bandwidth(const std::vector<double>& x, const std::vector<double>& t) {
   if (x.size() != t.size() || x.empty())
     throw std::invalid_argument("fit_latency_bandwidth: no samples");
-  const Eigen::Index n = static_cast<Eigen::Index>(x.size());
+  const size_t n = x.size();
   // Rows divided by the measured time: relative error.
-  Eigen::MatrixXd A(n, 2);
-  Eigen::VectorXd b = Eigen::VectorXd::Ones(n);
-  for (Eigen::Index i = 0; i < n; ++i) {
-    A(i, 0) = 1.0 / t[static_cast<size_t>(i)];
-    A(i, 1) = x[static_cast<size_t>(i)] / t[static_cast<size_t>(i)];
-  }
-  Eigen::Vector2d s = A.colPivHouseholderQr().solve(b);
+  std::vector<double> a(n * 2);
+  for (size_t i = 0; i < n; ++i) a[i * 2] = 1.0 / t[i], a[i * 2 + 1] = x[i] / t[i];
+  std::vector<double> s = least_squares(a, std::vector<double>(n, 1.0), n, 2);
   LinearFit f;
   if (n < 2 || s[0] < 0 || !(s[1] > 0)) {
     // No latency (or too few points, or a time that does not grow with the size, which only
     // noise makes): the bandwidth alone, through the origin.
-    const Eigen::VectorXd col = A.col(1);
-    s = Eigen::Vector2d(0, col.squaredNorm() > 0 ? col.dot(b) / col.squaredNorm() : 1e-30);
+    double dot = 0, sq = 0;
+    for (size_t i = 0; i < n; ++i) dot += a[i * 2 + 1], sq += a[i * 2 + 1] * a[i * 2 + 1];
+    s = {0, sq > 0 ? dot / sq : 1e-30};
   }
   f.latency_s = s[0];
   f.seconds_per_unit = s[1];
@@ -151,31 +213,32 @@ LinearFit fit_latency_bandwidth(const std::vector<double>& x, const std::vector<
 
 MemoryFit fit_memory_kernels(const std::vector<int>& family, const std::vector<double>& bytes,
                              const std::vector<double>& t, int families) {
-  const Eigen::Index n = static_cast<Eigen::Index>(t.size());
+  const size_t n = t.size();
   if (n == 0 || family.size() != t.size() || bytes.size() != t.size())
     throw std::invalid_argument("fit_memory_kernels: no samples");
+  for (int f : family)
+    if (f < 0 || f >= families) throw std::invalid_argument("fit_memory_kernels: bad family");
   // Non-negative least squares by elimination: solve, drop the most negative coefficient's
   // column (fix it at 0), solve again, until none is negative. Column 0 is the gap.
-  const Eigen::Index cols = families + 1;
-  std::vector<bool> active(static_cast<size_t>(cols), true);
-  Eigen::VectorXd s = Eigen::VectorXd::Zero(cols);
-  for (Eigen::Index round = 0; round <= cols; ++round) {
-    Eigen::MatrixXd A = Eigen::MatrixXd::Zero(n, cols);
-    const Eigen::VectorXd b = Eigen::VectorXd::Ones(n);
-    for (Eigen::Index i = 0; i < n; ++i) {
-      const size_t k = static_cast<size_t>(i);
-      if (active[0]) A(i, 0) = 1.0 / t[k];
-      if (active[static_cast<size_t>(1 + family[k])]) A(i, 1 + family[k]) = bytes[k] / t[k];
+  const size_t cols = static_cast<size_t>(families) + 1;
+  std::vector<bool> active(cols, true);
+  std::vector<double> s(cols, 0.0);
+  for (size_t round = 0; round <= cols; ++round) {
+    std::vector<double> a(n * cols, 0.0);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t col = 1 + static_cast<size_t>(family[k]);
+      if (active[0]) a[k * cols] = 1.0 / t[k];
+      if (active[col]) a[k * cols + col] = bytes[k] / t[k];
     }
-    // Columns without samples (or fixed at 0) are zero: the minimum-norm solution leaves them 0.
-    s = A.completeOrthogonalDecomposition().solve(b);
-    Eigen::Index worst = -1;
-    for (Eigen::Index c = 0; c < cols; ++c)
-      if (s[c] < 0 && (worst < 0 || s[c] < s[worst])) worst = c;
-    if (worst < 0) break;
-    active[static_cast<size_t>(worst)] = false;
+    // Columns without samples (or fixed at 0) are zero and stay 0 in the solution.
+    s = least_squares(std::move(a), std::vector<double>(n, 1.0), n, cols);
+    size_t worst = cols;
+    for (size_t c = 0; c < cols; ++c)
+      if (s[c] < 0 && (worst == cols || s[c] < s[worst])) worst = c;
+    if (worst == cols) break;
+    active[worst] = false;
   }
-  for (Eigen::Index c = 0; c < cols; ++c) s[c] = std::max(0.0, s[c]);
+  for (size_t c = 0; c < cols; ++c) s[c] = std::max(0.0, s[c]);
   MemoryFit out;
   out.gap_s = s[0];
   std::vector<std::vector<double>> model(static_cast<size_t>(families)),

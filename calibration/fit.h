@@ -1,4 +1,4 @@
-// The least-squares fits of `ptdp calibrate` (Eigen): the GEMM efficiency curve to the measured
+// The least-squares fits of `ptdp calibrate`: the GEMM efficiency curve to the measured
 // table, latency and bandwidth of a collective, and the per-kernel gap with per-family
 // throughput of memory-bound kernels. Every fit reports its residuals, relative to the measured
 // value (docs/calibration.md).

@@ -43,6 +43,11 @@ std::string as_given(const CLI::App& app, const InputError& e) {
 int cli(int argc, const char* const* argv, std::ostream& out, std::ostream& err, bool run_command) {
   CLI::App app{"ptdp: plan, predict, simulate and run Megatron-style PTD-P training", "ptdp"};
   app.require_subcommand(1);
+  // A flag given twice takes its last value, as Megatron-LM's argparse does: launch scripts
+  // override a shared flag line by appending (`$GPT_ARGS --num-layers 48`). CLI11 refused the
+  // second ("At Most 1 required but received 2"). Options of several values keep them all.
+  // Subcommands inherit the default.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   // Only the subcommand named, when one is: building a subcommand's options is most of the
   // parse's time (CLI11 checks each new option against the others).
   static const std::pair<const char*, Action (*)(CLI::App&)> kCommands[] = {

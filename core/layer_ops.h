@@ -151,6 +151,14 @@ inline constexpr int kNumOpIds = static_cast<int>(OpId::kRouterWgrad) + 1;
 // "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
 std::string_view op_name(OpId id);
 
+// The attention core's GEMMs over (query, key) pairs, forward and backward (scores, context
+// and their gradients; not the fused attention's recomputed scores): those a causal mask
+// halves.
+constexpr bool is_attention_pair_gemm(OpId id) {
+  return id == OpId::kAttnScores || id == OpId::kAttnContext || id == OpId::kAttnContextDprobs ||
+         id == OpId::kAttnContextDv || id == OpId::kAttnScoresDq || id == OpId::kAttnScoresDk;
+}
+
 // What an op contributes to its pass. A zero-bubble schedule defers exactly the kWeightGrad ops
 // of a backward pass (W); the kInputGrad ops (B) are what the previous stage waits for.
 enum class OpRole : uint8_t { kForward, kInputGrad, kWeightGrad, kRecompute };

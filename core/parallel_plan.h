@@ -64,11 +64,6 @@ inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
   return common | (modules & kRecomputeMoeAct) |
          ((modules & kRecomputeSharedExperts) ? unsigned{kRecomputeMlp} : 0u);
 }
-// Megatron-Core refuses FP8's delayed scaling (its default --fp8-recipe) with moe_act or
-// layernorm recomputation (TransformerConfig; Transformer Engine 2.6 or newer runs them with
-// current scaling): such a plan's Megatron-LM line carries --fp8-recipe tensorwise.
-struct ParallelPlan;
-bool fp8_needs_current_scaling(const ParallelPlan& p);
 // "core_attn mlp" (Megatron's spelling, space-separated); parsing names the flag or field and
 // refuses Megatron's modules ptdp does not model.
 std::string recompute_modules_string(unsigned modules);
@@ -278,6 +273,11 @@ struct ParallelPlan {
   // the plan has none; with the line, the job commands read back this very plan.
   std::string ptdp_flags() const;
 };
+
+// Megatron-Core refuses FP8's delayed scaling (its default --fp8-recipe) with moe_act or
+// layernorm recomputation (TransformerConfig; Transformer Engine 2.6 or newer runs them with
+// current scaling): such a plan's Megatron-LM line carries --fp8-recipe tensorwise.
+bool fp8_needs_current_scaling(const ParallelPlan& p);
 
 // Megatron-LM's uneven split: --decoder-first-pipeline-num-layers and
 // --decoder-last-pipeline-num-layers (0: not given) set the first and last stages, and the

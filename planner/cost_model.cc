@@ -545,10 +545,7 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
     for (const auto* list : {&ops.forward, &ops.backward})
       for (const Op& op : *list) {
         if (op.role == OpRole::kRecompute) continue;
-        const bool pairs = op.id == OpId::kAttnScores || op.id == OpId::kAttnContext ||
-                           op.id == OpId::kAttnContextDprobs || op.id == OpId::kAttnContextDv ||
-                           op.id == OpId::kAttnScoresDq || op.id == OpId::kAttnScoresDk;
-        f += pairs ? 0.5 * op.flops() : op.flops();
+        f += is_attention_pair_gemm(op.id) ? 0.5 * op.flops() : op.flops();
       }
     return f;
   };

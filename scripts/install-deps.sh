@@ -3,7 +3,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build nlohmann-json3-dev libeigen3-dev libboost-graph-dev
       libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libopenmpi-dev openmpi-bin clang-format
-      clang libclang-rt-14-dev)
+      clang libclang-rt-14-dev lld)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

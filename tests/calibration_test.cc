@@ -138,6 +138,33 @@ TEST(Fits, MemoryKernelsShareOneGapAndHaveAThroughputEach) {
   EXPECT_LT(m.all.max_relative, 1e-6);
 }
 
+// The fit's coefficients are never negative: a family whose time falls with its bytes (noise
+// alone does that) gets no throughput term rather than a negative one, and the others keep
+// theirs. A family measured at one size only cannot tell its gap from its throughput; the fit
+// still reproduces its times.
+TEST(Fits, MemoryKernelsNeverGoNegativeAndSurviveOneSize) {
+  std::vector<int> fam;
+  std::vector<double> bytes, t;
+  for (double b = 4096; b <= 16 << 20; b *= 4) {
+    fam.push_back(0), bytes.push_back(b), t.push_back(3e-6 + b / 10e9);
+    fam.push_back(1), bytes.push_back(b), t.push_back(3e-6 - b * 1e-16);
+  }
+  const MemoryFit m = fit_memory_kernels(fam, bytes, t, 2);
+  EXPECT_NEAR(m.gap_s, 3e-6, 3e-9);
+  EXPECT_EQ(m.seconds_per_byte[1], 0);
+  EXPECT_NEAR(m.seconds_per_byte[0] * 10e9, 1.0, 0.01);
+  EXPECT_LT(m.residuals[1].max_relative, 1e-3);
+
+  const std::vector<int> one_fam(4, 0);
+  const std::vector<double> one_size(4, 1 << 20), one_t = {2e-5, 2.02e-5, 1.98e-5, 2e-5};
+  const MemoryFit o = fit_memory_kernels(one_fam, one_size, one_t, 1);
+  EXPECT_GE(o.gap_s, 0);
+  EXPECT_GE(o.seconds_per_byte[0], 0);
+  EXPECT_TRUE(std::isfinite(o.gap_s) && std::isfinite(o.seconds_per_byte[0]));
+  EXPECT_LT(o.all.max_relative, 0.02);
+  EXPECT_THROW(fit_memory_kernels({0, 2}, {1, 2}, {1e-6, 2e-6}, 2), std::invalid_argument);
+}
+
 // ---- the machine file ----
 
 // A machine file as ptdp calibrate writes one, with every measured field of the profile.

@@ -1212,6 +1212,40 @@ TEST(Cli, GatedModelFlagsTakeMegatronsDefaultFfnWidth) {
   expect_bad(zero, "--ffn-hidden-size: must be positive");
 }
 
+// A flag given twice takes its last value, as Megatron-LM's argparse does, so that a launch
+// script's shared flag line can be overridden by appending; an empty last value is still
+// refused, and so is an empty earlier one.
+TEST(Cli, AFlagGivenTwiceTakesItsLastValueAsMegatronDoes) {
+  const std::vector<std::string> base = {"predict",   "--model",
+                                         "gpt-1.7b", "--num-gpus",
+                                         "8",         "--global-batch-size",
+                                         "64",        "--tensor-model-parallel-size",
+                                         "2",         "--pipeline-model-parallel-size",
+                                         "1",         "--micro-batch-size",
+                                         "4",         "--json"};
+  auto flags_of = [](const std::vector<std::string>& args) {
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r.status == 0 ? nlohmann::json::parse(r.out)["megatron_flags"].get<std::string>()
+                         : std::string();
+  };
+  auto twice = base;
+  twice.insert(twice.end(), {"--num-layers", "16", "--tensor-model-parallel-size", "4",
+                             "--num-layers", "12", "--tensor-model-parallel-size", "1"});
+  const std::string flags = flags_of(twice);
+  EXPECT_NE(flags.find("--num-layers 12 "), std::string::npos) << flags;
+  EXPECT_NE(flags.find("--tensor-model-parallel-size 1 "), std::string::npos) << flags;
+  auto once = base;
+  once.insert(once.end(), {"--num-layers", "12", "--tensor-model-parallel-size", "1"});
+  EXPECT_EQ(flags_of(once), flags);
+  auto empty_last = base;
+  empty_last.insert(empty_last.end(), {"--num-layers", "12", "--num-layers", ""});
+  expect_bad(empty_last, "--num-layers");
+  auto empty_first = base;
+  empty_first.insert(empty_first.end(), {"--num-layers", "", "--num-layers", "12"});
+  expect_bad(empty_first, "--num-layers");
+}
+
 TEST(Cli, RunRefusesBadInputWithOneLine) {
   expect_bad(tiny_run({"--tensor-model-parallel-size", "2"}), "world size");
   expect_bad(tiny_run({"--data", "/nonexistent/tokens.bin"}), "--data");
