@@ -43,6 +43,7 @@ nlohmann::json prediction_json(const ModelSpec& m, const ParallelPlan& p, const 
   j["iteration_time_s"] = r.iteration_time_s;
   j["tokens_per_s"] = r.tokens_per_s;
   j["model_tflops_per_gpu"] = r.model_tflops_per_gpu;
+  j["model_tflops_per_gpu_all_pairs"] = r.model_tflops_per_gpu_all_pairs;
   j["hardware_tflops_per_gpu"] = r.hardware_tflops_per_gpu;
   j["mfu"] = r.mfu;
   j["fits"] = r.memory.fits;

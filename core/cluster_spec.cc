@@ -48,6 +48,9 @@ void ClusterSpec::validate() const {
   if (gpu.peak_tflops_fp8 != 0) require_in("gpu.peak_tflops_fp8", gpu.peak_tflops_fp8, 1e-6, 1e6);
   require_in("gpu.memory_gib", gpu.memory_gib, 1e-3, 1e6);
   require_in("gpu.hbm_bandwidth_gbps", gpu.hbm_bandwidth_gbps, 1e-3, 1e7);
+  if (gpu.fp8_weight_copies != 1 && gpu.fp8_weight_copies != 2)
+    throw InputError("gpu.fp8_weight_copies",
+                     "must be 1 or 2, got " + std::to_string(gpu.fp8_weight_copies));
   require_positive("gpus_per_node", gpus_per_node);
   require_positive("num_nodes", num_nodes);
   if (gpus_per_node > kMaxGpus)
@@ -144,6 +147,7 @@ ClusterSpec cluster_from_json(const json& j) {
     gr.read("peak_tflops_fp8", c.gpu.peak_tflops_fp8);
     gr.read("memory_gib", c.gpu.memory_gib);
     gr.read("hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps);
+    gr.read("fp8_weight_copies", c.gpu.fp8_weight_copies);
     gr.reject_unknown_keys();
   }
   r.read("gpus_per_node", c.gpus_per_node);
@@ -186,7 +190,8 @@ json to_json(const ClusterSpec& c) {
                 {"peak_tflops_16bit", c.gpu.peak_tflops_16bit},
                 {"peak_tflops_fp8", c.gpu.peak_tflops_fp8},
                 {"memory_gib", c.gpu.memory_gib},
-                {"hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps}}},
+                {"hbm_bandwidth_gbps", c.gpu.hbm_bandwidth_gbps},
+                {"fp8_weight_copies", c.gpu.fp8_weight_copies}}},
               {"gpus_per_node", c.gpus_per_node},
               {"num_nodes", c.num_nodes},
               {"nvlink_bandwidth_gbps", c.nvlink_bandwidth_gbps},

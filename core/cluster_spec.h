@@ -20,6 +20,11 @@ struct GpuSpec {
   double peak_tflops_fp8 = 0;     // dense FP8 tensor-core peak, TFLOP/s (0: no FP8 support)
   double memory_gib = 0;          // device memory, GiB
   double hbm_bandwidth_gbps = 0;  // device memory bandwidth, GB/s
+  // FP8 copies Transformer Engine keeps of each linear layer's weight in FP8 training, a byte
+  // per element each: 2 on Hopper, whose FP8 GEMMs take only the "TN" layout, so the weight's
+  // transpose is cached beside it for the backward pass; 1 on Blackwell, whose FP8 GEMMs take
+  // either (transformer_engine/pytorch/utils.py, is_non_tn_fp8_gemm_supported).
+  int64_t fp8_weight_copies = 2;
 };
 
 // One level of the switch hierarchy above the nodes (leaf, spine, ...).

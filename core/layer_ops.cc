@@ -584,6 +584,7 @@ LayerShape layer_shape(const ParallelPlan& p) {
   s.hierarchical_cp = p.hierarchical_cp;
   s.expert_parallel = p.expert_parallel;
   s.expert_tensor_parallel = p.expert_tp();
+  s.fp8 = p.fp8;
   return s;
 }
 
@@ -808,12 +809,23 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
   // QKV input (2 sbh), the FC1 (or router) input (2 sbh; not kept where the pre-MLP layernorm is
   // rerun: layer_recompute_modules) and, with hidden dropout, its two masks.
-  u.replicated = (m.hidden_dropout > 0 ? 8.0 : 6.0) * sbh;
-  if (!recomputes(s, kRecomputeLayernorm, moe_layer)) u.replicated += 2.0 * sbh;
+  // With FP8 the linear layers save their inputs as FP8 (Transformer Engine's Linear and
+  // LayerNormLinear): 1 sbh each for the QKV and FC1 inputs and s b ffn for FC2's; the
+  // projection saves an FP8 copy of its input (1 sbh) beside the 16-bit attention output that a
+  // fused attention keeps for its own backward pass (2 sbh; the unfused attention keeps only
+  // the FP8 copy). The layernorms' inputs, Q, K, V and the activation function's input stay in
+  // 16 bits.
+  const double gemm_input = s.fp8 ? 1.0 : 2.0;
+  const double proj_input = !s.fp8 ? 2.0 : fused_attention(m, s) ? 3.0 : 1.0;
+  u.replicated = (m.hidden_dropout > 0 ? 6.0 : 4.0) * sbh + gemm_input * sbh;
+  // (An MoE layer's router reads the pre-MLP layernorm's output in 16 bits.)
+  if (!recomputes(s, kRecomputeLayernorm, moe_layer))
+    u.replicated += (moe_layer ? 2.0 : gemm_input) * sbh;
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
   // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
-  u.sharded = (2.0 + 4.0 * kv_fraction + 2.0) * sbh;
-  if (!recomputes(s, kRecomputeMlp, moe_layer)) u.sharded += (2.0 * gate + 2.0) * d.T * mlp_width;
+  u.sharded = (2.0 + 4.0 * kv_fraction + proj_input) * sbh;
+  if (!recomputes(s, kRecomputeMlp, moe_layer))
+    u.sharded += (2.0 * gate + gemm_input) * d.T * mlp_width;
   // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
   // its backward pass and the projection keeps its input back on the rank's tokens: 2 sbh more.
   // (Selective recomputation keeps neither: the attention's inputs, the tokens' Q, K and V, are
@@ -865,11 +877,13 @@ double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double ffn = static_cast<double>(r.ffn_local);
   // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output;
   // moe keeps nothing of the routed path: the layer is rerun from its input.)
-  const double fc2_input = recomputes(s, kRecomputeMoeAct, true) ? 0.0 : 2.0;
-  u.per_rank =
-      recomputes(s, kRecomputeMoe, true)
-          ? 0.0
-          : r.processed * (2.0 * d.h + (2.0 * gate + fc2_input) * ffn) + r.sent * (2.0 * d.h + 2.0);
+  // (With FP8 the grouped GEMMs save their inputs as FP8, a byte an element.)
+  const double gemm_input = s.fp8 ? 1.0 : 2.0;
+  const double fc2_input = recomputes(s, kRecomputeMoeAct, true) ? 0.0 : gemm_input;
+  u.per_rank = recomputes(s, kRecomputeMoe, true)
+                   ? 0.0
+                   : r.processed * (gemm_input * d.h + (2.0 * gate + fc2_input) * ffn) +
+                         r.sent * (2.0 * d.h + 2.0);
   return activation_bytes(s, d, u);
 }
 

@@ -217,6 +217,10 @@ struct LayerShape {
   // parallelism needs it; false: Megatron's unfused softmax path whatever the model says (what
   // ptdp run's CPU kernels execute).
   bool fused_attention = true;
+  // FP8 training (--fp8-format): Transformer Engine's FP8 linear layers save their inputs for the
+  // backward pass as FP8, a byte an element (the activation memory; the op list prices the
+  // GEMMs from the plan).
+  bool fp8 = false;
 };
 
 LayerShape layer_shape(const ParallelPlan& p);

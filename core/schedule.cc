@@ -143,8 +143,8 @@ void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   };
   auto first_virtual = [&](int64_t c) { return r == 0 && c == 0; };
   auto last_virtual = [&](int64_t c) { return r == p - 1 && c == v - 1; };
-  const bool all_warmup = m == p;
   const int64_t warmup = warmup_forwards(s, r);
+  const bool all_warmup = warmup >= total;
   const int64_t remaining = total - warmup;
 
   b.group({{r != 0, RankBuilder::recv(K::kRecvForward)}});
@@ -208,8 +208,11 @@ int64_t warmup_forwards(const ScheduleSpec& s, int64_t r) {
     case Schedule::kGPipe:
       return m;
     case Schedule::kInterleaved1F1B:
-      if (v > 1)
-        return m == p ? m * v : std::min(2 * (p - r - 1) + (v - 1) * s.group() + one_more, m * v);
+      // Megatron-Core's rule since core 0.10 (schedules.py, forward_backward_pipelining_with_
+      // interleaving): all forward passes first only when this count reaches them all. Its
+      // earlier special case, every forward first whenever m = p, made the last stage hold all
+      // m v chunks (found by a review against Megatron-Core's source, 2026-11-29).
+      if (v > 1) return std::min(2 * (p - r - 1) + (v - 1) * s.group() + one_more, m * v);
       break;
     case Schedule::k1F1B:
     case Schedule::kZeroBubbleH1:

@@ -91,9 +91,9 @@ bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>&
 
 // The forward passes (of model chunks) pipeline rank r runs before its first backward pass:
 // GPipe all m; 1F1B and ZB-H1 min(p - r - 1, m); interleaved 2 (p - r - 1) + (v - 1) N, capped
-// at m v, and all m v when m == p (SC'21 Megatron-LM runs every forward first then); the
-// combined 1F1B one more. The generator builds its lists with it; the memory model's in-flight
-// activations and combined step count derive from it.
+// at m v, as Megatron-Core runs it since core 0.10 (SC'21's Megatron-LM ran every forward first
+// whenever m == p); the combined 1F1B one more. The generator builds its lists with it; the memory
+// model's in-flight activations and combined step count derive from it.
 int64_t warmup_forwards(const ScheduleSpec& s, int64_t r);
 
 // Throws InputError for an impossible spec (interleaving with fewer than p microbatches, or in

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
+#include <utility>
 
 #include "core/error.h"
 #include "core/schedule.h"
@@ -540,16 +542,19 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   // puts MFU over 100% at long sequences.
   LayerShape all_pairs = shape;
   all_pairs.fused_attention = false;
+  // Returns the causal count and the all-pairs count.
   auto model_flops = [](const PassOps& ops) {
-    double f = 0;
+    double causal = 0, all = 0;
     for (const auto* list : {&ops.forward, &ops.backward})
       for (const Op& op : *list) {
         if (op.role == OpRole::kRecompute) continue;
-        f += is_attention_pair_gemm(op.id) ? 0.5 * op.flops() : op.flops();
+        causal += is_attention_pair_gemm(op.id) ? 0.5 * op.flops() : op.flops();
+        all += op.flops();
       }
-    return f;
+    return std::pair{causal, all};
   };
-  st.layer_model_flops = model_flops(transformer_layer_ops(model_, all_pairs));
+  std::tie(st.layer_model_flops, st.layer_model_flops_all_pairs) =
+      model_flops(transformer_layer_ops(model_, all_pairs));
   double ef = 0, hf = 0;
   st.embed_f = price(embed.forward, p, hit, &ef);
   st.embed_b = price(embed.backward, p, hit, &ef, &st.embed_w);
@@ -572,7 +577,8 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
         (op.role == OpRole::kRecompute ? st.moe_recompute_flops : st.moe_flops) += op.flops();
     for (const Op& op : even.recompute) st.moe_list_recompute_flops += op.flops();
     balanced.fused_attention = false;
-    st.moe_model_flops = model_flops(moe_layer_ops(model_, balanced));
+    std::tie(st.moe_model_flops, st.moe_model_flops_all_pairs) =
+        model_flops(moe_layer_ops(model_, balanced));
   }
   return cache_.emplace(key, st).first->second;
 }
@@ -931,9 +937,15 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     MemoryBreakdown mb;
     const double params = parameters_on_stage(p, r);
     const double experts = expert_parameters_on_stage(p, r);
-    // With FP8, Transformer Engine also keeps each weight's FP8 copy (1 byte).
-    const double weight = weight_bytes() + (p.fp8 ? 1.0 : 0.0);
-    mb.weights = params * weight;
+    // With FP8, Transformer Engine also keeps FP8 copies of the linear layers' weights, a byte
+    // an element each (GpuSpec::fp8_weight_copies: the weight and, on Hopper, its transpose);
+    // the embedding and output layer run in 16 bits and keep none. Until 2026-11-29 one byte
+    // was counted for every parameter: 3.7 GiB a GPU short for Llama 3 70B at t4 p4 on H100s.
+    const double weight = weight_bytes();
+    const double fp8_copies = p.fp8 ? static_cast<double>(cluster_.gpu.fp8_weight_copies) *
+                                          (params - non_layer_parameters_on_stage(p, r))
+                                    : 0.0;
+    mb.weights = params * weight + fp8_copies;
     mb.gradients = params * grad_bytes;
     mb.expert_weights = experts * weight_bytes();
     mb.expert_gradients = experts * grad_bytes;
@@ -964,7 +976,11 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
                       unit
                 : 0.0;
         mb.expert_weights = experts / es * weight_bytes();
-        mb.weights = (dense_units / ds + non_layer + gathered) * weight + experts / es * weight;
+        const double layer_weights_held = dense_units / ds + gathered + experts / es;
+        mb.weights =
+            (layer_weights_held + non_layer) * weight +
+            (p.fp8 ? static_cast<double>(cluster_.gpu.fp8_weight_copies) * layer_weights_held
+                   : 0.0);
       }
     }
     mb.expert_optimizer = experts * optimizer_state_bytes() / expert_shards(p);
@@ -1085,6 +1101,9 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   const double dense_layers = static_cast<double>(model_.num_layers) - moe_layers;
   const double per_mb_model = dense_layers * st.layer_model_flops +
                               moe_layers * st.moe_model_flops + st.embed_flops + st.head_flops;
+  const double per_mb_model_all_pairs = dense_layers * st.layer_model_flops_all_pairs +
+                                        moe_layers * st.moe_model_flops_all_pairs + st.embed_flops +
+                                        st.head_flops;
   // What the kernels execute: a fused attention's causal half only, plus what is recomputed.
   const double per_mb_executed =
       dense_layers * st.layer_flops + moe_layers * st.moe_flops + st.embed_flops + st.head_flops;
@@ -1107,7 +1126,10 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
                           static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;
   out.hardware_flops = (per_mb_executed + per_mb_recompute) * replicas;
+  out.model_flops_all_pairs = per_mb_model_all_pairs * replicas;
   out.model_tflops_per_gpu = tflops_per_gpu(out.model_flops, out.iteration_time_s, p.num_gpus());
+  out.model_tflops_per_gpu_all_pairs =
+      tflops_per_gpu(out.model_flops_all_pairs, out.iteration_time_s, p.num_gpus());
   out.hardware_tflops_per_gpu =
       tflops_per_gpu(out.hardware_flops, out.iteration_time_s, p.num_gpus());
   out.mfu = out.model_tflops_per_gpu / cluster_.gpu.peak_tflops_16bit;

@@ -87,14 +87,18 @@ struct StageTime : ChunkTime {
 struct Prediction {
   double iteration_time_s = 0;
   double tokens_per_s = 0;
-  double model_tflops_per_gpu = 0;     // without recomputation
+  double model_tflops_per_gpu = 0;  // without recomputation, attention pairs causally
+  // The same counting every attention pair (SC'21's equation 3): the convention of published
+  // TFLOP/s that do not halve the attention for its causal mask (docs/validation.md).
+  double model_tflops_per_gpu_all_pairs = 0;
   double hardware_tflops_per_gpu = 0;  // with recomputation
   double mfu = 0;
-  double model_flops = 0;          // per iteration, all GPUs
-  double hardware_flops = 0;       // per iteration, all GPUs
-  double p2p_time_s = 0;           // one activation transfer between stages
-  double dp_time_s = 0;            // one full data-parallel gradient reduction (before overlap)
-  DType precision = DType::kBF16;  // of weights and activations (the profile's)
+  double model_flops = 0;            // per iteration, all GPUs
+  double model_flops_all_pairs = 0;  // per iteration, all GPUs
+  double hardware_flops = 0;         // per iteration, all GPUs
+  double p2p_time_s = 0;             // one activation transfer between stages
+  double dp_time_s = 0;              // one full data-parallel gradient reduction (before overlap)
+  DType precision = DType::kBF16;    // of weights and activations (the profile's)
   MemoryBreakdown memory;
   TimeBreakdown breakdown;
   std::vector<StageTime> stages;  // per pipeline rank, per microbatch (all its chunks)
@@ -208,9 +212,11 @@ class CostModel {
     // Of the recompute FLOPs, the recompute lists' (what block recompute runs on some layers
     // only); the rest is the backward lists' own (flash attention's scores).
     double layer_list_recompute_flops = 0, moe_list_recompute_flops = 0;
-    // Model FLOPs (SC'21 eq. 3's convention: attention over all s x s pairs, whatever kernel
-    // runs it), where a fused attention executes only the causal half (layer_flops, moe_flops).
+    // Model FLOPs, whatever kernel runs the attention: with its GEMMs over (query, key) pairs
+    // at the causal half (Megatron-LM's convention), and at all s x s pairs (SC'21's equation
+    // 3's).
     double layer_model_flops = 0, moe_model_flops = 0;
+    double layer_model_flops_all_pairs = 0, moe_model_flops_all_pairs = 0;
   };
   const ShapeTimes& shape_times(const ParallelPlan& p) const;
   // One microbatch through `layers` transformer layers (`moe` of them MoE layers), plus the

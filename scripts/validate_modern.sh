@@ -8,14 +8,17 @@
 #  [L3]  Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4 and section 3.3.2:
 #        405B, BF16, H100, model TFLOPs/GPU. MBS and the interleaving depth are not given: b = 1,
 #        v = 1 with the paper's one-fewer-layer first and last stages (7 + 14 x 8 + 7). The
-#        128K row prints DP = 4; 16384 GPUs and 16M tokens per batch need DP = 8 (used).
+#        128K row prints DP = 4; 16384 GPUs and 16M tokens per batch need DP = 8 (used). The
+#        paper does not say how it counts the attention's FLOPs: every pair is counted here
+#        (tflops_all), the convention its 128K row is consistent with (docs/validation.md).
 #  [N1]  NVIDIA NeMo docs/source/performance/performance_summary.md (container 24.07), DGX-H100,
 #        FP8, tokens/s/GPU.
 #  [MB]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 26.04.01),
 #        DGX-H100, FP8, tokens/s/GPU. Its split of 126 layers over p8 x v8 is not given: here
 #        v = 1 with first and last stages of 15 layers.
 #  [MZ]  yanring/Megatron-MoE-ModelZoo best_practice/mixtral/run_mixtral_8x22B.sh: H100, BF16,
-#        dropless, alltoall dispatcher, "around 445 TFLOPS" (approximate, as the script says).
+#        dropless, alltoall dispatcher, "around 445 TFLOPS" (approximate, as the script says;
+#        Megatron-LM's logged TFLOP/s, so the attention's pairs counted causally).
 #  [N2]  NeMo Framework performance page (container 25.02), DGX-B200, FP8, tokens/s/GPU.
 #  [MF]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 25.09),
 #        DGX-H100, FP8 (per-tensor current scaling), tokens/s/GPU, with Megatron-FSDP ("FSDP 8":
@@ -25,7 +28,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 P=${1:-build/cli/ptdp}
-row() {  # name cluster gpus metric(tflops|tokens) measured predict-flags...
+# metric: tokens (tokens/s per GPU), tflops (model TFLOP/s per GPU with the attention's pairs
+# counted causally, as Megatron-LM logs them) or tflops_all (every pair, SC'21's equation 3).
+row() {  # name cluster gpus metric(tokens|tflops|tflops_all) measured predict-flags...
   local name=$1 cluster=$2 gpus=$3 metric=$4 measured=$5
   shift 5
   local out
@@ -42,7 +47,8 @@ row() {  # name cluster gpus metric(tflops|tokens) measured predict-flags...
 import json, sys
 name, metric, measured, gpus, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 j = json.loads(out)
-pred = j["tokens_per_s"] / gpus if metric == "tokens" else j["model_tflops_per_gpu"]
+pred = {"tokens": j["tokens_per_s"] / gpus, "tflops": j["model_tflops_per_gpu"],
+        "tflops_all": j["model_tflops_per_gpu_all_pairs"]}[metric]
 print("%-40s %-6s measured %8.1f  predicted %8.1f  error %+6.1f%%  memory %5.1f GiB%s" % (
     name, metric, measured, pred, 100 * (measured - pred) / pred, j["memory"]["peak_gib"],
     "" if j["fits"] else " (does not fit)"))
@@ -52,11 +58,11 @@ L405="--model llama3-405b --sequence-parallel --use-distributed-optimizer --micr
 SPLIT7="--decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 7"
 # shellcheck disable=SC2086
 {
-row "[L3] llama3-405b 8192 H100 s8k t8 p16" dgx-h100 8192 tflops 430 $L405 $SPLIT7 \
+row "[L3] llama3-405b 8192 H100 s8k t8 p16" dgx-h100 8192 tflops_all 430 $L405 $SPLIT7 \
   --global-batch-size 2048 --seq-length 8192 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
-row "[L3] llama3-405b 16384 H100 s8k t8 p16" dgx-h100 16384 tflops 400 $L405 $SPLIT7 \
+row "[L3] llama3-405b 16384 H100 s8k t8 p16" dgx-h100 16384 tflops_all 400 $L405 $SPLIT7 \
   --global-batch-size 2048 --seq-length 8192 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
-row "[L3] llama3-405b 16384 H100 s128k cp16" dgx-h100 16384 tflops 380 $L405 $SPLIT7 \
+row "[L3] llama3-405b 16384 H100 s128k cp16" dgx-h100 16384 tflops_all 380 $L405 $SPLIT7 \
   --global-batch-size 128 --seq-length 131072 --tensor-model-parallel-size 8 \
   --context-parallel-size 16 --pipeline-model-parallel-size 16
 row "[N1] llama3-8b 8 H100 fp8 cp2" dgx-h100 8 tokens 12273 --model llama3-8b --fp8-format hybrid \

@@ -63,6 +63,12 @@ TEST(LayerOps, ModelFlopsDoNotDependOnTheAttentionKernel) {
   const double B = 1536, s = 2048, l = 96, h = 12288, V = 51200;
   const double causal = 72 * B * s * l * h * h * (1 + s / (12 * h) + V / (12 * l * h));
   EXPECT_NEAR(plain.model_flops / causal, 1.0, 1e-3);
+  // Counting every pair is SC'21's equation 3 itself, the convention of published TFLOP/s that
+  // do not halve the attention (docs/validation.md).
+  const double eq3 = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
+  EXPECT_NEAR(plain.model_flops_all_pairs / eq3, 1.0, 1e-3);
+  EXPECT_NEAR(plain.model_tflops_per_gpu_all_pairs / plain.model_tflops_per_gpu,
+              plain.model_flops_all_pairs / plain.model_flops, 1e-12);
   EXPECT_NEAR(plain.hardware_flops / causal,
               (1 + s / (6 * h) + V / (12 * l * h) + 1.0 / 3 * (1 + s / (6 * h))) /
                   (1 + s / (12 * h) + V / (12 * l * h)),
@@ -72,10 +78,12 @@ TEST(LayerOps, ModelFlopsDoNotDependOnTheAttentionKernel) {
   const Prediction fused =
       CostModel(flash, resolve_cluster("dgx-a100-80gb"), resolve_profile("a100-80gb")).predict(p);
   EXPECT_DOUBLE_EQ(fused.model_flops, plain.model_flops);
+  EXPECT_DOUBLE_EQ(fused.model_flops_all_pairs, plain.model_flops_all_pairs);
   EXPECT_LT(fused.hardware_flops, plain.hardware_flops);  // the causal half of the attention
   p.context_parallel = 2;
   p.data_parallel = 4;
   EXPECT_DOUBLE_EQ(cost.predict(p).model_flops, plain.model_flops);
+  EXPECT_DOUBLE_EQ(cost.predict(p).model_flops_all_pairs, plain.model_flops_all_pairs);
 }
 
 TEST(LayerOps, TensorParallelDividesMathAndAddsAllReduces) {

@@ -71,6 +71,29 @@ TEST(ActivationMemory, DropoutAndFlashAttentionTerms) {
   EXPECT_NEAR(layer_activation_bytes(m, selective), sbh * 32, 1);
 }
 
+// FP8 training: Transformer Engine's linear layers save their inputs as FP8 for the backward
+// pass (QKV and FC1 inputs: s b h bytes each instead of 2 s b h; FC2's: 4 s b h instead of
+// 8 s b h), and the projection an FP8 copy of its input beside the 16-bit attention output a
+// fused attention keeps (found by a review against Transformer Engine's source: all of them
+// were counted at 16 bits). GPT-3's shape without dropout: 32 sbh -> 27 sbh.
+TEST(ActivationMemory, Fp8SavesTheLinearLayersInputsInFp8) {
+  ModelSpec m = gpt175();
+  m.hidden_dropout = m.attention_dropout = 0;
+  m.flash_attention = true;
+  const double s = 2048, h = 12288, a = 96;
+  const double sbh = s * h;
+  LayerShape shape{1, 1, false, Recompute::kNone};
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 32 + 4 * a * s, 1);
+  shape.fp8 = true;
+  // LN inputs 4, QKV input 1, Q K V 6, projection 2 + 1, FC1 input 1, GELU input 8, FC2 input 4.
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 27 + 4 * a * s, 1);
+  m.flash_attention = false;  // the unfused attention keeps the scores, not its output
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 25 + 2 * a * s * s, 1);
+  // Full recomputation keeps each layer's 16-bit input alone, FP8 or not.
+  shape.recompute = Recompute::kFull;
+  EXPECT_NEAR(layer_activation_bytes(m, shape), sbh * 2, 1);
+}
+
 TEST(ActivationMemory, GqaAndSwigluShrinkAndGrowTheRightTerms) {
   ModelSpec m = resolve_model("llama2-70b");
   const LayerShape shape{8, 1, true, Recompute::kSelective};
@@ -117,6 +140,47 @@ TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
   const double expect = 6 * ((m.parameters_per_layer() - kept) / 8 + kept) +
                         (m.embedding_parameters() - positions) / 8 + positions;
   EXPECT_DOUBLE_EQ(params, expect);
+}
+
+// FP8 training keeps Transformer Engine's FP8 copies of the linear layers' weights, a byte an
+// element each: two on Hopper (the weight and its transpose, Hopper's FP8 GEMMs taking only
+// the TN layout), one on Blackwell; the embedding and the output layer, which run in 16 bits,
+// keep none (found by a review against Transformer Engine's source: one byte for every
+// parameter put Llama 3 70B at t4 p4 3.7 GiB a GPU under on H100s).
+TEST(StateMemory, Fp8KeepsCopiesOfTheLinearWeightsOnly) {
+  const ModelSpec m = resolve_model("llama3-70b");
+  ParallelPlan p;
+  p.tensor_parallel = 4;
+  p.pipeline_parallel = 4;
+  p.data_parallel = 4;
+  p.global_batch_size = 128;
+  p.sequence_parallel = true;
+  p.distributed_optimizer = true;
+  p.recompute = Recompute::kSelective;
+  for (const char* name : {"dgx-h100", "dgx-b200"}) {
+    ClusterSpec c = resolve_cluster(name);
+    c.resize(64);
+    const CostModel cost(m, c,
+                         resolve_profile(name == std::string("dgx-h100") ? "h100-sxm" : "b200"));
+    ParallelPlan fp8 = p;
+    fp8.fp8 = true;
+    const int64_t copies = c.gpu.fp8_weight_copies;
+    EXPECT_EQ(copies, name == std::string("dgx-h100") ? 2 : 1);
+    // The peak stage's weights: 16-bit parameters plus the copies of its linear layers' (its
+    // parameters less the embedding, the final norm and the output layer; the layers' own norms,
+    // 2 h each, are a few thousandths of them and counted with them).
+    const double weights = cost.memory(fp8).weights;
+    int matched = 0;
+    for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
+      const double stage = cost.parameters_on_stage(p, r);
+      const double outer = cost.non_layer_parameters_on_stage(p, r);
+      if (std::abs(weights - (2 * stage + copies * (stage - outer))) < 1e-9 * weights) {
+        ++matched;
+        EXPECT_GT(outer, 0.01 * stage) << name << ": the peak is an end stage";
+      }
+    }
+    EXPECT_EQ(matched, 1) << name;
+  }
 }
 
 // Sequence parallelism leaves the gradients of what every tensor-parallel rank holds whole as
