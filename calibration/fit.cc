@@ -55,7 +55,7 @@ std::vector<double> least_squares(std::vector<double> a, std::vector<double> b, 
     for (size_t j = k + 1; j < cols; ++j)
       if (const double nj = tail_norm(k, j); nj > norm) p = j, norm = nj;
     if (k == 0) first = norm;
-    if (!(norm > 1e-12 * first) || norm == 0) break;
+    if (!(norm > 1e-12 * first)) break;  // also a zero first column
     if (p != k) {
       for (size_t i = 0; i < rows; ++i) std::swap(at(i, k), at(i, p));
       std::swap(perm[k], perm[p]);

@@ -800,6 +800,12 @@ bool recomputes(const LayerShape& s, RecomputeModule module, bool moe_layer) {
 // `moe_layer`: mlp_width is an MoE layer's shared experts', which --recompute-modules
 // shared_experts recomputes, else a dense MLP's, which mlp recomputes (their activation-function
 // inputs and FC2 input are not kept; their input, the FC1 input, is).
+// Bytes per element, in 2-byte units, of what a linear layer saves of its input for the backward
+// pass: FP8 with --fp8-format (Transformer Engine's Linear, LayerNormLinear, GroupedLinear).
+double saved_gemm_input_units(const LayerShape& s) {
+  return s.fp8 ? 1.0 : 2.0;
+}
+
 ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s, const Dims& d,
                                         double mlp_width, bool moe_layer) {
   ActivationUnits u;
@@ -815,7 +821,7 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // fused attention keeps for its own backward pass (2 sbh; the unfused attention keeps only
   // the FP8 copy). The layernorms' inputs, Q, K, V and the activation function's input stay in
   // 16 bits.
-  const double gemm_input = s.fp8 ? 1.0 : 2.0;
+  const double gemm_input = saved_gemm_input_units(s);
   const double proj_input = !s.fp8 ? 2.0 : fused_attention(m, s) ? 3.0 : 1.0;
   u.replicated = (m.hidden_dropout > 0 ? 6.0 : 4.0) * sbh + gemm_input * sbh;
   // (An MoE layer's router reads the pre-MLP layernorm's output in 16 bits.)
@@ -877,8 +883,7 @@ double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {
   const double ffn = static_cast<double>(r.ffn_local);
   // (--recompute-modules moe_act keeps no FC2 input: the activation is rerun from FC1's output;
   // moe keeps nothing of the routed path: the layer is rerun from its input.)
-  // (With FP8 the grouped GEMMs save their inputs as FP8, a byte an element.)
-  const double gemm_input = s.fp8 ? 1.0 : 2.0;
+  const double gemm_input = saved_gemm_input_units(s);
   const double fc2_input = recomputes(s, kRecomputeMoeAct, true) ? 0.0 : gemm_input;
   u.per_rank = recomputes(s, kRecomputeMoe, true)
                    ? 0.0

@@ -942,10 +942,9 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     // the embedding and output layer run in 16 bits and keep none. Until 2026-11-29 one byte
     // was counted for every parameter: 3.7 GiB a GPU short for Llama 3 70B at t4 p4 on H100s.
     const double weight = weight_bytes();
-    const double fp8_copies = p.fp8 ? static_cast<double>(cluster_.gpu.fp8_weight_copies) *
-                                          (params - non_layer_parameters_on_stage(p, r))
-                                    : 0.0;
-    mb.weights = params * weight + fp8_copies;
+    const double fp8_copy_bytes = p.fp8 ? static_cast<double>(cluster_.gpu.fp8_weight_copies) : 0.0;
+    const double non_layer = non_layer_parameters_on_stage(p, r);
+    mb.weights = params * weight + (params - non_layer) * fp8_copy_bytes;
     mb.gradients = params * grad_bytes;
     mb.expert_weights = experts * weight_bytes();
     mb.expert_gradients = experts * grad_bytes;
@@ -956,7 +955,6 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       // whose backward pass runs, if larger; a tied word embedding's, which both ends of the
       // model add to, throughout), and the gathered units' weights (the unit running and those
       // prefetched).
-      const double non_layer = non_layer_parameters_on_stage(p, r);
       const double dense_units = params - experts - non_layer;
       const double layers = static_cast<double>(std::max<int64_t>(1, p.layers_on_stage(model_, r)));
       const double unit = (dense_units + experts) / layers;  // one layer's parameters
@@ -978,9 +976,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
         mb.expert_weights = experts / es * weight_bytes();
         const double layer_weights_held = dense_units / ds + gathered + experts / es;
         mb.weights =
-            (layer_weights_held + non_layer) * weight +
-            (p.fp8 ? static_cast<double>(cluster_.gpu.fp8_weight_copies) * layer_weights_held
-                   : 0.0);
+            (layer_weights_held + non_layer) * weight + layer_weights_held * fp8_copy_bytes;
       }
     }
     mb.expert_optimizer = experts * optimizer_state_bytes() / expert_shards(p);

@@ -1216,13 +1216,13 @@ TEST(Cli, GatedModelFlagsTakeMegatronsDefaultFfnWidth) {
 // script's shared flag line can be overridden by appending; an empty last value is still
 // refused, and so is an empty earlier one.
 TEST(Cli, AFlagGivenTwiceTakesItsLastValueAsMegatronDoes) {
-  const std::vector<std::string> base = {"predict",   "--model",
+  const std::vector<std::string> base = {"predict",  "--model",
                                          "gpt-1.7b", "--num-gpus",
-                                         "8",         "--global-batch-size",
-                                         "64",        "--tensor-model-parallel-size",
-                                         "2",         "--pipeline-model-parallel-size",
-                                         "1",         "--micro-batch-size",
-                                         "4",         "--json"};
+                                         "8",        "--global-batch-size",
+                                         "64",       "--tensor-model-parallel-size",
+                                         "2",        "--pipeline-model-parallel-size",
+                                         "1",        "--micro-batch-size",
+                                         "4",        "--json"};
   auto flags_of = [](const std::vector<std::string>& args) {
     const Result r = run(args);
     EXPECT_EQ(r.status, 0) << r.err;
