@@ -44,6 +44,10 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--max-position-embeddings", max_position_embeddings,
                  "rows of the learned position table (default and minimum: --seq-length)");
   app.add_option("--vocab-size", vocab_size);
+  app.add_option("--kv-channels", kv_channels,
+                 "the attention's head width (default: --hidden-size / --num-attention-heads)");
+  app.add_flag("--qk-layernorm", qk_layernorm,
+               "normalise each head's query and key (Qwen3's q_norm and k_norm)");
   app.add_flag("--group-query-attention", group_query_attention,
                "grouped-query attention with --num-query-groups groups (Megatron's default: 1)");
   app.add_flag("--swiglu", swiglu);
@@ -229,6 +233,8 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
       {"--max-position-embeddings", "max_position_embeddings",
        j.max_position_embeddings.has_value()},
       {"--vocab-size", "vocab_size", j.vocab_size.has_value()},
+      {"--kv-channels", "kv_channels", j.kv_channels.has_value()},
+      {"--qk-layernorm", "", j.qk_layernorm},
       {"--swiglu", "", j.swiglu},
       {"--untie-embeddings-and-output-weights", "", j.untie},
       {"--group-query-attention", "", j.group_query_attention},
@@ -312,6 +318,8 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.seq_length, seq_length);
   set(m.max_position_embeddings, max_position_embeddings);
   set(m.vocab_size, vocab_size);
+  set(m.kv_channels, kv_channels);
+  if (qk_layernorm) m.qk_layernorm = true;
   if (swiglu) m.swiglu = true;
   if (ffn_hidden_size && *ffn_hidden_size <= 0)
     throw InputError("--ffn-hidden-size",

@@ -17,7 +17,8 @@ namespace ptdp {
 struct JobFlags {
   std::string model;
   std::optional<int64_t> num_layers, hidden_size, num_attention_heads, num_query_groups,
-      ffn_hidden_size, seq_length, max_position_embeddings, vocab_size;
+      ffn_hidden_size, seq_length, max_position_embeddings, vocab_size, kv_channels;
+  bool qk_layernorm = false;
   bool swiglu = false, untie = false;
   // Megatron flags that ptdp's models tie to others, accepted where they agree: grouped-query
   // attention (the groups from --num-query-groups), no linear biases and RMSNorm (both go with

@@ -144,10 +144,12 @@ std::string collective_key(Collective c) {
 std::string memory_family(OpId id) {
   switch (id) {
     case OpId::kInputLayernorm:
+    case OpId::kQkLayernorm:
     case OpId::kPostAttentionLayernorm:
     case OpId::kFinalLayernorm:
       return "norm";
     case OpId::kInputLayernormBackward:
+    case OpId::kQkLayernormBackward:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
       return "norm_backward";

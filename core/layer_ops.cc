@@ -14,6 +14,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "input_layernorm",
     "attn_allgather",
     "qkv",
+    "qk_layernorm",
     "rotary_embedding",
     "attn_scores",
     "attn_softmax",
@@ -55,6 +56,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "attn_scores_dq",
     "attn_scores_dk",
     "rotary_embedding_backward",
+    "qk_layernorm_backward",
     "qkv_dgrad",
     "qkv_input_grad_allreduce",
     "qkv_wgrad",
@@ -143,6 +145,8 @@ BackwardOf backward_ids(OpId f) {
       return {I::kAttnSoftmaxBackward, I::kAttnSoftmaxBackward};
     case I::kRotaryEmbedding:
       return {I::kRotaryEmbeddingBackward, I::kRotaryEmbeddingBackward};
+    case I::kQkLayernorm:
+      return {I::kQkLayernormBackward, I::kQkLayernormBackward};
     case I::kAttnDropout:
       return {I::kAttnDropoutBackward, I::kAttnDropoutBackward};
     case I::kAttnBiasDropoutAdd:
@@ -248,7 +252,7 @@ Dims dims(const ModelSpec& m, const LayerShape& s) {
   d.si = m.seq_length;
   d.s = static_cast<double>(m.seq_length);
   d.heads = static_cast<double>(m.num_attention_heads);
-  d.kvi = m.kv_channels();
+  d.kvi = m.head_dim();
   d.kv = static_cast<double>(d.kvi);
   d.groups = static_cast<double>(m.query_groups());
   d.ffn = static_cast<double>(m.ffn_hidden());
@@ -365,18 +369,19 @@ void exit_tp(Builder& b, const LayerShape& s, const Dims& d, OpId all_reduce, Op
 void attention_forward(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;  // tokens a rank holds outside TP
   const int64_t t = s.tensor_parallel;
-  const int64_t qkv_out = (m.num_attention_heads + 2 * m.query_groups()) * m.kv_channels() / t;
+  const int64_t qkv_out = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim() / t;
 
   b.memory(OpId::kInputLayernorm, rows * d.h * d.act * 2);
   if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
   b.gemm(OpId::kQkv, d.Ti, qkv_out, d.hi);
+  // --qk-layernorm normalises the local queries and keys per head (read and write).
+  const double qk_heads = static_cast<double>((m.num_attention_heads + m.query_groups()) / t);
+  if (m.qk_layernorm) b.memory(OpId::kQkLayernorm, d.T * qk_heads * d.kv * d.act * 2);
   // Rotary position embeddings rotate the local queries and keys in place (read and write).
   if (!m.learned_position_embeddings)
-    b.memory(OpId::kRotaryEmbedding,
-             d.T * static_cast<double>((m.num_attention_heads + m.query_groups()) / t) * d.kv *
-                 d.act * 2);
+    b.memory(OpId::kRotaryEmbedding, d.T * qk_heads * d.kv * d.act * 2);
   attention_core(b, m, s, d);
-  b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.hidden_size / t);
+  b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.query_width() / t);
   exit_tp(b, s, d, OpId::kAttnAllReduce, OpId::kAttnReduceScatter);
   b.memory(OpId::kAttnBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
   b.memory(OpId::kPostAttentionLayernorm, rows * d.h * d.act * 2);
@@ -810,7 +815,8 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
                                         double mlp_width, bool moe_layer) {
   ActivationUnits u;
   const double sbh = d.T * d.h;
-  const double kv_fraction = d.groups / d.heads;
+  const double sbq = d.T * d.heads * d.kv;   // queries and the attention's output
+  const double sbk = d.T * d.groups * d.kv;  // keys, and as many values
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
   // QKV input (2 sbh), the FC1 (or router) input (2 sbh; not kept where the pre-MLP layernorm is
@@ -827,9 +833,15 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // (An MoE layer's router reads the pre-MLP layernorm's output in 16 bits.)
   if (!recomputes(s, kRecomputeLayernorm, moe_layer))
     u.replicated += (moe_layer ? 2.0 : gemm_input) * sbh;
-  // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads), the projection input
-  // (2 sbh), the activation-function input(s) and the FC2 input (2 s b ffn each).
-  u.sharded = (2.0 + 4.0 * kv_fraction + proj_input) * sbh;
+  // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads; heads x kv_channels wide
+  // where --kv-channels sets another width), the projection input (2 sbh), the
+  // activation-function input(s) and the FC2 input (2 s b ffn each).
+  u.sharded = (2.0 + proj_input) * sbq + 4.0 * sbk;
+  // --qk-layernorm's norms keep their inputs (the unnormalised queries and keys, 16-bit) and
+  // per head and token an fp32 reciprocal RMS (and mean, for LayerNorm models).
+  if (m.qk_layernorm)
+    u.sharded += 2.0 * (sbq + sbk) +
+                 (m.swiglu ? 1.0 : 2.0) * 4.0 / (d.act / 2.0) * d.T * (d.heads + d.groups);
   if (!recomputes(s, kRecomputeMlp, moe_layer))
     u.sharded += (2.0 * gate + gemm_input) * d.T * mlp_width;
   // Ulysses (a2a, and a2a+p2p's all-to-all) keeps the attention's output in the heads layout for
@@ -838,7 +850,7 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // what it saves.)
   if (heads_all_to_all_ranks(s) > 1 && s.recompute != Recompute::kFull &&
       !recomputes(s, kRecomputeCoreAttn, moe_layer))
-    u.sharded += 2.0 * sbh;
+    u.sharded += 2.0 * sbq;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
   // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism

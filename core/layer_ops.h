@@ -38,6 +38,7 @@ enum class OpId : uint8_t {
   kInputLayernorm,
   kAttnAllGather,
   kQkv,
+  kQkLayernorm,  // --qk-layernorm: each head's query and key normalised (before the rotation)
   kRotaryEmbedding,
   kAttnScores,
   kAttnSoftmax,
@@ -82,6 +83,7 @@ enum class OpId : uint8_t {
   kAttnScoresDq,
   kAttnScoresDk,
   kRotaryEmbeddingBackward,
+  kQkLayernormBackward,
   kQkvDgrad,
   kQkvInputGradAllReduce,
   kQkvWgrad,

@@ -142,15 +142,16 @@ ModelSpec model_from_hf_config(const json& j) {
   if (!j.contains("max_position_embeddings"))
     throw InputError("max_position_embeddings", "missing: ptdp takes the sequence length from it");
   r.read("max_position_embeddings", m.seq_length);
-  bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "deepseek",
-                                      "deepseek_v2", "deepseek_v3"});
+  bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe",
+                                      "deepseek", "deepseek_v2", "deepseek_v3"});
   r.read("tie_word_embeddings", tied);
   m.untie_embeddings_and_output_weights = !tied;
   // Hugging Face's config classes of these families default to SiLU and rotary positions, so a
   // config may leave either out (transformers' LlamaConfig, MistralConfig, MixtralConfig,
   // Qwen2Config, Qwen2MoeConfig, DeepseekV2/V3Config).
-  const bool rotary_family = is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2",
-                                                    "qwen2_moe", "deepseek_v2", "deepseek_v3"});
+  const bool rotary_family =
+      is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3",
+                             "qwen3_moe", "deepseek_v2", "deepseek_v3"});
   if (rotary_family) hidden_act = "silu";
   r.read("hidden_act", hidden_act);
   // SiLU configs are gated (SwiGLU, no biases); GELU ones are GPT's MLP (biases, ungated), as
@@ -175,17 +176,27 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("attention_dropout", m.attention_dropout);
   r.read("resid_pdrop", m.hidden_dropout);
   r.read("hidden_dropout", m.hidden_dropout);
-  // A head width other than hidden_size / num_attention_heads (Qwen3, Mistral-Nemo, Gemma set
-  // head_dim) changes the attention's weights and work; ptdp's layers do not model it.
+  // A head width other than hidden_size / num_attention_heads (Qwen3, Mistral-Nemo set
+  // head_dim): Megatron's --kv-channels.
   if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
-    int64_t head_dim = 0;
-    r.read("head_dim", head_dim);
-    if (m.num_attention_heads > 0 && head_dim * m.num_attention_heads != m.hidden_size)
-      throw InputError("head_dim", std::to_string(head_dim) + " is not hidden_size / " +
-                                       "num_attention_heads (" +
-                                       std::to_string(m.hidden_size / m.num_attention_heads) +
-                                       "); ptdp models heads of that width only");
+    r.read("head_dim", m.kv_channels);
+    if (m.kv_channels <= 0)
+      throw InputError("head_dim", "must be positive, got " + std::to_string(m.kv_channels));
+    if (m.num_attention_heads > 0 && m.kv_channels * m.num_attention_heads == m.hidden_size)
+      m.kv_channels = 0;  // the default width
   }
+  // Qwen3's attention normalises each head's query and key (q_norm, k_norm: RMSNorm over
+  // head_dim); so does OLMo 2's, over the whole projection, which ptdp does not model.
+  m.qk_layernorm = is_one_of(model_type, {"qwen3", "qwen3_moe"});
+  if (is_one_of(model_type, {"olmo2", "olmoe"}))
+    throw InputError("model_type", "'" + model_type +
+                                       "' normalises the whole query and key projections; "
+                                       "ptdp's --qk-layernorm is per head (Qwen3's)");
+  bool attention_bias = false;
+  r.read("attention_bias", attention_bias);
+  if (attention_bias && m.swiglu)
+    throw InputError("attention_bias",
+                     "biases on a gated (SwiGLU) model's attention are not modelled by ptdp");
   read_hf_moe_fields(r, j, model_type, m);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
@@ -198,11 +209,12 @@ namespace {
 // Attention (QKV and projection) and the two norms of a layer.
 double attention_and_norm_parameters(const ModelSpec& m) {
   const double h = static_cast<double>(m.hidden_size);
-  const double kv = static_cast<double>(m.kv_channels() * m.query_groups());  // K (and V) width
+  const double q = static_cast<double>(m.query_width());
+  const double kv = static_cast<double>(m.head_dim() * m.query_groups());  // K (and V) width
   const double bias = has_biases(m) ? 1.0 : 0.0;
-  const double qkv = h * (h + 2 * kv) + bias * (h + 2 * kv);
-  const double proj = h * h + bias * h;
-  return qkv + proj + 2 * m.norm_parameters();
+  const double qkv = h * (q + 2 * kv) + bias * (q + 2 * kv);
+  const double proj = q * h + bias * h;
+  return qkv + proj + 2 * m.norm_parameters() + m.qk_norm_parameters();
 }
 
 // One MLP of FFN width `width`.
@@ -254,7 +266,8 @@ double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
   const double biases = has_biases(*this) ? (fc2 ? 2.0 : 1.0) : 0.0;
   const double router =
       moe_layer ? static_cast<double>(hidden_size) * static_cast<double>(num_experts) : 0.0;
-  return 2 * norm_parameters() + biases * static_cast<double>(hidden_size) + router;
+  return 2 * norm_parameters() + qk_norm_parameters() + biases * static_cast<double>(hidden_size) +
+         router;
 }
 
 double ModelSpec::layer_parameters_per_rank(int64_t t, bool moe_layer) const {
@@ -279,6 +292,11 @@ double ModelSpec::position_embedding_parameters() const {
 
 double ModelSpec::norm_parameters() const {
   return (has_biases(*this) ? 2.0 : 1.0) * static_cast<double>(hidden_size);
+}
+
+double ModelSpec::qk_norm_parameters() const {
+  return qk_layernorm ? 2.0 * (has_biases(*this) ? 2.0 : 1.0) * static_cast<double>(head_dim())
+                      : 0.0;
 }
 
 double ModelSpec::embedding_parameters() const {
@@ -317,10 +335,21 @@ void ModelSpec::validate() const {
     if (value > kMaxModelSize)
       throw InputError(field, std::to_string(value) + " exceeds " + std::to_string(kMaxModelSize) +
                                   ", the largest size ptdp handles");
-  if (hidden_size % num_attention_heads != 0)
+  require_non_negative("kv_channels", kv_channels);
+  if (kv_channels > kMaxModelSize)
+    throw InputError("kv_channels", std::to_string(kv_channels) + " exceeds " +
+                                        std::to_string(kMaxModelSize) +
+                                        ", the largest size ptdp handles");
+  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
     throw InputError("hidden_size", std::to_string(hidden_size) +
                                         " is not divisible by num_attention_heads (" +
-                                        std::to_string(num_attention_heads) + ")");
+                                        std::to_string(num_attention_heads) +
+                                        "); set kv_channels for another head width");
+  if (query_width() > kMaxModelSize)
+    throw InputError(kv_channels > 0 ? "kv_channels" : "num_attention_heads",
+                     "num_attention_heads x kv_channels = " + std::to_string(query_width()) +
+                         " exceeds " + std::to_string(kMaxModelSize) +
+                         ", the largest size ptdp handles");
   if (num_attention_heads % query_groups() != 0)
     throw InputError("num_query_groups", std::to_string(query_groups()) +
                                              " does not divide num_attention_heads (" +
@@ -341,10 +370,11 @@ void ModelSpec::validate() const {
   // Megatron's integer --rotary-base.
   if (!learned_position_embeddings && !(rotary_base > 1 && rotary_base <= 1e12))
     throw InputError("rotary_base", "must be in (1, 1e12]");
-  if (!learned_position_embeddings && (hidden_size / num_attention_heads) % 2 != 0)
-    throw InputError("num_attention_heads",
-                     "rotary embeddings need an even head dimension (hidden_size / "
-                     "num_attention_heads)");
+  if (!learned_position_embeddings && head_dim() % 2 != 0)
+    throw InputError(kv_channels > 0 ? "kv_channels" : "num_attention_heads",
+                     "rotary embeddings need an even head dimension (kv_channels, or "
+                     "hidden_size / num_attention_heads), got " +
+                         std::to_string(head_dim()));
 }
 
 namespace {
@@ -358,6 +388,7 @@ InputError in_hf_terms(const InputError& e) {
       {"ffn_hidden_size", "intermediate_size"},
       {"seq_length", "max_position_embeddings"},
       {"rotary_base", "rope_theta"},
+      {"kv_channels", "head_dim"},
       {"moe_router_topk", "num_experts_per_tok"},
       {"moe_ffn_hidden_size", "moe_intermediate_size"},
       {"moe_first_dense_layers", "first_k_dense_replace"},
@@ -408,6 +439,8 @@ ModelSpec model_from_json(const json& j) {
     r.read("hidden_dropout", m.hidden_dropout);
     r.read("flash_attention", m.flash_attention);
     r.read("cross_entropy_fusion", m.cross_entropy_fusion);
+    r.read("kv_channels", m.kv_channels);
+    r.read("qk_layernorm", m.qk_layernorm);
     r.read("num_experts", m.num_experts);
     r.read("moe_router_topk", m.moe_router_topk);
     r.read("moe_ffn_hidden_size", m.moe_ffn_hidden_size);
@@ -445,6 +478,8 @@ json to_json(const ModelSpec& m) {
          {"flash_attention", m.flash_attention},
          {"cross_entropy_fusion", m.cross_entropy_fusion}};
   if (m.max_position_embeddings > 0) j["max_position_embeddings"] = m.max_position_embeddings;
+  if (m.kv_channels > 0) j["kv_channels"] = m.kv_channels;
+  if (m.qk_layernorm) j["qk_layernorm"] = true;
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;
     j["moe_router_topk"] = m.moe_router_topk;

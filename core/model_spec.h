@@ -44,6 +44,14 @@ struct ModelSpec {
   // --cross-entropy-loss-fusion and ptdp run do: no fp32 softmax kept beside the 16-bit logits.
   // Unfused, Megatron upcasts the logits and keeps their fp32 softmax for the backward pass.
   bool cross_entropy_fusion = false;
+  // The attention's head width, Megatron's --kv-channels (Hugging Face head_dim; 0:
+  // hidden_size / num_attention_heads). Qwen3 and Mistral-Nemo set it apart from the hidden
+  // size: the queries are num_attention_heads x kv_channels wide, and so is the projection's
+  // input. --qk-layernorm (Qwen3, OLMo 2): a norm of each head's query and key over its
+  // kv_channels, after the QKV projection and before the rotary embedding, one weight (and
+  // bias, for LayerNorm models) of kv_channels for all queries and one for all keys.
+  int64_t kv_channels = 0;
+  bool qk_layernorm = false;
 
   // Mixture of experts, in Megatron-Core's terms; num_experts 0 is a dense model.
   //   num_experts           --num-experts (routed experts per MoE layer)
@@ -81,7 +89,10 @@ struct ModelSpec {
   int64_t max_positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
-  int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const {
+    return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads;
+  }
+  int64_t query_width() const { return num_attention_heads * head_dim(); }  // Q, context
   bool is_moe() const { return num_experts > 0; }
   int64_t moe_ffn_hidden() const {
     return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden();
@@ -112,6 +123,7 @@ struct ModelSpec {
   double expert_parameters_per_rank(int64_t ep, int64_t etp) const;
   double position_embedding_parameters() const;  // learned positions (replicated), else 0
   double norm_parameters() const;       // one LayerNorm (weight and bias) or RMSNorm (weight)
+  double qk_norm_parameters() const;    // --qk-layernorm's two norms of head_dim (else 0)
   double embedding_parameters() const;  // word (+ position) embeddings
   double output_parameters() const;     // untied LM head, 0 when tied
   double parameters() const;            // everything; final layernorm included

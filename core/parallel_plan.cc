@@ -225,6 +225,8 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (m.ffn_hidden() != 4 * m.hidden_size || m.swiglu) f << " --ffn-hidden-size " << m.ffn_hidden();
   if (m.query_groups() != m.num_attention_heads)
     f << " --group-query-attention --num-query-groups " << m.query_groups();
+  if (m.kv_channels > 0 && m.query_width() != m.hidden_size) f << " --kv-channels " << m.head_dim();
+  if (m.qk_layernorm) f << " --qk-layernorm";
   // ModelSpec's bias rule: gated models have no biases and use RMSNorm.
   if (m.swiglu) f << " --swiglu --disable-bias-linear --normalization RMSNorm";
   if (m.untie_embeddings_and_output_weights) f << " --untie-embeddings-and-output-weights";

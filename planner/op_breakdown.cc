@@ -37,8 +37,10 @@ OpFamily op_family(OpId id) {
     case OpId::kRotaryEmbeddingBackward:
       return OpFamily::kAttentionCore;
     case OpId::kInputLayernorm:
+    case OpId::kQkLayernorm:
     case OpId::kPostAttentionLayernorm:
     case OpId::kPostAttentionLayernormBackward:
+    case OpId::kQkLayernormBackward:
     case OpId::kInputLayernormBackward:
       return OpFamily::kNorm;
     case OpId::kAttnBiasDropoutAdd:

@@ -266,7 +266,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   int64_t word_index = -1;
   using MoeIdx = MoeLayerParams;  // parameter indices until the offsets are known
   struct ChunkIdx {
-    std::vector<std::array<int64_t, 12>> layers;
+    std::vector<std::array<int64_t, 16>> layers;
     std::vector<MoeIdx> moe;
     int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
     // Where each part's parameters begin in `pending` (embedding, layers, head), and the end.
@@ -295,7 +295,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     for (int64_t l = 0; l < ch.num_layers; ++l) {
       ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
       const std::string pre = "layers." + std::to_string(ch.first_layer + l) + ".";
-      std::array<int64_t, 12> L;
+      std::array<int64_t, 16> L;
       L.fill(-1);
       L[0] = replicated(pre + "input_layernorm.weight", h, 1.0f);
       if (I.biases) L[1] = replicated(pre + "input_layernorm.bias", h, 0.0f);
@@ -320,6 +320,17 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
           pb.decay = false;
           L[3] = add(pb, constant(pb.size, 0.0f));
         }
+      }
+      if (m.qk_layernorm) {  // one norm of d for every query head, one for every key head
+        auto head_norm = [&](const std::string& name, float value) {
+          const int64_t at = replicated(pre + name, d, value);
+          pending[static_cast<size_t>(at)].info.tp_partial = true;
+          return at;
+        };
+        L[12] = head_norm("q_layernorm.weight", 1.0f);
+        if (I.biases) L[13] = head_norm("q_layernorm.bias", 0.0f);
+        L[14] = head_norm("k_layernorm.weight", 1.0f);
+        if (I.biases) L[15] = head_norm("k_layernorm.bias", 0.0f);
       }
       {
         ParamInfo p;
@@ -456,6 +467,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       W.fc1_b = off(L[9]);
       W.fc2_w = off(L[10]);
       W.fc2_b = off(L[11]);
+      W.qn_g = off(L[12]);
+      W.qn_b = off(L[13]);
+      W.kn_g = off(L[14]);
+      W.kn_b = off(L[15]);
       ch.layers.push_back(W);
     }
   }

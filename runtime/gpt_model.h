@@ -103,7 +103,10 @@ struct ParamInfo {
   bool decay = true;           // weight decay applies (not to biases and norms)
   bool tp_replicated = false;  // identical on every tensor-parallel rank
   bool sp_partial = false;     // with sequence parallelism its gradient is partial per TP rank
-  bool tied_copy = false;      // the last stage's copy of the word embedding
+  // Its gradient is partial per TP rank with or without sequence parallelism: --qk-layernorm's
+  // norms, applied to each rank's own heads.
+  bool tp_partial = false;
+  bool tied_copy = false;  // the last stage's copy of the word embedding
   // A routed expert's weight (segment 2): its gradient is reduced over the expert-data-parallel
   // group; tp_replicated then means identical on the expert-tensor-parallel ranks.
   bool expert = false;

@@ -90,12 +90,15 @@ bool DataParallelOptimizer::counts_in_norm(const ParamInfo& p) const {
 }
 
 void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
-  if (!shard_.layout().sequence_parallel || shard_.layout().t < 2) return;
-  // Replicated parameters applied to a sequence slice: their gradients are partial sums. Those
-  // a bucket has reduced already are skipped (buckets never overlap, so a bucket's own call
-  // finds none of them; the final call looks each parameter up among the buckets).
+  if (shard_.layout().t < 2) return;
+  // Replicated parameters applied to a sequence slice (or, --qk-layernorm's norms, to the rank's
+  // heads): their gradients are partial sums. Those a bucket has reduced already are skipped
+  // (buckets never overlap, so a bucket's own call finds none of them; the final call looks
+  // each parameter up among the buckets).
+  const bool sp = shard_.layout().sequence_parallel;
   auto wanted = [&](const ParamInfo& p) {
-    if (!p.sp_partial || p.offset < lo || p.offset + p.size > hi) return false;
+    if (!((p.sp_partial && sp) || p.tp_partial) || p.offset < lo || p.offset + p.size > hi)
+      return false;
     auto it = buckets_.upper_bound({p.offset, INT64_MAX});  // the first bucket after p's start
     return it == buckets_.begin() || std::prev(it)->first.second < p.offset + p.size;
   };

@@ -332,6 +332,19 @@ void OpExecutor::run(const Op& op) {
       S.fill(S.a, rows * d.h), S.fill(S.m1, rows), S.fill(S.m2, rows), S.fill(S.e, rows * d.h);
       c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, rows);
       return;
+    case OpId::kQkLayernorm: {  // the queries' and keys' norms, d channels a row
+      const int64_t heads = d.n_full * (d.hl + d.gl);
+      S.fill(S.a, heads * d.d);
+      c.norm_forward(S.a, 0, d.biases ? bias : -1, S.b, S.m1, S.m2, heads, d.d);
+      return;
+    }
+    case OpId::kQkLayernormBackward: {
+      const int64_t heads = d.n_full * (d.hl + d.gl);
+      S.fill(S.a, heads * d.d), S.fill(S.m1, heads), S.fill(S.m2, heads);
+      S.fill(S.e, heads * d.d);
+      c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, heads, d.d);
+      return;
+    }
     case OpId::kAttnSoftmax:
       S.fill(S.a, scores);
       be.causal_softmax(S.a.ptr(), d.b * d.hl, d.s);

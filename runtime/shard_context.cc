@@ -27,7 +27,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.h = m.hidden_size;
   d.heads = m.num_attention_heads;
   d.groups = m.query_groups();
-  d.d = m.kv_channels();
+  d.d = m.head_dim();
   d.hl = d.heads / d.t;
   d.gl = d.groups / d.t;
   d.ffl = m.ffn_hidden() / d.t;
@@ -37,6 +37,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.sp = l.sequence_parallel && d.t > 1;
   d.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
   d.rotary = !m.learned_position_embeddings;
+  d.qk_norm = m.qk_layernorm;
   d.rotary_base = m.rotary_base;
   d.n_full = d.b * d.s;
   d.n_local = d.sp ? d.n_full / d.t : d.n_full;
@@ -169,19 +170,22 @@ void ShardContext::linear_wgrad(CPtr x, CPtr dy, int64_t w, int64_t bias, int64_
 }
 
 void ShardContext::norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean,
-                                Buffer& rstd, int64_t n) {
-  resize(y, n * dims.h);
+                                Buffer& rstd, int64_t n, int64_t width) {
+  if (width == 0) width = dims.h;
+  resize(y, n * width);
   resize(rstd, n);
   if (beta >= 0) resize(mean, n);
   be.norm_forward(x.ptr(), P(g), beta >= 0 ? P(beta) : nullptr, y.ptr(),
-                  beta >= 0 ? mean.data() : nullptr, rstd.data(), n, dims.h);
+                  beta >= 0 ? mean.data() : nullptr, rstd.data(), n, width);
 }
 
 void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
-                                 const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n) {
-  resize(dx, n * dims.h);
+                                 const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n,
+                                 int64_t width) {
+  if (width == 0) width = dims.h;
+  resize(dx, n * width);
   be.norm_backward(x.ptr(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
-                   dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, dims.h);
+                   dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, width);
 }
 
 void ShardContext::residual_add(Buffer& out, const Buffer& residual, const Buffer& partial,

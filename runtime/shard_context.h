@@ -27,6 +27,7 @@ struct ShardDims {
   int64_t b, s, h, heads, groups, d, hl, gl, ffl, vocab, vl, v0, t, tp;
   bool sp, biases, swiglu;
   bool rotary;
+  bool qk_norm = false;  // --qk-layernorm
   double rotary_base;
   int64_t n_full, n_local;  // tokens of a microbatch; tokens held outside TP blocks
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
@@ -100,11 +101,13 @@ class ShardContext {
   // Records a collective run on another group than the tensor-parallel one (runtime/moe_layer.cc).
   void collective_done(Collective c, double bytes, CommGroup group);
 
-  // Layernorm, or RMSNorm for models without biases (Llama); `beta` < 0 when absent.
+  // Layernorm, or RMSNorm for models without biases (Llama); `beta` < 0 when absent. n rows of
+  // `width` (0: the hidden size; --qk-layernorm's norms are a head wide).
   void norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean, Buffer& rstd,
-                    int64_t n);
+                    int64_t n, int64_t width = 0);
   void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
-                     const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n);
+                     const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n,
+                     int64_t width = 0);
   // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
   void residual_add(Buffer& out, const Buffer& residual, const Buffer& partial, int64_t bias);
   void copy(const Buffer& from, Buffer& to);

@@ -9,7 +9,7 @@
 namespace ptdp {
 
 std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& l) {
-  const int64_t t = l.t, h = m.hidden_size, d = m.kv_channels();
+  const int64_t t = l.t, h = m.hidden_size, d = m.head_dim();
   const int64_t hl = m.num_attention_heads / t, gl = m.query_groups() / t;
   const int64_t ffl = m.ffn_hidden() / t, vl = (m.vocab_size + t - 1) / t;
   const int64_t biases = m.swiglu ? 0 : 1;  // Llama-style models have no biases
@@ -17,8 +17,9 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   const int64_t attention = h + biases * h             // input layernorm
                             + qkv * h + biases * qkv   // QKV
                             + h * hl * d + biases * h  // attention projection
-                            + h + biases * h;          // post-attention layernorm
-  auto mlp = [&](int64_t width) {                      // FC1 and FC2 of local width `width`
+                            + h + biases * h           // post-attention layernorm
+                            + (m.qk_layernorm ? 2 * (d + biases * d) : 0);  // query/key norms
+  auto mlp = [&](int64_t width) {  // FC1 and FC2 of local width `width`
     return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;
   };
   const int64_t per_layer = attention + mlp(ffl);

@@ -58,9 +58,16 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
       be.split_columns3(qkv.ptr(), A.q.ptr(), A.k.ptr(), A.v.ptr(), m.n_full, m.hl * m.d,
                         m.gl * m.d, m.gl * m.d);
-      if (cp && !m.rotary && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
+      if (cp && !m.rotary && !m.qk_norm && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
       break;
     }
+    case OpId::kQkLayernorm:  // each head's query and key over its d channels
+      std::swap(A.q, A.q_in);
+      std::swap(A.k, A.k_in);
+      c.norm_forward(A.q_in, W.qn_g, W.qn_b, A.q, A.qn_mean, A.qn_rstd, m.n_full * m.hl, m.d);
+      c.norm_forward(A.k_in, W.kn_g, W.kn_b, A.k, A.kn_mean, A.kn_rstd, m.n_full * m.gl, m.d);
+      if (cp && !m.rotary && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
+      break;
     case OpId::kRotaryEmbedding:
       if (cp) {
         context_rope(c, A.q, m.hl, false);
@@ -295,6 +302,15 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       be.rope(D.dq.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
       be.rope(D.dk.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
       break;
+    case OpId::kQkLayernormBackward:  // dQ and dK through the norms (their weights' gradients
+                                      // partial over the rank's heads: ParamInfo::tp_partial)
+      c.norm_backward(A.q_in, W.qn_g, W.qn_b, A.qn_mean, A.qn_rstd, D.dq, D.tmp, m.n_full * m.hl,
+                      m.d);
+      std::swap(D.dq, D.tmp);
+      c.norm_backward(A.k_in, W.kn_g, W.kn_b, A.kn_mean, A.kn_rstd, D.dk, D.tmp, m.n_full * m.gl,
+                      m.d);
+      std::swap(D.dk, D.tmp);
+      break;
     case OpId::kQkvDgrad:
       resize_for_overwrite(D.d_qkv, m.n_full * m.qkv_width());
       be.concat_columns3(D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), D.d_qkv.ptr(), m.n_full, m.hl * m.d,
@@ -338,8 +354,10 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
   }
   release(A.probs);
   release(A.lse);
-  for (Buffer* x : {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q, &A.k, &A.v, &A.ctx, &A.h1,
-                    &A.ln2, &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1, &A.act})
+  for (Buffer* x :
+       {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q,        &A.k,        &A.v,
+        &A.ctx, &A.h1,       &A.ln2,      &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1,
+        &A.act, &A.q_in,     &A.k_in,     &A.qn_mean,  &A.qn_rstd,  &A.kn_mean,  &A.kn_rstd})
     release(*x);
 }
 

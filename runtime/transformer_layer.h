@@ -16,6 +16,7 @@ namespace ptdp {
 struct LayerParams {  // offsets into the flat buffers; -1 when absent
   int64_t ln1_g = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
   int64_t ln2_g = -1, ln2_b = -1, fc1_w = -1, fc1_b = -1, fc2_w = -1, fc2_b = -1;
+  int64_t qn_g = -1, qn_b = -1, kn_g = -1, kn_b = -1;  // --qk-layernorm's query and key norms
 };
 
 struct LayerActs {
@@ -26,6 +27,10 @@ struct LayerActs {
   Buffer ln2, ln2_full, fc1, act, fc2, out;
   Buffer ln1_mean{DType::kF32}, ln1_rstd{DType::kF32}, ln2_mean{DType::kF32}, ln2_rstd{DType::kF32},
       lse{DType::kF32};
+  // --qk-layernorm: the queries and keys before their norms, and the norms' statistics (one per
+  // head and token).
+  Buffer q_in, k_in;
+  Buffer qn_mean{DType::kF32}, qn_rstd{DType::kF32}, kn_mean{DType::kF32}, kn_rstd{DType::kF32};
 };
 
 struct LayerGrads {  // the backward pass's scratch

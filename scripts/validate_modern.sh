@@ -24,6 +24,15 @@
 #        DGX-H100, FP8 (per-tensor current scaling), tokens/s/GPU, with Megatron-FSDP ("FSDP 8":
 #        the sharding group is all 8 GPUs; the benchmark harness sets optim_grads_params). Its
 #        main-gradient type is not given: fp32 (ptdp's default) is used.
+#  [MQ]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md (container 26.02.01), DGX-H100,
+#        FP8 (tensorwise current scaling), tokens/s/GPU, dropless with the token distribution
+#        force-balanced among the experts (--moe-expert-load 1), no recomputation. The recipes
+#        (Megatron-Bridge scripts/performance, Qwen3 configs) use the alltoall dispatcher and
+#        overlap the expert all-to-alls with the other microbatch's compute
+#        (--overlap-moe-expert-parallel-comm). The 235B recipe counts the embedding and the loss
+#        as pipeline layers, which with v = 4 gives chunks of 2 and 3 layers that ptdp's splits
+#        cannot express: here v = 1 with its split at v = 1 (11 + 6 x 12 + 11), without the
+#        all-to-all overlap (which needs the interleaved schedule).
 # Recompute is not stated by any source: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -85,6 +94,17 @@ row "[MZ] mixtral-8x22b 128 H100 ep8" dgx-h100 128 tflops 445 --model mixtral-8x
   --pipeline-model-parallel-size 8 --num-virtual-stages-per-pipeline-rank 7 \
   --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
   --sequence-parallel --use-distributed-optimizer
+row "[MQ] qwen3-30b-a3b 16 H100 fp8 p2 v12 ep8" dgx-h100 16 tokens 9058 --model qwen3-30b-a3b \
+  --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 1024 --seq-length 4096 \
+  --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2 \
+  --num-layers-per-virtual-pipeline-stage 2 --expert-model-parallel-size 8 --micro-batch-size 1 \
+  --use-distributed-optimizer --moe-expert-load 1 --overlap-moe-expert-parallel-comm
+row "[MQ] qwen3-235b-a22b 256 H100 fp8 t2 p8 ep32" dgx-h100 256 tokens 1611 --model qwen3-235b-a22b \
+  --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
+  --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11 \
+  --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
+  --sequence-parallel --use-distributed-optimizer --moe-expert-load 1
 row "[N2] mixtral-8x7b 64 B200 fp8 ep8" dgx-b200 64 tokens 15457 --model mixtral-8x7b \
   --fp8-format hybrid --global-batch-size 256 --seq-length 4096 --tensor-model-parallel-size 1 \
   --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --micro-batch-size 2 \

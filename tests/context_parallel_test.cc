@@ -351,7 +351,7 @@ TEST(ContextParallel, HierarchicalAttentionEqualsPlainAttention) {
     const Pass p = run_ring(m, layout, cp)[1];
     const double tokens = 1.0 * layout.micro_batch * (m.seq_length / cp);
     const double q = tokens * m.hidden_size * 4,
-                 kv = tokens * m.query_groups() * m.kv_channels() * 4;
+                 kv = tokens * m.query_groups() * m.head_dim() * 4;
     int a2a = 0, steps = 0, out = 0;
     for (const ExecutedOp& e : p.trace) {
       if (e.role != OpRole::kForward) continue;
@@ -388,7 +388,7 @@ TEST(ContextParallel, ExchangesAreRecordedWithOneBlockPerStep) {
     const std::vector<Pass> ring = run_ring(m, layout, cp);
     if (::testing::Test::HasFailure()) return;
     const double block = 2.0 * layout.micro_batch * (m.seq_length / cp) * m.query_groups() *
-                         m.kv_channels() * sizeof(float);
+                         m.head_dim() * sizeof(float);
     for (const Pass& p : ring) {
       int64_t fwd = 0, bwd = 0, rec = 0;
       for (const ExecutedOp& e : p.trace) {

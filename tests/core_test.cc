@@ -73,6 +73,35 @@ TEST(ModelSpec, LlamaParametersMatchPublishedCounts) {
   EXPECT_EQ(resolve_model("llama3-8b").parameters(), 8030261248.0);
 }
 
+// Qwen3's model cards give the total and the non-embedding count (to the digits below); its
+// heads are 128 wide whatever the hidden size (--kv-channels) and carry query and key norms.
+TEST(ModelSpec, Qwen3ParametersMatchTheModelCards) {
+  const struct {
+    const char* name;
+    double total, non_embedding, digits;  // billions, and the cards' rounding
+  } cases[] = {{"qwen3-8b", 8.2, 6.95, 0.01},
+               {"qwen3-30b-a3b", 30.5, 29.9, 0.1},
+               {"qwen3-235b-a22b", 235, 234, 1}};
+  for (const auto& c : cases) {
+    const ModelSpec m = resolve_model(c.name);
+    EXPECT_EQ(m.head_dim(), 128) << c.name;
+    EXPECT_TRUE(m.qk_layernorm) << c.name;
+    const double total = m.parameters() / 1e9;
+    const double non_embedding =
+        (m.parameters() - m.embedding_parameters() - m.output_parameters()) / 1e9;
+    // Within half a unit of the last digit printed (the 8B total is printed to 0.1).
+    EXPECT_NEAR(total, c.total, std::max(0.05, c.digits / 2)) << c.name;
+    EXPECT_NEAR(non_embedding, c.non_embedding, c.digits / 2) << c.name;
+  }
+  // Without its 128-wide heads Qwen3-30B-A3B's attention would have half the query weights.
+  ModelSpec narrow = resolve_model("qwen3-30b-a3b");
+  const double wide = narrow.parameters_per_layer();
+  narrow.kv_channels = 0;
+  const double h = 2048, q = 32 * 128, kv = 4 * 128;
+  EXPECT_EQ(wide - narrow.parameters_per_layer(),
+            2 * h * (q - h) + 2 * h * (kv - 4 * 64) + 2 * (128 - 64));
+}
+
 TEST(ModelSpec, Sc21Table1PresetsMatchThePaper) {
   const json v = read_json_file(
       std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json", "v");
@@ -102,7 +131,7 @@ TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
 // ---- presets ----
 
 TEST(Presets, EveryPresetLoadsAndValidates) {
-  EXPECT_EQ(model_preset_names().size(), 20u);
+  EXPECT_EQ(model_preset_names().size(), 23u);
   for (const std::string& name : model_preset_names()) {
     const ModelSpec m = resolve_model(name);
     EXPECT_EQ(m.name, name);
@@ -273,6 +302,44 @@ TEST(ModelSpec, DropoutIsReadAndChecked) {
   EXPECT_EQ(field_of([&] { model_from_json(hf); }), "attention_dropout");
 }
 
+// Qwen/Qwen3-30B-A3B's config.json (the fields ptdp reads): its 128-wide heads become
+// --kv-channels, its q_norm and k_norm --qk-layernorm, and it reads as the preset does.
+TEST(HuggingFace, Qwen3MoeConfigReadsAsThePreset) {
+  const json qwen3 = {{"model_type", "qwen3_moe"},
+                      {"hidden_act", "silu"},
+                      {"hidden_size", 2048},
+                      {"num_hidden_layers", 48},
+                      {"num_attention_heads", 32},
+                      {"num_key_value_heads", 4},
+                      {"head_dim", 128},
+                      {"intermediate_size", 6144},
+                      {"moe_intermediate_size", 768},
+                      {"num_experts", 128},
+                      {"num_experts_per_tok", 8},
+                      {"decoder_sparse_step", 1},
+                      {"mlp_only_layers", json::array()},
+                      {"vocab_size", 151936},
+                      {"max_position_embeddings", 40960},
+                      {"rope_theta", 1000000.0},
+                      {"attention_bias", false},
+                      {"tie_word_embeddings", false}};
+  const ModelSpec m = model_from_json(qwen3);
+  const ModelSpec preset = resolve_model("qwen3-30b-a3b");
+  EXPECT_EQ(m.kv_channels, 128);
+  EXPECT_TRUE(m.qk_layernorm);
+  EXPECT_FALSE(m.learned_position_embeddings);
+  EXPECT_TRUE(m.untie_embeddings_and_output_weights);
+  EXPECT_EQ(m.parameters(), preset.parameters());
+  EXPECT_EQ(m.expert_parameters(), preset.expert_parameters());
+  // A dense Qwen3 config (model_type qwen3) has the norms too.
+  json dense = qwen3;
+  dense["model_type"] = "qwen3";
+  for (const char* k : {"moe_intermediate_size", "num_experts", "num_experts_per_tok"})
+    dense.erase(k);
+  EXPECT_TRUE(model_from_json(dense).qk_layernorm);
+  EXPECT_FALSE(model_from_json(dense).is_moe());
+}
+
 TEST(HuggingFace, DefaultsForOtherModels) {
   const json j = {
       {"model_type", "gpt_neox"},       {"hidden_act", "gelu"},      {"hidden_size", 2048},
@@ -331,10 +398,19 @@ TEST(HuggingFace, UnmodelledFieldsAreRefusedInTheConfigsTerms) {
       {"rope_theta", 1e6}};
   EXPECT_EQ(model_from_json(llama).num_layers, 4);
   json j = llama;
-  j["head_dim"] = 80;  // hidden_size / num_attention_heads: as modelled
-  EXPECT_EQ(model_from_json(j).kv_channels(), 80);
-  j["head_dim"] = 128;  // Qwen3-4B's
+  j["head_dim"] = 80;  // hidden_size / num_attention_heads: the default width
+  EXPECT_EQ(model_from_json(j).head_dim(), 80);
+  EXPECT_EQ(model_from_json(j).kv_channels, 0);
+  j["head_dim"] = 0;
   EXPECT_EQ(field_of([&] { model_from_json(j); }), "head_dim");
+  j["head_dim"] = 7;  // odd: no rotary embedding
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "head_dim");
+  j = llama;
+  j["model_type"] = "olmo2";  // its query and key norms span the whole projection
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "model_type");
+  j = llama;
+  j["attention_bias"] = true;  // Llama configs may ask for attention biases
+  EXPECT_EQ(field_of([&] { model_from_json(j); }), "attention_bias");
   j = llama;
   j["model_type"] = "gemma";
   EXPECT_EQ(field_of([&] { model_from_json(j); }), "model_type");

@@ -190,9 +190,14 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   ModelSpec shared = moe;  // with a shared expert beside the routed ones
   shared.name = "trace-moe-shared";
   shared.moe_shared_expert_ffn_size = 32;
+  // Qwen3's attention: --kv-channels wider than hidden / heads and --qk-layernorm's norms.
+  ModelSpec qwen3 = flash;
+  qwen3.name = "trace-qwen3";
+  qwen3.kv_channels = 2 * qwen3.hidden_size / qwen3.num_attention_heads;
+  qwen3.qk_layernorm = true;
   int checked = 0;
   // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe, shared}) {
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe, shared, qwen3}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
         // MoE layers with tensor parallelism need sequence parallelism.

@@ -134,6 +134,26 @@ TEST(RunMpi, EveryLayoutTrainsToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// Qwen3's attention (--kv-channels wider than hidden / heads, --qk-layernorm): each tensor-
+// parallel rank normalises its own heads' queries and keys with the shared norm weights, whose
+// gradients are summed over the ranks (with and without sequence parallelism); context
+// parallelism exchanges the keys after their norm. At a learning rate of 0.02: Adam moves each
+// weight by about the rate a step, and norm weights left to drift apart on the ranks (their
+// partial gradients unsummed) moved these losses by 1e-3 there, by under 1e-5 at 1e-3.
+TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
+  const std::string qwen3 = kTiny +
+                            " --swiglu --position-embedding-type rope --group-query-attention"
+                            " --num-query-groups 2 --kv-channels 24 --qk-layernorm --lr 0.02";
+  const nlohmann::json single = run_json(0, qwen3);
+  ASSERT_EQ(losses(single).size(), 6u);
+  for (const Layout& l : std::vector<Layout>{
+           {2, 1, 1, "", qwen3},
+           {2, 2, 1, "--sequence-parallel --use-distributed-optimizer", qwen3},
+           {1, 1, 1, "", qwen3, 2},
+       })
+    expect_same_losses(l, single);
+}
+
 // The CUDA backend's host side without a GPU: cpu-staged keeps every activation, parameter and
 // gradient in memory the runtime treats as a device's, so each collective and point-to-point
 // transfer goes through host copies (runtime/staged_communicator.h). Same kernels, so the same

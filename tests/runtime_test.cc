@@ -66,6 +66,25 @@ ModelSpec tiny_rotary() {
   return m;
 }
 
+// Qwen3's attention: heads wider than hidden / heads (--kv-channels) whose queries and keys are
+// each normalised (--qk-layernorm, RMSNorm), rotary positions.
+ModelSpec tiny_qwen3() {
+  ModelSpec m = tiny_rotary();
+  m.name = "tiny-qwen3";
+  m.kv_channels = 24;  // 4 heads x 24 = 96 query channels on a hidden size of 64
+  m.qk_layernorm = true;
+  return m;
+}
+
+// The same on GPT's layers: LayerNorm with biases on the queries and keys, narrower heads.
+ModelSpec tiny_qk_layernorm() {
+  ModelSpec m = tiny();
+  m.name = "tiny-qk-layernorm";
+  m.kv_channels = 10;
+  m.qk_layernorm = true;
+  return m;
+}
+
 TrainOptions options(const ModelSpec& m, int64_t steps = 4) {
   TrainOptions o;
   o.model = m;
@@ -164,7 +183,7 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
 TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
   auto self = make_self_communicator();
   int checked = 0;
-  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary()}) {
+  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3()}) {
     ModelSpec m = base;
     m.num_layers = 8;
     for (int64_t t : {1, 2})
@@ -204,7 +223,7 @@ ModelSpec with_flash(ModelSpec m) {
 // pass, accumulates the same gradients as one backward pass, to the bit, and hands each part's
 // range to the hook once its gradients are complete (the weight pass, in backward order).
 TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama(), with_flash(tiny_llama())}) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama(), with_flash(tiny_llama()), tiny_qwen3()}) {
     ModelSpec m = base;
     m.num_layers = 3;
     auto self = make_self_communicator();
@@ -254,7 +273,8 @@ TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
 }
 
 TEST(GptShard, GradientsMatchFiniteDifferences) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama())}) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama()),
+                                tiny_qwen3(), with_flash(tiny_qwen3()), tiny_qk_layernorm()}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
