@@ -92,14 +92,18 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
   const std::vector<int64_t> moe_chunks = moe_layers_per_chunk(m, local);
   const ActivationMemory activations(m, local, f.precision, moe_chunks);
-  r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
-  if (f.pp == p.pipeline_parallel - 1) {  // logits of the vocabulary shard and their gradient
+  // The logits of the vocabulary shard and their gradient, freed by the LM head's backward pass
+  // before any layer's (runtime/embedding_head.cc): they never meet a layer's backward working
+  // set, so the stage holds the larger of the two beside what its microbatches keep.
+  double logits = 0;
+  if (f.pp == p.pipeline_parallel - 1) {
     const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
-    r.activations +=
-        tokens *
-        std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
-        2.0 * element;
+    logits = tokens *
+             std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
+             2.0 * element;
   }
+  r.activations = activations.kept_on_stage(f.pp) + activations.p2p_buffers() +
+                  std::max(activations.transient_on_stage(f.pp), logits);
   return r;
 }
 

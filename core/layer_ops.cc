@@ -872,10 +872,45 @@ double activation_bytes(const LayerShape& s, const Dims& d, const ActivationUnit
 
 }  // namespace
 
-double attention_backward_workspace_bytes(const ModelSpec& m, const LayerShape& s) {
-  if (fused_attention(m, s)) return 0.0;
+double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, bool moe_layer) {
   const Dims d = dims(m, s);
-  return d.act * d.heads * d.s * d.T / d.t;
+  // Elements, per rank: T tokens inside the tensor-parallel blocks, R outside them (T / t with
+  // sequence parallelism); Q and the attention's output q wide, K and V kv each.
+  const double T = d.T, R = s.sequence_parallel ? d.T / d.t : d.T, h = d.h;
+  const double q = d.heads * d.kv / d.t, kv = d.groups * d.kv / d.t;
+  const double gate = m.swiglu ? 2.0 : 1.0;
+  const double norm_backward = T * h + (s.sequence_parallel ? 2.0 : 1.0) * R * h;
+  // A tensor-parallel MLP of local width f, from its output gradient (R h, the residual's
+  // copy) on: FC2's input gradient beside its (gathered) output gradient, the activation
+  // function's input gradient beside its output's, FC1's input gradient beside that, the
+  // pre-MLP norm's backward.
+  auto mlp = [&](double f) {
+    if (f <= 0) return 0.0;
+    return R * h + std::max({T * h + T * f, T * f * (1.0 + gate), T * gate * f + T * h,
+                             norm_backward - R * h});
+  };
+  double mlp_phase =
+      mlp(static_cast<double>(moe_layer ? m.moe_shared_expert_ffn_size : m.ffn_hidden()) / d.t);
+  if (moe_layer) {
+    // The routed experts' rows (the busiest rank's): the combine's gradient arriving beside
+    // its permuted copy, then as the dense MLP with P rows of width ffn / etp.
+    const Routing r = routing(m, s, d);
+    const double P = r.processed, f = static_cast<double>(r.ffn_local);
+    mlp_phase = std::max(mlp_phase, R * h + std::max({2.0 * P * h, P * h + P * f * (1.0 + gate),
+                                                      2.0 * P * h + P * gate * f}));
+  }
+  // The attention: the projection's input gradient beside its output gradient; the fused
+  // backward's dQ, dK, dV beside it (unfused: the scores' gradient, b a s_q s / t, with dV,
+  // then dQ and dK); --qk-layernorm's input gradient beside them; QKV's packed gradient while
+  // its parts are copied in; QKV's input gradient; the input norm's backward.
+  const double qkv = q + 2.0 * kv;
+  const double scores = fused_attention(m, s) ? 0.0 : d.heads * d.s * d.T / d.t;
+  const double attention_phase =
+      R * h + std::max({T * h + T * q, T * q + (scores > 0 ? scores + T * kv : T * qkv),
+                        scores + T * qkv, m.qk_layernorm ? T * (qkv + q) : 0.0, 2.0 * T * qkv,
+                        T * qkv + T * h, norm_backward});
+  // The gradient arriving from the next layer and the one leaving for the previous.
+  return d.act * (2.0 * R * h + std::max(mlp_phase, attention_phase));
 }
 
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s) {

@@ -240,10 +240,11 @@ inline constexpr int64_t kCrossEntropyStatsPerToken = 3;
 // Activation bytes one layer keeps for its backward pass, per microbatch (Korthikanti et al.
 // 2022, Table 2, generalised to GQA and gated MLPs; equals s b h (34 + 5 a s / h) for GPT).
 double layer_activation_bytes(const ModelSpec& m, const LayerShape& s);
-// What a layer's backward pass holds for a moment beyond that: the unfused attention's gradient
-// of its probabilities, one more buffer of the scores' size (b a s_q s / t elements), while the
-// probabilities are still kept; 0 for a fused (flash) attention.
-double attention_backward_workspace_bytes(const ModelSpec& m, const LayerShape& s);
+// What a layer's backward pass holds at once beyond that, its activations' gradients as autograd
+// frees them (and ptdp run's LayerGrads): the incoming and outgoing gradient of the layer, and
+// the larger of its MLP's (or an MoE layer's experts') and its attention's working set, where
+// the unfused attention's gradient of the scores (b a s_q s / t elements) is the largest part.
+double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, bool moe_layer);
 // The same for an MoE layer: the attention's, plus the router's input and, per routed token,
 // the permuted input, the expert activations and output.
 double moe_layer_activation_bytes(const ModelSpec& m, const LayerShape& s);

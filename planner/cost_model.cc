@@ -196,8 +196,12 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
     kept_layer_ = layer_activation_bytes(m, full);
     kept_moe_layer_ = m.is_moe() ? moe_layer_activation_bytes(m, full) : kept_layer_;
   }
-  // While a layer's backward pass runs, the unfused attention's gradient of the scores.
-  backward_workspace_ = attention_backward_workspace_bytes(m, shape);
+  // While a layer's backward pass runs, its activations' gradients (the larger of a dense and
+  // an MoE layer's).
+  backward_workspace_ = layer_backward_working_bytes(m, shape, false);
+  if (m.is_moe())
+    backward_workspace_ =
+        std::max(backward_workspace_, layer_backward_working_bytes(m, shape, true));
   // One activation crossing a stage boundary ([b, s/cp, h], 1/t of it with sequence
   // parallelism).
   boundary_ = static_cast<double>(p.micro_batch_size * (m.seq_length / p.context_parallel)) *
@@ -206,6 +210,22 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
 }
 
 double ActivationMemory::on_stage(int64_t r) const {
+  return kept_on_stage(r) + transient_on_stage(r);
+}
+
+double ActivationMemory::transient_on_stage(int64_t r) const {
+  const int64_t layers = p_.layers_on_stage(m_, r);
+  if (layers == 0) return 0;
+  double working = working_layer_;
+  // Block recompute: a chunk recomputes its first layers after the backward pass has freed its
+  // kept ones, so the layer being recomputed adds to the peak only where a chunk keeps none.
+  if (p_.recompute == Recompute::kFull && p_.recompute_layers > 0 &&
+      recomputed_on_stage(m_, p_, r).layers < layers)
+    working = 0;
+  return working + backward_workspace_;
+}
+
+double ActivationMemory::kept_on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
   const double inflight = inflight_layer_activations(p_, r, layers);
   // Per layer: the stage's mix of dense and MoE layers.
@@ -214,7 +234,6 @@ double ActivationMemory::on_stage(int64_t r) const {
       layers > 0 ? ((static_cast<double>(layers) - moe) * per_layer_ + moe * per_moe_layer_) /
                        static_cast<double>(layers)
                  : per_layer_;
-  double working = working_layer_;
   if (p_.recompute == Recompute::kFull && p_.recompute_layers > 0 && layers > 0) {
     // Block recompute: each chunk's first N layers keep their inputs, the rest everything.
     const RecomputedLayers rec = recomputed_on_stage(m_, p_, r);
@@ -222,11 +241,8 @@ double ActivationMemory::on_stage(int64_t r) const {
     const double kd = static_cast<double>(layers) - moe - rd, km = moe - rm;
     per_layer = (rd * per_layer_ + rm * per_moe_layer_ + kd * kept_layer_ + km * kept_moe_layer_) /
                 static_cast<double>(layers);
-    // A chunk recomputes its first layers after the backward pass has freed its kept ones, so
-    // the layer being recomputed adds to the peak only where a chunk keeps none.
-    if (rec.layers < layers) working = 0;
   }
-  double bytes = inflight * per_layer + working + (layers > 0 ? backward_workspace_ : 0.0);
+  double bytes = inflight * per_layer;
   if (r == 0 && layers > 0)
     bytes +=
         inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
@@ -985,9 +1001,14 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     mb.activations = activations.on_stage(r);
     if (r == p.pipeline_parallel - 1) {
       // The vocabulary shard's logits (16-bit; fp32 in fp32 training), one microbatch, and
-      // unless the loss is fused (computed in place on them), their fp32 softmax.
+      // unless the loss is fused (computed in place on them), their fp32 softmax. They are
+      // freed by the LM head's backward pass before any layer's runs, so they never meet a
+      // layer's backward working set or recomputed layer (the activations' transient part):
+      // what they add is what exceeds it.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
-      mb.buffers += tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
+      const double logits =
+          tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
+      mb.buffers += std::max(0.0, logits - activations.transient_on_stage(r));
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;

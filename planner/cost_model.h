@@ -337,9 +337,14 @@ class ActivationMemory {
   ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DType element,
                    const std::vector<int64_t>& moe_chunks);
   // What pipeline rank r holds at its peak: the in-flight microbatches' layer activations
-  // (Korthikanti et al. 2022), the layer being recomputed, the unfused attention's gradient of
-  // the scores during a backward pass, and on the first stage the embedding's outputs.
+  // (Korthikanti et al. 2022), the layer being recomputed, a layer's backward working set
+  // (its activations' gradients), and on the first stage the embedding's outputs.
   double on_stage(int64_t r) const;
+  // Its two parts: what the in-flight microbatches keep (and the first stage's embedding
+  // outputs), and what one layer's backward pass holds for a while besides (the layer being
+  // recomputed and layer_backward_working_bytes).
+  double kept_on_stage(int64_t r) const;
+  double transient_on_stage(int64_t r) const;
   // Send and receive buffers of the pipeline transfers (0 without pipelining).
   double p2p_buffers() const;
 
@@ -349,7 +354,7 @@ class ActivationMemory {
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
   // Block recompute: a layer that is not recomputed keeps its whole activations.
   double kept_layer_ = 0, kept_moe_layer_ = 0;
-  double backward_workspace_ = 0;  // attention_backward_workspace_bytes, held during a backward
+  double backward_workspace_ = 0;           // layer_backward_working_bytes, held during a backward
   const std::vector<int64_t>& moe_chunks_;  // MoE layers per model chunk (empty: dense)
 };
 

@@ -113,6 +113,10 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
       break;
     case OpId::kLmHeadWgrad:
       c.linear_wgrad(lnf_full.ptr(), A.probs.ptr(), W.head, -1, m.n_full, m.h, m.vl);
+      // The logits' gradient has no reader left: freed before the layers' backward passes, as
+      // autograd frees it (the memory model's logits never meet a layer's backward working set).
+      release(A.probs);
+      if (m.sp) release(A.lnf_full);
       break;
     case OpId::kLmHeadGradReduceScatter:
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
@@ -123,6 +127,8 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
     case OpId::kFinalLayernormBackward:
       c.norm_backward(A.lnf_in, W.lnf_g, W.lnf_b, A.lnf_mean, A.lnf_rstd,
                       m.sp ? D.d_ln1 : D.d_ln1_full, D.d_out, m.n_local);
+      for (Buffer* x : {&A.lnf_in, &A.lnf, &A.lnf_mean, &A.lnf_rstd, &D.d_ln1, &D.d_ln1_full})
+        release(*x);
       break;
     default:
       throw std::logic_error("not an LM-head backward op");

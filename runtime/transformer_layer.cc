@@ -189,15 +189,18 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kFc2Wgrad:
       c.linear_wgrad(A.act.ptr(), D.d_fc2.ptr(), W.fc2_w, -1, m.n_full, m.ffl, m.h);
+      release(D.d_fc2);
       break;
     case OpId::kBiasGeluBackward:
       resize_for_overwrite(D.d_pre, elems(A.fc1));
       be.gelu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), elems(A.fc1));
       c.bias_grad(D.d_pre, W.fc1_b, m.ffl);
+      release(D.d_act);
       break;
     case OpId::kSwigluBackward:
       resize_for_overwrite(D.d_pre, elems(A.fc1));
       be.swiglu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), m.n_full, m.ffl);
+      release(D.d_act);
       break;
     case OpId::kFc1Dgrad:
       resize_for_overwrite(D.d_ln2_full, m.n_full * m.h);
@@ -208,6 +211,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kFc1Wgrad:
       c.linear_wgrad(ln2_full.ptr(), D.d_pre.ptr(), W.fc1_w, -1, m.n_full, m.h, m.fc1_width());
+      release(D.d_pre);
       break;
     case OpId::kMlpAllGatherBackward:
       c.scatter_sequence(D.d_ln2_full, D.d_ln2, m.h);
@@ -216,6 +220,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, m.sp ? D.d_ln2 : D.d_ln2_full,
                       D.tmp, m.n_local);
       be.add(D.d_h1.ptr(), D.tmp.ptr(), elems(D.d_h1));
+      for (Buffer* x : {&D.tmp, &D.d_ln2, &D.d_ln2_full}) release(*x);
       break;
     case OpId::kAttnBiasDropoutAddBackward:
       c.bias_grad(D.d_h1, W.proj_b, m.h);
@@ -228,9 +233,11 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kAttnProjDgrad:
       resize_for_overwrite(D.d_ctx, m.n_full * m.hl * m.d);
       c.linear_dgrad(W.proj_w, D.d_proj.ptr(), D.d_ctx.ptr(), m.n_full, m.hl * m.d, m.h);
+      release(D.d_h1);  // its last reader was the bias-dropout-add's (or all-gather's) backward
       break;
     case OpId::kAttnProjWgrad:
       c.linear_wgrad(A.ctx.ptr(), D.d_proj.ptr(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
+      release(D.d_proj);
       break;
     case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
@@ -243,6 +250,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
                                     D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
                                     m.hl, m.gl, m.d);
+        release(D.d_ctx);
       }
       c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
       break;
@@ -265,6 +273,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), nullptr, D.dv.ptr(),
                                     m.b, sa, m.hl, m.gl, m.d);
       c.gemm_done(sa, m.d, sa, m.b * m.hl);
+      release(D.d_ctx);
       break;
     case OpId::kAttnDropoutBackward:
       break;
@@ -292,6 +301,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       be.attention_scores_backward(A.q.ptr(), A.k.ptr(), D.d_probs.ptr(), nullptr, D.dk.ptr(), m.b,
                                    sa, m.hl, m.gl, m.d);
       c.gemm_done(m.d, sa, sa, m.b * m.hl);
+      release(D.d_probs);
       break;
     case OpId::kRotaryEmbeddingBackward:
       if (cp) {
@@ -307,14 +317,17 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.norm_backward(A.q_in, W.qn_g, W.qn_b, A.qn_mean, A.qn_rstd, D.dq, D.tmp, m.n_full * m.hl,
                       m.d);
       std::swap(D.dq, D.tmp);
+      release(D.tmp);
       c.norm_backward(A.k_in, W.kn_g, W.kn_b, A.kn_mean, A.kn_rstd, D.dk, D.tmp, m.n_full * m.gl,
                       m.d);
       std::swap(D.dk, D.tmp);
+      release(D.tmp);
       break;
     case OpId::kQkvDgrad:
       resize_for_overwrite(D.d_qkv, m.n_full * m.qkv_width());
       be.concat_columns3(D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), D.d_qkv.ptr(), m.n_full, m.hl * m.d,
                          m.gl * m.d, m.gl * m.d);
+      for (Buffer* x : {&D.dq, &D.dk, &D.dv}) release(*x);
       resize_for_overwrite(D.d_ln1_full, m.n_full * m.h);
       c.linear_dgrad(W.qkv_w, D.d_qkv.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.qkv_width());
       break;
@@ -323,6 +336,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kQkvWgrad:
       c.linear_wgrad(ln1_full.ptr(), D.d_qkv.ptr(), W.qkv_w, W.qkv_b, m.n_full, m.h, m.qkv_width());
+      release(D.d_qkv);
       break;
     case OpId::kAttnAllGatherBackward:
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
@@ -331,6 +345,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, m.sp ? D.d_ln1 : D.d_ln1_full,
                       D.tmp, m.n_local);
       be.add(D.d_x.ptr(), D.tmp.ptr(), elems(D.d_x));
+      for (Buffer* x : {&D.tmp, &D.d_ln1, &D.d_ln1_full}) release(*x);
       break;
     default:
       throw std::logic_error("not a backward op of a transformer layer");

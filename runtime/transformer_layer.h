@@ -33,7 +33,11 @@ struct LayerActs {
   Buffer qn_mean{DType::kF32}, qn_rstd{DType::kF32}, kn_mean{DType::kF32}, kn_rstd{DType::kF32};
 };
 
-struct LayerGrads {  // the backward pass's scratch
+// The backward pass's scratch. Each buffer is released after the op that reads it last, as
+// autograd frees a gradient (the weight-gradient GEMMs' inputs after those GEMMs, which a
+// zero-bubble input pass defers with them); d_out and d_x carry the gradient between layers.
+// What is held at once is what layer_backward_working_bytes (core/layer_ops.h) prices.
+struct LayerGrads {
   Buffer d_out, d_h1, d_fc2, d_act, d_pre, d_ln2_full, d_ln2, d_proj, d_ctx, d_probs, dq, dk, dv;
   Buffer d_qkv, d_ln1_full, d_ln1, d_x, tmp;
 };

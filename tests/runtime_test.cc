@@ -442,7 +442,8 @@ TEST(Train, FlashAttentionGivesTheSameLossesWithoutTheScores) {
 
 // Trains the memory test's model (3 layers, hidden 128, s 256, V 2048, b 2, B 4, no dropout)
 // in `precision`, with and without flash attention in every recompute mode, and expects the
-// measured peak within 10% of the memory model's for a profile of that precision.
+// measured peak within 6% of the memory model's for a profile of that precision (the bar is 10%;
+// the model is within 5% since it counts the backward working set).
 void expect_peak_memory_within_ten_percent(DType precision) {
   ModelSpec m = tiny();
   m.num_layers = 3;
@@ -450,6 +451,7 @@ void expect_peak_memory_within_ten_percent(DType precision) {
   m.seq_length = 256;
   m.vocab_size = 2048;
   m.attention_dropout = m.hidden_dropout = 0;  // the runtime has no dropout
+  m.cross_entropy_fusion = true;               // its loss runs in place on the logits
   HardwareProfile profile = resolve_profile("a100-80gb");
   profile.activation_dtype = precision;
   const ClusterSpec cluster = resolve_cluster("dgx-a100-80gb");
@@ -470,10 +472,16 @@ void expect_peak_memory_within_ten_percent(DType precision) {
       o.precision = precision;
       const std::string mode = recompute_label(o.plan);
       const TrainResult run = train_one(o);
-      const double predicted = CostModel(o.model, cluster, profile).memory(o.plan).peak;
+      double predicted = CostModel(o.model, cluster, profile).memory(o.plan).peak;
+      // The CPU backend runs a bf16 GEMM on fp32 copies of its operands: the LM head's
+      // backward widens the logits' gradient (T V bytes more than its 2-byte elements), which
+      // a GPU's bf16 GEMM does not (`ptdp run --dry-run` counts it).
+      if (precision == DType::kBF16)
+        predicted +=
+            2.0 * static_cast<double>(o.plan.micro_batch_size * m.seq_length * m.vocab_size);
       const double measured = static_cast<double>(run.peak_memory_bytes);
       peak[mode] = measured;
-      EXPECT_NEAR(measured / predicted, 1.0, 0.10)
+      EXPECT_NEAR(measured / predicted, 1.0, 0.06)
           << (flash ? "flash " : "") << mode << ": measured " << measured << " bytes, predicted "
           << predicted;
       std::printf("[ measured ] %s %s%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
@@ -490,8 +498,10 @@ void expect_peak_memory_within_ten_percent(DType precision) {
 
 // Predict knows what runs: priced for fp32 training (a profile with fp32 activations, as
 // calibrate measures ptdp run), the memory model's peak is the runtime's measured peak within
-// 10%, with and without flash attention and in every recompute mode. (The runtime also keeps
-// a backward pass's scratch, which the model does not count: it measures a few percent more.)
+// 10%, with and without flash attention and in every recompute mode. The model counts a
+// layer's backward working set (its activations' gradients, as the runtime frees them) and the
+// logits only where they exceed it (both freed before the layers' backward passes): 2026-11-29
+// within -3.4..+2.1% in fp32, where the model without them measured +4.9..+7.6%.
 TEST(Train, MeasuredPeakMemoryIsWithinTenPercentOfTheFp32Prediction) {
   expect_peak_memory_within_ten_percent(DType::kF32);
 }
