@@ -309,6 +309,17 @@ TEST(CliErrors, NonNumericFlag) {
 TEST(CliErrors, NegativeSize) {
   expect_bad(predict_with("--hidden-size", "-4"), "--hidden-size");
 }
+// --kv-channels: a head width of its own, positive (0: the default) and bounded; GPT-3's learned
+// positions take any width, a rotary model only an even one.
+TEST(CliErrors, KvChannels) {
+  expect_bad(predict_with("--kv-channels", "-4"), "--kv-channels");
+  expect_bad(predict_with("--kv-channels", "99999999"), "--kv-channels");
+  auto rotary = predict_with("--kv-channels", "7");
+  rotary.insert(rotary.end(), {"--position-embedding-type", "rope"});
+  expect_bad(rotary, "--kv-channels");
+  const Result ok = run(predict_with("--kv-channels", "7"));
+  EXPECT_EQ(ok.status, 0) << ok.err;
+}
 TEST(CliErrors, ZeroLayers) {
   expect_bad(predict_with("--num-layers", "0"), "--num-layers");
 }

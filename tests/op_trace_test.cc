@@ -269,7 +269,12 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   int ran = 0;
   ModelSpec flash = rotary();  // the fused attention's kernels run on two of its ops
   flash.flash_attention = true;
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash}) {
+  ModelSpec qwen3 = flash;  // --kv-channels wider than hidden / heads and --qk-layernorm
+  qwen3.kv_channels = 2 * qwen3.hidden_size / qwen3.num_attention_heads;
+  qwen3.qk_layernorm = true;
+  ModelSpec gpt_qk = gpt();  // the query and key norms as LayerNorms (with biases)
+  gpt_qk.qk_layernorm = true;
+  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, qwen3, gpt_qk}) {
     for (const Variant& v :
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
           Variant{4, false, Recompute::kSelective}})
