@@ -137,6 +137,12 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
                  "layers on the first pipeline stage (the others share the rest evenly)");
   app.add_option("--decoder-last-pipeline-num-layers", last_stage_layers,
                  "layers on the last pipeline stage (the others share the rest evenly)");
+  app.add_flag("--account-for-embedding-in-pipeline-split", account_for_embedding,
+               "the embedding counts as a layer of the first pipeline stage (one decoder layer "
+               "fewer there)");
+  app.add_flag("--account-for-loss-in-pipeline-split", account_for_loss,
+               "the loss counts as a layer of the last pipeline stage (one decoder layer fewer "
+               "there)");
   app.add_option("--recompute-granularity", recompute_granularity,
                  "full or selective (default: none)");
   app.add_option("--recompute-method", recompute_method,
@@ -589,6 +595,34 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
     p.layers_per_stage =
         megatron_stage_split(m.num_layers, p.pipeline_parallel, first_stage_layers.value_or(0),
                              last_stage_layers.value_or(0));
+  if (account_for_embedding || account_for_loss) {
+    const char* flag = account_for_embedding ? "--account-for-embedding-in-pipeline-split"
+                                             : "--account-for-loss-in-pipeline-split";
+    if (first_stage_layers || last_stage_layers)
+      throw InputError(flag, std::string("conflicts with ") +
+                                 (first_stage_layers ? "--decoder-first-pipeline-num-layers"
+                                                     : "--decoder-last-pipeline-num-layers") +
+                                 ": give one way to split the layers");
+    if (p.pipeline_parallel < 2) throw InputError(flag, "needs pipeline-model-parallel-size > 1");
+    const int64_t v = virtual_stages_per_rank.value_or(1);
+    if (v > 1 || layers_per_virtual_stage)
+      throw InputError(flag,
+                       "with interleaving the embedding's or the loss's share leaves model "
+                       "chunks of unequal layers, which ptdp does not model; give "
+                       "--decoder-first-pipeline-num-layers and "
+                       "--decoder-last-pipeline-num-layers without interleaving");
+    const int64_t slots = m.num_layers + account_for_embedding + account_for_loss;
+    if (slots % p.pipeline_parallel != 0)
+      throw InputError(flag, std::to_string(m.num_layers) + " layers and " +
+                                 std::to_string(slots - m.num_layers) +
+                                 " counted module(s) do not split evenly over " +
+                                 std::to_string(p.pipeline_parallel) + " pipeline stages");
+    const int64_t per = slots / p.pipeline_parallel;
+    if (per - 1 < 1) throw InputError(flag, "leaves a pipeline stage without layers");
+    p.layers_per_stage =
+        megatron_stage_split(m.num_layers, p.pipeline_parallel, account_for_embedding ? per - 1 : 0,
+                             account_for_loss ? per - 1 : 0);
+  }
   if (layers_per_virtual_stage && virtual_stages_per_rank)
     throw InputError("--num-virtual-stages-per-pipeline-rank",
                      "give it or --num-layers-per-virtual-pipeline-stage, not both");

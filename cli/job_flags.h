@@ -55,6 +55,12 @@ struct JobFlags {
   std::string fp8_recipe;
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
+  // Megatron-Core's --account-for-embedding-in-pipeline-split and
+  // --account-for-loss-in-pipeline-split: the embedding (the loss) counts as one layer of the
+  // first (last) pipeline stage, which then holds one decoder layer fewer. At v = 1 the split
+  // --decoder-first/last-pipeline-num-layers give; with interleaving it leaves chunks of
+  // unequal layers, which ptdp does not model (refused).
+  bool account_for_embedding = false, account_for_loss = false;
   std::string recompute_granularity;
   // Megatron's --recompute-method and --recompute-num-layers for full recomputation: uniform
   // with one layer per checkpoint (every layer), or block N (the first N of each model chunk).
@@ -118,8 +124,8 @@ struct JobFlags {
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
            virtual_stages_per_rank || microbatch_group || first_stage_layers || last_stage_layers ||
-           context_parallel || !hierarchical_cp_sizes.empty() || expert_parallel ||
-           expert_tensor_parallel;
+           account_for_embedding || account_for_loss || context_parallel ||
+           !hierarchical_cp_sizes.empty() || expert_parallel || expert_tensor_parallel;
   }
 };
 

@@ -30,9 +30,10 @@
 #        (Megatron-Bridge scripts/performance, Qwen3 configs) use the alltoall dispatcher and
 #        overlap the expert all-to-alls with the other microbatch's compute
 #        (--overlap-moe-expert-parallel-comm). The 235B recipe counts the embedding and the loss
-#        as pipeline layers, which with v = 4 gives chunks of 2 and 3 layers that ptdp's splits
-#        cannot express: here v = 1 with its split at v = 1 (11 + 6 x 12 + 11), without the
-#        all-to-all overlap (which needs the interleaved schedule).
+#        as pipeline layers (--account-for-embedding-in-pipeline-split and
+#        --account-for-loss-in-pipeline-split), which with v = 4 gives chunks of 2 and 3 layers
+#        that ptdp's splits cannot express: here v = 1 with the same flags (11 + 6 x 12 + 11),
+#        without the all-to-all overlap (which needs the interleaved schedule).
 # Recompute is not stated by any source: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,7 +103,7 @@ row "[MQ] qwen3-30b-a3b 16 H100 fp8 p2 v12 ep8" dgx-h100 16 tokens 9058 --model 
 row "[MQ] qwen3-235b-a22b 256 H100 fp8 t2 p8 ep32" dgx-h100 256 tokens 1611 --model qwen3-235b-a22b \
   --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
-  --decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11 \
+  --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
   --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
   --sequence-parallel --use-distributed-optimizer --moe-expert-load 1
 row "[N2] mixtral-8x7b 64 B200 fp8 ep8" dgx-b200 64 tokens 15457 --model mixtral-8x7b \

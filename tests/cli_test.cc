@@ -320,6 +320,43 @@ TEST(CliErrors, KvChannels) {
   const Result ok = run(predict_with("--kv-channels", "7"));
   EXPECT_EQ(ok.status, 0) << ok.err;
 }
+// Megatron-Core's --account-for-embedding-in-pipeline-split and
+// --account-for-loss-in-pipeline-split: at v = 1 the split that the first and last stages'
+// layer counts give (36 layers and the two modules over p = 2: 18 + 18), printed that way;
+// with interleaving, an uneven split over p, or beside an explicit split, refused by name.
+TEST(Cli, AccountingForTheEmbeddingAndLossSplitsAsMegatronDoes) {
+  const std::vector<std::string> base = {"predict",  "--model",
+                                         "gpt-7.5b", "--num-gpus",
+                                         "64",       "--global-batch-size",
+                                         "128",      "--tensor-model-parallel-size",
+                                         "4",        "--pipeline-model-parallel-size",
+                                         "2",        "--micro-batch-size",
+                                         "1",        "--json"};
+  auto with = [&](std::initializer_list<const char*> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result both = run(
+      with({"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}));
+  const Result explicit_split = run(with(
+      {"--decoder-first-pipeline-num-layers", "18", "--decoder-last-pipeline-num-layers", "18"}));
+  ASSERT_EQ(both.status, 0) << both.err;
+  ASSERT_EQ(explicit_split.status, 0) << explicit_split.err;
+  const auto a = nlohmann::json::parse(both.out), b = nlohmann::json::parse(explicit_split.out);
+  EXPECT_EQ(a["iteration_time_s"], b["iteration_time_s"]);
+  EXPECT_EQ(a["megatron_flags"], b["megatron_flags"]);
+  EXPECT_EQ(run(with({"--account-for-embedding-in-pipeline-split"})).status, 2);  // 37 over 2
+  expect_bad(with({"--account-for-loss-in-pipeline-split"}),
+             "--account-for-loss-in-pipeline-split");
+  expect_bad(
+      with({"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+            "--num-virtual-stages-per-pipeline-rank", "2"}),
+      "--account-for-embedding-in-pipeline-split");
+  expect_bad(
+      with({"--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers", "17"}),
+      "--account-for-loss-in-pipeline-split");
+}
 TEST(CliErrors, ZeroLayers) {
   expect_bad(predict_with("--num-layers", "0"), "--num-layers");
 }

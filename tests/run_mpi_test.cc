@@ -149,6 +149,7 @@ TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
   for (const Layout& l : std::vector<Layout>{
            {2, 1, 1, "", qwen3},
            {2, 2, 1, "--sequence-parallel --use-distributed-optimizer", qwen3},
+           {2, 1, 2, "--overlap-grad-reduce", qwen3},  // summed per gradient bucket
            {1, 1, 1, "", qwen3, 2},
        })
     expect_same_losses(l, single);
