@@ -350,8 +350,7 @@ TEST(ContextParallel, HierarchicalAttentionEqualsPlainAttention) {
     if (k.rc != Recompute::kNone) continue;
     const Pass p = run_ring(m, layout, cp)[1];
     const double tokens = 1.0 * layout.micro_batch * (m.seq_length / cp);
-    const double q = tokens * m.hidden_size * 4,
-                 kv = tokens * m.query_groups() * m.head_dim() * 4;
+    const double q = tokens * m.hidden_size * 4, kv = tokens * m.query_groups() * m.head_dim() * 4;
     int a2a = 0, steps = 0, out = 0;
     for (const ExecutedOp& e : p.trace) {
       if (e.role != OpRole::kForward) continue;
