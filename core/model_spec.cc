@@ -142,8 +142,8 @@ ModelSpec model_from_hf_config(const json& j) {
   if (!j.contains("max_position_embeddings"))
     throw InputError("max_position_embeddings", "missing: ptdp takes the sequence length from it");
   r.read("max_position_embeddings", m.seq_length);
-  bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "qwen3_moe",
-                                      "deepseek", "deepseek_v2", "deepseek_v3"});
+  bool tied = !is_one_of(model_type, {"llama", "mistral", "mixtral", "qwen2_moe", "qwen3",
+                                      "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"});
   r.read("tie_word_embeddings", tied);
   m.untie_embeddings_and_output_weights = !tied;
   // Hugging Face's config classes of these families default to SiLU and rotary positions, so a
@@ -178,16 +178,23 @@ ModelSpec model_from_hf_config(const json& j) {
   r.read("hidden_dropout", m.hidden_dropout);
   // A head width other than hidden_size / num_attention_heads (Qwen3, Mistral-Nemo set
   // head_dim): Megatron's --kv-channels.
+  // transformers' Qwen3Config and Qwen3MoeConfig default head_dim to 128 (and untied
+  // embeddings, above).
+  const bool qwen3 = is_one_of(model_type, {"qwen3", "qwen3_moe"});
+  if (qwen3) m.kv_channels = 128;
   if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
     r.read("head_dim", m.kv_channels);
     if (m.kv_channels <= 0)
       throw InputError("head_dim", "must be positive, got " + std::to_string(m.kv_channels));
-    if (m.num_attention_heads > 0 && m.kv_channels * m.num_attention_heads == m.hidden_size)
-      m.kv_channels = 0;  // the default width
   }
+  // (Both bounded before multiplying: validate() refuses the larger values by name.)
+  if (m.kv_channels > 0 && m.kv_channels <= kMaxModelSize && m.num_attention_heads > 0 &&
+      m.num_attention_heads <= kMaxModelSize &&
+      m.kv_channels * m.num_attention_heads == m.hidden_size)
+    m.kv_channels = 0;  // the default width
   // Qwen3's attention normalises each head's query and key (q_norm, k_norm: RMSNorm over
   // head_dim); so does OLMo 2's, over the whole projection, which ptdp does not model.
-  m.qk_layernorm = is_one_of(model_type, {"qwen3", "qwen3_moe"});
+  m.qk_layernorm = qwen3;
   if (is_one_of(model_type, {"olmo2", "olmoe"}))
     throw InputError("model_type", "'" + model_type +
                                        "' normalises the whole query and key projections; "

@@ -209,6 +209,11 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
               (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
 }
 
+bool logits_freed_before_layer_backward(const ParallelPlan& p) {
+  return (p.schedule == Schedule::k1F1B || p.schedule == Schedule::kZeroBubbleH1) &&
+         p.virtual_stages == 1 && !p.overlap_moe_ep_comm;
+}
+
 double ActivationMemory::on_stage(int64_t r) const {
   return kept_on_stage(r) + transient_on_stage(r);
 }
@@ -1002,13 +1007,15 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
     if (r == p.pipeline_parallel - 1) {
       // The vocabulary shard's logits (16-bit; fp32 in fp32 training), one microbatch, and
       // unless the loss is fused (computed in place on them), their fp32 softmax. They are
-      // freed by the LM head's backward pass before any layer's runs, so they never meet a
-      // layer's backward working set or recomputed layer (the activations' transient part):
-      // what they add is what exceeds it.
+      // freed by the LM head's backward pass; where that runs right after their forward pass
+      // (logits_freed_before_layer_backward) they never meet a layer's backward working set or
+      // recomputed layer (the activations' transient part): what they add is what exceeds it.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
       const double logits =
           tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
-      mb.buffers += std::max(0.0, logits - activations.transient_on_stage(r));
+      mb.buffers += logits_freed_before_layer_backward(p)
+                        ? std::max(0.0, logits - activations.transient_on_stage(r))
+                        : logits;
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;

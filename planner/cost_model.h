@@ -306,6 +306,12 @@ double tokens_per_second(const ModelSpec& m, const ParallelPlan& p, double itera
 inline constexpr double kDroplessExpertLoad = 1.1;
 double expert_load(const ModelSpec& m, int64_t expert_parallel);
 
+// Whether the last pipeline stage runs each microbatch's backward pass right after its forward
+// pass (1F1B and ZB-H1 without interleaving or combined passes), so that a microbatch's logits,
+// freed by the LM head's backward pass, never meet another microbatch's layer backward pass.
+// Otherwise (GPipe, interleaving, --overlap-moe-expert-parallel-comm) they can.
+bool logits_freed_before_layer_backward(const ParallelPlan& p);
+
 // In-flight microbatch-chunks whose activations pipeline rank r holds at its peak, and the
 // number of layers in each (Megatron's warm-up counts; docs/cost_model.md).
 double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t layers_on_stage);

@@ -243,6 +243,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       if (!m.flash) throw std::logic_error("attention scores in the backward list without flash");
       if (cp) {
         context_attention_backward(c, A, D);
+        release(D.d_ctx);
       } else {
         resize_for_overwrite(D.dq, elems(A.q));
         resize_for_overwrite(D.dk, elems(A.k));

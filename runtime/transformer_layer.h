@@ -36,7 +36,9 @@ struct LayerActs {
 // The backward pass's scratch. Each buffer is released after the op that reads it last, as
 // autograd frees a gradient (the weight-gradient GEMMs' inputs after those GEMMs, which a
 // zero-bubble input pass defers with them); d_out and d_x carry the gradient between layers.
-// What is held at once is what layer_backward_working_bytes (core/layer_ops.h) prices.
+// What one layer's backward pass holds at once is what layer_backward_working_bytes
+// (core/layer_ops.h) prices; the gradients a zero-bubble input pass keeps for its deferred W
+// pass are not priced.
 struct LayerGrads {
   Buffer d_out, d_h1, d_fc2, d_act, d_pre, d_ln2_full, d_ln2, d_proj, d_ctx, d_probs, dq, dk, dv;
   Buffer d_qkv, d_ln1_full, d_ln1, d_x, tmp;

@@ -331,6 +331,11 @@ TEST(HuggingFace, Qwen3MoeConfigReadsAsThePreset) {
   EXPECT_TRUE(m.untie_embeddings_and_output_weights);
   EXPECT_EQ(m.parameters(), preset.parameters());
   EXPECT_EQ(m.expert_parameters(), preset.expert_parameters());
+  // transformers' defaults where a config leaves them out: head_dim 128, untied embeddings.
+  json sparse = qwen3;
+  sparse.erase("head_dim");
+  sparse.erase("tie_word_embeddings");
+  EXPECT_EQ(model_from_json(sparse).parameters(), preset.parameters());
   // A dense Qwen3 config (model_type qwen3) has the norms too.
   json dense = qwen3;
   dense["model_type"] = "qwen3";

@@ -118,6 +118,32 @@ ParallelPlan gpt175_on_1024() {
   return p;
 }
 
+// A single stage with a large vocabulary: 1F1B frees each microbatch's logits (LM head
+// backward) before that microbatch's layers run backward, so they add only what exceeds a
+// layer's backward working set; GPipe keeps them while other microbatches' layers run backward,
+// so they add whole. The working set is the larger of the attention's and the MLP's phases.
+TEST(ActivationMemory, LogitsMeetTheBackwardWorkingSetOnlyWhereTheScheduleLetsThem) {
+  ModelSpec m = resolve_model("gpt-1.7b");
+  m.vocab_size = 262144;
+  m.cross_entropy_fusion = true;
+  CostModel cost(m, a100(8), resolve_profile("a100-80gb"));
+  ParallelPlan p;
+  p.data_parallel = 8;
+  p.micro_batch_size = 1;
+  p.global_batch_size = 32;
+  p.validate(m);
+  const std::vector<int64_t> moe;
+  const double transient = ActivationMemory(m, p, DType::kBF16, moe).transient_on_stage(0);
+  const double logits = 2048.0 * 262144.0 * 2.0;
+  ASSERT_GT(logits, transient);
+  LayerShape shape = layer_shape(p);
+  EXPECT_DOUBLE_EQ(transient, layer_backward_working_bytes(m, shape, false));
+  const MemoryBreakdown one_f_one_b = cost.memory(p);
+  EXPECT_DOUBLE_EQ(one_f_one_b.buffers, logits - transient);
+  p.schedule = Schedule::kGPipe;
+  EXPECT_DOUBLE_EQ(cost.memory(p).buffers, logits);
+}
+
 TEST(StateMemory, EighteenBytesPerParameterAndDistributedOptimizer) {
   const ModelSpec m = gpt175();
   const ClusterSpec c = a100(1024);
