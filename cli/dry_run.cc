@@ -92,21 +92,17 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
   const std::vector<int64_t> moe_chunks = moe_layers_per_chunk(m, local);
   const ActivationMemory activations(m, local, f.precision, moe_chunks);
-  // The logits of the vocabulary shard and their gradient, freed by the LM head's backward pass
-  // (runtime/embedding_head.cc): where that follows their forward pass at once
-  // (logits_freed_before_layer_backward) they never meet a layer's backward working set, so the
-  // stage holds the larger of the two beside what its microbatches keep.
-  double logits = 0;
+  r.activations = activations.on_stage(f.pp) + activations.p2p_buffers();
   if (f.pp == p.pipeline_parallel - 1) {
+    // The logits of the vocabulary shard and their gradient, freed by the LM head's backward
+    // pass (runtime/embedding_head.cc), as the memory model counts them.
     const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
-    logits = tokens *
-             std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
-             2.0 * element;
+    const double logits =
+        tokens *
+        std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *
+        2.0 * element;
+    r.activations += activations.logits_beyond_transient(f.pp, logits);
   }
-  const double transient = activations.transient_on_stage(f.pp);
-  r.activations =
-      activations.kept_on_stage(f.pp) + activations.p2p_buffers() +
-      (logits_freed_before_layer_backward(p) ? std::max(transient, logits) : transient + logits);
   return r;
 }
 

@@ -218,6 +218,11 @@ double ActivationMemory::on_stage(int64_t r) const {
   return kept_on_stage(r) + transient_on_stage(r);
 }
 
+double ActivationMemory::logits_beyond_transient(int64_t r, double logits) const {
+  return logits_freed_before_layer_backward(p_) ? std::max(0.0, logits - transient_on_stage(r))
+                                                : logits;
+}
+
 double ActivationMemory::transient_on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
   if (layers == 0) return 0;
@@ -1013,9 +1018,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
       const double logits =
           tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
-      mb.buffers += logits_freed_before_layer_backward(p)
-                        ? std::max(0.0, logits - activations.transient_on_stage(r))
-                        : logits;
+      mb.buffers += activations.logits_beyond_transient(r, logits);
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
     mb.peak = mb.weights + mb.gradients + mb.optimizer + mb.activations + mb.buffers;

@@ -346,15 +346,21 @@ class ActivationMemory {
   // (Korthikanti et al. 2022), the layer being recomputed, a layer's backward working set
   // (its activations' gradients), and on the first stage the embedding's outputs.
   double on_stage(int64_t r) const;
-  // Its two parts: what the in-flight microbatches keep (and the first stage's embedding
-  // outputs), and what one layer's backward pass holds for a while besides (the layer being
-  // recomputed and layer_backward_working_bytes).
-  double kept_on_stage(int64_t r) const;
+  // Its transient part: what one layer's backward pass holds for a while beside what the
+  // in-flight microbatches keep (the layer being recomputed and layer_backward_working_bytes).
   double transient_on_stage(int64_t r) const;
+  // What `logits` bytes on stage r (the last one's, freed by the LM head's backward pass) add to
+  // on_stage(r): what exceeds the transient part where they never meet it
+  // (logits_freed_before_layer_backward), else all of them.
+  double logits_beyond_transient(int64_t r, double logits) const;
   // Send and receive buffers of the pipeline transfers (0 without pipelining).
   double p2p_buffers() const;
 
  private:
+  // The other part: what the in-flight microbatches keep, and the first stage's embedding
+  // outputs.
+  double kept_on_stage(int64_t r) const;
+
   const ModelSpec& m_;
   const ParallelPlan& p_;
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;

@@ -114,7 +114,7 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
     case OpId::kLmHeadWgrad:
       c.linear_wgrad(lnf_full.ptr(), A.probs.ptr(), W.head, -1, m.n_full, m.h, m.vl);
       // The logits' gradient has no reader left: freed before the layers' backward passes, as
-      // autograd frees it (the memory model's logits never meet a layer's backward working set).
+      // autograd frees it (ActivationMemory::logits_beyond_transient counts them so).
       release(A.probs);
       if (m.sp) release(A.lnf_full);
       break;
