@@ -48,6 +48,14 @@ void JobFlags::add_model_flags(CLI::App& app) {
                  "the attention's head width (default: --hidden-size / --num-attention-heads)");
   app.add_flag("--qk-layernorm", qk_layernorm,
                "normalise each head's query and key (Qwen3's q_norm and k_norm)");
+  app.add_flag("--multi-latent-attention", multi_latent_attention,
+               "DeepSeek-V2/V3's multi-head latent attention (widths below, Megatron's defaults)");
+  app.add_option("--q-lora-rank", q_lora_rank, "MLA: the query latent's width (default: none)");
+  app.add_option("--kv-lora-rank", kv_lora_rank, "MLA: the key-value latent's width (32)");
+  app.add_option("--qk-head-dim", qk_head_dim, "MLA: a head's unrotated query/key channels (128)");
+  app.add_option("--qk-pos-emb-head-dim", qk_pos_emb_head_dim,
+                 "MLA: a head's rotated query/key channels (64)");
+  app.add_option("--v-head-dim", v_head_dim, "MLA: a head's value channels (128)");
   app.add_flag("--group-query-attention", group_query_attention,
                "grouped-query attention with --num-query-groups groups (Megatron's default: 1)");
   app.add_flag("--swiglu", swiglu);
@@ -241,6 +249,12 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
       {"--vocab-size", "vocab_size", j.vocab_size.has_value()},
       {"--kv-channels", "kv_channels", j.kv_channels.has_value()},
       {"--qk-layernorm", "", j.qk_layernorm},
+      {"--multi-latent-attention", "", j.multi_latent_attention},
+      {"--q-lora-rank", "q_lora_rank", j.q_lora_rank.has_value()},
+      {"--kv-lora-rank", "kv_lora_rank", j.kv_lora_rank.has_value()},
+      {"--qk-head-dim", "qk_head_dim", j.qk_head_dim.has_value()},
+      {"--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", j.qk_pos_emb_head_dim.has_value()},
+      {"--v-head-dim", "v_head_dim", j.v_head_dim.has_value()},
       {"--swiglu", "", j.swiglu},
       {"--untie-embeddings-and-output-weights", "", j.untie},
       {"--group-query-attention", "", j.group_query_attention},
@@ -326,6 +340,19 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.vocab_size, vocab_size);
   set(m.kv_channels, kv_channels);
   if (qk_layernorm) m.qk_layernorm = true;
+  if (multi_latent_attention) m.multi_latent_attention = true;
+  for (const auto& [flag, given] : {std::pair{"--q-lora-rank", q_lora_rank.has_value()},
+                                    {"--kv-lora-rank", kv_lora_rank.has_value()},
+                                    {"--qk-head-dim", qk_head_dim.has_value()},
+                                    {"--qk-pos-emb-head-dim", qk_pos_emb_head_dim.has_value()},
+                                    {"--v-head-dim", v_head_dim.has_value()}})
+    if (given && !m.multi_latent_attention)
+      throw InputError(flag, "needs --multi-latent-attention");
+  set(m.q_lora_rank, q_lora_rank);
+  set(m.kv_lora_rank, kv_lora_rank);
+  set(m.qk_head_dim, qk_head_dim);
+  set(m.qk_pos_emb_head_dim, qk_pos_emb_head_dim);
+  set(m.v_head_dim, v_head_dim);
   if (swiglu) m.swiglu = true;
   if (ffn_hidden_size && *ffn_hidden_size <= 0)
     throw InputError("--ffn-hidden-size",

@@ -145,11 +145,13 @@ std::string memory_family(OpId id) {
   switch (id) {
     case OpId::kInputLayernorm:
     case OpId::kQkLayernorm:
+    case OpId::kLatentLayernorm:
     case OpId::kPostAttentionLayernorm:
     case OpId::kFinalLayernorm:
       return "norm";
     case OpId::kInputLayernormBackward:
     case OpId::kQkLayernormBackward:
+    case OpId::kLatentLayernormBackward:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
       return "norm_backward";

@@ -15,6 +15,11 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "attn_allgather",
     "qkv",
     "qk_layernorm",
+    "q_down_proj",
+    "kv_down_proj",
+    "latent_layernorm",
+    "q_up_proj",
+    "kv_up_proj",
     "rotary_embedding",
     "attn_scores",
     "attn_softmax",
@@ -57,6 +62,16 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "attn_scores_dk",
     "rotary_embedding_backward",
     "qk_layernorm_backward",
+    "kv_up_proj_dgrad",
+    "kv_up_proj_wgrad",
+    "q_up_proj_dgrad",
+    "q_up_proj_wgrad",
+    "latent_input_grad_allreduce",
+    "latent_layernorm_backward",
+    "kv_down_proj_dgrad",
+    "kv_down_proj_wgrad",
+    "q_down_proj_dgrad",
+    "q_down_proj_wgrad",
     "qkv_dgrad",
     "qkv_input_grad_allreduce",
     "qkv_wgrad",
@@ -127,6 +142,16 @@ BackwardOf backward_ids(OpId f) {
   switch (f) {
     case I::kQkv:
       return {I::kQkvDgrad, I::kQkvWgrad, true, true};
+    case I::kQDownProj:
+      return {I::kQDownProjDgrad, I::kQDownProjWgrad, true, true};
+    case I::kKvDownProj:
+      return {I::kKvDownProjDgrad, I::kKvDownProjWgrad, true, true};
+    case I::kQUpProj:
+      return {I::kQUpProjDgrad, I::kQUpProjWgrad, true, true};
+    case I::kKvUpProj:
+      return {I::kKvUpProjDgrad, I::kKvUpProjWgrad, true, true};
+    case I::kLatentLayernorm:
+      return {I::kLatentLayernormBackward, I::kLatentLayernormBackward};
     case I::kAttnScores:  // scores = Q K^T: dQ and dK, both input gradients
       return {I::kAttnScoresDq, I::kAttnScoresDk, true, false};
     case I::kAttnContext:  // context = P V: dP and dV, both input gradients
@@ -235,9 +260,10 @@ struct Builder {
 
 // T: tokens of a microbatch this rank holds (b s / cp); s: the whole sequence (keys); sq: the
 // rank's queries (s / cp).
+// kv: a query's and key's channels per head, vd: a value's (they differ with MLA).
 struct Dims {
-  double T, h, s, heads, kv, groups, ffn, t;
-  int64_t Ti, hi, si, sqi, kvi;
+  double T, h, s, heads, kv, vd, groups, ffn, t;
+  int64_t Ti, hi, si, sqi, kvi, vdi;
   double act;  // bytes per activation element
 };
 
@@ -254,6 +280,8 @@ Dims dims(const ModelSpec& m, const LayerShape& s) {
   d.heads = static_cast<double>(m.num_attention_heads);
   d.kvi = m.head_dim();
   d.kv = static_cast<double>(d.kvi);
+  d.vdi = m.value_dim();
+  d.vd = static_cast<double>(d.vdi);
   d.groups = static_cast<double>(m.query_groups());
   d.ffn = static_cast<double>(m.ffn_hidden());
   d.act = static_cast<double>(dtype_bytes(s.activation_dtype));
@@ -318,8 +346,9 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
   const int64_t batch = s.micro_batch * local_heads;
   const double rows = static_cast<double>(batch) * static_cast<double>(queries);
   const double scores = rows * d.s;  // elements
-  const double kv_block = 2.0 * d.T * static_cast<double>(m.query_groups()) / d.t * d.kv * d.act;
+  const double kv_block = d.T * static_cast<double>(m.query_groups()) / d.t * (d.kv + d.vd) * d.act;
   const double q_block = d.T * d.heads / d.t * d.kv * d.act;
+  const double out_block = d.T * d.heads / d.t * d.vd * d.act;
   if (cp > 1) {
     if (a2a > 1)
       b.collective(OpId::kCpKvExchange, Collective::kAllToAll, q_block + kv_block,
@@ -332,14 +361,14 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
   }
   auto out_back = [&] {
     if (a2a > 1)
-      b.collective(OpId::kCpOutAllToAll, Collective::kAllToAll, q_block, CommGroup::kContext);
+      b.collective(OpId::kCpOutAllToAll, Collective::kAllToAll, out_block, CommGroup::kContext);
   };
   if (fused_attention(m, s)) {
     const int64_t keys = std::max<int64_t>(1, d.si / 2);  // the causal half
     const size_t first = b.out->size();
     b.gemm(OpId::kAttnScores, queries, keys, d.kvi, batch);
     b.memory(OpId::kAttnSoftmax, rows * 4.0);
-    b.gemm(OpId::kAttnContext, queries, d.kvi, keys, batch);
+    b.gemm(OpId::kAttnContext, queries, d.vdi, keys, batch);
     for (size_t i = first; i < b.out->size(); ++i) (*b.out)[i].fused = true;
     out_back();
     return;
@@ -348,7 +377,7 @@ void attention_core(Builder& b, const ModelSpec& m, const LayerShape& s, const D
   b.memory(OpId::kAttnSoftmax, scores * d.act * 2);  // read scores, write probabilities
   if (m.attention_dropout > 0)
     b.memory(OpId::kAttnDropout, scores * (d.act * 2 + 1.0));  // read, write, 1-byte mask
-  b.gemm(OpId::kAttnContext, queries, d.kvi, d.si, batch);
+  b.gemm(OpId::kAttnContext, queries, d.vdi, d.si, batch);
   out_back();
 }
 
@@ -365,6 +394,37 @@ void exit_tp(Builder& b, const LayerShape& s, const Dims& d, OpId all_reduce, Op
     b.collective(all_reduce, Collective::kAllReduce, d.T * d.h * d.act);
 }
 
+// Multi-head latent attention's projections (Megatron-Core's MLASelfAttention), from the
+// input norm's output to Q, K and V. The down projections (whole weights on every rank) read the
+// rank's tokens, R of them (T / t with sequence parallelism: no all-gather of the hidden state),
+// and their latents are normalised there; with sequence parallelism the normalised latents (and
+// the shared rotated key) are all-gathered, and without a query latent the hidden state too, for
+// the column-parallel up projections over all T tokens. The rotary embedding rotates the
+// queries' last qk_pos_emb_head_dim channels and the one shared rotated key, and assembles each
+// local head's key from its unrotated part and that key (reads and writes Q; reads the up
+// projection's keys and values and the rotated key, writes K and V).
+void mla_projections(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
+  const int64_t t = s.tensor_parallel;
+  const double R = s.sequence_parallel ? d.T / d.t : d.T;
+  const int64_t Ri = static_cast<int64_t>(R);
+  const int64_t hl = m.num_attention_heads / t;
+  const int64_t ql = m.q_latent_width(), kvw = m.kv_latent_width();
+  const double latents = static_cast<double>(ql + m.kv_lora_rank);
+  if (ql > 0) b.gemm(OpId::kQDownProj, Ri, ql, d.hi);
+  b.gemm(OpId::kKvDownProj, Ri, kvw, d.hi);
+  b.memory(OpId::kLatentLayernorm, R * latents * d.act * 2);
+  if (t > 1 && s.sequence_parallel) {
+    const double gathered = static_cast<double>(ql > 0 ? ql + kvw : kvw) + (ql > 0 ? 0.0 : d.h);
+    b.collective(OpId::kAttnAllGather, Collective::kAllGather, d.T * gathered * d.act);
+  }
+  b.gemm(OpId::kQUpProj, d.Ti, hl * d.kvi, ql > 0 ? ql : d.hi);
+  b.gemm(OpId::kKvUpProj, d.Ti, hl * (m.qk_head_dim + d.vdi), m.kv_lora_rank);
+  const double q = static_cast<double>(hl) * d.kv, v = static_cast<double>(hl) * d.vd;
+  const double kv_up = static_cast<double>(hl * (m.qk_head_dim + d.vdi));
+  b.memory(OpId::kRotaryEmbedding,
+           d.T * (2.0 * q + kv_up + static_cast<double>(m.qk_pos_emb_head_dim) + q + v) * d.act);
+}
+
 // The attention half of a layer, up to and including the post-attention layernorm.
 void attention_forward(Builder& b, const ModelSpec& m, const LayerShape& s, const Dims& d) {
   const double rows = s.sequence_parallel ? d.T / d.t : d.T;  // tokens a rank holds outside TP
@@ -372,16 +432,20 @@ void attention_forward(Builder& b, const ModelSpec& m, const LayerShape& s, cons
   const int64_t qkv_out = (m.num_attention_heads + 2 * m.query_groups()) * m.head_dim() / t;
 
   b.memory(OpId::kInputLayernorm, rows * d.h * d.act * 2);
-  if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
-  b.gemm(OpId::kQkv, d.Ti, qkv_out, d.hi);
-  // --qk-layernorm normalises the local queries and keys per head (read and write).
-  const double qk_heads = static_cast<double>((m.num_attention_heads + m.query_groups()) / t);
-  if (m.qk_layernorm) b.memory(OpId::kQkLayernorm, d.T * qk_heads * d.kv * d.act * 2);
-  // Rotary position embeddings rotate the local queries and keys in place (read and write).
-  if (!m.learned_position_embeddings)
-    b.memory(OpId::kRotaryEmbedding, d.T * qk_heads * d.kv * d.act * 2);
+  if (m.multi_latent_attention) {
+    mla_projections(b, m, s, d);
+  } else {
+    if (t > 1) enter_tp(b, s, d, OpId::kAttnAllGather);
+    b.gemm(OpId::kQkv, d.Ti, qkv_out, d.hi);
+    // --qk-layernorm normalises the local queries and keys per head (read and write).
+    const double qk_heads = static_cast<double>((m.num_attention_heads + m.query_groups()) / t);
+    if (m.qk_layernorm) b.memory(OpId::kQkLayernorm, d.T * qk_heads * d.kv * d.act * 2);
+    // Rotary position embeddings rotate the local queries and keys in place (read and write).
+    if (!m.learned_position_embeddings)
+      b.memory(OpId::kRotaryEmbedding, d.T * qk_heads * d.kv * d.act * 2);
+  }
   attention_core(b, m, s, d);
-  b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.query_width() / t);
+  b.gemm(OpId::kAttnProj, d.Ti, d.hi, m.context_width() / t);
   exit_tp(b, s, d, OpId::kAttnAllReduce, OpId::kAttnReduceScatter);
   b.memory(OpId::kAttnBiasDropoutAdd, rows * d.h * (d.act * 3 + 1.0));
   b.memory(OpId::kPostAttentionLayernorm, rows * d.h * d.act * 2);
@@ -517,7 +581,8 @@ std::vector<Op> backward_of(const std::vector<Op>& fwd, DType dtype) {
 
 // Without sequence parallelism the identity "f" operator before each column-parallel block
 // all-reduces the input gradient in the backward pass.
-void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const LayerShape& s, const Dims& d) {
+void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const ModelSpec& m, const LayerShape& s,
+                                  const Dims& d) {
   if (s.tensor_parallel == 1 || s.sequence_parallel) return;
   std::vector<Op> out;
   Builder b{&out, OpRole::kInputGrad, s.activation_dtype};
@@ -527,6 +592,14 @@ void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const LayerShape& s, con
       b.collective(OpId::kFc1InputGradAllReduce, Collective::kAllReduce, d.T * d.h * d.act);
     if (op.id == OpId::kQkvDgrad)
       b.collective(OpId::kQkvInputGradAllReduce, Collective::kAllReduce, d.T * d.h * d.act);
+    // MLA: the up projections' input gradients, each rank's partial sum over its heads (the
+    // latents and the shared rotated key; without a query latent the hidden state's), in one
+    // all-reduce after the last of them.
+    if (op.id == OpId::kQUpProjDgrad) {
+      const double width = static_cast<double>(m.kv_latent_width()) +
+                           (m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) : d.h);
+      b.collective(OpId::kLatentInputGradAllReduce, Collective::kAllReduce, d.T * width * d.act);
+    }
   }
   bwd.swap(out);
 }
@@ -680,7 +753,7 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.forward = layer_forward(m, s);
   p.backward = backward_of(p.forward, s.activation_dtype);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
-  add_tp_input_grad_allreduces(p.backward, s, d);
+  add_tp_input_grad_allreduces(p.backward, m, s, d);
   if (!s.fused_grad_accumulation) {
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
     b.memory(OpId::kWeightGradAccumulate,
@@ -815,8 +888,10 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
                                         double mlp_width, bool moe_layer) {
   ActivationUnits u;
   const double sbh = d.T * d.h;
-  const double sbq = d.T * d.heads * d.kv;   // queries and the attention's output
-  const double sbk = d.T * d.groups * d.kv;  // keys, and as many values
+  const double sbq = d.T * d.heads * d.kv;   // queries
+  const double sbk = d.T * d.groups * d.kv;  // keys
+  const double sbv = d.T * d.groups * d.vd;  // values
+  const double sbo = d.T * d.heads * d.vd;   // the attention's output
   const double gate = m.swiglu ? 2.0 : 1.0;
   // Replicated across TP ranks unless sequence parallel: both layernorm inputs (4 sbh), the
   // QKV input (2 sbh), the FC1 (or router) input (2 sbh; not kept where the pre-MLP layernorm is
@@ -836,7 +911,15 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads; heads x kv_channels wide
   // where --kv-channels sets another width), the projection input (2 sbh), the
   // activation-function input(s) and the FC2 input (2 s b ffn each).
-  u.sharded = (2.0 + proj_input) * sbq + 4.0 * sbk;
+  u.sharded = 2.0 * sbq + proj_input * sbo + 2.0 * (sbk + sbv);
+  // MLA (the rank's tokens, as the input norm's): the latents' norms keep their inputs and
+  // outputs (the up projections' inputs, gathered again for the backward pass with sequence
+  // parallelism, as Megatron's column-parallel layers do) and an fp32 reciprocal RMS per token
+  // each. The down projections keep the input norm's output, as QKV does.
+  if (m.multi_latent_attention) {
+    const double latents = static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
+    u.replicated += 4.0 * d.T * latents + 4.0 / (d.act / 2.0) * d.T * (m.q_lora_rank > 0 ? 2 : 1);
+  }
   // --qk-layernorm's norms keep their inputs (the unnormalised queries and keys, 16-bit) and
   // per head and token an fp32 reciprocal RMS (and mean, for LayerNorm models).
   if (m.qk_layernorm)
@@ -850,7 +933,7 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // what it saves.)
   if (heads_all_to_all_ranks(s) > 1 && s.recompute != Recompute::kFull &&
       !recomputes(s, kRecomputeCoreAttn, moe_layer))
-    u.sharded += 2.0 * sbq;
+    u.sharded += 2.0 * sbo;
   // Per score: the softmax output (2) and, with attention dropout, its mask (1) and output (2):
   // 5 a s^2 b. Flash attention keeps instead one fp32 log-sum-exp per row and head (4 a s b
   // bytes, whatever the activations' type; units of d.act / 2 bytes). With context parallelism
@@ -877,7 +960,8 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
   // Elements, per rank: T tokens inside the tensor-parallel blocks, R outside them (T / t with
   // sequence parallelism); Q and the attention's output q wide, K and V kv each.
   const double T = d.T, R = s.sequence_parallel ? d.T / d.t : d.T, h = d.h;
-  const double q = d.heads * d.kv / d.t, kv = d.groups * d.kv / d.t;
+  const double q = d.heads * d.kv / d.t, kv = d.groups * (d.kv + d.vd) / 2.0 / d.t;
+  const double o = d.heads * d.vd / d.t;  // the attention's output
   const double gate = m.swiglu ? 2.0 : 1.0;
   const double norm_backward = T * h + (s.sequence_parallel ? 2.0 : 1.0) * R * h;
   // A tensor-parallel MLP of local width f, from its output gradient (R h, the residual's
@@ -905,10 +989,18 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
   // its parts are copied in; QKV's input gradient; the input norm's backward.
   const double qkv = q + 2.0 * kv;
   const double scores = fused_attention(m, s) ? 0.0 : d.heads * d.s * d.T / d.t;
+  // MLA: the up projections' packed output gradient beside their input gradients (the gathered
+  // latents), then the latents' gradients on the rank's tokens beside the norms' backward.
+  const double latents =
+      static_cast<double>(m.kv_latent_width() + (m.q_lora_rank > 0 ? m.q_lora_rank : 0));
+  const double mla = m.multi_latent_attention
+                         ? std::max(T * qkv + T * (latents + (m.q_lora_rank > 0 ? 0.0 : h)),
+                                    2.0 * R * latents + R * h)
+                         : 0.0;
   const double attention_phase =
-      R * h + std::max({T * h + T * q, T * q + (scores > 0 ? scores + T * kv : T * qkv),
+      R * h + std::max({T * h + T * o, T * o + (scores > 0 ? scores + T * kv : T * qkv),
                         scores + T * qkv, m.qk_layernorm ? T * (qkv + q) : 0.0, 2.0 * T * qkv,
-                        T * qkv + T * h, norm_backward});
+                        T * qkv + T * h, norm_backward, mla});
   // The gradient arriving from the next layer and the one leaving for the previous.
   return d.act * (2.0 * R * h + std::max(mlp_phase, attention_phase));
 }

@@ -39,6 +39,14 @@ enum class OpId : uint8_t {
   kAttnAllGather,
   kQkv,
   kQkLayernorm,  // --qk-layernorm: each head's query and key normalised (before the rotation)
+  // Multi-head latent attention (in place of kQkv): the down projections of the rank's tokens
+  // (whole weights on every tensor-parallel rank), the latents' norms, and the column-parallel
+  // up projections (kQUpProj is linear_q_proj without a query latent)
+  kQDownProj,
+  kKvDownProj,
+  kLatentLayernorm,
+  kQUpProj,
+  kKvUpProj,
   kRotaryEmbedding,
   kAttnScores,
   kAttnSoftmax,
@@ -84,6 +92,16 @@ enum class OpId : uint8_t {
   kAttnScoresDk,
   kRotaryEmbeddingBackward,
   kQkLayernormBackward,
+  kKvUpProjDgrad,
+  kKvUpProjWgrad,
+  kQUpProjDgrad,
+  kQUpProjWgrad,
+  kLatentInputGradAllReduce,  // without sequence parallelism: the latents' gradient (MLA)
+  kLatentLayernormBackward,
+  kKvDownProjDgrad,
+  kKvDownProjWgrad,
+  kQDownProjDgrad,
+  kQDownProjWgrad,
   kQkvDgrad,
   kQkvInputGradAllReduce,
   kQkvWgrad,

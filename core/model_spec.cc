@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -76,13 +77,8 @@ void validate_moe(const ModelSpec& m) {
 // shared_expert_intermediate_size, decoder_sparse_step, mlp_only_layers) and DeepSeek
 // (n_routed_experts, n_shared_experts, moe_intermediate_size, first_k_dense_replace,
 // moe_layer_freq). All route each token to num_experts_per_tok experts without dropping tokens.
-// Multi-head latent attention (DeepSeek-V2/V3's kv_lora_rank) is refused: ptdp prices it as
-// neither MHA nor GQA.
 void read_hf_moe_fields(JsonObjectReader& r, const json& j, const std::string& model_type,
                         ModelSpec& m) {
-  if (j.contains("kv_lora_rank") && !j.at("kv_lora_rank").is_null())
-    throw InputError("kv_lora_rank",
-                     "multi-head latent attention (DeepSeek-V2/V3) is not modelled by ptdp");
   const bool mixtral = model_type == "mixtral" || j.contains("num_local_experts");
   r.read("num_local_experts", m.num_experts);
   // null: a dense model (as some dense configs state it).
@@ -182,7 +178,18 @@ ModelSpec model_from_hf_config(const json& j) {
   // embeddings, above).
   const bool qwen3 = is_one_of(model_type, {"qwen3", "qwen3_moe"});
   if (qwen3) m.kv_channels = 128;
-  if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
+  // DeepSeek-V2/V3's multi-head latent attention (kv_lora_rank set; q_lora_rank null: one query
+  // projection). transformers' DeepseekV3Config derives a head_dim from the rotated width, which
+  // is not a head width of ptdp's: MLA's are its own.
+  m.multi_latent_attention = j.contains("kv_lora_rank") && !j.at("kv_lora_rank").is_null();
+  if (m.multi_latent_attention) {
+    if (j.contains("q_lora_rank") && !j.at("q_lora_rank").is_null())
+      r.read("q_lora_rank", m.q_lora_rank);
+    r.read("kv_lora_rank", m.kv_lora_rank);
+    r.read("qk_nope_head_dim", m.qk_head_dim);
+    r.read("qk_rope_head_dim", m.qk_pos_emb_head_dim);
+    r.read("v_head_dim", m.v_head_dim);
+  } else if (j.contains("head_dim") && !j.at("head_dim").is_null()) {
     r.read("head_dim", m.kv_channels);
     if (m.kv_channels <= 0)
       throw InputError("head_dim", "must be positive, got " + std::to_string(m.kv_channels));
@@ -216,6 +223,15 @@ namespace {
 // Attention (QKV and projection) and the two norms of a layer.
 double attention_and_norm_parameters(const ModelSpec& m) {
   const double h = static_cast<double>(m.hidden_size);
+  if (m.multi_latent_attention) {  // no biases (validate)
+    const double heads = static_cast<double>(m.num_attention_heads);
+    const double q_in = m.q_lora_rank > 0 ? static_cast<double>(m.q_lora_rank) : h;
+    const double q_up = q_in * heads * static_cast<double>(m.head_dim());
+    const double kv_up = static_cast<double>(m.kv_lora_rank) * heads *
+                         static_cast<double>(m.qk_head_dim + m.v_head_dim);
+    const double proj = static_cast<double>(m.context_width()) * h;
+    return m.mla_replicated_parameters() + q_up + kv_up + proj + 2 * m.norm_parameters();
+  }
   const double q = static_cast<double>(m.query_width());
   const double kv = static_cast<double>(m.head_dim() * m.query_groups());  // K (and V) width
   const double bias = has_biases(m) ? 1.0 : 0.0;
@@ -273,8 +289,8 @@ double ModelSpec::replicated_parameters_per_layer(bool moe_layer) const {
   const double biases = has_biases(*this) ? (fc2 ? 2.0 : 1.0) : 0.0;
   const double router =
       moe_layer ? static_cast<double>(hidden_size) * static_cast<double>(num_experts) : 0.0;
-  return 2 * norm_parameters() + qk_norm_parameters() + biases * static_cast<double>(hidden_size) +
-         router;
+  return 2 * norm_parameters() + qk_norm_parameters() + mla_replicated_parameters() +
+         biases * static_cast<double>(hidden_size) + router;
 }
 
 double ModelSpec::layer_parameters_per_rank(int64_t t, bool moe_layer) const {
@@ -306,6 +322,13 @@ double ModelSpec::qk_norm_parameters() const {
                       : 0.0;
 }
 
+double ModelSpec::mla_replicated_parameters() const {
+  if (!multi_latent_attention) return 0.0;
+  const double h = static_cast<double>(hidden_size);
+  const double ql = static_cast<double>(q_lora_rank), kvl = static_cast<double>(kv_lora_rank);
+  return h * ql + ql + h * static_cast<double>(kv_latent_width()) + kvl;
+}
+
 double ModelSpec::embedding_parameters() const {
   return static_cast<double>(vocab_size) * static_cast<double>(hidden_size) +
          position_embedding_parameters();
@@ -322,6 +345,52 @@ double ModelSpec::parameters() const {
                         (moe_layers > 0 ? moe_layers * moe_layer_parameters() : 0.0);
   return layers + embedding_parameters() + output_parameters() + norm_parameters();
 }
+
+namespace {
+
+// Multi-head latent attention's widths, and the rest of the model as ptdp models MLA
+// (DeepSeek's: rotary, gated, no biases, no grouped queries or per-head norms).
+void validate_mla(const ModelSpec& m) {
+  if (!m.multi_latent_attention) return;
+  const std::pair<const char*, int64_t> widths[] = {{"q_lora_rank", m.q_lora_rank},
+                                                    {"kv_lora_rank", m.kv_lora_rank},
+                                                    {"qk_head_dim", m.qk_head_dim},
+                                                    {"qk_pos_emb_head_dim", m.qk_pos_emb_head_dim},
+                                                    {"v_head_dim", m.v_head_dim}};
+  for (const auto& [field, value] : widths) {
+    if (value < 0 || (value == 0 && std::string_view(field) != "q_lora_rank"))
+      throw InputError(field, std::string("must be positive") +
+                                  (std::string_view(field) == "q_lora_rank" ? " or 0" : "") +
+                                  ", got " + std::to_string(value));
+    if (value > kMaxModelSize)
+      throw InputError(field, std::to_string(value) + " exceeds " + std::to_string(kMaxModelSize) +
+                                  ", the largest size ptdp handles");
+  }
+  if (m.qk_pos_emb_head_dim % 2 != 0)
+    throw InputError("qk_pos_emb_head_dim", "rotary embeddings need an even width, got " +
+                                                std::to_string(m.qk_pos_emb_head_dim));
+  if (m.v_head_dim > m.qk_head_dim + m.qk_pos_emb_head_dim)
+    throw InputError("v_head_dim", "must not exceed qk_head_dim + qk_pos_emb_head_dim (" +
+                                       std::to_string(m.qk_head_dim + m.qk_pos_emb_head_dim) +
+                                       "): ptdp runs MLA's fused attention at the query width");
+  const int64_t widest = std::max(m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim);
+  if (widest * m.num_attention_heads > kMaxModelSize)
+    throw InputError("num_attention_heads", "x the MLA head widths exceeds " +
+                                                std::to_string(kMaxModelSize) +
+                                                ", the largest size ptdp handles");
+  auto refuse = [](const char* field, const std::string& why) {
+    throw InputError(field, why + " with multi_latent_attention (ptdp models DeepSeek's MLA)");
+  };
+  if (m.kv_channels > 0) refuse("kv_channels", "the head widths are MLA's own");
+  if (m.qk_layernorm) refuse("qk_layernorm", "per-head query and key norms are not modelled");
+  if (m.query_groups() != m.num_attention_heads)
+    refuse("num_query_groups", "grouped-query attention is not modelled");
+  if (!m.swiglu) refuse("swiglu", "a GELU MLP with biases is not modelled");
+  if (m.learned_position_embeddings)
+    refuse("learned_position_embeddings", "learned positions are not modelled (MLA is rotary)");
+}
+
+}  // namespace
 
 void ModelSpec::validate() const {
   require_positive("num_layers", num_layers);
@@ -342,18 +411,21 @@ void ModelSpec::validate() const {
     if (value > kMaxModelSize)
       throw InputError(field, std::to_string(value) + " exceeds " + std::to_string(kMaxModelSize) +
                                   ", the largest size ptdp handles");
+  validate_mla(*this);
   require_non_negative("kv_channels", kv_channels);
   if (kv_channels > kMaxModelSize)
     throw InputError("kv_channels", std::to_string(kv_channels) + " exceeds " +
                                         std::to_string(kMaxModelSize) +
                                         ", the largest size ptdp handles");
-  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
+  if (kv_channels == 0 && !multi_latent_attention && hidden_size % num_attention_heads != 0)
     throw InputError("hidden_size", std::to_string(hidden_size) +
                                         " is not divisible by num_attention_heads (" +
                                         std::to_string(num_attention_heads) +
                                         "); set kv_channels for another head width");
   if (query_width() > kMaxModelSize)
-    throw InputError(kv_channels > 0 ? "kv_channels" : "num_attention_heads",
+    throw InputError(multi_latent_attention ? "qk_head_dim"
+                     : kv_channels > 0      ? "kv_channels"
+                                            : "num_attention_heads",
                      "num_attention_heads x kv_channels = " + std::to_string(query_width()) +
                          " exceeds " + std::to_string(kMaxModelSize) +
                          ", the largest size ptdp handles");
@@ -377,7 +449,7 @@ void ModelSpec::validate() const {
   // Megatron's integer --rotary-base.
   if (!learned_position_embeddings && !(rotary_base > 1 && rotary_base <= 1e12))
     throw InputError("rotary_base", "must be in (1, 1e12]");
-  if (!learned_position_embeddings && head_dim() % 2 != 0)
+  if (!learned_position_embeddings && !multi_latent_attention && head_dim() % 2 != 0)
     throw InputError(kv_channels > 0 ? "kv_channels" : "num_attention_heads",
                      "rotary embeddings need an even head dimension (kv_channels, or "
                      "hidden_size / num_attention_heads), got " +
@@ -396,6 +468,8 @@ InputError in_hf_terms(const InputError& e) {
       {"seq_length", "max_position_embeddings"},
       {"rotary_base", "rope_theta"},
       {"kv_channels", "head_dim"},
+      {"qk_head_dim", "qk_nope_head_dim"},
+      {"qk_pos_emb_head_dim", "qk_rope_head_dim"},
       {"moe_router_topk", "num_experts_per_tok"},
       {"moe_ffn_hidden_size", "moe_intermediate_size"},
       {"moe_first_dense_layers", "first_k_dense_replace"},
@@ -448,6 +522,12 @@ ModelSpec model_from_json(const json& j) {
     r.read("cross_entropy_fusion", m.cross_entropy_fusion);
     r.read("kv_channels", m.kv_channels);
     r.read("qk_layernorm", m.qk_layernorm);
+    r.read("multi_latent_attention", m.multi_latent_attention);
+    r.read("q_lora_rank", m.q_lora_rank);
+    r.read("kv_lora_rank", m.kv_lora_rank);
+    r.read("qk_head_dim", m.qk_head_dim);
+    r.read("qk_pos_emb_head_dim", m.qk_pos_emb_head_dim);
+    r.read("v_head_dim", m.v_head_dim);
     r.read("num_experts", m.num_experts);
     r.read("moe_router_topk", m.moe_router_topk);
     r.read("moe_ffn_hidden_size", m.moe_ffn_hidden_size);
@@ -487,6 +567,14 @@ json to_json(const ModelSpec& m) {
   if (m.max_position_embeddings > 0) j["max_position_embeddings"] = m.max_position_embeddings;
   if (m.kv_channels > 0) j["kv_channels"] = m.kv_channels;
   if (m.qk_layernorm) j["qk_layernorm"] = true;
+  if (m.multi_latent_attention) {
+    j["multi_latent_attention"] = true;
+    j["q_lora_rank"] = m.q_lora_rank;
+    j["kv_lora_rank"] = m.kv_lora_rank;
+    j["qk_head_dim"] = m.qk_head_dim;
+    j["qk_pos_emb_head_dim"] = m.qk_pos_emb_head_dim;
+    j["v_head_dim"] = m.v_head_dim;
+  }
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;
     j["moe_router_topk"] = m.moe_router_topk;

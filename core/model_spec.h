@@ -52,6 +52,21 @@ struct ModelSpec {
   // bias, for LayerNorm models) of kv_channels for all queries and one for all keys.
   int64_t kv_channels = 0;
   bool qk_layernorm = false;
+  // Multi-head latent attention (DeepSeek-V2/V3; Megatron-Core's --multi-latent-attention and
+  // its widths, with Megatron's defaults). Each head's query and key are qk_head_dim channels
+  // without position plus qk_pos_emb_head_dim rotated ones, its value v_head_dim. The queries
+  // come from the hidden state through a q_lora_rank latent (--q-lora-rank; 0: one projection,
+  // linear_q_proj), the keys and values from a kv_lora_rank latent (--kv-lora-rank) beside one
+  // rotated key of qk_pos_emb_head_dim shared by every head. The down projections and the
+  // latents' norms are whole on every tensor-parallel rank; the up projections are
+  // column-parallel and the output projection row-parallel. Modelled as DeepSeek's: gated MLP,
+  // RMSNorm, no biases, rotary positions, no grouped queries.
+  bool multi_latent_attention = false;
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 32;
+  int64_t qk_head_dim = 128;
+  int64_t qk_pos_emb_head_dim = 64;
+  int64_t v_head_dim = 128;
 
   // Mixture of experts, in Megatron-Core's terms; num_experts 0 is a dense model.
   //   num_experts           --num-experts (routed experts per MoE layer)
@@ -89,10 +104,20 @@ struct ModelSpec {
   int64_t max_positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
+  // A query's (and key's) channels per head: with MLA the unrotated and rotated parts together.
   int64_t head_dim() const {
+    if (multi_latent_attention) return qk_head_dim + qk_pos_emb_head_dim;
     return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads;
   }
-  int64_t query_width() const { return num_attention_heads * head_dim(); }  // Q, context
+  int64_t value_dim() const { return multi_latent_attention ? v_head_dim : head_dim(); }
+  int64_t query_width() const { return num_attention_heads * head_dim(); }     // Q
+  int64_t context_width() const { return num_attention_heads * value_dim(); }  // the context
+  // MLA's down projections' outputs: the query latent (0 without q_lora_rank) and the key-value
+  // latent with the shared rotated key.
+  int64_t q_latent_width() const { return multi_latent_attention ? q_lora_rank : 0; }
+  int64_t kv_latent_width() const {
+    return multi_latent_attention ? kv_lora_rank + qk_pos_emb_head_dim : 0;
+  }
   bool is_moe() const { return num_experts > 0; }
   int64_t moe_ffn_hidden() const {
     return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden();
@@ -122,8 +147,11 @@ struct ModelSpec {
   // FC2 adds whole after its reduction (runtime/moe_params.cc).
   double expert_parameters_per_rank(int64_t ep, int64_t etp) const;
   double position_embedding_parameters() const;  // learned positions (replicated), else 0
-  double norm_parameters() const;       // one LayerNorm (weight and bias) or RMSNorm (weight)
-  double qk_norm_parameters() const;    // --qk-layernorm's two norms of head_dim (else 0)
+  double norm_parameters() const;     // one LayerNorm (weight and bias) or RMSNorm (weight)
+  double qk_norm_parameters() const;  // --qk-layernorm's two norms of head_dim (else 0)
+  // MLA's parameters whole on every tensor-parallel rank: the down projections and the
+  // latents' norms (0 without MLA).
+  double mla_replicated_parameters() const;
   double embedding_parameters() const;  // word (+ position) embeddings
   double output_parameters() const;     // untied LM head, 0 when tied
   double parameters() const;            // everything; final layernorm included

@@ -227,6 +227,12 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
     f << " --group-query-attention --num-query-groups " << m.query_groups();
   if (m.kv_channels > 0 && m.query_width() != m.hidden_size) f << " --kv-channels " << m.head_dim();
   if (m.qk_layernorm) f << " --qk-layernorm";
+  if (m.multi_latent_attention) {
+    f << " --multi-latent-attention";
+    if (m.q_lora_rank > 0) f << " --q-lora-rank " << m.q_lora_rank;
+    f << " --kv-lora-rank " << m.kv_lora_rank << " --qk-head-dim " << m.qk_head_dim
+      << " --qk-pos-emb-head-dim " << m.qk_pos_emb_head_dim << " --v-head-dim " << m.v_head_dim;
+  }
   // ModelSpec's bias rule: gated models have no biases and use RMSNorm.
   if (m.swiglu) f << " --swiglu --disable-bias-linear --normalization RMSNorm";
   if (m.untie_embeddings_and_output_weights) f << " --untie-embeddings-and-output-weights";

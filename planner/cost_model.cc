@@ -36,6 +36,18 @@ bool is_fp8_gemm(OpId id) {
     case OpId::kQkv:
     case OpId::kQkvDgrad:
     case OpId::kQkvWgrad:
+    case OpId::kQDownProj:
+    case OpId::kKvDownProj:
+    case OpId::kQUpProj:
+    case OpId::kKvUpProj:
+    case OpId::kQDownProjDgrad:
+    case OpId::kQDownProjWgrad:
+    case OpId::kKvDownProjDgrad:
+    case OpId::kKvDownProjWgrad:
+    case OpId::kQUpProjDgrad:
+    case OpId::kQUpProjWgrad:
+    case OpId::kKvUpProjDgrad:
+    case OpId::kKvUpProjWgrad:
     case OpId::kAttnProj:
     case OpId::kAttnProjDgrad:
     case OpId::kAttnProjWgrad:

@@ -14,6 +14,18 @@ OpFamily op_family(OpId id) {
     case OpId::kAttnProjWgrad:
     case OpId::kQkvDgrad:
     case OpId::kQkvWgrad:
+    case OpId::kQDownProj:
+    case OpId::kKvDownProj:
+    case OpId::kQUpProj:
+    case OpId::kKvUpProj:
+    case OpId::kQDownProjDgrad:
+    case OpId::kQDownProjWgrad:
+    case OpId::kKvDownProjDgrad:
+    case OpId::kKvDownProjWgrad:
+    case OpId::kQUpProjDgrad:
+    case OpId::kQUpProjWgrad:
+    case OpId::kKvUpProjDgrad:
+    case OpId::kKvUpProjWgrad:
       return OpFamily::kAttentionGemm;
     case OpId::kFc1:
     case OpId::kFc2:
@@ -41,6 +53,8 @@ OpFamily op_family(OpId id) {
     case OpId::kPostAttentionLayernorm:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kQkLayernormBackward:
+    case OpId::kLatentLayernorm:
+    case OpId::kLatentLayernormBackward:
     case OpId::kInputLayernormBackward:
       return OpFamily::kNorm;
     case OpId::kAttnBiasDropoutAdd:
@@ -64,6 +78,7 @@ OpFamily op_family(OpId id) {
     case OpId::kMlpAllGatherBackward:
     case OpId::kAttnReduceScatterBackward:
     case OpId::kQkvInputGradAllReduce:
+    case OpId::kLatentInputGradAllReduce:
     case OpId::kAttnAllGatherBackward:
     case OpId::kEmbeddingAllReduce:
     case OpId::kEmbeddingReduceScatter:

@@ -266,7 +266,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   int64_t word_index = -1;
   using MoeIdx = MoeLayerParams;  // parameter indices until the offsets are known
   struct ChunkIdx {
-    std::vector<std::array<int64_t, 16>> layers;
+    std::vector<std::array<int64_t, 22>> layers;
     std::vector<MoeIdx> moe;
     int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
     // Where each part's parameters begin in `pending` (embedding, layers, head), and the end.
@@ -295,11 +295,40 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     for (int64_t l = 0; l < ch.num_layers; ++l) {
       ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
       const std::string pre = "layers." + std::to_string(ch.first_layer + l) + ".";
-      std::array<int64_t, 16> L;
+      std::array<int64_t, 22> L;
       L.fill(-1);
       L[0] = replicated(pre + "input_layernorm.weight", h, 1.0f);
       if (I.biases) L[1] = replicated(pre + "input_layernorm.bias", h, 0.0f);
-      {  // QKV: rows [q of local heads | k of local groups | v of local groups]
+      if (I.mla) {
+        // The down projections [width, h], whole on every rank (gradients partial over the
+        // ranks' tokens with sequence parallelism, as a norm's), and the latents' norms.
+        auto whole = [&](const std::string& name, int64_t rows) {
+          ParamInfo p;
+          p.name = pre + name;
+          p.size = rows * h;
+          p.tp_replicated = true;
+          p.sp_partial = I.sp;
+          return add(p, normal(p.name, rows, h, std_dev,
+                               [=](int64_t r, int64_t c2) { return r * h + c2; }));
+        };
+        // The up projections, column-parallel: the local heads' rows of [heads x per_head, in].
+        auto up = [&](const std::string& name, int64_t per_head, int64_t in) {
+          ParamInfo p;
+          p.name = pre + name;
+          const int64_t rows = I.hl * per_head;
+          p.size = rows * in;
+          return add(p, normal(p.name, rows, in, std_dev,
+                               [=](int64_t r, int64_t c2) { return (tp * rows + r) * in + c2; }));
+        };
+        if (I.ql > 0) {
+          L[16] = whole("q_down_proj.weight", I.ql);
+          L[17] = replicated(pre + "q_layernorm.weight", I.ql, 1.0f);
+        }
+        L[18] = up(I.ql > 0 ? "q_up_proj.weight" : "q_proj.weight", d, I.ql > 0 ? I.ql : h);
+        L[19] = whole("kv_down_proj.weight", I.kv_latent_width());
+        L[20] = replicated(pre + "kv_layernorm.weight", I.kvl, 1.0f);
+        L[21] = up("kv_up_proj.weight", I.dn + I.dv, I.kvl);
+      } else {  // QKV: rows [q of local heads | k of local groups | v of local groups]
         const int64_t heads = I.heads, groups = I.groups, hl = I.hl, gl = I.gl;
         auto global_row = [=](int64_t r) {
           if (r < hl * d) return tp * hl * d + r;
@@ -335,8 +364,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       {
         ParamInfo p;
         p.name = pre + "attn_proj.weight";
-        p.size = h * I.hl * d;
-        const int64_t in_local = I.hl * d, in = I.heads * d;
+        p.size = h * I.hl * I.dv;
+        const int64_t in_local = I.hl * I.dv, in = I.heads * I.dv;
         L[4] = add(p, normal(p.name, h, in_local, out_std,
                              [=](int64_t r, int64_t c2) { return r * in + tp * in_local + c2; }));
         if (I.biases) L[5] = replicated(pre + "attn_proj.bias", h, 0.0f);
@@ -471,6 +500,12 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       W.qn_b = off(L[13]);
       W.kn_g = off(L[14]);
       W.kn_b = off(L[15]);
+      W.q_down_w = off(L[16]);
+      W.qlat_g = off(L[17]);
+      W.q_up_w = off(L[18]);
+      W.kv_down_w = off(L[19]);
+      W.kvlat_g = off(L[20]);
+      W.kv_up_w = off(L[21]);
       ch.layers.push_back(W);
     }
   }
@@ -745,8 +780,20 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
                               {&D.d_fc2, &w.D.d_fc2},
                               {&D.d_pre, &w.D.d_pre},
                               {&D.d_proj, &w.D.d_proj},
-                              {&D.d_qkv, &w.D.d_qkv}})
+                              {&D.d_qkv, &w.D.d_qkv},
+                              // MLA's up projections' inputs and output gradients, and the down
+                              // projections' output gradients
+                              {&L.q_lat_full, &w.A.q_lat_full},
+                              {&L.q_lat, &w.A.q_lat},
+                              {&L.kv_lat_full, &w.A.kv_lat_full},
+                              {&L.kv_lat, &w.A.kv_lat},
+                              {&D.dq, &w.D.dq},
+                              {&D.d_kvu, &w.D.d_kvu},
+                              {&D.d_kvc, &w.D.d_kvc},
+                              {&D.d_q_lat_in, &w.D.d_q_lat_in}})
         to->swap(*from);
+      // MLA's down projections read the norm's output on this rank's tokens.
+      if (d.mla && d.sp) w.A.ln1.swap(L.ln1);
       // An MoE layer's router reads the norm's output on this rank's tokens (the sequence-
       // parallel slice), kept in w.A.ln2 (above, without sequence parallelism).
       if (moe && d.sp) w.A.ln2.swap(L.ln2);

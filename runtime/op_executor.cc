@@ -22,7 +22,10 @@ int64_t widest_bias(const ShardDims& d) {
   return std::max({d.qkv_width(), d.fc1_width(), d.h});
 }
 int64_t dense_parameter_elements(const ShardDims& d) {
-  return std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h});
+  // (MLA's projections: the up projections', the down projections')
+  return std::max({d.qkv_width() * d.h, d.fc1_width() * d.h, d.vl * d.h, d.s * d.h,
+                   d.hl * d.d * std::max(d.ql, d.h), d.kv_up_width() * d.kvl,
+                   (d.kv_latent_width() + d.ql) * d.h});
 }
 
 // An MoE layer's parameters on this rank (runtime/moe_params.cc), laid out from offset 0 as
@@ -226,6 +229,8 @@ void OpExecutor::run(const Op& op) {
   };
   c.begin(op.id, pass_of(op.role));
   const int64_t q = d.n_full * d.hl * d.d, kv = d.n_full * d.gl * d.d;
+  // The values and the attention's output (narrower than Q and K with MLA).
+  const int64_t v = d.n_full * d.gl * d.dv, out = d.n_full * d.hl * d.dv;
   const int64_t scores = d.b * d.hl * d.s * d.s;
   if (op.fused) {
     // A fused (flash) attention, as ptdp run executes it (runtime/transformer_layer.cc): the
@@ -282,9 +287,9 @@ void OpExecutor::run(const Op& op) {
           c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
           return;
         case OpId::kAttnContext:
-          S.fill(S.a, scores), S.fill(S.b, kv), resize(S.c, q);
-          be.attention_context(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.b, d.s, d.hl, d.gl, d.d);
-          c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
+          S.fill(S.a, scores), S.fill(S.b, v), resize(S.c, out);
+          be.attention_context(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.b, d.s, d.hl, d.gl, d.dv);
+          c.gemm_done(d.s, d.dv, d.s, d.b * d.hl);
           return;
         case OpId::kAttnScoresDq:
         case OpId::kAttnScoresDk:
@@ -299,16 +304,16 @@ void OpExecutor::run(const Op& op) {
           return;
         case OpId::kAttnContextDprobs:
         case OpId::kAttnContextDv:
-          S.fill(S.a, scores), S.fill(S.b, kv), S.fill(S.c, q), resize(S.e, scores);
-          resize(S.f, kv);
+          S.fill(S.a, scores), S.fill(S.b, v), S.fill(S.c, out), resize(S.e, scores);
+          resize(S.f, v);
           be.attention_context_backward(S.a.ptr(), S.b.ptr(), S.c.ptr(),
                                         op.id == OpId::kAttnContextDprobs ? S.e.ptr() : nullptr,
                                         op.id == OpId::kAttnContextDv ? S.f.ptr() : nullptr, d.b,
-                                        d.s, d.hl, d.gl, d.d);
+                                        d.s, d.hl, d.gl, d.dv);
           if (op.id == OpId::kAttnContextDprobs)
-            c.gemm_done(d.s, d.s, d.d, d.b * d.hl);
+            c.gemm_done(d.s, d.s, d.dv, d.b * d.hl);
           else
-            c.gemm_done(d.s, d.d, d.s, d.b * d.hl);
+            c.gemm_done(d.s, d.dv, d.s, d.b * d.hl);
           return;
         default:
           gemm();
@@ -353,9 +358,28 @@ void OpExecutor::run(const Op& op) {
       S.fill(S.a, scores), S.fill(S.b, scores);
       be.causal_softmax_backward(S.a.ptr(), S.b.ptr(), S.b.ptr(), d.b * d.hl, d.s);
       return;
+    case OpId::kLatentLayernorm:  // MLA's latents' norms, on the rank's tokens
+    case OpId::kLatentLayernormBackward:
+      for (const int64_t width : {d.ql, d.kvl}) {
+        if (width == 0) continue;
+        S.fill(S.a, rows * width), S.fill(S.m1, rows), S.fill(S.m2, rows);
+        if (op.id == OpId::kLatentLayernorm) {
+          c.norm_forward(S.a, 0, -1, S.b, S.m1, S.m2, rows, width);
+        } else {
+          S.fill(S.e, rows * width);
+          c.norm_backward(S.a, 0, -1, S.m1, S.m2, S.e, S.f, rows, width);
+        }
+      }
+      return;
     case OpId::kRotaryEmbedding:
     case OpId::kRotaryEmbeddingBackward: {
       const bool inverse = op.id == OpId::kRotaryEmbeddingBackward;
+      if (d.mla) {  // the queries' rotated channels and the one shared rotated key
+        S.fill(S.a, d.n_full * d.hl * d.dr), S.fill(S.b, d.n_full * d.dr);
+        be.rope(S.a.ptr(), d.b, d.s, d.hl, d.dr, d.rotary_base, inverse);
+        be.rope(S.b.ptr(), d.b, d.s, 1, d.dr, d.rotary_base, inverse);
+        return;
+      }
       S.fill(S.a, q), S.fill(S.b, kv);
       be.rope(S.a.ptr(), d.b, d.s, d.hl, d.d, d.rotary_base, inverse);
       be.rope(S.b.ptr(), d.b, d.s, d.gl, d.d, d.rotary_base, inverse);

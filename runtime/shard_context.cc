@@ -38,6 +38,14 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
   d.rotary = !m.learned_position_embeddings;
   d.qk_norm = m.qk_layernorm;
+  d.mla = m.multi_latent_attention;
+  d.dv = m.value_dim();
+  if (d.mla) {
+    d.dn = m.qk_head_dim;
+    d.dr = m.qk_pos_emb_head_dim;
+    d.ql = m.q_lora_rank;
+    d.kvl = m.kv_lora_rank;
+  }
   d.rotary_base = m.rotary_base;
   d.n_full = d.b * d.s;
   d.n_local = d.sp ? d.n_full / d.t : d.n_full;

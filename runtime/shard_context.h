@@ -28,6 +28,11 @@ struct ShardDims {
   bool sp, biases, swiglu;
   bool rotary;
   bool qk_norm = false;  // --qk-layernorm
+  // Multi-head latent attention: d is a query's and key's width (dn unrotated + dr rotated
+  // channels), dv a value's (d without MLA); ql the query latent (0: one query projection), kvl
+  // the key-value latent.
+  bool mla = false;
+  int64_t dv = 0, dn = 0, dr = 0, ql = 0, kvl = 0;
   double rotary_base;
   int64_t n_full, n_local;  // tokens of a microbatch; tokens held outside TP blocks
   // Context parallelism (runtime/context_parallel.h): cp ranks, this rank's index, and the
@@ -40,6 +45,8 @@ struct ShardDims {
   // runs it): the attention core runs fused, keeping lse rather than the s x s probabilities.
   bool flash = false;
   int64_t qkv_width() const { return (hl + 2 * gl) * d; }
+  int64_t kv_latent_width() const { return kvl + dr; }  // MLA: the latent and the rotated key
+  int64_t kv_up_width() const { return hl * (dn + dv); }
   int64_t fc1_width() const { return swiglu ? 2 * ffl : ffl; }
 };
 

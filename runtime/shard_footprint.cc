@@ -14,10 +14,16 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   const int64_t ffl = m.ffn_hidden() / t, vl = (m.vocab_size + t - 1) / t;
   const int64_t biases = m.swiglu ? 0 : 1;  // Llama-style models have no biases
   const int64_t qkv = (hl + 2 * gl) * d;
-  const int64_t attention = h + biases * h             // input layernorm
-                            + qkv * h + biases * qkv   // QKV
-                            + h * hl * d + biases * h  // attention projection
-                            + h + biases * h           // post-attention layernorm
+  // MLA (no biases): the down projections and the latents' norms whole, the up projections
+  // column-parallel, in place of QKV.
+  const int64_t ql = m.q_latent_width(), kvl = m.kv_lora_rank, kvw = m.kv_latent_width();
+  const int64_t mla = ql * h + ql + hl * d * (ql > 0 ? ql : h) + kvw * h + kvl +
+                      hl * (m.qk_head_dim + m.v_head_dim) * kvl;
+  const int64_t dv = m.value_dim();
+  const int64_t attention = h + biases * h  // input layernorm
+                            + (m.multi_latent_attention ? mla : qkv * h + biases * qkv)  // QKV
+                            + h * hl * dv + biases * h                      // attention projection
+                            + h + biases * h                                // post-attention norm
                             + (m.qk_layernorm ? 2 * (d + biases * d) : 0);  // query/key norms
   auto mlp = [&](int64_t width) {  // FC1 and FC2 of local width `width`
     return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;

@@ -30,6 +30,129 @@ int64_t fused_batch(const ShardDims& m) {
   return m.b * m.hl / m.cp_a2a_size;
 }
 
+// y [rows, k w] = each row of x [rows, w] repeated k times (k >= 1): MLA's rotated key, shared by
+// every head. By doublings: one concatenation per bit of k.
+void repeat_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t k) {
+  int bit = 62;
+  while (bit > 0 && ((k >> bit) & 1) == 0) --bit;
+  Buffer next;
+  resize_for_overwrite(y, rows * w);
+  be.copy(x.ptr(), y.ptr(), rows * w);
+  int64_t a = 1;  // y holds a copies
+  for (--bit; bit >= 0; --bit) {
+    const bool one = (k >> bit) & 1;
+    resize_for_overwrite(next, rows * (2 * a + (one ? 1 : 0)) * w);
+    be.concat_columns3(y.ptr(), y.ptr(), x.ptr(), next.ptr(), rows, a * w, a * w, one ? w : 0);
+    a = 2 * a + (one ? 1 : 0);
+    y.swap(next);
+  }
+}
+
+// y [rows, w] = the sum of x [rows, k w]'s k column blocks (the gradient of repeat_columns), by
+// halvings: x is consumed.
+void sum_column_blocks(Backend& be, Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t k) {
+  Buffer lo, hi, odd;
+  while (k > 1) {
+    const int64_t half = k / 2, rest = k - 2 * half;  // [half | half | rest]
+    resize_for_overwrite(lo, rows * half * w);
+    resize_for_overwrite(hi, rows * half * w);
+    resize_for_overwrite(odd, rows * rest * w);
+    be.split_columns3(x.ptr(), lo.ptr(), hi.ptr(), rest > 0 ? odd.ptr() : lo.ptr(), rows, half * w,
+                      half * w, rest * w);
+    be.add(lo.ptr(), hi.ptr(), rows * half * w);
+    if (rest > 0) {  // the odd block joins the first of the halves
+      Buffer first, others;
+      resize_for_overwrite(first, rows * w);
+      resize_for_overwrite(others, rows * (half - 1) * w);
+      be.split_columns3(lo.ptr(), first.ptr(), others.ptr(), first.ptr(), rows, w, (half - 1) * w,
+                        0);
+      be.add(first.ptr(), odd.ptr(), rows * w);
+      be.concat_columns3(first.ptr(), others.ptr(), first.ptr(), lo.ptr(), rows, w, (half - 1) * w,
+                         0);
+    }
+    x.swap(lo);
+    k = half;
+  }
+  y.swap(x);
+}
+
+// [rows, a + b] from its two column blocks, and back (MLA's heads: unrotated and rotated
+// channels; keys' and values' parts).
+void join_columns(Backend& be, const Buffer& x0, const Buffer& x1, Buffer& y, int64_t rows,
+                  int64_t a, int64_t b) {
+  resize_for_overwrite(y, rows * (a + b));
+  be.concat_columns3(x0.ptr(), x1.ptr(), x0.ptr(), y.ptr(), rows, a, b, 0);
+}
+void part_columns(Backend& be, const Buffer& x, Buffer& y0, Buffer& y1, int64_t rows, int64_t a,
+                  int64_t b) {
+  resize_for_overwrite(y0, rows * a);
+  resize_for_overwrite(y1, rows * b);
+  be.split_columns3(x.ptr(), y0.ptr(), y1.ptr(), y0.ptr(), rows, a, b, 0);
+}
+
+// The rotary embedding of MLA's rotated channels (inverse: its backward): each local head's
+// last dr of Q (or dQ) in place, and the one shared key (or its gradient) [n, dr].
+void mla_rope_queries(Backend& be, const ShardDims& m, Buffer& q, bool inverse) {
+  Buffer nope, pe;
+  part_columns(be, q, nope, pe, m.n_full * m.hl, m.dn, m.dr);
+  be.rope(pe.ptr(), m.b, m.s, m.hl, m.dr, m.rotary_base, inverse);
+  join_columns(be, nope, pe, q, m.n_full * m.hl, m.dn, m.dr);
+}
+
+// Flash attention where a value is narrower than a query (MLA): V, the output and its gradient
+// padded with zero channels to the query's width, which leaves the attention's result and the
+// gradients of Q and K unchanged (the padded channels of dV are zero and dropped).
+void pad_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t to) {
+  Buffer zeros;
+  resize(zeros, rows * (to - w));
+  be.fill_zero(zeros.ptr(), rows * (to - w));
+  join_columns(be, x, zeros, y, rows, w, to - w);
+}
+void unpad_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t from) {
+  Buffer rest;
+  part_columns(be, x, y, rest, rows, w, from - w);
+}
+
+void flash_forward(ShardContext& c, LayerActs& A) {
+  const ShardDims& m = c.dims;
+  const int64_t sa = m.s_attn;
+  resize_for_overwrite(A.lse, m.b * m.hl * sa);
+  if (m.dv == m.d) {
+    resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
+    c.be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
+                                 sa, sa, m.hl, m.gl, m.d);
+    return;
+  }
+  Buffer v, out;
+  pad_columns(c.be, A.v, v, m.b * sa * m.gl, m.dv, m.d);
+  resize_for_overwrite(out, m.b * sa * m.hl * m.d);
+  c.be.flash_attention_forward(A.q.ptr(), A.k.ptr(), v.ptr(), out.ptr(), A.lse.data(), m.b, sa, sa,
+                               m.hl, m.gl, m.d);
+  unpad_columns(c.be, out, A.ctx, m.b * sa * m.hl, m.dv, m.d);
+}
+
+void flash_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
+  const ShardDims& m = c.dims;
+  const int64_t sa = m.s_attn;
+  resize_for_overwrite(D.dq, elems(A.q));
+  resize_for_overwrite(D.dk, elems(A.k));
+  if (m.dv == m.d) {
+    resize_for_overwrite(D.dv, elems(A.v));
+    c.be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
+                                  D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
+                                  m.hl, m.gl, m.d);
+    return;
+  }
+  Buffer v, out, dout, dv;
+  pad_columns(c.be, A.v, v, m.b * sa * m.gl, m.dv, m.d);
+  pad_columns(c.be, A.ctx, out, m.b * sa * m.hl, m.dv, m.d);
+  pad_columns(c.be, D.d_ctx, dout, m.b * sa * m.hl, m.dv, m.d);
+  resize_for_overwrite(dv, m.b * sa * m.gl * m.d);
+  c.be.flash_attention_backward(A.q.ptr(), A.k.ptr(), v.ptr(), out.ptr(), A.lse.data(), dout.ptr(),
+                                D.dq.ptr(), D.dk.ptr(), dv.ptr(), m.b, sa, sa, m.hl, m.gl, m.d);
+  unpad_columns(c.be, dv, D.dv, m.b * sa * m.gl, m.dv, m.d);
+}
+
 }  // namespace
 
 void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs& A) {
@@ -47,6 +170,17 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       c.norm_forward(A.x, W.ln1_g, W.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd, m.n_local);
       break;
     case OpId::kAttnAllGather:
+      if (m.mla) {  // the normalised latents and the rotated key (the hidden state without a
+                    // query latent)
+        if (m.ql > 0)
+          c.gather_sequence(A.q_lat, A.q_lat_full, m.ql);
+        else
+          c.gather_sequence(A.ln1, A.ln1_full, m.h);
+        c.gather_sequence(A.kv_lat, A.kv_lat_full, m.kvl);
+        c.gather_sequence(A.k_pe, A.k_pe_full, m.dr);
+        for (Buffer* x : {&A.q_lat, &A.kv_lat, &A.k_pe}) release(*x);
+        break;
+      }
       c.gather_sequence(A.ln1, A.ln1_full, m.h);
       break;
     case OpId::kQkv: {
@@ -68,11 +202,53 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       c.norm_forward(A.k_in, W.kn_g, W.kn_b, A.k, A.kn_mean, A.kn_rstd, m.n_full * m.gl, m.d);
       if (cp && !m.rotary && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
       break;
+    case OpId::kQDownProj:
+      resize_for_overwrite(A.q_lat_in, m.n_local * m.ql);
+      c.linear(A.ln1.ptr(), W.q_down_w, -1, A.q_lat_in.ptr(), m.n_local, m.h, m.ql);
+      break;
+    case OpId::kKvDownProj: {
+      Buffer kvc;
+      resize_for_overwrite(kvc, m.n_local * m.kv_latent_width());
+      c.linear(A.ln1.ptr(), W.kv_down_w, -1, kvc.ptr(), m.n_local, m.h, m.kv_latent_width());
+      part_columns(be, kvc, A.kv_lat_in, A.k_pe, m.n_local, m.kvl, m.dr);
+      break;
+    }
+    case OpId::kLatentLayernorm:
+      if (m.ql > 0)
+        c.norm_forward(A.q_lat_in, W.qlat_g, -1, A.q_lat, A.qlat_mean, A.qlat_rstd, m.n_local,
+                       m.ql);
+      c.norm_forward(A.kv_lat_in, W.kvlat_g, -1, A.kv_lat, A.kvlat_mean, A.kvlat_rstd, m.n_local,
+                     m.kvl);
+      break;
+    case OpId::kQUpProj: {
+      const Buffer& in = m.ql > 0 ? (m.sp ? A.q_lat_full : A.q_lat) : ln1_full;
+      resize_for_overwrite(A.q, m.n_full * m.hl * m.d);
+      c.linear(in.ptr(), W.q_up_w, -1, A.q.ptr(), m.n_full, m.ql > 0 ? m.ql : m.h, m.hl * m.d);
+      break;
+    }
+    case OpId::kKvUpProj: {
+      Buffer kvu;
+      resize_for_overwrite(kvu, m.n_full * m.kv_up_width());
+      c.linear((m.sp ? A.kv_lat_full : A.kv_lat).ptr(), W.kv_up_w, -1, kvu.ptr(), m.n_full, m.kvl,
+               m.kv_up_width());
+      part_columns(be, kvu, A.k_nope, A.v, m.n_full * m.hl, m.dn, m.dv);
+      break;
+    }
     case OpId::kRotaryEmbedding:
       if (cp) {
         context_rope(c, A.q, m.hl, false);
         context_rope(c, A.k, m.gl, false);
         if (m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
+        break;
+      }
+      if (m.mla) {  // the queries' rotated channels; each head's key from its unrotated part and
+                    // the one rotated key
+        mla_rope_queries(be, m, A.q, false);
+        Buffer pe(m.sp ? A.k_pe_full : A.k_pe), pe_heads;
+        be.rope(pe.ptr(), m.b, m.s, 1, m.dr, m.rotary_base, false);
+        repeat_columns(be, pe, pe_heads, m.n_full, m.dr, m.hl);
+        join_columns(be, A.k_nope, pe_heads, A.k, m.n_full * m.hl, m.dn, m.dr);
+        for (Buffer* x : {&A.k_nope, &A.k_pe, &A.k_pe_full}) release(*x);
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
@@ -85,10 +261,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
         break;
       }
       if (m.flash) {  // the whole attention core, in one fused kernel
-        resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
-        resize_for_overwrite(A.lse, m.b * m.hl * sa);
-        be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
-                                   sa, sa, m.hl, m.gl, m.d);
+        flash_forward(c, A);
         c.gemm_done(sa, fused_keys(m), m.d, m.b * m.hl);
         break;
       }
@@ -104,17 +277,17 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kAttnContext:
       if (m.flash) {  // computed with the scores
-        c.gemm_done(fused_queries(m), m.d, fused_keys(m), fused_batch(m));
+        c.gemm_done(fused_queries(m), m.dv, fused_keys(m), fused_batch(m));
         if (m.cp_a2a_size > 1) context_output_to_local(c, A);  // the output back to its tokens
         break;
       }
-      resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
-      be.attention_context(A.probs.ptr(), A.v.ptr(), A.ctx.ptr(), m.b, sa, m.hl, m.gl, m.d);
-      c.gemm_done(sa, m.d, sa, m.b * m.hl);
+      resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.dv);
+      be.attention_context(A.probs.ptr(), A.v.ptr(), A.ctx.ptr(), m.b, sa, m.hl, m.gl, m.dv);
+      c.gemm_done(sa, m.dv, sa, m.b * m.hl);
       break;
     case OpId::kAttnProj:
       resize_for_overwrite(A.proj, m.n_full * m.h);
-      c.linear(A.ctx.ptr(), W.proj_w, -1, A.proj.ptr(), m.n_full, m.hl * m.d, m.h);
+      c.linear(A.ctx.ptr(), W.proj_w, -1, A.proj.ptr(), m.n_full, m.hl * m.dv, m.h);
       break;
     case OpId::kAttnAllReduce:
       c.all_reduce(A.proj);
@@ -231,12 +404,12 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.gather_sequence(D.d_h1, D.d_proj, m.h);
       break;
     case OpId::kAttnProjDgrad:
-      resize_for_overwrite(D.d_ctx, m.n_full * m.hl * m.d);
-      c.linear_dgrad(W.proj_w, D.d_proj.ptr(), D.d_ctx.ptr(), m.n_full, m.hl * m.d, m.h);
+      resize_for_overwrite(D.d_ctx, m.n_full * m.hl * m.dv);
+      c.linear_dgrad(W.proj_w, D.d_proj.ptr(), D.d_ctx.ptr(), m.n_full, m.hl * m.dv, m.h);
       release(D.d_h1);  // its last reader was the bias-dropout-add's (or all-gather's) backward
       break;
     case OpId::kAttnProjWgrad:
-      c.linear_wgrad(A.ctx.ptr(), D.d_proj.ptr(), W.proj_w, -1, m.n_full, m.hl * m.d, m.h);
+      c.linear_wgrad(A.ctx.ptr(), D.d_proj.ptr(), W.proj_w, -1, m.n_full, m.hl * m.dv, m.h);
       release(D.d_proj);
       break;
     case OpId::kAttnScoresRecompute:  // flash attention's backward, which recomputes the scores
@@ -245,35 +418,30 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         context_attention_backward(c, A, D);
         release(D.d_ctx);
       } else {
-        resize_for_overwrite(D.dq, elems(A.q));
-        resize_for_overwrite(D.dk, elems(A.k));
-        resize_for_overwrite(D.dv, elems(A.v));
-        be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
-                                    D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
-                                    m.hl, m.gl, m.d);
+        flash_backward(c, A, D);
         release(D.d_ctx);
       }
       c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
       break;
     case OpId::kAttnContextDprobs:
       if (m.flash) {  // the GEMMs of the fused backward ran with the recomputed scores
-        c.gemm_done(fused_queries(m), fused_keys(m), m.d, fused_batch(m));
+        c.gemm_done(fused_queries(m), fused_keys(m), m.dv, fused_batch(m));
         break;
       }
       resize_for_overwrite(D.d_probs, elems(A.probs));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), D.d_probs.ptr(),
-                                    nullptr, m.b, sa, m.hl, m.gl, m.d);
-      c.gemm_done(sa, sa, m.d, m.b * m.hl);
+                                    nullptr, m.b, sa, m.hl, m.gl, m.dv);
+      c.gemm_done(sa, sa, m.dv, m.b * m.hl);
       break;
     case OpId::kAttnContextDv:
       if (m.flash) {
-        c.gemm_done(fused_keys(m), m.d, fused_queries(m), fused_batch(m));
+        c.gemm_done(fused_keys(m), m.dv, fused_queries(m), fused_batch(m));
         break;
       }
       resize_for_overwrite(D.dv, elems(A.v));
       be.attention_context_backward(A.probs.ptr(), A.v.ptr(), D.d_ctx.ptr(), nullptr, D.dv.ptr(),
-                                    m.b, sa, m.hl, m.gl, m.d);
-      c.gemm_done(sa, m.d, sa, m.b * m.hl);
+                                    m.b, sa, m.hl, m.gl, m.dv);
+      c.gemm_done(sa, m.dv, sa, m.b * m.hl);
       release(D.d_ctx);
       break;
     case OpId::kAttnDropoutBackward:
@@ -310,8 +478,86 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
         context_rope(c, D.dk, m.gl, true);
         break;
       }
+      if (m.mla) {  // dK's rotated part summed over the heads into the shared key's gradient
+        mla_rope_queries(be, m, D.dq, true);
+        Buffer pe_heads;
+        part_columns(be, D.dk, D.dk_nope, pe_heads, m.n_full * m.hl, m.dn, m.dr);
+        release(D.dk);
+        sum_column_blocks(be, pe_heads, D.dk_pe, m.n_full, m.dr, m.hl);
+        be.rope(D.dk_pe.ptr(), m.b, m.s, 1, m.dr, m.rotary_base, true);
+        break;
+      }
       be.rope(D.dq.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, true);
       be.rope(D.dk.ptr(), m.b, m.s, m.gl, m.d, m.rotary_base, true);
+      break;
+    case OpId::kKvUpProjDgrad: {  // then the latent's gradient beside the rotated key's
+      join_columns(be, D.dk_nope, D.dv, D.d_kvu, m.n_full * m.hl, m.dn, m.dv);
+      for (Buffer* x : {&D.dk_nope, &D.dv}) release(*x);
+      Buffer d_lat;
+      resize_for_overwrite(d_lat, m.n_full * m.kvl);
+      c.linear_dgrad(W.kv_up_w, D.d_kvu.ptr(), d_lat.ptr(), m.n_full, m.kvl, m.kv_up_width());
+      join_columns(be, d_lat, D.dk_pe, D.d_kvc, m.n_full, m.kvl, m.dr);
+      release(D.dk_pe);
+      break;
+    }
+    case OpId::kKvUpProjWgrad:
+      c.linear_wgrad((m.sp ? A.kv_lat_full : A.kv_lat).ptr(), D.d_kvu.ptr(), W.kv_up_w, -1,
+                     m.n_full, m.kvl, m.kv_up_width());
+      release(D.d_kvu);
+      break;
+    case OpId::kQUpProjDgrad: {  // without a query latent, the input norm's gradient (as QKV's)
+      Buffer& d_in = m.ql > 0 ? D.d_q_in : D.d_ln1_full;
+      resize_for_overwrite(d_in, m.n_full * (m.ql > 0 ? m.ql : m.h));
+      c.linear_dgrad(W.q_up_w, D.dq.ptr(), d_in.ptr(), m.n_full, m.ql > 0 ? m.ql : m.h, m.hl * m.d);
+      break;
+    }
+    case OpId::kQUpProjWgrad: {
+      const Buffer& in = m.ql > 0 ? (m.sp ? A.q_lat_full : A.q_lat) : ln1_full;
+      c.linear_wgrad(in.ptr(), D.dq.ptr(), W.q_up_w, -1, m.n_full, m.ql > 0 ? m.ql : m.h,
+                     m.hl * m.d);
+      release(D.dq);
+      break;
+    }
+    case OpId::kLatentInputGradAllReduce:  // each rank's heads' part of the latents' gradients
+      c.all_reduce(m.ql > 0 ? D.d_q_in : D.d_ln1_full);
+      c.all_reduce(D.d_kvc);
+      break;
+    case OpId::kLatentLayernormBackward: {  // on the rank's tokens
+      Buffer d_lat, d_pe, d_lat_in;
+      part_columns(be, D.d_kvc, d_lat, d_pe, m.n_local, m.kvl, m.dr);
+      c.norm_backward(A.kv_lat_in, W.kvlat_g, -1, A.kvlat_mean, A.kvlat_rstd, d_lat, d_lat_in,
+                      m.n_local, m.kvl);
+      join_columns(be, d_lat_in, d_pe, D.d_kvc, m.n_local, m.kvl, m.dr);
+      if (m.ql > 0) {
+        c.norm_backward(A.q_lat_in, W.qlat_g, -1, A.qlat_mean, A.qlat_rstd, D.d_q_in, D.d_q_lat_in,
+                        m.n_local, m.ql);
+        release(D.d_q_in);
+      }
+      break;
+    }
+    case OpId::kKvDownProjDgrad:
+    case OpId::kQDownProjDgrad: {  // added into the input norm's output gradient
+      const bool kv = op == OpId::kKvDownProjDgrad;
+      const int64_t out = kv ? m.kv_latent_width() : m.ql;
+      Buffer& d_ln1 = m.sp ? D.d_ln1 : D.d_ln1_full;
+      Buffer& dx = elems(d_ln1) == 0 ? d_ln1 : D.tmp;
+      resize_for_overwrite(dx, m.n_local * m.h);
+      c.linear_dgrad(kv ? W.kv_down_w : W.q_down_w, (kv ? D.d_kvc : D.d_q_lat_in).ptr(), dx.ptr(),
+                     m.n_local, m.h, out);
+      if (&dx == &D.tmp) {
+        be.add(d_ln1.ptr(), D.tmp.ptr(), m.n_local * m.h);
+        release(D.tmp);
+      }
+      break;
+    }
+    case OpId::kKvDownProjWgrad:
+      c.linear_wgrad(A.ln1.ptr(), D.d_kvc.ptr(), W.kv_down_w, -1, m.n_local, m.h,
+                     m.kv_latent_width());
+      release(D.d_kvc);
+      break;
+    case OpId::kQDownProjWgrad:
+      c.linear_wgrad(A.ln1.ptr(), D.d_q_lat_in.ptr(), W.q_down_w, -1, m.n_local, m.h, m.ql);
+      release(D.d_q_lat_in);
       break;
     case OpId::kQkLayernormBackward:  // dQ and dK through the norms (their weights' gradients
                                       // partial over the rank's heads: ParamInfo::tp_partial)
@@ -340,6 +586,19 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       release(D.d_qkv);
       break;
     case OpId::kAttnAllGatherBackward:
+      if (m.mla) {  // the gathered latents' gradients back to the rank's tokens, summed
+        Buffer local;
+        if (m.ql > 0) {
+          c.scatter_sequence(D.d_q_in, local, m.ql);
+          D.d_q_in.swap(local);
+        } else {
+          c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
+          release(D.d_ln1_full);
+        }
+        c.scatter_sequence(D.d_kvc, local, m.kv_latent_width());
+        D.d_kvc.swap(local);
+        break;
+      }
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
       break;
     case OpId::kInputLayernormBackward:
@@ -374,6 +633,9 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
        {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q,        &A.k,        &A.v,
         &A.ctx, &A.h1,       &A.ln2,      &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1,
         &A.act, &A.q_in,     &A.k_in,     &A.qn_mean,  &A.qn_rstd,  &A.kn_mean,  &A.kn_rstd})
+    release(*x);
+  for (Buffer* x : {&A.q_lat_in, &A.q_lat, &A.q_lat_full, &A.kv_lat_in, &A.kv_lat, &A.kv_lat_full,
+                    &A.qlat_mean, &A.qlat_rstd, &A.kvlat_mean, &A.kvlat_rstd})
     release(*x);
 }
 

@@ -17,6 +17,10 @@ struct LayerParams {  // offsets into the flat buffers; -1 when absent
   int64_t ln1_g = -1, ln1_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
   int64_t ln2_g = -1, ln2_b = -1, fc1_w = -1, fc1_b = -1, fc2_w = -1, fc2_b = -1;
   int64_t qn_g = -1, qn_b = -1, kn_g = -1, kn_b = -1;  // --qk-layernorm's query and key norms
+  // Multi-head latent attention (qkv_w absent): the down projections (q_down_w absent without a
+  // query latent) and the latents' norms, whole on every rank; the column-parallel up
+  // projections (q_up_w: linear_q_proj without a query latent).
+  int64_t q_down_w = -1, qlat_g = -1, q_up_w = -1, kv_down_w = -1, kvlat_g = -1, kv_up_w = -1;
 };
 
 struct LayerActs {
@@ -31,6 +35,12 @@ struct LayerActs {
   // head and token).
   Buffer q_in, k_in;
   Buffer qn_mean{DType::kF32}, qn_rstd{DType::kF32}, kn_mean{DType::kF32}, kn_rstd{DType::kF32};
+  // MLA, on the rank's tokens: the latents before and after their norms and the shared rotated
+  // key; *_full: all tokens, gathered with sequence parallelism (the up projections' inputs);
+  // k_nope: the keys' unrotated part between the up projection and the rotary embedding.
+  Buffer q_lat_in, q_lat, q_lat_full, kv_lat_in, kv_lat, kv_lat_full, k_pe, k_pe_full, k_nope;
+  Buffer qlat_mean{DType::kF32}, qlat_rstd{DType::kF32}, kvlat_mean{DType::kF32},
+      kvlat_rstd{DType::kF32};
 };
 
 // The backward pass's scratch. Each buffer is released after the op that reads it last, as
@@ -42,6 +52,10 @@ struct LayerActs {
 struct LayerGrads {
   Buffer d_out, d_h1, d_fc2, d_act, d_pre, d_ln2_full, d_ln2, d_proj, d_ctx, d_probs, dq, dk, dv;
   Buffer d_qkv, d_ln1_full, d_ln1, d_x, tmp;
+  // MLA: the up projections' output gradients (d_kvu: keys' unrotated part and values) and
+  // input gradients (d_q_in: the query latent's, or the input norm's without one; d_kvc: the
+  // key-value latent's with the rotated key's), the keys' parts, the latents' before the norms.
+  Buffer d_kvu, d_q_in, d_kvc, dk_nope, dk_pe, d_q_lat_in;
 };
 
 // The ops of the layer's forward (and recomputation) and backward lists.

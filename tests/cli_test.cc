@@ -320,6 +320,42 @@ TEST(CliErrors, KvChannels) {
   const Result ok = run(predict_with("--kv-channels", "7"));
   EXPECT_EQ(ok.status, 0) << ok.err;
 }
+// Multi-head latent attention's flags: its widths only with --multi-latent-attention, each named
+// where it is out of range or conflicts with the rest of the model.
+TEST(CliErrors, MultiLatentAttention) {
+  expect_bad(predict_with("--q-lora-rank", "64"), "--q-lora-rank");
+  auto mla = [](std::initializer_list<const char*> extra) {
+    std::vector<std::string> a = {"predict",
+                                  "--model",
+                                  "deepseek-v2-lite",
+                                  "--num-gpus",
+                                  "8",
+                                  "--global-batch-size",
+                                  "64",
+                                  "--tensor-model-parallel-size",
+                                  "1",
+                                  "--pipeline-model-parallel-size",
+                                  "1",
+                                  "--expert-model-parallel-size",
+                                  "8",
+                                  "--micro-batch-size",
+                                  "1"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  expect_bad(mla({"--kv-lora-rank", "-1"}), "--kv-lora-rank");
+  expect_bad(mla({"--qk-pos-emb-head-dim", "7"}), "--qk-pos-emb-head-dim");
+  expect_bad(mla({"--v-head-dim", "512"}), "--v-head-dim");
+  expect_bad(mla({"--kv-channels", "64"}), "--kv-channels");
+  expect_bad(mla({"--context-parallel-size", "2", "--expert-model-parallel-size", "4"}),
+             "--context-parallel-size");
+  const Result ok = run(mla({"--q-lora-rank", "512", "--json"}));
+  ASSERT_EQ(ok.status, 0) << ok.err;
+  EXPECT_NE(nlohmann::json::parse(ok.out)["megatron_flags"].get<std::string>().find(
+                "--multi-latent-attention --q-lora-rank 512 --kv-lora-rank 512 --qk-head-dim 128 "
+                "--qk-pos-emb-head-dim 64 --v-head-dim 128"),
+            std::string::npos);
+}
 // Megatron-Core's --account-for-embedding-in-pipeline-split and
 // --account-for-loss-in-pipeline-split: at v = 1 the split that the first and last stages'
 // layer counts give (36 layers and the two modules over p = 2: 18 + 18), printed that way;
@@ -1488,6 +1524,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // Megatron-Core's combined 1F1B where a plan allows it (ep > 1; interleaved, or p = 1).
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "qwen2-57b-a14b",
         "--global-batch-size", "256", "--overlap-moe-expert-parallel-comm"}},
+      // DeepSeek's multi-head latent attention (no context parallelism).
+      {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "deepseek-v2-lite",
+        "--global-batch-size", "256"}},
       // Megatron-FSDP's strategies where p = 1.
       {{"--cluster", "dgx-h100", "--num-gpus", "16", "--model", "llama2-7b", "--global-batch-size",
         "64", "--use-megatron-fsdp"}},

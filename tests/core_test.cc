@@ -102,6 +102,72 @@ TEST(ModelSpec, Qwen3ParametersMatchTheModelCards) {
             2 * h * (q - h) + 2 * h * (kv - 4 * 64) + 2 * (128 - 64));
 }
 
+// DeepSeek's reports give the total and the activated count (a token's routed experts and
+// everything else but the word embedding, a lookup); multi-head latent attention replaces QKV
+// with latent projections.
+TEST(ModelSpec, DeepSeekParametersMatchTheReports) {
+  const struct {
+    const char* name;
+    double total, activated;  // billions
+  } cases[] = {{"deepseek-v3", 671, 37}, {"deepseek-v2-lite", 15.7, 2.4}};
+  for (const auto& c : cases) {
+    const ModelSpec m = resolve_model(c.name);
+    ASSERT_TRUE(m.multi_latent_attention) << c.name;
+    const double experts = m.expert_parameters();
+    const double activated =
+        m.parameters() - m.embedding_parameters() - experts +
+        experts * static_cast<double>(m.moe_router_topk) / static_cast<double>(m.num_experts);
+    EXPECT_NEAR(m.parameters() / 1e9, c.total, c.total < 100 ? 0.05 : 0.5) << c.name;
+    // (V2-Lite's 2.4B reads 2.45B counted this way: the report's own convention differs by a
+    // little more than its rounding.)
+    EXPECT_NEAR(activated / 1e9, c.activated, c.activated < 10 ? 0.1 : 0.5) << c.name;
+  }
+  // DeepSeek-V3's attention, by hand: the query latent (7168 x 1536, its norm, 1536 x 128 x 192),
+  // the key-value latent with the rotated key (7168 x 576, the norm of 512, 512 x 128 x 256) and
+  // the projection (128 x 128 x 7168), beside the two layer norms.
+  const ModelSpec v3 = resolve_model("deepseek-v3");
+  const double h = 7168;
+  const double attention =
+      h * 1536 + 1536 + 1536 * 128 * 192 + h * 576 + 512 + 512 * 128 * 256 + 128 * 128 * h + 2 * h;
+  EXPECT_EQ(v3.parameters_per_layer(), attention + 3 * h * 18432);
+  // On a tensor-parallel rank the down projections and the latents' norms stay whole.
+  EXPECT_EQ(v3.layer_parameters_per_rank(8),
+            (attention - (h * 1536 + 1536 + h * 576 + 512 + 2 * h)) / 8 +
+                (h * 1536 + 1536 + h * 576 + 512 + 2 * h) + 3 * h * 18432 / 8);
+}
+
+// MLA's widths as ptdp runs them, refused by name otherwise.
+TEST(ModelSpec, MultiLatentAttentionIsValidated) {
+  const ModelSpec v3 = resolve_model("deepseek-v3");
+  auto field = [](ModelSpec m) { return field_of([&] { m.validate(); }); };
+  ModelSpec m = v3;
+  m.v_head_dim = 256;  // wider than a query: the fused attention runs at the query width
+  EXPECT_EQ(field(m), "v_head_dim");
+  m = v3;
+  m.qk_pos_emb_head_dim = 63;
+  EXPECT_EQ(field(m), "qk_pos_emb_head_dim");
+  m = v3;
+  m.kv_lora_rank = 0;
+  EXPECT_EQ(field(m), "kv_lora_rank");
+  m = v3;
+  m.num_query_groups = 8;
+  EXPECT_EQ(field(m), "num_query_groups");
+  m = v3;
+  m.kv_channels = 128;
+  EXPECT_EQ(field(m), "kv_channels");
+  m = v3;
+  m.swiglu = false;
+  EXPECT_EQ(field(m), "swiglu");
+  // The JSON form round-trips.
+  EXPECT_EQ(model_from_json(to_json(v3)).parameters(), v3.parameters());
+  // Context parallelism is not run with MLA; the plan rules say so.
+  ParallelPlan p;
+  p.context_parallel = 2;
+  p.global_batch_size = 8;
+  p.micro_batch_size = 1;
+  EXPECT_EQ(first_violated_rule(v3, p), PlanRule::kContextWithLatentAttention);
+}
+
 TEST(ModelSpec, Sc21Table1PresetsMatchThePaper) {
   const json v = read_json_file(
       std::string(PTDP_SOURCE_DIR) + "/tests/data/validation/megatron_sc21.json", "v");
@@ -343,6 +409,63 @@ TEST(HuggingFace, Qwen3MoeConfigReadsAsThePreset) {
     dense.erase(k);
   EXPECT_TRUE(model_from_json(dense).qk_layernorm);
   EXPECT_FALSE(model_from_json(dense).is_moe());
+}
+
+// deepseek-ai/DeepSeek-V3's and DeepSeek-V2-Lite's config.json (the fields ptdp reads): the
+// latent attention's widths (qk_nope_head_dim, qk_rope_head_dim; q_lora_rank null: one query
+// projection) read as the presets.
+TEST(HuggingFace, DeepSeekConfigsReadAsThePresets) {
+  const json v3 = {{"model_type", "deepseek_v3"},
+                   {"hidden_act", "silu"},
+                   {"hidden_size", 7168},
+                   {"num_hidden_layers", 61},
+                   {"num_attention_heads", 128},
+                   {"num_key_value_heads", 128},
+                   {"q_lora_rank", 1536},
+                   {"kv_lora_rank", 512},
+                   {"qk_nope_head_dim", 128},
+                   {"qk_rope_head_dim", 64},
+                   {"v_head_dim", 128},
+                   {"intermediate_size", 18432},
+                   {"moe_intermediate_size", 2048},
+                   {"n_routed_experts", 256},
+                   {"n_shared_experts", 1},
+                   {"num_experts_per_tok", 8},
+                   {"first_k_dense_replace", 3},
+                   {"moe_layer_freq", 1},
+                   {"num_nextn_predict_layers", 1},
+                   {"vocab_size", 129280},
+                   {"max_position_embeddings", 163840},
+                   {"rope_theta", 10000},
+                   {"tie_word_embeddings", false}};
+  const ModelSpec m = model_from_json(v3);
+  const ModelSpec preset = resolve_model("deepseek-v3");
+  EXPECT_TRUE(m.multi_latent_attention);
+  EXPECT_EQ(m.head_dim(), 192);
+  EXPECT_EQ(m.value_dim(), 128);
+  EXPECT_EQ(m.parameters(), preset.parameters());
+  json lite = v3;
+  for (auto [k, v] :
+       std::initializer_list<std::pair<const char*, json>>{{"hidden_size", 2048},
+                                                           {"num_hidden_layers", 27},
+                                                           {"num_attention_heads", 16},
+                                                           {"num_key_value_heads", 16},
+                                                           {"q_lora_rank", nullptr},
+                                                           {"intermediate_size", 10944},
+                                                           {"moe_intermediate_size", 1408},
+                                                           {"n_routed_experts", 64},
+                                                           {"n_shared_experts", 2},
+                                                           {"num_experts_per_tok", 6},
+                                                           {"first_k_dense_replace", 1},
+                                                           {"vocab_size", 102400}})
+    lite[k] = v;
+  lite["model_type"] = "deepseek_v2";
+  const ModelSpec l = model_from_json(lite);
+  EXPECT_EQ(l.q_lora_rank, 0);
+  EXPECT_EQ(l.parameters(), resolve_model("deepseek-v2-lite").parameters());
+  json odd = v3;  // named in the config's terms
+  odd["qk_rope_head_dim"] = 63;
+  EXPECT_EQ(field_of([&] { model_from_json(odd); }), "qk_rope_head_dim");
 }
 
 TEST(HuggingFace, DefaultsForOtherModels) {

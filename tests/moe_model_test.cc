@@ -80,9 +80,9 @@ TEST(MoeModel, HuggingFaceMoeFields) {
   EXPECT_EQ(mx.moe_ffn_hidden(), 14336);
 
   // Shapes ptdp does not model are refused, naming the field.
-  json mla = mixtral;
+  json mla = mixtral;  // multi-head latent attention with grouped key-value heads
   mla["kv_lora_rank"] = 512;
-  EXPECT_EQ(field_of([&] { model_from_json(mla); }), "kv_lora_rank");
+  EXPECT_EQ(field_of([&] { model_from_json(mla); }), "num_key_value_heads");
   json step = mixtral;
   step["decoder_sparse_step"] = 2;
   EXPECT_EQ(field_of([&] { model_from_json(step); }), "decoder_sparse_step");

@@ -195,9 +195,32 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   qwen3.name = "trace-qwen3";
   qwen3.kv_channels = 2 * qwen3.hidden_size / qwen3.num_attention_heads;
   qwen3.qk_layernorm = true;
+  // DeepSeek's multi-head latent attention: the down projections on the rank's tokens, the
+  // latents' norms, their all-gather (sequence parallelism) or gradients' all-reduce, the up
+  // projections, values narrower than queries; with a query latent, and as an MoE model without.
+  ModelSpec mla = rotary();
+  mla.name = "trace-mla";
+  mla.num_query_groups = 0;
+  mla.multi_latent_attention = true;
+  mla.q_lora_rank = 24;
+  mla.kv_lora_rank = 16;
+  mla.qk_head_dim = 12;
+  mla.qk_pos_emb_head_dim = 4;
+  mla.v_head_dim = 10;
+  ModelSpec mla_moe = moe;
+  mla_moe.name = "trace-mla-moe";
+  mla_moe.num_query_groups = 0;
+  mla_moe.learned_position_embeddings = false;
+  mla_moe.flash_attention = true;
+  mla_moe.multi_latent_attention = true;
+  mla_moe.kv_lora_rank = 16;
+  mla_moe.qk_head_dim = 8;
+  mla_moe.qk_pos_emb_head_dim = 8;
+  mla_moe.v_head_dim = 12;
   int checked = 0;
   // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, moe, shared, qwen3}) {
+  for (const ModelSpec& m :
+       {gpt(), llama_like(), rotary(), flash, moe, shared, qwen3, mla, mla_moe}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
         // MoE layers with tensor parallelism need sequence parallelism.
@@ -274,7 +297,19 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   qwen3.qk_layernorm = true;
   ModelSpec gpt_qk = gpt();  // the query and key norms as LayerNorms (with biases)
   gpt_qk.qk_layernorm = true;
-  for (const ModelSpec& m : {gpt(), llama_like(), rotary(), flash, qwen3, gpt_qk}) {
+  ModelSpec mla = flash;  // multi-head latent attention, values narrower than queries
+  mla.num_query_groups = 0;
+  mla.multi_latent_attention = true;
+  mla.q_lora_rank = 24;
+  mla.kv_lora_rank = 16;
+  mla.qk_head_dim = 12;
+  mla.qk_pos_emb_head_dim = 4;
+  mla.v_head_dim = 10;
+  ModelSpec mla_unfused = mla;
+  mla_unfused.flash_attention = false;
+  mla_unfused.q_lora_rank = 0;
+  for (const ModelSpec& m :
+       {gpt(), llama_like(), rotary(), flash, qwen3, gpt_qk, mla, mla_unfused}) {
     for (const Variant& v :
          {Variant{1, false, Recompute::kNone}, Variant{2, true, Recompute::kFull},
           Variant{4, false, Recompute::kSelective}})

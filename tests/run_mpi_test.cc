@@ -155,6 +155,34 @@ TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
     expect_same_losses(l, single);
 }
 
+// DeepSeek's multi-head latent attention: the down projections and the latents' norms are whole
+// on every tensor-parallel rank (their gradients summed over the ranks' tokens with sequence
+// parallelism, identical without it), the up projections column-parallel, the latents' gradients
+// all-reduced (or reduce-scattered back to the rank's tokens); the rotated key is shared by the
+// heads of every rank. With and without a query latent, fused and unfused attention, and through
+// the zero-bubble schedule's deferred weight gradients.
+TEST(RunMpi, MultiLatentAttentionLayoutsTrainToTheSingleRankLosses) {
+  const std::string mla = kTiny +
+                          " --swiglu --position-embedding-type rope --multi-latent-attention"
+                          " --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 16"
+                          " --qk-pos-emb-head-dim 8 --v-head-dim 12 --lr 0.02";
+  const std::string no_q_latent = kTiny +
+                                  " --swiglu --position-embedding-type rope --use-flash-attn"
+                                  " --multi-latent-attention --kv-lora-rank 16 --qk-head-dim 8"
+                                  " --qk-pos-emb-head-dim 8 --v-head-dim 12 --lr 0.02";
+  for (const std::string& model : {mla, no_q_latent}) {
+    const nlohmann::json single = run_json(0, model);
+    ASSERT_EQ(losses(single).size(), 6u);
+    for (const Layout& l : std::vector<Layout>{
+             {2, 1, 1, "", model},
+             {2, 1, 1, "--sequence-parallel --use-distributed-optimizer", model},
+             {1, 2, 1, "--pipeline-schedule zb-h1", model},
+             {1, 1, 2, "--overlap-grad-reduce", model},
+         })
+      expect_same_losses(l, single);
+  }
+}
+
 // The CUDA backend's host side without a GPU: cpu-staged keeps every activation, parameter and
 // gradient in memory the runtime treats as a device's, so each collective and point-to-point
 // transfer goes through host copies (runtime/staged_communicator.h). Same kernels, so the same
@@ -302,6 +330,11 @@ TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
       {moe, common},
       {moe + " --pipeline-schedule zb-h1",
        {"--pipeline-model-parallel-size 2", "--expert-model-parallel-size"}},
+      // DeepSeek's latent attention on the MoE model's layers.
+      {moe.substr(0, moe.find(" --num-query-groups")) + " --multi-latent-attention" +
+           " --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8" +
+           " --v-head-dim 12" + moe.substr(moe.find(" --swiglu")),
+       {"--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"}},
       // Megatron-FSDP's plans (p = 1), run with the distributed optimizer's layout.
       {dense + " --use-megatron-fsdp",
        {"--data-parallel-sharding-strategy optim_grads ",

@@ -85,6 +85,23 @@ ModelSpec tiny_qk_layernorm() {
   return m;
 }
 
+// DeepSeek's multi-head latent attention: a query latent (q_lora_rank) and a key-value latent,
+// each normalised, heads of 6 query/key channels (4 unrotated, 2 rotated, one rotated key shared
+// by every head) and 3 value channels; without a query latent the queries are projected from the
+// hidden state.
+ModelSpec tiny_mla(bool query_latent = true) {
+  ModelSpec m = tiny_rotary();
+  m.name = query_latent ? "tiny-mla" : "tiny-mla-no-q-latent";
+  m.num_query_groups = 0;
+  m.multi_latent_attention = true;
+  m.q_lora_rank = query_latent ? 8 : 0;
+  m.kv_lora_rank = 6;
+  m.qk_head_dim = 4;
+  m.qk_pos_emb_head_dim = 2;
+  m.v_head_dim = 3;
+  return m;
+}
+
 TrainOptions options(const ModelSpec& m, int64_t steps = 4) {
   TrainOptions o;
   o.model = m;
@@ -183,7 +200,8 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
 TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
   auto self = make_self_communicator();
   int checked = 0;
-  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3()}) {
+  for (const ModelSpec& base :
+       {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3(), tiny_mla(), tiny_mla(false)}) {
     ModelSpec m = base;
     m.num_layers = 8;
     for (int64_t t : {1, 2})
@@ -223,7 +241,8 @@ ModelSpec with_flash(ModelSpec m) {
 // pass, accumulates the same gradients as one backward pass, to the bit, and hands each part's
 // range to the hook once its gradients are complete (the weight pass, in backward order).
 TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama(), with_flash(tiny_llama()), tiny_qwen3()}) {
+  for (const ModelSpec& base :
+       {tiny(2), tiny_llama(), with_flash(tiny_llama()), tiny_qwen3(), tiny_mla(false)}) {
     ModelSpec m = base;
     m.num_layers = 3;
     auto self = make_self_communicator();
@@ -274,7 +293,8 @@ TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
 
 TEST(GptShard, GradientsMatchFiniteDifferences) {
   for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama()),
-                                tiny_qwen3(), with_flash(tiny_qwen3()), tiny_qk_layernorm()}) {
+                                tiny_qwen3(), with_flash(tiny_qwen3()), tiny_qk_layernorm(),
+                                tiny_mla(), with_flash(tiny_mla()), tiny_mla(false)}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
