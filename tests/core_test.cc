@@ -197,7 +197,7 @@ TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
 // ---- presets ----
 
 TEST(Presets, EveryPresetLoadsAndValidates) {
-  EXPECT_EQ(model_preset_names().size(), 23u);
+  EXPECT_EQ(model_preset_names().size(), 25u);
   for (const std::string& name : model_preset_names()) {
     const ModelSpec m = resolve_model(name);
     EXPECT_EQ(m.name, name);
