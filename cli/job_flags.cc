@@ -162,7 +162,8 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
                  "with --recompute-granularity selective: core_attn (the default), mlp (the "
                  "dense MLP from its input), moe_act (the experts' activation), layernorm (the "
                  "QKV and MLP inputs from the residual stream), shared_experts, moe (the whole "
-                 "MoE layer); ptdp plan: the "
+                 "MoE layer), mla_up_proj (MLA's up projections and rotary embedding); ptdp "
+                 "plan: the "
                  "modules its selective plans recompute");
   app.add_flag("--sequence-parallel", sequence_parallel);
   app.add_flag("--use-distributed-optimizer", distributed_optimizer);

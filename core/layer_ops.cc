@@ -680,13 +680,19 @@ namespace {
 //   forward;
 // - moe_act: the routed experts' activation function, from FC1's output;
 // - moe: the whole MoE layer (with its shared experts under mlp), from its input: router,
-//   top-k, permutation, dispatch, experts, combine and unpermutation.
+//   top-k, permutation, dispatch, experts, combine and unpermutation;
+// - mla_up_proj: multi-head latent attention's up projections and rotary embedding (with
+//   sequence parallelism the latents' all-gather before them), from the kept latents.
 // `modules`: the layer's (layer_recompute_modules).
 std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned modules) {
   using I = OpId;
   const bool core = modules & kRecomputeCoreAttn, norms = modules & kRecomputeLayernorm,
              mlp = modules & kRecomputeMlp, moe_act = modules & kRecomputeMoeAct,
              moe = modules & kRecomputeMoe;
+  // (MLA's up projections: only a latent attention's list has them.)
+  const bool mla_up = (modules & kRecomputeMlaUpProj) != 0 &&
+                      std::any_of(forward.begin(), forward.end(),
+                                  [](const Op& op) { return op.id == OpId::kKvUpProj; });
   std::vector<Op> out;
   for (const Op& op : forward) {
     bool rerun = false;
@@ -698,6 +704,12 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
       case I::kAttnContext:
       case I::kCpOutAllToAll:
         rerun = core;
+        break;
+      case I::kAttnAllGather:  // MLA: the latents gathered for the up projections
+      case I::kQUpProj:
+      case I::kKvUpProj:
+      case I::kRotaryEmbedding:
+        rerun = mla_up;
         break;
       case I::kPostAttentionLayernorm:
         rerun = norms;
@@ -911,7 +923,9 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads; heads x kv_channels wide
   // where --kv-channels sets another width), the projection input (2 sbh), the
   // activation-function input(s) and the FC2 input (2 s b ffn each).
-  u.sharded = 2.0 * sbq + proj_input * sbo + 2.0 * (sbk + sbv);
+  // (mla_up_proj reruns Q, K and V from the latents: none of them kept.)
+  u.sharded = (recomputes(s, kRecomputeMlaUpProj, moe_layer) ? 0.0 : 2.0 * (sbq + sbk + sbv)) +
+              proj_input * sbo;
   // MLA (the rank's tokens, as the input norm's): the latents' norms keep their inputs and
   // outputs (the up projections' inputs, gathered again for the backward pass with sequence
   // parallelism, as Megatron's column-parallel layers do) and an fp32 reciprocal RMS per token

@@ -93,7 +93,8 @@ constexpr std::pair<unsigned, const char*> kRecomputeModuleNames[] = {
     {kRecomputeMoeAct, "moe_act"},
     {kRecomputeLayernorm, "layernorm"},
     {kRecomputeSharedExperts, "shared_experts"},
-    {kRecomputeMoe, "moe"}};
+    {kRecomputeMoe, "moe"},
+    {kRecomputeMlaUpProj, "mla_up_proj"}};
 
 }  // namespace
 
@@ -121,20 +122,17 @@ unsigned recompute_modules_from_strings(const std::vector<std::string>& names,
   if (names.empty())
     throw InputError(
         field,
-        "names no module (expected core_attn, mlp, moe_act, layernorm, shared_experts and/or moe)");
+        "names no module (expected core_attn, mlp, moe_act, layernorm, shared_experts, moe and/or "
+        "mla_up_proj)");
   unsigned modules = 0;
   for (const std::string& n : names) {
     unsigned bit = 0;
     for (const auto& [b, name] : kRecomputeModuleNames)
       if (n == name) bit = b;
-    if (bit == 0) {
-      const bool megatron = n == "mla_up_proj";
-      throw InputError(
-          field,
-          "'" + n + "' " +
-              (megatron ? std::string("is not modelled by ptdp") : std::string("is not a module")) +
-              " (expected core_attn, mlp, moe_act, layernorm, shared_experts and/or moe)");
-    }
+    if (bit == 0)
+      throw InputError(field, "'" + n +
+                                  "' is not a module (expected core_attn, mlp, moe_act, "
+                                  "layernorm, shared_experts, moe and/or mla_up_proj)");
     modules |= bit;
   }
   return modules;

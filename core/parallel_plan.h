@@ -44,11 +44,15 @@ enum RecomputeModule : unsigned {
   kRecomputeMoeAct = 4u,
   kRecomputeLayernorm = 8u,
   kRecomputeSharedExperts = 16u,
-  kRecomputeMoe = 32u
+  kRecomputeMoe = 32u,
+  // mla_up_proj: multi-head latent attention's up projections and rotary embedding rerun from
+  // the kept latents (and, with sequence parallelism, their all-gather), so that Q, K and V are
+  // not kept (Megatron-Core's CheckpointWithoutOutput around them).
+  kRecomputeMlaUpProj = 64u
 };
-inline constexpr unsigned kAllRecomputeModules = kRecomputeCoreAttn | kRecomputeMlp |
-                                                 kRecomputeMoeAct | kRecomputeLayernorm |
-                                                 kRecomputeSharedExperts | kRecomputeMoe;
+inline constexpr unsigned kAllRecomputeModules =
+    kRecomputeCoreAttn | kRecomputeMlp | kRecomputeMoeAct | kRecomputeLayernorm |
+    kRecomputeSharedExperts | kRecomputeMoe | kRecomputeMlaUpProj;
 static_assert(kAllRecomputeModules < (1u << 16), "CostModel::shape_times keys the set in 16 bits");
 // The modules as one layer runs them. The mlp bit is the layer's tensor-parallel MLP: a dense
 // layer's MLP (mlp), or an MoE layer's shared experts (shared_experts, or moe). The layernorm
@@ -56,7 +60,7 @@ static_assert(kAllRecomputeModules < (1u << 16), "CostModel::shape_times keys th
 // alone does nothing there), in an MoE layer with layernorm. moe_act and moe are for MoE layers
 // only (moe reruns the experts' activation with the rest).
 inline unsigned layer_recompute_modules(unsigned modules, bool moe_layer) {
-  const unsigned core = modules & kRecomputeCoreAttn;
+  const unsigned core = modules & (kRecomputeCoreAttn | kRecomputeMlaUpProj);
   if (!moe_layer)
     return core | ((modules & kRecomputeMlp) ? unsigned{kRecomputeMlp | kRecomputeLayernorm} : 0u);
   const unsigned common = core | (modules & kRecomputeLayernorm);

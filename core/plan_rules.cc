@@ -371,13 +371,15 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
   const bool shared_without_experts = (plan.recompute_modules & kRecomputeSharedExperts) != 0 &&
                                       !(m.is_moe() && m.moe_shared_expert_ffn_size > 0);
   const bool moe_without_experts = (plan.recompute_modules & kRecomputeMoe) != 0 && !m.is_moe();
+  const bool mla_up_without_mla =
+      (plan.recompute_modules & kRecomputeMlaUpProj) != 0 && !m.multi_latent_attention;
   // (The combined 1F1B overlaps the all-to-alls of one microbatch's forward pass with another's
   // backward; Megatron-Core does not run it with the MoE layer recomputed.)
   const bool moe_with_overlap =
       (plan.recompute_modules & kRecomputeMoe) != 0 && plan.overlap_moe_ep_comm;
   if (plan.recompute_modules == 0 || (plan.recompute_modules & ~kAllRecomputeModules) != 0 ||
       (plan.recompute_modules != kRecomputeCoreAttn && plan.recompute != Recompute::kSelective) ||
-      shared_without_experts || moe_without_experts || moe_with_overlap)
+      shared_without_experts || moe_without_experts || moe_with_overlap || mla_up_without_mla)
     return broken(PlanRule::kRecomputeModules, report, "--recompute-modules", [&] {
       if (plan.recompute != Recompute::kSelective)
         return std::string("needs --recompute-granularity selective");
@@ -386,9 +388,12 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
             "shared_experts needs an MoE model with shared experts "
             "(--moe-shared-expert-intermediate-size)");
       if (moe_without_experts) return std::string("moe needs an MoE model (--num-experts)");
+      if (mla_up_without_mla)
+        return std::string("mla_up_proj needs multi-latent attention (--multi-latent-attention)");
       if (moe_with_overlap)
         return std::string("moe does not run with --overlap-moe-expert-parallel-comm");
-      return std::string("must name core_attn, mlp, moe_act, layernorm, shared_experts and/or moe");
+      return std::string(
+          "must name core_attn, mlp, moe_act, layernorm, shared_experts, moe and/or mla_up_proj");
     });
   return PlanRule::kNone;
 }

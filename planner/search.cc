@@ -151,8 +151,9 @@ Variant fastest_variant(const ParallelPlan& plan, std::span<const CpComm> types,
 }  // namespace
 
 unsigned memory_saving_modules(const ModelSpec& m) {
-  if (!m.is_moe()) return kRecomputeCoreAttn | kRecomputeMlp;
-  unsigned modules = kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct;
+  const unsigned mla = m.multi_latent_attention ? unsigned{kRecomputeMlaUpProj} : 0u;
+  if (!m.is_moe()) return kRecomputeCoreAttn | kRecomputeMlp | mla;
+  unsigned modules = kRecomputeCoreAttn | kRecomputeLayernorm | kRecomputeMoeAct | mla;
   if (m.moe_shared_expert_ffn_size > 0) modules |= kRecomputeSharedExperts;
   return modules;
 }

@@ -178,8 +178,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
           c.gather_sequence(A.ln1, A.ln1_full, m.h);
         c.gather_sequence(A.kv_lat, A.kv_lat_full, m.kvl);
         c.gather_sequence(A.k_pe, A.k_pe_full, m.dr);
-        for (Buffer* x : {&A.q_lat, &A.kv_lat, &A.k_pe}) release(*x);
-        break;
+        break;  // (the rank's latents stay, to be gathered again by mla_up_proj's recompute)
       }
       c.gather_sequence(A.ln1, A.ln1_full, m.h);
       break;
@@ -248,7 +247,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
         be.rope(pe.ptr(), m.b, m.s, 1, m.dr, m.rotary_base, false);
         repeat_columns(be, pe, pe_heads, m.n_full, m.dr, m.hl);
         join_columns(be, A.k_nope, pe_heads, A.k, m.n_full * m.hl, m.dn, m.dr);
-        for (Buffer* x : {&A.k_nope, &A.k_pe, &A.k_pe_full}) release(*x);
+        for (Buffer* x : {&A.k_nope, &A.k_pe_full}) release(*x);  // (A.k_pe: for mla_up_proj)
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
@@ -621,6 +620,8 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
     }
     if (modules & kRecomputeMlp)  // the MLP from its input (A.ln2)
       for (Buffer* x : {&A.ln2_full, &A.fc1, &A.act}) release(*x);
+    if (modules & kRecomputeMlaUpProj)  // MLA's Q, K and V, rerun from the latents
+      for (Buffer* x : {&A.q, &A.k, &A.v}) release(*x);
     // The pre-MLP layernorm's output, rerun from A.h1 (`modules` is the layer's:
     // layer_recompute_modules; the input layernorm's output is the QKV projection's, kept).
     if (modules & kRecomputeLayernorm)
@@ -635,7 +636,7 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
         &A.act, &A.q_in,     &A.k_in,     &A.qn_mean,  &A.qn_rstd,  &A.kn_mean,  &A.kn_rstd})
     release(*x);
   for (Buffer* x : {&A.q_lat_in, &A.q_lat, &A.q_lat_full, &A.kv_lat_in, &A.kv_lat, &A.kv_lat_full,
-                    &A.qlat_mean, &A.qlat_rstd, &A.kvlat_mean, &A.kvlat_rstd})
+                    &A.k_pe, &A.qlat_mean, &A.qlat_rstd, &A.kvlat_mean, &A.kvlat_rstd})
     release(*x);
 }
 

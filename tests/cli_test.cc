@@ -576,6 +576,7 @@ TEST(CliErrors, ContextAndExpertParallelValues) {
   for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
            {"--recompute-modules", "mlp"},
            {"--recompute-granularity", "full", "--recompute-modules", "core_attn", "mlp"},
+           // (Mixtral has no latent attention)
            {"--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"},
            {"--recompute-granularity", "selective", "--recompute-modules", "attn"}}) {
     auto args = kPredictMixtral;

@@ -297,16 +297,18 @@ TEST(ContextAndExpertParallel, RecomputeModulesRulesFlagsAndJson) {
   p.recompute_modules = 0;
   EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
   nlohmann::json j = to_json(p);
-  j["recompute_modules"] = {"mla_up_proj"};
+  j["recompute_modules"] = {"mla_upproj"};
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "recompute_modules");
   EXPECT_EQ(recompute_modules_from_strings({"mlp", "core_attn"}, "f"),
             kRecomputeCoreAttn | kRecomputeMlp);
   EXPECT_EQ(
-      field_of([&] { recompute_modules_from_strings({"mla_up_proj"}, "--recompute-modules"); }),
+      field_of([&] { recompute_modules_from_strings({"mla_upproj"}, "--recompute-modules"); }),
       "--recompute-modules");
-  EXPECT_NE(message_of([&] {
-              recompute_modules_from_strings({"mla_up_proj"}, "--recompute-modules");
-            }).find("'mla_up_proj' is not modelled by ptdp"),
+  // mla_up_proj is a module of latent-attention models only.
+  EXPECT_EQ(recompute_modules_from_strings({"mla_up_proj"}, "f"), kRecomputeMlaUpProj);
+  p.recompute_modules = kRecomputeCoreAttn | kRecomputeMlaUpProj;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kRecomputeModules);
+  EXPECT_NE(message_of([&] { p.validate(m); }).find("mla_up_proj needs multi-latent attention"),
             std::string::npos);
   p.recompute_modules = kRecomputeCoreAttn | kRecomputeMoeAct;
   EXPECT_EQ(recompute_label(p), "selective+moe_act");

@@ -175,6 +175,10 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
       // moe: the whole MoE layer, shared experts included, and with the layernorms.
       {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMoe},
       {1, false, Recompute::kSelective, kRecomputeMoe | kRecomputeLayernorm},
+      // mla_up_proj: MLA's up projections and rotary embedding (with sequence parallelism the
+      // latents' all-gather too), alone and with the attention core.
+      {2, true, Recompute::kSelective, kRecomputeCoreAttn | kRecomputeMlaUpProj},
+      {2, false, Recompute::kSelective, kRecomputeMlaUpProj},
   };
   ModelSpec flash = rotary();  // --use-flash-attn: the fused attention and its recomputation
   flash.name = "trace-flash";
@@ -228,6 +232,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
         // shared_experts with shared experts only (the rules refuse it otherwise).
         if ((v.modules & kRecomputeSharedExperts) && m.moe_shared_expert_ffn_size == 0) continue;
         if ((v.modules & kRecomputeMoe) && !m.is_moe()) continue;  // MoE models only
+        if ((v.modules & kRecomputeMlaUpProj) && !m.multi_latent_attention) continue;
         const ShardLayout l = layout_of(v, type);
         const std::vector<Op> want = listed(m, l);
         const std::vector<ExecutedOp> got = executed(m, l);

@@ -178,6 +178,11 @@ TEST(RunMpi, MultiLatentAttentionLayoutsTrainToTheSingleRankLosses) {
              {2, 1, 1, "--sequence-parallel --use-distributed-optimizer", model},
              {1, 2, 1, "--pipeline-schedule zb-h1", model},
              {1, 1, 2, "--overlap-grad-reduce", model},
+             // Q, K and V rerun from the latents before the backward pass (and gathered again)
+             {2, 1, 1,
+              "--sequence-parallel --recompute-granularity selective --recompute-modules "
+              "core_attn mla_up_proj",
+              model},
          })
       expect_same_losses(l, single);
   }

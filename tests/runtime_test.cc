@@ -536,6 +536,26 @@ TEST(Train, MeasuredMlaPeakMemoryIsWithinTenPercentOfThePrediction) {
   m.qk_pos_emb_head_dim = 16;
   m.v_head_dim = 32;
   expect_peak_memory_within_ten_percent(DType::kF32, m);
+  // mla_up_proj: Q, K and V not kept but rerun from the latents, as priced; less than the
+  // attention core alone.
+  TrainOptions o = options(m, 2);
+  o.model.attention_dropout = o.model.hidden_dropout = 0;
+  o.model.cross_entropy_fusion = true;
+  o.plan.global_batch_size = 4;
+  o.plan.recompute = Recompute::kSelective;
+  HardwareProfile profile = resolve_profile("a100-80gb");
+  profile.activation_dtype = DType::kF32;
+  const CostModel cost(o.model, resolve_cluster("dgx-a100-80gb"), profile);
+  const double core_only = static_cast<double>(train_one(o).peak_memory_bytes);
+  o.plan.recompute_modules = kRecomputeCoreAttn | kRecomputeMlaUpProj;
+  const double predicted = cost.memory(o.plan).peak;
+  const double measured = static_cast<double>(train_one(o).peak_memory_bytes);
+  EXPECT_NEAR(measured / predicted, 1.0, 0.06) << measured << " bytes, predicted " << predicted;
+  EXPECT_LT(measured, core_only);
+  std::printf(
+      "[ measured ] fp32 selective+mla_up_proj: %.2f MiB measured, %.2f MiB predicted "
+      "(%+.1f%%)\n",
+      measured / 1048576.0, predicted / 1048576.0, 100.0 * (measured / predicted - 1.0));
 }
 
 // Predict knows what runs: priced for fp32 training (a profile with fp32 activations, as
