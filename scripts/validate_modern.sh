@@ -34,7 +34,19 @@
 #        --account-for-loss-in-pipeline-split), which with v = 4 gives chunks of 2 and 3 layers
 #        that ptdp's splits cannot express: here v = 1 with the same flags (11 + 6 x 12 + 11),
 #        without the all-to-all overlap (which needs the interleaved schedule).
-# Recompute is not stated by any source: none is used (Megatron's default).
+#  [MD]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 25.09),
+#        DGX-H100, "DeepSeekV3 (dropless)": 1024 GPUs, GBS 8192, MBS 1, s 4096, TP2 PP8 VP4 EP64,
+#        1297 tokens/s/GPU (338 model TFLOP/s/GPU). The table states no precision: its footnote's
+#        FP8 quantization granularities for H100 and the recipe's FP8 options point to FP8
+#        (tensorwise current scaling here). The recipe (Megatron-Bridge v0.1.0rc4
+#        scripts/performance, deepseek_v3_llm_pretrain): ETP 1, force-balanced routing
+#        (--moe-expert-load 1), selective recompute of mla_up_proj and mlp, one multi-token
+#        prediction layer (not modelled by ptdp), DeepEP's dispatcher with the expert all-to-alls
+#        overlapped (--overlap-moe-expert-parallel-comm, which ptdp prices only with interleaving)
+#        and the layout "Et|(tt|)*30mL" (32 virtual stages of 1, 2 x 30 and 0 layers), which
+#        ptdp's equal chunks cannot express: here v = 1 with each rank's layers of that layout
+#        (7 + 6 x 8 + 6).
+# Recompute is not stated by the other sources: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 P=${1:-build/cli/ptdp}
@@ -106,6 +118,13 @@ row "[MQ] qwen3-235b-a22b 256 H100 fp8 t2 p8 ep32" dgx-h100 256 tokens 1611 --mo
   --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
   --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
   --sequence-parallel --use-distributed-optimizer --moe-expert-load 1
+row "[MD] deepseek-v3 1024 H100 fp8 t2 p8 ep64" dgx-h100 1024 tokens 1297 --model deepseek-v3 \
+  --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
+  --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
+  --decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 6 \
+  --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
+  --sequence-parallel --use-distributed-optimizer --moe-expert-load 1 \
+  --recompute-granularity selective --recompute-modules mla_up_proj mlp
 row "[N2] mixtral-8x7b 64 B200 fp8 ep8" dgx-b200 64 tokens 15457 --model mixtral-8x7b \
   --fp8-format hybrid --global-batch-size 256 --seq-length 4096 --tensor-model-parallel-size 1 \
   --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --micro-batch-size 2 \
