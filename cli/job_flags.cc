@@ -48,6 +48,8 @@ void JobFlags::add_model_flags(CLI::App& app) {
                  "the attention's head width (default: --hidden-size / --num-attention-heads)");
   app.add_flag("--qk-layernorm", qk_layernorm,
                "normalise each head's query and key (Qwen3's q_norm and k_norm)");
+  app.add_flag("--add-qkv-bias", add_qkv_bias,
+               "biases on the QKV projection of a gated model (Qwen2's)");
   app.add_flag("--multi-latent-attention", multi_latent_attention,
                "DeepSeek-V2/V3's multi-head latent attention (widths below, Megatron's defaults)");
   app.add_option("--q-lora-rank", q_lora_rank, "MLA: the query latent's width (default: none)");
@@ -249,8 +251,9 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
        j.max_position_embeddings.has_value()},
       {"--vocab-size", "vocab_size", j.vocab_size.has_value()},
       {"--kv-channels", "kv_channels", j.kv_channels.has_value()},
-      {"--qk-layernorm", "", j.qk_layernorm},
-      {"--multi-latent-attention", "", j.multi_latent_attention},
+      {"--qk-layernorm", "qk_layernorm", j.qk_layernorm},
+      {"--add-qkv-bias", "add_qkv_bias", j.add_qkv_bias},
+      {"--multi-latent-attention", "multi_latent_attention", j.multi_latent_attention},
       {"--q-lora-rank", "q_lora_rank", j.q_lora_rank.has_value()},
       {"--kv-lora-rank", "kv_lora_rank", j.kv_lora_rank.has_value()},
       {"--qk-head-dim", "qk_head_dim", j.qk_head_dim.has_value()},
@@ -261,7 +264,8 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
       {"--group-query-attention", "", j.group_query_attention},
       {"--disable-bias-linear", "", j.disable_bias_linear},
       {"--normalization", "", !j.normalization.empty()},
-      {"--position-embedding-type", "", !j.position_embedding_type.empty()},
+      {"--position-embedding-type", "learned_position_embeddings",
+       !j.position_embedding_type.empty()},
       {"--rotary-base", "rotary_base", j.rotary_base.has_value()},
       {"--attention-dropout", "attention_dropout", j.attention_dropout.has_value()},
       {"--hidden-dropout", "hidden_dropout", j.hidden_dropout.has_value()},
@@ -342,6 +346,7 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.kv_channels, kv_channels);
   if (qk_layernorm) m.qk_layernorm = true;
   if (multi_latent_attention) m.multi_latent_attention = true;
+  if (add_qkv_bias) m.add_qkv_bias = true;
   for (const auto& [flag, given] : {std::pair{"--q-lora-rank", q_lora_rank.has_value()},
                                     {"--kv-lora-rank", kv_lora_rank.has_value()},
                                     {"--qk-head-dim", qk_head_dim.has_value()},

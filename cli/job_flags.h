@@ -19,6 +19,7 @@ struct JobFlags {
   std::optional<int64_t> num_layers, hidden_size, num_attention_heads, num_query_groups,
       ffn_hidden_size, seq_length, max_position_embeddings, vocab_size, kv_channels;
   bool qk_layernorm = false;
+  bool add_qkv_bias = false;
   // Multi-head latent attention (--multi-latent-attention and its widths).
   bool multi_latent_attention = false;
   std::optional<int64_t> q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim;

@@ -206,6 +206,9 @@ ModelSpec model_from_hf_config(const json& j) {
     throw InputError("model_type", "'" + model_type +
                                        "' normalises the whole query and key projections; "
                                        "ptdp's --qk-layernorm is per head (Qwen3's)");
+  // Qwen2's attention has biases on its query, key and value projections (transformers'
+  // Qwen2Attention, Qwen2MoeAttention): Megatron's --add-qkv-bias.
+  m.add_qkv_bias = is_one_of(model_type, {"qwen2", "qwen2_moe"}) && m.swiglu;
   bool attention_bias = false;
   r.read("attention_bias", attention_bias);
   if (attention_bias && m.swiglu)
@@ -235,7 +238,7 @@ double attention_and_norm_parameters(const ModelSpec& m) {
   const double q = static_cast<double>(m.query_width());
   const double kv = static_cast<double>(m.head_dim() * m.query_groups());  // K (and V) width
   const double bias = has_biases(m) ? 1.0 : 0.0;
-  const double qkv = h * (q + 2 * kv) + bias * (q + 2 * kv);
+  const double qkv = h * (q + 2 * kv) + (m.has_qkv_bias() ? 1.0 : 0.0) * (q + 2 * kv);
   const double proj = q * h + bias * h;
   return qkv + proj + 2 * m.norm_parameters() + m.qk_norm_parameters();
 }
@@ -382,12 +385,13 @@ void validate_mla(const ModelSpec& m) {
     throw InputError(field, why + " with multi_latent_attention (ptdp models DeepSeek's MLA)");
   };
   if (m.kv_channels > 0) refuse("kv_channels", "the head widths are MLA's own");
+  if (m.add_qkv_bias) refuse("add_qkv_bias", "there is no QKV projection");
   if (m.qk_layernorm) refuse("qk_layernorm", "per-head query and key norms are not modelled");
   if (m.query_groups() != m.num_attention_heads)
     refuse("num_query_groups", "grouped-query attention is not modelled");
   if (!m.swiglu) refuse("swiglu", "a GELU MLP with biases is not modelled");
   if (m.learned_position_embeddings)
-    refuse("learned_position_embeddings", "learned positions are not modelled (MLA is rotary)");
+    refuse("learned_position_embeddings", "learned positions are not modelled (rope is needed)");
 }
 
 }  // namespace
@@ -522,6 +526,7 @@ ModelSpec model_from_json(const json& j) {
     r.read("cross_entropy_fusion", m.cross_entropy_fusion);
     r.read("kv_channels", m.kv_channels);
     r.read("qk_layernorm", m.qk_layernorm);
+    r.read("add_qkv_bias", m.add_qkv_bias);
     r.read("multi_latent_attention", m.multi_latent_attention);
     r.read("q_lora_rank", m.q_lora_rank);
     r.read("kv_lora_rank", m.kv_lora_rank);
@@ -567,6 +572,7 @@ json to_json(const ModelSpec& m) {
   if (m.max_position_embeddings > 0) j["max_position_embeddings"] = m.max_position_embeddings;
   if (m.kv_channels > 0) j["kv_channels"] = m.kv_channels;
   if (m.qk_layernorm) j["qk_layernorm"] = true;
+  if (m.add_qkv_bias) j["add_qkv_bias"] = true;
   if (m.multi_latent_attention) {
     j["multi_latent_attention"] = true;
     j["q_lora_rank"] = m.q_lora_rank;

@@ -61,6 +61,9 @@ struct ModelSpec {
   // latents' norms are whole on every tensor-parallel rank; the up projections are
   // column-parallel and the output projection row-parallel. Modelled as DeepSeek's: gated MLP,
   // RMSNorm, no biases, rotary positions, no grouped queries.
+  // --add-qkv-bias (Qwen2, Qwen2.5): biases on the QKV projection of a gated (otherwise bias-free)
+  // model; GPT-style models have them anyway.
+  bool add_qkv_bias = false;
   bool multi_latent_attention = false;
   int64_t q_lora_rank = 0;
   int64_t kv_lora_rank = 32;
@@ -118,6 +121,7 @@ struct ModelSpec {
   int64_t kv_latent_width() const {
     return multi_latent_attention ? kv_lora_rank + qk_pos_emb_head_dim : 0;
   }
+  bool has_qkv_bias() const { return !swiglu || add_qkv_bias; }
   bool is_moe() const { return num_experts > 0; }
   int64_t moe_ffn_hidden() const {
     return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden();

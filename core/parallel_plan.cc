@@ -225,6 +225,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
     f << " --group-query-attention --num-query-groups " << m.query_groups();
   if (m.kv_channels > 0 && m.query_width() != m.hidden_size) f << " --kv-channels " << m.head_dim();
   if (m.qk_layernorm) f << " --qk-layernorm";
+  if (m.add_qkv_bias && m.swiglu) f << " --add-qkv-bias";
   if (m.multi_latent_attention) {
     f << " --multi-latent-attention";
     if (m.q_lora_rank > 0) f << " --q-lora-rank " << m.q_lora_rank;

@@ -342,7 +342,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         p.size = I.qkv_width() * h;
         L[2] = add(p, normal(p.name, I.qkv_width(), h, std_dev,
                              [=](int64_t r, int64_t c2) { return global_row(r) * h + c2; }));
-        if (I.biases) {
+        if (I.qkv_bias) {
           ParamInfo pb;
           pb.name = pre + "qkv.bias";
           pb.size = I.qkv_width();

@@ -38,6 +38,7 @@ ShardDims shard_dims(const ModelSpec& m, const ShardLayout& l) {
   d.biases = !m.swiglu;  // as ModelSpec counts them: Llama-style models have no biases
   d.rotary = !m.learned_position_embeddings;
   d.qk_norm = m.qk_layernorm;
+  d.qkv_bias = m.has_qkv_bias();
   d.mla = m.multi_latent_attention;
   d.dv = m.value_dim();
   if (d.mla) {

@@ -27,7 +27,8 @@ struct ShardDims {
   int64_t b, s, h, heads, groups, d, hl, gl, ffl, vocab, vl, v0, t, tp;
   bool sp, biases, swiglu;
   bool rotary;
-  bool qk_norm = false;  // --qk-layernorm
+  bool qk_norm = false;   // --qk-layernorm
+  bool qkv_bias = false;  // biases on QKV: GPT's, or a gated model's with --add-qkv-bias
   // Multi-head latent attention: d is a query's and key's width (dn unrotated + dr rotated
   // channels), dv a value's (d without MLA); ql the query latent (0: one query projection), kvl
   // the key-value latent.

@@ -20,12 +20,13 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   const int64_t mla = ql * h + ql + hl * d * (ql > 0 ? ql : h) + kvw * h + kvl +
                       hl * (m.qk_head_dim + m.v_head_dim) * kvl;
   const int64_t dv = m.value_dim();
-  const int64_t attention = h + biases * h  // input layernorm
-                            + (m.multi_latent_attention ? mla : qkv * h + biases * qkv)  // QKV
-                            + h * hl * dv + biases * h                      // attention projection
-                            + h + biases * h                                // post-attention norm
-                            + (m.qk_layernorm ? 2 * (d + biases * d) : 0);  // query/key norms
-  auto mlp = [&](int64_t width) {  // FC1 and FC2 of local width `width`
+  const int64_t attention =
+      h + biases * h  // input layernorm
+      + (m.multi_latent_attention ? mla : qkv * h + (m.has_qkv_bias() ? qkv : 0))  // QKV
+      + h * hl * dv + biases * h                      // attention projection
+      + h + biases * h                                // post-attention norm
+      + (m.qk_layernorm ? 2 * (d + biases * d) : 0);  // query/key norms
+  auto mlp = [&](int64_t width) {                     // FC1 and FC2 of local width `width`
     return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;
   };
   const int64_t per_layer = attention + mlp(ffl);

@@ -102,6 +102,30 @@ TEST(ModelSpec, Qwen3ParametersMatchTheModelCards) {
             2 * h * (q - h) + 2 * h * (kv - 4 * 64) + 2 * (128 - 64));
 }
 
+// Qwen2.5's query, key and value projections carry biases (--add-qkv-bias) on an otherwise
+// bias-free gated model. The 7B checkpoint holds 7,615,616,512 parameters (the card prints 7.61B,
+// 6.53B without the embeddings); the 72B card prints 72.7B (its 70.0B non-embedding figure is not
+// the total less the two 152064 x 8192 tables, 70.2B).
+TEST(ModelSpec, Qwen25ParametersMatchTheModelCards) {
+  const ModelSpec q7 = resolve_model("qwen2.5-7b");
+  EXPECT_TRUE(q7.add_qkv_bias);
+  EXPECT_EQ(q7.parameters(), 7615616512.0);
+  EXPECT_NEAR((q7.parameters() - q7.embedding_parameters() - q7.output_parameters()) / 1e9, 6.53,
+              0.005);
+  EXPECT_NEAR(resolve_model("qwen2.5-72b").parameters() / 1e9, 72.7, 0.05);
+  // The biases: the query's and the key-value groups' widths per layer, split over the
+  // tensor-parallel ranks with the projection.
+  ModelSpec m = resolve_model("qwen2.5-7b");
+  const double with = m.parameters_per_layer();
+  m.add_qkv_bias = false;
+  EXPECT_EQ(with - m.parameters_per_layer(), 3584 + 2 * 4 * 128);
+  ParallelPlan p;
+  p.tensor_parallel = 4;
+  EXPECT_NE(p.megatron_flags(resolve_model("qwen2.5-7b")).find(" --add-qkv-bias"),
+            std::string::npos);
+  EXPECT_EQ(p.megatron_flags(m).find("--add-qkv-bias"), std::string::npos);
+}
+
 // DeepSeek's reports give the total and the activated count (a token's routed experts and
 // everything else but the word embedding, a lookup); multi-head latent attention replaces QKV
 // with latent projections.
@@ -197,7 +221,7 @@ TEST(ModelSpec, GroupedQueryAttentionShrinksKeyValueWeights) {
 // ---- presets ----
 
 TEST(Presets, EveryPresetLoadsAndValidates) {
-  EXPECT_EQ(model_preset_names().size(), 25u);
+  EXPECT_EQ(model_preset_names().size(), 27u);
   for (const std::string& name : model_preset_names()) {
     const ModelSpec m = resolve_model(name);
     EXPECT_EQ(m.name, name);
@@ -466,6 +490,27 @@ TEST(HuggingFace, DeepSeekConfigsReadAsThePresets) {
   json odd = v3;  // named in the config's terms
   odd["qk_rope_head_dim"] = 63;
   EXPECT_EQ(field_of([&] { model_from_json(odd); }), "qk_rope_head_dim");
+}
+
+// Qwen/Qwen2.5-7B's config.json (the fields ptdp reads): model_type qwen2 has QKV biases.
+TEST(HuggingFace, Qwen2ConfigsHaveQkvBiases) {
+  const json qwen2 = {{"model_type", "qwen2"},
+                      {"hidden_act", "silu"},
+                      {"hidden_size", 3584},
+                      {"num_hidden_layers", 28},
+                      {"num_attention_heads", 28},
+                      {"num_key_value_heads", 4},
+                      {"intermediate_size", 18944},
+                      {"vocab_size", 152064},
+                      {"max_position_embeddings", 4096},
+                      {"rope_theta", 1000000.0},
+                      {"tie_word_embeddings", false}};
+  const ModelSpec m = model_from_json(qwen2);
+  EXPECT_TRUE(m.add_qkv_bias);
+  EXPECT_EQ(m.parameters(), resolve_model("qwen2.5-7b").parameters());
+  json llama = qwen2;
+  llama["model_type"] = "llama";
+  EXPECT_FALSE(model_from_json(llama).add_qkv_bias);
 }
 
 TEST(HuggingFace, DefaultsForOtherModels) {

@@ -153,6 +153,15 @@ TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
            {1, 1, 1, "", qwen3, 2},
        })
     expect_same_losses(l, single);
+  // Qwen2's QKV biases (--add-qkv-bias), split over the tensor-parallel ranks with QKV (at the
+  // default rate: at 0.02 this model's loss rises by step 4 and the layouts' rounding differences
+  // grow to 1.5e-5 by step 6, with and without sequence parallelism alike).
+  const std::string qwen2 = kTiny +
+                            " --swiglu --position-embedding-type rope --group-query-attention"
+                            " --num-query-groups 2 --add-qkv-bias";
+  const nlohmann::json single2 = run_json(0, qwen2);
+  EXPECT_NE(losses(single2), losses(run_json(0, qwen2.substr(0, qwen2.find(" --add-qkv-bias")))));
+  expect_same_losses({2, 1, 1, "--sequence-parallel", qwen2}, single2);
 }
 
 // DeepSeek's multi-head latent attention: the down projections and the latents' norms are whole

@@ -85,6 +85,14 @@ ModelSpec tiny_qk_layernorm() {
   return m;
 }
 
+// Qwen2's attention: biases on the QKV projection of a gated model (--add-qkv-bias).
+ModelSpec tiny_qkv_bias() {
+  ModelSpec m = tiny_rotary();
+  m.name = "tiny-qkv-bias";
+  m.add_qkv_bias = true;
+  return m;
+}
+
 // DeepSeek's multi-head latent attention: a query latent (q_lora_rank) and a key-value latent,
 // each normalised, heads of 6 query/key channels (4 unrotated, 2 rotated, one rotated key shared
 // by every head) and 3 value channels; without a query latent the queries are projected from the
@@ -200,8 +208,8 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
 TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
   auto self = make_self_communicator();
   int checked = 0;
-  for (const ModelSpec& base :
-       {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3(), tiny_mla(), tiny_mla(false)}) {
+  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3(), tiny_mla(),
+                                tiny_mla(false), tiny_qkv_bias()}) {
     ModelSpec m = base;
     m.num_layers = 8;
     for (int64_t t : {1, 2})
@@ -292,9 +300,10 @@ TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
 }
 
 TEST(GptShard, GradientsMatchFiniteDifferences) {
-  for (const ModelSpec& base : {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama()),
-                                tiny_qwen3(), with_flash(tiny_qwen3()), tiny_qk_layernorm(),
-                                tiny_mla(), with_flash(tiny_mla()), tiny_mla(false)}) {
+  for (const ModelSpec& base :
+       {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama()), tiny_qwen3(),
+        with_flash(tiny_qwen3()), tiny_qk_layernorm(), tiny_mla(), with_flash(tiny_mla()),
+        tiny_mla(false), tiny_qkv_bias()}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
