@@ -12,7 +12,7 @@
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
 # SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline, CURVE_CPU
-# (below), MOE=0 to skip the MoE runs, NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
+# (below), MOE=0 to skip the MoE runs, MLA=0 the latent-attention runs, NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
 # 2 minutes after a crash, at most about 10 after hangs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -185,6 +185,25 @@ if [ "${MOE:-1}" != 0 ]; then
     [ "$be" = cuda_bf16 ] && extra+=(--bf16)
     stage "$build/cli/ptdp" run "${moe[@]}" "${extra[@]}" >"$out/moe_$be.json" \
       2>"$out/moe_$be.log"
+  done
+fi
+# DeepSeek's multi-head latent attention on the GPU (a query latent, heads of 64 + 32 query/key
+# and 64 value channels: the fused attention runs at 96 channels with V padded, widened to fp32
+# since the bf16 kernels take 64 and 128) with MoE layers, against the CPU backend's losses.
+# MLA=0 skips it.
+mla=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --multi-latent-attention
+  --q-lora-rank 128 --kv-lora-rank 64 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64
+  --swiglu --ffn-hidden-size 512 --num-experts 8 --moe-router-topk 2 --position-embedding-type rope
+  --untie-embeddings-and-output-weights --seq-length 128 --vocab-size 32000
+  --global-batch-size 4 --micro-batch-size 2 --use-flash-attn --steps ${MLA_STEPS:-10} --seed 7
+  --json)
+rm -f "$out"/mla_*
+if [ "${MLA:-1}" != 0 ]; then
+  for be in cpu cuda cuda_bf16; do
+    extra=(--backend "${be%_bf16}")
+    [ "$be" = cuda_bf16 ] && extra+=(--bf16)
+    stage "$build/cli/ptdp" run "${mla[@]}" "${extra[@]}" >"$out/mla_$be.json" \
+      2>"$out/mla_$be.log"
   done
 fi
 # t = 2, p = 2 on this one GPU: four ranks under mpirun share it, so the data plane is MPI on
@@ -373,6 +392,8 @@ if os.path.exists(os.path.join(out, "moe_cpu.log")):
             sorted(times)[len(times) // 2], run["peak_memory_gib"]))
     except Exception as e:  # noqa: BLE001
         print("MoE model, --bf16 on the GPU: NO RESULT (%s; see moe_cuda_bf16.log)" % e)
+if os.path.exists(os.path.join(out, "mla_cpu.log")):
+    fail += against_cpu("mla", "MLA + MoE model (multi-head latent attention)")
 if os.path.exists(os.path.join(out, "tp2pp2_cpu.log")):
     fail += against_cpu("tp2pp2", "t=2 p=2 on one GPU")
 else:
