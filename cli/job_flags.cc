@@ -47,7 +47,8 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--kv-channels", kv_channels,
                  "the attention's head width (default: --hidden-size / --num-attention-heads)");
   app.add_flag("--qk-layernorm", qk_layernorm,
-               "normalise each head's query and key (Qwen3's q_norm and k_norm)");
+               "normalise each head's query and key (Qwen3's q_norm and k_norm; with MLA its "
+               "latents, DeepSeek's q_a_layernorm and kv_a_layernorm)");
   app.add_flag("--add-qkv-bias", add_qkv_bias,
                "biases on the QKV projection of a gated model (Qwen2's)");
   app.add_flag("--multi-latent-attention", multi_latent_attention,

@@ -412,7 +412,7 @@ void mla_projections(Builder& b, const ModelSpec& m, const LayerShape& s, const 
   const double latents = static_cast<double>(ql + m.kv_lora_rank);
   if (ql > 0) b.gemm(OpId::kQDownProj, Ri, ql, d.hi);
   b.gemm(OpId::kKvDownProj, Ri, kvw, d.hi);
-  b.memory(OpId::kLatentLayernorm, R * latents * d.act * 2);
+  if (m.qk_layernorm) b.memory(OpId::kLatentLayernorm, R * latents * d.act * 2);
   if (t > 1 && s.sequence_parallel) {
     const double gathered = static_cast<double>(ql > 0 ? ql + kvw : kvw) + (ql > 0 ? 0.0 : d.h);
     b.collective(OpId::kAttnAllGather, Collective::kAllGather, d.T * gathered * d.act);
@@ -926,17 +926,21 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // (mla_up_proj reruns Q, K and V from the latents: none of them kept.)
   u.sharded = (recomputes(s, kRecomputeMlaUpProj, moe_layer) ? 0.0 : 2.0 * (sbq + sbk + sbv)) +
               proj_input * sbo;
-  // MLA (the rank's tokens, as the input norm's): the latents' norms keep their inputs and
-  // outputs (the up projections' inputs, gathered again for the backward pass with sequence
-  // parallelism, as Megatron's column-parallel layers do) and an fp32 reciprocal RMS per token
-  // each. The down projections keep the input norm's output, as QKV does.
+  // MLA (the rank's tokens, as the input norm's): the up projections keep their inputs, the
+  // latents (gathered again for the backward pass with sequence parallelism, as Megatron's
+  // column-parallel layers do), and with --qk-layernorm the latents' norms their inputs and an
+  // fp32 reciprocal RMS per token each; mla_up_proj's rerun keeps the rotated key too. The down
+  // projections keep the input norm's output, as QKV does.
   if (m.multi_latent_attention) {
     const double latents = static_cast<double>(m.q_lora_rank + m.kv_lora_rank);
-    u.replicated += 4.0 * d.T * latents + 4.0 / (d.act / 2.0) * d.T * (m.q_lora_rank > 0 ? 2 : 1);
+    u.replicated += (m.qk_layernorm ? 4.0 : 2.0) * d.T * latents;
+    if (m.qk_layernorm) u.replicated += 4.0 / (d.act / 2.0) * d.T * (m.q_lora_rank > 0 ? 2 : 1);
+    if (recomputes(s, kRecomputeMlaUpProj, moe_layer))
+      u.replicated += 2.0 * d.T * static_cast<double>(m.qk_pos_emb_head_dim);
   }
   // --qk-layernorm's norms keep their inputs (the unnormalised queries and keys, 16-bit) and
   // per head and token an fp32 reciprocal RMS (and mean, for LayerNorm models).
-  if (m.qk_layernorm)
+  if (m.qk_layernorm && !m.multi_latent_attention)
     u.sharded += 2.0 * (sbq + sbk) +
                  (m.swiglu ? 1.0 : 2.0) * 4.0 / (d.act / 2.0) * d.T * (d.heads + d.groups);
   if (!recomputes(s, kRecomputeMlp, moe_layer))
@@ -1012,9 +1016,10 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
                                     2.0 * R * latents + R * h)
                          : 0.0;
   const double attention_phase =
-      R * h + std::max({T * h + T * o, T * o + (scores > 0 ? scores + T * kv : T * qkv),
-                        scores + T * qkv, m.qk_layernorm ? T * (qkv + q) : 0.0, 2.0 * T * qkv,
-                        T * qkv + T * h, norm_backward, mla});
+      R * h +
+      std::max({T * h + T * o, T * o + (scores > 0 ? scores + T * kv : T * qkv), scores + T * qkv,
+                m.qk_layernorm && !m.multi_latent_attention ? T * (qkv + q) : 0.0, 2.0 * T * qkv,
+                T * qkv + T * h, norm_backward, mla});
   // The gradient arriving from the next layer and the one leaving for the previous.
   return d.act * (2.0 * R * h + std::max(mlp_phase, attention_phase));
 }

@@ -201,7 +201,9 @@ ModelSpec model_from_hf_config(const json& j) {
     m.kv_channels = 0;  // the default width
   // Qwen3's attention normalises each head's query and key (q_norm, k_norm: RMSNorm over
   // head_dim); so does OLMo 2's, over the whole projection, which ptdp does not model.
-  m.qk_layernorm = qwen3;
+  // DeepSeek-V2/V3 normalise their latents (q_a_layernorm, kv_a_layernorm): Megatron-Core's
+  // --qk-layernorm with multi-latent attention.
+  m.qk_layernorm = qwen3 || m.multi_latent_attention;
   if (is_one_of(model_type, {"olmo2", "olmoe"}))
     throw InputError("model_type", "'" + model_type +
                                        "' normalises the whole query and key projections; "
@@ -321,15 +323,18 @@ double ModelSpec::norm_parameters() const {
 }
 
 double ModelSpec::qk_norm_parameters() const {
-  return qk_layernorm ? 2.0 * (has_biases(*this) ? 2.0 : 1.0) * static_cast<double>(head_dim())
-                      : 0.0;
+  // (MLA's --qk-layernorm normalises its latents: mla_replicated_parameters.)
+  return qk_layernorm && !multi_latent_attention
+             ? 2.0 * (has_biases(*this) ? 2.0 : 1.0) * static_cast<double>(head_dim())
+             : 0.0;
 }
 
 double ModelSpec::mla_replicated_parameters() const {
   if (!multi_latent_attention) return 0.0;
   const double h = static_cast<double>(hidden_size);
   const double ql = static_cast<double>(q_lora_rank), kvl = static_cast<double>(kv_lora_rank);
-  return h * ql + ql + h * static_cast<double>(kv_latent_width()) + kvl;
+  const double norms = qk_layernorm ? ql + kvl : 0.0;
+  return h * ql + h * static_cast<double>(kv_latent_width()) + norms;
 }
 
 double ModelSpec::embedding_parameters() const {
@@ -386,7 +391,6 @@ void validate_mla(const ModelSpec& m) {
   };
   if (m.kv_channels > 0) refuse("kv_channels", "the head widths are MLA's own");
   if (m.add_qkv_bias) refuse("add_qkv_bias", "there is no QKV projection");
-  if (m.qk_layernorm) refuse("qk_layernorm", "per-head query and key norms are not modelled");
   if (m.query_groups() != m.num_attention_heads)
     refuse("num_query_groups", "grouped-query attention is not modelled");
   if (!m.swiglu) refuse("swiglu", "a GELU MLP with biases is not modelled");

@@ -52,18 +52,20 @@ struct ModelSpec {
   // bias, for LayerNorm models) of kv_channels for all queries and one for all keys.
   int64_t kv_channels = 0;
   bool qk_layernorm = false;
+  // --add-qkv-bias (Qwen2, Qwen2.5): biases on the QKV projection of a gated (otherwise bias-free)
+  // model; GPT-style models have them anyway.
+  bool add_qkv_bias = false;
   // Multi-head latent attention (DeepSeek-V2/V3; Megatron-Core's --multi-latent-attention and
   // its widths, with Megatron's defaults). Each head's query and key are qk_head_dim channels
   // without position plus qk_pos_emb_head_dim rotated ones, its value v_head_dim. The queries
   // come from the hidden state through a q_lora_rank latent (--q-lora-rank; 0: one projection,
   // linear_q_proj), the keys and values from a kv_lora_rank latent (--kv-lora-rank) beside one
-  // rotated key of qk_pos_emb_head_dim shared by every head. The down projections and the
-  // latents' norms are whole on every tensor-parallel rank; the up projections are
-  // column-parallel and the output projection row-parallel. Modelled as DeepSeek's: gated MLP,
-  // RMSNorm, no biases, rotary positions, no grouped queries.
-  // --add-qkv-bias (Qwen2, Qwen2.5): biases on the QKV projection of a gated (otherwise bias-free)
-  // model; GPT-style models have them anyway.
-  bool add_qkv_bias = false;
+  // rotated key of qk_pos_emb_head_dim shared by every head. With qk_layernorm each latent is
+  // normalised before its up projection, as Megatron-Core's MLA layer spec does with
+  // --qk-layernorm (DeepSeek's q_a_layernorm and kv_a_layernorm); without it there are no latent
+  // norms. The down projections and the latents' norms are whole on every tensor-parallel rank;
+  // the up projections are column-parallel and the output projection row-parallel. Modelled as
+  // DeepSeek's: gated MLP, RMSNorm, no biases, rotary positions, no grouped queries.
   bool multi_latent_attention = false;
   int64_t q_lora_rank = 0;
   int64_t kv_lora_rank = 32;

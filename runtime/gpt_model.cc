@@ -322,11 +322,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         };
         if (I.ql > 0) {
           L[16] = whole("q_down_proj.weight", I.ql);
-          L[17] = replicated(pre + "q_layernorm.weight", I.ql, 1.0f);
+          if (I.qk_norm) L[17] = replicated(pre + "q_layernorm.weight", I.ql, 1.0f);
         }
         L[18] = up(I.ql > 0 ? "q_up_proj.weight" : "q_proj.weight", d, I.ql > 0 ? I.ql : h);
         L[19] = whole("kv_down_proj.weight", I.kv_latent_width());
-        L[20] = replicated(pre + "kv_layernorm.weight", I.kvl, 1.0f);
+        if (I.qk_norm) L[20] = replicated(pre + "kv_layernorm.weight", I.kvl, 1.0f);
         L[21] = up("kv_up_proj.weight", I.dn + I.dv, I.kvl);
       } else {  // QKV: rows [q of local heads | k of local groups | v of local groups]
         const int64_t heads = I.heads, groups = I.groups, hl = I.hl, gl = I.gl;
@@ -350,7 +350,7 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
           L[3] = add(pb, constant(pb.size, 0.0f));
         }
       }
-      if (m.qk_layernorm) {  // one norm of d for every query head, one for every key head
+      if (m.qk_layernorm && !I.mla) {  // one norm of d for every query head, one for every key head
         auto head_norm = [&](const std::string& name, float value) {
           const int64_t at = replicated(pre + name, d, value);
           pending[static_cast<size_t>(at)].info.tp_partial = true;

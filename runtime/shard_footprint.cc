@@ -17,16 +17,17 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   // MLA (no biases): the down projections and the latents' norms whole, the up projections
   // column-parallel, in place of QKV.
   const int64_t ql = m.q_latent_width(), kvl = m.kv_lora_rank, kvw = m.kv_latent_width();
-  const int64_t mla = ql * h + ql + hl * d * (ql > 0 ? ql : h) + kvw * h + kvl +
+  const int64_t norms = m.qk_layernorm ? ql + kvl : 0;  // MLA's latents' norms
+  const int64_t mla = ql * h + norms + hl * d * (ql > 0 ? ql : h) + kvw * h +
                       hl * (m.qk_head_dim + m.v_head_dim) * kvl;
   const int64_t dv = m.value_dim();
   const int64_t attention =
       h + biases * h  // input layernorm
       + (m.multi_latent_attention ? mla : qkv * h + (m.has_qkv_bias() ? qkv : 0))  // QKV
-      + h * hl * dv + biases * h                      // attention projection
-      + h + biases * h                                // post-attention norm
-      + (m.qk_layernorm ? 2 * (d + biases * d) : 0);  // query/key norms
-  auto mlp = [&](int64_t width) {                     // FC1 and FC2 of local width `width`
+      + h * hl * dv + biases * h  // attention projection
+      + h + biases * h            // post-attention norm
+      + (m.qk_layernorm && !m.multi_latent_attention ? 2 * (d + biases * d) : 0);  // q/k norms
+  auto mlp = [&](int64_t width) {  // FC1 and FC2 of local width `width`
     return (m.swiglu ? 2 * width : width) * h + biases * width + h * width + biases * h;
   };
   const int64_t per_layer = attention + mlp(ffl);

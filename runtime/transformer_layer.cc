@@ -201,15 +201,17 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       c.norm_forward(A.k_in, W.kn_g, W.kn_b, A.k, A.kn_mean, A.kn_rstd, m.n_full * m.gl, m.d);
       if (cp && !m.rotary && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
       break;
-    case OpId::kQDownProj:
-      resize_for_overwrite(A.q_lat_in, m.n_local * m.ql);
-      c.linear(A.ln1.ptr(), W.q_down_w, -1, A.q_lat_in.ptr(), m.n_local, m.h, m.ql);
+    case OpId::kQDownProj: {  // (with --qk-layernorm the latent before its norm)
+      Buffer& lat = m.qk_norm ? A.q_lat_in : A.q_lat;
+      resize_for_overwrite(lat, m.n_local * m.ql);
+      c.linear(A.ln1.ptr(), W.q_down_w, -1, lat.ptr(), m.n_local, m.h, m.ql);
       break;
+    }
     case OpId::kKvDownProj: {
       Buffer kvc;
       resize_for_overwrite(kvc, m.n_local * m.kv_latent_width());
       c.linear(A.ln1.ptr(), W.kv_down_w, -1, kvc.ptr(), m.n_local, m.h, m.kv_latent_width());
-      part_columns(be, kvc, A.kv_lat_in, A.k_pe, m.n_local, m.kvl, m.dr);
+      part_columns(be, kvc, m.qk_norm ? A.kv_lat_in : A.kv_lat, A.k_pe, m.n_local, m.kvl, m.dr);
       break;
     }
     case OpId::kLatentLayernorm:
@@ -541,8 +543,12 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       Buffer& d_ln1 = m.sp ? D.d_ln1 : D.d_ln1_full;
       Buffer& dx = elems(d_ln1) == 0 ? d_ln1 : D.tmp;
       resize_for_overwrite(dx, m.n_local * m.h);
-      c.linear_dgrad(kv ? W.kv_down_w : W.q_down_w, (kv ? D.d_kvc : D.d_q_lat_in).ptr(), dx.ptr(),
-                     m.n_local, m.h, out);
+      c.linear_dgrad(kv ? W.kv_down_w : W.q_down_w,
+                     (kv          ? D.d_kvc
+                      : m.qk_norm ? D.d_q_lat_in
+                                  : D.d_q_in)
+                         .ptr(),
+                     dx.ptr(), m.n_local, m.h, out);
       if (&dx == &D.tmp) {
         be.add(d_ln1.ptr(), D.tmp.ptr(), m.n_local * m.h);
         release(D.tmp);
@@ -554,10 +560,12 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
                      m.kv_latent_width());
       release(D.d_kvc);
       break;
-    case OpId::kQDownProjWgrad:
-      c.linear_wgrad(A.ln1.ptr(), D.d_q_lat_in.ptr(), W.q_down_w, -1, m.n_local, m.h, m.ql);
-      release(D.d_q_lat_in);
+    case OpId::kQDownProjWgrad: {
+      Buffer& d_lat = m.qk_norm ? D.d_q_lat_in : D.d_q_in;
+      c.linear_wgrad(A.ln1.ptr(), d_lat.ptr(), W.q_down_w, -1, m.n_local, m.h, m.ql);
+      release(d_lat);
       break;
+    }
     case OpId::kQkLayernormBackward:  // dQ and dK through the norms (their weights' gradients
                                       // partial over the rank's heads: ParamInfo::tp_partial)
       c.norm_backward(A.q_in, W.qn_g, W.qn_b, A.qn_mean, A.qn_rstd, D.dq, D.tmp, m.n_full * m.hl,
@@ -612,6 +620,18 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
 }
 
 void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
+  // MLA: the up projections' backward reads their inputs, gathered (*_full) with sequence
+  // parallelism, the rank's own rows without. The rank's rows and the rotated key stay only for
+  // mla_up_proj's rerun, which gathers them again: its gathered copies go instead.
+  const bool gathered = elems(A.kv_lat_full) > 0;
+  if (r == Recompute::kSelective && (modules & kRecomputeMlaUpProj)) {
+    if (gathered)
+      for (Buffer* x : {&A.q_lat_full, &A.kv_lat_full, &A.ln1_full}) release(*x);
+  } else if (r != Recompute::kFull) {
+    release(A.k_pe);
+    if (gathered)
+      for (Buffer* x : {&A.q_lat, &A.kv_lat}) release(*x);
+  }
   if (r == Recompute::kNone) return;
   if (r == Recompute::kSelective) {
     if (modules & kRecomputeCoreAttn) {  // the attention core is recomputed

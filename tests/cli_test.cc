@@ -352,7 +352,8 @@ TEST(CliErrors, MultiLatentAttention) {
   const Result ok = run(mla({"--q-lora-rank", "512", "--json"}));
   ASSERT_EQ(ok.status, 0) << ok.err;
   EXPECT_NE(nlohmann::json::parse(ok.out)["megatron_flags"].get<std::string>().find(
-                "--multi-latent-attention --q-lora-rank 512 --kv-lora-rank 512 --qk-head-dim 128 "
+                "--qk-layernorm --multi-latent-attention --q-lora-rank 512 --kv-lora-rank 512 "
+                "--qk-head-dim 128 "
                 "--qk-pos-emb-head-dim 64 --v-head-dim 128"),
             std::string::npos);
 }

@@ -465,6 +465,7 @@ TEST(HuggingFace, DeepSeekConfigsReadAsThePresets) {
   const ModelSpec m = model_from_json(v3);
   const ModelSpec preset = resolve_model("deepseek-v3");
   EXPECT_TRUE(m.multi_latent_attention);
+  EXPECT_TRUE(m.qk_layernorm);  // q_a_layernorm and kv_a_layernorm
   EXPECT_EQ(m.head_dim(), 192);
   EXPECT_EQ(m.value_dim(), 128);
   EXPECT_EQ(m.parameters(), preset.parameters());

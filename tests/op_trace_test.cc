@@ -206,6 +206,7 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   mla.name = "trace-mla";
   mla.num_query_groups = 0;
   mla.multi_latent_attention = true;
+  mla.qk_layernorm = true;  // the latents' norms
   mla.q_lora_rank = 24;
   mla.kv_lora_rank = 16;
   mla.qk_head_dim = 12;
@@ -305,6 +306,7 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   ModelSpec mla = flash;  // multi-head latent attention, values narrower than queries
   mla.num_query_groups = 0;
   mla.multi_latent_attention = true;
+  mla.qk_layernorm = true;
   mla.q_lora_rank = 24;
   mla.kv_lora_rank = 16;
   mla.qk_head_dim = 12;
@@ -313,6 +315,7 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   ModelSpec mla_unfused = mla;
   mla_unfused.flash_attention = false;
   mla_unfused.q_lora_rank = 0;
+  mla_unfused.qk_layernorm = false;
   for (const ModelSpec& m :
        {gpt(), llama_like(), rotary(), flash, qwen3, gpt_qk, mla, mla_unfused}) {
     for (const Variant& v :

@@ -173,7 +173,7 @@ TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
 TEST(RunMpi, MultiLatentAttentionLayoutsTrainToTheSingleRankLosses) {
   const std::string mla = kTiny +
                           " --swiglu --position-embedding-type rope --multi-latent-attention"
-                          " --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 16"
+                          " --qk-layernorm --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 16"
                           " --qk-pos-emb-head-dim 8 --v-head-dim 12 --lr 0.02";
   const std::string no_q_latent = kTiny +
                                   " --swiglu --position-embedding-type rope --use-flash-attn"

@@ -94,15 +94,16 @@ ModelSpec tiny_qkv_bias() {
 }
 
 // DeepSeek's multi-head latent attention: a query latent (q_lora_rank) and a key-value latent,
-// each normalised, heads of 6 query/key channels (4 unrotated, 2 rotated, one rotated key shared
-// by every head) and 3 value channels; without a query latent the queries are projected from the
-// hidden state.
+// each normalised (--qk-layernorm), heads of 6 query/key channels (4 unrotated, 2 rotated, one
+// rotated key shared by every head) and 3 value channels; without a query latent the queries are
+// projected from the hidden state, and the latent is not normalised.
 ModelSpec tiny_mla(bool query_latent = true) {
   ModelSpec m = tiny_rotary();
   m.name = query_latent ? "tiny-mla" : "tiny-mla-no-q-latent";
   m.num_query_groups = 0;
   m.multi_latent_attention = true;
   m.q_lora_rank = query_latent ? 8 : 0;
+  m.qk_layernorm = query_latent;
   m.kv_lora_rank = 6;
   m.qk_head_dim = 4;
   m.qk_pos_emb_head_dim = 2;
@@ -539,6 +540,7 @@ TEST(Train, MeasuredMlaPeakMemoryIsWithinTenPercentOfThePrediction) {
   m.ffn_hidden_size = 352;
   m.learned_position_embeddings = false;
   m.multi_latent_attention = true;
+  m.qk_layernorm = true;
   m.q_lora_rank = 96;
   m.kv_lora_rank = 64;
   m.qk_head_dim = 32;
