@@ -120,13 +120,6 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
                            num(m.query_groups() / t) + ")";
                   });
 
-  if (cp > 1 && m.multi_latent_attention)
-    return broken(PlanRule::kContextWithLatentAttention, report, "--context-parallel-size", [] {
-      return std::string(
-          "above 1 is not run with multi-latent attention by ptdp (its keys and values differ in "
-          "width)");
-    });
-
   const char* epf = "--expert-model-parallel-size";
   if (!m.is_moe() && (ep > 1 || plan.expert_tensor_parallel > 0))
     return broken(PlanRule::kExpertNeedsMoe, report, ep > 1 ? epf : "--expert-tensor-parallel-size",
@@ -424,8 +417,6 @@ const char* rule_reason(PlanRule r) {
       return "a2a+p2p: the hierarchical sizes do not match cp";
     case PlanRule::kContextDividesHeads:
       return "a2a: cp (a2a+p2p: A) does not divide a rank's heads";
-    case PlanRule::kContextWithLatentAttention:
-      return "context parallelism with multi-latent attention";
     case PlanRule::kExpertNeedsMoe:
       return "expert parallelism needs an MoE model";
     case PlanRule::kExpertDividesExperts:

@@ -43,8 +43,6 @@ enum class PlanRule {
                                           // with a2a+p2p at cp > 1: A, B >= 1, A B = cp
   kContextDividesHeads,                   // a2a: cp | heads / t and cp | query groups / t;
                                           // a2a+p2p: A | both
-  kContextWithLatentAttention,            // cp > 1 not with multi-latent attention (ptdp run's
-                                          // ring carries keys and values of one width)
   kExpertNeedsMoe,                        // ep > 1 or etp given only for an MoE model
   kExpertDividesExperts,                  // ep | num_experts
   kExpertTensorDividesFfn,                // etp | moe_ffn_hidden_size, t | shared experts' FFN

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <tuple>
+#include <utility>
 
 namespace ptdp {
 
@@ -70,14 +72,14 @@ void context_positions(ShardContext& c, Ptr x, int64_t table, int64_t sl, int64_
     }
 }
 
-void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse) {
+void context_rope(ShardContext& c, Buffer& x, int64_t heads, int64_t d, bool inverse) {
   const ShardDims& m = c.dims;
-  const int64_t width = heads * m.d;
+  const int64_t width = heads * d;
   Buffer full;
   resize(full, m.b * m.s_attn * width);
   c.be.fill_zero(full.ptr(), elems(full));
   context_rows_to_global(c.be, x.ptr(), full.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
-  c.be.rope(full.ptr(), m.b, m.s_attn, heads, m.d, m.rotary_base, inverse);
+  c.be.rope(full.ptr(), m.b, m.s_attn, heads, d, m.rotary_base, inverse);
   context_rows_from_global(c.be, full.ptr(), x.ptr(), m.b, m.s_attn, m.cp, m.cpr, width);
 }
 
@@ -103,29 +105,30 @@ int64_t chunk_keys(const ShardDims& m, const Ring& g, int64_t chunk) {
   return (chunk == 0 ? g.r + 1 : 2 * g.n - g.r) * c;
 }
 
-// Ring all-gather: k and v (this ring rank's rows [b, g.rows, gq d]) become the whole
-// sequence's ([b, s, gq d], global order), as g.n - 1 steps of op `id` of pass `pass`.
+// Ring all-gather: k and v (this ring rank's rows [b, g.rows, gq d] and [b, g.rows, gq dv])
+// become the whole sequence's ([b, s, gq d], [b, s, gq dv], global order), as g.n - 1 steps of
+// op `id` of pass `pass`.
 void ring_gather(ShardContext& c, const Ring& g, Buffer& k, Buffer& v, OpId id, PassKind pass) {
   const ShardDims& m = c.dims;
-  const int64_t width = g.gq * m.d, kv = m.b * g.rows * width, n = 2 * kv;
-  if (elems(k) != kv || elems(v) != kv)
+  const int64_t kw = g.gq * m.d, vw = g.gq * m.dv;
+  const int64_t kn = m.b * g.rows * kw, vn = m.b * g.rows * vw, n = kn + vn;
+  if (elems(k) != kn || elems(v) != vn)
     throw std::logic_error("context parallelism: K and V are not the local block");
   Buffer blocks;
   resize_for_overwrite(blocks, g.n * n);
-  c.be.copy(k.ptr(), blocks.ptr().at(g.r * n), kv);
-  c.be.copy(v.ptr(), blocks.ptr().at(g.r * n + kv), kv);
+  c.be.copy(k.ptr(), blocks.ptr().at(g.r * n), kn);
+  c.be.copy(v.ptr(), blocks.ptr().at(g.r * n + kn), vn);
   // At step i rank r passes on block r - i and receives block r - i - 1.
   for (int64_t i = 0; i + 1 < g.n; ++i) {
     const int64_t send = (g.r - i + g.n) % g.n, recv = (g.r - i - 1 + 2 * g.n) % g.n;
     c.ring_step(id, blocks.ptr().at(send * n), blocks.ptr().at(recv * n), n, pass);
   }
   Buffer kf, vf;
-  resize_for_overwrite(kf, m.b * m.s_attn * width);
-  resize_for_overwrite(vf, m.b * m.s_attn * width);
+  resize_for_overwrite(kf, m.b * m.s_attn * kw);
+  resize_for_overwrite(vf, m.b * m.s_attn * vw);
   for (int64_t q = 0; q < g.n; ++q) {  // every row of kf and vf is some block's
-    context_rows_to_global(c.be, blocks.ptr().at(q * n), kf.ptr(), m.b, m.s_attn, g.n, q, width);
-    context_rows_to_global(c.be, blocks.ptr().at(q * n + kv), vf.ptr(), m.b, m.s_attn, g.n, q,
-                           width);
+    context_rows_to_global(c.be, blocks.ptr().at(q * n), kf.ptr(), m.b, m.s_attn, g.n, q, kw);
+    context_rows_to_global(c.be, blocks.ptr().at(q * n + kn), vf.ptr(), m.b, m.s_attn, g.n, q, vw);
   }
   k.swap(kf);
   v.swap(vf);
@@ -134,8 +137,7 @@ void ring_gather(ShardContext& c, const Ring& g, Buffer& k, Buffer& v, OpId id, 
 // k and v of the whole sequence back to this ring rank's rows.
 void keep_ring_rows(ShardContext& c, const Ring& g, Buffer& k, Buffer& v) {
   const ShardDims& m = c.dims;
-  const int64_t width = g.gq * m.d;
-  for (Buffer* x : {&k, &v}) {
+  for (auto [x, width] : {std::pair{&k, g.gq * m.d}, {&v, g.gq * m.dv}}) {
     Buffer local;
     resize_for_overwrite(local, m.b * g.rows * width);
     context_rows_from_global(c.be, x->ptr(), local.ptr(), m.b, m.s_attn, g.n, g.r, width);
@@ -145,19 +147,20 @@ void keep_ring_rows(ShardContext& c, const Ring& g, Buffer& k, Buffer& v) {
 
 // The causal attention of this ring rank's queries q ([b, g.rows, hq d], two chunks per
 // sequence) over the whole sequence's k and v: two flash calls per sequence, each chunk's
-// queries the last of the keys it sees. ctx like q; lse [b][2][hq][chunk].
+// queries the last of the keys it sees. ctx [b, g.rows, hq dv]; lse [b][2][hq][chunk].
 void ring_attention_forward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPtr v, Buffer& ctx,
                             Buffer& lse) {
   const ShardDims& m = c.dims;
   const int64_t chunk = g.rows / 2, qrow = g.hq * m.d, krow = g.gq * m.d;
-  resize_for_overwrite(ctx, m.b * g.rows * qrow);
+  const int64_t vrow = g.gq * m.dv, orow = g.hq * m.dv;
+  resize_for_overwrite(ctx, m.b * g.rows * orow);
   resize_for_overwrite(lse, m.b * g.hq * g.rows);
   for (int64_t bi = 0; bi < m.b; ++bi)
     for (int64_t h = 0; h < 2; ++h) {
-      const int64_t rows = (bi * g.rows + h * chunk) * qrow, keys = bi * m.s_attn * krow;
-      c.be.flash_attention_forward(q.at(rows), k.at(keys), v.at(keys), ctx.ptr().at(rows),
-                                   lse.data() + (bi * 2 + h) * g.hq * chunk, 1, chunk,
-                                   chunk_keys(m, g, h), g.hq, g.gq, m.d);
+      const int64_t rows = bi * g.rows + h * chunk, keys = bi * m.s_attn;
+      c.flash_forward(q.at(rows * qrow), k.at(keys * krow), v.at(keys * vrow),
+                      ctx.ptr().at(rows * orow), lse.data() + (bi * 2 + h) * g.hq * chunk, 1, chunk,
+                      chunk_keys(m, g, h), g.hq, g.gq, m.dv);
     }
 }
 
@@ -167,29 +170,30 @@ void ring_attention_backward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPt
                              const Buffer& lse, CPtr d_out, Buffer& dq, Buffer& dk, Buffer& dv) {
   const ShardDims& m = c.dims;
   const int64_t chunk = g.rows / 2, qrow = g.hq * m.d, krow = g.gq * m.d;
+  const int64_t vrow = g.gq * m.dv, orow = g.hq * m.dv;
   resize_for_overwrite(dq, m.b * g.rows * qrow);
   resize_for_overwrite(dk, m.b * m.s_attn * krow);
-  resize_for_overwrite(dv, m.b * m.s_attn * krow);
+  resize_for_overwrite(dv, m.b * m.s_attn * vrow);
   Buffer dk0, dv0;  // the first chunk's part, added to the second chunk's
   resize_for_overwrite(dk0, chunk_keys(m, g, 0) * krow);
-  resize_for_overwrite(dv0, chunk_keys(m, g, 0) * krow);
+  resize_for_overwrite(dv0, chunk_keys(m, g, 0) * vrow);
   const int64_t seen = chunk_keys(m, g, 1);  // the second chunk sees every key the first sees
   for (int64_t bi = 0; bi < m.b; ++bi) {
-    const int64_t keys = bi * m.s_attn * krow;
+    const int64_t keys = bi * m.s_attn;
     for (int64_t h = 1; h >= 0; --h) {
-      const int64_t rows = (bi * g.rows + h * chunk) * qrow;
-      c.be.flash_attention_backward(q.at(rows), k.at(keys), v.at(keys), out.at(rows),
-                                    lse.data() + (bi * 2 + h) * g.hq * chunk, d_out.at(rows),
-                                    dq.ptr().at(rows), h == 1 ? dk.ptr().at(keys) : dk0.ptr(),
-                                    h == 1 ? dv.ptr().at(keys) : dv0.ptr(), 1, chunk,
-                                    chunk_keys(m, g, h), g.hq, g.gq, m.d);
+      const int64_t rows = bi * g.rows + h * chunk;
+      c.flash_backward(q.at(rows * qrow), k.at(keys * krow), v.at(keys * vrow), out.at(rows * orow),
+                       lse.data() + (bi * 2 + h) * g.hq * chunk, d_out.at(rows * orow),
+                       dq.ptr().at(rows * qrow), h == 1 ? dk.ptr().at(keys * krow) : dk0.ptr(),
+                       h == 1 ? dv.ptr().at(keys * vrow) : dv0.ptr(), 1, chunk, chunk_keys(m, g, h),
+                       g.hq, g.gq, m.dv);
     }
-    c.be.add(dk.ptr().at(keys), dk0.ptr(), elems(dk0));
-    c.be.add(dv.ptr().at(keys), dv0.ptr(), elems(dv0));
-    const int64_t rest = (m.s_attn - seen) * krow;  // keys after every local query
+    c.be.add(dk.ptr().at(keys * krow), dk0.ptr(), elems(dk0));
+    c.be.add(dv.ptr().at(keys * vrow), dv0.ptr(), elems(dv0));
+    const int64_t rest = m.s_attn - seen;  // keys after every local query
     if (rest > 0) {
-      c.be.fill_zero(dk.ptr().at(keys + seen * krow), rest);
-      c.be.fill_zero(dv.ptr().at(keys + seen * krow), rest);
+      c.be.fill_zero(dk.ptr().at((keys + seen) * krow), rest * krow);
+      c.be.fill_zero(dv.ptr().at((keys + seen) * vrow), rest * vrow);
     }
   }
 }
@@ -198,14 +202,14 @@ void ring_attention_backward(ShardContext& c, const Ring& g, CPtr q, CPtr k, CPt
 // over the ring into each block's owner and become this ring rank's rows.
 void ring_return(ShardContext& c, const Ring& g, Buffer& dk, Buffer& dv) {
   const ShardDims& m = c.dims;
-  const int64_t width = g.gq * m.d, kv = m.b * g.rows * width, n = 2 * kv;
+  const int64_t kw = g.gq * m.d, vw = g.gq * m.dv;
+  const int64_t kn = m.b * g.rows * kw, vn = m.b * g.rows * vw, n = kn + vn;
   Buffer part, incoming;
   resize(part, g.n * n);
   resize(incoming, n);
   for (int64_t q = 0; q < g.n; ++q) {  // this rank's share of every block's dK and dV
-    context_rows_from_global(c.be, dk.ptr(), part.ptr().at(q * n), m.b, m.s_attn, g.n, q, width);
-    context_rows_from_global(c.be, dv.ptr(), part.ptr().at(q * n + kv), m.b, m.s_attn, g.n, q,
-                             width);
+    context_rows_from_global(c.be, dk.ptr(), part.ptr().at(q * n), m.b, m.s_attn, g.n, q, kw);
+    context_rows_from_global(c.be, dv.ptr(), part.ptr().at(q * n + kn), m.b, m.s_attn, g.n, q, vw);
   }
   // At step i rank r passes on its running sum of block r - 1 - i and adds its share to the
   // received block r - 2 - i; after n - 1 steps block r is whole on rank r.
@@ -217,10 +221,10 @@ void ring_return(ShardContext& c, const Ring& g, Buffer& dk, Buffer& dv) {
   }
   release(dk);  // the whole sequence's: the scratch keeps only the local block's capacity
   release(dv);
-  resize_for_overwrite(dk, kv);
-  resize_for_overwrite(dv, kv);
-  c.be.copy(part.ptr().at(g.r * n), dk.ptr(), kv);
-  c.be.copy(part.ptr().at(g.r * n + kv), dv.ptr(), kv);
+  resize_for_overwrite(dk, kn);
+  resize_for_overwrite(dv, vn);
+  c.be.copy(part.ptr().at(g.r * n), dk.ptr(), kn);
+  c.be.copy(part.ptr().at(g.r * n + kn), dv.ptr(), vn);
 }
 
 // Where the token at global position `pos` (one of ring rank g.r's) sits among its rows.
@@ -244,13 +248,13 @@ void member_rows(ShardContext& c, const Ring& g, int64_t q, CPtr from, Ptr to, i
     }
 }
 
-// The buffers of a heads all-to-all of nh heads: A blocks each way of n = rows x w elements,
-// rows = b s / cp (the rank's tokens), w = (nh / A) d (one heads block of a row).
+// The buffers of a heads all-to-all of nh heads of d channels: A blocks each way of n = rows x w
+// elements, rows = b s / cp (the rank's tokens), w = (nh / A) d (one heads block of a row).
 struct HeadsBlocks {
   int64_t a, rows, w, n;
   Buffer send, recv;
-  HeadsBlocks(const ShardDims& m, int64_t nh)
-      : a(m.cp_a2a_size), rows(m.b * m.s), w(nh / m.cp_a2a_size * m.d), n(rows * w) {
+  HeadsBlocks(const ShardDims& m, int64_t nh, int64_t d)
+      : a(m.cp_a2a_size), rows(m.b * m.s), w(nh / m.cp_a2a_size * d), n(rows * w) {
     resize_for_overwrite(send, a * n);
     resize_for_overwrite(recv, a * n);
   }
@@ -260,10 +264,11 @@ struct HeadsBlocks {
 // rank's group): this rank's rows [b, s / cp, nh, d] (local order) become heads block cpr % A
 // of its group's rows, [b, g.rows, nh / A, d] in the ring rank's order (global order when there
 // is no ring): one all-to-all, recorded as op `id` of pass `pass`.
-void to_heads(ShardContext& c, CPtr local, Buffer& out, int64_t nh, OpId id, PassKind pass) {
+void to_heads(ShardContext& c, CPtr local, Buffer& out, int64_t nh, int64_t d, OpId id,
+              PassKind pass) {
   const ShardDims& m = c.dims;
   const Ring g = ring_of(m);
-  HeadsBlocks x(m, nh);
+  HeadsBlocks x(m, nh, d);
   // Block j: heads j nh / A .. of every local row ([rows, A, w] -> [A, rows, w], the
   // sequence-parallel reorder of "sequences" of A pieces).
   c.be.sequence_shard(local, x.send.ptr(), x.a, x.rows, x.a, x.w);
@@ -276,15 +281,16 @@ void to_heads(ShardContext& c, CPtr local, Buffer& out, int64_t nh, OpId id, Pas
 
 // The inverse: [b, g.rows, nh / A, d] (the ring rank's order, heads block cpr % A) back to this
 // rank's rows [b, s / cp, nh, d] of all its heads.
-void from_heads(ShardContext& c, CPtr in, Buffer& local, int64_t nh, OpId id, PassKind pass) {
+void from_heads(ShardContext& c, CPtr in, Buffer& local, int64_t nh, int64_t d, OpId id,
+                PassKind pass) {
   const ShardDims& m = c.dims;
   const Ring g = ring_of(m);
-  HeadsBlocks x(m, nh);
+  HeadsBlocks x(m, nh, d);
   const int64_t first = m.cpr - m.cpr % x.a;
   for (int64_t j = 0; j < x.a; ++j)  // member j's rows
     member_rows(c, g, first + j, in, x.send.ptr().at(j * x.n), x.w, false);
   c.context_all_to_all(id, x.send.ptr(), x.recv.ptr(), x.n, pass);
-  resize_for_overwrite(local, x.rows * nh * m.d);
+  resize_for_overwrite(local, x.rows * nh * d);
   c.be.sequence_unshard(x.recv.ptr(), local.ptr(), x.a, x.rows, x.a, x.w);
 }
 
@@ -296,19 +302,19 @@ void heads_forward(ShardContext& c, LayerActs& A) {
   const Ring g = ring_of(m);
   const PassKind pass = c.pass();
   Buffer q, k, v;
-  to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchange, pass);
-  to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchange, pass);
-  to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchange, pass);
+  to_heads(c, A.q.ptr(), q, m.hl, m.d, OpId::kCpKvExchange, pass);
+  to_heads(c, A.k.ptr(), k, m.gl, m.d, OpId::kCpKvExchange, pass);
+  to_heads(c, A.v.ptr(), v, m.gl, m.dv, OpId::kCpKvExchange, pass);
   if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchange, pass);
   c.begin(OpId::kAttnScores, pass);
   if (g.n > 1) {
     ring_attention_forward(c, g, q.ptr(), k.ptr(), v.ptr(), A.ctx, A.lse);
     return;
   }
-  resize_for_overwrite(A.ctx, m.b * m.s_attn * g.hq * m.d);
+  resize_for_overwrite(A.ctx, m.b * m.s_attn * g.hq * m.dv);
   resize_for_overwrite(A.lse, m.b * g.hq * m.s_attn);
-  c.be.flash_attention_forward(q.ptr(), k.ptr(), v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, m.s_attn,
-                               m.s_attn, g.hq, g.gq, m.d);
+  c.flash_forward(q.ptr(), k.ptr(), v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, m.s_attn, m.s_attn,
+                  g.hq, g.gq, m.dv);
 }
 
 // Its backward pass: Q, K, V and the output in again (as kCpKvExchangeBackward), the output's
@@ -320,11 +326,11 @@ void heads_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const Ring g = ring_of(m);
   const PassKind op_pass = c.pass(), pass = PassKind::kBackward;
   Buffer q, k, v, out, d_out;
-  to_heads(c, A.q.ptr(), q, m.hl, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.k.ptr(), k, m.gl, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.v.ptr(), v, m.gl, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.ctx.ptr(), out, m.hl, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, D.d_ctx.ptr(), d_out, m.hl, OpId::kCpOutAllToAllBackward, pass);
+  to_heads(c, A.q.ptr(), q, m.hl, m.d, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.k.ptr(), k, m.gl, m.d, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.v.ptr(), v, m.gl, m.dv, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, A.ctx.ptr(), out, m.hl, m.dv, OpId::kCpKvExchangeBackward, pass);
+  to_heads(c, D.d_ctx.ptr(), d_out, m.hl, m.dv, OpId::kCpOutAllToAllBackward, pass);
   if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchangeBackward, pass);
   c.begin(OpId::kAttnScoresRecompute, op_pass);  // the kernel's record, as the op began it
   if (g.n > 1) {
@@ -335,9 +341,8 @@ void heads_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   resize_for_overwrite(D.dq, elems(q));
   resize_for_overwrite(D.dk, elems(k));
   resize_for_overwrite(D.dv, elems(v));
-  c.be.flash_attention_backward(q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse.data(), d_out.ptr(),
-                                D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, g.hq,
-                                g.gq, m.d);
+  c.flash_backward(q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse.data(), d_out.ptr(), D.dq.ptr(),
+                   D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, g.hq, g.gq, m.dv);
 }
 
 // Whether A.k and A.v hold the whole sequence.
@@ -375,7 +380,7 @@ void context_attention_forward(ShardContext& c, LayerActs& A) {
 
 void context_output_to_local(ShardContext& c, LayerActs& A) {
   Buffer local;
-  from_heads(c, A.ctx.ptr(), local, c.dims.hl, OpId::kCpOutAllToAll, c.pass());
+  from_heads(c, A.ctx.ptr(), local, c.dims.hl, c.dims.dv, OpId::kCpOutAllToAll, c.pass());
   A.ctx.swap(local);
 }
 
@@ -397,9 +402,9 @@ void context_return_dkv(ShardContext& c, LayerGrads& D) {
   if (g.n > 1) ring_return(c, g, D.dk, D.dv);
   if (m.cp_a2a_size == 1) return;
   // dQ, dK and dV back to their tokens' ranks, all heads
-  for (auto [x, nh] : {std::pair{&D.dq, m.hl}, {&D.dk, m.gl}, {&D.dv, m.gl}}) {
+  for (auto [x, nh, d] : {std::tuple{&D.dq, m.hl, m.d}, {&D.dk, m.gl, m.d}, {&D.dv, m.gl, m.dv}}) {
     Buffer local;
-    from_heads(c, x->ptr(), local, nh, OpId::kCpKvExchangeBackward, PassKind::kBackward);
+    from_heads(c, x->ptr(), local, nh, d, OpId::kCpKvExchangeBackward, PassKind::kBackward);
     x->swap(local);
   }
 }

@@ -54,7 +54,7 @@ void context_rows_from_global(Backend& be, CPtr full, Ptr local, int64_t b, int6
 void context_positions(ShardContext& c, Ptr x, int64_t table, int64_t sl, int64_t first, bool grad);
 
 // Rotary embedding of x [b, s / cp, heads, d] at the local tokens' global positions.
-void context_rope(ShardContext& c, Buffer& x, int64_t heads, bool inverse);
+void context_rope(ShardContext& c, Buffer& x, int64_t heads, int64_t d, bool inverse);
 
 // Forward ring: A.k and A.v (local, [b, s / cp, hl, d]) become the whole sequence's K and V
 // ([b, s, hl, d], global order). Recorded as kCpKvExchange steps of pass `pass`.

@@ -178,6 +178,56 @@ void ShardContext::linear_wgrad(CPtr x, CPtr dy, int64_t w, int64_t bias, int64_
   weight_gradient_done();
 }
 
+namespace {
+
+// y [rows, to] = x [rows, w] with to - w zero columns after each row's; and back.
+void pad_columns(Backend& be, CPtr x, Buffer& y, int64_t rows, int64_t w, int64_t to) {
+  Buffer zeros;
+  resize(zeros, rows * (to - w));
+  be.fill_zero(zeros.ptr(), rows * (to - w));
+  resize_for_overwrite(y, rows * to);
+  be.concat_columns3(x, zeros.ptr(), x, y.ptr(), rows, w, to - w, 0);
+}
+void unpad_columns(Backend& be, CPtr x, Ptr y, int64_t rows, int64_t w, int64_t from) {
+  Buffer rest;
+  resize_for_overwrite(rest, rows * (from - w));
+  be.split_columns3(x, y, rest.ptr(), y, rows, w, from - w, 0);
+}
+
+}  // namespace
+
+void ShardContext::flash_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b, int64_t sq,
+                                 int64_t sk, int64_t hq, int64_t hk, int64_t vd) {
+  const int64_t d = dims.d;
+  if (vd == d) {
+    be.flash_attention_forward(q, k, v, out, lse, b, sq, sk, hq, hk, d);
+    return;
+  }
+  Buffer vp, op;
+  pad_columns(be, v, vp, b * sk * hk, vd, d);
+  resize_for_overwrite(op, b * sq * hq * d);
+  be.flash_attention_forward(q, k, vp.ptr(), op.ptr(), lse, b, sq, sk, hq, hk, d);
+  unpad_columns(be, op.ptr(), out, b * sq * hq, vd, d);
+}
+
+void ShardContext::flash_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse, CPtr dout,
+                                  Ptr dq, Ptr dk, Ptr dv, int64_t b, int64_t sq, int64_t sk,
+                                  int64_t hq, int64_t hk, int64_t vd) {
+  const int64_t d = dims.d;
+  if (vd == d) {
+    be.flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, b, sq, sk, hq, hk, d);
+    return;
+  }
+  Buffer vp, op, dop, dvp;
+  pad_columns(be, v, vp, b * sk * hk, vd, d);
+  pad_columns(be, out, op, b * sq * hq, vd, d);
+  pad_columns(be, dout, dop, b * sq * hq, vd, d);
+  resize_for_overwrite(dvp, b * sk * hk * d);
+  be.flash_attention_backward(q, k, vp.ptr(), op.ptr(), lse, dop.ptr(), dq, dk, dvp.ptr(), b, sq,
+                              sk, hq, hk, d);
+  unpad_columns(be, dvp.ptr(), dv, b * sk * hk, vd, d);
+}
+
 void ShardContext::norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean,
                                 Buffer& rstd, int64_t n, int64_t width) {
   if (width == 0) width = dims.h;

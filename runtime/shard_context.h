@@ -116,6 +116,15 @@ class ShardContext {
   void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
                      const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n,
                      int64_t width = 0);
+  // The fused attention (Backend::flash_attention_*) with values vd wide, at most the queries'
+  // dims.d (multi-head latent attention's): V, the output and its gradient are padded with zero
+  // channels to d for the kernel's call only, which leaves the output, dQ and dK unchanged (the
+  // padded channels of dV are zero, and dropped).
+  void flash_forward(CPtr q, CPtr k, CPtr v, Ptr out, float* lse, int64_t b, int64_t sq, int64_t sk,
+                     int64_t hq, int64_t hk, int64_t vd);
+  void flash_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float* lse, CPtr dout, Ptr dq, Ptr dk,
+                      Ptr dv, int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk,
+                      int64_t vd);
   // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
   void residual_add(Buffer& out, const Buffer& residual, const Buffer& partial, int64_t bias);
   void copy(const Buffer& from, Buffer& to);

@@ -90,45 +90,34 @@ void part_columns(Backend& be, const Buffer& x, Buffer& y0, Buffer& y1, int64_t 
   be.split_columns3(x.ptr(), y0.ptr(), y1.ptr(), y0.ptr(), rows, a, b, 0);
 }
 
-// The rotary embedding of MLA's rotated channels (inverse: its backward): each local head's
-// last dr of Q (or dQ) in place, and the one shared key (or its gradient) [n, dr].
-void mla_rope_queries(Backend& be, const ShardDims& m, Buffer& q, bool inverse) {
+// The rotary embedding (inverse: its backward) of x [b, s, heads, d] in place, at the tokens'
+// global positions with context parallelism.
+void rope_rows(ShardContext& c, Buffer& x, int64_t heads, int64_t d, bool inverse) {
+  const ShardDims& m = c.dims;
+  if (m.cp > 1)
+    context_rope(c, x, heads, d, inverse);
+  else
+    c.be.rope(x.ptr(), m.b, m.s, heads, d, m.rotary_base, inverse);
+}
+
+// MLA's rotated channels of the queries (or of dQ): each local head's last dr, in place.
+void mla_rope_queries(ShardContext& c, Buffer& q, bool inverse) {
+  const ShardDims& m = c.dims;
   Buffer nope, pe;
-  part_columns(be, q, nope, pe, m.n_full * m.hl, m.dn, m.dr);
-  be.rope(pe.ptr(), m.b, m.s, m.hl, m.dr, m.rotary_base, inverse);
-  join_columns(be, nope, pe, q, m.n_full * m.hl, m.dn, m.dr);
+  part_columns(c.be, q, nope, pe, m.n_full * m.hl, m.dn, m.dr);
+  rope_rows(c, pe, m.hl, m.dr, inverse);
+  join_columns(c.be, nope, pe, q, m.n_full * m.hl, m.dn, m.dr);
 }
 
-// Flash attention where a value is narrower than a query (MLA): V, the output and its gradient
-// padded with zero channels to the query's width, which leaves the attention's result and the
-// gradients of Q and K unchanged (the padded channels of dV are zero and dropped).
-void pad_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t to) {
-  Buffer zeros;
-  resize(zeros, rows * (to - w));
-  be.fill_zero(zeros.ptr(), rows * (to - w));
-  join_columns(be, x, zeros, y, rows, w, to - w);
-}
-void unpad_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t from) {
-  Buffer rest;
-  part_columns(be, x, y, rest, rows, w, from - w);
-}
-
+// The fused attention of the whole sequence (no context parallelism), V narrower than Q with
+// MLA (ShardContext::flash_forward pads it).
 void flash_forward(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
   const int64_t sa = m.s_attn;
   resize_for_overwrite(A.lse, m.b * m.hl * sa);
-  if (m.dv == m.d) {
-    resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.d);
-    c.be.flash_attention_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
-                                 sa, sa, m.hl, m.gl, m.d);
-    return;
-  }
-  Buffer v, out;
-  pad_columns(c.be, A.v, v, m.b * sa * m.gl, m.dv, m.d);
-  resize_for_overwrite(out, m.b * sa * m.hl * m.d);
-  c.be.flash_attention_forward(A.q.ptr(), A.k.ptr(), v.ptr(), out.ptr(), A.lse.data(), m.b, sa, sa,
-                               m.hl, m.gl, m.d);
-  unpad_columns(c.be, out, A.ctx, m.b * sa * m.hl, m.dv, m.d);
+  resize_for_overwrite(A.ctx, m.b * sa * m.hl * m.dv);
+  c.flash_forward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, sa, sa, m.hl,
+                  m.gl, m.dv);
 }
 
 void flash_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
@@ -136,21 +125,9 @@ void flash_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const int64_t sa = m.s_attn;
   resize_for_overwrite(D.dq, elems(A.q));
   resize_for_overwrite(D.dk, elems(A.k));
-  if (m.dv == m.d) {
-    resize_for_overwrite(D.dv, elems(A.v));
-    c.be.flash_attention_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(),
-                                  D.d_ctx.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa,
-                                  m.hl, m.gl, m.d);
-    return;
-  }
-  Buffer v, out, dout, dv;
-  pad_columns(c.be, A.v, v, m.b * sa * m.gl, m.dv, m.d);
-  pad_columns(c.be, A.ctx, out, m.b * sa * m.hl, m.dv, m.d);
-  pad_columns(c.be, D.d_ctx, dout, m.b * sa * m.hl, m.dv, m.d);
-  resize_for_overwrite(dv, m.b * sa * m.gl * m.d);
-  c.be.flash_attention_backward(A.q.ptr(), A.k.ptr(), v.ptr(), out.ptr(), A.lse.data(), dout.ptr(),
-                                D.dq.ptr(), D.dk.ptr(), dv.ptr(), m.b, sa, sa, m.hl, m.gl, m.d);
-  unpad_columns(c.be, dv, D.dv, m.b * sa * m.gl, m.dv, m.d);
+  resize_for_overwrite(D.dv, elems(A.v));
+  c.flash_backward(A.q.ptr(), A.k.ptr(), A.v.ptr(), A.ctx.ptr(), A.lse.data(), D.d_ctx.ptr(),
+                   D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, sa, sa, m.hl, m.gl, m.dv);
 }
 
 }  // namespace
@@ -236,20 +213,21 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     }
     case OpId::kRotaryEmbedding:
-      if (cp) {
-        context_rope(c, A.q, m.hl, false);
-        context_rope(c, A.k, m.gl, false);
-        if (m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
-        break;
-      }
       if (m.mla) {  // the queries' rotated channels; each head's key from its unrotated part and
                     // the one rotated key
-        mla_rope_queries(be, m, A.q, false);
+        mla_rope_queries(c, A.q, false);
         Buffer pe(m.sp ? A.k_pe_full : A.k_pe), pe_heads;
-        be.rope(pe.ptr(), m.b, m.s, 1, m.dr, m.rotary_base, false);
+        rope_rows(c, pe, 1, m.dr, false);
         repeat_columns(be, pe, pe_heads, m.n_full, m.dr, m.hl);
         join_columns(be, A.k_nope, pe_heads, A.k, m.n_full * m.hl, m.dn, m.dr);
         for (Buffer* x : {&A.k_nope, &A.k_pe_full}) release(*x);  // (A.k_pe: for mla_up_proj)
+        if (cp && m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
+        break;
+      }
+      if (cp) {
+        context_rope(c, A.q, m.hl, m.d, false);
+        context_rope(c, A.k, m.gl, m.d, false);
+        if (m.cp_a2a_size == 1) context_exchange_kv(c, A, c.pass());
         break;
       }
       be.rope(A.q.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, false);
@@ -474,18 +452,18 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       release(D.d_probs);
       break;
     case OpId::kRotaryEmbeddingBackward:
-      if (cp) {
-        context_rope(c, D.dq, m.hl, true);
-        context_rope(c, D.dk, m.gl, true);
-        break;
-      }
       if (m.mla) {  // dK's rotated part summed over the heads into the shared key's gradient
-        mla_rope_queries(be, m, D.dq, true);
+        mla_rope_queries(c, D.dq, true);
         Buffer pe_heads;
         part_columns(be, D.dk, D.dk_nope, pe_heads, m.n_full * m.hl, m.dn, m.dr);
         release(D.dk);
         sum_column_blocks(be, pe_heads, D.dk_pe, m.n_full, m.dr, m.hl);
-        be.rope(D.dk_pe.ptr(), m.b, m.s, 1, m.dr, m.rotary_base, true);
+        rope_rows(c, D.dk_pe, 1, m.dr, true);
+        break;
+      }
+      if (cp) {
+        context_rope(c, D.dq, m.hl, m.d, true);
+        context_rope(c, D.dk, m.gl, m.d, true);
         break;
       }
       be.rope(D.dq.ptr(), m.b, m.s, m.hl, m.d, m.rotary_base, true);

@@ -272,6 +272,49 @@ TEST(ContextParallel, RingAttentionEqualsPlainAttention) {
       }
 }
 
+// Multi-head latent attention: keys of 12 + 4 channels (the rotated part one key shared by the
+// heads, rotated at its tokens' global positions) and values of 10 go round the ring, through
+// Ulysses' all-to-alls and a2a+p2p's, each at its own width; every shard's fused attention pads V
+// to the query width for its kernel. The same losses and gradients as one rank, and a ring step
+// carries one block of K and V at their widths.
+TEST(ContextParallel, LatentAttentionEqualsPlainAttention) {
+  ModelSpec m = tiny(true);
+  m.name = "tiny-mla";
+  m.num_query_groups = 0;
+  m.multi_latent_attention = true;
+  m.qk_layernorm = true;
+  m.q_lora_rank = 24;
+  m.kv_lora_rank = 16;
+  m.qk_head_dim = 12;
+  m.qk_pos_emb_head_dim = 4;
+  m.v_head_dim = 10;
+  struct Case {
+    int cp, a2a;
+    Recompute rc;
+  };
+  for (const Case& k :
+       {Case{2, 1, Recompute::kNone}, Case{4, 1, Recompute::kSelective},
+        Case{2, 1, Recompute::kFull}, Case{2, 2, Recompute::kNone}, Case{4, 2, Recompute::kNone}}) {
+    ShardLayout layout;
+    layout.micro_batch = 2;
+    layout.recompute = k.rc;
+    layout.cp_a2a_size = k.a2a;
+    const std::string what = "mla cp " + std::to_string(k.cp) + " a2a " + std::to_string(k.a2a) +
+                             " recompute " + to_string(k.rc);
+    expect_shards_match_one(m, layout, k.cp, what);
+    if (k.a2a != 1 || k.rc != Recompute::kNone) continue;
+    const double block = 1.0 * layout.micro_batch * (m.seq_length / k.cp) * m.num_attention_heads *
+                         (m.head_dim() + m.value_dim()) * sizeof(float);
+    int steps = 0;
+    for (const ExecutedOp& e : run_ring(m, layout, k.cp)[0].trace)
+      if (e.id == OpId::kCpKvExchange && e.role == OpRole::kForward) {
+        EXPECT_DOUBLE_EQ(e.bytes, block) << what;
+        ++steps;
+      }
+    EXPECT_EQ(steps, (k.cp - 1) * m.num_layers) << what;
+  }
+}
+
 // Ulysses (--cp-comm-type a2a): all-to-alls trade each rank's tokens of every head for every
 // token of cp's share of the heads; the attention of the whole sequence per heads block gives
 // the same losses and gradients (4 heads: cp 2 and 4; the rotary model's 2 query groups: cp 2).

@@ -184,12 +184,6 @@ TEST(ModelSpec, MultiLatentAttentionIsValidated) {
   EXPECT_EQ(field(m), "swiglu");
   // The JSON form round-trips.
   EXPECT_EQ(model_from_json(to_json(v3)).parameters(), v3.parameters());
-  // Context parallelism is not run with MLA; the plan rules say so.
-  ParallelPlan p;
-  p.context_parallel = 2;
-  p.global_batch_size = 8;
-  p.micro_batch_size = 1;
-  EXPECT_EQ(first_violated_rule(v3, p), PlanRule::kContextWithLatentAttention);
 }
 
 TEST(ModelSpec, Sc21Table1PresetsMatchThePaper) {

@@ -169,7 +169,8 @@ TEST(RunMpi, QkLayernormLayoutsTrainToTheSingleRankLosses) {
 // parallelism, identical without it), the up projections column-parallel, the latents' gradients
 // all-reduced (or reduce-scattered back to the rank's tokens); the rotated key is shared by the
 // heads of every rank. With and without a query latent, fused and unfused attention, and through
-// the zero-bubble schedule's deferred weight gradients.
+// the zero-bubble schedule's deferred weight gradients, and with context parallelism (p2p and
+// a2a).
 TEST(RunMpi, MultiLatentAttentionLayoutsTrainToTheSingleRankLosses) {
   const std::string mla = kTiny +
                           " --swiglu --position-embedding-type rope --multi-latent-attention"
@@ -192,6 +193,9 @@ TEST(RunMpi, MultiLatentAttentionLayoutsTrainToTheSingleRankLosses) {
               "--sequence-parallel --recompute-granularity selective --recompute-modules "
               "core_attn mla_up_proj",
               model},
+             // context parallelism: K and V round the ring, and Ulysses' all-to-alls
+             {1, 1, 1, "", model, 2},
+             {1, 1, 1, "--cp-comm-type a2a", model, 2},
          })
       expect_same_losses(l, single);
   }
