@@ -306,7 +306,8 @@ TEST(ContextParallel, LatentAttentionEqualsPlainAttention) {
     const double block = 1.0 * layout.micro_batch * (m.seq_length / k.cp) * m.num_attention_heads *
                          (m.head_dim() + m.value_dim()) * sizeof(float);
     int steps = 0;
-    for (const ExecutedOp& e : run_ring(m, layout, k.cp)[0].trace)
+    const std::vector<Pass> ring = run_ring(m, layout, k.cp);  // (kept alive for the loop)
+    for (const ExecutedOp& e : ring[0].trace)
       if (e.id == OpId::kCpKvExchange && e.role == OpRole::kForward) {
         EXPECT_DOUBLE_EQ(e.bytes, block) << what;
         ++steps;
