@@ -32,41 +32,8 @@ constexpr double kFsdpGradientUnitsInFlight = 2.0;
 // The GEMMs Transformer Engine runs in FP8 (--fp8-format): the layers' linear GEMMs and the
 // experts'; the attention core, the router and the LM head stay in 16 bits.
 bool is_fp8_gemm(OpId id) {
-  switch (id) {
-    case OpId::kQkv:
-    case OpId::kQkvDgrad:
-    case OpId::kQkvWgrad:
-    case OpId::kQDownProj:
-    case OpId::kKvDownProj:
-    case OpId::kQUpProj:
-    case OpId::kKvUpProj:
-    case OpId::kQDownProjDgrad:
-    case OpId::kQDownProjWgrad:
-    case OpId::kKvDownProjDgrad:
-    case OpId::kKvDownProjWgrad:
-    case OpId::kQUpProjDgrad:
-    case OpId::kQUpProjWgrad:
-    case OpId::kKvUpProjDgrad:
-    case OpId::kKvUpProjWgrad:
-    case OpId::kAttnProj:
-    case OpId::kAttnProjDgrad:
-    case OpId::kAttnProjWgrad:
-    case OpId::kFc1:
-    case OpId::kFc1Dgrad:
-    case OpId::kFc1Wgrad:
-    case OpId::kFc2:
-    case OpId::kFc2Dgrad:
-    case OpId::kFc2Wgrad:
-    case OpId::kExpertFc1:
-    case OpId::kExpertFc1Dgrad:
-    case OpId::kExpertFc1Wgrad:
-    case OpId::kExpertFc2:
-    case OpId::kExpertFc2Dgrad:
-    case OpId::kExpertFc2Wgrad:
-      return true;
-    default:
-      return false;
-  }
+  const OpFamily f = op_family(id);
+  return f == OpFamily::kAttentionGemm || f == OpFamily::kMlpGemm || f == OpFamily::kExpertGemm;
 }
 
 // The attention core's ops (op_family's kAttentionCore, whose rotary embedding is not part of

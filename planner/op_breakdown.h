@@ -23,7 +23,7 @@
 namespace ptdp {
 
 enum class OpFamily : uint8_t {
-  kAttentionGemm,  // qkv, attn_proj and their gradients
+  kAttentionGemm,  // qkv (or MLA's projections), attn_proj and their gradients
   kMlpGemm,        // fc1, fc2 and their gradients
   kAttentionCore,  // scores, softmax, dropout, context, rotary embedding
   kNorm,           // layernorms / RMSNorms

@@ -49,7 +49,7 @@ void repeat_columns(Backend& be, const Buffer& x, Buffer& y, int64_t rows, int64
 }
 
 // y [rows, w] = the sum of x [rows, k w]'s k column blocks (the gradient of repeat_columns), by
-// halvings: x is consumed.
+// halvings, an odd block carried to the next round: x is consumed.
 void sum_column_blocks(Backend& be, Buffer& x, Buffer& y, int64_t rows, int64_t w, int64_t k) {
   Buffer lo, hi, odd;
   while (k > 1) {
@@ -60,18 +60,13 @@ void sum_column_blocks(Backend& be, Buffer& x, Buffer& y, int64_t rows, int64_t 
     be.split_columns3(x.ptr(), lo.ptr(), hi.ptr(), rest > 0 ? odd.ptr() : lo.ptr(), rows, half * w,
                       half * w, rest * w);
     be.add(lo.ptr(), hi.ptr(), rows * half * w);
-    if (rest > 0) {  // the odd block joins the first of the halves
-      Buffer first, others;
-      resize_for_overwrite(first, rows * w);
-      resize_for_overwrite(others, rows * (half - 1) * w);
-      be.split_columns3(lo.ptr(), first.ptr(), others.ptr(), first.ptr(), rows, w, (half - 1) * w,
-                        0);
-      be.add(first.ptr(), odd.ptr(), rows * w);
-      be.concat_columns3(first.ptr(), others.ptr(), first.ptr(), lo.ptr(), rows, w, (half - 1) * w,
-                         0);
+    if (rest > 0) {
+      resize_for_overwrite(x, rows * (half + 1) * w);
+      be.concat_columns3(lo.ptr(), odd.ptr(), lo.ptr(), x.ptr(), rows, half * w, w, 0);
+    } else {
+      x.swap(lo);
     }
-    x.swap(lo);
-    k = half;
+    k = half + rest;
   }
   y.swap(x);
 }

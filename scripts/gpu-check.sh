@@ -178,15 +178,21 @@ moe=(--num-layers 4 --hidden-size 256 --num-attention-heads 8 --num-query-groups
   --normalization RMSNorm --untie-embeddings-and-output-weights --seq-length 128
   --vocab-size 32000 --global-batch-size 4 --micro-batch-size 2 --use-flash-attn
   --steps ${MOE_STEPS:-10} --seed 7 --json)
-rm -f "$out"/moe_*
-if [ "${MOE:-1}" != 0 ]; then
+# <prefix> <ptdp run flags...>: the run on the CPU backend and on the CUDA backend in fp32 and
+# --bf16, into $out/<prefix>_{cpu,cuda,cuda_bf16}.{json,log} (the summary's against_cpu).
+on_three_backends() {
+  local prefix=$1 be
+  shift
+  rm -f "$out/${prefix}"_*
   for be in cpu cuda cuda_bf16; do
-    extra=(--backend "${be%_bf16}")
+    local extra=(--backend "${be%_bf16}")
     [ "$be" = cuda_bf16 ] && extra+=(--bf16)
-    stage "$build/cli/ptdp" run "${moe[@]}" "${extra[@]}" >"$out/moe_$be.json" \
-      2>"$out/moe_$be.log"
+    stage "$build/cli/ptdp" run "$@" "${extra[@]}" >"$out/${prefix}_$be.json" \
+      2>"$out/${prefix}_$be.log"
   done
-fi
+}
+rm -f "$out"/moe_*
+[ "${MOE:-1}" != 0 ] && on_three_backends moe "${moe[@]}"
 # DeepSeek's multi-head latent attention on the GPU (a query latent, heads of 64 + 32 query/key
 # and 64 value channels: the fused attention runs at 96 channels with V padded, widened to fp32
 # since the bf16 kernels take 64 and 128) with MoE layers, against the CPU backend's losses.
@@ -198,14 +204,7 @@ mla=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --multi-latent-att
   --global-batch-size 4 --micro-batch-size 2 --use-flash-attn --steps ${MLA_STEPS:-10} --seed 7
   --json)
 rm -f "$out"/mla_*
-if [ "${MLA:-1}" != 0 ]; then
-  for be in cpu cuda cuda_bf16; do
-    extra=(--backend "${be%_bf16}")
-    [ "$be" = cuda_bf16 ] && extra+=(--bf16)
-    stage "$build/cli/ptdp" run "${mla[@]}" "${extra[@]}" >"$out/mla_$be.json" \
-      2>"$out/mla_$be.log"
-  done
-fi
+[ "${MLA:-1}" != 0 ] && on_three_backends mla "${mla[@]}"
 # t = 2, p = 2 on this one GPU: four ranks under mpirun share it, so the data plane is MPI on
 # host copies of device buffers (runtime/data_plane.h); the CUDA runs' losses are compared with
 # the CPU backend's at the same layout. Needs mpirun and a ptdp built with MPI.

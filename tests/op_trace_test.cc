@@ -151,6 +151,20 @@ ModelSpec rotary() {
   return m;
 }
 
+// DeepSeek's multi-head latent attention on a rotary model: a query latent, normalised latents,
+// heads of 12 + 4 query/key channels and 10 value channels (narrower than the queries).
+ModelSpec with_mla(ModelSpec m) {
+  m.num_query_groups = 0;
+  m.multi_latent_attention = true;
+  m.qk_layernorm = true;
+  m.q_lora_rank = 24;
+  m.kv_lora_rank = 16;
+  m.qk_head_dim = 12;
+  m.qk_pos_emb_head_dim = 4;
+  m.v_head_dim = 10;
+  return m;
+}
+
 TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   const Variant variants[] = {
       {1, false, Recompute::kNone},
@@ -202,16 +216,8 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   // DeepSeek's multi-head latent attention: the down projections on the rank's tokens, the
   // latents' norms, their all-gather (sequence parallelism) or gradients' all-reduce, the up
   // projections, values narrower than queries; with a query latent, and as an MoE model without.
-  ModelSpec mla = rotary();
+  ModelSpec mla = with_mla(rotary());
   mla.name = "trace-mla";
-  mla.num_query_groups = 0;
-  mla.multi_latent_attention = true;
-  mla.qk_layernorm = true;  // the latents' norms
-  mla.q_lora_rank = 24;
-  mla.kv_lora_rank = 16;
-  mla.qk_head_dim = 12;
-  mla.qk_pos_emb_head_dim = 4;
-  mla.v_head_dim = 10;
   ModelSpec mla_moe = moe;
   mla_moe.name = "trace-mla-moe";
   mla_moe.num_query_groups = 0;
@@ -303,15 +309,7 @@ TEST(OpExecutor, RunsEveryListedOpAloneWithItsShape) {
   qwen3.qk_layernorm = true;
   ModelSpec gpt_qk = gpt();  // the query and key norms as LayerNorms (with biases)
   gpt_qk.qk_layernorm = true;
-  ModelSpec mla = flash;  // multi-head latent attention, values narrower than queries
-  mla.num_query_groups = 0;
-  mla.multi_latent_attention = true;
-  mla.qk_layernorm = true;
-  mla.q_lora_rank = 24;
-  mla.kv_lora_rank = 16;
-  mla.qk_head_dim = 12;
-  mla.qk_pos_emb_head_dim = 4;
-  mla.v_head_dim = 10;
+  const ModelSpec mla = with_mla(flash);  // values narrower than queries, fused
   ModelSpec mla_unfused = mla;
   mla_unfused.flash_attention = false;
   mla_unfused.q_lora_rank = 0;
