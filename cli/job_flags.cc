@@ -144,6 +144,10 @@ void JobFlags::add_parallel_flags(CLI::App& app, bool plan_flags_required, bool 
                  "interleaving: microbatches each model chunk runs in a row (default: p; a larger "
                  "group runs microbatch counts p does not divide; ptdp plan picks the smallest "
                  "that works)");
+  app.add_option("--pipeline-model-parallel-layout", pipeline_layout,
+                 "every model chunk's layers, as Megatron-Core writes them: stages split by |, t "
+                 "a transformer layer, E the embedding (first), L the loss (last), (...)*n and "
+                 "t*n repeat; p * v stages (it sets v), e.g. \"Et|(tt|)*6L\" at p = 4");
   app.add_option("--decoder-first-pipeline-num-layers", first_stage_layers,
                  "layers on the first pipeline stage (the others share the rest evenly)");
   app.add_option("--decoder-last-pipeline-num-layers", last_stage_layers,
@@ -638,24 +642,51 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
                                                      : "--decoder-last-pipeline-num-layers") +
                                  ": give one way to split the layers");
     if (p.pipeline_parallel < 2) throw InputError(flag, "needs pipeline-model-parallel-size > 1");
-    const int64_t v = virtual_stages_per_rank.value_or(1);
-    if (v > 1 || layers_per_virtual_stage)
-      throw InputError(flag,
-                       "with interleaving the embedding's or the loss's share leaves model "
-                       "chunks of unequal layers, which ptdp does not model; give "
-                       "--decoder-first-pipeline-num-layers and "
-                       "--decoder-last-pipeline-num-layers without interleaving");
+    if (layers_per_virtual_stage)
+      throw InputError(flag, "with interleaving give --num-virtual-stages-per-pipeline-rank");
+    // Megatron-Core counts the embedding and the loss as layers of the first and the last model
+    // chunk: every chunk holds the same share, those two one layer fewer.
+    const int64_t v = std::max<int64_t>(1, virtual_stages_per_rank.value_or(1));
     const int64_t slots = m.num_layers + account_for_embedding + account_for_loss;
-    if (slots % p.pipeline_parallel != 0)
+    const int64_t chunks = p.pipeline_parallel * v;
+    if (slots % chunks != 0)
       throw InputError(flag, std::to_string(m.num_layers) + " layers and " +
                                  std::to_string(slots - m.num_layers) +
                                  " counted module(s) do not split evenly over " +
-                                 std::to_string(p.pipeline_parallel) + " pipeline stages");
-    const int64_t per = slots / p.pipeline_parallel;
-    if (per - 1 < 1) throw InputError(flag, "leaves a pipeline stage without layers");
-    p.layers_per_stage =
-        megatron_stage_split(m.num_layers, p.pipeline_parallel, account_for_embedding ? per - 1 : 0,
-                             account_for_loss ? per - 1 : 0);
+                                 std::to_string(chunks) +
+                                 (v > 1 ? " model chunks" : " pipeline stages"));
+    const int64_t per = slots / chunks;
+    if (per - 1 < 1)
+      throw InputError(flag, v > 1 ? "leaves a model chunk without layers"
+                                   : "leaves a pipeline stage without layers");
+    if (v > 1) {
+      p.layers_per_chunk.assign(static_cast<size_t>(chunks), per);
+      if (account_for_embedding) --p.layers_per_chunk.front();
+      if (account_for_loss) --p.layers_per_chunk.back();
+    } else {
+      p.layers_per_stage =
+          megatron_stage_split(m.num_layers, p.pipeline_parallel,
+                               account_for_embedding ? per - 1 : 0, account_for_loss ? per - 1 : 0);
+    }
+  }
+  if (!pipeline_layout.empty()) {
+    const char* flag = "--pipeline-model-parallel-layout";
+    const std::string other = first_stage_layers      ? "--decoder-first-pipeline-num-layers"
+                              : last_stage_layers     ? "--decoder-last-pipeline-num-layers"
+                              : account_for_embedding ? "--account-for-embedding-in-pipeline-split"
+                              : account_for_loss      ? "--account-for-loss-in-pipeline-split"
+                              : layers_per_virtual_stage ? "--num-layers-per-virtual-pipeline-stage"
+                                                         : "";
+    if (!other.empty())
+      throw InputError(flag, "conflicts with " + other + ": the layout gives every stage's layers");
+    const PipelineLayout layout = parse_pipeline_layout(pipeline_layout, p.pipeline_parallel);
+    if (virtual_stages_per_rank && *virtual_stages_per_rank != layout.virtual_stages)
+      throw InputError("--num-virtual-stages-per-pipeline-rank",
+                       std::to_string(*virtual_stages_per_rank) + ", but the layout's " +
+                           std::to_string(layout.layers_per_chunk.size()) + " stages make " +
+                           std::to_string(layout.virtual_stages) + " per pipeline rank");
+    p.layers_per_chunk = layout.layers_per_chunk;
+    p.virtual_stages = layout.virtual_stages;
   }
   if (layers_per_virtual_stage && virtual_stages_per_rank)
     throw InputError("--num-virtual-stages-per-pipeline-rank",
@@ -667,6 +698,8 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
       throw InputError("--num-virtual-stages-per-pipeline-rank",
                        "interleaving needs pipeline-model-parallel-size >= 2");
     p.virtual_stages = *virtual_stages_per_rank;  // each stage's layers: checked by validate
+  } else if (!pipeline_layout.empty()) {
+    // v is the layout's.
   } else if (layers_per_virtual_stage && !p.layers_per_stage.empty()) {
     throw InputError("--num-layers-per-virtual-pipeline-stage",
                      "with uneven stages give --num-virtual-stages-per-pipeline-rank instead");

@@ -57,6 +57,9 @@ struct JobFlags {
   // Megatron's --fp8-recipe: delayed (its default) or tensorwise, priced alike. Megatron-Core
   // refuses delayed scaling with moe_act or layernorm recomputation.
   std::string fp8_recipe;
+  // Megatron-Core's --pipeline-model-parallel-layout (core/parallel_plan.h
+  // parse_pipeline_layout): every model chunk's layers, and v.
+  std::string pipeline_layout;
   // Megatron's uneven pipeline split (core/parallel_plan.h megatron_stage_split).
   std::optional<int64_t> first_stage_layers, last_stage_layers;
   // Megatron-Core's --account-for-embedding-in-pipeline-split and
@@ -127,9 +130,10 @@ struct JobFlags {
   std::string first_plan_setting_flag() const;
   bool has_parallel_flags() const {
     return tensor_parallel || pipeline_parallel || micro_batch_size || layers_per_virtual_stage ||
-           virtual_stages_per_rank || microbatch_group || first_stage_layers || last_stage_layers ||
-           account_for_embedding || account_for_loss || context_parallel ||
-           !hierarchical_cp_sizes.empty() || expert_parallel || expert_tensor_parallel;
+           !pipeline_layout.empty() || virtual_stages_per_rank || microbatch_group ||
+           first_stage_layers || last_stage_layers || account_for_embedding || account_for_loss ||
+           context_parallel || !hierarchical_cp_sizes.empty() || expert_parallel ||
+           expert_tensor_parallel;
   }
 };
 

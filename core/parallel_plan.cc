@@ -2,9 +2,13 @@
 // core/plan_rules.h), the Megatron-LM flag line, and JSON I/O.
 #include "core/parallel_plan.h"
 
+#include <algorithm>
+#include <cctype>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 #include "core/error.h"
 #include "core/json_reader.h"
@@ -181,15 +185,166 @@ FsdpSharding fsdp_sharding_from_string(const std::string& s) {
 int64_t ParallelPlan::layers_on_stage(const ModelSpec& m, int64_t r) const {
   if (r < 0 || r >= pipeline_parallel)
     throw std::out_of_range("layers_on_stage: no pipeline rank " + std::to_string(r));
+  if (!layers_per_chunk.empty()) {
+    int64_t sum = 0;
+    for (size_t g = static_cast<size_t>(r); g < layers_per_chunk.size();
+         g += static_cast<size_t>(pipeline_parallel))
+      sum += layers_per_chunk[g];
+    return sum;
+  }
   if (!layers_per_stage.empty()) return layers_per_stage.at(static_cast<size_t>(r));
   return m.num_layers / pipeline_parallel;
+}
+
+int64_t ParallelPlan::layers_in_chunk(const ModelSpec& m, int64_t r, int64_t c) const {
+  if (!layers_per_chunk.empty())
+    return layers_per_chunk.at(static_cast<size_t>(c * pipeline_parallel + r));
+  return layers_on_stage(m, r) / virtual_stages;
+}
+
+int64_t ParallelPlan::most_layers_in_a_chunk(const ModelSpec& m) const {
+  int64_t most = 0;
+  for (int64_t r = 0; r < pipeline_parallel; ++r)
+    for (int64_t c = 0; c < virtual_stages; ++c) most = std::max(most, layers_in_chunk(m, r, c));
+  return most;
 }
 
 int64_t ParallelPlan::first_layer_of_chunk(const ModelSpec& m, int64_t r, int64_t c) const {
   int64_t first = 0;
   for (int64_t g = 0; g < c * pipeline_parallel + r; ++g)
-    first += layers_on_stage(m, g % pipeline_parallel) / virtual_stages;
+    first += layers_in_chunk(m, g % pipeline_parallel, g / pipeline_parallel);
   return first;
+}
+
+namespace {
+
+constexpr const char* kLayoutFlag = "--pipeline-model-parallel-layout";
+
+// The count after a '*' at s[star], and where it ends; nullopt when no digits follow.
+std::optional<std::pair<int64_t, size_t>> repeat_count(const std::string& s, size_t star) {
+  if (star >= s.size() || s[star] != '*') return std::nullopt;
+  size_t end = star + 1;
+  while (end < s.size() && std::isdigit(static_cast<unsigned char>(s[end]))) ++end;
+  if (end == star + 1) return std::nullopt;
+  if (end - star - 1 > 6)
+    throw InputError(kLayoutFlag, "repeats more than 999999 times in '" + s + "'");
+  return std::make_pair(std::stoll(s.substr(star + 1, end - star - 1)), end);
+}
+
+void append_repeated(std::string& out, const std::string& body, int64_t n) {
+  if (static_cast<double>(n) * static_cast<double>(body.size()) + static_cast<double>(out.size()) >
+      1e6)
+    throw InputError(kLayoutFlag, "unrolls to more than a million characters");
+  for (int64_t k = 0; k < n; ++k) out += body;
+}
+
+// Unrolls "(...)*n" (groups are not nested), then "x*n", as Megatron-Core's parser does.
+std::string unroll_repeats(const std::string& s) {
+  std::string groups;
+  for (size_t i = 0; i < s.size();) {
+    if (s[i] != '(') {
+      groups += s[i++];
+      continue;
+    }
+    const size_t close = s.find(')', i);
+    const auto count = close == std::string::npos ? std::nullopt : repeat_count(s, close + 1);
+    if (!count) throw InputError(kLayoutFlag, "needs (...)*n for a group, in '" + s + "'");
+    append_repeated(groups, s.substr(i + 1, close - i - 1), count->first);
+    i = count->second;
+  }
+  std::string out;
+  for (size_t i = 0; i < groups.size();) {
+    if (const auto count = repeat_count(groups, i + 1)) {
+      append_repeated(out, groups.substr(i, 1), count->first);
+      i = count->second;
+    } else {
+      out += groups[i++];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline_parallel) {
+  if (pipeline_parallel < 1)
+    throw InputError(kLayoutFlag, "needs pipeline-model-parallel-size >= 1");
+  std::string s;
+  for (char ch : layout)
+    if (ch != ',' && !std::isspace(static_cast<unsigned char>(ch))) s += ch;
+  if (s.empty()) throw InputError(kLayoutFlag, "is empty");
+  s = unroll_repeats(s);
+  std::vector<std::string> stages(1);
+  for (char ch : s) {
+    if (ch == '|') {
+      stages.emplace_back();
+      continue;
+    }
+    if (ch == 'm')
+      throw InputError(kLayoutFlag,
+                       "places a multi-token prediction layer ('m'), which ptdp does not model; "
+                       "leave it out");
+    if (ch != 't' && ch != 'E' && ch != 'L')
+      throw InputError(kLayoutFlag, std::string("has '") + ch +
+                                        "', not one of t (transformer layer), E (embedding), L "
+                                        "(loss), |, (...)*n or x*n");
+    stages.back() += ch;
+  }
+  const auto count = static_cast<int64_t>(stages.size());
+  if (count % pipeline_parallel != 0)
+    throw InputError(kLayoutFlag, "has " + std::to_string(count) +
+                                      " stages, not a multiple of pipeline-model-parallel-size (" +
+                                      std::to_string(pipeline_parallel) + ")");
+  PipelineLayout out;
+  out.virtual_stages = count / pipeline_parallel;
+  for (int64_t g = 0; g < count; ++g) {
+    const std::string& stage = stages[static_cast<size_t>(g)];
+    int64_t layers = 0;
+    for (size_t i = 0; i < stage.size(); ++i) {
+      const char ch = stage[i];
+      if (ch == 't') {
+        ++layers;
+      } else if (ch == 'E' && !(g == 0 && i == 0)) {
+        throw InputError(kLayoutFlag,
+                         "places the embedding (E) other than first in the first stage");
+      } else if (ch == 'L' && !(g == count - 1 && i + 1 == stage.size())) {
+        throw InputError(kLayoutFlag, "places the loss (L) other than last in the last stage");
+      }
+    }
+    out.layers_per_chunk.push_back(layers);
+  }
+  if (stages.front().empty() || stages.front()[0] != 'E')
+    throw InputError(kLayoutFlag, "must begin with the embedding (E)");
+  if (stages.back().empty() || stages.back().back() != 'L')
+    throw InputError(kLayoutFlag, "must end with the loss (L)");
+  return out;
+}
+
+std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk) {
+  const size_t n = layers_per_chunk.size();
+  auto stage = [&](size_t g) {
+    const int64_t k = layers_per_chunk[g];
+    std::string s = g == 0 ? "E" : "";
+    s += k > 2 ? "t*" + std::to_string(k)
+               : std::string(static_cast<size_t>(std::max<int64_t>(k, 0)), 't');
+    if (g + 1 == n) s += "L";
+    return s;
+  };
+  std::string out;
+  for (size_t g = 0; g < n;) {
+    size_t run = 1;
+    if (g > 0)
+      while (g + run + 1 < n && layers_per_chunk[g + run] == layers_per_chunk[g]) ++run;
+    if (run > 1) {
+      // Runs of two or more equal middle stages: "(S|)*k", the next stage following directly.
+      out += "(" + stage(g) + "|)*" + std::to_string(run);
+    } else {
+      out += stage(g);
+      if (g + 1 < n) out += "|";
+    }
+    g += run;
+  }
+  return out;
 }
 
 namespace {
@@ -263,14 +418,20 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   if (expert_parallel > 1) f << " --expert-model-parallel-size " << expert_parallel;
   if (m.is_moe() && expert_tp() != tensor_parallel)
     f << " --expert-tensor-parallel-size " << expert_tp();
-  // Megatron expresses an uneven split only as a different first and last stage; other uneven
-  // splits have no flag and are left out.
+  // Megatron's first and last stage flags where only they differ; any other split, and every
+  // per-chunk layout, as Megatron-Core's layout string (which sets v too).
   const int64_t p = pipeline_parallel;
-  if (uneven(*this) && only_ends_differ(*this)) {
+  const bool layout = !layers_per_chunk.empty() || (uneven(*this) && !only_ends_differ(*this));
+  if (layout) {
+    f << " --pipeline-model-parallel-layout \""
+      << pipeline_layout_string(layers_per_model_chunk(m, *this)) << "\"";
+  } else if (uneven(*this)) {
     f << " --decoder-first-pipeline-num-layers " << layers_per_stage.front()
       << " --decoder-last-pipeline-num-layers " << layers_per_stage.back();
   }
-  if (virtual_stages > 1) {
+  if (layout && virtual_stages > 1 && microbatch_group_size() != p)
+    f << " --microbatch-group-size-per-virtual-pipeline-stage " << microbatch_group_size();
+  if (!layout && virtual_stages > 1) {
     if (uneven(*this))
       f << " --num-virtual-stages-per-pipeline-rank " << virtual_stages;
     else
@@ -412,6 +573,7 @@ ParallelPlan plan_from_json(const json& j) {
   r.read("overlap_p2p_comm", p.overlap_p2p_comm);
   r.read("gradient_accumulation_fusion", p.gradient_accumulation_fusion);
   r.read("layers_per_stage", p.layers_per_stage);
+  r.read("layers_per_chunk", p.layers_per_chunk);
   r.reject_unknown_keys();
   return p;
 }
@@ -451,7 +613,8 @@ json to_json(const ParallelPlan& p) {
               {"scatter_gather_p2p", p.scatter_gather_p2p},
               {"overlap_p2p_comm", p.overlap_p2p_comm},
               {"gradient_accumulation_fusion", p.gradient_accumulation_fusion},
-              {"layers_per_stage", p.layers_per_stage}};
+              {"layers_per_stage", p.layers_per_stage},
+              {"layers_per_chunk", p.layers_per_chunk}};
 }
 
 }  // namespace ptdp

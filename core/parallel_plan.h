@@ -205,6 +205,11 @@ struct ParallelPlan {
   bool fp8 = false;
   // Optional uneven split: layers on each pipeline rank (size p, sums to num_layers).
   std::vector<int64_t> layers_per_stage;
+  // Optional layout of every model chunk (Megatron-Core's --pipeline-model-parallel-layout):
+  // the layers of each, in global-stage order (chunk c of rank r is entry c * p + r; size p * v;
+  // a chunk may hold none, as one of only the embedding or only the loss). Given, it sets the
+  // stages' layers and layers_per_stage stays empty.
+  std::vector<int64_t> layers_per_chunk;
 
   bool shards_gradients() const { return fsdp >= FsdpSharding::kOptimGrads; }
   // The context-parallel ranks an all-to-all of heads spans (Ulysses: cp; a2a+p2p: A; else 1)
@@ -256,6 +261,10 @@ struct ParallelPlan {
   }
   // Layers held by pipeline rank r (all its virtual chunks together).
   int64_t layers_on_stage(const ModelSpec& m, int64_t r) const;
+  // Layers of chunk c of pipeline rank r: layers_per_chunk's, else the rank's split evenly.
+  int64_t layers_in_chunk(const ModelSpec& m, int64_t r, int64_t c) const;
+  // The most layers any model chunk holds.
+  int64_t most_layers_in_a_chunk(const ModelSpec& m) const;
   // Of a model chunk of `chunk_layers` layers, how many are fully recomputed (the first ones).
   int64_t recomputed_layers(int64_t chunk_layers) const {
     if (recompute != Recompute::kFull) return 0;
@@ -289,6 +298,20 @@ bool fp8_needs_current_scaling(const ParallelPlan& p);
 // remainder does not divide, a stage would be empty, or p is too small for the flags given.
 std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t first,
                                           int64_t last);
+
+// Megatron-Core's --pipeline-model-parallel-layout: the stages (p * v of them, split by '|')
+// list their layers, 't' a transformer layer, 'E' the embedding (first) and 'L' the loss (last);
+// "(...)*n" and "x*n" repeat, commas are only for reading. The layers of each stage in
+// global-stage order, and v = stages / p; throws InputError naming the flag when the string is
+// malformed, has no whole number of stages per rank, or places E or L elsewhere. MTP layers ('m')
+// are refused: ptdp does not model multi-token prediction.
+struct PipelineLayout {
+  std::vector<int64_t> layers_per_chunk;
+  int64_t virtual_stages = 1;
+};
+PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline_parallel);
+// The layout string of per-chunk layer counts, runs of equal stages written "(tt|)*n".
+std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk);
 
 // Megatron-LM's rank placement: tensor-parallel innermost, then context-parallel, then
 // data-parallel, then pipeline-parallel (Megatron-Core's default order "tp-cp-ep-dp-pp"; the

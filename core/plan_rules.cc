@@ -153,7 +153,33 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kPipelineWithinLayers, report, pp,
                   [&] { return num(p) + " exceeds num_layers (" + num(m.num_layers) + ")"; });
   const std::vector<int64_t>& split = plan.layers_per_stage;
-  if (split.empty()) {
+  const std::vector<int64_t>& chunks = plan.layers_per_chunk;
+  const char* layout = "--pipeline-model-parallel-layout";
+  if (!chunks.empty()) {
+    if (!split.empty())
+      return broken(PlanRule::kLayersPerChunk, report, layout, [] {
+        return std::string("conflicts with layers_per_stage (give one way to split the layers)");
+      });
+    if (static_cast<int64_t>(chunks.size()) != p * v)
+      return broken(PlanRule::kLayersPerChunk, report, layout, [&] {
+        return "has " + num(static_cast<int64_t>(chunks.size())) +
+               " stages, expected pipeline-model-parallel-size * virtual stages (" + num(p) +
+               " * " + num(v) + ")";
+      });
+    int64_t sum = 0;
+    for (int64_t n : chunks) {
+      if (n < 0)
+        return broken(PlanRule::kLayersPerChunk, report, layout,
+                      [&] { return "has a stage of " + num(n) + " layers"; });
+      sum = n > m.num_layers - sum ? m.num_layers + 1 : sum + n;
+    }
+    if (sum != m.num_layers)
+      return broken(PlanRule::kLayersPerChunk, report, layout, [&] {
+        if (sum > m.num_layers) return "places more than num_layers (" + num(m.num_layers) + ")";
+        return "places " + num(sum) + " transformer layers, expected num_layers (" +
+               num(m.num_layers) + ")";
+      });
+  } else if (split.empty()) {
     if (m.num_layers % p != 0)
       return broken(PlanRule::kPipelineDividesLayers, report, pp, [&] {
         return num(p) + " does not divide num_layers (" + num(m.num_layers) +
@@ -189,8 +215,9 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     });
 
   // Megatron states v per rank when the stages are uneven, and layers per chunk otherwise.
-  const char* vp = split.empty() ? "--num-layers-per-virtual-pipeline-stage"
-                                 : "--num-virtual-stages-per-pipeline-rank";
+  const char* vp = !chunks.empty() ? layout
+                   : split.empty() ? "--num-layers-per-virtual-pipeline-stage"
+                                   : "--num-virtual-stages-per-pipeline-rank";
   if (v == 1 && plan.schedule == Schedule::kInterleaved1F1B)
     return broken(PlanRule::kInterleavedNeedsVirtual, report, "--pipeline-schedule", [&] {
       return std::string("interleaved needs more than one model chunk per pipeline rank (") + vp +
@@ -207,7 +234,8 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
         return std::string("interleaving needs pipeline-model-parallel-size >= 2");
       });
     // Even stages all hold L / p layers: one check (the search asks this of every candidate).
-    for (int64_t r = 0; r < (split.empty() ? 1 : p); ++r) {
+    // A layout states each chunk's layers.
+    for (int64_t r = 0; r < (!chunks.empty() ? 0 : split.empty() ? 1 : p); ++r) {
       const int64_t layers = plan.layers_on_stage(m, r);
       if (layers % v != 0)
         return broken(PlanRule::kVirtualDividesStage, report, vp, [&] {
@@ -431,6 +459,8 @@ const char* rule_reason(PlanRule r) {
       return "p does not divide the layers";
     case PlanRule::kLayersPerStage:
       return "layers_per_stage does not fit p and the layers";
+    case PlanRule::kLayersPerChunk:
+      return "the pipeline layout does not fit p, v and the layers";
     case PlanRule::kBatchDivisible:
       return "global batch not divisible by d * b";
     case PlanRule::kVirtualNeedsInterleaved:
@@ -488,7 +518,8 @@ std::vector<int64_t> layers_per_model_chunk(const ModelSpec& m, const ParallelPl
   const int64_t stages = p.pipeline_parallel * p.virtual_stages;
   std::vector<int64_t> out(static_cast<size_t>(stages));
   for (int64_t g = 0; g < stages; ++g)
-    out[static_cast<size_t>(g)] = p.layers_on_stage(m, g % p.pipeline_parallel) / p.virtual_stages;
+    out[static_cast<size_t>(g)] =
+        p.layers_in_chunk(m, g % p.pipeline_parallel, g / p.pipeline_parallel);
   return out;
 }
 

@@ -50,6 +50,7 @@ enum class PlanRule {
   kPipelineWithinLayers,                  // p <= num_layers
   kPipelineDividesLayers,                 // p | num_layers (no layers_per_stage given)
   kLayersPerStage,                        // layers_per_stage: p entries, each >= 1, summing to L
+  kLayersPerChunk,                        // layers_per_chunk: p v entries, each >= 0, summing to L
   kBatchDivisible,                        // d * b | B
   kVirtualNeedsInterleaved,               // v > 1 only with the interleaved schedule
   kInterleavedNeedsVirtual,               // the interleaved schedule only with v > 1
@@ -93,8 +94,8 @@ bool valid_microbatch_group(int64_t n, int64_t m, int64_t p);
 int64_t smallest_microbatch_group(int64_t m, int64_t p);
 
 // Layers of each model chunk in global-stage order (chunk c of pipeline rank r is global stage
-// c * p + r; size p * v): pipeline rank r's layers (layers_on_stage) split evenly over its v
-// chunks. The plan must be valid.
+// c * p + r; size p * v): the plan's layout (layers_per_chunk), else pipeline rank r's layers
+// (layers_on_stage) split evenly over its v chunks. The plan must be valid.
 std::vector<int64_t> layers_per_model_chunk(const ModelSpec& m, const ParallelPlan& p);
 
 }  // namespace ptdp

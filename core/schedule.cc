@@ -14,6 +14,36 @@
 #include "core/plan_rules.h"
 
 namespace ptdp {
+
+std::vector<std::pair<int64_t, int64_t>> interleaved_forward_order(const ScheduleSpec& s) {
+  const int64_t m = s.microbatches, v = s.virtual_stages, n = s.group();
+  std::vector<std::pair<int64_t, int64_t>> table;
+  table.reserve(static_cast<size_t>(m * v));
+  for (int64_t first = 0; first < m; first += n) {
+    for (int64_t c = 0; c < v; ++c)
+      for (int64_t i = first; i < std::min(first + n, m); ++i) table.emplace_back(i, c);
+  }
+  return table;
+}
+
+double interleaved_peak_in_flight(const ScheduleSpec& s, int64_t r,
+                                  const std::vector<double>& chunk_weight) {
+  const std::vector<std::pair<int64_t, int64_t>> order = interleaved_forward_order(s);
+  const auto total = static_cast<int64_t>(order.size());
+  const int64_t warmup = std::min(warmup_forwards(s, r), total);
+  auto w = [&](int64_t k, bool forward) {
+    const int64_t c = order[static_cast<size_t>(k)].second;
+    return chunk_weight.at(static_cast<size_t>(forward ? c : s.virtual_stages - 1 - c));
+  };
+  double live = 0, peak = 0;
+  for (int64_t k = 0; k < warmup; ++k) peak = std::max(peak, live += w(k, true));
+  for (int64_t k = 0; k + warmup < total; ++k) {
+    peak = std::max(peak, live += w(k + warmup, true));
+    live -= w(k, false);
+  }
+  return peak;
+}
+
 namespace {
 
 using K = ActionKind;
@@ -119,15 +149,8 @@ int64_t floor_mod(int64_t a, int64_t n) {
 // chunk (k mod pv) / p on microbatch (k / pv) p + k mod p.
 void interleaved(const ScheduleSpec& s, int64_t r, RankBuilder& b) {
   const int64_t p = s.pipeline_parallel, m = s.microbatches, v = s.virtual_stages;
-  const int64_t n = s.group();
   const int64_t total = m * v;
-  // Virtual microbatch k of the forward order: (microbatch, chunk).
-  std::vector<std::pair<int64_t, int64_t>> table;
-  table.reserve(static_cast<size_t>(total));
-  for (int64_t first = 0; first < m; first += n) {
-    for (int64_t c = 0; c < v; ++c)
-      for (int64_t i = first; i < std::min(first + n, m); ++i) table.emplace_back(i, c);
-  }
+  const std::vector<std::pair<int64_t, int64_t>> table = interleaved_forward_order(s);
   auto chunk = [&](int64_t k, bool forward) {
     const int64_t c = table[static_cast<size_t>(floor_mod(k, total))].second;
     return forward ? c : v - 1 - c;
@@ -502,14 +525,22 @@ void check_pipeline_schedule(const PipelineSchedule& s) {
 }
 
 int64_t peak_chunks_in_flight(const PipelineSchedule& s, int64_t rank) {
-  int64_t live = 0, peak = 0;
+  return static_cast<int64_t>(peak_weight_in_flight(s, rank, {}));
+}
+
+double peak_weight_in_flight(const PipelineSchedule& s, int64_t rank,
+                             const std::vector<double>& chunk_weight) {
+  auto weight = [&](const PipelineAction& a) {
+    return chunk_weight.empty() ? 1.0 : chunk_weight.at(static_cast<size_t>(a.chunk));
+  };
+  double live = 0, peak = 0;
   bool split = false;
   for (const PipelineAction& a : s.ranks[static_cast<size_t>(rank)])
     split |= a.kind == K::kBackwardWeight;
   for (const PipelineAction& a : s.ranks[static_cast<size_t>(rank)]) {
-    if (a.kind == K::kForward) peak = std::max(peak, ++live);
-    if ((a.kind == K::kBackward || a.kind == K::kBackwardInput) && !split) --live;
-    if (a.kind == K::kBackwardWeight) --live;
+    if (a.kind == K::kForward) peak = std::max(peak, live += weight(a));
+    if ((a.kind == K::kBackward || a.kind == K::kBackwardInput) && !split) live -= weight(a);
+    if (a.kind == K::kBackwardWeight) live -= weight(a);
   }
   return peak;
 }

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/parallel_plan.h"
@@ -96,6 +97,17 @@ bool combined_step(const PipelineSchedule& s, const std::vector<PipelineAction>&
 // model's in-flight activations and combined step count derive from it.
 int64_t warmup_forwards(const ScheduleSpec& s, int64_t r);
 
+// The interleaved schedule's forward order: virtual microbatch k runs (microbatch, chunk)
+// order[k]; microbatches go in groups of N (ScheduleSpec::group), chunk 0 on a group's
+// microbatches, then chunk 1 on the same ones, and so on. The backward order is the same with
+// the chunks reversed (chunk v - 1 - c).
+std::vector<std::pair<int64_t, int64_t>> interleaved_forward_order(const ScheduleSpec& s);
+// The most weight rank r of the interleaved schedule holds at once, chunk c weighing
+// chunk_weight[c] (its layers, say), from the orders and warm-up alone: what
+// peak_weight_in_flight finds in the built lists, without building them.
+double interleaved_peak_in_flight(const ScheduleSpec& s, int64_t r,
+                                  const std::vector<double>& chunk_weight);
+
 // Throws InputError for an impossible spec (interleaving with fewer than p microbatches, or in
 // groups that do not fit them, ...).
 PipelineSchedule make_pipeline_schedule(const ScheduleSpec& spec);
@@ -109,6 +121,10 @@ void check_pipeline_schedule(const PipelineSchedule& s);
 // Most microbatch-chunks whose activations rank r holds at once (forward done, backward, or
 // for split schedules weight-gradient part, not yet done), in units of one chunk.
 int64_t peak_chunks_in_flight(const PipelineSchedule& s, int64_t rank);
+// The same with chunk c of the rank weighing chunk_weight[c] (its layers, say; empty: 1 each):
+// the most weight held at once.
+double peak_weight_in_flight(const PipelineSchedule& s, int64_t rank,
+                             const std::vector<double>& chunk_weight);
 
 // "F3.1" (forward of microbatch 3, chunk 1), "B", "Bi", "W", "sF", "rF", "sB", "rB", "sync",
 // "emb", "opt"; a batched group is written "{sF3.0 rB1.0}".

@@ -95,7 +95,7 @@ std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan
   out.resize(static_cast<size_t>(pp * v));
   int64_t first = 0;
   for (int64_t g = 0; g < pp * v; ++g) {
-    const int64_t count = p.layers_on_stage(m, g % pp) / v;
+    const int64_t count = p.layers_in_chunk(m, g % pp, g / pp);
     out[static_cast<size_t>(g)] = m.moe_layers_in(first, count);
     first += count;
   }
@@ -104,7 +104,7 @@ std::vector<int64_t> moe_layers_per_chunk(const ModelSpec& m, const ParallelPlan
 
 RecomputedLayers recomputed_in_chunk(const ModelSpec& m, const ParallelPlan& p, int64_t r,
                                      int64_t c) {
-  const int64_t layers = p.layers_on_stage(m, r) / p.virtual_stages;
+  const int64_t layers = p.layers_in_chunk(m, r, c);
   const int64_t n = p.recompute == Recompute::kFull ? p.recomputed_layers(layers) : layers;
   if (!m.is_moe()) return {n, 0};
   return {n, m.moe_layers_in(p.first_layer_of_chunk(m, r, c), n)};
@@ -232,9 +232,16 @@ double ActivationMemory::kept_on_stage(int64_t r) const {
                 static_cast<double>(layers);
   }
   double bytes = inflight * per_layer;
-  if (r == 0 && layers > 0)
-    bytes +=
-        inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
+  if (r == 0 && layers > 0) {
+    // One boundary per microbatch-chunk in flight: layers / v per chunk, or a layout's count.
+    const ScheduleSpec s = schedule_spec(p_, false);
+    const double chunks =
+        !p_.layers_per_chunk.empty() && s.kind == Schedule::kInterleaved1F1B
+            ? interleaved_peak_in_flight(
+                  s, r, std::vector<double>(static_cast<size_t>(p_.virtual_stages), 1.0))
+            : inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages);
+    bytes += chunks * boundary_;
+  }
   return bytes;
 }
 
@@ -249,6 +256,14 @@ double inflight_layer_activations(const ParallelPlan& p, int64_t r, int64_t laye
   if (p.schedule == Schedule::kZeroBubbleH1)
     // Every rank holds p microbatches until their weight-gradient passes (counted whole).
     return static_cast<double>(std::min(p.pipeline_parallel, s.microbatches)) * layers;
+  if (s.kind == Schedule::kInterleaved1F1B && !p.layers_per_chunk.empty()) {
+    // A layout's chunks differ: the most layers held at once along the rank's order.
+    std::vector<double> weight;
+    for (int64_t c = 0; c < s.virtual_stages; ++c)
+      weight.push_back(static_cast<double>(
+          p.layers_per_chunk.at(static_cast<size_t>(c * p.pipeline_parallel + r))));
+    return interleaved_peak_in_flight(s, r, weight);
+  }
   // The warm-up's forwards and the first steady-state one (Megatron's warm-up counts,
   // core/schedule.h), in model chunks of layers / v; GPipe holds all m.
   const int64_t chunks = std::min(warmup_forwards(s, r) + 1, s.microbatches * s.virtual_stages);
@@ -818,7 +833,7 @@ void CostModel::add_fsdp_pass_comm(const ParallelPlan& p, int64_t r, ChunkTime& 
 }
 
 ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chunk) const {
-  const int64_t layers = p.layers_on_stage(model_, rank) / p.virtual_stages;
+  const int64_t layers = p.layers_in_chunk(model_, rank, chunk);
   const int64_t moe = moe_layers_in_chunk(p, rank, chunk);
   const RecomputedLayers rec = p.recompute_layers > 0 ? recomputed_in_chunk(model_, p, rank, chunk)
                                                       : RecomputedLayers{layers, moe};
@@ -836,10 +851,11 @@ const std::vector<int64_t>& CostModel::moe_chunks(const ParallelPlan& p) const {
     return none;
   }
   if (p.pipeline_parallel != moe_key_p_ || p.virtual_stages != moe_key_v_ ||
-      p.layers_per_stage != moe_key_split_) {
+      p.layers_per_stage != moe_key_split_ || p.layers_per_chunk != moe_key_chunks_) {
     moe_key_p_ = p.pipeline_parallel;
     moe_key_v_ = p.virtual_stages;
     moe_key_split_ = p.layers_per_stage;
+    moe_key_chunks_ = p.layers_per_chunk;
     moe_chunks_ = moe_layers_per_chunk(model_, p);
   }
   return moe_chunks_;

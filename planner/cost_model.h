@@ -266,10 +266,10 @@ class CostModel {
   mutable std::map<std::tuple<int64_t, int64_t, bool, int, int64_t, int64_t, int64_t, double>,
                    ShapeTimes>
       cache_;
-  // MoE layers per model chunk of the last (p, v, split) asked about.
+  // MoE layers per model chunk of the last (p, v, split, layout) asked about.
   const std::vector<int64_t>& moe_chunks(const ParallelPlan& p) const;
   mutable int64_t moe_key_p_ = 0, moe_key_v_ = 0;
-  mutable std::vector<int64_t> moe_key_split_, moe_chunks_;
+  mutable std::vector<int64_t> moe_key_split_, moe_key_chunks_, moe_chunks_;
   // A layer's parameters on one rank (dense, MoE without its experts, one MoE layer's experts)
   // at the last (t, ep, etp) asked about: memory() asks for each stage of every plan priced.
   struct LayerParameters {

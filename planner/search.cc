@@ -35,7 +35,7 @@ auto plan_key(const ParallelPlan& p) {
                          p.virtual_stages, p.microbatch_group, static_cast<int>(p.recompute),
                          p.recompute_layers, p.sequence_parallel, p.distributed_optimizer,
                          p.optimizer_instances, static_cast<int>(p.fsdp),
-                         static_cast<int>(p.fsdp_outer), p.layers_per_stage);
+                         static_cast<int>(p.fsdp_outer), p.layers_per_stage, p.layers_per_chunk);
 }
 
 bool better(const RankedPlan& a, const RankedPlan& b) {
@@ -50,6 +50,9 @@ bool better(const RankedPlan& a, const RankedPlan& b) {
 struct Cell {
   int64_t t, cp, p, d, b, ep, etp;  // etp 0: t
   std::vector<int64_t> split;       // empty: the even split
+  // Also the interleaved layouts that count the embedding and the loss as layers (one per
+  // (t, cp, p, d, b, ep, etp): set on the cell of the first split).
+  bool chunk_layouts = false;
 };
 
 struct Tally {
@@ -75,9 +78,7 @@ struct Tally {
 // chunk is the full plan). Nothing when the plan fits without recomputation.
 void try_block_recompute(const ParallelPlan& full, const ModelSpec& m, const CostModel& cost,
                          Tally& tally, size_t k) {
-  int64_t most = 0;
-  for (int64_t r = 0; r < full.pipeline_parallel; ++r)
-    most = std::max(most, full.layers_on_stage(m, r) / full.virtual_stages);
+  const int64_t most = full.most_layers_in_a_chunk(m);
   if (most < 2) return;
   ParallelPlan block = full;
   block.recompute = Recompute::kNone;
@@ -221,6 +222,7 @@ std::vector<std::pair<Recompute, unsigned>> recompute_variants(const SearchOptio
 // `plan` with the cell's layout: its parallel sizes, stage split and micro-batch size.
 ParallelPlan with_cell(ParallelPlan plan, const Cell& c) {
   plan.layers_per_stage = c.split;
+  plan.layers_per_chunk.clear();
   plan.tensor_parallel = c.t;
   plan.context_parallel = c.cp;
   plan.expert_parallel = c.ep;
@@ -283,11 +285,17 @@ std::vector<OptimizerVariant> optimizer_variants(const Cell& c, const ModelSpec&
 
 void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const CostModel& cost,
             Tally& tally, size_t k) {
-  // Chunks per rank: v divides every stage's layers (the smallest stage's divisors).
+  // Chunks per rank: v divides every stage's layers (the smallest stage's divisors), and
+  // Megatron-Core's interleaved layouts that count the embedding and the loss as layers.
   int64_t fewest_layers = m.num_layers / c.p;
   for (int64_t n : c.split) fewest_layers = std::min(fewest_layers, n);
   const std::vector<OptimizerVariant> optimizers = optimizer_variants(c, m, o, cost);
-  for (int64_t v : divisors(fewest_layers)) {
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> chunkings;
+  for (int64_t v : divisors(fewest_layers)) chunkings.emplace_back(v, std::vector<int64_t>{});
+  if (c.chunk_layouts && o.try_uneven_stages && o.try_interleaving)
+    for (auto& layout : accounted_chunk_layouts(m.num_layers, c.p))
+      chunkings.emplace_back(static_cast<int64_t>(layout.size()) / c.p, std::move(layout));
+  for (const auto& [v, layout] : chunkings) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
     if (v > 1 && c.p == 2 && !o.interleave_two_stages) continue;
     if (o.schedule && (*o.schedule == Schedule::kInterleaved1F1B) != (v > 1)) continue;
@@ -299,6 +307,10 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
           ParallelPlan plan = with_cell(o.defaults, c);
           plan.global_batch_size = o.global_batch_size;
           plan.virtual_stages = v;
+          if (!layout.empty()) {
+            plan.layers_per_stage.clear();
+            plan.layers_per_chunk = layout;
+          }
           // Megatron-Core's microbatch group: p (its default) when p divides the microbatches,
           // else the smallest group that runs them. The bubble does not depend on it; the
           // activations in flight and the overlapped schedule's exposed transfers grow with it.
@@ -393,6 +405,25 @@ std::vector<std::vector<int64_t>> stage_splits(int64_t layers, int64_t p, bool u
   return out;
 }
 
+std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t layers, int64_t p) {
+  std::vector<std::vector<int64_t>> out;
+  if (p < 2) return out;
+  // The embedding and the loss counted, or one of them (Megatron's
+  // --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split).
+  for (const auto& [embedding, loss] : {std::pair{1, 1}, std::pair{1, 0}, std::pair{0, 1}}) {
+    const int64_t slots = layers + embedding + loss;
+    for (int64_t v = 2; p * v <= slots / 2; ++v) {
+      if (slots % (p * v) != 0) continue;
+      const int64_t per = slots / (p * v);  // at least 2: no chunk is left without layers
+      std::vector<int64_t> layout(static_cast<size_t>(p * v), per);
+      layout.front() -= embedding;
+      layout.back() -= loss;
+      if (std::find(out.begin(), out.end(), layout) == out.end()) out.push_back(std::move(layout));
+    }
+  }
+  return out;
+}
+
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o) {
   const auto start = std::chrono::steady_clock::now();
@@ -457,7 +488,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
         for (int64_t b : divisors(o.global_batch_size / d))
           for (const auto& [ep, etp] : experts)
             for (const std::vector<int64_t>& split : splits)
-              cells.push_back(Cell{t, cp, p, d, b, ep, etp, split});
+              cells.push_back(Cell{t, cp, p, d, b, ep, etp, split, &split == &splits.front()});
       }
     }
   }
@@ -553,7 +584,9 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
   field("v", num(a.virtual_stages), num(b.virtual_stages));
   if (a.virtual_stages > 1 && b.virtual_stages > 1)
     field("microbatch group", num(a.microbatch_group_size()), num(b.microbatch_group_size()));
-  field("layers per stage", stage_split_summary(a), stage_split_summary(b));
+  field(a.layers_per_chunk.empty() && b.layers_per_chunk.empty() ? "layers per stage"
+                                                                 : "layers per stage or chunk",
+        stage_split_summary(a), stage_split_summary(b));
   field("recompute", recompute_label(a), recompute_label(b));
   field("sequence-parallel", flag(a.sequence_parallel), flag(b.sequence_parallel));
   field("distributed-optimizer", flag(a.distributed_optimizer), flag(b.distributed_optimizer));
@@ -565,7 +598,8 @@ std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b) {
 }
 
 std::string stage_split_summary(const ParallelPlan& p) {
-  const std::vector<int64_t>& n = p.layers_per_stage;
+  const std::vector<int64_t>& n =
+      p.layers_per_chunk.empty() ? p.layers_per_stage : p.layers_per_chunk;
   if (n.empty()) return "even";
   // Runs of equal stages print once with their count: 7+14x8+7.
   std::string s;
@@ -591,7 +625,8 @@ std::string plan_summary(const ParallelPlan& p) {
   if (p.expert_parallel > 1) s += " ep" + std::to_string(p.expert_parallel);
   if (p.expert_tensor_parallel > 0 && p.expert_tensor_parallel != p.tensor_parallel)
     s += " etp" + std::to_string(p.expert_tensor_parallel);
-  if (!p.layers_per_stage.empty()) s += " L" + stage_split_summary(p);
+  if (!p.layers_per_stage.empty() || !p.layers_per_chunk.empty())
+    s += " L" + stage_split_summary(p);
   if (p.virtual_stages > 1) s += " v" + std::to_string(p.virtual_stages);
   if (p.virtual_stages > 1 && p.microbatch_group_size() != p.pipeline_parallel)
     s += " g" + std::to_string(p.microbatch_group_size());

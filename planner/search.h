@@ -130,6 +130,13 @@ struct SearchResult {
 // rest as evenly as possible (both orders when it is odd), or one end is as full as the
 // middle and the other takes the rest. p = 2 tries the halves and one layer either way.
 std::vector<std::vector<int64_t>> stage_splits(int64_t num_layers, int64_t p, bool uneven);
+// The interleaved layouts (ParallelPlan::layers_per_chunk, p * v chunks, v >= 2) that
+// Megatron-Core's --account-for-embedding-in-pipeline-split and/or
+// --account-for-loss-in-pipeline-split make: every chunk holds (layers + counted) / (p v)
+// layers, the first and the last one fewer where they hold the embedding or the loss. Those
+// where p v divides the slots and each chunk keeps at least one layer; the search tries them
+// (SearchOptions::try_uneven_stages with interleaving).
+std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t num_layers, int64_t p);
 
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o);
@@ -141,7 +148,8 @@ std::string loses_because(const Prediction& winner, const Prediction& loser);
 std::string plan_difference(const ParallelPlan& a, const ParallelPlan& b);
 // Short form used in tables: "t8 p16 d8 b1 v3 full sp do".
 std::string plan_summary(const ParallelPlan& p);
-// Layers per pipeline stage: "even", or runs of equal stages such as "7+14x8+7".
+// Layers per pipeline stage, or per model chunk with a layout: "even", or runs of equal ones
+// such as "7+14x8+7".
 std::string stage_split_summary(const ParallelPlan& p);
 
 }  // namespace ptdp

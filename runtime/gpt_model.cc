@@ -63,16 +63,12 @@ void validate_shard_layout(const ModelSpec& m, const ShardLayout& s) {
     if (static_cast<int64_t>(s.layers_per_stage.size()) != s.p * s.v)
       throw InputError("layers_per_stage", "needs one entry per model chunk (p * v = " +
                                                std::to_string(s.p * s.v) + ")");
-    plan.layers_per_stage.assign(static_cast<size_t>(s.p), 0);
-    for (size_t g = 0; g < s.layers_per_stage.size(); ++g)
-      plan.layers_per_stage[g % static_cast<size_t>(s.p)] += s.layers_per_stage[g];
+    plan.layers_per_chunk = s.layers_per_stage;  // a pipeline layout, chunk by chunk
   }
   check_plan(m, plan);
   if (s.cp_rank < 0 || s.cp_rank >= s.cp)
     throw InputError("--context-parallel-size", "rank " + std::to_string(s.cp_rank) +
                                                     " is outside the context-parallel group");
-  if (listed && layers_per_model_chunk(m, plan) != s.layers_per_stage)
-    throw InputError("layers_per_stage", "the chunks of a pipeline rank must hold equal layers");
 }
 
 LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {

@@ -31,9 +31,9 @@
 #        overlap the expert all-to-alls with the other microbatch's compute
 #        (--overlap-moe-expert-parallel-comm). The 235B recipe counts the embedding and the loss
 #        as pipeline layers (--account-for-embedding-in-pipeline-split and
-#        --account-for-loss-in-pipeline-split), which with v = 4 gives chunks of 2 and 3 layers
-#        that ptdp's splits cannot express: here v = 1 with the same flags (11 + 6 x 12 + 11),
-#        without the all-to-all overlap (which needs the interleaved schedule).
+#        --account-for-loss-in-pipeline-split) at v = 4: chunks of 2, 30 x 3 and 2 layers, as
+#        given here (until 2026-11-29's fourth session ptdp could not express them, and the row
+#        ran at v = 1 without the overlap).
 #  [MD]  NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md (container 25.09),
 #        DGX-H100, "DeepSeekV3 (dropless)": 1024 GPUs, GBS 8192, MBS 1, s 4096, TP2 PP8 VP4 EP64,
 #        1297 tokens/s/GPU (338 model TFLOP/s/GPU). The table states no precision: its footnote's
@@ -41,11 +41,11 @@
 #        (tensorwise current scaling here). The recipe (Megatron-Bridge v0.1.0rc4
 #        scripts/performance, deepseek_v3_llm_pretrain): ETP 1, force-balanced routing
 #        (--moe-expert-load 1), selective recompute of mla_up_proj and mlp, one multi-token
-#        prediction layer (not modelled by ptdp), DeepEP's dispatcher with the expert all-to-alls
-#        overlapped (--overlap-moe-expert-parallel-comm, which ptdp prices only with interleaving)
-#        and the layout "Et|(tt|)*30mL" (32 virtual stages of 1, 2 x 30 and 0 layers), which
-#        ptdp's equal chunks cannot express: here v = 1 with each rank's layers of that layout
-#        (7 + 6 x 8 + 6).
+#        prediction layer (not modelled by ptdp: left out of the layout), DeepEP's dispatcher with
+#        the expert all-to-alls overlapped (--overlap-moe-expert-parallel-comm) and the layout
+#        "Et|(tt|)*30mL" (32 virtual stages of 1, 2 x 30 and 0 layers), given here without its
+#        'm' (until 2026-11-29's fourth session the row ran at v = 1 with each rank's layers of
+#        that layout, 7 + 6 x 8 + 6, without the overlap).
 # Recompute is not stated by the other sources: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,15 +116,18 @@ row "[MQ] qwen3-235b-a22b 256 H100 fp8 t2 p8 ep32" dgx-h100 256 tokens 1611 --mo
   --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
   --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split \
+  --num-virtual-stages-per-pipeline-rank 4 \
   --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
-  --sequence-parallel --use-distributed-optimizer --moe-expert-load 1
+  --sequence-parallel --use-distributed-optimizer --moe-expert-load 1 \
+  --overlap-moe-expert-parallel-comm
 row "[MD] deepseek-v3 1024 H100 fp8 t2 p8 ep64" dgx-h100 1024 tokens 1297 --model deepseek-v3 \
   --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
-  --decoder-first-pipeline-num-layers 7 --decoder-last-pipeline-num-layers 6 \
+  --pipeline-model-parallel-layout 'Et|(tt|)*30L' \
   --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
   --sequence-parallel --use-distributed-optimizer --moe-expert-load 1 \
-  --recompute-granularity selective --recompute-modules mla_up_proj mlp
+  --recompute-granularity selective --recompute-modules mla_up_proj mlp \
+  --overlap-moe-expert-parallel-comm
 row "[N2] mixtral-8x7b 64 B200 fp8 ep8" dgx-b200 64 tokens 15457 --model mixtral-8x7b \
   --fp8-format hybrid --global-batch-size 256 --seq-length 4096 --tensor-model-parallel-size 1 \
   --pipeline-model-parallel-size 1 --expert-model-parallel-size 8 --micro-batch-size 2 \

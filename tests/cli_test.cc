@@ -361,7 +361,8 @@ TEST(CliErrors, MultiLatentAttention) {
 // Megatron-Core's --account-for-embedding-in-pipeline-split and
 // --account-for-loss-in-pipeline-split: at v = 1 the split that the first and last stages'
 // layer counts give (36 layers and the two modules over p = 2: 18 + 18), printed that way;
-// with interleaving, an uneven split over p, or beside an explicit split, refused by name.
+// an uneven split over p (or over p * v chunks with interleaving), or beside an explicit split,
+// refused by name.
 TEST(Cli, AccountingForTheEmbeddingAndLossSplitsAsMegatronDoes) {
   const std::vector<std::string> base = {"predict",  "--model",
                                          "gpt-7.5b", "--num-gpus",
@@ -394,6 +395,69 @@ TEST(Cli, AccountingForTheEmbeddingAndLossSplitsAsMegatronDoes) {
   expect_bad(
       with({"--account-for-loss-in-pipeline-split", "--decoder-first-pipeline-num-layers", "17"}),
       "--account-for-loss-in-pipeline-split");
+}
+// With interleaving the embedding and the loss take a layer's place in the first and the last
+// model chunk (Megatron-Core's get_num_layers_to_build): 34 layers and the two modules over
+// p = 2, v = 2 are chunks of 8, 9, 9 and 8 layers, the layout Megatron-Core's
+// --pipeline-model-parallel-layout states; either way the same plan, time and memory, printed as
+// that layout, which reads back to the same plan. A layout conflicting with other split flags,
+// or with a v it does not make, is refused naming the flag.
+TEST(Cli, PipelineLayoutsAndInterleavedAccounting) {
+  const std::vector<std::string> base = {"predict",  "--model",
+                                         "gpt-7.5b", "--num-layers",
+                                         "34",       "--num-gpus",
+                                         "64",       "--global-batch-size",
+                                         "128",      "--tensor-model-parallel-size",
+                                         "4",        "--pipeline-model-parallel-size",
+                                         "2",        "--micro-batch-size",
+                                         "1",        "--json"};
+  auto with = [&](std::initializer_list<const char*> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result accounted =
+      run(with({"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+                "--num-virtual-stages-per-pipeline-rank", "2"}));
+  const Result layout = run(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*8L"}));
+  ASSERT_EQ(accounted.status, 0) << accounted.err;
+  ASSERT_EQ(layout.status, 0) << layout.err;
+  const auto a = nlohmann::json::parse(accounted.out), b = nlohmann::json::parse(layout.out);
+  EXPECT_EQ(a["configuration"]["layers_per_chunk"], nlohmann::json({8, 9, 9, 8}));
+  EXPECT_EQ(a["configuration"]["virtual_stages"], 2);
+  EXPECT_EQ(a["configuration"], b["configuration"]);
+  EXPECT_EQ(a["iteration_time_s"], b["iteration_time_s"]);
+  EXPECT_EQ(a["memory"], b["memory"]);
+  const std::string flags = a["megatron_flags"].get<std::string>();
+  EXPECT_NE(flags.find("--pipeline-model-parallel-layout \"Et*8|(t*9|)*2t*8L\""), std::string::npos)
+      << flags;
+  EXPECT_EQ(flags.find("virtual"), std::string::npos) << flags;
+  const Result again = run(with({"--pipeline-model-parallel-layout", "Et*8|(t*9|)*2t*8L"}));
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_EQ(nlohmann::json::parse(again.out)["configuration"], a["configuration"]);
+  // A layout that moves a layer from rank 1 to rank 0 changes the stages' loads.
+  const Result moved = run(with({"--pipeline-model-parallel-layout", "Et*9|t*9|t*9|t*7L"}));
+  ASSERT_EQ(moved.status, 0) << moved.err;
+  EXPECT_NE(nlohmann::json::parse(moved.out)["iteration_time_s"], a["iteration_time_s"]);
+
+  expect_bad(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*8L",
+                   "--num-virtual-stages-per-pipeline-rank", "4"}),
+             "--num-virtual-stages-per-pipeline-rank");
+  expect_bad(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*8L",
+                   "--decoder-first-pipeline-num-layers", "4"}),
+             "--pipeline-model-parallel-layout");
+  expect_bad(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*7L"}),
+             "--pipeline-model-parallel-layout");  // 33 layers placed
+  expect_bad(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*8"}),
+             "--pipeline-model-parallel-layout");  // no loss
+  // Without interleaving a layout is a stage split: the even one here, priced as the plan
+  // without it.
+  const Result plain = run(base),
+               even = run(with({"--pipeline-model-parallel-layout", "Et*17|t*17L"}));
+  ASSERT_EQ(even.status, 0) << even.err;
+  EXPECT_EQ(nlohmann::json::parse(even.out)["iteration_time_s"],
+            nlohmann::json::parse(plain.out)["iteration_time_s"]);
+  EXPECT_EQ(nlohmann::json::parse(even.out)["memory"], nlohmann::json::parse(plain.out)["memory"]);
 }
 TEST(CliErrors, ZeroLayers) {
   expect_bad(predict_with("--num-layers", "0"), "--num-layers");
@@ -1533,6 +1597,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // Megatron-FSDP's strategies where p = 1.
       {{"--cluster", "dgx-h100", "--num-gpus", "16", "--model", "llama2-7b", "--global-batch-size",
         "64", "--use-megatron-fsdp"}},
+      // 126 layers: interleaved layouts that count the embedding and the loss as layers.
+      {{"--cluster", "dgx-h100", "--num-gpus", "1024", "--model", "llama3-405b",
+        "--global-batch-size", "1536", "--seq-length", "8192"}},
       // The distributed optimizer in instances (one per node's part of the data-parallel group).
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "llama2-7b", "--global-batch-size",
         "256", "--num-distributed-optimizer-instances", "auto"}},
@@ -1566,6 +1633,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--recompute-granularity selective",
                                           "--moe-layer-freq",
                                           "--decoder-first-pipeline-num-layers",
+                                          "--pipeline-model-parallel-layout",
                                           "--num-layers-per-virtual-pipeline-stage",
                                           "--microbatch-group-size-per-virtual-pipeline-stage",
                                           "--group-query-attention",

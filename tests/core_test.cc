@@ -1144,6 +1144,117 @@ TEST(PlanRules, ChunksOfAnUnevenInterleavedPlan) {
   EXPECT_EQ(layers_per_model_chunk(m, p), (std::vector<int64_t>{3, 3}));
 }
 
+// Megatron-Core's --pipeline-model-parallel-layout: its documented examples read as its parser
+// reads them, the string ptdp writes reads back to the same chunks, and every malformed layout
+// is refused naming the flag.
+TEST(PipelineLayout, ReadsMegatronCoreLayoutsAndWritesThemBack) {
+  // DeepSeek-V3's 61 layers over p = 8, v = 4 (Megatron-Bridge's recipe, without its MTP layer).
+  const PipelineLayout ds = parse_pipeline_layout("Et|(tt|)*30L", 8);
+  EXPECT_EQ(ds.virtual_stages, 4);
+  std::vector<int64_t> want(32, 2);
+  want.front() = 1;
+  want.back() = 0;
+  EXPECT_EQ(ds.layers_per_chunk, want);
+  // Megatron-Core's own examples: commas are cosmetic, "t*3" repeats a layer.
+  EXPECT_EQ(parse_pipeline_layout("Et*3|(tt|)*29,t|L", 16).layers_per_chunk.front(), 3);
+  EXPECT_EQ(parse_pipeline_layout("Et*3|(tt|)*29,t|L", 16).virtual_stages, 2);
+  EXPECT_EQ(parse_pipeline_layout("Ettt|tttt|tttL", 3).layers_per_chunk,
+            (std::vector<int64_t>{3, 4, 3}));
+  EXPECT_EQ(parse_pipeline_layout("E|(t|)*4L", 3).layers_per_chunk,
+            (std::vector<int64_t>{0, 1, 1, 1, 1, 0}));
+  // Written back: runs of equal middle stages as "(...|)*n", and read again unchanged.
+  EXPECT_EQ(pipeline_layout_string(want), "Et|(tt|)*30L");
+  for (const std::vector<int64_t>& chunks :
+       {std::vector<int64_t>{3, 4, 3}, std::vector<int64_t>{0, 1, 1, 1, 1, 0},
+        std::vector<int64_t>{5, 0, 5, 5, 2, 2}, std::vector<int64_t>{1, 1}}) {
+    const std::string s = pipeline_layout_string(chunks);
+    EXPECT_EQ(parse_pipeline_layout(s, 1).layers_per_chunk, chunks) << s;
+  }
+  using test::error_of;
+  const std::string flag = "--pipeline-model-parallel-layout|--pipeline-model-parallel-layout: ";
+  auto bad = [](const std::string& layout, int64_t p) {
+    return error_of([&] { parse_pipeline_layout(layout, p); });
+  };
+  EXPECT_EQ(bad("Et|t|tL", 2),
+            flag + "has 3 stages, not a multiple of pipeline-model-parallel-size (2)");
+  EXPECT_EQ(bad("Et|tx|tL", 3), flag +
+                                    "has 'x', not one of t (transformer layer), E (embedding), L "
+                                    "(loss), |, (...)*n or x*n");
+  EXPECT_EQ(bad("t|EtL", 2), flag + "places the embedding (E) other than first in the first stage");
+  EXPECT_EQ(bad("EtL|t", 2), flag + "places the loss (L) other than last in the last stage");
+  EXPECT_EQ(bad("Et|tt", 2), flag + "must end with the loss (L)");
+  EXPECT_EQ(bad("t|tL", 2), flag + "must begin with the embedding (E)");
+  EXPECT_EQ(bad("Et|(tt|*3L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|*3L'");
+  EXPECT_EQ(bad("Et|(tt|)L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|)L'");
+  EXPECT_EQ(bad("Et*|tL", 2), flag +
+                                  "has '*', not one of t (transformer layer), E (embedding), L "
+                                  "(loss), |, (...)*n or x*n");
+  EXPECT_EQ(bad("Et|tmL", 2), flag +
+                                  "places a multi-token prediction layer ('m'), which ptdp does "
+                                  "not model; leave it out");
+  EXPECT_EQ(bad("", 2), flag + "is empty");
+  EXPECT_EQ(bad("E(t|)*99999999L", 2),
+            flag + "repeats more than 999999 times in 'E(t|)*99999999L'");
+  EXPECT_EQ(bad("E(t|)*999999(t|)*999999L", 2), flag + "unrolls to more than a million characters");
+}
+
+// A plan with a layout: each chunk's layers are the layout's, the rules check it, and the
+// Megatron-LM line carries it (and sets v with it).
+TEST(PipelineLayout, PlansWithALayout) {
+  ModelSpec m;
+  m.num_layers = 7;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 4;
+  p.layers_per_chunk = {1, 3, 3, 0};
+  ASSERT_NO_THROW(p.validate(m));
+  EXPECT_EQ(layers_per_model_chunk(m, p), p.layers_per_chunk);
+  EXPECT_EQ(p.layers_on_stage(m, 0), 4);
+  EXPECT_EQ(p.layers_on_stage(m, 1), 3);
+  EXPECT_EQ(p.first_layer_of_chunk(m, 1, 1), 7);
+  EXPECT_EQ(p.first_layer_of_chunk(m, 0, 1), 4);
+  EXPECT_EQ(p.most_layers_in_a_chunk(m), 3);
+  EXPECT_NE(
+      p.megatron_flags(m).find(
+          "--pipeline-model-parallel-size 2 --pipeline-model-parallel-layout \"Et|(t*3|)*2L\""),
+      std::string::npos)
+      << p.megatron_flags(m);
+  EXPECT_EQ(p.megatron_flags(m).find("virtual"), std::string::npos) << p.megatron_flags(m);
+  EXPECT_EQ(plan_from_json(to_json(p)).layers_per_chunk, p.layers_per_chunk);
+  using test::error_of;
+  const std::string flag = "--pipeline-model-parallel-layout|--pipeline-model-parallel-layout: ";
+  ParallelPlan q = p;
+  q.layers_per_chunk = {1, 3, 3};
+  EXPECT_EQ(error_of([&] { q.validate(m); }),
+            flag + "has 3 stages, expected pipeline-model-parallel-size * virtual stages (2 * 2)");
+  q.layers_per_chunk = {1, 3, 3, 1};
+  EXPECT_EQ(error_of([&] { q.validate(m); }), flag + "places more than num_layers (7)");
+  q.layers_per_chunk = {1, 3, 2, 0};
+  EXPECT_EQ(error_of([&] { q.validate(m); }),
+            flag + "places 6 transformer layers, expected num_layers (7)");
+  q.layers_per_chunk = {1, 3, 4, -1};
+  EXPECT_EQ(error_of([&] { q.validate(m); }), flag + "has a stage of -1 layers");
+  q.layers_per_chunk = p.layers_per_chunk;
+  q.layers_per_stage = {4, 3};
+  EXPECT_EQ(error_of([&] { q.validate(m); }),
+            flag + "conflicts with layers_per_stage (give one way to split the layers)");
+  // An uneven split Megatron's first/last flags cannot say is written as a layout too.
+  ParallelPlan r;
+  r.pipeline_parallel = 4;
+  r.global_batch_size = 4;
+  r.layers_per_stage = {2, 1, 3, 1};
+  ASSERT_NO_THROW(r.validate(m));
+  EXPECT_NE(r.megatron_flags(m).find("--pipeline-model-parallel-layout \"Ett|t|t*3|tL\""),
+            std::string::npos)
+      << r.megatron_flags(m);
+}
+
 TEST(ParallelPlan, MegatronFlags) {
   const ModelSpec gpt3 = resolve_model("gpt3-175b");
   ParallelPlan p = gpt3_plan();

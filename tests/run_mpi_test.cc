@@ -248,10 +248,12 @@ TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
 }
 
 // Megatron's uneven split (--decoder-first/last-pipeline-num-layers), with and without
-// interleaving over the uneven stages.
+// interleaving over the uneven stages, and Megatron-Core's per-chunk layouts: chunks of
+// different layers on one rank, the last one holding only the loss (its final norm and head).
 TEST(RunMpi, UnevenPipelineStagesTrainToTheSingleRankLosses) {
   const nlohmann::json single = run_json(0, kTiny);
   expect_same_losses({1, 2, 1, "--decoder-first-pipeline-num-layers 1"}, single);
+  expect_same_losses({1, 2, 1, "--pipeline-model-parallel-layout 'Et|tt|t|L'"}, single);
   std::string eight = kTiny;
   eight.replace(eight.find("--num-layers 4"), 14, "--num-layers 8");
   const nlohmann::json single8 = run_json(0, eight);
@@ -260,6 +262,26 @@ TEST(RunMpi, UnevenPipelineStagesTrainToTheSingleRankLosses) {
                       " --num-virtual-stages-per-pipeline-rank 2",
                       eight},
                      single8);
+}
+
+// A layout's chunks hold different layers, so the activations a rank keeps depend on which
+// chunks its in-flight microbatches are in (the memory model walks the rank's order,
+// core/schedule.h interleaved_peak_in_flight): the run's measured peak is the dry run's
+// largest predicted one for layouts that load either rank, and either chunk, most.
+TEST(RunMpi, PipelineLayoutPeakMemoryIsWhatTheDryRunPredicts) {
+  const std::string model =
+      " --num-layers 6 --hidden-size 128 --num-attention-heads 4 --seq-length 256"
+      " --vocab-size 128 --global-batch-size 8 --micro-batch-size 1 --steps 2"
+      " --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout ";
+  for (const std::string layout : {"'Ettt|t|tt|L'", "'Et|tt|ttt|L'", "'Ett|t|t|ttL'"}) {
+    const nlohmann::json predicted = run_json(0, model + layout + " --dry-run --num-gpus 2");
+    const nlohmann::json measured = run_json(2, model + layout);
+    const double want = predicted["plans"][0]["peak_bytes"].get<double>();
+    const double got = measured["peak_memory_gib"].get<double>() * 1073741824.0;
+    EXPECT_NEAR(got / want, 1.0, 0.06) << layout << ": measured " << got << ", predicted " << want;
+    std::printf("[ measured ] layout %s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
+                layout.c_str(), got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
+  }
 }
 
 TEST(RunMpi, GroupedQuerySwiGluUntiedModelShardsToTheSameLosses) {

@@ -202,6 +202,45 @@ TEST(Schedule, CombinedStepsPairEverySteadyForwardWithABackward) {
   EXPECT_THROW(make(Schedule::kZeroBubbleH1, 1, 4, 1, true, 0, true), InputError);
 }
 
+// A pipeline layout's chunks hold different layers: the most layers a rank holds at once,
+// worked out from the forward order and the warm-up alone (what the memory model prices), is
+// what replaying the built lists finds, over groups, combined steps and uneven weights, zero
+// included; and the memory model's in-flight layers for a layout plan are that.
+TEST(Schedule, WeightedChunksInFlightFollowTheLists) {
+  int checked = 0;
+  for (int64_t p = 2; p <= 4; ++p) {
+    for (int64_t v = 2; v <= 4; ++v) {
+      for (int64_t m = p; m <= 3 * p; m += 2) {
+        for (bool combined : {false, true}) {
+          const int64_t n = smallest_microbatch_group(m, p);
+          const PipelineSchedule s = make(Schedule::kInterleaved1F1B, p, m, v, true, n, combined);
+          ParallelPlan plan = interleaved_plan(p, v, m, n, combined);
+          // Chunk c of rank r holds (3 c + 2 r + 1) mod 5 layers: uneven, some none.
+          for (int64_t g = 0; g < p * v; ++g)
+            plan.layers_per_chunk.push_back((3 * (g / p) + 2 * (g % p) + 1) % 5);
+          for (int64_t r = 0; r < p; ++r) {
+            std::vector<double> weight;
+            for (int64_t c = 0; c < v; ++c)
+              weight.push_back(static_cast<double>(plan.layers_per_chunk[c * p + r]));
+            const std::string what = "p" + std::to_string(p) + " v" + std::to_string(v) + " m" +
+                                     std::to_string(m) + (combined ? " combined" : "") + " rank " +
+                                     std::to_string(r);
+            const double listed = peak_weight_in_flight(s, r, weight);
+            EXPECT_DOUBLE_EQ(interleaved_peak_in_flight(s.spec, r, weight), listed) << what;
+            EXPECT_DOUBLE_EQ(inflight_layer_activations(plan, r, 0), listed) << what;
+            // Equal weights: the chunk count.
+            EXPECT_DOUBLE_EQ(interleaved_peak_in_flight(s.spec, r, std::vector<double>(v, 1.0)),
+                             static_cast<double>(peak_chunks_in_flight(s, r)))
+                << what;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 100);
+}
+
 TEST(Schedule, WarmupCountsFollowMegatron) {
   for (int64_t p : {2, 4, 8}) {
     for (int64_t m : {p, 2 * p, 4 * p}) {
