@@ -26,13 +26,19 @@ std::vector<std::pair<int64_t, int64_t>> interleaved_forward_order(const Schedul
   return table;
 }
 
+int64_t interleaved_forward_chunk(const ScheduleSpec& s, int64_t k) {
+  const int64_t m = s.microbatches, v = s.virtual_stages, n = s.group();
+  const int64_t full = (m / n) * n * v;  // virtual microbatches of the full groups
+  if (k < full) return (k % (n * v)) / n;
+  return (k - full) / (m % n);  // the last group, of m mod n microbatches
+}
+
 double interleaved_peak_in_flight(const ScheduleSpec& s, int64_t r,
                                   const std::vector<double>& chunk_weight) {
-  const std::vector<std::pair<int64_t, int64_t>> order = interleaved_forward_order(s);
-  const auto total = static_cast<int64_t>(order.size());
+  const int64_t total = s.microbatches * s.virtual_stages;
   const int64_t warmup = std::min(warmup_forwards(s, r), total);
   auto w = [&](int64_t k, bool forward) {
-    const int64_t c = order[static_cast<size_t>(k)].second;
+    const int64_t c = interleaved_forward_chunk(s, k);
     return chunk_weight.at(static_cast<size_t>(forward ? c : s.virtual_stages - 1 - c));
   };
   double live = 0, peak = 0;

@@ -102,9 +102,12 @@ int64_t warmup_forwards(const ScheduleSpec& s, int64_t r);
 // microbatches, then chunk 1 on the same ones, and so on. The backward order is the same with
 // the chunks reversed (chunk v - 1 - c).
 std::vector<std::pair<int64_t, int64_t>> interleaved_forward_order(const ScheduleSpec& s);
+// The chunk of order[k] alone, without building the order.
+int64_t interleaved_forward_chunk(const ScheduleSpec& s, int64_t k);
 // The most weight rank r of the interleaved schedule holds at once, chunk c weighing
 // chunk_weight[c] (its layers, say), from the orders and warm-up alone: what
-// peak_weight_in_flight finds in the built lists, without building them.
+// peak_weight_in_flight finds in the built lists, without building them (O(m v) time, no
+// memory).
 double interleaved_peak_in_flight(const ScheduleSpec& s, int64_t r,
                                   const std::vector<double>& chunk_weight);
 

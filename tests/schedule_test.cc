@@ -129,6 +129,10 @@ TEST(Schedule, MicrobatchGroupsRunEveryCountFromP) {
             for (const PipelineAction& a : s.ranks[static_cast<size_t>(r)])
               if (a.kind == ActionKind::kForward) got.emplace_back(a.microbatch, a.chunk);
             EXPECT_EQ(got, want) << what << " rank " << r;
+            EXPECT_EQ(interleaved_forward_order(s.spec), want) << what;
+            for (size_t k = 0; k < want.size(); ++k)
+              EXPECT_EQ(interleaved_forward_chunk(s.spec, static_cast<int64_t>(k)), want[k].second)
+                  << what << " k " << k;
             // Megatron-Core's warm-up (no special case for m = p since core 0.10).
             const int64_t warm = std::min(2 * (p - r - 1) + (v - 1) * n, m * v);
             EXPECT_EQ(forwards_before_first_backward(s, r), warm + (warm < m * v ? 1 : 0)) << what;
