@@ -59,6 +59,11 @@ void JobFlags::add_model_flags(CLI::App& app) {
   app.add_option("--qk-pos-emb-head-dim", qk_pos_emb_head_dim,
                  "MLA: a head's rotated query/key channels (64)");
   app.add_option("--v-head-dim", v_head_dim, "MLA: a head's value channels (128)");
+  app.add_option("--mtp-num-layers", mtp_num_layers,
+                 "multi-token prediction modules after the decoder (DeepSeek-V3: 1; priced, not "
+                 "run by ptdp run)");
+  app.add_option("--mtp-loss-scaling-factor", mtp_loss_scaling_factor,
+                 "weight of the multi-token prediction losses (0.1)");
   app.add_flag("--group-query-attention", group_query_attention,
                "grouped-query attention with --num-query-groups groups (Megatron's default: 1)");
   app.add_flag("--swiglu", swiglu);
@@ -264,6 +269,9 @@ std::vector<ModelFlag> model_flags(const JobFlags& j) {
       {"--qk-head-dim", "qk_head_dim", j.qk_head_dim.has_value()},
       {"--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", j.qk_pos_emb_head_dim.has_value()},
       {"--v-head-dim", "v_head_dim", j.v_head_dim.has_value()},
+      {"--mtp-num-layers", "mtp_num_layers", j.mtp_num_layers.has_value()},
+      {"--mtp-loss-scaling-factor", "mtp_loss_scaling_factor",
+       j.mtp_loss_scaling_factor.has_value()},
       {"--swiglu", "", j.swiglu},
       {"--untie-embeddings-and-output-weights", "", j.untie},
       {"--group-query-attention", "", j.group_query_attention},
@@ -364,6 +372,10 @@ ModelSpec JobFlags::resolve_model() const {
   set(m.qk_head_dim, qk_head_dim);
   set(m.qk_pos_emb_head_dim, qk_pos_emb_head_dim);
   set(m.v_head_dim, v_head_dim);
+  set(m.mtp_num_layers, mtp_num_layers);
+  if (mtp_loss_scaling_factor) m.mtp_loss_scaling_factor = *mtp_loss_scaling_factor;
+  if (mtp_loss_scaling_factor && m.mtp_num_layers == 0)
+    throw InputError("--mtp-loss-scaling-factor", "needs --mtp-num-layers");
   if (swiglu) m.swiglu = true;
   if (ffn_hidden_size && *ffn_hidden_size <= 0)
     throw InputError("--ffn-hidden-size",
@@ -685,6 +697,10 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
                        std::to_string(*virtual_stages_per_rank) + ", but the layout's " +
                            std::to_string(layout.layers_per_chunk.size()) + " stages make " +
                            std::to_string(layout.virtual_stages) + " per pipeline rank");
+    if (layout.mtp_layers != m.mtp_num_layers)
+      throw InputError(flag, "places " + std::to_string(layout.mtp_layers) +
+                                 " multi-token prediction layer(s) (m), but the model has " +
+                                 std::to_string(m.mtp_num_layers) + " (--mtp-num-layers)");
     p.layers_per_chunk = layout.layers_per_chunk;
     p.virtual_stages = layout.virtual_stages;
   }

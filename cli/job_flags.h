@@ -23,6 +23,8 @@ struct JobFlags {
   // Multi-head latent attention (--multi-latent-attention and its widths).
   bool multi_latent_attention = false;
   std::optional<int64_t> q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim;
+  std::optional<int64_t> mtp_num_layers;          // --mtp-num-layers
+  std::optional<double> mtp_loss_scaling_factor;  // --mtp-loss-scaling-factor
   bool swiglu = false, untie = false;
   // Megatron flags that ptdp's models tie to others, accepted where they agree: grouped-query
   // attention (the groups from --num-query-groups), no linear biases and RMSNorm (both go with

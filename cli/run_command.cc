@@ -63,7 +63,7 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
     << " b=" << p.micro_batch_size << " B=" << p.global_batch_size << " m=" << p.num_microbatches();
   if (p.virtual_stages > 1) s << " v=" << p.virtual_stages << group_note(p);
   if (!p.layers_per_chunk.empty())
-    s << " (layout " << pipeline_layout_string(p.layers_per_chunk) << ")";
+    s << " (layout " << pipeline_layout_string(p.layers_per_chunk, m.mtp_num_layers) << ")";
   s << ", " << to_string(p.schedule) << ", recompute " << recompute_label(p);
   if (p.sequence_parallel) s << ", sequence parallel";
   s << optimizer_note(p);

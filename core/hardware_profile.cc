@@ -148,12 +148,14 @@ std::string memory_family(OpId id) {
     case OpId::kLatentLayernorm:
     case OpId::kPostAttentionLayernorm:
     case OpId::kFinalLayernorm:
+    case OpId::kMtpNorms:
       return "norm";
     case OpId::kInputLayernormBackward:
     case OpId::kQkLayernormBackward:
     case OpId::kLatentLayernormBackward:
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
+    case OpId::kMtpNormsBackward:
       return "norm_backward";
     case OpId::kAttnSoftmax:
       return "softmax";

@@ -127,6 +127,14 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "router_topk_backward",
     "router_dgrad",
     "router_wgrad",
+    "mtp_norms",
+    "mtp_proj_all_gather",
+    "mtp_eh_proj",
+    "mtp_proj_output_all_gather",
+    "mtp_eh_proj_dgrad",
+    "mtp_eh_proj_wgrad",
+    "mtp_proj_input_grad_reduce",
+    "mtp_norms_backward",
 };
 
 // The backward ops of a forward op: for a GEMM its two backward GEMMs (the second computes a
@@ -164,6 +172,8 @@ BackwardOf backward_ids(OpId f) {
       return {I::kFc2Dgrad, I::kFc2Wgrad, true, true};
     case I::kLmHead:
       return {I::kLmHeadDgrad, I::kLmHeadWgrad, true, true};
+    case I::kMtpEhProj:
+      return {I::kMtpEhProjDgrad, I::kMtpEhProjWgrad, true, true};
     case I::kInputLayernorm:
       return {I::kInputLayernormBackward, I::kInputLayernormBackward};
     case I::kAttnSoftmax:
@@ -828,6 +838,32 @@ PassOps embedding_ops(const ModelSpec& m, const LayerShape& s) {
     bw.memory(OpId::kEmbeddingGradAccumulate,
               accumulate_bytes(m.embedding_parameters() / d.t, s, d), OpRole::kWeightGrad);
   }
+  return p;
+}
+
+PassOps mtp_projection_ops(const ModelSpec& m, const LayerShape& s) {
+  PassOps p;
+  const Dims d = dims(m, s);
+  const double rows = s.sequence_parallel ? d.T / d.t : d.T;
+  Builder f{&p.forward, OpRole::kForward, s.activation_dtype};
+  // enorm and hnorm (each reads and writes rows x h) into the 2h-wide concatenation.
+  f.memory(OpId::kMtpNorms, rows * d.h * d.act * 4);
+  if (s.sequence_parallel)
+    f.collective(OpId::kMtpProjAllGather, Collective::kAllGather, d.T * 2 * d.h * d.act);
+  const int64_t out = std::max<int64_t>(1, d.hi / s.tensor_parallel);
+  f.gemm(OpId::kMtpEhProj, d.Ti, out, 2 * d.hi);
+  // The column-parallel outputs gathered to the whole hidden state (gather_output), then, with
+  // SP, each rank keeps its tokens' rows.
+  if (s.tensor_parallel > 1)
+    f.collective(OpId::kMtpProjOutputAllGather, Collective::kAllGather, d.T * d.h * d.act);
+  Builder bw{&p.backward, OpRole::kInputGrad, s.activation_dtype};
+  for (const Op& op : p.forward)
+    if (op.kind == OpKind::kGemm) add_gemm_backward(bw, op);
+  if (s.tensor_parallel > 1)
+    bw.collective(OpId::kMtpProjInputGradReduce,
+                  s.sequence_parallel ? Collective::kReduceScatter : Collective::kAllReduce,
+                  d.T * 2 * d.h * d.act);
+  bw.memory(OpId::kMtpNormsBackward, rows * d.h * d.act * 6);
   return p;
 }
 

@@ -165,8 +165,20 @@ enum class OpId : uint8_t {
   kRouterTopkBackward,
   kRouterDgrad,
   kRouterWgrad,
+  // Multi-token prediction (ModelSpec::mtp_num_layers; last pipeline stage, mtp_projection_ops),
+  // forward: the embedding's and the hidden state's norms and their concatenation, the 2h input
+  // all-gathered over the sequence (SP), eh_proj (column-parallel), its h / t outputs
+  // all-gathered over the tensor-parallel ranks; backward in reverse
+  kMtpNorms,
+  kMtpProjAllGather,
+  kMtpEhProj,
+  kMtpProjOutputAllGather,
+  kMtpEhProjDgrad,
+  kMtpEhProjWgrad,
+  kMtpProjInputGradReduce,
+  kMtpNormsBackward,
 };
-inline constexpr int kNumOpIds = static_cast<int>(OpId::kRouterWgrad) + 1;
+inline constexpr int kNumOpIds = static_cast<int>(OpId::kMtpNormsBackward) + 1;
 
 // "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
 std::string_view op_name(OpId id);
@@ -251,6 +263,11 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s);
 PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s);
 PassOps embedding_ops(const ModelSpec& m, const LayerShape& s);  // first pipeline stage
 PassOps lm_head_ops(const ModelSpec& m, const LayerShape& s);    // last stage, loss included
+// One multi-token prediction module's own ops (Megatron-Core's MultiTokenPredictionLayer): its
+// norms, concatenation and eh_proj, and their collectives. The module also runs the embedding's
+// lookup (embedding_ops), a transformer layer (the decoder's last layer's kind) and the final
+// norm, output layer and loss (lm_head_ops).
+PassOps mtp_projection_ops(const ModelSpec& m, const LayerShape& s);
 // The vocabulary-parallel cross-entropy exchanges, per token, this rank's (max logit, sum of
 // exponentials, target logit) as fp32 by an all-gather over the tensor-parallel group.
 inline constexpr int64_t kCrossEntropyStatsPerToken = 3;

@@ -217,6 +217,8 @@ ModelSpec model_from_hf_config(const json& j) {
     throw InputError("attention_bias",
                      "biases on a gated (SwiGLU) model's attention are not modelled by ptdp");
   read_hf_moe_fields(r, j, model_type, m);
+  // DeepSeek-V3's multi-token prediction modules (transformers keeps the field, not the modules).
+  r.read("num_nextn_predict_layers", m.mtp_num_layers);
   m.name = !name_or_path.empty() ? name_or_path : !model_type.empty() ? model_type : "custom";
   return m;
 }
@@ -351,7 +353,20 @@ double ModelSpec::parameters() const {
   const auto moe_layers = static_cast<double>(num_moe_layers());
   const double layers = (static_cast<double>(num_layers) - moe_layers) * parameters_per_layer() +
                         (moe_layers > 0 ? moe_layers * moe_layer_parameters() : 0.0);
-  return layers + embedding_parameters() + output_parameters() + norm_parameters();
+  return layers + embedding_parameters() + output_parameters() + norm_parameters() +
+         static_cast<double>(mtp_num_layers) * mtp_module_parameters();
+}
+
+double ModelSpec::mtp_module_parameters() const {
+  const double h = static_cast<double>(hidden_size);
+  const double layer = mtp_layer_is_moe() ? moe_layer_parameters() : parameters_per_layer();
+  return 3 * norm_parameters() + 2 * h * h + layer;  // enorm, hnorm, final norm; eh_proj
+}
+
+double ModelSpec::mtp_module_parameters_per_rank(int64_t t) const {
+  const double h = static_cast<double>(hidden_size);
+  return 3 * norm_parameters() + 2 * h * h / static_cast<double>(t) +
+         layer_parameters_per_rank(t, mtp_layer_is_moe());
 }
 
 namespace {
@@ -453,6 +468,15 @@ void ModelSpec::validate() const {
                                                     std::to_string(kMaxModelSize) + ", got " +
                                                     std::to_string(max_position_embeddings));
   validate_moe(*this);
+  if (mtp_num_layers < 0 || mtp_num_layers > kMaxMtpLayers)
+    throw InputError("mtp_num_layers", "must be in [0, " + std::to_string(kMaxMtpLayers) +
+                                           "], got " + std::to_string(mtp_num_layers));
+  if (!(mtp_loss_scaling_factor >= 0 && mtp_loss_scaling_factor <= 1e6))
+    throw InputError("mtp_loss_scaling_factor", "must be in [0, 1e6]");
+  if (mtp_num_layers > 0 && learned_position_embeddings)
+    throw InputError("mtp_num_layers",
+                     "multi-token prediction needs rotary (or no) position embeddings, as in "
+                     "Megatron-Core");
   // Real models use 1e4 to 1e6 (Llama 3: 5e5); above 1e12 is a typo, and would not print as
   // Megatron's integer --rotary-base.
   if (!learned_position_embeddings && !(rotary_base > 1 && rotary_base <= 1e12))
@@ -545,6 +569,8 @@ ModelSpec model_from_json(const json& j) {
     r.read("moe_first_dense_layers", m.moe_first_dense_layers);
     r.read("moe_capacity_factor", m.moe_capacity_factor);
     r.read("moe_expert_load", m.moe_expert_load);
+    r.read("mtp_num_layers", m.mtp_num_layers);
+    r.read("mtp_loss_scaling_factor", m.mtp_loss_scaling_factor);
     std::string policy = m.moe_drop_by_position ? "position" : "probs";
     r.read("moe_token_drop_policy", policy);
     if (policy != "probs" && policy != "position")
@@ -584,6 +610,10 @@ json to_json(const ModelSpec& m) {
     j["qk_head_dim"] = m.qk_head_dim;
     j["qk_pos_emb_head_dim"] = m.qk_pos_emb_head_dim;
     j["v_head_dim"] = m.v_head_dim;
+  }
+  if (m.mtp_num_layers > 0) {
+    j["mtp_num_layers"] = m.mtp_num_layers;
+    j["mtp_loss_scaling_factor"] = m.mtp_loss_scaling_factor;
   }
   if (m.is_moe()) {
     j["num_experts"] = m.num_experts;

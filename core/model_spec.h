@@ -15,6 +15,8 @@ namespace ptdp {
 // hundreds of times today's largest models, and small enough that the products ptdp forms from
 // sizes stay far from overflowing. validate() refuses more, naming the field.
 inline constexpr int64_t kMaxModelSize = int64_t{1} << 24;
+// The most multi-token prediction modules a model may have (DeepSeek-V3 has one).
+inline constexpr int64_t kMaxMtpLayers = 64;
 
 struct ModelSpec {
   std::string name = "custom";
@@ -72,6 +74,17 @@ struct ModelSpec {
   int64_t qk_head_dim = 128;
   int64_t qk_pos_emb_head_dim = 64;
   int64_t v_head_dim = 128;
+
+  // Multi-token prediction (DeepSeek-V3; Megatron-Core's --mtp-num-layers and
+  // --mtp-loss-scaling-factor): after the decoder, mtp_num_layers modules in a row on the last
+  // pipeline stage, each predicting one token further: the token embedding of the next input
+  // (the model's word embedding) and the previous module's output, each normalised,
+  // concatenated and projected from 2h to h (eh_proj, column-parallel), one transformer layer
+  // built as the decoder's last (an MoE layer if that is), a final norm, and the shared output
+  // layer's logits and loss, weighted mtp_loss_scaling_factor / mtp_num_layers. Priced by
+  // plan, predict and simulate; ptdp run trains the model without them (and says so).
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
 
   // Mixture of experts, in Megatron-Core's terms; num_experts 0 is a dense model.
   //   num_experts           --num-experts (routed experts per MoE layer)
@@ -160,7 +173,14 @@ struct ModelSpec {
   double mla_replicated_parameters() const;
   double embedding_parameters() const;  // word (+ position) embeddings
   double output_parameters() const;     // untied LM head, 0 when tied
-  double parameters() const;            // everything; final layernorm included
+  double parameters() const;            // everything; final layernorm and MTP included
+  // Multi-token prediction: whether its layers are MoE layers (built as the decoder's last
+  // layer), one module's parameters (norms, eh_proj, its layer, final norm; the embedding and
+  // output layer are the model's), and those on a rank of t-way tensor parallelism without the
+  // routed experts (which expert_parameters_per_rank gives per MoE layer).
+  bool mtp_layer_is_moe() const { return mtp_num_layers > 0 && is_moe_layer(num_layers - 1); }
+  double mtp_module_parameters() const;
+  double mtp_module_parameters_per_rank(int64_t t) const;
 
   // Throws InputError naming the field when a size is missing, zero or inconsistent.
   void validate() const;

@@ -280,14 +280,10 @@ PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline
       stages.emplace_back();
       continue;
     }
-    if (ch == 'm')
-      throw InputError(kLayoutFlag,
-                       "places a multi-token prediction layer ('m'), which ptdp does not model; "
-                       "leave it out");
-    if (ch != 't' && ch != 'E' && ch != 'L')
+    if (ch != 't' && ch != 'E' && ch != 'L' && ch != 'm')
       throw InputError(kLayoutFlag, std::string("has '") + ch +
-                                        "', not one of t (transformer layer), E (embedding), L "
-                                        "(loss), |, (...)*n or x*n");
+                                        "', not one of t (transformer layer), m (multi-token "
+                                        "prediction), E (embedding), L (loss), |, (...)*n or x*n");
     stages.back() += ch;
   }
   const auto count = static_cast<int64_t>(stages.size());
@@ -302,8 +298,18 @@ PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline
     int64_t layers = 0;
     for (size_t i = 0; i < stage.size(); ++i) {
       const char ch = stage[i];
-      if (ch == 't') {
+      if (ch == 't' && out.mtp_layers > 0) {
+        throw InputError(kLayoutFlag,
+                         "places a transformer layer (t) after a multi-token prediction layer (m)");
+      } else if (ch == 't') {
         ++layers;
+      } else if (ch == 'm' && g != count - 1) {
+        // (Megatron-Core also runs them in a chunk of their own on an earlier rank.)
+        throw InputError(kLayoutFlag,
+                         "places multi-token prediction layers (m) other than in the last stage, "
+                         "where ptdp runs them");
+      } else if (ch == 'm') {
+        ++out.mtp_layers;
       } else if (ch == 'E' && !(g == 0 && i == 0)) {
         throw InputError(kLayoutFlag,
                          "places the embedding (E) other than first in the first stage");
@@ -320,14 +326,17 @@ PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline
   return out;
 }
 
-std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk) {
+std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk,
+                                   int64_t mtp_layers) {
   const size_t n = layers_per_chunk.size();
+  auto repeated = [](char ch, int64_t k) {
+    return k > 2 ? std::string(1, ch) + "*" + std::to_string(k)
+                 : std::string(static_cast<size_t>(std::max<int64_t>(k, 0)), ch);
+  };
   auto stage = [&](size_t g) {
-    const int64_t k = layers_per_chunk[g];
     std::string s = g == 0 ? "E" : "";
-    s += k > 2 ? "t*" + std::to_string(k)
-               : std::string(static_cast<size_t>(std::max<int64_t>(k, 0)), 't');
-    if (g + 1 == n) s += "L";
+    s += repeated('t', layers_per_chunk[g]);
+    if (g + 1 == n) s += repeated('m', mtp_layers) + "L";
     return s;
   };
   std::string out;
@@ -408,6 +417,11 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
         << (m.moe_drop_by_position ? "position" : "probs");
     f << " --moe-token-dispatcher-type alltoall --moe-grouped-gemm";
   }
+  if (m.mtp_num_layers > 0) {
+    f << " --mtp-num-layers " << m.mtp_num_layers;
+    if (m.mtp_loss_scaling_factor != 0.1)
+      f << " --mtp-loss-scaling-factor " << m.mtp_loss_scaling_factor;
+  }
   f << " --tensor-model-parallel-size " << tensor_parallel << " --pipeline-model-parallel-size "
     << pipeline_parallel;
   if (context_parallel > 1) f << " --context-parallel-size " << context_parallel;
@@ -424,7 +438,7 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
   const bool layout = !layers_per_chunk.empty() || (uneven(*this) && !only_ends_differ(*this));
   if (layout) {
     f << " --pipeline-model-parallel-layout \""
-      << pipeline_layout_string(layers_per_model_chunk(m, *this)) << "\"";
+      << pipeline_layout_string(layers_per_model_chunk(m, *this), m.mtp_num_layers) << "\"";
   } else if (uneven(*this)) {
     f << " --decoder-first-pipeline-num-layers " << layers_per_stage.front()
       << " --decoder-last-pipeline-num-layers " << layers_per_stage.back();

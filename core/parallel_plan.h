@@ -302,16 +302,20 @@ std::vector<int64_t> megatron_stage_split(int64_t num_layers, int64_t p, int64_t
 // Megatron-Core's --pipeline-model-parallel-layout: the stages (p * v of them, split by '|')
 // list their layers, 't' a transformer layer, 'E' the embedding (first) and 'L' the loss (last);
 // "(...)*n" and "x*n" repeat, commas are only for reading. The layers of each stage in
-// global-stage order, and v = stages / p; throws InputError naming the flag when the string is
-// malformed, has no whole number of stages per rank, or places E or L elsewhere. MTP layers ('m')
-// are refused: ptdp does not model multi-token prediction.
+// global-stage order, v = stages / p, and the multi-token prediction layers ('m'); throws
+// InputError naming the flag when the string is malformed, has no whole number of stages per
+// rank, places E or L elsewhere, or places an 'm' other than after the layers of the last stage
+// (Megatron-Core also allows a standalone MTP chunk on an earlier rank; ptdp does not).
 struct PipelineLayout {
   std::vector<int64_t> layers_per_chunk;
   int64_t virtual_stages = 1;
+  int64_t mtp_layers = 0;
 };
 PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline_parallel);
-// The layout string of per-chunk layer counts, runs of equal stages written "(tt|)*n".
-std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk);
+// The layout string of per-chunk layer counts, runs of equal stages written "(tt|)*n", with
+// mtp_layers 'm's before the loss.
+std::string pipeline_layout_string(const std::vector<int64_t>& layers_per_chunk,
+                                   int64_t mtp_layers = 0);
 
 // Megatron-LM's rank placement: tensor-parallel innermost, then context-parallel, then
 // data-parallel, then pipeline-parallel (Megatron-Core's default order "tp-cp-ep-dp-pp"; the

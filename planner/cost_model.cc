@@ -186,6 +186,16 @@ ActivationMemory::ActivationMemory(const ModelSpec& m, const ParallelPlan& p, DT
   boundary_ = static_cast<double>(p.micro_batch_size * (m.seq_length / p.context_parallel)) *
               static_cast<double>(m.hidden_size) * element_ /
               (p.sequence_parallel ? static_cast<double>(p.tensor_parallel) : 1.0);
+  if (m.mtp_num_layers > 0) {
+    // Its layer (not recomputed with block recomputation, as Megatron-Core skips it there), and
+    // the inputs of its embedding's and hidden state's norms, of eh_proj (both, 2h), of its final
+    // norm and of the output layer: 6 h a token.
+    const bool moe = m.mtp_layer_is_moe();
+    const bool block = p.recompute == Recompute::kFull && p.recompute_layers > 0;
+    const double layer =
+        block ? (moe ? kept_moe_layer_ : kept_layer_) : (moe ? per_moe_layer_ : per_layer_);
+    mtp_module_ = layer + 6.0 * boundary_;
+  }
 }
 
 bool logits_freed_before_layer_backward(const ParallelPlan& p) {
@@ -232,6 +242,17 @@ double ActivationMemory::kept_on_stage(int64_t r) const {
                 static_cast<double>(layers);
   }
   double bytes = inflight * per_layer;
+  if (r == p_.pipeline_parallel - 1 && m_.mtp_num_layers > 0) {
+    // The multi-token prediction modules run in the last chunk: as many microbatches of them in
+    // flight as of that chunk.
+    const ScheduleSpec s = schedule_spec(p_, false);
+    std::vector<double> last(static_cast<size_t>(p_.virtual_stages), 0.0);
+    last.back() = 1.0;
+    const double held = s.kind == Schedule::kInterleaved1F1B
+                            ? interleaved_peak_in_flight(s, r, last)
+                            : inflight_layer_activations(p_, r, 1);
+    bytes += held * static_cast<double>(m_.mtp_num_layers) * mtp_module_;
+  }
   if (r == 0 && layers > 0) {
     // One boundary per microbatch-chunk in flight: layers / v per chunk, or a layout's count.
     const ScheduleSpec s = schedule_spec(p_, false);
@@ -582,6 +603,17 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
   st.head_b = price(head.backward, p, hit, &hf, &st.head_w);
   st.embed_flops = ef;
   st.head_flops = hf;
+  if (model_.mtp_num_layers > 0) {
+    const PassOps proj = mtp_projection_ops(model_, shape);
+    double mf = 0;
+    PassTime proj_w;
+    for (const PassTime* part : {&st.embed_f, &st.head_f}) add(st.mtp_f, *part, 1);
+    add(st.mtp_f, price(proj.forward, p, hit, &mf), 1);
+    for (const PassTime* part : {&st.embed_b, &st.head_b}) add(st.mtp_b, *part, 1);
+    add(st.mtp_b, price(proj.backward, p, hit, &mf, &proj_w), 1);
+    for (const PassTime* part : {&st.embed_w, &st.head_w, &proj_w}) add(st.mtp_w, *part, 1);
+    st.mtp_flops = ef + hf + mf;
+  }
   if (model_.is_moe()) {
     const PassOps moe = moe_layer_ops(model_, shape);
     double unused = 0;
@@ -632,6 +664,20 @@ ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, int64
   return c;
 }
 
+void CostModel::add_mtp(ChunkTime& c, const ShapeTimes& st, const ParallelPlan& p) const {
+  if (model_.mtp_num_layers == 0) return;
+  const double n = static_cast<double>(model_.mtp_num_layers);
+  const bool moe = model_.mtp_layer_is_moe();
+  add(c.forward, st.mtp_f, n);
+  add(c.forward, moe ? st.moe_f : st.layer_f, n);
+  add(c.backward, st.mtp_b, n);
+  add(c.backward, moe ? st.moe_b : st.layer_b, n);
+  add(c.weight_grad, st.mtp_w, n);
+  add(c.weight_grad, moe ? st.moe_w : st.layer_w, n);
+  if (!(p.recompute == Recompute::kFull && p.recompute_layers > 0))
+    add(c.recompute, moe ? st.moe_r : st.layer_r, n);
+}
+
 std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const ShapeTimes& st) const {
   std::vector<StageTime> stages;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {
@@ -640,6 +686,7 @@ std::vector<StageTime> CostModel::stage_times(const ParallelPlan& p, const Shape
         p.recompute_layers > 0 ? recomputed_on_stage(model_, p, r) : RecomputedLayers{layers, moe};
     stages.push_back({layer_span_time(st, layers, moe, rec.layers, rec.moe, r == 0,
                                       r == p.pipeline_parallel - 1)});
+    if (r == p.pipeline_parallel - 1) add_mtp(stages.back(), st, p);
     add_fsdp_pass_comm(p, r, stages.back());
   }
   return stages;
@@ -765,7 +812,11 @@ double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double param
 }
 
 double CostModel::embedding_sync_time(const ParallelPlan& p) const {
-  if (p.pipeline_parallel == 1 || model_.untie_embeddings_and_output_weights) return 0.0;
+  // Tied embeddings, or multi-token prediction's copy: the first and last stage's word
+  // embedding gradients all-reduced.
+  if (p.pipeline_parallel == 1 ||
+      (model_.untie_embeddings_and_output_weights && model_.mtp_num_layers == 0))
+    return 0.0;
   GroupSpan pair;
   pair.size = 2;
   pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
@@ -837,9 +888,11 @@ ChunkTime CostModel::chunk_time(const ParallelPlan& p, int64_t rank, int64_t chu
   const int64_t moe = moe_layers_in_chunk(p, rank, chunk);
   const RecomputedLayers rec = p.recompute_layers > 0 ? recomputed_in_chunk(model_, p, rank, chunk)
                                                       : RecomputedLayers{layers, moe};
+  const bool head = rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1;
+  const ShapeTimes& st = shape_times(p);
   ChunkTime t =
-      layer_span_time(shape_times(p), layers, moe, rec.layers, rec.moe, rank == 0 && chunk == 0,
-                      rank == p.pipeline_parallel - 1 && chunk == p.virtual_stages - 1);
+      layer_span_time(st, layers, moe, rec.layers, rec.moe, rank == 0 && chunk == 0, head);
+  if (head) add_mtp(t, st, p);
   if (p.virtual_stages == 1) add_fsdp_pass_comm(p, rank, t);  // Megatron-FSDP: p = v = 1
   return t;
 }
@@ -885,9 +938,19 @@ const CostModel::LayerParameters& CostModel::layer_parameters(const ParallelPlan
   return l;
 }
 
+namespace {
+
+// The last stage's multi-token prediction modules' layers, if MoE layers.
+int64_t mtp_moe_layers_on_stage(const ModelSpec& m, const ParallelPlan& p, int64_t r) {
+  return r == p.pipeline_parallel - 1 && m.mtp_layer_is_moe() ? m.mtp_num_layers : 0;
+}
+
+}  // namespace
+
 double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   if (!model_.is_moe()) return 0.0;
-  return static_cast<double>(moe_layers_on_stage(p, r)) * layer_parameters(p).experts;
+  return static_cast<double>(moe_layers_on_stage(p, r) + mtp_moe_layers_on_stage(model_, p, r)) *
+         layer_parameters(p).experts;
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
@@ -896,6 +959,7 @@ double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {
   const LayerParameters& l = layer_parameters(p);
   double params = dense_layers * l.dense;
   if (moe > 0) params += static_cast<double>(moe) * (l.moe + l.experts);
+  params += static_cast<double>(mtp_moe_layers_on_stage(model_, p, r)) * l.experts;
   return params + non_layer_parameters_on_stage(p, r);
 }
 
@@ -914,6 +978,15 @@ CostModel::OuterModules CostModel::outer_modules(const ParallelPlan& p, int64_t 
     } else if (!first) {
       // Tied embeddings: the last stage keeps its own copy of the word embeddings.
       out.output += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
+    }
+    if (model_.mtp_num_layers > 0) {
+      // Multi-token prediction: its modules (their routed experts apart), and, untied on a
+      // stage of its own, a copy of the word embedding for their inputs (Megatron-Core's
+      // embedding on the MTP stage, kept in step with the first stage's as a tied one is).
+      out.output += static_cast<double>(model_.mtp_num_layers) *
+                    model_.mtp_module_parameters_per_rank(p.tensor_parallel);
+      if (model_.untie_embeddings_and_output_weights && !first)
+        out.output += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
     }
   }
   return out;
@@ -1011,8 +1084,9 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       // (logits_freed_before_layer_backward) they never meet a layer's backward working set or
       // recomputed layer (the activations' transient part): what they add is what exceeds it.
       const double vocab_local = std::ceil(static_cast<double>(model_.vocab_size) / t);
-      const double logits =
-          tokens * vocab_local * (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
+      // Multi-token prediction computes and keeps as many logits again for each module.
+      const double logits = static_cast<double>(1 + model_.mtp_num_layers) * tokens * vocab_local *
+                            (element + (model_.cross_entropy_fusion ? 0.0 : 4.0));
       mb.buffers += activations.logits_beyond_transient(r, logits);
     }
     mb.buffers += activations.p2p_buffers();  // send/receive buffers
@@ -1040,11 +1114,35 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
     if (p.schedule != Schedule::kZeroBubbleH1) return st.per_microbatch();
     return std::max(0.0, st.per_microbatch() - 2.0 * st.weight_grad.total());
   };
+  // Megatron-Core's combined 1F1B (--overlap-moe-expert-parallel-comm): each steady-state
+  // forward runs as one step with a backward of another microbatch, each one's all-to-alls on
+  // their own stream behind the other's kernels: a step lasts its kernels or its all-to-alls,
+  // whichever is longer. Counted over the pipeline ranks' combined steps on average (rank 0
+  // warms up longest and so combines fewest; combined_steps). A stage's exposed all-to-all time
+  // over the iteration, and so which stage is slowest, follows from it.
+  double pairs = 0;
+  if (p.overlap_moe_ep_comm) {
+    for (int64_t r = 0; r < p.pipeline_parallel; ++r) pairs += combined_steps(p, r);
+    pairs /= pp;
+  }
+  auto exposed_ep = [&](const StageTime& st) {
+    const double all = st.forward.ep_comm + st.backward.ep_comm + st.recompute.ep_comm;
+    if (!p.overlap_moe_ep_comm) return m * all;
+    const double e = all / v;
+    const double kernels = (st.forward.compute + st.forward.tp_comm + st.backward.compute +
+                            st.backward.tp_comm + st.recompute.compute + st.recompute.tp_comm) /
+                           v;
+    return (m * v - pairs) * e + pairs * std::max(0.0, e - kernels);
+  };
+  auto paced = [&](const StageTime& st) {
+    const double all = st.forward.ep_comm + st.backward.ep_comm + st.recompute.ep_comm;
+    return m * (st.per_microbatch() - all) + exposed_ep(st);
+  };
   size_t slowest = 0;
   double sum_stage = 0;
   for (size_t r = 0; r < out.stages.size(); ++r) {
     sum_stage += fill_of(out.stages[r]);
-    if (out.stages[r].per_microbatch() > out.stages[slowest].per_microbatch()) slowest = r;
+    if (paced(out.stages[r]) > paced(out.stages[slowest])) slowest = r;
   }
   const StageTime& s = out.stages[slowest];
   TimeBreakdown& b = out.breakdown;
@@ -1053,22 +1151,7 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // The collectives inside passes, by group (tensor, context, expert).
   b.tp_comm = m * (s.forward.tp_comm + s.backward.tp_comm + s.recompute.tp_comm);
   b.cp_comm = m * (s.forward.cp_comm + s.backward.cp_comm + s.recompute.cp_comm);
-  b.ep_comm = m * (s.forward.ep_comm + s.backward.ep_comm + s.recompute.ep_comm);
-  if (p.overlap_moe_ep_comm) {
-    // Megatron-Core's combined 1F1B: each steady-state forward runs as one step with a backward
-    // of another microbatch, each one's all-to-alls on their own stream behind the other's
-    // kernels: a step lasts its kernels or its all-to-alls, whichever is longer. Counted over
-    // the pipeline ranks' combined steps on average (rank 0 warms up longest and so combines
-    // fewest; combined_steps).
-    double pairs = 0;
-    for (int64_t r = 0; r < p.pipeline_parallel; ++r) pairs += combined_steps(p, r);
-    pairs /= pp;
-    const double e = (s.forward.ep_comm + s.backward.ep_comm + s.recompute.ep_comm) / v;
-    const double kernels = (s.forward.compute + s.forward.tp_comm + s.backward.compute +
-                            s.backward.tp_comm + s.recompute.compute + s.recompute.tp_comm) /
-                           v;
-    b.ep_comm = (m * v - pairs) * e + pairs * std::max(0.0, e - kernels);
-  }
+  b.ep_comm = exposed_ep(s);
   const double fill = (sum_stage - fill_of(s)) / v;
   b.bubble = fill;  // GPipe and 1F1B share (p-1)/m; interleaving divides it by v
 
@@ -1121,14 +1204,22 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
   // by t cp; all microbatches, all replicas.
   const auto moe_layers = static_cast<double>(model_.num_moe_layers());
   const double dense_layers = static_cast<double>(model_.num_layers) - moe_layers;
-  const double per_mb_model = dense_layers * st.layer_model_flops +
-                              moe_layers * st.moe_model_flops + st.embed_flops + st.head_flops;
-  const double per_mb_model_all_pairs = dense_layers * st.layer_model_flops_all_pairs +
-                                        moe_layers * st.moe_model_flops_all_pairs + st.embed_flops +
-                                        st.head_flops;
+  // Multi-token prediction modules: their layers (of the decoder's last layer's kind) and the
+  // rest of each, as Megatron-LM's num_floating_point_operations counts them.
+  const double mtp = static_cast<double>(model_.mtp_num_layers);
+  const bool mtp_moe = model_.mtp_layer_is_moe();
+  const double per_mb_model =
+      dense_layers * st.layer_model_flops + moe_layers * st.moe_model_flops + st.embed_flops +
+      st.head_flops + mtp * ((mtp_moe ? st.moe_model_flops : st.layer_model_flops) + st.mtp_flops);
+  const double per_mb_model_all_pairs =
+      dense_layers * st.layer_model_flops_all_pairs + moe_layers * st.moe_model_flops_all_pairs +
+      st.embed_flops + st.head_flops +
+      mtp * ((mtp_moe ? st.moe_model_flops_all_pairs : st.layer_model_flops_all_pairs) +
+             st.mtp_flops);
   // What the kernels execute: a fused attention's causal half only, plus what is recomputed.
-  const double per_mb_executed =
-      dense_layers * st.layer_flops + moe_layers * st.moe_flops + st.embed_flops + st.head_flops;
+  const double per_mb_executed = dense_layers * st.layer_flops + moe_layers * st.moe_flops +
+                                 st.embed_flops + st.head_flops +
+                                 mtp * ((mtp_moe ? st.moe_flops : st.layer_flops) + st.mtp_flops);
   // The layers whose recompute list runs: all, but with block recompute each chunk's first N.
   double rec_moe = moe_layers, rec_dense = dense_layers;
   if (p.recompute_layers > 0) {
@@ -1141,9 +1232,13 @@ Prediction CostModel::predict(const ParallelPlan& p) const {
     rec_moe = static_cast<double>(moe);
     rec_dense = static_cast<double>(layers - moe);
   }
+  // (A multi-token prediction module's layer recomputes as any, except with block recompute.)
+  const double mtp_rec = p.recompute == Recompute::kFull && p.recompute_layers > 0 ? 0.0 : mtp;
   const double per_mb_recompute =
       dense_layers * st.layer_recompute_flops + rec_dense * st.layer_list_recompute_flops +
-      moe_layers * st.moe_recompute_flops + rec_moe * st.moe_list_recompute_flops;
+      moe_layers * st.moe_recompute_flops + rec_moe * st.moe_list_recompute_flops +
+      (mtp_moe ? mtp * st.moe_recompute_flops + mtp_rec * st.moe_list_recompute_flops
+               : mtp * st.layer_recompute_flops + mtp_rec * st.layer_list_recompute_flops);
   const double replicas = static_cast<double>(p.tensor_parallel * p.context_parallel) * m *
                           static_cast<double>(p.data_parallel);
   out.model_flops = per_mb_model * replicas;

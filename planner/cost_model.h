@@ -207,6 +207,10 @@ class CostModel {
     PassTime layer_f, layer_b, layer_r, embed_f, embed_b, head_f, head_b;
     PassTime layer_w, embed_w, head_w;    // weight-gradient parts of the backward passes
     PassTime moe_f, moe_b, moe_r, moe_w;  // one MoE layer
+    // One multi-token prediction module besides its transformer layer: its embedding lookup,
+    // norms and projection, and its final norm, output layer and loss (and their FLOPs).
+    PassTime mtp_f, mtp_b, mtp_w;
+    double mtp_flops = 0;
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
     double moe_flops = 0, moe_recompute_flops = 0;  // at balanced routing
     // Of the recompute FLOPs, the recompute lists' (what block recompute runs on some layers
@@ -226,6 +230,11 @@ class CostModel {
   static ChunkTime layer_span_time(const ShapeTimes& st, int64_t layers, int64_t moe,
                                    int64_t recomputed, int64_t recomputed_moe, bool embedding,
                                    bool head);
+  // The multi-token prediction modules (ModelSpec::mtp_num_layers) on the last model chunk: their
+  // layers (the decoder's last layer's kind) and the rest of each (ShapeTimes::mtp_*), added to
+  // the chunk's passes; Megatron-Core recomputes them with full uniform recomputation (not
+  // block) and selective recomputation recomputes their layers as any.
+  void add_mtp(ChunkTime& c, const ShapeTimes& st, const ParallelPlan& p) const;
   // op_time and exposed_times at a given cache_hit(p); warm_op_time: as the profile measured
   // (or estimated) the op, its operands in cache.
   double op_time(const Op& op, const ParallelPlan& p, double hit) const;
@@ -364,6 +373,9 @@ class ActivationMemory {
   const ModelSpec& m_;
   const ParallelPlan& p_;
   double element_, per_layer_, per_moe_layer_, working_layer_, boundary_;
+  // What one multi-token prediction module keeps per microbatch (its layer and the inputs of its
+  // norms, projection and head), 0 without them.
+  double mtp_module_ = 0;
   // Block recompute: a layer that is not recomputed keeps its whole activations.
   double kept_layer_ = 0, kept_moe_layer_ = 0;
   double backward_workspace_ = 0;           // layer_backward_working_bytes, held during a backward

@@ -87,6 +87,9 @@ OpFamily op_family(OpId id) {
     case OpId::kCrossEntropyAllGather:
     case OpId::kLmHeadGradReduceScatter:
     case OpId::kLmHeadInputGradAllReduce:
+    case OpId::kMtpProjAllGather:
+    case OpId::kMtpProjOutputAllGather:
+    case OpId::kMtpProjInputGradReduce:
       return OpFamily::kTensorComm;
     case OpId::kWordEmbeddingLookup:
     case OpId::kEmbeddingPositionDropout:
@@ -101,6 +104,12 @@ OpFamily op_family(OpId id) {
     case OpId::kLmHeadWgrad:
     case OpId::kFinalLayernormBackward:
     case OpId::kOutputGradAccumulate:
+    // A multi-token prediction module's norms and projection, outside its transformer layer.
+    case OpId::kMtpNorms:
+    case OpId::kMtpEhProj:
+    case OpId::kMtpEhProjDgrad:
+    case OpId::kMtpEhProjWgrad:
+    case OpId::kMtpNormsBackward:
       return OpFamily::kEmbeddingHead;
     case OpId::kCpKvExchange:
     case OpId::kCpKvExchangeBackward:
@@ -220,6 +229,15 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
               f);
     if (r == 0) add_ops(cost, p, embed, mb, mb, f);
     if (r == p.pipeline_parallel - 1) add_ops(cost, p, head, mb, mb, f);
+    if (r == p.pipeline_parallel - 1 && m.mtp_num_layers > 0) {
+      // Each multi-token prediction module: its embedding lookup, projection, layer and head
+      // (CostModel::add_mtp).
+      const double n = mb * static_cast<double>(m.mtp_num_layers);
+      const bool block = p.recompute == Recompute::kFull && p.recompute_layers > 0;
+      for (const PassOps* part : {&embed, &head}) add_ops(cost, p, *part, n, n, f);
+      add_ops(cost, p, mtp_projection_ops(m, shape), n, n, f);
+      add_ops(cost, p, m.mtp_layer_is_moe() ? moe : layer, n, block ? 0.0 : n, f);
+    }
     for (const PipelineAction& a : schedule.ranks[static_cast<size_t>(r)])
       if (is_p2p(a.kind) && !a.batched_with_next) ++st.p2p_calls;
     f.at(OpFamily::kPipelineP2p, OpRole::kForward) = static_cast<double>(st.p2p_calls) * p2p;

@@ -41,11 +41,11 @@
 #        (tensorwise current scaling here). The recipe (Megatron-Bridge v0.1.0rc4
 #        scripts/performance, deepseek_v3_llm_pretrain): ETP 1, force-balanced routing
 #        (--moe-expert-load 1), selective recompute of mla_up_proj and mlp, one multi-token
-#        prediction layer (not modelled by ptdp: left out of the layout), DeepEP's dispatcher with
-#        the expert all-to-alls overlapped (--overlap-moe-expert-parallel-comm) and the layout
-#        "Et|(tt|)*30mL" (32 virtual stages of 1, 2 x 30 and 0 layers), given here without its
-#        'm' (until 2026-11-29's fourth session the row ran at v = 1 with each rank's layers of
-#        that layout, 7 + 6 x 8 + 6, without the overlap).
+#        prediction layer (the deepseek-v3 preset's), DeepEP's dispatcher with the expert
+#        all-to-alls overlapped (--overlap-moe-expert-parallel-comm) and the layout
+#        "Et|(tt|)*30mL" (32 virtual stages of 1, 2 x 30 and 0 layers, the MTP layer and the loss
+#        in the last), as given here (until 2026-11-29's fourth session the row ran at v = 1 with
+#        each rank's layers of that layout, 7 + 6 x 8 + 6, without the overlap or the MTP layer).
 # Recompute is not stated by the other sources: none is used (Megatron's default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -123,7 +123,7 @@ row "[MQ] qwen3-235b-a22b 256 H100 fp8 t2 p8 ep32" dgx-h100 256 tokens 1611 --mo
 row "[MD] deepseek-v3 1024 H100 fp8 t2 p8 ep64" dgx-h100 1024 tokens 1297 --model deepseek-v3 \
   --fp8-format hybrid --fp8-recipe tensorwise --global-batch-size 8192 --seq-length 4096 \
   --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 \
-  --pipeline-model-parallel-layout 'Et|(tt|)*30L' \
+  --pipeline-model-parallel-layout 'Et|(tt|)*30mL' \
   --expert-model-parallel-size 64 --expert-tensor-parallel-size 1 --micro-batch-size 1 \
   --sequence-parallel --use-distributed-optimizer --moe-expert-load 1 \
   --recompute-granularity selective --recompute-modules mla_up_proj mlp \

@@ -137,15 +137,26 @@ TEST(ModelSpec, DeepSeekParametersMatchTheReports) {
   for (const auto& c : cases) {
     const ModelSpec m = resolve_model(c.name);
     ASSERT_TRUE(m.multi_latent_attention) << c.name;
+    // The reports count the main model; DeepSeek-V3's multi-token prediction module is apart.
+    const double main =
+        m.parameters() - static_cast<double>(m.mtp_num_layers) * m.mtp_module_parameters();
     const double experts = m.expert_parameters();
     const double activated =
-        m.parameters() - m.embedding_parameters() - experts +
+        main - m.embedding_parameters() - experts +
         experts * static_cast<double>(m.moe_router_topk) / static_cast<double>(m.num_experts);
-    EXPECT_NEAR(m.parameters() / 1e9, c.total, c.total < 100 ? 0.05 : 0.5) << c.name;
+    EXPECT_NEAR(main / 1e9, c.total, c.total < 100 ? 0.05 : 0.5) << c.name;
     // (V2-Lite's 2.4B reads 2.45B counted this way: the report's own convention differs by a
     // little more than its rounding.)
     EXPECT_NEAR(activated / 1e9, c.activated, c.activated < 10 ? 0.1 : 0.5) << c.name;
   }
+  // DeepSeek-V3's one MTP module: an MoE layer (the last decoder layer's kind), eh_proj of 2h x h
+  // and three norms. Hugging Face's 14B for it also holds copies of the embedding and the output
+  // layer (2 x 129280 x 7168 = 1.85B), which Megatron-Core shares with the main model.
+  const ModelSpec mtp = resolve_model("deepseek-v3");
+  EXPECT_EQ(mtp.mtp_num_layers, 1);
+  EXPECT_TRUE(mtp.mtp_layer_is_moe());
+  EXPECT_EQ(mtp.mtp_module_parameters(), mtp.moe_layer_parameters() + 2.0 * 7168 * 7168 + 3 * 7168);
+  EXPECT_NEAR((mtp.mtp_module_parameters() + 2.0 * 129280 * 7168) / 1e9, 14, 1);
   // DeepSeek-V3's attention, by hand: the query latent (7168 x 1536, its norm, 1536 x 128 x 192),
   // the key-value latent with the rotated key (7168 x 576, the norm of 512, 512 x 128 x 256) and
   // the projection (128 x 128 x 7168), beside the two layer norms.
@@ -463,7 +474,9 @@ TEST(HuggingFace, DeepSeekConfigsReadAsThePresets) {
   EXPECT_EQ(m.head_dim(), 192);
   EXPECT_EQ(m.value_dim(), 128);
   EXPECT_EQ(m.parameters(), preset.parameters());
+  EXPECT_EQ(m.mtp_num_layers, 1);  // num_nextn_predict_layers
   json lite = v3;
+  lite.erase("num_nextn_predict_layers");  // V2-Lite has no MTP module
   for (auto [k, v] :
        std::initializer_list<std::pair<const char*, json>>{{"hidden_size", 2048},
                                                            {"num_hidden_layers", 27},
@@ -1177,21 +1190,30 @@ TEST(PipelineLayout, ReadsMegatronCoreLayoutsAndWritesThemBack) {
   };
   EXPECT_EQ(bad("Et|t|tL", 2),
             flag + "has 3 stages, not a multiple of pipeline-model-parallel-size (2)");
-  EXPECT_EQ(bad("Et|tx|tL", 3), flag +
-                                    "has 'x', not one of t (transformer layer), E (embedding), L "
-                                    "(loss), |, (...)*n or x*n");
+  const std::string chars =
+      "not one of t (transformer layer), m (multi-token prediction), E (embedding), L (loss), |, "
+      "(...)*n or x*n";
+  EXPECT_EQ(bad("Et|tx|tL", 3), flag + "has 'x', " + chars);
   EXPECT_EQ(bad("t|EtL", 2), flag + "places the embedding (E) other than first in the first stage");
   EXPECT_EQ(bad("EtL|t", 2), flag + "places the loss (L) other than last in the last stage");
   EXPECT_EQ(bad("Et|tt", 2), flag + "must end with the loss (L)");
   EXPECT_EQ(bad("t|tL", 2), flag + "must begin with the embedding (E)");
   EXPECT_EQ(bad("Et|(tt|*3L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|*3L'");
   EXPECT_EQ(bad("Et|(tt|)L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|)L'");
-  EXPECT_EQ(bad("Et*|tL", 2), flag +
-                                  "has '*', not one of t (transformer layer), E (embedding), L "
-                                  "(loss), |, (...)*n or x*n");
-  EXPECT_EQ(bad("Et|tmL", 2), flag +
-                                  "places a multi-token prediction layer ('m'), which ptdp does "
-                                  "not model; leave it out");
+  EXPECT_EQ(bad("Et*|tL", 2), flag + "has '*', " + chars);
+  // Multi-token prediction layers: after the last stage's layers, as Megatron-Core's DeepSeek-V3
+  // recipe places its one.
+  const PipelineLayout with_mtp = parse_pipeline_layout("Et|(tt|)*30mL", 8);
+  EXPECT_EQ(with_mtp.mtp_layers, 1);
+  EXPECT_EQ(with_mtp.layers_per_chunk, want);
+  EXPECT_EQ(pipeline_layout_string(want, 1), "Et|(tt|)*30mL");
+  EXPECT_EQ(pipeline_layout_string({2, 2}, 3), "Ett|ttm*3L");
+  EXPECT_EQ(parse_pipeline_layout("Ett|ttm*3L", 1).mtp_layers, 3);
+  EXPECT_EQ(bad("Et|mtL", 2),
+            flag + "places a transformer layer (t) after a multi-token prediction layer (m)");
+  EXPECT_EQ(bad("Etm|tL", 2), flag +
+                                  "places multi-token prediction layers (m) other than in the last "
+                                  "stage, where ptdp runs them");
   EXPECT_EQ(bad("", 2), flag + "is empty");
   EXPECT_EQ(bad("E(t|)*99999999L", 2),
             flag + "repeats more than 999999 times in 'E(t|)*99999999L'");

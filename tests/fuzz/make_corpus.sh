@@ -74,5 +74,6 @@ run --plan plans.json --plan-index all --dry-run --json
 reconcile --trace run.json --cluster machine.json --profile a100-80gb --json
 tokenize input.txt tokens.bin
 predict --model llama3-70b --profile h100-sxm --cluster dgx-h100 --num-gpus 64 --global-batch-size 128 --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --micro-batch-size 1 --fp16-grad-reduce --no-scatter-gather --no-gradient-accumulation-fusion --overlap-grad-reduce --swiglu --untie-embeddings-and-output-weights --num-query-groups 8 --ffn-hidden-size 28672
+predict --model qwen3-235b-a22b --cluster dgx-h100 --num-gpus 256 --global-batch-size 8192 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --pipeline-model-parallel-layout Ett|(t*3|)*30ttL --expert-model-parallel-size 32 --expert-tensor-parallel-size 1 --micro-batch-size 1 --sequence-parallel --overlap-moe-expert-parallel-comm --json
 ARGS
 du -sh "$corpus"

@@ -89,6 +89,13 @@ int main(int argc, char** argv) {
   u.layers_per_stage = {1, 1};
   u.recompute = Recompute::kFull;
   write_file(corpus / "plan_json/uneven_toy.json", to_json(u).dump(2));
+  // A pipeline layout: chunks of 1, 0, 0 and 1 layers over p = 2, v = 2.
+  ParallelPlan l = u;
+  l.layers_per_stage.clear();
+  l.layers_per_chunk = {1, 0, 0, 1};
+  l.virtual_stages = 2;
+  l.schedule = Schedule::kInterleaved1F1B;
+  write_file(corpus / "plan_json/layout_toy.json", to_json(l).dump(2));
   // Context and expert parallelism (valid for Mixtral 8x7B), with FP8 and p2p overlap.
   ParallelPlan e;
   e.tensor_parallel = 2;
