@@ -88,6 +88,15 @@ TEST(Cli, RunSaysWhichPricedSettingsItDoesNotExecute) {
     EXPECT_EQ(run.fsdp, FsdpSharding::kOff);
     EXPECT_TRUE(run.distributed_optimizer);
   }
+  // Multi-token prediction: the run trains the main model (and reconcile prices what ran).
+  ModelSpec mtp = resolve_model("deepseek-v2-lite");
+  mtp.mtp_num_layers = 1;
+  EXPECT_NE(execution_note(mtp, ParallelPlan{})
+                .find("trains without its 1 multi-token prediction "
+                      "module(s) (--mtp-num-layers is priced, not "
+                      "run"),
+            std::string::npos);
+  EXPECT_EQ(as_executed(mtp, ParallelPlan{}).mtp_num_layers, 0);
 }
 
 // Context parallelism runs fused attention whatever the model asks (as Megatron-Core and the op
@@ -458,6 +467,57 @@ TEST(Cli, PipelineLayoutsAndInterleavedAccounting) {
   EXPECT_EQ(nlohmann::json::parse(even.out)["iteration_time_s"],
             nlohmann::json::parse(plain.out)["iteration_time_s"]);
   EXPECT_EQ(nlohmann::json::parse(even.out)["memory"], nlohmann::json::parse(plain.out)["memory"]);
+}
+// --mtp-num-layers and --mtp-loss-scaling-factor: priced on the command line as in the model
+// file, printed among the Megatron-LM flags, refused by name where they cannot apply; a layout
+// places the model's modules ('m') or is refused.
+TEST(Cli, MultiTokenPredictionFlags) {
+  const std::vector<std::string> base = {"predict",
+                                         "--model",
+                                         "deepseek-v2-lite",
+                                         "--num-gpus",
+                                         "24",
+                                         "--global-batch-size",
+                                         "64",
+                                         "--tensor-model-parallel-size",
+                                         "1",
+                                         "--pipeline-model-parallel-size",
+                                         "3",
+                                         "--expert-model-parallel-size",
+                                         "8",
+                                         "--micro-batch-size",
+                                         "1",
+                                         "--json"};
+  auto with = [&](std::initializer_list<const char*> extra) {
+    std::vector<std::string> a = base;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  const Result plain = run(base), mtp = run(with({"--mtp-num-layers", "1"}));
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  ASSERT_EQ(mtp.status, 0) << mtp.err;
+  const auto a = nlohmann::json::parse(plain.out), b = nlohmann::json::parse(mtp.out);
+  EXPECT_GT(b["iteration_time_s"].get<double>(), a["iteration_time_s"].get<double>());
+  // Model FLOPs a token (TFLOP/s over tokens/s) grow by the module's.
+  auto flops_per_token = [](const nlohmann::json& j) {
+    return j["model_tflops_per_gpu"].get<double>() / j["tokens_per_s"].get<double>();
+  };
+  EXPECT_GT(flops_per_token(b), flops_per_token(a));
+  EXPECT_NE(b["megatron_flags"].get<std::string>().find("--mtp-num-layers 1"), std::string::npos);
+  EXPECT_EQ(a["megatron_flags"].get<std::string>().find("--mtp"), std::string::npos);
+  const Result layout =
+      run(with({"--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et*9|t*9|t*9mL"}));
+  ASSERT_EQ(layout.status, 0) << layout.err;
+  expect_bad(with({"--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et*9|t*9|t*9L"}),
+             "--pipeline-model-parallel-layout: places 0 multi-token prediction layer(s) (m), but "
+             "the model has 1 (--mtp-num-layers)");
+  expect_bad(with({"--mtp-num-layers", "-1"}), "--mtp-num-layers: must be in [0, 64], got -1");
+  expect_bad(with({"--mtp-loss-scaling-factor", "0.2"}),
+             "--mtp-loss-scaling-factor: needs --mtp-num-layers");
+  expect_bad({"predict", "--model", "gpt-1.7b", "--num-gpus", "8", "--global-batch-size", "64",
+              "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+              "--micro-batch-size", "1", "--mtp-num-layers", "1"},
+             "--mtp-num-layers: multi-token prediction needs rotary");
 }
 TEST(CliErrors, ZeroLayers) {
   expect_bad(predict_with("--num-layers", "0"), "--num-layers");
@@ -1591,9 +1651,9 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
       // Megatron-Core's combined 1F1B where a plan allows it (ep > 1; interleaved, or p = 1).
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "qwen2-57b-a14b",
         "--global-batch-size", "256", "--overlap-moe-expert-parallel-comm"}},
-      // DeepSeek's multi-head latent attention (no context parallelism).
+      // DeepSeek's multi-head latent attention (no context parallelism), with an MTP module.
       {{"--cluster", "dgx-h100", "--num-gpus", "64", "--model", "deepseek-v2-lite",
-        "--global-batch-size", "256"}},
+        "--global-batch-size", "256", "--mtp-num-layers", "1"}},
       // Megatron-FSDP's strategies where p = 1.
       {{"--cluster", "dgx-h100", "--num-gpus", "16", "--model", "llama2-7b", "--global-batch-size",
         "64", "--use-megatron-fsdp"}},
@@ -1634,6 +1694,7 @@ TEST(Cli, TheMegatronFlagsOfEveryListedPlanPredictThatPlan) {
                                           "--moe-layer-freq",
                                           "--decoder-first-pipeline-num-layers",
                                           "--pipeline-model-parallel-layout",
+                                          "--mtp-num-layers",
                                           "--num-layers-per-virtual-pipeline-stage",
                                           "--microbatch-group-size-per-virtual-pipeline-stage",
                                           "--group-query-attention",

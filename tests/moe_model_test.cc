@@ -9,11 +9,14 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/layer_ops.h"
 #include "core/model_spec.h"
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "planner/cost_model.h"
 #include "planner/search.h"
+#include "planner/simulation_input.h"
 #include "runtime/moe_layer.h"
 #include "tests/support/input_error.h"
 
@@ -381,6 +384,142 @@ TEST(ContextAndExpertParallel, CpCommTypeRulesFlagsAndJson) {
   nlohmann::json j = to_json(p);
   j["cp_comm_type"] = "ring";
   EXPECT_EQ(field_of([&] { plan_from_json(j); }), "cp_comm_type");
+}
+
+// Multi-token prediction (--mtp-num-layers): one module of DeepSeek-V2-Lite's shape on its last
+// pipeline stage. Only that stage changes: its parameters by the module's (its MoE layer's
+// routed experts among the expert parameters) and a copy of the untied word embedding, its
+// passes and its memory; the model FLOPs by one MoE layer's and the module's embedding lookup,
+// projection, head and loss, as the op lists count them.
+TEST(MultiTokenPrediction, PricedOnTheLastStageOnly) {
+  ModelSpec without = resolve_model("deepseek-v2-lite");
+  ModelSpec with = without;
+  with.mtp_num_layers = 1;
+  ASSERT_NO_THROW(with.validate());
+  ASSERT_TRUE(with.mtp_layer_is_moe());
+  ClusterSpec cluster = resolve_cluster("dgx-h100");
+  cluster.resize(48);
+  const HardwareProfile profile = resolve_profile("h100-sxm");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.pipeline_parallel = 3;
+  p.data_parallel = 8;
+  p.expert_parallel = 8;
+  p.expert_tensor_parallel = 1;
+  p.sequence_parallel = true;
+  p.distributed_optimizer = true;
+  p.global_batch_size = 256;
+  // The last stage the most loaded (1F1B's first stage holds three microbatches): the peak is
+  // its memory.
+  p.layers_per_chunk = {4, 4, 19};
+  ASSERT_NO_THROW(p.validate(with));
+  const CostModel a(without, cluster, profile), b(with, cluster, profile);
+  for (int64_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(b.parameters_on_stage(p, r), a.parameters_on_stage(p, r)) << r;
+    EXPECT_EQ(b.chunk_time(p, r, 0).forward.total(), a.chunk_time(p, r, 0).forward.total()) << r;
+  }
+  const double module = with.mtp_module_parameters_per_rank(2) +
+                        with.expert_parameters_per_rank(8, 1) +
+                        static_cast<double>(with.vocab_size * with.hidden_size) / 2;
+  EXPECT_DOUBLE_EQ(b.parameters_on_stage(p, 2) - a.parameters_on_stage(p, 2), module);
+  EXPECT_DOUBLE_EQ(b.expert_parameters_on_stage(p, 2) - a.expert_parameters_on_stage(p, 2),
+                   with.expert_parameters_per_rank(8, 1));
+  EXPECT_GT(b.chunk_time(p, 2, 0).forward.total(), a.chunk_time(p, 2, 0).forward.total());
+  EXPECT_GT(b.chunk_time(p, 2, 0).backward.total(), a.chunk_time(p, 2, 0).backward.total());
+  const Prediction pa = a.predict(p), pb = b.predict(p);
+  EXPECT_GT(pb.iteration_time_s, pa.iteration_time_s);
+  EXPECT_GT(pb.memory.peak, pa.memory.peak);
+  // The untied embedding's copy is all-reduced with the first stage's, as a tied one is.
+  EXPECT_EQ(a.embedding_sync_time(p), 0.0);
+  EXPECT_GT(b.embedding_sync_time(p), 0.0);
+  // Model FLOPs: one more MoE layer, and the module's embedding, projection and head.
+  ModelSpec deeper = without;
+  deeper.num_layers += 1;  // the added last layer is an MoE layer
+  ASSERT_TRUE(deeper.is_moe_layer(deeper.num_layers - 1));
+  const CostModel c(deeper, cluster, profile);
+  LayerShape shape = b.priced_layer_shape(p);
+  double module_flops = 0;
+  for (const PassOps& ops :
+       {embedding_ops(with, shape), mtp_projection_ops(with, shape), lm_head_ops(with, shape)})
+    for (const auto* list : {&ops.forward, &ops.backward})
+      for (const Op& op : *list) module_flops += op.flops();
+  const double replicas =
+      static_cast<double>(p.tensor_parallel * p.num_microbatches() * p.data_parallel);
+  ParallelPlan q = p;
+  q.layers_per_chunk = {4, 4, 20};  // the deeper model's 28 layers
+  EXPECT_NEAR(pb.model_flops - pa.model_flops,
+              c.predict(q).model_flops - pa.model_flops + module_flops * replicas,
+              1e-9 * pb.model_flops);
+  // Simulated, the last stage's module costs time too.
+  EXPECT_GT(simulate_plan(b, p).iteration, simulate_plan(a, p).iteration);
+}
+
+// Under Megatron-Core's combined 1F1B a stage's all-to-alls hide behind its kernels: the stage
+// that sets the pace is the one slowest with what stays exposed, so a heavier last stage (its
+// MTP module and head) cannot make the step shorter (it did when the stage was picked by its
+// passes' sum before the overlap).
+TEST(MultiTokenPrediction, AHeavierLastStageNeverShortensTheCombinedStep) {
+  // DeepSeek-V3 as Megatron-Bridge's recipe lays it out: the last rank holds 6 layers against 8
+  // elsewhere, and the MTP module and both heads besides.
+  ModelSpec with = resolve_model("deepseek-v3");
+  with.moe_expert_load = 1;  // force-balanced, as the recipe measured it
+  ModelSpec without = with;
+  without.mtp_num_layers = 0;
+  ClusterSpec cluster = resolve_cluster("dgx-h100");
+  cluster.resize(1024);
+  const HardwareProfile profile = resolve_profile("h100-sxm");
+  ParallelPlan p;
+  p.tensor_parallel = 2;
+  p.pipeline_parallel = 8;
+  p.data_parallel = 64;
+  p.expert_parallel = 64;
+  p.expert_tensor_parallel = 1;
+  p.sequence_parallel = true;
+  p.distributed_optimizer = true;
+  p.global_batch_size = 8192;
+  const PipelineLayout layout = parse_pipeline_layout("Et|(tt|)*30mL", 8);
+  p.layers_per_chunk = layout.layers_per_chunk;
+  p.virtual_stages = layout.virtual_stages;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.overlap_moe_ep_comm = true;
+  ASSERT_NO_THROW(p.validate(with));
+  const double a = CostModel(without, cluster, profile).predict(p).iteration_time_s;
+  const double b = CostModel(with, cluster, profile).predict(p).iteration_time_s;
+  EXPECT_GT(b, a);
+}
+
+// The flags: Megatron-LM's line carries --mtp-num-layers (and a layout its 'm'); bad values are
+// refused naming the flag, as are layouts that place other than the model's modules.
+TEST(MultiTokenPrediction, FlagsAndRules) {
+  ModelSpec m = resolve_model("deepseek-v2-lite");
+  m.mtp_num_layers = 2;
+  m.mtp_loss_scaling_factor = 0.3;
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 4;
+  p.layers_per_chunk = {6, 7, 7, 7};
+  ASSERT_NO_THROW(p.validate(m));
+  const std::string flags = p.megatron_flags(m);
+  EXPECT_NE(flags.find("--mtp-num-layers 2 --mtp-loss-scaling-factor 0.3"), std::string::npos)
+      << flags;
+  EXPECT_NE(flags.find("--pipeline-model-parallel-layout \"Et*6|(t*7|)*2t*7mmL\""),
+            std::string::npos)
+      << flags;
+  EXPECT_EQ(model_from_json(to_json(m)).mtp_num_layers, 2);
+  EXPECT_EQ(model_from_json(to_json(m)).mtp_loss_scaling_factor, 0.3);
+  ModelSpec bad = m;
+  bad.mtp_num_layers = -1;
+  EXPECT_EQ(field_of([&] { bad.validate(); }), "mtp_num_layers");
+  bad = resolve_model("gpt-1.7b");  // learned positions
+  bad.mtp_num_layers = 1;
+  EXPECT_EQ(message_of([&] { bad.validate(); }),
+            "mtp_num_layers: multi-token prediction needs rotary (or no) position embeddings, as "
+            "in Megatron-Core");
+  bad = m;
+  bad.mtp_loss_scaling_factor = -1;
+  EXPECT_EQ(field_of([&] { bad.validate(); }), "mtp_loss_scaling_factor");
 }
 
 }  // namespace

@@ -380,11 +380,13 @@ TEST(RunMpi, ThePlansThatPlanPrintsRunAsPrinted) {
       {moe, common},
       {moe + " --pipeline-schedule zb-h1",
        {"--pipeline-model-parallel-size 2", "--expert-model-parallel-size"}},
-      // DeepSeek's latent attention on the MoE model's layers.
+      // DeepSeek's latent attention on the MoE model's layers, and a multi-token prediction
+      // module (priced; the run trains the main model).
       {moe.substr(0, moe.find(" --num-query-groups")) + " --multi-latent-attention" +
            " --q-lora-rank 24 --kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 8" +
-           " --v-head-dim 12" + moe.substr(moe.find(" --swiglu")),
-       {"--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2"}},
+           " --v-head-dim 12 --mtp-num-layers 1" + moe.substr(moe.find(" --swiglu")),
+       {"--tensor-model-parallel-size 2", "--pipeline-model-parallel-size 2",
+        "--mtp-num-layers 1"}},
       // Megatron-FSDP's plans (p = 1), run with the distributed optimizer's layout.
       {dense + " --use-megatron-fsdp",
        {"--data-parallel-sharding-strategy optim_grads ",
