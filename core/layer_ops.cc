@@ -135,6 +135,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "mtp_eh_proj_wgrad",
     "mtp_proj_input_grad_reduce",
     "mtp_norms_backward",
+    "mtp_proj_output_scatter_backward",
 };
 
 // The backward ops of a forward op: for a GEMM its two backward GEMMs (the second computes a
@@ -857,6 +858,8 @@ PassOps mtp_projection_ops(const ModelSpec& m, const LayerShape& s) {
   if (s.tensor_parallel > 1)
     f.collective(OpId::kMtpProjOutputAllGather, Collective::kAllGather, d.T * d.h * d.act);
   Builder bw{&p.backward, OpRole::kInputGrad, s.activation_dtype};
+  if (s.sequence_parallel)
+    bw.collective(OpId::kMtpProjOutputScatterBackward, Collective::kAllGather, d.T * d.h * d.act);
   for (const Op& op : p.forward)
     if (op.kind == OpKind::kGemm) add_gemm_backward(bw, op);
   if (s.tensor_parallel > 1)

@@ -177,8 +177,11 @@ enum class OpId : uint8_t {
   kMtpEhProjWgrad,
   kMtpProjInputGradReduce,
   kMtpNormsBackward,
+  // With sequence parallelism the gathered output is cut back to the rank's tokens; backward,
+  // the gradient is all-gathered over the sequence.
+  kMtpProjOutputScatterBackward,
 };
-inline constexpr int kNumOpIds = static_cast<int>(OpId::kMtpNormsBackward) + 1;
+inline constexpr int kNumOpIds = static_cast<int>(OpId::kMtpProjOutputScatterBackward) + 1;
 
 // "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
 std::string_view op_name(OpId id);

@@ -247,7 +247,9 @@ std::string unroll_repeats(const std::string& s) {
       continue;
     }
     const size_t close = s.find(')', i);
-    const auto count = close == std::string::npos ? std::nullopt : repeat_count(s, close + 1);
+    // (Megatron-Core's pattern needs something inside the parentheses.)
+    const auto count =
+        close == std::string::npos || close == i + 1 ? std::nullopt : repeat_count(s, close + 1);
     if (!count) throw InputError(kLayoutFlag, "needs (...)*n for a group, in '" + s + "'");
     append_repeated(groups, s.substr(i + 1, close - i - 1), count->first);
     i = count->second;
@@ -271,7 +273,7 @@ PipelineLayout parse_pipeline_layout(const std::string& layout, int64_t pipeline
     throw InputError(kLayoutFlag, "needs pipeline-model-parallel-size >= 1");
   std::string s;
   for (char ch : layout)
-    if (ch != ',' && !std::isspace(static_cast<unsigned char>(ch))) s += ch;
+    if (ch != ',') s += ch;  // commas are cosmetic; anything else is read (a space is refused)
   if (s.empty()) throw InputError(kLayoutFlag, "is empty");
   s = unroll_repeats(s);
   std::vector<std::string> stages(1);

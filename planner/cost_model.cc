@@ -833,7 +833,13 @@ double CostModel::sequence_parallel_grad_sync_time(const ParallelPlan& p, int64_
                      model_.replicated_parameters_per_layer() +
                  static_cast<double>(moe) * model_.replicated_parameters_per_layer(true);
   if (r == 0) whole += model_.position_embedding_parameters();
-  if (r == p.pipeline_parallel - 1) whole += model_.norm_parameters();
+  if (r == p.pipeline_parallel - 1) {
+    whole += model_.norm_parameters();
+    // Multi-token prediction's norms and its layer's replicated parameters.
+    whole += static_cast<double>(model_.mtp_num_layers) *
+             (3 * model_.norm_parameters() +
+              model_.replicated_parameters_per_layer(model_.mtp_layer_is_moe()));
+  }
   return comm_.collective_time(Collective::kAllReduce, whole * gradient_bytes_per_parameter(p),
                                tensor_group_span(cluster_, p), gradient_dtype(p));
 }

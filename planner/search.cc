@@ -448,6 +448,7 @@ SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const Hardwa
             stage_splits(m.num_layers, p, o.try_uneven_stages);
         ParallelPlan cell = o.defaults;
         cell.layers_per_stage = splits.empty() ? std::vector<int64_t>{} : splits.front();
+        cell.layers_per_chunk.clear();  // a baseline's layout is for its own p and v
         cell.tensor_parallel = t;
         cell.context_parallel = cp;
         cell.pipeline_parallel = p;

@@ -122,6 +122,9 @@ nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
   if (p.distributed_optimizer && p.optimizer_shards() < p.data_parallel * p.context_parallel)
     j["distributed_optimizer_instances"] =
         p.data_parallel * p.context_parallel / p.optimizer_shards();
+  // A pipeline layout decides which layers a chunk holds (an even split and a layout can give
+  // every rank the same size).
+  if (!p.layers_per_chunk.empty()) j["layers_per_chunk"] = p.layers_per_chunk;
   if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
     j["ep"] = p.expert_parallel;
     j["etp"] = p.expert_tp();

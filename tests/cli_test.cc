@@ -459,6 +459,31 @@ TEST(Cli, PipelineLayoutsAndInterleavedAccounting) {
              "--pipeline-model-parallel-layout");  // 33 layers placed
   expect_bad(with({"--pipeline-model-parallel-layout", "Et*8|t*9|t*9|t*8"}),
              "--pipeline-model-parallel-layout");  // no loss
+  // `ptdp plan` with a layout: the baseline it compares with; the search's own candidates are
+  // laid out for their own p and v.
+  const Result planned = run({"plan",
+                              "--model",
+                              "gpt-7.5b",
+                              "--num-layers",
+                              "34",
+                              "--num-gpus",
+                              "64",
+                              "--global-batch-size",
+                              "128",
+                              "--tensor-model-parallel-size",
+                              "4",
+                              "--pipeline-model-parallel-size",
+                              "2",
+                              "--micro-batch-size",
+                              "1",
+                              "--pipeline-model-parallel-layout",
+                              "Et*8|t*9|t*9|t*8L",
+                              "--top",
+                              "10",
+                              "--json",
+                              "--no-progress"});
+  ASSERT_EQ(planned.status, 0) << planned.err;
+  EXPECT_EQ(nlohmann::json::parse(planned.out)["plans"].size(), 10u);
   // Without interleaving a layout is a stage split: the even one here, priced as the plan
   // without it.
   const Result plain = run(base),

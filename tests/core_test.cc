@@ -1200,6 +1200,8 @@ TEST(PipelineLayout, ReadsMegatronCoreLayoutsAndWritesThemBack) {
   EXPECT_EQ(bad("t|tL", 2), flag + "must begin with the embedding (E)");
   EXPECT_EQ(bad("Et|(tt|*3L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|*3L'");
   EXPECT_EQ(bad("Et|(tt|)L", 2), flag + "needs (...)*n for a group, in 'Et|(tt|)L'");
+  EXPECT_EQ(bad("Et|()*2tL", 2), flag + "needs (...)*n for a group, in 'Et|()*2tL'");
+  EXPECT_EQ(bad("Et| tL", 2), flag + "has ' ', " + chars);
   EXPECT_EQ(bad("Et*|tL", 2), flag + "has '*', " + chars);
   // Multi-token prediction layers: after the last stage's layers, as Megatron-Core's DeepSeek-V3
   // recipe places its one.

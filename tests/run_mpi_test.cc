@@ -796,6 +796,21 @@ TEST(RunMpi, BadPlansStopEveryRankBeforeTraining) {
   ASSERT_EQ(saved.status, 0) << saved.err;
   expect_refused(2, tiny_steps(8) + " --tensor-model-parallel-size 2 --load " + dir.string(),
                  "--load");
+  // A pipeline layout whose ranks hold as many parameters as the even split's, in other layers
+  // (chunks of 2, 1, 0 and 1 layers against 1 each): refused, not loaded into the wrong layers.
+  fs::remove_all(dir);
+  const Outcome interleaved = ptdp_run(2, kTiny +
+                                              " --pipeline-model-parallel-size 2"
+                                              " --num-layers-per-virtual-pipeline-stage 1 --save " +
+                                              dir.string());
+  ASSERT_EQ(interleaved.status, 0) << interleaved.err;
+  expect_refused(2,
+                 tiny_steps(8) +
+                     " --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout "
+                     "'Ett|t||tL' --load " +
+                     dir.string(),
+                 "--load");
+  fs::remove_all(dir);
 }
 
 // MoE layers (runtime/moe_layer.h): 4 experts, top-2, every layer an MoE layer unless said.
