@@ -56,6 +56,14 @@ void BM_PlanMoe64Experts(benchmark::State& state) {
 }
 BENCHMARK(BM_PlanMoe64Experts)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// DeepSeek-V3 (61 layers, an MTP module, 256 experts) on 1024 H100s at global batch 8192: its
+// interleaved layouts (the embedding, loss and MTP module counted as layers) at thousands of
+// microbatches, whose memory walks each rank's order.
+void BM_PlanDeepSeekV3(benchmark::State& state) {
+  run_search(state, ptdp::resolve_model("deepseek-v3"), "dgx-h100", 1024, 8192);
+}
+BENCHMARK(BM_PlanDeepSeekV3)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 // Llama 3 70B on 1024 H100s at global batch 1024, as ptdp plan searches it, and with
 // --use-megatron-fsdp (optim_grads and optim_grads_params at p = 1 besides).
 void BM_PlanLlama70B(benchmark::State& state) {

@@ -43,7 +43,19 @@ double interleaved_peak_in_flight(const ScheduleSpec& s, int64_t r,
   };
   double live = 0, peak = 0;
   for (int64_t k = 0; k < warmup; ++k) peak = std::max(peak, live += w(k, true));
+  // Steady state: step k adds forward k + warmup and removes backward k. While the forward
+  // index stays in the full groups, each period of N v steps adds and removes every chunk N
+  // times: what is held repeats, so the periods after the first are skipped.
+  const int64_t period = s.group() * s.virtual_stages;
+  const int64_t full = (s.microbatches / s.group()) * period;
+  const int64_t periodic = std::max<int64_t>(0, full - warmup);  // steps k + warmup < full
+  const double after_warmup = live;
   for (int64_t k = 0; k + warmup < total; ++k) {
+    if (k == period && periodic >= 2 * period) {
+      k = periodic / period * period;  // the same state as at k = 0
+      live = after_warmup;
+      if (k + warmup >= total) break;
+    }
     peak = std::max(peak, live += w(k + warmup, true));
     live -= w(k, false);
   }

@@ -293,7 +293,7 @@ void expand(const Cell& c, const ModelSpec& m, const SearchOptions& o, const Cos
   std::vector<std::pair<int64_t, std::vector<int64_t>>> chunkings;
   for (int64_t v : divisors(fewest_layers)) chunkings.emplace_back(v, std::vector<int64_t>{});
   if (c.chunk_layouts && o.try_uneven_stages && o.try_interleaving)
-    for (auto& layout : accounted_chunk_layouts(m.num_layers, c.p))
+    for (auto& layout : accounted_chunk_layouts(m.num_layers, c.p, m.mtp_num_layers))
       chunkings.emplace_back(static_cast<int64_t>(layout.size()) / c.p, std::move(layout));
   for (const auto& [v, layout] : chunkings) {
     if (v > 1 && (!o.try_interleaving || c.p < 2)) continue;
@@ -405,20 +405,27 @@ std::vector<std::vector<int64_t>> stage_splits(int64_t layers, int64_t p, bool u
   return out;
 }
 
-std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t layers, int64_t p) {
+std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t layers, int64_t p,
+                                                           int64_t mtp_layers) {
   std::vector<std::vector<int64_t>> out;
   if (p < 2) return out;
   // The embedding and the loss counted, or one of them (Megatron's
-  // --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split).
-  for (const auto& [embedding, loss] : {std::pair{1, 1}, std::pair{1, 0}, std::pair{0, 1}}) {
-    const int64_t slots = layers + embedding + loss;
-    for (int64_t v = 2; p * v <= slots / 2; ++v) {
-      if (slots % (p * v) != 0) continue;
-      const int64_t per = slots / (p * v);  // at least 2: no chunk is left without layers
-      std::vector<int64_t> layout(static_cast<size_t>(p * v), per);
-      layout.front() -= embedding;
-      layout.back() -= loss;
-      if (std::find(out.begin(), out.end(), layout) == out.end()) out.push_back(std::move(layout));
+  // --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split); with
+  // multi-token prediction also its modules, a layer each in the last chunk (as Megatron-Bridge's
+  // DeepSeek-V3 layout "Et|(tt|)*30mL" counts them).
+  for (const int64_t mtp : {int64_t{0}, mtp_layers}) {
+    for (const auto& [embedding, loss] : {std::pair{1, 1}, std::pair{1, 0}, std::pair{0, 1}}) {
+      const int64_t slots = layers + embedding + loss + mtp;
+      for (int64_t v = 2; p * v <= slots / 2; ++v) {
+        if (slots % (p * v) != 0) continue;
+        const int64_t per = slots / (p * v);  // at least 2: a chunk keeps a layer, or its modules
+        std::vector<int64_t> layout(static_cast<size_t>(p * v), per);
+        layout.front() -= embedding;
+        layout.back() -= loss + mtp;
+        if (layout.back() < 0) continue;
+        if (std::find(out.begin(), out.end(), layout) == out.end())
+          out.push_back(std::move(layout));
+      }
     }
   }
   return out;

@@ -133,10 +133,13 @@ std::vector<std::vector<int64_t>> stage_splits(int64_t num_layers, int64_t p, bo
 // The interleaved layouts (ParallelPlan::layers_per_chunk, p * v chunks, v >= 2) that
 // Megatron-Core's --account-for-embedding-in-pipeline-split and/or
 // --account-for-loss-in-pipeline-split make: every chunk holds (layers + counted) / (p v)
-// layers, the first and the last one fewer where they hold the embedding or the loss. Those
-// where p v divides the slots and each chunk keeps at least one layer; the search tries them
+// layers, the first and the last one fewer where they hold the embedding or the loss; with
+// mtp_layers multi-token prediction modules, also those layouts that count each module as a
+// layer of the last chunk (which may then hold none of the decoder's). Those where p v divides
+// the slots and no chunk is left without a layer or a module; the search tries them
 // (SearchOptions::try_uneven_stages with interleaving).
-std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t num_layers, int64_t p);
+std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t num_layers, int64_t p,
+                                                           int64_t mtp_layers = 0);
 
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o);

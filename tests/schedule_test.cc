@@ -214,7 +214,7 @@ TEST(Schedule, WeightedChunksInFlightFollowTheLists) {
   int checked = 0;
   for (int64_t p = 2; p <= 4; ++p) {
     for (int64_t v = 2; v <= 4; ++v) {
-      for (int64_t m = p; m <= 3 * p; m += 2) {
+      for (int64_t m = p; m <= 5 * p; m += 2) {
         for (bool combined : {false, true}) {
           const int64_t n = smallest_microbatch_group(m, p);
           const PipelineSchedule s = make(Schedule::kInterleaved1F1B, p, m, v, true, n, combined);
