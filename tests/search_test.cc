@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <numeric>
 #include <set>
+#include <tuple>
 
 #include "core/plan_rules.h"
 #include "core/presets.h"
@@ -378,6 +379,38 @@ TEST(StageSplits, MegatronStyleFirstAndLastStages) {
   const auto splits = stage_splits(126, 16, true);
   EXPECT_NE(std::find(splits.begin(), splits.end(), llama), splits.end());
   EXPECT_TRUE(stage_splits(7, 7, true).size() == 1 && stage_splits(7, 7, true)[0].empty());
+}
+
+// The interleaved layouts of Megatron-Core's accounting flags: every chunk (L + counted) / (p v)
+// layers, the ends lighter by what they hold; Megatron-Bridge's recipe layouts are among them
+// (Qwen3 235B: 94 layers at p8 v4 with the embedding and the loss counted; DeepSeek-V3: 61
+// layers and its MTP module at p8 v4, "Et|(tt|)*30mL").
+TEST(StageSplits, AccountedInterleavedLayouts) {
+  auto has = [](const std::vector<std::vector<int64_t>>& all, const std::vector<int64_t>& l) {
+    return std::find(all.begin(), all.end(), l) != all.end();
+  };
+  std::vector<int64_t> qwen(32, 3);
+  qwen.front() = qwen.back() = 2;
+  EXPECT_TRUE(has(accounted_chunk_layouts(94, 8), qwen));
+  std::vector<int64_t> deepseek(32, 2);
+  deepseek.front() = 1;
+  deepseek.back() = 0;
+  EXPECT_TRUE(has(accounted_chunk_layouts(61, 8, 1), deepseek));
+  EXPECT_FALSE(has(accounted_chunk_layouts(61, 8), deepseek));  // without MTP: 63 slots
+  for (const auto& [layers, p, mtp] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {94, 8, 0}, {61, 8, 1}, {126, 8, 0}, {34, 2, 0}, {47, 4, 2}, {7, 7, 0}}) {
+    for (const std::vector<int64_t>& l : accounted_chunk_layouts(layers, p, mtp)) {
+      ASSERT_EQ(static_cast<int64_t>(l.size()) % p, 0);
+      EXPECT_GE(static_cast<int64_t>(l.size()) / p, 2);
+      EXPECT_EQ(std::accumulate(l.begin(), l.end(), int64_t{0}), layers);
+      for (size_t i = 1; i + 1 < l.size(); ++i) EXPECT_EQ(l[i], l[1]);
+      EXPECT_GE(l.front(), 1);
+      EXPECT_GE(l.back(), 0);
+      EXPECT_LE(l.front(), l[1]);
+      EXPECT_LE(l.back(), l[1]);
+    }
+  }
+  EXPECT_TRUE(accounted_chunk_layouts(94, 1).empty());
 }
 
 // Tensor-parallel groups that do not tile a node (t = 3 on 8-GPU nodes) leave one group across
