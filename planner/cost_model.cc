@@ -214,7 +214,8 @@ double ActivationMemory::logits_beyond_transient(int64_t r, double logits) const
 
 double ActivationMemory::transient_on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
-  if (layers == 0) return 0;
+  // (A stage of no decoder layers still runs the MTP modules' layers, if it is the last.)
+  if (layers == 0 && !(r == p_.pipeline_parallel - 1 && m_.mtp_num_layers > 0)) return 0;
   double working = working_layer_;
   // Block recompute: a chunk recomputes its first layers after the backward pass has freed its
   // kept ones, so the layer being recomputed adds to the peak only where a chunk keeps none.
@@ -957,6 +958,20 @@ double CostModel::expert_parameters_on_stage(const ParallelPlan& p, int64_t r) c
   if (!model_.is_moe()) return 0.0;
   return static_cast<double>(moe_layers_on_stage(p, r) + mtp_moe_layers_on_stage(model_, p, r)) *
          layer_parameters(p).experts;
+}
+
+double CostModel::parameters_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const {
+  const int64_t moe = moe_layers_in_chunk(p, r, c);
+  const LayerParameters& l = layer_parameters(p);
+  double params = static_cast<double>(p.layers_in_chunk(model_, r, c) - moe) * l.dense +
+                  static_cast<double>(moe) * (l.moe + l.experts);
+  const OuterModules o = outer_modules(p, r);
+  if (c == 0) params += o.embedding;
+  if (c == p.virtual_stages - 1) {
+    params += o.output;
+    params += static_cast<double>(mtp_moe_layers_on_stage(model_, p, r)) * l.experts;
+  }
+  return params;
 }
 
 double CostModel::parameters_on_stage(const ParallelPlan& p, int64_t r) const {

@@ -188,6 +188,9 @@ class CostModel {
   double optimizer_time(const ParallelPlan& p, double params, double expert_params = 0) const;
   // Parameters held by one rank of pipeline stage r: all of them, and the routed experts' part.
   double parameters_on_stage(const ParallelPlan& p, int64_t r) const;
+  // Of those, chunk c's: its layers', and the embedding's (first chunk) or the output side's
+  // (last chunk: the final norm, output layer, MTP modules).
+  double parameters_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const;
   double expert_parameters_on_stage(const ParallelPlan& p, int64_t r) const;
   // MoE layers among the layers of pipeline rank r's model chunk c (0 for a dense model).
   int64_t moe_layers_in_chunk(const ParallelPlan& p, int64_t r, int64_t c) const;

@@ -82,6 +82,13 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
     in.dp_sync.push_back(to_picos(dp_time + sp_sync));
     in.dp_last_bucket.push_back(
         to_picos(last_gradient_bucket_time(dp_time, p.layers_on_stage(m, r)) + sp_sync));
+    // Each chunk's buckets reduce its own parameters' gradients.
+    std::vector<double> share;
+    const double stage = cm.parameters_on_stage(p, r);
+    for (int64_t k = 0; k < v; ++k)
+      share.push_back(stage > 0 ? cm.parameters_in_chunk(p, r, k) / stage
+                                : 1.0 / static_cast<double>(v));
+    in.dp_chunk_share.push_back(std::move(share));
     in.optimizer.push_back(to_picos(cm.optimizer_time(p, params, experts)));
   }
   in.embedding_sync = to_picos(cm.embedding_sync_time(p));

@@ -632,7 +632,12 @@ class Engine {
   void start_bucket(int32_t e, const PipelineAction& a, Picos begin, Picos end) {
     RankState& st = ranks_[static_cast<size_t>(e)];
     const int64_t r = e % p_;
-    const Picos whole = in_.dp_sync[static_cast<size_t>(r)] / s_.v();
+    const auto& share = in_.dp_chunk_share;
+    const Picos whole =
+        share.empty()
+            ? in_.dp_sync[static_cast<size_t>(r)] / s_.v()
+            : static_cast<Picos>(static_cast<double>(in_.dp_sync[static_cast<size_t>(r)]) *
+                                 share[static_cast<size_t>(r)].at(static_cast<size_t>(a.chunk)));
     const Picos last = in_.dp_last_bucket[static_cast<size_t>(r)];
     const Picos start = std::max(st.dp_free, begin);
     const Picos finish = std::max(start + whole, end + last);
@@ -763,6 +768,13 @@ void check_input(const SimulationInput& in) {
       throw InputError("cost", "needs one entry per model chunk (" + std::to_string(v) + ")");
   per_rank(in.dp_sync.size(), "dp_sync");
   per_rank(in.dp_last_bucket.size(), "dp_last_bucket");
+  if (!in.dp_chunk_share.empty()) {
+    per_rank(in.dp_chunk_share.size(), "dp_chunk_share");
+    for (const auto& shares : in.dp_chunk_share)
+      if (static_cast<int64_t>(shares.size()) != v)
+        throw InputError("dp_chunk_share",
+                         "needs one entry per model chunk (" + std::to_string(v) + ")");
+  }
   per_rank(in.optimizer.size(), "optimizer");
   if (in.tensor_parallel < 1 || in.data_parallel < 1)
     throw InputError("tensor_parallel", "tensor- and data-parallel sizes must be positive");

@@ -92,6 +92,9 @@ struct SimulationInput {
   // End of the iteration, per pipeline rank.
   std::vector<Picos> dp_sync;         // the whole data-parallel gradient reduction
   std::vector<Picos> dp_last_bucket;  // with overlap: the part that cannot start early
+  // Per pipeline rank, each chunk's share of its gradients (the part of dp_sync its buckets
+  // reduce; empty: 1 / v each).
+  std::vector<std::vector<double>> dp_chunk_share;
   bool overlap_grad_reduce = false;
   Picos embedding_sync = 0;      // tied-embedding all-reduce (first and last rank)
   std::vector<Picos> optimizer;  // the optimizer step

@@ -17,6 +17,7 @@
 #include "core/parallel_plan.h"
 #include "core/plan_rules.h"
 #include "core/presets.h"
+#include "planner/cost_model.h"
 #include "planner/simulation_input.h"
 #include "simulator/flow_network.h"
 #include "simulator/timeline_export.h"
@@ -699,6 +700,42 @@ TEST(Simulator, RingStepsRunUnderThePassAndShowWhatTheyOverrun) {
       EXPECT_NEAR(to_seconds(s.end - s.start), 50e-6, 1e-9);  // from the pass's start
     }
   EXPECT_EQ(context, 4);
+}
+
+// A pipeline layout's chunks hold different parameters, so each chunk's overlapped gradient
+// buckets reduce its own share of the stage's gradients (not 1 / v): a chunk without layers or
+// outer modules reduces none, and the shares are the parameters' (summing to the stage's).
+TEST(Simulator, EachChunksBucketsReduceItsOwnGradients) {
+  const ModelSpec m = resolve_model("gpt-1.7b");  // 24 layers, tied embeddings
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(8);
+  const CostModel cm(m, c, default_profile_for(c));
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.data_parallel = 4;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 16;
+  p.overlap_grad_reduce = true;
+  p.layers_per_chunk = {12, 6, 0, 6};  // rank 0's second chunk holds nothing
+  ASSERT_NO_THROW(p.validate(m));
+  const SimulationInput in = simulation_input(cm, p);
+  ASSERT_EQ(in.dp_chunk_share.size(), 2u);
+  EXPECT_DOUBLE_EQ(in.dp_chunk_share[0][1], 0.0);
+  EXPECT_DOUBLE_EQ(in.dp_chunk_share[0][0], 1.0);
+  for (int64_t r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(cm.parameters_in_chunk(p, r, 0) + cm.parameters_in_chunk(p, r, 1),
+                     cm.parameters_on_stage(p, r));
+    EXPECT_NEAR(in.dp_chunk_share[r][0] + in.dp_chunk_share[r][1], 1.0, 1e-12);
+  }
+  // Rank 1: six layers in each chunk, the last one with the final norm and the embedding copy.
+  EXPECT_GT(in.dp_chunk_share[1][1], in.dp_chunk_share[1][0]);
+  // The even plan: equal halves but for the outer modules.
+  p.layers_per_chunk.clear();
+  const SimulationInput even = simulation_input(cm, p);
+  EXPECT_LT(even.dp_chunk_share[1][0], 0.5);
+  EXPECT_GT(even.dp_chunk_share[0][0], 0.5);
+  EXPECT_NO_THROW(simulate_plan(cm, p));
 }
 
 TEST(Timeline, TraceParsesAndTracksNeverOverlap) {
