@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/units.h"
+#include "planner/search.h"
 
 namespace ptdp {
 
@@ -99,13 +100,20 @@ void print_prediction(std::ostream& out, const ModelSpec& m, const ClusterSpec& 
   const std::string group = group_note(p);
   std::snprintf(
       buf, sizeof buf,
-      "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches%s, schedule %s, recompute %s%s%s\n\n",
+      "t=%lld p=%lld d=%lld b=%lld v=%lld m=%lld microbatches%s, schedule %s, recompute %s%s%s",
       static_cast<long long>(p.tensor_parallel), static_cast<long long>(p.pipeline_parallel),
       static_cast<long long>(p.data_parallel), static_cast<long long>(p.micro_batch_size),
       static_cast<long long>(p.virtual_stages), static_cast<long long>(p.num_microbatches()),
       group.c_str(), to_string(p.schedule).c_str(), recompute_label(p).c_str(),
       p.sequence_parallel ? ", sequence parallel" : "", optimizer_note(p).c_str());
   out << buf;
+  // The layers of each stage where they are uneven, or each model chunk's (as Megatron-Core's
+  // layout string).
+  if (!p.layers_per_chunk.empty())
+    out << "\npipeline layout " << pipeline_layout_string(p.layers_per_chunk, m.mtp_num_layers);
+  else if (!p.layers_per_stage.empty())
+    out << "\nlayers per stage " << stage_split_summary(p);
+  out << "\n\n";
   std::snprintf(buf, sizeof buf,
                 "iteration time      %10.3f s\ntokens/s            %10.0f\nmodel TFLOP/s/GPU   "
                 "%10.1f   (MFU %.1f%%)\n"
