@@ -227,6 +227,9 @@ double ActivationMemory::transient_on_stage(int64_t r) const {
 
 double ActivationMemory::kept_on_stage(int64_t r) const {
   const int64_t layers = p_.layers_on_stage(m_, r);
+  const ScheduleSpec spec = schedule_spec(p_, false);
+  if (!p_.layers_per_chunk.empty() && spec.kind == Schedule::kInterleaved1F1B)
+    return kept_in_chunks(r, spec);
   const double inflight = inflight_layer_activations(p_, r, layers);
   // Per layer: the stage's mix of dense and MoE layers.
   const double moe = static_cast<double>(moe_layers_of_stage(moe_chunks_, p_, r));
@@ -265,6 +268,33 @@ double ActivationMemory::kept_on_stage(int64_t r) const {
     bytes += chunks * boundary_;
   }
   return bytes;
+}
+
+double ActivationMemory::kept_in_chunks(int64_t r, const ScheduleSpec& spec) const {
+  // A layout's chunks differ in layers, in their mix of dense and MoE layers and in what else
+  // they hold (rank 0's boundaries, the last chunk's MTP modules): each chunk's bytes a
+  // microbatch, and the most held at once along the rank's order.
+  const bool block = p_.recompute == Recompute::kFull && p_.recompute_layers > 0;
+  std::vector<double> bytes;
+  for (int64_t c = 0; c < p_.virtual_stages; ++c) {
+    const int64_t g = c * p_.pipeline_parallel + r;
+    const double layers = static_cast<double>(p_.layers_in_chunk(m_, r, c));
+    const double moe =
+        moe_chunks_.empty() ? 0.0 : static_cast<double>(moe_chunks_[static_cast<size_t>(g)]);
+    double b = (layers - moe) * per_layer_ + moe * per_moe_layer_;
+    if (block && layers > 0) {  // the chunk's first N layers keep their inputs, the rest all
+      const RecomputedLayers rec = recomputed_in_chunk(m_, p_, r, c);
+      const double rd = static_cast<double>(rec.layers - rec.moe),
+                   rm = static_cast<double>(rec.moe);
+      b = rd * per_layer_ + rm * per_moe_layer_ + (layers - moe - rd) * kept_layer_ +
+          (moe - rm) * kept_moe_layer_;
+    }
+    if (r == 0 && p_.layers_on_stage(m_, r) > 0) b += boundary_;
+    if (r == p_.pipeline_parallel - 1 && c == p_.virtual_stages - 1)
+      b += static_cast<double>(m_.mtp_num_layers) * mtp_module_;
+    bytes.push_back(b);
+  }
+  return interleaved_peak_in_flight(spec, r, bytes);
 }
 
 double ActivationMemory::p2p_buffers() const {

@@ -20,6 +20,8 @@
 
 namespace ptdp {
 
+struct ScheduleSpec;  // core/schedule.h
+
 // Bytes on the most loaded GPU.
 struct MemoryBreakdown {
   double weights = 0;
@@ -372,6 +374,8 @@ class ActivationMemory {
   // The other part: what the in-flight microbatches keep, and the first stage's embedding
   // outputs.
   double kept_on_stage(int64_t r) const;
+  // kept_on_stage for a pipeline layout under the interleaved schedule.
+  double kept_in_chunks(int64_t r, const ScheduleSpec& spec) const;
 
   const ModelSpec& m_;
   const ParallelPlan& p_;

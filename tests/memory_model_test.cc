@@ -264,6 +264,49 @@ TEST(StateMemory, ActivationsFollowTheScheduleInFlightCounts) {
   (void)m;
 }
 
+// A layout's chunks differ in kind as well as in layers: a rank's activations are each chunk's
+// own bytes (its dense and MoE layers, rank 0's boundary per chunk-microbatch) held along the
+// rank's interleaved order, not the stage's average layer times its in-flight layers.
+TEST(StateMemory, ALayoutsChunksKeepTheirOwnLayersActivations) {
+  ModelSpec m;
+  m.num_layers = 4;
+  m.hidden_size = 64;
+  m.num_attention_heads = 4;
+  m.seq_length = 128;
+  m.vocab_size = 256;
+  m.num_experts = 8;
+  m.moe_router_topk = 2;
+  m.moe_ffn_hidden_size = 512;  // MoE layers keep far more than the dense ones
+  m.moe_first_dense_layers = 2;
+  m.attention_dropout = m.hidden_dropout = 0;
+  ASSERT_NO_THROW(m.validate());
+  ParallelPlan p;
+  p.pipeline_parallel = 2;
+  p.virtual_stages = 2;
+  p.schedule = Schedule::kInterleaved1F1B;
+  p.global_batch_size = 8;
+  p.layers_per_chunk = {2, 0, 2, 0};  // rank 0: the two dense layers, then the two MoE layers
+  ASSERT_NO_THROW(p.validate(m));
+  const std::vector<int64_t> moe = moe_layers_per_chunk(m, p);
+  ASSERT_EQ(moe, (std::vector<int64_t>{0, 0, 2, 0}));
+  const ActivationMemory a(m, p, DType::kBF16, moe);
+  LayerShape shape = layer_shape(p);
+  shape.activation_dtype = DType::kBF16;
+  shape.expert_load = expert_load(m, p.expert_parallel);
+  const double dense = layer_activation_bytes(m, shape),
+               routed = moe_layer_activation_bytes(m, shape);
+  ASSERT_GT(routed, 2 * dense);
+  const double boundary = 128.0 * 64 * 2;
+  const ScheduleSpec spec = schedule_spec(p, false);
+  const double want =
+      interleaved_peak_in_flight(spec, 0, {2 * dense + boundary, 2 * routed + boundary});
+  EXPECT_DOUBLE_EQ(a.on_stage(0) - a.transient_on_stage(0), want);
+  // The stage-average reading (every chunk the rank's mean layer) would differ.
+  const double average =
+      interleaved_peak_in_flight(spec, 0, {dense + routed + boundary, dense + routed + boundary});
+  EXPECT_NE(want, average);
+}
+
 // The memory model's in-flight counts are the schedule generator's, rank by rank.
 TEST(StateMemory, InFlightCountsMatchTheScheduleGenerator) {
   for (Schedule kind :
