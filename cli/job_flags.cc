@@ -714,8 +714,6 @@ ParallelPlan JobFlags::resolve_plan(const ModelSpec& m, int64_t num_gpus,
       throw InputError("--num-virtual-stages-per-pipeline-rank",
                        "interleaving needs pipeline-model-parallel-size >= 2");
     p.virtual_stages = *virtual_stages_per_rank;  // each stage's layers: checked by validate
-  } else if (!pipeline_layout.empty()) {
-    // v is the layout's.
   } else if (layers_per_virtual_stage && !p.layers_per_stage.empty()) {
     throw InputError("--num-layers-per-virtual-pipeline-stage",
                      "with uneven stages give --num-virtual-stages-per-pipeline-rank instead");

@@ -179,6 +179,11 @@ struct ModelSpec {
   // output layer are the model's), and those on a rank of t-way tensor parallelism without the
   // routed experts (which expert_parameters_per_rank gives per MoE layer).
   bool mtp_layer_is_moe() const { return mtp_num_layers > 0 && is_moe_layer(num_layers - 1); }
+  // Whether the last pipeline stage holds a copy of the word embedding whose gradients are
+  // all-reduced with the first stage's: tied embeddings, or multi-token prediction's inputs.
+  bool last_stage_shares_word_embedding() const {
+    return !untie_embeddings_and_output_weights || mtp_num_layers > 0;
+  }
   double mtp_module_parameters() const;
   double mtp_module_parameters_per_rank(int64_t t) const;
 

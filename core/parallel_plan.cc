@@ -445,16 +445,13 @@ std::string ParallelPlan::megatron_flags(const ModelSpec& m, DType precision) co
     f << " --decoder-first-pipeline-num-layers " << layers_per_stage.front()
       << " --decoder-last-pipeline-num-layers " << layers_per_stage.back();
   }
-  if (layout && virtual_stages > 1 && microbatch_group_size() != p)
+  // (A layout's stages give v.)
+  if (virtual_stages > 1 && !layout && uneven(*this))
+    f << " --num-virtual-stages-per-pipeline-rank " << virtual_stages;
+  else if (virtual_stages > 1 && !layout)
+    f << " --num-layers-per-virtual-pipeline-stage " << m.num_layers / (p * virtual_stages);
+  if (virtual_stages > 1 && microbatch_group_size() != p)
     f << " --microbatch-group-size-per-virtual-pipeline-stage " << microbatch_group_size();
-  if (!layout && virtual_stages > 1) {
-    if (uneven(*this))
-      f << " --num-virtual-stages-per-pipeline-rank " << virtual_stages;
-    else
-      f << " --num-layers-per-virtual-pipeline-stage " << m.num_layers / (p * virtual_stages);
-    if (microbatch_group_size() != p)
-      f << " --microbatch-group-size-per-virtual-pipeline-stage " << microbatch_group_size();
-  }
   f << " --micro-batch-size " << micro_batch_size << " --global-batch-size " << global_batch_size;
   if (recompute == Recompute::kFull && recompute_layers > 0)
     f << " --recompute-granularity full --recompute-method block --recompute-num-layers "

@@ -249,24 +249,16 @@ double ActivationMemory::kept_on_stage(int64_t r) const {
   if (r == p_.pipeline_parallel - 1 && m_.mtp_num_layers > 0) {
     // The multi-token prediction modules run in the last chunk: as many microbatches of them in
     // flight as of that chunk.
-    const ScheduleSpec s = schedule_spec(p_, false);
     std::vector<double> last(static_cast<size_t>(p_.virtual_stages), 0.0);
     last.back() = 1.0;
-    const double held = s.kind == Schedule::kInterleaved1F1B
-                            ? interleaved_peak_in_flight(s, r, last)
+    const double held = spec.kind == Schedule::kInterleaved1F1B
+                            ? interleaved_peak_in_flight(spec, r, last)
                             : inflight_layer_activations(p_, r, 1);
     bytes += held * static_cast<double>(m_.mtp_num_layers) * mtp_module_;
   }
-  if (r == 0 && layers > 0) {
-    // One boundary per microbatch-chunk in flight: layers / v per chunk, or a layout's count.
-    const ScheduleSpec s = schedule_spec(p_, false);
-    const double chunks =
-        !p_.layers_per_chunk.empty() && s.kind == Schedule::kInterleaved1F1B
-            ? interleaved_peak_in_flight(
-                  s, r, std::vector<double>(static_cast<size_t>(p_.virtual_stages), 1.0))
-            : inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages);
-    bytes += chunks * boundary_;
-  }
+  if (r == 0 && layers > 0)  // one boundary per microbatch-chunk in flight
+    bytes +=
+        inflight / static_cast<double>(layers) * static_cast<double>(p_.virtual_stages) * boundary_;
   return bytes;
 }
 
@@ -275,6 +267,7 @@ double ActivationMemory::kept_in_chunks(int64_t r, const ScheduleSpec& spec) con
   // they hold (rank 0's boundaries, the last chunk's MTP modules): each chunk's bytes a
   // microbatch, and the most held at once along the rank's order.
   const bool block = p_.recompute == Recompute::kFull && p_.recompute_layers > 0;
+  const bool boundaries = r == 0 && p_.layers_on_stage(m_, r) > 0;
   std::vector<double> bytes;
   for (int64_t c = 0; c < p_.virtual_stages; ++c) {
     const int64_t g = c * p_.pipeline_parallel + r;
@@ -289,7 +282,7 @@ double ActivationMemory::kept_in_chunks(int64_t r, const ScheduleSpec& spec) con
       b = rd * per_layer_ + rm * per_moe_layer_ + (layers - moe - rd) * kept_layer_ +
           (moe - rm) * kept_moe_layer_;
     }
-    if (r == 0 && p_.layers_on_stage(m_, r) > 0) b += boundary_;
+    if (boundaries) b += boundary_;
     if (r == p_.pipeline_parallel - 1 && c == p_.virtual_stages - 1)
       b += static_cast<double>(m_.mtp_num_layers) * mtp_module_;
     bytes.push_back(b);
@@ -845,9 +838,7 @@ double CostModel::exposed_gradient_sync_time(const ParallelPlan& p, double param
 double CostModel::embedding_sync_time(const ParallelPlan& p) const {
   // Tied embeddings, or multi-token prediction's copy: the first and last stage's word
   // embedding gradients all-reduced.
-  if (p.pipeline_parallel == 1 ||
-      (model_.untie_embeddings_and_output_weights && model_.mtp_num_layers == 0))
-    return 0.0;
+  if (p.pipeline_parallel == 1 || !model_.last_stage_shares_word_embedding()) return 0.0;
   GroupSpan pair;
   pair.size = 2;
   pair.nodes = pipeline_crosses_nodes(cluster_, p) ? 2 : 1;
@@ -1024,21 +1015,14 @@ CostModel::OuterModules CostModel::outer_modules(const ParallelPlan& p, int64_t 
                     model_.position_embedding_parameters();
   if (last) {
     out.output = model_.norm_parameters();  // the final norm
-    if (model_.untie_embeddings_and_output_weights) {
-      out.output += model_.output_parameters() / t;
-    } else if (!first) {
-      // Tied embeddings: the last stage keeps its own copy of the word embeddings.
+    if (model_.untie_embeddings_and_output_weights) out.output += model_.output_parameters() / t;
+    // On a stage of its own, its copy of the word embedding: the tied output layer's, or
+    // multi-token prediction's inputs' (Megatron-Core's embedding on the MTP stage).
+    if (!first && model_.last_stage_shares_word_embedding())
       out.output += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
-    }
-    if (model_.mtp_num_layers > 0) {
-      // Multi-token prediction: its modules (their routed experts apart), and, untied on a
-      // stage of its own, a copy of the word embedding for their inputs (Megatron-Core's
-      // embedding on the MTP stage, kept in step with the first stage's as a tied one is).
-      out.output += static_cast<double>(model_.mtp_num_layers) *
-                    model_.mtp_module_parameters_per_rank(p.tensor_parallel);
-      if (model_.untie_embeddings_and_output_weights && !first)
-        out.output += static_cast<double>(model_.vocab_size * model_.hidden_size) / t;
-    }
+    // Multi-token prediction's modules (their routed experts apart).
+    out.output += static_cast<double>(model_.mtp_num_layers) *
+                  model_.mtp_module_parameters_per_rank(p.tensor_parallel);
   }
   return out;
 }

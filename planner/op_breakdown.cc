@@ -210,8 +210,8 @@ PredictedBreakdown predict_breakdown(const CostModel& cost, const ParallelPlan& 
   const PassOps embed = embedding_ops(m, shape);
   const PassOps head = lm_head_ops(m, shape);
   const double mb = static_cast<double>(p.num_microbatches());
-  const PipelineSchedule schedule = make_pipeline_schedule(
-      schedule_spec(p, !m.untie_embeddings_and_output_weights || m.mtp_num_layers > 0));
+  const PipelineSchedule schedule =
+      make_pipeline_schedule(schedule_spec(p, m.last_stage_shares_word_embedding()));
   const double p2p =
       p.pipeline_parallel > 1 ? cost.comm().p2p_time(cost.activation_message_bytes(p), p) : 0.0;
   for (int64_t r = 0; r < p.pipeline_parallel; ++r) {

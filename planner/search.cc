@@ -406,14 +406,16 @@ std::vector<std::vector<int64_t>> stage_splits(int64_t layers, int64_t p, bool u
 }
 
 std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t layers, int64_t p,
-                                                           int64_t mtp_layers) {
+                                                          int64_t mtp_layers) {
   std::vector<std::vector<int64_t>> out;
   if (p < 2) return out;
   // The embedding and the loss counted, or one of them (Megatron's
   // --account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split); with
   // multi-token prediction also its modules, a layer each in the last chunk (as Megatron-Bridge's
   // DeepSeek-V3 layout "Et|(tt|)*30mL" counts them).
-  for (const int64_t mtp : {int64_t{0}, mtp_layers}) {
+  std::vector<int64_t> counted_mtp = {0};
+  if (mtp_layers > 0) counted_mtp.push_back(mtp_layers);
+  for (const int64_t mtp : counted_mtp) {
     for (const auto& [embedding, loss] : {std::pair{1, 1}, std::pair{1, 0}, std::pair{0, 1}}) {
       const int64_t slots = layers + embedding + loss + mtp;
       for (int64_t v = 2; p * v <= slots / 2; ++v) {

@@ -139,7 +139,7 @@ std::vector<std::vector<int64_t>> stage_splits(int64_t num_layers, int64_t p, bo
 // the slots and no chunk is left without a layer or a module; the search tries them
 // (SearchOptions::try_uneven_stages with interleaving).
 std::vector<std::vector<int64_t>> accounted_chunk_layouts(int64_t num_layers, int64_t p,
-                                                           int64_t mtp_layers = 0);
+                                                          int64_t mtp_layers = 0);
 
 SearchResult search_plans(const ModelSpec& m, const ClusterSpec& c, const HardwareProfile& h,
                           const SearchOptions& o);

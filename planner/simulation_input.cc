@@ -40,7 +40,7 @@ SimulationInput simulation_input(const CostModel& cm, const ParallelPlan& p) {
   SimulationInput in;
   // The first and last stage all-reduce their word embeddings' gradients when tied, or when
   // multi-token prediction keeps a copy on the last (CostModel::embedding_sync_time).
-  in.schedule = schedule_spec(p, !m.untie_embeddings_and_output_weights || m.mtp_num_layers > 0);
+  in.schedule = schedule_spec(p, m.last_stage_shares_word_embedding());
   in.tensor_parallel = p.tensor_parallel;
   // Context-parallel ranks sit between the tensor- and data-parallel ones (Megatron's order),
   // so for placement a stage's replicas are its d * cp context/data-parallel ranks.

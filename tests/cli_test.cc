@@ -289,6 +289,13 @@ TEST(Cli, PlanJsonListsPlansBestFirst) {
   }
 }
 
+// `args` with `extra` after them.
+std::vector<std::string> plus(std::vector<std::string> args,
+                              std::initializer_list<const char*> extra) {
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
 void expect_bad(const std::vector<std::string>& args, const std::string& names) {
   const Result r = run(args);
   EXPECT_EQ(r.status, 2) << names << ": " << r.err;
@@ -380,11 +387,7 @@ TEST(Cli, AccountingForTheEmbeddingAndLossSplitsAsMegatronDoes) {
                                          "4",        "--pipeline-model-parallel-size",
                                          "2",        "--micro-batch-size",
                                          "1",        "--json"};
-  auto with = [&](std::initializer_list<const char*> extra) {
-    std::vector<std::string> a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
+  auto with = [&](std::initializer_list<const char*> extra) { return plus(base, extra); };
   const Result both = run(
       with({"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"}));
   const Result explicit_split = run(with(
@@ -420,11 +423,7 @@ TEST(Cli, PipelineLayoutsAndInterleavedAccounting) {
                                          "4",        "--pipeline-model-parallel-size",
                                          "2",        "--micro-batch-size",
                                          "1",        "--json"};
-  auto with = [&](std::initializer_list<const char*> extra) {
-    std::vector<std::string> a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
+  auto with = [&](std::initializer_list<const char*> extra) { return plus(base, extra); };
   const Result accounted =
       run(with({"--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                 "--num-virtual-stages-per-pipeline-rank", "2"}));
@@ -513,11 +512,7 @@ TEST(Cli, MultiTokenPredictionFlags) {
                                          "--micro-batch-size",
                                          "1",
                                          "--json"};
-  auto with = [&](std::initializer_list<const char*> extra) {
-    std::vector<std::string> a = base;
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
+  auto with = [&](std::initializer_list<const char*> extra) { return plus(base, extra); };
   const Result plain = run(base), mtp = run(with({"--mtp-num-layers", "1"}));
   ASSERT_EQ(plain.status, 0) << plain.err;
   ASSERT_EQ(mtp.status, 0) << mtp.err;

@@ -1135,18 +1135,29 @@ TEST(Json, ClusterRatesOutsideTheirRangesAreRefused) {
   EXPECT_NO_THROW(cluster_from_json(c).validate());
 }
 
-TEST(PlanRules, ChunksOfAnUnevenInterleavedPlan) {
+// A small model of `layers` layers, and an interleaved plan of two pipeline ranks of two chunks
+// each for it (the pipeline layout tests').
+ModelSpec toy_model(int64_t layers) {
   ModelSpec m;
-  m.num_layers = 6;
+  m.num_layers = layers;
   m.hidden_size = 64;
   m.num_attention_heads = 4;
   m.seq_length = 32;
   m.vocab_size = 128;
+  return m;
+}
+ParallelPlan two_stages_two_chunks() {
   ParallelPlan p;
   p.pipeline_parallel = 2;
   p.virtual_stages = 2;
   p.schedule = Schedule::kInterleaved1F1B;
   p.global_batch_size = 4;
+  return p;
+}
+
+TEST(PlanRules, ChunksOfAnUnevenInterleavedPlan) {
+  const ModelSpec m = toy_model(6);
+  ParallelPlan p = two_stages_two_chunks();
   p.layers_per_stage = {2, 4};
   ASSERT_NO_THROW(p.validate(m));
   // Chunk c of pipeline rank r is global stage c * p + r.
@@ -1225,17 +1236,8 @@ TEST(PipelineLayout, ReadsMegatronCoreLayoutsAndWritesThemBack) {
 // A plan with a layout: each chunk's layers are the layout's, the rules check it, and the
 // Megatron-LM line carries it (and sets v with it).
 TEST(PipelineLayout, PlansWithALayout) {
-  ModelSpec m;
-  m.num_layers = 7;
-  m.hidden_size = 64;
-  m.num_attention_heads = 4;
-  m.seq_length = 32;
-  m.vocab_size = 128;
-  ParallelPlan p;
-  p.pipeline_parallel = 2;
-  p.virtual_stages = 2;
-  p.schedule = Schedule::kInterleaved1F1B;
-  p.global_batch_size = 4;
+  const ModelSpec m = toy_model(7);
+  ParallelPlan p = two_stages_two_chunks();
   p.layers_per_chunk = {1, 3, 3, 0};
   ASSERT_NO_THROW(p.validate(m));
   EXPECT_EQ(layers_per_model_chunk(m, p), p.layers_per_chunk);
