@@ -17,7 +17,6 @@ ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   run.attention_dropout = 0;
   run.hidden_dropout = 0;
   run.cross_entropy_fusion = true;  // the runtime's loss runs in place on the logits
-  run.mtp_num_layers = 0;           // priced, not run (execution_note)
   // Context parallelism runs fused (flash) attention whatever the model says, as Megatron-Core
   // does and as the op list prices it (runtime/context_parallel.h).
   if (p.context_parallel > 1) run.flash_attention = true;
@@ -69,10 +68,6 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
              : std::string()) +
         " (--data-parallel-sharding-strategy " + to_string(p.fsdp) +
         " is priced, not run: same math, more memory, fewer collectives)");
-  if (m.mtp_num_layers > 0)
-    add("trains without its " + std::to_string(m.mtp_num_layers) +
-        " multi-token prediction module(s) (--mtp-num-layers is priced, not run: its loss is "
-        "the main model's)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

@@ -350,6 +350,10 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
                   norm, s.lr, s.seconds * 1e3, static_cast<double>(s.tokens) / s.seconds);
     lines << buf;
     if (s.loss_scale > 0) lines << "  loss scale " << s.loss_scale;
+    if (model.mtp_num_layers > 0) {
+      std::snprintf(buf, sizeof buf, "  mtp loss %.4f", s.mtp_loss);
+      lines << buf;
+    }
     lines << "\n" << std::flush;
   };
   TrainResult r;
@@ -418,6 +422,10 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
       j["step_time_s"].push_back(s.seconds);
       j["grad_norms"].push_back(s.grad_norm);  // null for a skipped fp16 step
       skipped += s.skipped;
+    }
+    if (model.mtp_num_layers > 0) {  // the modules' mean loss, unweighted, beside "losses"
+      j["mtp_losses"] = nlohmann::json::array();
+      for (const StepStats& s : r.steps) j["mtp_losses"].push_back(s.mtp_loss);
     }
     if (f.train.precision == DType::kF16) {
       j["loss_scales"] = nlohmann::json::array();

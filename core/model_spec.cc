@@ -473,6 +473,9 @@ void ModelSpec::validate() const {
                                            "], got " + std::to_string(mtp_num_layers));
   if (!(mtp_loss_scaling_factor >= 0 && mtp_loss_scaling_factor <= 1e6))
     throw InputError("mtp_loss_scaling_factor", "must be in [0, 1e6]");
+  if (mtp_num_layers >= seq_length)
+    throw InputError("mtp_num_layers", "must be below seq_length (" + std::to_string(seq_length) +
+                                           "): module k predicts k + 1 tokens ahead");
   if (mtp_num_layers > 0 && learned_position_embeddings)
     throw InputError("mtp_num_layers",
                      "multi-token prediction needs rotary (or no) position embeddings, as in "

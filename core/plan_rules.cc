@@ -84,6 +84,12 @@ PlanRule evaluate(const ModelSpec& m, const ParallelPlan& plan, Report* report) 
     return broken(PlanRule::kTensorDividesFfn, report, tp, [&] {
       return num(t) + " does not divide ffn_hidden_size (" + num(m.ffn_hidden()) + ")";
     });
+  if (m.mtp_num_layers > 0 && m.hidden_size % t != 0)
+    return broken(PlanRule::kTensorDividesMtpHidden, report, tp, [&] {
+      return num(t) + " does not divide hidden_size (" + num(m.hidden_size) +
+             "), whose eh_proj outputs multi-token prediction splits over the tensor-parallel "
+             "ranks";
+    });
 
   // Context parallelism splits the sequence in 2 * cp chunks, two per rank (causal balance).
   if (cp > 1 && m.seq_length % (2 * cp) != 0)
@@ -439,6 +445,8 @@ const char* rule_reason(PlanRule r) {
       return "t does not divide the query groups";
     case PlanRule::kTensorDividesFfn:
       return "t does not divide the FFN hidden size";
+    case PlanRule::kTensorDividesMtpHidden:
+      return "MTP: t does not divide the hidden size";
     case PlanRule::kContextDividesSequence:
       return "2 * cp does not divide the sequence";
     case PlanRule::kHierarchicalContext:

@@ -38,6 +38,7 @@ enum class PlanRule {
   kTensorDividesHeads,                    // t | num_attention_heads
   kTensorDividesQueryGroups,              // t | num_query_groups
   kTensorDividesFfn,                      // t | ffn_hidden_size
+  kTensorDividesMtpHidden,                // MTP: t | hidden_size (eh_proj's output columns)
   kContextDividesSequence,                // 2 cp | seq_length
   kHierarchicalContext,                   // --hierarchical-context-parallel-sizes A B exactly
                                           // with a2a+p2p at cp > 1: A, B >= 1, A B = cp

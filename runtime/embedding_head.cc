@@ -65,9 +65,29 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
   // become probabilities in place.
   auto finish = [&](const float* stats, int64_t ranks) {
     resize_for_overwrite(A.lse, m.n_full);
-    const double sum =
-        c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(), m.n_full, m.vl, valid);
-    return sum / static_cast<double>(m.n_full);
+    if (A.loss_rows.empty()) {
+      const double sum = c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(),
+                                                   m.n_full, m.vl, valid);
+      return sum / static_cast<double>(m.n_full);
+    }
+    // Run by run, each run's statistics from every rank packed together ([ranks, count, 3]);
+    // the masked rows keep their logits (zeroed in the backward pass).
+    double sum = 0;
+    Buffer packed(DType::kF32);
+    for (const auto& [first, count] : A.loss_rows) {
+      const float* run = stats + first * kCrossEntropyStatsPerToken;
+      if (ranks > 1) {
+        const int64_t w = count * kCrossEntropyStatsPerToken;
+        resize_for_overwrite(packed, ranks * w);
+        for (int64_t r = 0; r < ranks; ++r)
+          c.be.copy(stats + (r * m.n_full + first) * kCrossEntropyStatsPerToken,
+                    packed.data() + r * w, w);
+        run = packed.data();
+      }
+      sum += c.be.cross_entropy_finish(run, ranks, A.probs.ptr().at(first * m.vl),
+                                       A.lse.data() + first, count, m.vl, valid);
+    }
+    return sum / A.loss_tokens;
   };
   switch (op) {
     case OpId::kFinalLayernorm:
@@ -103,10 +123,28 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
   const ShardDims& m = c.dims;
   const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
   switch (op) {
-    case OpId::kCrossEntropyBackward:
-      c.be.cross_entropy_backward(A.probs.ptr(), A.targets.data(), m.n_full, m.vl, m.v0,
-                                  loss_scale);
+    case OpId::kCrossEntropyBackward: {
+      if (A.loss_rows.empty()) {
+        c.be.cross_entropy_backward(A.probs.ptr(), A.targets.data(), m.n_full, m.vl, m.v0,
+                                    loss_scale);
+        break;
+      }
+      // The kernel divides by the rows it is given: each run's scale is its share of the
+      // weighted sum over loss_tokens. Rows outside the runs get no gradient.
+      int64_t next = 0;
+      auto zero_until = [&](int64_t row) {
+        if (row > next) c.be.fill_zero(A.probs.ptr().at(next * m.vl), (row - next) * m.vl);
+      };
+      for (const auto& [first, count] : A.loss_rows) {
+        zero_until(first);
+        c.be.cross_entropy_backward(
+            A.probs.ptr().at(first * m.vl), A.targets.data() + first, count, m.vl, m.v0,
+            loss_scale * A.loss_weight * static_cast<double>(count) / A.loss_tokens);
+        next = first + count;
+      }
+      zero_until(m.n_full);
       break;
+    }
     case OpId::kLmHeadDgrad:
       resize_for_overwrite(D.d_ln1_full, m.n_full * m.h);
       c.linear_dgrad(W.head, A.probs.ptr(), D.d_ln1_full.ptr(), m.n_full, m.h, m.vl);

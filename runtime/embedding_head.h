@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/layer_ops.h"
@@ -25,6 +26,12 @@ struct ChunkActs {
   // probs: the logits, then their probabilities and gradient (the run's precision).
   Buffer lnf_in, lnf, lnf_full, probs;
   Buffer lnf_mean{DType::kF32}, lnf_rstd{DType::kF32}, stats{DType::kF32}, lse{DType::kF32};
+  // A loss over some rows only: a multi-token prediction module's, whose last positions of each
+  // sequence have no target (Megatron-Core masks them). Runs [first, first + count) of the rows;
+  // the loss is their sum over loss_tokens, and its gradient is weighted loss_weight. Empty:
+  // every row, their mean, weight 1.
+  std::vector<std::pair<int64_t, int64_t>> loss_rows;
+  double loss_tokens = 0, loss_weight = 1;
 };
 
 bool is_embedding_op(OpId id);

@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 #include <stdexcept>
+#include <utility>
 
 #include "core/error.h"
 #include "core/plan_rules.h"
@@ -95,6 +96,10 @@ bool is_moe_layer_forward_op(OpId id) {
   return is_layer_forward_op(id) || (id >= OpId::kRouter && id <= OpId::kMoeUnpermute);
 }
 
+bool is_mtp_op(OpId id) {
+  return id >= OpId::kMtpNorms && id <= OpId::kMtpProjOutputScatterBackward;
+}
+
 // The ops ptdp run executes: all but the separate gradient-accumulation passes (the runtime
 // accumulates weight gradients in place, as Megatron's fused accumulation does).
 std::vector<OpId> compile(const std::vector<ptdp::Op>& ops, bool (*runs)(OpId)) {
@@ -111,16 +116,25 @@ std::vector<OpId> compile(const std::vector<ptdp::Op>& ops, bool (*runs)(OpId)) 
   return program;
 }
 
+// A multi-token prediction module's own parameters (ChunkParams: the word embedding it looks
+// up, its final norm and the shared output layer). Its layer follows the decoder's in Chunk.
+struct MtpParams {
+  ChunkParams head;
+  int64_t enorm_g = -1, enorm_b = -1, hnorm_g = -1, hnorm_b = -1, eh = -1;
+};
+
 struct Chunk {
   int64_t first_layer = 0, num_layers = 0;
   bool first = false, last = false;
+  // Per layer: the decoder's num_layers, then (last chunk) one per MTP module.
   std::vector<LayerParams> layers;
   std::vector<MoeLayerParams> moe;  // per layer; used where the layer is an MoE layer
   std::vector<bool> is_moe;
   ChunkParams params;
+  std::vector<MtpParams> mtp;  // the last chunk's multi-token prediction modules
   // Per part of the chunk, in the order of the forward pass (the embedding, each layer, the
-  // final norm and LM head): the ranges of the flat buffers holding its parameters, one per
-  // segment it has parameters in, in segment order.
+  // final norm and LM head, each MTP module): the ranges of the flat buffers holding its
+  // parameters, one per segment it has parameters in, in segment order.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> parts;
 };
 
@@ -156,6 +170,17 @@ struct GptShard::Impl {
     LayerGrads D;
   };
   std::map<std::pair<int64_t, int64_t>, std::vector<Deferred>> deferred;
+  // Multi-token prediction: the projection's programs (mtp_projection_ops), what each module
+  // keeps per (chunk, microbatch) for its backward pass, and the sum of the modules' losses
+  // (unweighted) since GptShard::take_mtp_loss.
+  std::vector<OpId> mtp_fwd, mtp_bwd;
+  struct MtpActs {
+    ChunkActs head;             // its tokens, layer, final norm, logits and masked loss
+    Buffer x_e, cat, cat_full;  // the embedding (enorm's input), eh_proj's input
+    Buffer e_mean{DType::kF32}, e_rstd{DType::kF32}, h_mean{DType::kF32}, h_rstd{DType::kF32};
+  };
+  std::map<std::pair<int64_t, int64_t>, std::vector<MtpActs>> mtp_stash;
+  double mtp_loss = 0;
 };
 
 GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
@@ -185,6 +210,11 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   J.emb_bwd = compile(emb.backward, is_embedding_op);
   J.head_fwd = compile(head.forward, is_head_forward_op);
   J.head_bwd = compile(head.backward, is_head_backward_op);
+  if (m.mtp_num_layers > 0) {
+    const PassOps mtp = mtp_projection_ops(m, shape);
+    J.mtp_fwd = compile(mtp.forward, is_mtp_op);
+    J.mtp_bwd = compile(mtp.backward, is_mtp_op);
+  }
   if (m.is_moe()) {
     const MoeDims md =
         moe_dims(m, layout.t, layout.ep, layout.ep_rank, layout.etp, layout.etp_rank);
@@ -247,9 +277,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       std::fill(x + real_rows * h, x + vl * h, 0.0f);
     });
   };
-  auto word_embedding = [&](bool tied_copy) {
+  auto word_embedding = [&](bool tied_copy, const char* copy_name = "output_layer.weight") {
     ParamInfo p;
-    p.name = tied_copy ? "output_layer.weight (tied copy)" : "embedding.word_embeddings.weight";
+    p.name =
+        tied_copy ? std::string(copy_name) + " (tied copy)" : "embedding.word_embeddings.weight";
     p.segment = 0;
     p.tied_copy = tied_copy;
     return vocab_table(p, "embedding.word_embeddings.weight");
@@ -261,11 +292,125 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
   J.chunks.resize(static_cast<size_t>(layout.v));
   int64_t word_index = -1;
   using MoeIdx = MoeLayerParams;  // parameter indices until the offsets are known
+  // One transformer layer's parameters (named `pre`...; an MoE layer's routed experts too).
+  auto add_layer = [&](const std::string& pre, bool moe_layer) {
+    std::array<int64_t, 22> L;
+    L.fill(-1);
+    L[0] = replicated(pre + "input_layernorm.weight", h, 1.0f);
+    if (I.biases) L[1] = replicated(pre + "input_layernorm.bias", h, 0.0f);
+    if (I.mla) {
+      // The down projections [width, h], whole on every rank (gradients partial over the
+      // ranks' tokens with sequence parallelism, as a norm's), and the latents' norms.
+      auto whole = [&](const std::string& name, int64_t rows) {
+        ParamInfo p;
+        p.name = pre + name;
+        p.size = rows * h;
+        p.tp_replicated = true;
+        p.sp_partial = I.sp;
+        return add(
+            p, normal(p.name, rows, h, std_dev, [=](int64_t r, int64_t c2) { return r * h + c2; }));
+      };
+      // The up projections, column-parallel: the local heads' rows of [heads x per_head, in].
+      auto up = [&](const std::string& name, int64_t per_head, int64_t in) {
+        ParamInfo p;
+        p.name = pre + name;
+        const int64_t rows = I.hl * per_head;
+        p.size = rows * in;
+        return add(p, normal(p.name, rows, in, std_dev,
+                             [=](int64_t r, int64_t c2) { return (tp * rows + r) * in + c2; }));
+      };
+      if (I.ql > 0) {
+        L[16] = whole("q_down_proj.weight", I.ql);
+        if (I.qk_norm) L[17] = replicated(pre + "q_layernorm.weight", I.ql, 1.0f);
+      }
+      L[18] = up(I.ql > 0 ? "q_up_proj.weight" : "q_proj.weight", d, I.ql > 0 ? I.ql : h);
+      L[19] = whole("kv_down_proj.weight", I.kv_latent_width());
+      if (I.qk_norm) L[20] = replicated(pre + "kv_layernorm.weight", I.kvl, 1.0f);
+      L[21] = up("kv_up_proj.weight", I.dn + I.dv, I.kvl);
+    } else {  // QKV: rows [q of local heads | k of local groups | v of local groups]
+      const int64_t heads = I.heads, groups = I.groups, hl = I.hl, gl = I.gl;
+      auto global_row = [=](int64_t r) {
+        if (r < hl * d) return tp * hl * d + r;
+        r -= hl * d;
+        if (r < gl * d) return heads * d + tp * gl * d + r;
+        r -= gl * d;
+        return (heads + groups) * d + tp * gl * d + r;
+      };
+      ParamInfo p;
+      p.name = pre + "qkv.weight";
+      p.size = I.qkv_width() * h;
+      L[2] = add(p, normal(p.name, I.qkv_width(), h, std_dev,
+                           [=](int64_t r, int64_t c2) { return global_row(r) * h + c2; }));
+      if (I.qkv_bias) {
+        ParamInfo pb;
+        pb.name = pre + "qkv.bias";
+        pb.size = I.qkv_width();
+        pb.decay = false;
+        L[3] = add(pb, constant(pb.size, 0.0f));
+      }
+    }
+    if (m.qk_layernorm && !I.mla) {  // one norm of d for every query head, one for every key head
+      auto head_norm = [&](const std::string& name, float value) {
+        const int64_t at = replicated(pre + name, d, value);
+        pending[static_cast<size_t>(at)].info.tp_partial = true;
+        return at;
+      };
+      L[12] = head_norm("q_layernorm.weight", 1.0f);
+      if (I.biases) L[13] = head_norm("q_layernorm.bias", 0.0f);
+      L[14] = head_norm("k_layernorm.weight", 1.0f);
+      if (I.biases) L[15] = head_norm("k_layernorm.bias", 0.0f);
+    }
+    {
+      ParamInfo p;
+      p.name = pre + "attn_proj.weight";
+      p.size = h * I.hl * I.dv;
+      const int64_t in_local = I.hl * I.dv, in = I.heads * I.dv;
+      L[4] = add(p, normal(p.name, h, in_local, out_std,
+                           [=](int64_t r, int64_t c2) { return r * in + tp * in_local + c2; }));
+      if (I.biases) L[5] = replicated(pre + "attn_proj.bias", h, 0.0f);
+    }
+    L[6] = replicated(pre + "post_attention_layernorm.weight", h, 1.0f);
+    if (I.biases) L[7] = replicated(pre + "post_attention_layernorm.bias", h, 0.0f);
+    // An MoE layer's dense MLP is its shared experts (absent without them).
+    const std::string mlp = moe_layer ? pre + "shared_experts." : pre;
+    if (!moe_layer || m.moe_shared_expert_ffn_size > 0) {  // FC1: rows [gate | up] for SwiGLU
+      const int64_t ffn = moe_layer ? m.moe_shared_expert_ffn_size : m.ffn_hidden();
+      const int64_t ffl = ffn / layout.t;
+      ParamInfo p;
+      p.name = mlp + "fc1.weight";
+      const int64_t fc1_rows = m.swiglu ? 2 * ffl : ffl;
+      p.size = fc1_rows * h;
+      L[8] = add(p, normal(p.name, fc1_rows, h, std_dev, [=](int64_t r, int64_t c2) {
+                   const int64_t part = r / ffl, row = r % ffl;
+                   return (part * ffn + tp * ffl + row) * h + c2;
+                 }));
+      if (I.biases) {
+        ParamInfo pb;
+        pb.name = mlp + "fc1.bias";
+        pb.size = ffl;
+        pb.decay = false;
+        L[9] = add(pb, constant(ffl, 0.0f));
+      }
+      ParamInfo p2;
+      p2.name = mlp + "fc2.weight";
+      p2.size = h * ffl;
+      L[10] = add(p2, normal(p2.name, h, ffl, out_std,
+                             [=](int64_t r, int64_t c2) { return r * ffn + tp * ffl + c2; }));
+      if (I.biases) L[11] = replicated(mlp + "fc2.bias", h, 0.0f);
+    }
+    return std::pair{L, moe_layer ? add_moe_parameters(m, layout, I.sp, seed, pre, add) : MoeIdx{}};
+  };
   struct ChunkIdx {
     std::vector<std::array<int64_t, 22>> layers;
     std::vector<MoeIdx> moe;
     int64_t word = -1, pos = -1, lnf_g = -1, lnf_b = -1, head = -1;
-    // Where each part's parameters begin in `pending` (embedding, layers, head), and the end.
+    struct Mtp {
+      int64_t word = -1, enorm_g = -1, enorm_b = -1, hnorm_g = -1, hnorm_b = -1, eh = -1;
+      int64_t lnf_g = -1, lnf_b = -1;
+    };
+    std::vector<Mtp> mtp;
+    // Where each part's parameters begin in `pending` (embedding, layers, head), and the end
+    // (and of each MTP module).
     std::vector<int64_t> part_begin;
   };
   std::vector<ChunkIdx> idx(static_cast<size_t>(layout.v));
@@ -290,113 +435,10 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     }
     for (int64_t l = 0; l < ch.num_layers; ++l) {
       ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
-      const std::string pre = "layers." + std::to_string(ch.first_layer + l) + ".";
-      std::array<int64_t, 22> L;
-      L.fill(-1);
-      L[0] = replicated(pre + "input_layernorm.weight", h, 1.0f);
-      if (I.biases) L[1] = replicated(pre + "input_layernorm.bias", h, 0.0f);
-      if (I.mla) {
-        // The down projections [width, h], whole on every rank (gradients partial over the
-        // ranks' tokens with sequence parallelism, as a norm's), and the latents' norms.
-        auto whole = [&](const std::string& name, int64_t rows) {
-          ParamInfo p;
-          p.name = pre + name;
-          p.size = rows * h;
-          p.tp_replicated = true;
-          p.sp_partial = I.sp;
-          return add(p, normal(p.name, rows, h, std_dev,
-                               [=](int64_t r, int64_t c2) { return r * h + c2; }));
-        };
-        // The up projections, column-parallel: the local heads' rows of [heads x per_head, in].
-        auto up = [&](const std::string& name, int64_t per_head, int64_t in) {
-          ParamInfo p;
-          p.name = pre + name;
-          const int64_t rows = I.hl * per_head;
-          p.size = rows * in;
-          return add(p, normal(p.name, rows, in, std_dev,
-                               [=](int64_t r, int64_t c2) { return (tp * rows + r) * in + c2; }));
-        };
-        if (I.ql > 0) {
-          L[16] = whole("q_down_proj.weight", I.ql);
-          if (I.qk_norm) L[17] = replicated(pre + "q_layernorm.weight", I.ql, 1.0f);
-        }
-        L[18] = up(I.ql > 0 ? "q_up_proj.weight" : "q_proj.weight", d, I.ql > 0 ? I.ql : h);
-        L[19] = whole("kv_down_proj.weight", I.kv_latent_width());
-        if (I.qk_norm) L[20] = replicated(pre + "kv_layernorm.weight", I.kvl, 1.0f);
-        L[21] = up("kv_up_proj.weight", I.dn + I.dv, I.kvl);
-      } else {  // QKV: rows [q of local heads | k of local groups | v of local groups]
-        const int64_t heads = I.heads, groups = I.groups, hl = I.hl, gl = I.gl;
-        auto global_row = [=](int64_t r) {
-          if (r < hl * d) return tp * hl * d + r;
-          r -= hl * d;
-          if (r < gl * d) return heads * d + tp * gl * d + r;
-          r -= gl * d;
-          return (heads + groups) * d + tp * gl * d + r;
-        };
-        ParamInfo p;
-        p.name = pre + "qkv.weight";
-        p.size = I.qkv_width() * h;
-        L[2] = add(p, normal(p.name, I.qkv_width(), h, std_dev,
-                             [=](int64_t r, int64_t c2) { return global_row(r) * h + c2; }));
-        if (I.qkv_bias) {
-          ParamInfo pb;
-          pb.name = pre + "qkv.bias";
-          pb.size = I.qkv_width();
-          pb.decay = false;
-          L[3] = add(pb, constant(pb.size, 0.0f));
-        }
-      }
-      if (m.qk_layernorm && !I.mla) {  // one norm of d for every query head, one for every key head
-        auto head_norm = [&](const std::string& name, float value) {
-          const int64_t at = replicated(pre + name, d, value);
-          pending[static_cast<size_t>(at)].info.tp_partial = true;
-          return at;
-        };
-        L[12] = head_norm("q_layernorm.weight", 1.0f);
-        if (I.biases) L[13] = head_norm("q_layernorm.bias", 0.0f);
-        L[14] = head_norm("k_layernorm.weight", 1.0f);
-        if (I.biases) L[15] = head_norm("k_layernorm.bias", 0.0f);
-      }
-      {
-        ParamInfo p;
-        p.name = pre + "attn_proj.weight";
-        p.size = h * I.hl * I.dv;
-        const int64_t in_local = I.hl * I.dv, in = I.heads * I.dv;
-        L[4] = add(p, normal(p.name, h, in_local, out_std,
-                             [=](int64_t r, int64_t c2) { return r * in + tp * in_local + c2; }));
-        if (I.biases) L[5] = replicated(pre + "attn_proj.bias", h, 0.0f);
-      }
-      L[6] = replicated(pre + "post_attention_layernorm.weight", h, 1.0f);
-      if (I.biases) L[7] = replicated(pre + "post_attention_layernorm.bias", h, 0.0f);
-      // An MoE layer's dense MLP is its shared experts (absent without them).
-      const bool moe_layer = m.is_moe_layer(ch.first_layer + l);
-      const std::string mlp = moe_layer ? pre + "shared_experts." : pre;
-      if (!moe_layer || m.moe_shared_expert_ffn_size > 0) {  // FC1: rows [gate | up] for SwiGLU
-        const int64_t ffn = moe_layer ? m.moe_shared_expert_ffn_size : m.ffn_hidden();
-        const int64_t ffl = ffn / layout.t;
-        ParamInfo p;
-        p.name = mlp + "fc1.weight";
-        const int64_t fc1_rows = m.swiglu ? 2 * ffl : ffl;
-        p.size = fc1_rows * h;
-        L[8] = add(p, normal(p.name, fc1_rows, h, std_dev, [=](int64_t r, int64_t c2) {
-                     const int64_t part = r / ffl, row = r % ffl;
-                     return (part * ffn + tp * ffl + row) * h + c2;
-                   }));
-        if (I.biases) {
-          ParamInfo pb;
-          pb.name = mlp + "fc1.bias";
-          pb.size = ffl;
-          pb.decay = false;
-          L[9] = add(pb, constant(ffl, 0.0f));
-        }
-        ParamInfo p2;
-        p2.name = mlp + "fc2.weight";
-        p2.size = h * ffl;
-        L[10] = add(p2, normal(p2.name, h, ffl, out_std,
-                               [=](int64_t r, int64_t c2) { return r * ffn + tp * ffl + c2; }));
-        if (I.biases) L[11] = replicated(mlp + "fc2.bias", h, 0.0f);
-      }
-      ix.moe.push_back(moe_layer ? add_moe_parameters(m, layout, I.sp, seed, pre, add) : MoeIdx{});
+      const int64_t global = ch.first_layer + l;
+      const auto [L, moe_params] =
+          add_layer("layers." + std::to_string(global) + ".", m.is_moe_layer(global));
+      ix.moe.push_back(moe_params);
       ix.layers.push_back(L);
     }
     ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
@@ -412,6 +454,38 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       }
     }
     ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
+    // Multi-token prediction modules, each a part: the norms of its embedding and hidden state,
+    // eh_proj (column-parallel, 2h -> h), a layer of the decoder's last layer's kind, its final
+    // norm. Its inputs are looked up in the first stage's word embedding where this rank holds
+    // it, else in the tied output layer, else in a copy kept equal to the first stage's as the
+    // tied copy is (the first module's part holds it).
+    for (int64_t k = 0; ch.last && k < m.mtp_num_layers; ++k) {
+      const std::string pre = "mtp.layers." + std::to_string(k) + ".";
+      ChunkIdx::Mtp& mx = ix.mtp.emplace_back();
+      mx.word = word_index >= 0 ? word_index
+                : !m.untie_embeddings_and_output_weights
+                    ? ix.head
+                    : (k == 0 ? word_embedding(true, "mtp.embedding.word_embeddings.weight")
+                              : ix.mtp.front().word);
+      mx.enorm_g = replicated(pre + "enorm.weight", h, 1.0f);
+      if (I.biases) mx.enorm_b = replicated(pre + "enorm.bias", h, 0.0f);
+      mx.hnorm_g = replicated(pre + "hnorm.weight", h, 1.0f);
+      if (I.biases) mx.hnorm_b = replicated(pre + "hnorm.bias", h, 0.0f);
+      {
+        ParamInfo p;
+        p.name = pre + "eh_proj.weight";
+        const int64_t rows = h / layout.t;
+        p.size = rows * 2 * h;
+        mx.eh = add(p, normal(p.name, rows, 2 * h, std_dev,
+                              [=](int64_t r, int64_t c2) { return (tp * rows + r) * 2 * h + c2; }));
+      }
+      const auto [L, moe_params] = add_layer(pre + "transformer_layer.", m.mtp_layer_is_moe());
+      ix.moe.push_back(moe_params);
+      ix.layers.push_back(L);
+      mx.lnf_g = replicated(pre + "final_layernorm.weight", h, 1.0f);
+      if (I.biases) mx.lnf_b = replicated(pre + "final_layernorm.bias", h, 0.0f);
+      ix.part_begin.push_back(static_cast<int64_t>(pending.size()));
+    }
   }
 
   // Offsets: segment 0 first, then segment 1 (and 2), each padded.
@@ -466,6 +540,15 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     ch.params.lnf_g = off(ix.lnf_g);
     ch.params.lnf_b = off(ix.lnf_b);
     ch.params.head = off(ix.head);
+    for (const ChunkIdx::Mtp& mx : ix.mtp) {
+      MtpParams& mp = ch.mtp.emplace_back();
+      mp.head = {off(mx.word), -1, off(mx.lnf_g), off(mx.lnf_b), ch.params.head};
+      mp.enorm_g = off(mx.enorm_g);
+      mp.enorm_b = off(mx.enorm_b);
+      mp.hnorm_g = off(mx.hnorm_g);
+      mp.hnorm_b = off(mx.hnorm_b);
+      mp.eh = off(mx.eh);
+    }
     for (size_t li = 0; li < ix.layers.size(); ++li) {
       const auto& L = ix.layers[li];
       const MoeIdx& mx = ix.moe[li];
@@ -478,7 +561,9 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
         MW.fc2_b.push_back(off(mx.fc2_b[e]));
       }
       ch.moe.push_back(MW);
-      ch.is_moe.push_back(m.is_moe_layer(ch.first_layer + static_cast<int64_t>(li)));
+      const auto layer = static_cast<int64_t>(li);  // past the decoder's: an MTP module's
+      ch.is_moe.push_back(layer < ch.num_layers ? m.is_moe_layer(ch.first_layer + layer)
+                                                : m.mtp_layer_is_moe());
       LayerParams W;
       W.ln1_g = off(L[0]);
       W.ln1_b = off(L[1]);
@@ -527,6 +612,261 @@ void call_part_hook(const GptShard::PartHook* hook, const Chunk& ch, int64_t par
   for (const auto& [lo, hi] : ch.parts[static_cast<size_t>(part)]) (*hook)(lo, hi);
 }
 
+// Layer l of chunk `chunk` (past the decoder's layers: an MTP module's) forward for microbatch
+// mb: x, its input, becomes its output; L keeps what its backward pass needs under `rec`.
+void layer_forward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch, int64_t chunk,
+                   int64_t mb, int64_t l, Recompute rec, LayerActs& L, Buffer& x) {
+  ShardContext& c = *I.ctx;
+  L.x.swap(x);
+  const bool moe = ch.is_moe[static_cast<size_t>(l)];
+  SharedExpertWidth width(c, I.moe.get(), moe);
+  MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+  for (OpId op : moe ? I.moe_fwd : I.layer_fwd) {
+    c.begin(op, PassKind::kForward);
+    if (is_moe_op(op))
+      moe_forward_op(c, *I.moe, op, ch.moe[static_cast<size_t>(l)], L.ln2, L.fc2, *M);
+    else
+      layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
+  }
+  c.end_op();
+  x.swap(L.out);
+  release(L.out);
+  const unsigned modules = layout.recompute_modules_of(moe);
+  drop_recomputed(L, rec, modules);
+  if (M && rec == Recompute::kSelective) {
+    if (modules & kRecomputeMoe)
+      release_routed(*M);  // the whole layer is rerun from its input
+    else if (modules & kRecomputeMoeAct)
+      release(M->act);  // the experts' FC2 input: their activation is rerun
+  }
+}
+
+// Its backward pass: recomputes what `rec` dropped, then D.d_out (the output's gradient) gives
+// D.d_x (the input's); with `defer`, without the weight-gradient GEMMs (the W pass's).
+void layer_backward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch, int64_t chunk,
+                    int64_t mb, int64_t l, Recompute rec, LayerActs& L, LayerGrads& D, bool defer) {
+  ShardContext& c = *I.ctx;
+  const LayerParams& W = ch.layers[static_cast<size_t>(l)];
+  const bool moe = ch.is_moe[static_cast<size_t>(l)];
+  SharedExpertWidth width(c, I.moe.get(), moe);
+  MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+  const MoeLayerParams& MW = ch.moe[static_cast<size_t>(l)];
+  if (rec != Recompute::kNone) {
+    for (OpId op : moe ? I.moe_recompute : I.layer_recompute) {
+      c.begin(op, PassKind::kRecompute);
+      if (is_moe_op(op))
+        moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);
+      else
+        layer_forward_op(c, op, W, L);
+    }
+    c.end_op();
+    // The recomputed MLP's output (its FC2's, reduced): the residual it fed is kept.
+    if (rec == Recompute::kSelective && (layout.recompute_modules_of(moe) & kRecomputeMlp))
+      release(L.fc2);
+  }
+  release(L.out);
+  D.d_x.clear();
+  // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
+  Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
+  for (OpId op : moe ? I.moe_bwd : I.layer_bwd) {
+    if (defer && I.weight_grad[static_cast<size_t>(op)]) continue;  // the W pass's
+    // The fused attention's recomputation of the scores is the backward list's one recompute.
+    c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
+    if (is_moe_op(op))
+      moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
+    else
+      layer_backward_op(c, op, W, L, D);
+  }
+  c.end_op();
+}
+
+// What an MTP module's layer recomputes: the decoder's mode, except block recomputation
+// (--recompute-num-layers with full), which Megatron-Core does not apply to it.
+Recompute mtp_recompute(const ShardLayout& l) {
+  return l.recompute == Recompute::kFull && l.recompute_layers > 0 ? Recompute::kNone : l.recompute;
+}
+
+// Module k's tokens (Megatron-Core rolls the inputs and labels left once a module, and masks
+// what rolled past the end): at global position i the input t[i + k + 1] and the target
+// t[i + k + 2], for i < s - k - 1; beyond, input 0 and no loss. The loss's runs of rows, and
+// its divisor: the module's targets over the whole sequence, shared by the cp ranks.
+void mtp_tokens(const ShardDims& d, const int32_t* tokens, int64_t k, ChunkActs& A) {
+  const int64_t s = d.s_attn, shift = k + 1, sl = s / d.cp;
+  A.inputs.assign(static_cast<size_t>(d.n_full), 0);
+  A.targets.assign(static_cast<size_t>(d.n_full), 0);
+  A.loss_rows.clear();
+  for (int64_t bi = 0; bi < d.b; ++bi) {
+    const int32_t* seq = tokens + bi * (s + 1);
+    for (const PositionRun& run : context_runs(s, d.cp, d.cpr, 0, sl)) {
+      const int64_t valid = std::clamp<int64_t>(s - shift - run.global, 0, run.len);
+      for (int64_t i = 0; i < valid; ++i) {
+        const auto row = static_cast<size_t>(bi * sl + run.local + i);
+        A.inputs[row] = seq[run.global + i + shift];
+        A.targets[row] = seq[run.global + i + shift + 1];
+      }
+      if (valid > 0) A.loss_rows.emplace_back(bi * sl + run.local, valid);
+    }
+  }
+  A.loss_tokens = static_cast<double>(d.b * (s - shift)) / static_cast<double>(d.cp);
+}
+
+// MTP module k's forward pass (mtp_projection_ops between the embedding's and the head's ops):
+// its embedding of the rolled tokens and `hidden` (the previous module's output, the first's
+// the decoder's final norm's; this rank's sequence-parallel rows) each normalised and
+// concatenated, eh_proj, the layer, its final norm, the shared output layer and the masked loss.
+// Returns that loss (unweighted).
+double mtp_forward(GptShard::Impl& I, const ModelSpec& m, const ShardLayout& layout,
+                   const Chunk& ch, int64_t chunk, int64_t mb, int64_t k, const int32_t* tokens,
+                   const Buffer& hidden, GptShard::Impl::MtpActs& T) {
+  ShardContext& c = *I.ctx;
+  const ShardDims& d = c.dims;
+  const MtpParams& P = ch.mtp[static_cast<size_t>(k)];
+  const int64_t h = d.h, hl = h / d.t;
+  mtp_tokens(d, tokens, k, T.head);
+  T.head.loss_weight = m.mtp_loss_scaling_factor / static_cast<double>(m.mtp_num_layers);
+  Buffer x;
+  for (OpId op : I.emb_fwd) {
+    c.begin(op, PassKind::kForward);
+    embedding_op(c, op, P.head, T.head, x, nullptr);
+  }
+  Buffer y;  // eh_proj's output columns, [n, h / t]
+  for (OpId op : I.mtp_fwd) {
+    c.begin(op, PassKind::kForward);
+    switch (op) {
+      case OpId::kMtpNorms: {
+        Buffer e_n, h_n;
+        c.norm_forward(x, P.enorm_g, P.enorm_b, e_n, T.e_mean, T.e_rstd, d.n_local);
+        c.norm_forward(hidden, P.hnorm_g, P.hnorm_b, h_n, T.h_mean, T.h_rstd, d.n_local);
+        resize_for_overwrite(T.cat, d.n_local * 2 * h);
+        c.be.concat_columns3(e_n.ptr(), h_n.ptr(), e_n.ptr(), T.cat.ptr(), d.n_local, h, h, 0);
+        T.x_e.swap(x);
+        break;
+      }
+      case OpId::kMtpProjAllGather:
+        c.gather_sequence(T.cat, T.cat_full, 2 * h);
+        release(T.cat);
+        break;
+      case OpId::kMtpEhProj: {
+        const Buffer& in = d.sp ? T.cat_full : T.cat;
+        resize_for_overwrite(y, d.n_full * hl);
+        c.linear(in.ptr(), P.eh, -1, y.ptr(), d.n_full, 2 * h, hl);
+        break;
+      }
+      case OpId::kMtpProjOutputAllGather: {
+        // Every rank's columns side by side, then (sequence parallelism) this rank's rows.
+        Buffer shards, full;
+        resize_for_overwrite(shards, d.t * d.n_full * hl);
+        c.all_gather(y.ptr(), shards.ptr(), d.n_full * hl);
+        resize_for_overwrite(full, d.n_full * h);
+        c.be.sequence_unshard(shards.ptr(), full.ptr(), d.t, d.n_full, d.t, hl);
+        if (d.sp) {
+          c.be.sequence_shard(full.ptr(), shards.ptr(), d.t, d.b, d.s, h);
+          resize_for_overwrite(y, d.n_local * h);
+          c.be.copy(shards.ptr().at(d.tp * d.n_local * h), y.ptr(), d.n_local * h);
+        } else {
+          y.swap(full);
+        }
+        break;
+      }
+      default:
+        throw std::logic_error("not an MTP forward op");
+    }
+  }
+  x.swap(y);
+  T.head.layers.resize(1);
+  layer_forward(I, layout, ch, chunk, mb, ch.num_layers + k, mtp_recompute(layout),
+                T.head.layers[0], x);
+  T.head.lnf_in.swap(x);
+  double loss = 0;
+  for (OpId op : I.head_fwd) {
+    c.begin(op, PassKind::kForward);
+    loss += head_forward_op(c, op, P.head, T.head);
+  }
+  return loss;
+}
+
+// Its backward pass. d_hidden: on entry the gradient of this module's output that the next
+// module handed back (empty for the last), on return the gradient of `hidden`.
+void mtp_backward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch, int64_t chunk,
+                  int64_t mb, int64_t k, const Buffer& hidden, double loss_scale,
+                  GptShard::Impl::MtpActs& T, Buffer& d_hidden) {
+  ShardContext& c = *I.ctx;
+  const ShardDims& d = c.dims;
+  const MtpParams& P = ch.mtp[static_cast<size_t>(k)];
+  const int64_t h = d.h, hl = h / d.t;
+  LayerGrads D;
+  for (OpId op : I.head_bwd) {
+    if (op == OpId::kFinalLayernormBackward && !d_hidden.empty())
+      c.be.add((d.sp ? D.d_ln1 : D.d_ln1_full).ptr(), d_hidden.ptr(), elems(d_hidden));
+    c.begin(op, PassKind::kBackward);
+    head_backward_op(c, op, P.head, T.head, D, loss_scale);
+  }
+  const int64_t l = ch.num_layers + k;
+  layer_backward(I, layout, ch, chunk, mb, l, mtp_recompute(layout), T.head.layers[0], D, false);
+  T.head.layers.clear();
+  if (ch.is_moe[static_cast<size_t>(l)]) I.moe_stash.erase({chunk, mb, l});
+  Buffer d_full = std::move(D.d_x);  // the layer input's gradient, [n, h] after the gathers
+  Buffer dy, d_cat;                  // eh_proj's output columns' and its input's gradients
+  auto output_columns = [&] {        // this rank's h / t columns of d_full
+    if (d.t == 1) return dy.swap(d_full);
+    Buffer shards;
+    resize_for_overwrite(shards, d.n_full * h);
+    c.be.sequence_shard(d_full.ptr(), shards.ptr(), d.t, d.n_full, d.t, hl);
+    resize_for_overwrite(dy, d.n_full * hl);
+    c.be.copy(shards.ptr().at(d.tp * d.n_full * hl), dy.ptr(), d.n_full * hl);
+  };
+  for (OpId op : I.mtp_bwd) {
+    c.begin(op, PassKind::kBackward);
+    switch (op) {
+      case OpId::kMtpProjOutputScatterBackward: {
+        Buffer full;
+        c.gather_sequence(d_full, full, h);
+        d_full.swap(full);
+        break;
+      }
+      case OpId::kMtpEhProjDgrad:
+        output_columns();
+        resize_for_overwrite(d_cat, d.n_full * 2 * h);
+        c.linear_dgrad(P.eh, dy.ptr(), d_cat.ptr(), d.n_full, 2 * h, hl);
+        break;
+      case OpId::kMtpEhProjWgrad:
+        c.linear_wgrad((d.sp ? T.cat_full : T.cat).ptr(), dy.ptr(), P.eh, -1, d.n_full, 2 * h, hl);
+        release(T.cat);
+        release(T.cat_full);
+        release(dy);
+        break;
+      case OpId::kMtpProjInputGradReduce:
+        if (d.sp) {
+          Buffer local;
+          c.scatter_sequence(d_cat, local, 2 * h);
+          d_cat.swap(local);
+        } else {
+          c.all_reduce(d_cat);
+        }
+        break;
+      case OpId::kMtpNormsBackward: {
+        Buffer d_en, d_hn, d_xe;
+        resize_for_overwrite(d_en, d.n_local * h);
+        resize_for_overwrite(d_hn, d.n_local * h);
+        c.be.split_columns3(d_cat.ptr(), d_en.ptr(), d_hn.ptr(), d_en.ptr(), d.n_local, h, h, 0);
+        release(d_cat);
+        c.norm_backward(T.x_e, P.enorm_g, P.enorm_b, T.e_mean, T.e_rstd, d_en, d_full, d.n_local);
+        c.norm_backward(hidden, P.hnorm_g, P.hnorm_b, T.h_mean, T.h_rstd, d_hn, d_hidden,
+                        d.n_local);
+        break;
+      }
+      default:
+        throw std::logic_error("not an MTP backward op");
+    }
+  }
+  // The embedding's gradient (d_full now holds enorm's input gradient) into the word table.
+  for (OpId op : I.emb_bwd) {
+    c.begin(op, PassKind::kBackward);
+    Buffer unused;
+    embedding_op(c, op, P.head, T.head, unused, &d_full);
+  }
+  c.end_op();
+}
 }  // namespace
 
 bool GptShard::first_stage(int64_t chunk) const {
@@ -570,6 +910,10 @@ void GptShard::set_expert_groups(Communicator* ep, Communicator* etp) {
 
 double GptShard::expert_load() const {
   return impl_->moe ? impl_->moe->measured_load() : 0.0;
+}
+
+double GptShard::take_mtp_loss() {
+  return std::exchange(impl_->mtp_loss, 0.0);
 }
 
 int64_t GptShard::real_parameters() const {
@@ -616,30 +960,9 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     c.copy(*input, x);
   }
   for (int64_t l = 0; l < ch.num_layers; ++l) {
-    LayerActs& L = A.layers[static_cast<size_t>(l)];
-    L.x.swap(x);
-    const bool moe = ch.is_moe[static_cast<size_t>(l)];
-    SharedExpertWidth width(c, I.moe.get(), moe);
-    MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
     part_needed(l + 1);
-    for (OpId op : moe ? I.moe_fwd : I.layer_fwd) {
-      c.begin(op, PassKind::kForward);
-      if (is_moe_op(op))
-        moe_forward_op(c, *I.moe, op, ch.moe[static_cast<size_t>(l)], L.ln2, L.fc2, *M);
-      else
-        layer_forward_op(c, op, ch.layers[static_cast<size_t>(l)], L);
-    }
-    c.end_op();
-    x.swap(L.out);
-    release(L.out);
-    const unsigned modules = layout_.recompute_modules_of(moe);
-    drop_recomputed(L, layout_.recompute_of(l), modules);
-    if (M && layout_.recompute_of(l) == Recompute::kSelective) {
-      if (modules & kRecomputeMoe)
-        release_routed(*M);  // the whole layer is rerun from its input
-      else if (modules & kRecomputeMoeAct)
-        release(M->act);  // the experts' FC2 input: their activation is rerun
-    }
+    layer_forward(I, layout_, ch, chunk, mb, l, layout_.recompute_of(l),
+                  A.layers[static_cast<size_t>(l)], x);
   }
   if (!ch.last) {
     *output = std::move(x);
@@ -651,6 +974,16 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   for (OpId op : I.head_fwd) {
     c.begin(op, PassKind::kForward);
     loss += head_forward_op(c, op, ch.params, A);
+  }
+  if (!ch.mtp.empty()) {
+    std::vector<Impl::MtpActs>& modules = I.mtp_stash[{chunk, mb}];
+    modules.resize(ch.mtp.size());
+    for (size_t k = 0; k < ch.mtp.size(); ++k) {
+      part_needed(ch.num_layers + 2 + static_cast<int64_t>(k));
+      const Buffer& hidden = k == 0 ? A.lnf : modules[k - 1].head.lnf;
+      I.mtp_loss += mtp_forward(I, model_, layout_, ch, chunk, mb, static_cast<int64_t>(k), tokens,
+                                hidden, modules[k]);
+    }
   }
   return loss;
 }
@@ -673,7 +1006,11 @@ void GptShard::backward_weight(int64_t chunk, int64_t mb, const PartHook* ready)
   if (it == I.deferred.end()) throw std::logic_error("weight pass before its input pass");
   const ActivationDType precision(layout_.dtype);
   auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
-  if (ch.last) part_done(ch.num_layers + 1);  // the head's gradients came in the input pass
+  if (ch.last) {  // the MTP modules' and the head's gradients came in the input pass
+    for (auto k = static_cast<int64_t>(ch.mtp.size()) - 1; k >= 0; --k)
+      part_done(ch.num_layers + 2 + k);
+    part_done(ch.num_layers + 1);
+  }
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     Impl::Deferred& w = it->second[static_cast<size_t>(l)];
     const bool moe = ch.is_moe[static_cast<size_t>(l)];
@@ -716,7 +1053,21 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
   LayerGrads D;
   if (ch.last) {
+    // The MTP modules from the last: each hands the gradient of its hidden input (the previous
+    // module's output, the first the final norm's) back, added before that norm's backward.
+    Buffer d_hidden;
+    if (!ch.mtp.empty()) {
+      std::vector<Impl::MtpActs>& modules = I.mtp_stash.at({chunk, mb});
+      for (auto k = static_cast<int64_t>(ch.mtp.size()) - 1; k >= 0; --k) {
+        mtp_backward(I, layout_, ch, chunk, mb, k, k == 0 ? A.lnf : modules[k - 1].head.lnf,
+                     loss_scale, modules[static_cast<size_t>(k)], d_hidden);
+        part_done(ch.num_layers + 2 + k);
+      }
+      I.mtp_stash.erase({chunk, mb});
+    }
     for (OpId op : I.head_bwd) {
+      if (op == OpId::kFinalLayernormBackward && !d_hidden.empty())
+        c.be.add((d.sp ? D.d_ln1 : D.d_ln1_full).ptr(), d_hidden.ptr(), elems(d_hidden));
       c.begin(op, PassKind::kBackward);
       head_backward_op(c, op, ch.params, A, D, loss_scale);
     }
@@ -728,40 +1079,8 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   }
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
-    const LayerParams& W = ch.layers[static_cast<size_t>(l)];
     const bool moe = ch.is_moe[static_cast<size_t>(l)];
-    SharedExpertWidth width(c, I.moe.get(), moe);
-    MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
-    const MoeLayerParams& MW = ch.moe[static_cast<size_t>(l)];
-    if (layout_.recompute_of(l) != Recompute::kNone) {
-      for (OpId op : moe ? I.moe_recompute : I.layer_recompute) {
-        c.begin(op, PassKind::kRecompute);
-        if (is_moe_op(op))
-          moe_forward_op(c, *I.moe, op, MW, L.ln2, L.fc2, *M);
-        else
-          layer_forward_op(c, op, W, L);
-      }
-      c.end_op();
-      // The recomputed MLP's output (its FC2's, reduced): the residual it fed is kept.
-      if (layout_.recompute_of(l) == Recompute::kSelective &&
-          (layout_.recompute_modules_of(moe) & kRecomputeMlp))
-        release(L.fc2);
-    }
-    release(L.out);
-    D.d_x.clear();
-    // The gradient of the post-attention layernorm's output (its sequence-parallel slice).
-    Buffer& d_ln2 = c.dims.sp ? D.d_ln2 : D.d_ln2_full;
-    const std::vector<OpId>& program = moe ? I.moe_bwd : I.layer_bwd;
-    for (OpId op : program) {
-      if (defer && I.weight_grad[static_cast<size_t>(op)]) continue;  // the W pass's
-      // The fused attention's recomputation of the scores is the backward list's one recompute.
-      c.begin(op, op == OpId::kAttnScoresRecompute ? PassKind::kRecompute : PassKind::kBackward);
-      if (is_moe_op(op))
-        moe_backward_op(c, *I.moe, op, MW, L.ln2, D.d_out, d_ln2, *M);
-      else
-        layer_backward_op(c, op, W, L, D);
-    }
-    c.end_op();
+    layer_backward(I, layout_, ch, chunk, mb, l, layout_.recompute_of(l), L, D, defer);
     if (defer) {  // what the weight-gradient GEMMs read, kept for the W pass
       std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
       kept.resize(static_cast<size_t>(ch.num_layers));
@@ -796,7 +1115,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     }
     D.d_out.swap(D.d_x);
     L = LayerActs();
-    if (M && !defer) I.moe_stash.erase({chunk, mb, l});  // else the W pass's
+    if (moe && !defer) I.moe_stash.erase({chunk, mb, l});  // else the W pass's
     part_done(l + 1);
   }
   if (ch.first) {

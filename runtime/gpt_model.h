@@ -9,7 +9,13 @@
 // and left by reduce-scatter. Pipeline parallelism: the rank holds v chunks of consecutive
 // layers (chunk c is global stage c * p + rank); the first stage adds the embedding, the last
 // the final layernorm, LM head and loss; with tied embeddings the last stage keeps a copy of
-// the word embedding whose gradient the trainer all-reduces with the first stage's.
+// the word embedding whose gradient the trainer all-reduces with the first stage's. Multi-token
+// prediction modules (DeepSeek-V3's, as Megatron-Core runs them) follow the head on the last
+// stage: each looks the inputs rolled one further up in the word embedding (the tied copy, or
+// a copy of its own kept the same way), normalises them and the previous hidden state,
+// projects the two (eh_proj, column-parallel 2h -> h) into a layer of the decoder's last
+// layer's kind, and scores its final norm's output with the shared output layer against the
+// targets rolled one further, the positions rolled past the end masked.
 //
 // The passes are not hand-written sequences: each transformer layer executes the op list of
 // core/layer_ops.h (transformer_layer_ops, embedding_ops, lm_head_ops) for this rank's shape,
@@ -184,6 +190,10 @@ class GptShard {
   void backward_weight(int64_t chunk, int64_t mb, const PartHook* ready = nullptr);
   // Every part's ranges, chunk by chunk in the order of the forward pass.
   std::vector<std::pair<int64_t, int64_t>> part_ranges() const;
+  // Multi-token prediction (ModelSpec::mtp_num_layers, on the last stage's last chunk): the sum
+  // of the modules' losses (each unweighted, a mean over its targets) over the forward passes
+  // since the last call; forward returns the main model's loss alone, as Megatron reports it.
+  double take_mtp_loss();
 
   // One contiguous buffer of every parameter this rank holds (of the layout's dtype: fp32 or
   // bf16), and one of their gradients (fp32), in the backend's memory; ParamInfo::offset and

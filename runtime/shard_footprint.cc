@@ -62,6 +62,15 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
         rest += vl * h;  // LM head
       else if (!holds_word)
         word += vl * h;  // the tied copy of the word embedding
+      // Multi-token prediction modules: three norms, eh_proj's h / t rows of 2h, a layer of the
+      // last layer's kind; untied, a copy of the word embedding for their inputs.
+      if (m.mtp_num_layers > 0) {
+        const bool moe_mtp = m.mtp_layer_is_moe();
+        rest += m.mtp_num_layers *
+                (3 * (h + biases * h) + h / l.t * 2 * h + (moe_mtp ? per_moe_layer : per_layer));
+        if (moe_mtp) experts += m.mtp_num_layers * per_moe_experts;
+        if (m.untie_embeddings_and_output_weights && !holds_word) word += vl * h;
+      }
     }
   }
   auto padded = [](int64_t n, int64_t multiple) {

@@ -195,7 +195,8 @@ class Executor {
   void setup();
   void load_checkpoint();
   void save_checkpoint(int64_t completed);
-  double step(int64_t step, double* grad_norm);
+  // Returns the step's mean loss; mtp_loss: the multi-token prediction modules' (StepStats).
+  double step(int64_t step, double* grad_norm, double* mtp_loss);
   void tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) const;
   void gather_timeline(TrainResult& r);
   // The ranks whose timeline a trace holds: one per (replica, stage), as the others of its
@@ -314,7 +315,7 @@ void Executor::setup() {
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
-    schedule_ = make_pipeline_schedule(schedule_spec(plan, !m.untie_embeddings_and_output_weights));
+    schedule_ = make_pipeline_schedule(schedule_spec(plan, m.last_stage_shares_word_embedding()));
     data_ = o_.data == "synthetic" ? TokenSource::synthetic(m.vocab_size, o_.seed)
                                    : TokenSource::file(o_.data, m.vocab_size, m.seq_length);
     backend_ = make_backend(o_.backend);
@@ -338,8 +339,10 @@ void Executor::setup() {
   dp_ = split(pg_->data_color(), "data-parallel");
   pp_ = split(pg_->pipeline_color(), "pipeline");
   model_ = split(pg_->model_color(), "model-parallel");
-  const bool embedding_member = p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) &&
-                                !o_.model.untie_embeddings_and_output_weights;
+  // The first and last stages' word embeddings (the tied output layer, or the copy the
+  // multi-token prediction modules look their inputs up in) are kept equal.
+  const bool embedding_member =
+      p_ > 1 && (pos_.pp == 0 || pos_.pp == p_ - 1) && o_.model.last_stage_shares_word_embedding();
   embedding_ = split(embedding_member ? pg_->pipeline_color() : t_ * dcp_ + key, "embedding");
   if (m.is_moe()) {
     ep_ = split(expert_.ep_color, "expert-parallel");
@@ -545,7 +548,7 @@ void Executor::tokens_of(int64_t step, int64_t mb, std::vector<int32_t>& out) co
   for (int64_t i = 0; i < b; ++i) data_->sequence(base + i, s, out.data() + i * (s + 1));
 }
 
-double Executor::step(int64_t step, double* grad_norm) {
+double Executor::step(int64_t step, double* grad_norm, double* mtp_loss) {
   const bool fp16 = o_.precision == DType::kF16;
   StepContext ctx;
   ctx.step = applied_;
@@ -565,8 +568,14 @@ double Executor::step(int64_t step, double* grad_norm) {
   // rank 0) contributes its share, summed in rank order; with context parallelism each cp rank
   // the mean over its half of the chunks, all of equal size.
   // A non-finite gradient norm on any rank (its weights are now bad) makes the sum NaN too.
-  double loss = 0;
-  if (pos_.pp == p_ - 1 && pos_.tp == 0) loss = loss_sum / static_cast<double>(m_ * dcp_);
+  const double mtp_sum = shard_->take_mtp_loss();  // on every rank, so none accumulates
+  double loss = 0, mtp = 0;
+  if (pos_.pp == p_ - 1 && pos_.tp == 0) {
+    loss = loss_sum / static_cast<double>(m_ * dcp_);
+    if (o_.model.mtp_num_layers > 0)
+      mtp = mtp_sum / static_cast<double>(m_ * dcp_ * o_.model.mtp_num_layers);
+  }
+  *mtp_loss = control_.sum(mtp);
   // fp16: an overflow (a non-finite norm, the same on every rank) skipped the update; the
   // scaler backs off and the step is not a failure.
   skipped_ = fp16 && control_.max(int64_t{optimizer_->skipped()}) > 0;
@@ -651,7 +660,7 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     st.step = s;
     st.lr = learning_rate(o_, applied_);
     if (o_.precision == DType::kF16) st.loss_scale = scaler_.scale();
-    st.loss = step(s, &st.grad_norm);
+    st.loss = step(s, &st.grad_norm, &st.mtp_loss);
     // The step ends when its last kernel (the optimizer's) has run, not when the host has
     // queued it: otherwise its time would spill into the next step's first pass.
     backend_->synchronize();

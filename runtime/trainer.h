@@ -50,6 +50,9 @@ struct TrainOptions {
 struct StepStats {
   int64_t step = 0;  // 0-based
   double loss = 0, grad_norm = 0, lr = 0, seconds = 0;
+  // Multi-token prediction: the modules' mean loss (each unweighted, averaged over the modules);
+  // 0 without them. `loss` is the main model's alone, as Megatron-LM logs "lm loss".
+  double mtp_loss = 0;
   double start = 0;  // seconds since the first step began (world rank 0's clock)
   int64_t tokens = 0;
   // fp16: the loss scale the step ran with, and whether its gradients overflowed (the update,

@@ -889,6 +889,36 @@ TEST(PlanRules, OneRuleOneMessage) {
                rule_reason(PlanRule::kSequenceParallelDividesSequence));
 }
 
+// Multi-token prediction's eh_proj splits its h outputs over the tensor-parallel ranks (a rule
+// only for models with the modules), and module k predicts k + 1 tokens ahead (fewer modules
+// than the sequence has tokens).
+TEST(PlanRules, MultiTokenPredictionSplitsTheHiddenSize) {
+  ModelSpec m;
+  m.num_layers = 4;
+  m.hidden_size = 100;
+  m.kv_channels = 16;  // 8 heads of 16: the heads' width is not the hidden size
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 256;
+  m.seq_length = 32;
+  m.vocab_size = 128;
+  m.learned_position_embeddings = false;
+  ParallelPlan p;
+  p.tensor_parallel = 8;  // divides the heads and the FFN, not the hidden size
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  m.mtp_num_layers = 1;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kTensorDividesMtpHidden);
+  EXPECT_EQ(error_of([&] { check_plan(m, p); }),
+            "--tensor-model-parallel-size|--tensor-model-parallel-size: 8 does not divide "
+            "hidden_size (100), whose eh_proj outputs multi-token prediction splits over the "
+            "tensor-parallel ranks");
+  p.tensor_parallel = 4;
+  EXPECT_EQ(first_violated_rule(m, p), PlanRule::kNone);
+  m.mtp_num_layers = 32;
+  EXPECT_THROW(m.validate(), InputError);
+  m.mtp_num_layers = 31;
+  EXPECT_NO_THROW(m.validate());
+}
+
 // The small model of the plan-rule tests below: 8 layers, hidden 64, 8 heads, s 32, V 128.
 ModelSpec eight_layers() {
   ModelSpec m;

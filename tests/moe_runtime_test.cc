@@ -337,18 +337,33 @@ TEST(MoeShard, CostModelCountsTheParametersTheShardHolds) {
   }
 }
 
+// DeepSeek-V3's shape: rotary positions and a multi-token prediction module whose layer is an
+// MoE layer (the decoder's last layer's kind), its loss weighted 0.3.
+ModelSpec tiny_moe_mtp() {
+  ModelSpec m = tiny_moe(true, 8, 1);
+  m.name = "tiny-moe-mtp";
+  m.learned_position_embeddings = false;
+  m.rotary_base = 10000;
+  m.untie_embeddings_and_output_weights = true;
+  m.mtp_num_layers = 1;
+  m.mtp_loss_scaling_factor = 0.3;
+  return m;
+}
+
 // The MoE layer's backward pass against central differences of the loss, for a few parameters
-// of every kind (router, experts, shared experts, the dense layer between).
+// of every kind (router, experts, shared experts, the dense layer between; an MTP module's MoE
+// layer, the objective then the main loss plus the module's weighted loss).
 TEST(MoeShard, GradientsMatchFiniteDifferences) {
-  for (const ModelSpec& m : {tiny_moe(false, 0, 1), tiny_moe(true, 8, 2)}) {
+  for (const ModelSpec& m : {tiny_moe(false, 0, 1), tiny_moe(true, 8, 2), tiny_moe_mtp()}) {
     auto self = make_self_communicator();
     GptShard shard(m, ShardLayout{}, self.get(), 7);
     std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
     TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    const double mtp_weight = m.mtp_loss_scaling_factor / static_cast<double>(m.mtp_num_layers);
     auto loss = [&] {
       const double v = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
       shard.backward(0, 0, nullptr, nullptr, 0.0);
-      return v;
+      return v + (m.mtp_num_layers > 0 ? mtp_weight * shard.take_mtp_loss() : 0.0);
     };
     ASSERT_TRUE(shard.backend().host_accessible());
     const auto grads = shard.grads().view<float>(0, shard.grads().size());
@@ -361,6 +376,7 @@ TEST(MoeShard, GradientsMatchFiniteDifferences) {
     std::fill(grads.begin(), grads.end(), 0.0f);
     shard.forward(0, 0, tokens.data(), nullptr, nullptr);
     shard.backward(0, 0, nullptr, nullptr, 1.0);
+    shard.take_mtp_loss();  // the objective's own calls start from none
     const std::vector<float> analytic(grads.begin(), grads.end());
     std::mt19937 rng(5);
     int experts = 0, routers = 0;
@@ -382,7 +398,7 @@ TEST(MoeShard, GradientsMatchFiniteDifferences) {
             << m.swiglu << " " << p.name << " [" << i << "]";
       }
     }
-    EXPECT_EQ(routers, m.num_moe_layers());
+    EXPECT_EQ(routers, m.num_moe_layers() + (m.mtp_layer_is_moe() ? m.mtp_num_layers : 0));
     EXPECT_GT(experts, 0);
   }
 }

@@ -101,9 +101,22 @@ std::vector<Op> listed(const ModelSpec& m, const ShardLayout& l) {
   auto layer = [&](int64_t i) -> const PassOps& { return m.is_moe_layer(i) ? moe : dense; };
   std::vector<Op> ops;
   auto append = [&](const std::vector<Op>& v) { ops.insert(ops.end(), v.begin(), v.end()); };
+  // Multi-token prediction modules after the head: each its embedding, projection, a layer of
+  // the last layer's kind, and the head again; backward from the last module, before the head's.
+  const PassOps mtp = m.mtp_num_layers > 0 ? mtp_projection_ops(m, s) : PassOps{};
+  const PassOps& mtp_layer = layer(m.num_layers - 1);
   append(emb.forward);
   for (int64_t i = 0; i < m.num_layers; ++i) append(layer(i).forward);
   append(head.forward);
+  for (int64_t k = 0; k < m.mtp_num_layers; ++k)
+    for (const PassOps* part : {&emb, &mtp, &mtp_layer, &head}) append(part->forward);
+  for (int64_t k = 0; k < m.mtp_num_layers; ++k) {
+    append(head.backward);
+    append(mtp_layer.recompute);
+    append(mtp_layer.backward);
+    append(mtp.backward);
+    append(emb.backward);
+  }
   append(head.backward);
   for (int64_t i = m.num_layers - 1; i >= 0; --i) {
     append(layer(i).recompute);
@@ -228,10 +241,18 @@ TEST(OpTrace, ExecutedOpsEqualTheListedOps) {
   mla_moe.qk_head_dim = 8;
   mla_moe.qk_pos_emb_head_dim = 8;
   mla_moe.v_head_dim = 12;
+  // DeepSeek-V3's multi-token prediction: two modules (their MoE layers as the last layer's) on
+  // the MLA MoE model, one on the rotary dense one.
+  ModelSpec mtp = mla_moe;
+  mtp.name = "trace-mla-moe-mtp";
+  mtp.mtp_num_layers = 2;
+  ModelSpec mtp_dense = rotary();
+  mtp_dense.name = "trace-rotary-mtp";
+  mtp_dense.mtp_num_layers = 1;
   int checked = 0;
   // Mixed precision (--bf16) moves 2-byte activations: the listed bytes follow the layout's type.
   for (const ModelSpec& m :
-       {gpt(), llama_like(), rotary(), flash, moe, shared, qwen3, mla, mla_moe}) {
+       {gpt(), llama_like(), rotary(), flash, moe, shared, qwen3, mla, mla_moe, mtp, mtp_dense}) {
     for (const Variant& v : variants)
       for (const DType type : {DType::kF32, DType::kBF16}) {
         // MoE layers with tensor parallelism need sequence parallelism.

@@ -111,6 +111,24 @@ ModelSpec tiny_mla(bool query_latent = true) {
   return m;
 }
 
+// DeepSeek-V3's multi-token prediction: `modules` modules after the decoder, their loss weighted
+// 0.3 over the modules (a larger weight than Megatron's default 0.1, so that a wiring error
+// shows).
+ModelSpec with_mtp(ModelSpec m, int64_t modules = 2) {
+  m.mtp_num_layers = modules;
+  m.mtp_loss_scaling_factor = 0.3;
+  m.name += "-mtp" + std::to_string(modules);
+  return m;
+}
+
+// The same with the output layer tied to the word embedding (the modules look up their inputs in
+// the tied table).
+ModelSpec tied(ModelSpec m) {
+  m.untie_embeddings_and_output_weights = false;
+  m.name += "-tied";
+  return m;
+}
+
 TrainOptions options(const ModelSpec& m, int64_t steps = 4) {
   TrainOptions o;
   o.model = m;
@@ -183,7 +201,8 @@ TEST(LossScaler, BacksOffAfterTheHysteresisAndGrowsAfterAWindow) {
 }
 
 TEST(GptShard, ParameterCountEqualsTheModelSpec) {
-  for (const ModelSpec& m : {tiny(), tiny_llama()}) {
+  for (const ModelSpec& m :
+       {tiny(), tiny_llama(), with_mtp(tiny_rotary()), tied(with_mtp(tiny_mla(), 1))}) {
     auto self = make_self_communicator();
     GptShard shard(m, ShardLayout{}, self.get(), 1);
     EXPECT_EQ(shard.real_parameters(), static_cast<int64_t>(m.parameters())) << m.swiglu;
@@ -209,8 +228,9 @@ TEST(GptShard, ExecutesEveryOpOfTheLayerOpList) {
 TEST(GptShard, SegmentSizesWithoutBuildingTheShard) {
   auto self = make_self_communicator();
   int checked = 0;
-  for (const ModelSpec& base : {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3(), tiny_mla(),
-                                tiny_mla(false), tiny_qkv_bias()}) {
+  for (const ModelSpec& base :
+       {tiny(8), tiny_llama(), tiny_rotary(), tiny_qwen3(), tiny_mla(), tiny_mla(false),
+        tiny_qkv_bias(), with_mtp(tiny_rotary()), tied(with_mtp(tiny_qwen3(), 1))}) {
     ModelSpec m = base;
     m.num_layers = 8;
     for (int64_t t : {1, 2})
@@ -250,8 +270,8 @@ ModelSpec with_flash(ModelSpec m) {
 // pass, accumulates the same gradients as one backward pass, to the bit, and hands each part's
 // range to the hook once its gradients are complete (the weight pass, in backward order).
 TEST(GptShard, InputThenWeightPassGiveTheBackwardPassesGradients) {
-  for (const ModelSpec& base :
-       {tiny(2), tiny_llama(), with_flash(tiny_llama()), tiny_qwen3(), tiny_mla(false)}) {
+  for (const ModelSpec& base : {tiny(2), tiny_llama(), with_flash(tiny_llama()), tiny_qwen3(),
+                                tiny_mla(false), with_mtp(tiny_rotary())}) {
     ModelSpec m = base;
     m.num_layers = 3;
     auto self = make_self_communicator();
@@ -304,7 +324,8 @@ TEST(GptShard, GradientsMatchFiniteDifferences) {
   for (const ModelSpec& base :
        {tiny(2), tiny_llama(), tiny_rotary(), with_flash(tiny_llama()), tiny_qwen3(),
         with_flash(tiny_qwen3()), tiny_qk_layernorm(), tiny_mla(), with_flash(tiny_mla()),
-        tiny_mla(false), tiny_qkv_bias()}) {
+        tiny_mla(false), tiny_qkv_bias(), with_mtp(tiny_rotary()), tied(with_mtp(tiny_rotary())),
+        with_mtp(with_flash(tiny_mla()), 1)}) {
     ModelSpec m = base;
     m.num_layers = 2;
     m.hidden_size = 16;
@@ -317,10 +338,14 @@ TEST(GptShard, GradientsMatchFiniteDifferences) {
     GptShard shard(m, l, self.get(), 7);
     std::vector<int32_t> tokens(static_cast<size_t>(shard.tokens_per_microbatch()));
     TokenSource::synthetic(m.vocab_size, 3).sequence(0, m.seq_length, tokens.data());
+    // The objective: the main loss and the MTP modules' weighted mean.
+    const double mtp_weight =
+        m.mtp_num_layers > 0 ? m.mtp_loss_scaling_factor / static_cast<double>(m.mtp_num_layers)
+                             : 0.0;
     auto loss = [&] {
       const double v = shard.forward(0, 0, tokens.data(), nullptr, nullptr);
       shard.backward(0, 0, nullptr, nullptr, 0.0);  // drops the stash, adds nothing
-      return v;
+      return v + mtp_weight * shard.take_mtp_loss();
     };
     // The CPU backend's buffers are host memory: typed views read and write them directly.
     ASSERT_TRUE(shard.backend().host_accessible());
@@ -329,6 +354,9 @@ TEST(GptShard, GradientsMatchFiniteDifferences) {
     std::fill(grads.begin(), grads.end(), 0.0f);
     shard.forward(0, 0, tokens.data(), nullptr, nullptr);
     shard.backward(0, 0, nullptr, nullptr, 1.0);
+    if (m.mtp_num_layers > 0) {
+      EXPECT_GT(shard.take_mtp_loss(), 0.0);
+    }
     const std::vector<float> analytic(grads.begin(), grads.end());
     std::mt19937 rng(5);
     int checked = 0;
