@@ -622,20 +622,18 @@ const CostModel::ShapeTimes& CostModel::shape_times(const ParallelPlan& p) const
       model_flops(transformer_layer_ops(model_, all_pairs));
   double ef = 0, hf = 0;
   st.embed_f = price(embed.forward, p, hit, &ef);
-  st.embed_b = price(embed.backward, p, hit, &ef, &st.embed_w);
+  st.embed_b = price(embed.backward, p, hit, &ef);
   st.head_f = price(head.forward, p, hit, &hf);
-  st.head_b = price(head.backward, p, hit, &hf, &st.head_w);
+  st.head_b = price(head.backward, p, hit, &hf);
   st.embed_flops = ef;
   st.head_flops = hf;
   if (model_.mtp_num_layers > 0) {
     const PassOps proj = mtp_projection_ops(model_, shape);
     double mf = 0;
-    PassTime proj_w;
     for (const PassTime* part : {&st.embed_f, &st.head_f}) add(st.mtp_f, *part, 1);
     add(st.mtp_f, price(proj.forward, p, hit, &mf), 1);
     for (const PassTime* part : {&st.embed_b, &st.head_b}) add(st.mtp_b, *part, 1);
-    add(st.mtp_b, price(proj.backward, p, hit, &mf, &proj_w), 1);
-    for (const PassTime* part : {&st.embed_w, &st.head_w, &proj_w}) add(st.mtp_w, *part, 1);
+    add(st.mtp_b, price(proj.backward, p, hit, &mf), 1);
     st.mtp_flops = ef + hf + mf;
   }
   if (model_.is_moe()) {
@@ -675,15 +673,16 @@ ChunkTime CostModel::layer_span_time(const ShapeTimes& st, int64_t layers, int64
     add(c.recompute, st.moe_r, static_cast<double>(recomputed_moe));
     add(c.weight_grad, st.moe_w, e);
   }
+  // The embedding's and the head's weight gradients are not deferred by zero-bubble schedules:
+  // they stay in the input pass (`backward`), as ptdp run keeps them there (deferring the
+  // head's would keep the logits' gradient until the W pass).
   if (embedding) {
     add(c.forward, st.embed_f, 1);
     add(c.backward, st.embed_b, 1);
-    add(c.weight_grad, st.embed_w, 1);
   }
   if (head) {
     add(c.forward, st.head_f, 1);
     add(c.backward, st.head_b, 1);
-    add(c.weight_grad, st.head_w, 1);
   }
   return c;
 }
@@ -694,10 +693,9 @@ void CostModel::add_mtp(ChunkTime& c, const ShapeTimes& st, const ParallelPlan& 
   const bool moe = model_.mtp_layer_is_moe();
   add(c.forward, st.mtp_f, n);
   add(c.forward, moe ? st.moe_f : st.layer_f, n);
+  // Their weight gradients (the layer's too) stay in the input pass, as the head's do.
   add(c.backward, st.mtp_b, n);
   add(c.backward, moe ? st.moe_b : st.layer_b, n);
-  add(c.weight_grad, st.mtp_w, n);
-  add(c.weight_grad, moe ? st.moe_w : st.layer_w, n);
   if (!(p.recompute == Recompute::kFull && p.recompute_layers > 0))
     add(c.recompute, moe ? st.moe_r : st.layer_r, n);
 }

@@ -72,7 +72,8 @@ struct PassTime {
 };
 
 // One microbatch on one model chunk (a pipeline rank holds v chunks). `weight_grad` is the
-// part of `backward` that computes weight gradients (what zero-bubble schedules defer).
+// part of `backward` that zero-bubble schedules defer: the layers' weight-gradient GEMMs (not the
+// embedding's, the head's or the MTP modules', which ptdp run keeps in the input pass).
 struct ChunkTime {
   int64_t layers = 0;
   PassTime forward, backward, recompute, weight_grad;
@@ -210,11 +211,11 @@ class CostModel {
  private:
   struct ShapeTimes {  // per microbatch, one layer / the embedding / the LM head
     PassTime layer_f, layer_b, layer_r, embed_f, embed_b, head_f, head_b;
-    PassTime layer_w, embed_w, head_w;    // weight-gradient parts of the backward passes
+    PassTime layer_w;                     // the weight-gradient part of a layer's backward pass
     PassTime moe_f, moe_b, moe_r, moe_w;  // one MoE layer
     // One multi-token prediction module besides its transformer layer: its embedding lookup,
     // norms and projection, and its final norm, output layer and loss (and their FLOPs).
-    PassTime mtp_f, mtp_b, mtp_w;
+    PassTime mtp_f, mtp_b;
     double mtp_flops = 0;
     double layer_flops = 0, layer_recompute_flops = 0, embed_flops = 0, head_flops = 0;
     double moe_flops = 0, moe_recompute_flops = 0;  // at balanced routing

@@ -65,7 +65,7 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
   // become probabilities in place.
   auto finish = [&](const float* stats, int64_t ranks) {
     resize_for_overwrite(A.lse, m.n_full);
-    if (A.loss_rows.empty()) {
+    if (!A.masked) {
       const double sum = c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(),
                                                    m.n_full, m.vl, valid);
       return sum / static_cast<double>(m.n_full);
@@ -124,7 +124,7 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
   const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
   switch (op) {
     case OpId::kCrossEntropyBackward: {
-      if (A.loss_rows.empty()) {
+      if (!A.masked) {
         c.be.cross_entropy_backward(A.probs.ptr(), A.targets.data(), m.n_full, m.vl, m.v0,
                                     loss_scale);
         break;

@@ -28,8 +28,10 @@ struct ChunkActs {
   Buffer lnf_mean{DType::kF32}, lnf_rstd{DType::kF32}, stats{DType::kF32}, lse{DType::kF32};
   // A loss over some rows only: a multi-token prediction module's, whose last positions of each
   // sequence have no target (Megatron-Core masks them). Runs [first, first + count) of the rows;
-  // the loss is their sum over loss_tokens, and its gradient is weighted loss_weight. Empty:
+  // the loss is their sum over loss_tokens, and its gradient is weighted loss_weight. Unmasked:
   // every row, their mean, weight 1.
+  // `masked` says the runs apply (a rank may hold none of a module's targets: no loss, then).
+  bool masked = false;
   std::vector<std::pair<int64_t, int64_t>> loss_rows;
   double loss_tokens = 0, loss_weight = 1;
 };

@@ -694,6 +694,7 @@ void mtp_tokens(const ShardDims& d, const int32_t* tokens, int64_t k, ChunkActs&
   const int64_t s = d.s_attn, shift = k + 1, sl = s / d.cp;
   A.inputs.assign(static_cast<size_t>(d.n_full), 0);
   A.targets.assign(static_cast<size_t>(d.n_full), 0);
+  A.masked = true;
   A.loss_rows.clear();
   for (int64_t bi = 0; bi < d.b; ++bi) {
     const int32_t* seq = tokens + bi * (s + 1);
@@ -930,7 +931,8 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   const ShardDims& d = c.dims;
   const Chunk& ch = I.chunks[static_cast<size_t>(chunk)];
   const ActivationDType precision(layout_.dtype);
-  // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head.
+  // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head,
+  // num_layers + 2 + k MTP module k.
   auto part_needed = [&](int64_t part) { call_part_hook(before, ch, part, c); };
   if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
   ChunkActs& A = I.stash[{chunk, mb}];
@@ -1049,7 +1051,11 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   if (it == I.stash.end()) throw std::logic_error("backward before forward");
   const ActivationDType precision(layout_.dtype);
   ChunkActs& A = it->second;
-  // The parts of the chunk are 0 (embedding), 1 + l (layer l) and num_layers + 1 (head).
+  // The W pass's entry, made here even for a chunk of no decoder layers (whose W pass has only
+  // its parts to report).
+  if (defer) I.deferred[{chunk, mb}].resize(static_cast<size_t>(ch.num_layers));
+  // The parts of the chunk are 0 (embedding), 1 + l (layer l), num_layers + 1 (head) and
+  // num_layers + 2 + k (MTP module k).
   auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
   LayerGrads D;
   if (ch.last) {

@@ -1,6 +1,7 @@
 // Parameter counts of one rank's shard, following GptShard's constructor
 // (runtime/gpt_model.cc): per chunk the word and position embeddings on the first stage, the
-// transformer layers, the final norm and the LM head (or the tied copy) on the last stage; for
+// transformer layers, the final norm and the LM head (or the tied copy) on the last stage, and
+// there the multi-token prediction modules (with an untied model's copy of the word table); for
 // MoE models a third segment, the routed experts.
 #include "runtime/shard_footprint.h"
 

@@ -227,6 +227,11 @@ TEST(RunMpi, StagedDeviceMemoryTrainsToTheCpuBackendsLosses) {
            {2, 2, 1, "--sequence-parallel"},
            {1, 2, 2, "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"},
            {2, 1, 1, "", kTiny + " --untie-embeddings-and-output-weights"},
+           // multi-token prediction: its masked loss's row runs and statistics, its columns'
+           // gathers and the embedding copy's all-reduce
+           {2, 2, 1, "--sequence-parallel",
+            kTiny + " --untie-embeddings-and-output-weights --position-embedding-type rope"
+                    " --mtp-num-layers 2"},
        }) {
     const nlohmann::json cpu = run_json(l.ranks(), flags(l));
     const nlohmann::json staged = run_json(l.ranks(), flags(l) + " --backend cpu-staged");
@@ -375,6 +380,18 @@ TEST(RunMpi, MultiTokenPredictionLayoutsTrainToTheSingleRankLosses) {
   tied.erase(tied.find(" --untie-embeddings-and-output-weights"), 38);
   const nlohmann::json single_tied = run_json(0, tied);
   expect_same_losses({2, 2, 1, "--sequence-parallel", tied}, single_tied);
+  // Modules rolled so far that one context-parallel rank holds none of their targets (s 16 over
+  // cp 2: rank 1's positions end at 11, and modules 11 and 12 predict 12 and 13 ahead): that
+  // rank adds no loss for them. And zb-h1 with a last chunk of no decoder layers (its W pass
+  // reports only its parts).
+  std::string deep = kRotary + " --mtp-num-layers 13";
+  deep.replace(deep.find("--seq-length 32"), 15, "--seq-length 16");
+  const nlohmann::json single_deep = run_json(0, deep);
+  expect_same_losses({1, 1, 1, "", deep, 2}, single_deep);
+  std::string two = kRotary + " --mtp-num-layers 2";
+  expect_same_losses(
+      {1, 2, 1, "--pipeline-model-parallel-layout 'Etttt|mmL' --pipeline-schedule zb-h1", two},
+      run_json(0, two));
 }
 
 // Mixed precision (--bf16): bf16 weights and activations with fp32 gradients, master weights
