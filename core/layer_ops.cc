@@ -44,6 +44,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "fc2_wgrad",
     "bias_gelu_backward",
     "swiglu_backward",
+    "mlp_input_regather",
     "fc1_dgrad",
     "fc1_input_grad_allreduce",
     "fc1_wgrad",
@@ -72,6 +73,7 @@ constexpr std::array<std::string_view, kNumOpIds> kOpNames = {
     "kv_down_proj_wgrad",
     "q_down_proj_dgrad",
     "q_down_proj_wgrad",
+    "attn_input_regather",
     "qkv_dgrad",
     "qkv_input_grad_allreduce",
     "qkv_wgrad",
@@ -615,6 +617,24 @@ void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const ModelSpec& m, cons
   bwd.swap(out);
 }
 
+// With sequence parallelism Megatron's column-parallel linear (QKV, FC1) saves its input's
+// sequence-parallel rows only and all-gathers them again in the backward pass for the weight
+// gradient, started before the input-gradient GEMM and waited for after it: a collective of the
+// weight gradient's (a zero-bubble schedule defers it with the GEMM that reads it).
+void add_sp_input_regathers(std::vector<Op>& bwd, const LayerShape& s, const Dims& d) {
+  if (s.tensor_parallel == 1 || !s.sequence_parallel) return;
+  std::vector<Op> out;
+  Builder b{&out, OpRole::kWeightGrad, s.activation_dtype};
+  for (const Op& op : bwd) {
+    if (op.id == OpId::kFc1Dgrad)
+      b.collective(OpId::kMlpInputRegather, Collective::kAllGather, d.T * d.h * d.act);
+    if (op.id == OpId::kQkvDgrad)
+      b.collective(OpId::kAttnInputRegather, Collective::kAllGather, d.T * d.h * d.act);
+    out.push_back(op);
+  }
+  bwd.swap(out);
+}
+
 // Without fused accumulation a weight gradient is written fresh in 16 bits, then a second
 // pass reads it and the main gradient (main_grad_bytes per element) and writes the main one.
 double accumulate_bytes(double params, const LayerShape& s, const Dims& d) {
@@ -777,6 +797,7 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.backward = backward_of(p.forward, s.activation_dtype);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
   add_tp_input_grad_allreduces(p.backward, m, s, d);
+  add_sp_input_regathers(p.backward, s, d);
   if (!s.fused_grad_accumulation) {
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
     b.memory(OpId::kWeightGradAccumulate,
@@ -800,6 +821,7 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.backward = backward_of(p.forward, s.activation_dtype);
   shared_experts_backward_first(p.backward);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
+  add_sp_input_regathers(p.backward, s, d);
   if (!s.fused_grad_accumulation) {
     const double dense = m.layer_parameters_per_rank(s.tensor_parallel, true);
     const double experts =

@@ -72,6 +72,10 @@ enum class OpId : uint8_t {
   kFc2Wgrad,
   kBiasGeluBackward,
   kSwigluBackward,
+  // With sequence parallelism a column-parallel GEMM keeps its input's rows only (Megatron's
+  // LinearWithGradAccumulationAndAsyncCommunication): they are all-gathered again for its weight
+  // gradient, behind its input-gradient GEMM.
+  kMlpInputRegather,
   kFc1Dgrad,
   kFc1InputGradAllReduce,
   kFc1Wgrad,
@@ -102,6 +106,7 @@ enum class OpId : uint8_t {
   kKvDownProjWgrad,
   kQDownProjDgrad,
   kQDownProjWgrad,
+  kAttnInputRegather,  // (as kMlpInputRegather, for the QKV projection's input)
   kQkvDgrad,
   kQkvInputGradAllReduce,
   kQkvWgrad,
@@ -185,6 +190,11 @@ inline constexpr int kNumOpIds = static_cast<int>(OpId::kMtpProjOutputScatterBac
 
 // "qkv", "attn_scores_dk", ...: the name reports, traces and calibration files use.
 std::string_view op_name(OpId id);
+// Sequence parallelism's second all-gather of a column-parallel GEMM's input, for its weight
+// gradient (kAttnInputRegather, kMlpInputRegather).
+inline bool is_input_regather(OpId id) {
+  return id == OpId::kAttnInputRegather || id == OpId::kMlpInputRegather;
+}
 
 // The attention core's GEMMs over (query, key) pairs, forward and backward (scores, context
 // and their gradients; not the fused attention's recomputed scores): those a causal mask

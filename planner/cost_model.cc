@@ -470,6 +470,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   if (profile_.arrival_skew > 0 && (t > 1 || p.expert_parallel > 1 || p.expert_tp() > 1)) {
     double since = 0;
     for (size_t i = 0; i < ops.size(); ++i) {
+      if (is_input_regather(ops[i].id)) continue;  // asynchronous: waits for no rank's arrival
       if (ops[i].kind != OpKind::kCollective) {
         since += time[i];
       } else if (ops[i].group == CommGroup::kTensor || ops[i].group == CommGroup::kExpert ||
@@ -493,6 +494,16 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
         break;
       }
   }
+  // Sequence parallelism's input all-gathered again for a weight gradient runs behind the
+  // input-gradient GEMM that follows it (Megatron starts it first and waits after the GEMM).
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (!is_input_regather(ops[i].id)) continue;
+    for (size_t j = i + 1; j < ops.size(); ++j)
+      if (ops[j].kind == OpKind::kGemm) {
+        time[i] = std::max(0.0, time[i] - time[j]);
+        break;
+      }
+  }
   if (t == 1 || !p.tp_comm_overlap || !p.sequence_parallel) return time;
   // --tp-comm-overlap (Transformer Engine's userbuffers): a sequence-parallel all-gather is
   // pipelined with the GEMM that consumes it, a reduce-scatter with the GEMM that produces it,
@@ -508,6 +519,7 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& c = ops[i];
     if (c.kind != OpKind::kCollective || c.group != CommGroup::kTensor) continue;
+    if (is_input_regather(c.id)) continue;  // hidden above
     const bool gather = c.collective == Collective::kAllGather;
     if (!gather && c.collective != Collective::kReduceScatter) continue;
     size_t j = i;

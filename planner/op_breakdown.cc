@@ -80,6 +80,8 @@ OpFamily op_family(OpId id) {
     case OpId::kQkvInputGradAllReduce:
     case OpId::kLatentInputGradAllReduce:
     case OpId::kAttnAllGatherBackward:
+    case OpId::kAttnInputRegather:
+    case OpId::kMlpInputRegather:
     case OpId::kEmbeddingAllReduce:
     case OpId::kEmbeddingReduceScatter:
     case OpId::kEmbeddingGradAllGather:

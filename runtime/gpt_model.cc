@@ -1113,11 +1113,14 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
                               {&D.d_kvc, &w.D.d_kvc},
                               {&D.d_q_lat_in, &w.D.d_q_lat_in}})
         to->swap(*from);
-      // MLA's down projections read the norm's output on this rank's tokens.
-      if (d.mla && d.sp) w.A.ln1.swap(L.ln1);
-      // An MoE layer's router reads the norm's output on this rank's tokens (the sequence-
-      // parallel slice), kept in w.A.ln2 (above, without sequence parallelism).
-      if (moe && d.sp) w.A.ln2.swap(L.ln2);
+      // With sequence parallelism the norms' outputs on this rank's tokens: what the W pass
+      // gathers again for QKV and FC1 (kAttnInputRegather, kMlpInputRegather), and what MLA's
+      // down projections and an MoE layer's router read (kept in w.A.ln1 and w.A.ln2 above
+      // without sequence parallelism).
+      if (d.sp) {
+        w.A.ln1.swap(L.ln1);
+        w.A.ln2.swap(L.ln2);
+      }
     }
     D.d_out.swap(D.d_x);
     L = LayerActs();

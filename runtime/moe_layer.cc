@@ -311,7 +311,8 @@ bool is_mlp_forward(OpId id) {
 }
 bool is_mlp_backward(OpId id) {
   return id == OpId::kMlpReduceScatterBackward || id == OpId::kFc2Dgrad || id == OpId::kFc2Wgrad ||
-         id == OpId::kBiasGeluBackward || id == OpId::kSwigluBackward || id == OpId::kFc1Dgrad ||
+         id == OpId::kBiasGeluBackward || id == OpId::kSwigluBackward ||
+         id == OpId::kMlpInputRegather || id == OpId::kFc1Dgrad ||
          id == OpId::kFc1InputGradAllReduce || id == OpId::kFc1Wgrad ||
          id == OpId::kMlpAllGatherBackward;
 }

@@ -104,7 +104,8 @@ class ShardContext {
   void linear_dgrad(int64_t w, CPtr dy, Ptr dx, int64_t n, int64_t in, int64_t out);
   void linear_wgrad(CPtr x, CPtr dy, int64_t w, int64_t bias, int64_t n, int64_t in, int64_t out);
   void gemm_done(int64_t m, int64_t n, int64_t k, int64_t batch);
-  // Marks the op as computing a weight gradient (the table gradient of the embedding).
+  // Marks the op as computing a weight gradient (the table gradient of the embedding), or as
+  // serving one alone (sequence parallelism's input gathered again for QKV's and FC1's).
   void weight_gradient_done();
   // Records a collective run on another group than the tensor-parallel one (runtime/moe_layer.cc).
   void collective_done(Collective c, double bytes, CommGroup group);

@@ -158,6 +158,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       Buffer qkv;
       resize_for_overwrite(qkv, m.n_full * m.qkv_width());
       c.linear(ln1_full.ptr(), W.qkv_w, W.qkv_b, qkv.ptr(), m.n_full, m.h, m.qkv_width());
+      if (m.sp) release(A.ln1_full);  // the rank's rows are kept, gathered again backward
       resize_for_overwrite(A.q, m.n_full * m.hl * m.d);
       resize_for_overwrite(A.k, m.n_full * m.gl * m.d);
       resize_for_overwrite(A.v, m.n_full * m.gl * m.d);
@@ -282,6 +283,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
     case OpId::kFc1:
       resize_for_overwrite(A.fc1, m.n_full * m.fc1_width());
       c.linear(ln2_full.ptr(), W.fc1_w, -1, A.fc1.ptr(), m.n_full, m.h, m.fc1_width());
+      if (m.sp) release(A.ln2_full);  // the rank's rows are kept, gathered again backward
       break;
     case OpId::kBiasGelu:
       c.add_bias(A.fc1, W.fc1_b, m.ffl);
@@ -356,9 +358,14 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kFc1InputGradAllReduce:
       c.all_reduce(D.d_ln2_full);
       break;
+    case OpId::kMlpInputRegather:
+      c.gather_sequence(A.ln2, A.ln2_full, m.h);
+      c.weight_gradient_done();  // for FC1's weight gradient alone
+      break;
     case OpId::kFc1Wgrad:
       c.linear_wgrad(ln2_full.ptr(), D.d_pre.ptr(), W.fc1_w, -1, m.n_full, m.h, m.fc1_width());
       release(D.d_pre);
+      if (m.sp) release(A.ln2_full);
       break;
     case OpId::kMlpAllGatherBackward:
       c.scatter_sequence(D.d_ln2_full, D.d_ln2, m.h);
@@ -561,9 +568,14 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kQkvInputGradAllReduce:
       c.all_reduce(D.d_ln1_full);
       break;
+    case OpId::kAttnInputRegather:
+      c.gather_sequence(A.ln1, A.ln1_full, m.h);
+      c.weight_gradient_done();  // for QKV's weight gradient alone
+      break;
     case OpId::kQkvWgrad:
       c.linear_wgrad(ln1_full.ptr(), D.d_qkv.ptr(), W.qkv_w, W.qkv_b, m.n_full, m.h, m.qkv_width());
       release(D.d_qkv);
+      if (m.sp) release(A.ln1_full);
       break;
     case OpId::kAttnAllGatherBackward:
       if (m.mla) {  // the gathered latents' gradients back to the rank's tokens, summed

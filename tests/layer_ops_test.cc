@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 
@@ -100,8 +101,21 @@ TEST(LayerOps, TensorParallelDividesMathAndAddsAllReduces) {
 TEST(LayerOps, SequenceParallelUsesAllGatherAndReduceScatter) {
   const ModelSpec m = resolve_model("gpt3-175b");
   const PassOps sp = transformer_layer_ops(m, LayerShape{8, 1, true, Recompute::kSelective});
+  // Two entering the column-parallel blocks, two leaving them backward, and two gathering the
+  // column-parallel GEMMs' inputs again for their weight gradients (Megatron keeps their rows
+  // only): weight-gradient ops, each just before its GEMM's input gradient.
   EXPECT_EQ(count(sp.forward, Collective::kAllGather) + count(sp.backward, Collective::kAllGather),
-            4);
+            6);
+  for (const auto& [regather, dgrad] : {std::pair{OpId::kMlpInputRegather, OpId::kFc1Dgrad},
+                                        std::pair{OpId::kAttnInputRegather, OpId::kQkvDgrad}}) {
+    const auto at = std::find_if(sp.backward.begin(), sp.backward.end(),
+                                 [&](const Op& op) { return op.id == regather; });
+    ASSERT_NE(at, sp.backward.end());
+    EXPECT_EQ(at->role, OpRole::kWeightGrad);
+    EXPECT_EQ(at->bytes, 2048.0 * 12288 * 2);
+    ASSERT_NE(at + 1, sp.backward.end());
+    EXPECT_EQ((at + 1)->id, dgrad);
+  }
   EXPECT_EQ(count(sp.forward, Collective::kReduceScatter) +
                 count(sp.backward, Collective::kReduceScatter),
             4);
@@ -110,6 +124,31 @@ TEST(LayerOps, SequenceParallelUsesAllGatherAndReduceScatter) {
   // Selective recompute redoes only the attention core: two batched GEMMs, no collective.
   EXPECT_EQ(sp.recompute.size(), 4u);
   EXPECT_EQ(count(sp.recompute, Collective::kAllGather), 0);
+}
+
+// Megatron starts the input's second all-gather before the input-gradient GEMM and waits after
+// it: what is priced is what that GEMM does not hide, and no late rank's arrival.
+TEST(LayerOps, SequenceParallelRegatherIsPricedBehindItsInputGradientGemm) {
+  const ModelSpec m = resolve_model("gpt3-175b");
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(8);
+  ParallelPlan p;
+  p.tensor_parallel = 8;
+  p.sequence_parallel = true;
+  p.global_batch_size = 8;
+  const CostModel cm(m, c, resolve_profile("a100-80gb"));
+  const std::vector<Op> ops = transformer_layer_ops(m, cm.priced_layer_shape(p)).backward;
+  const std::vector<double> exposed = cm.exposed_times(ops, p);
+  int regathers = 0;
+  for (size_t i = 0; i + 1 < ops.size(); ++i) {
+    if (!is_input_regather(ops[i].id)) continue;
+    ++regathers;
+    ASSERT_EQ(ops[i + 1].kind, OpKind::kGemm);
+    const double alone = cm.op_time(ops[i], p);
+    EXPECT_GT(alone, 0.0);
+    EXPECT_DOUBLE_EQ(exposed[i], std::max(0.0, alone - exposed[i + 1])) << ops[i].name();
+  }
+  EXPECT_EQ(regathers, 2);
 }
 
 TEST(LayerOps, LmHeadFlopsAreSixTokensHiddenVocab) {
