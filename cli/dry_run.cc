@@ -68,6 +68,9 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
              : std::string()) +
         " (--data-parallel-sharding-strategy " + to_string(p.fsdp) +
         " is priced, not run: same math, more memory, fewer collectives)");
+  if (p.sequence_parallel && p.tensor_parallel > 1 && p.schedule != Schedule::kZeroBubbleH1)
+    add("gathers QKV's and FC1's inputs again for their weight gradients before the input-"
+        "gradient GEMMs, not behind them (priced as Megatron overlaps them)");
   if (p.tp_comm_overlap && p.tensor_parallel > 1)
     add("runs the sequence-parallel collectives after their GEMMs (--tp-comm-overlap is priced, "
         "not run)");

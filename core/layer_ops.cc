@@ -745,8 +745,8 @@ std::vector<Op> selective_recompute(const std::vector<Op>& forward, unsigned mod
       case I::kPostAttentionLayernorm:
         rerun = norms;
         break;
-      case I::kMlpAllGather:  // the input of FC1 (an MoE layer's shared experts') gathered
-        rerun = norms || mlp;
+      case I::kMlpAllGather:  // the input of FC1 (an MoE layer's shared experts') gathered:
+        rerun = mlp;          // with layernorm alone FC1's weight gradient gathers it again
         break;
       case I::kFc1:
       case I::kBiasGelu:
@@ -1043,13 +1043,16 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
   const double o = d.heads * d.vd / d.t;  // the attention's output
   const double gate = m.swiglu ? 2.0 : 1.0;
   const double norm_backward = T * h + (s.sequence_parallel ? 2.0 : 1.0) * R * h;
+  // With sequence parallelism QKV's and FC1's inputs gathered again for their weight gradients
+  // (add_sp_input_regathers), beside the input gradients.
+  const double regathered = s.sequence_parallel && d.t > 1 ? T * h : 0.0;
   // A tensor-parallel MLP of local width f, from its output gradient (R h, the residual's
   // copy) on: FC2's input gradient beside its (gathered) output gradient, the activation
-  // function's input gradient beside its output's, FC1's input gradient beside that, the
-  // pre-MLP norm's backward.
+  // function's input gradient beside its output's, FC1's input gradient beside that (and the
+  // regathered input), the pre-MLP norm's backward.
   auto mlp = [&](double f) {
     if (f <= 0) return 0.0;
-    return R * h + std::max({T * h + T * f, T * f * (1.0 + gate), T * gate * f + T * h,
+    return R * h + std::max({T * h + T * f, T * f * (1.0 + gate), T * gate * f + T * h + regathered,
                              norm_backward - R * h});
   };
   double mlp_phase =
@@ -1080,7 +1083,8 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
       R * h +
       std::max({T * h + T * o, T * o + (scores > 0 ? scores + T * kv : T * qkv), scores + T * qkv,
                 m.qk_layernorm && !m.multi_latent_attention ? T * (qkv + q) : 0.0, 2.0 * T * qkv,
-                T * qkv + T * h, norm_backward, mla});
+                T * qkv + T * h + (m.multi_latent_attention ? 0.0 : regathered), norm_backward,
+                mla});
   // The gradient arriving from the next layer and the one leaving for the previous.
   return d.act * (2.0 * R * h + std::max(mlp_phase, attention_phase));
 }

@@ -495,12 +495,17 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
       }
   }
   // Sequence parallelism's input all-gathered again for a weight gradient runs behind the
-  // input-gradient GEMM that follows it (Megatron starts it first and waits after the GEMM).
+  // input-gradient GEMM that follows it (Megatron starts it first and waits after the GEMM);
+  // zb-h1 defers it to the W pass, where nothing runs beside it. That GEMM is then taken:
+  // --tp-comm-overlap hides the input gradient's reduce-scatter behind the weight-gradient GEMM
+  // instead (Transformer Engine's bulk overlaps).
+  std::vector<bool> hides_regather(ops.size(), false);
   for (size_t i = 0; i < ops.size(); ++i) {
     if (!is_input_regather(ops[i].id)) continue;
     for (size_t j = i + 1; j < ops.size(); ++j)
       if (ops[j].kind == OpKind::kGemm) {
-        time[i] = std::max(0.0, time[i] - time[j]);
+        hides_regather[j] = true;
+        if (p.schedule != Schedule::kZeroBubbleH1) time[i] = std::max(0.0, time[i] - time[j]);
         break;
       }
   }
@@ -511,9 +516,19 @@ std::vector<double> CostModel::exposed_times(const std::vector<Op>& ops, const P
   // the one chunk that cannot overlap. What it costs: t - 1 more kernel launches and gaps.
   // Assumed: the chunks run on several streams (as Transformer Engine launches them), so their
   // tiles fill the GPU as the whole GEMM's do.
-  std::vector<bool> paired(ops.size(), false);
+  // The input-gradient GEMMs that hide a regather are taken; the weight-gradient GEMM after
+  // each may hide the reduce-scatter that follows it.
+  std::vector<bool> paired = hides_regather, wgrad_partner(ops.size(), false);
+  for (size_t j = 0; j < ops.size(); ++j)
+    if (hides_regather[j])
+      for (size_t k = j + 1; k < ops.size(); ++k)
+        if (ops[k].kind == OpKind::kGemm) {
+          wgrad_partner[k] = ops[k].role == OpRole::kWeightGrad;
+          break;
+        }
   auto is_partner = [&](size_t j) {
-    return ops[j].kind == OpKind::kGemm && ops[j].role != OpRole::kWeightGrad && !paired[j] &&
+    return ops[j].kind == OpKind::kGemm &&
+           (ops[j].role != OpRole::kWeightGrad || wgrad_partner[j]) && !paired[j] &&
            ops[j].batch == 1;
   };
   for (size_t i = 0; i < ops.size(); ++i) {

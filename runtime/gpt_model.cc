@@ -1091,7 +1091,8 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
       std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
       kept.resize(static_cast<size_t>(ch.num_layers));
       Impl::Deferred& w = kept[static_cast<size_t>(l)];
-      // The GEMM inputs: the full-sequence norms with sequence parallelism, else the norms.
+      // The GEMM inputs: the norms' outputs (with sequence parallelism the gathered copies only
+      // MLA's query projection keeps, the rank's rows moved below).
       Buffer& ln1 = d.sp ? L.ln1_full : L.ln1;
       Buffer& ln2 = d.sp ? L.ln2_full : L.ln2;
       for (auto [from, to] : {std::pair{&L.act, &w.A.act},

@@ -106,8 +106,9 @@ TEST(LayerOps, SequenceParallelUsesAllGatherAndReduceScatter) {
   // only): weight-gradient ops, each just before its GEMM's input gradient.
   EXPECT_EQ(count(sp.forward, Collective::kAllGather) + count(sp.backward, Collective::kAllGather),
             6);
-  for (const auto& [regather, dgrad] : {std::pair{OpId::kMlpInputRegather, OpId::kFc1Dgrad},
-                                        std::pair{OpId::kAttnInputRegather, OpId::kQkvDgrad}}) {
+  for (const auto& ids : {std::pair{OpId::kMlpInputRegather, OpId::kFc1Dgrad},
+                          std::pair{OpId::kAttnInputRegather, OpId::kQkvDgrad}}) {
+    const OpId regather = ids.first, dgrad = ids.second;  // (clang: no lambda capture of a binding)
     const auto at = std::find_if(sp.backward.begin(), sp.backward.end(),
                                  [&](const Op& op) { return op.id == regather; });
     ASSERT_NE(at, sp.backward.end());
@@ -127,7 +128,9 @@ TEST(LayerOps, SequenceParallelUsesAllGatherAndReduceScatter) {
 }
 
 // Megatron starts the input's second all-gather before the input-gradient GEMM and waits after
-// it: what is priced is what that GEMM does not hide, and no late rank's arrival.
+// it: what is priced is what that GEMM does not hide, and no late rank's arrival. zb-h1 runs it
+// in the W pass, alone: whole. With --tp-comm-overlap the input gradient's reduce-scatter goes
+// behind the weight-gradient GEMM (the input-gradient GEMM is taken).
 TEST(LayerOps, SequenceParallelRegatherIsPricedBehindItsInputGradientGemm) {
   const ModelSpec m = resolve_model("gpt3-175b");
   ClusterSpec c = resolve_cluster("dgx-a100-80gb");
@@ -139,6 +142,13 @@ TEST(LayerOps, SequenceParallelRegatherIsPricedBehindItsInputGradientGemm) {
   const CostModel cm(m, c, resolve_profile("a100-80gb"));
   const std::vector<Op> ops = transformer_layer_ops(m, cm.priced_layer_shape(p)).backward;
   const std::vector<double> exposed = cm.exposed_times(ops, p);
+  ParallelPlan zb = p;
+  zb.schedule = Schedule::kZeroBubbleH1;
+  zb.pipeline_parallel = 2;
+  const std::vector<double> deferred = cm.exposed_times(ops, zb);
+  ParallelPlan overlap = p;
+  overlap.tp_comm_overlap = true;
+  const std::vector<double> overlapped = cm.exposed_times(ops, overlap);
   int regathers = 0;
   for (size_t i = 0; i + 1 < ops.size(); ++i) {
     if (!is_input_regather(ops[i].id)) continue;
@@ -147,6 +157,12 @@ TEST(LayerOps, SequenceParallelRegatherIsPricedBehindItsInputGradientGemm) {
     const double alone = cm.op_time(ops[i], p);
     EXPECT_GT(alone, 0.0);
     EXPECT_DOUBLE_EQ(exposed[i], std::max(0.0, alone - exposed[i + 1])) << ops[i].name();
+    EXPECT_DOUBLE_EQ(deferred[i], alone) << ops[i].name();
+    // dgrad, wgrad, then the reduce-scatter: it pays the wgrad GEMM t - 1 more kernel gaps.
+    ASSERT_EQ(ops[i + 2].role, OpRole::kWeightGrad);
+    ASSERT_EQ(ops[i + 3].collective, Collective::kReduceScatter);
+    EXPECT_GT(overlapped[i + 2], exposed[i + 2]) << ops[i + 2].name();
+    EXPECT_DOUBLE_EQ(overlapped[i + 1], exposed[i + 1]) << ops[i + 1].name();
   }
   EXPECT_EQ(regathers, 2);
 }
