@@ -621,15 +621,23 @@ void add_tp_input_grad_allreduces(std::vector<Op>& bwd, const ModelSpec& m, cons
 // sequence-parallel rows only and all-gathers them again in the backward pass for the weight
 // gradient, started before the input-gradient GEMM and waited for after it: a collective of the
 // weight gradient's (a zero-bubble schedule defers it with the GEMM that reads it).
-void add_sp_input_regathers(std::vector<Op>& bwd, const LayerShape& s, const Dims& d) {
+// MLA's up projections (Megatron-Core's column-parallel linear_q_up_proj and linear_kv_up_proj)
+// the same: the query latent (the hidden state without one) and the key-value latent, gathered
+// again before the first of their input-gradient GEMMs.
+void add_sp_input_regathers(std::vector<Op>& bwd, const ModelSpec& m, const LayerShape& s,
+                            const Dims& d) {
   if (s.tensor_parallel == 1 || !s.sequence_parallel) return;
   std::vector<Op> out;
   Builder b{&out, OpRole::kWeightGrad, s.activation_dtype};
+  const double up_inputs = static_cast<double>(m.q_lora_rank > 0 ? m.q_lora_rank : m.hidden_size) +
+                           static_cast<double>(m.kv_lora_rank);
   for (const Op& op : bwd) {
     if (op.id == OpId::kFc1Dgrad)
       b.collective(OpId::kMlpInputRegather, Collective::kAllGather, d.T * d.h * d.act);
     if (op.id == OpId::kQkvDgrad)
       b.collective(OpId::kAttnInputRegather, Collective::kAllGather, d.T * d.h * d.act);
+    if (op.id == OpId::kKvUpProjDgrad)
+      b.collective(OpId::kAttnInputRegather, Collective::kAllGather, d.T * up_inputs * d.act);
     out.push_back(op);
   }
   bwd.swap(out);
@@ -797,7 +805,7 @@ PassOps transformer_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.backward = backward_of(p.forward, s.activation_dtype);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
   add_tp_input_grad_allreduces(p.backward, m, s, d);
-  add_sp_input_regathers(p.backward, s, d);
+  add_sp_input_regathers(p.backward, m, s, d);
   if (!s.fused_grad_accumulation) {
     Builder b{&p.backward, OpRole::kWeightGrad, s.activation_dtype};
     b.memory(OpId::kWeightGradAccumulate,
@@ -821,7 +829,7 @@ PassOps moe_layer_ops(const ModelSpec& m, const LayerShape& s) {
   p.backward = backward_of(p.forward, s.activation_dtype);
   shared_experts_backward_first(p.backward);
   if (fused_attention(m, s)) add_fused_attention_recompute(p.backward, p.forward);
-  add_sp_input_regathers(p.backward, s, d);
+  add_sp_input_regathers(p.backward, m, s, d);
   if (!s.fused_grad_accumulation) {
     const double dense = m.layer_parameters_per_rank(s.tensor_parallel, true);
     const double experts =
@@ -1075,10 +1083,17 @@ double layer_backward_working_bytes(const ModelSpec& m, const LayerShape& s, boo
   // latents), then the latents' gradients on the rank's tokens beside the norms' backward.
   const double latents =
       static_cast<double>(m.kv_latent_width() + (m.q_lora_rank > 0 ? m.q_lora_rank : 0));
-  const double mla = m.multi_latent_attention
-                         ? std::max(T * qkv + T * (latents + (m.q_lora_rank > 0 ? 0.0 : h)),
-                                    2.0 * R * latents + R * h)
-                         : 0.0;
+  // (With sequence parallelism the up projections' inputs gathered again beside them.)
+  const double mla_regathered =
+      s.sequence_parallel && d.t > 1
+          ? T * static_cast<double>((m.q_lora_rank > 0 ? m.q_lora_rank : m.hidden_size) +
+                                    m.kv_lora_rank)
+          : 0.0;
+  const double mla =
+      m.multi_latent_attention
+          ? std::max(T * qkv + T * (latents + (m.q_lora_rank > 0 ? 0.0 : h)) + mla_regathered,
+                     2.0 * R * latents + R * h)
+          : 0.0;
   const double attention_phase =
       R * h +
       std::max({T * h + T * o, T * o + (scores > 0 ? scores + T * kv : T * qkv), scores + T * qkv,

@@ -150,7 +150,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
           c.gather_sequence(A.ln1, A.ln1_full, m.h);
         c.gather_sequence(A.kv_lat, A.kv_lat_full, m.kvl);
         c.gather_sequence(A.k_pe, A.k_pe_full, m.dr);
-        break;  // (the rank's latents stay, to be gathered again by mla_up_proj's recompute)
+        break;  // (the rank's latents stay, to be gathered again for the weight gradients)
       }
       c.gather_sequence(A.ln1, A.ln1_full, m.h);
       break;
@@ -198,6 +198,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       const Buffer& in = m.ql > 0 ? (m.sp ? A.q_lat_full : A.q_lat) : ln1_full;
       resize_for_overwrite(A.q, m.n_full * m.hl * m.d);
       c.linear(in.ptr(), W.q_up_w, -1, A.q.ptr(), m.n_full, m.ql > 0 ? m.ql : m.h, m.hl * m.d);
+      if (m.sp) release(m.ql > 0 ? A.q_lat_full : A.ln1_full);  // gathered again backward
       break;
     }
     case OpId::kKvUpProj: {
@@ -205,6 +206,7 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       resize_for_overwrite(kvu, m.n_full * m.kv_up_width());
       c.linear((m.sp ? A.kv_lat_full : A.kv_lat).ptr(), W.kv_up_w, -1, kvu.ptr(), m.n_full, m.kvl,
                m.kv_up_width());
+      if (m.sp) release(A.kv_lat_full);  // gathered again backward
       part_columns(be, kvu, A.k_nope, A.v, m.n_full * m.hl, m.dn, m.dv);
       break;
     }
@@ -485,6 +487,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.linear_wgrad((m.sp ? A.kv_lat_full : A.kv_lat).ptr(), D.d_kvu.ptr(), W.kv_up_w, -1,
                      m.n_full, m.kvl, m.kv_up_width());
       release(D.d_kvu);
+      if (m.sp) release(A.kv_lat_full);
       break;
     case OpId::kQUpProjDgrad: {  // without a query latent, the input norm's gradient (as QKV's)
       Buffer& d_in = m.ql > 0 ? D.d_q_in : D.d_ln1_full;
@@ -497,6 +500,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.linear_wgrad(in.ptr(), D.dq.ptr(), W.q_up_w, -1, m.n_full, m.ql > 0 ? m.ql : m.h,
                      m.hl * m.d);
       release(D.dq);
+      if (m.sp) release(m.ql > 0 ? A.q_lat_full : A.ln1_full);
       break;
     }
     case OpId::kLatentInputGradAllReduce:  // each rank's heads' part of the latents' gradients
@@ -568,9 +572,13 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kQkvInputGradAllReduce:
       c.all_reduce(D.d_ln1_full);
       break;
-    case OpId::kAttnInputRegather:
-      c.gather_sequence(A.ln1, A.ln1_full, m.h);
-      c.weight_gradient_done();  // for QKV's weight gradient alone
+    case OpId::kAttnInputRegather:  // QKV's input, or MLA's up projections' inputs
+      if (m.mla && m.ql > 0)
+        c.gather_sequence(A.q_lat, A.q_lat_full, m.ql);
+      else
+        c.gather_sequence(A.ln1, A.ln1_full, m.h);
+      if (m.mla) c.gather_sequence(A.kv_lat, A.kv_lat_full, m.kvl);
+      c.weight_gradient_done();  // for the weight gradients alone
       break;
     case OpId::kQkvWgrad:
       c.linear_wgrad(ln1_full.ptr(), D.d_qkv.ptr(), W.qkv_w, W.qkv_b, m.n_full, m.h, m.qkv_width());
@@ -605,18 +613,11 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
 }
 
 void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
-  // MLA: the up projections' backward reads their inputs, gathered (*_full) with sequence
-  // parallelism, the rank's own rows without. The rank's rows and the rotated key stay only for
-  // mla_up_proj's rerun, which gathers them again: its gathered copies go instead.
-  const bool gathered = elems(A.kv_lat_full) > 0;
-  if (r == Recompute::kSelective && (modules & kRecomputeMlaUpProj)) {
-    if (gathered)
-      for (Buffer* x : {&A.q_lat_full, &A.kv_lat_full, &A.ln1_full}) release(*x);
-  } else if (r != Recompute::kFull) {
+  // MLA: the up projections' backward reads their inputs on the rank's rows (with sequence
+  // parallelism gathered again for the weight gradients, kAttnInputRegather: the forward pass
+  // frees its gathered copies), which stay; the rotated key stays only for mla_up_proj's rerun.
+  if (!(r == Recompute::kSelective && (modules & kRecomputeMlaUpProj)) && r != Recompute::kFull)
     release(A.k_pe);
-    if (gathered)
-      for (Buffer* x : {&A.q_lat, &A.kv_lat}) release(*x);
-  }
   if (r == Recompute::kNone) return;
   if (r == Recompute::kSelective) {
     if (modules & kRecomputeCoreAttn) {  // the attention core is recomputed

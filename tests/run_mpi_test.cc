@@ -332,6 +332,23 @@ TEST(RunMpi, SequenceParallelPeakMemoryIsWhatTheDryRunPredicts) {
     std::printf("[ measured ] t2 SP%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
                 extra.c_str(), got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
   }
+  // MLA's up projections keep their latents' rows too (with a query latent; without, the hidden
+  // state's), gathering them again for their weight gradients.
+  const std::string mla =
+      " --multi-latent-attention --kv-lora-rank 32 --qk-head-dim 32 --qk-pos-emb-head-dim 16"
+      " --v-head-dim 32 --use-flash-attn";
+  std::string mla_model = model;  // (MLA has no query groups)
+  mla_model.erase(mla_model.find(" --num-query-groups 2"), 21);
+  for (const std::string& extra : {mla + " --qk-layernorm --q-lora-rank 48", mla}) {
+    const nlohmann::json predicted = run_json(0, mla_model + extra + " --dry-run --num-gpus 2");
+    const nlohmann::json measured = run_json(2, mla_model + extra);
+    const double want = predicted["plans"][0]["peak_bytes"].get<double>();
+    const double got = measured["peak_memory_gib"].get<double>() * 1073741824.0;
+    EXPECT_NEAR(got / want, 1.0, 0.05) << extra << ": measured " << got << ", predicted " << want;
+    std::printf("[ measured ] t2 SP MLA%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
+                extra.find("q-lora") != std::string::npos ? " with a query latent" : "",
+                got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
+  }
 }
 
 // A layout's chunks hold different layers, so the activations a rank keeps depend on which
