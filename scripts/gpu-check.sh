@@ -195,14 +195,15 @@ rm -f "$out"/moe_*
 [ "${MOE:-1}" != 0 ] && on_three_backends moe "${moe[@]}"
 # DeepSeek's multi-head latent attention on the GPU (a query latent, heads of 64 + 32 query/key
 # and 64 value channels: the fused attention runs at 96 channels with V padded, widened to fp32
-# since the bf16 kernels take 64 and 128) with MoE layers, against the CPU backend's losses.
+# since the bf16 kernels take 64 and 128) with MoE layers and a multi-token prediction module
+# (DeepSeek-V3's: its masked loss finished run by run), against the CPU backend's losses.
 # MLA=0 skips it.
 mla=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --multi-latent-attention
   --q-lora-rank 128 --kv-lora-rank 64 --qk-head-dim 64 --qk-pos-emb-head-dim 32 --v-head-dim 64
   --swiglu --ffn-hidden-size 512 --num-experts 8 --moe-router-topk 2 --position-embedding-type rope
   --untie-embeddings-and-output-weights --seq-length 128 --vocab-size 32000
   --global-batch-size 4 --micro-batch-size 2 --use-flash-attn --steps ${MLA_STEPS:-10} --seed 7
-  --json)
+  --mtp-num-layers 1 --json)
 rm -f "$out"/mla_*
 [ "${MLA:-1}" != 0 ] && on_three_backends mla "${mla[@]}"
 # t = 2, p = 2 on this one GPU: four ranks under mpirun share it, so the data plane is MPI on
@@ -392,7 +393,7 @@ if os.path.exists(os.path.join(out, "moe_cpu.log")):
     except Exception as e:  # noqa: BLE001
         print("MoE model, --bf16 on the GPU: NO RESULT (%s; see moe_cuda_bf16.log)" % e)
 if os.path.exists(os.path.join(out, "mla_cpu.log")):
-    fail += against_cpu("mla", "MLA + MoE model (multi-head latent attention)")
+    fail += against_cpu("mla", "MLA + MoE + MTP model (DeepSeek-V3's shape)")
 if os.path.exists(os.path.join(out, "tp2pp2_cpu.log")):
     fail += against_cpu("tp2pp2", "t=2 p=2 on one GPU")
 else:
