@@ -612,6 +612,41 @@ void call_part_hook(const GptShard::PartHook* hook, const Chunk& ch, int64_t par
   for (const auto& [lo, hi] : ch.parts[static_cast<size_t>(part)]) (*hook)(lo, hi);
 }
 
+// The embedding's and the head's ops (the decoder's, and each MTP module's): forward into x /
+// returning the loss; backward from dx / into D, the gradient `d_output` (when not empty) added
+// to the final norm's output gradient before its backward pass (an MTP module's hand-back).
+void embedding_forward(GptShard::Impl& I, const ChunkParams& W, ChunkActs& A, Buffer& x) {
+  for (OpId op : I.emb_fwd) {
+    I.ctx->begin(op, PassKind::kForward);
+    embedding_op(*I.ctx, op, W, A, x, nullptr);
+  }
+}
+void embedding_backward(GptShard::Impl& I, const ChunkParams& W, ChunkActs& A, Buffer& dx) {
+  Buffer unused;
+  for (OpId op : I.emb_bwd) {
+    I.ctx->begin(op, PassKind::kBackward);
+    embedding_op(*I.ctx, op, W, A, unused, &dx);
+  }
+}
+double head_forward(GptShard::Impl& I, const ChunkParams& W, ChunkActs& A) {
+  double loss = 0;
+  for (OpId op : I.head_fwd) {
+    I.ctx->begin(op, PassKind::kForward);
+    loss += head_forward_op(*I.ctx, op, W, A);
+  }
+  return loss;
+}
+void head_backward(GptShard::Impl& I, const ChunkParams& W, ChunkActs& A, LayerGrads& D,
+                   double loss_scale, const Buffer& d_output) {
+  ShardContext& c = *I.ctx;
+  for (OpId op : I.head_bwd) {
+    if (op == OpId::kFinalLayernormBackward && !d_output.empty())
+      c.be.add((c.dims.sp ? D.d_ln1 : D.d_ln1_full).ptr(), d_output.ptr(), elems(d_output));
+    c.begin(op, PassKind::kBackward);
+    head_backward_op(c, op, W, A, D, loss_scale);
+  }
+}
+
 // Layer l of chunk `chunk` (past the decoder's layers: an MTP module's) forward for microbatch
 // mb: x, its input, becomes its output; L keeps what its backward pass needs under `rec`.
 void layer_forward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch, int64_t chunk,
@@ -726,10 +761,7 @@ double mtp_forward(GptShard::Impl& I, const ModelSpec& m, const ShardLayout& lay
   mtp_tokens(d, tokens, k, T.head);
   T.head.loss_weight = m.mtp_loss_scaling_factor / static_cast<double>(m.mtp_num_layers);
   Buffer x;
-  for (OpId op : I.emb_fwd) {
-    c.begin(op, PassKind::kForward);
-    embedding_op(c, op, P.head, T.head, x, nullptr);
-  }
+  embedding_forward(I, P.head, T.head, x);
   Buffer y;  // eh_proj's output columns, [n, h / t]
   for (OpId op : I.mtp_fwd) {
     c.begin(op, PassKind::kForward);
@@ -778,12 +810,7 @@ double mtp_forward(GptShard::Impl& I, const ModelSpec& m, const ShardLayout& lay
   layer_forward(I, layout, ch, chunk, mb, ch.num_layers + k, mtp_recompute(layout),
                 T.head.layers[0], x);
   T.head.lnf_in.swap(x);
-  double loss = 0;
-  for (OpId op : I.head_fwd) {
-    c.begin(op, PassKind::kForward);
-    loss += head_forward_op(c, op, P.head, T.head);
-  }
-  return loss;
+  return head_forward(I, P.head, T.head);
 }
 
 // Its backward pass. d_hidden: on entry the gradient of this module's output that the next
@@ -796,12 +823,7 @@ void mtp_backward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch,
   const MtpParams& P = ch.mtp[static_cast<size_t>(k)];
   const int64_t h = d.h, hl = h / d.t;
   LayerGrads D;
-  for (OpId op : I.head_bwd) {
-    if (op == OpId::kFinalLayernormBackward && !d_hidden.empty())
-      c.be.add((d.sp ? D.d_ln1 : D.d_ln1_full).ptr(), d_hidden.ptr(), elems(d_hidden));
-    c.begin(op, PassKind::kBackward);
-    head_backward_op(c, op, P.head, T.head, D, loss_scale);
-  }
+  head_backward(I, P.head, T.head, D, loss_scale, d_hidden);
   const int64_t l = ch.num_layers + k;
   layer_backward(I, layout, ch, chunk, mb, l, mtp_recompute(layout), T.head.layers[0], D, false);
   T.head.layers.clear();
@@ -861,11 +883,7 @@ void mtp_backward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch,
     }
   }
   // The embedding's gradient (d_full now holds enorm's input gradient) into the word table.
-  for (OpId op : I.emb_bwd) {
-    c.begin(op, PassKind::kBackward);
-    Buffer unused;
-    embedding_op(c, op, P.head, T.head, unused, &d_full);
-  }
+  embedding_backward(I, P.head, T.head, d_full);
   c.end_op();
 }
 }  // namespace
@@ -952,10 +970,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   if (ch.last) window(A.targets, 1);
   if (ch.first) {
     part_needed(0);
-    for (OpId op : I.emb_fwd) {
-      c.begin(op, PassKind::kForward);
-      embedding_op(c, op, ch.params, A, x, nullptr);
-    }
+    embedding_forward(I, ch.params, A, x);
   } else {
     if (!input || elems(*input) != d.n_local * d.h)
       throw std::logic_error("forward: missing or mis-sized input activation");
@@ -972,11 +987,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   }
   A.lnf_in.swap(x);
   part_needed(ch.num_layers + 1);
-  double loss = 0;
-  for (OpId op : I.head_fwd) {
-    c.begin(op, PassKind::kForward);
-    loss += head_forward_op(c, op, ch.params, A);
-  }
+  const double loss = head_forward(I, ch.params, A);
   if (!ch.mtp.empty()) {
     std::vector<Impl::MtpActs>& modules = I.mtp_stash[{chunk, mb}];
     modules.resize(ch.mtp.size());
@@ -1071,12 +1082,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
       }
       I.mtp_stash.erase({chunk, mb});
     }
-    for (OpId op : I.head_bwd) {
-      if (op == OpId::kFinalLayernormBackward && !d_hidden.empty())
-        c.be.add((d.sp ? D.d_ln1 : D.d_ln1_full).ptr(), d_hidden.ptr(), elems(d_hidden));
-      c.begin(op, PassKind::kBackward);
-      head_backward_op(c, op, ch.params, A, D, loss_scale);
-    }
+    head_backward(I, ch.params, A, D, loss_scale, d_hidden);
     part_done(ch.num_layers + 1);
   } else {
     if (!grad_output || elems(*grad_output) != d.n_local * d.h)
@@ -1129,11 +1135,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     part_done(l + 1);
   }
   if (ch.first) {
-    Buffer unused;
-    for (OpId op : I.emb_bwd) {
-      c.begin(op, PassKind::kBackward);
-      embedding_op(c, op, ch.params, A, unused, &D.d_out);
-    }
+    embedding_backward(I, ch.params, A, D.d_out);
     part_done(0);
   } else {
     *grad_input = std::move(D.d_out);

@@ -99,6 +99,15 @@ void expect_same_losses(const Layout& l, const nlohmann::json& single) {
   }
 }
 
+// The dry run's predicted peak and the measured one (bytes) of `ptdp run <args>` on np ranks.
+std::pair<double, double> predicted_and_measured_peak(int np, const std::string& args) {
+  const nlohmann::json predicted =
+      run_json(0, args + " --dry-run --num-gpus " + std::to_string(np));
+  const nlohmann::json measured = run_json(np, args);
+  return {predicted["plans"][0]["peak_bytes"].get<double>(),
+          measured["peak_memory_gib"].get<double>() * 1073741824.0};
+}
+
 // The tiny model on 2 ranks with `flags`: 3 steps saved to a checkpoint, then resumed to 6,
 // give the last 3 losses of an uninterrupted 6-step run to the bit.
 void expect_resume_continues_the_curve(const std::string& name, const std::string& flags) {
@@ -287,10 +296,7 @@ TEST(RunMpi, MultiTokenPredictionPeakMemoryIsWhatTheDryRunPredicts) {
       " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights --ffn-hidden-size 192"
       " --position-embedding-type rope --rotary-base 10000 --pipeline-model-parallel-size 2";
   auto peaks = [&](const std::string& extra) {
-    const nlohmann::json predicted = run_json(0, model + extra + " --dry-run --num-gpus 2");
-    const nlohmann::json measured = run_json(2, model + extra);
-    return std::pair{predicted["plans"][0]["peak_bytes"].get<double>(),
-                     measured["peak_memory_gib"].get<double>() * 1073741824.0};
+    return predicted_and_measured_peak(2, model + extra);
   };
   for (const std::string recompute : {"", " --recompute-granularity selective"}) {
     const auto [want, got] =
@@ -323,11 +329,7 @@ TEST(RunMpi, SequenceParallelPeakMemoryIsWhatTheDryRunPredicts) {
        {" --pipeline-model-parallel-size 2", " --recompute-granularity selective",
         " --pipeline-model-parallel-size 2 --pipeline-schedule zb-h1"}) {
     const int ranks = extra.find("pipeline") != std::string::npos ? 4 : 2;
-    const nlohmann::json predicted =
-        run_json(0, model + extra + " --dry-run --num-gpus " + std::to_string(ranks));
-    const nlohmann::json measured = run_json(ranks, model + extra);
-    const double want = predicted["plans"][0]["peak_bytes"].get<double>();
-    const double got = measured["peak_memory_gib"].get<double>() * 1073741824.0;
+    const auto [want, got] = predicted_and_measured_peak(ranks, model + extra);
     EXPECT_NEAR(got / want, 1.0, 0.05) << extra << ": measured " << got << ", predicted " << want;
     std::printf("[ measured ] t2 SP%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
                 extra.c_str(), got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
@@ -340,10 +342,7 @@ TEST(RunMpi, SequenceParallelPeakMemoryIsWhatTheDryRunPredicts) {
   std::string mla_model = model;  // (MLA has no query groups)
   mla_model.erase(mla_model.find(" --num-query-groups 2"), 21);
   for (const std::string& extra : {mla + " --qk-layernorm --q-lora-rank 48", mla}) {
-    const nlohmann::json predicted = run_json(0, mla_model + extra + " --dry-run --num-gpus 2");
-    const nlohmann::json measured = run_json(2, mla_model + extra);
-    const double want = predicted["plans"][0]["peak_bytes"].get<double>();
-    const double got = measured["peak_memory_gib"].get<double>() * 1073741824.0;
+    const auto [want, got] = predicted_and_measured_peak(2, mla_model + extra);
     EXPECT_NEAR(got / want, 1.0, 0.05) << extra << ": measured " << got << ", predicted " << want;
     std::printf("[ measured ] t2 SP MLA%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
                 extra.find("q-lora") != std::string::npos ? " with a query latent" : "",
@@ -361,10 +360,7 @@ TEST(RunMpi, PipelineLayoutPeakMemoryIsWhatTheDryRunPredicts) {
       " --vocab-size 128 --global-batch-size 8 --micro-batch-size 1 --steps 2"
       " --pipeline-model-parallel-size 2 --pipeline-model-parallel-layout ";
   for (const std::string layout : {"'Ettt|t|tt|L'", "'Et|tt|ttt|L'", "'Ett|t|t|ttL'"}) {
-    const nlohmann::json predicted = run_json(0, model + layout + " --dry-run --num-gpus 2");
-    const nlohmann::json measured = run_json(2, model + layout);
-    const double want = predicted["plans"][0]["peak_bytes"].get<double>();
-    const double got = measured["peak_memory_gib"].get<double>() * 1073741824.0;
+    const auto [want, got] = predicted_and_measured_peak(2, model + layout);
     EXPECT_NEAR(got / want, 1.0, 0.06) << layout << ": measured " << got << ", predicted " << want;
     std::printf("[ measured ] layout %s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
                 layout.c_str(), got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
