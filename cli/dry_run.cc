@@ -51,10 +51,6 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.overlap_moe_ep_comm)
     add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
         "parallel-comm: its schedule is run, its overlap priced)");
-  if (p.cp_a2a_size() > 1)
-    add("moves Q, K, V and the attention's output in again for the backward pass (--cp-comm-type " +
-        to_string(p.cp_comm) +
-        ": Transformer Engine keeps them; more context-parallel traffic than priced)");
   if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1)
     add(std::string(p.shards_weights()
                         ? "keeps whole weights and gradients and reduces the gradients"
@@ -82,13 +78,10 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   // Weights and activations in the run's precision (fp32, or bf16 with --bf16).
   const double element = static_cast<double>(dtype_bytes(f.precision));
   // With context parallelism a rank holds s / cp tokens of each microbatch (two of the 2 cp
-  // chunks, runtime/context_parallel.h): its activations are those of a sequence s / cp long.
-  ModelSpec m = as_executed(model, p);
-  ParallelPlan local = p;
-  if (p.context_parallel > 1) {
-    m.seq_length /= p.context_parallel;
-    local.context_parallel = 1;
-  }
+  // chunks, runtime/context_parallel.h), as the memory model counts them; with a heads
+  // all-to-all (a2a, a2a+p2p) also the moved Q, K, V and output it keeps for the backward pass.
+  const ModelSpec m = as_executed(model, p);
+  const ParallelPlan& local = p;
   RankMemory r;
   r.parameters = element * static_cast<double>(f.parameter_floats);
   r.gradients = kFloat * static_cast<double>(f.parameter_floats);
@@ -99,7 +92,8 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   if (f.pp == p.pipeline_parallel - 1) {
     // The logits of the vocabulary shard and their gradient, freed by the LM head's backward
     // pass (runtime/embedding_head.cc), as the memory model counts them.
-    const double tokens = static_cast<double>(p.micro_batch_size * m.seq_length);
+    const double tokens =
+        static_cast<double>(p.micro_batch_size * (m.seq_length / p.context_parallel));
     const double logits =
         tokens *
         std::ceil(static_cast<double>(m.vocab_size) / static_cast<double>(p.tensor_parallel)) *

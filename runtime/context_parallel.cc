@@ -297,52 +297,60 @@ void from_heads(ShardContext& c, CPtr in, Buffer& local, int64_t nh, int64_t d, 
 // With a heads all-to-all (Ulysses, a2a+p2p): Q, K and V in from the group's ranks, K and V
 // round the ring of groups (if any), the causal attention of the group's tokens for this rank's
 // heads block; the output stays in A.ctx in that layout (context_output_to_local returns it).
+// The moved Q, K and V stay in A.q_heads, A.k_heads and A.v_heads (K and V back to the group's
+// rows after the ring) for the backward pass, and the rank's own are dropped unless a selective
+// recomputation of the attention core will move them again.
 void heads_forward(ShardContext& c, LayerActs& A) {
   const ShardDims& m = c.dims;
   const Ring g = ring_of(m);
   const PassKind pass = c.pass();
-  Buffer q, k, v;
-  to_heads(c, A.q.ptr(), q, m.hl, m.d, OpId::kCpKvExchange, pass);
-  to_heads(c, A.k.ptr(), k, m.gl, m.d, OpId::kCpKvExchange, pass);
-  to_heads(c, A.v.ptr(), v, m.gl, m.dv, OpId::kCpKvExchange, pass);
-  if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchange, pass);
+  to_heads(c, A.q.ptr(), A.q_heads, m.hl, m.d, OpId::kCpKvExchange, pass);
+  to_heads(c, A.k.ptr(), A.k_heads, m.gl, m.d, OpId::kCpKvExchange, pass);
+  to_heads(c, A.v.ptr(), A.v_heads, m.gl, m.dv, OpId::kCpKvExchange, pass);
+  if (!(A.rerun_attention && pass == PassKind::kForward))
+    for (Buffer* x : {&A.q, &A.k, &A.v}) release(*x);
+  if (g.n > 1) ring_gather(c, g, A.k_heads, A.v_heads, OpId::kCpKvExchange, pass);
   c.begin(OpId::kAttnScores, pass);
   if (g.n > 1) {
-    ring_attention_forward(c, g, q.ptr(), k.ptr(), v.ptr(), A.ctx, A.lse);
+    ring_attention_forward(c, g, A.q_heads.ptr(), A.k_heads.ptr(), A.v_heads.ptr(), A.ctx, A.lse);
+    keep_ring_rows(c, g, A.k_heads, A.v_heads);
     return;
   }
   resize_for_overwrite(A.ctx, m.b * m.s_attn * g.hq * m.dv);
   resize_for_overwrite(A.lse, m.b * g.hq * m.s_attn);
-  c.flash_forward(q.ptr(), k.ptr(), v.ptr(), A.ctx.ptr(), A.lse.data(), m.b, m.s_attn, m.s_attn,
-                  g.hq, g.gq, m.dv);
+  c.flash_forward(A.q_heads.ptr(), A.k_heads.ptr(), A.v_heads.ptr(), A.ctx.ptr(), A.lse.data(), m.b,
+                  m.s_attn, m.s_attn, g.hq, g.gq, m.dv);
 }
 
-// Its backward pass: Q, K, V and the output in again (as kCpKvExchangeBackward), the output's
-// gradient (kCpOutAllToAllBackward), K and V round the ring again; D.dq (the group's tokens) and
-// D.dk, D.dv (the whole sequence's with a ring, else the group's) stay in the heads layout until
-// context_return_dkv returns them.
+// Its backward pass, from what the forward pass (or its recomputation) kept: the output's
+// gradient in (kCpOutAllToAllBackward), K and V round the ring again (a2a+p2p); D.dq (the
+// group's tokens) and D.dk, D.dv (the whole sequence's with a ring, else the group's) stay in the
+// heads layout until context_return_dkv returns them. Only gradients cross the all-to-alls, as
+// with Transformer Engine and as the op list prices.
 void heads_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {
   const ShardDims& m = c.dims;
   const Ring g = ring_of(m);
   const PassKind op_pass = c.pass(), pass = PassKind::kBackward;
-  Buffer q, k, v, out, d_out;
-  to_heads(c, A.q.ptr(), q, m.hl, m.d, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.k.ptr(), k, m.gl, m.d, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.v.ptr(), v, m.gl, m.dv, OpId::kCpKvExchangeBackward, pass);
-  to_heads(c, A.ctx.ptr(), out, m.hl, m.dv, OpId::kCpKvExchangeBackward, pass);
+  if (A.q_heads.empty() || A.ctx_heads.empty())
+    throw std::logic_error("context parallelism: the attention's moved inputs were not kept");
+  Buffer d_out;
   to_heads(c, D.d_ctx.ptr(), d_out, m.hl, m.dv, OpId::kCpOutAllToAllBackward, pass);
-  if (g.n > 1) ring_gather(c, g, k, v, OpId::kCpKvExchangeBackward, pass);
+  if (g.n > 1) ring_gather(c, g, A.k_heads, A.v_heads, OpId::kCpKvExchangeBackward, pass);
   c.begin(OpId::kAttnScoresRecompute, op_pass);  // the kernel's record, as the op began it
   if (g.n > 1) {
-    ring_attention_backward(c, g, q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse, d_out.ptr(), D.dq,
-                            D.dk, D.dv);
-    return;
+    ring_attention_backward(c, g, A.q_heads.ptr(), A.k_heads.ptr(), A.v_heads.ptr(),
+                            A.ctx_heads.ptr(), A.lse, d_out.ptr(), D.dq, D.dk, D.dv);
+  } else {
+    resize_for_overwrite(D.dq, elems(A.q_heads));
+    resize_for_overwrite(D.dk, elems(A.k_heads));
+    resize_for_overwrite(D.dv, elems(A.v_heads));
+    c.flash_backward(A.q_heads.ptr(), A.k_heads.ptr(), A.v_heads.ptr(), A.ctx_heads.ptr(),
+                     A.lse.data(), d_out.ptr(), D.dq.ptr(), D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn,
+                     m.s_attn, g.hq, g.gq, m.dv);
   }
-  resize_for_overwrite(D.dq, elems(q));
-  resize_for_overwrite(D.dk, elems(k));
-  resize_for_overwrite(D.dv, elems(v));
-  c.flash_backward(q.ptr(), k.ptr(), v.ptr(), out.ptr(), A.lse.data(), d_out.ptr(), D.dq.ptr(),
-                   D.dk.ptr(), D.dv.ptr(), m.b, m.s_attn, m.s_attn, g.hq, g.gq, m.dv);
+  // (A.q, A.k and A.v, where mla_up_proj's recomputation made them again, have no reader left.)
+  for (Buffer* x : {&A.q_heads, &A.k_heads, &A.v_heads, &A.ctx_heads, &A.q, &A.k, &A.v})
+    release(*x);
 }
 
 // Whether A.k and A.v hold the whole sequence.
@@ -379,9 +387,8 @@ void context_attention_forward(ShardContext& c, LayerActs& A) {
 }
 
 void context_output_to_local(ShardContext& c, LayerActs& A) {
-  Buffer local;
-  from_heads(c, A.ctx.ptr(), local, c.dims.hl, c.dims.dv, OpId::kCpOutAllToAll, c.pass());
-  A.ctx.swap(local);
+  A.ctx_heads.swap(A.ctx);  // kept for the backward pass
+  from_heads(c, A.ctx_heads.ptr(), A.ctx, c.dims.hl, c.dims.dv, OpId::kCpOutAllToAll, c.pass());
 }
 
 void context_attention_backward(ShardContext& c, LayerActs& A, LayerGrads& D) {

@@ -86,6 +86,11 @@ LayerShape runtime_layer_shape(const ModelSpec&, const ShardLayout& l) {
   // (ShardDims::flash), as the planner prices it. The list's context-parallel ring steps are
   // run inside the attention ops (runtime/context_parallel.h), so compile() leaves them out.
   s.context_parallel = l.cp;
+  // The heads all-to-all's ranks: all of them (Ulysses), A of a2a+p2p, or none (the ring).
+  if (l.cp > 1 && l.cp_a2a_size > 1) {
+    s.cp_comm = l.cp_a2a_size == l.cp ? CpComm::kA2A : CpComm::kA2AP2P;
+    if (s.cp_comm == CpComm::kA2AP2P) s.hierarchical_cp = l.cp_a2a_size;
+  }
   return s;
 }
 
@@ -656,6 +661,8 @@ void layer_forward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch
   const bool moe = ch.is_moe[static_cast<size_t>(l)];
   SharedExpertWidth width(c, I.moe.get(), moe);
   MoeActs* M = moe ? &I.moe_stash[{chunk, mb, l}] : nullptr;
+  const unsigned modules = layout.recompute_modules_of(moe);
+  L.rerun_attention = rec == Recompute::kSelective && (modules & kRecomputeCoreAttn);
   for (OpId op : moe ? I.moe_fwd : I.layer_fwd) {
     c.begin(op, PassKind::kForward);
     if (is_moe_op(op))
@@ -666,7 +673,6 @@ void layer_forward(GptShard::Impl& I, const ShardLayout& layout, const Chunk& ch
   c.end_op();
   x.swap(L.out);
   release(L.out);
-  const unsigned modules = layout.recompute_modules_of(moe);
   drop_recomputed(L, rec, modules);
   if (M && rec == Recompute::kSelective) {
     if (modules & kRecomputeMoe)

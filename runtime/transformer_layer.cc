@@ -623,6 +623,7 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
     if (modules & kRecomputeCoreAttn) {  // the attention core is recomputed
       release(A.probs);
       release(A.lse);
+      for (Buffer* x : {&A.q_heads, &A.k_heads, &A.v_heads, &A.ctx_heads}) release(*x);
     }
     if (modules & kRecomputeMlp)  // the MLP from its input (A.ln2)
       for (Buffer* x : {&A.ln2_full, &A.fc1, &A.act}) release(*x);
@@ -636,6 +637,7 @@ void drop_recomputed(LayerActs& A, Recompute r, unsigned modules) {
   }
   release(A.probs);
   release(A.lse);
+  for (Buffer* x : {&A.q_heads, &A.k_heads, &A.v_heads, &A.ctx_heads}) release(*x);
   for (Buffer* x :
        {&A.ln1, &A.ln1_mean, &A.ln1_rstd, &A.ln1_full, &A.q,        &A.k,        &A.v,
         &A.ctx, &A.h1,       &A.ln2,      &A.ln2_mean, &A.ln2_rstd, &A.ln2_full, &A.fc1,

@@ -41,6 +41,14 @@ struct LayerActs {
   Buffer q_lat_in, q_lat, q_lat_full, kv_lat_in, kv_lat, kv_lat_full, k_pe, k_pe_full, k_nope;
   Buffer qlat_mean{DType::kF32}, qlat_rstd{DType::kF32}, kvlat_mean{DType::kF32},
       kvlat_rstd{DType::kF32};
+  // A heads all-to-all (Ulysses, a2a+p2p; runtime/context_parallel.cc): Q, K and V as the
+  // attention took them (the group's tokens of this rank's heads block; K and V before the ring)
+  // and its output before it went back to the tokens, kept for the backward pass as Transformer
+  // Engine keeps them, so that only gradients move then. The rank's own Q, K and V are dropped
+  // once moved, unless rerun_attention: a selective recomputation of the attention core reruns
+  // the all-to-alls from them.
+  Buffer q_heads, k_heads, v_heads, ctx_heads;
+  bool rerun_attention = false;
 };
 
 // The backward pass's scratch. Each buffer is released after the op that reads it last, as

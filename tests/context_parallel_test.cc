@@ -259,6 +259,31 @@ void expect_shards_match_one(const ModelSpec& m, const ShardLayout& layout, int 
   EXPECT_EQ(bad, 0u) << what;
 }
 
+// A pass's backward exchanges (kCpKvExchangeBackward, kCpOutAllToAllBackward) move what the
+// layer op list prices for its layout, layer by layer: the bytes of each op and collective
+// summed (the ring's steps are recorded one block each, the list's two blocks a step). With a
+// heads all-to-all only gradients cross it: the output's in, dQ, dK and dV back.
+void expect_backward_exchanges_listed(const ModelSpec& m, ShardLayout layout, int cp, const Pass& p,
+                                      const std::string& what) {
+  layout.cp = cp;
+  const PassOps ops = transformer_layer_ops(m, runtime_layer_shape(m, layout));
+  auto exchange = [](OpId id) {
+    return id == OpId::kCpKvExchangeBackward || id == OpId::kCpOutAllToAllBackward;
+  };
+  std::map<std::pair<OpId, Collective>, double> listed, executed;
+  for (const Op& o : ops.backward)
+    if (o.kind == OpKind::kCollective && exchange(o.id))
+      listed[{o.id, o.collective}] += o.bytes * static_cast<double>(m.num_layers);
+  for (const ExecutedOp& e : p.trace)
+    if (e.kind == OpKind::kCollective && exchange(e.id)) executed[{e.id, e.collective}] += e.bytes;
+  ASSERT_FALSE(listed.empty()) << what;
+  ASSERT_EQ(executed.size(), listed.size()) << what;
+  for (const auto& [key, bytes] : listed) {
+    ASSERT_TRUE(executed.count(key)) << what << ": " << op_name(key.first) << " not executed";
+    EXPECT_NEAR(executed.at(key), bytes, 1e-9 * bytes) << what << ": " << op_name(key.first);
+  }
+}
+
 TEST(ContextParallel, RingAttentionEqualsPlainAttention) {
   for (bool rotary : {false, true})
     for (Recompute rc : {Recompute::kNone, Recompute::kSelective, Recompute::kFull})
@@ -331,11 +356,12 @@ TEST(ContextParallel, UlyssesAttentionEqualsPlainAttention) {
         layout.recompute = rc;
         layout.cp_a2a_size = cp;
         const ModelSpec m = tiny(rotary);
-        expect_shards_match_one(m, layout, cp,
-                                std::string(rotary ? "rotary" : "learned") + " a2a cp " +
-                                    std::to_string(cp) + " recompute " + to_string(rc));
-        if (rotary || rc != Recompute::kNone) continue;
+        const std::string what = std::string(rotary ? "rotary" : "learned") + " a2a cp " +
+                                 std::to_string(cp) + " recompute " + to_string(rc);
+        expect_shards_match_one(m, layout, cp, what);
         const Pass p = run_ring(m, layout, cp)[0];
+        expect_backward_exchanges_listed(m, layout, cp, p, what);
+        if (rotary || rc != Recompute::kNone) continue;
         const double q = 1.0 * layout.micro_batch * (m.seq_length / cp) * m.hidden_size * 4;
         int in = 0, out = 0;
         for (const ExecutedOp& e : p.trace) {
@@ -391,8 +417,9 @@ TEST(ContextParallel, HierarchicalAttentionEqualsPlainAttention) {
                              std::to_string(k.a) + "x" + std::to_string(k.b) + " recompute " +
                              to_string(k.rc);
     expect_shards_match_one(m, layout, cp, what);
-    if (k.rc != Recompute::kNone) continue;
     const Pass p = run_ring(m, layout, cp)[1];
+    expect_backward_exchanges_listed(m, layout, cp, p, what);
+    if (k.rc != Recompute::kNone) continue;
     const double tokens = 1.0 * layout.micro_batch * (m.seq_length / cp);
     const double q = tokens * m.hidden_size * 4, kv = tokens * m.query_groups() * m.head_dim() * 4;
     int a2a = 0, steps = 0, out = 0;

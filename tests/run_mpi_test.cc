@@ -350,6 +350,32 @@ TEST(RunMpi, SequenceParallelPeakMemoryIsWhatTheDryRunPredicts) {
   }
 }
 
+// Context parallelism: a rank keeps its s / cp tokens' activations; with a heads all-to-all
+// (Ulysses) also the moved Q, K and V and the attention's output in the heads layout, as
+// Transformer Engine keeps them so that only gradients cross the all-to-alls backward, which the
+// memory model counts (2 s b h / cp more a layer than the ring, unless the attention core is
+// recomputed). The measured peak is the dry run's within 5%, at cp 2 with the ring, Ulysses and
+// Ulysses recomputing the attention core, and a2a+p2p over 2 x 2 ranks.
+TEST(RunMpi, ContextParallelPeakMemoryIsWhatTheDryRunPredicts) {
+  const std::string model =
+      " --num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 512"
+      " --vocab-size 128 --global-batch-size 8 --micro-batch-size 1 --steps 2"
+      " --num-query-groups 2 --swiglu --untie-embeddings-and-output-weights --ffn-hidden-size 192"
+      " --position-embedding-type rope --rotary-base 10000";
+  for (const std::string extra :
+       {" --context-parallel-size 2 --cp-comm-type p2p",
+        " --context-parallel-size 2 --cp-comm-type a2a",
+        " --context-parallel-size 2 --cp-comm-type a2a --recompute-granularity selective",
+        " --context-parallel-size 4 --cp-comm-type a2a+p2p"
+        " --hierarchical-context-parallel-sizes 2 2"}) {
+    const int ranks = extra.find("size 4") != std::string::npos ? 4 : 2;
+    const auto [want, got] = predicted_and_measured_peak(ranks, model + extra);
+    EXPECT_NEAR(got / want, 1.0, 0.05) << extra << ": measured " << got << ", predicted " << want;
+    std::printf("[ measured ]%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n", extra.c_str(),
+                got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
+  }
+}
+
 // A layout's chunks hold different layers, so the activations a rank keeps depend on which
 // chunks its in-flight microbatches are in (the memory model walks the rank's order,
 // core/schedule.h interleaved_peak_in_flight): the run's measured peak is the dry run's
