@@ -9,6 +9,7 @@
 #include "core/layer_ops.h"
 #include "core/units.h"
 #include "planner/cost_model.h"
+#include "runtime/fsdp.h"
 
 namespace ptdp {
 
@@ -23,12 +24,13 @@ ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p) {
   return run;
 }
 
-ParallelPlan as_executed(const ParallelPlan& p) {
+ParallelPlan executed_plan(const ModelSpec& m, const ParallelPlan& p) {
   ParallelPlan run = p;
   run.fp8 = false;
   run.fp32_grad_reduce = true;
   run.tp_comm_overlap = false;
   run.overlap_moe_ep_comm = false;
+  if (runs_megatron_fsdp(m, p)) return run;  // sharded as Megatron-FSDP shards it
   run.fsdp = FsdpSharding::kOff;  // the distributed optimizer's layout (or DDP's for no_shard)
   // HSDP: the distributed optimizer in the same instances, or (HFSDP, its states sharded across
   // them) in one.
@@ -51,7 +53,7 @@ std::string execution_note(const ModelSpec& m, const ParallelPlan& p) {
   if (p.overlap_moe_ep_comm)
     add("runs each combined step's two passes one after the other (--overlap-moe-expert-"
         "parallel-comm: its schedule is run, its overlap priced)");
-  if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1)
+  if (p.shards_gradients() && p.data_parallel * p.context_parallel > 1 && !runs_megatron_fsdp(m, p))
     add(std::string(p.shards_weights()
                         ? "keeps whole weights and gradients and reduces the gradients"
                         : "keeps whole gradients and reduces them") +
@@ -85,6 +87,11 @@ RankMemory rank_memory(const ModelSpec& model, const ParallelPlan& p, const Rank
   RankMemory r;
   r.parameters = element * static_cast<double>(f.parameter_floats);
   r.gradients = kFloat * static_cast<double>(f.parameter_floats);
+  if (f.fsdp) {  // Megatron-FSDP: the shards, what stays whole, and the windows at their most
+    const FsdpHeld& held = f.fsdp_held;
+    r.parameters = element * static_cast<double>(held.weights + held.gathered);
+    r.gradients = kFloat * static_cast<double>(held.gradients + held.gradient_windows);
+  }
   r.optimizer = kFloat * static_cast<double>(f.optimizer_floats);
   const std::vector<int64_t> moe_chunks = moe_layers_per_chunk(m, local);
   const ActivationMemory activations(m, local, f.precision, moe_chunks);

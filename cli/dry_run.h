@@ -26,12 +26,13 @@ struct RankMemory {
 // the loss fused (computed in place on the logits), and with fused (flash) attention under
 // context parallelism, as its ring runs it; its memory is priced on this.
 ModelSpec as_executed(const ModelSpec& m, const ParallelPlan& p);
-// The plan as ptdp run executes it: the settings it prices but does not run (execution_note)
-// off: FP8 GEMMs, 16-bit gradient reduction, the sequence-parallel collectives' overlap with
-// their GEMMs, Megatron-FSDP's sharding (run as the distributed optimizer, or DDP), the combined
+// The plan as ptdp run executes it for `m`: the settings it prices but does not run
+// (execution_note) off: FP8 GEMMs, 16-bit gradient reduction, the sequence-parallel collectives'
+// overlap with their GEMMs, Megatron-FSDP's sharding where it does not run sharded
+// (runs_megatron_fsdp, runtime/fsdp.h: then as the distributed optimizer, or DDP), the combined
 // 1F1B's all-to-all overlap (its order is run: the memory of its extra warm-up forward is not
 // counted then). What a run's trace records, so that reconcile prices what ran.
-ParallelPlan as_executed(const ParallelPlan& p);
+ParallelPlan executed_plan(const ModelSpec& m, const ParallelPlan& p);
 // "" when the runtime runs `m` as given, else a note saying what it runs instead.
 std::string execution_note(const ModelSpec& m, const ParallelPlan& p);
 

@@ -379,7 +379,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!f.trace.empty()) {
       RunTraceInfo info;
       info.model = as_executed(model, f.train.plan);  // what ran, for reconcile to price
-      info.plan = as_executed(f.train.plan);          // without what is priced, not run
+      info.plan = executed_plan(model, f.train.plan);  // without what is priced, not run
       // A machine file by its absolute path, so that reconcile finds it from any directory.
       std::error_code ec;
       const std::vector<std::string> presets = cluster_preset_names();

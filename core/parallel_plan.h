@@ -100,6 +100,15 @@ inline constexpr std::array<CpComm, 4> kCpComms = {CpComm::kP2P, CpComm::kAllGat
 // stay whole).
 enum class FsdpSharding { kOff, kNoShard, kOptim, kOptimGrads, kOptimGradsParams };
 
+// Megatron-FSDP's defaults (megatron/core/distributed/fsdp, FSDP v1), which the memory model
+// prices and ptdp run follows (runtime/fsdp.h): the all-gather pipeline prefetches units until
+// about this many unsharded elements are in flight (half its communication size, max(1e9, 2 x
+// the average unit)); a unit's whole gradient lives from its backward pass until its
+// reduce-scatter is done: two units, the one computing and the one reducing, the steady state
+// when the reductions keep pace with the backward pass.
+inline constexpr double kFsdpPrefetchElements = 5e8;
+inline constexpr double kFsdpGradientUnitsInFlight = 2.0;
+
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);
 // "p2p", "all_gather", "a2a", "a2a+p2p", as Megatron-Core's TransformerConfig and Transformer

@@ -21,13 +21,8 @@ constexpr double kOptimizerBytes = 12.0;  // fp32 master weights, Adam m and v
 constexpr double kFp32WeightBytes = 4.0;
 constexpr double kFp32OptimizerBytes = 8.0;
 constexpr double kUsableMemory = 0.95;  // CUDA context and allocator fragmentation keep the rest
-// Megatron-FSDP's defaults (megatron/core/distributed/fsdp, FSDP v1): the all-gather pipeline
-// prefetches units until about this many unsharded elements are in flight (half its
-// communication size, max(1e9, 2 x the average unit)); a unit's whole gradient lives from its
-// backward pass until its reduce-scatter is done: counted as two units, the one computing and
-// the one reducing, the steady state when the reductions keep pace with the backward pass.
-constexpr double kFsdpPrefetchElements = 5e8;
-constexpr double kFsdpGradientUnitsInFlight = 2.0;
+// Megatron-FSDP's prefetch and gradient units in flight: kFsdpPrefetchElements and
+// kFsdpGradientUnitsInFlight (core/parallel_plan.h).
 
 // The GEMMs Transformer Engine runs in FP8 (--fp8-format): the layers' linear GEMMs and the
 // experts'; the attention core, the router and the LM head stay in 16 bits.

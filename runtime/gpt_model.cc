@@ -17,6 +17,7 @@
 #include "kernels/cpu/init.h"
 #include "runtime/context_parallel.h"
 #include "runtime/embedding_head.h"
+#include "runtime/fsdp.h"
 #include "runtime/moe_layer.h"
 #include "runtime/shard_context.h"
 #include "runtime/transformer_layer.h"
@@ -186,6 +187,7 @@ struct GptShard::Impl {
   };
   std::map<std::pair<int64_t, int64_t>, std::vector<MtpActs>> mtp_stash;
   double mtp_loss = 0;
+  MegatronFsdp* fsdp = nullptr;  // runtime/fsdp.h: maps each layer's windows around its passes
 };
 
 GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* tensor_group,
@@ -509,19 +511,8 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
     sg.size = offset - sg.offset;
     segments_.push_back(sg);
   }
-  params_ = DeviceBuffer(*backend, layout.dtype, offset);
-  grads_ = DeviceBuffer(*backend, DType::kF32, offset);
-  J.ctx->params = params_.ptr();
-  J.ctx->grads = grads_.data<float>();
-  // Initial values are computed on the host in fp32 (rounded to bf16 for a bf16 model, as
-  // Megatron casts its initialised fp32 weights) and uploaded parameter by parameter.
-  std::vector<float> host;
-  for (Pending& p : pending) {
-    host.assign(static_cast<size_t>(p.info.size), 0.0f);
-    p.init(host.data());
-    upload_floats(*backend, host.data(), params_.ptr().at(p.info.offset), p.info.size);
-    infos_.push_back(p.info);
-  }
+  flat_size_ = offset;
+  for (Pending& p : pending) infos_.push_back(p.info);
   auto off = [&](int64_t i) { return i < 0 ? int64_t{-1} : infos_[static_cast<size_t>(i)].offset; };
   for (int64_t c = 0; c < layout.v; ++c) {
     Chunk& ch = J.chunks[static_cast<size_t>(c)];
@@ -595,9 +586,88 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
       ch.layers.push_back(W);
     }
   }
+  // What this rank holds of the flat arrays: all of them, or with Megatron-FSDP its shard of
+  // each segment (the distributed optimizer's), and of the weights also what stays whole (all
+  // but the decoder layers'). The rest is mapped while a layer's passes run (runtime/fsdp.h).
+  std::vector<std::pair<int64_t, int64_t>> held_params, held_grads;
+  if (layout.fsdp >= FsdpSharding::kOptimGrads) {
+    for (size_t seg = 0; seg < segments_.size(); ++seg) held_grads.push_back(own_shard(seg));
+    held_params = held_grads;
+    if (layout.fsdp == FsdpSharding::kOptimGradsParams) {
+      for (int64_t part = 0; part < static_cast<int64_t>(J.chunks[0].parts.size()); ++part)
+        if (!fsdp_unit(0, part))
+          for (const auto& r : J.chunks[0].parts[static_cast<size_t>(part)])
+            held_params.push_back(r);
+    } else {
+      held_params = {{0, offset}};
+    }
+  } else {
+    held_params = held_grads = {{0, offset}};
+  }
+  auto allocate = [&](std::vector<std::pair<int64_t, int64_t>> ranges, DType type, FlatMap& map) {
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<int64_t, int64_t>> merged;
+    for (const auto& r : ranges) {
+      if (r.second <= r.first) continue;
+      if (!merged.empty() && r.first <= merged.back().second)
+        merged.back().second = std::max(merged.back().second, r.second);
+      else
+        merged.push_back(r);
+    }
+    int64_t n = 0;
+    for (const auto& [lo, hi] : merged) n += hi - lo;
+    DeviceBuffer buffer(*backend, type, n);
+    n = 0;
+    for (const auto& [lo, hi] : merged) {
+      map.map(lo, hi, buffer.ptr().at(n));
+      n += hi - lo;
+    }
+    return buffer;
+  };
+  params_ = allocate(held_params, layout.dtype, param_map_);
+  grads_ = allocate(held_grads, DType::kF32, grad_map_);
+  J.ctx->params = &param_map_;
+  J.ctx->grads = &grad_map_;
+  // Initial values are computed on the host in fp32 (rounded to bf16 for a bf16 model, as
+  // Megatron casts its initialised fp32 weights) and uploaded parameter by parameter (the parts
+  // of it held here).
+  std::vector<float> host;
+  for (Pending& p : pending) {
+    host.assign(static_cast<size_t>(p.info.size), 0.0f);
+    p.init(host.data());
+    param_map_.for_each_mapped(
+        p.info.offset, p.info.offset + p.info.size, [&](int64_t lo, int64_t hi, Ptr at) {
+          upload_floats(*backend, host.data() + (lo - p.info.offset), at, hi - lo);
+        });
+  }
 }
 
 GptShard::~GptShard() = default;
+
+std::pair<int64_t, int64_t> GptShard::own_shard(size_t seg) const {
+  const Segment& s = segments_.at(seg);
+  const bool expert = seg == 2;
+  const int64_t n =
+      std::max<int64_t>(1, expert ? layout_.expert_segment_multiple : layout_.segment_multiple);
+  const int64_t rank = expert ? layout_.expert_shard_rank : layout_.shard_rank;
+  const int64_t shard = s.size / n;
+  return {s.offset + rank * shard, s.offset + (rank + 1) * shard};
+}
+
+const std::vector<std::vector<std::pair<int64_t, int64_t>>>& GptShard::parts(int64_t chunk) const {
+  return impl_->chunks.at(static_cast<size_t>(chunk)).parts;
+}
+
+bool GptShard::fsdp_unit(int64_t chunk, int64_t part) const {
+  const Chunk& ch = impl_->chunks.at(static_cast<size_t>(chunk));
+  return part >= 1 && part <= ch.num_layers;
+}
+
+void GptShard::set_fsdp(MegatronFsdp* fsdp) {
+  if (fsdp && (layout_.p != 1 || layout_.v != 1 || model_.mtp_num_layers > 0))
+    throw std::logic_error("Megatron-FSDP runs one pipeline stage of one chunk, without MTP");
+  impl_->fsdp = fsdp;
+}
 
 std::vector<std::pair<int64_t, int64_t>> GptShard::part_ranges() const {
   std::vector<std::pair<int64_t, int64_t>> out;
@@ -615,6 +685,13 @@ void call_part_hook(const GptShard::PartHook* hook, const Chunk& ch, int64_t par
   if (!hook) return;
   if (c.timer) c.timer->close();
   for (const auto& [lo, hi] : ch.parts[static_cast<size_t>(part)]) (*hook)(lo, hi);
+}
+
+// Megatron-FSDP's hook `f` for `part` (when the shard has it), the op timer closed first.
+void call_fsdp(GptShard::Impl& I, void (MegatronFsdp::*f)(int64_t), int64_t part) {
+  if (!I.fsdp) return;
+  if (I.ctx->timer) I.ctx->timer->close();
+  (I.fsdp->*f)(part);
 }
 
 // The embedding's and the head's ops (the decoder's, and each MTP module's): forward into x /
@@ -957,7 +1034,13 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   const ActivationDType precision(layout_.dtype);
   // Parts as in backward: 0 the embedding, 1 + l layer l, num_layers + 1 the head,
   // num_layers + 2 + k MTP module k.
-  auto part_needed = [&](int64_t part) { call_part_hook(before, ch, part, c); };
+  // Megatron-FSDP maps a part's windows around its pass (runtime/fsdp.h), its waits outside
+  // any op's time, as a part hook's.
+  auto part_needed = [&](int64_t part) {
+    call_part_hook(before, ch, part, c);
+    call_fsdp(I, &MegatronFsdp::before_forward, part);
+  };
+  auto part_ran = [&](int64_t part) { call_fsdp(I, &MegatronFsdp::after_forward, part); };
   if (d.cp > 1 && !c.cp) throw std::logic_error("forward: context parallelism without its group");
   ChunkActs& A = I.stash[{chunk, mb}];
   A.layers.resize(static_cast<size_t>(ch.num_layers));
@@ -977,6 +1060,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   if (ch.first) {
     part_needed(0);
     embedding_forward(I, ch.params, A, x);
+    part_ran(0);
   } else {
     if (!input || elems(*input) != d.n_local * d.h)
       throw std::logic_error("forward: missing or mis-sized input activation");
@@ -986,6 +1070,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
     part_needed(l + 1);
     layer_forward(I, layout_, ch, chunk, mb, l, layout_.recompute_of(l),
                   A.layers[static_cast<size_t>(l)], x);
+    part_ran(l + 1);
   }
   if (!ch.last) {
     *output = std::move(x);
@@ -994,6 +1079,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
   A.lnf_in.swap(x);
   part_needed(ch.num_layers + 1);
   const double loss = head_forward(I, ch.params, A);
+  part_ran(ch.num_layers + 1);
   if (!ch.mtp.empty()) {
     std::vector<Impl::MtpActs>& modules = I.mtp_stash[{chunk, mb}];
     modules.resize(ch.mtp.size());
@@ -1073,7 +1159,12 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   if (defer) I.deferred[{chunk, mb}].resize(static_cast<size_t>(ch.num_layers));
   // The parts of the chunk are 0 (embedding), 1 + l (layer l), num_layers + 1 (head) and
   // num_layers + 2 + k (MTP module k).
-  auto part_done = [&](int64_t part) { call_part_hook(ready, ch, part, c); };
+  auto part_done = [&](int64_t part) {
+    call_fsdp(I, &MegatronFsdp::after_backward, part);
+    call_part_hook(ready, ch, part, c);
+  };
+  auto part_starts = [&](int64_t part) { call_fsdp(I, &MegatronFsdp::before_backward, part); };
+  if (I.fsdp && defer) throw std::logic_error("Megatron-FSDP with deferred weight gradients");
   LayerGrads D;
   if (ch.last) {
     // The MTP modules from the last: each hands the gradient of its hidden input (the previous
@@ -1088,6 +1179,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
       }
       I.mtp_stash.erase({chunk, mb});
     }
+    part_starts(ch.num_layers + 1);
     head_backward(I, ch.params, A, D, loss_scale, d_hidden);
     part_done(ch.num_layers + 1);
   } else {
@@ -1098,6 +1190,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
   for (int64_t l = ch.num_layers - 1; l >= 0; --l) {
     LayerActs& L = A.layers[static_cast<size_t>(l)];
     const bool moe = ch.is_moe[static_cast<size_t>(l)];
+    part_starts(l + 1);
     layer_backward(I, layout_, ch, chunk, mb, l, layout_.recompute_of(l), L, D, defer);
     if (defer) {  // what the weight-gradient GEMMs read, kept for the W pass
       std::vector<Impl::Deferred>& kept = I.deferred[{chunk, mb}];
@@ -1141,6 +1234,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     part_done(l + 1);
   }
   if (ch.first) {
+    part_starts(0);
     embedding_backward(I, ch.params, A, D.d_out);
     part_done(0);
   } else {

@@ -46,11 +46,13 @@
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
 #include "runtime/device_buffer.h"
+#include "runtime/flat_map.h"
 #include "runtime/tensor.h"
 
 namespace ptdp {
 
 class OpTimer;
+class MegatronFsdp;
 
 struct ShardLayout {
   int64_t t = 1, tp = 0;        // tensor-parallel size and this rank's index
@@ -90,6 +92,12 @@ struct ShardLayout {
   // Weights and activations: fp32, or bf16 (--bf16, Megatron's mixed precision: weight
   // gradients stay fp32 and the optimizer keeps fp32 master weights, runtime/grad_sync.h).
   DType dtype = DType::kF32;
+  // Megatron-FSDP (runtime/fsdp.h): optim_grads holds only this rank's shard of the gradients,
+  // optim_grads_params also of the decoder layers' weights; the shards are the distributed
+  // optimizer's, this rank's the shard_rank-th of segment_multiple (the routed experts' the
+  // expert_shard_rank-th of expert_segment_multiple). Other values hold everything.
+  FsdpSharding fsdp = FsdpSharding::kOff;
+  int64_t shard_rank = 0, expert_shard_rank = 0;
 };
 
 // The shape of the op lists this layout executes: activations of the layout's dtype, weight
@@ -195,11 +203,29 @@ class GptShard {
   // since the last call; forward returns the main model's loss alone, as Megatron reports it.
   double take_mtp_loss();
 
-  // One contiguous buffer of every parameter this rank holds (of the layout's dtype: fp32 or
-  // bf16), and one of their gradients (fp32), in the backend's memory; ParamInfo::offset and
-  // size give each parameter's view.
+  // The flat arrays of every parameter of this rank's model shard (of the layout's dtype: fp32
+  // or bf16) and of their gradients (fp32), flat_size() elements each; ParamInfo::offset and
+  // size give each parameter's place. params() and grads() are the buffers in the backend's
+  // memory that hold them: all of them, one to one, except under Megatron-FSDP (ShardLayout::
+  // fsdp), where they hold what param_map() and grad_map() say and param_at and grad_at find.
   DeviceBuffer& params() { return params_; }
   DeviceBuffer& grads() { return grads_; }
+  int64_t flat_size() const { return flat_size_; }
+  FlatMap& param_map() { return param_map_; }
+  FlatMap& grad_map() { return grad_map_; }
+  Ptr param_at(int64_t off) const { return param_map_.at(off); }
+  float* grad_at(int64_t off) const { return grad_map_.at(off).f(); }
+  // [lo, hi) of the flat arrays: this rank's shard of segment `seg` under the distributed
+  // optimizer's sharding (ShardLayout::segment_multiple shards; the whole segment with one).
+  std::pair<int64_t, int64_t> own_shard(size_t seg) const;
+  // Each part's ranges of `chunk` (as part_ranges, per part: 0 the embedding, 1 + l layer l,
+  // then the head and each MTP module), and whether a part is a Megatron-FSDP unit (a decoder
+  // layer: its weights are gathered for its passes under optim_grads_params).
+  const std::vector<std::vector<std::pair<int64_t, int64_t>>>& parts(int64_t chunk) const;
+  bool fsdp_unit(int64_t chunk, int64_t part) const;
+  // Megatron-FSDP: `fsdp` maps each part's windows around its passes (null: none). One stage
+  // of one chunk only.
+  void set_fsdp(MegatronFsdp* fsdp);
   const std::vector<ParamInfo>& param_infos() const { return infos_; }
   const std::vector<Segment>& segments() const { return segments_; }
   // Parameters of the whole model held here without padding or tied copies.
@@ -232,6 +258,8 @@ class GptShard {
   ShardLayout layout_;
   std::unique_ptr<Impl> impl_;  // owns the backend when the shard made its own
   DeviceBuffer params_, grads_;
+  FlatMap param_map_, grad_map_;
+  int64_t flat_size_ = 0;
   std::vector<ParamInfo> infos_;
   std::vector<Segment> segments_;
 };

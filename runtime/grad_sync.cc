@@ -24,17 +24,26 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
   if (shard_.params().dtype() != DType::kF32) {
     // Mixed precision: fp32 master weights of what this rank updates, from the model's weights.
     master_ = DeviceBuffer(be_, DType::kF32, state);
-    const CPtr params = shard_.params().ptr();
     for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
-      be_.copy(params.at(lo), master_.data<float>() + base, hi - lo);
+      be_.copy(shard_.param_at(lo), master_.data<float>() + base, hi - lo);
     });
   }
 }
 
+void DataParallelOptimizer::set_fsdp(MegatronFsdp* fsdp) {
+  if (fsdp && (!dist_ || g_.dense_shards.replicas || g_.expert_shards.replicas))
+    throw std::logic_error("Megatron-FSDP needs the distributed optimizer in one instance");
+  fsdp_ = fsdp;
+  if (fsdp_) defer_gather_ = false;
+}
+
 std::vector<float> DataParallelOptimizer::parameters_to_host() {
-  DeviceBuffer& params = shard_.params();
-  std::vector<float> host(static_cast<size_t>(params.size()));
-  download_floats(be_, params.ptr(), host.data(), params.size());
+  // The flat array (what this rank does not hold under Megatron-FSDP, zero: its weights come
+  // from the other ranks' shards).
+  std::vector<float> host(static_cast<size_t>(shard_.flat_size()), 0.0f);
+  shard_.param_map().for_each_mapped(0, shard_.flat_size(), [&](int64_t lo, int64_t hi, Ptr at) {
+    download_floats(be_, at, host.data() + lo, hi - lo);
+  });
   if (master_.size() == 0) return host;
   std::vector<float> master(static_cast<size_t>(master_.size()));
   download_floats(be_, master_.ptr(), master.data(), master_.size());
@@ -45,10 +54,11 @@ std::vector<float> DataParallelOptimizer::parameters_to_host() {
 }
 
 void DataParallelOptimizer::parameters_from_host(const std::vector<float>& host) {
-  DeviceBuffer& params = shard_.params();
-  if (static_cast<int64_t>(host.size()) != params.size())
+  if (static_cast<int64_t>(host.size()) != shard_.flat_size())
     throw std::logic_error("parameters_from_host: the size differs from the shard's");
-  upload_floats(be_, host.data(), params.ptr(), params.size());
+  shard_.param_map().for_each_mapped(0, shard_.flat_size(), [&](int64_t lo, int64_t hi, Ptr at) {
+    upload_floats(be_, host.data() + lo, at, hi - lo);
+  });
   if (master_.size() == 0) return;
   std::vector<float> master(static_cast<size_t>(master_.size()));
   for_each_owned_range([&](const ParamInfo&, int64_t lo, int64_t hi, int64_t base) {
@@ -102,25 +112,31 @@ void DataParallelOptimizer::reduce_sequence_parallel(int64_t lo, int64_t hi) {
     auto it = buckets_.upper_bound({p.offset, INT64_MAX});  // the first bucket after p's start
     return it == buckets_.begin() || std::prev(it)->first.second < p.offset + p.size;
   };
-  float* g = shard_.grads().data<float>();
+  // The parts of them this rank holds (all of each, but under Megatron-FSDP its shard's; the
+  // tensor-parallel ranks hold the same parts).
+  const FlatMap& held = shard_.grad_map();
   int64_t n = 0;
   for (const ParamInfo& p : shard_.param_infos())
-    if (wanted(p)) n += p.size;
+    if (wanted(p))
+      held.for_each_mapped(p.offset, p.offset + p.size,
+                           [&](int64_t a, int64_t b, Ptr) { n += b - a; });
   if (n == 0) return;
   Buffer packed(static_cast<size_t>(n), DType::kF32);
   int64_t at = 0;
   for (const ParamInfo& p : shard_.param_infos())
-    if (wanted(p)) {
-      be_.copy(g + p.offset, packed.data() + at, p.size);
-      at += p.size;
-    }
+    if (wanted(p))
+      held.for_each_mapped(p.offset, p.offset + p.size, [&](int64_t a, int64_t b, Ptr g) {
+        be_.copy(g.f(), packed.data() + at, b - a);
+        at += b - a;
+      });
   g_.tensor->all_reduce(packed.data(), packed.size());
   at = 0;
   for (const ParamInfo& p : shard_.param_infos())
-    if (wanted(p)) {
-      be_.copy(packed.data() + at, g + p.offset, p.size);
-      at += p.size;
-    }
+    if (wanted(p))
+      held.for_each_mapped(p.offset, p.offset + p.size, [&](int64_t a, int64_t b, Ptr g) {
+        be_.copy(packed.data() + at, g.f(), b - a);
+        at += b - a;
+      });
 }
 
 int64_t DataParallelOptimizer::own_shard(size_t seg) const {
@@ -150,16 +166,14 @@ std::vector<size_t> DataParallelOptimizer::shard_counts(size_t seg, int64_t lo, 
 }
 
 std::unique_ptr<Work> DataParallelOptimizer::start_reduction(size_t seg, int64_t lo, int64_t hi) {
-  float* g = shard_.grads().data<float>();
-  if (!dist_)
-    return group_of(seg)->all_reduce_async(g + lo, static_cast<size_t>(hi - lo), DType::kF32);
+  float* g = shard_.grad_at(lo);
+  if (!dist_) return group_of(seg)->all_reduce_async(g, static_cast<size_t>(hi - lo), DType::kF32);
   // In place: the part of this rank's shard in [lo, hi) is summed where it is.
-  return group_of(seg)->reduce_scatter_v_async(g + lo, g + lo, shard_counts(seg, lo, hi),
-                                               DType::kF32);
+  return group_of(seg)->reduce_scatter_v_async(g, g, shard_counts(seg, lo, hi), DType::kF32);
 }
 
 void DataParallelOptimizer::reduce_bucket(int64_t lo, int64_t hi) {
-  if (hi <= lo) return;
+  if (hi <= lo || fsdp_) return;  // Megatron-FSDP reduces every part's gradients itself
   const size_t seg = segment_of(lo, hi);
   if (replicas_of(seg) < 2) return;  // nothing to reduce over (or to shard)
   reduce_sequence_parallel(lo, hi);
@@ -175,7 +189,6 @@ std::pair<int64_t, int64_t> DataParallelOptimizer::own_part(size_t seg, int64_t 
 }
 
 void DataParallelOptimizer::start_across(bool block) {
-  float* g = shard_.grads().data<float>();
   size_t started = 0;
   for (; started < across_pending_.size(); ++started) {
     const auto range = across_pending_[started];
@@ -190,9 +203,9 @@ void DataParallelOptimizer::start_across(bool block) {
     Communicator* across = replicas_group_of(seg);
     const auto [a, b] = own_part(seg, range.first, range.second);
     if (a >= b || across->size() < 2) continue;
-    across_.emplace(
-        range, InFlight{across->all_reduce_async(g + a, static_cast<size_t>(b - a), DType::kF32),
-                        seconds()});
+    across_.emplace(range, InFlight{across->all_reduce_async(
+                                        shard_.grad_at(a), static_cast<size_t>(b - a), DType::kF32),
+                                    seconds()});
   }
   across_pending_.erase(across_pending_.begin(),
                         across_pending_.begin() + static_cast<std::ptrdiff_t>(started));
@@ -201,7 +214,7 @@ void DataParallelOptimizer::start_across(bool block) {
 void DataParallelOptimizer::finish_across() {
   start_across(true);
   // What no bucket covered of each shard: the gaps between the buckets' own parts.
-  float* g = shard_.grads().data<float>();
+  auto g = [this](int64_t off) { return shard_.grad_at(off); };
   const auto& segs = shard_.segments();
   for (size_t i = 0; i < segs.size(); ++i) {
     Communicator* across = replicas_group_of(i);
@@ -212,17 +225,16 @@ void DataParallelOptimizer::finish_across() {
       if (segment_of(range.first, range.second) != i) continue;
       const auto [a, b] = own_part(i, range.first, range.second);
       if (a >= b) continue;
-      if (a > at) across->all_reduce(g + at, static_cast<size_t>(a - at));
+      if (a > at) across->all_reduce(g(at), static_cast<size_t>(a - at));
       at = std::max(at, b);
     }
-    if (at < end) across->all_reduce(g + at, static_cast<size_t>(end - at));
+    if (at < end) across->all_reduce(g(at), static_cast<size_t>(end - at));
   }
   for (auto& [range, f] : across_) complete(f, bucket_sink_);
   across_.clear();
 }
 
 void DataParallelOptimizer::start_param_gathers() {
-  const Ptr params = shard_.params().ptr();
   for (const auto& [lo, hi] : shard_.part_ranges()) {
     const size_t seg = segment_of(lo, hi);
     if (shards_of(seg) < 2) continue;  // the whole segment is this rank's
@@ -230,10 +242,11 @@ void DataParallelOptimizer::start_param_gathers() {
     size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
     for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
     const double queued = seconds();
-    gathers_.emplace(std::pair{lo, hi}, InFlight{group_of(seg)->all_gather_v_async(
-                                                     params.at(lo + static_cast<int64_t>(own)).p,
-                                                     params.at(lo).p, counts, params.t),
-                                                 queued});
+    const Ptr out = shard_.param_at(lo);
+    gathers_.emplace(std::pair{lo, hi},
+                     InFlight{group_of(seg)->all_gather_v_async(out.at(static_cast<int64_t>(own)).p,
+                                                                out.p, counts, out.t),
+                              queued});
   }
 }
 
@@ -267,11 +280,23 @@ void DataParallelOptimizer::progress() {
 }
 
 void DataParallelOptimizer::reduce_gradients() {
+  const int64_t d = g_.data_parallel;
+  const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
+  if (fsdp_) {
+    // Megatron-FSDP: every part's gradients were reduce-scattered into the shard during the
+    // backward passes; the tensor-parallel partial sums are summed on it, then averaged.
+    fsdp_->finish();
+    reduce_sequence_parallel(0, shard_.flat_size());
+    for (size_t i = 0; d > 1 && i < shard_.segments().size(); ++i) {
+      const int64_t n = shard_.segments()[i].size / shards_of(i);
+      if (n > 0) be_.scale(shard_.grad_at(own_shard(i)), n, inv_d);
+    }
+    return;
+  }
+  // Everything is held here, in one buffer laid out as the flat array.
   float* g = shard_.grads().data<float>();
   const int64_t g_size = shard_.grads().size();
-  const int64_t d = g_.data_parallel;
   reduce_sequence_parallel(0, g_size);
-  const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
   const auto& segs = shard_.segments();
   if (!buckets_.empty()) {
     // --overlap-grad-reduce: what the buckets left of each segment, then the wait for all.
@@ -330,13 +355,12 @@ void DataParallelOptimizer::reduce_across_instances() {
   // instance has summed its own ranks' gradients into their shards; the K ranks holding the
   // same shard add the instances' sums. (Without --overlap-grad-reduce: after the
   // reduce-scatters, as Megatron-Core does then; with it, per bucket, start_across.)
-  float* g = shard_.grads().data<float>();
   const auto& segs = shard_.segments();
   for (size_t i = 0; i < segs.size(); ++i) {
     Communicator* across = replicas_group_of(i);
     const int64_t shard = segs[i].size / shards_of(i);
     if (!across || across->size() < 2 || shard == 0) continue;
-    across->all_reduce(g + own_shard(i), static_cast<size_t>(shard));
+    across->all_reduce(shard_.grad_at(own_shard(i)), static_cast<size_t>(shard));
   }
 }
 
@@ -344,16 +368,15 @@ void DataParallelOptimizer::sync_embedding() {
   if (g_.embedding->size() < 2) return;
   const Segment& s = shard_.segments()[0];
   if (dist_)
-    g_.embedding->all_reduce(shard_.grads().data<float>() + own_shard(0),
+    g_.embedding->all_reduce(shard_.grad_at(own_shard(0)),
                              static_cast<size_t>(s.size / shards_of(0)));
   else
-    g_.embedding->all_reduce(shard_.grads().data<float>() + s.offset, static_cast<size_t>(s.size));
+    g_.embedding->all_reduce(shard_.grad_at(s.offset), static_cast<size_t>(s.size));
 }
 
 double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSettings& o) {
   finish_param_gather();  // every forward pass has waited for its part already
-  const Ptr params = shard_.params().ptr();
-  float* grads = shard_.grads().data<float>();  // reduced in place, shard or whole
+  // The gradients are reduced in place, shard or whole.
   // Global gradient norm: every parameter once (replicated ones on tensor-parallel rank 0, the
   // tied embedding on the first stage).
   // Adjacent ranges are summed as one: on a GPU each sum_squares is a device-to-host copy,
@@ -361,7 +384,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   double sq = 0;
   int64_t run_lo = 0, run_hi = 0;
   auto flush = [&] {
-    if (run_hi > run_lo) sq = be_.sum_squares(grads + run_lo, run_hi - run_lo, sq);
+    if (run_hi > run_lo) sq = be_.sum_squares(shard_.grad_at(run_lo), run_hi - run_lo, sq);
   };
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t) {
     if (!counts_in_norm(p)) return;
@@ -393,15 +416,16 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   adam.beta2 = o.beta2;
   adam.eps = o.eps;
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    float* gp = grads + lo;
+    float* gp = shard_.grad_at(lo);
     const int64_t n = hi - lo;
     if (coef != 1.0) be_.scale(gp, n, coef);
     AdamWSettings a = adam;
     a.weight_decay = p.decay ? o.weight_decay : 0.0;
     // Mixed precision: AdamW on the fp32 master weights, then their bf16 copy in the model.
-    float* w = master_.size() > 0 ? master_.data<float>() + base : params.at(lo).f();
+    const Ptr param = shard_.param_at(lo);
+    float* w = master_.size() > 0 ? master_.data<float>() + base : param.f();
     be_.adamw(w, gp, adam_m_.data<float>() + base, adam_v_.data<float>() + base, n, a, step + 1);
-    if (master_.size() > 0) be_.copy(CPtr(w), params.at(lo), n);
+    if (master_.size() > 0) be_.copy(CPtr(w), param, n);
   });
   if (dist_) {
     for (size_t i = 0; i < shard_.segments().size(); ++i) {
@@ -409,11 +433,28 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
       const int64_t shard = s.size / shards_of(i);
       if (shard == 0) continue;
       if (defer_gather_ && shards_of(i) > 1) continue;  // start_param_gathers() below
+      // Megatron-FSDP's sharded layer weights stay sharded: only what stays whole is gathered
+      // (in place, range by range).
+      if (shard_.layout().fsdp == FsdpSharding::kOptimGradsParams) {
+        for (int64_t part = 0; part < static_cast<int64_t>(shard_.parts(0).size()); ++part) {
+          if (shard_.fsdp_unit(0, part)) continue;
+          for (const auto& [lo, hi] : shard_.parts(0)[static_cast<size_t>(part)]) {
+            if (lo < s.offset || hi > s.offset + s.size) continue;
+            const std::vector<size_t> counts = shard_counts(i, lo, hi);
+            size_t own = 0;
+            for (int64_t r = 0; r < shard_rank_of(i); ++r) own += counts[static_cast<size_t>(r)];
+            const Ptr out = shard_.param_at(lo);
+            group_of(i)->all_gather_v(out.at(static_cast<int64_t>(own)).p, out.p, counts, out.t);
+          }
+        }
+        continue;
+      }
       // In place: this rank's updated shard is its own block of the segment (no copy of the
       // segment beside the parameters, as Megatron-Core gathers into its parameter buffer).
       const std::vector<size_t> counts(static_cast<size_t>(shards_of(i)),
                                        static_cast<size_t>(shard));
-      group_of(i)->all_gather_v(params.at(own_shard(i)).p, params.at(s.offset).p, counts, params.t);
+      const Ptr out = shard_.param_at(s.offset);
+      group_of(i)->all_gather_v(out.at(own_shard(i) - s.offset).p, out.p, counts, out.t);
     }
     if (defer_gather_) start_param_gathers();
   }

@@ -25,6 +25,7 @@
 
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
+#include "runtime/fsdp.h"
 #include "runtime/gpt_model.h"
 #include "runtime/tensor.h"
 
@@ -73,8 +74,12 @@ class DataParallelOptimizer {
  public:
   DataParallelOptimizer(GptShard& shard, const DataParallelGroups& groups, bool distributed);
 
-  // Reduces every gradient not yet reduced by a bucket, then waits for the buckets.
+  // Reduces every gradient not yet reduced by a bucket, then waits for the buckets. Under
+  // Megatron-FSDP (set_fsdp) the backward passes reduced them into the shard already.
   void reduce_gradients();
+  // Megatron-FSDP (runtime/fsdp.h; the distributed optimizer in one instance, no buckets):
+  // reduce_gradients waits for its reductions, and step gathers only the weights it keeps whole.
+  void set_fsdp(MegatronFsdp* fsdp);
   // --overlap-grad-reduce: [lo, hi) (inside one segment) holds final gradients (the backward
   // passes of the step are done with them); their reduction starts now, asynchronously, on the
   // segment's group (data-parallel, or expert-data-parallel for routed experts): an all-reduce,
@@ -89,7 +94,7 @@ class DataParallelOptimizer {
   // (GptShard::part_ranges) in the order the next forward passes use them, on the segment's
   // group. wait_params(lo, hi) waits for that range's gather (the forward pass calls it before
   // the part runs); finish_param_gather() for every one (before a checkpoint is written).
-  void overlap_param_gather(bool on) { defer_gather_ = on && dist_; }
+  void overlap_param_gather(bool on) { defer_gather_ = on && dist_ && !fsdp_; }
   void wait_params(int64_t lo, int64_t hi);
   void finish_param_gather();
   // Lets the buckets in flight progress (MPI moves a non-blocking collective on when it is
@@ -210,6 +215,7 @@ class DataParallelOptimizer {
   Backend& be_;
   DataParallelGroups g_;
   bool dist_;
+  MegatronFsdp* fsdp_ = nullptr;
   DeviceBuffer adam_m_, adam_v_;
   DeviceBuffer master_;                // fp32 master weights of a bf16 model (empty for fp32)
   std::vector<int64_t> state_offset_;  // per segment, into the state arrays

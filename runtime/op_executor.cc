@@ -92,6 +92,7 @@ struct OpExecutor::State {
   DType dtype;    // of weights and activations (the layout's)
   Buffer params;  // one weight of the largest shape any op reads, and a bias
   Buffer grads{DType::kF32};
+  FlatMap param_map, grad_map;              // each buffer from offset 0
   Buffer a, b, c, d, e, f;                  // operands (of the layout's type), sized per op
   Buffer m1{DType::kF32}, m2{DType::kF32};  // statistics: mean, rstd, lse, cross-entropy stats
   // A fused attention's own: q, k, v, out, lse, d out, dq, dk, dv; `stats_for` is the size of
@@ -151,8 +152,10 @@ OpExecutor::OpExecutor(Backend& backend, Communicator* tensor_group, const Model
   const ShardDims& d = s_->ctx.dims;
   s_->fill(s_->params, parameter_elements_of(m, layout, d));
   s_->fill(s_->grads, elems(s_->params));
-  s_->ctx.params = s_->params.ptr();
-  s_->ctx.grads = s_->grads.data();
+  s_->param_map.map(0, elems(s_->params), s_->params.ptr());
+  s_->grad_map.map(0, elems(s_->grads), s_->grads.ptr());
+  s_->ctx.params = &s_->param_map;
+  s_->ctx.grads = &s_->grad_map;
   s_->tokens.resize(static_cast<size_t>(d.n_full));
   for (int64_t i = 0; i < d.n_full; ++i)
     s_->tokens[static_cast<size_t>(i)] = static_cast<int32_t>((i * 31) % d.vocab);

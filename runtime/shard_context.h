@@ -14,6 +14,7 @@
 #include "core/layer_ops.h"
 #include "runtime/backend.h"
 #include "runtime/communicator.h"
+#include "runtime/flat_map.h"
 #include "runtime/gpt_model.h"
 #include "runtime/op_timer.h"
 #include "runtime/tensor.h"
@@ -67,13 +68,15 @@ class ShardContext {
   Communicator* cp_heads = nullptr;
   Communicator* cp_ring = nullptr;
   ShardDims dims;
-  Ptr params;  // fp32, or bf16 with mixed precision
-  float* grads = nullptr;
+  // Where the flat parameter array (fp32, or bf16 with mixed precision) and its fp32 gradients
+  // are held (runtime/flat_map.h).
+  const FlatMap* params = nullptr;
+  const FlatMap* grads = nullptr;
   std::vector<ExecutedOp>* trace = nullptr;
   OpTimer* timer = nullptr;  // times each op (runtime/op_timer.h) when set
 
-  Ptr P(int64_t off) const { return params.at(off); }
-  float* G(int64_t off) const { return grads + off; }
+  Ptr P(int64_t off) const { return params->at(off); }
+  float* G(int64_t off) const { return grads->at(off).f(); }
 
   // Starts the record of one op (when tracing).
   void begin(OpId id, PassKind pass);

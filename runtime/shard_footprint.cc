@@ -6,10 +6,21 @@
 #include "runtime/shard_footprint.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <utility>
 
 namespace ptdp {
 
-std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& l) {
+namespace {
+
+// Elements of one rank's parameters by kind (shard_segment_sizes' terms).
+struct ShardTerms {
+  int64_t vl = 0, h = 0, biases = 0;
+  int64_t per_layer = 0, per_moe_layer = 0, per_moe_experts = 0;
+};
+
+ShardTerms shard_terms(const ModelSpec& m, const ShardLayout& l) {
   const int64_t t = l.t, h = m.hidden_size, d = m.head_dim();
   const int64_t hl = m.num_attention_heads / t, gl = m.query_groups() / t;
   const int64_t ffl = m.ffn_hidden() / t, vl = (m.vocab_size + t - 1) / t;
@@ -38,6 +49,18 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
   const int64_t per_moe_layer = attention + m.num_experts * h + (shared > 0 ? mlp(shared) : 0);
   const int64_t per_moe_experts =
       m.is_moe() ? m.num_experts / l.ep * mlp(m.moe_ffn_hidden() / l.etp) : 0;
+  return {vl, h, biases, per_layer, per_moe_layer, per_moe_experts};
+}
+
+int64_t padded(int64_t n, int64_t multiple) {
+  const int64_t mult = std::max<int64_t>(1, multiple);
+  return (n + mult - 1) / mult * mult;
+}
+
+}  // namespace
+
+std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& l) {
+  const auto [vl, h, biases, per_layer, per_moe_layer, per_moe_experts] = shard_terms(m, l);
   const int64_t stages = l.p * l.v;
   std::vector<int64_t> per_stage = l.layers_per_stage;
   if (per_stage.empty()) per_stage.assign(static_cast<size_t>(stages), m.num_layers / stages);
@@ -74,13 +97,101 @@ std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& 
       }
     }
   }
-  auto padded = [](int64_t n, int64_t multiple) {
-    const int64_t mult = std::max<int64_t>(1, multiple);
-    return (n + mult - 1) / mult * mult;
-  };
   std::vector<int64_t> sizes = {padded(word, l.segment_multiple), padded(rest, l.segment_multiple)};
   if (m.is_moe()) sizes.push_back(padded(experts, l.expert_segment_multiple));
   return sizes;
+}
+
+FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& l) {
+  const ShardTerms T = shard_terms(m, l);
+  const std::vector<int64_t> sizes = shard_segment_sizes(m, l);
+  // The flat arrays as GptShard lays them out at p = v = 1: segment 0 the word table; segment 1
+  // the position table (the embedding part), each layer, the final norm (and the untied output
+  // layer); segment 2 each MoE layer's routed experts. Ranges [lo, hi) per part.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  const int64_t word = T.vl * T.h;
+  int64_t at1 = sizes[0], at2 = sizes[0] + sizes[1];
+  Ranges embedding = {{0, word}};
+  if (m.learned_position_embeddings) {
+    embedding.emplace_back(at1, at1 + m.max_positions() * T.h);
+    at1 = embedding.back().second;
+  }
+  std::vector<Ranges> layers;
+  for (int64_t i = 0; i < m.num_layers; ++i) {
+    const bool moe = m.is_moe_layer(i);
+    Ranges r = {{at1, at1 + (moe ? T.per_moe_layer : T.per_layer)}};
+    at1 = r.back().second;
+    if (moe) {
+      r.emplace_back(at2, at2 + T.per_moe_experts);
+      at2 = r.back().second;
+    }
+    layers.push_back(r);
+  }
+  const int64_t head_size =
+      T.h + T.biases * T.h + (m.untie_embeddings_and_output_weights ? word : 0);
+  const Ranges head = {{at1, at1 + head_size}};
+  // This rank's block of each segment.
+  Ranges own;
+  int64_t offset = 0;
+  for (size_t seg = 0; seg < sizes.size(); ++seg) {
+    const int64_t n =
+        std::max<int64_t>(1, seg == 2 ? l.expert_segment_multiple : l.segment_multiple);
+    const int64_t rank = seg == 2 ? l.expert_shard_rank : l.shard_rank, block = sizes[seg] / n;
+    own.emplace_back(offset + rank * block, offset + (rank + 1) * block);
+    offset += sizes[seg];
+  }
+  auto size_of = [](const Ranges& r) {
+    int64_t n = 0;
+    for (const auto& [lo, hi] : r) n += hi - lo;
+    return n;
+  };
+  auto union_size = [](Ranges r) {
+    std::sort(r.begin(), r.end());
+    int64_t n = 0, end = 0;
+    for (const auto& [lo, hi] : r) {
+      const int64_t a = std::max(lo, end);
+      if (hi > a) n += hi - a;
+      end = std::max(end, hi);
+    }
+    return n;
+  };
+  FsdpHeld out;
+  out.gradients = size_of(own);
+  if (l.fsdp == FsdpSharding::kOptimGradsParams) {
+    Ranges kept = own;
+    for (const Ranges* r : std::initializer_list<const Ranges*>{&embedding, &head})
+      kept.insert(kept.end(), r->begin(), r->end());
+    out.weights = union_size(kept);
+    // Layers gathered at once: the one running and those ahead, until kFsdpPrefetchElements
+    // (runtime/fsdp.cc).
+    int64_t all = 0;
+    for (const Ranges& r : layers) all += size_of(r);
+    const auto n = static_cast<int64_t>(layers.size());
+    if (n > 0 && all > 0) {
+      const double unit = static_cast<double>(all) / static_cast<double>(n);
+      const auto ahead =
+          static_cast<int64_t>(std::ceil(std::max(kFsdpPrefetchElements, unit) / unit));
+      for (int64_t i = 0; i < n; ++i) {
+        int64_t g = 0;
+        for (int64_t k = i; k < std::min(n, i + ahead + 1); ++k)
+          g += size_of(layers[static_cast<size_t>(k)]);
+        out.gathered = std::max(out.gathered, g);
+      }
+    }
+  } else {
+    out.weights = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  }
+  // Gradient windows in the backward pass's order: the head, the layers from the last, the
+  // embedding; the tied word table's open throughout (the output layer's and the embedding's).
+  const bool tied = !m.untie_embeddings_and_output_weights;
+  std::vector<int64_t> windows = {size_of(head)};
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it) windows.push_back(size_of(*it));
+  windows.push_back(size_of(embedding) - (tied ? word : 0));
+  int64_t most = 0;
+  for (size_t i = 0; i < windows.size(); ++i)
+    most = std::max(most, windows[i] + (i > 0 ? windows[i - 1] : 0));
+  out.gradient_windows = most + (tied ? word : 0);
+  return out;
 }
 
 }  // namespace ptdp

@@ -17,4 +17,14 @@ namespace ptdp {
 // GptShard pads it. The layout must be valid (validate_shard_layout).
 std::vector<int64_t> shard_segment_sizes(const ModelSpec& m, const ShardLayout& layout);
 
+// Under Megatron-FSDP (layout.fsdp optim_grads or optim_grads_params, one stage of one chunk;
+// runtime/fsdp.h) what the rank holds, in elements: the weights it keeps (its shard, and what
+// stays whole) and its gradient shard, and at most, the layers' weights gathered at once and the
+// fp32 gradient windows open or reducing at once (the tied word embedding's throughout, a part's
+// while its backward pass runs, the part before it while its reduction is in flight).
+struct FsdpHeld {
+  int64_t weights = 0, gradients = 0, gathered = 0, gradient_windows = 0;
+};
+FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& layout);
+
 }  // namespace ptdp

@@ -23,6 +23,7 @@
 #include "runtime/data.h"
 #include "runtime/data_plane.h"
 #include "runtime/expert_groups.h"
+#include "runtime/fsdp.h"
 #include "runtime/gpt_model.h"
 #include "runtime/grad_sync.h"
 #include "runtime/lr_schedule.h"
@@ -223,6 +224,7 @@ class Executor {
   ExpertPosition expert_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<GptShard> shard_;
+  std::unique_ptr<MegatronFsdp> fsdp_;  // Megatron-FSDP plans that run sharded (runtime/fsdp.h)
   std::unique_ptr<DataParallelOptimizer> optimizer_;
   std::unique_ptr<ScheduleExecutor> executor_;
   PipelineSchedule schedule_;
@@ -312,6 +314,12 @@ void Executor::setup() {
     layout.etp = expert_.etp;
     layout.etp_rank = expert_.etp_rank;
     layout.expert_segment_multiple = dist_ ? expert_.edp / instances_ : 1;
+    // This rank's shards (the distributed optimizer's), and Megatron-FSDP's sharding where it
+    // runs sharded.
+    layout.shard_rank = pos_.dp % layout.segment_multiple;
+    layout.expert_shard_rank =
+        expert_.edp_rank % std::max<int64_t>(1, layout.expert_segment_multiple);
+    if (runs_megatron_fsdp(m, plan)) layout.fsdp = plan.fsdp;
     validate_shard_layout(m, layout);
     segment_sizes_ = shard_segment_sizes(m, layout);
     m_ = plan.num_microbatches();
@@ -404,11 +412,17 @@ void Executor::setup() {
   groups.dp_rank = pos_.dp;
   groups.tp_rank = pos_.tp;
   optimizer_ = std::make_unique<DataParallelOptimizer>(*shard_, groups, dist_);
+  if (shard_->layout().fsdp >= FsdpSharding::kOptimGrads) {
+    fsdp_ = std::make_unique<MegatronFsdp>(*shard_, groups.data, groups.expert_data);
+    shard_->set_fsdp(fsdp_.get());
+    optimizer_->set_fsdp(fsdp_.get());
+  }
   executor_ = std::make_unique<ScheduleExecutor>(*shard_, *pp_, *optimizer_,
                                                  schedule_.ranks[static_cast<size_t>(pos_.pp)],
                                                  pos_.pp, p_, dp_index_, m_);
   // Buckets only where there is a data-parallel reduction to hide.
-  executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1);
+  // (Megatron-FSDP reduces every part's gradients in its backward pass: nothing left to hide.)
+  executor_->overlap_grad_reduce(o_.plan.overlap_grad_reduce && dcp_ > 1 && !fsdp_);
   executor_->asynchronous_sends(!schedule_.synchronous_p2p);
   // SC'21's scatter/gather of pipeline transfers: where Megatron-LM applies it (t > 1, not with
   // sequence parallelism, whose transfers are already 1/t) and the cost model prices it (the
@@ -481,8 +495,10 @@ std::vector<RankFootprint> Executor::dry_run(
       l.ep_rank = e.ep_rank;
       l.etp = e.etp;
       l.etp_rank = e.etp_rank;
+      l.expert_shard_rank = e.edp_rank % std::max<int64_t>(1, l.expert_segment_multiple);
       agree(control_, [&] { validate_shard_layout(m, l); });
     }
+    l.shard_rank = pos.dp % l.segment_multiple;
     const std::vector<int64_t> sizes = shard_segment_sizes(o_.model, l);
     RankFootprint f;
     f.rank = r;
@@ -497,6 +513,8 @@ std::vector<RankFootprint> Executor::dry_run(
     f.optimizer_floats =
         states * moment_floats(sizes, dist_, dcp_ / instances_, expert_.edp / instances_);
     f.precision = o_.precision;
+    f.fsdp = l.fsdp >= FsdpSharding::kOptimGrads;
+    if (f.fsdp) f.fsdp_held = fsdp_held(o_.model, l);
     all.push_back(f);
   }
   agree(control_, [&] {
@@ -510,7 +528,7 @@ std::vector<RankFootprint> Executor::dry_run(
 }
 
 void Executor::save_checkpoint(int64_t completed) {
-  const auto layout = checkpoint_layout(o_, shard_->params().size());
+  const auto layout = checkpoint_layout(o_, shard_->flat_size());
   // The arrays come to the host before they are written.
   // The parameters in fp32 (the master weights with mixed precision).
   std::vector<std::vector<float>> host{optimizer_->parameters_to_host()};

@@ -21,6 +21,7 @@
 #include "runtime/loss_scaler.h"
 #include "runtime/lr_schedule.h"
 #include "runtime/schedule_executor.h"
+#include "runtime/shard_footprint.h"
 
 namespace ptdp {
 
@@ -128,6 +129,10 @@ struct RankFootprint {
   int64_t rank = 0, tp = 0, pp = 0, dp = 0, cp = 0;  // cp: the context-parallel index
   int64_t parameter_floats = 0, optimizer_floats = 0;
   DType precision = DType::kF32;
+  // Megatron-FSDP run sharded (runtime/fsdp.h): what the rank holds instead of every parameter
+  // and gradient (runtime/shard_footprint.h).
+  bool fsdp = false;
+  FsdpHeld fsdp_held;
 };
 
 // `ptdp run --dry-run`: every check train() makes before its first step (options, model,

@@ -73,18 +73,24 @@ TEST(Cli, RunSaysWhichPricedSettingsItDoesNotExecute) {
   const std::string note = execution_note(m, p);
   EXPECT_NE(note.find("--tp-comm-overlap"), std::string::npos);
   EXPECT_EQ(note.find('\n'), std::string::npos);
-  // Megatron-FSDP's gradient and weight sharding: run as the distributed optimizer, which does
-  // the same arithmetic, and said; no_shard and optim are DDP's and the distributed optimizer's.
+  // Megatron-FSDP's gradient and weight sharding runs sharded (runtime/fsdp.h) at p = 1 in one
+  // optimizer instance: nothing to say, the plan as given. Where it does not (two instances
+  // here), it runs as the distributed optimizer, which does the same arithmetic, and says so;
+  // no_shard and optim are DDP's and the distributed optimizer's.
   ParallelPlan f;
   f.data_parallel = 4;
   f.distributed_optimizer = true;
   for (FsdpSharding s :
        {FsdpSharding::kOptim, FsdpSharding::kOptimGrads, FsdpSharding::kOptimGradsParams}) {
     f.fsdp = s;
+    f.optimizer_instances = 1;
+    EXPECT_EQ(execution_note(m, f), "") << to_string(s);
+    EXPECT_EQ(executed_plan(m, f).fsdp, f.shards_gradients() ? s : FsdpSharding::kOff);
+    f.optimizer_instances = 2;
     EXPECT_EQ(execution_note(m, f).find(to_string(s) + " is priced, not run") != std::string::npos,
               f.shards_gradients())
         << to_string(s);
-    const ParallelPlan run = as_executed(f);
+    const ParallelPlan run = executed_plan(m, f);
     EXPECT_EQ(run.fsdp, FsdpSharding::kOff);
     EXPECT_TRUE(run.distributed_optimizer);
   }
@@ -112,7 +118,7 @@ TEST(Cli, ContextParallelRunsFusedAttention) {
   for (const CpComm c : {CpComm::kP2P, CpComm::kAllGather, CpComm::kA2A}) {
     p.cp_comm = c;
     EXPECT_EQ(execution_note(m, p), "");
-    EXPECT_EQ(as_executed(p).cp_comm, c);
+    EXPECT_EQ(executed_plan(m, p).cp_comm, c);
   }
   p.context_parallel = 1;
   m.flash_attention = false;

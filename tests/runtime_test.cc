@@ -26,6 +26,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/communicator.h"
 #include "runtime/data.h"
+#include "runtime/flat_map.h"
 #include "runtime/float16.h"
 #include "runtime/gpt_model.h"
 #include "runtime/loss_scaler.h"
@@ -45,6 +46,40 @@ ModelSpec tiny(int64_t layers = 4) {
   m.seq_length = 32;
   m.vocab_size = 128;
   return m;
+}
+
+// A flat array held in pieces, with windows over them: each element is found where it was
+// mapped, a window first while it is there; what is not held, or overlaps, is refused.
+TEST(FlatMap, FindsEachElementWhereItIsHeld) {
+  std::vector<float> a(10), b(5), w(6);
+  FlatMap map;
+  map.map(20, 25, Ptr(b.data()));
+  map.map(0, 10, Ptr(a.data()));
+  EXPECT_EQ(map.at(0).f(), a.data());
+  EXPECT_EQ(map.at(9).f(), a.data() + 9);
+  EXPECT_EQ(map.at(22).f(), b.data() + 2);
+  EXPECT_THROW(map.at(10), std::logic_error);  // between the pieces
+  EXPECT_THROW(map.at(25), std::logic_error);
+  EXPECT_THROW(map.map(8, 12, Ptr(w.data())), std::logic_error);
+  EXPECT_TRUE(map.holds(2, 10));
+  EXPECT_FALSE(map.holds(8, 21));
+  std::vector<std::pair<int64_t, int64_t>> parts;
+  map.for_each_mapped(5, 23, [&](int64_t lo, int64_t hi, Ptr) { parts.emplace_back(lo, hi); });
+  EXPECT_EQ(parts, (std::vector<std::pair<int64_t, int64_t>>{{5, 10}, {20, 23}}));
+  // A window over [6, 12): found first, where it lies; the pieces as before elsewhere, and
+  // for_each_mapped and holds see the pieces only.
+  map.overlay(6, 12, Ptr(w.data()));
+  EXPECT_EQ(map.at(6).f(), w.data());
+  EXPECT_EQ(map.at(11).f(), w.data() + 5);
+  EXPECT_EQ(map.at(5).f(), a.data() + 5);
+  EXPECT_FALSE(map.holds(6, 12));
+  EXPECT_THROW(map.overlay(11, 14, Ptr(w.data())), std::logic_error);
+  map.remove_overlay(6);
+  EXPECT_EQ(map.at(6).f(), a.data() + 6);
+  EXPECT_THROW(map.at(11), std::logic_error);
+  EXPECT_THROW(map.remove_overlay(6), std::logic_error);
+  map.unmap(20);
+  EXPECT_THROW(map.at(22), std::logic_error);
 }
 
 ModelSpec tiny_llama() {
