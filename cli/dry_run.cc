@@ -30,7 +30,11 @@ ParallelPlan executed_plan(const ModelSpec& m, const ParallelPlan& p) {
   run.fp32_grad_reduce = true;
   run.tp_comm_overlap = false;
   run.overlap_moe_ep_comm = false;
-  if (runs_megatron_fsdp(m, p)) return run;  // sharded as Megatron-FSDP shards it
+  if (runs_megatron_fsdp(m, p)) {      // sharded as Megatron-FSDP shards it, with nothing to
+    run.overlap_grad_reduce = false;   // overlap: the passes gather and reduce themselves, and
+    run.overlap_param_gather = false;  // the step gathers what stays whole
+    return run;
+  }
   run.fsdp = FsdpSharding::kOff;  // the distributed optimizer's layout (or DDP's for no_shard)
   // HSDP: the distributed optimizer in the same instances, or (HFSDP, its states sharded across
   // them) in one.

@@ -992,9 +992,13 @@ ActivationUnits attention_and_mlp_units(const ModelSpec& m, const LayerShape& s,
   // Sharded by t: Q, K, V (2 sbh, K and V scaled by groups/heads; heads x kv_channels wide
   // where --kv-channels sets another width), the projection input (2 sbh), the
   // activation-function input(s) and the FC2 input (2 s b ffn each).
-  // (mla_up_proj reruns Q, K and V from the latents: none of them kept.)
-  u.sharded = (recomputes(s, kRecomputeMlaUpProj, moe_layer) ? 0.0 : 2.0 * (sbq + sbk + sbv)) +
-              proj_input * sbo;
+  // (mla_up_proj reruns Q, K and V from the latents: none of them kept, unless a heads
+  // all-to-all moved them into tensors of the attention's own, which it keeps while its core is
+  // not recomputed: Transformer Engine's Ulysses, where the rerun has no reader.)
+  const bool qkv_rerun =
+      recomputes(s, kRecomputeMlaUpProj, moe_layer) &&
+      (heads_all_to_all_ranks(s) == 1 || recomputes(s, kRecomputeCoreAttn, moe_layer));
+  u.sharded = (qkv_rerun ? 0.0 : 2.0 * (sbq + sbk + sbv)) + proj_input * sbo;
   // MLA (the rank's tokens, as the input norm's): the up projections keep their inputs, the
   // latents (gathered again for the backward pass with sequence parallelism, as Megatron's
   // column-parallel layers do), and with --qk-layernorm the latents' norms their inputs and an

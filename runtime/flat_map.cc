@@ -53,6 +53,10 @@ void FlatMap::remove_overlay(int64_t lo) {
 Ptr FlatMap::at(int64_t off) const {
   for (const Piece& p : overlays_)
     if (off >= p.lo && off < p.hi) return p.base.at(off - p.lo);
+  return held_at(off);
+}
+
+Ptr FlatMap::held_at(int64_t off) const {
   if (pieces_.size() == 1 && off >= pieces_[0].lo && off < pieces_[0].hi)
     return pieces_[0].base.at(off - pieces_[0].lo);
   const Piece* p = find(off);

@@ -28,8 +28,10 @@ class FlatMap {
   // for_each_mapped and holds see only what map() mapped.
   void overlay(int64_t lo, int64_t hi, Ptr base);
   void remove_overlay(int64_t lo);
-  // Where element `off` is held (std::logic_error when it is not mapped).
+  // Where element `off` is held (std::logic_error when it is not mapped): in a window over it,
+  // else in a piece; held_at looks in the pieces only.
   Ptr at(int64_t off) const;
+  Ptr held_at(int64_t off) const;
   // Whether [lo, hi) is mapped, and in one piece (so that at(lo) reaches all of it).
   bool holds(int64_t lo, int64_t hi) const;
   // Calls f(lo, hi, base) for the mapped parts of [lo, hi), in order.

@@ -110,7 +110,7 @@ void MegatronFsdp::start_gather(int64_t part) {
     g.window = DeviceBuffer(be_, shard_.layout().dtype, r.hi - r.lo);
     const auto [a, b] = own_part(r);
     // This rank's block of the range from its shard (none: any pointer, no element is read).
-    const Ptr in = b > a ? shard_.param_at(a) : g.window.ptr();
+    const Ptr in = b > a ? shard_.param_map().held_at(a) : g.window.ptr();
     g.work = group_of(r.seg)->all_gather_v_async(in.p, g.window.ptr().p, counts(r),
                                                  shard_.layout().dtype);
     gathers.push_back(std::move(g));
@@ -196,13 +196,19 @@ void MegatronFsdp::after_backward(int64_t part) {
     while (static_cast<double>(reducing_.size()) > kFsdpGradientUnitsInFlight - 1.0)
       complete_oldest();
   }
+  // The end of the microbatch's backward pass: its last reductions complete before the next
+  // microbatch's passes (whose output layer's window would otherwise meet them).
+  if (open_.empty())
+    while (!reducing_.empty()) complete_oldest();
 }
 
 void MegatronFsdp::complete_oldest() {
   GradWindow& w = reducing_.front();
   w.work->wait();
   const auto [a, b] = own_part(w.r);
-  if (b > a) be_.add(shard_.grad_at(a), w.window.data<float>() + (a - w.r.lo), b - a);
+  // Into the shard itself (not a window open over the same range).
+  if (b > a)
+    be_.add(shard_.grad_map().held_at(a).f(), w.window.data<float>() + (a - w.r.lo), b - a);
   reducing_.pop_front();
 }
 

@@ -126,6 +126,9 @@ nlohmann::json layout_fields(const TrainOptions& o, int64_t flat_size) {
   // A pipeline layout decides which layers a chunk holds (an even split and a layout can give
   // every rank the same size).
   if (!p.layers_per_chunk.empty()) j["layers_per_chunk"] = p.layers_per_chunk;
+  // Megatron-FSDP's sharded weights: a shard holds only its block of the layers' weights (the
+  // rest is zero in its file), which a run keeping whole weights must not load.
+  if (runs_megatron_fsdp(o.model, p) && p.shards_weights()) j["layer_weights_sharded"] = true;
   if (o.model.is_moe()) {  // the expert grid decides which experts a shard holds
     j["ep"] = p.expert_parallel;
     j["etp"] = p.expert_tp();

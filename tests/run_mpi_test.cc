@@ -303,6 +303,16 @@ TEST(RunMpi, MegatronFsdpTrainsToTheSingleRankLosses) {
   expect_same_losses({1, 1, 2, ogp + " --expert-model-parallel-size 2", kTinyMoe}, moe);
   expect_same_losses({1, 1, 4, og, kTinyMoe}, moe);
   expect_resume_continues_the_curve("fsdp_ckpt", " " + ogp);
+  // A checkpoint of sharded layer weights (each file holds its rank's block of them) does not
+  // load into a run that keeps them whole.
+  const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_fsdp_whole";
+  fs::remove_all(dir);
+  ASSERT_EQ(ptdp_run(2, tiny_steps(3) + " " + ogp + " --save " + dir.string()).status, 0);
+  const Outcome whole =
+      ptdp_run(2, tiny_steps(6) + " --use-distributed-optimizer --load " + dir.string());
+  EXPECT_EQ(whole.status, 2) << whole.err;
+  EXPECT_NE(whole.err.find("--load"), std::string::npos) << whole.err;
+  fs::remove_all(dir);
 }
 
 // Megatron-FSDP's memory, measured against the dry run (runtime/shard_footprint.h fsdp_held):
@@ -440,6 +450,19 @@ TEST(RunMpi, ContextParallelPeakMemoryIsWhatTheDryRunPredicts) {
     std::printf("[ measured ]%s: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n", extra.c_str(),
                 got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
   }
+  // MLA under Ulysses with mla_up_proj recomputed: the attention keeps the Q, K and V it moved
+  // (the up projections' rerun has no reader), as the memory model counts them (measured +4.8%:
+  // the rerun's own Q, K and V during the layer's backward pass are not counted).
+  std::string mla = model;
+  mla.erase(mla.find(" --num-query-groups 2"), 21);
+  mla +=
+      " --multi-latent-attention --kv-lora-rank 32 --qk-head-dim 32 --qk-pos-emb-head-dim 16"
+      " --v-head-dim 32 --context-parallel-size 2 --cp-comm-type a2a"
+      " --recompute-granularity selective --recompute-modules mla_up_proj";
+  const auto [want, got] = predicted_and_measured_peak(2, mla);
+  EXPECT_NEAR(got / want, 1.0, 0.05) << "MLA: measured " << got << ", predicted " << want;
+  std::printf("[ measured ] MLA a2a mla_up_proj: %.2f MiB measured, %.2f MiB predicted (%+.1f%%)\n",
+              got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
 }
 
 // A layout's chunks hold different layers, so the activations a rank keeps depend on which
