@@ -1101,9 +1101,9 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       // Megatron-FSDP: every gradient in 1/(d cp) shards (the experts' in 1/edp), and with
       // sharded weights the layer units' weights; whole: the weights outside the units, the
       // gradients of the units being computed and reduced (or of the module outside the units
-      // whose backward pass runs, if larger; a tied word embedding's, which both ends of the
-      // model add to, throughout), and the gathered units' weights (the unit running and those
-      // prefetched).
+      // whose backward pass runs with the unit beside it, if larger; a tied word embedding's,
+      // which both ends of the model add to, throughout), and the gathered units' weights (the
+      // unit running and those prefetched).
       const double dense_units = params - experts - non_layer;
       const double layers = static_cast<double>(std::max<int64_t>(1, p.layers_on_stage(model_, r)));
       const double unit = (dense_units + experts) / layers;  // one layer's parameters
@@ -1112,9 +1112,13 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       mb.expert_gradients = experts / es * grad_bytes;
       const double units_alive = std::min(layers, kFsdpGradientUnitsInFlight) * unit;
       const OuterModules outer = outer_modules(p, r);
-      const double alive = model_.untie_embeddings_and_output_weights
-                               ? std::max({units_alive, outer.embedding, outer.output})
-                               : units_alive + non_layer;
+      // Untied, the output layer's window meets the last layer's (its reduction in flight while
+      // that layer computes) and the embedding's the first layer's, as ptdp run's
+      // (runtime/fsdp.h).
+      const double alive =
+          model_.untie_embeddings_and_output_weights
+              ? std::max({units_alive, outer.embedding + unit, outer.output + unit})
+              : units_alive + non_layer;
       mb.gradients = ((dense_units + non_layer) / ds + alive) * grad_bytes + mb.expert_gradients;
       if (p.shards_weights()) {
         const double gathered =

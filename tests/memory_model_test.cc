@@ -375,9 +375,22 @@ TEST(StateMemory, MegatronFsdpShardsGradientsThenWeights) {
   EXPECT_DOUBLE_EQ(a.weights, 2 * params);
   EXPECT_DOUBLE_EQ(a.gradients, 4 * params);
   EXPECT_DOUBLE_EQ(b.weights, a.weights);
-  // Every gradient sharded; whole: two units' (more than the output layer's, 131M, whose
-  // gradients live while its backward pass runs).
+  // Every gradient sharded; whole: two units' (more than the output layer's, 131M, with one
+  // unit's beside it while its reduction is in flight).
   EXPECT_DOUBLE_EQ(b.gradients, 4 * (params / 8 + 2 * unit));
+  // Llama 3 8B's output layer (128256 x 4096, 525M, with the final norm) is larger than two of
+  // its 218M layers: its window and the last layer's.
+  {
+    const ModelSpec l3 = resolve_model("llama3-8b");
+    const CostModel c3(l3, c, resolve_profile("h100-sxm"));
+    ParallelPlan og3 = og;
+    og3.validate(l3);
+    const double p3 = c3.parameters_on_stage(og3, 0),
+                 out3 = c3.non_layer_parameters_on_stage(og3, 0);
+    const double unit3 = (p3 - out3) / 32, output3 = 128256.0 * 4096 + 4096;  // + final norm
+    ASSERT_GT(output3, 2 * unit3);
+    EXPECT_DOUBLE_EQ(c3.memory(og3).gradients, 4 * (p3 / 8 + output3 + unit3));
+  }
   EXPECT_DOUBLE_EQ(g.gradients, b.gradients);
   EXPECT_DOUBLE_EQ(g.weights, 2 * ((params - outside) / 8 + outside + 4 * unit));
   for (const MemoryBreakdown& x : {b, g}) EXPECT_DOUBLE_EQ(x.optimizer, a.optimizer);
