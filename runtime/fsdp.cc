@@ -111,6 +111,7 @@ void MegatronFsdp::start_gather(int64_t part) {
     const auto [a, b] = own_part(r);
     // This rank's block of the range from its shard (none: any pointer, no element is read).
     const Ptr in = b > a ? shard_.param_map().held_at(a) : g.window.ptr();
+    g.started = seconds();
     g.work = group_of(r.seg)->all_gather_v_async(in.p, g.window.ptr().p, counts(r),
                                                  shard_.layout().dtype);
     gathers.push_back(std::move(g));
@@ -126,6 +127,7 @@ void MegatronFsdp::map_gathered(int64_t part) {
     if (g.mapped) continue;
     g.work->wait();
     g.work.reset();
+    if (gather_sink_) gather_sink_->emplace_back(g.started, seconds());
     shard_.param_map().overlay(g.r.lo, g.r.hi, g.window.ptr());
     g.mapped = true;
   }
@@ -190,6 +192,7 @@ void MegatronFsdp::after_backward(int64_t part) {
     shard_.grad_map().remove_overlay(r.lo);
     // In place: this rank's block of the sum lands where the block lies in the window.
     float* g = w.window.data<float>();
+    w.started = seconds();
     w.work = group_of(r.seg)->reduce_scatter_v_async(g, g, counts(r), DType::kF32);
     reducing_.push_back(std::move(w));
     // One reduction stays in flight behind the next part's backward pass.
@@ -205,6 +208,7 @@ void MegatronFsdp::after_backward(int64_t part) {
 void MegatronFsdp::complete_oldest() {
   GradWindow& w = reducing_.front();
   w.work->wait();
+  if (reduction_sink_) reduction_sink_->emplace_back(w.started, seconds());
   const auto [a, b] = own_part(w.r);
   // Into the shard itself (not a window open over the same range).
   if (b > a)

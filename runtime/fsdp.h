@@ -26,6 +26,7 @@
 // optimizer does; only what stays whole is all-gathered after it.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <map>
@@ -60,6 +61,16 @@ class MegatronFsdp {
   void after_backward(int64_t part);
   // Waits for every gradient reduction in flight and adds it to the shard.
   void finish();
+  // With sinks, appends each weight gather's and each gradient reduction's span (seconds since
+  // t0: from when it was started to when this rank waited it complete), the trace's data-parallel
+  // events (param_gathers and grad_buckets); null: stop recording.
+  void time_collectives(std::vector<std::pair<double, double>>* gathers,
+                        std::vector<std::pair<double, double>>* reductions,
+                        std::chrono::steady_clock::time_point t0) {
+    gather_sink_ = gathers;
+    reduction_sink_ = reductions;
+    t0_ = t0;
+  }
 
   // The largest number of layers' weights gathered at once, and of gradient windows open or
   // reducing at once, since construction (what the memory model prices: its units gathered
@@ -77,12 +88,14 @@ class MegatronFsdp {
     DeviceBuffer window;
     std::unique_ptr<Work> work;
     bool mapped = false;
+    double started = 0;
   };
   struct GradWindow {
     Range r;
     DeviceBuffer window;
     int users_left = 0;
     std::unique_ptr<Work> work;
+    double started = 0;
   };
   std::vector<Range> ranges_of(int64_t part) const;
   Communicator* group_of(size_t seg) const { return seg == 2 ? expert_data_ : data_; }
@@ -111,6 +124,11 @@ class MegatronFsdp {
   std::map<int64_t, GradWindow> open_;  // gradient windows by lo
   std::deque<GradWindow> reducing_;
   int64_t most_gathered_ = 0, most_windows_ = 0;
+  std::vector<std::pair<double, double>>*gather_sink_ = nullptr, *reduction_sink_ = nullptr;
+  std::chrono::steady_clock::time_point t0_;
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
 };
 
 }  // namespace ptdp

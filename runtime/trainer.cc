@@ -673,6 +673,8 @@ TrainResult Executor::run(const std::function<void(const StepStats&)>& on_step) 
     optimizer_->time_norm_reduction(&norm_spans_, t0_);
     optimizer_->time_buckets(&bucket_spans_);
     optimizer_->time_param_gathers(&gather_spans_);
+    // Megatron-FSDP's gathers and reductions, on the same data-parallel track.
+    if (fsdp_) fsdp_->time_collectives(&gather_spans_, &bucket_spans_, t0_);
   }
   const int64_t tokens_per_step = o_.plan.global_batch_size * o_.model.seq_length;
   for (int64_t s = first_step_; s < o_.steps; ++s) {

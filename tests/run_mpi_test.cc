@@ -303,6 +303,27 @@ TEST(RunMpi, MegatronFsdpTrainsToTheSingleRankLosses) {
   expect_same_losses({1, 1, 2, ogp + " --expert-model-parallel-size 2", kTinyMoe}, moe);
   expect_same_losses({1, 1, 4, og, kTinyMoe}, moe);
   expect_resume_continues_the_curve("fsdp_ckpt", " " + ogp);
+  // The trace's data-parallel track: per rank, step and microbatch, a gather of each layer's
+  // weights before its forward and its backward pass, and a reduction of each part's windows
+  // (the output layer's two, the word table and the final norm; each layer's; the position
+  // table).
+  {
+    const fs::path trace = fs::temp_directory_path() / "ptdp_run_mpi_test_fsdp_trace.json";
+    fs::remove(trace);
+    const Outcome r = ptdp_run(2, tiny_steps(3) + " " + ogp + " --trace " + trace.string());
+    ASSERT_EQ(r.status, 0) << r.err;
+    const auto j = nlohmann::json::parse(read_file(trace.string()));
+    int gathers = 0, reductions = 0;
+    for (const auto& e : j["traceEvents"]) {
+      if (e["ph"] != "X") continue;
+      gathers += e["name"] == "dp_param_gather";
+      reductions += e["name"] == "dp_grad_bucket";
+    }
+    const int per_rank_microbatches = 3 * 2;  // steps x microbatches (8 / (2 x 2))
+    EXPECT_EQ(gathers, 2 * per_rank_microbatches * 2 * 4);
+    EXPECT_EQ(reductions, 2 * per_rank_microbatches * (2 + 4 + 1));
+    fs::remove(trace);
+  }
   // A checkpoint of sharded layer weights (each file holds its rank's block of them) does not
   // load into a run that keeps them whole.
   const fs::path dir = fs::temp_directory_path() / "ptdp_run_mpi_test_fsdp_whole";
