@@ -7,9 +7,11 @@
 namespace ptdp {
 
 bool runs_megatron_fsdp(const ModelSpec& m, const ParallelPlan& p) {
-  return p.shards_gradients() && p.data_parallel * p.context_parallel > 1 &&
-         p.distributed_optimizer && p.instances() == 1 && p.pipeline_parallel == 1 &&
-         p.virtual_stages == 1 && m.mtp_num_layers == 0;
+  // In K instances (HSDP) only with whole copies across them (--outer-dp-sharding-strategy
+  // no_shard): the shards are the distributed optimizer's in its K instances then.
+  const bool instances_ok = p.instances() == 1 || p.fsdp_outer == FsdpSharding::kNoShard;
+  return p.shards_gradients() && p.instance_ranks() > 1 && p.distributed_optimizer &&
+         instances_ok && p.pipeline_parallel == 1 && p.virtual_stages == 1 && m.mtp_num_layers == 0;
 }
 
 MegatronFsdp::MegatronFsdp(GptShard& shard, Communicator* data, Communicator* expert_data)

@@ -41,15 +41,18 @@
 namespace ptdp {
 
 // Whether ptdp run shards a plan as Megatron-FSDP (optim_grads or optim_grads_params over
-// more than one data-parallel rank, in one optimizer instance, at p = 1 without multi-token
-// prediction); other Megatron-FSDP plans run with the distributed optimizer's layout, and the
-// run says so (cli/dry_run.h).
+// more than one data-parallel rank of an optimizer instance, at p = 1 without multi-token
+// prediction; in K instances, HSDP, with whole copies across them: each instance shards over its
+// d cp / K ranks and the shards are all-reduced across the instances once a step); other
+// Megatron-FSDP plans (HFSDP's states sharded across the instances too) run with the
+// distributed optimizer's layout, and the run says so (cli/dry_run.h).
 bool runs_megatron_fsdp(const ModelSpec& m, const ParallelPlan& p);
 
 class MegatronFsdp {
  public:
-  // data: the d x cp data-parallel ranks (dense segments); expert_data: the routed experts'
-  // (MoE models). The shard's layout says the strategy and this rank's shards.
+  // data: the d x cp data-parallel ranks (dense segments; with K instances this rank's
+  // instance's); expert_data: the routed experts' (MoE models). The shard's layout says the
+  // strategy and this rank's shards.
   MegatronFsdp(GptShard& shard, Communicator* data, Communicator* expert_data);
   ~MegatronFsdp();
   MegatronFsdp(const MegatronFsdp&) = delete;

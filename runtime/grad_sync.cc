@@ -31,8 +31,7 @@ DataParallelOptimizer::DataParallelOptimizer(GptShard& shard, const DataParallel
 }
 
 void DataParallelOptimizer::set_fsdp(MegatronFsdp* fsdp) {
-  if (fsdp && (!dist_ || g_.dense_shards.replicas || g_.expert_shards.replicas))
-    throw std::logic_error("Megatron-FSDP needs the distributed optimizer in one instance");
+  if (fsdp && !dist_) throw std::logic_error("Megatron-FSDP needs the distributed optimizer");
   fsdp_ = fsdp;
   if (fsdp_) defer_gather_ = false;
 }
@@ -284,8 +283,10 @@ void DataParallelOptimizer::reduce_gradients() {
   const double inv_d = static_cast<double>(1.0f / static_cast<float>(d));
   if (fsdp_) {
     // Megatron-FSDP: every part's gradients were reduce-scattered into the shard during the
-    // backward passes; the tensor-parallel partial sums are summed on it, then averaged.
+    // backward passes (within the instance: HSDP's shards are then all-reduced across the
+    // instances); the tensor-parallel partial sums are summed on it, then averaged.
     fsdp_->finish();
+    reduce_across_instances();
     reduce_sequence_parallel(0, shard_.flat_size());
     for (size_t i = 0; d > 1 && i < shard_.segments().size(); ++i) {
       const int64_t n = shard_.segments()[i].size / shards_of(i);

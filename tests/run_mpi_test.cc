@@ -337,7 +337,8 @@ TEST(RunMpi, MegatronFsdpTrainsToTheSingleRankLosses) {
 }
 
 // Megatron-FSDP's memory, measured against the dry run (runtime/shard_footprint.h fsdp_held):
-// within 5% at d 2 and 4 for both strategies, and sharding the gradients takes memory away
+// within 5% at d 2 and 4 for both strategies and for HSDP over 2 x 2 ranks, and sharding the
+// gradients takes memory away
 // from the distributed optimizer's run. The dry run counts the gradient windows at their most
 // (two layers'), which come after the activations' peak (the last layer's window and the
 // output layer's are open then): it is a few percent over.
@@ -363,6 +364,16 @@ TEST(RunMpi, MegatronFsdpPeakMemoryIsWhatTheDryRunPredicts) {
     std::printf("[ measured ] d%d distributed optimizer: %.3f MiB measured, %.3f predicted\n", np,
                 got_dopt / 1048576.0, want_dopt / 1048576.0);
   }
+  // HSDP: two instances of two ranks, each sharding within itself, whole copies across.
+  const auto [want, got] = predicted_and_measured_peak(
+      4, model +
+             " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"
+             " --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy no_shard");
+  EXPECT_NEAR(got / want, 1.0, 0.05) << "HSDP: measured " << got << ", predicted " << want;
+  std::printf(
+      "[ measured ] d4 HSDP 2 x 2 optim_grads_params: %.3f MiB measured, %.3f MiB "
+      "predicted (%+.1f%%)\n",
+      got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
 }
 
 // Megatron's uneven split (--decoder-first/last-pipeline-num-layers), with and without
@@ -1141,9 +1152,10 @@ TEST(RunMpi, DistributedOptimizerInstancesTrainToTheSingleRankLosses) {
   const double quarter = optimizer_bytes("--use-distributed-optimizer");
   EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "2"), 2 * quarter);
   EXPECT_DOUBLE_EQ(optimizer_bytes(dopt + "4"), optimizer_bytes(""));
-  // Megatron-FSDP in two instances (HSDP) runs with the distributed optimizer's layout: in the
-  // same instances across which it keeps its shards (no_shard), or in one where it shards the
-  // states across them too (optim), so the states are the plan's.
+  // Megatron-FSDP in two instances: HSDP (no_shard) runs sharded within each instance
+  // (runtime/fsdp.h), its shards all-reduced across them; HFSDP (optim) with the distributed
+  // optimizer's layout in one instance, sharding the states across them too, so the states are
+  // the plan's.
   const std::string hsdp =
       "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params "
       "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy ";
