@@ -286,7 +286,12 @@ void DataParallelOptimizer::reduce_gradients() {
     // backward passes (within the instance: HSDP's shards are then all-reduced across the
     // instances); the tensor-parallel partial sums are summed on it, then averaged.
     fsdp_->finish();
+    // (HSDP's all-reduce across the instances on the trace's data-parallel track, as the
+    // overlapped buckets' are.)
+    const double across_start = seconds();
     reduce_across_instances();
+    if (bucket_sink_ && (g_.dense_shards.replicas || g_.expert_shards.replicas))
+      bucket_sink_->emplace_back(across_start, seconds());
     reduce_sequence_parallel(0, shard_.flat_size());
     for (size_t i = 0; d > 1 && i < shard_.segments().size(); ++i) {
       const int64_t n = shard_.segments()[i].size / shards_of(i);

@@ -227,7 +227,6 @@ class Executor {
   ExpertPosition expert_;
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<GptShard> shard_;
-  std::unique_ptr<MegatronFsdp> fsdp_;  // Megatron-FSDP plans that run sharded (runtime/fsdp.h)
   std::unique_ptr<DataParallelOptimizer> optimizer_;
   std::unique_ptr<ScheduleExecutor> executor_;
   PipelineSchedule schedule_;
@@ -245,6 +244,9 @@ class Executor {
   // With K > 1 instances: the ranks of this rank's instance, and the K ranks (one per instance)
   // that all-reduce its shard; the experts' likewise.
   std::unique_ptr<Communicator> instance_, replicas_, expert_instance_, expert_replicas_;
+  // Megatron-FSDP plans that run sharded (runtime/fsdp.h); after the groups its collectives use,
+  // so that it is destroyed (waiting for what it has in flight) before them.
+  std::unique_ptr<MegatronFsdp> fsdp_;
   // Updates applied so far (AdamW's and the learning rate's step): every step but the ones
   // skipped for an fp16 overflow. Checkpoints keep it with the loss scaler's state.
   int64_t applied_ = 0;

@@ -1163,6 +1163,12 @@ TEST(RunMpi, DistributedOptimizerInstancesTrainToTheSingleRankLosses) {
   EXPECT_DOUBLE_EQ(optimizer_bytes(hsdp + "optim"), quarter);
   expect_same_losses({1, 1, 4, hsdp + "optim"}, single);
   expect_same_losses({1, 1, 4, hsdp + "no_shard"}, single);
+  // HSDP with optim_grads, and an MoE model's experts sharded within two instances of two.
+  const std::string hsdp_og =
+      "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+      "--num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy no_shard";
+  expect_same_losses({1, 1, 4, hsdp_og}, single);
+  expect_same_losses({1, 1, 4, hsdp_og, kTinyMoe}, run_json(0, kTinyMoe));
 }
 
 // MoE layers in device memory (the CUDA backend's path without a GPU): cpu-staged routes on the
