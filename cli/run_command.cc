@@ -378,7 +378,7 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     const std::string title = "ptdp run: " + plan_line(model, f.train.plan);
     if (!f.trace.empty()) {
       RunTraceInfo info;
-      info.model = as_executed(model, f.train.plan);  // what ran, for reconcile to price
+      info.model = as_executed(model, f.train.plan);   // what ran, for reconcile to price
       info.plan = executed_plan(model, f.train.plan);  // without what is priced, not run
       // A machine file by its absolute path, so that reconcile finds it from any directory.
       std::error_code ec;
