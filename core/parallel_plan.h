@@ -9,6 +9,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -108,6 +109,10 @@ enum class FsdpSharding { kOff, kNoShard, kOptim, kOptimGrads, kOptimGradsParams
 // when the reductions keep pace with the backward pass.
 inline constexpr double kFsdpPrefetchElements = 5e8;
 inline constexpr double kFsdpGradientUnitsInFlight = 2.0;
+// The units gathered ahead of the running one when a unit has `unit` elements (> 0).
+inline double fsdp_units_ahead(double unit) {
+  return std::ceil((kFsdpPrefetchElements > unit ? kFsdpPrefetchElements : unit) / unit);
+}
 
 std::string to_string(Recompute r);
 std::string to_string(Schedule s);

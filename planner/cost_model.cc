@@ -1122,10 +1122,7 @@ MemoryBreakdown CostModel::memory(const ParallelPlan& p) const {
       mb.gradients = ((dense_units + non_layer) / ds + alive) * grad_bytes + mb.expert_gradients;
       if (p.shards_weights()) {
         const double gathered =
-            unit > 0
-                ? std::min(layers, 1.0 + std::ceil(std::max(kFsdpPrefetchElements, unit) / unit)) *
-                      unit
-                : 0.0;
+            unit > 0 ? std::min(layers, 1.0 + fsdp_units_ahead(unit)) * unit : 0.0;
         mb.expert_weights = experts / es * weight_bytes();
         const double layer_weights_held = dense_units / ds + gathered + experts / es;
         mb.weights =

@@ -19,10 +19,6 @@ class FlatMap {
   void map(int64_t lo, int64_t hi, Ptr base);
   // Removes the range mapped from lo.
   void unmap(int64_t lo);
-  void clear() {
-    pieces_.clear();
-    overlays_.clear();
-  }
   // Maps [lo, hi) to `base` above what is mapped (it may overlap it, not another overlay): a
   // window of a layer's weights or gradients, which at() finds first while it is there;
   // for_each_mapped and holds see only what map() mapped.

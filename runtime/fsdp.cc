@@ -28,6 +28,8 @@ MegatronFsdp::MegatronFsdp(GptShard& shard, Communicator* data, Communicator* ex
   if (!data || (shard.segments().size() > 2 && !expert_data))
     throw std::logic_error("MegatronFsdp without its data-parallel groups");
   const auto& parts = shard.parts(0);
+  for (int64_t part = 0; part < static_cast<int64_t>(parts.size()); ++part)
+    ranges_.push_back(make_ranges(part));
   for (int64_t part = 0; part < static_cast<int64_t>(parts.size()); ++part) {
     if (shard.fsdp_unit(0, part)) {
       if (last_unit_ < first_unit_) first_unit_ = part;
@@ -43,9 +45,7 @@ MegatronFsdp::MegatronFsdp(GptShard& shard, Communicator* data, Communicator* ex
     for (int64_t part = first_unit_; part <= last_unit_; ++part)
       for (const Range& r : ranges_of(part)) elements += r.hi - r.lo;
     const double unit = static_cast<double>(elements) / static_cast<double>(units);
-    units_ahead_ =
-        unit > 0 ? static_cast<int64_t>(std::ceil(std::max(kFsdpPrefetchElements, unit) / unit))
-                 : 0;
+    units_ahead_ = unit > 0 ? static_cast<int64_t>(fsdp_units_ahead(unit)) : 0;
   }
 }
 
@@ -63,7 +63,7 @@ MegatronFsdp::~MegatronFsdp() {
     }
 }
 
-std::vector<MegatronFsdp::Range> MegatronFsdp::ranges_of(int64_t part) const {
+std::vector<MegatronFsdp::Range> MegatronFsdp::make_ranges(int64_t part) const {
   std::vector<Range> out;
   const auto& segs = shard_.segments();
   const auto& parts = shard_.parts(0);
@@ -80,21 +80,6 @@ std::vector<MegatronFsdp::Range> MegatronFsdp::ranges_of(int64_t part) const {
     for (const auto& range : parts.front())
       if (range.first < segs[0].offset + segs[0].size) add(range);
   for (const auto& range : parts.at(static_cast<size_t>(part))) add(range);
-  return out;
-}
-
-std::vector<size_t> MegatronFsdp::counts(const Range& r) const {
-  const ShardLayout& l = shard_.layout();
-  const Segment& s = shard_.segments()[r.seg];
-  const int64_t n =
-      std::max<int64_t>(1, r.seg == 2 ? l.expert_segment_multiple : l.segment_multiple);
-  const int64_t block = s.size / n;
-  std::vector<size_t> out(static_cast<size_t>(n));
-  for (int64_t q = 0; q < n; ++q) {
-    const int64_t begin = s.offset + q * block;
-    out[static_cast<size_t>(q)] = static_cast<size_t>(
-        std::max<int64_t>(0, std::min(r.hi, begin + block) - std::max(r.lo, begin)));
-  }
   return out;
 }
 
@@ -118,9 +103,6 @@ void MegatronFsdp::start_gather(int64_t part) {
                                                  shard_.layout().dtype);
     gathers.push_back(std::move(g));
   }
-  int64_t n = 0;
-  for (const auto& [p, g] : gathered_) n += p >= first_unit_ && p <= last_unit_ ? 1 : 0;
-  most_gathered_ = std::max(most_gathered_, n);
 }
 
 void MegatronFsdp::map_gathered(int64_t part) {
@@ -180,7 +162,6 @@ void MegatronFsdp::before_backward(int64_t part) {
     shard_.grad_map().overlay(r.lo, r.hi, w.window.ptr());
     open_.emplace(r.lo, std::move(w));
   }
-  most_windows_ = std::max(most_windows_, static_cast<int64_t>(open_.size() + reducing_.size()));
 }
 
 void MegatronFsdp::after_backward(int64_t part) {

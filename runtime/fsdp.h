@@ -75,12 +75,6 @@ class MegatronFsdp {
     t0_ = t0;
   }
 
-  // The largest number of layers' weights gathered at once, and of gradient windows open or
-  // reducing at once, since construction (what the memory model prices: its units gathered
-  // and kFsdpGradientUnitsInFlight).
-  int64_t most_gathered() const { return most_gathered_; }
-  int64_t most_gradient_windows() const { return most_windows_; }
-
  private:
   struct Range {
     int64_t lo = 0, hi = 0;
@@ -100,10 +94,16 @@ class MegatronFsdp {
     std::unique_ptr<Work> work;
     double started = 0;
   };
-  std::vector<Range> ranges_of(int64_t part) const;
+  // The ranges part `part`'s passes read and add to (made once: ranges_).
+  std::vector<Range> make_ranges(int64_t part) const;
+  const std::vector<Range>& ranges_of(int64_t part) const {
+    return ranges_[static_cast<size_t>(part)];
+  }
   Communicator* group_of(size_t seg) const { return seg == 2 ? expert_data_ : data_; }
-  // Each rank's block of [lo, hi) (inside segment seg), in rank order, and this rank's.
-  std::vector<size_t> counts(const Range& r) const;
+  // Each rank's block of r (GptShard::shard_counts), and this rank's.
+  std::vector<size_t> counts(const Range& r) const {
+    return shard_.shard_counts(r.seg, r.lo, r.hi);
+  }
   std::pair<int64_t, int64_t> own_part(const Range& r) const;
   // optim_grads_params: starts the gather of layer part `part` (if not started).
   void start_gather(int64_t part);
@@ -122,11 +122,11 @@ class MegatronFsdp {
   bool weights_;
   int64_t first_unit_ = 1, last_unit_ = 0;           // the decoder layers' parts
   int64_t units_ahead_ = 0;                          // layers gathered ahead of the one running
+  std::vector<std::vector<Range>> ranges_;           // per part
   std::map<int64_t, std::vector<Gather>> gathered_;  // by part, gathered or in flight
   std::map<int64_t, int> users_;  // per range (by lo): the parts whose backward passes add to it
   std::map<int64_t, GradWindow> open_;  // gradient windows by lo
   std::deque<GradWindow> reducing_;
-  int64_t most_gathered_ = 0, most_windows_ = 0;
   std::vector<std::pair<double, double>>*gather_sink_ = nullptr, *reduction_sink_ = nullptr;
   std::chrono::steady_clock::time_point t0_;
   double seconds() const {

@@ -644,14 +644,32 @@ GptShard::GptShard(const ModelSpec& m, const ShardLayout& layout, Communicator* 
 
 GptShard::~GptShard() = default;
 
+namespace {
+
+// Shards of segment `seg` under `l` (ShardLayout::segment_multiple, the experts' their own).
+int64_t shards_of(const ShardLayout& l, size_t seg) {
+  return std::max<int64_t>(1, seg == 2 ? l.expert_segment_multiple : l.segment_multiple);
+}
+
+}  // namespace
+
 std::pair<int64_t, int64_t> GptShard::own_shard(size_t seg) const {
   const Segment& s = segments_.at(seg);
-  const bool expert = seg == 2;
-  const int64_t n =
-      std::max<int64_t>(1, expert ? layout_.expert_segment_multiple : layout_.segment_multiple);
-  const int64_t rank = expert ? layout_.expert_shard_rank : layout_.shard_rank;
-  const int64_t shard = s.size / n;
+  const int64_t rank = seg == 2 ? layout_.expert_shard_rank : layout_.shard_rank;
+  const int64_t shard = s.size / shards_of(layout_, seg);
   return {s.offset + rank * shard, s.offset + (rank + 1) * shard};
+}
+
+std::vector<size_t> GptShard::shard_counts(size_t seg, int64_t lo, int64_t hi) const {
+  const Segment& s = segments_.at(seg);
+  const int64_t n = shards_of(layout_, seg), block = s.size / n;
+  std::vector<size_t> out(static_cast<size_t>(n));
+  for (int64_t q = 0; q < n; ++q) {
+    const int64_t begin = s.offset + q * block;
+    out[static_cast<size_t>(q)] = static_cast<size_t>(
+        std::max<int64_t>(0, std::min(hi, begin + block) - std::max(lo, begin)));
+  }
+  return out;
 }
 
 const std::vector<std::vector<std::pair<int64_t, int64_t>>>& GptShard::parts(int64_t chunk) const {

@@ -218,6 +218,8 @@ class GptShard {
   // [lo, hi) of the flat arrays: this rank's shard of segment `seg` under the distributed
   // optimizer's sharding (ShardLayout::segment_multiple shards; the whole segment with one).
   std::pair<int64_t, int64_t> own_shard(size_t seg) const;
+  // The part of [lo, hi) (inside segment `seg`) in each rank's shard of it, in rank order.
+  std::vector<size_t> shard_counts(size_t seg, int64_t lo, int64_t hi) const;
   // Each part's ranges of `chunk` (as part_ranges, per part: 0 the embedding, 1 + l layer l,
   // then the head and each MTP module), and whether a part is a Megatron-FSDP unit (a decoder
   // layer: its weights are gathered for its passes under optim_grads_params).

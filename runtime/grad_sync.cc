@@ -237,16 +237,18 @@ void DataParallelOptimizer::start_param_gathers() {
   for (const auto& [lo, hi] : shard_.part_ranges()) {
     const size_t seg = segment_of(lo, hi);
     if (shards_of(seg) < 2) continue;  // the whole segment is this rank's
-    const std::vector<size_t> counts = shard_counts(seg, lo, hi);
-    size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
-    for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
     const double queued = seconds();
-    const Ptr out = shard_.param_at(lo);
-    gathers_.emplace(std::pair{lo, hi},
-                     InFlight{group_of(seg)->all_gather_v_async(out.at(static_cast<int64_t>(own)).p,
-                                                                out.p, counts, out.t),
-                              queued});
+    gathers_.emplace(std::pair{lo, hi}, InFlight{start_gather(seg, lo, hi), queued});
   }
+}
+
+std::unique_ptr<Work> DataParallelOptimizer::start_gather(size_t seg, int64_t lo, int64_t hi) {
+  const std::vector<size_t> counts = shard_counts(seg, lo, hi);
+  size_t own = 0;  // this rank's block starts after the blocks of the ranks before it
+  for (int64_t r = 0; r < shard_rank_of(seg); ++r) own += counts[static_cast<size_t>(r)];
+  const Ptr out = shard_.param_at(lo);
+  return group_of(seg)->all_gather_v_async(out.at(static_cast<int64_t>(own)).p, out.p, counts,
+                                           out.t);
 }
 
 void DataParallelOptimizer::poll(InFlight& f) const {
@@ -445,12 +447,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
         for (int64_t part = 0; part < static_cast<int64_t>(shard_.parts(0).size()); ++part) {
           if (shard_.fsdp_unit(0, part)) continue;
           for (const auto& [lo, hi] : shard_.parts(0)[static_cast<size_t>(part)]) {
-            if (lo < s.offset || hi > s.offset + s.size) continue;
-            const std::vector<size_t> counts = shard_counts(i, lo, hi);
-            size_t own = 0;
-            for (int64_t r = 0; r < shard_rank_of(i); ++r) own += counts[static_cast<size_t>(r)];
-            const Ptr out = shard_.param_at(lo);
-            group_of(i)->all_gather_v(out.at(static_cast<int64_t>(own)).p, out.p, counts, out.t);
+            if (lo >= s.offset && hi <= s.offset + s.size) start_gather(i, lo, hi)->wait();
           }
         }
         continue;

@@ -201,6 +201,8 @@ class DataParallelOptimizer {
   void complete(InFlight& f, std::vector<std::pair<double, double>>* sink) const;
   // Starts the gather of every part's ranges from the ranks' shards.
   void start_param_gathers();
+  // Starts the in-place gather of [lo, hi) (inside segment `seg`) from the ranks' blocks of it.
+  std::unique_ptr<Work> start_gather(size_t seg, int64_t lo, int64_t hi);
   // The segment holding [lo, hi) (std::logic_error when none holds it whole).
   size_t segment_of(int64_t lo, int64_t hi) const;
   // With the distributed optimizer: where this rank's shard of segment `seg` starts in the

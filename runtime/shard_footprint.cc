@@ -169,8 +169,7 @@ FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& l) {
     const auto n = static_cast<int64_t>(layers.size());
     if (n > 0 && all > 0) {
       const double unit = static_cast<double>(all) / static_cast<double>(n);
-      const auto ahead =
-          static_cast<int64_t>(std::ceil(std::max(kFsdpPrefetchElements, unit) / unit));
+      const auto ahead = static_cast<int64_t>(fsdp_units_ahead(unit));
       for (int64_t i = 0; i < n; ++i) {
         int64_t g = 0;
         for (int64_t k = i; k < std::min(n, i + ahead + 1); ++k)
