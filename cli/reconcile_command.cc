@@ -99,7 +99,11 @@ int reconcile_command(const ReconcileFlags& f, std::ostream& out) {
                                                ")");
   }
   check_machine_matches(cluster, trace.info, "--cluster " + job.cluster);
-  const HardwareProfile profile = job.resolve_profile(cluster);
+  HardwareProfile profile = job.resolve_profile(cluster);
+  // Presets price 16-bit training by default; an fp32 run (ptdp run's default) is priced in fp32:
+  // 4-byte weights, activations and Adam states with no master copy. (A machine file already
+  // matches the run's precision, checked above.)
+  profile.activation_dtype = trace.info.precision;
   const CostModel cost(trace.info.model, cluster, profile);
   Reconciliation r;
   try {

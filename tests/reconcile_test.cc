@@ -381,6 +381,36 @@ TEST(ReconcileCli, TableAndJson) {
   std::filesystem::remove(path);
 }
 
+// A preset profile prices 16-bit training unless told; a trace records the precision the run
+// trained in, and reconcile prices that one: an fp32 run's 4-byte weights, activations and
+// Adam states (no master copy), a bf16 run's bf16 ones.
+TEST(ReconcileCli, PricesThePrecisionTheRunTrainedIn) {
+  const ModelSpec m = tiny_model();
+  const ParallelPlan p = plan_of(2, 1, 1);
+  ClusterSpec c = resolve_cluster("dgx-a100-80gb");
+  c.resize(p.num_gpus());
+  for (DType precision : {DType::kF32, DType::kBF16}) {
+    RunTraceInfo info = info_of(m, p, 3);
+    info.precision = precision;
+    const std::string path = temp_file(
+        "precision.json", run_trace_text(predicted_run(cost_for(m, p), p, 3, 1.0), info, "t"));
+    const Result r = cli({"reconcile", "--trace", path, "--json"});
+    std::filesystem::remove(path);
+    ASSERT_EQ(r.status, 0) << r.err;
+    HardwareProfile profile = default_profile_for(c);
+    profile.activation_dtype = precision;
+    const double want = CostModel(m, c, profile).memory(p).peak;
+    SCOPED_TRACE(to_string(precision));
+    EXPECT_DOUBLE_EQ(nlohmann::json::parse(r.out)["peak_memory"]["predicted_bytes"].get<double>(),
+                     want);
+  }
+  // The two differ: the check above cannot pass by pricing one precision for both.
+  HardwareProfile fp32 = default_profile_for(c), bf16 = fp32;
+  fp32.activation_dtype = DType::kF32;
+  bf16.activation_dtype = DType::kBF16;
+  EXPECT_GT(CostModel(m, c, fp32).memory(p).peak, 1.2 * CostModel(m, c, bf16).memory(p).peak);
+}
+
 // Exit status 2 and one line on stderr that contains `needle`.
 void expect_refused(const std::vector<std::string>& args, const std::string& needle) {
   const Result r = cli(args);
