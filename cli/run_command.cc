@@ -70,13 +70,20 @@ std::string plan_line(const ModelSpec& m, const ParallelPlan& p) {
   return s.str();
 }
 
-// Said where a plan file's plan was priced in another precision than the run's, and no precision
-// flag chose it: the file's Megatron-LM flags carry the precision, ptdp run's default is fp32.
+// The precision a plan trains in: --bf16 or --fp16 where given, else the one a plan file's plan
+// was priced in (its Megatron-LM flags carry it), else fp32 (ptdp run's default, as Megatron-LM's).
+DType run_precision(const RunFlags& f, const NumberedPlan& np) {
+  if (f.job.bf16) return DType::kBF16;
+  if (f.job.fp16) return DType::kF16;
+  return np.priced.value_or(DType::kF32);
+}
+
+// Said where a precision flag runs a plan file's plan in another precision than it was priced in.
 std::string precision_note(const RunFlags& f, const NumberedPlan& np) {
-  if (!np.priced || *np.priced == f.train.precision || f.job.bf16 || f.job.fp16) return "";
-  const std::string priced = to_string(*np.priced);
-  return "the plan was priced in " + priced + "; this run is in " + to_string(f.train.precision) +
-         " (--" + priced + " runs it as priced)";
+  const DType run = run_precision(f, np);
+  if (!np.priced || *np.priced == run) return "";
+  return "the plan was priced in " + to_string(*np.priced) + "; --" + to_string(run) +
+         " runs it in " + to_string(run);
 }
 
 // The refusal of a plan file's plan made for another number of ranks.
@@ -122,6 +129,7 @@ int dry_run_plans(const RunFlags& f, const ModelSpec& model, const std::vector<N
         np.index > 0 ? "plan " + std::to_string(np.index) + " of " + f.plan_file : "the plan";
     TrainOptions o = f.train;
     o.plan = np.plan;
+    o.precision = run_precision(f, np);
     const bool elsewhere = every_rank_here && np.plan.num_gpus() > 1 && !f.memory_limit_gib;
     const double limit = elsewhere ? HUGE_VAL : host_limit;
     const std::string plan_limit_source =
@@ -246,8 +254,6 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     // Megatron's precision flags: --bf16 and --fp16 train in mixed precision, fp16 with loss
     // scaling (runtime/loss_scaler.h).
     if (f.job.bf16 && f.job.fp16) throw InputError("--fp16", "conflicts with --bf16");
-    if (const std::string flag = f.loss_scale_flag_given(); !f.job.fp16 && !flag.empty())
-      throw InputError(flag, "needs --fp16");
     if (f.dry_run && (!f.trace.empty() || !f.svg.empty() || !f.train.save_dir.empty()))
       throw InputError("--dry-run", "trains nothing: drop --trace, --svg and --save");
     // Outputs written after training (or at its first checkpoint) are checked before it.
@@ -273,8 +279,12 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     if (!have_model || !f.job.model.empty() || f.job.num_layers || f.job.hidden_size)
       model = f.job.resolve_model();
     f.train.model = model;
-    f.train.precision = f.job.bf16 ? DType::kBF16 : f.job.fp16 ? DType::kF16 : DType::kF32;
-    if (f.job.fp16) f.train.loss_scale.validate();
+    // A plan file's plans come from one `ptdp plan`, priced in one precision.
+    f.train.precision = run_precision(f, plans.empty() ? NumberedPlan{} : plans.front());
+    if (const std::string flag = f.loss_scale_flag_given();
+        f.train.precision != DType::kF16 && !flag.empty())
+      throw InputError(flag, "needs --fp16 (or a plan priced in fp16)");
+    if (f.train.precision == DType::kF16) f.train.loss_scale.validate();
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
     return 2;
@@ -477,7 +487,7 @@ Action add_run_command(CLI::App& app) {
                   "--dry-run in one process: the ranks of the plan to check (a run's ranks are "
                   "the launcher's)");
   sub->add_option("--backend", t.backend,
-                  "where the kernels run: cpu, cuda (a CUDA build, fp32), or cpu-staged (the CPU "
+                  "where the kernels run: cpu, cuda (a CUDA build), or cpu-staged (the CPU "
                   "kernels on memory treated as a device's: tests the GPU's host side)")
       ->capture_default_str();
   sub->add_option("--steps", t.steps, "training steps")->capture_default_str();

@@ -1360,17 +1360,26 @@ TEST(Cli, RunExecutesTheBestPlanOfAPlanFile) {
   const Result r = run({"run", "--plan", plans, "--steps", "1", "--json"});
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["losses"].size(), 1u);
-  // The plan was priced in bf16 (the default cluster's profile): a run in ptdp run's default
-  // fp32 says so and how to run it as priced; one given --bf16 does not.
-  const std::string note = "the plan was priced in bf16; this run is in fp32 (--bf16 runs it";
-  const Result fp32 = run({"run", "--plan", plans, "--steps", "1"});
-  ASSERT_EQ(fp32.status, 0) << fp32.err;
-  EXPECT_NE(fp32.out.find(note), std::string::npos) << fp32.out;
-  const Result dry = run({"run", "--plan", plans, "--dry-run"});
+  EXPECT_EQ(nlohmann::json::parse(r.out)["precision"], "bf16");
+  // The plan was priced in bf16 (the default cluster's profile): the run trains in bf16, as
+  // priced, and says so; --fp16 runs it in fp16 and says that the plan was priced otherwise.
+  const Result as_priced = run({"run", "--plan", plans, "--steps", "1"});
+  ASSERT_EQ(as_priced.status, 0) << as_priced.err;
+  EXPECT_NE(as_priced.out.find("bf16 weights and activations"), std::string::npos) << as_priced.out;
+  EXPECT_EQ(as_priced.out.find("priced in"), std::string::npos) << as_priced.out;
+  const std::string note = "the plan was priced in bf16; --fp16 runs it in fp16";
+  const Result fp16 = run({"run", "--plan", plans, "--steps", "1", "--fp16"});
+  ASSERT_EQ(fp16.status, 0) << fp16.err;
+  EXPECT_NE(fp16.out.find(note), std::string::npos) << fp16.out;
+  const Result dry = run({"run", "--plan", plans, "--dry-run", "--fp16"});
   EXPECT_NE(dry.out.find(note), std::string::npos) << dry.out;
-  const Result bf16 = run({"run", "--plan", plans, "--steps", "1", "--bf16"});
-  ASSERT_EQ(bf16.status, 0) << bf16.err;
-  EXPECT_EQ(bf16.out.find("priced in"), std::string::npos) << bf16.out;
+  // The dry run counts the plan's precision: bf16 weights are half of fp32's.
+  const Result dry_json = run({"run", "--plan", plans, "--dry-run", "--json"});
+  ASSERT_EQ(dry_json.status, 0) << dry_json.err;
+  const auto rank0 = nlohmann::json::parse(dry_json.out)["plans"][0]["ranks"][0];
+  EXPECT_EQ(rank0["parameter_bytes"].get<double>(), 2.0 * rank0["parameters"].get<double>());
+  // Loss-scale flags need fp16: a flag or a plan priced in it.
+  expect_bad({"run", "--plan", plans, "--steps", "1", "--loss-scale", "1024"}, "--loss-scale");
   // A precision the file cannot mean is refused naming the file's flag.
   nlohmann::json j = nlohmann::json::parse(std::ifstream(plans));
   j["plans"][0]["precision"] = "fp12";

@@ -73,8 +73,10 @@ const std::string kLlama =
 void every_ranked_plan_runs(const std::string& model, const std::string& name) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
+  // `ptdp plan` prices bf16 (the default cluster's profile), and a plan file's plan trains in
+  // the precision it was priced in.
   const nlohmann::json single =
-      json_of(ptdp(0, "run" + model + " --steps 2 --json"), name + " on one rank");
+      json_of(ptdp(0, "run" + model + " --bf16 --steps 2 --json"), name + " on one rank");
   ASSERT_EQ(losses(single).size(), 2u);
   int checked = 0;
   for (int n : {1, 2, 4, 8, 16}) {
@@ -119,10 +121,12 @@ void every_ranked_plan_runs(const std::string& model, const std::string& name) {
         ptdp(n, "run --plan " + file.string() + " --steps 2 --json"), ranks + ": the best plan");
     EXPECT_EQ(best["configuration"], plans[0]["configuration"]) << ranks;
     EXPECT_EQ(best["parameters"], single["parameters"]) << ranks;
+    EXPECT_EQ(best["precision"], "bf16") << ranks;
     const auto got = losses(best), want = losses(single);
     ASSERT_EQ(got.size(), want.size()) << ranks;
+    // Sums split over ranks round to bf16 at other places than on one rank.
     for (size_t i = 0; i < want.size(); ++i)
-      EXPECT_NEAR(got[i], want[i], 1e-5 * std::abs(want[i])) << ranks << " step " << i;
+      EXPECT_NEAR(got[i], want[i], 1e-2 * std::abs(want[i])) << ranks << " step " << i;
   }
   std::printf("%s: %d ranked plans passed the dry run on 1-16 ranks in %.1f s\n", name.c_str(),
               checked, std::chrono::duration<double>(Clock::now() - start).count());
