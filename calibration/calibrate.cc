@@ -509,6 +509,21 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                 s.op.kind == OpKind::kGemm ? static_cast<double>(s.op.m) : 0.0});
   }
   if (!prof.fused_ops.empty()) fits["fused_ops"] = prof.fused_ops.size();
+  // Memory-bound ops (what the family fit prices): each op and size as measured, the geometric
+  // mean where layouts repeat one (HardwareProfile::memory_ops).
+  {
+    std::map<std::pair<std::string, double>, std::pair<double, int>> measured;  // log s, count
+    for (const OpSample& s : ops) {
+      if (s.op.kind != OpKind::kMemory || s.op.bytes <= 0 || s.op.fused || !(s.seconds > 0))
+        continue;
+      auto& e = measured[{std::string(s.op.name()), s.op.bytes}];
+      e.first += std::log(s.seconds);
+      e.second += 1;
+    }
+    for (const auto& [key, e] : measured)
+      prof.memory_ops.push_back({key.first, key.second, std::exp(e.first / e.second)});
+    if (!prof.memory_ops.empty()) fits["memory_ops"] = prof.memory_ops.size();
+  }
   // The host's issue time per op (a device's asynchronous kernels): the mean over the layouts
   // measured, in microseconds (CostModel::stretch_to_host).
   {
@@ -588,7 +603,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
           " (docs/calibration.md)",
       "gemm: curve fitted by least squares to the measured table and grid; table: each op-list "
       "GEMM's measured efficiency",
-      "kernel_gap_us, memory_efficiency: one least-squares fit of every memory-bound kernel",
+      "kernel_gap_us, memory_efficiency: one least-squares fit of every memory-bound kernel; "
+      "memory_ops: each memory-bound op as measured (priced at the fit times their ratio)",
       gpu ? "cache: the GPU's L2 cache (cudaDeviceProp::l2CacheSize); cold factors: each op "
             "timed after writing twice the L2 over the same op timed warm"
           : "cache: the last-level cache of /sys/devices/system/cpu over the node's ranks; cold "

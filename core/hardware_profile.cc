@@ -1,10 +1,11 @@
 // HardwareProfile: the GEMM efficiency curve and measured table, and JSON I/O (nested "gemm",
 // "nvlink", "network" objects, a "sources" array, and the optional measured "collectives",
-// "memory_efficiency", "activation_dtype", "cache"). Reading checks that every number is physically
-// possible.
+// "memory_efficiency", "fused_ops", "memory_ops", "activation_dtype", "cache"). Reading checks that
+// every number is physically possible.
 #include "core/hardware_profile.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -38,22 +39,19 @@ double GemmEfficiency::at(double m, double n, double k, double batch) const {
 
 namespace {
 
-// Interpolates log(value(entry)) over the table in log2(m, n, k, batch): Gaussian weights of
-// one octave, and `prior` (a log value) with the weight of one entry two octaves away. An exact
-// entry returns its own value; entries whose value is not positive (not measured) are skipped.
-template <class Value>
-double interpolate_log(const std::vector<GemmMeasurement>& table, double m, double n, double k,
-                       double batch, double prior, Value value) {
-  const double q[4] = {std::log2(std::max(m, 1.0)), std::log2(std::max(n, 1.0)),
-                       std::log2(std::max(k, 1.0)), std::log2(std::max(batch, 1.0))};
+// Interpolates log(value(entry)) over `table` at the point `q` (log2 coordinates; `at(entry)`
+// gives an entry's): Gaussian weights of one octave, and `prior` (a log value) with the weight
+// of one entry two octaves away. An exact entry returns its own value; entries whose value is
+// not positive (not measured) are skipped.
+template <class Entry, class At, class Value>
+double interpolate_log(const std::vector<Entry>& table, const std::array<double, 4>& q,
+                       double prior, At at, Value value) {
   constexpr double kPriorWeight = 0.1353352832366127;  // exp(-2^2 / 2)
   double wsum = kPriorWeight, lsum = kPriorWeight * prior;
-  for (const GemmMeasurement& e : table) {
-    const double x[4] = {std::log2(static_cast<double>(e.m)), std::log2(static_cast<double>(e.n)),
-                         std::log2(static_cast<double>(e.k)),
-                         std::log2(static_cast<double>(e.batch))};
+  for (const Entry& e : table) {
     const double v = value(e);
     if (!(v > 0)) continue;
+    const std::array<double, 4> x = at(e);
     double d2 = 0;
     for (int i = 0; i < 4; ++i) d2 += (q[i] - x[i]) * (q[i] - x[i]);
     if (d2 < 1e-18) return v;
@@ -65,6 +63,24 @@ double interpolate_log(const std::vector<GemmMeasurement>& table, double m, doub
   return std::exp(lsum / wsum);
 }
 
+// A GEMM shape's point: log2(m, n, k, batch).
+std::array<double, 4> gemm_point(double m, double n, double k, double batch) {
+  return {std::log2(std::max(m, 1.0)), std::log2(std::max(n, 1.0)), std::log2(std::max(k, 1.0)),
+          std::log2(std::max(batch, 1.0))};
+}
+
+template <class Value>
+double interpolate_gemm_log(const std::vector<GemmMeasurement>& table, double m, double n, double k,
+                            double batch, double prior, Value value) {
+  return interpolate_log(
+      table, gemm_point(m, n, k, batch), prior,
+      [](const GemmMeasurement& e) {
+        return gemm_point(static_cast<double>(e.m), static_cast<double>(e.n),
+                          static_cast<double>(e.k), static_cast<double>(e.batch));
+      },
+      value);
+}
+
 }  // namespace
 
 double HardwareProfile::gemm_efficiency(double m, double n, double k, double batch) const {
@@ -72,7 +88,7 @@ double HardwareProfile::gemm_efficiency(double m, double n, double k, double bat
   if (gemm_table.empty()) return c;
   // The measured/curve ratio (an entry's own where the shape is in the table), tending to 1 (the
   // curve alone) away from every entry.
-  const double ratio = interpolate_log(gemm_table, m, n, k, batch, 0.0, [&](const auto& e) {
+  const double ratio = interpolate_gemm_log(gemm_table, m, n, k, batch, 0.0, [&](const auto& e) {
     const double ce = gemm.at(static_cast<double>(e.m), static_cast<double>(e.n),
                               static_cast<double>(e.k), static_cast<double>(e.batch));
     return ce > 0 ? e.efficiency / ce : 0.0;
@@ -91,8 +107,8 @@ double HardwareProfile::gemm_cold_factor(double m, double n, double k, double ba
   for (const GemmMeasurement& e : gemm_table)
     if (e.cold_factor > 0) mean += std::log(e.cold_factor), ++measured;
   if (measured == 0) return 1.0;
-  return interpolate_log(gemm_table, m, n, k, batch, mean / measured,
-                         [](const GemmMeasurement& e) { return e.cold_factor; });
+  return interpolate_gemm_log(gemm_table, m, n, k, batch, mean / measured,
+                              [](const GemmMeasurement& e) { return e.cold_factor; });
 }
 
 double HardwareProfile::fused_op_seconds(std::string_view op, double size, double rows) const {
@@ -106,6 +122,20 @@ double HardwareProfile::fused_op_seconds(std::string_view op, double size, doubl
     if (e.op == op && (!best || distance(e) < distance(*best))) best = &e;
   if (!best) return -1;
   return best->seconds * std::max(size, 1.0) / best->size;
+}
+
+double HardwareProfile::memory_op_ratio(std::string_view op, double bytes,
+                                        const std::function<double(double)>& fitted) const {
+  auto point = [](double b) { return std::array<double, 4>{std::log2(std::max(b, 1.0)), 0, 0, 0}; };
+  bool measured = false;
+  for (const FusedOpMeasurement& e : memory_ops) measured = measured || e.op == op;
+  if (!measured) return 1.0;
+  return interpolate_log(
+      memory_ops, point(bytes), 0.0, [&](const FusedOpMeasurement& e) { return point(e.size); },
+      [&](const FusedOpMeasurement& e) {
+        const double f = e.op == op ? fitted(e.size) : 0.0;
+        return f > 0 ? e.seconds / f : 0.0;
+      });
 }
 
 double HardwareProfile::host_issue_us(std::string_view op) const {
@@ -363,12 +393,12 @@ json table_to_json(const std::vector<GemmMeasurement>& table) {
   return a;
 }
 
-std::vector<FusedOpMeasurement> fused_ops_from_json(const json& j) {
-  if (!j.is_array())
-    throw InputError("fused_ops", "must be an array of {op, size, seconds[, rows]}");
+// "fused_ops" (`key`) or "memory_ops": {op, size, seconds[, rows]} per measured op.
+std::vector<FusedOpMeasurement> measured_ops_from_json(const json& j, const std::string& key) {
+  if (!j.is_array()) throw InputError(key, "must be an array of {op, size, seconds[, rows]}");
   std::vector<FusedOpMeasurement> ops;
   for (size_t i = 0; i < j.size(); ++i) {
-    const std::string name = "fused_ops[" + std::to_string(i) + "]";
+    const std::string name = key + "[" + std::to_string(i) + "]";
     JsonObjectReader r(j[i], name, name + ".");
     FusedOpMeasurement e;
     r.read("op", e.op);
@@ -507,7 +537,9 @@ HardwareProfile profile_from_json(const json& j) {
     if (const json* t = gr.member("table")) p.gemm_table = table_from_json(*t);
     gr.reject_unknown_keys();
   }
-  if (const json* f = r.member("fused_ops")) p.fused_ops = fused_ops_from_json(*f);
+  if (const json* f = r.member("fused_ops")) p.fused_ops = measured_ops_from_json(*f, "fused_ops");
+  if (const json* f = r.member("memory_ops"))
+    p.memory_ops = measured_ops_from_json(*f, "memory_ops");
   r.read("hbm_efficiency", p.hbm_efficiency);
   r.read("kernel_gap_us", p.kernel_gap_us);
   if (const json* l = r.member("nvlink")) p.nvlink = link_from_json(*l, "nvlink");
@@ -572,12 +604,14 @@ json to_json(const HardwareProfile& p) {
          {"sources", p.sources}};
   // The measured parts only where present, so that presets write what they read.
   if (!p.gemm_table.empty()) j["gemm"]["table"] = table_to_json(p.gemm_table);
-  if (!p.fused_ops.empty()) {
-    j["fused_ops"] = json::array();
-    for (const FusedOpMeasurement& e : p.fused_ops) {
+  for (const auto& [key, ops] :
+       {std::pair{"fused_ops", &p.fused_ops}, {"memory_ops", &p.memory_ops}}) {
+    if (ops->empty()) continue;
+    json& a = j[key] = json::array();
+    for (const FusedOpMeasurement& e : *ops) {
       json f = {{"op", e.op}, {"size", e.size}, {"seconds", e.seconds}};
       if (e.rows > 0) f["rows"] = e.rows;
-      j["fused_ops"].push_back(f);
+      a.push_back(f);
     }
   }
   if (!p.collectives.empty()) j["collectives"] = collectives_to_json(p.collectives);

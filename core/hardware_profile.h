@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
@@ -134,8 +135,14 @@ struct HardwareProfile {
   std::vector<std::string> sources;       // where each number comes from
 
   // Measured by `ptdp calibrate` (absent from presets; see docs/calibration.md).
-  std::vector<GemmMeasurement> gemm_table;          // JSON: "gemm": {"table": [...]}
-  std::vector<FusedOpMeasurement> fused_ops;        // JSON: "fused_ops": [...]
+  std::vector<GemmMeasurement> gemm_table;    // JSON: "gemm": {"table": [...]}
+  std::vector<FusedOpMeasurement> fused_ops;  // JSON: "fused_ops": [...]
+  // The memory-bound ops of the layer op list as calibrate measured them at the model's shapes
+  // (`size` in bytes, warm seconds; `rows` unused). The per-family fit (memory_efficiency and
+  // kernel_gap_us) is one line through kernels whose time a byte varies with size (a GELU's
+  // transcendentals on a CPU, a kernel's tail on a GPU): an op is priced at the fit times the
+  // measured/fit ratio of its own measurements (memory_op_ratio).
+  std::vector<FusedOpMeasurement> memory_ops;       // JSON: "memory_ops": [...]
   std::vector<CollectiveFit> collectives;           // per collective and group span
   std::map<std::string, double> memory_efficiency;  // per kernel family, of the HBM bandwidth
   // Host time to issue one op (op_name() -> microseconds), measured by `ptdp calibrate` on a
@@ -161,6 +168,12 @@ struct HardwareProfile {
   // The measured time of op `op` (op_name) at `size` FLOPs or bytes, from fused_ops; a negative
   // value when the op has no measurement.
   double fused_op_seconds(std::string_view op, double size, double rows = 0) const;
+  // The measured/fitted time of memory-bound op `op` (op_name) at `bytes`, where `fitted(b)` is
+  // the fit's time at b bytes: an entry's own ratio where the op was measured at `bytes`, else
+  // the ratios of its measurements interpolated in log2(bytes) with a Gaussian weight of one
+  // octave, tending to 1 (the fit alone) two octaves from each; 1 where it was not measured.
+  double memory_op_ratio(std::string_view op, double bytes,
+                         const std::function<double(double)>& fitted) const;
   // The host's time to issue op `op` (op_name) in microseconds: its measurement, else the mean
   // of those measured; 0 without any.
   double host_issue_us(std::string_view op) const;

@@ -334,8 +334,13 @@ double CostModel::memory_time(double bytes) const {
 
 double CostModel::memory_time(const Op& op) const {
   const double eff = profile_.memory_efficiency_of(memory_family(op.id));
-  return op.bytes / (cluster_.gpu.hbm_bandwidth_gbps * kGB * eff) +
-         profile_.kernel_gap_us * kMicrosecond;
+  auto fitted = [&](double bytes) {
+    return bytes / (cluster_.gpu.hbm_bandwidth_gbps * kGB * eff) +
+           profile_.kernel_gap_us * kMicrosecond;
+  };
+  const double t = fitted(op.bytes);
+  if (profile_.memory_ops.empty()) return t;
+  return t * profile_.memory_op_ratio(op.name(), op.bytes, fitted);
 }
 
 LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -81,6 +82,24 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
             (std::set<std::string>{"all_gather", "all_reduce", "reduce_scatter", "send_recv"}));
   EXPECT_TRUE(m["fits"]["gemm"].contains("residuals"));
   EXPECT_TRUE(m["fits"]["memory"]["all"].contains("rms_relative"));
+  // Every memory-bound op measured is in the profile's table at its bytes (the geometric mean of
+  // its times there), and nothing else is.
+  std::map<std::pair<std::string, double>, std::vector<double>> memory_ops;
+  for (const json& op : m["measurements"]["ops"])
+    if (op.contains("family") && !op.value("fused", false))
+      memory_ops[{op["op"], op["bytes"]}].push_back(op["seconds"]);
+  ASSERT_FALSE(memory_ops.empty());
+  ASSERT_EQ(m["profile"]["memory_ops"].size(), memory_ops.size());
+  for (const json& e : m["profile"]["memory_ops"]) {
+    const auto it = memory_ops.find({e["op"], e["size"]});
+    ASSERT_NE(it, memory_ops.end()) << e.dump();
+    double log_sum = 0;
+    for (double t : it->second) log_sum += std::log(t);
+    EXPECT_NEAR(e["seconds"].get<double>(),
+                std::exp(log_sum / static_cast<double>(it->second.size())),
+                1e-9 * e["seconds"].get<double>())
+        << e.dump();
+  }
   EXPECT_FALSE(m["profile"].contains("host_op_us"));  // ops run as they are issued
   // Where Linux reports the last-level cache, every op was also timed cold, and the profile
   // shares the cache between the node's two ranks.

@@ -409,6 +409,57 @@ TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
   }
 }
 
+// A memory-bound op calibrate measured is priced at its measured time; another size of it at
+// the family fit times the measured/fit ratio of its measurements nearby (one octave's weight,
+// the fit alone far from them); an op of the same family that was not measured at the fit.
+// The table survives the JSON; a bad entry is a one-line error naming its field.
+TEST(MachineFile, MemoryBoundOpsArePricedAsMeasured) {
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile h = *c.measured_profile;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  const CostModel fit(m, c, h);  // no table: the family fit
+  Op op;
+  op.kind = OpKind::kMemory;
+  op.id = OpId::kBiasGelu;
+  auto fit_at = [&](double bytes) {
+    op.bytes = bytes;
+    return fit.memory_time(op);
+  };
+  // Measured 3x the fit at 1 MB and 2x at 4 MB: a kernel slower a byte at one size than another.
+  h.memory_ops = {{"bias_gelu", 1e6, 3 * fit_at(1e6)}, {"bias_gelu", 4e6, 2 * fit_at(4e6)}};
+  const CostModel cm(m, c, h);
+  // Priced over priced by the fit, cache model included (the same for both).
+  auto ratio = [&](double bytes) {
+    op.bytes = bytes;
+    return cm.op_time(op, ParallelPlan{}) / fit.op_time(op, ParallelPlan{});
+  };
+  EXPECT_NEAR(ratio(1e6), 3.0, 1e-12);
+  EXPECT_NEAR(ratio(4e6), 2.0, 1e-12);
+  const double between = ratio(2e6);  // one octave from each
+  EXPECT_GT(between, 2.0);
+  EXPECT_LT(between, 3.0);
+  EXPECT_NEAR(ratio(1e12), 1.0, 1e-6);  // far from both: the fit
+  op.id = OpId::kMlpBiasDropoutAdd;     // another op: the fit
+  EXPECT_DOUBLE_EQ(ratio(1e6), 1.0);
+  const HardwareProfile back = profile_from_json(to_json(h));
+  ASSERT_EQ(back.memory_ops.size(), 2u);
+  EXPECT_EQ(back.memory_ops[1].op, "bias_gelu");
+  EXPECT_DOUBLE_EQ(back.memory_ops[1].seconds, h.memory_ops[1].seconds);
+  for (const auto& [key, value, field] :
+       {std::tuple<const char*, json, const char*>{"size", -1.0, "memory_ops[0].size"},
+        {"seconds", "slow", "memory_ops[0].seconds"},
+        {"op", "bias_gelus", "memory_ops[0].op"}}) {
+    json j = to_json(h);
+    j["memory_ops"][0][key] = value;
+    EXPECT_EQ(profile_error_field(j), field) << key;
+  }
+  json j = to_json(h);
+  j["memory_ops"] = 1;
+  EXPECT_EQ(profile_error_field(j), "memory_ops");
+}
+
 // Measured at several sequence lengths, a fused attention is priced from the sequence nearest
 // the op's (its m) before the size: 4 sequences of 1024 and 1 of 2048 have the same FLOPs, and
 // the longer one runs slower per FLOP (its longest query tile's work is twice as long). Rows
