@@ -7,12 +7,15 @@
 //   build/bench/cpu_kernels_bench --benchmark_counters_tabular=true
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/fast_math.h"
 #include "kernels/cpu/flash.h"
 #include "kernels/cpu/fused.h"
+#include "kernels/cpu/kernels.h"
 
 namespace {
 
@@ -63,8 +66,45 @@ void BM_CpuFlashAttentionBackward(benchmark::State& state) {
   attention(state, true);
 }
 
+// GELU (tanh approximation) over 1M floats: range(0) 0 with libm's tanhf a call per element,
+// 1 the kernel (kernels/cpu/fast_math.h's inline tanh, vectorised). Counter: ns per element.
+void gelu(benchmark::State& state, bool backward) {
+  constexpr int64_t n = 1 << 20;
+  const auto x = random(n, 5), dy = random(n, 6);
+  std::vector<float> y(n);
+  const bool kernel = state.range(0) == 1;
+  constexpr float c = 0.7978845608028654f;
+  for (auto _ : state) {
+    if (kernel && backward) {
+      ptdp::kernels::gelu_backward(x.data(), dy.data(), y.data(), n);
+    } else if (kernel) {
+      ptdp::kernels::gelu_forward(x.data(), y.data(), n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const float xi = x[i], th = std::tanh(c * (xi + 0.044715f * xi * xi * xi));
+        y[i] = backward ? dy[i] * (0.5f * (1 + th) +
+                                   0.5f * xi * (1 - th * th) * c * (1 + 3 * 0.044715f * xi * xi))
+                        : 0.5f * xi * (1 + th);
+      }
+    }
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["ns_per_element"] = benchmark::Counter(
+      static_cast<double>(n) * 1e-9,
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+void BM_CpuGeluForward(benchmark::State& state) {
+  gelu(state, false);
+}
+void BM_CpuGeluBackward(benchmark::State& state) {
+  gelu(state, true);
+}
+
 }  // namespace
 
+BENCHMARK(BM_CpuGeluForward)->ArgNames({"kernel"})->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_CpuGeluBackward)->ArgNames({"kernel"})->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_CpuFlashAttentionForward)
     ->ArgNames({"tiled", "sq"})
     ->ArgsProduct({{0, 1}, {512, 128}})

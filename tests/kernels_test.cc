@@ -5,10 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <random>
 #include <vector>
+
+#include "kernels/cpu/fast_math.h"
 
 namespace ptdp::kernels {
 namespace {
@@ -98,6 +102,55 @@ TEST(Kernels, GeluGradientAndValues) {
   EXPECT_NEAR(y[1], 0.0, 1e-15);
   EXPECT_NEAR(y[2], 0.8411919906, 1e-9);        // tanh-approximate GELU(1)
   EXPECT_NEAR(y[0], 0.8411919906 - 1.0, 1e-9);  // GELU(-x) = GELU(x) - x
+}
+
+// The float kernels' inline exp and tanh (kernels/cpu/fast_math.h) against libm in double: exp
+// within 2 ulp of the exact value over its range (every 97th float, both signs), 0 below it
+// and for -inf, NaN through; tanh within 2e-7 absolutely and saturated to +-1 exactly. The
+// float GELU, SwiGLU and softmax built on them agree with the double twins.
+TEST(Kernels, InlineExpAndTanhMatchLibm) {
+  double worst_ulp = 0, worst_tanh = 0;
+  for (uint32_t bits = 0; bits < 0x42B00000u; bits += 97)  // |x| < 88
+    for (const float x : {std::bit_cast<float>(bits), -std::bit_cast<float>(bits)}) {
+      if (x < -87.3f || x > 88.3f) continue;
+      const double want = std::exp(static_cast<double>(x));
+      const float rounded = static_cast<float>(want);
+      const double ulp = std::nextafter(rounded, INFINITY) - rounded;
+      worst_ulp = std::max(worst_ulp, std::abs(kernels::exp_f32(x) - want) / ulp);
+      worst_tanh =
+          std::max(worst_tanh, std::abs(kernels::tanh_f32(x) - std::tanh(static_cast<double>(x))));
+    }
+  EXPECT_LT(worst_ulp, 2.0);
+  EXPECT_LT(worst_tanh, 2e-7);
+  EXPECT_EQ(kernels::exp_f32(-INFINITY), 0.0f);
+  EXPECT_EQ(kernels::exp_f32(-100.0f), 0.0f);
+  EXPECT_EQ(kernels::exp_f32(0.0f), 1.0f);
+  EXPECT_TRUE(std::isnan(kernels::exp_f32(NAN)));
+  EXPECT_TRUE(std::isnan(kernels::tanh_f32(NAN)));
+  EXPECT_EQ(kernels::tanh_f32(50.0f), 1.0f);
+  EXPECT_EQ(kernels::tanh_f32(-50.0f), -1.0f);
+  // The float kernels against their double twins.
+  const V xd = random(999, 21, 3.0), dyd = random(999, 22);
+  std::vector<float> xf(xd.begin(), xd.end()), dyf(dyd.begin(), dyd.end()), yf(999), dxf(999);
+  V y(999), dx(999);
+  gelu_forward(xd.data(), y.data(), 999);
+  gelu_forward(xf.data(), yf.data(), 999);
+  gelu_backward(xd.data(), dyd.data(), dx.data(), 999);
+  gelu_backward(xf.data(), dyf.data(), dxf.data(), 999);
+  for (size_t i = 0; i < 999; ++i) {
+    EXPECT_NEAR(yf[i], y[i], 1e-6 * (1 + std::abs(y[i]))) << i;
+    EXPECT_NEAR(dxf[i], dx[i], 1e-6 * (1 + std::abs(dx[i]))) << i;
+  }
+  std::vector<float> sw(333);
+  V swd(333);
+  swiglu_forward(xd.data(), swd.data(), 1, 333);  // 666 inputs: gate, then up
+  swiglu_forward(xf.data(), sw.data(), 1, 333);
+  for (size_t i = 0; i < 333; ++i) EXPECT_NEAR(sw[i], swd[i], 1e-6 * (1 + std::abs(swd[i]))) << i;
+  V pd(xd.begin(), xd.begin() + 37 * 37);
+  std::vector<float> pf(pd.begin(), pd.end());
+  causal_softmax_forward(pd.data(), 1, 37);
+  causal_softmax_forward(pf.data(), 1, 37);
+  for (size_t i = 0; i < pd.size(); ++i) EXPECT_NEAR(pf[i], pd[i], 1e-6) << i;
 }
 
 TEST(Kernels, CausalAttentionGradientsAndMask) {

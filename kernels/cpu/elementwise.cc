@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace ptdp::kernels {
 
 void add(float* y, const float* x, int64_t n) {
@@ -118,7 +120,7 @@ void cross_entropy_stats(const float* logits, const int32_t* targets, float* sta
     float mx = -INFINITY;
     for (int64_t j = 0; j < valid; ++j) mx = std::max(mx, row[j]);
     float sum = 0;
-    for (int64_t j = 0; j < valid; ++j) sum += std::exp(row[j] - mx);
+    for (int64_t j = 0; j < valid; ++j) sum += exp_f32(row[j] - mx);
     const int64_t tgt = targets[i] - v0;
     stats[i * 3] = valid > 0 ? mx : -INFINITY;
     stats[i * 3 + 1] = sum;
@@ -143,7 +145,8 @@ double cross_entropy_finish(const float* stats, int64_t ranks, float* logits, fl
   }
   for (int64_t i = 0; i < n; ++i) {
     float* row = logits + i * vl;
-    for (int64_t j = 0; j < vl; ++j) row[j] = j < valid ? std::exp(row[j] - lse[i]) : 0.0f;
+    for (int64_t j = 0; j < valid; ++j) row[j] = exp_f32(row[j] - lse[i]);
+    std::fill(row + valid, row + vl, 0.0f);
   }
   return loss;
 }

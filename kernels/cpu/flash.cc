@@ -6,6 +6,8 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace ptdp::kernels {
 namespace {
 
@@ -67,7 +69,8 @@ void flash_attention_forward(const float* q, const float* k, const float* v, flo
             // The first key tile holds key 0, which every query sees: m is finite from there.
             const float alpha = std::exp(mx[r] - m);
             float add = 0;
-            for (int64_t c = 0; c < n; ++c) add += p[c] = std::exp(p[c] * scale - m);
+            for (int64_t c = 0; c < n; ++c) p[c] = exp_f32(p[c] * scale - m);  // vectorised
+            for (int64_t c = 0; c < n; ++c) add += p[c];
             std::fill(p + n, p + nk, 0.0f);
             sum[r] = sum[r] * alpha + add;
             mx[r] = m;
@@ -120,7 +123,7 @@ void flash_attention_backward(const float* q, const float* k, const float* v, co
             const int64_t n = visible(i0, r, j0, nk, shift);
             float *p = Pt.row(r).data(), *ds = dSt.row(r).data();
             for (int64_t c = 0; c < n; ++c) {
-              p[c] = std::exp(p[c] * scale - l[r]);
+              p[c] = exp_f32(p[c] * scale - l[r]);
               ds[c] = p[c] * (ds[c] - delta[r]) * scale;
             }
             std::fill(p + n, p + nk, 0.0f);

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/cpu/fast_math.h"
+
 namespace ptdp::kernels {
 namespace {
 
@@ -113,7 +115,7 @@ template <typename T>
 void gelu_forward(const T* x, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T u = static_cast<T>(kGeluC) * (x[i] + T(0.044715) * x[i] * x[i] * x[i]);
-    y[i] = T(0.5) * x[i] * (T(1) + std::tanh(u));
+    y[i] = T(0.5) * x[i] * (T(1) + fast_tanh(u));
   }
 }
 
@@ -122,9 +124,10 @@ void gelu_backward(const T* x, const T* dy, T* dx, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T xi = x[i];
     const T u = static_cast<T>(kGeluC) * (xi + T(0.044715) * xi * xi * xi);
-    const T th = std::tanh(u);
+    T th, sech2;  // tanh(u) and 1 - tanh(u)^2, the latter without cancellation
+    tanh_parts(u, &th, &sech2);
     const T du = static_cast<T>(kGeluC) * (T(1) + T(3 * 0.044715) * xi * xi);
-    dx[i] = dy[i] * (T(0.5) * (T(1) + th) + T(0.5) * xi * (T(1) - th * th) * du);
+    dx[i] = dy[i] * (T(0.5) * (T(1) + th) + T(0.5) * xi * sech2 * du);
   }
 }
 
@@ -250,9 +253,11 @@ void causal_softmax_forward(T* scores, int64_t rows, int64_t s) {
     for (int64_t i = 0; i < s; ++i) {
       T* p = scores + (r * s + i) * s;
       const T mx = *std::max_element(p, p + i + 1);
+      for (int64_t j = 0; j <= i; ++j) p[j] = fast_exp(p[j] - mx);  // vectorised, then summed
       T sum = 0;
-      for (int64_t j = 0; j <= i; ++j) sum += (p[j] = std::exp(p[j] - mx));
-      for (int64_t j = 0; j <= i; ++j) p[j] /= sum;
+      for (int64_t j = 0; j <= i; ++j) sum += p[j];
+      const T inv = T(1) / sum;
+      for (int64_t j = 0; j <= i; ++j) p[j] *= inv;
     }
 }
 
@@ -305,7 +310,7 @@ void swiglu_forward(const T* x, T* y, int64_t n, int64_t f) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < f; ++j) {
       const T g = x[i * 2 * f + j], u = x[i * 2 * f + f + j];
-      y[i * f + j] = g / (T(1) + std::exp(-g)) * u;
+      y[i * f + j] = g / (T(1) + fast_exp(-g)) * u;
     }
 }
 
@@ -314,7 +319,7 @@ void swiglu_backward(const T* x, const T* dy, T* dx, int64_t n, int64_t f) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < f; ++j) {
       const T g = x[i * 2 * f + j], u = x[i * 2 * f + f + j];
-      const T sig = T(1) / (T(1) + std::exp(-g));
+      const T sig = T(1) / (T(1) + fast_exp(-g));
       const T dyi = dy[i * f + j];
       dx[i * 2 * f + j] = dyi * u * sig * (T(1) + g * (T(1) - sig));
       dx[i * 2 * f + f + j] = dyi * g * sig;
@@ -328,12 +333,12 @@ T cross_entropy(const T* logits, const int32_t* targets, T* dlogits, int64_t n, 
     const T* li = logits + i * v;
     const T mx = *std::max_element(li, li + v);
     T sum = 0;
-    for (int64_t j = 0; j < v; ++j) sum += std::exp(li[j] - mx);
+    for (int64_t j = 0; j < v; ++j) sum += fast_exp(li[j] - mx);
     const T lse = mx + std::log(sum);
     loss += lse - li[targets[i]];
     if (dlogits) {
       for (int64_t j = 0; j < v; ++j)
-        dlogits[i * v + j] = std::exp(li[j] - lse) / static_cast<T>(n);
+        dlogits[i * v + j] = fast_exp(li[j] - lse) / static_cast<T>(n);
       dlogits[i * v + targets[i]] -= T(1) / static_cast<T>(n);
     }
   }
