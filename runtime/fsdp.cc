@@ -6,12 +6,12 @@
 
 namespace ptdp {
 
-bool runs_megatron_fsdp(const ModelSpec& m, const ParallelPlan& p) {
+bool runs_megatron_fsdp(const ModelSpec& /*m*/, const ParallelPlan& p) {
   // In K instances (HSDP) only with whole copies across them (--outer-dp-sharding-strategy
   // no_shard): the shards are the distributed optimizer's in its K instances then.
   const bool instances_ok = p.instances() == 1 || p.fsdp_outer == FsdpSharding::kNoShard;
   return p.shards_gradients() && p.instance_ranks() > 1 && p.distributed_optimizer &&
-         instances_ok && p.pipeline_parallel == 1 && p.virtual_stages == 1 && m.mtp_num_layers == 0;
+         instances_ok && p.pipeline_parallel == 1 && p.virtual_stages == 1;
 }
 
 MegatronFsdp::MegatronFsdp(GptShard& shard, Communicator* data, Communicator* expert_data)
@@ -72,13 +72,24 @@ std::vector<MegatronFsdp::Range> MegatronFsdp::make_ranges(int64_t part) const {
     while (r.seg + 1 < segs.size() && r.lo >= segs[r.seg + 1].offset) ++r.seg;
     out.push_back(r);
   };
-  // The output layer tied to the word embedding (one stage: the same parameter) adds to the
-  // embedding part's segment-0 range (the word table) too.
-  const bool tied_head = !shard_.model().untie_embeddings_and_output_weights &&
-                         part + 1 == static_cast<int64_t>(parts.size()) && part > 0;
-  if (tied_head)
+  // Parts: 0 the embedding, 1 + l layer l, the head, then each multi-token prediction module
+  // (one stage: every layer is here). The output layer tied to the word embedding (the same
+  // parameter) adds to the embedding part's segment-0 range (the word table) too. An MTP module
+  // looks its tokens up in the word table and ends in the output layer: it adds to the word
+  // table and (untied) to the head's ranges, whose windows then open at the last module's
+  // backward pass.
+  const bool tied = !shard_.model().untie_embeddings_and_output_weights;
+  const int64_t head = shard_.model().num_layers + 1;
+  auto add_word_table = [&] {
     for (const auto& range : parts.front())
       if (range.first < segs[0].offset + segs[0].size) add(range);
+  };
+  if (part == head && tied) add_word_table();
+  if (part > head) {
+    add_word_table();
+    if (!tied)
+      for (const auto& range : parts.at(static_cast<size_t>(head))) add(range);
+  }
   for (const auto& range : parts.at(static_cast<size_t>(part))) add(range);
   return out;
 }

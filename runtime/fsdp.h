@@ -15,8 +15,11 @@
 //   ahead, asynchronously, until kFsdpPrefetchElements unsharded elements (or every layer) are
 //   in flight, as Megatron-FSDP's all-gather pipeline does and the memory model counts.
 // - every part's backward pass: its gradients accumulate in a zeroed fp32 window (one per
-//   range; the tied word embedding's, shared by the output layer and the embedding, stays open
-//   from the first to the last); when its last user is done the window is reduce-scattered over
+//   range; a shared one stays open from its first user's backward pass to its last's: the tied
+//   word embedding's, the output layer's and the embedding's, and with multi-token prediction
+//   the word table and the untied output layer, which the modules use, from the last module's);
+//   the multi-token prediction modules' weights stay whole, as the embedding's and the output
+//   layer's do; when its last user is done the window is reduce-scattered over
 //   the data-parallel group (in place, uneven blocks: this rank's block of the sum where it
 //   lies) and the block added to the shard. One reduction stays in flight while the next part
 //   computes (kFsdpGradientUnitsInFlight windows at most), and finish() waits for the rest
@@ -41,9 +44,9 @@
 namespace ptdp {
 
 // Whether ptdp run shards a plan as Megatron-FSDP (optim_grads or optim_grads_params over
-// more than one data-parallel rank of an optimizer instance, at p = 1 without multi-token
-// prediction; in K instances, HSDP, with whole copies across them: each instance shards over its
-// d cp / K ranks and the shards are all-reduced across the instances once a step); other
+// more than one data-parallel rank of an optimizer instance, at p = 1; in K instances, HSDP,
+// with whole copies across them: each instance shards over its d cp / K ranks and the shards
+// are all-reduced across the instances once a step); other
 // Megatron-FSDP plans (HFSDP's states sharded across the instances too) run with the
 // distributed optimizer's layout, and the run says so (cli/dry_run.h).
 bool runs_megatron_fsdp(const ModelSpec& m, const ParallelPlan& p);

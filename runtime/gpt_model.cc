@@ -682,8 +682,8 @@ bool GptShard::fsdp_unit(int64_t chunk, int64_t part) const {
 }
 
 void GptShard::set_fsdp(MegatronFsdp* fsdp) {
-  if (fsdp && (layout_.p != 1 || layout_.v != 1 || model_.mtp_num_layers > 0))
-    throw std::logic_error("Megatron-FSDP runs one pipeline stage of one chunk, without MTP");
+  if (fsdp && (layout_.p != 1 || layout_.v != 1))
+    throw std::logic_error("Megatron-FSDP runs one pipeline stage of one chunk");
   impl_->fsdp = fsdp;
 }
 
@@ -1191,6 +1191,7 @@ void GptShard::backward_pass(int64_t chunk, int64_t mb, const Buffer* grad_outpu
     if (!ch.mtp.empty()) {
       std::vector<Impl::MtpActs>& modules = I.mtp_stash.at({chunk, mb});
       for (auto k = static_cast<int64_t>(ch.mtp.size()) - 1; k >= 0; --k) {
+        part_starts(ch.num_layers + 2 + k);
         mtp_backward(I, layout_, ch, chunk, mb, k, k == 0 ? A.lnf : modules[k - 1].head.lnf,
                      loss_scale, modules[static_cast<size_t>(k)], d_hidden);
         part_done(ch.num_layers + 2 + k);

@@ -130,6 +130,20 @@ FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& l) {
   const int64_t head_size =
       T.h + T.biases * T.h + (m.untie_embeddings_and_output_weights ? word : 0);
   const Ranges head = {{at1, at1 + head_size}};
+  at1 += head_size;
+  // Each multi-token prediction module: its three norms, eh_proj and layer (whole weights).
+  std::vector<Ranges> mtp;
+  for (int64_t k = 0; k < m.mtp_num_layers; ++k) {
+    const bool moe = m.mtp_layer_is_moe();
+    Ranges r = {{at1, at1 + 3 * (T.h + T.biases * T.h) + T.h / l.t * 2 * T.h +
+                          (moe ? T.per_moe_layer : T.per_layer)}};
+    at1 = r.back().second;
+    if (moe) {
+      r.emplace_back(at2, at2 + T.per_moe_experts);
+      at2 = r.back().second;
+    }
+    mtp.push_back(r);
+  }
   // This rank's block of each segment.
   Ranges own;
   int64_t offset = 0;
@@ -161,6 +175,7 @@ FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& l) {
     Ranges kept = own;
     for (const Ranges* r : std::initializer_list<const Ranges*>{&embedding, &head})
       kept.insert(kept.end(), r->begin(), r->end());
+    for (const Ranges& r : mtp) kept.insert(kept.end(), r.begin(), r.end());
     out.weights = union_size(kept);
     // Layers gathered at once: the one running and those ahead, until kFsdpPrefetchElements
     // (runtime/fsdp.cc).
@@ -180,16 +195,25 @@ FsdpHeld fsdp_held(const ModelSpec& m, const ShardLayout& l) {
   } else {
     out.weights = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   }
-  // Gradient windows in the backward pass's order: the head, the layers from the last, the
-  // embedding; the tied word table's open throughout (the output layer's and the embedding's).
+  // Gradient windows in the backward pass's order: the MTP modules from the last, the head, the
+  // layers from the last, the embedding; each with the one before it still reducing. The word
+  // table's is open throughout when the output layer (tied) or an MTP module shares it, and an
+  // untied head's from the last MTP module's pass (the modules end in the output layer).
   const bool tied = !m.untie_embeddings_and_output_weights;
-  std::vector<int64_t> windows = {size_of(head)};
-  for (auto it = layers.rbegin(); it != layers.rend(); ++it) windows.push_back(size_of(*it));
-  windows.push_back(size_of(embedding) - (tied ? word : 0));
+  const bool word_throughout = tied || !mtp.empty();
+  struct Window {
+    int64_t own, shared;  // the part's window; another open beside it
+  };
+  std::vector<Window> windows;
+  for (auto it = mtp.rbegin(); it != mtp.rend(); ++it)
+    windows.push_back({size_of(*it), tied ? 0 : size_of(head)});
+  windows.push_back({size_of(head), 0});
+  for (auto it = layers.rbegin(); it != layers.rend(); ++it) windows.push_back({size_of(*it), 0});
+  windows.push_back({size_of(embedding) - (word_throughout ? word : 0), 0});
   int64_t most = 0;
   for (size_t i = 0; i < windows.size(); ++i)
-    most = std::max(most, windows[i] + (i > 0 ? windows[i - 1] : 0));
-  out.gradient_windows = most + (tied ? word : 0);
+    most = std::max(most, windows[i].own + windows[i].shared + (i > 0 ? windows[i - 1].own : 0));
+  out.gradient_windows = most + (word_throughout ? word : 0);
   return out;
 }
 

@@ -287,7 +287,8 @@ TEST(RunMpi, InterleavedScheduleTrainsToTheSingleRankLosses) {
 // losses as one rank: d 2 and 4 (a layer's blocks uneven over the ranks, some ranks holding
 // none of it), with tensor and sequence parallelism, context parallelism, an untied model under
 // full recomputation, MoE layers with expert parallelism and with the experts sharded over four
-// expert-data-parallel ranks; and a checkpoint of the shards resumes the curve to the bit.
+// expert-data-parallel ranks, multi-token prediction (tied and untied); and a checkpoint of the
+// shards resumes the curve to the bit.
 TEST(RunMpi, MegatronFsdpTrainsToTheSingleRankLosses) {
   const nlohmann::json single = run_json(0, kTiny);
   ASSERT_EQ(losses(single).size(), 6u);
@@ -305,6 +306,15 @@ TEST(RunMpi, MegatronFsdpTrainsToTheSingleRankLosses) {
   const nlohmann::json moe = run_json(0, kTinyMoe);
   expect_same_losses({1, 1, 2, ogp + " --expert-model-parallel-size 2", kTinyMoe}, moe);
   expect_same_losses({1, 1, 4, og, kTinyMoe}, moe);
+  // Multi-token prediction: the modules share the word table (and an untied output layer) with
+  // the embedding and the head, whose windows open at the last module's backward pass; their
+  // own weights stay whole. expect_same_losses compares the modules' losses too.
+  for (const std::string& m :
+       {rotary + " --mtp-num-layers 2",
+        rotary + " --mtp-num-layers 1 --untie-embeddings-and-output-weights"})
+    expect_same_losses({1, 1, 2, ogp, m}, run_json(0, m));
+  expect_same_losses({2, 1, 2, og + " --sequence-parallel", rotary + " --mtp-num-layers 1"},
+                     run_json(0, rotary + " --mtp-num-layers 1"));
   expect_resume_continues_the_curve("fsdp_ckpt", " " + ogp);
   // The trace's data-parallel track: per rank, step and microbatch, a gather of each layer's
   // weights before its forward and its backward pass, and a reduction of each part's windows
@@ -366,6 +376,23 @@ TEST(RunMpi, MegatronFsdpPeakMemoryIsWhatTheDryRunPredicts) {
     EXPECT_LT(got_og, got_dopt) << "d" << np;
     std::printf("[ measured ] d%d distributed optimizer: %.3f MiB measured, %.3f predicted\n", np,
                 got_dopt / 1048576.0, want_dopt / 1048576.0);
+  }
+  // Multi-token prediction: its modules' weights whole, their windows and the shared ones. The
+  // dry run is further over here (within 10%): it adds the layers gathered for the backward pass
+  // to the activations' peak, and with MTP that peak is the modules' backward passes, before
+  // any layer is gathered (the modules' activations and logits are freed by then).
+  for (const std::string tie : {"", " --untie-embeddings-and-output-weights"}) {
+    std::string mtp = model + " --mtp-num-layers 2";
+    if (tie.empty()) mtp.replace(mtp.find(" --untie-embeddings-and-output-weights"), 38, "");
+    const auto [want, got] = predicted_and_measured_peak(
+        2, mtp + " --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params");
+    EXPECT_LE(got, want) << "MTP" << tie;
+    EXPECT_NEAR(got / want, 1.0, 0.10)
+        << "MTP" << tie << ": measured " << got << ", predicted " << want;
+    std::printf(
+        "[ measured ] d2 MTP 2%s optim_grads_params: %.3f MiB measured, %.3f MiB "
+        "predicted (%+.1f%%)\n",
+        tie.c_str(), got / 1048576.0, want / 1048576.0, 100.0 * (got / want - 1.0));
   }
   // HSDP: two instances of two ranks, each sharding within itself, whole copies across.
   const auto [want, got] = predicted_and_measured_peak(
