@@ -99,8 +99,13 @@ ModelSpec with_sequence(const ModelSpec& m, int64_t seq) {
 // `cold`: ops are timed cold too; `issue`: and their host issue time (a device backend). As
 // calibrate() ticks them: each distinct op, the grid, streams and optimizer, each collective
 // of each group (send/recv in pairs only), and per group 2 late-arrival and 13 skew timings.
+// What each rank streams between two calls of the cache-hit GEMM, in units of its share of the
+// last-level cache (measure_cache_hits).
+constexpr double kCacheHitStreams[] = {0.5, 1.0, 1.5, 2.0};
+
 int64_t count_timings(const Plan& p, const ModelSpec& m, bool cold, int64_t issue, DType type) {
   int64_t n = static_cast<int64_t>(p.grid.size() + p.stream_sizes.size()) + 1;
+  if (cold) n += 2 + static_cast<int64_t>(std::size(kCacheHitStreams));  // the cache's hits
   for (const auto& [t, b] : p.tb)
     n += static_cast<int64_t>(timed_ops(m, t, b, type).size()) * (1 + cold + issue);
   for (int64_t seq : p.fused_seqs)  // timed warm only, and issued
@@ -284,6 +289,16 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
              static_cast<double>(1 + (evict != nullptr) + issue) / (evict != nullptr ? 2 : 1));
       },
       o.precision);
+  // How much of a working set a little larger than the cache survives a step's streaming.
+  CacheHits cache_hits;
+  if (evict) {
+    const double per_rank = llc_bytes / ranks_per_node;
+    std::vector<double> streams;
+    for (double f : kCacheHitStreams) streams.push_back(f * per_rank);
+    cache_hits = measure_cache_hits(be, o.model, plan.tb.front().first, plan.tb.front().second, sw,
+                                    *evict, streams, o.precision);
+    tick("the cache's hits", 2 + static_cast<double>(streams.size()));
+  }
   for (int64_t seq : plan.fused_seqs) {
     for (OpSample& s : measure_ops(
              be, with_sequence(o.model, seq), {plan.tb.front()}, sw, nullptr,
@@ -553,10 +568,20 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     int gemm_measured = 0;
     for (const GemmMeasurement& g : prof.gemm_table)
       if (g.cold_factor > 0) gemm_log += std::log(g.cold_factor), ++gemm_measured;
+    // The hit curve where the GEMM's cold time is measurably above its warm one (else the
+    // cache model's C / working set).
+    if (cache_hits.cold_seconds > 1.02 * cache_hits.warm_seconds)
+      for (const CacheHitSample& h : cache_hits.samples)
+        prof.cache.hit_curve.push_back({h.bytes, h.hit});
     fits["cache"] = {{"last_level_cache_bytes", llc_bytes},
                      {"bytes_per_rank", prof.cache.bytes_per_rank},
                      {"gemm_cold_factor_mean", std::exp(gemm_log / std::max(gemm_measured, 1))},
                      {"memory_cold_factor", prof.cache.memory_cold_factor}};
+    if (!prof.cache.hit_curve.empty()) {
+      json& curve = fits["cache"]["hit_curve"] = json::array();
+      for (const CacheModel::Hit& h : prof.cache.hit_curve)
+        curve.push_back({{"bytes", h.bytes}, {"hit", h.hit}});
+    }
   }
   // Collectives: latency and bus bandwidth per (collective, group size, nodes).
   std::map<std::tuple<int, int64_t, int64_t, int>,
@@ -668,6 +693,18 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
                                      {"seconds", sec},
                                      {"flops_per_s", gemm_flops(g[0], g[1], g[2], 1) / sec}});
   measured["stream"] = stream;
+  if (!cache_hits.samples.empty()) {
+    json& h = measured["cache_hits"];
+    h = {{"op", cache_hits.op.name()},
+         {"m", cache_hits.op.m},
+         {"n", cache_hits.op.n},
+         {"k", cache_hits.op.k},
+         {"warm_seconds", cache_hits.warm_seconds},
+         {"cold_seconds", cache_hits.cold_seconds},
+         {"streams", json::array()}};
+    for (const CacheHitSample& s : cache_hits.samples)
+      h["streams"].push_back({{"bytes", s.bytes}, {"seconds", s.seconds}, {"hit", s.hit}});
+  }
   measured["late_arrival"] = late;
   measured["arrival_skew"] = skew;
   measured["collectives"] = json::array();

@@ -141,10 +141,24 @@ void CacheEvictor::operator()() {
     device_->synchronize();
     return;
   }
+  stream(HUGE_VAL);
+}
+
+void CacheEvictor::stream(double bytes) {
+  if (device_) {
+    const auto n =
+        static_cast<int64_t>(std::min(bytes, static_cast<double>(device_bytes_)) / sizeof(float));
+    volatile double sink = device_->sum_squares(static_cast<const float*>(device_junk_), n, 0.0);
+    (void)sink;
+    device_->synchronize();
+    return;
+  }
   if (junk_.empty()) junk_.assign(junk_size_, 1.0f);
+  const auto n =
+      static_cast<size_t>(std::min(bytes / sizeof(float), static_cast<double>(junk_.size())));
   // One float per 64-byte line brings every line in.
   float sum = 0;
-  for (size_t i = 0; i < junk_.size(); i += 16) sum += junk_[i];
+  for (size_t i = 0; i < n; i += 16) sum += junk_[i];
   volatile float sink = sum;
   (void)sink;
 }
@@ -262,6 +276,43 @@ std::vector<OpSample> measure_ops(Backend& be, const ModelSpec& m,
       }
       out.push_back(s);
     }
+  }
+  return out;
+}
+
+CacheHits measure_cache_hits(Backend& be, const ModelSpec& m, int64_t t, int64_t b, Stopwatch& sw,
+                             CacheEvictor& evict, const std::vector<double>& stream_bytes,
+                             DType type) {
+  CacheHits out;
+  const std::vector<Op> ops =
+      timed_ops(m, t, b, type, [](const Op& op) { return op.kind == OpKind::kGemm && !op.fused; });
+  if (ops.empty()) return out;
+  out.op = *std::max_element(ops.begin(), ops.end(),
+                             [](const Op& x, const Op& y) { return x.flops() < y.flops(); });
+  const ShardLayout l = op_layout(m, t, b, type);
+  ShapeOnlyGroup group(static_cast<int>(t));
+  OpExecutor exec(be, &group, m, l);
+  auto call = [&] {
+    exec.run(out.op);
+    be.synchronize();
+  };
+  // Each timing after its stream, then the input operand read (the op before it leaves it).
+  auto after = [&](const std::function<void()>& stream) {
+    return sw.mean_seconds(call, [&] {
+      stream();
+      exec.touch_input();
+      be.synchronize();
+    });
+  };
+  out.warm_seconds = after([] {});
+  out.cold_seconds = std::max(out.warm_seconds, after([&] { evict(); }));
+  for (double bytes : stream_bytes) {
+    CacheHitSample s;
+    s.bytes = bytes;
+    s.seconds = after([&] { evict.stream(bytes); });
+    const double span = out.cold_seconds - out.warm_seconds;
+    s.hit = span > 0 ? std::clamp((out.cold_seconds - s.seconds) / span, 0.0, 1.0) : 1.0;
+    out.samples.push_back(s);
   }
   return out;
 }

@@ -70,6 +70,9 @@ class CacheEvictor {
   CacheEvictor(const CacheEvictor&) = delete;
   CacheEvictor& operator=(const CacheEvictor&) = delete;
   void operator()();
+  // Reads the first `bytes` of the buffer (at most all of it): what a rank streams through the
+  // cache between two uses of an op's operands.
+  void stream(double bytes);
 
  private:
   std::vector<float> junk_;  // host caches
@@ -78,6 +81,23 @@ class CacheEvictor {
   void* device_junk_ = nullptr;
   size_t device_bytes_ = 0;
 };
+
+// How much of an op's operands the cache keeps while a rank streams `bytes` of other data
+// between two calls (every rank at once): the op list's largest GEMM at (t, b) timed warm, cold
+// (evict) and after each stream; hit = (cold - time) / (cold - warm), clamped to [0, 1].
+struct CacheHitSample {
+  double bytes = 0;    // streamed per rank
+  double seconds = 0;  // the GEMM's time after the stream
+  double hit = 0;
+};
+struct CacheHits {
+  Op op;  // the GEMM timed
+  double warm_seconds = 0, cold_seconds = 0;
+  std::vector<CacheHitSample> samples;
+};
+CacheHits measure_cache_hits(Backend& be, const ModelSpec& m, int64_t t, int64_t b, Stopwatch& sw,
+                             CacheEvictor& evict, const std::vector<double>& stream_bytes,
+                             DType type);
 
 // The ops of one transformer layer, the embedding and the LM head for (t, b), as ptdp run
 // executes them (runtime_layer_shape), without those it does not execute.

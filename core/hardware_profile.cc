@@ -97,6 +97,18 @@ double HardwareProfile::gemm_efficiency(double m, double n, double k, double bat
 }
 
 double HardwareProfile::cache_hit(double working_set_bytes) const {
+  if (!cache.hit_curve.empty()) {
+    double bytes = 0, hit = 1;  // the previous point, from (0, 1)
+    for (const CacheModel::Hit& p : cache.hit_curve) {
+      const double h = std::min(hit, p.hit);  // non-increasing: noise does not raise the hit
+      if (working_set_bytes <= p.bytes)
+        return p.bytes > bytes ? hit + (h - hit) * (working_set_bytes - bytes) / (p.bytes - bytes)
+                               : h;
+      bytes = p.bytes;
+      hit = h;
+    }
+    return hit;
+  }
   if (!(cache.bytes_per_rank > 0) || !(working_set_bytes > cache.bytes_per_rank)) return 1.0;
   return cache.bytes_per_rank / working_set_bytes;
 }
@@ -435,6 +447,24 @@ CacheModel cache_from_json(const json& j) {
                      "must be in [0, 1e15], got " + error_number(c.bytes_per_rank));
   if (const json* f = r.member("memory_cold_factor"))
     c.memory_cold_factor = family_values_from_json(*f, "cache.memory_cold_factor");
+  if (const json* h = r.member("hit_curve")) {
+    if (!h->is_array()) throw InputError("cache.hit_curve", "must be an array of {bytes, hit}");
+    for (size_t i = 0; i < h->size(); ++i) {
+      const std::string name = "cache.hit_curve[" + std::to_string(i) + "]";
+      JsonObjectReader pr((*h)[i], name, name + ".");
+      CacheModel::Hit p;
+      pr.read("bytes", p.bytes);
+      pr.read("hit", p.hit);
+      pr.reject_unknown_keys();
+      const double previous = c.hit_curve.empty() ? 0.0 : c.hit_curve.back().bytes;
+      if (!(p.bytes > previous && p.bytes <= 1e15))
+        throw InputError(name + ".bytes", "must be in (" + error_number(previous) +
+                                              ", 1e15] (ascending), got " + error_number(p.bytes));
+      if (!(p.hit >= 0 && p.hit <= 1))
+        throw InputError(name + ".hit", "must be in [0, 1], got " + error_number(p.hit));
+      c.hit_curve.push_back(p);
+    }
+  }
   r.reject_unknown_keys();
   return c;
 }
@@ -623,6 +653,11 @@ json to_json(const HardwareProfile& p) {
     j["cache"] = {{"bytes_per_rank", p.cache.bytes_per_rank}};
     if (!p.cache.memory_cold_factor.empty())
       j["cache"]["memory_cold_factor"] = p.cache.memory_cold_factor;
+    if (!p.cache.hit_curve.empty()) {
+      json& a = j["cache"]["hit_curve"] = json::array();
+      for (const CacheModel::Hit& h : p.cache.hit_curve)
+        a.push_back({{"bytes", h.bytes}, {"hit", h.hit}});
+    }
   }
   return j;
 }

@@ -79,11 +79,20 @@ struct FusedOpMeasurement {
 // What the last-level cache does to measured times (CPU ranks, measured by ptdp calibrate).
 // An op's time is measured warm (its operands in cache from the call before) and cold; in a
 // run, between two uses of its weights and stored activations a rank touches its whole working
-// set, of which a cache of C bytes keeps about a fraction min(1, C / working set). The cost
-// model prices each op at warm + (1 - that fraction) (cold - warm) (docs/calibration.md).
+// set, of which the cache keeps a fraction: as calibrate measured it (hit_curve), else about
+// min(1, C / working set) for a cache of C bytes. The cost model prices each op at warm +
+// (1 - that fraction) (cold - warm) (docs/calibration.md).
 struct CacheModel {
   double bytes_per_rank = 0;  // last-level cache per rank; 0: no model (ops priced warm)
   std::map<std::string, double> memory_cold_factor;  // cold / warm per memory-bound family
+  // Measured by calibrate (empty: not measured): the fraction of an op's operands the cache
+  // kept while each rank streamed `bytes` of other data between two calls, ascending in bytes.
+  // Where present it replaces min(1, C / working set): a cache's replacement policy decides how
+  // much of a cyclic working set a little larger than it survives (LRU: none of it).
+  struct Hit {
+    double bytes = 0, hit = 0;
+  };
+  std::vector<Hit> hit_curve;  // JSON: "hit_curve": [{"bytes", "hit"}, ...]
 };
 
 // One kind of link a collective may span.
@@ -184,7 +193,9 @@ struct HardwareProfile {
   // The efficiency of a memory-bound family: its measured one, else hbm_efficiency.
   double memory_efficiency_of(const std::string& family) const;
   // Fraction of its operands an op finds in cache when a rank touches `working_set_bytes`
-  // between two uses of them: min(1, cache.bytes_per_rank / working set); 1 without a model.
+  // between two uses of them: with a measured cache.hit_curve, the curve interpolated linearly
+  // in bytes from (0, 1) through its points, made non-increasing, and its last hit beyond it;
+  // else min(1, cache.bytes_per_rank / working set); 1 without a model.
   double cache_hit(double working_set_bytes) const;
   // Cold over warm time for a GEMM: the table's cold factors interpolated as gemm_efficiency
   // interpolates efficiencies, tending to their geometric mean away from every entry; for a

@@ -112,6 +112,20 @@ TEST(CalibrateMpi, QuickCalibrationOnTwoRanksThenPredictWithIt) {
     int cold = 0;
     for (const json& e : m["profile"]["gemm"]["table"]) cold += e.contains("cold_factor");
     EXPECT_GT(cold, 0);
+    // The cache's hits: the largest GEMM after each stream of 0.5 to 2 caches a rank, its
+    // hits in [0, 1]; the profile's curve (where cold was measurably slower than warm) is them.
+    const json& hits = m["measurements"]["cache_hits"];
+    ASSERT_EQ(hits["streams"].size(), 4u);
+    EXPECT_GE(hits["cold_seconds"].get<double>(), hits["warm_seconds"].get<double>());
+    for (size_t i = 0; i < 4; ++i) {
+      const json& s = hits["streams"][i];
+      EXPECT_DOUBLE_EQ(s["bytes"].get<double>(), (0.5 + 0.5 * static_cast<double>(i)) * llc / 2);
+      EXPECT_GE(s["hit"].get<double>(), 0.0);
+      EXPECT_LE(s["hit"].get<double>(), 1.0);
+      if (m["profile"]["cache"].contains("hit_curve")) {
+        EXPECT_EQ(m["profile"]["cache"]["hit_curve"][i]["hit"], s["hit"]);
+      }
+    }
   } else {
     EXPECT_FALSE(m["profile"].contains("cache"));
   }

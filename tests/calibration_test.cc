@@ -612,6 +612,49 @@ TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
   EXPECT_NEAR(half.cache_hit(p), 0.5, 0.01);
 }
 
+// A measured hit curve (what the cache kept of an op's operands while each rank streamed so
+// many bytes between two calls) replaces C / working set: interpolated linearly in bytes from
+// (0, 1), never rising with more bytes (noise), its last hit beyond its last point. It survives
+// the JSON; points out of order or hits outside [0, 1] are one-line errors naming them.
+TEST(CacheModel, AMeasuredHitCurveReplacesTheRandomRetentionModel) {
+  HardwareProfile h;
+  h.cache.bytes_per_rank = 16e6;
+  EXPECT_DOUBLE_EQ(h.cache_hit(32e6), 0.5);  // C / working set without a curve
+  h.cache.hit_curve = {{8e6, 0.75}, {16e6, 0.45}, {24e6, 0.30}, {32e6, 0.35}};
+  EXPECT_DOUBLE_EQ(h.cache_hit(0), 1.0);
+  EXPECT_DOUBLE_EQ(h.cache_hit(4e6), 0.875);   // halfway from (0, 1) to (8 MB, 0.75)
+  EXPECT_DOUBLE_EQ(h.cache_hit(16e6), 0.45);   // a point
+  EXPECT_DOUBLE_EQ(h.cache_hit(20e6), 0.375);  // between two
+  EXPECT_DOUBLE_EQ(h.cache_hit(32e6), 0.30);   // 0.35 measured after 0.30: held at 0.30
+  EXPECT_DOUBLE_EQ(h.cache_hit(1e9), 0.30);    // beyond the curve: its last hit
+  // What the cost model prices: the curve at the plan's working set.
+  const ClusterSpec c = cluster_from_json(machine_file());
+  HardwareProfile measured = *c.measured_profile;
+  measured.cache.bytes_per_rank = 1e6;
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  ParallelPlan p;
+  p.global_batch_size = 4;
+  const double random_retention = CostModel(m, c, measured).cache_hit(p);
+  measured.cache.hit_curve = {{1e6, 0.0}};  // LRU-like: nothing survives a larger working set
+  EXPECT_GT(random_retention, 0.0);
+  EXPECT_EQ(CostModel(m, c, measured).cache_hit(p), 0.0);
+  const HardwareProfile back = profile_from_json(to_json(h));
+  ASSERT_EQ(back.cache.hit_curve.size(), 4u);
+  EXPECT_DOUBLE_EQ(back.cache.hit_curve[2].bytes, 24e6);
+  EXPECT_DOUBLE_EQ(back.cache.hit_curve[3].hit, 0.35);
+  for (const auto& [index, key, value, field] : {std::tuple<int, const char*, double, const char*>{
+                                                     1, "bytes", 8e6, "cache.hit_curve[1].bytes"},
+                                                 {0, "bytes", 0.0, "cache.hit_curve[0].bytes"},
+                                                 {2, "hit", 1.5, "cache.hit_curve[2].hit"},
+                                                 {3, "hit", -0.1, "cache.hit_curve[3].hit"}}) {
+    json j = to_json(h);
+    j["cache"]["hit_curve"][index][key] = value;
+    EXPECT_EQ(profile_error_field(j), field) << key;
+  }
+}
+
 using CliResult = test::CliResult;
 constexpr auto cli = &test::run_ptdp;
 
