@@ -292,7 +292,8 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // How much of a working set a little larger than the cache survives a step's streaming.
   CacheHits cache_hits;
   if (evict) {
-    const double per_rank = llc_bytes / ranks_per_node;
+    // A GPU's L2 is its own; a node's ranks share its CPUs' last-level cache.
+    const double per_rank = gpu ? llc_bytes : llc_bytes / ranks_per_node;
     std::vector<double> streams;
     for (double f : kCacheHitStreams) streams.push_back(f * per_rank);
     cache_hits = measure_cache_hits(be, o.model, plan.tb.front().first, plan.tb.front().second, sw,
@@ -559,7 +560,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
   // The cache model: the node's last-level cache shared by its ranks, and cold over warm per
   // memory-bound family (GEMMs: per table entry, above).
   if (evict) {
-    prof.cache.bytes_per_rank = llc_bytes / ranks_per_node;
+    prof.cache.bytes_per_rank = gpu ? llc_bytes : llc_bytes / ranks_per_node;
     prof.cache.memory_cold_factor = cold_factors(ops, OpKind::kMemory, [](const Op& op) {
       std::string f = op.fused ? std::string() : memory_family(op.id);
       return f.empty() ? std::nullopt : std::optional<std::string>(std::move(f));

@@ -259,13 +259,6 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     // Outputs written after training (or at its first checkpoint) are checked before it.
     if (!f.trace.empty()) check_writable(f.trace, "--trace");
     if (!f.svg.empty()) check_writable(f.svg, "--svg");
-    if (!f.train.save_dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(f.train.save_dir, ec);
-      if (ec || !std::filesystem::is_directory(f.train.save_dir, ec))
-        throw InputError("--save", "cannot create the directory '" + f.train.save_dir + "'");
-      check_writable((std::filesystem::path(f.train.save_dir) / "latest").string(), "--save");
-    }
     if (!f.plan_file.empty()) {
       if (f.job.has_parallel_flags() || f.job.global_batch_size)
         throw InputError("--plan", "gives the parallel configuration; drop the parallel flags");
@@ -283,8 +276,18 @@ int run(RunFlags& f, std::ostream& out, std::ostream& err) {
     f.train.precision = run_precision(f, plans.empty() ? NumberedPlan{} : plans.front());
     if (const std::string flag = f.loss_scale_flag_given();
         f.train.precision != DType::kF16 && !flag.empty())
-      throw InputError(flag, "needs --fp16 (or a plan priced in fp16)");
+      throw InputError(flag,
+                       "needs fp16 training (--fp16, or a plan priced in fp16 without "
+                       "--bf16)");
     if (f.train.precision == DType::kF16) f.train.loss_scale.validate();
+    // Created once every other flag is checked: a refused command leaves no directory behind.
+    if (!f.train.save_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(f.train.save_dir, ec);
+      if (ec || !std::filesystem::is_directory(f.train.save_dir, ec))
+        throw InputError("--save", "cannot create the directory '" + f.train.save_dir + "'");
+      check_writable((std::filesystem::path(f.train.save_dir) / "latest").string(), "--save");
+    }
   } catch (const InputError& e) {
     if (lrank <= 0) err << "ptdp: " << e.what() << "\n";
     return 2;

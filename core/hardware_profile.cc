@@ -107,7 +107,9 @@ double HardwareProfile::cache_hit(double working_set_bytes) const {
       bytes = p.bytes;
       hit = h;
     }
-    return hit;
+    // Beyond the curve the kept part thins as the working set grows: the last hit scaled by
+    // last bytes / working set (to 0 for a working set far beyond the cache).
+    return hit * bytes / working_set_bytes;
   }
   if (!(cache.bytes_per_rank > 0) || !(working_set_bytes > cache.bytes_per_rank)) return 1.0;
   return cache.bytes_per_rank / working_set_bytes;
@@ -649,7 +651,8 @@ json to_json(const HardwareProfile& p) {
   if (p.activation_dtype != DType::kBF16) j["activation_dtype"] = to_string(p.activation_dtype);
   if (p.arrival_skew > 0) j["arrival_skew"] = p.arrival_skew;
   if (!p.host_op_us.empty()) j["host_op_us"] = p.host_op_us;
-  if (p.cache.bytes_per_rank > 0 || !p.cache.memory_cold_factor.empty()) {
+  if (p.cache.bytes_per_rank > 0 || !p.cache.memory_cold_factor.empty() ||
+      !p.cache.hit_curve.empty()) {
     j["cache"] = {{"bytes_per_rank", p.cache.bytes_per_rank}};
     if (!p.cache.memory_cold_factor.empty())
       j["cache"]["memory_cold_factor"] = p.cache.memory_cold_factor;

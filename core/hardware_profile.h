@@ -194,8 +194,10 @@ struct HardwareProfile {
   double memory_efficiency_of(const std::string& family) const;
   // Fraction of its operands an op finds in cache when a rank touches `working_set_bytes`
   // between two uses of them: with a measured cache.hit_curve, the curve interpolated linearly
-  // in bytes from (0, 1) through its points, made non-increasing, and its last hit beyond it;
-  // else min(1, cache.bytes_per_rank / working set); 1 without a model.
+  // in bytes from (0, 1) through its points, made non-increasing, and beyond its last point that
+  // point's hit times its bytes / working set; else min(1, cache.bytes_per_rank / working set);
+  // 1 without a model. (The curve's bytes are other data streamed; the working set includes the
+  // op's own operands, a small part of a stage's.)
   double cache_hit(double working_set_bytes) const;
   // Cold over warm time for a GEMM: the table's cold factors interpolated as gemm_efficiency
   // interpolates efficiencies, tending to their geometric mean away from every entry; for a

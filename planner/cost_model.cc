@@ -351,7 +351,7 @@ LayerShape CostModel::priced_layer_shape(const ParallelPlan& p) const {
 }
 
 double CostModel::cache_hit(const ParallelPlan& p) const {
-  if (!(profile_.cache.bytes_per_rank > 0)) return 1.0;
+  if (!(profile_.cache.bytes_per_rank > 0) && profile_.cache.hit_curve.empty()) return 1.0;
   // The largest stage's working set, with weights and activations at the profile's element
   // width (fp32 on CPU ranks, where cache models are measured) and the gradients as kept.
   const double element = static_cast<double>(dtype_bytes(profile_.activation_dtype));

@@ -1106,6 +1106,7 @@ double GptShard::forward(int64_t chunk, int64_t mb, const int32_t* tokens, const
       const Buffer& hidden = k == 0 ? A.lnf : modules[k - 1].head.lnf;
       I.mtp_loss += mtp_forward(I, model_, layout_, ch, chunk, mb, static_cast<int64_t>(k), tokens,
                                 hidden, modules[k]);
+      part_ran(ch.num_layers + 2 + static_cast<int64_t>(k));
     }
   }
   return loss;

@@ -614,7 +614,8 @@ TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
 
 // A measured hit curve (what the cache kept of an op's operands while each rank streamed so
 // many bytes between two calls) replaces C / working set: interpolated linearly in bytes from
-// (0, 1), never rising with more bytes (noise), its last hit beyond its last point. It survives
+// (0, 1), never rising with more bytes (noise), beyond its last point that hit times its bytes
+// over the working set. It survives
 // the JSON; points out of order or hits outside [0, 1] are one-line errors naming them.
 TEST(CacheModel, AMeasuredHitCurveReplacesTheRandomRetentionModel) {
   HardwareProfile h;
@@ -626,7 +627,9 @@ TEST(CacheModel, AMeasuredHitCurveReplacesTheRandomRetentionModel) {
   EXPECT_DOUBLE_EQ(h.cache_hit(16e6), 0.45);   // a point
   EXPECT_DOUBLE_EQ(h.cache_hit(20e6), 0.375);  // between two
   EXPECT_DOUBLE_EQ(h.cache_hit(32e6), 0.30);   // 0.35 measured after 0.30: held at 0.30
-  EXPECT_DOUBLE_EQ(h.cache_hit(1e9), 0.30);    // beyond the curve: its last hit
+  // Beyond the curve: its last hit thinning with the working set, to 0 far beyond the cache.
+  EXPECT_DOUBLE_EQ(h.cache_hit(64e6), 0.15);
+  EXPECT_NEAR(h.cache_hit(1e12), 0.0, 1e-4);
   // What the cost model prices: the curve at the plan's working set.
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile measured = *c.measured_profile;
@@ -640,6 +643,11 @@ TEST(CacheModel, AMeasuredHitCurveReplacesTheRandomRetentionModel) {
   measured.cache.hit_curve = {{1e6, 0.0}};  // LRU-like: nothing survives a larger working set
   EXPECT_GT(random_retention, 0.0);
   EXPECT_EQ(CostModel(m, c, measured).cache_hit(p), 0.0);
+  // A curve alone (no cache size) is a model too, and survives the JSON.
+  HardwareProfile alone;
+  alone.cache.hit_curve = h.cache.hit_curve;
+  EXPECT_DOUBLE_EQ(alone.cache_hit(16e6), 0.45);
+  EXPECT_EQ(profile_from_json(to_json(alone)).cache.hit_curve.size(), 4u);
   const HardwareProfile back = profile_from_json(to_json(h));
   ASSERT_EQ(back.cache.hit_curve.size(), 4u);
   EXPECT_DOUBLE_EQ(back.cache.hit_curve[2].bytes, 24e6);

@@ -1599,7 +1599,7 @@ TEST(Cli, PrecisionFlagsArePrintedPricedAndRun) {
   EXPECT_NE(half.out.find("static loss scale 512"), std::string::npos) << half.out;
   EXPECT_NE(half.out.find("loss scale 512\n"), std::string::npos) << half.out;
   expect_bad(tiny_run({"--bf16", "--fp16"}), "--fp16: conflicts with --bf16");
-  expect_bad(tiny_run({"--loss-scale", "512"}), "--loss-scale: needs --fp16");
+  expect_bad(tiny_run({"--loss-scale", "512"}), "--loss-scale: needs fp16 training (--fp16");
   expect_bad(tiny_run({"--fp16", "--hysteresis", "0"}), "--hysteresis: must be at least 1");
   expect_bad(tiny_run({"--fp16", "--initial-loss-scale", "-1"}), "--initial-loss-scale");
   expect_bad(tiny_run({"--fp16", "--min-loss-scale", "1e20"}), "--min-loss-scale");

@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/fast_math.h"
 
 namespace ptdp::kernels {
@@ -151,6 +152,40 @@ TEST(Kernels, InlineExpAndTanhMatchLibm) {
   causal_softmax_forward(pd.data(), 1, 37);
   causal_softmax_forward(pf.data(), 1, 37);
   for (size_t i = 0; i < pd.size(); ++i) EXPECT_NEAR(pf[i], pd[i], 1e-6) << i;
+}
+
+// Vocabulary-parallel cross-entropy over two ranks: the rows' losses are the whole
+// vocabulary's, and a shard past the vocabulary's end (valid <= 0: a tiny vocabulary over many
+// ranks) holds no probability and writes nothing outside its rows (ASan checks the bounds).
+TEST(Kernels, VocabularyParallelCrossEntropyAndAnEmptyShard) {
+  const int64_t n = 3, vl = 4;
+  const V whole = random(n * 2 * vl, 31, 2.0);
+  const std::vector<int32_t> targets = {1, 6, 3};
+  std::vector<float> shards[2], stats(2 * n * 3);
+  for (int r = 0; r < 2; ++r) {
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < vl; ++j)
+        shards[r].push_back(
+            static_cast<float>(whole[static_cast<size_t>(i * 2 * vl + r * vl + j)]));
+    kernels::cross_entropy_stats(shards[r].data(), targets.data(), stats.data() + r * n * 3, n, vl,
+                                 vl, r * vl);
+  }
+  std::vector<float> lse(n);
+  std::vector<float> probs = shards[0];
+  const double loss =
+      kernels::cross_entropy_finish(stats.data(), 2, probs.data(), lse.data(), n, vl, vl);
+  double want = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double sum = 0;
+    for (int64_t j = 0; j < 2 * vl; ++j)
+      sum += std::exp(whole[static_cast<size_t>(i * 2 * vl + j)]);
+    want +=
+        std::log(sum) - whole[static_cast<size_t>(i * 2 * vl + targets[static_cast<size_t>(i)])];
+  }
+  EXPECT_NEAR(loss, want, 1e-5 * std::abs(want));
+  std::vector<float> empty(static_cast<size_t>(n * vl), 7.0f);
+  kernels::cross_entropy_finish(stats.data(), 2, empty.data(), lse.data(), n, vl, -2);
+  for (float p : empty) EXPECT_EQ(p, 0.0f);
 }
 
 TEST(Kernels, CausalAttentionGradientsAndMask) {

@@ -143,10 +143,12 @@ double cross_entropy_finish(const float* stats, int64_t ranks, float* logits, fl
     lse[i] = mx + std::log(sum);
     loss += static_cast<double>(lse[i] - target);
   }
+  // A shard past the vocabulary's end has valid <= 0 (a tiny vocabulary over many ranks).
+  const int64_t nv = std::clamp<int64_t>(valid, 0, vl);
   for (int64_t i = 0; i < n; ++i) {
     float* row = logits + i * vl;
-    for (int64_t j = 0; j < valid; ++j) row[j] = exp_f32(row[j] - lse[i]);
-    std::fill(row + valid, row + vl, 0.0f);
+    for (int64_t j = 0; j < nv; ++j) row[j] = exp_f32(row[j] - lse[i]);
+    std::fill(row + nv, row + vl, 0.0f);
   }
   return loss;
 }

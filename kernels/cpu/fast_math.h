@@ -5,10 +5,10 @@
 //
 // exp_f32: Cody-Waite range reduction x = n ln2 + r, |r| <= ln2 / 2, and a degree-7 polynomial
 // for e^r (the coefficients of Cephes' expf, S. Moshier); within 2 ulp of the correctly rounded
-// value over [-87.3, 88.3]. Below -87.3 it returns 0 (e^x is then under FLT_MIN: masked scores,
-// -inf, flush to 0); above 88.3 it returns e^88.3 (callers exponentiate x - max <= 0 or feed
-// 1 / (1 + e^x)); NaN stays NaN. tanh_f32 is within 2e-7 of tanh absolutely (what GELU adds it
-// to 1 for), saturating to +-1 exactly.
+// value over [-87.3, 88.3]. Below -87.3 it returns 0 (e^x is then at most about FLT_MIN, the
+// normal floats ending at ln FLT_MIN = -87.34: masked scores, -inf, flush to 0); above 88.3 it
+// returns e^88.3 (callers exponentiate x - max <= 0 or feed 1 / (1 + e^x)); NaN stays NaN. tanh_f32
+// is within 2e-7 of tanh absolutely (what GELU adds it to 1 for), saturating to +-1 exactly.
 #pragma once
 
 #include <bit>
