@@ -660,16 +660,19 @@ std::pair<int64_t, int64_t> GptShard::own_shard(size_t seg) const {
   return {s.offset + rank * shard, s.offset + (rank + 1) * shard};
 }
 
-std::vector<size_t> GptShard::shard_counts(size_t seg, int64_t lo, int64_t hi) const {
-  const Segment& s = segments_.at(seg);
-  const int64_t n = shards_of(layout_, seg), block = s.size / n;
-  std::vector<size_t> out(static_cast<size_t>(n));
-  for (int64_t q = 0; q < n; ++q) {
+std::vector<size_t> block_counts(const Segment& s, int64_t blocks, int64_t lo, int64_t hi) {
+  const int64_t block = s.size / blocks;
+  std::vector<size_t> out(static_cast<size_t>(blocks));
+  for (int64_t q = 0; q < blocks; ++q) {
     const int64_t begin = s.offset + q * block;
     out[static_cast<size_t>(q)] = static_cast<size_t>(
         std::max<int64_t>(0, std::min(hi, begin + block) - std::max(lo, begin)));
   }
   return out;
+}
+
+std::vector<size_t> GptShard::shard_counts(size_t seg, int64_t lo, int64_t hi) const {
+  return block_counts(segments_.at(seg), shards_of(layout_, seg), lo, hi);
 }
 
 const std::vector<std::vector<std::pair<int64_t, int64_t>>>& GptShard::parts(int64_t chunk) const {

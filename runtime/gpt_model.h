@@ -144,6 +144,9 @@ struct ExecutedOp {
 struct Segment {
   int64_t offset = 0, size = 0;  // size is a multiple of ShardLayout::segment_multiple
 };
+// The part of [lo, hi) (inside segment `s`) in each of its `blocks` contiguous equal blocks, in
+// block order: what each rank's shard of the segment holds of the range.
+std::vector<size_t> block_counts(const Segment& s, int64_t blocks, int64_t lo, int64_t hi);
 
 class GptShard {
  public:

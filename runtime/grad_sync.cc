@@ -153,15 +153,7 @@ size_t DataParallelOptimizer::segment_of(int64_t lo, int64_t hi) const {
 std::vector<size_t> DataParallelOptimizer::shard_counts(size_t seg, int64_t lo, int64_t hi) const {
   // Each rank's shard of a segment is a contiguous block: the range's blocks are its
   // intersections with them, in rank order.
-  const Segment& s = shard_.segments()[seg];
-  const int64_t n = shards_of(seg), shard = s.size / n;
-  std::vector<size_t> counts(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t begin = s.offset + r * shard;
-    counts[static_cast<size_t>(r)] = static_cast<size_t>(
-        std::max<int64_t>(0, std::min(hi, begin + shard) - std::max(lo, begin)));
-  }
-  return counts;
+  return block_counts(shard_.segments()[seg], shards_of(seg), lo, hi);
 }
 
 std::unique_ptr<Work> DataParallelOptimizer::start_reduction(size_t seg, int64_t lo, int64_t hi) {

@@ -168,6 +168,14 @@ TEST(Fits, MemoryKernelsNeverGoNegativeAndSurviveOneSize) {
 // ---- the machine file ----
 
 // A machine file as ptdp calibrate writes one, with every measured field of the profile.
+// The small GPT the machine-file tests price (2 layers, hidden 256, sequence 128).
+ModelSpec small_gpt() {
+  ModelSpec m;
+  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
+  m.vocab_size = 1024;
+  return m;
+}
+
 json machine_file() {
   ClusterSpec c;
   c.name = "measured-cpu";
@@ -238,9 +246,7 @@ TEST(MachineFile, RoundTripsAndCarriesItsProfile) {
 TEST(MachineFile, CostModelPricesWithTheMeasurements) {
   const ClusterSpec c = cluster_from_json(machine_file());
   const HardwareProfile& h = *c.measured_profile;
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   const CostModel cm(m, c, h);
   // A GEMM of the table runs at its measured efficiency.
   Op g;
@@ -295,9 +301,8 @@ std::pair<HardwareProfile, HardwareProfile> with_and_without_skew(const ClusterS
 TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
   const ClusterSpec c = cluster_from_json(machine_file());
   const auto [skewed, lockstep] = with_and_without_skew(c, 0.2);
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024, m.num_experts = 4, m.moe_router_topk = 2;
+  ModelSpec m = small_gpt();
+  m.num_experts = 4, m.moe_router_topk = 2;
   const CostModel a(m, c, skewed), b(m, c, lockstep);
   struct Layout {
     int64_t t, d, ep;
@@ -337,9 +342,7 @@ TEST(MachineFile, ArrivalSkewDelaysEveryCollectiveInsideALayer) {
 TEST(MachineFile, ArrivalSkewDelaysTheRingOncePerPass) {
   const ClusterSpec c = cluster_from_json(machine_file());
   const auto [skewed, lockstep] = with_and_without_skew(c, 0.2);
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   const CostModel a(m, c, skewed), b(m, c, lockstep);
   ParallelPlan p;
   p.context_parallel = 4;
@@ -371,9 +374,7 @@ TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
   h.fused_ops = {{"attn_scores", 1e9, 2e-3},
                  {"attn_scores", 8e9, 20e-3},
                  {"attn_scores_recompute", 1e9, 5e-3}};
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   const CostModel cm(m, c, h);
   Op op;
   op.kind = OpKind::kGemm;
@@ -416,9 +417,7 @@ TEST(MachineFile, FusedAttentionIsPricedAsMeasured) {
 TEST(MachineFile, MemoryBoundOpsArePricedAsMeasured) {
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile h = *c.measured_profile;
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   const CostModel fit(m, c, h);  // no table: the family fit
   Op op;
   op.kind = OpKind::kMemory;
@@ -520,9 +519,7 @@ TEST(MachineFile, HostBoundListsTakeTheHostsIssueTime) {
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile h = *c.measured_profile;
   h.cache = {};
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   ParallelPlan p;
   p.global_batch_size = 4;
   std::vector<Op> ops(3);
@@ -564,9 +561,7 @@ TEST(MachineFile, HostBoundListsTakeTheHostsIssueTime) {
 TEST(CacheModel, OpsArePricedBetweenWarmAndColdByTheWorkingSet) {
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile h = *c.measured_profile;
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   ParallelPlan p;
   p.global_batch_size = 4;
   Op g;
@@ -634,9 +629,7 @@ TEST(CacheModel, AMeasuredHitCurveReplacesTheRandomRetentionModel) {
   const ClusterSpec c = cluster_from_json(machine_file());
   HardwareProfile measured = *c.measured_profile;
   measured.cache.bytes_per_rank = 1e6;
-  ModelSpec m;
-  m.num_layers = 2, m.hidden_size = 256, m.num_attention_heads = 4, m.seq_length = 128,
-  m.vocab_size = 1024;
+  const ModelSpec m = small_gpt();
   ParallelPlan p;
   p.global_batch_size = 4;
   const double random_retention = CostModel(m, c, measured).cache_hit(p);

@@ -43,14 +43,7 @@ inline float exp_f32(float x) {
   return under ? 0.0f : p * scale;
 }
 
-// tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) in (0, 1]: no overflow, and where
-// |tanh| nears 1 the derivative 1 - tanh^2 = 4e / (1 + e)^2 keeps its precision (tanh_parts).
-inline float tanh_f32(float x) {
-  const float e = exp_f32(-2.0f * std::fabs(x));
-  return std::copysign((1.0f - e) / (1.0f + e), x);
-}
-
-// std::exp and std::tanh for double (the reference twins), the inline forms for float.
+// std::exp for double (the reference twins), the inline form for float.
 template <typename T>
 inline T fast_exp(T x) {
   if constexpr (std::is_same_v<T, float>)
@@ -58,19 +51,21 @@ inline T fast_exp(T x) {
   else
     return std::exp(x);
 }
-template <typename T>
-inline T fast_tanh(T x) {
-  if constexpr (std::is_same_v<T, float>)
-    return tanh_f32(x);
-  else
-    return std::tanh(x);
-}
-// tanh(x) and its derivative 1 - tanh(x)^2, from one exponential.
+
+// tanh(x) = sign(x) (1 - e) / (1 + e) with e = e^(-2|x|) in (0, 1]: no overflow, and where
+// |tanh| nears 1 the derivative 1 - tanh^2 = 4e / (1 + e)^2 keeps its precision. Both from one
+// exponential (a caller that drops the derivative does not compute it, inlined).
 template <typename T>
 inline void tanh_parts(T x, T* tanh, T* derivative) {
   const T e = fast_exp(T(-2) * std::fabs(x)), inv = T(1) / (T(1) + e);
   *tanh = std::copysign((T(1) - e) * inv, x);
   *derivative = T(4) * e * inv * inv;
+}
+
+inline float tanh_f32(float x) {
+  float t, unused;
+  tanh_parts(x, &t, &unused);
+  return t;
 }
 
 }  // namespace ptdp::kernels

@@ -115,7 +115,9 @@ template <typename T>
 void gelu_forward(const T* x, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const T u = static_cast<T>(kGeluC) * (x[i] + T(0.044715) * x[i] * x[i] * x[i]);
-    y[i] = T(0.5) * x[i] * (T(1) + fast_tanh(u));
+    T th, unused;
+    tanh_parts(u, &th, &unused);
+    y[i] = T(0.5) * x[i] * (T(1) + th);
   }
 }
 
