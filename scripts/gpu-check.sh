@@ -11,7 +11,8 @@
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
-# SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline, CURVE_CPU
+# SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline (TORCH_DTYPES,
+# default "fp32 bf16", picks its precisions), BUILD_ONLY=1 to stop after the build, CURVE_CPU
 # (below), MOE=0 to skip the MoE runs, MLA=0 the latent-attention runs, NCCL_DIAGNOSE=0 to skip the NCCL diagnosis when the NCCL tests fail (it takes about
 # 2 minutes after a crash, at most about 10 after hangs).
 set -euo pipefail
@@ -66,6 +67,8 @@ if grep -q '^nccl_communicator_test:' "$build/targets.txt"; then
 fi
 ninja -C "$build" -j"$jobs" "${targets[@]}"
 echo "gpu-check: built in $(($(date +%s) - start)) s"
+# BUILD_ONLY=1: stop here (a device session that runs scripts/gpu-loop.sh first reuses the build).
+[ "${BUILD_ONLY:-0}" = 1 ] && exit 0
 mkdir -p "$out"
 
 # Every program below runs under a bound: a hang in one is reported (timeout's status 124) and
@@ -269,7 +272,7 @@ stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
 # in bf16 autocast (Megatron's arithmetic, the speed target).
 if [ "${TORCH:-1}" != 0 ] && python3 -c "import torch" 2>/dev/null; then
   rm -f "$out/torch_gpt2.jsonl"
-  for dtype in fp32 bf16; do
+  for dtype in ${TORCH_DTYPES:-fp32 bf16}; do
     stage python3 scripts/torch_gpt2_baseline.py --dtype $dtype --batch ${GPT2_BATCH:-8} \
       --micro ${GPT2_MICRO:-4} --steps ${GPT2_STEPS:-10} >>"$out/torch_gpt2.jsonl" \
       2>>"$out/torch_gpt2.log"
