@@ -322,7 +322,7 @@ json calibrate(const CalibrateOptions& o, Communicator& world, ControlPlane& con
     bandwidth = bw;
     tick("memory bandwidth");
   }
-  const double optimizer_s = time_optimizer(be, plan.optimizer_params, sw);
+  const double optimizer_s = time_optimizer(be, plan.optimizer_params, sw, o.precision);
   tick("optimizer");
 
   // ---- collectives over each group size, all groups at once ----

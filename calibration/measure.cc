@@ -344,15 +344,20 @@ double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw) {
   return 12.0 * static_cast<double>(n) / s;
 }
 
-double time_optimizer(Backend& be, int64_t n, Stopwatch& sw) {
+double time_optimizer(Backend& be, int64_t n, Stopwatch& sw, DType type) {
   Buffer p(static_cast<size_t>(n), 0.1f), g(static_cast<size_t>(n), 1e-3f),
       mm(static_cast<size_t>(n), 0.f), v(static_cast<size_t>(n), 0.f);
+  // Mixed precision: the update also writes the model's 16-bit copy of the weights, as the
+  // run's does (runtime/grad_sync.cc), in the same call.
+  Buffer model(type == DType::kF32 ? 0 : static_cast<size_t>(n), type);
   AdamWSettings a;
   int64_t step = 0;
   return sw.mean_seconds([&] {
     const double sq = be.sum_squares(g.data(), n, 0.0);
     a.lr = sq > 0 ? 1e-4 : 0.0;
-    be.adamw(p.data(), g.data(), mm.data(), v.data(), n, a, ++step);
+    // A clipping factor, as a run's early steps have (the gradient's scale is in the update).
+    be.adamw_update(p.data(), g.data(), mm.data(), v.data(), model.empty() ? Ptr() : model.ptr(), n,
+                    a, ++step, 0.5);
     be.fill_zero(g.data(), n);  // as the next step's start does (gradients then refilled)
     be.synchronize();
   });

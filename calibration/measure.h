@@ -132,9 +132,11 @@ double time_linear(Backend& be, int64_t m, int64_t n, int64_t k, Stopwatch& sw,
 double stream_bandwidth(Backend& be, int64_t n, Stopwatch& sw);
 
 // The optimizer's work per parameter in ptdp run: zeroing the gradients, their sum of squares,
-// and AdamW; seconds for n parameters, and the bytes those kernels move (kOptimizerBytes each).
+// and the update (Backend::adamw_update: AdamW on the clipped gradient, and under mixed precision
+// (`type` 16-bit) the model's copy of the weights, 2 bytes more than counted here); seconds for
+// n parameters, and the bytes those kernels move (kOptimizerBytes each).
 inline constexpr double kOptimizerBytesPerParam = 4 + 4 + 28;
-double time_optimizer(Backend& be, int64_t n, Stopwatch& sw);
+double time_optimizer(Backend& be, int64_t n, Stopwatch& sw, DType type = DType::kF32);
 
 // One collective over groups of `group` consecutive ranks (all groups at once), of `bytes` as
 // nccl-tests counts them (the whole buffer: an all-gather's output, a reduce-scatter's input).

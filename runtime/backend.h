@@ -158,6 +158,13 @@ class Backend {
   // step counts from 1.
   virtual void adamw(float* param, const float* grad, float* m, float* v, int64_t n,
                      const AdamWSettings& o, int64_t step) = 0;
+  // One optimizer update of [n] parameters: the gradient times grad_scale (unscaling and
+  // clipping; 1 leaves it), AdamW on the fp32 weights w, then, unless copy_to is null, the new
+  // weights copied into copy_to in its type (the model's bf16 weights under mixed precision).
+  // The default is those three calls, which leave the gradient scaled; a device backend fuses
+  // them into one pass, which leaves it as it was (the next step zeroes it either way).
+  virtual void adamw_update(float* w, float* grad, float* m, float* v, Ptr copy_to, int64_t n,
+                            const AdamWSettings& o, int64_t step, double grad_scale);
 
   // Memory in the backend's space: zero-filled, counted towards the run's peak memory
   // (runtime/tensor.h's MemoryCounter), 64-byte aligned.

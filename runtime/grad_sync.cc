@@ -415,18 +415,38 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   adam.beta1 = o.beta1;
   adam.beta2 = o.beta2;
   adam.eps = o.eps;
-  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    float* gp = shard_.grad_at(lo);
-    const int64_t n = hi - lo;
-    if (coef != 1.0) be_.scale(gp, n, coef);
+  // One update per run of ranges adjacent in every array (gradients, weights, moments, the
+  // model's copy) with the same weight decay: on a GPU each update is a launch, and one per
+  // parameter tensor made the step's optimizer host-bound (docs/gpu.md).
+  // Mixed precision: AdamW on the fp32 master weights, then their bf16 copy in the model.
+  const bool mixed = master_.size() > 0;
+  struct Run {
+    int64_t lo = 0, n = 0, base = 0;
+    bool decay = false;
+  } run;
+  auto update = [&] {
+    if (run.n == 0) return;
     AdamWSettings a = adam;
-    a.weight_decay = p.decay ? o.weight_decay : 0.0;
-    // Mixed precision: AdamW on the fp32 master weights, then their bf16 copy in the model.
-    const Ptr param = shard_.param_at(lo);
-    float* w = master_.size() > 0 ? master_.data<float>() + base : param.f();
-    be_.adamw(w, gp, adam_m_.data<float>() + base, adam_v_.data<float>() + base, n, a, step + 1);
-    if (master_.size() > 0) be_.copy(CPtr(w), param, n);
+    a.weight_decay = run.decay ? o.weight_decay : 0.0;
+    const Ptr param = shard_.param_at(run.lo);
+    float* w = mixed ? master_.data<float>() + run.base : param.f();
+    be_.adamw_update(w, shard_.grad_at(run.lo), adam_m_.data<float>() + run.base,
+                     adam_v_.data<float>() + run.base, mixed ? param : Ptr(), run.n, a, step + 1,
+                     coef);
+    run.n = 0;
+  };
+  for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
+    const bool adjacent = run.n > 0 && p.decay == run.decay && lo == run.lo + run.n &&
+                          base == run.base + run.n &&
+                          shard_.grad_at(lo) == shard_.grad_at(run.lo) + run.n &&
+                          shard_.param_at(lo).p == shard_.param_at(run.lo).at(run.n).p;
+    if (!adjacent) {
+      update();
+      run = Run{lo, 0, base, p.decay};
+    }
+    run.n += hi - lo;
   });
+  update();
   if (dist_) {
     for (size_t i = 0; i < shard_.segments().size(); ++i) {
       const Segment& s = shard_.segments()[i];

@@ -321,6 +321,13 @@ void Backend::copy(CPtr x, Ptr y, int64_t n) {
   convert(x.p, x.t, y.p, y.t, n);
 }
 
+void Backend::adamw_update(float* w, float* grad, float* m, float* v, Ptr copy_to, int64_t n,
+                           const AdamWSettings& o, int64_t step, double grad_scale) {
+  if (grad_scale != 1.0) scale(grad, n, grad_scale);
+  adamw(w, grad, m, v, n, o, step);
+  if (copy_to.p) copy(CPtr(w), copy_to, n);
+}
+
 void Backend::fill_zero(Ptr x, int64_t n) {
   zero_bytes(x.p, static_cast<size_t>(n) * dtype_bytes(x.t));
 }

@@ -231,9 +231,10 @@ void ShardContext::flash_backward(CPtr q, CPtr k, CPtr v, CPtr out, const float*
 void ShardContext::norm_forward(const Buffer& x, int64_t g, int64_t beta, Buffer& y, Buffer& mean,
                                 Buffer& rstd, int64_t n, int64_t width) {
   if (width == 0) width = dims.h;
-  resize(y, n * width);
-  resize(rstd, n);
-  if (beta >= 0) resize(mean, n);
+  // Every element of y, mean and rstd is written by the kernel: no memset before it.
+  resize_for_overwrite(y, n * width);
+  resize_for_overwrite(rstd, n);
+  if (beta >= 0) resize_for_overwrite(mean, n);
   be.norm_forward(x.ptr(), P(g), beta >= 0 ? P(beta) : nullptr, y.ptr(),
                   beta >= 0 ? mean.data() : nullptr, rstd.data(), n, width);
 }
@@ -242,7 +243,7 @@ void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const
                                  const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n,
                                  int64_t width) {
   if (width == 0) width = dims.h;
-  resize(dx, n * width);
+  resize_for_overwrite(dx, n * width);  // written, not accumulated
   be.norm_backward(x.ptr(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
                    dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, width);
 }
@@ -255,7 +256,7 @@ void ShardContext::residual_add(Buffer& out, const Buffer& residual, const Buffe
 }
 
 void ShardContext::copy(const Buffer& from, Buffer& to) {
-  resize(to, elems(from));
+  resize_for_overwrite(to, elems(from));
   be.copy(from.ptr(), to.ptr(), elems(from));
 }
 

@@ -187,7 +187,10 @@ void Buffer::grow(size_t n, bool zero) {
       space_ = buffer_space();
       if (!typed_) dtype_ = activation_dtype();
     }
-    reallocate(std::max(n, n_ + n_), zero);
+    // Not zeroed here: the new elements are zeroed (or poisoned) just below, and the capacity
+    // beyond n is written by whatever grows into it later. (Zeroing both queued two memsets per
+    // new activation on a GPU, whose host-side cost showed in every small op's span.)
+    reallocate(std::max(n, n_ + n_), false);
   }
   if (n > n_) {
     char* from = static_cast<char*>(p_) + n_ * element();

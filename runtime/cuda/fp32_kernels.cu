@@ -519,6 +519,29 @@ __global__ void adamw_k(float* param, const float* grad, float* m, float* v, int
   }
 }
 
+// adamw_k fused with the gradient's scale before it and the new weights' copy after it
+// (Backend::adamw_update): one pass instead of three. The scaled gradient is rounded to fp32
+// as Backend::scale leaves it, so the update is the three calls' bit for bit; out (may be null)
+// receives the new weights stored as T.
+template <typename T>
+__global__ void adamw_update_k(float* param, const float* grad, float* m, float* v, T* out,
+                               int64_t n, AdamWArgs a, double grad_scale) {
+  for (int64_t i = first_index(); i < n; i += grid_stride()) {
+    const double g =
+        grad_scale == 1.0 ? grad[i] : static_cast<float>(static_cast<double>(grad[i]) * grad_scale);
+    const float mi = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
+    const float vi = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
+    m[i] = mi;
+    v[i] = vi;
+    const double mhat = mi / a.c1, vhat = vi / a.c2;
+    const double p = param[i];
+    const float np =
+        static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + a.weight_decay * p));
+    param[i] = np;
+    if (out) out[i] = store<T>(np);
+  }
+}
+
 // The MoE row moves, one block per output row, the columns over its threads: a gather of rows
 // (scaled), a token's rows added in its index order (fp32, rounded once), and a row's dot
 // product (double, as the CPU twin sums). Rows of T: fp32, or bf16 loaded as fp32 and stored
@@ -907,6 +930,16 @@ void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st) {
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(adamw_k, grid_for(n), param, grad, m, v, n, a);
+}
+void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
+                  const AdamWArgs& a, double grad_scale, cudaStream_t st) {
+  if (n > 0)
+    PTDP_LAUNCH(adamw_update_k<float>, grid_for(n), param, grad, m, v, out, n, a, grad_scale);
+}
+void adamw_update(float* param, const float* grad, float* m, float* v, bf16* out, int64_t n,
+                  const AdamWArgs& a, double grad_scale, cudaStream_t st) {
+  if (n > 0)
+    PTDP_LAUNCH(adamw_update_k<bf16>, grid_for(n), param, grad, m, v, out, n, a, grad_scale);
 }
 
 // ---- bf16 storage: the templated kernels above on bf16 activations ----

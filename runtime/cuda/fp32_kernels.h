@@ -123,6 +123,13 @@ struct AdamWArgs {
 };
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st);
+// adamw on grad * grad_scale (rounded to fp32, as scale() leaves it; the gradient itself is not
+// written), then the new weights stored into out (fp32 or rounded to bf16; null: none), in one
+// pass: Backend::adamw_update's three calls fused.
+void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
+                  const AdamWArgs& a, double grad_scale, cudaStream_t st);
+void adamw_update(float* param, const float* grad, float* m, float* v, bf16* out, int64_t n,
+                  const AdamWArgs& a, double grad_scale, cudaStream_t st);
 
 // ---- bf16 activations (mixed precision): the calls above of the same names and shapes ----
 void add(bf16* y, const bf16* x, int64_t n, cudaStream_t st);

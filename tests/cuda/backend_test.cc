@@ -817,6 +817,38 @@ TEST_F(CudaBackendTest, AdamWMatchesTheCpu) {
   expect_close(down(gv, n), v, "AdamW second moment", 1e-6, 1e-12);
 }
 
+// The optimizer's update in one call (runtime/grad_sync.cc): the GPU fuses the gradient's scale,
+// AdamW and the model's bf16 copy into one pass; the CPU makes the three calls. They agree, the
+// copy is the new weights rounded to bf16, and a call without a copy writes none.
+TEST_F(CudaBackendTest, FusedAdamWUpdateMatchesTheCpusThreeCalls) {
+  const int64_t n = 2053;
+  Host p = random(n, 62), gr = random(n, 63, -0.1f, 0.1f), m(n), v(n);
+  Bf16 model(static_cast<size_t>(n), 0);
+  float *gp = up(p), *gm = up(m), *gv = up(v);
+  Ptr gmodel = up16(model);
+  AdamWSettings o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.1;
+  for (int64_t step = 1; step <= 3; ++step) {
+    Host g = gr;  // the CPU scales its gradient in place; each step starts from the same one
+    float* gg = up(gr);
+    const double scale = step == 2 ? 1.0 : 0.37;
+    cpu_->adamw_update(p.data(), g.data(), m.data(), v.data(), host16(model), n, o, step, scale);
+    gpu_->adamw_update(gp, gg, gm, gv, gmodel, n, o, step, scale);
+    EXPECT_EQ(down(gg, n), gr) << "the GPU's update leaves the gradient as it was";
+  }
+  expect_close(down(gp, n), p, "AdamW parameters", 1e-6, 1e-7);
+  expect_close(down(gv, n), v, "AdamW second moment", 1e-6, 1e-12);
+  expect_close(down16(gmodel, static_cast<size_t>(n)), widen(model), "the bf16 copy", 8e-3, 1e-6);
+  expect_close(widen(model), widen(narrow(p)), "the CPU's copy is the weights rounded", 0, 0);
+  // fp32 weights with no copy (a run without mixed precision).
+  const Host before = down(gp, n);
+  gpu_->adamw_update(gp, up(gr), gm, gv, Ptr(), n, o, 4, 1.0);
+  cpu_->adamw_update(p.data(), gr.data(), m.data(), v.data(), Ptr(), n, o, 4, 1.0);
+  expect_close(down(gp, n), p, "AdamW parameters without a copy", 1e-6, 1e-7);
+  EXPECT_NE(down(gp, n), before);
+}
+
 TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
   const int64_t before = MemoryCounter::current();
   auto* p = static_cast<float*>(gpu_->allocate(4096));
