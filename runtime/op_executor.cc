@@ -318,10 +318,43 @@ void OpExecutor::run(const Op& op) {
           else
             c.gemm_done(d.s, d.dv, d.s, d.b * d.hl);
           return;
-        default:
-          gemm();
+        // QKV as the layer runs it (runtime/transformer_layer.cc): the projection with its bias
+        // and the split of its output into Q, K and V; backward, the join of dQ, dK and dV
+        // before the input gradient, and the bias's gradient beside the weight's. (Timed as bare
+        // GEMMs, the three were a third short of a GPT-2-124M run's on an H200: 10-12 us each.)
+        case OpId::kQkv:
+          if (op.n != d.qkv_width()) break;
+          S.fill(S.a, op.m * op.k);
+          resize_for_overwrite(S.b, op.m * op.n);
+          c.linear(S.a.ptr(), 0, d.qkv_bias ? bias : -1, S.b.ptr(), op.m, op.k, op.n);
+          resize_for_overwrite(S.c, op.m * d.hl * d.d);
+          resize_for_overwrite(S.e, op.m * d.gl * d.d);
+          resize_for_overwrite(S.f, op.m * d.gl * d.d);
+          be.split_columns3(S.b.ptr(), S.c.ptr(), S.e.ptr(), S.f.ptr(), op.m, d.hl * d.d,
+                            d.gl * d.d, d.gl * d.d);
           return;
+        case OpId::kQkvDgrad:
+          if (op.k != d.qkv_width()) break;
+          S.fill(S.c, op.m * d.hl * d.d), S.fill(S.e, op.m * d.gl * d.d);
+          S.fill(S.f, op.m * d.gl * d.d);
+          S.input = &S.c;
+          resize_for_overwrite(S.d, op.m * op.k);
+          be.concat_columns3(S.c.ptr(), S.e.ptr(), S.f.ptr(), S.d.ptr(), op.m, d.hl * d.d,
+                             d.gl * d.d, d.gl * d.d);
+          resize_for_overwrite(S.b, op.m * op.n);
+          c.linear_dgrad(0, S.d.ptr(), S.b.ptr(), op.m, op.n, op.k);
+          return;
+        case OpId::kQkvWgrad:
+          if (op.n != d.qkv_width() || !d.qkv_bias) break;
+          S.fill(S.a, op.k * op.m);
+          S.fill(S.b, op.k * op.n);
+          c.linear_wgrad(S.a.ptr(), S.b.ptr(), 0, bias, op.k, op.m, op.n);
+          return;
+        default:
+          break;
       }
+      gemm();
+      return;
     case OpKind::kMemory:
       break;
   }
@@ -339,6 +372,12 @@ void OpExecutor::run(const Op& op) {
     case OpId::kFinalLayernormBackward:
       S.fill(S.a, rows * d.h), S.fill(S.m1, rows), S.fill(S.m2, rows), S.fill(S.e, rows * d.h);
       c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, rows);
+      // A layer's norms then add their input gradient into the residual stream's (the final
+      // norm's is the stream's).
+      if (op.id != OpId::kFinalLayernormBackward) {
+        S.fill(S.b, rows * d.h);
+        be.add(S.b.ptr(), S.f.ptr(), rows * d.h);
+      }
       return;
     case OpId::kQkLayernorm: {  // the queries' and keys' norms, d channels a row
       const int64_t heads = d.n_full * (d.hl + d.gl);
