@@ -849,6 +849,31 @@ TEST_F(CudaBackendTest, FusedAdamWUpdateMatchesTheCpusThreeCalls) {
   EXPECT_NE(down(gp, n), before);
 }
 
+// Freed device blocks are kept and handed out again (the backend's block cache): a Buffer that
+// gets a block someone wrote and freed still starts as zeros, an overwrite one is the same block
+// without the memset, and the memory counter counts what is held, not what is cached.
+TEST_F(CudaBackendTest, ReusedBlocksAreZeroedForNewBuffers) {
+  const int64_t before = MemoryCounter::current();
+  void* first = nullptr;
+  {
+    Buffer dirty(1000, 3.0f);  // 4000 bytes of 3s on the device
+    first = dirty.raw();
+    EXPECT_EQ(MemoryCounter::current() - before, 4000);
+  }
+  EXPECT_EQ(MemoryCounter::current(), before);
+  Buffer zeros(1000);  // the same size: the freed block again, zeroed
+  EXPECT_EQ(zeros.raw(), first);
+  EXPECT_EQ(down(zeros.data(), 1000), Host(1000));
+  Buffer grown(10);
+  grown.resize(600);  // a new block: the kept elements copied, the new ones zero
+  EXPECT_EQ(down(grown.data(), 600), Host(600));
+  Buffer over;
+  over.resize_for_overwrite(1000);  // no zeroing asked for: any free block of that size
+  EXPECT_NE(over.raw(), nullptr);
+  EXPECT_EQ(MemoryCounter::current() - before,
+            4000 + 4000 + static_cast<int64_t>(grown.capacity()) * 4);
+}
+
 TEST_F(CudaBackendTest, MemoryIsZeroedCountedAndKnownAsTheDevices) {
   const int64_t before = MemoryCounter::current();
   auto* p = static_cast<float*>(gpu_->allocate(4096));
