@@ -10,11 +10,20 @@ namespace {
 constexpr int kThreads = 256;
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
 
+// tanh(u) = 1 - 2 / (1 + e^(2u)) on the fast exponential (ex2.approx) and division: a handful
+// of instructions where tanhf takes some twenty and a branch. At 16-byte vectors the bias + GELU
+// kernels have about 30 instructions an element to spend at an H200's copy bandwidth, and the
+// forward one reached 69% of it (a count, not a profile: unmeasured since). |u| is capped at 9,
+// where tanh is 1 in fp32. Within 1e-6 of tanhf, far inside the bf16 output's rounding.
+__device__ __forceinline__ float fast_tanh(float u) {
+  const float e = __expf(2.0f * fminf(fmaxf(u, -9.0f), 9.0f));
+  return 1.0f - __fdividef(2.0f, 1.0f + e);
+}
 __device__ __forceinline__ float gelu(float x) {
-  return 0.5f * x * (1.0f + tanhf(kGeluC * (x + 0.044715f * x * x * x)));
+  return 0.5f * x * (1.0f + fast_tanh(kGeluC * (x + 0.044715f * x * x * x)));
 }
 __device__ __forceinline__ float gelu_grad(float x) {
-  const float th = tanhf(kGeluC * (x + 0.044715f * x * x * x));
+  const float th = fast_tanh(kGeluC * (x + 0.044715f * x * x * x));
   const float du = kGeluC * (1.0f + 3.0f * 0.044715f * x * x);
   return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
 }

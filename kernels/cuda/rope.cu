@@ -33,8 +33,13 @@ __global__ void rope_kernel(bf16* x, int64_t b, int64_t s, int64_t heads, int64_
 // The same rotation 8 pairs a thread, as 16-byte vectors of each half of the row (half a
 // multiple of 8, x 16-byte aligned), and kRopeRows (sequence, head) rows a thread, blockIdx.y
 // choosing them: the scalar kernel's 2-byte accesses, one row at a time, moved 43% of an
-// H100's copy bandwidth.
-constexpr int kRopeRows = 4;
+// H100's copy bandwidth. The angles (a pow and a sincos in fp64 each) are the costly part: at
+// 4 rows a thread they were, by a count of instructions, some 50 fp64 instructions a pair, which
+// would be most of an H200's 71 us on the bench's layer (44% of the copy; the split between
+// angles and memory is an estimate, not measured); at 16 rows a quarter of that. The rows are
+// loaded kRopeBatch at a time before any is written, so that loads are in flight together (the
+// compiler cannot move a row's load above the previous row's store: they may alias).
+constexpr int kRopeRows = 16, kRopeBatch = 4;
 __global__ void rope_vector_kernel(bf16* x, int64_t b, int64_t s, int64_t heads, int64_t d,
                                    double base, bool inverse) {
   const int64_t half = d / 2, groups = half / kVec;
@@ -52,19 +57,32 @@ __global__ void rope_vector_kernel(bf16* x, int64_t b, int64_t s, int64_t heads,
   }
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRopeRows;
   const int64_t r1 = r0 + kRopeRows < b * heads ? r0 + kRopeRows : b * heads;
-  for (int64_t r = r0; r < r1; ++r) {
-    bf16* v = x + ((r / heads * s + j) * heads + r % heads) * d + i0;
-    Bf16x8* lo = reinterpret_cast<Bf16x8*>(v);
-    Bf16x8* hi = reinterpret_cast<Bf16x8*>(v + half);
-    const Bf16x8 a = *lo, bv = *hi;
-    Bf16x8 ya, yb;
-    for (int k = 0; k < kVec; ++k) {
-      const float x1 = to_float(a.v[k]), x2 = to_float(bv.v[k]);
-      ya.v[k] = to_bf16(x1 * c[k] - x2 * sv[k]);
-      yb.v[k] = to_bf16(x2 * c[k] + x1 * sv[k]);
+  for (int64_t rb = r0; rb < r1; rb += kRopeBatch) {
+    Bf16x8* lo[kRopeBatch] = {};
+    Bf16x8* hi[kRopeBatch] = {};
+    Bf16x8 a[kRopeBatch]{}, bv[kRopeBatch]{};
+#pragma unroll
+    for (int q = 0; q < kRopeBatch; ++q) {
+      const int64_t r = rb + q;
+      if (r >= r1) continue;
+      bf16* v = x + ((r / heads * s + j) * heads + r % heads) * d + i0;
+      lo[q] = reinterpret_cast<Bf16x8*>(v);
+      hi[q] = reinterpret_cast<Bf16x8*>(v + half);
+      a[q] = *lo[q];
+      bv[q] = *hi[q];
     }
-    *lo = ya;
-    *hi = yb;
+#pragma unroll
+    for (int q = 0; q < kRopeBatch; ++q) {
+      if (!lo[q]) continue;
+      Bf16x8 ya, yb;
+      for (int k = 0; k < kVec; ++k) {
+        const float x1 = to_float(a[q].v[k]), x2 = to_float(bv[q].v[k]);
+        ya.v[k] = to_bf16(x1 * c[k] - x2 * sv[k]);
+        yb.v[k] = to_bf16(x2 * c[k] + x1 * sv[k]);
+      }
+      *lo[q] = ya;
+      *hi[q] = yb;
+    }
   }
 }
 

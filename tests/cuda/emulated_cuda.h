@@ -60,6 +60,7 @@
 #define __shfl_xor_sync(mask, v, lane_mask) ::emu::shfl_xor((v), (lane_mask))
 #define __trap() std::abort()
 #define __expf(x) std::exp(x)
+#define __fdividef(a, b) ((a) / (b))
 
 using std::max;
 using std::min;

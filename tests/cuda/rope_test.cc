@@ -11,10 +11,11 @@ namespace ptdp::cuda_test {
 namespace {
 
 // Both kernels: the 16-byte vector one (d = 64: halves of 32) and the scalar one (d = 36: halves
-// of 18, not a multiple of 8); b x heads = 6 rows is not a multiple of the vector kernel's 4.
-void check_rope(int64_t d) {
-  SCOPED_TRACE("d = " + std::to_string(d));
-  const int64_t b = 2, s = 300, heads = 3;
+// of 18, not a multiple of 8). b x heads = 6 rows is not a multiple of the vector kernel's
+// batches of 4 loads; 21 rows are two of its blocks of 16 rows, the second a batch of 4 and 1.
+void check_rope(int64_t d, int64_t b = 2, int64_t heads = 3) {
+  SCOPED_TRACE("d = " + std::to_string(d) + ", b x heads = " + std::to_string(b * heads));
+  const int64_t s = 300;
   const double base = 10000;
   const auto x = random_bf16(b * s * heads * d, 1, 1);
   auto dx = to_device_bf16(x);
@@ -35,6 +36,7 @@ TEST(CudaRope, ForwardAndInverseMatchCpu) {
   PTDP_REQUIRE_GPU();
   check_rope(64);
   check_rope(36);
+  check_rope(64, 3, 7);
 }
 
 TEST(CudaRope, RejectsOddHeadDimension) {
