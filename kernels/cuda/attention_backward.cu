@@ -187,7 +187,7 @@ void backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, cons
   const int si = static_cast<int>(s), ski = static_cast<int>(sk), hqi = static_cast<int>(hq),
             hki = static_cast<int>(hk);
   float* delta = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&delta, sizeof(float) * b * s * hq, stream));
+  delta = static_cast<float*>(allocate_async(sizeof(float) * b * s * hq, stream));
   attention::launch_delta(out, dout, delta, b, s, hq, D, stream);
   const unsigned ub = static_cast<unsigned>(b);
   PTDP_KERNEL_LAUNCH(flash_backward_kv_kernel<D>,

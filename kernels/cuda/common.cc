@@ -21,4 +21,26 @@ int device_count(const char** why) {
   return n;
 }
 
+namespace {
+OutOfMemoryHandler oom_handler = nullptr;
+void* oom_context = nullptr;
+}  // namespace
+
+void set_out_of_memory_handler(OutOfMemoryHandler handler, void* context) {
+  oom_handler = handler;
+  oom_context = context;
+}
+
+void* allocate_async(size_t bytes, cudaStream_t stream) {
+  void* p = nullptr;
+  cudaError_t e = cudaMallocAsync(&p, bytes, stream);
+  if (e == cudaErrorMemoryAllocation && oom_handler) {
+    (void)cudaGetLastError();  // not sticky; cleared so the retry's status is its own
+    oom_handler(oom_context);
+    e = cudaMallocAsync(&p, bytes, stream);
+  }
+  check(e, "cudaMallocAsync");
+  return p;
+}
+
 }  // namespace ptdp::kernels::cuda

@@ -272,7 +272,7 @@ template <typename Partials>
 void column_sums(const ColumnChunks& cc, float* const* out, int outputs, int64_t cols,
                  cudaStream_t stream, Partials partials) {
   float* partial = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(float) * outputs * cc.chunks * cols, stream));
+  partial = static_cast<float*>(allocate_async(sizeof(float) * outputs * cc.chunks * cols, stream));
   partials(partial);
   for (int k = 0; k < outputs; ++k) {
     PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 32), dim3(32, 8), 0, stream)

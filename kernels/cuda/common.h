@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace ptdp::kernels::cuda {
@@ -17,6 +18,14 @@ using bf16 = __nv_bfloat16;
 void check(cudaError_t e, const char* what);
 // The number of visible CUDA devices; 0 (and the reason in *why, when given) if none or no driver.
 int device_count(const char** why = nullptr);
+
+// cudaMallocAsync for a temporary on `stream`. When the device is out of memory, the handler set
+// with set_out_of_memory_handler runs (the CUDA backend's frees the device blocks it keeps for
+// reuse) and the allocation is tried once more; then std::runtime_error("cudaMallocAsync: ...").
+void* allocate_async(size_t bytes, cudaStream_t stream);
+// handler(context) frees what device memory it can; one per process (the backend's), null clears.
+using OutOfMemoryHandler = void (*)(void* context);
+void set_out_of_memory_handler(OutOfMemoryHandler handler, void* context);
 
 }  // namespace ptdp::kernels::cuda
 

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
 void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
   if (n <= 0) return;
   double* partial = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&partial, sizeof(double) * kBlocks, stream));
+  partial = static_cast<double*>(allocate_async(sizeof(double) * kBlocks, stream));
   PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, kBlocks, kThreads, 0, stream)(x, n, partial);
   check_launch("sum_squares_partial_kernel");
   PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, acc);
@@ -50,7 +50,7 @@ void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
 double global_norm(const std::vector<std::pair<const float*, int64_t>>& tensors,
                    cudaStream_t stream) {
   double* acc = nullptr;
-  PTDP_CUDA_CHECK(cudaMallocAsync(&acc, sizeof(double), stream));
+  acc = static_cast<double*>(allocate_async(sizeof(double), stream));
   PTDP_CUDA_CHECK(cudaMemsetAsync(acc, 0, sizeof(double), stream));
   for (const auto& [x, n] : tensors) sum_squares(x, n, acc, stream);
   double host = 0;

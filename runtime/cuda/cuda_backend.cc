@@ -96,10 +96,18 @@ class CudaBackend final : public Backend {
     PTDP_CHECK(cublasSetStream(blas_, stream_));
     lt_ = std::make_unique<kc::Gemm>();  // after cudaSetDevice: its workspace is on this device
     PTDP_CHECK(cudaMalloc(&scratch_, kScratchBytes));
+    // Freed blocks kept for reuse: at most an eighth of the device, and 16 GiB.
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+      max_cached_bytes_ = std::min(max_cached_bytes_, total_bytes / 8);
+    // A kernel's or a communicator's temporary that finds the device full frees them first.
+    kc::set_out_of_memory_handler([](void* self) { static_cast<CudaBackend*>(self)->relieve(); },
+                                  this);
     set_buffer_space(this);
   }
   ~CudaBackend() override {
     if (buffer_space() == this) set_buffer_space(nullptr);
+    kc::set_out_of_memory_handler(nullptr, nullptr);
     release_cached();
     cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : free_marks_) cudaEventDestroy(e);
@@ -814,9 +822,9 @@ class CudaBackend final : public Backend {
         cached_bytes_ -= bytes;
       } else {
         cudaError_t e = cudaMallocAsync(&p, bytes, stream_);
-        if (e == cudaErrorMemoryAllocation && cached_bytes_ > 0) {  // the cache's blocks first
+        if (e == cudaErrorMemoryAllocation) {  // the cache's blocks and the pool's spare first
           cudaGetLastError();
-          release_cached();
+          relieve();
           e = cudaMallocAsync(&p, bytes, stream_);
         }
         if (e != cudaSuccess)
@@ -832,9 +840,24 @@ class CudaBackend final : public Backend {
   void deallocate(void* p, size_t bytes) override {
     MemoryCounter::freed(bytes);
     if (!p) return;
-    if (cached_bytes_ + bytes > kMaxCachedBytes) release_cached();
+    if (bytes > max_cached_bytes_ / 4) {  // a block this large is rare: back to the pool
+      cudaFreeAsync(p, stream_);
+      return;
+    }
+    // Over the bound (sizes that do not recur, such as an MoE layer's routed rows): all back to
+    // the pool, where any size can use them.
+    if (cached_bytes_ + bytes > max_cached_bytes_) release_cached();
     cached_[bytes].push_back(p);
     cached_bytes_ += bytes;
+  }
+  // Out of device memory: the cached blocks back to the pool, and the pool's unused memory back
+  // to the device (the release threshold keeps it otherwise), once the stream has drained.
+  void relieve() {
+    release_cached();
+    cudaStreamSynchronize(stream_);
+    cudaMemPool_t pool = nullptr;
+    if (cudaDeviceGetDefaultMemPool(&pool, device_) == cudaSuccess) cudaMemPoolTrimTo(pool, 0);
+    cudaGetLastError();  // whatever the trim said, the caller's retry reports for itself
   }
   void upload(const void* host, void* device, size_t bytes) override {
     if (bytes == 0) return;
@@ -899,8 +922,8 @@ class CudaBackend final : public Backend {
   cublasHandle_t blas_ = nullptr;
   std::unique_ptr<kc::Gemm> lt_;         // cuBLASLt, for the GEMMs with a fused epilogue
   std::vector<cudaEvent_t> free_marks_;  // released markers (record_mark), for reuse
-  // Freed blocks by size (allocate_for_overwrite), at most kMaxCachedBytes of them.
-  static constexpr size_t kMaxCachedBytes = size_t{16} << 30;
+  // Freed blocks by size (allocate_for_overwrite), at most max_cached_bytes_ of them.
+  size_t max_cached_bytes_ = size_t{16} << 30;
   std::unordered_map<size_t, std::vector<void*>> cached_;
   size_t cached_bytes_ = 0;
   void release_cached() {

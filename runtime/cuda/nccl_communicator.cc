@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cuda/common.h"
 #include "runtime/watchdog.h"
 
 namespace ptdp {
@@ -248,8 +249,8 @@ class Staging {
   void* in_out(void* p, size_t bytes) { return stage(p, bytes, true, true); }
   // A device temporary of `bytes`, freed when the operation completes.
   void* temporary(size_t bytes) {
-    void* d = nullptr;
-    check_cuda(cudaMallocAsync(&d, bytes, st_), "cudaMallocAsync");
+    // (kernels::cuda::allocate_async: out of memory, the backend's cached blocks go first)
+    void* d = kernels::cuda::allocate_async(bytes, st_);
     temps_.push_back(d);
     return d;
   }

@@ -213,6 +213,9 @@ cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* pool, int) {
 cudaError_t cudaMemPoolSetAttribute(cudaMemPool_t, cudaMemPoolAttr, void*) {
   return cudaSuccess;
 }
+cudaError_t cudaMemPoolTrimTo(cudaMemPool_t, size_t) {
+  return cudaSuccess;
+}
 cudaError_t cudaMemset(void* p, int value, size_t bytes) {
   std::memset(p, value, bytes);
   return cudaSuccess;
