@@ -63,6 +63,15 @@ ptdp_emu_switch:
 struct CUstream_st : FakeStream {};
 struct CUevent_st : FakeEvent {};
 
+namespace emu {
+int failing_allocations = 0;
+// The next n cudaMallocAsync calls fail with cudaErrorMemoryAllocation (tests of what an
+// allocation does when the device is full).
+void fail_next_allocations(int n) {
+  failing_allocations = n;
+}
+}  // namespace emu
+
 extern "C" {
 
 cudaError_t cudaGetDeviceCount(int* count) {
@@ -200,6 +209,11 @@ cudaError_t cudaRuntimeGetVersion(int* v) {
   return cudaSuccess;
 }
 cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) {
+  if (emu::failing_allocations > 0) {  // a full device, for the out-of-memory paths' tests
+    --emu::failing_allocations;
+    *p = nullptr;
+    return cudaErrorMemoryAllocation;
+  }
   return cudaMalloc(p, bytes);
 }
 cudaError_t cudaFreeAsync(void* p, cudaStream_t) {

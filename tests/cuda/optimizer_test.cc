@@ -1,13 +1,54 @@
 // kernels/cuda/adamw.h and grad_norm.h against adamw_step (kernels/cpu/kernels.h) and
 // sum_squares (kernels/cpu/elementwise.h).
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
 #include "kernels/cpu/elementwise.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cuda/adamw.h"
 #include "kernels/cuda/grad_norm.h"
 #include "tests/cuda/cuda_test_util.h"
 
+#ifdef PTDP_CUDA_EMULATION
+namespace emu {
+void fail_next_allocations(int n);  // tests/cuda/emulated_cuda_runtime.cc
+}
+#endif
+
 namespace ptdp::cuda_test {
 namespace {
+
+#ifdef PTDP_CUDA_EMULATION
+// A kernel's temporary that finds the device full (kernels::cuda::allocate_async, here the
+// gradient norm's partials): the out-of-memory handler (the CUDA backend's: its kept blocks back
+// to the device) runs once and the allocation is tried again; with no handler, or a second
+// failure, the error names cudaMallocAsync.
+TEST(CudaAllocateAsync, OutOfMemoryRunsTheHandlerThenRetriesOnce) {
+  const std::vector<float> g(1000, 0.5f);
+  DeviceBuffer<float> d(g);
+  static int handled = 0;
+  handled = 0;
+  kernels::cuda::set_out_of_memory_handler([](void*) { ++handled; }, nullptr);
+  emu::fail_next_allocations(1);
+  EXPECT_DOUBLE_EQ(kernels::cuda::global_norm({{d.get(), 1000}}, nullptr), std::sqrt(250.0));
+  EXPECT_EQ(handled, 1);
+  emu::fail_next_allocations(2);
+  try {
+    kernels::cuda::global_norm({{d.get(), 1000}}, nullptr);
+    ADD_FAILURE() << "a second failure must throw";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("cudaMallocAsync"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(handled, 2);
+  kernels::cuda::set_out_of_memory_handler(nullptr, nullptr);
+  emu::fail_next_allocations(1);
+  EXPECT_THROW(kernels::cuda::global_norm({{d.get(), 1000}}, nullptr), std::runtime_error);
+  EXPECT_EQ(handled, 2);
+  emu::fail_next_allocations(0);
+}
+#endif
 
 TEST(CudaAdamW, ThreeStepsMatchCpuAndWriteTheBf16Copy) {
   PTDP_REQUIRE_GPU();
