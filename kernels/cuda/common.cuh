@@ -258,7 +258,8 @@ __global__ void column_finish_kernel(const T* partial, T* out, int chunks, int64
 }
 
 // The row chunks of a column sum over `rows` (each chunk's partial sums, then their sum per
-// column in chunk order), and the second pass: out[k][c] += the partials of output k.
+// column in a fixed order, column_finish_kernel), and the second pass: out[k][c] += the partials
+// of output k.
 // `most` chunks at most (a fixed number, so that the order of the sums depends only on rows).
 struct ColumnChunks {
   int64_t per = 0;  // rows per chunk
