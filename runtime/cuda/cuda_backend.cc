@@ -724,17 +724,20 @@ class CudaBackend final : public Backend {
     download(partials + k::kSumSquaresBlocks, &s, sizeof s);
     return acc + s;
   }
+  // The kernels' settings for step `step` (from 1), with its bias corrections.
+  static k::AdamWArgs adamw_args(const AdamWSettings& o, int64_t step) {
+    if (step < 1) throw std::invalid_argument("adamw: step counts from 1");
+    return {o.lr,
+            o.beta1,
+            o.beta2,
+            o.eps,
+            o.weight_decay,
+            1.0 - std::pow(o.beta1, static_cast<double>(step)),
+            1.0 - std::pow(o.beta2, static_cast<double>(step))};
+  }
   void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWSettings& o,
              int64_t step) override {
-    if (step < 1) throw std::invalid_argument("adamw: step counts from 1");
-    k::AdamWArgs a{o.lr,
-                   o.beta1,
-                   o.beta2,
-                   o.eps,
-                   o.weight_decay,
-                   1.0 - std::pow(o.beta1, static_cast<double>(step)),
-                   1.0 - std::pow(o.beta2, static_cast<double>(step))};
-    k::adamw(param, grad, m, v, n, a, stream_);
+    k::adamw(param, grad, m, v, n, adamw_args(o, step), stream_);
   }
   // One pass instead of scale, adamw and copy: three launches a parameter range and two passes
   // over the gradient and the weights fewer (on GPT-2-124M about 150 ranges: the step's
@@ -743,14 +746,7 @@ class CudaBackend final : public Backend {
                     const AdamWSettings& o, int64_t step, double grad_scale) override {
     if (copy_to.p && copy_to.t != DType::kF32 && copy_to.t != DType::kBF16)
       return Backend::adamw_update(w, grad, m, v, copy_to, n, o, step, grad_scale);
-    if (step < 1) throw std::invalid_argument("adamw: step counts from 1");
-    const k::AdamWArgs a{o.lr,
-                         o.beta1,
-                         o.beta2,
-                         o.eps,
-                         o.weight_decay,
-                         1.0 - std::pow(o.beta1, static_cast<double>(step)),
-                         1.0 - std::pow(o.beta2, static_cast<double>(step))};
+    const k::AdamWArgs a = adamw_args(o, step);
     if (copy_to.t == DType::kBF16 && copy_to.p)
       k::adamw_update(w, grad, m, v, static_cast<kernels::cuda::bf16*>(copy_to.p), n, a, grad_scale,
                       stream_);

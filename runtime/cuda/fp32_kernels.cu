@@ -507,22 +507,11 @@ __global__ void zero_upper_k(T* m, int64_t total, int64_t s) {
     if (idx % s > (idx / s) % s) m[idx] = store<T>(0.0f);
 }
 
-__global__ void adamw_k(float* param, const float* grad, float* m, float* v, int64_t n,
-                        AdamWArgs a) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const double g = grad[i];
-    m[i] = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
-    v[i] = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
-    const double mhat = m[i] / a.c1, vhat = v[i] / a.c2;
-    const double p = param[i];
-    param[i] = static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + a.weight_decay * p));
-  }
-}
-
-// adamw_k fused with the gradient's scale before it and the new weights' copy after it
-// (Backend::adamw_update): one pass instead of three. The scaled gradient is rounded to fp32
-// as Backend::scale leaves it, so the update is the three calls' bit for bit; out (may be null)
-// receives the new weights stored as T.
+// AdamW (the CPU twin's arithmetic: double, moments rounded to fp32), fused with the gradient's
+// scale before it and the new weights' copy after it (Backend::adamw_update): one pass instead
+// of three. The scaled gradient is rounded to fp32 as Backend::scale leaves it, so the update is
+// the three calls' bit for bit; out (may be null) receives the new weights stored as T. With
+// grad_scale 1 and no out, it is plain adamw.
 template <typename T>
 __global__ void adamw_update_k(float* param, const float* grad, float* m, float* v, T* out,
                                int64_t n, AdamWArgs a, double grad_scale) {
@@ -929,7 +918,7 @@ void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st) {
 }
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st) {
-  if (n > 0) PTDP_LAUNCH(adamw_k, grid_for(n), param, grad, m, v, n, a);
+  adamw_update(param, grad, m, v, static_cast<float*>(nullptr), n, a, 1.0, st);
 }
 void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st) {
