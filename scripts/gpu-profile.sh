@@ -16,8 +16,9 @@ ncu=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
 [ -x "$bench" ] || { echo "gpu-profile: no $bench (run scripts/gpu-check.sh first)" >&2; exit 1; }
 [ -x "$ncu" ] || { echo "gpu-profile: no ncu" >&2; exit 1; }
 mkdir -p "$out"
-benches=${PROFILE_BENCHES:-"BM_AddLayerNormBackward/768 BM_AddLayerNormBackward/4096 BM_Embedding
-  BM_MoeUnpermute BM_MoePermute BM_Rope BM_BiasGeluBackward BM_GradNorm BM_BiasGeluForward"}
+benches=${PROFILE_BENCHES:-"BM_AddLayerNormBackward/768 BM_AddLayerNormBackward/4096
+  BM_EmbeddingForward BM_EmbeddingBackward BM_MoeUnpermute BM_MoePermute BM_Rope
+  BM_BiasGeluBackward BM_GradNorm BM_BiasGeluForward"}
 for b in $benches; do
   name=${b//\//_}
   timeout --kill-after=10 120 "$ncu" --clock-control none --launch-skip 8 --launch-count 6 \

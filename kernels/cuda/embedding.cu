@@ -19,7 +19,10 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const bf16* tabl
   }
 }
 
-// The same, 8 columns a thread from 16-byte loads (vectorizable(h, {table, pos, y})).
+// The same, 8 columns a thread from 16-byte loads (vectorizable(h, {table, pos, y})), the
+// table's and the positions' loads of kForwardUnroll vectors issued before any store (the
+// compiler may not move a load above a store to y, which might alias them).
+constexpr int kForwardUnroll = 4;
 __global__ void embedding_forward_vec_kernel(const int32_t* tokens, const bf16* table,
                                              const bf16* pos, bf16* y, int64_t sl, int64_t h,
                                              int64_t v0, int64_t vl, int64_t first) {
@@ -27,25 +30,33 @@ __global__ void embedding_forward_vec_kernel(const int32_t* tokens, const bf16* 
   const int64_t tok = tokens[i] - v0;
   const bool here = tok >= 0 && tok < vl;
   const bf16* prow = pos ? pos + (first + i % sl) * h : nullptr;
-  for (int64_t e = threadIdx.x * kVec; e < h; e += blockDim.x * kVec) {
-    float x[kVec] = {};
-    if (here) load8(table + tok * h + e, x);
-    if (prow) {
-      float p[kVec];
-      load8(prow + e, p);
-      for (int j = 0; j < kVec; ++j) x[j] += p[j];
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kVec;
+  for (int64_t e0 = threadIdx.x * kVec; e0 < h; e0 += step * kForwardUnroll) {
+    Bf16x8 x[kForwardUnroll]{}, p[kForwardUnroll]{};  // as loaded: 4 registers a vector
+#pragma unroll
+    for (int u = 0; u < kForwardUnroll; ++u) {
+      const int64_t e = e0 + u * step;
+      if (e >= h) continue;
+      if (here) x[u] = *reinterpret_cast<const Bf16x8*>(table + tok * h + e);
+      if (prow) p[u] = *reinterpret_cast<const Bf16x8*>(prow + e);
     }
-    Bf16x8 o;
-    for (int j = 0; j < kVec; ++j) o.v[j] = to_bf16(x[j]);
-    *reinterpret_cast<Bf16x8*>(y + i * h + e) = o;
+#pragma unroll
+    for (int u = 0; u < kForwardUnroll; ++u) {
+      const int64_t e = e0 + u * step;
+      if (e >= h) continue;
+      Bf16x8 o;
+      for (int j = 0; j < kVec; ++j)  // a zero vector for a token off the shard or no positions
+        o.v[j] = to_bf16((here ? to_float(x[u].v[j]) : 0.0f) + (prow ? to_float(p[u].v[j]) : 0.0f));
+      *reinterpret_cast<Bf16x8*>(y + i * h + e) = o;
+    }
   }
 }
 
 // The table gradient by vocabulary tiles (common.cuh): every table row sums its tokens in order.
 constexpr int kGradThreads = 256;
-__global__ void embedding_table_grad_kernel(const int32_t* tokens, const bf16* dy, float* dtable,
-                                            int64_t n, int64_t h, int64_t v0, int64_t vl,
-                                            bool vectors) {
+__global__ void __launch_bounds__(kGradThreads, 2)
+    embedding_table_grad_kernel(const int32_t* tokens, const bf16* dy, float* dtable, int64_t n,
+                                int64_t h, int64_t v0, int64_t vl, bool vectors) {
   add_token_rows_of_tile<kGradThreads>(tokens, dy, dtable, n, h, v0, vl, vectors);
 }
 

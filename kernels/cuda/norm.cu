@@ -87,6 +87,15 @@ constexpr int64_t kWarpRowColumns = 32 * kRowVecs * kVec;
 constexpr int64_t kBlockRowColumns = kThreads * kRowVecs * kVec;
 constexpr int kRowsPerBlock = kThreads / 32;
 
+// A 16-byte load cached at every level (ld.global.ca): the backward pass's second read of a row
+// that the thread loaded in its first, which is an L1 hit where the first read is in registers
+// that the compiler would otherwise keep across the team's sums.
+__device__ __forceinline__ Bf16x8 reread(const Bf16x8* p) {
+  const uint4 u = __ldca(reinterpret_cast<const uint4*>(p));
+  Bf16x8 v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
 __device__ __forceinline__ const Bf16x8* vec_row(const bf16* p, int64_t base) {
   return reinterpret_cast<const Bf16x8*>(p + base);
 }
@@ -165,19 +174,29 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- the backward pass reading each row once: dx, and the partial sums of the gamma (and
 // beta) gradients per chunk of rows, which column_sums then adds up chunk by chunk. A block per
-// chunk; a row to a warp (kWarp) or to the whole block, as in the forward pass. A thread holds
-// its part of the row as the bf16 it read (kVecs 16-byte vectors each of r, dy and dresid) until
-// it writes dx, and its columns' gradient sums in registers across the chunk's rows. A block's
+// chunk; a row to a warp (kWarp) or to the whole block, as in the forward pass. A thread reads
+// its part of the row (kVecs 16-byte vectors each of dy and r) for the row's sums, then again
+// with dresid for dx, and keeps its columns' gradient sums in registers across the chunk's
+// rows. A block's
 // warps add theirs into shared memory in warp order. The chunks depend on n alone (at most
 // kBackwardChunks), so the order of every sum does too. Two passes (dx, then the column sums
 // re-reading r and dy) move 6 bytes an element where 4 are needed, at most 2/3 of the copy
-// bandwidth by construction. ----
+// bandwidth by construction.
+// Registers set the occupancy here (ptxas -v, sm_90): holding the row and g across the team's
+// sums took 127 registers a thread at 2 vectors a thread and 172 at 3 (GPT-2's 768 columns a
+// warp), one block of 8 warps an SM, and the H200 moved 36.5% of its copy bandwidth at 4096
+// columns. So the second pass reads its vectors of dy, r and g again from L1 (reread: this
+// thread loaded them a moment before), and a thread keeps its dy and r only through the first
+// pass; up to 2 vectors a thread (512 columns a warp, 4096 a block) it loads the next row's
+// while it works on this one, so two rows are in flight. 106 registers at 2 vectors with the
+// next row, 127 at 3: two blocks an SM with no spills, which __launch_bounds__ now asks for up
+// to 3 vectors. ----
 constexpr int kBackwardChunks = 256;
 
 // LayerNorm: dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dy * g,
 // xhat = (r - mean) * rstd. RMSNorm is the same with mean 0 and without the mean(dxhat) term.
-template <bool kRms, bool kWarp, int kVecs>
-__global__ void __launch_bounds__(kThreads)
+template <bool kRms, bool kWarp, int kVecs, bool kAhead = (kVecs <= 2)>
+__global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
     norm_backward_fused_kernel(const bf16* r, const bf16* g, const float* mean_in,
                                const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
                                float* partial, int outputs, int chunks, int64_t n, int64_t h,
@@ -192,31 +211,29 @@ __global__ void __launch_bounds__(kThreads)
   const int vecs = static_cast<int>(h / kVec);
   const float inv_h = 1.0f / static_cast<float>(h);
   auto team_sum = [&](float v) { return kWarp ? warp_sum(v) : block_sum(v, scratch); };
-  Bf16x8 gv[kVecs]{};
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k)
-    if (lane + stride * k < vecs) gv[k] = vec_row(g, 0)[lane + stride * k];
   float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
-  // Uniform over the team (a warp, or the block whose block_sum every thread must reach).
-  for (int64_t row = first + (kWarp ? warp : 0); row < end; row += kWarp ? kRowsPerBlock : 1) {
-    const int64_t base = row * h;
-    const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
-    Bf16x8 dv[kVecs]{}, rv[kVecs]{}, res[kVecs]{};  // zeros: the host compilers ask
+  auto load_row = [&](int64_t row, Bf16x8(&d)[kVecs], Bf16x8(&x)[kVecs]) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int idx = lane + stride * k;
       if (idx >= vecs) continue;
-      dv[k] = vec_row(dy, base)[idx];
-      rv[k] = vec_row(r, base)[idx];
-      if (dresid) res[k] = vec_row(dresid, base)[idx];
+      d[k] = vec_row(dy, row * h)[idx];
+      x[k] = vec_row(r, row * h)[idx];
     }
+  };
+  // One row, its dy and r in registers: dg, db and the row's sums from them, then dx from a
+  // second read of the row.
+  auto process = [&](int64_t row, const Bf16x8(&dv)[kVecs], const Bf16x8(&rv)[kVecs]) {
+    const int64_t base = row * h;
+    const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
     float a = 0, c = 0;  // sums of dxhat and dxhat * xhat
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       if (lane + stride * k >= vecs) continue;
+      const Bf16x8 gk = reread(vec_row(g, 0) + lane + stride * k);
       for (int j = 0; j < kVec; ++j) {
         const float d = to_float(dv[k].v[j]), xhat = (to_float(rv[k].v[j]) - mean) * rstd;
-        const float dxhat = d * to_float(gv[k].v[j]);
+        const float dxhat = d * to_float(gk.v[j]);
         a += dxhat;
         c += dxhat * xhat;
         dg[k][j] += d * xhat;
@@ -229,14 +246,38 @@ __global__ void __launch_bounds__(kThreads)
     for (int k = 0; k < kVecs; ++k) {
       const int idx = lane + stride * k;
       if (idx >= vecs) continue;
+      // The row again, from L1 (this thread read it a moment ago), not from registers.
+      const Bf16x8 d8 = reread(vec_row(dy, base) + idx), r8 = reread(vec_row(r, base) + idx);
+      const Bf16x8 g8 = reread(vec_row(g, 0) + idx);
+      const Bf16x8 res = dresid ? reread(vec_row(dresid, base) + idx) : Bf16x8{};
       Bf16x8 out;
       for (int j = 0; j < kVec; ++j) {
-        const float xhat = (to_float(rv[k].v[j]) - mean) * rstd;
-        float d = rstd * (to_float(dv[k].v[j]) * to_float(gv[k].v[j]) - mean_a - xhat * mean_c);
-        if (dresid) d += to_float(res[k].v[j]);
+        const float xhat = (to_float(r8.v[j]) - mean) * rstd;
+        float d = rstd * (to_float(d8.v[j]) * to_float(g8.v[j]) - mean_a - xhat * mean_c);
+        if (dresid) d += to_float(res.v[j]);
         out.v[j] = to_bf16(d);
       }
       reinterpret_cast<Bf16x8*>(dx + base)[idx] = out;  // after the row's loads: dx may be dy
+    }
+  };
+  // Rows uniform over the team (a warp, or the block whose block_sum every thread must reach).
+  const int64_t row0 = first + (kWarp ? warp : 0), step = kWarp ? kRowsPerBlock : 1;
+  if constexpr (kAhead) {
+    Bf16x8 dv[kVecs]{}, rv[kVecs]{};  // zeros: the host compilers ask
+    if (row0 < end) load_row(row0, dv, rv);
+    for (int64_t row = row0; row < end; row += step) {
+      Bf16x8 dv_next[kVecs]{}, rv_next[kVecs]{};
+      // In flight through this row's work. (This row's dx, which may be dy, is not the next.)
+      if (row + step < end) load_row(row + step, dv_next, rv_next);
+      process(row, dv, rv);
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) dv[k] = dv_next[k], rv[k] = rv_next[k];
+    }
+  } else {
+    for (int64_t row = row0; row < end; row += step) {
+      Bf16x8 dv[kVecs]{}, rv[kVecs]{};
+      load_row(row, dv, rv);
+      process(row, dv, rv);
     }
   }
   if (!partial) return;  // no weight gradients (uniform over the block)

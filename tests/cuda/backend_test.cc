@@ -116,6 +116,8 @@ class CudaBackendTest : public ::testing::Test {
     EXPECT_EQ(MemoryCounter::current(), before) << what << " kept memory";
   }
 
+  void moe_row_moves(int64_t h);  // MoeRowMovesMatchTheCpu at one width
+
   std::unique_ptr<Backend> cpu_, gpu_;
   std::vector<std::pair<void*, size_t>> owned_;
 };
@@ -704,9 +706,17 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
 // The MoE layer's row moves (runtime/moe_layer.h) with index and weight arrays in host memory:
 // a gather of rows (plain and scaled, rows repeated and some skipped), each token's rows added
 // with their weights (-1 entries skipped, into an output that is not zero), and the rows' dot
-// products, at a width that is no multiple of the block.
+// products: at a width that is no multiple of the block or of a vector (the scalar kernels), and
+// at widths that move as 16-byte vectors, one of them more than a block's round of them.
 TEST_F(CudaBackendTest, MoeRowMovesMatchTheCpu) {
-  const int64_t n = 19, k = 3, h = 37, rows = 41;
+  for (const int64_t h : {37, 64, 2080}) {
+    SCOPED_TRACE("h = " + std::to_string(h));
+    moe_row_moves(h);
+  }
+}
+
+void CudaBackendTest::moe_row_moves(int64_t h) {
+  const int64_t n = 19, k = 3, rows = 41;
   const Host x = random(n * h, 60), y = random(rows * h, 61), base = random(n * h, 62);
   std::mt19937 g(63);
   std::vector<int64_t> token(rows), row_of(n * k);

@@ -8,9 +8,14 @@ namespace ptdp::cuda_test {
 namespace {
 
 // h 200 takes the 8-column vector kernels (common.cuh load8/add8), h 36 the element-wise ones.
-void check_embedding(int64_t h) {
-  SCOPED_TRACE("h = " + std::to_string(h));
-  const int64_t b = 3, sl = 7, v = 50, t = 2, vl = v / t, first = 5, positions = 16;
+// 21 tokens are fewer than one chunk of the table gradient's scan; 6000 are six chunks, and
+// about 3000 of them fall in the one vocabulary tile of a rank, more than its list holds, so
+// the list is added up in the middle of the scan and at its end (add_token_rows_of_tile).
+// A vocabulary of 600 on 2 ranks is 3 tiles a rank, the last one partial.
+void check_embedding(int64_t h, int64_t b, int64_t sl, int64_t v = 50) {
+  SCOPED_TRACE("h = " + std::to_string(h) + ", " + std::to_string(b * sl) + " tokens, vocabulary " +
+               std::to_string(v));
+  const int64_t t = 2, vl = v / t, first = 5, positions = first + sl + 4;
   std::vector<int32_t> tokens(b * sl);
   for (size_t i = 0; i < tokens.size(); ++i)  // repeats, and tokens on both ranks
     tokens[i] = static_cast<int32_t>((i * 17 + 3) % v);
@@ -46,7 +51,9 @@ void check_embedding(int64_t h) {
 
 TEST(CudaEmbedding, VocabParallelForwardAndBackwardMatchCpu) {
   PTDP_REQUIRE_GPU();
-  for (int64_t h : {200, 36}) check_embedding(h);
+  for (int64_t h : {200, 36}) check_embedding(h, 3, 7);
+  for (int64_t h : {200, 36}) check_embedding(h, 6, 1000);
+  check_embedding(200, 2, 500, 600);
 }
 
 }  // namespace

@@ -58,6 +58,7 @@
 #define __syncwarp() ::emu::sync_warp()
 #define gridDim (::emu::grid_dim())
 #define __shfl_xor_sync(mask, v, lane_mask) ::emu::shfl_xor((v), (lane_mask))
+#define __shfl_up_sync(mask, v, delta) ::emu::shfl_up((v), (delta))
 #define __trap() std::abort()
 #define __expf(x) std::exp(x)
 #define __fdividef(a, b) ((a) / (b))
@@ -68,6 +69,13 @@ using std::min;
 template <typename T>
 cudaError_t cudaFuncSetAttribute(T* entry, cudaFuncAttribute attr, int value) {
   return cudaFuncSetAttribute(reinterpret_cast<const void*>(entry), attr, value);
+}
+// ld.global.ca: a plain load here.
+template <typename T>
+T __ldca(const T* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 // Device math functions the host library lacks.
 inline float rsqrtf(float x) {
@@ -152,6 +160,7 @@ struct Block {
   int cur = 0;
   std::vector<unsigned char> smem;
   std::vector<float> shfl;
+  std::vector<uint64_t> shfl_up;  // __shfl_up_sync's values, a thread each, of up to 8 bytes
   std::vector<uint32_t> frag_a, frag_b;
   std::vector<const unsigned char*> rows;  // ldmatrix row addresses, a lane each
   std::vector<AsyncCopies> async;          // cp.async copies, a thread each
@@ -201,6 +210,20 @@ inline float shfl_xor(float v, int lane_mask) {
   b->shfl[t] = v;
   sync_warp();
   const float r = b->shfl[(t & ~31) | ((t & 31) ^ lane_mask)];
+  sync_warp();
+  return r;
+}
+
+// __shfl_up_sync: lane l gets lane l - delta's value, the first delta lanes their own.
+template <typename T>
+T shfl_up(T v, unsigned delta) {
+  static_assert(sizeof(T) <= sizeof(uint64_t), "shfl_up: at most 8 bytes");
+  Block* b = current();
+  const int t = b->cur;
+  std::memcpy(&b->shfl_up[t], &v, sizeof v);
+  sync_warp();
+  T r = v;
+  if ((t & 31) >= static_cast<int>(delta)) std::memcpy(&r, &b->shfl_up[t - delta], sizeof r);
   sync_warp();
   return r;
 }
@@ -351,6 +374,7 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
   b.fibers.resize(static_cast<size_t>(threads));
   b.smem.assign(dynamic_smem_bytes + 16, 0);
   b.shfl.assign(static_cast<size_t>(threads), 0.0f);
+  b.shfl_up.assign(static_cast<size_t>(threads), 0);
   b.frag_a.assign(static_cast<size_t>(threads) * 4, 0u);
   b.frag_b.assign(static_cast<size_t>(threads) * 2, 0u);
   b.rows.assign(static_cast<size_t>(threads), nullptr);

@@ -100,10 +100,11 @@ TEST(CudaNorm, ResidualRmsNormMatchesCpuAndPlainNormSkipsTheResidual) {
 
 // The backward pass of a row in registers sums the weight gradients per chunk of rows (at most
 // 256 chunks): 2100 rows give chunks of 9, so a warp of the warp-per-row kernel takes two rows of
-// a chunk and a block of the block-per-row kernel nine.
+// a chunk and a block of the block-per-row kernel nine: with the next row loaded ahead (300
+// columns a warp, 1032 and 4096 a block) and without (768 a warp).
 TEST(CudaNorm, ChunksOfSeveralRowsMatchCpu) {
   PTDP_REQUIRE_GPU();
-  for (int64_t h : {768, 1032}) check_layernorm(h, 2100);
+  for (int64_t h : {300, 768, 1032, 4096}) check_layernorm(h, 2100);
   check_rmsnorm(1000, 2100);
 }
 
