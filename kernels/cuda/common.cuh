@@ -382,10 +382,15 @@ void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream
   });
 }
 
-// The same sums 8 columns a thread (cols a multiple of kVec), for F::kOutputs sums at once:
-// f(r, c0, v) gives row r's values of columns [c0, c0 + 8) of each output k in v[k], and may
-// write what it computed (a fused kernel's output) with one 16-byte store. Each column sums the
-// same rows in the same order as column_sum, so the two agree to the bit.
+// The same sums 8 columns a thread (cols a multiple of kVec), for F::kOutputs sums at once, in
+// two steps a row: f.load(r, c0) reads what row r needs for columns [c0, c0 + 8) (an F::In, the
+// 16-byte vectors as loaded), then f(r, c0, in, v) gives the row's values of each output k in
+// v[k], and may write what it computed (a fused kernel's output) with one 16-byte store. A
+// thread loads kColumnRowsAhead of its rows before it computes any of them: a load may not move
+// above a store that might alias it, so one row at a time left one row's loads in flight a thread
+// (bias + GELU backward, its column sum fused, moved 50% of an H200's copy bandwidth). Each
+// column sums the same rows in the same order as column_sum, so the two agree to the bit.
+constexpr int kColumnRowsAhead = 4;
 template <typename F>
 __global__ void column_partials_vec_kernel(F f, float* partial, int64_t rows, int64_t cols,
                                            int64_t rows_per_chunk) {
@@ -396,11 +401,19 @@ __global__ void column_partials_vec_kernel(F f, float* partial, int64_t rows, in
   const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
   float acc[K][kVec] = {};
   if (c0 < cols)
-    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8) {
-      float v[K][kVec];
-      f(r, c0, v);
-      for (int k = 0; k < K; ++k)
-        for (int e = 0; e < kVec; ++e) acc[k][e] += v[k][e];
+    for (int64_t r = r0 + threadIdx.y; r < r1; r += 8 * kColumnRowsAhead) {
+      typename F::In in[kColumnRowsAhead]{};
+#pragma unroll
+      for (int u = 0; u < kColumnRowsAhead; ++u)
+        if (r + 8 * u < r1) in[u] = f.load(r + 8 * u, c0);
+#pragma unroll
+      for (int u = 0; u < kColumnRowsAhead; ++u) {
+        if (r + 8 * u >= r1) continue;
+        float v[K][kVec];
+        f(r + 8 * u, c0, in[u], v);
+        for (int k = 0; k < K; ++k)
+          for (int e = 0; e < kVec; ++e) acc[k][e] += v[k][e];
+      }
     }
   for (int k = 0; k < K; ++k)
     for (int e = 0; e < kVec; ++e) sh[threadIdx.y][(k * 32 + threadIdx.x) * kVec + e] = acc[k][e];

@@ -350,13 +350,19 @@ struct GammaBetaGradVec {
   const bf16 *r, *dy;
   const float *mean, *rstd;
   int64_t h;
-  __device__ void operator()(int64_t row, int64_t c0, float (&v)[K][kVec]) const {
-    const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(r + row * h + c0);
-    const Bf16x8 d = *reinterpret_cast<const Bf16x8*>(dy + row * h + c0);
-    const float m = mean ? mean[row] : 0.0f, s = rstd[row];
+  struct In {
+    Bf16x8 r, dy;
+    float mean, rstd;
+  };
+  __device__ In load(int64_t row, int64_t c0) const {
+    return {*reinterpret_cast<const Bf16x8*>(r + row * h + c0),
+            *reinterpret_cast<const Bf16x8*>(dy + row * h + c0), mean ? mean[row] : 0.0f,
+            rstd[row]};
+  }
+  __device__ void operator()(int64_t, int64_t, const In& in, float (&v)[K][kVec]) const {
     for (int e = 0; e < kVec; ++e) {
-      const float g = to_float(d.v[e]);
-      v[0][e] = g * (to_float(a.v[e]) - m) * s;
+      const float g = to_float(in.dy.v[e]);
+      v[0][e] = g * (to_float(in.r.v[e]) - in.mean) * in.rstd;
       if constexpr (K == 2) v[1][e] = g;
     }
   }

@@ -124,8 +124,11 @@ struct ColumnsOfBf16 {
   static constexpr int kOutputs = 1;
   const bf16* dy;
   int64_t width;
-  __device__ void operator()(int64_t r, int64_t c0, float (&v)[1][kVec]) const {
-    const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(dy + r * width + c0);
+  using In = Bf16x8;
+  __device__ In load(int64_t r, int64_t c0) const {
+    return *reinterpret_cast<const Bf16x8*>(dy + r * width + c0);
+  }
+  __device__ void operator()(int64_t, int64_t, const In& a, float (&v)[1][kVec]) const {
     for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
   }
 };

@@ -39,6 +39,25 @@ TEST(CudaRope, ForwardAndInverseMatchCpu) {
   check_rope(64, 3, 7);
 }
 
+// Far along a sequence the angles j * base^(-2i/d) are large (up to 9000 rad here), where an
+// fp32 angle is some 1e-3 rad off. The vector kernel reduces them in fp64 (rope.cu): its bf16
+// results are the CPU twin's fp64 rotation rounded to bf16, but for the odd rounding tie.
+TEST(CudaRope, FarPositionsKeepTheirAngles) {
+  PTDP_REQUIRE_GPU();
+  const int64_t b = 1, s = 9000, heads = 2, d = 64;
+  const auto x = random_bf16(b * s * heads * d, 1, 7);
+  auto dx = to_device_bf16(x);
+  kernels::cuda::rope(dx.get(), b, s, heads, d, 10000, false, nullptr);
+  auto want = x;
+  kernels::rope(want.data(), b, s, heads, d, 10000, false);
+  const auto got = bf16_values(dx);
+  int64_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != round_bf16(want[i]) ? 1 : 0;
+  EXPECT_LT(differ, static_cast<int64_t>(got.size()) / 1000)
+      << differ << " of " << got.size() << " elements are not the CPU's rotation rounded";
+  expect_close(got, want, 1e-6, 8e-3, "rope far along the sequence");  // within a bf16 step
+}
+
 TEST(CudaRope, RejectsOddHeadDimension) {
   EXPECT_THROW(kernels::cuda::rope(nullptr, 1, 4, 1, 7, 10000, false, nullptr),
                std::invalid_argument);
