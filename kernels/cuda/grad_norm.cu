@@ -8,10 +8,17 @@
 namespace ptdp::kernels::cuda {
 namespace {
 
-// Fixed: they define the summation order. 1024 blocks of 256 threads (32 registers) are
-// resident at once on an H100 or H200, 8 blocks an SM, each thread with 4 float4 loads in
-// flight; the 256 blocks before this were 2 an SM and moved 60-63% of an H200's copy bandwidth.
+// The grid defines the summation order, so it depends on n alone (sum_squares_blocks). Up to
+// 1024 blocks of 256 threads (32 registers): all resident at once on an H100 or H200, 8 blocks
+// an SM, each thread with 4 float4 loads in flight; the 256 blocks before this were 2 an SM and
+// moved 60-63% of an H200's copy bandwidth. A short range takes fewer blocks, each thread at
+// least 16 elements, rather than launching 1024 mostly idle ones.
 constexpr int kBlocks = 1024, kThreads = 256;
+int sum_squares_blocks(int64_t n) {
+  const int64_t per_block = int64_t{kThreads} * 16;
+  const int64_t blocks = (n + per_block - 1) / per_block;
+  return static_cast<int>(blocks < kBlocks ? (blocks > 0 ? blocks : 1) : kBlocks);
+}
 
 __device__ double block_sum_double(double v, double* sh) {
   sh[threadIdx.x] = v;
@@ -31,10 +38,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    sum_partials_kernel(const double* partial, double* acc) {
+    sum_partials_kernel(const double* partial, int blocks, double* acc) {
   __shared__ double sh[kThreads];
   double t = 0;  // this thread's partials, in order
-  for (int i = static_cast<int>(threadIdx.x); i < kBlocks; i += kThreads) t += partial[i];
+  for (int i = static_cast<int>(threadIdx.x); i < blocks; i += kThreads) t += partial[i];
   const double s = block_sum_double(t, sh);
   if (threadIdx.x == 0) *acc += s;
 }
@@ -44,10 +51,12 @@ __global__ void __launch_bounds__(kThreads)
 void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
   if (n <= 0) return;
   double* partial = nullptr;
-  partial = static_cast<double*>(allocate_async(sizeof(double) * kBlocks, stream));
-  PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, kBlocks, kThreads, 0, stream)(x, n, partial);
+  const int blocks = sum_squares_blocks(n);
+  partial = static_cast<double*>(allocate_async(sizeof(double) * blocks, stream));
+  PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)
+  (x, n, partial);
   check_launch("sum_squares_partial_kernel");
-  PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, acc);
+  PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, blocks, acc);
   check_launch("sum_partials_kernel");
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
 }

@@ -87,17 +87,21 @@ TEST(CudaAdamW, RejectsStepZero) {
 
 TEST(CudaGradNorm, MatchesCpuAndIsBitwiseReproducible) {
   PTDP_REQUIRE_GPU();
+  // Sizes for one block (17), some blocks (65536, 1000003: a block each 4096 elements) and the
+  // most blocks (1024), each thread looping (5000001).
   const auto a = random_f32(1000003, 1, 1), b = random_f32(17, 3, 2),
-             c = random_f32(65536, 0.1f, 3);
-  DeviceBuffer<float> da(a), db(b), dc(c);
+             c = random_f32(65536, 0.1f, 3), e = random_f32(5000001, 0.5f, 4);
+  DeviceBuffer<float> da(a), db(b), dc(c), de(e);
   const std::vector<std::pair<const float*, int64_t>> tensors = {
       {da.get(), static_cast<int64_t>(a.size())},
       {db.get(), static_cast<int64_t>(b.size())},
       {dc.get(), static_cast<int64_t>(c.size())},
       {da.get() + 1, 6},  // off the 16-byte boundary: a head of 3 elements and a tail
-      {dc.get() + 3, 2}};
+      {dc.get() + 3, 2},
+      {de.get(), static_cast<int64_t>(e.size())}};
   const double got = kernels::cuda::global_norm(tensors, nullptr);
-  double want = kernels::sum_squares(a.data(), static_cast<int64_t>(a.size()));
+  double want = kernels::sum_squares(e.data(), static_cast<int64_t>(e.size()));
+  want = kernels::sum_squares(a.data(), static_cast<int64_t>(a.size()), want);
   want = kernels::sum_squares(b.data(), static_cast<int64_t>(b.size()), want);
   want = kernels::sum_squares(c.data(), static_cast<int64_t>(c.size()), want);
   want = kernels::sum_squares(a.data() + 1, 6, want);
