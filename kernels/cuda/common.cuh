@@ -239,12 +239,20 @@ __device__ inline void logit_stats_share(const bf16* row, int64_t valid, bool ve
     for (int e = 0; e < count; ++e) s += expf(x[e] - m);
   };
   if (vectors) {
+    // Two vectors' loads in flight a thread, added in the same order as one at a time.
     const Bf16x8* v = reinterpret_cast<const Bf16x8*>(row);
-    for (int64_t q = threadIdx.x; q * kVec < valid; q += blockDim.x) {
-      const Bf16x8 a = v[q];
+    auto add_vector = [&](const Bf16x8& a, int64_t q) {
       float x[kVec];
       for (int e = 0; e < kVec; ++e) x[e] = q * kVec + e < valid ? as_float(a.v[e]) : -INFINITY;
       add(x, kVec);
+    };
+    for (int64_t q = threadIdx.x; q * kVec < valid; q += 2 * blockDim.x) {
+      const int64_t q2 = q + blockDim.x;
+      const Bf16x8 a = v[q];
+      Bf16x8 b{};
+      if (q2 * kVec < valid) b = v[q2];
+      add_vector(a, q);
+      if (q2 * kVec < valid) add_vector(b, q2);
     }
     return;
   }

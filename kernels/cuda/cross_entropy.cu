@@ -73,25 +73,41 @@ __global__ void ce_backward_kernel(bf16* logits, const int32_t* targets, const f
   }
 }
 
-// The same, 8 logits a 16-byte vector (vl a multiple of 8, logits 16-byte aligned): a division
-// per 8 logits, not per logit.
-__global__ void ce_backward_vec_kernel(Bf16x8* logits, const int32_t* targets, const float* lse,
-                                       int64_t n, int64_t vl, int64_t valid, int64_t v0, float f) {
-  const int64_t per_row = vl / kVec;
-  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n * per_row;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t i = idx / per_row, j0 = idx % per_row * kVec, target = targets[i] - v0;
+// The same, 8 logits a 16-byte vector (vl a multiple of 8, logits 16-byte aligned), by rows
+// (blockIdx.y, then every gridDim.y-th) and vectors of the row: a row's target and lse read once
+// a thread, kCeVecs vectors' loads issued before the first store. (A grid-stride loop over the
+// flat array divided by the row length for every vector.)
+constexpr int kCeVecs = 4, kCeThreads = 256;
+__global__ void __launch_bounds__(kCeThreads)
+    ce_backward_vec_kernel(Bf16x8* logits, const int32_t* targets, const float* lse, int64_t n,
+                           int64_t vl, int64_t valid, int64_t v0, float f) {
+  const int64_t per_row = vl / kVec, step = static_cast<int64_t>(blockDim.x) * kCeVecs;
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+    const int64_t target = targets[i] - v0;
     const float m = lse[i];
-    Bf16x8 v = logits[idx];
-    for (int e = 0; e < kVec; ++e) {
-      float g = 0.0f;
-      if (j0 + e < valid) {
-        g = __expf(to_float(v.v[e]) - m) * f;
-        if (j0 + e == target) g -= f;
+    Bf16x8* row = logits + i * per_row;
+    for (int64_t q0 = static_cast<int64_t>(blockIdx.x) * step + threadIdx.x; q0 < per_row;
+         q0 += static_cast<int64_t>(gridDim.x) * step) {
+      Bf16x8 v[kCeVecs]{};
+#pragma unroll
+      for (int u = 0; u < kCeVecs; ++u)
+        if (q0 + u * blockDim.x < per_row) v[u] = row[q0 + u * blockDim.x];
+#pragma unroll
+      for (int u = 0; u < kCeVecs; ++u) {
+        const int64_t q = q0 + u * blockDim.x;
+        if (q >= per_row) continue;
+        for (int e = 0; e < kVec; ++e) {
+          const int64_t j = q * kVec + e;
+          float g = 0.0f;
+          if (j < valid) {
+            g = __expf(to_float(v[u].v[e]) - m) * f;
+            if (j == target) g -= f;
+          }
+          v[u].v[e] = to_bf16(g);
+        }
+        row[q] = v[u];
       }
-      v.v[e] = to_bf16(g);
     }
-    logits[idx] = v;
   }
 }
 
@@ -119,9 +135,10 @@ void cross_entropy_backward(bf16* logits, const int32_t* targets, const float* l
   if (n <= 0 || vl <= 0) return;
   const float f = static_cast<float>(scale / static_cast<double>(n));
   if (vectorizable(vl, {logits})) {
-    const int64_t blocks = (n * vl / kVec + 255) / 256;
-    PTDP_KERNEL_LAUNCH(ce_backward_vec_kernel,
-                       static_cast<unsigned>(blocks < 65536 ? blocks : 65536), 256, 0, stream)
+    const int64_t across = (vl / kVec + kCeThreads * kCeVecs - 1) / (kCeThreads * kCeVecs);
+    const dim3 grid(static_cast<unsigned>(across < 65535 ? across : 65535),
+                    static_cast<unsigned>(n < 65535 ? n : 65535));
+    PTDP_KERNEL_LAUNCH(ce_backward_vec_kernel, grid, kCeThreads, 0, stream)
     (reinterpret_cast<Bf16x8*>(logits), targets, lse, n, vl, valid, v0, f);
     check_launch("ce_backward_vec_kernel");
     return;

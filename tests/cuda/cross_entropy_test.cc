@@ -11,10 +11,10 @@
 namespace ptdp::cuda_test {
 namespace {
 
-// Vocabulary 1001 over t = 2 ranks of vl columns each, the last rank's final ones padding.
-void check_vocab_parallel(int64_t vl) {
+// Vocabulary v over t = 2 ranks of vl columns each, the last rank's final ones padding.
+void check_vocab_parallel(int64_t vl, int64_t v = 1001) {
   SCOPED_TRACE("vl = " + std::to_string(vl));
-  const int64_t n = 13, v = 1001, t = 2;
+  const int64_t n = 13, t = 2;
   const auto full = random_bf16(n * v, 3, 1);
   std::vector<int32_t> targets(n);
   for (int64_t i = 0; i < n; ++i) targets[i] = static_cast<int32_t>((i * 389 + 7) % v);
@@ -68,11 +68,14 @@ void check_vocab_parallel(int64_t vl) {
 }
 
 // 501 columns take the element-wise kernels; 504 (a multiple of 8) the 16-byte-vector ones,
-// whose last rank has 497 valid columns, so one vector holds logits and padding.
+// whose last rank has 497 valid columns, so one vector holds logits and padding. 10008 columns
+// are 1251 vectors a row: several a thread in the statistics (two loads at a time) and in the
+// gradient (4 at a time, over two blocks of the row).
 TEST(CudaCrossEntropy, VocabParallelLossAndGradientMatchCpu) {
   PTDP_REQUIRE_GPU();
   check_vocab_parallel(501);
   check_vocab_parallel(504);
+  check_vocab_parallel(10008, 20009);
 }
 
 }  // namespace
