@@ -580,6 +580,15 @@ struct alignas(16) Pack {
 };
 constexpr int kRowUnroll = 4;
 // Whether rows of h elements of T at these pointers can move as Pack<T>.
+// The threads of a block for a row of `vecs` vectors, `per` a thread: whole warps, from one to
+// kThreads / 32. (A row of 4096 bf16 is 512 vectors: 128 threads of 4, where a fixed 256 had 2
+// each, and twice the blocks an SM.)
+unsigned row_threads(int64_t vecs, int per) {
+  const int64_t warps = ((vecs + per - 1) / per + 31) / 32;
+  return static_cast<unsigned>(32 * (warps < 1               ? 1
+                                     : warps < kThreads / 32 ? warps
+                                                             : kThreads / 32));
+}
 template <typename T>
 bool row_vectors(int64_t h, std::initializer_list<const void*> pointers) {
   if (h % Pack<T>::kN != 0) return false;
@@ -926,18 +935,24 @@ template <typename T>
 void gather_rows_t(const T* x, const int64_t* index, const float* weight, T* y, int64_t rows,
                    int64_t h, cudaStream_t st) {
   if (rows <= 0 || h <= 0) return;
-  if (row_vectors<T>(h, {x, y}))
-    PTDP_LAUNCH(gather_rows_vec_k<T>, rows_grid(rows), x, index, weight, y, h);
-  else
+  if (row_vectors<T>(h, {x, y})) {
+    PTDP_KERNEL_LAUNCH(gather_rows_vec_k<T>, rows_grid(rows),
+                       row_threads(h / Pack<T>::kN, kRowUnroll), 0, st)
+    (x, index, weight, y, h);
+    kernels::cuda::check_launch("gather_rows_vec_k");
+  } else
     PTDP_LAUNCH(gather_rows_k<T>, rows_grid(rows), x, index, weight, y, h);
 }
 template <typename T>
 void gather_add_rows_t(const T* y, const int64_t* index, const float* weight, T* out, int64_t n,
                        int64_t slots, int64_t h, cudaStream_t st) {
   if (n <= 0 || h <= 0 || slots <= 0) return;
-  if (slots <= kMaxVecSlots && row_vectors<T>(h, {y, out}))
-    PTDP_LAUNCH(gather_add_rows_vec_k<T>, rows_grid(n), y, index, weight, out, slots, h);
-  else
+  if (slots <= kMaxVecSlots && row_vectors<T>(h, {y, out})) {
+    PTDP_KERNEL_LAUNCH(gather_add_rows_vec_k<T>, rows_grid(n),
+                       row_threads(h / Pack<T>::kN, kAddUnroll), 0, st)
+    (y, index, weight, out, slots, h);
+    kernels::cuda::check_launch("gather_add_rows_vec_k");
+  } else
     PTDP_LAUNCH(gather_add_rows_k<T>, rows_grid(n), y, index, weight, out, slots, h);
 }
 template <typename T>

@@ -707,9 +707,10 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
 // a gather of rows (plain and scaled, rows repeated and some skipped), each token's rows added
 // with their weights (-1 entries skipped, into an output that is not zero), and the rows' dot
 // products: at a width that is no multiple of the block or of a vector (the scalar kernels), and
-// at widths that move as 16-byte vectors, one of them more than a block's round of them.
+// at widths that move as 16-byte vectors: a part of a warp, a few warps, and more vectors than a
+// block of 256 threads takes in one round (8200).
 TEST_F(CudaBackendTest, MoeRowMovesMatchTheCpu) {
-  for (const int64_t h : {37, 64, 2080}) {
+  for (const int64_t h : {37, 64, 2080, 8200}) {
     SCOPED_TRACE("h = " + std::to_string(h));
     moe_row_moves(h);
   }
