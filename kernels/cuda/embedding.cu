@@ -45,8 +45,11 @@ __global__ void embedding_forward_vec_kernel(const int32_t* tokens, const bf16* 
       const int64_t e = e0 + u * step;
       if (e >= h) continue;
       Bf16x8 o;
-      for (int j = 0; j < kVec; ++j)  // a zero vector for a token off the shard or no positions
-        o.v[j] = to_bf16((here ? to_float(x[u].v[j]) : 0.0f) + (prow ? to_float(p[u].v[j]) : 0.0f));
+      for (int j = 0; j < kVec; ++j) {  // zero for a token off the shard; -0 stays -0
+        float v = here ? to_float(x[u].v[j]) : 0.0f;
+        if (prow) v += to_float(p[u].v[j]);
+        o.v[j] = to_bf16(v);
+      }
       *reinterpret_cast<Bf16x8*>(y + i * h + e) = o;
     }
   }

@@ -9,8 +9,9 @@ namespace ptdp::kernels::cuda {
 namespace {
 
 // The grid defines the summation order, so it depends on n alone (sum_squares_blocks). Up to
-// 1024 blocks of 256 threads (32 registers): all resident at once on an H100 or H200, 8 blocks
-// an SM, each thread with 4 float4 loads in flight; the 256 blocks before this were 2 an SM and
+// 1024 blocks of 256 threads (32 registers): 8 blocks an SM, so all resident at once on an
+// H100 SXM or H200 (132 SMs; 912 of them on an H100 PCIe's 114), each thread with 4 float4
+// loads in flight; the 256 blocks before this were 2 an SM and
 // moved 60-63% of an H200's copy bandwidth. A short range takes fewer blocks, each thread at
 // least 16 elements, rather than launching 1024 mostly idle ones.
 constexpr int kBlocks = 1024, kThreads = 256;

@@ -1,6 +1,7 @@
 // The global gradient norm on the GPU: sums of squares of fp32 gradients, accumulated in fp64
-// in a fixed order (a fixed grid of per-block partial sums, then one block that adds them up in
-// index order), so the result depends on the data and n only, never on scheduling. CPU twin:
+// in a fixed order (per-block partial sums over a grid that depends on n alone, then one block
+// that adds them up in a fixed order), so the result depends on the data, n and the data's
+// 16-byte alignment only, never on scheduling. CPU twin:
 // sum_squares in kernels/cpu/elementwise.h.
 #pragma once
 

@@ -579,7 +579,6 @@ struct alignas(16) Pack {
   T v[kN];
 };
 constexpr int kRowUnroll = 4;
-// Whether rows of h elements of T at these pointers can move as Pack<T>.
 // The threads of a block for a row of `vecs` vectors, `per` a thread: whole warps, from one to
 // kThreads / 32. (A row of 4096 bf16 is 512 vectors: 128 threads of 4, where a fixed 256 had 2
 // each, and twice the blocks an SM.)
@@ -589,6 +588,7 @@ unsigned row_threads(int64_t vecs, int per) {
                                      : warps < kThreads / 32 ? warps
                                                              : kThreads / 32));
 }
+// Whether rows of h elements of T at these pointers can move as Pack<T>.
 template <typename T>
 bool row_vectors(int64_t h, std::initializer_list<const void*> pointers) {
   if (h % Pack<T>::kN != 0) return false;
