@@ -30,6 +30,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/dtype.h"
 #include "runtime/typed_ptr.h"
@@ -165,6 +166,18 @@ class Backend {
   // them into one pass, which leaves it as it was (the next step zeroes it either way).
   virtual void adamw_update(float* w, float* grad, float* m, float* v, Ptr copy_to, int64_t n,
                             const AdamWSettings& o, int64_t step, double grad_scale);
+  // Elements [start, start + n) of an update's arrays, with o.weight_decay or with none.
+  struct DecaySpan {
+    int64_t start = 0, n = 0;
+    bool decay = false;
+  };
+  // adamw_update over parameters adjacent in every array (w, grad, m, v, copy_to) whose weight
+  // decay differs span by span: the default is one adamw_update a span; a device backend makes
+  // one launch for them all (a model's weights and biases alternate along its parameters, so
+  // runs of one decay are short: some 100 a GPT-2-124M step).
+  virtual void adamw_update_spans(float* w, float* grad, float* m, float* v, Ptr copy_to,
+                                  const std::vector<DecaySpan>& spans, const AdamWSettings& o,
+                                  int64_t step, double grad_scale);
 
   // Memory in the backend's space: zero-filled, counted towards the run's peak memory
   // (runtime/tensor.h's MemoryCounter), 64-byte aligned.

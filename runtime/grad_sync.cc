@@ -416,34 +416,38 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
   adam.beta2 = o.beta2;
   adam.eps = o.eps;
   // One update per run of ranges adjacent in every array (gradients, weights, moments, the
-  // model's copy) with the same weight decay: on a GPU each update is a launch, and one per
-  // parameter tensor made the step's optimizer host-bound (docs/gpu.md).
+  // model's copy), in spans of one weight decay: on a GPU each run is one launch (a launch per
+  // parameter tensor, then per span of one decay, left the step's optimizer bound by the host's
+  // launches, docs/gpu.md).
   // Mixed precision: AdamW on the fp32 master weights, then their bf16 copy in the model.
   const bool mixed = master_.size() > 0;
+  adam.weight_decay = o.weight_decay;  // the decayed spans'
   struct Run {
     int64_t lo = 0, n = 0, base = 0;
-    bool decay = false;
+    std::vector<Backend::DecaySpan> spans;
   } run;
   auto update = [&] {
     if (run.n == 0) return;
-    AdamWSettings a = adam;
-    a.weight_decay = run.decay ? o.weight_decay : 0.0;
     const Ptr param = shard_.param_at(run.lo);
     float* w = mixed ? master_.data<float>() + run.base : param.f();
-    be_.adamw_update(w, shard_.grad_at(run.lo), adam_m_.data<float>() + run.base,
-                     adam_v_.data<float>() + run.base, mixed ? param : Ptr(), run.n, a, step + 1,
-                     coef);
+    be_.adamw_update_spans(w, shard_.grad_at(run.lo), adam_m_.data<float>() + run.base,
+                           adam_v_.data<float>() + run.base, mixed ? param : Ptr(), run.spans, adam,
+                           step + 1, coef);
     run.n = 0;
+    run.spans.clear();
   };
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
-    const bool adjacent = run.n > 0 && p.decay == run.decay && lo == run.lo + run.n &&
-                          base == run.base + run.n &&
+    const bool adjacent = run.n > 0 && lo == run.lo + run.n && base == run.base + run.n &&
                           shard_.grad_at(lo) == shard_.grad_at(run.lo) + run.n &&
                           shard_.param_at(lo).p == shard_.param_at(run.lo).at(run.n).p;
     if (!adjacent) {
       update();
-      run = Run{lo, 0, base, p.decay};
+      run.lo = lo;
+      run.base = base;
     }
+    if (run.spans.empty() || run.spans.back().decay != p.decay)
+      run.spans.push_back({run.n, 0, p.decay});
+    run.spans.back().n += hi - lo;
     run.n += hi - lo;
   });
   update();

@@ -328,6 +328,17 @@ void Backend::adamw_update(float* w, float* grad, float* m, float* v, Ptr copy_t
   if (copy_to.p) copy(CPtr(w), copy_to, n);
 }
 
+void Backend::adamw_update_spans(float* w, float* grad, float* m, float* v, Ptr copy_to,
+                                 const std::vector<DecaySpan>& spans, const AdamWSettings& o,
+                                 int64_t step, double grad_scale) {
+  for (const DecaySpan& s : spans) {
+    AdamWSettings a = o;
+    a.weight_decay = s.decay ? o.weight_decay : 0.0;
+    adamw_update(w + s.start, grad + s.start, m + s.start, v + s.start,
+                 copy_to.p ? copy_to.at(s.start) : Ptr(), s.n, a, step, grad_scale);
+  }
+}
+
 void Backend::fill_zero(Ptr x, int64_t n) {
   zero_bytes(x.p, static_cast<size_t>(n) * dtype_bytes(x.t));
 }

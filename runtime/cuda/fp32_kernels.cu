@@ -516,21 +516,37 @@ __global__ void zero_upper_k(T* m, int64_t total, int64_t s) {
 // the three calls' bit for bit; out (may be null) receives the new weights stored as T. With
 // grad_scale 1 and no out, it is plain adamw.
 template <typename T>
+__device__ __forceinline__ void adamw_element(float* param, const float* grad, float* m, float* v,
+                                              T* out, int64_t i, const AdamWArgs& a,
+                                              double weight_decay, double grad_scale) {
+  const double g =
+      grad_scale == 1.0 ? grad[i] : static_cast<float>(static_cast<double>(grad[i]) * grad_scale);
+  const float mi = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
+  const float vi = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
+  m[i] = mi;
+  v[i] = vi;
+  const double mhat = mi / a.c1, vhat = vi / a.c2;
+  const double p = param[i];
+  const float np = static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + weight_decay * p));
+  param[i] = np;
+  if (out) out[i] = store<T>(np);
+}
+template <typename T>
 __global__ void adamw_update_k(float* param, const float* grad, float* m, float* v, T* out,
                                int64_t n, AdamWArgs a, double grad_scale) {
-  for (int64_t i = first_index(); i < n; i += grid_stride()) {
-    const double g =
-        grad_scale == 1.0 ? grad[i] : static_cast<float>(static_cast<double>(grad[i]) * grad_scale);
-    const float mi = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
-    const float vi = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
-    m[i] = mi;
-    v[i] = vi;
-    const double mhat = mi / a.c1, vhat = vi / a.c2;
-    const double p = param[i];
-    const float np =
-        static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + a.weight_decay * p));
-    param[i] = np;
-    if (out) out[i] = store<T>(np);
+  for (int64_t i = first_index(); i < n; i += grid_stride())
+    adamw_element(param, grad, m, v, out, i, a, a.weight_decay, grad_scale);
+}
+// Every span of the table in turn, the grid striding over each: the same update element by
+// element as one adamw_update_k launch a span, in one launch.
+template <typename T>
+__global__ void adamw_spans_k(float* param, const float* grad, float* m, float* v, T* out,
+                              AdamWSpans t, AdamWArgs a, double grad_scale) {
+  for (int s = 0; s < t.count; ++s) {
+    const double decay = t.decay[s] ? a.weight_decay : 0.0;
+    const int64_t end = t.start[s] + t.n[s];
+    for (int64_t i = t.start[s] + first_index(); i < end; i += grid_stride())
+      adamw_element(param, grad, m, v, out, i, a, decay, grad_scale);
   }
 }
 
@@ -1036,6 +1052,25 @@ void zero_upper(float* m, int64_t count, int64_t s, cudaStream_t st) {
 void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWArgs& a,
            cudaStream_t st) {
   adamw_update(param, grad, m, v, static_cast<float*>(nullptr), n, a, 1.0, st);
+}
+template <typename T>
+void adamw_update_spans_t(float* param, const float* grad, float* m, float* v, T* out,
+                          const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
+                          cudaStream_t st) {
+  int64_t total = 0;
+  for (int s = 0; s < t.count; ++s) total += t.n[s];
+  if (total > 0)
+    PTDP_LAUNCH(adamw_spans_k<T>, grid_for(total), param, grad, m, v, out, t, a, grad_scale);
+}
+void adamw_update_spans(float* param, const float* grad, float* m, float* v, float* out,
+                        const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
+                        cudaStream_t st) {
+  adamw_update_spans_t(param, grad, m, v, out, t, a, grad_scale, st);
+}
+void adamw_update_spans(float* param, const float* grad, float* m, float* v, bf16* out,
+                        const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
+                        cudaStream_t st) {
+  adamw_update_spans_t(param, grad, m, v, out, t, a, grad_scale, st);
 }
 void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st) {

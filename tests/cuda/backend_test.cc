@@ -860,6 +860,45 @@ TEST_F(CudaBackendTest, FusedAdamWUpdateMatchesTheCpusThreeCalls) {
   EXPECT_NE(down(gp, n), before);
 }
 
+// The optimizer's update over a run of parameters whose weight decay changes span by span
+// (runtime/grad_sync.cc): the GPU's one launch (of up to 64 spans, so 150 spans take three)
+// against the CPU's one update a span, with the bf16 copy and without one.
+TEST_F(CudaBackendTest, AdamWUpdateOverDecaySpansMatchesTheCpuSpanBySpan) {
+  std::vector<Backend::DecaySpan> spans;
+  int64_t n = 0;
+  for (int i = 0; i < 150; ++i) {  // spans of 1 to 40 elements, decay on and off by turns
+    const int64_t len = 1 + (i * 7) % 40;
+    spans.push_back({n, len, i % 2 == 0});
+    n += len;
+  }
+  Host p = random(n, 64), gr = random(n, 65, -0.1f, 0.1f), m(n), v(n);
+  Bf16 model(static_cast<size_t>(n), 0);
+  float *gp = up(p), *gm = up(m), *gv = up(v);
+  Ptr gmodel = up16(model);
+  AdamWSettings o;
+  o.lr = 3e-3;
+  o.weight_decay = 0.1;
+  for (int64_t step = 1; step <= 2; ++step) {
+    Host g = gr;
+    float* gg = up(gr);
+    cpu_->adamw_update_spans(p.data(), g.data(), m.data(), v.data(), host16(model), spans, o, step,
+                             0.37);
+    gpu_->adamw_update_spans(gp, gg, gm, gv, gmodel, spans, o, step, 0.37);
+  }
+  expect_close(down(gp, n), p, "AdamW parameters, span by span", 1e-6, 1e-7);
+  expect_close(down(gm, n), m, "AdamW first moment, span by span", 1e-6, 1e-12);
+  expect_close(down16(gmodel, static_cast<size_t>(n)), widen(model), "the bf16 copy", 8e-3, 1e-6);
+  gpu_->adamw_update_spans(gp, up(gr), gm, gv, Ptr(), spans, o, 3, 1.0);  // fp32, no copy
+  cpu_->adamw_update_spans(p.data(), gr.data(), m.data(), v.data(), Ptr(), spans, o, 3, 1.0);
+  expect_close(down(gp, n), p, "AdamW parameters, span by span, no copy", 1e-6, 1e-7);
+  // The decay is the span's: the same update with decay everywhere gives other weights.
+  std::vector<Backend::DecaySpan> all_decay = {{0, n, true}};
+  Host q = down(gp, n), mq = down(gm, n), vq = down(gv, n), g2 = gr;
+  cpu_->adamw_update_spans(q.data(), g2.data(), mq.data(), vq.data(), Ptr(), all_decay, o, 4, 1.0);
+  gpu_->adamw_update_spans(gp, up(gr), gm, gv, Ptr(), spans, o, 4, 1.0);
+  EXPECT_NE(down(gp, n), q);
+}
+
 // Freed device blocks are kept and handed out again (the backend's block cache): a Buffer that
 // gets a block someone wrote and freed still starts as zeros, an overwrite one is the same block
 // without the memset, and the memory counter counts what is held, not what is cached.
