@@ -8,6 +8,8 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/activation.h"
@@ -290,6 +292,65 @@ void BM_AdamW(benchmark::State& state) {  // 100M parameters
   });
 }
 BENCHMARK(BM_AdamW)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The runtime's optimizer update (runtime/cuda/fp32_kernels.h: the gradient's scale, AdamW in
+// the CPU twin's double arithmetic, the bf16 copy) over GPT-2-124M's parameters in its ~100 spans
+// of alternating weight decay (a layer: the norms and biases undecayed, the four weight matrices
+// decayed; the embeddings decayed). Argument 0: one launch a span, as the runtime made before
+// 2026-11-30; 1: one launch for them all (adamw_update_spans), as it makes now.
+void BM_AdamWUpdateSpans(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  namespace f = ptdp::cuda_fp32;
+  const int64_t h = 768, layers = 12;
+  std::vector<std::pair<int64_t, bool>> pieces = {{50304 * h, true}, {1024 * h, true}};
+  for (int64_t l = 0; l < layers; ++l)
+    for (const auto& piece : std::vector<std::pair<int64_t, bool>>{{2 * h, false},
+                                                                   {3 * h * h, true},
+                                                                   {3 * h, false},
+                                                                   {h * h, true},
+                                                                   {3 * h, false},
+                                                                   {4 * h * h, true},
+                                                                   {4 * h, false},
+                                                                   {4 * h * h, true},
+                                                                   {h, false}})
+      pieces.push_back(piece);
+  pieces.push_back({2 * h, false});
+  std::vector<std::pair<int64_t, std::pair<int64_t, bool>>> spans;  // start, (n, decay)
+  int64_t n = 0;
+  for (const auto& [len, decay] : pieces) {
+    if (!spans.empty() && spans.back().second.second == decay)
+      spans.back().second.first += len;
+    else
+      spans.push_back({n, {len, decay}});
+    n += len;
+  }
+  Buf p(n * 4), g(n * 4), m(n * 4), v(n * 4), pb(n * 2);
+  const f::AdamWArgs a{3e-4, 0.9, 0.95, 1e-8, 0.1, 0.1, 0.05};
+  const bool one_launch = state.range(0) == 1;
+  state.SetLabel(std::to_string(spans.size()) + (one_launch ? " spans, one launch" : " launches"));
+  run(state, static_cast<double>(n) * (4 * 4 + 3 * 4 + 2), 0, [&] {
+    if (!one_launch) {
+      for (const auto& [start, span] : spans) {
+        f::AdamWArgs b = a;
+        b.weight_decay = span.second ? a.weight_decay : 0.0;
+        f::adamw_update(p.as<float>() + start, g.as<float>() + start, m.as<float>() + start,
+                        v.as<float>() + start, pb.as<bf16>() + start, span.first, b, 0.5, nullptr);
+      }
+      return;
+    }
+    for (size_t first = 0; first < spans.size(); first += f::kAdamWSpans) {
+      f::AdamWSpans t;
+      for (size_t s = first; s < spans.size() && t.count < f::kAdamWSpans; ++s, ++t.count) {
+        t.start[t.count] = spans[s].first;
+        t.n[t.count] = spans[s].second.first;
+        t.decay[t.count] = spans[s].second.second;
+      }
+      f::adamw_update_spans(p.as<float>(), g.as<float>(), m.as<float>(), v.as<float>(),
+                            pb.as<bf16>(), t, a, 0.5, nullptr);
+    }
+  });
+}
+BENCHMARK(BM_AdamWUpdateSpans)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_GradNorm(benchmark::State& state) {  // 100M fp32 gradients
   if (!have_gpu(state)) return;
