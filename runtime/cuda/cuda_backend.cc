@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -113,6 +114,10 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t e : free_marks_) cudaEventDestroy(e);
     cudaFree(scratch_);
     for (Staging* st : {&tokens_, &index_, &weight_}) cudaFree(st->p);
+    for (PinnedSlot& slot : pinned_) {
+      if (slot.p) cudaFreeHost(slot.p);
+      if (slot.copied) cudaEventDestroy(slot.copied);
+    }
     cublasDestroy(blas_);
     cudaStreamDestroy(stream_);
   }
@@ -905,8 +910,13 @@ class CudaBackend final : public Backend {
   static constexpr size_t kScratchBytes = sizeof(double) * (k::kSumSquaresBlocks + 8);
 
   // Host arrays that kernels read (token ids from the data loader, the MoE layer's index and
-  // weight arrays) go up through reused buffers, one per argument. Each call uses its arrays
-  // before the next upload, as the stream runs in order (and upload waits for it).
+  // weight arrays) go up through reused device buffers, one per argument. Each call's kernels
+  // read theirs before the next upload overwrites it, as the stream runs in order. The copy is
+  // queued, not waited for: the bytes go first into a pinned host slot (kPinnedSlots of them,
+  // reused round-robin, each only once its last copy has run), so the caller's array may go as
+  // soon as the call returns and the stream is not drained. (A synchronous upload drained it
+  // four times a microbatch: the embedding, the loss's two passes and the embedding gradient
+  // each uploaded the tokens, and the GPU then waited for the host to queue the next kernels.)
   struct Staging {
     void* p = nullptr;
     size_t bytes = 0;
@@ -919,8 +929,34 @@ class CudaBackend final : public Backend {
       PTDP_CHECK(cudaMalloc(&s.p, bytes));
       s.bytes = bytes;
     }
-    if (bytes > 0) upload(host, s.p, bytes);
+    if (bytes > 0) upload_queued(host, s.p, bytes);
     return s.p;
+  }
+  struct PinnedSlot {
+    void* p = nullptr;
+    size_t bytes = 0;
+    cudaEvent_t copied = nullptr;  // recorded after the slot's last copy
+  };
+  static constexpr int kPinnedSlots = 8;
+  PinnedSlot pinned_[kPinnedSlots];
+  int next_pinned_ = 0;
+  void upload_queued(const void* host, void* device, size_t bytes) {
+    PinnedSlot& slot = pinned_[next_pinned_];
+    next_pinned_ = (next_pinned_ + 1) % kPinnedSlots;
+    if (slot.copied)
+      PTDP_CHECK(cudaEventSynchronize(slot.copied));  // its previous copy has been made
+    else
+      PTDP_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+    if (bytes > slot.bytes) {
+      if (slot.p) PTDP_CHECK(cudaFreeHost(slot.p));
+      slot.p = nullptr;
+      slot.bytes = 0;
+      PTDP_CHECK(cudaMallocHost(&slot.p, bytes));
+      slot.bytes = bytes;
+    }
+    std::memcpy(slot.p, host, bytes);
+    PTDP_CHECK(cudaMemcpyAsync(device, slot.p, bytes, cudaMemcpyHostToDevice, stream_));
+    PTDP_CHECK(cudaEventRecord(slot.copied, stream_));
   }
   const int32_t* device_tokens(const int32_t* host, int64_t n) {
     return static_cast<const int32_t*>(

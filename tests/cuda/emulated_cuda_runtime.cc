@@ -130,6 +130,15 @@ cudaError_t cudaFree(void* p) {
   std::free(p);
   return cudaSuccess;
 }
+// Pinned host memory is host memory.
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = std::malloc(bytes > 0 ? bytes : 1);
+  return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+cudaError_t cudaFreeHost(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* a, const void* p) {
   *a = cudaPointerAttributes{};
   a->type = cudaMemoryTypeUnregistered;
