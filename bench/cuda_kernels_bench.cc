@@ -315,13 +315,13 @@ void BM_AdamWUpdateSpans(benchmark::State& state) {
                                                                    {h, false}})
       pieces.push_back(piece);
   pieces.push_back({2 * h, false});
-  std::vector<std::pair<int64_t, std::pair<int64_t, bool>>> spans;  // start, (n, decay)
+  std::vector<f::AdamWSpan> spans;
   int64_t n = 0;
   for (const auto& [len, decay] : pieces) {
-    if (!spans.empty() && spans.back().second.second == decay)
-      spans.back().second.first += len;
+    if (!spans.empty() && spans.back().decay == decay)
+      spans.back().n += len;
     else
-      spans.push_back({n, {len, decay}});
+      spans.push_back({n, len, decay});
     n += len;
   }
   Buf p(n * 4), g(n * 4), m(n * 4), v(n * 4), pb(n * 2);
@@ -330,24 +330,16 @@ void BM_AdamWUpdateSpans(benchmark::State& state) {
   state.SetLabel(std::to_string(spans.size()) + (one_launch ? " spans, one launch" : " launches"));
   run(state, static_cast<double>(n) * (4 * 4 + 3 * 4 + 2), 0, [&] {
     if (!one_launch) {
-      for (const auto& [start, span] : spans) {
+      for (const f::AdamWSpan& s : spans) {
         f::AdamWArgs b = a;
-        b.weight_decay = span.second ? a.weight_decay : 0.0;
-        f::adamw_update(p.as<float>() + start, g.as<float>() + start, m.as<float>() + start,
-                        v.as<float>() + start, pb.as<bf16>() + start, span.first, b, 0.5, nullptr);
+        b.weight_decay = s.decay ? a.weight_decay : 0.0;
+        f::adamw_update(p.as<float>() + s.start, g.as<float>() + s.start, m.as<float>() + s.start,
+                        v.as<float>() + s.start, pb.as<bf16>() + s.start, s.n, b, 0.5, nullptr);
       }
       return;
     }
-    for (size_t first = 0; first < spans.size(); first += f::kAdamWSpans) {
-      f::AdamWSpans t;
-      for (size_t s = first; s < spans.size() && t.count < f::kAdamWSpans; ++s, ++t.count) {
-        t.start[t.count] = spans[s].first;
-        t.n[t.count] = spans[s].second.first;
-        t.decay[t.count] = spans[s].second.second;
-      }
-      f::adamw_update_spans(p.as<float>(), g.as<float>(), m.as<float>(), v.as<float>(),
-                            pb.as<bf16>(), t, a, 0.5, nullptr);
-    }
+    f::adamw_update_spans(p.as<float>(), g.as<float>(), m.as<float>(), v.as<float>(), pb.as<bf16>(),
+                          spans, a, 0.5, nullptr);
   });
 }
 BENCHMARK(BM_AdamWUpdateSpans)->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -434,7 +434,6 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
                            adam_v_.data<float>() + run.base, mixed ? param : Ptr(), run.spans, adam,
                            step + 1, coef);
     run.n = 0;
-    run.spans.clear();
   };
   for_each_owned_range([&](const ParamInfo& p, int64_t lo, int64_t hi, int64_t base) {
     const bool adjacent = run.n > 0 && lo == run.lo + run.n && base == run.base + run.n &&
@@ -444,6 +443,7 @@ double DataParallelOptimizer::step(int64_t step, double lr, const OptimizerSetti
       update();
       run.lo = lo;
       run.base = base;
+      run.spans.clear();  // (an empty run's zero-length span too)
     }
     if (run.spans.empty() || run.spans.back().decay != p.decay)
       run.spans.push_back({run.n, 0, p.decay});

@@ -767,20 +767,15 @@ class CudaBackend final : public Backend {
     if (copy_to.p && copy_to.t != DType::kF32 && copy_to.t != DType::kBF16)
       return Backend::adamw_update_spans(w, grad, m, v, copy_to, spans, o, step, grad_scale);
     const k::AdamWArgs a = adamw_args(o, step);
-    for (size_t first = 0; first < spans.size(); first += k::kAdamWSpans) {
-      k::AdamWSpans t;
-      for (size_t s = first; s < spans.size() && t.count < k::kAdamWSpans; ++s, ++t.count) {
-        t.start[t.count] = spans[s].start;
-        t.n[t.count] = spans[s].n;
-        t.decay[t.count] = spans[s].decay;
-      }
-      if (copy_to.t == DType::kBF16 && copy_to.p)
-        k::adamw_update_spans(w, grad, m, v, static_cast<kernels::cuda::bf16*>(copy_to.p), t, a,
-                              grad_scale, stream_);
-      else
-        k::adamw_update_spans(w, grad, m, v, static_cast<float*>(copy_to.p), t, a, grad_scale,
-                              stream_);
-    }
+    std::vector<k::AdamWSpan> table;
+    table.reserve(spans.size());
+    for (const DecaySpan& s : spans) table.push_back({s.start, s.n, s.decay});
+    if (copy_to.t == DType::kBF16 && copy_to.p)
+      k::adamw_update_spans(w, grad, m, v, static_cast<kernels::cuda::bf16*>(copy_to.p), table, a,
+                            grad_scale, stream_);
+    else
+      k::adamw_update_spans(w, grad, m, v, static_cast<float*>(copy_to.p), table, a, grad_scale,
+                            stream_);
   }
 
   int device_index() const override { return device_; }

@@ -538,7 +538,13 @@ __global__ void adamw_update_k(float* param, const float* grad, float* m, float*
     adamw_element(param, grad, m, v, out, i, a, a.weight_decay, grad_scale);
 }
 // Every span of the table in turn, the grid striding over each: the same update element by
-// element as one adamw_update_k launch a span, in one launch.
+// element as one adamw_update_k launch a span, in one launch. The table is a kernel argument
+// (about 1.1 KB).
+struct AdamWSpans {
+  int count = 0;
+  int64_t start[kAdamWSpans] = {}, n[kAdamWSpans] = {};
+  bool decay[kAdamWSpans] = {};
+};
 template <typename T>
 __global__ void adamw_spans_k(float* param, const float* grad, float* m, float* v, T* out,
                               AdamWSpans t, AdamWArgs a, double grad_scale) {
@@ -1055,22 +1061,30 @@ void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const
 }
 template <typename T>
 void adamw_update_spans_t(float* param, const float* grad, float* m, float* v, T* out,
-                          const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
-                          cudaStream_t st) {
-  int64_t total = 0;
-  for (int s = 0; s < t.count; ++s) total += t.n[s];
-  if (total > 0)
-    PTDP_LAUNCH(adamw_spans_k<T>, grid_for(total), param, grad, m, v, out, t, a, grad_scale);
+                          const std::vector<AdamWSpan>& spans, const AdamWArgs& a,
+                          double grad_scale, cudaStream_t st) {
+  for (size_t first = 0; first < spans.size(); first += kAdamWSpans) {
+    AdamWSpans t;
+    int64_t total = 0;
+    for (size_t s = first; s < spans.size() && t.count < kAdamWSpans; ++s, ++t.count) {
+      t.start[t.count] = spans[s].start;
+      t.n[t.count] = spans[s].n;
+      t.decay[t.count] = spans[s].decay;
+      total += spans[s].n;
+    }
+    if (total > 0)
+      PTDP_LAUNCH(adamw_spans_k<T>, grid_for(total), param, grad, m, v, out, t, a, grad_scale);
+  }
 }
 void adamw_update_spans(float* param, const float* grad, float* m, float* v, float* out,
-                        const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
+                        const std::vector<AdamWSpan>& spans, const AdamWArgs& a, double grad_scale,
                         cudaStream_t st) {
-  adamw_update_spans_t(param, grad, m, v, out, t, a, grad_scale, st);
+  adamw_update_spans_t(param, grad, m, v, out, spans, a, grad_scale, st);
 }
 void adamw_update_spans(float* param, const float* grad, float* m, float* v, bf16* out,
-                        const AdamWSpans& t, const AdamWArgs& a, double grad_scale,
+                        const std::vector<AdamWSpan>& spans, const AdamWArgs& a, double grad_scale,
                         cudaStream_t st) {
-  adamw_update_spans_t(param, grad, m, v, out, t, a, grad_scale, st);
+  adamw_update_spans_t(param, grad, m, v, out, spans, a, grad_scale, st);
 }
 void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st) {

@@ -20,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "kernels/cuda/common.h"
 
@@ -126,19 +127,19 @@ void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const
 // adamw on grad * grad_scale (rounded to fp32, as scale() leaves it; the gradient itself is not
 // written), then the new weights stored into out (fp32 or rounded to bf16; null: none), in one
 // pass: Backend::adamw_update's three calls fused.
-// The same over spans of the arrays, each with a.weight_decay or none (Backend::
-// adamw_update_spans), in one launch for up to kAdamWSpans of them (more: several launches).
+// The same over spans [start, start + n) of the arrays, each with a.weight_decay or none
+// (Backend::adamw_update_spans): one launch for every kAdamWSpans of them, the spans passed in
+// the launch's arguments.
 constexpr int kAdamWSpans = 64;
-struct AdamWSpans {
-  int count = 0;
-  int64_t start[kAdamWSpans] = {}, n[kAdamWSpans] = {};
-  bool decay[kAdamWSpans] = {};
+struct AdamWSpan {
+  int64_t start = 0, n = 0;
+  bool decay = false;
 };
 void adamw_update_spans(float* param, const float* grad, float* m, float* v, float* out,
-                        const AdamWSpans& spans, const AdamWArgs& a, double grad_scale,
+                        const std::vector<AdamWSpan>& spans, const AdamWArgs& a, double grad_scale,
                         cudaStream_t st);
 void adamw_update_spans(float* param, const float* grad, float* m, float* v, bf16* out,
-                        const AdamWSpans& spans, const AdamWArgs& a, double grad_scale,
+                        const std::vector<AdamWSpan>& spans, const AdamWArgs& a, double grad_scale,
                         cudaStream_t st);
 void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st);

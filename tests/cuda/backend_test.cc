@@ -118,6 +118,29 @@ class CudaBackendTest : public ::testing::Test {
 
   void moe_row_moves(int64_t h);  // MoeRowMovesMatchTheCpu at one width
 
+  // An optimizer update's state on both sides: weights, a gradient in [-0.1, 0.1), zero
+  // moments and a zero bf16 model copy (host arrays, and their device copies), with the update
+  // tests' settings (lr 3e-3, weight decay 0.1).
+  struct AdamWCase {
+    Host p, gr, m, v;
+    Bf16 model;
+    float *gp = nullptr, *gm = nullptr, *gv = nullptr;
+    Ptr gmodel;
+    AdamWSettings o;
+  };
+  AdamWCase adamw_case(int64_t n, uint32_t seed) {
+    AdamWCase c;
+    c.p = random(n, seed);
+    c.gr = random(n, seed + 1, -0.1f, 0.1f);
+    c.m = c.v = Host(n);
+    c.model = Bf16(static_cast<size_t>(n), 0);
+    c.gp = up(c.p), c.gm = up(c.m), c.gv = up(c.v);
+    c.gmodel = up16(c.model);
+    c.o.lr = 3e-3;
+    c.o.weight_decay = 0.1;
+    return c;
+  }
+
   std::unique_ptr<Backend> cpu_, gpu_;
   std::vector<std::pair<void*, size_t>> owned_;
 };
@@ -833,13 +856,8 @@ TEST_F(CudaBackendTest, AdamWMatchesTheCpu) {
 // copy is the new weights rounded to bf16, and a call without a copy writes none.
 TEST_F(CudaBackendTest, FusedAdamWUpdateMatchesTheCpusThreeCalls) {
   const int64_t n = 2053;
-  Host p = random(n, 62), gr = random(n, 63, -0.1f, 0.1f), m(n), v(n);
-  Bf16 model(static_cast<size_t>(n), 0);
-  float *gp = up(p), *gm = up(m), *gv = up(v);
-  Ptr gmodel = up16(model);
-  AdamWSettings o;
-  o.lr = 3e-3;
-  o.weight_decay = 0.1;
+  AdamWCase c = adamw_case(n, 62);
+  auto& [p, gr, m, v, model, gp, gm, gv, gmodel, o] = c;
   for (int64_t step = 1; step <= 3; ++step) {
     Host g = gr;  // the CPU scales its gradient in place; each step starts from the same one
     float* gg = up(gr);
@@ -871,13 +889,8 @@ TEST_F(CudaBackendTest, AdamWUpdateOverDecaySpansMatchesTheCpuSpanBySpan) {
     spans.push_back({n, len, i % 2 == 0});
     n += len;
   }
-  Host p = random(n, 64), gr = random(n, 65, -0.1f, 0.1f), m(n), v(n);
-  Bf16 model(static_cast<size_t>(n), 0);
-  float *gp = up(p), *gm = up(m), *gv = up(v);
-  Ptr gmodel = up16(model);
-  AdamWSettings o;
-  o.lr = 3e-3;
-  o.weight_decay = 0.1;
+  AdamWCase c = adamw_case(n, 64);
+  auto& [p, gr, m, v, model, gp, gm, gv, gmodel, o] = c;
   for (int64_t step = 1; step <= 2; ++step) {
     Host g = gr;
     float* gg = up(gr);
