@@ -513,46 +513,97 @@ __global__ void zero_upper_k(T* m, int64_t total, int64_t s) {
 // AdamW (the CPU twin's arithmetic: double, moments rounded to fp32), fused with the gradient's
 // scale before it and the new weights' copy after it (Backend::adamw_update): one pass instead
 // of three. The scaled gradient is rounded to fp32 as Backend::scale leaves it, so the update is
-// the three calls' bit for bit; out (may be null) receives the new weights stored as T. With
-// grad_scale 1 and no out, it is plain adamw.
-template <typename T>
-__device__ __forceinline__ void adamw_element(float* param, const float* grad, float* m, float* v,
-                                              T* out, int64_t i, const AdamWArgs& a,
-                                              double weight_decay, double grad_scale) {
+// the three calls' arithmetic; out (may be null) receives the new weights stored as T. With
+// grad_scale 1 and no out, it is plain adamw. One element: m and v updated in place, the new
+// weight returned.
+__device__ __forceinline__ float adamw_math(float grad, float& m, float& v, float param,
+                                            const AdamWArgs& a, double weight_decay,
+                                            double grad_scale) {
   const double g =
-      grad_scale == 1.0 ? grad[i] : static_cast<float>(static_cast<double>(grad[i]) * grad_scale);
-  const float mi = static_cast<float>(a.beta1 * m[i] + (1 - a.beta1) * g);
-  const float vi = static_cast<float>(a.beta2 * v[i] + (1 - a.beta2) * g * g);
-  m[i] = mi;
-  v[i] = vi;
-  const double mhat = mi / a.c1, vhat = vi / a.c2;
-  const double p = param[i];
-  const float np = static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + weight_decay * p));
-  param[i] = np;
-  if (out) out[i] = store<T>(np);
+      grad_scale == 1.0 ? grad : static_cast<float>(static_cast<double>(grad) * grad_scale);
+  m = static_cast<float>(a.beta1 * m + (1 - a.beta1) * g);
+  v = static_cast<float>(a.beta2 * v + (1 - a.beta2) * g * g);
+  const double mhat = m / a.c1, vhat = v / a.c2;
+  const double p = param;
+  return static_cast<float>(p - a.lr * (mhat / (sqrt(vhat) + a.eps) + weight_decay * p));
 }
-template <typename T>
-__global__ void adamw_update_k(float* param, const float* grad, float* m, float* v, T* out,
-                               int64_t n, AdamWArgs a, double grad_scale) {
-  for (int64_t i = first_index(); i < n; i += grid_stride())
-    adamw_element(param, grad, m, v, out, i, a, a.weight_decay, grad_scale);
-}
-// Every span of the table in turn, the grid striding over each: the same update element by
-// element as one adamw_update_k launch a span, in one launch. The table is a kernel argument
-// (about 1.1 KB).
+// A launch's spans, adjacent and in order: span s is [start[s], start[s + 1]), with decay[s].
+// The table is a kernel argument (about 0.6 KB), copied to shared memory by each block.
 struct AdamWSpans {
   int count = 0;
-  int64_t start[kAdamWSpans] = {}, n[kAdamWSpans] = {};
+  int64_t start[kAdamWSpans + 1] = {};
   bool decay[kAdamWSpans] = {};
 };
+// 4 bf16, the new weights' copy of a vector of 4 fp32 (8 bytes).
+struct alignas(8) Bf16x4 {
+  bf16 v[4];
+};
+__device__ __forceinline__ void store_quad(float* out, const float (&p)[4]) {
+  *reinterpret_cast<float4*>(out) = make_float4(p[0], p[1], p[2], p[3]);
+}
+__device__ __forceinline__ void store_quad(bf16* out, const float (&p)[4]) {
+  Bf16x4 q;
+  for (int e = 0; e < 4; ++e) q.v[e] = store<bf16>(p[e]);
+  *reinterpret_cast<Bf16x4*>(out) = q;
+}
+// Elements [first + 4u, first + 4u + 4) for u over the grid, those within the spans. Where
+// `vectors`, every array's element first + 4u starts a 16-byte vector (8 bytes for a bf16 out):
+// a quad wholly inside the spans moves as one float4 an array, its 4 loads issued before the
+// span lookup and the arithmetic (the scalar loop left the step's optimizer at about half the
+// copy bandwidth on an H200, docs/gpu.md). Other quads, and every quad without `vectors`, go
+// element by element. Same arithmetic either way.
 template <typename T>
-__global__ void adamw_spans_k(float* param, const float* grad, float* m, float* v, T* out,
-                              AdamWSpans t, AdamWArgs a, double grad_scale) {
-  for (int s = 0; s < t.count; ++s) {
-    const double decay = t.decay[s] ? a.weight_decay : 0.0;
-    const int64_t end = t.start[s] + t.n[s];
-    for (int64_t i = t.start[s] + first_index(); i < end; i += grid_stride())
-      adamw_element(param, grad, m, v, out, i, a, decay, grad_scale);
+__global__ void __launch_bounds__(kThreads)
+    adamw_spans_k(float* param, const float* grad, float* m, float* v, T* out, AdamWSpans t,
+                  int64_t first, int64_t quads, bool vectors, AdamWArgs a, double grad_scale) {
+  __shared__ int64_t start[kAdamWSpans + 1];
+  __shared__ bool decay[kAdamWSpans];
+  for (int s = threadIdx.x; s <= t.count; s += blockDim.x) {
+    start[s] = t.start[s];
+    if (s < t.count) decay[s] = t.decay[s];
+  }
+  __syncthreads();
+  const int64_t lo = start[0], hi = start[t.count];
+  auto span_of = [&](int64_t i) {  // the last span starting at or before i
+    int l = 0, h = t.count - 1;
+    while (l < h) {
+      const int mid = (l + h + 1) / 2;
+      if (start[mid] <= i)
+        l = mid;
+      else
+        h = mid - 1;
+    }
+    return l;
+  };
+  auto rate = [&](int s) { return decay[s] ? a.weight_decay : 0.0; };
+  for (int64_t u = first_index(); u < quads; u += grid_stride()) {
+    const int64_t i0 = first + 4 * u;
+    if (vectors && i0 >= lo && i0 + 4 <= hi) {
+      const float4 g4 = *reinterpret_cast<const float4*>(grad + i0);
+      float4 m4 = *reinterpret_cast<const float4*>(m + i0);
+      float4 v4 = *reinterpret_cast<const float4*>(v + i0);
+      const float4 p4 = *reinterpret_cast<const float4*>(param + i0);
+      const float g[4] = {g4.x, g4.y, g4.z, g4.w}, w[4] = {p4.x, p4.y, p4.z, p4.w};
+      float mm[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w}, np[4];
+      int s = span_of(i0);
+      for (int e = 0; e < 4; ++e) {
+        if (i0 + e >= start[s + 1]) ++s;  // (spans are not empty)
+        np[e] = adamw_math(g[e], mm[e], vv[e], w[e], a, rate(s), grad_scale);
+      }
+      *reinterpret_cast<float4*>(m + i0) = make_float4(mm[0], mm[1], mm[2], mm[3]);
+      *reinterpret_cast<float4*>(v + i0) = make_float4(vv[0], vv[1], vv[2], vv[3]);
+      store_quad(param + i0, np);
+      if (out) store_quad(out + i0, np);
+    } else {
+      for (int64_t i = i0 < lo ? lo : i0; i < i0 + 4 && i < hi; ++i) {
+        float mi = m[i], vi = v[i];
+        const float np = adamw_math(grad[i], mi, vi, param[i], a, rate(span_of(i)), grad_scale);
+        m[i] = mi;
+        v[i] = vi;
+        param[i] = np;
+        if (out) out[i] = store<T>(np);
+      }
+    }
   }
 }
 
@@ -1059,21 +1110,43 @@ void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const
            cudaStream_t st) {
   adamw_update(param, grad, m, v, static_cast<float*>(nullptr), n, a, 1.0, st);
 }
+// The element index, mod 4, at which p lies on a `bytes` boundary (elements of `elem` bytes); -1
+// if none does.
+int vector_phase(const void* p, int elem, int bytes) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  if (at % elem != 0) return -1;
+  return static_cast<int>((bytes - at % bytes) % bytes / elem);
+}
+// A launch for every kAdamWSpans spans adjacent in order (empty ones skipped), in quads of 4
+// elements that start where every array is vector-aligned, if there is such a phase.
 template <typename T>
 void adamw_update_spans_t(float* param, const float* grad, float* m, float* v, T* out,
                           const std::vector<AdamWSpan>& spans, const AdamWArgs& a,
                           double grad_scale, cudaStream_t st) {
-  for (size_t first = 0; first < spans.size(); first += kAdamWSpans) {
+  int phase = vector_phase(param, 4, 16);
+  bool vectors = phase >= 0;
+  for (const void* p :
+       {static_cast<const void*>(grad), static_cast<const void*>(m), static_cast<const void*>(v)})
+    vectors = vectors && vector_phase(p, 4, 16) == phase;
+  constexpr int kOut = static_cast<int>(sizeof(T));
+  if (out) vectors = vectors && vector_phase(out, kOut, 4 * kOut) == phase;
+  if (!vectors) phase = 0;
+  size_t s = 0;
+  while (s < spans.size()) {
     AdamWSpans t;
-    int64_t total = 0;
-    for (size_t s = first; s < spans.size() && t.count < kAdamWSpans; ++s, ++t.count) {
+    for (; s < spans.size() && t.count < kAdamWSpans; ++s) {
+      if (spans[s].n <= 0) continue;
+      if (t.count > 0 && spans[s].start != t.start[t.count]) break;
       t.start[t.count] = spans[s].start;
-      t.n[t.count] = spans[s].n;
       t.decay[t.count] = spans[s].decay;
-      total += spans[s].n;
+      t.start[++t.count] = spans[s].start + spans[s].n;
     }
-    if (total > 0)
-      PTDP_LAUNCH(adamw_spans_k<T>, grid_for(total), param, grad, m, v, out, t, a, grad_scale);
+    if (t.count == 0) continue;
+    const int64_t lo = t.start[0], hi = t.start[t.count];
+    const int64_t first = lo - ((lo - phase) % 4 + 4) % 4;
+    const int64_t quads = (hi - first + 3) / 4;
+    PTDP_LAUNCH(adamw_spans_k<T>, grid_for(quads), param, grad, m, v, out, t, first, quads, vectors,
+                a, grad_scale);
   }
 }
 void adamw_update_spans(float* param, const float* grad, float* m, float* v, float* out,
@@ -1088,13 +1161,11 @@ void adamw_update_spans(float* param, const float* grad, float* m, float* v, bf1
 }
 void adamw_update(float* param, const float* grad, float* m, float* v, float* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st) {
-  if (n > 0)
-    PTDP_LAUNCH(adamw_update_k<float>, grid_for(n), param, grad, m, v, out, n, a, grad_scale);
+  adamw_update_spans_t(param, grad, m, v, out, {{0, n, true}}, a, grad_scale, st);
 }
 void adamw_update(float* param, const float* grad, float* m, float* v, bf16* out, int64_t n,
                   const AdamWArgs& a, double grad_scale, cudaStream_t st) {
-  if (n > 0)
-    PTDP_LAUNCH(adamw_update_k<bf16>, grid_for(n), param, grad, m, v, out, n, a, grad_scale);
+  adamw_update_spans_t(param, grad, m, v, out, {{0, n, true}}, a, grad_scale, st);
 }
 
 // ---- bf16 storage: the templated kernels above on bf16 activations ----
