@@ -147,6 +147,19 @@ __global__ void __launch_bounds__(kGeluThreads)
     }
   }
 }
+// Without a bias, GELU is element-wise and any shape of the same elements will do: a long row
+// (the runtime's plain GELU over a whole activation comes as one row of n) is taken as rows of up
+// to kGeluCols, so that each thread has kGeluRows vectors in flight, not one.
+constexpr int64_t kGeluCols = 8192;
+void reshape_without_bias(const bf16* bias, int64_t& rows, int64_t& cols) {
+  if (bias || cols <= kGeluCols) return;
+  const int64_t n = rows * cols;
+  for (int64_t c = kGeluCols; c >= kVec; c /= 2)
+    if (n % c == 0) {
+      rows = n / c, cols = c;
+      return;
+    }
+}
 // The grid of the two kernels above: column vectors over x, row groups over y (at most 65535).
 dim3 gelu_grid(int64_t rows, int64_t cols) {
   const int64_t groups = (rows + kGeluRows - 1) / kGeluRows;
@@ -223,6 +236,7 @@ void bias_gelu_forward(const bf16* x, const bf16* bias, bf16* y, int64_t rows, i
                        cudaStream_t stream) {
   const int64_t n = rows * cols;
   if (n <= 0) return;
+  reshape_without_bias(bias, rows, cols);
   if (vectorizable(cols, {x, bias, y})) {
     PTDP_KERNEL_LAUNCH(bias_gelu_forward_vec_kernel, gelu_grid(rows, cols), kGeluThreads, 0, stream)
     (x, bias, y, rows, cols);
@@ -244,6 +258,7 @@ void bias_gelu_backward(const bf16* x, const bf16* bias, const bf16* dy, bf16* d
   }
   // The bias gradient reads dy, so it runs before dx (which may alias dy) is written.
   if (dbias) column_sum(BiasGeluGrad{x, bias, dy, cols}, dbias, rows, cols, stream);
+  if (!dbias) reshape_without_bias(bias, rows, cols);
   if (vectorizable(cols, {x, bias, dy, dx})) {
     PTDP_KERNEL_LAUNCH(bias_gelu_backward_vec_kernel, gelu_grid(rows, cols), kGeluThreads, 0,
                        stream)

@@ -54,6 +54,26 @@ TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
   for (int64_t cols : {257, 264}) check_bias_gelu(cols);
 }
 
+// GELU without a bias over one long row, as the runtime calls it on a whole activation: the
+// kernels take it as rows of up to 8192 (here 6 rows of 8192, 625 of 64 and 3073 of 8).
+TEST(CudaActivation, GeluOverOneLongRowMatchesCpu) {
+  PTDP_REQUIRE_GPU();
+  for (const int64_t n : {49152, 40000, 24584}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    const auto x = random_bf16(n, 2, 7), dy = random_bf16(n, 1, 8);
+    auto d_x = to_device_bf16(x), d_dy = to_device_bf16(dy);
+    DeviceBuffer<bf16> y(n);
+    kernels::cuda::bias_gelu_forward(d_x.get(), nullptr, y.get(), 1, n, nullptr);
+    kernels::cuda::bias_gelu_backward(d_x.get(), nullptr, d_dy.get(), d_dy.get(), nullptr, 1, n,
+                                      nullptr);
+    std::vector<float> y_want(n), dx_want(n);
+    kernels::bias_gelu_forward(x.data(), nullptr, y_want.data(), 1, n);
+    kernels::bias_gelu_backward(x.data(), nullptr, dy.data(), dx_want.data(), nullptr, 1, n);
+    expect_close(bf16_values(y), y_want, 1e-3, 8e-3, "gelu forward");
+    expect_close(bf16_values(d_dy), dx_want, 1e-3, 8e-3, "gelu dx in place");
+  }
+}
+
 void check_swiglu(int64_t f) {
   SCOPED_TRACE("f = " + std::to_string(f));
   const int64_t n = 19;
