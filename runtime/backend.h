@@ -264,6 +264,12 @@ class Backend {
                     int64_t h);
   void norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd, CPtr dy,
                      Ptr dx, float* dg, float* dbeta, int64_t n, int64_t h);
+  // norm_backward whose input gradient is added to dacc (the residual stream's gradient, which
+  // reaches the norm's input from above), not written. The default is norm_backward into a
+  // temporary of dacc's type, then add; a device backend fuses the two (the CUDA backend's bf16
+  // kernel adds dacc before it rounds, so once where the two calls round twice).
+  void norm_backward_add(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
+                         CPtr dy, Ptr dacc, float* dg, float* dbeta, int64_t n, int64_t h);
   void gelu(CPtr x, Ptr y, int64_t n);
   void gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n);
   void swiglu(CPtr x, Ptr y, int64_t n, int64_t f);
@@ -274,6 +280,11 @@ class Backend {
   void fill_zero(Ptr x, int64_t n);
   void add(Ptr y, CPtr x, int64_t n);
   void add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width);
+  // out [rows, width] = residual + partial, then + bias (may be null) over each row: a
+  // transformer layer's bias-add-residual, computed as copy, add and add_bias compute it (each
+  // sum rounded to out's type). A device backend does it in one pass (native_residual_add),
+  // where the three calls moved the stream seven times. out may alias residual or partial.
+  void residual_add(Ptr out, CPtr residual, CPtr partial, CPtr bias, int64_t rows, int64_t width);
   void bias_grad(CPtr dy, float* db, int64_t rows, int64_t width);
   void scale(Ptr x, int64_t n, double f);
   void split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b, int64_t c);
@@ -329,6 +340,10 @@ class Backend {
                                     float*, int64_t, int64_t) {
     return false;
   }
+  virtual bool native_norm_backward_add(CPtr, CPtr, bool, const float*, const float*, CPtr, Ptr,
+                                        float*, float*, int64_t, int64_t) {
+    return false;
+  }
   virtual bool native_gelu(CPtr, Ptr, int64_t) { return false; }
   virtual bool native_gelu_backward(CPtr, CPtr, Ptr, int64_t) { return false; }
   virtual bool native_swiglu(CPtr, Ptr, int64_t, int64_t) { return false; }
@@ -357,6 +372,8 @@ class Backend {
   virtual bool native_rope(Ptr, int64_t, int64_t, int64_t, int64_t, double, bool) { return false; }
   virtual bool native_add(Ptr, CPtr, int64_t) { return false; }
   virtual bool native_add_bias(Ptr, CPtr, int64_t, int64_t) { return false; }
+  // residual_add in one call, for any operand types (fp32 ones too).
+  virtual bool native_residual_add(Ptr, CPtr, CPtr, CPtr, int64_t, int64_t) { return false; }
   virtual bool native_bias_grad(CPtr, float*, int64_t, int64_t) { return false; }
   virtual bool native_scale(Ptr, int64_t, double) { return false; }
   virtual bool native_split_columns3(CPtr, Ptr, Ptr, Ptr, int64_t, int64_t, int64_t, int64_t) {

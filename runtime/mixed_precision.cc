@@ -276,6 +276,22 @@ void Backend::norm_backward(CPtr x, CPtr g, bool has_beta, const float* mean, co
   });
 }
 
+void Backend::norm_backward_add(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
+                                CPtr dy, Ptr dacc, float* dg, float* dbeta, int64_t n, int64_t h) {
+  if (native_norm_backward_add(x, g, has_beta, mean, rstd, dy, dacc, dg, dbeta, n, h)) return;
+  if (n <= 0 || h <= 0) return;
+  const size_t bytes = static_cast<size_t>(n * h) * dtype_bytes(dacc.t);
+  void* t = allocate_for_overwrite(bytes);
+  try {
+    norm_backward(x, g, has_beta, mean, rstd, dy, Ptr(t, dacc.t), dg, dbeta, n, h);
+    add(dacc, CPtr(t, dacc.t), n * h);
+  } catch (...) {
+    deallocate(t, bytes);
+    throw;
+  }
+  deallocate(t, bytes);
+}
+
 void Backend::gelu(CPtr x, Ptr y, int64_t n) {
   if (f32({x, y})) return gelu(x.f(), y.f(), n);
   if (native_gelu(x, y, n)) return;
@@ -355,6 +371,18 @@ void Backend::add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) {
   if (native_add_bias(y, bias, rows, width)) return;
   widened(*this,
           [&](Widen& w) { add_bias(w.inout(y, rows * width), w.in(bias, width), rows, width); });
+}
+
+void Backend::residual_add(Ptr out, CPtr residual, CPtr partial, CPtr bias, int64_t rows,
+                           int64_t width) {
+  if (native_residual_add(out, residual, partial, bias, rows, width)) return;
+  if (out.p == partial.p) {
+    add(out, residual, rows * width);  // the same sum: a rounded addition is commutative
+  } else {
+    if (out.p != residual.p) copy(residual, out, rows * width);
+    add(out, partial, rows * width);
+  }
+  if (bias) add_bias(out, bias, rows, width);
 }
 
 void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {

@@ -371,12 +371,13 @@ void OpExecutor::run(const Op& op) {
     case OpId::kPostAttentionLayernormBackward:
     case OpId::kFinalLayernormBackward:
       S.fill(S.a, rows * d.h), S.fill(S.m1, rows), S.fill(S.m2, rows), S.fill(S.e, rows * d.h);
-      c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, rows);
-      // A layer's norms then add their input gradient into the residual stream's (the final
-      // norm's is the stream's).
+      // A layer's norms add their input gradient into the residual stream's (the final norm's
+      // is the stream's), as the runtime does (runtime/transformer_layer.cc).
       if (op.id != OpId::kFinalLayernormBackward) {
         S.fill(S.b, rows * d.h);
-        be.add(S.b.ptr(), S.f.ptr(), rows * d.h);
+        c.norm_backward_add(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.b, rows);
+      } else {
+        c.norm_backward(S.a, 0, d.biases ? bias : -1, S.m1, S.m2, S.e, S.f, rows);
       }
       return;
     case OpId::kQkLayernorm: {  // the queries' and keys' norms, d channels a row

@@ -248,11 +248,20 @@ void ShardContext::norm_backward(const Buffer& x, int64_t g, int64_t beta, const
                    dy.ptr(), dx.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, width);
 }
 
+void ShardContext::norm_backward_add(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
+                                     const Buffer& rstd, const Buffer& dy, Buffer& dacc, int64_t n,
+                                     int64_t width) {
+  if (width == 0) width = dims.h;
+  be.norm_backward_add(x.ptr(), P(g), beta >= 0, beta >= 0 ? mean.data() : nullptr, rstd.data(),
+                       dy.ptr(), dacc.ptr(), G(g), beta >= 0 ? G(beta) : nullptr, n, width);
+}
+
 void ShardContext::residual_add(Buffer& out, const Buffer& residual, const Buffer& partial,
                                 int64_t bias) {
-  copy(residual, out);
-  be.add(out.ptr(), partial.ptr(), elems(out));
-  add_bias(out, bias, dims.h);
+  const int64_t n = elems(residual);
+  if (&out != &residual && &out != &partial) resize_for_overwrite(out, n);
+  be.residual_add(out.ptr(), residual.ptr(), partial.ptr(), bias >= 0 ? CPtr(P(bias)) : CPtr(),
+                  n / dims.h, dims.h);
 }
 
 void ShardContext::copy(const Buffer& from, Buffer& to) {

@@ -120,6 +120,10 @@ class ShardContext {
   void norm_backward(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
                      const Buffer& rstd, const Buffer& dy, Buffer& dx, int64_t n,
                      int64_t width = 0);
+  // The same with the input gradient added to dacc (Backend::norm_backward_add).
+  void norm_backward_add(const Buffer& x, int64_t g, int64_t beta, const Buffer& mean,
+                         const Buffer& rstd, const Buffer& dy, Buffer& dacc, int64_t n,
+                         int64_t width = 0);
   // The fused attention (Backend::flash_attention_*) with values vd wide, at most the queries'
   // dims.d (multi-head latent attention's): V, the output and its gradient are padded with zero
   // channels to d for the kernel's call only, which leaves the output, dQ and dK unchanged (the

@@ -373,9 +373,8 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.scatter_sequence(D.d_ln2_full, D.d_ln2, m.h);
       break;
     case OpId::kPostAttentionLayernormBackward:
-      c.norm_backward(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd, m.sp ? D.d_ln2 : D.d_ln2_full,
-                      D.tmp, m.n_local);
-      be.add(D.d_h1.ptr(), D.tmp.ptr(), elems(D.d_h1));
+      c.norm_backward_add(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd,
+                          m.sp ? D.d_ln2 : D.d_ln2_full, D.d_h1, m.n_local);
       for (Buffer* x : {&D.tmp, &D.d_ln2, &D.d_ln2_full}) release(*x);
       break;
     case OpId::kAttnBiasDropoutAddBackward:
@@ -602,9 +601,8 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       c.scatter_sequence(D.d_ln1_full, D.d_ln1, m.h);
       break;
     case OpId::kInputLayernormBackward:
-      c.norm_backward(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd, m.sp ? D.d_ln1 : D.d_ln1_full,
-                      D.tmp, m.n_local);
-      be.add(D.d_x.ptr(), D.tmp.ptr(), elems(D.d_x));
+      c.norm_backward_add(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd,
+                          m.sp ? D.d_ln1 : D.d_ln1_full, D.d_x, m.n_local);
       for (Buffer* x : {&D.tmp, &D.d_ln1, &D.d_ln1_full}) release(*x);
       break;
     default:

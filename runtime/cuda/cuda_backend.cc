@@ -250,6 +250,18 @@ class CudaBackend final : public Backend {
       kc::add_rmsnorm_backward(b16(x), b16(g), rstd, b16(dy), nullptr, b16(dx), dg, n, h, stream_);
     return true;
   }
+  bool native_norm_backward_add(CPtr x, CPtr g, bool has_beta, const float* mean, const float* rstd,
+                                CPtr dy, Ptr dacc, float* dg, float* dbeta, int64_t n,
+                                int64_t h) override {
+    if (!all_bf16({x, g, dy, dacc})) return false;
+    if (has_beta)
+      kc::add_layernorm_backward(b16(x), b16(g), mean, rstd, b16(dy), b16(dacc), b16(dacc), dg,
+                                 dbeta, n, h, stream_);
+    else
+      kc::add_rmsnorm_backward(b16(x), b16(g), rstd, b16(dy), b16(dacc), b16(dacc), dg, n, h,
+                               stream_);
+    return true;
+  }
   bool native_gelu(CPtr x, Ptr y, int64_t n) override {
     if (!all_bf16({x, y})) return false;
     kc::bias_gelu_forward(b16(x), nullptr, b16(y), 1, n, stream_);
@@ -608,6 +620,18 @@ class CudaBackend final : public Backend {
   bool native_add_bias(Ptr y, CPtr bias, int64_t rows, int64_t width) override {
     if (!all_bf16({y, bias})) return false;
     k::add_bias(b16(y), b16(bias), rows, width, stream_);
+    return true;
+  }
+  bool native_residual_add(Ptr out, CPtr residual, CPtr partial, CPtr bias, int64_t rows,
+                           int64_t width) override {
+    if (all_bf16({out, residual, partial}) && (!bias || bf16(bias))) {
+      k::residual_add(b16(out), b16(residual), b16(partial), bias ? b16(bias) : nullptr, rows,
+                      width, stream_);
+      return true;
+    }
+    if (!out.f32() || !residual.f32() || !partial.f32() || (bias && !bias.f32())) return false;
+    k::residual_add(out.f(), residual.f(), partial.f(), bias ? bias.f() : nullptr, rows, width,
+                    stream_);
     return true;
   }
   bool native_bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) override {

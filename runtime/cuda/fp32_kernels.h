@@ -38,6 +38,10 @@ void gather_add_rows(const float* y, const int64_t* index, const float* weight, 
 void row_dots(const float* a, const int64_t* index, const float* b, float* dot, int64_t rows,
               int64_t h, cudaStream_t st);
 void add_bias(float* y, const float* bias, int64_t rows, int64_t width, cudaStream_t st);
+// out [rows, width] = residual + partial, rounded, + bias (may be null) a row, rounded
+// (Backend::residual_add). out may alias residual or partial.
+void residual_add(float* out, const float* residual, const float* partial, const float* bias,
+                  int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const float* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
 void scale(float* x, int64_t n, double f, cudaStream_t st);
 // Mixed precision (runtime/mixed_precision.cc): fp32 to bf16 (round to nearest even) and back;
@@ -155,6 +159,8 @@ void gather_add_rows(const bf16* y, const int64_t* index, const float* weight, b
 void row_dots(const bf16* a, const int64_t* index, const bf16* b, float* dot, int64_t rows,
               int64_t h, cudaStream_t st);
 void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream_t st);
+void residual_add(bf16* out, const bf16* residual, const bf16* partial, const bf16* bias,
+                  int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
 void scale(bf16* x, int64_t n, double f, cudaStream_t st);
 void split_columns3(const bf16* x, bf16* y0, bf16* y1, bf16* y2, int64_t n, int64_t a, int64_t b,

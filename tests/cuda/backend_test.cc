@@ -941,6 +941,102 @@ TEST_F(CudaBackendTest, AdamWUpdateMatchesTheCpuAtEveryAlignment) {
   }
 }
 
+// A layer's bias-add-residual (ShardContext::residual_add) in one GPU pass gives the CPU's
+// copy, add and add_bias to the bit: fp32 and bf16, with and without a bias, at widths that take
+// 16-byte vectors (768; 36 in fp32) and element by element (37; 36 in bf16), and written over
+// either input.
+TEST_F(CudaBackendTest, ResidualAddInOnePassIsTheCpusThreeCallsToTheBit) {
+  const int64_t rows = 37;
+  for (const int64_t width : {768, 36, 37}) {
+    const int64_t n = rows * width;
+    const Host r = random(n, 90), p = random(n, 91), b = random(width, 92);
+    for (const bool bf16 : {false, true})
+      for (const bool bias : {false, true})
+        for (const int alias : {0, 1, 2}) {  // out apart, out = residual, out = partial
+          SCOPED_TRACE("width " + std::to_string(width) + (bf16 ? ", bf16" : ", fp32") +
+                       (bias ? ", bias" : "") + ", alias " + std::to_string(alias));
+          Host want, got;
+          if (bf16) {
+            Bf16 hr = narrow(r), hp = narrow(p), hb = narrow(b), ho(static_cast<size_t>(n));
+            const Ptr gr = up16(hr), gp = up16(hp), gb = up16(hb), go = up16(ho);
+            const Ptr out = alias == 1 ? gr : alias == 2 ? gp : go;
+            const Ptr hout = alias == 1 ? host16(hr) : alias == 2 ? host16(hp) : host16(ho);
+            cpu_->residual_add(hout, host16(hr), host16(hp), bias ? host16(hb) : Ptr(), rows,
+                               width);
+            expect_native([&] { gpu_->residual_add(out, gr, gp, bias ? gb : Ptr(), rows, width); },
+                          "bf16 residual add");
+            want = widen(alias == 1 ? hr : alias == 2 ? hp : ho);
+            got = down16(out, static_cast<size_t>(n));
+          } else {
+            Host hr = r, hp = p, ho(n);
+            float *gr = up(r), *gp = up(p), *gb = up(b), *go = up(ho);
+            float* out = alias == 1 ? gr : alias == 2 ? gp : go;
+            float* hout = alias == 1 ? hr.data() : alias == 2 ? hp.data() : ho.data();
+            cpu_->residual_add(hout, hr.data(), hp.data(), bias ? b.data() : nullptr, rows, width);
+            gpu_->residual_add(out, gr, gp, bias ? gb : nullptr, rows, width);
+            want = alias == 1 ? hr : alias == 2 ? hp : ho;
+            got = down(out, static_cast<size_t>(n));
+          }
+          EXPECT_EQ(got, want);
+        }
+  }
+}
+
+// A layer norm's backward with its input gradient added into the residual stream's gradient
+// (Backend::norm_backward_add): on bf16 the GPU runs it as one kernel, with no temporary, and
+// agrees with the CPU's norm_backward and add; fp32 takes the two calls on both. Widths of 768
+// (16-byte vectors) and 301; the weight gradients accumulate onto what they held.
+TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
+  const int64_t n = 19;
+  for (const int64_t h : {768, 301})
+    for (const bool layernorm : {true, false})
+      for (const bool bf16 : {true, false}) {
+        const std::string what = std::string(layernorm ? "layernorm" : "rmsnorm") +
+                                 (bf16 ? " bf16" : " fp32") + ", h " + std::to_string(h);
+        const Host x = random(n * h, 100), g = random(h, 101), beta = random(h, 102),
+                   dy = random(n * h, 103), acc = random(n * h, 104), dg0 = random(h, 105);
+        Host mean(n), rstd(n), dg = dg0, db = dg0;
+        float *gmean = up(Host(n)), *grstd = up(Host(n)), *gdg = up(dg0), *gdb = up(dg0);
+        float* const cmean = layernorm ? mean.data() : nullptr;
+        float* const gm = layernorm ? gmean : nullptr;
+        Host got, want;
+        if (bf16) {
+          Bf16 hx = narrow(x), hg = narrow(g), hb = narrow(beta), hdy = narrow(dy),
+               hacc = narrow(acc), hy(static_cast<size_t>(n * h));
+          const Ptr cb = layernorm ? host16(hb) : Ptr();
+          cpu_->norm_forward(host16(hx), host16(hg), cb, host16(hy), cmean, rstd.data(), n, h);
+          cpu_->norm_backward_add(host16(hx), host16(hg), layernorm, cmean, rstd.data(),
+                                  host16(hdy), host16(hacc), dg.data(),
+                                  layernorm ? db.data() : nullptr, n, h);
+          const Ptr gx = up16(narrow(x)), gg = up16(hg), gdy = up16(hdy), gacc = up16(narrow(acc)),
+                    gy = up16(Bf16(hy.size()));
+          gpu_->norm_forward(gx, gg, layernorm ? up16(hb) : Ptr(), gy, gm, grstd, n, h);
+          expect_native(
+              [&] {
+                gpu_->norm_backward_add(gx, gg, layernorm, gm, grstd, gdy, gacc, gdg,
+                                        layernorm ? gdb : nullptr, n, h);
+              },
+              what);
+          got = down16(gacc, static_cast<size_t>(n * h)), want = widen(hacc);
+        } else {
+          Host y(n * h), hacc = acc;
+          cpu_->norm_forward(x.data(), g.data(), layernorm ? beta.data() : nullptr, y.data(), cmean,
+                             rstd.data(), n, h);
+          cpu_->norm_backward_add(x.data(), g.data(), layernorm, cmean, rstd.data(), dy.data(),
+                                  hacc.data(), dg.data(), layernorm ? db.data() : nullptr, n, h);
+          float *gx = up(x), *gg = up(g), *gacc = up(acc), *gy = up(Host(n * h));
+          gpu_->norm_forward(gx, gg, layernorm ? up(beta) : nullptr, gy, gm, grstd, n, h);
+          gpu_->norm_backward_add(gx, gg, layernorm, gm, grstd, up(dy), gacc, gdg,
+                                  layernorm ? gdb : nullptr, n, h);
+          got = down(gacc, static_cast<size_t>(n * h)), want = hacc;
+        }
+        expect_close(got, want, what + ": the residual gradient plus dx", 2e-2, 2e-2);
+        expect_close(down(gdg, h), dg, what + ": d gamma", 1e-3, 1e-3);
+        if (layernorm) expect_close(down(gdb, h), db, what + ": d beta", 1e-3, 1e-3);
+        EXPECT_NE(down(gdg, h), dg0) << what;
+      }
+}
+
 // Freed device blocks are kept and handed out again (the backend's block cache): a Buffer that
 // gets a block someone wrote and freed still starts as zeros, an overwrite one is the same block
 // without the memset, and the memory counter counts what is held, not what is cached.
