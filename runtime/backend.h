@@ -272,6 +272,10 @@ class Backend {
                          CPtr dy, Ptr dacc, float* dg, float* dbeta, int64_t n, int64_t h);
   void gelu(CPtr x, Ptr y, int64_t n);
   void gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n);
+  // gelu_backward over rows of `width`, then db (fp32; null: none) += dx's column sums, as
+  // bias_grad adds them. The default is those two calls; the CUDA backend's bf16 kernel does
+  // both in one pass, summing dx before it rounds it.
+  void gelu_backward_bias_grad(CPtr x, CPtr dy, Ptr dx, float* db, int64_t rows, int64_t width);
   void swiglu(CPtr x, Ptr y, int64_t n, int64_t f);
   void swiglu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n, int64_t f);
   void rope(Ptr x, int64_t b, int64_t s, int64_t heads, int64_t d, double base, bool inverse);
@@ -346,6 +350,9 @@ class Backend {
   }
   virtual bool native_gelu(CPtr, Ptr, int64_t) { return false; }
   virtual bool native_gelu_backward(CPtr, CPtr, Ptr, int64_t) { return false; }
+  virtual bool native_gelu_backward_bias_grad(CPtr, CPtr, Ptr, float*, int64_t, int64_t) {
+    return false;
+  }
   virtual bool native_swiglu(CPtr, Ptr, int64_t, int64_t) { return false; }
   virtual bool native_swiglu_backward(CPtr, CPtr, Ptr, int64_t, int64_t) { return false; }
   // The same for the unfused attention pieces, the rotary embedding, the element-wise glue, the

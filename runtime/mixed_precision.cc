@@ -307,6 +307,13 @@ void Backend::gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) {
   });
 }
 
+void Backend::gelu_backward_bias_grad(CPtr x, CPtr dy, Ptr dx, float* db, int64_t rows,
+                                      int64_t width) {
+  if (db && native_gelu_backward_bias_grad(x, dy, dx, db, rows, width)) return;
+  gelu_backward(x, dy, dx, rows * width);
+  if (db) bias_grad(dx, db, rows, width);
+}
+
 void Backend::swiglu(CPtr x, Ptr y, int64_t n, int64_t f) {
   if (f32({x, y})) return swiglu(x.f(), y.f(), n, f);
   if (native_swiglu(x, y, n, f)) return;

@@ -333,6 +333,13 @@ void OpExecutor::run(const Op& op) {
           be.split_columns3(S.b.ptr(), S.c.ptr(), S.e.ptr(), S.f.ptr(), op.m, d.hl * d.d,
                             d.gl * d.d, d.gl * d.d);
           return;
+        // FC1 as the layer runs it: its bias in the GEMM.
+        case OpId::kFc1:
+          if (op.n != d.fc1_width() || !d.biases) break;
+          S.fill(S.a, op.m * op.k);
+          resize_for_overwrite(S.b, op.m * op.n);
+          c.linear(S.a.ptr(), 0, bias, S.b.ptr(), op.m, op.k, op.n);
+          return;
         case OpId::kQkvDgrad:
           if (op.k != d.qkv_width()) break;
           S.fill(S.c, op.m * d.hl * d.d), S.fill(S.e, op.m * d.gl * d.d);
@@ -443,15 +450,14 @@ void OpExecutor::run(const Op& op) {
       c.copy(S.a, S.b);
       c.copy(S.a, S.c);
       return;
-    case OpId::kBiasGelu:
+    case OpId::kBiasGelu:  // GELU alone: FC1 adds the bias (above)
       S.fill(S.a, ffn), resize(S.b, ffn);
-      c.add_bias(S.a, d.biases ? bias : -1, d.ffl);
       be.gelu(S.a.ptr(), S.b.ptr(), ffn);
       return;
     case OpId::kBiasGeluBackward:
       S.fill(S.a, ffn), S.fill(S.b, ffn), resize(S.c, ffn);
-      be.gelu_backward(S.a.ptr(), S.b.ptr(), S.c.ptr(), ffn);
-      c.bias_grad(S.c, d.biases ? bias : -1, d.ffl);
+      be.gelu_backward_bias_grad(S.a.ptr(), S.b.ptr(), S.c.ptr(), d.biases ? c.G(bias) : nullptr,
+                                 ffn / d.ffl, d.ffl);
       return;
     case OpId::kSwiglu:
       S.fill(S.a, 2 * ffn), resize(S.b, ffn);

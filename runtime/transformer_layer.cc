@@ -284,11 +284,12 @@ void layer_forward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs&
       break;
     case OpId::kFc1:
       resize_for_overwrite(A.fc1, m.n_full * m.fc1_width());
-      c.linear(ln2_full.ptr(), W.fc1_w, -1, A.fc1.ptr(), m.n_full, m.h, m.fc1_width());
+      // The bias in the GEMM (cuBLASLt's epilogue on a GPU), not in a pass of its own over
+      // the layer's widest activation.
+      c.linear(ln2_full.ptr(), W.fc1_w, W.fc1_b, A.fc1.ptr(), m.n_full, m.h, m.fc1_width());
       if (m.sp) release(A.ln2_full);  // the rank's rows are kept, gathered again backward
       break;
-    case OpId::kBiasGelu:
-      c.add_bias(A.fc1, W.fc1_b, m.ffl);
+    case OpId::kBiasGelu:  // (FC1 added the bias)
       resize_for_overwrite(A.act, elems(A.fc1));
       be.gelu(A.fc1.ptr(), A.act.ptr(), elems(A.fc1));
       break;
@@ -344,8 +345,9 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       break;
     case OpId::kBiasGeluBackward:
       resize_for_overwrite(D.d_pre, elems(A.fc1));
-      be.gelu_backward(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(), elems(A.fc1));
-      c.bias_grad(D.d_pre, W.fc1_b, m.ffl);
+      be.gelu_backward_bias_grad(A.fc1.ptr(), D.d_act.ptr(), D.d_pre.ptr(),
+                                 W.fc1_b >= 0 ? c.G(W.fc1_b) : nullptr, elems(A.fc1) / m.ffl,
+                                 m.ffl);
       release(D.d_act);
       break;
     case OpId::kSwigluBackward:

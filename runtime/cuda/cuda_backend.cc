@@ -267,6 +267,12 @@ class CudaBackend final : public Backend {
     kc::bias_gelu_forward(b16(x), nullptr, b16(y), 1, n, stream_);
     return true;
   }
+  bool native_gelu_backward_bias_grad(CPtr x, CPtr dy, Ptr dx, float* db, int64_t rows,
+                                      int64_t width) override {
+    if (!all_bf16({x, dy, dx})) return false;
+    kc::bias_gelu_backward(b16(x), nullptr, b16(dy), b16(dx), db, rows, width, stream_);
+    return true;
+  }
   bool native_gelu_backward(CPtr x, CPtr dy, Ptr dx, int64_t n) override {
     if (!all_bf16({x, dy, dx})) return false;
     kc::bias_gelu_backward(b16(x), nullptr, b16(dy), b16(dx), nullptr, 1, n, stream_);

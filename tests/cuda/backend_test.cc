@@ -1037,6 +1037,45 @@ TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
       }
 }
 
+// GELU's backward with the bias gradient (Backend::gelu_backward_bias_grad): one kernel on
+// bf16 (no temporary), agreeing with the CPU's gelu_backward and bias_grad (the bias gradient
+// with their fp32 sums, as the kernel sums dx before rounding it); fp32 takes the two calls on
+// both. Widths of 3072 (16-byte vectors) and 37; the bias gradient accumulates.
+TEST_F(CudaBackendTest, GeluBackwardWithBiasGradMatchesTheCpusTwoCalls) {
+  const int64_t rows = 29;
+  for (const int64_t width : {3072, 37})
+    for (const bool bf16 : {true, false}) {
+      const std::string what =
+          std::string(bf16 ? "bf16" : "fp32") + ", width " + std::to_string(width);
+      const int64_t n = rows * width;
+      const Host x = random(n, 110, -3.0f, 3.0f), dy = random(n, 111), db0 = random(width, 112);
+      Host db = db0, got, want;
+      float* gdb = up(db0);
+      if (bf16) {
+        Bf16 hx = narrow(x), hdy = narrow(dy), hdx(static_cast<size_t>(n));
+        Host unused = db0;
+        cpu_->gelu_backward_bias_grad(host16(hx), host16(hdy), host16(hdx), unused.data(), rows,
+                                      width);
+        // The fused kernel sums dx before rounding it: the CPU's fp32 call on the same inputs.
+        Host dx32(n);
+        cpu_->gelu_backward_bias_grad(widen(hx).data(), widen(hdy).data(), dx32.data(), db.data(),
+                                      rows, width);
+        const Ptr gx = up16(hx), gdy = up16(hdy), gdx = up16(Bf16(hdx.size()));
+        expect_native([&] { gpu_->gelu_backward_bias_grad(gx, gdy, gdx, gdb, rows, width); }, what);
+        got = down16(gdx, static_cast<size_t>(n)), want = widen(hdx);
+      } else {
+        Host dx(n);
+        cpu_->gelu_backward_bias_grad(x.data(), dy.data(), dx.data(), db.data(), rows, width);
+        float* gdx = up(Host(n));
+        gpu_->gelu_backward_bias_grad(up(x), up(dy), gdx, gdb, rows, width);
+        got = down(gdx, static_cast<size_t>(n)), want = dx;
+      }
+      expect_close(got, want, what + ": dx", 2e-2, 2e-2);
+      expect_close(down(gdb, width), db, what + ": bias gradient", 1e-3, 1e-3);
+      EXPECT_NE(down(gdb, width), db0) << what;
+    }
+}
+
 // Freed device blocks are kept and handed out again (the backend's block cache): a Buffer that
 // gets a block someone wrote and freed still starts as zeros, an overwrite one is the same block
 // without the memset, and the memory counter counts what is held, not what is cached.
