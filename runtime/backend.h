@@ -290,6 +290,11 @@ class Backend {
   // where the three calls moved the stream seven times. out may alias residual or partial.
   void residual_add(Ptr out, CPtr residual, CPtr partial, CPtr bias, int64_t rows, int64_t width);
   void bias_grad(CPtr dy, float* db, int64_t rows, int64_t width);
+  // residual_add's backward: dout [rows, width] copied to d_residual and to d_partial, and db
+  // (fp32; null: none) += its column sums, as bias_grad and two copies give them. A device
+  // backend reads dout once (native_residual_add_backward).
+  void residual_add_backward(CPtr dout, Ptr d_residual, Ptr d_partial, float* db, int64_t rows,
+                             int64_t width);
   void scale(Ptr x, int64_t n, double f);
   void split_columns3(CPtr x, Ptr y0, Ptr y1, Ptr y2, int64_t n, int64_t a, int64_t b, int64_t c);
   void concat_columns3(CPtr x0, CPtr x1, CPtr x2, Ptr y, int64_t n, int64_t a, int64_t b,
@@ -382,6 +387,9 @@ class Backend {
   // residual_add in one call, for any operand types (fp32 ones too).
   virtual bool native_residual_add(Ptr, CPtr, CPtr, CPtr, int64_t, int64_t) { return false; }
   virtual bool native_bias_grad(CPtr, float*, int64_t, int64_t) { return false; }
+  virtual bool native_residual_add_backward(CPtr, Ptr, Ptr, float*, int64_t, int64_t) {
+    return false;
+  }
   virtual bool native_scale(Ptr, int64_t, double) { return false; }
   virtual bool native_split_columns3(CPtr, Ptr, Ptr, Ptr, int64_t, int64_t, int64_t, int64_t) {
     return false;

@@ -392,6 +392,14 @@ void Backend::residual_add(Ptr out, CPtr residual, CPtr partial, CPtr bias, int6
   if (bias) add_bias(out, bias, rows, width);
 }
 
+void Backend::residual_add_backward(CPtr dout, Ptr d_residual, Ptr d_partial, float* db,
+                                    int64_t rows, int64_t width) {
+  if (native_residual_add_backward(dout, d_residual, d_partial, db, rows, width)) return;
+  if (db) bias_grad(dout, db, rows, width);
+  copy(dout, d_residual, rows * width);
+  copy(dout, d_partial, rows * width);
+}
+
 void Backend::bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) {
   if (dy.f32()) return bias_grad(dy.f(), db, rows, width);
   if (native_bias_grad(dy, db, rows, width)) return;

@@ -446,9 +446,7 @@ void OpExecutor::run(const Op& op) {
     case OpId::kAttnBiasDropoutAddBackward:
     case OpId::kMlpBiasDropoutAddBackward:
       S.fill(S.a, rows * d.h);
-      c.bias_grad(S.a, d.biases ? bias : -1, d.h);
-      c.copy(S.a, S.b);
-      c.copy(S.a, S.c);
+      c.residual_add_backward(S.a, S.b, S.c, d.biases ? bias : -1);
       return;
     case OpId::kBiasGelu:  // GELU alone: FC1 adds the bias (above)
       S.fill(S.a, ffn), resize(S.b, ffn);

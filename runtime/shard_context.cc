@@ -264,6 +264,15 @@ void ShardContext::residual_add(Buffer& out, const Buffer& residual, const Buffe
                   n / dims.h, dims.h);
 }
 
+void ShardContext::residual_add_backward(const Buffer& dout, Buffer& d_residual, Buffer& d_partial,
+                                         int64_t bias) {
+  const int64_t n = elems(dout);
+  resize_for_overwrite(d_residual, n);
+  resize_for_overwrite(d_partial, n);
+  be.residual_add_backward(dout.ptr(), d_residual.ptr(), d_partial.ptr(),
+                           bias >= 0 ? G(bias) : nullptr, n / dims.h, dims.h);
+}
+
 void ShardContext::copy(const Buffer& from, Buffer& to) {
   resize_for_overwrite(to, elems(from));
   be.copy(from.ptr(), to.ptr(), elems(from));

@@ -135,6 +135,9 @@ class ShardContext {
                       int64_t vd);
   // out = residual + partial (+ bias): the bias-dropout-add closing each half of a layer.
   void residual_add(Buffer& out, const Buffer& residual, const Buffer& partial, int64_t bias);
+  // Its backward: dout to d_residual and d_partial, and the bias's gradient.
+  void residual_add_backward(const Buffer& dout, Buffer& d_residual, Buffer& d_partial,
+                             int64_t bias);
   void copy(const Buffer& from, Buffer& to);
   void add_bias(Buffer& y, int64_t bias, int64_t width);
   void bias_grad(const Buffer& dy, int64_t bias, int64_t width);

@@ -328,9 +328,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
   // absent and the gradient of a row-parallel output is the layer's incoming gradient.
   switch (op) {
     case OpId::kMlpBiasDropoutAddBackward:
-      c.bias_grad(D.d_out, W.fc2_b, m.h);
-      c.copy(D.d_out, D.d_h1);
-      c.copy(D.d_out, D.d_fc2);
+      c.residual_add_backward(D.d_out, D.d_h1, D.d_fc2, W.fc2_b);
       break;
     case OpId::kMlpReduceScatterBackward:
       c.gather_sequence(D.d_out, D.d_fc2, m.h);
@@ -380,9 +378,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
       for (Buffer* x : {&D.tmp, &D.d_ln2, &D.d_ln2_full}) release(*x);
       break;
     case OpId::kAttnBiasDropoutAddBackward:
-      c.bias_grad(D.d_h1, W.proj_b, m.h);
-      c.copy(D.d_h1, D.d_x);
-      c.copy(D.d_h1, D.d_proj);
+      c.residual_add_backward(D.d_h1, D.d_x, D.d_proj, W.proj_b);
       break;
     case OpId::kAttnReduceScatterBackward:
       c.gather_sequence(D.d_h1, D.d_proj, m.h);

@@ -640,6 +640,12 @@ class CudaBackend final : public Backend {
                     stream_);
     return true;
   }
+  bool native_residual_add_backward(CPtr dout, Ptr d_residual, Ptr d_partial, float* db,
+                                    int64_t rows, int64_t width) override {
+    return all_bf16({dout, d_residual, d_partial}) &&
+           k::residual_add_backward(b16(dout), b16(d_residual), b16(d_partial), db, rows, width,
+                                    stream_);
+  }
   bool native_bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) override {
     if (!bf16(dy)) return false;
     k::bias_grad(b16(dy), db, rows, width, stream_);

@@ -132,6 +132,24 @@ struct ColumnsOfBf16 {
     for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
   }
 };
+// residual_add's backward (Backend::residual_add_backward): the bias gradient's column sums of
+// dout, with ColumnsOfBf16's values (so bias_grad's bits), and dout's two copies stored from the
+// same loads: dout read once where bias_grad and two copies read it three times.
+struct CopiedColumnsOfBf16 {
+  static constexpr int kOutputs = 1;
+  const bf16* dy;
+  bf16 *y0, *y1;
+  int64_t width;
+  using In = Bf16x8;
+  __device__ In load(int64_t r, int64_t c0) const {
+    return *reinterpret_cast<const Bf16x8*>(dy + r * width + c0);
+  }
+  __device__ void operator()(int64_t r, int64_t c0, const In& a, float (&v)[1][kVec]) const {
+    *reinterpret_cast<Bf16x8*>(y0 + r * width + c0) = a;
+    *reinterpret_cast<Bf16x8*>(y1 + r * width + c0) = a;
+    for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
+  }
+};
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
 __global__ void to_bf16_k(const float* x, kernels::cuda::bf16* y, int64_t n) {
   for (int64_t i = first_index(); i < n; i += grid_stride()) y[i] = kernels::cuda::to_bf16(x[i]);
@@ -1237,6 +1255,13 @@ void residual_add(bf16* out, const bf16* residual, const bf16* partial, const bf
 }
 void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream_t st) {
   add_bias_t(y, bias, rows, width, st);
+}
+bool residual_add_backward(const bf16* dout, bf16* d_residual, bf16* d_partial, float* db,
+                           int64_t rows, int64_t width, cudaStream_t st) {
+  if (!db || !bf16_vectors<bf16>(width, {dout, d_residual, d_partial})) return false;
+  kernels::cuda::column_sum_vec(CopiedColumnsOfBf16{dout, d_residual, d_partial, width}, {db}, rows,
+                                width, st);
+  return true;
 }
 void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
   bias_grad_t(dy, db, rows, width, st);

@@ -1076,6 +1076,60 @@ TEST_F(CudaBackendTest, GeluBackwardWithBiasGradMatchesTheCpusTwoCalls) {
     }
 }
 
+// The bias + residual add's backward (Backend::residual_add_backward): the gradient copied to
+// both inputs' gradients and the bias gradient summed, in one pass on bf16 rows of a multiple of
+// 8 columns. Its bias gradient is the GPU's bias_grad to the bit (the same column sums), and
+// within float rounding of the CPU's; the copies are exact. Widths 768 and 36 (the three calls),
+// bf16 and fp32, with and without a bias.
+TEST_F(CudaBackendTest, ResidualAddBackwardIsBiasGradAndTwoCopies) {
+  const int64_t rows = 41;
+  for (const int64_t width : {768, 36})
+    for (const bool bf16 : {true, false})
+      for (const bool bias : {true, false}) {
+        const std::string what = std::string(bf16 ? "bf16" : "fp32") + ", width " +
+                                 std::to_string(width) + (bias ? ", bias" : "");
+        const int64_t n = rows * width;
+        const Host dout = random(n, 120), db0 = random(width, 121);
+        Host db = db0;
+        float *gdb = up(db0), *gdb_apart = up(db0);
+        Host want = dout, got_r, got_p;
+        const Ptr gd = bf16 ? up16(narrow(dout)) : Ptr(up(dout));
+        const Ptr gr = bf16 ? up16(Bf16(static_cast<size_t>(n))) : Ptr(up(Host(n)));
+        const Ptr gp = bf16 ? up16(Bf16(static_cast<size_t>(n))) : Ptr(up(Host(n)));
+        if (bf16) {
+          Bf16 hd = narrow(dout), hr(static_cast<size_t>(n)), hp(static_cast<size_t>(n));
+          cpu_->residual_add_backward(host16(hd), host16(hr), host16(hp),
+                                      bias ? db.data() : nullptr, rows, width);
+          want = widen(hd);
+          EXPECT_EQ(widen(hr), want) << what;
+          auto call = [&] {
+            gpu_->residual_add_backward(gd, gr, gp, bias ? gdb : nullptr, rows, width);
+          };
+          if (bias && width % 8 == 0)
+            expect_native(call, what);
+          else
+            call();
+          got_r = down16(gr, static_cast<size_t>(n)), got_p = down16(gp, static_cast<size_t>(n));
+        } else {
+          Host hr(n), hp(n);
+          cpu_->residual_add_backward(dout.data(), hr.data(), hp.data(), bias ? db.data() : nullptr,
+                                      rows, width);
+          gpu_->residual_add_backward(gd, gr, gp, bias ? gdb : nullptr, rows, width);
+          got_r = down(gr.f(), static_cast<size_t>(n)),
+          got_p = down(gp.f(), static_cast<size_t>(n));
+        }
+        EXPECT_EQ(got_r, want) << what;
+        EXPECT_EQ(got_p, want) << what;
+        gpu_->bias_grad(gd, gdb_apart, rows, width);
+        if (bias) {
+          EXPECT_EQ(down(gdb, width), down(gdb_apart, width)) << what << ": bias_grad's bits";
+          expect_close(down(gdb, width), db, what + ": the CPU's bias gradient", 1e-4, 1e-4);
+        } else {
+          EXPECT_EQ(down(gdb, width), db0) << what << ": no bias, no gradient";
+        }
+      }
+}
+
 // Freed device blocks are kept and handed out again (the backend's block cache): a Buffer that
 // gets a block someone wrote and freed still starts as zeros, an overwrite one is the same block
 // without the memset, and the memory counter counts what is held, not what is cached.
