@@ -203,6 +203,47 @@ void BM_BiasGeluBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_BiasGeluBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// GELU with no bias as the runtime calls it (Backend::gelu): the whole activation as one row,
+// which the kernel takes as rows of up to 8192.
+void BM_GeluOneRow(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens * 4 * kHidden / 2;
+  Buf x(n * 2), y(n * 2);
+  run(state, 2.0 * n * 2, 0,
+      [&] { kc::bias_gelu_forward(x.as<bf16>(), nullptr, y.as<bf16>(), 1, n, nullptr); });
+}
+BENCHMARK(BM_GeluOneRow)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The runtime's bias + residual add (Backend::residual_add, runtime/cuda/fp32_kernels.h) and its
+// backward (the bias gradient and two copies from one read) on bf16 [tokens, width], at
+// width 4096 and at GPT-2's 768. Bytes: residual and branch read and the sum written; the
+// gradient read and its two copies written.
+void BM_ResidualAdd(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t rows = kTokens, width = state.range(0), n = rows * width;
+  Buf r(n * 2), p(n * 2), bias(width * 2), out(n * 2);
+  run(state, 3.0 * n * 2, 0, [&] {
+    ptdp::cuda_fp32::residual_add(out.as<bf16>(), r.as<bf16>(), p.as<bf16>(), bias.as<bf16>(), rows,
+                                  width, nullptr);
+  });
+}
+BENCHMARK(BM_ResidualAdd)->Arg(kHidden)->Arg(768)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+void BM_ResidualAddBackward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t rows = kTokens, width = state.range(0), n = rows * width;
+  Buf dout(n * 2), dr(n * 2), dp(n * 2), db(width * 4);
+  run(state, 3.0 * n * 2, 0, [&] {
+    ptdp::cuda_fp32::residual_add_backward(dout.as<bf16>(), dr.as<bf16>(), dp.as<bf16>(),
+                                           db.as<float>(), rows, width, nullptr);
+  });
+}
+BENCHMARK(BM_ResidualAddBackward)
+    ->Arg(kHidden)
+    ->Arg(768)
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
 void BM_SwigluForward(benchmark::State& state) {
   if (!have_gpu(state)) return;
   const int64_t n = kTokens, f = 11008 / 2;
