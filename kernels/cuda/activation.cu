@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(kGeluThreads)
   }
 }
 // Without a bias, GELU is element-wise and any shape of the same elements will do: a long row
-// (the runtime's plain GELU over a whole activation comes as one row of n) is taken as rows of up
-// to kGeluCols, so that each thread has kGeluRows vectors in flight, not one.
+// (the runtime's plain GELU over a whole activation comes as one row of n) is taken as rows of
+// kGeluCols down to a block's width of columns (kGeluThreads vectors), so that each thread has
+// kGeluRows vectors in flight, not one. (Narrower rows would leave most of a block idle.)
 constexpr int64_t kGeluCols = 8192;
 void reshape_without_bias(const bf16* bias, int64_t& rows, int64_t& cols) {
   if (bias || cols <= kGeluCols) return;
   const int64_t n = rows * cols;
-  for (int64_t c = kGeluCols; c >= kVec; c /= 2)
+  for (int64_t c = kGeluCols; c >= kGeluThreads * kVec; c /= 2)
     if (n % c == 0) {
       rows = n / c, cols = c;
       return;

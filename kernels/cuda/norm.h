@@ -15,8 +15,9 @@ void add_layernorm_forward(const bf16* x, const bf16* residual, bf16* r_out, con
                            const bf16* b, bf16* y, float* mean, float* rstd, int64_t n, int64_t h,
                            float eps, cudaStream_t stream);
 // r: the normalized input (r_out of the forward); dresid (may be null) is the gradient reaching
-// the residual stream from above and is added to dx. dx is overwritten; dg and db (fp32)
-// accumulate, in a fixed order.
+// the residual stream from above and is added to dx. dx is overwritten, and may be dy or dresid
+// (each element of those is read, by the thread that writes dx there, before it is written); dg
+// and db (fp32) accumulate, in a fixed order.
 void add_layernorm_backward(const bf16* r, const bf16* g, const float* mean, const float* rstd,
                             const bf16* dy, const bf16* dresid, bf16* dx, float* dg, float* db,
                             int64_t n, int64_t h, cudaStream_t stream);

@@ -180,8 +180,10 @@ class CudaBackend final : public Backend {
   bool native_linear_forward(CPtr x, CPtr w, CPtr b, Ptr y, int64_t n, int64_t in,
                              int64_t out) override {
     if (!bf16(x) || !bf16(w) || !bf16(y) || (b && !bf16(b))) return false;
-    if (b && n > 0 && in > 0 && out > 0) {
-      // The bias in cuBLASLt's epilogue: no second pass over y (kernels/cuda/gemm.h).
+    // The bias in cuBLASLt's epilogue: no second pass over y (kernels/cuda/gemm.h). A bias
+    // inside the parameter buffer is 16-byte aligned only where the sizes before it allow; cuBLASLt
+    // may refuse a less aligned one, so that one is added after the GEMM.
+    if (b && n > 0 && in > 0 && out > 0 && reinterpret_cast<uintptr_t>(b.p) % 16 == 0) {
       kc::GemmArgs g;
       g.m = n, g.n = out, g.k = in, g.a = b16(x), g.b = b16(w), g.trans_b = true, g.c = y.p;
       g.epilogue = kc::Epilogue::kBias, g.bias = b16(b);

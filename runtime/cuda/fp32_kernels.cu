@@ -564,14 +564,14 @@ __device__ __forceinline__ void store_quad(bf16* out, const float (&p)[4]) {
   for (int e = 0; e < 4; ++e) q.v[e] = store<bf16>(p[e]);
   *reinterpret_cast<Bf16x4*>(out) = q;
 }
-// Elements [first + 4u, first + 4u + 4) for u over the grid, those within the spans. Where
-// `vectors`, every array's element first + 4u starts a 16-byte vector (8 bytes for a bf16 out):
-// a quad wholly inside the spans moves as one float4 an array, its 4 loads issued before the
-// span lookup and the arithmetic (the scalar loop left the step's optimizer at about half the
-// copy bandwidth on an H200, docs/gpu.md). Other quads, and every quad without `vectors`, go
-// element by element. Same arithmetic either way.
+// With `vectors`: elements [first + 4u, first + 4u + 4) for u over the grid, those within the
+// spans, where every array's element first + 4u starts a 16-byte vector (8 bytes for a bf16
+// out). A quad wholly inside the spans moves as one float4 an array, its 4 loads issued before
+// the span lookup and the arithmetic (the scalar loop left the step's optimizer at about half
+// the copy bandwidth on an H200, docs/gpu.md); the quads at the ends go element by element.
+// Without: element first + u, one a thread. Same arithmetic either way.
 template <typename T>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     adamw_spans_k(float* param, const float* grad, float* m, float* v, T* out, AdamWSpans t,
                   int64_t first, int64_t quads, bool vectors, AdamWArgs a, double grad_scale) {
   __shared__ int64_t start[kAdamWSpans + 1];
@@ -595,7 +595,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   auto rate = [&](int s) { return decay[s] ? a.weight_decay : 0.0; };
   for (int64_t u = first_index(); u < quads; u += grid_stride()) {
-    const int64_t i0 = first + 4 * u;
+    const int64_t i0 = first + (vectors ? 4 * u : u);
     if (vectors && i0 >= lo && i0 + 4 <= hi) {
       const float4 g4 = *reinterpret_cast<const float4*>(grad + i0);
       float4 m4 = *reinterpret_cast<const float4*>(m + i0);
@@ -604,6 +604,7 @@ __global__ void __launch_bounds__(kThreads)
       const float g[4] = {g4.x, g4.y, g4.z, g4.w}, w[4] = {p4.x, p4.y, p4.z, p4.w};
       float mm[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w}, np[4];
       int s = span_of(i0);
+#pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (i0 + e >= start[s + 1]) ++s;  // (spans are not empty)
         np[e] = adamw_math(g[e], mm[e], vv[e], w[e], a, rate(s), grad_scale);
@@ -613,7 +614,8 @@ __global__ void __launch_bounds__(kThreads)
       store_quad(param + i0, np);
       if (out) store_quad(out + i0, np);
     } else {
-      for (int64_t i = i0 < lo ? lo : i0; i < i0 + 4 && i < hi; ++i) {
+      const int64_t end = i0 + (vectors ? 4 : 1);
+      for (int64_t i = i0 < lo ? lo : i0; i < end && i < hi; ++i) {
         float mi = m[i], vi = v[i];
         const float np = adamw_math(grad[i], mi, vi, param[i], a, rate(span_of(i)), grad_scale);
         m[i] = mi;
@@ -1187,6 +1189,7 @@ void adamw(float* param, const float* grad, float* m, float* v, int64_t n, const
            cudaStream_t st) {
   adamw_update(param, grad, m, v, static_cast<float*>(nullptr), n, a, 1.0, st);
 }
+namespace {
 // The element index, mod 4, at which p lies on a `bytes` boundary (elements of `elem` bytes); -1
 // if none does.
 int vector_phase(const void* p, int elem, int bytes) {
@@ -1194,6 +1197,7 @@ int vector_phase(const void* p, int elem, int bytes) {
   if (at % elem != 0) return -1;
   return static_cast<int>((bytes - at % bytes) % bytes / elem);
 }
+}  // namespace
 // A launch for every kAdamWSpans spans adjacent in order (empty ones skipped), in quads of 4
 // elements that start where every array is vector-aligned, if there is such a phase.
 template <typename T>
@@ -1220,8 +1224,8 @@ void adamw_update_spans_t(float* param, const float* grad, float* m, float* v, T
     }
     if (t.count == 0) continue;
     const int64_t lo = t.start[0], hi = t.start[t.count];
-    const int64_t first = lo - ((lo - phase) % 4 + 4) % 4;
-    const int64_t quads = (hi - first + 3) / 4;
+    const int64_t first = vectors ? lo - ((lo - phase) % 4 + 4) % 4 : lo;
+    const int64_t quads = vectors ? (hi - first + 3) / 4 : hi - lo;  // (or elements)
     PTDP_LAUNCH(adamw_spans_k<T>, grid_for(quads), param, grad, m, v, out, t, first, quads, vectors,
                 a, grad_scale);
   }

@@ -55,10 +55,11 @@ TEST(CudaActivation, BiasGeluForwardAndBackwardMatchCpu) {
 }
 
 // GELU without a bias over one long row, as the runtime calls it on a whole activation: the
-// kernels take it as rows of up to 8192 (here 6 rows of 8192, 625 of 64 and 3073 of 8).
+// kernels take it as rows of 8192 down to 1024 where n divides so (here 6 rows of 8192 and 15
+// of 1024), else as the one row (40000: 16-byte vectors; 10001: element by element).
 TEST(CudaActivation, GeluOverOneLongRowMatchesCpu) {
   PTDP_REQUIRE_GPU();
-  for (const int64_t n : {49152, 40000, 24584}) {
+  for (const int64_t n : {49152, 15360, 40000, 10001}) {
     SCOPED_TRACE("n = " + std::to_string(n));
     const auto x = random_bf16(n, 2, 7), dy = random_bf16(n, 1, 8);
     auto d_x = to_device_bf16(x), d_dy = to_device_bf16(dy);

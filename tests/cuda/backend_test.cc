@@ -913,31 +913,46 @@ TEST_F(CudaBackendTest, AdamWUpdateOverDecaySpansMatchesTheCpuSpanBySpan) {
 }
 
 // The update moves 16-byte vectors where every array is aligned at the same element (mod 4),
-// and goes element by element where they are not. Here the arrays start 1 element past their
-// allocations (vectors from element 3 on), and then the first moment 2 past (no common
-// alignment); spans of 1 to 5000 elements meet inside vectors. Both agree with the CPU.
+// and goes element by element where they are not. The arrays start 1 element past their
+// allocations (vectors from element 3 on), with the bf16 copy, with an fp32 copy (float4
+// stores), and then with the first moment 2 past, or the bf16 copy 2 past (4 bytes: no common
+// alignment either way). Spans of 1 to 5000 elements meet inside vectors. All agree with the CPU.
 TEST_F(CudaBackendTest, AdamWUpdateMatchesTheCpuAtEveryAlignment) {
   const std::vector<Backend::DecaySpan> spans = {
       {0, 3, false}, {3, 5000, true}, {5003, 6, false}, {5009, 1, true}, {5010, 2051, false}};
   const int64_t n = 7061;
-  for (const int64_t m_at : {1, 2}) {
-    AdamWCase c = adamw_case(n + 2, 80 + static_cast<uint32_t>(m_at));
+  struct Case {
+    int64_t m_at, out_at;
+    bool fp32_out;
+    const char* what;
+  };
+  for (const Case& k :
+       {Case{1, 1, false, "vectors, bf16 copy"}, Case{1, 1, true, "vectors, fp32 copy"},
+        Case{2, 1, false, "element by element: the first moment"},
+        Case{1, 2, false, "element by element: the copy"}}) {
+    SCOPED_TRACE(k.what);
+    AdamWCase c = adamw_case(n + 2, 80 + static_cast<uint32_t>(k.m_at + 2 * k.out_at));
     auto& [p, gr, m, v, model, gp, gm, gv, gmodel, o] = c;
+    Host copy32(n + 2);
+    float* gcopy32 = up(copy32);
+    const Ptr hout = k.fp32_out ? Ptr(copy32.data() + k.out_at) : host16(model).at(k.out_at);
+    const Ptr gout = k.fp32_out ? Ptr(gcopy32 + k.out_at) : gmodel.at(k.out_at);
     for (int64_t step = 1; step <= 2; ++step) {
       Host g = gr;
       float* gg = up(gr);
-      cpu_->adamw_update_spans(p.data() + 1, g.data() + 1, m.data() + m_at, v.data() + 1,
-                               host16(model).at(1), spans, o, step, 0.37);
-      gpu_->adamw_update_spans(gp + 1, gg + 1, gm + m_at, gv + 1, gmodel.at(1), spans, o, step,
-                               0.37);
+      cpu_->adamw_update_spans(p.data() + 1, g.data() + 1, m.data() + k.m_at, v.data() + 1, hout,
+                               spans, o, step, 0.37);
+      gpu_->adamw_update_spans(gp + 1, gg + 1, gm + k.m_at, gv + 1, gout, spans, o, step, 0.37);
       EXPECT_EQ(down(gg, n + 2), gr) << "the GPU's update leaves the gradient as it was";
     }
-    const std::string at = m_at == 1 ? " (vectors)" : " (element by element)";
-    expect_close(down(gp, n + 2), p, "AdamW parameters" + at, 1e-6, 1e-7);
-    expect_close(down(gm, n + 2), m, "AdamW first moment" + at, 1e-6, 1e-12);
-    expect_close(down(gv, n + 2), v, "AdamW second moment" + at, 1e-6, 1e-12);
-    expect_close(down16(gmodel, static_cast<size_t>(n + 2)), widen(model), "the bf16 copy" + at,
-                 8e-3, 1e-6);
+    expect_close(down(gp, n + 2), p, "AdamW parameters", 1e-6, 1e-7);
+    expect_close(down(gm, n + 2), m, "AdamW first moment", 1e-6, 1e-12);
+    expect_close(down(gv, n + 2), v, "AdamW second moment", 1e-6, 1e-12);
+    if (k.fp32_out)
+      expect_close(down(gcopy32, n + 2), copy32, "the fp32 copy", 1e-6, 1e-7);
+    else
+      expect_close(down16(gmodel, static_cast<size_t>(n + 2)), widen(model), "the bf16 copy", 8e-3,
+                   1e-6);
   }
 }
 
@@ -985,10 +1000,11 @@ TEST_F(CudaBackendTest, ResidualAddInOnePassIsTheCpusThreeCallsToTheBit) {
 // A layer norm's backward with its input gradient added into the residual stream's gradient
 // (Backend::norm_backward_add): on bf16 the GPU runs it as one kernel, with no temporary, and
 // agrees with the CPU's norm_backward and add; fp32 takes the two calls on both. Widths of 768
-// (16-byte vectors) and 301; the weight gradients accumulate onto what they held.
+// (a row a warp), 512 (a warp, the next row's loads in flight), 2048 (a row a block, the next in
+// flight) and 301 (rows re-read); the weight gradients accumulate onto what they held.
 TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
   const int64_t n = 19;
-  for (const int64_t h : {768, 301})
+  for (const int64_t h : {768, 301, 512, 2048})
     for (const bool layernorm : {true, false})
       for (const bool bf16 : {true, false}) {
         const std::string what = std::string(layernorm ? "layernorm" : "rmsnorm") +
@@ -1102,6 +1118,7 @@ TEST_F(CudaBackendTest, ResidualAddBackwardIsBiasGradAndTwoCopies) {
                                       bias ? db.data() : nullptr, rows, width);
           want = widen(hd);
           EXPECT_EQ(widen(hr), want) << what;
+          EXPECT_EQ(widen(hp), want) << what;
           auto call = [&] {
             gpu_->residual_add_backward(gd, gr, gp, bias ? gdb : nullptr, rows, width);
           };
