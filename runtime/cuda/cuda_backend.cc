@@ -644,8 +644,11 @@ class CudaBackend final : public Backend {
   }
   bool native_residual_add_backward(CPtr dout, Ptr d_residual, Ptr d_partial, float* db,
                                     int64_t rows, int64_t width) override {
-    return all_bf16({dout, d_residual, d_partial}) &&
-           k::residual_add_backward(b16(dout), b16(d_residual), b16(d_partial), db, rows, width,
+    if (all_bf16({dout, d_residual, d_partial}))
+      return k::residual_add_backward(b16(dout), b16(d_residual), b16(d_partial), db, rows, width,
+                                      stream_);
+    if (!dout.f32() || !d_residual.f32() || !d_partial.f32()) return false;
+    return k::residual_add_backward(dout.f(), d_residual.f(), d_partial.f(), db, rows, width,
                                     stream_);
   }
   bool native_bias_grad(CPtr dy, float* db, int64_t rows, int64_t width) override {

@@ -856,6 +856,39 @@ void residual_add_t(T* out, const T* residual, const T* partial, const T* bias, 
   PTDP_LAUNCH(residual_add_k<T>, grid_for(n), out, residual, partial, bias, n, width);
 }
 
+// residual_add's backward without a bias: dout read once, stored twice, 16 bytes at a time.
+template <typename T>
+__global__ void copy_twice_vec_k(const Pack<T>* x, Pack<T>* y0, Pack<T>* y1, int64_t nvec) {
+  for (int64_t i = first_index(); i < nvec; i += grid_stride()) {
+    const Pack<T> a = x[i];
+    y0[i] = a;
+    y1[i] = a;
+  }
+}
+// Backend::residual_add_backward in one pass where it can: the bias gradient's column sums with
+// the two copies (bf16 rows of a multiple of 8 columns), or the two copies alone (any type, 16
+// bytes at a time). False, nothing queued, elsewhere.
+template <typename T>
+bool residual_add_backward_t(const T* dout, T* d_residual, T* d_partial, float* db, int64_t rows,
+                             int64_t width, cudaStream_t st) {
+  const int64_t n = rows * width;
+  if (db) {
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (!bf16_vectors<bf16>(width, {dout, d_residual, d_partial})) return false;
+      kernels::cuda::column_sum_vec(CopiedColumnsOfBf16{dout, d_residual, d_partial, width}, {db},
+                                    rows, width, st);
+      return true;
+    }
+    return false;
+  }
+  if (!row_vectors<T>(n, {dout, d_residual, d_partial})) return false;
+  if (n > 0)
+    PTDP_LAUNCH(copy_twice_vec_k<T>, grid_for(n / Pack<T>::kN),
+                reinterpret_cast<const Pack<T>*>(dout), reinterpret_cast<Pack<T>*>(d_residual),
+                reinterpret_cast<Pack<T>*>(d_partial), n / Pack<T>::kN);
+  return true;
+}
+
 template <typename T>
 void add_t(T* y, const T* x, int64_t n, cudaStream_t st) {
   if (n <= 0) return;
@@ -1262,10 +1295,11 @@ void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream
 }
 bool residual_add_backward(const bf16* dout, bf16* d_residual, bf16* d_partial, float* db,
                            int64_t rows, int64_t width, cudaStream_t st) {
-  if (!db || !bf16_vectors<bf16>(width, {dout, d_residual, d_partial})) return false;
-  kernels::cuda::column_sum_vec(CopiedColumnsOfBf16{dout, d_residual, d_partial, width}, {db}, rows,
-                                width, st);
-  return true;
+  return residual_add_backward_t(dout, d_residual, d_partial, db, rows, width, st);
+}
+bool residual_add_backward(const float* dout, float* d_residual, float* d_partial, float* db,
+                           int64_t rows, int64_t width, cudaStream_t st) {
+  return residual_add_backward_t(dout, d_residual, d_partial, db, rows, width, st);
 }
 void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st) {
   bias_grad_t(dy, db, rows, width, st);

@@ -162,9 +162,12 @@ void add_bias(bf16* y, const bf16* bias, int64_t rows, int64_t width, cudaStream
 void residual_add(bf16* out, const bf16* residual, const bf16* partial, const bf16* bias,
                   int64_t rows, int64_t width, cudaStream_t st);
 void bias_grad(const bf16* dy, float* db, int64_t rows, int64_t width, cudaStream_t st);
-// dout copied to d_residual and d_partial, and db += its column sums (bias_grad's), in one pass;
-// false (nothing queued) unless db is given and the rows move as 16-byte vectors.
+// dout copied to d_residual and d_partial, and db (may be null) += its column sums (bias_grad's),
+// in one pass; false (nothing queued) where that pass cannot take the rows: with db, bf16 rows of
+// a multiple of 8 columns; without, any rows moving as 16-byte vectors (fp32 too).
 bool residual_add_backward(const bf16* dout, bf16* d_residual, bf16* d_partial, float* db,
+                           int64_t rows, int64_t width, cudaStream_t st);
+bool residual_add_backward(const float* dout, float* d_residual, float* d_partial, float* db,
                            int64_t rows, int64_t width, cudaStream_t st);
 void scale(bf16* x, int64_t n, double f, cudaStream_t st);
 void split_columns3(const bf16* x, bf16* y0, bf16* y1, bf16* y2, int64_t n, int64_t a, int64_t b,

@@ -1094,9 +1094,10 @@ TEST_F(CudaBackendTest, GeluBackwardWithBiasGradMatchesTheCpusTwoCalls) {
 
 // The bias + residual add's backward (Backend::residual_add_backward): the gradient copied to
 // both inputs' gradients and the bias gradient summed, in one pass on bf16 rows of a multiple of
-// 8 columns. Its bias gradient is the GPU's bias_grad to the bit (the same column sums), and
-// within float rounding of the CPU's; the copies are exact. Widths 768 and 36 (the three calls),
-// bf16 and fp32, with and without a bias.
+// 8 columns (without a bias, the two copies in one pass wherever 16-byte vectors fit, fp32 too).
+// Its bias gradient is the GPU's bias_grad to the bit (the same column sums), and within float
+// rounding of the CPU's; the copies are exact. Widths 768 and 36 (in bf16 the three calls), bf16
+// and fp32, with and without a bias.
 TEST_F(CudaBackendTest, ResidualAddBackwardIsBiasGradAndTwoCopies) {
   const int64_t rows = 41;
   for (const int64_t width : {768, 36})
