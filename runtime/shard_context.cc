@@ -278,12 +278,4 @@ void ShardContext::copy(const Buffer& from, Buffer& to) {
   be.copy(from.ptr(), to.ptr(), elems(from));
 }
 
-void ShardContext::add_bias(Buffer& y, int64_t bias, int64_t width) {
-  if (bias >= 0) be.add_bias(y.ptr(), P(bias), elems(y) / width, width);
-}
-
-void ShardContext::bias_grad(const Buffer& dy, int64_t bias, int64_t width) {
-  if (bias >= 0) be.bias_grad(dy.ptr(), G(bias), elems(dy) / width, width);
-}
-
 }  // namespace ptdp

@@ -139,8 +139,6 @@ class ShardContext {
   void residual_add_backward(const Buffer& dout, Buffer& d_residual, Buffer& d_partial,
                              int64_t bias);
   void copy(const Buffer& from, Buffer& to);
-  void add_bias(Buffer& y, int64_t bias, int64_t width);
-  void bias_grad(const Buffer& dy, int64_t bias, int64_t width);
 
  private:
   ExecutedOp* current();

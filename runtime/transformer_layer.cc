@@ -375,7 +375,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kPostAttentionLayernormBackward:
       c.norm_backward_add(A.h1, W.ln2_g, W.ln2_b, A.ln2_mean, A.ln2_rstd,
                           m.sp ? D.d_ln2 : D.d_ln2_full, D.d_h1, m.n_local);
-      for (Buffer* x : {&D.tmp, &D.d_ln2, &D.d_ln2_full}) release(*x);
+      for (Buffer* x : {&D.d_ln2, &D.d_ln2_full}) release(*x);
       break;
     case OpId::kAttnBiasDropoutAddBackward:
       c.residual_add_backward(D.d_h1, D.d_x, D.d_proj, W.proj_b);
@@ -601,7 +601,7 @@ void layer_backward_op(ShardContext& c, OpId op, const LayerParams& W, LayerActs
     case OpId::kInputLayernormBackward:
       c.norm_backward_add(A.x, W.ln1_g, W.ln1_b, A.ln1_mean, A.ln1_rstd,
                           m.sp ? D.d_ln1 : D.d_ln1_full, D.d_x, m.n_local);
-      for (Buffer* x : {&D.tmp, &D.d_ln1, &D.d_ln1_full}) release(*x);
+      for (Buffer* x : {&D.d_ln1, &D.d_ln1_full}) release(*x);
       break;
     default:
       throw std::logic_error("not a backward op of a transformer layer");

@@ -132,22 +132,16 @@ struct ColumnsOfBf16 {
     for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
   }
 };
-// residual_add's backward (Backend::residual_add_backward): the bias gradient's column sums of
-// dout, with ColumnsOfBf16's values (so bias_grad's bits), and dout's two copies stored from the
-// same loads: dout read once where bias_grad and two copies read it three times.
-struct CopiedColumnsOfBf16 {
-  static constexpr int kOutputs = 1;
-  const bf16* dy;
+// residual_add's backward (Backend::residual_add_backward): those column sums, with dy's vectors
+// also stored to y0 and y1 from the same loads: dy read once where bias_grad and two copies read
+// it three times. (A separate type: optional stores in ColumnsOfBf16 took bias_grad's kernel
+// from 74 registers to 89.)
+struct CopiedColumnsOfBf16 : ColumnsOfBf16 {
   bf16 *y0, *y1;
-  int64_t width;
-  using In = Bf16x8;
-  __device__ In load(int64_t r, int64_t c0) const {
-    return *reinterpret_cast<const Bf16x8*>(dy + r * width + c0);
-  }
   __device__ void operator()(int64_t r, int64_t c0, const In& a, float (&v)[1][kVec]) const {
     *reinterpret_cast<Bf16x8*>(y0 + r * width + c0) = a;
     *reinterpret_cast<Bf16x8*>(y1 + r * width + c0) = a;
-    for (int e = 0; e < kVec; ++e) v[0][e] = as_float(a.v[e]);
+    ColumnsOfBf16::operator()(r, c0, a, v);
   }
 };
 // The bf16 kernels' own conversions (kernels/cuda/common.cuh).
@@ -598,8 +592,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int64_t i0 = first + (vectors ? 4 * u : u);
     if (vectors && i0 >= lo && i0 + 4 <= hi) {
       const float4 g4 = *reinterpret_cast<const float4*>(grad + i0);
-      float4 m4 = *reinterpret_cast<const float4*>(m + i0);
-      float4 v4 = *reinterpret_cast<const float4*>(v + i0);
+      const float4 m4 = *reinterpret_cast<const float4*>(m + i0);
+      const float4 v4 = *reinterpret_cast<const float4*>(v + i0);
       const float4 p4 = *reinterpret_cast<const float4*>(param + i0);
       const float g[4] = {g4.x, g4.y, g4.z, g4.w}, w[4] = {p4.x, p4.y, p4.z, p4.w};
       float mm[4] = {m4.x, m4.y, m4.z, m4.w}, vv[4] = {v4.x, v4.y, v4.z, v4.w}, np[4];
@@ -609,8 +603,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (i0 + e >= start[s + 1]) ++s;  // (spans are not empty)
         np[e] = adamw_math(g[e], mm[e], vv[e], w[e], a, rate(s), grad_scale);
       }
-      *reinterpret_cast<float4*>(m + i0) = make_float4(mm[0], mm[1], mm[2], mm[3]);
-      *reinterpret_cast<float4*>(v + i0) = make_float4(vv[0], vv[1], vv[2], vv[3]);
+      store_quad(m + i0, mm);
+      store_quad(v + i0, vv);
       store_quad(param + i0, np);
       if (out) store_quad(out + i0, np);
     } else {
@@ -875,7 +869,7 @@ bool residual_add_backward_t(const T* dout, T* d_residual, T* d_partial, float* 
   if (db) {
     if constexpr (std::is_same_v<T, bf16>) {
       if (!bf16_vectors<bf16>(width, {dout, d_residual, d_partial})) return false;
-      kernels::cuda::column_sum_vec(CopiedColumnsOfBf16{dout, d_residual, d_partial, width}, {db},
+      kernels::cuda::column_sum_vec(CopiedColumnsOfBf16{{dout, width}, d_residual, d_partial}, {db},
                                     rows, width, st);
       return true;
     }
