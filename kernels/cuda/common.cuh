@@ -58,6 +58,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   v = lane < warps ? scratch[lane] : 0.0f;
   return warp_sum(v);
 }
+// Asks for the 128-byte line holding p to be brought into L2 ahead of its load
+// (prefetch.global.L2): the latency of a later load, without a register held meanwhile.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+// Two block sums at the cost of one (two barriers, not four), each summed in block_sum's order,
+// so each is block_sum's to the bit. `scratch` holds 64 floats of shared memory.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  a = warp_sum(a);
+  b = warp_sum(b);
+  __syncthreads();  // scratch may still be read from a previous call
+  if (lane == 0) scratch[warp] = a, scratch[32 + warp] = b;
+  __syncthreads();
+  a = warp_sum(lane < warps ? scratch[lane] : 0.0f);
+  b = warp_sum(lane < warps ? scratch[32 + lane] : 0.0f);
+}
 
 // ---- 16-byte vectors of 8 bf16, for the memory-bound kernels: one load or store instruction
 // per 8 elements instead of 8 (scalar bf16 accesses left the element-wise kernels near 1 TB/s

@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
                                const float* rstd_in, const bf16* dy, const bf16* dresid, bf16* dx,
                                float* partial, int outputs, int chunks, int64_t n, int64_t h,
                                int64_t rows_per_chunk) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   __shared__ float warp_sums[kWarp ? 2 * kWarpRowColumns : 1];
   const int lane = kWarp ? static_cast<int>(threadIdx.x % 32) : static_cast<int>(threadIdx.x);
   const int stride = kWarp ? 32 : static_cast<int>(blockDim.x);
@@ -211,19 +211,38 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
   const int vecs = static_cast<int>(h / kVec);
   const float inv_h = 1.0f / static_cast<float>(h);
   auto team_sum = [&](float v) { return kWarp ? warp_sum(v) : block_sum(v, scratch); };
+  // The two sums of a LayerNorm row in one exchange (one block barrier pair, not two).
+  auto team_sum2 = [&](float& a, float& c) {
+    if constexpr (kWarp) {
+      a = warp_sum(a);
+      c = warp_sum(c);
+    } else {
+      block_sum2(a, c, scratch);
+    }
+  };
   float dg[kVecs][kVec] = {}, db[kVecs][kVec] = {};
-  auto load_row = [&](int64_t row, Bf16x8(&d)[kVecs], Bf16x8(&x)[kVecs]) {
+  // Where registers allow (a row ahead, a block a row: 4096 columns), a thread holds its dresid
+  // from the row's load to dx; elsewhere that load is asked of L2 then and made at dx.
+  constexpr bool kResidInRegs = kAhead && !kWarp;
+  // A row's dy, r and dresid (if any), all issued before any is used.
+  auto load_row = [&](int64_t row, Bf16x8(&d)[kVecs], Bf16x8(&x)[kVecs], Bf16x8(&e)[kVecs]) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int idx = lane + stride * k;
       if (idx >= vecs) continue;
       d[k] = vec_row(dy, row * h)[idx];
       x[k] = vec_row(r, row * h)[idx];
+      if (!dresid) continue;
+      if constexpr (kResidInRegs)
+        e[k] = vec_row(dresid, row * h)[idx];
+      else
+        prefetch_l2(vec_row(dresid, row * h) + idx);
     }
   };
-  // One row, its dy and r in registers: dg, db and the row's sums from them, then dx from a
-  // second read of the row.
-  auto process = [&](int64_t row, const Bf16x8(&dv)[kVecs], const Bf16x8(&rv)[kVecs]) {
+  // One row, its dy, r and dresid in registers: dg, db and the row's sums from dy and r, then
+  // dx from a second read of dy and r (from L1) and the dresid held since the load.
+  auto process = [&](int64_t row, const Bf16x8(&dv)[kVecs], const Bf16x8(&rv)[kVecs],
+                     const Bf16x8(&ev)[kVecs]) {
     const int64_t base = row * h;
     const float mean = kRms ? 0.0f : mean_in[row], rstd = rstd_in[row];
     float a = 0, c = 0;  // sums of dxhat and dxhat * xhat
@@ -240,8 +259,12 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
         if (!kRms) db[k][j] += d;
       }
     }
-    const float mean_a = kRms ? 0.0f : team_sum(a) * inv_h;
-    const float mean_c = team_sum(c) * inv_h;
+    if constexpr (kRms) {
+      c = team_sum(c);
+    } else {
+      team_sum2(a, c);
+    }
+    const float mean_a = kRms ? 0.0f : a * inv_h, mean_c = c * inv_h;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int idx = lane + stride * k;
@@ -249,7 +272,8 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
       // The row again, from L1 (this thread read it a moment ago), not from registers.
       const Bf16x8 d8 = reread(vec_row(dy, base) + idx), r8 = reread(vec_row(r, base) + idx);
       const Bf16x8 g8 = reread(vec_row(g, 0) + idx);
-      const Bf16x8 res = dresid ? reread(vec_row(dresid, base) + idx) : Bf16x8{};
+      Bf16x8 res{};
+      if (dresid) res = kResidInRegs ? ev[k] : vec_row(dresid, base)[idx];
       Bf16x8 out;
       for (int j = 0; j < kVec; ++j) {
         const float xhat = (to_float(r8.v[j]) - mean) * rstd;
@@ -263,21 +287,22 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
   // Rows uniform over the team (a warp, or the block whose block_sum every thread must reach).
   const int64_t row0 = first + (kWarp ? warp : 0), step = kWarp ? kRowsPerBlock : 1;
   if constexpr (kAhead) {
-    Bf16x8 dv[kVecs]{}, rv[kVecs]{};  // zeros: the host compilers ask
-    if (row0 < end) load_row(row0, dv, rv);
+    Bf16x8 dv[kVecs]{}, rv[kVecs]{}, ev[kVecs]{};  // zeros: the host compilers ask
+    if (row0 < end) load_row(row0, dv, rv, ev);
     for (int64_t row = row0; row < end; row += step) {
-      Bf16x8 dv_next[kVecs]{}, rv_next[kVecs]{};
-      // In flight through this row's work. (This row's dx, which may be dy, is not the next.)
-      if (row + step < end) load_row(row + step, dv_next, rv_next);
-      process(row, dv, rv);
+      Bf16x8 dv_next[kVecs]{}, rv_next[kVecs]{}, ev_next[kVecs]{};
+      // In flight through this row's work. (This row's dx, which may be dy or dresid, is not
+      // the next row.)
+      if (row + step < end) load_row(row + step, dv_next, rv_next, ev_next);
+      process(row, dv, rv, ev);
 #pragma unroll
-      for (int k = 0; k < kVecs; ++k) dv[k] = dv_next[k], rv[k] = rv_next[k];
+      for (int k = 0; k < kVecs; ++k) dv[k] = dv_next[k], rv[k] = rv_next[k], ev[k] = ev_next[k];
     }
   } else {
     for (int64_t row = row0; row < end; row += step) {
-      Bf16x8 dv[kVecs]{}, rv[kVecs]{};
-      load_row(row, dv, rv);
-      process(row, dv, rv);
+      Bf16x8 dv[kVecs]{}, rv[kVecs]{}, ev[kVecs]{};
+      load_row(row, dv, rv, ev);
+      process(row, dv, rv, ev);
     }
   }
   if (!partial) return;  // no weight gradients (uniform over the block)
