@@ -754,6 +754,52 @@ __global__ void gather_add_rows_vec_k(const T* y, const int64_t* index, const fl
     }
   }
 }
+// The same for a token of at most kSlots slots (MoE's top-1, top-2 and top-4): every load of
+// the output's vectors and of each slot's rows is issued before the first add, where the loop
+// above waits for each slot's in turn. Slots are read straight from `index`, with no shared
+// memory or barrier. Same adds in the same order, so the same bits.
+template <typename T, int kSlots>
+__global__ void gather_add_rows_few_k(const T* y, const int64_t* index, const float* weight, T* out,
+                                      int64_t slots, int64_t h) {
+  using P = Pack<T>;
+  const int64_t i = blockIdx.x, vecs = h / P::kN;
+  int64_t row_of[kSlots];
+  float weight_of[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    row_of[j] = j < slots ? index[i * slots + j] : -1;
+    weight_of[j] = j < slots && weight ? weight[i * slots + j] : 1.0f;  // 1 * x is x exactly
+  }
+  P* o = reinterpret_cast<P*>(out + i * h);
+  const P* yv = reinterpret_cast<const P*>(y);
+  for (int64_t c0 = threadIdx.x; c0 < vecs; c0 += kAddUnroll * blockDim.x) {
+    P a[kAddUnroll]{}, v[kSlots][kAddUnroll]{};
+#pragma unroll
+    for (int u = 0; u < kAddUnroll; ++u) {
+      const int64_t c = c0 + u * blockDim.x;
+      if (c >= vecs) continue;
+      a[u] = o[c];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j)
+        if (row_of[j] >= 0) v[j][u] = yv[row_of[j] * vecs + c];
+    }
+#pragma unroll
+    for (int u = 0; u < kAddUnroll; ++u) {
+      const int64_t c = c0 + u * blockDim.x;
+      if (c >= vecs) continue;
+      float acc[P::kN];
+      for (int e = 0; e < P::kN; ++e) acc[e] = as_float(a[u].v[e]);
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        if (row_of[j] < 0) continue;
+        for (int e = 0; e < P::kN; ++e) acc[e] += weight_of[j] * as_float(v[j][u].v[e]);
+      }
+      P r;
+      for (int e = 0; e < P::kN; ++e) r.v[e] = store<T>(acc[e]);
+      o[c] = r;
+    }
+  }
+}
 template <typename T>
 __global__ void row_dots_k(const T* a, const int64_t* index, const T* b, float* dot, int64_t h) {
   const int64_t r = blockIdx.x;
@@ -1127,10 +1173,12 @@ void gather_add_rows_t(const T* y, const int64_t* index, const float* weight, T*
                        int64_t slots, int64_t h, cudaStream_t st) {
   if (n <= 0 || h <= 0 || slots <= 0) return;
   if (slots <= kMaxVecSlots && row_vectors<T>(h, {y, out})) {
-    PTDP_KERNEL_LAUNCH(gather_add_rows_vec_k<T>, rows_grid(n),
-                       row_threads(h / Pack<T>::kN, kAddUnroll), 0, st)
+    auto kernel = gather_add_rows_vec_k<T>;
+    if (slots <= 4) kernel = gather_add_rows_few_k<T, 4>;
+    if (slots <= 2) kernel = gather_add_rows_few_k<T, 2>;
+    PTDP_KERNEL_LAUNCH(kernel, rows_grid(n), row_threads(h / Pack<T>::kN, kAddUnroll), 0, st)
     (y, index, weight, out, slots, h);
-    kernels::cuda::check_launch("gather_add_rows_vec_k");
+    kernels::cuda::check_launch(slots <= 4 ? "gather_add_rows_few_k" : "gather_add_rows_vec_k");
   } else
     PTDP_LAUNCH(gather_add_rows_k<T>, rows_grid(n), y, index, weight, out, slots, h);
 }

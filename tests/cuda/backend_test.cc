@@ -116,7 +116,7 @@ class CudaBackendTest : public ::testing::Test {
     EXPECT_EQ(MemoryCounter::current(), before) << what << " kept memory";
   }
 
-  void moe_row_moves(int64_t h);  // MoeRowMovesMatchTheCpu at one width
+  void moe_row_moves(int64_t h, int64_t k);  // MoeRowMovesMatchTheCpu: one width, k slots
 
   // An optimizer update's state on both sides: weights, a gradient in [-0.1, 0.1), zero
   // moments and a zero bf16 model copy (host arrays, and their device copies), with the update
@@ -731,16 +731,21 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
 // with their weights (-1 entries skipped, into an output that is not zero), and the rows' dot
 // products: at a width that is no multiple of the block or of a vector (the scalar kernels), and
 // at widths that move as 16-byte vectors: a part of a warp, a few warps, and more vectors than a
-// block of 256 threads takes in one round (8200).
+// block of 256 threads takes in one round (8200). Tokens of 3 slots; and of 2 and 5, since the
+// adds take one kernel up to 2 slots, another up to 4 and a third above.
 TEST_F(CudaBackendTest, MoeRowMovesMatchTheCpu) {
   for (const int64_t h : {37, 64, 2080, 8200}) {
     SCOPED_TRACE("h = " + std::to_string(h));
-    moe_row_moves(h);
+    moe_row_moves(h, 3);
+  }
+  for (const int64_t k : {1, 2, 5}) {
+    SCOPED_TRACE("k = " + std::to_string(k));
+    moe_row_moves(2080, k);
   }
 }
 
-void CudaBackendTest::moe_row_moves(int64_t h) {
-  const int64_t n = 19, k = 3, rows = 41;
+void CudaBackendTest::moe_row_moves(int64_t h, int64_t k) {
+  const int64_t n = 19, rows = 41;
   const Host x = random(n * h, 60), y = random(rows * h, 61), base = random(n * h, 62);
   std::mt19937 g(63);
   std::vector<int64_t> token(rows), row_of(n * k);
