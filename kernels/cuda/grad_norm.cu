@@ -14,7 +14,7 @@ namespace {
 // loads in flight; the 256 blocks before this were 2 an SM and
 // moved 60-63% of an H200's copy bandwidth. A short range takes fewer blocks, each thread at
 // least 16 elements, rather than launching 1024 mostly idle ones.
-constexpr int kBlocks = 1024, kThreads = 256;
+constexpr int kBlocks = kSumSquaresMaxBlocks, kThreads = 256;
 int sum_squares_blocks(int64_t n) {
   const int64_t per_block = int64_t{kThreads} * 16;
   const int64_t blocks = (n + per_block - 1) / per_block;
@@ -39,27 +39,41 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    sum_partials_kernel(const double* partial, int blocks, double* acc) {
+    sum_partials_kernel(const double* partial, int blocks, double* acc, bool accumulate) {
   __shared__ double sh[kThreads];
   double t = 0;  // this thread's partials, in order
   for (int i = static_cast<int>(threadIdx.x); i < blocks; i += kThreads) t += partial[i];
   const double s = block_sum_double(t, sh);
-  if (threadIdx.x == 0) *acc += s;
+  if (threadIdx.x == 0) *acc = accumulate ? *acc + s : s;
+}
+
+// The partial sums, then *out (+)= their sum.
+void sum_squares_through(const float* x, int64_t n, double* partial, double* out, bool accumulate,
+                         cudaStream_t stream) {
+  const int blocks = sum_squares_blocks(n);
+  PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)
+  (x, n, partial);
+  check_launch("sum_squares_partial_kernel");
+  PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, blocks, out, accumulate);
+  check_launch("sum_partials_kernel");
 }
 
 }  // namespace
 
 void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream) {
   if (n <= 0) return;
-  double* partial = nullptr;
-  const int blocks = sum_squares_blocks(n);
-  partial = static_cast<double*>(allocate_async(sizeof(double) * blocks, stream));
-  PTDP_KERNEL_LAUNCH(sum_squares_partial_kernel, static_cast<unsigned>(blocks), kThreads, 0, stream)
-  (x, n, partial);
-  check_launch("sum_squares_partial_kernel");
-  PTDP_KERNEL_LAUNCH(sum_partials_kernel, 1, kThreads, 0, stream)(partial, blocks, acc);
-  check_launch("sum_partials_kernel");
+  auto* partial = static_cast<double*>(
+      allocate_async(sizeof(double) * static_cast<size_t>(sum_squares_blocks(n)), stream));
+  sum_squares_through(x, n, partial, acc, true, stream);
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
+}
+
+void sum_squares_to(const float* x, int64_t n, double* partials, double* out, cudaStream_t stream) {
+  if (n <= 0) {
+    PTDP_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));
+    return;
+  }
+  sum_squares_through(x, n, partials, out, false, stream);
 }
 
 double global_norm(const std::vector<std::pair<const float*, int64_t>>& tensors,

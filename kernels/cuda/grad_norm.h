@@ -14,6 +14,11 @@ namespace ptdp::kernels::cuda {
 
 // *acc (device memory) += sum of x[i]^2.
 void sum_squares(const float* x, int64_t n, double* acc, cudaStream_t stream);
+// The most per-block partial sums the two calls take.
+constexpr int kSumSquaresMaxBlocks = 1024;
+// *out (device memory) = sum of x[i]^2, in the same order as sum_squares, through `partials`
+// (kSumSquaresMaxBlocks doubles of device memory): no allocation (the runtime's gradient norm).
+void sum_squares_to(const float* x, int64_t n, double* partials, double* out, cudaStream_t stream);
 // sqrt of the sum of squares over every (pointer, length) tensor in order; synchronizes the
 // stream to return the value.
 double global_norm(const std::vector<std::pair<const float*, int64_t>>& tensors,

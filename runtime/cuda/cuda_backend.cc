@@ -19,6 +19,7 @@
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/grad_norm.h"
 #include "kernels/cuda/norm.h"
 #include "kernels/cuda/rope.h"
 #include "runtime/cuda/fp32_kernels.h"
@@ -764,10 +765,12 @@ class CudaBackend final : public Backend {
 
   double sum_squares(const float* x, int64_t n, double acc) override {
     if (n <= 0) return acc;
+    // The kernels' deterministic sum (kernels/cuda/grad_norm.h), up to 1024 blocks a call.
     auto* partials = static_cast<double*>(scratch_);
-    k::sum_squares(x, n, partials, partials + k::kSumSquaresBlocks, stream_);
+    kernels::cuda::sum_squares_to(x, n, partials, partials + kernels::cuda::kSumSquaresMaxBlocks,
+                                  stream_);
     double s = 0;
-    download(partials + k::kSumSquaresBlocks, &s, sizeof s);
+    download(partials + kernels::cuda::kSumSquaresMaxBlocks, &s, sizeof s);
     return acc + s;
   }
   // The kernels' settings for step `step` (from 1), with its bias corrections.
@@ -943,7 +946,8 @@ class CudaBackend final : public Backend {
   void synchronize() override { PTDP_CHECK(cudaStreamSynchronize(stream_)); }
 
  private:
-  static constexpr size_t kScratchBytes = sizeof(double) * (k::kSumSquaresBlocks + 8);
+  static constexpr size_t kScratchBytes =
+      sizeof(double) * (kernels::cuda::kSumSquaresMaxBlocks + 8);
 
   // Host arrays that kernels read (token ids from the data loader, the MoE layer's index and
   // weight arrays) go up through reused device buffers, one per argument. Each call's kernels

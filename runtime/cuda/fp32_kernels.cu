@@ -62,9 +62,6 @@ __device__ float block_sum(float v) {
 __device__ float block_max(float v) {
   return block_reduce(v, Max{});
 }
-__device__ double block_sum_double(double v) {
-  return block_reduce(v, Sum{});
-}
 
 // Storage: fp32 as it is; bf16 widened on load (as_float, kernels/cuda/common.cuh) and rounded to
 // nearest even on store, which is what widening to fp32, running the fp32 kernel and rounding
@@ -162,16 +159,6 @@ template <typename T>
 __global__ void scale_k(T* x, int64_t n, double f) {
   for (int64_t i = first_index(); i < n; i += grid_stride())
     x[i] = store<T>(static_cast<float>(static_cast<double>(as_float(x[i])) * f));
-}
-__global__ void sum_squares_partial_k(const float* x, int64_t n, double* partials) {
-  const double s = block_sum_double(kernels::cuda::sum_squares_share(x, n));
-  if (threadIdx.x == 0) partials[blockIdx.x] = s;
-}
-__global__ void sum_partials_k(const double* partials, int count, double* out) {
-  double acc = 0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
-  const double s = block_sum_double(acc);
-  if (threadIdx.x == 0) *out = s;
 }
 
 // Copies (split, concatenation, sequence shards): T moves as it is.
@@ -1107,10 +1094,6 @@ void to_fp16(const float* x, void* y, int64_t n, cudaStream_t st) {
 }
 void from_fp16(const void* x, float* y, int64_t n, cudaStream_t st) {
   if (n > 0) PTDP_LAUNCH(from_fp16_k, grid_for(n), static_cast<const __half*>(x), y, n);
-}
-void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st) {
-  PTDP_LAUNCH(sum_squares_partial_k, kSumSquaresBlocks, x, n, partials);
-  PTDP_LAUNCH(sum_partials_k, 1, partials, kSumSquaresBlocks, out);
 }
 void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
                     int64_t b, int64_t c, cudaStream_t st) {

@@ -50,11 +50,6 @@ void to_bf16(const float* x, void* y, int64_t n, cudaStream_t st);
 void from_bf16(const void* x, float* y, int64_t n, cudaStream_t st);
 void to_fp16(const float* x, void* y, int64_t n, cudaStream_t st);
 void from_fp16(const void* x, float* y, int64_t n, cudaStream_t st);
-// The sum of squares of x in double, written to *out (device) as partial sums in a fixed
-// order: `partials` holds kSumSquaresBlocks doubles.
-constexpr int kSumSquaresBlocks = 256;
-void sum_squares(const float* x, int64_t n, double* partials, double* out, cudaStream_t st);
-
 void split_columns3(const float* x, float* y0, float* y1, float* y2, int64_t n, int64_t a,
                     int64_t b, int64_t c, cudaStream_t st);
 void concat_columns3(const float* x0, const float* x1, const float* x2, float* y, int64_t n,
