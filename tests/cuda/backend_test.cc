@@ -841,6 +841,33 @@ TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
   expect_close(down(glogits, logits.size()), logits, "logit gradient");
 }
 
+// The same embedding moves on bf16 rows, as a --bf16 model makes them: 16 bytes at a time at
+// h = 24 and element by element at h = 13, each the CPU's bits (the lookup copies, the positions
+// add in fp32 and round, the position gradient adds the sequences in the same order).
+TEST_F(CudaBackendTest, Bf16EmbeddingAndPositionsAreTheCpusBits) {
+  const int64_t n = 30, v0 = 67, vl = 64, b = 3, sl = 10, first = 7;
+  std::vector<int32_t> tokens(n);
+  std::mt19937 g(57);
+  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  for (const int64_t h : {24, 13}) {
+    SCOPED_TRACE("h = " + std::to_string(h));
+    Bf16 table = narrow(random(vl * h, 58)), pos = narrow(random(40 * h, 59)),
+         dy = narrow(random(n * h, 60)), y(n * h);
+    Host dpos = random(40 * h, 61);
+    const Ptr gtable = up16(table), gpos = up16(pos), gdy = up16(dy), gy = up16(y);
+    float* gdpos = up(dpos);
+    cpu_->vocab_embedding_lookup(tokens.data(), host16(table), host16(y), n, h, v0, vl);
+    gpu_->vocab_embedding_lookup(tokens.data(), gtable, gy, n, h, v0, vl);
+    expect_close(down16(gy, n * h), widen(y), "bf16 embedding lookup", 0, 0);
+    cpu_->add_positions(host16(y), host16(pos), b, sl, h, first);
+    gpu_->add_positions(gy, gpos, b, sl, h, first);
+    expect_close(down16(gy, n * h), widen(y), "bf16 positions added", 0, 0);
+    cpu_->position_grad(host16(dy), dpos.data(), b, sl, h, first);
+    gpu_->position_grad(gdy, gdpos, b, sl, h, first);
+    expect_close(down(gdpos, dpos.size()), dpos, "bf16 position gradient", 0, 0);
+  }
+}
+
 TEST_F(CudaBackendTest, AdamWMatchesTheCpu) {
   const int64_t n = 1031;
   Host p = random(n, 60), gr = random(n, 61, -0.1f, 0.1f), m(n), v(n);
