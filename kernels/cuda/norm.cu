@@ -239,6 +239,19 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
         prefetch_l2(vec_row(dresid, row * h) + idx);
     }
   };
+  // A later row's dy, r and dresid asked of L2 (prefetch_l2): more bytes in flight than the
+  // registers hold, so that its loads, when they come, wait on L2 rather than on memory. (Rows
+  // are their owners' alone, so no row prefetched is written meanwhile.)
+  auto prefetch_row = [&](int64_t row) {
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int idx = lane + stride * k;
+      if (idx >= vecs) continue;
+      prefetch_l2(vec_row(dy, row * h) + idx);
+      prefetch_l2(vec_row(r, row * h) + idx);
+      if (dresid) prefetch_l2(vec_row(dresid, row * h) + idx);
+    }
+  };
   // One row, its dy, r and dresid in registers: dg, db and the row's sums from dy and r, then
   // dx from a second read of dy and r (from L1) and the dresid held since the load.
   auto process = [&](int64_t row, const Bf16x8(&dv)[kVecs], const Bf16x8(&rv)[kVecs],
@@ -294,6 +307,7 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
       // In flight through this row's work. (This row's dx, which may be dy or dresid, is not
       // the next row.)
       if (row + step < end) load_row(row + step, dv_next, rv_next, ev_next);
+      if (row + 2 * step < end) prefetch_row(row + 2 * step);
       process(row, dv, rv, ev);
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) dv[k] = dv_next[k], rv[k] = rv_next[k], ev[k] = ev_next[k];
@@ -302,6 +316,7 @@ __global__ void __launch_bounds__(kThreads, kVecs <= 3 ? 2 : 1)
     for (int64_t row = row0; row < end; row += step) {
       Bf16x8 dv[kVecs]{}, rv[kVecs]{}, ev[kVecs]{};
       load_row(row, dv, rv, ev);
+      if (row + step < end) prefetch_row(row + step);
       process(row, dv, rv, ev);
     }
   }
