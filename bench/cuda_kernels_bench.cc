@@ -313,6 +313,34 @@ void BM_EmbeddingBackward(benchmark::State& state) {
 }
 BENCHMARK(BM_EmbeddingBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// The same forward pass as `ptdp run --bf16` makes it (runtime/cuda/fp32_kernels.h): the token
+// lookup (zeros off the shard: written, not read), then the positions added in place. Bytes: the
+// shard's rows read and the output written, then the output and the positions read and the
+// output written.
+void BM_RuntimeEmbeddingForward(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  EmbeddingBench e;
+  const double bytes = (e.here + 3.0 * kTokens + kSeq) * e.h * 2.0;
+  run(state, bytes, 0, [&] {
+    ptdp::cuda_fp32::vocab_embedding_lookup(e.tokens.as<int32_t>(), e.table.as<bf16>(),
+                                            e.y.as<bf16>(), kTokens, e.h, 0, e.vl, nullptr);
+    ptdp::cuda_fp32::add_positions(e.y.as<bf16>(), e.pos.as<bf16>(), kBatch, kSeq, e.h, 0, nullptr);
+  });
+}
+BENCHMARK(BM_RuntimeEmbeddingForward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The runtime's position gradient: every row of the output gradient read, the fp32 position
+// rows read and written.
+void BM_RuntimePositionGrad(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  EmbeddingBench e;
+  run(state, e.h * (kTokens * 2.0 + kSeq * 2 * 4), 0, [&] {
+    ptdp::cuda_fp32::position_grad(e.y.as<bf16>(), e.dpos.as<float>(), kBatch, kSeq, e.h, 0,
+                                   nullptr);
+  });
+}
+BENCHMARK(BM_RuntimePositionGrad)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 void BM_Rope(benchmark::State& state) {  // queries of one layer, in place
   if (!have_gpu(state)) return;
   const int64_t n = kBatch * kSeq * kHeads * kHeadDim;
