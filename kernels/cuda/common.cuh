@@ -354,10 +354,14 @@ __global__ void column_partials_kernel(F f, float* partial, int64_t rows, int64_
 // x in order, then the 8 sums are added in y order; a fixed order, as in the partials. (One
 // thread a column, over every chunk in turn, left a narrow sum latency-bound: 768 columns of 256
 // chunks were 3 blocks of dependent loads, most of a GPT-2 LayerNorm backward's 36 us.)
+// blockIdx.y picks the output (of up to two): its partials at partial + y chunks cols, out0 or
+// out1 (one launch for a norm's gamma and beta gradients, not two).
 template <typename T = float>
-__global__ void column_finish_kernel(const T* partial, T* out, int chunks, int64_t cols) {
+__global__ void column_finish_kernel(const T* partial, T* out0, T* out1, int chunks, int64_t cols) {
   __shared__ T sh[8][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  T* out = blockIdx.y == 0 ? out0 : out1;
+  partial += static_cast<int64_t>(blockIdx.y) * chunks * cols;
   T s = 0;
   if (c < cols) {
 #pragma unroll 4
@@ -391,9 +395,13 @@ void column_sums(const ColumnChunks& cc, float* const* out, int outputs, int64_t
   float* partial = nullptr;
   partial = static_cast<float*>(allocate_async(sizeof(float) * outputs * cc.chunks * cols, stream));
   partials(partial);
-  for (int k = 0; k < outputs; ++k) {
-    PTDP_KERNEL_LAUNCH(column_finish_kernel<float>, blocks_for(cols, 32), dim3(32, 8), 0, stream)
-    (partial + static_cast<int64_t>(k) * cc.chunks * cols, out[k], cc.chunks, cols);
+  for (int k = 0; k < outputs; k += 2) {  // two outputs a launch
+    const int here = outputs - k < 2 ? outputs - k : 2;
+    PTDP_KERNEL_LAUNCH(column_finish_kernel<float>,
+                       dim3(blocks_for(cols, 32), static_cast<unsigned>(here)), dim3(32, 8), 0,
+                       stream)
+    (partial + static_cast<int64_t>(k) * cc.chunks * cols, out[k], here == 2 ? out[k + 1] : out[k],
+     cc.chunks, cols);
     check_launch("column_finish_kernel");
   }
   PTDP_CUDA_CHECK(cudaFreeAsync(partial, stream));
