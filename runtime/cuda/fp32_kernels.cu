@@ -185,6 +185,66 @@ __global__ void concat3_k(const T* x0, const T* x1, const T* x2, T* y, int64_t n
     y[i] = col < a ? x0[r * a + col] : col < a + b ? x1[r * b + col - a] : x2[r * c + col - a - b];
   }
 }
+// The same two on 16-byte vectors of bf16 (V), by column and row group: a thread takes one
+// vector column of the joined width w = a + b + c (in vectors), whose part and offset it finds
+// with one 32-bit division, in kCopyRows consecutive rows, every load issued before the first
+// store. (The flat loop above spent a 64-bit division and modulo on each vector, near an
+// element-wise kernel's whole instruction budget at the copy bandwidth, and kept one vector in
+// flight a thread.) `groups` = ceil(n / kCopyRows); groups * w < 2^31.
+constexpr int kCopyRows = 4;
+struct ColumnPart {  // where a column of the joined width lies: part, its width, its column
+  int k;
+  int64_t width, col;
+};
+__device__ __forceinline__ ColumnPart part_of(uint32_t col, uint32_t a, uint32_t b, uint32_t c) {
+  if (col < a) return {0, a, col};
+  if (col < a + b) return {1, b, col - a};
+  return {2, c, col - a - b};
+}
+template <typename V>
+__global__ void split3_rows_k(const V* x, V* y0, V* y1, V* y2, int64_t n, uint32_t a, uint32_t b,
+                              uint32_t c, uint32_t groups) {
+  const uint32_t w = a + b + c, total = groups * w;
+  for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
+    const uint32_t g = t / w, col = t - g * w;
+    const ColumnPart p = part_of(col, a, b, c);
+    V* y = p.k == 0 ? y0 : p.k == 1 ? y1 : y2;
+    const int64_t r0 = static_cast<int64_t>(g) * kCopyRows;
+    V v[kCopyRows];
+#pragma unroll
+    for (int u = 0; u < kCopyRows; ++u)
+      if (r0 + u < n) v[u] = x[(r0 + u) * w + col];
+#pragma unroll
+    for (int u = 0; u < kCopyRows; ++u)
+      if (r0 + u < n) y[(r0 + u) * p.width + p.col] = v[u];
+  }
+}
+template <typename V>
+__global__ void concat3_rows_k(const V* x0, const V* x1, const V* x2, V* y, int64_t n, uint32_t a,
+                               uint32_t b, uint32_t c, uint32_t groups) {
+  const uint32_t w = a + b + c, total = groups * w;
+  for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < total; t += gridDim.x * blockDim.x) {
+    const uint32_t g = t / w, col = t - g * w;
+    const ColumnPart p = part_of(col, a, b, c);
+    const V* x = p.k == 0 ? x0 : p.k == 1 ? x1 : x2;
+    const int64_t r0 = static_cast<int64_t>(g) * kCopyRows;
+    V v[kCopyRows];
+#pragma unroll
+    for (int u = 0; u < kCopyRows; ++u)
+      if (r0 + u < n) v[u] = x[(r0 + u) * p.width + p.col];
+#pragma unroll
+    for (int u = 0; u < kCopyRows; ++u)
+      if (r0 + u < n) y[(r0 + u) * w + col] = v[u];
+  }
+}
+// The row-group kernels' launch where their 32-bit index fits (else the flat loop's).
+bool copy_rows_fit(int64_t n, int64_t w) {
+  return (n + kCopyRows - 1) / kCopyRows * w < (int64_t{1} << 31);
+}
+uint32_t copy_groups(int64_t n) {
+  return static_cast<uint32_t>((n + kCopyRows - 1) / kCopyRows);
+}
+
 // full [b, s, width] <-> shards [t][b, s/t, width]; `to_full` picks the direction.
 template <typename T>
 __global__ void sequence_k(const T* src, T* dst, int64_t t, int64_t b, int64_t s, int64_t width,
@@ -993,6 +1053,14 @@ void split_columns3_t(const T* x, T* y0, T* y1, T* y2, int64_t n, int64_t a, int
   if (n * (a + b + c) <= 0) return;
   if (bf16_vectors<T>(a, {x, y0, y1, y2}) && b % kVec == 0 && c % kVec == 0) {
     using V = Bf16x8;
+    const int64_t w = (a + b + c) / kVec;
+    if (copy_rows_fit(n, w)) {
+      PTDP_LAUNCH(split3_rows_k<V>, grid_for(copy_groups(n) * w), reinterpret_cast<const V*>(x),
+                  reinterpret_cast<V*>(y0), reinterpret_cast<V*>(y1), reinterpret_cast<V*>(y2), n,
+                  static_cast<uint32_t>(a / kVec), static_cast<uint32_t>(b / kVec),
+                  static_cast<uint32_t>(c / kVec), copy_groups(n));
+      return;
+    }
     PTDP_LAUNCH(split3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x),
                 reinterpret_cast<V*>(y0), reinterpret_cast<V*>(y1), reinterpret_cast<V*>(y2), n,
                 a / kVec, b / kVec, c / kVec);
@@ -1006,6 +1074,14 @@ void concat_columns3_t(const T* x0, const T* x1, const T* x2, T* y, int64_t n, i
   if (n * (a + b + c) <= 0) return;
   if (bf16_vectors<T>(a, {x0, x1, x2, y}) && b % kVec == 0 && c % kVec == 0) {
     using V = Bf16x8;
+    const int64_t w = (a + b + c) / kVec;
+    if (copy_rows_fit(n, w)) {
+      PTDP_LAUNCH(concat3_rows_k<V>, grid_for(copy_groups(n) * w), reinterpret_cast<const V*>(x0),
+                  reinterpret_cast<const V*>(x1), reinterpret_cast<const V*>(x2),
+                  reinterpret_cast<V*>(y), n, static_cast<uint32_t>(a / kVec),
+                  static_cast<uint32_t>(b / kVec), static_cast<uint32_t>(c / kVec), copy_groups(n));
+      return;
+    }
     PTDP_LAUNCH(concat3_k<V>, grid_for(n * (a + b + c) / kVec), reinterpret_cast<const V*>(x0),
                 reinterpret_cast<const V*>(x1), reinterpret_cast<const V*>(x2),
                 reinterpret_cast<V*>(y), n, a / kVec, b / kVec, c / kVec);
