@@ -313,6 +313,16 @@ class Backend {
                               int64_t vl, int64_t valid);
   void cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                               double scale);
+  // cross_entropy_finish and, later, cross_entropy_backward, as a pair whose first half a backend
+  // may run without turning the logits into probabilities: the second then computes them from
+  // the logits and lse in the gradient's own pass (the CUDA backend on bf16 logits: two passes
+  // over the logits fewer, the same bits). Nothing may read the buffer between the two. Where
+  // the backend does not, they are those two calls.
+  double cross_entropy_loss(const float* stats, int64_t ranks, Ptr logits, float* lse, int64_t n,
+                            int64_t vl, int64_t valid);
+  void cross_entropy_backward_from_lse(Ptr logits, const float* lse, const int32_t* targets,
+                                       int64_t n, int64_t vl, int64_t valid, int64_t v0,
+                                       double scale);
 
  protected:
   // A typed GEMM with a bf16 operand, offered to the backend before widening: true when it ran
@@ -426,6 +436,17 @@ class Backend {
   }
   virtual bool native_cross_entropy_backward(Ptr, const int32_t*, int64_t, int64_t, int64_t,
                                              double) {
+    return false;
+  }
+  // The deferred pair (cross_entropy_loss, cross_entropy_backward_from_lse): a backend answers
+  // both alike for a buffer of a type.
+  virtual bool native_cross_entropy_loss(const float*, int64_t, Ptr, float*, int64_t,
+                                         double& loss) {
+    (void)loss;
+    return false;
+  }
+  virtual bool native_cross_entropy_backward_from_lse(Ptr, const float*, const int32_t*, int64_t,
+                                                      int64_t, int64_t, int64_t, double) {
     return false;
   }
 };

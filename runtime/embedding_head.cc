@@ -62,12 +62,12 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
   const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
   const int64_t valid = std::min(m.vl, m.vocab - m.v0);
   // The loss: log-sum-exp over the whole vocabulary from every rank's stats; the logits
-  // become probabilities in place.
+  // become probabilities in place, now or in the backward pass (Backend::cross_entropy_loss).
   auto finish = [&](const float* stats, int64_t ranks) {
     resize_for_overwrite(A.lse, m.n_full);
     if (!A.masked) {
-      const double sum = c.be.cross_entropy_finish(stats, ranks, A.probs.ptr(), A.lse.data(),
-                                                   m.n_full, m.vl, valid);
+      const double sum =
+          c.be.cross_entropy_loss(stats, ranks, A.probs.ptr(), A.lse.data(), m.n_full, m.vl, valid);
       return sum / static_cast<double>(m.n_full);
     }
     // Run by run, each run's statistics from every rank packed together ([ranks, count, 3]);
@@ -84,8 +84,8 @@ double head_forward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs
                     packed.data() + r * w, w);
         run = packed.data();
       }
-      sum += c.be.cross_entropy_finish(run, ranks, A.probs.ptr().at(first * m.vl),
-                                       A.lse.data() + first, count, m.vl, valid);
+      sum += c.be.cross_entropy_loss(run, ranks, A.probs.ptr().at(first * m.vl),
+                                     A.lse.data() + first, count, m.vl, valid);
     }
     return sum / A.loss_tokens;
   };
@@ -124,9 +124,10 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
   const Buffer& lnf_full = m.sp ? A.lnf_full : A.lnf;
   switch (op) {
     case OpId::kCrossEntropyBackward: {
+      const int64_t valid = std::min(m.vl, m.vocab - m.v0);
       if (!A.masked) {
-        c.be.cross_entropy_backward(A.probs.ptr(), A.targets.data(), m.n_full, m.vl, m.v0,
-                                    loss_scale);
+        c.be.cross_entropy_backward_from_lse(A.probs.ptr(), A.lse.data(), A.targets.data(),
+                                             m.n_full, m.vl, valid, m.v0, loss_scale);
         break;
       }
       // The kernel divides by the rows it is given: each run's scale is its share of the
@@ -137,8 +138,9 @@ void head_backward_op(ShardContext& c, OpId op, const ChunkParams& W, ChunkActs&
       };
       for (const auto& [first, count] : A.loss_rows) {
         zero_until(first);
-        c.be.cross_entropy_backward(
-            A.probs.ptr().at(first * m.vl), A.targets.data() + first, count, m.vl, m.v0,
+        c.be.cross_entropy_backward_from_lse(
+            A.probs.ptr().at(first * m.vl), A.lse.data() + first, A.targets.data() + first, count,
+            m.vl, valid, m.v0,
             loss_scale * A.loss_weight * static_cast<double>(count) / A.loss_tokens);
         next = first + count;
       }

@@ -527,4 +527,17 @@ void Backend::cross_entropy_backward(Ptr probs, const int32_t* targets, int64_t 
   });
 }
 
+double Backend::cross_entropy_loss(const float* stats, int64_t ranks, Ptr logits, float* lse,
+                                   int64_t n, int64_t vl, int64_t valid) {
+  if (double loss = 0; native_cross_entropy_loss(stats, ranks, logits, lse, n, loss)) return loss;
+  return cross_entropy_finish(stats, ranks, logits, lse, n, vl, valid);
+}
+
+void Backend::cross_entropy_backward_from_lse(Ptr logits, const float* lse, const int32_t* targets,
+                                              int64_t n, int64_t vl, int64_t valid, int64_t v0,
+                                              double scale) {
+  if (native_cross_entropy_backward_from_lse(logits, lse, targets, n, vl, valid, v0, scale)) return;
+  cross_entropy_backward(logits, targets, n, vl, v0, scale);
+}
+
 }  // namespace ptdp

@@ -490,11 +490,12 @@ void OpExecutor::run(const Op& op) {
           resize(S.m2, d.n_full);
       be.cross_entropy_stats(S.a.ptr(), S.tokens.data(), S.m1.data(), d.n_full, d.vl, valid, d.v0);
       if (d.t == 1)
-        be.cross_entropy_finish(S.m1.data(), 1, S.a.ptr(), S.m2.data(), d.n_full, d.vl, valid);
+        be.cross_entropy_loss(S.m1.data(), 1, S.a.ptr(), S.m2.data(), d.n_full, d.vl, valid);
       return;
-    case OpId::kCrossEntropyBackward:
-      S.fill(S.a, logits);
-      be.cross_entropy_backward(S.a.ptr(), S.tokens.data(), d.n_full, d.vl, d.v0, 1.0);
+    case OpId::kCrossEntropyBackward:  // as the runtime: the pair's second half (a lse each row)
+      S.fill(S.a, logits), S.fill(S.m2, d.n_full);
+      be.cross_entropy_backward_from_lse(S.a.ptr(), S.m2.data(), S.tokens.data(), d.n_full, d.vl,
+                                         valid, d.v0, 1.0);
       return;
     default:
       throw std::invalid_argument("ptdp run does not execute op '" + std::string(op.name()) + "'");

@@ -596,9 +596,17 @@ class CudaBackend final : public Backend {
   template <class T>
   double run_cross_entropy_finish(const float* stats, int64_t ranks, T* logits, float* lse,
                                   int64_t n, int64_t vl, int64_t valid) {
+    return sum_row_losses(n, [&](float* row_loss) {
+      k::cross_entropy_finish(stats, ranks, logits, lse, row_loss, n, vl, valid, stream_);
+    });
+  }
+  // `rows(row_loss)` queues the rows' losses into row_loss (n floats of device memory); their
+  // sum in row order.
+  template <class Rows>
+  double sum_row_losses(int64_t n, Rows rows) {
     if (n <= 0) return 0.0;
     auto* row_loss = static_cast<float*>(allocate(sizeof(float) * static_cast<size_t>(n)));
-    k::cross_entropy_finish(stats, ranks, logits, lse, row_loss, n, vl, valid, stream_);
+    rows(row_loss);
     std::vector<float> host(static_cast<size_t>(n));
     download(row_loss, host.data(), host.size() * sizeof(float));
     deallocate(row_loss, sizeof(float) * static_cast<size_t>(n));
@@ -727,6 +735,23 @@ class CudaBackend final : public Backend {
                                      int64_t v0, double scale) override {
     if (!bf16(probs)) return false;
     k::cross_entropy_backward(b16(probs), device_tokens(targets, n), n, vl, v0, scale, stream_);
+    return true;
+  }
+  // The deferred pair on bf16 logits: the loss without the probabilities, then the gradient
+  // from the logits and lse in one pass (fp32_kernels.h); two passes over the logits fewer.
+  bool native_cross_entropy_loss(const float* stats, int64_t ranks, Ptr logits, float* lse,
+                                 int64_t n, double& loss) override {
+    if (!bf16(logits)) return false;
+    loss = sum_row_losses(
+        n, [&](float* row_loss) { k::cross_entropy_lse(stats, ranks, lse, row_loss, n, stream_); });
+    return true;
+  }
+  bool native_cross_entropy_backward_from_lse(Ptr logits, const float* lse, const int32_t* targets,
+                                              int64_t n, int64_t vl, int64_t valid, int64_t v0,
+                                              double scale) override {
+    if (!bf16(logits)) return false;
+    k::cross_entropy_backward_from_lse(b16(logits), lse, device_tokens(targets, n), n, vl, valid,
+                                       v0, scale, stream_);
     return true;
   }
 

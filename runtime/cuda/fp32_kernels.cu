@@ -433,6 +433,37 @@ __global__ void ce_probs_vec_k(Bf16x8* logits, const float* lse, int64_t n, int6
     logits[i] = v;
   }
 }
+// ce_probs_vec_k and then ce_backward_vec_k in one pass over the logits, a block a row (lse and
+// the target loaded once, no division), kCeUnroll vectors of the row in flight a thread: the
+// probability rounded to bf16 as the first stored it, then scaled and the target's f taken off,
+// as the second did, so the same bits from two passes over the logits fewer.
+constexpr int kCeUnroll = 4;
+__global__ void ce_backward_from_lse_vec_k(Bf16x8* logits, const float* lse, const int32_t* targets,
+                                           int64_t vl, int64_t valid, int64_t v0, float f) {
+  const int64_t row = blockIdx.x, per_row = vl / kVec;
+  Bf16x8* x = logits + row * per_row;
+  const float m = lse[row];
+  const int64_t target = targets[row] - v0;
+  for (int64_t c0 = threadIdx.x; c0 < per_row; c0 += kCeUnroll * blockDim.x) {
+    Bf16x8 v[kCeUnroll]{};
+#pragma unroll
+    for (int u = 0; u < kCeUnroll; ++u)
+      if (c0 + u * blockDim.x < per_row) v[u] = x[c0 + u * blockDim.x];
+#pragma unroll
+    for (int u = 0; u < kCeUnroll; ++u) {
+      const int64_t c = c0 + u * blockDim.x;
+      if (c >= per_row) continue;
+      for (int e = 0; e < kVec; ++e) {
+        const int64_t j = c * kVec + e;
+        const float p = as_float(store<bf16>(j < valid ? expf(as_float(v[u].v[e]) - m) : 0.0f));
+        float g = p * f;
+        if (target == j) g -= f;
+        v[u].v[e] = store<bf16>(g);
+      }
+      x[c] = v[u];
+    }
+  }
+}
 __global__ void ce_backward_vec_k(Bf16x8* probs, const int32_t* targets, int64_t n, int64_t vl,
                                   int64_t v0, float f) {
   const int64_t per_row = vl / kVec;
@@ -1505,6 +1536,25 @@ void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float
 void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st) {
   cross_entropy_backward_t(probs, targets, n, vl, v0, scale, st);
+}
+// The loss pass without the probabilities, and the gradient from the logits and lse
+// (runtime/cuda/fp32_kernels.h).
+void cross_entropy_lse(const float* stats, int64_t ranks, float* lse, float* row_loss, int64_t n,
+                       cudaStream_t st) {
+  if (n > 0) PTDP_LAUNCH(ce_lse_k, grid_for(n), stats, ranks, lse, row_loss, n);
+}
+void cross_entropy_backward_from_lse(bf16* logits, const float* lse, const int32_t* targets,
+                                     int64_t n, int64_t vl, int64_t valid, int64_t v0, double scale,
+                                     cudaStream_t st) {
+  if (n * vl <= 0) return;
+  if (bf16_vectors<bf16>(vl, {logits})) {
+    const float f = static_cast<float>(scale / static_cast<double>(n));
+    PTDP_LAUNCH(ce_backward_from_lse_vec_k, rows_grid(n), reinterpret_cast<Bf16x8*>(logits), lse,
+                targets, vl, valid, v0, f);
+    return;
+  }
+  PTDP_LAUNCH(ce_probs_k<bf16>, grid_for(n * vl), logits, lse, n, vl, valid);
+  cross_entropy_backward_t(logits, targets, n, vl, v0, scale, st);
 }
 void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st) {
   causal_softmax_t(scores, rows, s, st);

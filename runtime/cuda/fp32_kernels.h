@@ -187,6 +187,14 @@ void cross_entropy_finish(const float* stats, int64_t ranks, bf16* logits, float
                           float* row_loss, int64_t n, int64_t vl, int64_t valid, cudaStream_t st);
 void cross_entropy_backward(bf16* probs, const int32_t* targets, int64_t n, int64_t vl, int64_t v0,
                             double scale, cudaStream_t st);
+// cross_entropy_finish without the probabilities (lse and each row's loss only), and then
+// cross_entropy_finish's probabilities and cross_entropy_backward's gradient in one pass over
+// the logits, from lse: the bits of the two calls, two passes over the logits fewer.
+void cross_entropy_lse(const float* stats, int64_t ranks, float* lse, float* row_loss, int64_t n,
+                       cudaStream_t st);
+void cross_entropy_backward_from_lse(bf16* logits, const float* lse, const int32_t* targets,
+                                     int64_t n, int64_t vl, int64_t valid, int64_t v0, double scale,
+                                     cudaStream_t st);
 void causal_softmax(bf16* scores, int64_t rows, int64_t s, cudaStream_t st);
 void causal_softmax_backward(const bf16* probs, const bf16* dprobs, bf16* dscores, int64_t rows,
                              int64_t s, cudaStream_t st);
