@@ -414,7 +414,7 @@ __global__ void ce_backward_k(T* probs, const int32_t* targets, int64_t n, int64
                               float f) {
   for (int64_t i = first_index(); i < n * vl; i += grid_stride()) {
     const int64_t row = i / vl, j = i % vl;
-    float v = as_float(probs[i]) * f;
+    float v = __fmul_rn(as_float(probs[i]), f);  // rounded, never fused with the - f
     if (targets[row] - v0 == j) v -= f;
     probs[i] = store<T>(v);
   }
@@ -456,7 +456,7 @@ __global__ void ce_backward_from_lse_vec_k(Bf16x8* logits, const float* lse, con
       for (int e = 0; e < kVec; ++e) {
         const int64_t j = c * kVec + e;
         const float p = as_float(store<bf16>(j < valid ? expf(as_float(v[u].v[e]) - m) : 0.0f));
-        float g = p * f;
+        float g = __fmul_rn(p, f);
         if (target == j) g -= f;
         v[u].v[e] = store<bf16>(g);
       }
@@ -472,7 +472,7 @@ __global__ void ce_backward_vec_k(Bf16x8* probs, const int32_t* targets, int64_t
     const int64_t target = targets[row] - v0;
     Bf16x8 v = probs[i];
     for (int e = 0; e < kVec; ++e) {
-      float x = as_float(v.v[e]) * f;
+      float x = __fmul_rn(as_float(v.v[e]), f);
       if (target == j0 + e) x -= f;
       v.v[e] = store<bf16>(x);
     }

@@ -1075,12 +1075,16 @@ TEST_F(CudaBackendTest, ResidualAddInOnePassIsTheCpusThreeCallsToTheBit) {
 // (a row a warp), 512 (a warp, the next row's loads in flight), 2048 (a row a block, the next in
 // flight) and 301 (rows re-read); the weight gradients accumulate onto what they held.
 TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
-  const int64_t n = 19;
-  for (const int64_t h : {768, 301, 512, 2048})
+  // 19 rows: one a block. 530 rows at 2048 columns: 3 a block, the next row's dy, r and
+  // residual gradient loaded ahead into registers while this row's dx (the residual gradient
+  // itself, accumulated in place) is written.
+  for (const auto& [n, h] :
+       {std::pair<int64_t, int64_t>{19, 768}, {19, 301}, {19, 512}, {19, 2048}, {530, 2048}})
     for (const bool layernorm : {true, false})
       for (const bool bf16 : {true, false}) {
         const std::string what = std::string(layernorm ? "layernorm" : "rmsnorm") +
-                                 (bf16 ? " bf16" : " fp32") + ", h " + std::to_string(h);
+                                 (bf16 ? " bf16" : " fp32") + ", h " + std::to_string(h) + ", " +
+                                 std::to_string(n) + " rows";
         const Host x = random(n * h, 100), g = random(h, 101), beta = random(h, 102),
                    dy = random(n * h, 103), acc = random(n * h, 104), dg0 = random(h, 105);
         Host mean(n), rstd(n), dg = dg0, db = dg0;

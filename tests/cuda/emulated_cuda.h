@@ -62,6 +62,7 @@
 #define __trap() std::abort()
 #define __expf(x) std::exp(x)
 #define __fdividef(a, b) ((a) / (b))
+#define __fmul_rn(a, b) ((a) * (b))
 #define __sincosf(x, s, c) ::sincosf((x), (s), (c))
 
 using std::max;
