@@ -268,6 +268,26 @@ void BM_CrossEntropy(benchmark::State& state) {  // stats, finish and the in-pla
 }
 BENCHMARK(BM_CrossEntropy)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
+// The same loss as `ptdp run --bf16` computes it (runtime/cuda/fp32_kernels.h, not the kernels
+// above): the statistics pass, the loss and lse from them, and the gradient written over the
+// logits with their probabilities made in the same pass. Bytes: the logits read, then read and
+// written.
+void BM_RuntimeCrossEntropy(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const int64_t n = kTokens, vl = kVocabShard;
+  Buf logits(n * vl * 2), targets(n * 4), stats(n * 3 * 4), lse(n * 4), loss(n * 4);
+  PTDP_CUDA_CHECK(cudaMemset(targets.p, 0, n * 4));
+  run(state, 3.0 * n * vl * 2, 0, [&] {
+    ptdp::cuda_fp32::cross_entropy_stats(logits.as<bf16>(), targets.as<int32_t>(),
+                                         stats.as<float>(), n, vl, vl, 0, nullptr);
+    ptdp::cuda_fp32::cross_entropy_lse(stats.as<float>(), 1, lse.as<float>(), loss.as<float>(), n,
+                                       nullptr);
+    ptdp::cuda_fp32::cross_entropy_backward_from_lse(
+        logits.as<bf16>(), lse.as<float>(), targets.as<int32_t>(), n, vl, vl, 0, 1.0, nullptr);
+  });
+}
+BENCHMARK(BM_RuntimeCrossEntropy)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
 // The embedding on a vocabulary shard of t = 2: tokens i * 7919 mod 2 vl, distinct, about half of
 // them on this shard. Bytes, counted from the tokens: the forward pass reads the shard's rows
 // of its tokens and the positions' rows, and writes the output; the backward pass reads the
