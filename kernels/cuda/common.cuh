@@ -87,6 +87,28 @@ constexpr int kVec = 8;
 struct alignas(16) Bf16x8 {
   bf16 v[kVec];
 };
+// Vectors c = first, first + step, ... below count of `from`, each changed by f(c, v) and stored
+// at to[c], kUnroll of them loaded before the first is stored (a loop's loads may not pass its
+// stores, which might alias them: one at a time would keep one vector in flight a thread). The
+// next kUnroll start `stride` after these; to may be from.
+template <int kUnroll, typename V, typename F>
+__device__ __forceinline__ void rewrite_vectors(const V* from, V* to, int64_t first, int64_t count,
+                                                int64_t step, int64_t stride, F f) {
+  for (int64_t c0 = first; c0 < count; c0 += stride) {
+    V v[kUnroll]{};
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + u * step < count) v[u] = from[c0 + u * step];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * step;
+      if (c >= count) continue;
+      f(c, v[u]);
+      to[c] = v[u];
+    }
+  }
+}
+
 // Whether `n` elements (a multiple of kVec in every row of `cols`) at these pointers can be
 // read and written as Bf16x8: each pointer 16-byte aligned, `cols` a multiple of kVec.
 inline bool vectorizable(int64_t cols, std::initializer_list<const void*> pointers) {

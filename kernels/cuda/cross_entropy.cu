@@ -86,28 +86,19 @@ __global__ void __launch_bounds__(kCeThreads)
     const int64_t target = targets[i] - v0;
     const float m = lse[i];
     Bf16x8* row = logits + i * per_row;
-    for (int64_t q0 = static_cast<int64_t>(blockIdx.x) * step + threadIdx.x; q0 < per_row;
-         q0 += static_cast<int64_t>(gridDim.x) * step) {
-      Bf16x8 v[kCeVecs]{};
-#pragma unroll
-      for (int u = 0; u < kCeVecs; ++u)
-        if (q0 + u * blockDim.x < per_row) v[u] = row[q0 + u * blockDim.x];
-#pragma unroll
-      for (int u = 0; u < kCeVecs; ++u) {
-        const int64_t q = q0 + u * blockDim.x;
-        if (q >= per_row) continue;
-        for (int e = 0; e < kVec; ++e) {
-          const int64_t j = q * kVec + e;
-          float g = 0.0f;
-          if (j < valid) {
-            g = __expf(to_float(v[u].v[e]) - m) * f;
-            if (j == target) g -= f;
-          }
-          v[u].v[e] = to_bf16(g);
-        }
-        row[q] = v[u];
-      }
-    }
+    rewrite_vectors<kCeVecs>(row, row, static_cast<int64_t>(blockIdx.x) * step + threadIdx.x,
+                             per_row, blockDim.x, static_cast<int64_t>(gridDim.x) * step,
+                             [&](int64_t q, Bf16x8& v) {
+                               for (int e = 0; e < kVec; ++e) {
+                                 const int64_t j = q * kVec + e;
+                                 float g = 0.0f;
+                                 if (j < valid) {
+                                   g = __expf(to_float(v.v[e]) - m) * f;
+                                   if (j == target) g -= f;
+                                 }
+                                 v.v[e] = to_bf16(g);
+                               }
+                             });
   }
 }
 

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/embedding.h"
 #include "runtime/cuda/fp32_kernels.h"
 
 namespace ptdp::cuda_fp32 {
@@ -296,17 +297,10 @@ __global__ void position_grad_k(const T* dx, float* dpos, int64_t b, int64_t sl,
   }
 }
 
-// The same three for bf16 rows 16 bytes at a time (h a multiple of 8, pointers 16-byte aligned),
-// where the scalar kernels spent a 64-bit division or two on every 2-byte element. The same
-// values: the lookup copies rows (zeros off the shard), the positions add in fp32 and round, and
-// the position gradient adds the sequences onto dpos in the same order.
-__global__ void embedding_lookup_vec_k(const int32_t* tokens, const Bf16x8* table, Bf16x8* y,
-                                       int64_t n, int64_t hv, int64_t v0, int64_t vl) {
-  for (int64_t i = first_index(); i < n * hv; i += grid_stride()) {
-    const int64_t row = i / hv, tok = tokens[row] - v0;
-    y[i] = tok >= 0 && tok < vl ? table[tok * hv + (i - row * hv)] : Bf16x8{};
-  }
-}
+// The position add and gradient for bf16 rows 16 bytes at a time (h a multiple of 8, pointers
+// 16-byte aligned), where the scalar kernels spent a 64-bit division or two on every 2-byte
+// element. The same values: the positions add in fp32 and round, and the gradient adds the
+// sequences onto dpos in the same order. (The bf16 lookup is kernels/cuda/embedding.h's.)
 __global__ void add_positions_vec_k(Bf16x8* x, const Bf16x8* pos, int64_t b, int64_t sl, int64_t hv,
                                     int64_t first) {
   for (int64_t i = first_index(); i < b * sl * hv; i += grid_stride()) {
@@ -444,25 +438,16 @@ __global__ void ce_backward_from_lse_vec_k(Bf16x8* logits, const float* lse, con
   Bf16x8* x = logits + row * per_row;
   const float m = lse[row];
   const int64_t target = targets[row] - v0;
-  for (int64_t c0 = threadIdx.x; c0 < per_row; c0 += kCeUnroll * blockDim.x) {
-    Bf16x8 v[kCeUnroll]{};
-#pragma unroll
-    for (int u = 0; u < kCeUnroll; ++u)
-      if (c0 + u * blockDim.x < per_row) v[u] = x[c0 + u * blockDim.x];
-#pragma unroll
-    for (int u = 0; u < kCeUnroll; ++u) {
-      const int64_t c = c0 + u * blockDim.x;
-      if (c >= per_row) continue;
-      for (int e = 0; e < kVec; ++e) {
-        const int64_t j = c * kVec + e;
-        const float p = as_float(store<bf16>(j < valid ? expf(as_float(v[u].v[e]) - m) : 0.0f));
-        float g = __fmul_rn(p, f);
-        if (target == j) g -= f;
-        v[u].v[e] = store<bf16>(g);
-      }
-      x[c] = v[u];
-    }
-  }
+  kernels::cuda::rewrite_vectors<kCeUnroll>(
+      x, x, threadIdx.x, per_row, blockDim.x, kCeUnroll * blockDim.x, [&](int64_t c, Bf16x8& v) {
+        for (int e = 0; e < kVec; ++e) {
+          const int64_t j = c * kVec + e;
+          const float p = as_float(store<bf16>(j < valid ? expf(as_float(v.v[e]) - m) : 0.0f));
+          float g = __fmul_rn(p, f);
+          if (target == j) g -= f;
+          v.v[e] = store<bf16>(g);
+        }
+      });
 }
 __global__ void ce_backward_vec_k(Bf16x8* probs, const int32_t* targets, int64_t n, int64_t vl,
                                   int64_t v0, float f) {
@@ -807,19 +792,12 @@ __global__ void gather_rows_vec_k(const T* x, const int64_t* index, const float*
   const P* from = reinterpret_cast<const P*>(x + index[r] * h);
   P* to = reinterpret_cast<P*>(y + r * h);
   const float w = weight ? weight[r] : 1.0f;
-  for (int64_t c0 = threadIdx.x; c0 < vecs; c0 += kRowUnroll * blockDim.x) {
-    P v[kRowUnroll]{};
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u)
-      if (c0 + u * blockDim.x < vecs) v[u] = from[c0 + u * blockDim.x];
-#pragma unroll
-    for (int u = 0; u < kRowUnroll; ++u) {
-      if (c0 + u * blockDim.x >= vecs) continue;
-      if (weight)
-        for (int e = 0; e < P::kN; ++e) v[u].v[e] = store<T>(w * as_float(v[u].v[e]));
-      to[c0 + u * blockDim.x] = v[u];
-    }
-  }
+  kernels::cuda::rewrite_vectors<kRowUnroll>(from, to, threadIdx.x, vecs, blockDim.x,
+                                             kRowUnroll * blockDim.x, [&](int64_t, P& v) {
+                                               if (weight)
+                                                 for (int e = 0; e < P::kN; ++e)
+                                                   v.v[e] = store<T>(w * as_float(v.v[e]));
+                                             });
 }
 
 // A token's slots (row index and weight) are read once into shared memory: at most
@@ -1130,13 +1108,10 @@ template <typename T>
 void vocab_embedding_lookup_t(const int32_t* tokens, const T* table, T* y, int64_t n, int64_t h,
                               int64_t v0, int64_t vl, cudaStream_t st) {
   if (n * h <= 0) return;
-  if (bf16_vectors<T>(h, {table, y})) {
-    PTDP_LAUNCH(embedding_lookup_vec_k, grid_for(n * h / kVec), tokens,
-                reinterpret_cast<const Bf16x8*>(table), reinterpret_cast<Bf16x8*>(y), n, h / kVec,
-                v0, vl);
-    return;
-  }
-  PTDP_LAUNCH(embedding_lookup_k<T>, grid_for(n * h), tokens, table, y, n, h, v0, vl);
+  if constexpr (std::is_same_v<T, bf16>)  // a copy of rows (zeros off the shard): the kernels'
+    kernels::cuda::embedding_forward(tokens, table, nullptr, y, 1, n, h, v0, vl, 0, st);
+  else
+    PTDP_LAUNCH(embedding_lookup_k<T>, grid_for(n * h), tokens, table, y, n, h, v0, vl);
 }
 template <typename T>
 void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
