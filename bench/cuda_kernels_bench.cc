@@ -363,25 +363,26 @@ BENCHMARK(BM_RuntimePositionGrad)->UseManualTime()->Unit(benchmark::kMicrosecond
 
 // QKV's output split into Q, K and V, and their gradients joined, as the runtime does each
 // layer (runtime/cuda/fp32_kernels.h; heads over t = 2): every element read once, written once.
-void BM_QkvSplit(benchmark::State& state) {
+void qkv_copy(benchmark::State& state, bool join) {
   if (!have_gpu(state)) return;
   const int64_t rows = kTokens, w = kHidden / 2;
   Buf qkv(rows * 3 * w * 2), q(rows * w * 2), k(rows * w * 2), v(rows * w * 2);
   run(state, 2.0 * rows * 3 * w * 2, 0, [&] {
-    ptdp::cuda_fp32::split_columns3(qkv.as<bf16>(), q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), rows,
-                                    w, w, w, nullptr);
+    if (join)
+      ptdp::cuda_fp32::concat_columns3(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), qkv.as<bf16>(),
+                                       rows, w, w, w, nullptr);
+    else
+      ptdp::cuda_fp32::split_columns3(qkv.as<bf16>(), q.as<bf16>(), k.as<bf16>(), v.as<bf16>(),
+                                      rows, w, w, w, nullptr);
   });
+}
+void BM_QkvSplit(benchmark::State& state) {
+  qkv_copy(state, false);
+}
+void BM_QkvJoin(benchmark::State& state) {
+  qkv_copy(state, true);
 }
 BENCHMARK(BM_QkvSplit)->UseManualTime()->Unit(benchmark::kMicrosecond);
-void BM_QkvJoin(benchmark::State& state) {
-  if (!have_gpu(state)) return;
-  const int64_t rows = kTokens, w = kHidden / 2;
-  Buf qkv(rows * 3 * w * 2), q(rows * w * 2), k(rows * w * 2), v(rows * w * 2);
-  run(state, 2.0 * rows * 3 * w * 2, 0, [&] {
-    ptdp::cuda_fp32::concat_columns3(q.as<bf16>(), k.as<bf16>(), v.as<bf16>(), qkv.as<bf16>(), rows,
-                                     w, w, w, nullptr);
-  });
-}
 BENCHMARK(BM_QkvJoin)->UseManualTime()->Unit(benchmark::kMicrosecond);
 
 void BM_Rope(benchmark::State& state) {  // queries of one layer, in place
