@@ -102,7 +102,8 @@ TEST(CudaFlashAttention, LongSequenceKeepsNoScoreMatrix) {
   // s = 16384: a [hq, s, s] fp32 score matrix would need 2 GiB; the kernel's own extra memory is
   // the lse and delta rows only, so the free memory barely moves.
   const int64_t b = 1, s = 16384, hq = 2, hk = 2, d = 64;
-  DeviceBuffer<bf16> q(b * s * hq * d), k(b * s * hk * d), v(b * s * hk * d), out(b * s * hq * d);
+  const std::vector<uint16_t> zeros_q(b * s * hq * d), zeros_kv(b * s * hk * d);
+  DeviceBuffer<bf16> q(zeros_q), k(zeros_kv), v(zeros_kv), out(b * s * hq * d);
   DeviceBuffer<float> lse(b * hq * s);
   size_t free_before = 0, free_after = 0, total = 0;
   PTDP_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -38,6 +39,11 @@ Host random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   Host x(n);
   for (float& v : x) v = u(g);
   return x;
+}
+// A GPU call's output starts as NaN, not zero, so a call that leaves an element unwritten (a
+// zero it should have written, say) fails the comparison instead of passing on the zero.
+Host unset(size_t n) {
+  return Host(n, std::numeric_limits<float>::quiet_NaN());
 }
 
 // One GPU backend for the whole program; tests add their arrays to it and read them back.
@@ -71,6 +77,7 @@ class CudaBackendTest : public ::testing::Test {
     convert_on_host(h.data(), DType::kF32, b.data(), DType::kBF16, static_cast<int64_t>(h.size()));
     return b;
   }
+  static Bf16 unset16(size_t n) { return Bf16(n, 0x7fc0); }  // NaN, as unset()
   static Host widen(const Bf16& b) {
     Host h(b.size());
     convert_on_host(b.data(), DType::kBF16, h.data(), DType::kF32, static_cast<int64_t>(b.size()));
@@ -155,7 +162,7 @@ TEST_F(CudaBackendTest, LinearLayersMatchTheCpu) {
   cpu_->linear_dgrad(w.data(), dy.data(), dx.data(), n, in, out);
   cpu_->linear_wgrad(x.data(), dy.data(), dw.data(), db.data(), n, in, out);
   float *gx = up(x), *gw = up(w), *gb = up(b), *gdy = up(dy);
-  float *gy = up(Host(n * out)), *gdx = up(Host(n * in)), *gdw = up(dw0), *gdb = up(db0);
+  float *gy = up(unset(n * out)), *gdx = up(unset(n * in)), *gdw = up(dw0), *gdb = up(db0);
   gpu_->linear_forward(gx, gw, gb, gy, n, in, out);
   gpu_->linear_dgrad(gw, gdy, gdx, n, in, out);
   gpu_->linear_wgrad(gx, gdy, gdw, gdb, n, in, out);
@@ -213,7 +220,7 @@ TEST_F(CudaBackendTest, Fp16ConversionsAndWideningMatchTheHost) {
   gpu_->download(g16, got.data(), got.size() * 2);
   for (size_t i = 0; i < x.size(); ++i)
     ASSERT_EQ(got[i], float_to_fp16(x[i])) << "element " << i << " = " << x[i];
-  float* back = up(Host(x.size()));
+  float* back = up(unset(x.size()));
   gpu_->convert(g16, DType::kF16, back, DType::kF32, static_cast<int64_t>(x.size()));
   const Host wide = down(back, x.size());
   for (size_t i = 0; i < x.size(); ++i) {
@@ -268,9 +275,9 @@ TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
     cpu_->flash_attention_backward(host16(q), host16(kk), host16(v), host16(out), lse.data(),
                                    host16(dout), host16(dq), host16(dk), host16(dv), b, s, sk, hq,
                                    hk, d);
-    const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(Bf16(nq)),
-              gdq = up16(Bf16(nq)), gdk = up16(Bf16(nk)), gdv = up16(Bf16(nk));
-    float* glse = up(Host(lse.size()));
+    const Ptr gq = up16(q), gk = up16(kk), gv = up16(v), gdo = up16(dout), gout = up16(unset16(nq)),
+              gdq = up16(unset16(nq)), gdk = up16(unset16(nk)), gdv = up16(unset16(nk));
+    float* glse = up(unset(lse.size()));
     gpu_->flash_attention_forward(gq, gk, gv, gout, glse, b, s, sk, hq, hk, d);
     gpu_->flash_attention_backward(gq, gk, gv, gout, glse, gdo, gdq, gdk, gdv, b, s, sk, hq, hk, d);
     expect_close(down16(gout, out.size()), widen(out), "bf16 flash attention output" + at, 2e-2,
@@ -293,8 +300,9 @@ TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
                         rstd.data(), host16(dy), host16(dx), dg.data(),
                         layernorm ? db.data() : nullptr, n, h);
     const Ptr gx = up16(x), gg = up16(g), gbeta = layernorm ? up16(beta) : Ptr(), gdy = up16(dy),
-              gy = up16(Bf16(n * h)), gdx = up16(Bf16(n * h));
-    float *gmean = up(Host(n)), *grstd = up(Host(n)), *gdg = up(Host(h)), *gdb = up(Host(h));
+              gy = up16(unset16(n * h)), gdx = up16(unset16(n * h));
+    float *gmean = up(unset(n)), *grstd = up(unset(n)), *gdg = up(Host(h)),
+          *gdb = up(Host(h));  // added to
     gpu_->norm_forward(gx, gg, gbeta, gy, layernorm ? gmean : nullptr, grstd, n, h);
     gpu_->norm_backward(gx, gg, layernorm, layernorm ? gmean : nullptr, grstd, gdy, gdx, gdg,
                         layernorm ? gdb : nullptr, n, h);
@@ -310,8 +318,8 @@ TEST_F(CudaBackendTest, MixedPrecisionNativeKernelsMatchTheCpu) {
        sdx(rows * 2 * f);
   cpu_->swiglu(host16(sx), host16(sy), rows, f);
   cpu_->swiglu_backward(host16(sx), host16(sdy), host16(sdx), rows, f);
-  const Ptr gsx = up16(sx), gsdy = up16(sdy), gsy = up16(Bf16(sy.size())),
-            gsdx = up16(Bf16(sdx.size()));
+  const Ptr gsx = up16(sx), gsdy = up16(sdy), gsy = up16(unset16(sy.size())),
+            gsdx = up16(unset16(sdx.size()));
   gpu_->swiglu(gsx, gsy, rows, f);
   gpu_->swiglu_backward(gsx, gsdy, gsdx, rows, f);
   expect_close(down16(gsy, sy.size()), widen(sy), "bf16 swiglu", 2e-2, 2e-2);
@@ -363,8 +371,8 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
     Bf16& y2_or_0 = c > 0 ? y2 : y0;
     cpu_->split_columns3(host16(cols), host16(y0), host16(y1), host16(y2_or_0), n, a, bw, c);
     cpu_->concat_columns3(host16(y0), host16(y1), host16(y2_or_0), host16(back), n, a, bw, c);
-    const Ptr gcols = up16(cols), g0 = up16(Bf16(y0.size())), g1 = up16(Bf16(y1.size())),
-              g2 = c > 0 ? up16(Bf16(y2.size())) : g0, gback = up16(Bf16(back.size()));
+    const Ptr gcols = up16(cols), g0 = up16(unset16(y0.size())), g1 = up16(unset16(y1.size())),
+              g2 = c > 0 ? up16(unset16(y2.size())) : g0, gback = up16(unset16(back.size()));
     expect_native([&] { gpu_->split_columns3(gcols, g0, g1, g2, n, a, bw, c); }, "bf16 split");
     expect_native([&] { gpu_->concat_columns3(g0, g1, g2, gback, n, a, bw, c); }, "bf16 concat");
     expect_close(down16(g0, y0.size()), widen(y0), "bf16 split_columns3 (a)", 0, 0);
@@ -375,7 +383,7 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
   const int64_t t = 3, b = 2, s = 12, sw = 11;
   Bf16 full = narrow(random(b * s * sw, 75)), shards(full.size());
   cpu_->sequence_shard(host16(full), host16(shards), t, b, s, sw);
-  const Ptr gfull = up16(full), gsh = up16(Bf16(full.size())), gun = up16(Bf16(full.size()));
+  const Ptr gfull = up16(full), gsh = up16(unset16(full.size())), gun = up16(unset16(full.size()));
   expect_native([&] { gpu_->sequence_shard(gfull, gsh, t, b, s, sw); }, "bf16 sequence_shard");
   expect_native([&] { gpu_->sequence_unshard(gsh, gun, t, b, s, sw); }, "bf16 sequence_unshard");
   expect_close(down16(gsh, shards.size()), widen(shards), "bf16 sequence_shard", 0, 0);
@@ -406,7 +414,8 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
   const Host dtable0 = random(vl * h, 81), dpos0 = random((first + sl) * h, 82);
   Host dtable = dtable0, dpos = dpos0;
   cpu_->vocab_embedding_lookup(tokens.data(), host16(table), host16(emb), tokens_n, h, v0, vl);
-  const Ptr gtable = up16(table), gdy = up16(dy), gpos = up16(pos), gemb = up16(Bf16(emb.size()));
+  const Ptr gtable = up16(table), gdy = up16(dy), gpos = up16(pos),
+            gemb = up16(unset16(emb.size()));
   float *gdtable = up(dtable0), *gdpos = up(dpos0);
   expect_native(
       [&] { gpu_->vocab_embedding_lookup(tokens.data(), gtable, gemb, tokens_n, h, v0, vl); },
@@ -433,7 +442,7 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
   Host stats(tokens_n * k);
   cpu_->cross_entropy_stats(host16(logits), tokens.data(), stats.data(), tokens_n, vl, valid, v0);
   const Ptr glogits = up16(logits);
-  float* gstats = up(Host(stats.size()));
+  float* gstats = up(unset(stats.size()));
   expect_native(
       [&] { gpu_->cross_entropy_stats(glogits, tokens.data(), gstats, tokens_n, vl, valid, v0); },
       "bf16 cross-entropy statistics");
@@ -451,7 +460,7 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
     const double loss = cpu_->cross_entropy_finish(others.data(), ranks, host16(probs), lse.data(),
                                                    tokens_n, vl, valid);
     const Ptr gprobs = up16(logits0);
-    float *gothers = up(others), *glse = up(Host(tokens_n));
+    float *gothers = up(others), *glse = up(unset(tokens_n));
     double gloss = 0;
     expect_native(
         [&] {
@@ -478,7 +487,7 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
       const std::string in = at + ", " + std::to_string(cols) + " columns";
       const Bf16 x0(logits0.begin(), logits0.begin() + tokens_n * cols);
       const Ptr two = up16(x0), pair = up16(x0);
-      float *glse2 = up(Host(tokens_n)), *glse_pair = up(Host(tokens_n));
+      float *glse2 = up(unset(tokens_n)), *glse_pair = up(unset(tokens_n));
       const double loss2 =
           gpu_->cross_entropy_finish(gothers, ranks, two, glse2, tokens_n, cols, good);
       gpu_->cross_entropy_backward(two, tokens.data(), tokens_n, cols, v0, 0.5);
@@ -595,9 +604,9 @@ TEST_F(CudaBackendTest, AttentionPiecesMatchTheCpu) {
     cpu_->attention_scores_backward(q.data(), k.data(), dscores.data(), dq.data(), dk.data(), b, s,
                                     hq, hk, d);
     float *gq = up(q), *gk = up(k), *gv = up(v), *gdout = up(dout);
-    float *gp = up(Host(probs.size(), 7.0f)), *gctx = up(Host(ctx.size())),
-          *gdp = up(Host(dprobs.size())), *gdv = up(Host(dv.size(), 3.0f)),
-          *gds = up(Host(dscores.size())), *gdq = up(Host(dq.size())),
+    float *gp = up(Host(probs.size(), 7.0f)), *gctx = up(unset(ctx.size())),
+          *gdp = up(unset(dprobs.size())), *gdv = up(Host(dv.size(), 3.0f)),
+          *gds = up(unset(dscores.size())), *gdq = up(unset(dq.size())),
           *gdk = up(Host(dk.size(), 3.0f));
     gpu_->attention_scores(gq, gk, gp, b, s, hq, hk, d);
     expect_close(down(gp, scores.size()), scores, "attention scores" + at);
@@ -641,7 +650,7 @@ TEST_F(CudaBackendTest, FlashAttentionMatchesTheCpu) {
                                    dout.data(), dq.data(), dk.data(), dv.data(), c.b, c.s, c.sk,
                                    c.hq, c.hk, c.d);
     float *gq = up(q), *gk = up(k), *gv = up(v), *gdout = up(dout);
-    float *gout = up(Host(nq)), *glse = up(Host(nl)), *gdq = up(Host(nq, 5.0f)),
+    float *gout = up(unset(nq)), *glse = up(unset(nl)), *gdq = up(Host(nq, 5.0f)),
           *gdk = up(Host(nk, 5.0f)), *gdv = up(Host(nk, 5.0f));  // overwritten, not added to
     gpu_->flash_attention_forward(gq, gk, gv, gout, glse, c.b, c.s, c.sk, c.hq, c.hk, c.d);
     expect_close(down(gout, nq), out, "flash attention output" + at);
@@ -672,8 +681,8 @@ TEST_F(CudaBackendTest, NormsMatchTheCpu) {
                         rstd.data(), dy.data(), dx.data(), dg.data(),
                         layernorm ? db.data() : nullptr, n, h);
     float *gx = up(x), *gg = up(g), *gbeta = up(beta), *gdy = up(dy);
-    float *gy = up(Host(n * h)), *gmean = up(Host(n)), *grstd = up(Host(n)), *gdx = up(Host(n * h)),
-          *gdg = up(dg0), *gdb = up(db0);
+    float *gy = up(unset(n * h)), *gmean = up(unset(n)), *grstd = up(unset(n)),
+          *gdx = up(unset(n * h)), *gdg = up(dg0), *gdb = up(db0);
     gpu_->norm_forward(gx, gg, layernorm ? gbeta : nullptr, gy, layernorm ? gmean : nullptr, grstd,
                        n, h);
     gpu_->norm_backward(gx, gg, layernorm, layernorm ? gmean : nullptr, grstd, gdy, gdx, gdg,
@@ -695,8 +704,8 @@ TEST_F(CudaBackendTest, ActivationsAndRotaryEmbeddingMatchTheCpu) {
   cpu_->gelu_backward(x.data(), dy.data(), dx.data(), n * 2 * f);
   cpu_->swiglu(x.data(), sy.data(), n, f);
   cpu_->swiglu_backward(x.data(), dy.data(), sdx.data(), n, f);
-  float *gx = up(x), *gdy = up(dy), *gy = up(Host(y.size())), *gdx = up(Host(dx.size())),
-        *gsy = up(Host(sy.size())), *gsdx = up(Host(sdx.size()));
+  float *gx = up(x), *gdy = up(dy), *gy = up(unset(y.size())), *gdx = up(unset(dx.size())),
+        *gsy = up(unset(sy.size())), *gsdx = up(unset(sdx.size()));
   gpu_->gelu(gx, gy, n * 2 * f);
   gpu_->gelu_backward(gx, gdy, gdx, n * 2 * f);
   gpu_->swiglu(gx, gsy, n, f);
@@ -722,8 +731,8 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
   Host y0(n * a), y1(n * bw), y2(n * c), back(n * w);
   cpu_->split_columns3(x.data(), y0.data(), y1.data(), y2.data(), n, a, bw, c);
   cpu_->concat_columns3(y0.data(), y1.data(), y2.data(), back.data(), n, a, bw, c);
-  float *gx = up(x), *g0 = up(Host(y0.size())), *g1 = up(Host(y1.size())),
-        *g2 = up(Host(y2.size())), *gback = up(Host(back.size()));
+  float *gx = up(x), *g0 = up(unset(y0.size())), *g1 = up(unset(y1.size())),
+        *g2 = up(unset(y2.size())), *gback = up(unset(back.size()));
   gpu_->split_columns3(gx, g0, g1, g2, n, a, bw, c);
   gpu_->concat_columns3(g0, g1, g2, gback, n, a, bw, c);
   expect_close(down(g1, y1.size()), y1, "split_columns3", 0, 0);
@@ -734,7 +743,7 @@ TEST_F(CudaBackendTest, GlueKernelsMatchTheCpu) {
   Host shards(full.size()), unsharded(full.size());
   cpu_->sequence_shard(full.data(), shards.data(), t, b, s, width);
   cpu_->sequence_unshard(shards.data(), unsharded.data(), t, b, s, width);
-  float *gfull = up(full), *gsh = up(Host(full.size())), *gun = up(Host(full.size()));
+  float *gfull = up(full), *gsh = up(unset(full.size())), *gun = up(unset(full.size()));
   gpu_->sequence_shard(gfull, gsh, t, b, s, width);
   gpu_->sequence_unshard(gsh, gun, t, b, s, width);
   expect_close(down(gsh, shards.size()), shards, "sequence_shard", 0, 0);
@@ -796,7 +805,7 @@ void CudaBackendTest::moe_row_moves(int64_t h, int64_t k) {
   for (const float* w : {static_cast<const float*>(nullptr), w_row.data()}) {
     Host want(rows * h);
     cpu_->gather_rows(x.data(), token.data(), w, want.data(), rows, h);
-    float* got = up(Host(rows * h));
+    float* got = up(unset(rows * h));
     gpu_->gather_rows(gx, token.data(), w, got, rows, h);
     expect_close(down(got, want.size()), want, w ? "gather_rows, scaled" : "gather_rows", 0, 0);
   }
@@ -809,7 +818,7 @@ void CudaBackendTest::moe_row_moves(int64_t h, int64_t k) {
   }
   Host want(rows);
   cpu_->row_dots(x.data(), token.data(), y.data(), want.data(), rows, h);
-  float* got = up(Host(rows));
+  float* got = up(unset(rows));
   gpu_->row_dots(gx, token.data(), gy, got, rows, h);
   expect_close(down(got, rows), want, "row_dots", 1e-6, 1e-6);
   gpu_->gather_rows(gx, token.data(), nullptr, got, 0, h);  // no rows: nothing runs
@@ -820,7 +829,7 @@ void CudaBackendTest::moe_row_moves(int64_t h, int64_t k) {
   for (const float* w : {static_cast<const float*>(nullptr), w_row.data()}) {
     Bf16 want16(rows * h);
     cpu_->gather_rows(host16(x16), token.data(), w, host16(want16), rows, h);
-    const Ptr got16 = up16(Bf16(rows * h));
+    const Ptr got16 = up16(unset16(rows * h));
     gpu_->gather_rows(gx16, token.data(), w, got16, rows, h);
     expect_close(down16(got16, rows * h), widen(want16), w ? "bf16 gather, scaled" : "bf16 gather",
                  0, 0);
@@ -851,7 +860,7 @@ TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
   for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
   const Host table = random(vl * h, 51), dy = random(n * h, 52), pos = random(40 * h, 53);
   Host y(n * h), dtable = random(vl * h, 54), dpos = random(40 * h, 55);
-  float *gtable = up(table), *gy = up(Host(n * h)), *gdy = up(dy), *gdtable = up(dtable),
+  float *gtable = up(table), *gy = up(unset(n * h)), *gdy = up(dy), *gdtable = up(dtable),
         *gpos = up(pos), *gdpos = up(dpos);
   cpu_->vocab_embedding_lookup(tokens.data(), table.data(), y.data(), n, h, v0, vl);
   cpu_->vocab_embedding_grad(tokens.data(), dy.data(), dtable.data(), n, h, v0, vl);
@@ -866,7 +875,7 @@ TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
   expect_close(down(gdpos, dpos.size()), dpos, "position gradient");
 
   Host logits = random(n * vl, 56, -5, 5), stats(n * 3), lse(n);
-  float *glogits = up(logits), *gstats = up(Host(n * 3)), *glse = up(Host(n));
+  float *glogits = up(logits), *gstats = up(unset(n * 3)), *glse = up(unset(n));
   cpu_->cross_entropy_stats(logits.data(), tokens.data(), stats.data(), n, vl, valid, v0);
   gpu_->cross_entropy_stats(glogits, tokens.data(), gstats, n, vl, valid, v0);
   expect_close(down(gstats, stats.size()), stats, "cross-entropy statistics");
@@ -891,8 +900,9 @@ TEST_F(CudaBackendTest, Bf16EmbeddingAndPositionsAreTheCpusBits) {
   for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
   for (const int64_t h : {24, 13}) {
     SCOPED_TRACE("h = " + std::to_string(h));
+    // y starts as garbage: the lookup must write every element, the zeros off the shard too.
     Bf16 table = narrow(random(vl * h, 58)), pos = narrow(random(40 * h, 59)),
-         dy = narrow(random(n * h, 60)), y(n * h);
+         dy = narrow(random(n * h, 60)), y = narrow(random(n * h, 62));
     Host dpos = random(40 * h, 61);
     const Ptr gtable = up16(table), gpos = up16(pos), gdy = up16(dy), gy = up16(y);
     float* gdpos = up(dpos);
@@ -1088,7 +1098,7 @@ TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
         const Host x = random(n * h, 100), g = random(h, 101), beta = random(h, 102),
                    dy = random(n * h, 103), acc = random(n * h, 104), dg0 = random(h, 105);
         Host mean(n), rstd(n), dg = dg0, db = dg0;
-        float *gmean = up(Host(n)), *grstd = up(Host(n)), *gdg = up(dg0), *gdb = up(dg0);
+        float *gmean = up(unset(n)), *grstd = up(unset(n)), *gdg = up(dg0), *gdb = up(dg0);
         float* const cmean = layernorm ? mean.data() : nullptr;
         float* const gm = layernorm ? gmean : nullptr;
         Host got, want;
@@ -1101,7 +1111,7 @@ TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
                                   host16(hdy), host16(hacc), dg.data(),
                                   layernorm ? db.data() : nullptr, n, h);
           const Ptr gx = up16(narrow(x)), gg = up16(hg), gdy = up16(hdy), gacc = up16(narrow(acc)),
-                    gy = up16(Bf16(hy.size()));
+                    gy = up16(unset16(hy.size()));
           gpu_->norm_forward(gx, gg, layernorm ? up16(hb) : Ptr(), gy, gm, grstd, n, h);
           expect_native(
               [&] {
@@ -1116,7 +1126,7 @@ TEST_F(CudaBackendTest, NormBackwardAddMatchesTheCpusTwoCalls) {
                              rstd.data(), n, h);
           cpu_->norm_backward_add(x.data(), g.data(), layernorm, cmean, rstd.data(), dy.data(),
                                   hacc.data(), dg.data(), layernorm ? db.data() : nullptr, n, h);
-          float *gx = up(x), *gg = up(g), *gacc = up(acc), *gy = up(Host(n * h));
+          float *gx = up(x), *gg = up(g), *gacc = up(acc), *gy = up(unset(n * h));
           gpu_->norm_forward(gx, gg, layernorm ? up(beta) : nullptr, gy, gm, grstd, n, h);
           gpu_->norm_backward_add(gx, gg, layernorm, gm, grstd, up(dy), gacc, gdg,
                                   layernorm ? gdb : nullptr, n, h);
@@ -1152,13 +1162,13 @@ TEST_F(CudaBackendTest, GeluBackwardWithBiasGradMatchesTheCpusTwoCalls) {
         Host dx32(n);
         cpu_->gelu_backward_bias_grad(widen(hx).data(), widen(hdy).data(), dx32.data(), db.data(),
                                       rows, width);
-        const Ptr gx = up16(hx), gdy = up16(hdy), gdx = up16(Bf16(hdx.size()));
+        const Ptr gx = up16(hx), gdy = up16(hdy), gdx = up16(unset16(hdx.size()));
         expect_native([&] { gpu_->gelu_backward_bias_grad(gx, gdy, gdx, gdb, rows, width); }, what);
         got = down16(gdx, static_cast<size_t>(n)), want = widen(hdx);
       } else {
         Host dx(n);
         cpu_->gelu_backward_bias_grad(x.data(), dy.data(), dx.data(), db.data(), rows, width);
-        float* gdx = up(Host(n));
+        float* gdx = up(unset(n));
         gpu_->gelu_backward_bias_grad(up(x), up(dy), gdx, gdb, rows, width);
         got = down(gdx, static_cast<size_t>(n)), want = dx;
       }
@@ -1187,8 +1197,8 @@ TEST_F(CudaBackendTest, ResidualAddBackwardIsBiasGradAndTwoCopies) {
         float *gdb = up(db0), *gdb_apart = up(db0);
         Host want = dout, got_r, got_p;
         const Ptr gd = bf16 ? up16(narrow(dout)) : Ptr(up(dout));
-        const Ptr gr = bf16 ? up16(Bf16(static_cast<size_t>(n))) : Ptr(up(Host(n)));
-        const Ptr gp = bf16 ? up16(Bf16(static_cast<size_t>(n))) : Ptr(up(Host(n)));
+        const Ptr gr = bf16 ? up16(unset16(static_cast<size_t>(n))) : Ptr(up(unset(n)));
+        const Ptr gp = bf16 ? up16(unset16(static_cast<size_t>(n))) : Ptr(up(unset(n)));
         if (bf16) {
           Bf16 hd = narrow(dout), hr(static_cast<size_t>(n)), hp(static_cast<size_t>(n));
           cpu_->residual_add_backward(host16(hd), host16(hr), host16(hp),

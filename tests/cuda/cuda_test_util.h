@@ -42,13 +42,16 @@ inline std::vector<float> from_bf16(const std::vector<uint16_t>& x) {
   return y;
 }
 
-// A cudaMalloc'd array of n T, freed on destruction.
+// A cudaMalloc'd array of n T, freed on destruction. Made from a size it starts as all-ones bytes
+// (NaN in every float type): an output that a kernel must write whole, so an element it leaves
+// unwritten fails the comparison instead of passing as a zero. A buffer that a kernel adds to
+// starts from host values (the second constructor).
 template <typename T>
 class DeviceBuffer {
  public:
   explicit DeviceBuffer(size_t n) : n_(n) {
     PTDP_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), sizeof(T) * (n ? n : 1)));
-    PTDP_CUDA_CHECK(cudaMemset(p_, 0, sizeof(T) * (n ? n : 1)));
+    PTDP_CUDA_CHECK(cudaMemset(p_, 0xff, sizeof(T) * (n ? n : 1)));
   }
   // From host data of the same element size (bf16 buffers take uint16_t bit patterns).
   template <typename H>

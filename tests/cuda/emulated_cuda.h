@@ -40,6 +40,11 @@
 #include <stdexcept>
 #include <vector>
 
+// Under AddressSanitizer (the emulated tests' ASan build, docs/reliability.md) every switch
+// between stacks is announced to it, so that it knows which stack is live, and the pool of fiber
+// stacks is unpoisoned before reuse (a fiber abandoned mid-call leaves its frames' red zones).
+#include "tests/cuda/emulated_asan.h"
+
 #undef __global__
 #undef __device__
 #undef __forceinline__
@@ -102,13 +107,16 @@ constexpr size_t kStackBytes = 64 * 1024;
 
 // A fiber's saved state. On x86-64 its stack pointer, with the callee-saved registers pushed
 // on that stack (ptdp_emu_switch, tests/cuda/emulated_cuda_runtime.cc: no system call per
-// switch, unlike swapcontext's signal mask); elsewhere a ucontext.
+// switch, unlike swapcontext's signal mask); elsewhere a ucontext. Under ASan also its stack's
+// bounds (the calling thread's: learned at a fiber's first switch back).
 #if defined(__x86_64__)
 extern "C" void ptdp_emu_switch(void** save_sp, void* load_sp);
 struct Context {
   void* sp = nullptr;
+  const void* stack_bottom = nullptr;
+  size_t stack_bytes = 0;
 };
-inline void switch_to(Context& from, Context& to) {
+inline void raw_switch(Context& from, Context& to) {
   ptdp_emu_switch(&from.sp, to.sp);
 }
 inline void init_context(Context& c, char* stack, size_t bytes, void (*entry)()) {
@@ -118,12 +126,16 @@ inline void init_context(Context& c, char* stack, size_t bytes, void (*entry)())
   *--sp = reinterpret_cast<void*>(entry);       // where the first switch's ret goes
   for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
   c.sp = sp;
+  c.stack_bottom = stack;
+  c.stack_bytes = bytes;
 }
 #else
 struct Context {
   ucontext_t uc{};
+  const void* stack_bottom = nullptr;
+  size_t stack_bytes = 0;
 };
-inline void switch_to(Context& from, Context& to) {
+inline void raw_switch(Context& from, Context& to) {
   swapcontext(&from.uc, &to.uc);
 }
 // Out of line: getcontext returns twice, which would make the caller's variables suspect.
@@ -133,8 +145,22 @@ inline void switch_to(Context& from, Context& to) {
   c.uc.uc_stack.ss_size = bytes;
   c.uc.uc_link = nullptr;
   makecontext(&c.uc, entry, 0);
+  c.stack_bottom = stack;
+  c.stack_bytes = bytes;
 }
 #endif
+// `last`: the fiber switching away has ended and is never resumed.
+inline void switch_to(Context& from, Context& to, bool last = false) {
+#ifdef PTDP_EMU_ASAN
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(last ? nullptr : &fake_stack, to.stack_bottom, to.stack_bytes);
+  raw_switch(from, to);
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+  (void)last;
+  raw_switch(from, to);
+#endif
+}
 
 struct Fiber {
   Context ctx;
@@ -351,6 +377,9 @@ inline char* stacks() {
 
 inline void fiber_main() {
   Block* b = current();
+#ifdef PTDP_EMU_ASAN  // the first switch here came from the block's calling thread
+  __sanitizer_finish_switch_fiber(nullptr, &b->main.stack_bottom, &b->main.stack_bytes);
+#endif
   (*b->body)();
   const AsyncCopies& a = b->async[b->cur];
   bool left = !a.open.empty();
@@ -358,10 +387,14 @@ inline void fiber_main() {
   b->copies_left = b->copies_left || left;
   Fiber& f = b->fibers[b->cur];
   f.wait = Wait::kDone;
-  switch_to(f.ctx, b->main);  // never resumed
+  switch_to(f.ctx, b->main, true);  // never resumed
 }
 inline void init_fiber(Fiber& f, int index) {
-  init_context(f.ctx, stacks() + static_cast<size_t>(index) * kStackBytes, kStackBytes, fiber_main);
+  char* stack = stacks() + static_cast<size_t>(index) * kStackBytes;
+#ifdef PTDP_EMU_ASAN
+  ASAN_UNPOISON_MEMORY_REGION(stack, kStackBytes);
+#endif
+  init_context(f.ctx, stack, kStackBytes, fiber_main);
 }
 
 // Runs `body` as every thread of block `idx` of a `grid` of blocks of `dim` threads.

@@ -11,6 +11,8 @@
 #include <map>
 #include <mutex>
 
+#include "tests/cuda/emulated_asan.h"
+
 namespace {
 
 // The live allocations (start -> bytes), so cudaPointerGetAttributes can tell device memory from
@@ -114,9 +116,17 @@ const char* cudaGetErrorString(cudaError_t e) {
   return e == cudaSuccess ? "no error" : "emulated CUDA error";
 }
 
+// 256-byte aligned, as cudaMalloc's are. Under ASan the padding past `bytes` is poisoned, so a
+// kernel that reads or writes past its buffer is stopped there, as compute-sanitizer's memcheck
+// would stop it on a GPU (a GPU itself would let it pass inside the allocation's granule).
 cudaError_t cudaMalloc(void** p, size_t bytes) {
-  *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+  const size_t padded = (bytes + 255) / 256 * 256 + 256;
+  *p = std::aligned_alloc(256, padded);
   if (!*p) return cudaErrorMemoryAllocation;
+  std::memset(*p, 0xff, bytes);  // NaN in every float type (initcheck: docs/reliability.md)
+#ifdef PTDP_EMU_ASAN
+  ASAN_POISON_MEMORY_REGION(static_cast<char*>(*p) + bytes, padded - bytes);
+#endif
   std::lock_guard<std::mutex> lock(allocations_mutex());
   allocations()[reinterpret_cast<std::uintptr_t>(*p)] = bytes;
   return cudaSuccess;

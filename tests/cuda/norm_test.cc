@@ -117,7 +117,8 @@ TEST(CudaNorm, GammaGradientIsBitwiseReproducible) {
   std::vector<std::vector<float>> runs;
   for (int i = 0; i < 2; ++i) {
     DeviceBuffer<bf16> dx(kN * kH);
-    DeviceBuffer<float> dg(kH), db(kH);
+    const std::vector<float> zeros(kH);
+    DeviceBuffer<float> dg(zeros), db(zeros);  // added to
     kernels::cuda::add_layernorm_backward(r.get(), g.get(), mean.get(), rstd.get(), dy.get(),
                                           nullptr, dx.get(), dg.get(), db.get(), kN, kH, nullptr);
     runs.push_back(dg.download());
