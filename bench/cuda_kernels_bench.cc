@@ -7,7 +7,9 @@
 // where no GPU is visible.
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
@@ -332,6 +334,46 @@ void BM_EmbeddingBackward(benchmark::State& state) {
   });
 }
 BENCHMARK(BM_EmbeddingBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
+
+// The table gradient on text-like tokens, at GPT-2-124M's shape (4096 tokens of hidden 768, one
+// shard of 50304): Zipf-distributed tokens (weight 1 / rank, rank = id, as BPE vocabularies
+// roughly order them; arg text 0), or byte-level text (ptdp tokenize: Zipf over the 256 byte
+// values; text 1). Arg kernel 0: embedding_backward's tile kernel, each 128-row tile's block
+// adding its hits 4 at a time; kernel 1: by grouped rows (ptdp run's CUDA backend; the grouping
+// on the host, group_token_rows, is done once and not timed). Bytes: the dy rows of the hits
+// read, each row hit read and written once in fp32; the same count for both kernels.
+void BM_EmbeddingTableGradText(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const bool rows = state.range(0) == 1, bytes_text = state.range(1) == 1;
+  constexpr int64_t n = 4096, h = 768, vl = 50304;
+  const int64_t ids = bytes_text ? 256 : vl;
+  std::vector<double> weight(static_cast<size_t>(ids));
+  for (int64_t r = 0; r < ids; ++r)
+    weight[static_cast<size_t>(r)] = 1.0 / static_cast<double>(r + 1);
+  std::discrete_distribution<int32_t> zipf(weight.begin(), weight.end());
+  std::mt19937 g(11);
+  std::vector<int32_t> tokens(n);
+  for (auto& t : tokens) t = zipf(g);
+  std::vector<int32_t> packed, count;
+  const int64_t m = kc::group_token_rows(tokens.data(), n, 0, vl, packed, count);
+  Buf d_tokens(n * 4), d_packed(packed.size() * 4), dy(n * h * 2), dtable(vl * h * 4);
+  PTDP_CUDA_CHECK(cudaMemcpy(d_tokens.p, tokens.data(), n * 4, cudaMemcpyHostToDevice));
+  PTDP_CUDA_CHECK(cudaMemcpy(d_packed.p, packed.data(), packed.size() * 4, cudaMemcpyHostToDevice));
+  state.counters["rows"] = static_cast<double>(m);
+  run(state, static_cast<double>(n) * h * 2 + static_cast<double>(m) * h * 8, 0, [&] {
+    if (rows)
+      kc::embedding_table_grad_rows(d_packed.as<int32_t>(), m, dy.as<bf16>(), dtable.as<float>(), h,
+                                    nullptr);
+    else
+      kc::embedding_backward(d_tokens.as<int32_t>(), dy.as<bf16>(), dtable.as<float>(), nullptr, 1,
+                             n, h, 0, vl, 0, nullptr);
+  });
+}
+BENCHMARK(BM_EmbeddingTableGradText)
+    ->ArgNames({"kernel", "text"})
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // The same forward pass as `ptdp run --bf16` makes it (runtime/cuda/fp32_kernels.h): the token
 // lookup (zeros off the shard: written, not read), then the positions added in place. Bytes: the

@@ -1,4 +1,8 @@
 // Token and position embedding kernels (kernels/cuda/embedding.h).
+#include <algorithm>
+#include <climits>
+#include <stdexcept>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/embedding.h"
 
@@ -63,6 +67,70 @@ __global__ void __launch_bounds__(kGradThreads, 2)
   add_token_rows_of_tile<kGradThreads>(tokens, dy, dtable, n, h, v0, vl, vectors);
 }
 
+// The table gradient by grouped rows (group_token_rows): thread (row k, vector) adds the row's dy
+// vectors in token order onto its fp32 sum, kRowHitsAhead rows' loads issued before their adds.
+constexpr int kRowHitsAhead = 8;
+struct GroupedRows {
+  const int32_t *rows, *offsets, *positions;
+  __device__ GroupedRows(const int32_t* packed, int64_t m)
+      : rows(packed), offsets(packed + m), positions(packed + 2 * m + 1) {}
+};
+template <typename T>
+__global__ void table_grad_rows_vec_kernel(const int32_t* packed, int64_t m, const T* dy,
+                                           float* dtable, int64_t h) {
+  const int64_t vecs = h / kVec;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid >= m * vecs) return;
+  const GroupedRows g(packed, m);
+  const int64_t k = tid / vecs, e = (tid - k * vecs) * kVec;
+  float* out = dtable + static_cast<int64_t>(g.rows[k]) * h + e;
+  float sum[kVec];
+  load8(out, sum);
+  const int32_t end = g.offsets[k + 1];
+  for (int32_t i = g.offsets[k]; i < end; i += kRowHitsAhead) {
+    float d[kRowHitsAhead][kVec];
+#pragma unroll
+    for (int j = 0; j < kRowHitsAhead; ++j)
+      if (i + j < end) load8(dy + static_cast<int64_t>(g.positions[i + j]) * h + e, d[j]);
+#pragma unroll
+    for (int j = 0; j < kRowHitsAhead; ++j)
+      if (i + j < end)
+        for (int q = 0; q < kVec; ++q) sum[q] += d[j][q];
+  }
+  store8(out, sum);
+}
+template <typename T>
+__global__ void table_grad_rows_kernel(const int32_t* packed, int64_t m, const T* dy, float* dtable,
+                                       int64_t h) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid >= m * h) return;
+  const GroupedRows g(packed, m);
+  const int64_t k = tid / h, c = tid - k * h;
+  float* out = dtable + static_cast<int64_t>(g.rows[k]) * h + c;
+  float sum = *out;
+  for (int32_t i = g.offsets[k]; i < g.offsets[k + 1]; ++i)
+    sum += as_float(dy[static_cast<int64_t>(g.positions[i]) * h + c]);
+  *out = sum;
+}
+
+template <typename T>
+void table_grad_rows(const int32_t* packed, int64_t m, const T* dy, float* dtable, int64_t h,
+                     cudaStream_t stream) {
+  if (m <= 0 || h <= 0) return;
+  constexpr int kThreadsPerBlock = 256;
+  if (vectorizable(h, {dy, dtable})) {
+    PTDP_KERNEL_LAUNCH(table_grad_rows_vec_kernel<T>, blocks_for(m * (h / kVec), kThreadsPerBlock),
+                       kThreadsPerBlock, 0, stream)
+    (packed, m, dy, dtable, h);
+    check_launch("embedding_table_grad_rows (8-element vectors)");
+    return;
+  }
+  PTDP_KERNEL_LAUNCH(table_grad_rows_kernel<T>, blocks_for(m * h, kThreadsPerBlock),
+                     kThreadsPerBlock, 0, stream)
+  (packed, m, dy, dtable, h);
+  check_launch("embedding_table_grad_rows");
+}
+
 // The position gradient 8 columns a thread (h a multiple of 8, dy and dpos 16-byte aligned),
 // the sequences summed in the same order as the scalar kernel.
 __global__ void embedding_pos_grad_vec_kernel(const bf16* dy, float* dpos, int64_t b, int64_t sl,
@@ -90,6 +158,61 @@ __global__ void embedding_pos_grad_kernel(const bf16* dy, float* dpos, int64_t b
 }
 
 }  // namespace
+
+int64_t group_token_rows(const int32_t* tokens, int64_t n, int64_t v0, int64_t vl,
+                         std::vector<int32_t>& packed, std::vector<int32_t>& count) {
+  if (n > INT_MAX) throw std::invalid_argument("group_token_rows: more than 2^31 - 1 tokens");
+  if (vl <= 0 || n <= 0) {
+    packed.assign(1, 0);
+    return 0;
+  }
+  if (static_cast<int64_t>(count.size()) < vl) count.resize(static_cast<size_t>(vl), 0);
+  // Counts; the rows hit, in the order first hit, into packed (m <= hits, so rows, offsets and
+  // positions fit in 2 hits + 1).
+  int64_t hits = 0, m = 0;
+  packed.resize(static_cast<size_t>(2 * std::min(n, vl) + n + 1));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = static_cast<int64_t>(tokens[i]) - v0;
+    if (t < 0 || t >= vl) continue;
+    if (count[t]++ == 0) packed[m++] = static_cast<int32_t>(t);
+    ++hits;
+  }
+  // The rows in increasing order: sorted, or read off the counts where that is cheaper.
+  if (static_cast<double>(m) * std::log2(static_cast<double>(m) + 2) < static_cast<double>(vl)) {
+    std::sort(packed.begin(), packed.begin() + m);
+  } else {
+    int64_t k = 0;
+    for (int64_t t = 0; t < vl; ++t)
+      if (count[t] > 0) packed[k++] = static_cast<int32_t>(t);
+  }
+  // Offsets, with count[] as each row's cursor; then the positions in token order.
+  int32_t* offsets = packed.data() + m;
+  int32_t* positions = offsets + m + 1;
+  int32_t at = 0;
+  for (int64_t k = 0; k < m; ++k) {
+    const int32_t t = packed[k], c = count[t];
+    offsets[k] = at;
+    count[t] = at;
+    at += c;
+  }
+  offsets[m] = at;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = static_cast<int64_t>(tokens[i]) - v0;
+    if (t >= 0 && t < vl) positions[count[t]++] = static_cast<int32_t>(i);
+  }
+  for (int64_t k = 0; k < m; ++k) count[packed[k]] = 0;
+  packed.resize(static_cast<size_t>(2 * m + 1 + hits));
+  return m;
+}
+
+void embedding_table_grad_rows(const int32_t* packed, int64_t m, const bf16* dy, float* dtable,
+                               int64_t h, cudaStream_t stream) {
+  table_grad_rows(packed, m, dy, dtable, h, stream);
+}
+void embedding_table_grad_rows(const int32_t* packed, int64_t m, const float* dy, float* dtable,
+                               int64_t h, cudaStream_t stream) {
+  table_grad_rows(packed, m, dy, dtable, h, stream);
+}
 
 void embedding_forward(const int32_t* tokens, const bf16* table, const bf16* pos, bf16* y,
                        int64_t b, int64_t sl, int64_t h, int64_t v0, int64_t vl, int64_t first,

@@ -18,6 +18,7 @@
 #include "kernels/cuda/activation.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/common.h"
+#include "kernels/cuda/embedding.h"
 #include "kernels/cuda/gemm.h"
 #include "kernels/cuda/grad_norm.h"
 #include "kernels/cuda/norm.h"
@@ -114,7 +115,7 @@ class CudaBackend final : public Backend {
     cudaStreamSynchronize(stream_);
     for (cudaEvent_t e : free_marks_) cudaEventDestroy(e);
     cudaFree(scratch_);
-    for (Staging* st : {&tokens_, &index_, &weight_}) cudaFree(st->p);
+    for (Staging* st : {&tokens_, &index_, &weight_, &grouped_rows_}) cudaFree(st->p);
     for (PinnedSlot& slot : pinned_) {
       if (slot.p) cudaFreeHost(slot.p);
       if (slot.copied) cudaEventDestroy(slot.copied);
@@ -574,7 +575,18 @@ class CudaBackend final : public Backend {
   }
   void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
                             int64_t h, int64_t v0, int64_t vl) override {
-    k::vocab_embedding_grad(device_tokens(tokens, n), dy, dtable, n, h, v0, vl, stream_);
+    table_grad_by_rows(tokens, dy, dtable, n, h, v0, vl);
+  }
+  // The table gradient by the rows the tokens hit, grouped here on the host where the tokens
+  // are (kernels/cuda/embedding.h): each row's hits summed in token order by its own threads.
+  template <class T>
+  void table_grad_by_rows(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
+                          int64_t v0, int64_t vl) {
+    const int64_t m = kc::group_token_rows(tokens, n, v0, vl, grouped_, row_counts_);
+    if (m == 0 || h <= 0) return;
+    const auto* packed = static_cast<const int32_t*>(
+        staged(grouped_rows_, grouped_.data(), sizeof(int32_t) * grouped_.size()));
+    kc::embedding_table_grad_rows(packed, m, dy, dtable, h, stream_);
   }
   void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h,
                      int64_t first) override {
@@ -703,7 +715,7 @@ class CudaBackend final : public Backend {
   bool native_vocab_embedding_grad(const int32_t* tokens, CPtr dy, float* dtable, int64_t n,
                                    int64_t h, int64_t v0, int64_t vl) override {
     if (!bf16(dy)) return false;
-    k::vocab_embedding_grad(device_tokens(tokens, n), b16(dy), dtable, n, h, v0, vl, stream_);
+    table_grad_by_rows(tokens, b16(dy), dtable, n, h, v0, vl);
     return true;
   }
   bool native_add_positions(Ptr x, CPtr pos, int64_t b, int64_t sl, int64_t h,
@@ -1055,6 +1067,8 @@ class CudaBackend final : public Backend {
   }
   void* scratch_ = nullptr;
   Staging tokens_, index_, weight_;
+  Staging grouped_rows_;                       // group_token_rows' packed arrays
+  std::vector<int32_t> grouped_, row_counts_;  // and its host arrays
 };
 
 }  // namespace

@@ -269,13 +269,6 @@ __global__ void embedding_lookup_k(const int32_t* tokens, const T* table, T* y, 
     y[i] = tok >= 0 && tok < vl ? table[tok * h + i % h] : store<T>(0.0f);
   }
 }
-// The table gradient by vocabulary tiles (kernels/cuda/common.cuh): deterministic, tokens in
-// order per row as on the CPU, no atomics. dtable is fp32.
-template <typename T>
-__global__ void embedding_grad_k(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
-                                 int64_t h, int64_t v0, int64_t vl, bool vectors) {
-  kernels::cuda::add_token_rows_of_tile<kThreads>(tokens, dy, dtable, n, h, v0, vl, vectors);
-}
 template <typename T>
 __global__ void add_positions_k(T* x, const T* pos, int64_t b, int64_t sl, int64_t h,
                                 int64_t first) {
@@ -1114,13 +1107,6 @@ void vocab_embedding_lookup_t(const int32_t* tokens, const T* table, T* y, int64
     PTDP_LAUNCH(embedding_lookup_k<T>, grid_for(n * h), tokens, table, y, n, h, v0, vl);
 }
 template <typename T>
-void vocab_embedding_grad_t(const int32_t* tokens, const T* dy, float* dtable, int64_t n, int64_t h,
-                            int64_t v0, int64_t vl, cudaStream_t st) {
-  if (h > 0 && vl > 0 && n > 0)
-    PTDP_LAUNCH(embedding_grad_k<T>, kernels::cuda::vocab_tiles(vl), tokens, dy, dtable, n, h, v0,
-                vl, kernels::cuda::vectorizable(h, {dy, dtable}));
-}
-template <typename T>
 void add_positions_t(T* x, const T* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                      cudaStream_t st) {
   if (b * sl * h <= 0) return;
@@ -1250,10 +1236,6 @@ void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int6
 void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
                             int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
   vocab_embedding_lookup_t(tokens, table, y, n, h, v0, vl, st);
-}
-void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
-                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
-  vocab_embedding_grad_t(tokens, dy, dtable, n, h, v0, vl, st);
 }
 void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st) {
@@ -1487,10 +1469,6 @@ void sequence_shard(const bf16* full, bf16* shards, int64_t t, int64_t b, int64_
 void vocab_embedding_lookup(const int32_t* tokens, const bf16* table, bf16* y, int64_t n, int64_t h,
                             int64_t v0, int64_t vl, cudaStream_t st) {
   vocab_embedding_lookup_t(tokens, table, y, n, h, v0, vl, st);
-}
-void vocab_embedding_grad(const int32_t* tokens, const bf16* dy, float* dtable, int64_t n,
-                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st) {
-  vocab_embedding_grad_t(tokens, dy, dtable, n, h, v0, vl, st);
 }
 void add_positions(bf16* x, const bf16* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st) {

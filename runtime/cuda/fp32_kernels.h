@@ -61,8 +61,6 @@ void sequence_shard(const float* full, float* shards, int64_t t, int64_t b, int6
 
 void vocab_embedding_lookup(const int32_t* tokens, const float* table, float* y, int64_t n,
                             int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
-void vocab_embedding_grad(const int32_t* tokens, const float* dy, float* dtable, int64_t n,
-                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
 void add_positions(float* x, const float* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st);
 void position_grad(const float* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,
@@ -175,8 +173,6 @@ void sequence_shard(const bf16* full, bf16* shards, int64_t t, int64_t b, int64_
                     cudaStream_t st);
 void vocab_embedding_lookup(const int32_t* tokens, const bf16* table, bf16* y, int64_t n, int64_t h,
                             int64_t v0, int64_t vl, cudaStream_t st);
-void vocab_embedding_grad(const int32_t* tokens, const bf16* dy, float* dtable, int64_t n,
-                          int64_t h, int64_t v0, int64_t vl, cudaStream_t st);
 void add_positions(bf16* x, const bf16* pos, int64_t b, int64_t sl, int64_t h, int64_t first,
                    cudaStream_t st);
 void position_grad(const bf16* dx, float* dpos, int64_t b, int64_t sl, int64_t h, int64_t first,

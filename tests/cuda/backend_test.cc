@@ -45,6 +45,17 @@ Host random(size_t n, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
 Host unset(size_t n) {
   return Host(n, std::numeric_limits<float>::quiet_NaN());
 }
+// Random tokens of a vocabulary of 131, with a shard's first and last rows (or the vocabulary's
+// last, where the shard runs past it), the row before it and a repeat among the first four.
+std::vector<int32_t> shard_tokens(int64_t n, uint32_t seed, int64_t v0, int64_t vl) {
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  std::mt19937 g(seed);
+  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  tokens[0] = tokens[3] = static_cast<int32_t>(v0);
+  tokens[1] = static_cast<int32_t>(std::min<int64_t>(v0 + vl, 131) - 1);
+  tokens[2] = static_cast<int32_t>(v0 - 1);
+  return tokens;
+}
 
 // One GPU backend for the whole program; tests add their arrays to it and read them back.
 class CudaBackendTest : public ::testing::Test {
@@ -406,9 +417,7 @@ TEST_F(CudaBackendTest, MixedPrecisionGlueEmbeddingAndCrossEntropyRunNatively) {
   // both logits and padding), token ids of a 131-token vocabulary inside and outside it, from
   // host memory; positions from 7 on.
   const int64_t tokens_n = 30, h = 13, v0 = 67, vl = 72, valid = 61, pb = 3, sl = 10, first = 7;
-  std::vector<int32_t> tokens(tokens_n);
-  std::mt19937 g(77);
-  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  const std::vector<int32_t> tokens = shard_tokens(tokens_n, 77, v0, vl);
   Bf16 table = narrow(random(vl * h, 78)), dy = narrow(random(tokens_n * h, 79)),
        pos = narrow(random((first + sl) * h, 80)), emb(tokens_n * h);
   const Host dtable0 = random(vl * h, 81), dpos0 = random((first + sl) * h, 82);
@@ -855,9 +864,7 @@ void CudaBackendTest::moe_row_moves(int64_t h, int64_t k) {
 // vocabulary, with targets inside and outside it; token ids come from host memory.
 TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
   const int64_t n = 30, h = 13, v0 = 67, vl = 64, valid = 62, b = 3, sl = 10;
-  std::vector<int32_t> tokens(n);
-  std::mt19937 g(50);
-  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  const std::vector<int32_t> tokens = shard_tokens(n, 50, v0, vl);
   const Host table = random(vl * h, 51), dy = random(n * h, 52), pos = random(40 * h, 53);
   Host y(n * h), dtable = random(vl * h, 54), dpos = random(40 * h, 55);
   float *gtable = up(table), *gy = up(unset(n * h)), *gdy = up(dy), *gdtable = up(dtable),
@@ -895,9 +902,7 @@ TEST_F(CudaBackendTest, VocabularyParallelEmbeddingAndCrossEntropyMatchTheCpu) {
 // add in fp32 and round, the position gradient adds the sequences in the same order).
 TEST_F(CudaBackendTest, Bf16EmbeddingAndPositionsAreTheCpusBits) {
   const int64_t n = 30, v0 = 67, vl = 64, b = 3, sl = 10, first = 7;
-  std::vector<int32_t> tokens(n);
-  std::mt19937 g(57);
-  for (auto& tk : tokens) tk = static_cast<int32_t>(g() % 131);
+  const std::vector<int32_t> tokens = shard_tokens(n, 57, v0, vl);
   for (const int64_t h : {24, 13}) {
     SCOPED_TRACE("h = " + std::to_string(h));
     // y starts as garbage: the lookup must write every element, the zeros off the shard too.
