@@ -342,18 +342,24 @@ BENCHMARK(BM_EmbeddingBackward)->UseManualTime()->Unit(benchmark::kMicrosecond);
 // adding its hits 4 at a time; kernel 1: by grouped rows (ptdp run's CUDA backend; the grouping
 // on the host, group_token_rows, is done once and not timed). Bytes: the dy rows of the hits
 // read, each row hit read and written once in fp32; the same count for both kernels.
-void BM_EmbeddingTableGradText(benchmark::State& state) {
-  if (!have_gpu(state)) return;
-  const bool rows = state.range(0) == 1, bytes_text = state.range(1) == 1;
-  constexpr int64_t n = 4096, h = 768, vl = 50304;
-  const int64_t ids = bytes_text ? 256 : vl;
+constexpr int64_t kTextTokens = 4096, kTextVocab = 50304;
+std::vector<int32_t> text_tokens(bool bytes_text) {
+  const int64_t ids = bytes_text ? 256 : kTextVocab;
   std::vector<double> weight(static_cast<size_t>(ids));
   for (int64_t r = 0; r < ids; ++r)
     weight[static_cast<size_t>(r)] = 1.0 / static_cast<double>(r + 1);
   std::discrete_distribution<int32_t> zipf(weight.begin(), weight.end());
   std::mt19937 g(11);
-  std::vector<int32_t> tokens(n);
+  std::vector<int32_t> tokens(kTextTokens);
   for (auto& t : tokens) t = zipf(g);
+  return tokens;
+}
+
+void BM_EmbeddingTableGradText(benchmark::State& state) {
+  if (!have_gpu(state)) return;
+  const bool rows = state.range(0) == 1;
+  constexpr int64_t n = kTextTokens, h = 768, vl = kTextVocab;
+  const std::vector<int32_t> tokens = text_tokens(state.range(1) == 1);
   std::vector<int32_t> packed, count;
   const int64_t m = kc::group_token_rows(tokens.data(), n, 0, vl, packed, count);
   Buf d_tokens(n * 4), d_packed(packed.size() * 4), dy(n * h * 2), dtable(vl * h * 4);
@@ -374,6 +380,20 @@ BENCHMARK(BM_EmbeddingTableGradText)
     ->ArgsProduct({{0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+
+// The host's part of the table gradient by rows (group_token_rows, on the CPU; no GPU needed),
+// on the same tokens: text 0 Zipf over 50304 ids, text 1 byte-level.
+void BM_GroupTokenRows(benchmark::State& state) {
+  const std::vector<int32_t> tokens = text_tokens(state.range(0) == 1);
+  std::vector<int32_t> packed, count;
+  int64_t m = 0;
+  for (auto _ : state) {
+    m = kc::group_token_rows(tokens.data(), kTextTokens, 0, kTextVocab, packed, count);
+    benchmark::DoNotOptimize(packed.data());
+  }
+  state.counters["rows"] = static_cast<double>(m);
+}
+BENCHMARK(BM_GroupTokenRows)->ArgName("text")->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 
 // The same forward pass as `ptdp run --bf16` makes it (runtime/cuda/fp32_kernels.h): the token
 // lookup (zeros off the shard: written, not read), then the positions added in place. Bytes: the
