@@ -68,7 +68,8 @@ __global__ void __launch_bounds__(kGradThreads, 2)
 }
 
 // The table gradient by grouped rows (group_token_rows): thread (row k, vector) adds the row's dy
-// vectors in token order onto its fp32 sum, kRowHitsAhead rows' loads issued before their adds.
+// vectors in token order onto its fp32 sum, kRowHitsAhead rows' loads issued before their adds
+// and the next kRowHitsAhead rows prefetched into L2 (a row of many hits is a chain of batches).
 constexpr int kRowHitsAhead = 8;
 struct GroupedRows {
   const int32_t *rows, *offsets, *positions;
@@ -88,6 +89,11 @@ __global__ void table_grad_rows_vec_kernel(const int32_t* packed, int64_t m, con
   load8(out, sum);
   const int32_t end = g.offsets[k + 1];
   for (int32_t i = g.offsets[k]; i < end; i += kRowHitsAhead) {
+    // The batch after this one asked of L2 now, so that its loads (a long row's next batch)
+    // wait on L2 rather than on memory.
+#pragma unroll
+    for (int j = kRowHitsAhead; j < 2 * kRowHitsAhead; ++j)
+      if (i + j < end) prefetch_l2(dy + static_cast<int64_t>(g.positions[i + j]) * h + e);
     float d[kRowHitsAhead][kVec];
 #pragma unroll
     for (int j = 0; j < kRowHitsAhead; ++j)
