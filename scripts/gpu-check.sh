@@ -9,7 +9,8 @@
 # The GPU tests also run under compute-sanitizer's memcheck and racecheck (shared-memory races),
 # without the long-sequence test.
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
-# capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex),
+# capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex; BENCH=0
+# skips the benchmark and summarises the bench.json already there),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
 # SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline (TORCH_DTYPES,
 # default "fp32 bf16", picks its precisions), BUILD_ONLY=1 to stop after the build, CURVE_CPU
@@ -265,9 +266,11 @@ if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
     echo $? >"$out/sanitizer-$tool.rc"
   done
 fi
-stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
-  --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
-  --benchmark_out_format=json >"$out/bench.log" 2>&1
+if [ "${BENCH:-1}" != 0 ]; then  # BENCH=0: scripts/gpu-session.sh ran it first
+  stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
+    --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
+    --benchmark_out_format=json >"$out/bench.log" 2>&1
+fi
 # The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs and
 # in bf16 autocast (Megatron's arithmetic, the speed target).
 if [ "${TORCH:-1}" != 0 ] && python3 -c "import torch" 2>/dev/null; then
