@@ -55,7 +55,7 @@ FlashKernel resolve(FlashKernel kernel, bool aligned) {
 void flash_attention_forward(const bf16* q, const bf16* k, const bf16* v, bf16* out, float* lse,
                              int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                              cudaStream_t stream, FlashKernel kernel) {
-  attention::check_shape(sq, sk, hq, hk, d);
+  attention::check_shape(b, sq, sk, hq, hk, d);
   if (b <= 0 || sq <= 0 || hq <= 0) return;
   const bool aligned = aligned16(q) && aligned16(k) && aligned16(v) && aligned16(out);
   if (resolve(kernel, aligned) == FlashKernel::kTensorCore)
@@ -68,7 +68,7 @@ void flash_attention_backward(const bf16* q, const bf16* k, const bf16* v, const
                               const float* lse, const bf16* dout, bf16* dq, bf16* dk, bf16* dv,
                               int64_t b, int64_t sq, int64_t sk, int64_t hq, int64_t hk, int64_t d,
                               cudaStream_t stream, FlashKernel kernel) {
-  attention::check_shape(sq, sk, hq, hk, d);
+  attention::check_shape(b, sq, sk, hq, hk, d);
   if (b <= 0 || sk <= 0 || hq <= 0) return;
   if (sq == 0) {  // no query sees a key: the key and value gradients are zero
     const size_t bytes = sizeof(bf16) * static_cast<size_t>(b * sk * hk * d);

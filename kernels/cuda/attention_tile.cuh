@@ -63,7 +63,11 @@ void mma_backward(const bf16* q, const bf16* k, const bf16* v, const bf16* out, 
 void launch_delta(const bf16* out, const bf16* dout, float* delta, int64_t b, int64_t s, int64_t hq,
                   int64_t d, cudaStream_t stream);
 
-inline void check_shape(int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d) {
+inline void check_shape(int64_t b, int64_t s, int64_t sk, int64_t hq, int64_t hk, int64_t d) {
+  // The launches put the sequences on the grid's z and the heads on its y.
+  if (b > 65535 || hq > 65535)
+    throw std::invalid_argument(
+        "flash attention: at most 65535 sequences (b) and query heads (hq) a call");
   if (d != 64 && d != 128)
     throw std::invalid_argument("flash attention: head dimension d must be 64 or 128");
   if (hk <= 0 || hq % hk != 0)

@@ -448,7 +448,8 @@ void column_sum(F f, float* out, int64_t rows, int64_t cols, cudaStream_t stream
 // thread loads kColumnRowsAhead of its rows before it computes any of them: a load may not move
 // above a store that might alias it, so one row at a time left one row's loads in flight a thread
 // (bias + GELU backward, its column sum fused, moved 50% of an H200's copy bandwidth). Each
-// column sums the same rows in the same order as column_sum, so the two agree to the bit.
+// column sums the same rows in the same order as column_sum (on the host, to the bit; on a GPU
+// nvcc may contract a functor's product into the add differently in the two, a last bit).
 constexpr int kColumnRowsAhead = 4;
 template <typename F>
 __global__ void column_partials_vec_kernel(F f, float* partial, int64_t rows, int64_t cols,

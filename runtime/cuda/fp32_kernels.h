@@ -30,7 +30,8 @@ using bf16 = kernels::cuda::bf16;
 
 void add(float* y, const float* x, int64_t n, cudaStream_t st);
 // The MoE row moves (Backend::gather_rows, gather_add_rows, row_dots), index and weight arrays
-// in device memory; the bf16 forms are below.
+// in device memory; the bf16 forms are below. gather_rows' y must not alias x (its blocks read
+// rows that others write).
 void gather_rows(const float* x, const int64_t* index, const float* weight, float* y, int64_t rows,
                  int64_t h, cudaStream_t st);
 void gather_add_rows(const float* y, const int64_t* index, const float* weight, float* out,

@@ -131,6 +131,10 @@ TEST(CudaFlashAttention, RejectsUnsupportedShapesBeforeTouchingTheDevice) {
   EXPECT_THROW(kernels::cuda::flash_attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr,
                                                       1, 9, 8, 2, 2, 64, nullptr),
                std::invalid_argument);
+  // More sequences than the grid's z takes (the launch would fail on a GPU, not in the emulation).
+  EXPECT_THROW(kernels::cuda::flash_attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                      65536, 8, 8, 2, 2, 64, nullptr),
+               std::invalid_argument);
 }
 
 }  // namespace
