@@ -480,9 +480,13 @@ inline void run_block(Dim grid, Dim idx, Dim dim, size_t dynamic_smem_bytes,
   current() = saved;
 }
 
-// Every block of a grid in order.
+// Every block of a grid in order. A grid past CUDA's limits (x below 2^31, y and z at most
+// 65535), which a GPU refuses to launch, is refused here too.
 inline void launch(Dim grid, Dim block, size_t dynamic_smem_bytes,
                    const std::function<void()>& body) {
+  if (grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
+    throw std::invalid_argument(
+        "emulated launch: grid beyond CUDA's limits (invalid configuration)");
   for (unsigned z = 0; z < grid.z; ++z)
     for (unsigned y = 0; y < grid.y; ++y)
       for (unsigned x = 0; x < grid.x; ++x)
