@@ -73,7 +73,8 @@ stage check 120 env BENCH=0 SANITIZE="${SANITIZE:-0}" TORCH="${TORCH:-1}" \
   TORCH_DTYPES="${TORCH_DTYPES:-bf16}" NCCL_DIAGNOSE="${NCCL_DIAGNOSE:-0}" \
   STAGE_TIMEOUT="${STAGE_TIMEOUT:-90}" scripts/gpu-check.sh "$build"
 
-# The benchmarks under 70% of this run's copy bandwidth, for Nsight Compute.
+# The benchmarks under 70% of this run's copy bandwidth, for Nsight Compute (not the table
+# gradient's comparison on text-like tokens, which no kernel can bring to the copy's rate).
 flagged=$(python3 - "$build/gpu-check/bench.json" <<'PY' 2>/dev/null
 import json, sys
 benches = json.load(open(sys.argv[1]))["benchmarks"]
@@ -81,6 +82,7 @@ copy = next((b["bytes/s"] for b in benches if b["name"].startswith("BM_DeviceCop
 if copy:
     print(" ".join(b["name"].replace("/manual_time", "") for b in benches
                    if "bytes/s" in b and not b["name"].startswith("BM_DeviceCopy")
+                   and not b["name"].startswith("BM_EmbeddingTableGradText")
                    and b["bytes/s"] < 0.7 * copy))
 PY
 )
