@@ -145,6 +145,7 @@ __global__ void embedding_pos_grad_vec_kernel(const bf16* dy, float* dpos, int64
   if (idx >= sl * h) return;
   const int64_t j = idx / h, e = idx % h;
   float s[kVec] = {};
+#pragma unroll 4  // 4 sequences' loads issued before their adds (in order: the same sums)
   for (int64_t bi = 0; bi < b; ++bi) {
     float v[kVec];
     load8(dy + (bi * sl + j) * h + e, v);

@@ -311,6 +311,7 @@ __global__ void position_grad_vec_k(const bf16* dx, float* dpos, int64_t b, int6
     const int64_t j = i / hv, e = (i - j * hv) * kVec;
     float acc[kVec];
     kernels::cuda::load8(dpos + (first + j) * h + e, acc);
+#pragma unroll 4  // 4 sequences' loads issued before their adds (in order: the same sums)
     for (int64_t bi = 0; bi < b; ++bi) {
       float v[kVec];
       kernels::cuda::load8(dx + (bi * sl + j) * h + e, v);
