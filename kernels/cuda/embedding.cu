@@ -174,8 +174,8 @@ int64_t group_token_rows(const int32_t* tokens, int64_t n, int64_t v0, int64_t v
     return 0;
   }
   if (static_cast<int64_t>(count.size()) < vl) count.resize(static_cast<size_t>(vl), 0);
-  // Counts; the rows hit, in the order first hit, into packed (m <= hits, so rows, offsets and
-  // positions fit in 2 hits + 1).
+  // Counts; the rows hit, in the order first hit, into packed (m <= min(n, vl) rows and
+  // hits <= n positions: rows, offsets and positions fit in 2 min(n, vl) + n + 1).
   int64_t hits = 0, m = 0;
   packed.resize(static_cast<size_t>(2 * std::min(n, vl) + n + 1));
   for (int64_t i = 0; i < n; ++i) {
