@@ -7,7 +7,6 @@
 // where no GPU is visible.
 #include <benchmark/benchmark.h>
 
-#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>

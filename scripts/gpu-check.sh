@@ -10,7 +10,8 @@
 # without the long-sequence test.
 # Usage: scripts/gpu-check.sh [build-dir]   Environment: CUDA_ARCH (default: the GPU's compute
 # capability, e.g. 90), JOBS (default: nproc), BENCH_FILTER (a --benchmark_filter regex; BENCH=0
-# skips the benchmark and summarises the bench.json already there),
+# skips the benchmark and summarises the bench.json already there, BENCH_ONLY=1 builds, runs it
+# alone and stops),
 # SANITIZE=0 to skip compute-sanitizer, STAGE_TIMEOUT (default 300 s) bounds each program run,
 # SANITIZE_TOOLS (default "memcheck racecheck"), TORCH=0 to skip the PyTorch baseline (TORCH_DTYPES,
 # default "fp32 bf16", picks its precisions), BUILD_ONLY=1 to stop after the build, CURVE_CPU
@@ -75,6 +76,18 @@ mkdir -p "$out"
 # Every program below runs under a bound: a hang in one is reported (timeout's status 124) and
 # the rest still run.
 stage() { timeout --kill-after=10 "${STAGE_TIMEOUT:-300}" "$@"; }
+bench() {
+  stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
+    --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
+    --benchmark_out_format=json >"$out/bench.log" 2>&1
+}
+# BENCH_ONLY=1: the kernel benchmark alone, then stop (scripts/gpu-session.sh runs it first).
+if [ "${BENCH_ONLY:-0}" = 1 ]; then
+  rc=0
+  bench || rc=$?
+  tail -n 60 "$out/bench.log"
+  exit $rc
+fi
 
 # When the NCCL tests fail: each test in a process of its own (a crash ends only its own), then
 # NCCL alone (tests/cuda/nccl_smoke.cc, no ptdp code) blocking and not, with and without a
@@ -266,11 +279,7 @@ if [ "${SANITIZE:-1}" != 0 ] && [ -x "$sanitizer" ]; then
     echo $? >"$out/sanitizer-$tool.rc"
   done
 fi
-if [ "${BENCH:-1}" != 0 ]; then  # BENCH=0: scripts/gpu-session.sh ran it first
-  stage "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
-    --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$out/bench.json" \
-    --benchmark_out_format=json >"$out/bench.log" 2>&1
-fi
+[ "${BENCH:-1}" != 0 ] && bench  # BENCH=0: scripts/gpu-session.sh ran it first
 # The same model in PyTorch on the same GPU, eager and compiled, in fp32 as the backend runs and
 # in bf16 autocast (Megatron's arithmetic, the speed target).
 if [ "${TORCH:-1}" != 0 ] && python3 -c "import torch" 2>/dev/null; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU session of this project in one device call (docs/gpu.md, "What is left"): the build,
+# A GPU session of this project in one device call (docs/gpu.md, "What is left"): the build and
 # the kernel benchmark (first: issue 11's open item is its figures), every GPU test and GPT-2 run
 # with the summary table (scripts/gpu-check.sh), Nsight Compute over the kernels the benchmark
 # finds under issue 11's 70% of the copy bandwidth (scripts/gpu-profile.sh), and the calibrate ->
@@ -28,9 +28,8 @@ left() { echo $((deadline - $(date +%s) - reserve)); }
 # stage NAME MIN_SECONDS COMMAND...: runs COMMAND under what is left of the budget, if at least
 # MIN_SECONDS are; its output goes to $out/NAME.log and, last lines, to the terminal.
 stage() {
-  local name=$1 need=$2 t0 rc
+  local name=$1 need=$2 t0 rc have
   shift 2
-  local have
   have=$(left)
   if [ "$have" -lt "$need" ]; then
     summary+=("$(printf '%-8s skipped: %s s left, %s needed' "$name" "$have" "$need")")
@@ -63,12 +62,8 @@ collect() {
 }
 trap collect EXIT
 
-stage build 60 env BUILD_ONLY=1 JOBS="${JOBS:-$(nproc)}" scripts/gpu-check.sh "$build"
-# The kernel benchmark first: issue 11's open item is its figures.
-mkdir -p "$build/gpu-check"
-stage bench 60 "$build/bench/cuda_kernels_bench" --benchmark_min_time=0.2 \
-  --benchmark_filter="${BENCH_FILTER:-.}" --benchmark_out="$build/gpu-check/bench.json" \
-  --benchmark_out_format=json
+# The build and the kernel benchmark first: issue 11's open item is its figures.
+stage bench 120 env BENCH_ONLY=1 JOBS="${JOBS:-$(nproc)}" scripts/gpu-check.sh "$build"
 stage check 120 env BENCH=0 SANITIZE="${SANITIZE:-0}" TORCH="${TORCH:-1}" \
   TORCH_DTYPES="${TORCH_DTYPES:-bf16}" NCCL_DIAGNOSE="${NCCL_DIAGNOSE:-0}" \
   STAGE_TIMEOUT="${STAGE_TIMEOUT:-90}" scripts/gpu-check.sh "$build"

@@ -118,23 +118,7 @@ inline bool vectorizable(int64_t cols, std::initializer_list<const void*> pointe
   return true;
 }
 
-// ---- the embedding table's gradient, deterministic and without atomics ----
-// Block b owns table rows [b kVocabTile, (b + 1) kVocabTile) of the vocabulary shard [v0, v0 +
-// vl). It scans the n tokens in order, kBlock * kTokensPerThread at a time, and compacts the
-// positions whose token falls in its tile into a list in shared memory, in token order (a scan
-// of the threads' counts by warp shuffles, then across the warps). When the list might not take
-// another chunk, and at the end, it adds the dy row of each listed position to its table row,
-// in list order, so every table row sums its tokens in order, as the CPU does. dtable is fp32;
-// dy is T (fp32 or bf16). blockDim.x must be kBlock.
-// With `vectors` (h a multiple of 8, dy and dtable 16-byte aligned: vectorizable(h, {dy,
-// dtable})) a thread takes 8 columns of kHitGroup listed rows at once: every load of the group
-// (one or two 16-byte loads of dy a row, two float4 of dtable) is issued before any add, and a
-// row that recurs in the group continues from its earlier sum in registers, so the adds and
-// their order are the same as one row at a time. (The kernel before this one walked all kBlock
-// slots of every chunk that held a hit, one shared-memory read each, and added one row at a
-// time: on an H200 the bench's embedding forward and backward moved 28% of the copy bandwidth.)
-constexpr int64_t kVocabTile = 128;
-constexpr int kTokensPerThread = 4, kHitGroup = 4;
+// 8 columns as fp32: loaded from bf16 or fp32, stored or added to fp32 (16-byte aligned).
 __device__ inline void load8(const bf16* p, float (&v)[kVec]) {
   const Bf16x8 a = *reinterpret_cast<const Bf16x8*>(p);
   for (int e = 0; e < kVec; ++e) v[e] = as_float(a.v[e]);
@@ -157,111 +141,6 @@ __device__ inline void add8(float* out, const float (&v)[kVec]) {
   o[0] = a, o[1] = b;
 }
 
-// Adds the dy rows at positions pos[0..count) to table rows row[0..count), in list order.
-template <int kBlock, typename T>
-__device__ void add_listed_rows(const int64_t* pos, const int32_t* row, int count, const T* dy,
-                                float* dtable, int64_t h, bool vectors) {
-  if (!vectors) {
-    for (int j = 0; j < count; ++j) {
-      float* out = dtable + static_cast<int64_t>(row[j]) * h;
-      const T* in = dy + pos[j] * h;
-      for (int64_t e = threadIdx.x; e < h; e += kBlock) out[e] += as_float(in[e]);
-    }
-    return;
-  }
-  for (int g = 0; g < count; g += kHitGroup) {
-    const int m = count - g < kHitGroup ? count - g : kHitGroup;
-    int64_t p[kHitGroup];
-    int32_t r[kHitGroup];
-#pragma unroll
-    for (int j = 0; j < kHitGroup; ++j) {
-      p[j] = j < m ? pos[g + j] : 0;
-      r[j] = j < m ? row[g + j] : -1;
-    }
-    for (int64_t e = threadIdx.x * kVec; e < h; e += kBlock * kVec) {
-      float d[kHitGroup][kVec] = {}, t[kHitGroup][kVec] = {};
-#pragma unroll
-      for (int j = 0; j < kHitGroup; ++j) {
-        if (j >= m) continue;
-        load8(dy + p[j] * h + e, d[j]);
-        load8(dtable + static_cast<int64_t>(r[j]) * h + e, t[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kHitGroup; ++j) {
-        if (j >= m) continue;
-#pragma unroll
-        for (int k = 0; k < j; ++k)  // the latest earlier entry of the same row holds its sum
-          if (r[k] == r[j])
-            for (int q = 0; q < kVec; ++q) t[j][q] = t[k][q];
-        for (int q = 0; q < kVec; ++q) t[j][q] += d[j][q];
-      }
-#pragma unroll
-      for (int j = 0; j < kHitGroup; ++j)  // in order: a repeated row's last store has its sum
-        if (j < m) store8(dtable + static_cast<int64_t>(r[j]) * h + e, t[j]);
-    }
-  }
-}
-
-template <int kBlock, typename T>
-__device__ void add_token_rows_of_tile(const int32_t* tokens, const T* dy, float* dtable, int64_t n,
-                                       int64_t h, int64_t v0, int64_t vl, bool vectors) {
-  constexpr int kChunk = kBlock * kTokensPerThread, kList = 2 * kChunk, kWarps = kBlock / 32;
-  __shared__ int64_t list_pos[kList];
-  __shared__ int32_t list_row[kList];
-  __shared__ int warp_hits[kWarps];
-  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const int64_t lo = static_cast<int64_t>(blockIdx.x) * kVocabTile;
-  const int64_t hi = lo + kVocabTile < vl ? lo + kVocabTile : vl;
-  int listed = 0;  // the same in every thread
-  int32_t tok[kTokensPerThread];
-  auto load_chunk = [&](int64_t base) {  // this thread's consecutive tokens of a chunk
-#pragma unroll
-    for (int q = 0; q < kTokensPerThread; ++q) {
-      const int64_t i = base + static_cast<int64_t>(threadIdx.x) * kTokensPerThread + q;
-      tok[q] = i < n ? tokens[i] : 0;
-    }
-  };
-  load_chunk(0);
-  for (int64_t base = 0; base < n; base += kChunk) {
-    int64_t mine[kTokensPerThread];  // a row of the tile, or -1
-    int count = 0;
-#pragma unroll
-    for (int q = 0; q < kTokensPerThread; ++q) {
-      const int64_t i = base + static_cast<int64_t>(threadIdx.x) * kTokensPerThread + q;
-      const int64_t t = static_cast<int64_t>(tok[q]) - v0;
-      mine[q] = i < n && t >= lo && t < hi ? t : -1;
-      count += mine[q] >= 0 ? 1 : 0;
-    }
-    if (base + kChunk < n) load_chunk(base + kChunk);  // in flight while this chunk is listed
-    int before = count;  // inclusive scan over the warp's lanes, then the warps before
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, before, o);
-      if (lane >= o) before += v;
-    }
-    if (lane == 31) warp_hits[warp] = before;
-    __syncthreads();
-    int total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      if (w < warp) before += warp_hits[w];
-      total += warp_hits[w];
-    }
-    int at = listed + before - count;
-#pragma unroll
-    for (int q = 0; q < kTokensPerThread; ++q)
-      if (mine[q] >= 0) {
-        list_pos[at] = base + static_cast<int64_t>(threadIdx.x) * kTokensPerThread + q;
-        list_row[at] = static_cast<int32_t>(mine[q]);
-        ++at;
-      }
-    listed += total;
-    __syncthreads();  // the list is complete; warp_hits may be rewritten
-    if (listed > kList - kChunk || base + kChunk >= n) {
-      add_listed_rows<kBlock>(list_pos, list_row, listed, dy, dtable, h, vectors);
-      listed = 0;
-      __syncthreads();  // the list is read before the next chunk rewrites it
-    }
-  }
-}
 // ---- a row's softmax statistics: this thread's running maximum m and sum s of exp(x - m) over
 // the logits [0, valid) of `row`, the block's threads taking turns; with `vectors` (the row
 // 16-byte aligned) 8 logits a 16-byte load, their maximum first, so that the sum is rescaled
@@ -335,10 +214,6 @@ __device__ inline double sum_squares_share(const float* x, int64_t n) {
   }
   for (; i < vecs; i += stride) add(v[i]);
   return acc;
-}
-
-inline unsigned vocab_tiles(int64_t vl) {
-  return static_cast<unsigned>((vl + kVocabTile - 1) / kVocabTile);
 }
 
 inline unsigned blocks_for(int64_t n, int threads) {

@@ -1,5 +1,6 @@
 // PTDP_EMU_ASAN: the emulated CUDA (tests/cuda/emulated_cuda.h, emulated_cuda_runtime.cc) is
-// built under AddressSanitizer (docs/reliability.md), with its interface declared.
+// built under AddressSanitizer (scripts/emulated-asan.sh; docs/gpu.md, "Tests"), with its interface
+// declared.
 #pragma once
 
 #if defined(__SANITIZE_ADDRESS__)

@@ -40,7 +40,7 @@
 #include <stdexcept>
 #include <vector>
 
-// Under AddressSanitizer (the emulated tests' ASan build, docs/reliability.md) every switch
+// Under AddressSanitizer (scripts/emulated-asan.sh; docs/gpu.md, "Tests") every switch
 // between stacks is announced to it, so that it knows which stack is live, and the pool of fiber
 // stacks is unpoisoned before reuse (a fiber abandoned mid-call leaves its frames' red zones).
 #include "tests/cuda/emulated_asan.h"

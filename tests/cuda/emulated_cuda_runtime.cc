@@ -123,7 +123,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   const size_t padded = (bytes + 255) / 256 * 256 + 256;
   *p = std::aligned_alloc(256, padded);
   if (!*p) return cudaErrorMemoryAllocation;
-  std::memset(*p, 0xff, bytes);  // NaN in every float type (initcheck: docs/reliability.md)
+  std::memset(*p, 0xff, bytes);  // NaN in every float type (initcheck: docs/gpu.md, "Tests")
 #ifdef PTDP_EMU_ASAN
   ASAN_POISON_MEMORY_REGION(static_cast<char*>(*p) + bytes, padded - bytes);
 #endif
